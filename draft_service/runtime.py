@@ -1,0 +1,104 @@
+"""In-process draft worker: the draft model, one KV cache per session, tree proposal and rollback.
+
+Dims: S cached slots, P nodes fed in one step, V vocabulary.
+
+Draft cache layout while proposing (example: 7 committed tokens, 5 of them cached):
+    slots 0..4  committed, cached before this round
+    slots 5..6  pending committed tokens (the last is the root R), fed causally at step 0
+    slots 7..8  the topHead[1] depth-1 nodes fed at step 1, then step 2's nodes, ...
+R sits at position 6 and a node of depth d at position 6 + d. After commit the cache keeps the
+committed prefix plus the accepted nodes that were fed, compacted; the rest is dropped, so the
+draft never re-prefills the whole context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from draft_service.tree_builder import build_tree
+from specdec.forward import model_forward
+from specdec.kv_cache import cache_length, compact_kv, new_cache
+from specdec.tree import ROOT, DraftTree, additive_mask, ancestors, node_depths
+from specdec.tree_spec import TreeSpec
+
+
+class UnknownSessionError(KeyError):
+    """No session with that id (never started, or released)."""
+
+
+@dataclass
+class DraftSession:
+    tokens: list[int]  # all committed tokens (prompt + generated)
+    cache: object
+    cached_len: int = 0  # committed tokens whose KV is in the cache
+    slot_of_node: dict[int, int] = field(default_factory=dict)  # last tree's fed nodes -> cache slot
+
+
+class DraftRuntime:
+    """Implements DraftWorker (specdec.interfaces) over a transformers causal LM."""
+
+    def __init__(self, model, vocab_size: int | None = None):
+        self.model = model
+        self.vocab_size = vocab_size  # ids both models share; None = the draft's own
+        self.sessions: dict[str, DraftSession] = {}
+
+    def start(self, session_id: str, prompt_ids: list[int]) -> None:
+        self.sessions[session_id] = DraftSession(list(prompt_ids), new_cache(self.model.config))
+
+    def release(self, session_id: str) -> None:
+        self.sessions.pop(session_id, None)
+
+    def _session(self, session_id: str) -> DraftSession:
+        try:
+            return self.sessions[session_id]
+        except KeyError:
+            raise UnknownSessionError(f"session_id: unknown draft session {session_id!r}") from None
+
+    def propose(self, session_id: str, spec: TreeSpec, max_depth: int) -> DraftTree:
+        """Grow a tree after the session's committed tokens; gamma is capped at max_depth (>= 1)."""
+        s = self._session(session_id)
+        s.slot_of_node = {}
+
+        def expand(nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+            if nodes == [ROOT]:
+                return self._feed_pending(s)
+            return self._feed_nodes(s, nodes, tokens, parents)
+
+        return build_tree(spec, expand, max_depth=max_depth, vocab_size=self.vocab_size)
+
+    def _feed_pending(self, s: DraftSession) -> torch.Tensor:
+        """Step 0: feed the committed tokens not yet cached (R last); log-probs after R: [1, V]."""
+        pending = s.tokens[s.cached_len :]
+        positions = torch.arange(s.cached_len, len(s.tokens))
+        logits = model_forward(self.model, s.cache, pending, positions, mask=None, logits_rows=1)
+        s.cached_len = len(s.tokens)
+        return torch.log_softmax(logits, dim=-1)  # (1, V)
+
+    def _feed_nodes(self, s: DraftSession, nodes, tokens, parents) -> torch.Tensor:
+        """Step d >= 1: feed P tree nodes with a draft tree mask; log-probs after each: [P, V]."""
+        base = s.cached_len  # committed slots; tree slots follow
+        start = cache_length(s.cache)
+        depths = node_depths(parents)
+        visible = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)  # (P, S + P)
+        visible[:, :base] = True
+        for row, node in enumerate(nodes):
+            for anc in ancestors(parents, node)[:-1]:
+                visible[row, s.slot_of_node[anc]] = True
+            visible[row, start + row] = True
+            s.slot_of_node[node] = start + row
+        positions = torch.tensor([base - 1 + depths[n] for n in nodes])
+        mask = additive_mask(visible, self.model.dtype)
+        logits = model_forward(self.model, s.cache, [tokens[n] for n in nodes], positions, mask)
+        return torch.log_softmax(logits, dim=-1)  # (P, V)
+
+    def commit(self, session_id: str, tokens: list[int], accepted_nodes: list[int]) -> None:
+        """Append the round's committed tokens; keep the KV of accepted nodes the draft had fed."""
+        s = self._session(session_id)
+        fed = [s.slot_of_node[n] for n in accepted_nodes if n in s.slot_of_node]
+        # Fed nodes form a prefix of the accepted path (a fed node's parent was fed too).
+        compact_kv(s.cache, s.cached_len, fed)
+        s.cached_len += len(fed)
+        s.tokens.extend(tokens)
+        s.slot_of_node = {}

@@ -1,0 +1,145 @@
+"""The round loop: propose, verify, stop checks, commit (embedded mode drives it in-process).
+
+One round (DESIGN.md): the draft grows a token tree from the committed context; the target
+verifies every node in one forward and returns the accepted path plus a bonus token; the tokens
+pass the stop checks one at a time; both workers commit exactly the tokens that passed.
+Workers are anything implementing specdec.interfaces (in-process runtimes or gRPC clients).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from orchestrator.stops import StopChecker
+from specdec.interfaces import DraftWorker, TargetWorker
+from specdec.tree import DraftTree
+from specdec.tree_spec import TreeSpec
+
+_EMPTY_TREE = DraftTree((), ())
+_session_ids = itertools.count()
+
+
+@dataclass
+class GenerationStats:
+    """Speculation statistics of one request (units in the names)."""
+
+    new_tokens: int = 0
+    rounds: int = 0
+    proposed_tokens: int = 0  # draft tree nodes sent to the target
+    accepted_tokens: int = 0  # draft tokens committed (bonus tokens excluded)
+    ttft_ms: float = 0.0
+    total_s: float = 0.0
+    stop_reason: str | None = None
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / proposed draft tokens."""
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per round, bonus included."""
+        return self.new_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s else 0.0
+
+
+@dataclass
+class GenerationRequest:
+    """What to generate. prompt_ids: [T] token ids, T >= 1."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int = 128
+    stop_strings: tuple[str, ...] = ()
+    spec: TreeSpec | None = None  # None = plain target decoding (no draft)
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+class SpeculativeEngine:
+    """Runs requests round by round over a draft worker and a target worker.
+
+    eos_token_ids: ids that end generation; context_limit: max total tokens (prompt + generated);
+    decode: ids -> text, used for stop strings.
+    """
+
+    def __init__(self, target: TargetWorker, draft: DraftWorker | None, eos_token_ids, context_limit: int, decode=None):
+        self.target = target
+        self.draft = draft
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.context_limit = context_limit
+        self.decode = decode
+
+    def generate(self, request: GenerationRequest, on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+        """Generate until a stop; ``on_tokens`` receives each round's committed tokens as they land.
+
+        Raises ValueError (naming the field) for an empty prompt, a prompt at or over the context
+        limit, or max_new_tokens < 1.
+        """
+        self._check(request)
+        speculate = request.spec is not None and self.draft is not None
+        sid = f"req-{next(_session_ids)}"
+        stops = StopChecker(
+            len(request.prompt_ids), request.max_new_tokens, self.context_limit,
+            self.eos_token_ids, tuple(request.stop_strings), self.decode,
+        )
+        stats = GenerationStats()
+        started = time.perf_counter()
+        self.target.start(sid, request.prompt_ids)
+        if speculate:
+            self.draft.start(sid, request.prompt_ids)
+        try:
+            while stops.reason is None:
+                committed = self._round(sid, request.spec if speculate else None, stops, stats)
+                if stats.rounds == 1:
+                    stats.ttft_ms = (time.perf_counter() - started) * 1000
+                if on_tokens:
+                    on_tokens(committed)
+        finally:
+            self.target.release(sid)
+            if speculate:
+                self.draft.release(sid)
+        stats.total_s = time.perf_counter() - started
+        stats.new_tokens = len(stops.generated)
+        stats.stop_reason = stops.reason
+        return GenerationResult(list(stops.generated), stats)
+
+    def _round(self, sid: str, spec: TreeSpec | None, stops: StopChecker, stats: GenerationStats) -> list[int]:
+        """One round; returns the tokens it committed."""
+        # The accepted path plus the bonus must fit the budget: depth <= budget - 1.
+        max_depth = stops.budget() - 1
+        tree = self.draft.propose(sid, spec, max_depth) if spec is not None and max_depth >= 1 else _EMPTY_TREE
+        result = self.target.verify(sid, tree)
+        committed: list[int] = []
+        for token in result.tokens:
+            committed.append(token)
+            if stops.push(token):
+                break
+        self.target.commit(sid, len(committed))
+        accepted = list(result.accepted_nodes[: len(committed)])
+        if spec is not None:
+            self.draft.commit(sid, committed, accepted)
+        stats.rounds += 1
+        stats.proposed_tokens += tree.size
+        stats.accepted_tokens += len(accepted)
+        return committed
+
+    def _check(self, request: GenerationRequest) -> None:
+        if not request.prompt_ids:
+            raise ValueError("prompt: empty prompt (no tokens)")
+        if len(request.prompt_ids) >= self.context_limit:
+            raise ValueError(
+                f"prompt: {len(request.prompt_ids)} tokens leave no room under the context limit "
+                f"of {self.context_limit} tokens"
+            )
+        if request.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1, got {request.max_new_tokens}")

@@ -1,0 +1,57 @@
+"""Stop conditions, applied to committed tokens one at a time (DESIGN.md "Commit and rollback").
+
+Semantics follow transformers ``generate``: the token that triggers a stop (EOS, or the token that
+completes a stop string) is kept; nothing after it is emitted, counted or cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StopChecker:
+    """Feed generated tokens with ``push``; it says when to stop and why (``reason``).
+
+    eos_token_ids: ids that end generation; stop_strings: texts that end generation once the
+    decoded output contains them; max_new_tokens: generated-token budget; context_limit: the
+    maximum total length, prompt included; decode: ids -> text (needed only for stop strings).
+    """
+
+    prompt_len: int
+    max_new_tokens: int
+    context_limit: int
+    eos_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    decode: object = None
+    generated: list[int] = field(default_factory=list)
+    reason: str | None = None
+    _text_len: int = 0
+
+    def push(self, token: int) -> bool:
+        """Record one committed token; True if generation stops after it."""
+        assert self.reason is None, "push after stop"
+        self.generated.append(token)
+        if token in self.eos_token_ids:
+            self.reason = "eos"
+        elif self._hits_stop_string():
+            self.reason = "stop_string"
+        elif len(self.generated) >= self.max_new_tokens:
+            self.reason = "max_new_tokens"
+        elif self.prompt_len + len(self.generated) >= self.context_limit:
+            self.reason = "context_limit"
+        return self.reason is not None
+
+    def _hits_stop_string(self) -> bool:
+        if not self.stop_strings:
+            return False
+        text = self.decode(self.generated)
+        # Only a match that ends inside the newly decoded part is new (it may span tokens).
+        hit = any(text.find(s, max(0, self._text_len - len(s) + 1)) >= 0 for s in self.stop_strings)
+        self._text_len = len(text)
+        return hit
+
+    def budget(self) -> int:
+        """How many more tokens may still be committed (>= 1 while not stopped)."""
+        total = self.prompt_len + len(self.generated)
+        return min(self.max_new_tokens - len(self.generated), self.context_limit - total)

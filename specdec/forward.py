@@ -1,0 +1,46 @@
+"""One model forward over new tokens with explicit position ids and a 4-D additive mask.
+
+Both services call this; it uses the transformers model class unchanged (no vendored modelling
+code): transformers takes a ready 4-D mask as is, and appends the new KV to the dynamic cache.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+
+def _cache_kwarg(model) -> str:
+    # transformers renamed `past_key_values` to `cache` in 5.x; take whichever this version has.
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+@torch.inference_mode()
+def model_forward(
+    model,
+    cache,
+    input_ids: list[int],
+    position_ids: torch.Tensor,
+    mask: torch.Tensor | None,
+    logits_rows: int | None = None,
+) -> torch.Tensor:
+    """Run ``model`` on Q new tokens after the cached ones; returns float32 logits.
+
+    input_ids: Q token ids; position_ids: [Q] int64; mask: [1, 1, Q, S + Q] additive in the
+    model's dtype, or None for plain causal attention; logits_rows: keep only the last that many
+    rows (None = all). Returns [logits_rows or Q, V] float32. The cache grows by Q slots.
+    """
+    device = model.device
+    ids = torch.tensor([input_ids], dtype=torch.long, device=device)  # (1, Q)
+    kwargs = {
+        _cache_kwarg(model): cache,
+        "position_ids": position_ids.to(device)[None],  # (1, Q)
+        "use_cache": True,
+        "logits_to_keep": logits_rows or 0,
+    }
+    if mask is not None:
+        kwargs["attention_mask"] = mask.to(device=device, dtype=model.dtype)
+    out = model(ids, **kwargs)
+    return out.logits[0].float()  # (Q', V)

@@ -1,0 +1,131 @@
+"""The token tree: one flat representation and the pure functions derived from it.
+
+Dims: N tree nodes, L tokens already in a KV cache, V vocabulary.
+
+Representation (DESIGN.md "Token tree"): nodes 0..N-1 in breadth-first order, ``tokens[i]`` the
+token id, ``parents[i]`` the parent's node index or ``-1`` for a child of the root, always
+``parents[i] < i``. The root R (the last committed token, whose KV is not yet cached) is kept
+*implicit*: it is not a node. Forward passes over a tree put R in row 0 and node i in row i + 1.
+
+Worked example (positions): L = 7 cached tokens, node depths [1, 1, 2] give R position 7 and
+node positions [8, 8, 9].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+ROOT = -1
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A speculated token tree, the hand-off from draft to target.
+
+    tokens: [N] token ids; parents: [N] parent node index (-1 = root), parents[i] < i;
+    draft_logprobs: [N] draft log-probability of each node given its parent (for path scores and
+    metrics); expanded: [N] whether the draft fed this node to its model (its KV sits in the
+    draft cache), which the draft uses to keep its cache after commit.
+    """
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+    draft_logprobs: tuple[float, ...] = ()
+    expanded: tuple[bool, ...] = ()
+    # treeType 1 only: per node, the sparse proposal distribution q its siblings were drawn from.
+    proposals: tuple = field(default=(), compare=False)
+
+    def __post_init__(self):
+        validate_tree(self.tokens, self.parents)
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+
+class MalformedTreeError(ValueError):
+    """A tree violates the representation rules; the message names the offending field."""
+
+
+def validate_tree(tokens, parents, vocab_size: int | None = None, max_nodes: int | None = None) -> None:
+    """Check the representation rules; raise MalformedTreeError naming the field that breaks them."""
+    if len(tokens) != len(parents):
+        raise MalformedTreeError(f"parents: length {len(parents)} != tokens length {len(tokens)}")
+    if max_nodes is not None and len(tokens) > max_nodes:
+        raise MalformedTreeError(f"tokens: {len(tokens)} nodes exceed the limit of {max_nodes}")
+    for i, p in enumerate(parents):
+        if not (ROOT <= p < i):
+            raise MalformedTreeError(f"parents[{i}] = {p}: must be -1 (root) or a smaller node index")
+    if vocab_size is not None:
+        for i, t in enumerate(tokens):
+            if not (0 <= t < vocab_size):
+                raise MalformedTreeError(f"tokens[{i}] = {t}: outside the vocabulary [0, {vocab_size})")
+
+
+def node_depths(parents) -> list[int]:
+    """Depth of every node: children of the root have depth 1. [N] -> [N]."""
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 if p == ROOT else depths[p] + 1)
+    return depths
+
+
+def ancestors(parents, i: int) -> list[int]:
+    """Node indices from the top of the tree down to node i, inclusive (root excluded)."""
+    path = []
+    while i != ROOT:
+        path.append(i)
+        i = parents[i]
+    return path[::-1]
+
+
+def children(parents) -> list[list[int]]:
+    """children[i + 1] lists the children of node i; children[0] those of the root."""
+    out: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for i, p in enumerate(parents):
+        out[p + 1].append(i)
+    return out
+
+
+def tree_position_ids(parents, cache_len: int) -> torch.Tensor:
+    """Position ids of [R, node 0, ..., node N-1]: [N + 1] int64.
+
+    R sits at ``cache_len``; a node at depth d at ``cache_len + d``.
+    """
+    return torch.tensor([cache_len] + [cache_len + d for d in node_depths(parents)], dtype=torch.long)
+
+
+def tree_visibility(parents) -> torch.Tensor:
+    """[N + 1, N + 1] bool: row r may attend to column c among [R, nodes].
+
+    Every row sees R (column 0); node i (row i + 1) also sees its ancestors and itself.
+    """
+    n = len(parents)
+    visible = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    visible[:, 0] = True
+    for i, p in enumerate(parents):
+        if p != ROOT:
+            visible[i + 1] = visible[p + 1]
+        visible[i + 1, i + 1] = True
+    return visible
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Turn a [Q, K] bool visibility matrix into a [1, 1, Q, K] additive mask (0 or dtype min)."""
+    mask = torch.zeros(visible.shape, dtype=dtype)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask[None, None]  # (1, 1, Q, K)
+
+
+def tree_attention_mask(parents, cache_len: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Tree attention mask for a forward over [R, nodes] after ``cache_len`` cached tokens.
+
+    Returns [1, 1, N + 1, cache_len + N + 1] additive: every row sees the whole cached prefix,
+    R, its ancestors and itself; nothing else. (SpecInfer, Miao et al. ASPLOS'24, §4 "tree-based
+    parallel decoding".)
+    """
+    n = len(parents)
+    visible = torch.cat([torch.ones(n + 1, cache_len, dtype=torch.bool), tree_visibility(parents)], dim=1)
+    return additive_mask(visible, dtype)
