@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import string
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -181,6 +182,57 @@ def logprob_row(top: list[int], vocab: int, gen: torch.Generator, bottom: list[i
     return torch.log_softmax(scores, dim=-1)
 
 
+@dataclass
+class Round:
+    tree: DraftTree | None  # None when the engine did not call propose (no budget for a tree)
+    max_depth: int | None
+    tokens: list[int]  # committed this round
+    accepted: list[int]  # accepted node indices committed this round
+
+
+class RoundLog:
+    """Per-round record of a draft worker's propose/commit calls."""
+
+    def __init__(self):
+        self.rounds: list[Round] = []
+        self._tree = None
+        self._max_depth = None
+
+    def proposed(self, tree, max_depth):
+        assert self._tree is None, "two proposes without a commit"
+        self._tree, self._max_depth = tree, max_depth
+
+    def committed(self, tokens, accepted):
+        self.rounds.append(Round(self._tree, self._max_depth, list(tokens), list(accepted)))
+        self._tree = self._max_depth = None
+
+
+class RecordingDraft:
+    """Wraps a DraftWorker and logs its rounds; ``check_after_commit(inner, session_id)`` optional."""
+
+    def __init__(self, inner, check_after_commit=None):
+        self.inner = inner
+        self.check = check_after_commit
+        self.log = RoundLog()
+
+    def start(self, session_id, prompt_ids):
+        self.inner.start(session_id, prompt_ids)
+
+    def propose(self, session_id, spec, max_depth):
+        tree = self.inner.propose(session_id, spec, max_depth)
+        self.log.proposed(tree, max_depth)
+        return tree
+
+    def commit(self, session_id, tokens, accepted_nodes):
+        self.log.committed(tokens, accepted_nodes)
+        self.inner.commit(session_id, tokens, accepted_nodes)
+        if self.check:
+            self.check(self.inner, session_id)
+
+    def release(self, session_id):
+        self.inner.release(session_id)
+
+
 class OracleDraft:
     """A draft that knows the target's greedy continuation and agrees with it for exactly ``agree``
     tokens per round, then proposes only wrong tokens (DraftWorker protocol).
@@ -190,7 +242,7 @@ class OracleDraft:
     probability (so it is the highest path-probability node at its depth and gets expanded); at
     depth ``agree`` the reference token is ranked last, so it is never among the children.
     ``ignore_max_depth``: build the full spec depth whatever the engine allows (for stop tests).
-    Records every ``commit`` call in ``commits`` as (tokens, accepted_nodes) and the trees in ``trees``.
+    Records every round in ``rounds`` (see RoundLog).
     """
 
     def __init__(self, prompt, reference, agree: int, vocab: int = VOCAB, seed: int = 0, ignore_max_depth=False):
@@ -201,8 +253,7 @@ class OracleDraft:
         self.gen = torch.Generator().manual_seed(seed)
         self.ignore_max_depth = ignore_max_depth
         self.tokens: list[int] = []
-        self.commits: list[tuple[list[int], list[int]]] = []
-        self.trees: list[tuple[DraftTree, int]] = []  # (tree, max_depth the engine allowed)
+        self.log = RoundLog()
         self.released = False
 
     def start(self, session_id, prompt_ids):
@@ -229,11 +280,11 @@ class OracleDraft:
     def propose(self, session_id, spec: TreeSpec, max_depth: int) -> DraftTree:
         depth = None if self.ignore_max_depth else max_depth
         tree = build_tree(spec, self._expand, max_depth=depth, vocab_size=self.vocab)
-        self.trees.append((tree, max_depth))
+        self.log.proposed(tree, max_depth)
         return tree
 
     def commit(self, session_id, tokens, accepted_nodes):
-        self.commits.append((list(tokens), list(accepted_nodes)))
+        self.log.committed(tokens, accepted_nodes)
         self.tokens.extend(tokens)
 
     def release(self, session_id):
