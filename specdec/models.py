@@ -142,7 +142,9 @@ def load_model(model_dir: Path, dtype: str, device: str = "cpu"):
     Raises ModelError if the directory does not load as a causal LM.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # loads take seconds; the per-tensor bar is noise
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device).eval()

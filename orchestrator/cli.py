@@ -1,0 +1,155 @@
+"""``specdec`` command line (typer + rich). User mistakes end with a one-line message and exit 2."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from specdec.models import ModelError
+from specdec.tree_spec import SEED_SPEC, TreeSpecError, parse_tree_spec
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Tree speculative decoding (draft + target).")
+err = Console(stderr=True)
+
+DEMO_PROMPT = "Write a Python function that checks whether a string is a palindrome."
+
+
+class UsageError(ValueError):
+    """A bad command-line value; the message names the option."""
+
+
+def fail(message: str) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(2)
+
+
+def check_choices(dtype: str, draft_quant: str) -> None:
+    if dtype not in ("auto", "bfloat16", "float32", "float16"):
+        raise UsageError(f"--dtype: expected auto, bfloat16, float32 or float16, got {dtype!r}")
+    if draft_quant not in ("none", "int8"):
+        raise UsageError(f"--draft-quant: expected none or int8, got {draft_quant!r}")
+
+
+def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
+    if prompt_file is not None:
+        if not prompt_file.is_file():
+            raise UsageError(f"--prompt-file: no such file {prompt_file}")
+        text = prompt_file.read_text()
+    elif prompt == "-":
+        text = sys.stdin.read()
+    elif prompt is None:
+        piped = "" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read()
+        text = piped if piped.strip() else DEMO_PROMPT
+    else:
+        text = prompt
+    if not text.strip():
+        raise UsageError("prompt: empty prompt")
+    return text
+
+
+class TextStream:
+    """Prints committed tokens as text, holding back an incomplete UTF-8 tail."""
+
+    def __init__(self, tokenizer, out=sys.stdout):
+        self.tokenizer, self.out = tokenizer, out
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def __call__(self, tokens: list[int]) -> None:
+        self.ids.extend(tokens)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        self.out.write(text[self.printed :])
+        self.out.flush()
+        self.printed = len(text)
+
+
+def stats_table(stats, speculate: bool) -> Table:
+    table = Table(title="speculation stats" if speculate else "target-only stats", show_header=False)
+    rows = [("new tokens", f"{stats.new_tokens}"), ("rounds", f"{stats.rounds}")]
+    if speculate:
+        rows += [
+            ("acceptance rate", f"{stats.acceptance_rate:.3f}  ({stats.accepted_tokens}/{stats.proposed_tokens} draft tokens)"),
+            ("mean accepted length", f"{stats.mean_accepted_length:.2f} tokens/round"),
+        ]
+    rows += [("TTFT", f"{stats.ttft_ms:.0f} ms"), ("throughput", f"{stats.tokens_per_s:.2f} tokens/s"),
+             ("stop reason", str(stats.stop_reason))]
+    for k, v in rows:
+        table.add_row(k, v)
+    return table
+
+
+@app.command()
+def generate(
+    prompt: Optional[str] = typer.Argument(None, help="Prompt text; '-' or piped stdin reads stdin; default: a demo prompt."),
+    prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", "-f", help="Read the prompt from a file."),
+    target: Optional[str] = typer.Option(None, help="Target model: transformers directory or .gguf file (default: Qwen2.5-Coder-1.5B-Instruct)."),
+    draft: Optional[str] = typer.Option(None, help="Draft model: transformers directory or .gguf file (default: Qwen2.5-Coder-0.5B-Instruct)."),
+    dtype: str = typer.Option("auto", help="auto (bfloat16 where the CPU has native bf16 GEMM, else float32), bfloat16, float32 (exact greedy equality) or float16."),
+    draft_quant: str = typer.Option("none", help="none or int8 (dynamic int8 draft: cheaper drafting; output unchanged)."),
+    tree: Optional[str] = typer.Option(None, help="TreeSpec as inline JSON or a JSON file (default: the seed spec)."),
+    max_new_tokens: int = typer.Option(128, help="Maximum new tokens."),
+    stop: list[str] = typer.Option([], help="Stop string (repeatable); output ends with the token that completes it."),
+    no_spec: bool = typer.Option(False, "--no-spec", help="Target-only autoregressive decoding (baseline)."),
+    raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
+    max_context: Optional[int] = typer.Option(None, help="Context limit in tokens (default: the target's)."),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
+) -> None:
+    """Generate text with the target model, accelerated by the draft model."""
+    from orchestrator.embedded import build_pipeline, encode_prompt, set_threads
+    from orchestrator.engine import GenerationRequest
+
+    try:
+        check_choices(dtype, draft_quant)
+        if max_new_tokens < 1:
+            raise UsageError(f"--max-new-tokens: must be >= 1, got {max_new_tokens}")
+        spec = parse_tree_spec(tree) if tree is not None else SEED_SPEC
+        text = read_prompt(prompt, prompt_file)
+        set_threads(threads)
+        pipe = build_pipeline(target, draft, dtype, speculate=not no_spec, max_context=max_context, draft_quant=draft_quant)
+        prompt_ids = encode_prompt(pipe.tokenizer, text, raw)
+        request = GenerationRequest(prompt_ids, max_new_tokens, tuple(stop), None if no_spec else spec)
+        result = pipe.engine.generate(request, on_tokens=TextStream(pipe.tokenizer))
+    except (UsageError, TreeSpecError, ModelError, ValueError) as exc:
+        fail(str(exc))
+    sys.stdout.write("\n")
+    err.print(stats_table(result.stats, not no_spec))
+
+
+@app.command()
+def bench(
+    per_category: int = typer.Option(2, help="Spec-Bench questions per category."),
+    max_new_tokens: int = typer.Option(64, help="New tokens per question."),
+    tree: Optional[str] = typer.Option(None, help="TreeSpec (inline JSON or file; default: the seed spec)."),
+    dtype: str = typer.Option("auto", help="Model dtype (auto, bfloat16, float32, float16)."),
+    draft_quant: str = typer.Option("none", help="none or int8 draft."),
+    questions: Path = typer.Option(Path("../shared/data/spec_bench/question.jsonl"), help="Spec-Bench question.jsonl."),
+    out: Path = typer.Option(Path("bench_out"), help="Directory for results.json and results.md."),
+    hf_assisted: bool = typer.Option(True, help="Also run HF assisted generation on the same pair."),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
+) -> None:
+    """Spec-Bench: target-only vs speculative vs HF assisted generation, greedy, same run."""
+    from orchestrator.bench import run_bench
+
+    try:
+        check_choices(dtype, draft_quant)
+        spec = parse_tree_spec(tree) if tree is not None else SEED_SPEC
+        if not questions.is_file():
+            raise UsageError(f"--questions: no such file {questions}")
+        run_bench(spec, questions, per_category, max_new_tokens, dtype, draft_quant, out, hf_assisted, threads)
+    except (UsageError, TreeSpecError, ModelError, ValueError) as exc:
+        fail(str(exc))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

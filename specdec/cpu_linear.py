@@ -1,0 +1,71 @@
+"""Fast float32 linear layers on the CPU for the few-row matmuls of speculative decoding.
+
+Verification multiplies every weight by N + 1 rows (a tree), drafting by topHead[d] rows. On CPUs
+without native bf16 GEMM (AVX2-only, e.g. many AMD EPYC), torch's default float32 path (MKL sgemm)
+costs ~4x more for 13 rows than for 1, and bf16 ~12x. oneDNN with weights pre-packed once
+(the op torch inductor uses for frozen CPU linears) costs ~2.5x: measured on a 2-core AMD EPYC,
+8960x1536 weight, 1 thread: 1 row 3.1 ms, 13 rows 7.8 ms (MKL 2.7 / 12.1 ms, bf16 2.8 / 33.9 ms).
+
+``prepack_linears`` swaps each ``nn.Linear`` of a float32 model on the CPU for ``PackedLinear``
+(same weights, same maths); the model class is otherwise untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def bf16_gemm_is_native() -> bool:
+    """True when oneDNN has native bf16 kernels here (AVX512-BF16 or AMX)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def default_cpu_dtype() -> str:
+    """bfloat16 where the CPU multiplies it natively, else float32 (faster for tree verification)."""
+    return "bfloat16" if bf16_gemm_is_native() else "float32"
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W pre-packed for oneDNN. x: [..., in] float32 -> [..., out] float32.
+
+    A single row keeps torch's default path (MKL gemv), which is faster there; the plain weight is
+    kept for it, so a packed layer holds its weights twice.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        with torch.no_grad():
+            self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None))
+            bias = None if linear.bias is None else linear.bias.detach().clone()
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # (M, in)
+        if rows.shape[0] == 1:
+            return nn.functional.linear(x, self.weight, self.bias)
+        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")  # (M, out)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Replace every float32 CPU ``nn.Linear`` in ``model`` with a PackedLinear; returns how many.
+
+    A no-op (returns 0) for other dtypes or devices, or where oneDNN is unavailable.
+    """
+    if not torch.backends.mkldnn.is_available():
+        return 0
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu"
+    ]
+    for parent, name, child in targets:
+        setattr(parent, name, PackedLinear(child))
+    return len(targets)
