@@ -261,3 +261,24 @@ def test_draft_commit_keeps_fed_prefix_of_accepted_path():
 
     ref = causal_logits(model, prompt + tokens)[-1].topk(6).indices.tolist()
     assert list(tree2.tokens[:6]) == ref
+
+
+def test_release_and_unknown_sessions():
+    from draft_service.runtime import UnknownSessionError as DraftUnknown
+    from target_service.runtime import UnknownSessionError as TargetUnknown
+    from specdec.tree import DraftTree
+
+    model = MODELS["qwen2"]()
+    target, draft = TargetRuntime(model), DraftRuntime(model)
+    target.start("a", [1, 2, 3])
+    draft.start("a", [1, 2, 3])
+    target.release("a")
+    draft.release("a")
+    assert target.sessions == {} and draft.sessions == {}
+    with pytest.raises(TargetUnknown, match="session_id"):
+        target.verify("a", DraftTree((), ()))
+    with pytest.raises(DraftUnknown, match="session_id"):
+        draft.propose("a", SEED_SPEC, 3)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        target.start("b", [])
+    target.release("never-started")  # idempotent

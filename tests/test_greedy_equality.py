@@ -134,6 +134,17 @@ def test_other_drafts(draft_kind, name, kind):
     assert 0 <= out.stats.accepted_tokens <= out.stats.proposed_tokens
 
 
+@pytest.mark.parametrize("name", ["seed", "wide"])
+def test_draft_with_larger_vocabulary(name):
+    """A draft whose vocabulary extends the target's: DraftRuntime(vocab_size=...) proposes shared ids only."""
+    model = MODELS["llama"]()
+    draft = RecordingDraft(DraftRuntime(tiny_model("llama", seed=78, vocab=80), vocab_size=64))
+    prompt = random_prompt(seed=3200 + len(name))
+    out, _ = _run(model, draft, prompt, SPECS[name])
+    assert out.tokens == hf_greedy(model, prompt, N_NEW)
+    assert all(max(r.tree.tokens) < 64 for r in draft.log.rounds if r.tree is not None)
+
+
 def test_perturbed_draft_has_partial_acceptance():
     """Guard for (c): the perturbed draft is neither always right nor always wrong."""
     model = MODELS["qwen2"]()

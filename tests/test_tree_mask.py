@@ -90,7 +90,7 @@ def _ancestor_set(parents, i):
     return out
 
 
-@settings(max_examples=60, **SETTINGS)
+@settings(max_examples=80, **SETTINGS)
 @given(tree=random_trees(max_nodes=20), cache_len=st.integers(0, 10))
 def test_mask_and_positions_properties(tree, cache_len):
     _, parents = tree
@@ -140,7 +140,7 @@ MODELS = {"qwen2": lambda: tiny_model("qwen2", seed=0), "llama": lambda: tiny_mo
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
-@settings(max_examples=30, **SETTINGS)
+@settings(max_examples=40, **SETTINGS)
 @given(tree=random_trees(), prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10))
 def test_tree_forward_matches_causal(kind, tree, prompt):
     model = MODELS[kind]()
@@ -160,8 +160,8 @@ def test_tree_forward_matches_causal(kind, tree, prompt):
         # The row's KV slot equals the KV of the last token of a causal prefill of its path.
         slot = cache_len + row
         for layer, (k_ref, v_ref) in zip(cache.layers, prefill_kv(model, path)):
-            torch.testing.assert_close(layer.keys[:, :, slot], k_ref[:, :, -1], atol=1e-5, rtol=0)
-            torch.testing.assert_close(layer.values[:, :, slot], v_ref[:, :, -1], atol=1e-5, rtol=0)
+            torch.testing.assert_close(layer.keys[:, :, slot], k_ref[:, :, -1], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(layer.values[:, :, slot], v_ref[:, :, -1], atol=1e-4, rtol=1e-4)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -204,7 +204,7 @@ def _check_draft_tree(model, committed, tree: DraftTree, spec: TreeSpec):
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
-@settings(max_examples=12, **SETTINGS)
+@settings(max_examples=20, **SETTINGS)
 @given(spec=random_specs(), prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8),
        seed=st.integers(0, 2**16))
 def test_draft_tree_matches_causal(kind, spec, prompt, seed):

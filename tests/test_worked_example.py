@@ -108,12 +108,16 @@ def test_build_tree_matches_dump():
 
 
 def test_path_probability_picks_expanded_nodes():
-    """Swap which depth-2 nodes win on path probability: B22 (0.3 * 0.65) beats B11 (0.4 * 0.35)."""
-    draft = dict(DRAFT)
-    draft[(41824,)] = {41760: 0.35, 35740: 0.30}  # 0.14, 0.12
-    draft[(43744,)] = {45315: 0.70, 41760: 0.25}  # 0.21, 0.075
-    draft[(43744, 45315)] = {22870: 0.5}
-    draft[(41824, 41760)] = {22870: 0.5}
+    """Depth-2 nodes are ranked by path probability (product from the root), not by their own
+    conditional probability: B21 has the best conditional (0.9) but the lowest-but-one path
+    probability (0.1 * 0.9), so both children of A1 are expanded."""
+    draft = {
+        (): {41824: 0.50, 43744: 0.10, 44298: 0.06, 34051: 0.05, 28380: 0.04, 37539: 0.03},
+        (41824,): {41760: 0.40, 35740: 0.30},  # path 0.20, 0.15
+        (43744,): {45315: 0.90, 41760: 0.05},  # path 0.09, 0.005
+        (41824, 41760): {22870: 0.5},
+        (41824, 35740): {11111: 0.5},
+    }
     calls = []
 
     def expand(nodes, tokens, parents):
@@ -121,9 +125,49 @@ def test_path_probability_picks_expanded_nodes():
         return torch.stack([_row(draft[_path(tokens, parents, n)]) for n in nodes])
 
     tree = build_tree(SEED_SPEC, expand, vocab_size=V)
-    # Depth-2 nodes: 6 B11 0.14, 7 B12 0.12, 8 B21 0.21, 9 B22 0.075 -> expand B21 first, then B11.
-    assert calls == [[-1], [0, 1], [8, 6]]
-    assert tree.parents[10:] == (8, 6)
+    assert calls == [[-1], [0, 1], [6, 7]]
+    assert tree.tokens[10:] == (22870, 11111)
+    assert tree.parents[10:] == (6, 7)
+    assert tree.expanded == tuple(i in (0, 1, 6, 7) for i in range(12))
+
+    # Ranking order decides which expanded node gets topKSpec[d][0] children.
+    spec = SEED_SPEC.model_copy(update={"top_k_spec": ((6,), (2, 2), (2, 1))})
+    draft[(41824, 41760)] = {22870: 0.5, 33: 0.2}
+    tree = build_tree(spec, expand, vocab_size=V)
+    assert tree.tokens[10:] == (22870, 33, 11111)
+    assert tree.parents[10:] == (6, 6, 7)
+
+
+def test_path_probability_ties_follow_tree_order():
+    draft = {
+        (): {41824: 0.5, 43744: 0.25, 44298: 0.06, 34051: 0.05, 28380: 0.04, 37539: 0.03},
+        (41824,): {41760: 0.25, 35740: 0.125},  # path 2^-3, 2^-4
+        (43744,): {45315: 0.5, 41760: 0.125},  # path 2^-3, 2^-5
+        (41824, 41760): {1: 0.5},
+        (43744, 45315): {2: 0.5},
+    }
+
+    def expand(nodes, tokens, parents):
+        return torch.stack([_row(draft[_path(tokens, parents, n)]) for n in nodes])
+
+    calls = []
+    tree = build_tree(SEED_SPEC, lambda *a: (calls.append(list(a[0])), expand(*a))[1], vocab_size=V)
+    assert calls == [[-1], [0, 1], [6, 8]]
+    # B11 and B21 tie at 2^-3 (float-exact: the same two log factors, added in either order):
+    # B11 comes first in the tree, so it is expanded first and gets the first depth-3 node.
+    assert tree.parents[10:] == (6, 8)
+    assert tree.tokens[10:] == (1, 2)
+
+
+@pytest.mark.parametrize("threshold, size", [(0.1, 12), (0.2, 12), (0.3, 10), (0.5, 6)])
+def test_gamma_threshold_stops_deepening(threshold, size):
+    """Best path probability: 0.40 at depth 1, 0.24 at depth 2; deepening stops below the threshold."""
+    spec = SEED_SPEC.model_copy(update={"gamma_threshold": threshold})
+    expand = ScriptedExpand()
+    tree = build_tree(spec, expand, vocab_size=V)
+    assert tree.size == size
+    assert tree.tokens == TOKENS[:size] and tree.parents == PARENTS[:size]
+    assert len(expand.calls) == {12: 3, 10: 2, 6: 1}[size]
 
 
 def test_max_depth_caps_gamma():
