@@ -1,0 +1,112 @@
+"""CLI end to end on tiny saved models: generation output and bad input (clear message, exit 2, no traceback)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from tokenizers import ByteLevelBPETokenizer
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+CORPUS = ["the quick brown fox jumps over the lazy dog", "def add(a, b):\n    return a + b", "hello world"]
+
+
+def save_tiny(path, seed: int, corpus=CORPUS, max_pos: int = 64):
+    """Save a tiny random Qwen2 model with a small byte-level BPE tokenizer trained on ``corpus``."""
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(corpus, vocab_size=300, min_frequency=1, special_tokens=["<eos>"], show_progress=False)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<eos>")
+    tok.save_pretrained(path)
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+                      initializer_range=0.5, eos_token_id=0, tie_word_embeddings=False)
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return save_tiny(root / "target", 0), save_tiny(root / "draft", 1)
+
+
+def run_cli(*args, stdin: str | None = None):
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", "generate", *args], input=stdin,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_generate_greedy_equals_target_only(pair):
+    target, draft = pair
+    base = ["--target", str(target), "--draft", str(draft), "--dtype", "float32", "--raw", "--max-new-tokens", "12"]
+    spec = run_cli("the quick brown fox", *base)
+    plain = run_cli("the quick brown fox", *base, "--no-spec")
+    assert spec.returncode == 0, spec.stderr
+    assert plain.returncode == 0, plain.stderr
+    assert spec.stdout == plain.stdout and spec.stdout.strip()
+    assert "acceptance rate" in spec.stderr and "mean accepted length" in spec.stderr and "TTFT" in spec.stderr
+
+
+def test_prompt_from_stdin_and_file(pair, tmp_path):
+    target, draft = pair
+    base = ["--target", str(target), "--draft", str(draft), "--dtype", "float32", "--raw", "--max-new-tokens", "5"]
+    (tmp_path / "p.txt").write_text("the quick brown fox")
+    from_arg = run_cli("the quick brown fox", *base)
+    from_stdin = run_cli("-", *base, stdin="the quick brown fox")
+    from_file = run_cli("--prompt-file", str(tmp_path / "p.txt"), *base)
+    assert from_arg.returncode == from_stdin.returncode == from_file.returncode == 0
+    assert from_arg.stdout == from_stdin.stdout == from_file.stdout
+
+
+def _assert_clean_failure(proc, *needles):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, proc.stderr
+
+
+def test_unknown_model_path(pair, tmp_path):
+    target, _ = pair
+    proc = run_cli("hello", "--target", str(target), "--draft", str(tmp_path / "nope"), "--dtype", "float32")
+    _assert_clean_failure(proc, "--draft", "no model at")
+
+
+def test_incompatible_tokenizers(pair, tmp_path):
+    target, _ = pair
+    other = save_tiny(tmp_path / "other", 2, corpus=["completely different text for another vocabulary"])
+    proc = run_cli("hello", "--target", str(target), "--draft", str(other), "--dtype", "float32")
+    _assert_clean_failure(proc, "incompatible tokenizers")
+
+
+@pytest.mark.parametrize("spec, field", [
+    ('{"gamma": 2, "topKSpec": [[2]], "topHead": [1]}', "topKSpec"),
+    ('{"gamma": 1, "topKSpec": [[0]], "topHead": [1]}', "topKSpec[0][0]"),
+    ('{"gamma": 2, "topKSpec": [[2], [1, 1, 1]], "topHead": [1, 3]}', "topHead[1]"),
+    ("not-a-file.json", "tree spec"),
+])
+def test_invalid_tree_spec(pair, spec, field):
+    target, draft = pair
+    proc = run_cli("hello", "--target", str(target), "--draft", str(draft), "--tree", spec)
+    _assert_clean_failure(proc, field)
+
+
+def test_empty_prompt(pair):
+    target, draft = pair
+    proc = run_cli("   ", "--target", str(target), "--draft", str(draft), "--dtype", "float32")
+    _assert_clean_failure(proc, "empty prompt")
+
+
+def test_prompt_over_context_limit(pair):
+    target, draft = pair
+    long_prompt = "zq " * 80  # > 64 tokens (max_position_embeddings)
+    proc = run_cli(long_prompt, "--target", str(target), "--draft", str(draft), "--dtype", "float32", "--raw")
+    _assert_clean_failure(proc, "context limit")
+
+
+def test_bad_dtype_and_max_new_tokens(pair):
+    target, draft = pair
+    _assert_clean_failure(run_cli("hello", "--target", str(target), "--dtype", "int3"), "--dtype")
+    _assert_clean_failure(run_cli("hello", "--target", str(target), "--max-new-tokens", "0"), "--max-new-tokens")
