@@ -15,9 +15,36 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 ROOT = -1
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """The draft distribution q one expanded node's children were drawn from (treeType 1), sparse.
+
+    parent: the expanded node (-1 = root); token_ids: [S] int64, the support of q; probs: [S] float64,
+    q on that support (after the request's temperature / top-k / top-p; sums to 1). NumPy arrays,
+    like the rest of the sampling arithmetic (specdec.sampling).
+    """
+
+    parent: int
+    token_ids: np.ndarray
+    probs: np.ndarray
+
+    @classmethod
+    def from_dense(cls, parent: int, q: np.ndarray) -> "Proposal":
+        """From a dense q: [V]; keeps the nonzero entries."""
+        token_ids = np.flatnonzero(q)  # (S,)
+        return cls(parent, token_ids, q[token_ids])
+
+    def dense(self, vocab_size: int) -> np.ndarray:
+        """q as a [vocab_size] float64 array (zero off the support)."""
+        q = np.zeros(vocab_size)
+        q[self.token_ids] = self.probs
+        return q
 
 
 @dataclass(frozen=True)
@@ -26,16 +53,17 @@ class DraftTree:
 
     tokens: [N] token ids; parents: [N] parent node index (-1 = root), parents[i] < i;
     draft_logprobs: [N] draft log-probability of each node given its parent (for path scores and
-    metrics); expanded: [N] whether the draft fed this node to its model (its KV sits in the
-    draft cache), which the draft uses to keep its cache after commit.
+    metrics; after temperature / top-k / top-p when sampling); expanded: [N] whether the draft fed
+    this node to its model (its KV sits in the draft cache), which the draft uses to keep its cache
+    after commit; proposals: sampled trees (treeType 1) only, one Proposal per expanded node, the
+    exact distribution its children were drawn from. Siblings are stored in draw order.
     """
 
     tokens: tuple[int, ...]
     parents: tuple[int, ...]
     draft_logprobs: tuple[float, ...] = ()
     expanded: tuple[bool, ...] = ()
-    # treeType 1 only: per node, the sparse proposal distribution q its siblings were drawn from.
-    proposals: tuple = field(default=(), compare=False)
+    proposals: tuple[Proposal, ...] = field(default=(), compare=False)
 
     def __post_init__(self):
         validate_tree(self.tokens, self.parents)

@@ -1,0 +1,188 @@
+"""Sampling parameters and the sampling maths the draft and the target apply identically.
+
+Dims: V vocabulary, S support of a sparse distribution, K siblings.
+
+Both sides turn logits into a distribution with ``processed_probs``: temperature, then top-k, then
+top-p, then softmax (the order of transformers' warpers). The draft's q and the target's p must come
+from this one function with the same SamplingParams, or verification is no longer lossless (past
+bugs elsewhere: q taken before top-k/top-p while the token was drawn after; p built with default
+parameters).
+
+Rejection sampling (DESIGN.md "Verification"): a draft token x ~ q is accepted with probability
+min(1, p(x) / q(x)); on rejection the output is drawn from the residual distribution
+norm(max(0, p - q)) (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023). Over siblings of a
+token tree the rule is applied recursively (``target_service.verifier``).
+
+Processing, draws and the rejection-sampling arithmetic run in float64 NumPy on the CPU, on the few
+rows a round needs (a handful of [V] rows, where NumPy costs ~1 us a call and torch ~5-20 us), with a
+per-session generator (``session_rng``), so a request's tokens depend only on its own seed, never on
+other requests or on the device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+class SamplingParamsError(ValueError):
+    """Invalid sampling parameters; ``field`` names the offending parameter."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.detail = message
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling parameters.
+
+    temperature: 0 = greedy (argmax; top_p and top_k are then irrelevant), > 0 = sample;
+    top_p: nucleus mass in (0, 1] (1 = off); top_k: keep the k most likely tokens (0 = off);
+    seed: seeds the request's random draws (None = a fresh random seed per session).
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise SamplingParamsError("temperature", f"expected a number, got {self.temperature!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise SamplingParamsError("temperature", f"must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
+            raise SamplingParamsError("top_p", f"expected a number, got {self.top_p!r}")
+        if not 0 < self.top_p <= 1:
+            raise SamplingParamsError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SamplingParamsError("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            raise SamplingParamsError("seed", f"must be an integer in [0, 2**63), got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def describe(self) -> str:
+        """One line for logs and tables, e.g. ``temperature 0.7, top-p 0.9, top-k 0, seed 3``."""
+        if self.greedy:
+            return "greedy"
+        seed = "random" if self.seed is None else self.seed
+        return f"temperature {self.temperature:g}, top-p {self.top_p:g}, top-k {self.top_k}, seed {seed}"
+
+
+GREEDY = SamplingParams()
+
+
+def processed_probs(logits, params: SamplingParams) -> np.ndarray:
+    """Sampling distribution after temperature, top-k and top-p, in that order (transformers' order).
+
+    logits: [..., V] torch tensor (any device) or array; log-probabilities work too, every step is
+    shift-invariant. Returns [..., V] float64 NumPy probabilities on the CPU summing to 1, zero
+    outside the kept tokens. Top-k keeps ties with the k-th score; top-p drops the least likely
+    tokens whose cumulative mass is <= 1 - top_p, always keeping the most likely one (the rules of
+    transformers' TopKLogitsWarper / TopPLogitsWarper, in float64). Only the few rows a round
+    samples from get here (the expanded nodes on the draft, the visited nodes on the target).
+    Not for greedy params (temperature 0).
+    """
+    assert not params.greedy, "processed_probs: temperature 0 is greedy (argmax), not a distribution"
+    if isinstance(logits, torch.Tensor):
+        logits = logits.detach().float().cpu().numpy()
+    scores = np.asarray(logits, dtype=np.float64) / params.temperature  # (..., V)
+    vocab = scores.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = np.partition(scores, vocab - params.top_k, axis=-1)[..., vocab - params.top_k, None]  # (..., 1)
+        scores = np.where(scores < kth, -np.inf, scores)
+    if params.top_p < 1:
+        order = np.argsort(scores, axis=-1)  # ascending
+        cumulative = np.cumsum(_softmax(np.take_along_axis(scores, order, axis=-1)), axis=-1)  # (..., V)
+        drop_sorted = cumulative <= 1 - params.top_p
+        drop_sorted[..., -1] = False  # keep at least the most likely token
+        drop = np.empty_like(drop_sorted)
+        np.put_along_axis(drop, order, drop_sorted, axis=-1)
+        scores = np.where(drop, -np.inf, scores)
+    return _softmax(scores)
+
+
+def _softmax(scores: np.ndarray) -> np.ndarray:
+    e = np.exp(scores - scores.max(axis=-1, keepdims=True))  # (..., V); -inf -> 0
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def derive_seed(seed: int, stream: str) -> int:
+    """A 63-bit seed for one random stream ("draft", "target") of a request seed (SHA-256)."""
+    digest = hashlib.sha256(f"{seed}/{stream}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def session_rng(params: SamplingParams, stream: str) -> np.random.Generator:
+    """The random generator of one session's stream: seeded from ``params.seed``, else from OS entropy.
+
+    Draft and target get different streams of the same request seed, so neither depends on the other
+    or on any other request.
+    """
+    seed = None if params.seed is None else derive_seed(params.seed, stream)
+    return np.random.default_rng(seed)  # PCG64
+
+
+def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """One token from probs: [V] (inverse CDF, one uniform draw). Never a zero-probability token."""
+    cdf = np.cumsum(probs)  # (V,)
+    token = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    return token if token < len(probs) else int(np.flatnonzero(probs)[-1])  # u * total rounded up to total
+
+
+def sample_without_replacement(probs: np.ndarray, k: int, rng: np.random.Generator) -> list[int]:
+    """min(k, support) distinct tokens from probs: [V], in draw order.
+
+    Same law as k successive draws, each from probs with the earlier draws removed and renormalised:
+    each support token i gets an exponential clock E_i / probs[i] (E_i ~ Exp(1)); clocks ring in
+    that sequential order (exponential race; Efraimidis & Spirakis 2006, Gumbel-top-k in Kool et al.
+    ICML'19).
+    """
+    support = np.flatnonzero(probs)  # (S,)
+    k = min(k, support.size)
+    clocks = rng.standard_exponential(support.size) / probs[support]  # (S,)
+    if k == 1:
+        return [int(support[clocks.argmin()])]
+    first = np.argpartition(clocks, k - 1)[:k] if k < support.size else np.arange(support.size)
+    return support[first[np.argsort(clocks[first])]].tolist()
+
+
+def acceptance_probability(p: np.ndarray, q: np.ndarray, token: int) -> float:
+    """min(1, p(x) / q(x)) for a draft token x ~ q; p, q: [V]. (Leviathan et al. 2023, Algorithm 1.)
+
+    Averaged over x ~ q this is sum_x min(p(x), q(x)). q(x) must be > 0 (x was drawn from q).
+    """
+    qx = float(q[token])
+    assert qx > 0, f"token {token} has q = 0: it cannot have been drawn from q"
+    return min(1.0, float(p[token]) / qx)
+
+
+def accept(p: np.ndarray, q: np.ndarray, token: int, rng: np.random.Generator) -> bool:
+    """Accept the draft token with probability min(1, p(x) / q(x)) (one uniform draw)."""
+    return rng.random() < acceptance_probability(p, q, token)
+
+
+def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """The residual distribution norm(max(0, p - q)): [V]. When it is all zero (p == q, where
+    rejection has probability 0 and only rounding got us here) it is p itself."""
+    r = np.maximum(p - q, 0.0)  # (V,)
+    total = r.sum()
+    return r / total if total > 0 else p
+
+
+def without_token(q: np.ndarray, token: int) -> np.ndarray:
+    """q with one drawn token removed and renormalised: the law of the next draw without
+    replacement. [V] -> [V]; all zero when the token was q's whole support."""
+    out = q.copy()
+    out[token] = 0.0
+    total = out.sum()
+    return out / total if total > 0 else out
