@@ -9,17 +9,22 @@ Draft cache layout while proposing (example: 7 committed tokens, 5 of them cache
 R sits at position 6 and a node of depth d at position 6 + d. After commit the cache keeps the
 committed prefix plus the accepted nodes that were fed, compacted; the rest is dropped, so the
 draft never re-prefills the whole context.
+
+Each session keeps the request's SamplingParams (given once, at ``start``) and, when sampling, its own
+random generator (a stream of the request seed distinct from the target's).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from draft_service.tree_builder import build_tree
 from specdec.forward import model_forward
 from specdec.kv_cache import cache_length, compact_kv, new_cache
+from specdec.sampling import GREEDY, SamplingParams, session_rng
 from specdec.tree import ROOT, DraftTree, additive_mask, ancestors, node_depths
 from specdec.tree_spec import TreeSpec
 
@@ -33,6 +38,8 @@ class DraftSession:
     tokens: list[int]  # all committed tokens (prompt + generated)
     cache: object
     cached_len: int = 0  # committed tokens whose KV is in the cache
+    sampling: SamplingParams = GREEDY
+    rng: np.random.Generator | None = None  # sampled requests only
     slot_of_node: dict[int, int] = field(default_factory=dict)  # last tree's fed nodes -> cache slot
 
 
@@ -44,8 +51,10 @@ class DraftRuntime:
         self.vocab_size = vocab_size  # ids both models share; None = the draft's own
         self.sessions: dict[str, DraftSession] = {}
 
-    def start(self, session_id: str, prompt_ids: list[int]) -> None:
-        self.sessions[session_id] = DraftSession(list(prompt_ids), new_cache(self.model.config))
+    def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams = GREEDY) -> None:
+        """Open a session; sampling: the request's parameters, used by every propose of the session."""
+        rng = None if sampling.greedy else session_rng(sampling, "draft")
+        self.sessions[session_id] = DraftSession(list(prompt_ids), new_cache(self.model.config), sampling=sampling, rng=rng)
 
     def release(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)
@@ -66,7 +75,8 @@ class DraftRuntime:
                 return self._feed_pending(s)
             return self._feed_nodes(s, nodes, tokens, parents)
 
-        return build_tree(spec, expand, max_depth=max_depth, vocab_size=self.vocab_size)
+        return build_tree(spec, expand, max_depth=max_depth, vocab_size=self.vocab_size,
+                          sampling=s.sampling, rng=s.rng)
 
     def _feed_pending(self, s: DraftSession) -> torch.Tensor:
         """Step 0: feed the committed tokens not yet cached (R last); log-probs after R: [1, V]."""

@@ -2,9 +2,17 @@
 
 Step d (0-based) expands ``topHead[d]`` depth-d nodes: the root at d = 0; for d >= 1 the depth-d
 nodes with the highest path probability (product of draft probabilities from the root), ties broken
-by tree order. The j-th expanded node (in that ranking) keeps its draft top ``topKSpec[d][j]``
-children. ``gammaThreshold`` > 0 stops deepening once the best depth-d path probability falls below
-it. Tree shapes after Sequoia/SpecInfer-style static trees (Miao et al. ASPLOS'24 §3; Chen et al. 2024).
+by tree order. The j-th expanded node (in that ranking) gets ``topKSpec[d][j]`` children.
+``gammaThreshold`` > 0 stops deepening once the best depth-d path probability falls below it.
+Tree shapes after Sequoia/SpecInfer-style static trees (Miao et al. ASPLOS'24 §3; Chen et al. 2024).
+
+Children (DESIGN.md "TreeSpec", ``treeType``):
+- greedy requests (temperature 0), either treeType: the draft's top-k by log-probability;
+- sampled requests: the draft's log-probs first go through ``processed_probs`` with the request's
+  SamplingParams (the target does the same), giving q. treeType 0 keeps the top-k of q (at most its
+  support); treeType 1 draws k children from q *without replacement* (at most its support), in
+  draw order, and records q in ``DraftTree.proposals`` for the verifier's recursive rejection
+  sampling (``target_service.verifier``).
 """
 
 from __future__ import annotations
@@ -12,9 +20,11 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+import numpy as np
 import torch
 
-from specdec.tree import ROOT, DraftTree
+from specdec.sampling import GREEDY, SamplingParams, processed_probs, sample_without_replacement
+from specdec.tree import ROOT, DraftTree, Proposal
 from specdec.tree_spec import TreeSpec
 
 # expand(nodes, tokens, parents) -> [P, V] draft log-probabilities after each of the P nodes
@@ -22,18 +32,30 @@ from specdec.tree_spec import TreeSpec
 ExpandFn = Callable[[list[int], list[int], list[int]], torch.Tensor]
 
 
-def build_tree(spec: TreeSpec, expand: ExpandFn, max_depth: int | None = None, vocab_size: int | None = None) -> DraftTree:
-    """Build a deterministic top-k token tree (treeType 0).
+def build_tree(
+    spec: TreeSpec,
+    expand: ExpandFn,
+    max_depth: int | None = None,
+    vocab_size: int | None = None,
+    sampling: SamplingParams = GREEDY,
+    rng: np.random.Generator | None = None,
+) -> DraftTree:
+    """Build a token tree of ``spec``'s shape (children as in the module docstring).
 
     max_depth caps gamma (context or token budget left); vocab_size restricts children to ids
-    below it (the ids both models share). Returns a DraftTree with nodes in breadth-first order.
+    below it (the ids both models share); rng: the session's random generator, needed for
+    sampled children (treeType 1, temperature > 0). Returns a DraftTree with nodes in breadth-first
+    order, siblings in draw order.
     """
+    sampled_children = spec.tree_type == 1 and not sampling.greedy
+    assert rng is not None or not sampled_children, "build_tree: sampled children need an rng"
     depth_limit = spec.gamma if max_depth is None else min(spec.gamma, max_depth)
     tokens: list[int] = []
     parents: list[int] = []
     logprobs: list[float] = []
     path_logp: list[float] = []
     expanded: list[bool] = []
+    proposals: list[Proposal] = []
     frontier: list[int] = []  # nodes created by the previous step (all of one depth)
     for d in range(depth_limit):
         chosen = [ROOT] if d == 0 else _top_nodes(frontier, path_logp, spec.top_head[d])
@@ -42,21 +64,43 @@ def build_tree(spec: TreeSpec, expand: ExpandFn, max_depth: int | None = None, v
         step_logprobs = expand(chosen, tokens, parents)  # (P, V)
         if vocab_size is not None:
             step_logprobs = step_logprobs[:, :vocab_size]
+        # Greedy: children by raw log-prob; sampling: from q, the target's processing of these rows.
+        rows = step_logprobs if sampling.greedy else processed_probs(step_logprobs, sampling)  # (P, V)
         for node in chosen:
             if node != ROOT:
                 expanded[node] = True
         frontier = []
         for j, node in enumerate(chosen):
-            values, ids = step_logprobs[j].topk(spec.top_k_spec[d][j])
+            ids, values = _pick_children(spec.top_k_spec[d][j], rows[j], sampling.greedy, sampled_children, rng)
+            if sampled_children:
+                proposals.append(Proposal.from_dense(node, rows[j]))
             base = 0.0 if node == ROOT else path_logp[node]
-            for value, token in zip(values.tolist(), ids.tolist()):
+            for value, token in zip(values, ids):
                 frontier.append(len(tokens))
                 tokens.append(token)
                 parents.append(node)
                 logprobs.append(value)
                 path_logp.append(base + value)
                 expanded.append(False)
-    return DraftTree(tuple(tokens), tuple(parents), tuple(logprobs), tuple(expanded))
+    return DraftTree(tuple(tokens), tuple(parents), tuple(logprobs), tuple(expanded), tuple(proposals))
+
+
+def _pick_children(k: int, row, greedy: bool, sampled: bool, rng) -> tuple[list[int], list[float]]:
+    """Children of one expanded node: (token ids, their draft log-probs), in tree order.
+
+    row: [V] raw draft log-probs (torch) when greedy, else the processed q (NumPy); sampled: draw
+    without replacement from q, else keep its top-k. At most q's support when sampling.
+    """
+    if greedy:
+        values, ids = row.topk(k)
+        return ids.tolist(), values.tolist()
+    if sampled:
+        ids = sample_without_replacement(row, k, rng)  # draw order
+    else:
+        k = min(k, int(np.count_nonzero(row)))
+        top = np.argpartition(-row, k - 1)[:k] if k < len(row) else np.arange(len(row))
+        ids = top[np.argsort(-row[top], kind="stable")].tolist()  # best first
+    return ids, np.log(row[ids]).tolist()
 
 
 def _top_nodes(candidates: list[int], path_logp: list[float], k: int) -> list[int]:

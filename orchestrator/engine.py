@@ -3,7 +3,8 @@
 One round (DESIGN.md): the draft grows a token tree from the committed context; the target
 verifies every node in one forward and returns the accepted path plus a bonus token; the tokens
 pass the stop checks one at a time; both workers commit exactly the tokens that passed.
-Workers are anything implementing specdec.interfaces (in-process runtimes or gRPC clients).
+Workers are anything implementing specdec.interfaces (in-process runtimes or gRPC clients); each
+request's SamplingParams reach both workers once, when its sessions start.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from orchestrator.stops import StopChecker
 from specdec.interfaces import DraftWorker, TargetWorker
+from specdec.sampling import GREEDY, SamplingParams
 from specdec.tree import DraftTree
 from specdec.tree_spec import TreeSpec
 
@@ -57,6 +59,19 @@ class GenerationRequest:
     max_new_tokens: int = 128
     stop_strings: tuple[str, ...] = ()
     spec: TreeSpec | None = None  # None = plain target decoding (no draft)
+    sampling: SamplingParams = GREEDY  # temperature 0 = greedy; applied identically by draft and target
+
+
+@dataclass
+class _Run:
+    """One request in flight: its session id, tree spec (None = plain decoding) and progress."""
+
+    sid: str
+    spec: TreeSpec | None
+    stops: StopChecker
+    stats: GenerationStats
+    on_tokens: Callable[[list[int]], None] | None
+    started: float  # time.perf_counter() at start
 
 
 @dataclass
@@ -85,33 +100,61 @@ class SpeculativeEngine:
         Raises ValueError (naming the field) for an empty prompt, a prompt at or over the context
         limit, or max_new_tokens < 1.
         """
-        self._check(request)
+        return self.generate_batch([request], [on_tokens])[0]
+
+    def generate_batch(self, requests: Sequence[GenerationRequest],
+                       on_tokens: Sequence[Callable[[list[int]], None] | None] | None = None) -> list[GenerationResult]:
+        """Run requests side by side, one round of each in turn, until all stop.
+
+        Every request keeps its own sessions (and, when sampling, its own random streams), so its
+        tokens are those of its solo run. on_tokens: one callback (or None) per request.
+        """
+        for request in requests:
+            self._check(request)
+        callbacks = list(on_tokens) if on_tokens is not None else [None] * len(requests)
+        runs: list[_Run] = []
+        try:
+            for request, callback in zip(requests, callbacks):
+                runs.append(self._open(request, callback))
+            active = list(runs)
+            while active:
+                for run in active:
+                    self._step(run)
+                active = [run for run in active if run.stops.reason is None]
+        finally:
+            for run in runs:
+                self._release(run)
+        return [GenerationResult(list(run.stops.generated), run.stats) for run in runs]
+
+    def _open(self, request: GenerationRequest, on_tokens) -> "_Run":
         speculate = request.spec is not None and self.draft is not None
-        sid = f"req-{next(_session_ids)}"
         stops = StopChecker(
             len(request.prompt_ids), request.max_new_tokens, self.context_limit,
             self.eos_token_ids, tuple(request.stop_strings), self.decode,
         )
-        stats = GenerationStats()
-        started = time.perf_counter()
-        self.target.start(sid, request.prompt_ids)
+        run = _Run(f"req-{next(_session_ids)}", request.spec if speculate else None, stops,
+                   GenerationStats(), on_tokens, time.perf_counter())
+        self.target.start(run.sid, request.prompt_ids, request.sampling)
         if speculate:
-            self.draft.start(sid, request.prompt_ids)
-        try:
-            while stops.reason is None:
-                committed = self._round(sid, request.spec if speculate else None, stops, stats)
-                if stats.rounds == 1:
-                    stats.ttft_ms = (time.perf_counter() - started) * 1000
-                if on_tokens:
-                    on_tokens(committed)
-        finally:
-            self.target.release(sid)
-            if speculate:
-                self.draft.release(sid)
-        stats.total_s = time.perf_counter() - started
-        stats.new_tokens = len(stops.generated)
-        stats.stop_reason = stops.reason
-        return GenerationResult(list(stops.generated), stats)
+            self.draft.start(run.sid, request.prompt_ids, request.sampling)
+        return run
+
+    def _step(self, run: "_Run") -> None:
+        """One round of one request; records TTFT after the first and the totals after the last."""
+        committed = self._round(run.sid, run.spec, run.stops, run.stats)
+        if run.stats.rounds == 1:
+            run.stats.ttft_ms = (time.perf_counter() - run.started) * 1000
+        if run.on_tokens:
+            run.on_tokens(committed)
+        if run.stops.reason is not None:
+            run.stats.total_s = time.perf_counter() - run.started
+            run.stats.new_tokens = len(run.stops.generated)
+            run.stats.stop_reason = run.stops.reason
+
+    def _release(self, run: "_Run") -> None:
+        self.target.release(run.sid)
+        if run.spec is not None:
+            self.draft.release(run.sid)
 
     def _round(self, sid: str, spec: TreeSpec | None, stops: StopChecker, stats: GenerationStats) -> list[int]:
         """One round; returns the tokens it committed."""

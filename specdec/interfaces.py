@@ -1,7 +1,9 @@
 """The narrow worker interface shared by embedded (in-process) and distributed (gRPC) modes.
 
 A round: ``draft.propose`` -> ``target.verify`` -> the orchestrator's stop checks ->
-``target.commit`` and ``draft.commit``. ``release`` frees a session's KV.
+``target.commit`` and ``draft.commit``. ``release`` frees a session's KV. ``start`` opens a session
+with the request's SamplingParams, which hold for all its rounds (both workers must apply them
+identically: ``specdec.sampling``).
 
 Cache invariant (both sides, after every commit): the cache holds KV for a prefix of the committed
 tokens; the target's holds exactly all committed tokens but the last one (the root R of the next
@@ -13,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from specdec.sampling import SamplingParams
 from specdec.tree import DraftTree
 from specdec.tree_spec import TreeSpec
 
@@ -34,7 +37,7 @@ class VerifyResult:
 
 
 class DraftWorker(Protocol):
-    def start(self, session_id: str, prompt_ids: list[int]) -> None: ...
+    def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None: ...
 
     def propose(self, session_id: str, spec: TreeSpec, max_depth: int) -> DraftTree: ...
 
@@ -44,7 +47,7 @@ class DraftWorker(Protocol):
 
 
 class TargetWorker(Protocol):
-    def start(self, session_id: str, prompt_ids: list[int]) -> None: ...
+    def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None: ...
 
     def verify(self, session_id: str, tree: DraftTree) -> VerifyResult: ...
 

@@ -6,19 +6,24 @@ Target cache invariant: after ``start`` and every ``commit`` the cache holds KV 
 tokens but the last one, the root R. Verify feeds [R, node 0, ..., node N-1] at slots L..L+N with
 tree position ids (R at L, a depth-d node at L + d) and the tree attention mask; commit keeps R and
 the accepted nodes, compacted to slots L, L+1, ..., and drops the rest (KV cache rollback).
+
+Each session keeps the request's SamplingParams (given once, at ``start``) and, when sampling, its own
+random generator, so a request's draws never depend on other sessions.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdec.forward import model_forward
-from specdec.kv_cache import compact_kv, new_cache
-from specdec.tree import DraftTree, tree_attention_mask, tree_position_ids, validate_tree
 from specdec.interfaces import VerifyResult
-from target_service.verifier import verify_greedy
+from specdec.kv_cache import compact_kv, new_cache
+from specdec.sampling import GREEDY, SamplingParams, processed_probs, session_rng
+from specdec.tree import DraftTree, tree_attention_mask, tree_position_ids, validate_tree
+from target_service.verifier import verify_greedy, verify_sampled
 
 
 class UnknownSessionError(KeyError):
@@ -34,6 +39,8 @@ class TargetSession:
     cache: object
     cache_len: int  # L: committed tokens with KV in the cache
     root: int  # R: the last committed token
+    sampling: SamplingParams = GREEDY
+    rng: np.random.Generator | None = None  # sampled requests only
     pending: VerifyResult | None = None
 
 
@@ -46,15 +53,17 @@ class TargetRuntime:
         self.max_tree_nodes = max_tree_nodes
         self.sessions: dict[str, TargetSession] = {}
 
-    def start(self, session_id: str, prompt_ids: list[int]) -> None:
-        """Prefill all prompt tokens but the last, which becomes the root R. prompt_ids: [T], T >= 1."""
+    def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams = GREEDY) -> None:
+        """Prefill all prompt tokens but the last, which becomes the root R. prompt_ids: [T], T >= 1;
+        sampling: the request's parameters, used by every verify of the session."""
         if not prompt_ids:
             raise ValueError("prompt_ids: empty prompt")
         cache = new_cache(self.model.config)
         if len(prompt_ids) > 1:
             positions = torch.arange(len(prompt_ids) - 1)
             model_forward(self.model, cache, prompt_ids[:-1], positions, mask=None, logits_rows=1)
-        self.sessions[session_id] = TargetSession(cache, len(prompt_ids) - 1, prompt_ids[-1])
+        rng = None if sampling.greedy else session_rng(sampling, "target")
+        self.sessions[session_id] = TargetSession(cache, len(prompt_ids) - 1, prompt_ids[-1], sampling, rng)
 
     def release(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)
@@ -78,8 +87,14 @@ class TargetRuntime:
         s = self._session(session_id)
         if s.pending is not None:
             raise SessionStateError(f"session_id: {session_id!r} has an uncommitted verify")
-        logits = self.tree_logits(session_id, tree)
-        s.pending = verify_greedy(tree.tokens, tree.parents, logits)
+        logits = self.tree_logits(session_id, tree)  # (N + 1, V)
+        if s.sampling.greedy:
+            s.pending = verify_greedy(tree.tokens, tree.parents, logits)
+        else:
+            def row_probs(row: int):  # processed only for the rows the walk visits
+                return processed_probs(logits[row], s.sampling)
+
+            s.pending = verify_sampled(tree.tokens, tree.parents, row_probs, s.rng, tree.proposals)
         return s.pending
 
     def commit(self, session_id: str, num_tokens: int) -> None:

@@ -1,15 +1,37 @@
 """Acceptance along one root path of a verified token tree (DESIGN.md "Verification").
 
-Dims: N tree nodes, V vocabulary. Row 0 of the target logits belongs to the root R, row i + 1 to
-node i: row r holds the target's distribution for the token that follows that row's token.
+Dims: N tree nodes, V vocabulary, K siblings. Row 0 of the target logits belongs to the root R,
+row i + 1 to node i: row r holds the target's distribution for the token that follows that row's
+token.
+
+Three rules, all exact (the committed tokens have the target's own law):
+- greedy (temperature 0): follow the target argmax (``verify_greedy``);
+- sampled, deterministic children (treeType 0, or any node without a recorded proposal): draw
+  x ~ p at the node; move to the child equal to x, else commit x (``verify_sampled``);
+- sampled, children drawn from the draft (treeType 1): recursive rejection sampling over the
+  siblings (``sample_siblings``), see below.
+
+Sampled children are drawn *without replacement* from the draft's q (``draft_service.tree_builder``),
+so sibling i was drawn from q_i = q with siblings 0..i-1 removed and renormalised. Sibling i is
+accepted with min(1, p_i(x_i) / q_i(x_i)); on rejection p_{i+1} = norm(max(0, p_i - q_i)). When all
+siblings fail, the token is drawn from the last residual. Exact by induction over the siblings: one
+step outputs min(p_i, q_i) directly and, on rejection (probability 1 - sum min(p_i, q_i)), a
+token with law p_{i+1} whatever the remaining draws were, and min(p, q) + max(0, p - q) = p.
+(SpecInfer multi-step speculative sampling, Miao et al. ASPLOS'24 §4.2, with the without-replacement
+proposal update of Recursive Speculative Decoding, Jeon et al. 2024; a single sibling is Leviathan
+et al. 2023, Algorithm 1.) With replacement the update would keep q_{i+1} = q_i instead.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
+import numpy as np
 import torch
 
 from specdec.interfaces import VerifyResult
-from specdec.tree import ROOT, children
+from specdec.sampling import SamplingParams, accept, processed_probs, residual, sample, without_token
+from specdec.tree import ROOT, MalformedTreeError, Proposal, children
 
 
 def verify_greedy(tokens, parents, target_logits: torch.Tensor) -> VerifyResult:
@@ -30,3 +52,54 @@ def verify_greedy(tokens, parents, target_logits: torch.Tensor) -> VerifyResult:
             return VerifyResult(tuple(path), tuple(tokens[n] for n in path) + (want,))
         path.append(nxt)
         node = nxt
+
+
+def verify_sampled(
+    tokens,
+    parents,
+    target_probs: Callable[[int], np.ndarray],
+    rng: np.random.Generator,
+    proposals: tuple[Proposal, ...] = (),
+) -> VerifyResult:
+    """Lossless sampled tree verification (rules in the module docstring).
+
+    tokens, parents: [N] the tree; target_probs(r): [V] float64, the target's distribution after
+    row r (0 = R, i + 1 = node i) processed with the request's SamplingParams exactly as the draft
+    processed q (``specdec.sampling.processed_probs``), asked only for visited rows; rng: the
+    session's generator; proposals: the tree's recorded q per expanded node (treeType 1). Random
+    draws happen only at visited nodes: one per tested sibling plus one per token not taken from
+    the tree.
+    """
+    kids = children(parents)
+    q_of = {proposal.parent: proposal for proposal in proposals}
+    node, path = ROOT, []
+    while True:
+        p = target_probs(node + 1)  # (V,)
+        siblings = kids[node + 1]
+        if node in q_of and siblings:
+            pick, token = sample_siblings(p, q_of[node].dense(len(p)), [tokens[c] for c in siblings], rng)
+            nxt = None if pick is None else siblings[pick]
+        else:
+            token = sample(p, rng)
+            nxt = next((c for c in siblings if tokens[c] == token), None)
+        if nxt is None:
+            return VerifyResult(tuple(path), tuple(tokens[n] for n in path) + (token,))
+        path.append(nxt)
+        node = nxt
+
+
+def sample_siblings(p: np.ndarray, q: np.ndarray, candidates: list[int], rng: np.random.Generator) -> tuple[int | None, int]:
+    """Recursive rejection sampling over siblings drawn without replacement from q.
+
+    p: [V] target probs at the parent; q: [V] the draft's q there; candidates: [K] sibling tokens in
+    draw order. Returns (index of the accepted sibling or None, the token); the token has law p.
+    """
+    for i, token in enumerate(candidates):
+        if not q[token] > 0:
+            raise MalformedTreeError(f"proposals: sibling token {token} has q = 0, it cannot have been drawn from q")
+        if accept(p, q, token, rng):
+            return i, token
+        p = residual(p, q)  # p_{i+1} = norm(max(0, p_i - q_i))
+        if i + 1 < len(candidates):
+            q = without_token(q, token)  # q_{i+1}: the next draw's law, without replacement
+    return None, sample(p, rng)

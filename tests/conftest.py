@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from draft_service.tree_builder import build_tree
+from specdec.sampling import GREEDY
 from specdec.tree import DraftTree
 from specdec.tree_spec import TreeSpec
 
@@ -219,8 +220,8 @@ class RecordingDraft:
         self.check = check_after_commit
         self.log = RoundLog()
 
-    def start(self, session_id, prompt_ids):
-        self.inner.start(session_id, prompt_ids)
+    def start(self, session_id, prompt_ids, sampling=GREEDY):
+        self.inner.start(session_id, prompt_ids, sampling)
 
     def propose(self, session_id, spec, max_depth):
         tree = self.inner.propose(session_id, spec, max_depth)
@@ -260,8 +261,8 @@ class OracleDraft:
         self.log = RoundLog()
         self.released = False
 
-    def start(self, session_id, prompt_ids):
-        assert list(prompt_ids) == self.prompt
+    def start(self, session_id, prompt_ids, sampling=GREEDY):
+        assert list(prompt_ids) == self.prompt and sampling.greedy
         self.tokens = list(prompt_ids)
 
     def _expand(self, nodes, tokens, parents):
@@ -309,9 +310,9 @@ class RecordingTarget:
         self.final_session_cache_len = None
         self.verify_results = []
 
-    def start(self, session_id, prompt_ids):
+    def start(self, session_id, prompt_ids, sampling=GREEDY):
         self.committed = list(prompt_ids)
-        self.runtime.start(session_id, prompt_ids)
+        self.runtime.start(session_id, prompt_ids, sampling)
 
     def verify(self, session_id, tree):
         result = self.runtime.verify(session_id, tree)

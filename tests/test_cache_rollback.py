@@ -119,8 +119,8 @@ class DeepDraft:
         self.runtime = runtime
         self.sessions = runtime.sessions
 
-    def start(self, session_id, prompt_ids):
-        self.runtime.start(session_id, prompt_ids)
+    def start(self, session_id, prompt_ids, sampling):
+        self.runtime.start(session_id, prompt_ids, sampling)
 
     def propose(self, session_id, spec, max_depth):
         return self.runtime.propose(session_id, spec, spec.gamma)

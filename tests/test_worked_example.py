@@ -223,7 +223,7 @@ class ScriptedDraft:
     def __init__(self):
         self.log = []
 
-    def start(self, session_id, prompt_ids):
+    def start(self, session_id, prompt_ids, sampling):
         self.log.append(("start", list(prompt_ids)))
 
     def propose(self, session_id, spec, max_depth):
@@ -244,7 +244,7 @@ class ScriptedTarget:
         self.log = []
         self.pending = None
 
-    def start(self, session_id, prompt_ids):
+    def start(self, session_id, prompt_ids, sampling):
         self.log.append(("start", list(prompt_ids)))
 
     def verify(self, session_id, tree: DraftTree):
