@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -39,13 +40,30 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return default_cpu_dtype() if device == "cpu" else "bfloat16"
 
 
+def resolve_draft_quant(draft_quant: str, device: str) -> str:
+    """``auto``: int8 on a CPU with fbgemm kernels, else none.
+
+    Measured on a 2-core AMD EPYC (AVX2), Qwen2.5-Coder-0.5B after 300 tokens: a draft step of 1-4
+    rows takes ~45 ms in int8 vs ~120-150 ms in packed float32; greedy top-1 agreement with the
+    1.5B target on Spec-Bench text falls from 0.77 (float32) to 0.65 (int8 per-channel; 0.58
+    per-tensor).
+    """
+    if draft_quant != "auto":
+        return draft_quant
+    return "int8" if device == "cpu" and "fbgemm" in torch.backends.quantized.supported_engines else "none"
+
+
 def quantize_draft(model):
-    """int8 dynamic quantization of the draft's linear layers (fbgemm kernels).
+    """int8 dynamic quantization (per-channel weights) of the draft's linears (torch.ao, fbgemm).
 
     Only the draft: it changes which tokens are proposed (acceptance), never the output, which the
     unquantized target verifies.
     """
-    return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization deprecation notices
+        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+        return quantize_dynamic(model.float(), {torch.nn.Linear: per_channel_dynamic_qconfig})
 
 
 def build_pipeline(
@@ -55,11 +73,11 @@ def build_pipeline(
     device: str = "cpu",
     speculate: bool = True,
     max_context: int | None = None,
-    draft_quant: str = "none",
+    draft_quant: str = "auto",
 ) -> EmbeddedPipeline:
     """Load the pair (defaults: the real Qwen2.5-Coder pair), check it, wire the engine.
 
-    dtype: auto | bfloat16 | float32 | float16; draft_quant: none | int8 (CPU only).
+    dtype: auto | bfloat16 | float32 | float16; draft_quant: auto | none | int8 (CPU only).
     Raises ModelError for unknown paths or an incompatible pair.
     """
     dtype = resolve_dtype(dtype, device)
@@ -69,8 +87,8 @@ def build_pipeline(
     if speculate:
         draft_model, draft_tok = load_model(resolve_model_dir(draft, DEFAULT_DRAFT, "--draft"), dtype, device)
         check_pair(draft_model, draft_tok, target_model, tokenizer)
-        if draft_quant == "int8":
-            draft_model = quantize_draft(draft_model.float())
+        if resolve_draft_quant(draft_quant, device) == "int8":
+            draft_model = quantize_draft(draft_model)
         else:
             prepack_linears(draft_model)
         shared_vocab = min(draft_model.config.vocab_size, target_model.config.vocab_size)

@@ -5,6 +5,8 @@ without native bf16 GEMM (AVX2-only, e.g. many AMD EPYC), torch's default float3
 costs ~4x more for 13 rows than for 1, and bf16 ~12x. oneDNN with weights pre-packed once
 (the op torch inductor uses for frozen CPU linears) costs ~2.5x: measured on a 2-core AMD EPYC,
 8960x1536 weight, 1 thread: 1 row 3.1 ms, 13 rows 7.8 ms (MKL 2.7 / 12.1 ms, bf16 2.8 / 33.9 ms).
+Whole Qwen2.5-1.5B forward after 300 tokens, 2 threads, float32: 1 / 4 / 13 / 32 new tokens
+285 / 365 / 552 / 894 ms packed vs 351 / 925 / - / - ms with MKL.
 
 ``prepack_linears`` swaps each ``nn.Linear`` of a float32 model on the CPU for ``PackedLinear``
 (same weights, same maths); the model class is otherwise untouched.
@@ -30,16 +32,11 @@ def default_cpu_dtype() -> str:
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W pre-packed for oneDNN. x: [..., in] float32 -> [..., out] float32.
-
-    A single row keeps torch's default path (MKL gemv), which is faster there; the plain weight is
-    kept for it, so a packed layer holds its weights twice.
-    """
+    """y = x W^T + b with W pre-packed for oneDNN. x: [..., in] float32 -> [..., out] float32."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
         with torch.no_grad():
             self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None))
             bias = None if linear.bias is None else linear.bias.detach().clone()
@@ -47,8 +44,6 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # (M, in)
-        if rows.shape[0] == 1:
-            return nn.functional.linear(x, self.weight, self.bias)
         y = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")  # (M, out)
         return y.reshape(*x.shape[:-1], self.out_features)
 
