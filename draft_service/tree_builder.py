@@ -73,7 +73,7 @@ def build_tree(
         for j, node in enumerate(chosen):
             ids, values = _pick_children(spec.top_k_spec[d][j], rows[j], sampling.greedy, sampled_children, rng)
             if sampled_children:
-                proposals.append(Proposal.from_dense(node, rows[j]))
+                proposals.append(Proposal(node, rows[j]))
             base = 0.0 if node == ROOT else path_logp[node]
             for value, token in zip(values, ids):
                 frontier.append(len(tokens))

@@ -94,7 +94,7 @@ def processed_probs(logits, params: SamplingParams) -> np.ndarray:
     """
     assert not params.greedy, "processed_probs: temperature 0 is greedy (argmax), not a distribution"
     if isinstance(logits, torch.Tensor):
-        logits = logits.detach().float().cpu().numpy()
+        logits = logits.detach().to("cpu", torch.float64).numpy()
     scores = np.asarray(logits, dtype=np.float64) / params.temperature  # (..., V)
     vocab = scores.shape[-1]
     if 0 < params.top_k < vocab:
@@ -136,7 +136,7 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     """One token from probs: [V] (inverse CDF, one uniform draw). Never a zero-probability token."""
     cdf = np.cumsum(probs)  # (V,)
     token = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
-    return token if token < len(probs) else int(np.flatnonzero(probs)[-1])  # u * total rounded up to total
+    return token if token < len(probs) else int(probs.nonzero()[0][-1])  # u * total rounded up to total
 
 
 def sample_without_replacement(probs: np.ndarray, k: int, rng: np.random.Generator) -> list[int]:
@@ -147,7 +147,7 @@ def sample_without_replacement(probs: np.ndarray, k: int, rng: np.random.Generat
     that sequential order (exponential race; Efraimidis & Spirakis 2006, Gumbel-top-k in Kool et al.
     ICML'19).
     """
-    support = np.flatnonzero(probs)  # (S,)
+    support = probs.nonzero()[0]  # (S,)
     k = min(k, support.size)
     clocks = rng.standard_exponential(support.size) / probs[support]  # (S,)
     if k == 1:

@@ -23,28 +23,35 @@ ROOT = -1
 
 @dataclass(frozen=True)
 class Proposal:
-    """The draft distribution q one expanded node's children were drawn from (treeType 1), sparse.
+    """The draft distribution q one expanded node's children were drawn from (treeType 1).
 
-    parent: the expanded node (-1 = root); token_ids: [S] int64, the support of q; probs: [S] float64,
-    q on that support (after the request's temperature / top-k / top-p; sums to 1). NumPy arrays,
-    like the rest of the sampling arithmetic (specdec.sampling).
+    parent: the expanded node (-1 = root); probs: [V'] float64, q over the draft's token ids (V' <=
+    the target's V), after the request's temperature / top-k / top-p, summing to 1. Dense in
+    process; ``sparse`` / ``from_sparse`` give the wire form (the support and q on it), small when
+    top-k or top-p truncated q. Read-only: the verifier never modifies it.
     """
 
     parent: int
-    token_ids: np.ndarray
     probs: np.ndarray
 
+    def sparse(self) -> tuple[np.ndarray, np.ndarray]:
+        """(token_ids [S] int64, probs [S] float64) on q's support."""
+        token_ids = self.probs.nonzero()[0]  # (S,)
+        return token_ids, self.probs[token_ids]
+
     @classmethod
-    def from_dense(cls, parent: int, q: np.ndarray) -> "Proposal":
-        """From a dense q: [V]; keeps the nonzero entries."""
-        token_ids = np.flatnonzero(q)  # (S,)
-        return cls(parent, token_ids, q[token_ids])
+    def from_sparse(cls, parent: int, token_ids, probs, vocab_size: int) -> "Proposal":
+        q = np.zeros(vocab_size)
+        q[np.asarray(token_ids, dtype=np.int64)] = probs
+        return cls(parent, q)
 
     def dense(self, vocab_size: int) -> np.ndarray:
-        """q as a [vocab_size] float64 array (zero off the support)."""
-        q = np.zeros(vocab_size)
-        q[self.token_ids] = self.probs
-        return q
+        """q as a [vocab_size] array (zero-padded past the draft's ids)."""
+        if len(self.probs) == vocab_size:
+            return self.probs
+        if len(self.probs) > vocab_size:
+            raise MalformedTreeError(f"proposals: q over {len(self.probs)} ids exceeds the vocabulary of {vocab_size}")
+        return np.concatenate([self.probs, np.zeros(vocab_size - len(self.probs))])
 
 
 @dataclass(frozen=True)
