@@ -11,8 +11,10 @@ import copy
 import string
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
+from scipy import stats
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from draft_service.tree_builder import build_tree
@@ -331,3 +333,34 @@ class RecordingTarget:
             self.final_cache_len = s.cache.get_seq_length()
             self.final_session_cache_len = s.cache_len
         self.runtime.release(session_id)
+
+
+# ----------------------------------------------------------------------------------------------
+# Statistics
+# ----------------------------------------------------------------------------------------------
+
+def chi2_pvalue(counts: dict, expected_probs: dict, n: int) -> float:
+    """Pearson chi-square p-value of observed counts against expected probabilities.
+
+    Bins with expected count < 5 are merged into one (itself merged into the smallest bin if still
+    under 5). Fails if an outcome of probability 0 was observed.
+    """
+    for outcome, count in counts.items():
+        assert count == 0 or expected_probs.get(outcome, 0) > 0, f"observed an impossible outcome {outcome}"
+    obs, exp, rest_obs, rest_exp = [], [], 0, 0.0
+    for outcome, prob in expected_probs.items():
+        if prob * n >= 5:
+            obs.append(counts.get(outcome, 0))
+            exp.append(prob * n)
+        else:
+            rest_obs += counts.get(outcome, 0)
+            rest_exp += prob * n
+    if rest_exp >= 5 or (rest_exp > 0 and not exp):
+        obs.append(rest_obs)
+        exp.append(rest_exp)
+    elif rest_exp > 0:
+        smallest = int(np.argmin(exp))
+        obs[smallest] += rest_obs
+        exp[smallest] += rest_exp
+    exp = np.array(exp) * (sum(obs) / sum(exp))  # float round-off of the expected total
+    return float(stats.chisquare(obs, exp).pvalue) if len(obs) > 1 else 1.0

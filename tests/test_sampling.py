@@ -19,7 +19,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from draft_service.tree_builder import build_tree
@@ -37,29 +36,10 @@ from specdec.sampling import (
 from specdec.tree import MalformedTreeError, Proposal
 from specdec.tree_spec import TreeSpec
 from target_service.verifier import sample_siblings, verify_sampled
+from tests.conftest import chi2_pvalue
 
 P_MIN = 1e-4  # chi-square p-value floor
 Z_MAX = 4.5
-
-
-def chi2_pvalue(counts: dict, expected_probs: dict, n: int) -> float:
-    """Pearson chi-square of observed counts against expected probabilities (bins with expected < 5
-    merged into one); raises if a zero-probability outcome was observed."""
-    for outcome, count in counts.items():
-        assert count == 0 or expected_probs.get(outcome, 0) > 0, f"observed an impossible outcome {outcome}"
-    obs, exp, rest_obs, rest_exp = [], [], 0, 0.0
-    for outcome, prob in expected_probs.items():
-        if prob * n >= 5:
-            obs.append(counts.get(outcome, 0))
-            exp.append(prob * n)
-        else:
-            rest_obs += counts.get(outcome, 0)
-            rest_exp += prob * n
-    if rest_exp > 0:
-        obs.append(rest_obs)
-        exp.append(rest_exp)
-    exp = np.array(exp) * (sum(obs) / sum(exp))  # float round-off of the expected total
-    return float(stats.chisquare(obs, exp).pvalue) if len(obs) > 1 else 1.0
 
 
 def random_dist(rng: np.random.Generator, vocab: int, zeros: int = 0) -> np.ndarray:
@@ -185,7 +165,7 @@ def test_acceptance_probability_formula():
 def _chain_tree(tokens: list[int], qs: list[np.ndarray]):
     """A chain R -> tokens[0] -> tokens[1] ...; node i's token was drawn from qs[i] at its parent."""
     parents = tuple(range(-1, len(tokens) - 1))
-    proposals = tuple(Proposal.from_dense(parent, q) for parent, q in zip(parents, qs))
+    proposals = tuple(Proposal(parent, q) for parent, q in zip(parents, qs))
     return tuple(tokens), parents, proposals
 
 
@@ -381,8 +361,11 @@ def test_greedy_draft_draws_nothing_and_treetype1_tree_shape():
     for proposal in tree.proposals:
         kids = [tree.tokens[i] for i, parent in enumerate(tree.parents) if parent == proposal.parent]
         assert len(kids) == len(set(kids)) == 3  # capped at the top-3 support
-        assert set(kids) <= set(proposal.token_ids.tolist())
+        assert set(kids) <= set(proposal.sparse()[0].tolist())
         np.testing.assert_allclose(proposal.dense(vocab), processed_probs(row, params), atol=1e-12)
+        ids, probs = proposal.sparse()
+        np.testing.assert_array_equal(Proposal.from_sparse(proposal.parent, ids, probs, vocab + 2).dense(vocab + 2)[:vocab],
+                                      proposal.probs)  # the wire form round-trips
     top3 = row.topk(3).indices.tolist()
     deterministic = build_tree(spec.model_copy(update={"tree_type": 0}), expand, sampling=params)  # no rng
     assert deterministic.proposals == () and list(deterministic.tokens[:3]) == top3

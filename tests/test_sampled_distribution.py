@@ -1,0 +1,247 @@
+"""Sampled speculative decoding has exactly the target's distribution (DESIGN.md "Verification").
+
+Tiny models over V = 12 tokens. The target's law of the next N = 2 tokens after PROMPT is computed
+exactly by enumeration: p(a) p(b | a) over all 144 pairs, each factor processed with the request's
+temperature / top-k / top-p.
+
+Each configuration draws 100k two-token continuations through the production code: the tree builder
+(``draft_service.tree_builder.build_tree``, which processes the draft's rows into q and draws the
+children) and the verifier (``target_service.verifier.verify_sampled``), round after round until two
+tokens are committed. Only the model forwards are replaced, by tables holding the draft's
+log-probabilities and the target's processed distribution (``specdec.sampling.processed_probs``)
+for every context the rounds can reach. Round 1 builds a depth-2 tree (its third token is dropped),
+round 2, when needed, a depth-1 tree. treeType 0 trees use no randomness, so each is built once per
+context and reused.
+
+Criterion: Pearson chi-square of the 144 counts against the exact law, bins with expected count < 5
+merged, fixed seeds, pass if p > 1e-3. With 100k samples this rejects any error that moves more than
+about 1% of the probability mass between likely outcomes (see test_chi_square_detects_a_small_bias).
+
+The configurations run in up to two worker processes. ``test_engine_end_to_end`` then drives
+SpeculativeEngine with the real tiny models (runtimes, sessions, per-request seeds, batched
+requests) at a smaller sample count.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import time
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from draft_service.runtime import DraftRuntime
+from draft_service.tree_builder import build_tree
+from orchestrator.engine import GenerationRequest, SpeculativeEngine
+from specdec.sampling import SamplingParams, processed_probs
+from specdec.tree import ROOT, DraftTree
+from specdec.tree_spec import TreeSpec
+from target_service.runtime import TargetRuntime
+from target_service.verifier import verify_sampled
+from tests.conftest import chi2_pvalue, perturbed_copy, tiny_model
+
+V = 12
+N = 2  # tokens per continuation
+PROMPT = [3, 7, 1]
+SAMPLES = 100_000
+P_MIN = 1e-3
+TREE = {"gamma": 2, "topKSpec": [[3], [2, 1]], "topHead": [1, 2]}  # 3 root children, 2 + 1 below
+
+
+def target_model():
+    return tiny_model("qwen2", seed=11, vocab=V)
+
+
+def draft_model(kind: str):
+    """close: the target plus N(0, 0.02^2) weight noise (sum min(p, q) ~ 0.8 at every temperature);
+    far: an unrelated model (sum min(p, q) 0.1-0.3)."""
+    return perturbed_copy(target_model(), seed=1, scale=0.02) if kind == "close" else tiny_model("llama", seed=12, vocab=V)
+
+
+@dataclass(frozen=True)
+class Config:
+    tree_type: int
+    draft: str  # close | far | swap (the target with its two most likely tokens swapped)
+    params: SamplingParams
+
+
+CONFIGS = {
+    "T0.3-tree0-close": Config(0, "close", SamplingParams(temperature=0.3)),
+    "T0.3-tree1-far": Config(1, "far", SamplingParams(temperature=0.3)),
+    "T0.7-tree0-far": Config(0, "far", SamplingParams(temperature=0.7)),
+    "T0.7-tree1-close": Config(1, "close", SamplingParams(temperature=0.7)),
+    "T1.0-tree0-close": Config(0, "close", SamplingParams(temperature=1.0)),
+    "T1.0-tree1-far": Config(1, "far", SamplingParams(temperature=1.0)),
+    "T1.5-tree0-far": Config(0, "far", SamplingParams(temperature=1.5)),
+    "T1.5-tree1-close": Config(1, "close", SamplingParams(temperature=1.5)),
+    "top_p0.9-tree0-far": Config(0, "far", SamplingParams(temperature=1.0, top_p=0.9)),
+    "top_p0.9-tree1-close": Config(1, "close", SamplingParams(temperature=1.0, top_p=0.9)),
+    "top_k5-tree0-close": Config(0, "close", SamplingParams(temperature=1.0, top_k=5)),
+    "top_k5-tree1-far": Config(1, "far", SamplingParams(temperature=1.0, top_k=5)),
+    # The draft ranks the target's favourite second: the target's choice is a non-first sibling.
+    "nonfirst-tree0-swap": Config(0, "swap", SamplingParams(temperature=0.7)),
+    "nonfirst-tree1-swap": Config(1, "swap", SamplingParams(temperature=0.7)),
+}
+
+CONTEXTS = [c for n in range(N + 1) for c in itertools.product(range(V), repeat=n)]  # generated tokens
+INDEX = {c: i for i, c in enumerate(CONTEXTS)}
+
+
+@torch.no_grad()
+def next_token_logits(model) -> torch.Tensor:
+    """[C, V] float32: the model's logits after PROMPT + each context of CONTEXTS."""
+    rows = []
+    for n in range(N + 1):
+        ids = torch.tensor([PROMPT + list(c) for c in CONTEXTS if len(c) == n])  # (V^n, len)
+        rows.append(model(ids, use_cache=False).logits[:, -1].float())
+    return torch.cat(rows)
+
+
+def draft_logprobs(kind: str, target_logits: torch.Tensor) -> torch.Tensor:
+    if kind == "swap":
+        logprobs = torch.log_softmax(target_logits, -1).clone()  # (C, V)
+        top2 = logprobs.topk(2, dim=-1).indices  # (C, 2)
+        logprobs.scatter_(1, top2, logprobs.gather(1, top2.flip(-1)))
+        return logprobs
+    return torch.log_softmax(next_token_logits(draft_model(kind)), -1)
+
+
+def exact_law(target_probs: np.ndarray) -> dict:
+    """{(a, b): p(a) p(b | a)} from [C, V] processed target probabilities."""
+    return {(a, b): target_probs[INDEX[()], a] * target_probs[INDEX[(a,)], b] for a in range(V) for b in range(V)}
+
+
+class TableRounds:
+    """Speculative rounds on looked-up model outputs, through the production builder and verifier."""
+
+    def __init__(self, config: Config, draft_rows: torch.Tensor, target_probs: np.ndarray, seed: int):
+        self.spec = TreeSpec(**TREE, treeType=config.tree_type)
+        self.params = config.params
+        self.draft_rows = draft_rows  # (C, V) draft log-probs
+        self.target_probs = target_probs  # (C, V) processed target probs
+        self.draft_rng = np.random.default_rng([seed, 0])
+        self.target_rng = np.random.default_rng([seed, 1])
+        self.stacked: dict[tuple, torch.Tensor] = {}
+        self.trees: dict[tuple, DraftTree] = {}
+
+    def continuation(self) -> tuple[int, ...]:
+        committed: tuple[int, ...] = ()
+        while len(committed) < N:
+            tree = self.tree(committed, max_depth=N - len(committed))
+            rows = self.node_rows(committed, tree)
+            result = verify_sampled(tree.tokens, tree.parents, lambda r: self.target_probs[rows[r]],
+                                    self.target_rng, tree.proposals)
+            committed += result.tokens
+        return committed[:N]
+
+    def tree(self, committed, max_depth: int) -> DraftTree:
+        if self.spec.tree_type == 0:  # deterministic: build once per context
+            key = (committed, max_depth)
+            if key not in self.trees:
+                self.trees[key] = self._build(committed, max_depth)
+            return self.trees[key]
+        return self._build(committed, max_depth)
+
+    def _build(self, committed, max_depth: int) -> DraftTree:
+        context = {ROOT: committed}
+
+        def expand(nodes, tokens, parents):  # (P, V) draft log-probs after each node
+            for i in range(len(context) - 1, len(tokens)):
+                context[i] = context[parents[i]] + (tokens[i],)
+            key = tuple(INDEX[context[n]] for n in nodes)
+            if key not in self.stacked:
+                self.stacked[key] = self.draft_rows[list(key)]
+            return self.stacked[key]
+
+        return build_tree(self.spec, expand, max_depth=max_depth, sampling=self.params, rng=self.draft_rng)
+
+    @staticmethod
+    def node_rows(committed, tree: DraftTree) -> list[int]:
+        """Table rows of [R, node 0, ..., node N-1]."""
+        contexts = [committed]
+        for token, parent in zip(tree.tokens, tree.parents):
+            contexts.append(contexts[parent + 1] + (token,))
+        return [INDEX[c] for c in contexts]
+
+
+def sample_counts(name: str, samples: int = SAMPLES) -> tuple[dict, dict, float]:
+    """(counts, exact law, seconds) of one configuration; runs in a worker process."""
+    torch.set_num_threads(1)
+    config = CONFIGS[name]
+    target_logits = next_token_logits(target_model())
+    target_probs = processed_probs(target_logits, config.params)  # (C, V)
+    rounds = TableRounds(config, draft_logprobs(config.draft, target_logits), target_probs,
+                         seed=list(CONFIGS).index(name))
+    start = time.perf_counter()
+    counts = Counter(rounds.continuation() for _ in range(samples))
+    return dict(counts), exact_law(target_probs), time.perf_counter() - start
+
+
+@pytest.fixture(scope="module")
+def pending(request):
+    """Futures of the selected configurations' counts, computed in up to two worker processes."""
+    selected = [name for name in CONFIGS if any(
+        getattr(item, "callspec", None) is not None and item.callspec.params.get("name") == name
+        and item.module.__name__ == __name__ for item in request.session.items)]
+    context = multiprocessing.get_context("spawn")  # no fork of a process that has run torch
+    with ProcessPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1)), mp_context=context) as pool:
+        yield {name: pool.submit(sample_counts, name) for name in selected}
+
+
+def total_variation(counts: dict, law: dict, n: int) -> float:
+    return 0.5 * sum(abs(counts.get(k, 0) / n - prob) for k, prob in law.items())
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_matches_target_distribution(pending, name):
+    counts, law, _ = pending[name].result()
+    n = sum(counts.values())
+    assert n == SAMPLES
+    pvalue = chi2_pvalue(counts, law, n)
+    assert pvalue > P_MIN, f"{name}: chi-square p = {pvalue:.2e}, total variation {total_variation(counts, law, n):.4f}"
+
+
+def test_chi_square_detects_a_small_bias():
+    """The criterion's power: moving 1% of the mass between two likely outcomes of the T=1.0 law
+    fails it at 100k samples (expected counts, so no sampling noise in this check)."""
+    law = exact_law(processed_probs(next_token_logits(target_model()), SamplingParams(temperature=1.0)))
+    likely = sorted(law, key=law.get, reverse=True)
+    biased = dict(law)
+    biased[likely[0]] -= 0.01
+    biased[likely[3]] += 0.01
+    counts = {k: round(prob * SAMPLES) for k, prob in biased.items()}
+    assert chi2_pvalue(counts, law, sum(counts.values())) < P_MIN
+
+
+# ------------------------------------------------------------------------------------------------
+# End to end: SpeculativeEngine with the real tiny models, one seeded request per sample
+# ------------------------------------------------------------------------------------------------
+
+E2E_SAMPLES = 2000
+
+
+@pytest.mark.parametrize("tree_type, params", [
+    (1, SamplingParams(temperature=0.7, top_k=5)),
+    (0, SamplingParams(temperature=1.0, top_p=0.9)),
+])
+def test_engine_end_to_end(tree_type, params):
+    """Requests with seeds 0..E2E_SAMPLES-1 in batches of 250 through the engine and both runtimes."""
+    torch.set_num_threads(1)
+    target = target_model()
+    engine = SpeculativeEngine(TargetRuntime(target), DraftRuntime(draft_model("close")), eos_token_ids=[],
+                               context_limit=64)
+    spec = TreeSpec(**TREE, treeType=tree_type)
+    counts: Counter = Counter()
+    for first in range(0, E2E_SAMPLES, 250):
+        requests = [GenerationRequest(PROMPT, max_new_tokens=N, spec=spec, sampling=SamplingParams(
+            params.temperature, params.top_p, params.top_k, seed=seed)) for seed in range(first, first + 250)]
+        counts.update(tuple(result.tokens) for result in engine.generate_batch(requests))
+    law = exact_law(processed_probs(next_token_logits(target), params))
+    pvalue = chi2_pvalue(counts, law, E2E_SAMPLES)
+    assert pvalue > P_MIN, f"chi-square p = {pvalue:.2e}, total variation {total_variation(counts, law, E2E_SAMPLES):.4f}"
