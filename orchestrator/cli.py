@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from specdec.models import ModelError
+from specdec.sampling import SamplingParams, SamplingParamsError
 from specdec.tree_spec import SEED_SPEC, TreeSpecError, parse_tree_spec
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Tree speculative decoding (draft + target).")
@@ -33,6 +34,14 @@ def check_choices(dtype: str, draft_quant: str) -> None:
         raise UsageError(f"--dtype: expected auto, bfloat16, float32 or float16, got {dtype!r}")
     if draft_quant not in ("none", "int8"):
         raise UsageError(f"--draft-quant: expected none or int8, got {draft_quant!r}")
+
+
+def sampling_params(temperature: float, top_p: float, top_k: int, seed: Optional[int]) -> SamplingParams:
+    """Validated SamplingParams; a bad value raises UsageError naming its option (--top-p, ...)."""
+    try:
+        return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    except SamplingParamsError as exc:
+        raise UsageError(f"--{exc.field.replace('_', '-')}: {exc.detail}") from None
 
 
 def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
@@ -70,9 +79,9 @@ class TextStream:
         self.printed = len(text)
 
 
-def stats_table(stats, speculate: bool) -> Table:
+def stats_table(stats, speculate: bool, sampling: SamplingParams = SamplingParams()) -> Table:
     table = Table(title="speculation stats" if speculate else "target-only stats", show_header=False)
-    rows = [("new tokens", f"{stats.new_tokens}"), ("rounds", f"{stats.rounds}")]
+    rows = [("sampling", sampling.describe()), ("new tokens", f"{stats.new_tokens}"), ("rounds", f"{stats.rounds}")]
     if speculate:
         rows += [
             ("acceptance rate", f"{stats.acceptance_rate:.3f}  ({stats.accepted_tokens}/{stats.proposed_tokens} draft tokens)"),
@@ -95,6 +104,10 @@ def generate(
     draft_quant: str = typer.Option("none", help="none or int8 (dynamic int8 draft: cheaper drafting; output unchanged)."),
     tree: Optional[str] = typer.Option(None, help="TreeSpec as inline JSON or a JSON file (default: the seed spec)."),
     max_new_tokens: int = typer.Option(128, help="Maximum new tokens."),
+    temperature: float = typer.Option(0.0, help="0 = greedy (output equals the target alone); > 0 samples, with exactly the target's distribution."),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling mass in (0, 1]; 1 = off."),
+    top_k: int = typer.Option(0, help="Sample among the k most likely tokens; 0 = off."),
+    seed: Optional[int] = typer.Option(None, help="Seed for sampling (same seed, same output); default: random."),
     stop: list[str] = typer.Option([], help="Stop string (repeatable); output ends with the token that completes it."),
     no_spec: bool = typer.Option(False, "--no-spec", help="Target-only autoregressive decoding (baseline)."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
@@ -109,17 +122,18 @@ def generate(
         check_choices(dtype, draft_quant)
         if max_new_tokens < 1:
             raise UsageError(f"--max-new-tokens: must be >= 1, got {max_new_tokens}")
+        sampling = sampling_params(temperature, top_p, top_k, seed)
         spec = parse_tree_spec(tree) if tree is not None else SEED_SPEC
         text = read_prompt(prompt, prompt_file)
         set_threads(threads)
         pipe = build_pipeline(target, draft, dtype, speculate=not no_spec, max_context=max_context, draft_quant=draft_quant)
         prompt_ids = encode_prompt(pipe.tokenizer, text, raw)
-        request = GenerationRequest(prompt_ids, max_new_tokens, tuple(stop), None if no_spec else spec)
+        request = GenerationRequest(prompt_ids, max_new_tokens, tuple(stop), None if no_spec else spec, sampling)
         result = pipe.engine.generate(request, on_tokens=TextStream(pipe.tokenizer))
     except (UsageError, TreeSpecError, ModelError, ValueError) as exc:
         fail(str(exc))
     sys.stdout.write("\n")
-    err.print(stats_table(result.stats, not no_spec))
+    err.print(stats_table(result.stats, not no_spec, sampling))
 
 
 @app.command()
@@ -132,17 +146,23 @@ def bench(
     questions: Path = typer.Option(Path("../shared/data/spec_bench/question.jsonl"), help="Spec-Bench question.jsonl."),
     out: Path = typer.Option(Path("bench_out"), help="Directory for results.json and results.md."),
     hf_assisted: bool = typer.Option(True, help="Also run HF assisted generation on the same pair."),
+    temperature: float = typer.Option(0.7, help="Temperature of the sampled speculative pass (acceptance under sampling); 0 = skip it."),
+    top_p: float = typer.Option(1.0, help="top-p of the sampled pass."),
+    top_k: int = typer.Option(0, help="top-k of the sampled pass (0 = off)."),
+    seed: Optional[int] = typer.Option(0, help="Seed of the sampled pass (question i uses seed + i)."),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
 ) -> None:
-    """Spec-Bench: target-only vs speculative vs HF assisted generation, greedy, same run."""
+    """Spec-Bench: target-only vs speculative vs HF assisted generation (greedy), plus a sampled
+    speculative pass (default temperature 0.7) for acceptance under sampling; same run."""
     from orchestrator.bench import run_bench
 
     try:
         check_choices(dtype, draft_quant)
+        sampling = sampling_params(temperature, top_p, top_k, seed)
         spec = parse_tree_spec(tree) if tree is not None else SEED_SPEC
         if not questions.is_file():
             raise UsageError(f"--questions: no such file {questions}")
-        run_bench(spec, questions, per_category, max_new_tokens, dtype, draft_quant, out, hf_assisted, threads)
+        run_bench(spec, questions, per_category, max_new_tokens, dtype, draft_quant, out, hf_assisted, threads, sampling)
     except (UsageError, TreeSpecError, ModelError, ValueError) as exc:
         fail(str(exc))
 

@@ -110,3 +110,36 @@ def test_bad_dtype_and_max_new_tokens(pair):
     target, draft = pair
     _assert_clean_failure(run_cli("hello", "--target", str(target), "--dtype", "int3"), "--dtype")
     _assert_clean_failure(run_cli("hello", "--target", str(target), "--max-new-tokens", "0"), "--max-new-tokens")
+
+
+def test_sampled_generation_is_reproducible_with_a_seed(pair):
+    target, draft = pair
+    base = ["--target", str(target), "--draft", str(draft), "--dtype", "float32", "--raw", "--max-new-tokens", "16",
+            "--temperature", "0.8", "--top-p", "0.95", "--top-k", "40", "--seed", "3",
+            "--tree", '{"gamma": 2, "topKSpec": [[3], [2, 1]], "topHead": [1, 2], "treeType": 1}']
+    first, second = run_cli("the quick brown fox", *base), run_cli("the quick brown fox", *base)
+    assert first.returncode == second.returncode == 0, first.stderr
+    assert first.stdout == second.stdout and first.stdout.strip()
+    assert "temperature 0.8, top-p 0.95, top-k 40, seed 3" in first.stderr and "acceptance rate" in first.stderr
+
+
+@pytest.mark.parametrize("option, value", [("--temperature", "-0.5"), ("--top-p", "0"), ("--top-k", "-1")])
+def test_bad_sampling_values(pair, option, value):
+    target, _ = pair
+    _assert_clean_failure(run_cli("hello", "--target", str(target), option, value), option)
+
+
+def test_bench_bad_sampling_value():
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "bench", "--top-p", "1.5"],
+                          capture_output=True, text=True, timeout=300)
+    _assert_clean_failure(proc, "--top-p", "(0, 1]")
+
+
+def test_sampling_option_names_in_messages():
+    from orchestrator.cli import UsageError, sampling_params
+
+    assert sampling_params(0.7, 0.9, 5, 1).temperature == 0.7
+    for args, option in [((-1, 1.0, 0, None), "--temperature"), ((1, 2.0, 0, None), "--top-p"),
+                         ((1, 1.0, -2, None), "--top-k"), ((1, 1.0, 0, -5), "--seed")]:
+        with pytest.raises(UsageError, match=f"^{option}: "):
+            sampling_params(*args)
