@@ -101,6 +101,17 @@ def test_processed_probs_equals_transformers_warpers(params):
     np.testing.assert_allclose(processed_probs(torch.log_softmax(logits, -1), params), ours, atol=1e-6)
 
 
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.999])
+def test_top_p_on_a_large_vocabulary(top_p):
+    """Past 1024 tokens top-p sorts only the most likely candidates (growing them when needed)."""
+    logits = torch.randn(3, 20_000, generator=torch.Generator().manual_seed(4)) * 2  # (B, V)
+    params = SamplingParams(temperature=0.7, top_p=top_p)
+    ours = processed_probs(logits, params)
+    theirs = _transformers_probs(logits, params).double().numpy()
+    np.testing.assert_array_equal(ours > 0, theirs > 0)
+    np.testing.assert_allclose(ours, theirs, atol=1e-7)
+
+
 def test_processing_order_top_k_before_top_p():
     """top-k first renormalises, so top-p then keeps fewer tokens than top-p alone would."""
     logits = torch.log(torch.tensor([0.3, 0.25, 0.2, 0.15, 0.1]))
