@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from specdec.interfaces import VerifyResult
-from specdec.sampling import SamplingParams, accept, processed_probs, residual, sample, without_token
+from specdec.sampling import accept, residual, sample, without_token
 from specdec.tree import ROOT, MalformedTreeError, Proposal, children
 
 

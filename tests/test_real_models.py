@@ -1,19 +1,23 @@
-"""The default real pair (Qwen2.5-Coder 1.5B target, 0.5B draft), float32, greedy, three Spec-Bench prompts.
+"""The default real pair (Qwen2.5-Coder 1.5B target, 0.5B draft), float32, on Spec-Bench prompts.
 
-Speculative output must equal the target alone (transformers ``generate(do_sample=False)`` on the
-same model object), token for token, and the draft must get some tokens accepted.
+Greedy: speculative output must equal the target alone (transformers ``generate(do_sample=False)``
+on the same model object), token for token, and the draft must get some tokens accepted.
+Temperature 0.7: fluent text, accepted draft tokens, and the benchmark table reports them.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
+from orchestrator.bench import markdown_table, run_question, summarize
 from orchestrator.embedded import build_pipeline, encode_prompt
 from orchestrator.engine import GenerationRequest
+from specdec.sampling import SamplingParams
 from specdec.tree_spec import SEED_SPEC, TreeSpec
 
 QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
@@ -55,3 +59,38 @@ def test_default_pair_greedy_equals_target_only(pipe, index, spec):
     assert len(result.tokens) == 32 or result.tokens[-1] in eos
     assert result.stats.acceptance_rate > 0
     assert result.stats.rounds < len(result.tokens)  # speculation committed more than one token per round
+
+
+def _mean_target_nll(pipe, prompt_ids, tokens) -> float:
+    """Mean negative log-likelihood (nats/token) of ``tokens`` after the prompt under the target."""
+    ids = torch.tensor([prompt_ids + tokens])
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(pipe.target_model(ids).logits[0, len(prompt_ids) - 1 : -1].float(), -1)
+    return float(-logprobs.gather(1, torch.tensor(tokens)[:, None]).mean())
+
+
+@pytest.mark.parametrize("tree_type", [0, 1])
+def test_default_pair_sampled_text_is_fluent(pipe, tree_type):
+    """Temperature 0.7: readable text (the target finds it likely: a few nats/token at most, where
+    random tokens cost ~12) and accepted draft tokens, for both tree types."""
+    prompt_ids = encode_prompt(pipe.tokenizer, spec_bench_prompts()[0], raw=False)
+    spec = SEED_SPEC.model_copy(update={"tree_type": tree_type})
+    result = pipe.engine.generate(GenerationRequest(prompt_ids, 32, spec=spec, sampling=SamplingParams(temperature=0.7, seed=0)))
+    text = pipe.tokenizer.decode(result.tokens, skip_special_tokens=True)
+    stats = result.stats
+    print(f"treeType {tree_type}, T=0.7: acceptance rate {stats.acceptance_rate:.3f}, mean accepted length "
+          f"{stats.mean_accepted_length:.2f}, {stats.tokens_per_s:.2f} tokens/s: {text!r}")
+    assert len(re.findall(r"[A-Za-z]{2,}", text)) >= 5, text
+    assert sum(ch.isprintable() or ch.isspace() for ch in text) >= 0.95 * len(text), text
+    assert _mean_target_nll(pipe, prompt_ids, result.tokens) < 2.5, text
+    assert stats.acceptance_rate > 0 and stats.mean_accepted_length > 1
+
+
+def test_benchmark_table_reports_sampled_acceptance(pipe):
+    prompt_ids = encode_prompt(pipe.tokenizer, spec_bench_prompts()[1], raw=False)
+    row = run_question(pipe, prompt_ids, SEED_SPEC, 24, hf_assisted=False, sampling=SamplingParams(temperature=0.7, seed=0))
+    summary = summarize([row])
+    print(markdown_table({"overall": summary}, temperature=0.7))
+    assert summary["sampled_acceptance_rate"] > 0 and summary["sampled_mean_accepted_length"] > 1
+    table = markdown_table({"overall": summary}, temperature=0.7)
+    assert "T=0.7 acc rate" in table.splitlines()[0]
