@@ -23,7 +23,7 @@ import torch
 
 from draft_service.tree_builder import build_tree
 from specdec.forward import model_forward
-from specdec.kv_cache import cache_length, compact_kv, new_cache
+from specdec.kv_cache import cache_length, compact_kv, new_cache, truncate_kv
 from specdec.sampling import GREEDY, SamplingParams, session_rng
 from specdec.tree import ROOT, DraftTree, additive_mask, ancestors, node_depths
 from specdec.tree_spec import TreeSpec
@@ -68,6 +68,7 @@ class DraftRuntime:
     def propose(self, session_id: str, spec: TreeSpec, max_depth: int) -> DraftTree:
         """Grow a tree after the session's committed tokens; gamma is capped at max_depth (>= 1)."""
         s = self._session(session_id)
+        truncate_kv(s.cache, s.cached_len)  # drop an uncommitted earlier proposal (a retry)
         s.slot_of_node = {}
 
         def expand(nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from specdec.models import ModelError
 from specdec.sampling import SamplingParams, SamplingParamsError
-from specdec.tree_spec import SEED_SPEC, TreeSpecError, parse_tree_spec
+from specdec.tree_spec import DEFAULT_SPEC, TreeSpecError, parse_tree_spec
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Tree speculative decoding (draft + target).")
 err = Console(stderr=True)
@@ -32,8 +32,8 @@ def fail(message: str) -> None:
 def check_choices(dtype: str, draft_quant: str) -> None:
     if dtype not in ("auto", "bfloat16", "float32", "float16"):
         raise UsageError(f"--dtype: expected auto, bfloat16, float32 or float16, got {dtype!r}")
-    if draft_quant not in ("none", "int8"):
-        raise UsageError(f"--draft-quant: expected none or int8, got {draft_quant!r}")
+    if draft_quant not in ("auto", "none", "int8"):
+        raise UsageError(f"--draft-quant: expected auto, none or int8, got {draft_quant!r}")
 
 
 def sampling_params(temperature: float, top_p: float, top_k: int, seed: Optional[int]) -> SamplingParams:
@@ -101,8 +101,8 @@ def generate(
     target: Optional[str] = typer.Option(None, help="Target model: transformers directory or .gguf file (default: Qwen2.5-Coder-1.5B-Instruct)."),
     draft: Optional[str] = typer.Option(None, help="Draft model: transformers directory or .gguf file (default: Qwen2.5-Coder-0.5B-Instruct)."),
     dtype: str = typer.Option("auto", help="auto (bfloat16 where the CPU has native bf16 GEMM, else float32), bfloat16, float32 (exact greedy equality) or float16."),
-    draft_quant: str = typer.Option("none", help="none or int8 (dynamic int8 draft: cheaper drafting; output unchanged)."),
-    tree: Optional[str] = typer.Option(None, help="TreeSpec as inline JSON or a JSON file (default: the seed spec)."),
+    draft_quant: str = typer.Option("auto", help="auto (int8 on CPU), none or int8: a dynamic-int8 draft drafts cheaper; output unchanged."),
+    tree: Optional[str] = typer.Option(None, help="TreeSpec as inline JSON or a JSON file (default: top-3 at the root, then a chain of 3)."),
     max_new_tokens: int = typer.Option(128, help="Maximum new tokens."),
     temperature: float = typer.Option(0.0, help="0 = greedy (output equals the target alone); > 0 samples, with exactly the target's distribution."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling mass in (0, 1]; 1 = off."),
@@ -123,7 +123,7 @@ def generate(
         if max_new_tokens < 1:
             raise UsageError(f"--max-new-tokens: must be >= 1, got {max_new_tokens}")
         sampling = sampling_params(temperature, top_p, top_k, seed)
-        spec = parse_tree_spec(tree) if tree is not None else SEED_SPEC
+        spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
         text = read_prompt(prompt, prompt_file)
         set_threads(threads)
         pipe = build_pipeline(target, draft, dtype, speculate=not no_spec, max_context=max_context, draft_quant=draft_quant)
@@ -140,9 +140,9 @@ def generate(
 def bench(
     per_category: int = typer.Option(2, help="Spec-Bench questions per category."),
     max_new_tokens: int = typer.Option(64, help="New tokens per question."),
-    tree: Optional[str] = typer.Option(None, help="TreeSpec (inline JSON or file; default: the seed spec)."),
+    tree: Optional[str] = typer.Option(None, help="TreeSpec (inline JSON or file; default: top-3 at the root, then a chain of 3)."),
     dtype: str = typer.Option("auto", help="Model dtype (auto, bfloat16, float32, float16)."),
-    draft_quant: str = typer.Option("none", help="none or int8 draft."),
+    draft_quant: str = typer.Option("auto", help="auto (int8 on CPU), none or int8 draft."),
     questions: Path = typer.Option(Path("../shared/data/spec_bench/question.jsonl"), help="Spec-Bench question.jsonl."),
     out: Path = typer.Option(Path("bench_out"), help="Directory for results.json and results.md."),
     hf_assisted: bool = typer.Option(True, help="Also run HF assisted generation on the same pair."),
@@ -159,7 +159,7 @@ def bench(
     try:
         check_choices(dtype, draft_quant)
         sampling = sampling_params(temperature, top_p, top_k, seed)
-        spec = parse_tree_spec(tree) if tree is not None else SEED_SPEC
+        spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
         if not questions.is_file():
             raise UsageError(f"--questions: no such file {questions}")
         run_bench(spec, questions, per_category, max_new_tokens, dtype, draft_quant, out, hf_assisted, threads, sampling)

@@ -184,5 +184,7 @@ class SpeculativeEngine:
                 f"prompt: {len(request.prompt_ids)} tokens leave no room under the context limit "
                 f"of {self.context_limit} tokens"
             )
+        if request.stop_strings and self.decode is None:
+            raise ValueError("stop_strings: this engine has no decode function (tokenizer) to match text")
         if request.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be >= 1, got {request.max_new_tokens}")
