@@ -23,14 +23,11 @@ import torch
 
 from draft_service.tree_builder import build_tree
 from specdec.forward import model_forward
+from specdec.interfaces import UnknownSessionError
 from specdec.kv_cache import cache_length, compact_kv, new_cache, truncate_kv
 from specdec.sampling import GREEDY, SamplingParams, session_rng
 from specdec.tree import ROOT, DraftTree, additive_mask, ancestors, node_depths
 from specdec.tree_spec import TreeSpec
-
-
-class UnknownSessionError(KeyError):
-    """No session with that id (never started, or released)."""
 
 
 @dataclass
@@ -41,6 +38,7 @@ class DraftSession:
     sampling: SamplingParams = GREEDY
     rng: np.random.Generator | None = None  # sampled requests only
     slot_of_node: dict[int, int] = field(default_factory=dict)  # last tree's fed nodes -> cache slot
+    round_start: int | None = None  # cached_len before an uncommitted proposal (for a retry)
 
 
 class DraftRuntime:
@@ -68,8 +66,15 @@ class DraftRuntime:
     def propose(self, session_id: str, spec: TreeSpec, max_depth: int) -> DraftTree:
         """Grow a tree after the session's committed tokens; gamma is capped at max_depth (>= 1)."""
         s = self._session(session_id)
-        truncate_kv(s.cache, s.cached_len)  # drop an uncommitted earlier proposal (a retry)
+        if s.round_start is not None:  # a retry: drop the uncommitted proposal, pending tokens included
+            s.cached_len = s.round_start
+            truncate_kv(s.cache, s.cached_len)
+        s.round_start = s.cached_len
         s.slot_of_node = {}
+        if max(s.tokens[s.cached_len :]) >= self.model.config.vocab_size:
+            # The target committed an id the draft has no embedding for (its vocabulary is
+            # smaller): no tree from here on; the engine verifies the empty tree = plain decoding.
+            return DraftTree((), ())
 
         def expand(nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
             if nodes == [ROOT]:
@@ -113,3 +118,4 @@ class DraftRuntime:
         s.cached_len += len(fed)
         s.tokens.extend(tokens)
         s.slot_of_node = {}
+        s.round_start = None

@@ -92,7 +92,7 @@ def _pick_children(k: int, row, greedy: bool, sampled: bool, rng) -> tuple[list[
     without replacement from q, else keep its top-k. At most q's support when sampling.
     """
     if greedy:
-        values, ids = row.topk(k)
+        values, ids = row.topk(min(k, row.numel()))
         return ids.tolist(), values.tolist()
     if sampled:
         ids = sample_without_replacement(row, k, rng)  # draw order

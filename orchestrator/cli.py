@@ -29,6 +29,13 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+def check_positive(**options) -> None:
+    """Each option (name=value, None allowed) must be >= 1; raises UsageError naming it."""
+    for name, value in options.items():
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
+
+
 def check_choices(dtype: str, draft_quant: str) -> None:
     if dtype not in ("auto", "bfloat16", "float32", "float16"):
         raise UsageError(f"--dtype: expected auto, bfloat16, float32 or float16, got {dtype!r}")
@@ -48,7 +55,10 @@ def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
     if prompt_file is not None:
         if not prompt_file.is_file():
             raise UsageError(f"--prompt-file: no such file {prompt_file}")
-        text = prompt_file.read_text()
+        try:
+            text = prompt_file.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"--prompt-file: cannot read {prompt_file}: {exc}") from None
     elif prompt == "-":
         text = sys.stdin.read()
     elif prompt is None:
@@ -120,8 +130,7 @@ def generate(
 
     try:
         check_choices(dtype, draft_quant)
-        if max_new_tokens < 1:
-            raise UsageError(f"--max-new-tokens: must be >= 1, got {max_new_tokens}")
+        check_positive(max_new_tokens=max_new_tokens, threads=threads)
         sampling = sampling_params(temperature, top_p, top_k, seed)
         spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
         text = read_prompt(prompt, prompt_file)
@@ -158,6 +167,7 @@ def bench(
 
     try:
         check_choices(dtype, draft_quant)
+        check_positive(per_category=per_category, max_new_tokens=max_new_tokens, threads=threads)
         sampling = sampling_params(temperature, top_p, top_k, seed)
         spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
         if not questions.is_file():

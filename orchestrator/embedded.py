@@ -10,7 +10,7 @@ import torch
 from draft_service.runtime import DraftRuntime
 from orchestrator.engine import SpeculativeEngine
 from specdec.cpu_linear import default_cpu_dtype, prepack_linears
-from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, ModelError, check_pair, load_model, resolve_model_dir
+from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, ModelError, check_pair, check_supported, load_model, resolve_model_dir
 from target_service.runtime import TargetRuntime
 
 
@@ -82,10 +82,12 @@ def build_pipeline(
     """
     dtype = resolve_dtype(dtype, device)
     target_model, tokenizer = load_model(resolve_model_dir(target, DEFAULT_TARGET, "--target"), dtype, device)
+    check_supported(target_model, "--target")
     prepack_linears(target_model)
     draft_model = draft_runtime = None
     if speculate:
         draft_model, draft_tok = load_model(resolve_model_dir(draft, DEFAULT_DRAFT, "--draft"), dtype, device)
+        check_supported(draft_model, "--draft")
         check_pair(draft_model, draft_tok, target_model, tokenizer)
         if resolve_draft_quant(draft_quant, device) == "int8":
             draft_model = quantize_draft(draft_model)

@@ -61,6 +61,10 @@ class GenerationRequest:
     spec: TreeSpec | None = None  # None = plain target decoding (no draft)
     sampling: SamplingParams = GREEDY  # temperature 0 = greedy; applied identically by draft and target
 
+    def __post_init__(self):
+        if isinstance(self.stop_strings, str):  # one stop string, not one per character
+            self.stop_strings = (self.stop_strings,)
+
 
 @dataclass
 class _Run:
@@ -114,7 +118,7 @@ class SpeculativeEngine:
         callbacks = list(on_tokens) if on_tokens is not None else [None] * len(requests)
         runs: list[_Run] = []
         try:
-            for request, callback in zip(requests, callbacks):
+            for request, callback in zip(requests, callbacks, strict=True):
                 runs.append(self._open(request, callback))
             active = list(runs)
             while active:
@@ -184,6 +188,8 @@ class SpeculativeEngine:
                 f"prompt: {len(request.prompt_ids)} tokens leave no room under the context limit "
                 f"of {self.context_limit} tokens"
             )
+        if any(not s for s in request.stop_strings):
+            raise ValueError("stop_strings: an empty stop string would stop after the first token")
         if request.stop_strings and self.decode is None:
             raise ValueError("stop_strings: this engine has no decode function (tokenizer) to match text")
         if request.max_new_tokens < 1:

@@ -26,7 +26,7 @@ class StopChecker:
     decode: object = None
     generated: list[int] = field(default_factory=list)
     reason: str | None = None
-    _text_len: int = 0
+    _text: str = ""
 
     def push(self, token: int) -> bool:
         """Record one committed token; True if generation stops after it."""
@@ -46,9 +46,12 @@ class StopChecker:
         if not self.stop_strings:
             return False
         text = self.decode(self.generated)
-        # Only a match that ends inside the newly decoded part is new (it may span tokens).
-        hit = any(text.find(s, max(0, self._text_len - len(s) + 1)) >= 0 for s in self.stop_strings)
-        self._text_len = len(text)
+        # Only a match that ends inside the changed part is new (it may span tokens). The changed
+        # part starts where old and new text first differ: a multi-byte character split across
+        # tokens decodes as U+FFFD first and changes in place once complete.
+        same = next((i for i, (a, b) in enumerate(zip(self._text, text)) if a != b), min(len(self._text), len(text)))
+        hit = any(text.find(s, max(0, same - len(s) + 1)) >= 0 for s in self.stop_strings)
+        self._text = text
         return hit
 
     def budget(self) -> int:

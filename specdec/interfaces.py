@@ -20,6 +20,10 @@ from specdec.tree import DraftTree
 from specdec.tree_spec import TreeSpec
 
 
+class UnknownSessionError(KeyError):
+    """No session with that id on a worker (never started, or released)."""
+
+
 @dataclass(frozen=True)
 class VerifyResult:
     """Outcome of verifying one tree.

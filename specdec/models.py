@@ -153,12 +153,26 @@ def load_model(model_dir: Path, dtype: str, device: str = "cpu"):
     return model, tokenizer
 
 
+def check_supported(model, flag: str) -> None:
+    """Refuse models whose KV cache our rollback cannot compact (sliding-window attention layers).
+
+    Raises ModelError naming ``flag``.
+    """
+    config = model.config
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        raise ModelError(f"{flag}: sliding-window attention is not supported (KV rollback needs full caches)")
+    if getattr(config, "layer_types", None) and any(t != "full_attention" for t in config.layer_types):
+        raise ModelError(f"{flag}: only full-attention layers are supported, got {sorted(set(config.layer_types))}")
+
+
 def check_pair(draft, draft_tok, target, target_tok) -> None:
     """Refuse a draft/target pair that cannot be verified token for token.
 
     Speculative decoding compares draft and target distributions per token id, so both
     tokenizers must map the same strings to the same ids and agree on special tokens; both
-    models must compute in the same dtype. Raises ModelError naming what differs.
+    models must be loaded in the same dtype (a float32 target beside a bf16 draft is a silent
+    slowdown; quantizing the draft afterwards is a deliberate choice, see --draft-quant). Raises
+    ModelError naming what differs.
     """
     if draft_tok.get_vocab() != target_tok.get_vocab():
         d, t = draft_tok.get_vocab(), target_tok.get_vocab()

@@ -38,6 +38,9 @@ class SamplingParamsError(ValueError):
         self.detail = message
 
 
+MIN_TEMPERATURE = 1e-3  # below it logits / temperature overflow float64 for real logit ranges
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling parameters.
@@ -57,6 +60,10 @@ class SamplingParams:
             raise SamplingParamsError("temperature", f"expected a number, got {self.temperature!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise SamplingParamsError("temperature", f"must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise SamplingParamsError(
+                "temperature", f"must be 0 (greedy) or >= {MIN_TEMPERATURE} (smaller overflows the softmax), got {self.temperature}"
+            )
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
             raise SamplingParamsError("top_p", f"expected a number, got {self.top_p!r}")
         if not 0 < self.top_p <= 1:

@@ -12,7 +12,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
+
+
+MAX_TREE_NODES = 512  # what a target accepts in one verify (target_service.runtime)
 
 
 class TreeSpecError(ValueError):
@@ -24,10 +27,10 @@ class TreeSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
-    gamma: int = Field(ge=1, le=64)
-    top_k_spec: tuple[tuple[int, ...], ...] = Field(alias="topKSpec")
-    top_head: tuple[int, ...] = Field(alias="topHead")
-    tree_type: int = Field(default=0, alias="treeType", ge=0, le=1)
+    gamma: StrictInt = Field(ge=1, le=64)
+    top_k_spec: tuple[tuple[StrictInt, ...], ...] = Field(alias="topKSpec")
+    top_head: tuple[StrictInt, ...] = Field(alias="topHead")
+    tree_type: StrictInt = Field(default=0, alias="treeType", ge=0, le=1)
     gamma_threshold: float = Field(default=0.0, alias="gammaThreshold", ge=0.0, le=1.0)
 
     @model_validator(mode="after")
@@ -51,6 +54,8 @@ class TreeSpec(BaseModel):
                     f"topHead[{d}]: {heads} nodes to expand but depth {d} has only "
                     f"{sum(self.top_k_spec[d - 1])} nodes"
                 )
+        if self.num_nodes > MAX_TREE_NODES:
+            raise ValueError(f"topKSpec: {self.num_nodes} nodes exceed the limit of {MAX_TREE_NODES}")
         return self
 
     @property

@@ -19,15 +19,12 @@ import numpy as np
 import torch
 
 from specdec.forward import model_forward
-from specdec.interfaces import VerifyResult
-from specdec.kv_cache import compact_kv, new_cache
+from specdec.interfaces import UnknownSessionError, VerifyResult
+from specdec.kv_cache import compact_kv, new_cache, truncate_kv
 from specdec.sampling import GREEDY, SamplingParams, processed_probs, session_rng
+from specdec.tree_spec import MAX_TREE_NODES
 from specdec.tree import DraftTree, tree_attention_mask, tree_position_ids, validate_tree
 from target_service.verifier import verify_greedy, verify_sampled
-
-
-class UnknownSessionError(KeyError):
-    """No session with that id (never started, or released)."""
 
 
 class SessionStateError(RuntimeError):
@@ -47,7 +44,7 @@ class TargetSession:
 class TargetRuntime:
     """Implements TargetWorker (specdec.interfaces) over a transformers causal LM."""
 
-    def __init__(self, model, max_tree_nodes: int = 512):
+    def __init__(self, model, max_tree_nodes: int = MAX_TREE_NODES):
         self.model = model
         self.vocab_size = model.config.vocab_size
         self.max_tree_nodes = max_tree_nodes
@@ -78,6 +75,7 @@ class TargetRuntime:
         """One forward over [R, nodes]: [N + 1, V] float32. The cache grows by N + 1 slots."""
         s = self._session(session_id)
         validate_tree(tree.tokens, tree.parents, self.vocab_size, self.max_tree_nodes)
+        truncate_kv(s.cache, s.cache_len)  # drop the slots of an earlier verify that failed mid-way
         positions = tree_position_ids(tree.parents, s.cache_len)  # (N + 1,)
         mask = tree_attention_mask(tree.parents, s.cache_len, self.model.dtype)  # (1, 1, N+1, L+N+1)
         return model_forward(self.model, s.cache, [s.root, *tree.tokens], positions, mask)

@@ -108,6 +108,10 @@ def test_prompt_over_context_limit(pair):
 
 def test_bad_dtype_and_max_new_tokens(pair):
     target, draft = pair
+    _assert_clean_failure(run_cli("hello", "--target", str(target), "--threads", "-1"), "--threads")
+    bench = subprocess.run([sys.executable, "-m", "orchestrator.cli", "bench", "--per-category", "0"],
+                           capture_output=True, text=True, timeout=120)
+    _assert_clean_failure(bench, "--per-category")
     _assert_clean_failure(run_cli("hello", "--target", str(target), "--dtype", "int3"), "--dtype")
     _assert_clean_failure(run_cli("hello", "--target", str(target), "--max-new-tokens", "0"), "--max-new-tokens")
 
