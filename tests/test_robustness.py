@@ -23,8 +23,8 @@ def test_target_verify_recovers_after_a_failed_verify():
     runtime = TargetRuntime(target)
     prompt = random_prompt(3, length=6)
     runtime.start("s", prompt)
-    # A failure after the forward (here: a bad pending commit state is simulated by a forward
-    # whose result is dropped) must not leave the tree's slots in the cache.
+    # A verify that fails after its forward (e.g. a bad proposal found while sampling) leaves the
+    # tree's slots in the cache; run that forward alone to leave them there, as such a failure would.
     runtime.tree_logits("s", DraftTree((5, 6, 7), (-1, 0, 1)))
     result = runtime.verify("s", DraftTree((), ()))
     runtime.commit("s", 1)
