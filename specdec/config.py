@@ -1,0 +1,162 @@
+"""Service configuration: one YAML file drives ``specdec serve`` locally and the Kubernetes ConfigMap.
+
+    specdec serve --config deploy/specdec.yaml
+
+Every field has a default, so an empty file (or none) is a valid config; flags override fields.
+Errors (unknown keys, bad values, a malformed tree) raise ConfigError naming the field, e.g.
+``target.port: Input should be less than or equal to 65535``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from specdec.tree_spec import DEFAULT_SPEC, TreeSpec, TreeSpecError, parse_tree_spec
+
+
+class ConfigError(ValueError):
+    """An invalid service config; the message names the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelsConfig(_Section):
+    target: str | None = None        # model dir (None = the default real pair's target)
+    draft: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    draft_quant: Literal["auto", "none", "int8"] = "auto"
+    device: str = "cpu"
+    max_context: int | None = Field(default=None, ge=2)
+    threads: int | None = Field(default=None, ge=1)
+
+
+class GrpcConfig(_Section):
+    max_message_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    shutdown_grace_s: float = Field(default=10.0, ge=0)   # SIGTERM: finish in-flight calls this long
+
+
+class DraftServerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=50061, ge=0, le=65535)      # 0 = ephemeral
+    max_sessions: int = Field(default=256, ge=1)
+
+
+class TargetServerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=50062, ge=0, le=65535)
+    tp: int = Field(default=1, ge=1)                      # tensor-parallel ranks
+    max_batch: int = Field(default=8, ge=1)               # sessions merged into one verify forward
+    batch_wait_ms: float = Field(default=2.0, ge=0)       # how long a verify waits for company
+    max_kv_tokens: int = Field(default=1 << 20, ge=1)     # KV slots over all sessions (RESOURCE_EXHAUSTED past it)
+    max_tree_nodes: int = Field(default=512, ge=1)
+
+
+class DynamicGammaConfig(_Section):
+    enabled: bool = True
+    min_gamma: int = Field(default=1, ge=1)
+    max_gamma: int = Field(default=8, ge=1)
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.min_gamma > self.max_gamma:
+            raise ValueError(f"min_gamma {self.min_gamma} > max_gamma {self.max_gamma}")
+        return self
+
+
+class FallbackConfig(_Section):
+    window: int = Field(default=8, ge=1)                  # rounds in the sliding acceptance window
+    min_acceptance: float = Field(default=0.1, ge=0, le=1)   # below it (full window) speculation is off
+    probe_every: int = Field(default=16, ge=1)            # plain rounds before speculation is retried
+    draft_deadline_ms: float = Field(default=2000.0, gt=0)   # a slower draft reply falls back
+    reconnect_s: float = Field(default=2.0, gt=0)         # wait before re-opening a failed draft
+
+
+class MonitorConfig(_Section):
+    window: int = Field(default=32, ge=1)                 # rounds per acceptance window
+    alert_threshold: float = Field(default=0.5, ge=0, le=1)
+    alert_windows: int = Field(default=3, ge=1)           # consecutive low windows before an alert
+
+
+class FrontConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=50060, ge=0, le=65535)
+    draft_address: str = "127.0.0.1:50061"
+    target_address: str = "127.0.0.1:50062"
+    tokenizer: str | None = None                          # model dir for the tokenizer (None = models.target)
+    max_new_tokens: int = Field(default=256, ge=1)
+    max_prompt_tokens: int = Field(default=8192, ge=1)
+    tree: TreeSpec = DEFAULT_SPEC
+    speculate: bool = True
+    dynamic_gamma: DynamicGammaConfig = DynamicGammaConfig()
+    fallback: FallbackConfig = FallbackConfig()
+    monitor: MonitorConfig = MonitorConfig()
+    ray_address: str | None = None                        # None = start a local Ray; "auto" or ray://... = attach
+    ray_num_cpus: int | None = Field(default=None, ge=1)
+    workers: int = Field(default=1, ge=1)                 # orchestrator actors
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)   # Prometheus /metrics (None = off)
+
+    @field_validator("tree", mode="before")
+    @classmethod
+    def _tree(cls, value):
+        if isinstance(value, TreeSpec):
+            return value
+        try:
+            return parse_tree_spec(value)
+        except TreeSpecError as exc:
+            raise ValueError(str(exc)) from exc
+
+
+class ServeConfig(_Section):
+    models: ModelsConfig = ModelsConfig()
+    grpc: GrpcConfig = GrpcConfig()
+    draft: DraftServerConfig = DraftServerConfig()
+    target: TargetServerConfig = TargetServerConfig()
+    front: FrontConfig = FrontConfig()
+
+
+def load_config(path: str | Path | None = None, overrides: dict | None = None) -> ServeConfig:
+    """Read a YAML config (None = defaults) and apply dotted overrides, e.g. {"target.port": 0}.
+
+    Raises ConfigError naming the field (or the file, when it is unreadable or not YAML).
+    """
+    data: dict = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"--config: cannot read {path}: {exc.strerror or exc}") from exc
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--config: {path} is not valid YAML ({exc})") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"--config: {path} must hold a mapping at the top level")
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    try:
+        return ServeConfig.model_validate(data)
+    except ValidationError as exc:
+        parts = []
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err["loc"])
+            parts.append(f"{loc}: {err['msg'].removeprefix('Value error, ')}")
+        raise ConfigError("invalid config: " + "; ".join(parts)) from exc
+
+
+def dump_config(config: ServeConfig) -> str:
+    """YAML of a config (TreeSpec in its JSON field names), loadable by ``load_config``."""
+    data = config.model_dump(mode="json")
+    data["front"]["tree"] = config.front.tree.model_dump(mode="json", by_alias=True)
+    return yaml.safe_dump(data, sort_keys=False)

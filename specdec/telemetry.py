@@ -1,0 +1,80 @@
+"""OpenTelemetry set-up: one tracer provider per process, gRPC instrumentation, exporter from OTEL_*.
+
+Exporter choice follows the standard variables: ``OTEL_TRACES_EXPORTER`` = ``otlp`` | ``console`` |
+``none`` (default: ``otlp`` when ``OTEL_EXPORTER_OTLP_ENDPOINT`` or
+``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is set, else ``none``); the OTLP exporter (gRPC) reads its
+endpoint, headers and timeout from the same variables; ``OTEL_SERVICE_NAME`` overrides the service
+name; ``OTEL_SDK_DISABLED=true`` turns tracing off. Tests pass their own exporter (in-memory).
+
+Span names used across the services: ``round`` (orchestrator, one per speculation round, with
+``draft``, ``verify`` and ``commit`` children), ``draft.propose`` (draft service), ``target.verify``
+(target service), plus the gRPC client/server spans of the instrumentation, which carry the trace
+context between processes.
+"""
+
+from __future__ import annotations
+
+import os
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor, SpanExporter
+
+_configured: TracerProvider | None = None
+_instrumented = False
+
+
+def _env_exporter() -> SpanExporter | None:
+    choice = os.environ.get("OTEL_TRACES_EXPORTER")
+    if choice is None:
+        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        choice = "otlp" if endpoint else "none"
+    choice = choice.split(",")[0].strip().lower()
+    if choice == "none":
+        return None
+    if choice == "console":
+        return ConsoleSpanExporter()
+    if choice == "otlp":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter()
+    raise ValueError(f"OTEL_TRACES_EXPORTER: unsupported exporter {choice!r} (otlp, console or none)")
+
+
+def setup_tracing(service_name: str, exporter: SpanExporter | None = None, simple: bool = False) -> TracerProvider | None:
+    """Install this process's tracer provider (once) and instrument gRPC (client and server, aio).
+
+    exporter: overrides the OTEL_* choice (tests: InMemorySpanExporter); simple: export each span
+    at once (SimpleSpanProcessor) instead of batching. Returns the provider, or None when disabled.
+    Raises ValueError for an unknown OTEL_TRACES_EXPORTER.
+    """
+    global _configured, _instrumented
+    if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        return None
+    if _configured is None:
+        exporter = exporter if exporter is not None else _env_exporter()
+        provider = TracerProvider(resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)}))
+        if exporter is not None:
+            provider.add_span_processor(SimpleSpanProcessor(exporter) if simple else BatchSpanProcessor(exporter))
+        trace.set_tracer_provider(provider)
+        _configured = provider
+    elif exporter is not None:
+        _configured.add_span_processor(SimpleSpanProcessor(exporter) if simple else BatchSpanProcessor(exporter))
+    if not _instrumented:
+        from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient, GrpcAioInstrumentorServer
+
+        GrpcAioInstrumentorServer().instrument()
+        GrpcAioInstrumentorClient().instrument()
+        _instrumented = True
+    return _configured
+
+
+def shutdown_tracing() -> None:
+    """Flush and stop the exporter (call before a process exits)."""
+    if _configured is not None:
+        _configured.shutdown()
+
+
+def tracer(name: str) -> trace.Tracer:
+    return trace.get_tracer(name)

@@ -1,0 +1,72 @@
+from specdec.v1 import tree_pb2 as _tree_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DraftRequest(_message.Message):
+    __slots__ = ("start", "propose", "commit")
+    START_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    start: DraftStart
+    propose: TreeRequest
+    commit: DraftCommit
+    def __init__(self, start: _Optional[_Union[DraftStart, _Mapping]] = ..., propose: _Optional[_Union[TreeRequest, _Mapping]] = ..., commit: _Optional[_Union[DraftCommit, _Mapping]] = ...) -> None: ...
+
+class DraftStart(_message.Message):
+    __slots__ = ("session_id", "prompt_ids", "sampling")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _tree_pb2.SamplingParams
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_tree_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class TreeRequest(_message.Message):
+    __slots__ = ("spec", "max_depth", "round")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    spec: _tree_pb2.TreeSpec
+    max_depth: int
+    round: int
+    def __init__(self, spec: _Optional[_Union[_tree_pb2.TreeSpec, _Mapping]] = ..., max_depth: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
+
+class DraftCommit(_message.Message):
+    __slots__ = ("tokens", "accepted_nodes")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DraftResponse(_message.Message):
+    __slots__ = ("started", "tree")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    started: DraftStarted
+    tree: DraftTreeReply
+    def __init__(self, started: _Optional[_Union[DraftStarted, _Mapping]] = ..., tree: _Optional[_Union[DraftTreeReply, _Mapping]] = ...) -> None: ...
+
+class DraftStarted(_message.Message):
+    __slots__ = ("cached_tokens", "context_limit")
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    cached_tokens: int
+    context_limit: int
+    def __init__(self, cached_tokens: _Optional[int] = ..., context_limit: _Optional[int] = ...) -> None: ...
+
+class DraftTreeReply(_message.Message):
+    __slots__ = ("round", "tree", "draft_ms")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    tree: _tree_pb2.TokenTree
+    draft_ms: float
+    def __init__(self, round: _Optional[int] = ..., tree: _Optional[_Union[_tree_pb2.TokenTree, _Mapping]] = ..., draft_ms: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,78 @@
+from specdec.v1 import tree_pb2 as _tree_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt", "prompt_ids", "raw", "max_new_tokens", "stop", "sampling", "tree", "no_spec")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    RAW_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    NO_SPEC_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    raw: bool
+    max_new_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    sampling: _tree_pb2.SamplingParams
+    tree: _tree_pb2.TreeSpec
+    no_spec: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., raw: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., sampling: _Optional[_Union[_tree_pb2.SamplingParams, _Mapping]] = ..., tree: _Optional[_Union[_tree_pb2.TreeSpec, _Mapping]] = ..., no_spec: _Optional[bool] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "token_ids", "text_delta", "stats")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text_delta: str
+    stats: FinalStats
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., stats: _Optional[_Union[FinalStats, _Mapping]] = ...) -> None: ...
+
+class FinalStats(_message.Message):
+    __slots__ = ("new_tokens", "prompt_tokens", "rounds", "acceptance_rate", "mean_accepted_length", "ttft_ms", "total_s", "stop_reason", "fallback_rounds", "final_gamma")
+    NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_GAMMA_FIELD_NUMBER: _ClassVar[int]
+    new_tokens: int
+    prompt_tokens: int
+    rounds: int
+    acceptance_rate: float
+    mean_accepted_length: float
+    ttft_ms: float
+    total_s: float
+    stop_reason: str
+    fallback_rounds: int
+    final_gamma: int
+    def __init__(self, new_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_s: _Optional[float] = ..., stop_reason: _Optional[str] = ..., fallback_rounds: _Optional[int] = ..., final_gamma: _Optional[int] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("aborted",)
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    aborted: bool
+    def __init__(self, aborted: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,103 @@
+"""Conversions between the in-process types and the wire messages (protos/specdec/v1).
+
+The receiving side never trusts a message: ``tree_from_proto`` checks every rule of the tree format
+(array lengths, parents in range and topological, token ids inside the vocabulary, node and depth
+limits, finite draft log-probabilities, proposals that are probability vectors over valid ids) and
+raises MalformedTreeError naming the field; ``sampling_from_proto`` and ``spec_from_proto`` raise
+SamplingParamsError / TreeSpecError naming theirs. Servers map all three to INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from specdec.sampling import SamplingParams
+from specdec.tree import DraftTree, MalformedTreeError, Proposal, node_depths, validate_tree
+from specdec.tree_spec import TreeSpec, parse_tree_spec
+from specdec.v1 import tree_pb2
+
+MAX_TREE_DEPTH = 64  # TreeSpec.gamma's upper bound
+
+
+def tree_to_proto(tree: DraftTree) -> tree_pb2.TokenTree:
+    msg = tree_pb2.TokenTree(
+        tokens=list(tree.tokens), parents=list(tree.parents),
+        draft_logprobs=list(tree.draft_logprobs), expanded=list(tree.expanded),
+    )
+    for prop in tree.proposals:
+        token_ids, probs = prop.sparse()
+        msg.proposals.add(parent=prop.parent, token_ids=token_ids.tolist(), probs=probs.tolist())
+    return msg
+
+
+def tree_from_proto(msg: tree_pb2.TokenTree, vocab_size: int, max_nodes: int, max_depth: int = MAX_TREE_DEPTH) -> DraftTree:
+    """An untrusted TokenTree -> DraftTree. Raises MalformedTreeError naming the bad field.
+
+    vocab_size: V of the receiving model (token ids and proposal ids must be < V); max_nodes: N cap.
+    """
+    tokens, parents = tuple(msg.tokens), tuple(msg.parents)
+    n = len(tokens)
+    if n > max_nodes:
+        raise MalformedTreeError(f"tokens: {n} nodes exceed the limit of {max_nodes}")
+    validate_tree(tokens, parents, vocab_size, max_nodes)
+    for name in ("draft_logprobs", "expanded"):
+        if len(getattr(msg, name)) not in (0, n):
+            raise MalformedTreeError(f"{name}: length {len(getattr(msg, name))} != tokens length {n}")
+    for i, lp in enumerate(msg.draft_logprobs):
+        if math.isnan(lp) or lp > 1e-4:
+            raise MalformedTreeError(f"draft_logprobs[{i}] = {lp}: must be a log-probability (<= 0, not NaN)")
+    if n and max(node_depths(parents)) > max_depth:
+        raise MalformedTreeError(f"parents: tree depth {max(node_depths(parents))} exceeds the limit of {max_depth}")
+    proposals = []
+    seen = set()
+    for j, prop in enumerate(msg.proposals):
+        field = f"proposals[{j}]"
+        if not -1 <= prop.parent < n:
+            raise MalformedTreeError(f"{field}.parent = {prop.parent}: must be -1 (root) or a node index < {n}")
+        if prop.parent in seen:
+            raise MalformedTreeError(f"{field}.parent = {prop.parent}: a second proposal for the same node")
+        seen.add(prop.parent)
+        if len(prop.token_ids) != len(prop.probs) or not prop.token_ids:
+            raise MalformedTreeError(f"{field}.probs: length {len(prop.probs)} != token_ids length {len(prop.token_ids)} (or empty)")
+        ids = np.asarray(prop.token_ids, dtype=np.int64)
+        probs = np.asarray(prop.probs, dtype=np.float64)
+        if ids.min() < 0 or ids.max() >= vocab_size:
+            raise MalformedTreeError(f"{field}.token_ids: ids outside the vocabulary [0, {vocab_size})")
+        if len(np.unique(ids)) != len(ids):
+            raise MalformedTreeError(f"{field}.token_ids: repeated ids")
+        if not np.all(np.isfinite(probs)) or probs.min() < 0 or abs(probs.sum() - 1.0) > 1e-6:
+            raise MalformedTreeError(f"{field}.probs: must be finite, >= 0 and sum to 1 (sum {probs.sum()})")
+        proposals.append(Proposal.from_sparse(prop.parent, ids, probs, vocab_size))
+    return DraftTree(tokens, parents, tuple(msg.draft_logprobs), tuple(msg.expanded), tuple(proposals))
+
+
+def sampling_to_proto(params: SamplingParams) -> tree_pb2.SamplingParams:
+    msg = tree_pb2.SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def sampling_from_proto(msg: tree_pb2.SamplingParams) -> SamplingParams:
+    """Raises SamplingParamsError naming the field. An unset top_p (0) means 1 (off)."""
+    return SamplingParams(
+        temperature=msg.temperature, top_p=msg.top_p if msg.top_p != 0 else 1.0, top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+    )
+
+
+def spec_to_proto(spec: TreeSpec) -> tree_pb2.TreeSpec:
+    return tree_pb2.TreeSpec(
+        gamma=spec.gamma, top_k_spec=[tree_pb2.TopKRow(k=list(row)) for row in spec.top_k_spec],
+        top_head=list(spec.top_head), tree_type=spec.tree_type, gamma_threshold=spec.gamma_threshold,
+    )
+
+
+def spec_from_proto(msg: tree_pb2.TreeSpec) -> TreeSpec:
+    """Raises TreeSpecError naming the field."""
+    return parse_tree_spec({
+        "gamma": msg.gamma, "topKSpec": [list(row.k) for row in msg.top_k_spec], "topHead": list(msg.top_head),
+        "treeType": msg.tree_type, "gammaThreshold": msg.gamma_threshold,
+    })
