@@ -49,3 +49,63 @@ def compact_kv(cache: DynamicCache, keep_len: int, src_slots: list[int]) -> None
 def truncate_kv(cache: DynamicCache, length: int) -> None:
     """Roll the cache back to its first ``length`` slots."""
     compact_kv(cache, length, [])
+
+
+def _check_dynamic(cache: DynamicCache) -> None:
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer:
+            raise TypeError(f"batched KV supports DynamicLayer only, got {type(layer).__name__}")
+
+
+@torch.inference_mode()
+def stack_kv(caches: list[DynamicCache], lengths: list[int], config) -> DynamicCache:
+    """Stack the first ``lengths[b]`` slots of B single-row caches into one B-row cache.
+
+    caches: B caches, each (1, H, >= lengths[b], D) per layer (uninitialised layers allowed where
+    lengths[b] == 0); lengths: [B] slots to take from each; config: the model config (layer layout).
+    Returns a new DynamicCache whose layers are (B, H, S, D) with S = max(lengths): row b holds
+    cache b's slots 0..lengths[b]-1 and zeros after them (right padding; an attention mask must hide
+    slots >= lengths[b] of row b). Empty (uninitialised) when S == 0. The inputs are not modified.
+
+    Cost: one copy of B * S slots per layer for keys and values (the padding included), i.e. the
+    batch's cached KV is held twice while the batched cache lives. Raises TypeError for cache layers
+    that are not plain DynamicLayer, ValueError when a cache holds fewer slots than asked.
+    """
+    if len(caches) != len(lengths):
+        raise ValueError(f"lengths: {len(lengths)} entries for {len(caches)} caches")
+    for cache, length in zip(caches, lengths):
+        _check_dynamic(cache)
+        if cache_length(cache) < length:
+            raise ValueError(f"lengths: asked for {length} slots of a cache holding {cache_length(cache)}")
+    stacked = DynamicCache(config=config)
+    _check_dynamic(stacked)
+    width = max(lengths, default=0)
+    if width == 0:
+        return stacked
+    for index, layer in enumerate(stacked.layers):
+        sources = [(row, cache.layers[index]) for row, cache in enumerate(caches) if lengths[row] > 0]
+        ref = sources[0][1]  # a layer with data gives H, D, dtype and device
+        _, heads, _, dim = ref.keys.shape
+        keys = ref.keys.new_zeros(len(caches), heads, width, dim)  # (B, H, S, D)
+        values = ref.values.new_zeros(len(caches), heads, width, ref.values.shape[-1])
+        for row, src in sources:
+            keys[row, :, : lengths[row]] = src.keys[0, :, : lengths[row]]
+            values[row, :, : lengths[row]] = src.values[0, :, : lengths[row]]
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+    return stacked
+
+
+@torch.inference_mode()
+def append_kv_row(cache: DynamicCache, stacked: DynamicCache, row: int, start: int, count: int) -> None:
+    """Append slots [start, start + count) of row ``row`` of a B-row ``stacked`` cache to ``cache``.
+
+    cache: a single-row DynamicCache (1, H, S, D) per layer, grows to S + count slots (uninitialised
+    layers are initialised), by the same concatenation a forward's own cache update does; stacked:
+    (B, H, >= start + count, D) per layer. Raises TypeError for non-DynamicLayer layers.
+    """
+    _check_dynamic(cache)
+    for layer, src in zip(cache.layers, stacked.layers):
+        keys = src.keys[row : row + 1, :, start : start + count]  # (1, H, count, D)
+        values = src.values[row : row + 1, :, start : start + count]
+        layer.update(keys, values)
