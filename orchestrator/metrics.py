@@ -1,0 +1,158 @@
+"""Prometheus metrics of the orchestrator's speculation rounds (prometheus-client).
+
+All metrics of one process live in one ``SpecMetrics`` object bound to one ``CollectorRegistry``:
+pass a fresh registry (tests, several engines side by side) or use ``default_metrics()``, which
+registers once on prometheus_client's process-wide ``REGISTRY`` (the one ``start_metrics_server``
+serves by default, next to the process and platform collectors).
+
+Exported series (prometheus_client appends ``_total`` to counters):
+
+| name | type | labels | unit / meaning |
+|---|---|---|---|
+| ``specdec_rounds_total`` | counter | ``mode`` = speculative, plain | rounds run |
+| ``specdec_proposed_tokens_total`` | counter | | draft tokens (tree nodes) sent to the target |
+| ``specdec_accepted_tokens_total`` | counter | | draft tokens accepted (bonus tokens excluded) |
+| ``specdec_committed_tokens_total`` | counter | | tokens committed (bonus included) |
+| ``specdec_fallback_rounds_total`` | counter | ``reason`` = low_acceptance, draft_unavailable, draft_context_limit | plain rounds forced by the fallback policy |
+| ``specdec_acceptance_alerts_total`` | counter | ``scope`` = request, global | low-acceptance alerts raised |
+| ``specdec_acceptance_rate`` | gauge | | global windowed acceptance rate (accepted / proposed draft tokens, 0..1) |
+| ``specdec_gamma`` | histogram | | speculation depth gamma of each speculative round |
+| ``specdec_round_phase_seconds`` | histogram | ``phase`` = draft, verify, commit | wall time of one phase of one round, seconds |
+
+Acceptance rate = accepted / proposed draft tokens; mean accepted length = committed / rounds
+(bonus included): both derivable from the counters with ``rate()`` in PromQL.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+PHASES = ("draft", "verify", "commit")
+FALLBACK_REASONS = ("low_acceptance", "draft_unavailable", "draft_context_limit")
+ALERT_SCOPES = ("request", "global")
+ROUND_MODES = ("speculative", "plain")
+
+# gamma is an integer in [1, 64] (TreeSpec); one bucket per small depth, coarser beyond.
+GAMMA_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64)
+# A CPU round phase takes 10 ms .. seconds; a GPU one 1 ms .. 100 ms.
+PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+
+
+class SpecMetrics:
+    """The orchestrator's metrics, registered on ``registry`` (default: a fresh CollectorRegistry).
+
+    namespace prefixes every name (``specdec`` -> ``specdec_rounds_total``). Raises ValueError
+    (from prometheus_client) when the registry already holds metrics of these names.
+    All label values are created up front, so every series reads 0 before its first event.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, namespace: str = "specdec"):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r, ns = self.registry, namespace
+        self.rounds = Counter("rounds", "Rounds run, by mode (speculative or plain target step)",
+                              ["mode"], namespace=ns, registry=r)
+        self.proposed_tokens = Counter("proposed_tokens", "Draft tokens (tree nodes) sent to the target",
+                                       namespace=ns, registry=r)
+        self.accepted_tokens = Counter("accepted_tokens", "Draft tokens accepted by the target (bonus excluded)",
+                                       namespace=ns, registry=r)
+        self.committed_tokens = Counter("committed_tokens", "Tokens committed (bonus included)",
+                                        namespace=ns, registry=r)
+        self.fallback_rounds = Counter("fallback_rounds", "Plain rounds forced by the fallback policy, by reason",
+                                       ["reason"], namespace=ns, registry=r)
+        self.acceptance_alerts = Counter("acceptance_alerts", "Low-acceptance alerts raised, by scope",
+                                         ["scope"], namespace=ns, registry=r)
+        self.acceptance_rate = Gauge("acceptance_rate",
+                                     "Global windowed acceptance rate (accepted / proposed draft tokens)",
+                                     namespace=ns, registry=r)
+        self.gamma = Histogram("gamma", "Speculation depth gamma of each speculative round",
+                               namespace=ns, registry=r, buckets=GAMMA_BUCKETS)
+        self.round_phase_seconds = Histogram("round_phase_seconds", "Wall time of one round phase, seconds",
+                                             ["phase"], namespace=ns, registry=r, buckets=PHASE_BUCKETS)
+        for mode in ROUND_MODES:
+            self.rounds.labels(mode=mode)
+        for reason in FALLBACK_REASONS:
+            self.fallback_rounds.labels(reason=reason)
+        for scope in ALERT_SCOPES:
+            self.acceptance_alerts.labels(scope=scope)
+        for phase in PHASES:
+            self.round_phase_seconds.labels(phase=phase)
+
+    def record_round(self, proposed: int, accepted: int, committed: int, gamma: int | None = None) -> None:
+        """Count one round: proposed / accepted draft tokens, committed tokens (bonus included).
+
+        A round with proposed == 0 counts as plain; gamma (the depth asked of the draft) is
+        observed for speculative rounds only. Raises ValueError for negative counts or
+        accepted > proposed.
+        """
+        if proposed < 0 or accepted < 0 or committed < 0:
+            raise ValueError(f"record_round: counts must be >= 0 (proposed={proposed}, accepted={accepted}, "
+                             f"committed={committed})")
+        if accepted > proposed:
+            raise ValueError(f"record_round: accepted {accepted} > proposed {proposed}")
+        speculative = proposed > 0
+        self.rounds.labels(mode="speculative" if speculative else "plain").inc()
+        self.proposed_tokens.inc(proposed)
+        self.accepted_tokens.inc(accepted)
+        self.committed_tokens.inc(committed)
+        if speculative and gamma is not None:
+            self.gamma.observe(gamma)
+
+    def observe_round(self, record: dict) -> None:
+        """Count one round from the round controller's record (orchestrator/controller.py).
+
+        record keys: ``tokens`` (committed ids), ``proposed``, ``accepted`` (draft tokens committed),
+        ``gamma`` (the request's speculation depth, 0 without control) and ``fallback`` (the
+        fallback reason of a plain round, or None). Counts as ``record_round`` and, when
+        ``fallback`` is set, fallback_rounds{reason=fallback}.
+        """
+        gamma = record.get("gamma") or None
+        self.record_round(record["proposed"], record["accepted"], len(record["tokens"]), gamma)
+        if record.get("fallback"):
+            self.fallback_rounds.labels(reason=record["fallback"]).inc()
+
+    def observe_phase(self, phase: str, seconds: float) -> None:
+        """Record one phase's wall time in seconds. Raises ValueError for an unknown phase."""
+        if phase not in PHASES:
+            raise ValueError(f"phase: {phase!r} is not one of {PHASES}")
+        self.round_phase_seconds.labels(phase=phase).observe(seconds)
+
+    @contextmanager
+    def time_phase(self, phase: str) -> Iterator[None]:
+        """Context manager timing a phase (draft / verify / commit) into round_phase_seconds."""
+        if phase not in PHASES:
+            raise ValueError(f"phase: {phase!r} is not one of {PHASES}")
+        with self.round_phase_seconds.labels(phase=phase).time():
+            yield
+
+
+_default: SpecMetrics | None = None
+_default_lock = threading.Lock()
+
+
+def default_metrics() -> SpecMetrics:
+    """The process-wide SpecMetrics on prometheus_client.REGISTRY (created on first call)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = SpecMetrics(prometheus_client.REGISTRY)
+        return _default
+
+
+def start_metrics_server(port: int, source: "SpecMetrics | CollectorRegistry | None" = None, addr: str = "0.0.0.0"):
+    """Serve a registry at http://addr:port/metrics (prometheus_client.start_http_server).
+
+    source: a SpecMetrics (its registry), a CollectorRegistry, or None for prometheus_client.REGISTRY.
+    port 0 picks a free port; read it from ``server.server_port``. Returns (server, thread) as
+    prometheus_client.start_http_server does; ``server.shutdown()`` stops it. Raises OSError when
+    the port is taken.
+    """
+    if isinstance(source, SpecMetrics):
+        registry = source.registry
+    else:
+        registry = source if source is not None else prometheus_client.REGISTRY
+    return prometheus_client.start_http_server(port, addr=addr, registry=registry)
