@@ -121,6 +121,9 @@ class FixedControl:
     def draft_failed(self, now: float) -> None:
         self._failed = True
 
+    def set_draft_context_limit(self, limit: int | None) -> None:
+        pass  # a fixed policy never stops for the draft's context (the draft runtime falls back itself)
+
 
 ControlFactory = Callable[[TreeSpec], Any]
 
@@ -190,14 +193,15 @@ class RoundController:
 
     async def generate(self, request: GenerationRequest,
                        on_tokens: Callable[[list[int]], Awaitable[None] | None] | None = None,
-                       session_id: str | None = None) -> GenerationResult:
-        """Generate until a stop; ``on_tokens`` receives each round's committed tokens as they land.
+                       session_id: str | None = None, on_round: Callable[[dict], None] | None = None) -> GenerationResult:
+        """Generate until a stop; ``on_tokens`` receives each round's committed tokens as they land,
+        ``on_round`` the round's record (tokens, proposed, accepted, depth, gamma, fallback reason).
 
         Raises ValueError (naming the field) for a bad request; errors of the target propagate.
         Cancellation (client gone, Abort) releases the sessions on both workers.
         """
         self.check(request)
-        run = _Request(self, request, session_id or f"req-{next(_session_ids)}")
+        run = _Request(self, request, session_id or f"req-{next(_session_ids)}", on_round)
         try:
             await run.open()
             while run.stops.reason is None:
@@ -212,8 +216,9 @@ class RoundController:
 class _Request:
     """One request in flight: sessions, stop checker, control policy, statistics."""
 
-    def __init__(self, ctl: RoundController, request: GenerationRequest, sid: str):
+    def __init__(self, ctl: RoundController, request: GenerationRequest, sid: str, on_round=None):
         self.ctl = ctl
+        self.on_round = on_round
         self.request = request
         self.sid = sid
         self.spec = request.spec if ctl.draft is not None else None
@@ -240,7 +245,10 @@ class _Request:
         sid = self.sid if self.draft_opens == 0 else f"{self.sid}#{self.draft_opens}"
         self.draft_opens += 1
         try:
-            await self._draft_call(self.ctl.draft.start(sid, self.committed_tokens, self.request.sampling))
+            limit = await self._draft_call(self.ctl.draft.start(sid, self.committed_tokens, self.request.sampling))
+            limit = limit or self.ctl.draft_context_limit  # gRPC clients report the draft's, in-process the engine's
+            if limit:
+                self.control.set_draft_context_limit(limit)
         except DraftUnavailableError as exc:
             log.warning("request %s: draft unavailable at start (%s); decoding without it", self.sid, exc)
             self.control.draft_failed(time.monotonic())
@@ -323,10 +331,12 @@ class _Request:
             stats.total_s = time.perf_counter() - self.started
             stats.new_tokens = len(stops.generated)
             stats.stop_reason = stops.reason
-        if self.ctl.on_round is not None:
-            self.ctl.on_round({"proposed": tree.size, "accepted": len(accepted), "committed": len(committed),
-                               "depth": depth, "fallback": self.control.reason if self.control and not tree.size else None,
-                               "gamma": self.control.gamma if self.control else 0})
+        record = {"tokens": committed, "proposed": tree.size, "accepted": len(accepted), "depth": depth,
+                  "fallback": self.control.reason if self.control is not None and not tree.size else None,
+                  "gamma": self.control.gamma if self.control is not None else 0}
+        for callback in (self.on_round, self.ctl.on_round):
+            if callback is not None:
+                callback(record)
         return committed
 
     async def close(self) -> None:

@@ -96,6 +96,7 @@ class FrontConfig(_Section):
     dynamic_gamma: DynamicGammaConfig = DynamicGammaConfig()
     fallback: FallbackConfig = FallbackConfig()
     monitor: MonitorConfig = MonitorConfig()
+    use_ray: bool = True                                  # False: requests run in the front process (no Ray)
     ray_address: str | None = None                        # None = start a local Ray; "auto" or ray://... = attach
     ray_num_cpus: int | None = Field(default=None, ge=1)
     workers: int = Field(default=1, ge=1)                 # orchestrator actors

@@ -1,0 +1,166 @@
+"""gRPC clients of the draft and target services, with the worker methods the round loop awaits.
+
+``DraftClient`` keeps one bidirectional ``DraftService.Session`` stream per request (start, then
+tree requests answered in order and unanswered commits; closing the stream frees the draft's KV).
+Any failure of the draft (status error, broken stream, unreachable server) raises
+``DraftUnavailableError`` so the round loop falls back to plain decoding. ``TargetClient`` makes
+unary calls; its errors propagate as ``grpc.aio.AioRpcError`` (the request fails with that status).
+
+Deadlines: ``request_deadline`` (a context variable, absolute ``time.monotonic()`` seconds) is set
+by the front from the client's deadline; every downstream call gets the time left as its timeout,
+so a request past its deadline stops at the next call with DEADLINE_EXCEEDED.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import time
+
+import grpc
+from opentelemetry import trace
+
+from orchestrator.controller import DraftUnavailableError
+from specdec.interfaces import VerifyResult
+from specdec.sampling import SamplingParams
+from specdec.tree import DraftTree
+from specdec.tree_spec import TreeSpec
+from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdec.wire import sampling_to_proto, spec_to_proto, tree_from_proto, tree_to_proto
+
+request_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("request_deadline", default=None)
+
+DEFAULT_CALL_TIMEOUT_S = 120.0  # a single target call (prefill of a long prompt on a CPU included)
+
+
+def time_left(default: float = DEFAULT_CALL_TIMEOUT_S) -> float:
+    """Timeout for the next downstream call: the request's time left, at most ``default`` seconds.
+
+    Raises grpc-style DeadlineExceeded (an AioRpcError) when the request's deadline has passed.
+    """
+    deadline = request_deadline.get()
+    if deadline is None:
+        return default
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded()
+    return min(default, left)
+
+
+class DeadlineExceeded(grpc.aio.AioRpcError):
+    def __init__(self):
+        super().__init__(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                         details="request deadline exceeded")
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes)]
+
+
+class TargetClient:
+    """TargetWorker over gRPC (unary calls). ``info()`` returns the target's InfoResponse."""
+
+    def __init__(self, channel: grpc.aio.Channel):
+        self.stub = target_pb2_grpc.TargetServiceStub(channel)
+
+    async def info(self, timeout: float = 10.0) -> target_pb2.InfoResponse:
+        return await self.stub.Info(target_pb2.InfoRequest(), timeout=timeout, wait_for_ready=True)
+
+    async def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        await self.stub.Prefill(target_pb2.PrefillRequest(
+            session_id=session_id, prompt_ids=prompt_ids, sampling=sampling_to_proto(sampling)), timeout=time_left())
+
+    async def verify(self, session_id: str, tree: DraftTree) -> VerifyResult:
+        msg = tree_to_proto(tree)
+        span = trace.get_current_span()
+        span.set_attribute("tree.bytes", msg.ByteSize())
+        reply = await self.stub.Verify(target_pb2.VerifyRequest(session_id=session_id, tree=msg), timeout=time_left())
+        span.set_attribute("target.verify_ms", reply.verify_ms)
+        span.set_attribute("target.batch_size", reply.batch_size)
+        return VerifyResult(tuple(reply.accepted_nodes), tuple(reply.tokens))
+
+    async def commit(self, session_id: str, num_tokens: int) -> None:
+        await self.stub.Commit(target_pb2.CommitRequest(session_id=session_id, num_tokens=num_tokens), timeout=time_left())
+
+    async def release(self, session_id: str) -> None:
+        await self.stub.Release(target_pb2.ReleaseRequest(session_id=session_id), timeout=10.0)
+
+
+class DraftClient:
+    """DraftWorker over gRPC: one bidirectional Session stream per session id.
+
+    vocab_size: ids the target accepts (trees are checked on receipt like any untrusted message).
+    All failures raise DraftUnavailableError.
+    """
+
+    def __init__(self, channel: grpc.aio.Channel, vocab_size: int, max_tree_nodes: int = 512):
+        self.stub = draft_pb2_grpc.DraftServiceStub(channel)
+        self.vocab_size = vocab_size
+        self.max_tree_nodes = max_tree_nodes
+        self.streams: dict[str, grpc.aio.StreamStreamCall] = {}
+        self.rounds: dict[str, int] = {}
+
+    async def _exchange(self, session_id: str, request: draft_pb2.DraftRequest, reply: bool):
+        call = self.streams.get(session_id)
+        if call is None:
+            raise DraftUnavailableError(f"no open draft stream for session {session_id!r}")
+        try:
+            await call.write(request)
+            if not reply:
+                return None
+            response = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            self.streams.pop(session_id, None)
+            raise DraftUnavailableError(f"draft service: {exc.code().name}: {exc.details()}") from exc
+        except (grpc.aio.UsageError, RuntimeError) as exc:  # the stream already ended
+            self.streams.pop(session_id, None)
+            raise DraftUnavailableError(f"draft stream closed: {exc}") from exc
+        if response is grpc.aio.EOF:
+            self.streams.pop(session_id, None)
+            code = await call.code()
+            raise DraftUnavailableError(f"draft stream ended ({code.name}: {await call.details()})")
+        return response
+
+    async def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> int | None:
+        """Open the session's stream; returns the draft's context limit (max positions) if it reports one."""
+        try:
+            self.streams[session_id] = self.stub.Session(timeout=None)
+        except grpc.aio.AioRpcError as exc:
+            raise DraftUnavailableError(f"draft service: {exc.code().name}: {exc.details()}") from exc
+        self.rounds[session_id] = 0
+        start = draft_pb2.DraftStart(session_id=session_id, prompt_ids=prompt_ids, sampling=sampling_to_proto(sampling))
+        response = await self._exchange(session_id, draft_pb2.DraftRequest(start=start), reply=True)
+        if not response.HasField("started"):
+            raise DraftUnavailableError("draft service answered start with something else")
+        return response.started.context_limit or None
+
+    async def propose(self, session_id: str, spec: TreeSpec, max_depth: int) -> DraftTree:
+        self.rounds[session_id] = self.rounds.get(session_id, 0) + 1
+        request = draft_pb2.TreeRequest(spec=spec_to_proto(spec), max_depth=max_depth, round=self.rounds[session_id])
+        response = await self._exchange(session_id, draft_pb2.DraftRequest(propose=request), reply=True)
+        if not response.HasField("tree") or response.tree.round != self.rounds[session_id]:
+            self.streams.pop(session_id, None)
+            raise DraftUnavailableError("draft service answered out of order")
+        span = trace.get_current_span()
+        span.set_attribute("tree.bytes", response.tree.tree.ByteSize())
+        span.set_attribute("draft.draft_ms", response.tree.draft_ms)
+        try:
+            return tree_from_proto(response.tree.tree, self.vocab_size, self.max_tree_nodes)
+        except ValueError as exc:  # a malformed tree from the draft is a draft failure
+            self.streams.pop(session_id, None)
+            raise DraftUnavailableError(f"draft sent a malformed tree: {exc}") from exc
+
+    async def commit(self, session_id: str, tokens: list[int], accepted_nodes: list[int]) -> None:
+        commit = draft_pb2.DraftCommit(tokens=tokens, accepted_nodes=accepted_nodes)
+        await self._exchange(session_id, draft_pb2.DraftRequest(commit=commit), reply=False)
+
+    async def release(self, session_id: str) -> None:
+        """Close the stream (the draft frees the session's KV when it ends)."""
+        call = self.streams.pop(session_id, None)
+        self.rounds.pop(session_id, None)
+        if call is None:
+            return
+        try:
+            await call.done_writing()
+        except Exception:  # noqa: BLE001 - already broken; cancel below frees it
+            pass
+        call.cancel()

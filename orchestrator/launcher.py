@@ -1,0 +1,141 @@
+"""``specdec serve``: draft service, target service and generation front on one machine.
+
+Starts the three servers as child processes with the same config file (ports, models, dtype from
+it or from flags), waits for each ready line and prints it (``draft-service ready on
+127.0.0.1:50061`` ...). With ports 0, the front gets the draft and target addresses they really
+bound. SIGTERM/SIGINT stop the front first, then the draft and target, each with its grace. A child
+that fails to start makes serve exit 2 with that child's last error lines; a child that dies later
+is reported and the others keep serving (the front falls back to plain decoding without a draft).
+This is the launch the Kubernetes manifests describe (deploy/), with loopback addresses.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+READY_TIMEOUT_S = 900.0  # the default pair is converted from GGUF on first use (minutes)
+
+
+class LaunchError(RuntimeError):
+    """A service failed to start."""
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    address: str | None = None
+    stderr_tail: list[str] = field(default_factory=list)
+
+
+def _pump(child: Child, lines: "queue.Queue[tuple[str, str | None]]") -> None:
+    for line in child.proc.stdout:
+        lines.put((child.name, line.rstrip("\n")))
+    lines.put((child.name, None))
+
+
+def _tail(child: Child) -> None:
+    for line in child.proc.stderr:
+        sys.stderr.write(f"[{child.name}] {line}")
+        sys.stderr.flush()
+        child.stderr_tail.append(line.rstrip("\n"))
+        del child.stderr_tail[:-20]
+
+
+def start_child(name: str, module: str, args: list[str], env=None) -> Child:
+    proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, bufsize=1, env=env)
+    child = Child(name, proc)
+    threading.Thread(target=_tail, args=(child,), daemon=True).start()
+    return child
+
+
+def wait_ready(child: Child, timeout: float = READY_TIMEOUT_S) -> str:
+    """Block until the child prints its ready line; returns ``host:port``. Raises LaunchError."""
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_pump, args=(child, lines), daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            _, line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            raise LaunchError(f"{child.name}: not ready after {timeout:.0f} s") from None
+        if line is None:
+            child.proc.wait()
+            time.sleep(0.2)  # let the stderr thread catch the last lines
+            tail = "\n".join(child.stderr_tail[-5:])
+            raise LaunchError(f"{child.name} exited with code {child.proc.returncode} before it was ready:\n{tail}")
+        if " ready on " in line:
+            print(line, flush=True)
+            child.address = line.rsplit(" ready on ", 1)[1].strip()
+            return child.address
+        print(f"[{child.name}] {line}", flush=True)
+
+
+def stop_children(children: list[Child], grace_s: float) -> None:
+    for child in children:  # front first (reverse start order), so no new rounds reach the workers
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+            try:
+                child.proc.wait(timeout=grace_s + 15)
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+
+
+def serve(config_path: str | None, flags: list[str], tp: int | None = None, no_ray: bool = False,
+          grace_s: float = 10.0) -> int:
+    """Run the three services until SIGTERM/SIGINT; returns the exit code.
+
+    flags: model flags passed to every child (--target DIR, --draft DIR, --dtype D).
+    """
+    from specdec.grpc_server import fail
+
+    config_args = ["--config", config_path] if config_path else []
+    children: list[Child] = []
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    env = dict(os.environ)
+    try:
+        draft = start_child("draft-service", "draft_service.server", [*config_args, *flags], env)
+        children.append(draft)
+        target = start_child("target-service", "target_service.server",
+                             [*config_args, *flags, *(["--tp", str(tp)] if tp else [])], env)
+        children.append(target)
+        draft_addr, target_addr = wait_ready(draft), wait_ready(target)
+        front_flags = _model_flag(flags, "--target")  # the front loads only the tokenizer
+        front = start_child("generation-front", "orchestrator.front",
+                            [*config_args, *front_flags, "--draft-address", draft_addr, "--target-address", target_addr,
+                             *(["--no-ray"] if no_ray else [])], env)
+        children.append(front)
+        wait_ready(front)
+    except LaunchError as exc:
+        stop_children(children[::-1], grace_s)
+        return fail(str(exc))
+    print("specdec serve: all services ready (SIGTERM or Ctrl-C stops them)", flush=True)
+    reported = set()
+    while not stop.wait(0.5):
+        for child in children:
+            if child.proc.poll() is not None and child.name not in reported:
+                reported.add(child.name)
+                print(f"specdec serve: {child.name} exited with code {child.proc.returncode}", file=sys.stderr, flush=True)
+        if len(reported) == len(children):
+            return 1
+    stop_children(children[::-1], grace_s)
+    return 0
+
+
+def _model_flag(flags: list[str], name: str) -> list[str]:
+    """The ``name VALUE`` pair from flags, if present."""
+    for i, flag in enumerate(flags[:-1]):
+        if flag == name:
+            return [name, flags[i + 1]]
+    return []

@@ -1,0 +1,143 @@
+"""The orchestrator proper: requests over the draft and target services, one asyncio task each.
+
+``Orchestrator`` owns the gRPC channels and clients and a ``RoundController``; ``stream`` runs one
+request and yields its committed tokens round by round, then its final statistics. It is a plain
+class: the front runs it in-process (``front.use_ray: false``) or inside Ray actors
+(``orchestrator.actors``), where each actor serves many requests at once and no request's rounds
+wait for another's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+from opentelemetry import propagate, trace
+
+from orchestrator.clients import DraftClient, TargetClient, channel_options, request_deadline
+from orchestrator.controller import GenerationRequest, GenerationStats, RoundController
+
+log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("specdec.orchestrator")
+
+
+@dataclass
+class Chunk:
+    """One message of a request's stream: tokens committed by a round, or the end (stats set)."""
+
+    tokens: list[int]
+    stats: GenerationStats | None = None
+    round: dict | None = None  # the round's record (controller on_round): proposed, accepted, gamma, fallback
+
+
+class Orchestrator:
+    """Runs generation requests over a draft service and a target service.
+
+    front: specdec.config.FrontConfig; grpc_cfg: specdec.config.GrpcConfig; decode: ids -> text
+    for stop strings (None = stop strings refused); control: TreeSpec -> per-request control policy
+    (None = fixed TreeSpec); on_round: per-round record callback (metrics).
+    """
+
+    def __init__(self, front, grpc_cfg, decode=None, control=None, on_round=None):
+        self.front = front
+        self.grpc_cfg = grpc_cfg
+        self.decode = decode
+        self.control = control
+        self.on_round = on_round
+        self.controller: RoundController | None = None
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.info = None
+
+    async def connect(self, timeout: float = 60.0) -> None:
+        """Open the channels and read the target's vocabulary, EOS ids and context limit."""
+        options = channel_options(self.grpc_cfg.max_message_bytes)
+        self.target_channel = grpc.aio.insecure_channel(self.front.target_address, options=options)
+        self.draft_channel = grpc.aio.insecure_channel(self.front.draft_address, options=options)
+        target = TargetClient(self.target_channel)
+        self.info = await target.info(timeout=timeout)
+        draft = DraftClient(self.draft_channel, self.info.vocab_size) if self.front.speculate else None
+        self.controller = RoundController(
+            target, draft, list(self.info.eos_token_ids), self.info.context_limit, self.decode,
+            control=self.control, draft_deadline_s=self.front.fallback.draft_deadline_ms / 1000,
+            on_round=self.on_round,
+        )
+
+    async def close(self) -> None:
+        for task in list(self.tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await self.target_channel.close()
+        await self.draft_channel.close()
+
+    def active(self) -> int:
+        return len(self.tasks)
+
+    async def stream(self, request: GenerationRequest, request_id: str, timeout_s: float | None = None,
+                     carrier: dict | None = None) -> AsyncIterator[Chunk]:
+        """Run one request; yields a Chunk per round, then a final Chunk with stats.
+
+        timeout_s: the client's time left (downstream calls get what remains); carrier: W3C trace
+        context of the caller. Raises ValueError (naming the field) for a bad request and the target's
+        grpc errors. Closing the iterator early (client gone) cancels the request and frees its KV;
+        ``abort`` ends it with stop reason "aborted".
+        """
+        if request_id in self.tasks:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        self.controller.check(request)
+        queue: asyncio.Queue = asyncio.Queue()
+        streamed = [0]
+
+        async def run():
+            ctx = propagate.extract(carrier or {})
+            if timeout_s is not None:
+                request_deadline.set(time.monotonic() + timeout_s)
+            with _tracer.start_as_current_span("generate", context=ctx, attributes={
+                    "request.id": request_id, "prompt.tokens": len(request.prompt_ids),
+                    "max_new_tokens": request.max_new_tokens}) as span:
+                result = await self.controller.generate(request, session_id=request_id, on_round=queue.put_nowait)
+                span.set_attribute("new_tokens", result.stats.new_tokens)
+                span.set_attribute("acceptance_rate", result.stats.acceptance_rate)
+                return result
+
+        task = asyncio.create_task(run())
+        self.tasks[request_id] = task
+        getter = None
+        try:
+            while True:
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    record = getter.result()
+                    streamed[0] += len(record["tokens"])
+                    yield Chunk(record["tokens"], round=record)
+                    continue
+                getter.cancel()
+                while not queue.empty():
+                    record = queue.get_nowait()
+                    streamed[0] += len(record["tokens"])
+                    yield Chunk(record["tokens"], round=record)
+                if task.cancelled():
+                    yield Chunk([], GenerationStats(new_tokens=streamed[0], stop_reason="aborted"))
+                else:
+                    yield Chunk([], task.result().stats)
+                return
+        finally:
+            if getter is not None and not getter.done():
+                getter.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            self.tasks.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> bool:
+        """Cancel a running request (its KV is freed on both services). False if unknown."""
+        task = self.tasks.get(request_id)
+        if task is None or task.done():
+            return False
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return True

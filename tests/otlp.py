@@ -1,0 +1,71 @@
+"""A minimal OTLP/gRPC trace receiver for tests: the services export real spans to it.
+
+    with OtlpReceiver() as otlp:
+        env = otlp.env()              # OTEL_* variables that point a process at this receiver
+        ...
+        spans = otlp.spans()          # [(service.name, span name, trace id hex, attributes dict)]
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+
+@dataclass(frozen=True)
+class ReceivedSpan:
+    service: str
+    name: str
+    trace_id: str
+    span_id: str
+    parent_id: str
+    attributes: dict
+
+
+def _value(v):
+    kind = v.WhichOneof("value")
+    return getattr(v, kind) if kind else None
+
+
+class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._spans: list[ReceivedSpan] = []
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+
+    def Export(self, request, context):
+        with self._lock:
+            for resource_spans in request.resource_spans:
+                attrs = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
+                service = attrs.get("service.name", "?")
+                for scope_spans in resource_spans.scope_spans:
+                    for span in scope_spans.spans:
+                        self._spans.append(ReceivedSpan(
+                            service, span.name, span.trace_id.hex(), span.span_id.hex(), span.parent_span_id.hex(),
+                            {a.key: _value(a.value) for a in span.attributes}))
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def env(self) -> dict[str, str]:
+        return {
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{self.port}",
+            "OTEL_EXPORTER_OTLP_INSECURE": "true",
+            "OTEL_BSP_SCHEDULE_DELAY": "100",
+        }
+
+    def spans(self) -> list[ReceivedSpan]:
+        with self._lock:
+            return list(self._spans)
+
+    def __enter__(self):
+        self.server.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.stop(grace=None)
