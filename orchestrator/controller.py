@@ -281,7 +281,7 @@ class _Request:
         stops, stats = self.stops, self.stats
         max_depth = stops.budget() - 1  # the accepted path plus the bonus must fit the budget
         with _tracer.start_as_current_span("round", attributes={"request.id": self.sid, "round": stats.rounds}) as span:
-            tree, depth = _EMPTY_TREE, 0
+            tree, depth, fallback = _EMPTY_TREE, 0, None
             if self.control is not None and max_depth >= 1:
                 now = time.monotonic()
                 committed_len = len(self.request.prompt_ids) + len(stops.generated)
@@ -296,9 +296,13 @@ class _Request:
                             except DraftUnavailableError as exc:
                                 await self._drop_draft(exc)
                         depth = max(node_depths(tree.parents), default=0)
+                    if self.draft_sid is None:
+                        fallback = "draft_unavailable"
+                else:
+                    fallback = self.control.reason
                 span.set_attribute("gamma", self.control.gamma)
-                if self.control.reason:
-                    span.set_attribute("fallback.reason", self.control.reason)
+                if fallback:
+                    span.set_attribute("fallback.reason", fallback)
             span.set_attribute("tree.nodes", tree.size)
             with _tracer.start_as_current_span("verify", attributes={"tree.nodes": tree.size}):
                 result = await self.ctl.target.verify(self.sid, tree)
@@ -322,7 +326,7 @@ class _Request:
         stats.rounds += 1
         stats.proposed_tokens += tree.size
         stats.accepted_tokens += len(accepted)
-        stats.fallback_rounds += tree.size == 0 and self.control is not None and self.control.reason is not None
+        stats.fallback_rounds += fallback is not None
         if self.control is not None:
             stats.final_gamma = self.control.gamma
         if stats.rounds == 1:
@@ -332,11 +336,11 @@ class _Request:
             stats.new_tokens = len(stops.generated)
             stats.stop_reason = stops.reason
         record = {"tokens": committed, "proposed": tree.size, "accepted": len(accepted), "depth": depth,
-                  "fallback": self.control.reason if self.control is not None and not tree.size else None,
+                  "fallback": fallback,
                   "gamma": self.control.gamma if self.control is not None else 0}
         for callback in (self.on_round, self.ctl.on_round):
             if callback is not None:
-                callback(record)
+                await _maybe_await(callback(record))
         return committed
 
     async def close(self) -> None:
