@@ -300,9 +300,9 @@ class _Request:
                         fallback = "draft_unavailable"
                 else:
                     fallback = self.control.reason
-                span.set_attribute("gamma", self.control.gamma)
                 if fallback:
                     span.set_attribute("fallback.reason", fallback)
+            span.set_attribute("gamma", self.control.gamma if self.control is not None else 0)
             span.set_attribute("tree.nodes", tree.size)
             with _tracer.start_as_current_span("verify", attributes={"tree.nodes": tree.size}):
                 result = await self.ctl.target.verify(self.sid, tree)

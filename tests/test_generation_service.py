@@ -1,0 +1,270 @@
+"""Issue 4 end to end: draft, target and generation front as real server processes on loopback.
+
+Tiny seeded models in float32. Greedy output over gRPC must equal embedded mode and target-only
+greedy (HF generate) token for token; streamed text deltas must concatenate to the final text; a
+request's trace must hold spans of all three processes under one trace id; bad requests get
+INVALID_ARGUMENT naming the field; deadlines and a target stopped mid-request give their status
+codes without hanging. The front runs requests in-process here (``--no-ray``); the Ray path has its
+own tests (test_orchestrator_ray.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from orchestrator.embedded import build_pipeline
+from orchestrator.engine import GenerationRequest
+from specdec.tree_spec import DEFAULT_SPEC, SEED_SPEC, TreeSpec
+from specdec.v1 import generation_pb2, generation_pb2_grpc, target_pb2, target_pb2_grpc, tree_pb2
+from specdec.wire import spec_to_proto
+from tests.conftest import hf_greedy
+from tests.otlp import OtlpReceiver
+from tests.servers import launch_service, save_tiny_pair, stop_service, wait_ready, write_config
+
+SPECS = [DEFAULT_SPEC, SEED_SPEC, TreeSpec.chain(4),
+         TreeSpec(gamma=2, topKSpec=[[2], [2, 1]], topHead=[1, 2])]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return save_tiny_pair(tmp_path_factory.mktemp("models"), noise=0.03)  # a draft close enough to accept often
+
+
+@pytest.fixture(scope="module")
+def otlp():
+    with OtlpReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def stack(pair, tmp_path_factory, otlp):
+    """Draft, target and front processes (front without Ray); yields (config, draft, target, front)."""
+    config = write_config(tmp_path_factory.mktemp("cfg") / "serve.yaml", pair, front={"port": 0})
+    env = otlp.env()
+    draft = launch_service("draft", config, env={**env, "OTEL_SERVICE_NAME": "specdec-draft"})
+    target = launch_service("target", config, env={**env, "OTEL_SERVICE_NAME": "specdec-target"})
+    wait_ready(draft), wait_ready(target)
+    front = wait_ready(launch_service("front", config, env={**env, "OTEL_SERVICE_NAME": "specdec-front"},
+                                      draft_address=draft.address, target_address=target.address, no_ray=True))
+    yield config, draft, target, front
+    for service in (front, draft, target):
+        stop_service(service)
+
+
+@pytest.fixture(scope="module")
+def embedded(pair):
+    return build_pipeline(str(pair.target), str(pair.draft), dtype="float32", draft_quant="none")
+
+
+@pytest.fixture(scope="module")
+def target_model(pair):
+    return AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).eval()
+
+
+def generate(address, timeout=60.0, **fields):
+    """One Generate call: (token ids, concatenated text deltas, final stats, messages)."""
+
+    async def run():
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            tokens, text, stats, messages = [], "", None, 0
+            async for reply in stub.Generate(generation_pb2.GenerateRequest(**fields), timeout=timeout):
+                messages += 1
+                tokens += reply.token_ids
+                text += reply.text_delta
+                if reply.HasField("stats"):
+                    stats = reply.stats
+            return tokens, text, stats, messages
+
+    return asyncio.run(run())
+
+
+def prompt_ids(seed: int, length: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(1, 250, (length,), generator=gen).tolist()
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=["default", "seed", "chain4", "small"])
+def test_greedy_over_grpc_equals_embedded_and_target_only(stack, embedded, target_model, spec):
+    front = stack[3]
+    accepted = 0
+    for seed in range(3):
+        ids = prompt_ids(seed, 5 + 7 * seed)
+        reference = hf_greedy(target_model, ids, 24)
+        local = embedded.engine.generate(GenerationRequest(ids, 24, spec=spec)).tokens
+        tokens, _, stats, _ = generate(front.address, prompt_ids=ids, max_new_tokens=24, tree=spec_to_proto(spec))
+        assert local == reference[: len(local)]
+        assert tokens == local, f"prompt {seed}: gRPC output differs from embedded mode"
+        assert stats.new_tokens == len(tokens) and stats.stop_reason in ("max_new_tokens", "eos")
+        accepted += len(tokens) - stats.rounds
+    assert accepted > 0, "no round accepted a draft token: speculation did not run"
+
+
+def test_stream_deltas_concatenate_to_the_final_text(stack, pair):
+    front = stack[3]
+    tokenizer = AutoTokenizer.from_pretrained(pair.target)
+    tokens, text, stats, messages = generate(front.address, prompt="def add(a, b):", raw=True, max_new_tokens=40)
+    assert messages >= 3  # streamed round by round, not in one final message
+    assert len(tokens) == stats.new_tokens
+    assert text == tokenizer.decode(tokens, skip_special_tokens=True)
+    assert stats.prompt_tokens == len(tokenizer("def add(a, b):")["input_ids"])
+
+
+def test_no_spec_and_sampling_requests(stack, target_model):
+    front = stack[3]
+    ids = prompt_ids(7, 9)
+    plain, _, stats, _ = generate(front.address, prompt_ids=ids, max_new_tokens=16, no_spec=True)
+    assert plain == hf_greedy(target_model, ids, 16) and stats.acceptance_rate == 0.0
+    sampling = tree_pb2.SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+    first = generate(front.address, prompt_ids=ids, max_new_tokens=16, sampling=sampling)[0]
+    again = generate(front.address, prompt_ids=ids, max_new_tokens=16, sampling=sampling)[0]
+    assert first == again, "a seeded sampled request must reproduce its tokens"
+    other = generate(front.address, prompt_ids=ids, max_new_tokens=16,
+                     sampling=tree_pb2.SamplingParams(temperature=0.8, top_p=0.95, seed=12))[0]
+    assert other != first
+
+
+def test_front_health_and_reflection(stack):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    front = stack[3]
+    with grpc.insecure_channel(front.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "specdec.v1.GenerationService"):
+            assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == health_pb2.HealthCheckResponse.SERVING
+        services = ProtoReflectionDescriptorDatabase(channel).get_services()
+        assert "specdec.v1.GenerationService" in services and "grpc.health.v1.Health" in services
+
+
+BAD_REQUESTS = [
+    (dict(), "prompt"),
+    (dict(prompt="hi", prompt_ids=[1, 2]), "prompt"),
+    (dict(prompt_ids=[1, 100000]), "prompt_ids"),
+    (dict(prompt_ids=[1] * 300), "prompt"),
+    (dict(prompt_ids=[1, 2], max_new_tokens=-1), "max_new_tokens"),
+    (dict(prompt_ids=[1, 2], stop=[""]), "stop"),
+    (dict(prompt_ids=[1, 2], sampling=tree_pb2.SamplingParams(temperature=-1)), "temperature"),
+    (dict(prompt_ids=[1, 2], sampling=tree_pb2.SamplingParams(temperature=1, top_p=1.5)), "top_p"),
+    (dict(prompt_ids=[1, 2], sampling=tree_pb2.SamplingParams(temperature=1, top_k=-2)), "top_k"),
+    (dict(prompt_ids=[1, 2], tree=tree_pb2.TreeSpec(gamma=2, top_k_spec=[tree_pb2.TopKRow(k=[1])], top_head=[1, 1])), "topKSpec"),
+    (dict(prompt_ids=[1, 2], tree=tree_pb2.TreeSpec(gamma=1, top_k_spec=[tree_pb2.TopKRow(k=[0])], top_head=[1])), "topKSpec[0][0]"),
+]
+
+
+@pytest.mark.parametrize("fields,field", BAD_REQUESTS, ids=[f for _, f in BAD_REQUESTS])
+def test_bad_requests_are_invalid_argument_naming_the_field(stack, target_model, fields, field):
+    front = stack[3]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        generate(front.address, **fields)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in info.value.details()
+    ids = prompt_ids(3, 6)  # the front keeps serving
+    assert generate(front.address, prompt_ids=ids, max_new_tokens=8)[0] == hf_greedy(target_model, ids, 8)
+
+
+def target_sessions(address) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return target_pb2_grpc.TargetServiceStub(channel).Info(target_pb2.InfoRequest(), timeout=10).sessions
+
+
+def wait_sessions(address, expected: int, timeout: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout
+    while (n := target_sessions(address)) != expected and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return n
+
+
+def test_deadline_exceeded_frees_the_request(stack):
+    _, _, target, front = stack
+    started = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        generate(front.address, timeout=0.3, prompt_ids=prompt_ids(1, 8), max_new_tokens=200,
+                 tree=spec_to_proto(SEED_SPEC), sampling=tree_pb2.SamplingParams(temperature=1.0, seed=1))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - started < 5
+    assert wait_sessions(target.address, 0) == 0, "the expired request's target session was not released"
+
+
+def test_abort_ends_the_stream_and_frees_kv(stack):
+    _, _, target, front = stack
+
+    async def run():
+        async with grpc.aio.insecure_channel(front.address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            call = stub.Generate(generation_pb2.GenerateRequest(
+                request_id="abort-me", prompt_ids=prompt_ids(2, 8), max_new_tokens=250,
+                sampling=tree_pb2.SamplingParams(temperature=1.0, seed=3)), timeout=60)
+            first = await call.read()
+            assert target_sessions(target.address) == 1
+            assert (await stub.Abort(generation_pb2.AbortRequest(request_id="abort-me"))).aborted
+            last = first
+            while (reply := await call.read()) is not grpc.aio.EOF:
+                last = reply
+            return first, last
+
+    first, last = asyncio.run(run())
+    assert first.token_ids and last.stats.stop_reason == "aborted"
+    assert last.stats.new_tokens < 250
+    assert wait_sessions(target.address, 0) == 0
+
+
+def test_trace_spans_from_all_three_processes(stack, otlp):
+    front = stack[3]
+    generate(front.address, prompt_ids=prompt_ids(5, 7), max_new_tokens=12, request_id="traced")
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        spans = otlp.spans()
+        roots = [s for s in spans if s.name == "generate" and s.attributes.get("request.id") == "traced"]
+        if roots:
+            trace_id = roots[0].trace_id
+            services = {s.service for s in spans if s.trace_id == trace_id}
+            if {"specdec-front", "specdec-draft", "specdec-target"} <= services:
+                break
+        time.sleep(0.2)
+    assert roots, "no generate span arrived"
+    in_trace = [s for s in otlp.spans() if s.trace_id == trace_id]
+    assert {"specdec-front", "specdec-draft", "specdec-target"} <= {s.service for s in in_trace}
+    names = {s.name for s in in_trace}
+    assert {"round", "draft", "verify", "commit"} <= names
+    rounds = [s for s in in_trace if s.name == "round"]
+    assert all("tree.nodes" in s.attributes and "accepted_length" in s.attributes and "gamma" in s.attributes for s in rounds)
+    verifies = [s for s in in_trace if s.name == "verify" and s.service == "specdec-front"]
+    assert any(s.attributes.get("tree.bytes", 0) > 0 for s in verifies)
+    # the server side of the calls is in the same trace (context propagated over gRPC)
+    assert any(s.service == "specdec-target" and "Verify" in s.name for s in in_trace)
+    assert any(s.service == "specdec-draft" and "Session" in s.name for s in in_trace)
+
+
+def test_target_stopped_mid_request_gives_unavailable(pair, tmp_path):
+    config = write_config(tmp_path / "serve.yaml", pair, front={"port": 0}, grpc={"shutdown_grace_s": 0.5})
+    draft, target = launch_service("draft", config), launch_service("target", config)
+    wait_ready(draft), wait_ready(target)
+    front = wait_ready(launch_service("front", config, draft_address=draft.address, target_address=target.address, no_ray=True))
+    try:
+        async def run():
+            async with grpc.aio.insecure_channel(front.address) as channel:
+                stub = generation_pb2_grpc.GenerationServiceStub(channel)
+                call = stub.Generate(generation_pb2.GenerateRequest(
+                    prompt_ids=prompt_ids(4, 8), max_new_tokens=250,
+                    sampling=tree_pb2.SamplingParams(temperature=1.0, seed=5)), timeout=60)
+                await call.read()
+                stop_service(target)
+                started = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    while await call.read() is not grpc.aio.EOF:
+                        pass
+                return info.value.code(), time.monotonic() - started
+
+        code, waited = asyncio.run(run())
+        assert code == grpc.StatusCode.UNAVAILABLE
+        assert waited < 10
+    finally:
+        for service in (front, draft, target):
+            stop_service(service)
