@@ -1,0 +1,1104 @@
+"""deploy/, checked offline: schemas, cross-checks between the files, and a local rehearsal.
+
+What is checked, and against what:
+
+- Kubernetes objects validate against the schemas that kubernetes-validate ships (strict: unknown
+  fields are errors) for the pinned Kubernetes version ``K8S_VERSION``.
+- The RayCluster validates against the KubeRay CRD's openAPIV3Schema read from
+  ``../shared/data/kuberay`` (not copied into the repo), made strict the way the API server's
+  strict field validation is (unknown fields are errors); skipped with a message where
+  ``../shared`` is absent.
+- Cross-checks (each a function returning the problems it finds; every one is shown to catch a
+  broken manifest by a mutation test): Services select pods that exist and expose the ports they
+  target; container ports and gRPC probe ports equal the ports of deploy/specdec.yaml and the
+  probes ask the standard health service for the right service name; the front's
+  --draft-address/--target-address name Services that reach the draft/target containers; the
+  ConfigMap holds deploy/specdec.yaml byte for byte, is mounted where --config points, loads with
+  ``specdec.config.load_config`` and its tree parses with ``parse_tree_spec``; every override flag
+  maps to a config field and the overridden config is valid; --tp equals the GPUs of the target pod;
+  terminationGracePeriodSeconds exceeds preStop + grpc.shutdown_grace_s; every container has the
+  OTEL_* variables; images are the one the Dockerfile builds; the Dockerfile installs the package
+  whose ``specdec`` subcommands the manifests run, and they take the flags the manifests pass.
+- The manifests are what ``kubectl apply -k deploy/`` applies: ``render()`` builds them from
+  deploy/kustomization.yaml (resources, namespace, configMapGenerator); where ``kubectl`` or
+  ``kustomize`` is installed, the real kustomize output is checked too (equal up to the ConfigMaps'
+  hash suffixes, every reference rewritten to the hashed names, and valid).
+- Scripts: the Ray pods' bash scripts run against stand-ins for KubeRay's generated ``ray start`` and
+  for ``specdec`` (the head starts Ray without --block, then execs the front with its flags);
+  deploy/local.sh runs against stand-in servers (one exiting, or a SIGTERM, stops all three).
+- Local rehearsal: deploy/local.sh (the manifests' entrypoints, the same config, loopback) serves a
+  greedy request whose output equals target-only decoding (skipped until ``specdec front`` exists).
+
+Not checked here: building the image (no Docker daemon or base-image registry in CI), and anything
+that needs a cluster (scheduling, GPUs, the KubeRay operator's own defaults).
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import functools
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from packaging.requirements import Requirement
+
+from specdec.config import ConfigError, ServeConfig, load_config
+from specdec.tree_spec import parse_tree_spec
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy"
+CONFIG_FILE = DEPLOY / "specdec.yaml"
+KUBERAY_CRDS = REPO.parent / "shared" / "data" / "kuberay"
+K8S_VERSION = "1.30.0"  # gRPC probes are GA since 1.27; PodDisruptionBudget policy/v1 since 1.21
+
+# The `specdec` subcommands the manifests run, the config section whose port each serves, the
+# health service name its readiness probe asks for, and the flags that may override the config
+# (flag -> dotted config field). Kept here, not read from the CLI, so that the manifests can be
+# checked before the subcommands exist; test_cli_takes_the_manifest_flags compares with the CLI.
+SERVERS = {
+    "draft-server": ("draft", "specdec.v1.DraftService"),
+    "target-server": ("target", "specdec.v1.TargetService"),
+    "front": ("front", "specdec.v1.GenerationService"),
+}
+OVERRIDES = {
+    "draft-server": {"--host": "draft.host", "--device": "models.device"},
+    "target-server": {"--host": "target.host", "--device": "models.device", "--tp": "target.tp"},
+    "front": {"--host": "front.host", "--draft-address": "front.draft_address",
+              "--target-address": "front.target_address", "--ray-address": "front.ray_address"},
+}
+OTEL_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES")
+GPU = "nvidia.com/gpu"
+SHELL_OPERATORS = {";", "&&", "||", "|", "&", "(", ")"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading: kustomization -> resources
+# ---------------------------------------------------------------------------------------------
+
+KUSTOMIZE_FIELDS = {"apiVersion", "kind", "namespace", "resources", "configMapGenerator", "configurations", "images"}
+
+
+def render(deploy: Path = DEPLOY) -> list[dict]:
+    """The resources ``kubectl apply -k deploy/`` applies, minus the ConfigMaps' hash suffixes.
+
+    Covers the kustomization fields deploy/ uses (KUSTOMIZE_FIELDS; another field fails here, so
+    this cannot silently drift from kustomize): listed resource files, the namespace,
+    configMapGenerator entries (``files`` keyed by file name, ``literals``) and ``images``
+    (newName / newTag of the containers' images, RayCluster pods included, as kustomize does).
+    """
+    kustomization = yaml.safe_load((deploy / "kustomization.yaml").read_text())
+    unknown = set(kustomization) - KUSTOMIZE_FIELDS
+    assert not unknown, f"deploy/kustomization.yaml uses {sorted(unknown)}: teach render() about them"
+    resources = []
+    for name in kustomization["resources"]:
+        resources += [doc for doc in yaml.safe_load_all((deploy / name).read_text()) if doc]
+    for gen in kustomization.get("configMapGenerator", []):
+        data = {}
+        for entry in gen.get("files", []):
+            key, _, path = entry.rpartition("=")
+            data[key or PurePosixPath(path).name] = (deploy / path).read_text()
+        for entry in gen.get("literals", []):
+            key, _, value = entry.partition("=")
+            data[key] = value
+        resources.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": gen["name"]}, "data": data})
+    for res in resources:
+        if res["kind"] != "Namespace" and "namespace" in kustomization:
+            res["metadata"]["namespace"] = kustomization["namespace"]
+    for pod in pod_templates(resources):
+        for ctr in pod.containers:
+            ctr["image"] = retag(ctr["image"], kustomization.get("images", []))
+    return resources
+
+
+def retag(image: str, rules: list[dict]) -> str:
+    """kustomize's images transformer: NAME[:TAG] -> newName[:newTag] for the rule named NAME."""
+    name, tag = (image.rsplit(":", 1) + [""])[:2] if ":" in image.rsplit("/", 1)[-1] else (image, "")
+    for rule in rules:
+        if rule["name"] == name:
+            name, tag = rule.get("newName", name), rule.get("newTag", tag)
+    return f"{name}:{tag}" if tag else name
+
+
+@pytest.fixture(scope="module")
+def resources() -> list[dict]:
+    return render()
+
+
+@pytest.fixture(scope="module")
+def config() -> ServeConfig:
+    return load_config(CONFIG_FILE)
+
+
+def find(resources: list[dict], kind: str, name: str) -> dict:
+    matches = [r for r in resources if r["kind"] == kind and r["metadata"]["name"] == name]
+    assert len(matches) == 1, f"{kind}/{name}: {len(matches)} found"
+    return matches[0]
+
+
+def container(pod_spec: dict, name: str) -> dict:
+    return next(c for c in pod_spec["containers"] if c["name"] == name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Views: pod templates, specdec launches
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PodTemplate:
+    origin: str          # e.g. "StatefulSet/specdec-target", "RayCluster/specdec-front worker orchestrator"
+    namespace: str | None
+    template: dict
+
+    @property
+    def labels(self) -> dict:
+        return self.template.get("metadata", {}).get("labels", {})
+
+    @property
+    def spec(self) -> dict:
+        return self.template["spec"]
+
+    @property
+    def containers(self) -> list[dict]:
+        return self.spec.get("containers", []) + self.spec.get("initContainers", [])
+
+
+def pod_templates(resources: list[dict]) -> list[PodTemplate]:
+    out = []
+    for res in resources:
+        kind, meta, spec = res["kind"], res["metadata"], res.get("spec", {})
+        origin = f"{kind}/{meta['name']}"
+        if kind in ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"):
+            out.append(PodTemplate(origin, meta.get("namespace"), spec["template"]))
+        elif kind == "RayCluster":
+            out.append(PodTemplate(f"{origin} head", meta.get("namespace"), spec["headGroupSpec"]["template"]))
+            for group in spec.get("workerGroupSpecs", []):
+                out.append(PodTemplate(f"{origin} worker {group['groupName']}", meta.get("namespace"), group["template"]))
+    return out
+
+
+@dataclass
+class Launch:
+    """A ``specdec SUBCOMMAND --flag value ...`` found in a container's command and args."""
+
+    subcommand: str
+    flags: dict[str, str] = field(default_factory=dict)
+    stray: list[str] = field(default_factory=list)   # words that are not --flag value pairs
+
+
+def words(argv: list[str]) -> list[str]:
+    """argv, with shell scripts (``bash -lc "a; b && exec c"``) split into words and operators."""
+    out = []
+    for arg in argv:
+        if re.search(r"\s|;|&&", arg):
+            lexer = shlex.shlex(arg, posix=True, punctuation_chars=True)
+            lexer.whitespace_split = True
+            out += list(lexer)
+        else:
+            out.append(arg)
+    return out
+
+
+def parse_launch(argv: list[str]) -> Launch | None:
+    tokens = words(argv)
+    if "specdec" not in tokens:
+        return None
+    rest = []
+    for token in tokens[tokens.index("specdec") + 1:]:
+        if token in SHELL_OPERATORS:
+            break
+        rest.append(token)
+    launch = Launch(rest[0] if rest else "")
+    args, i = rest[1:], 0
+    while i < len(args):
+        if args[i].startswith("--") and "=" in args[i]:
+            key, value = args[i].split("=", 1)
+            launch.flags[key], i = value, i + 1
+        elif args[i].startswith("--") and i + 1 < len(args):
+            launch.flags[args[i]], i = args[i + 1], i + 2
+        else:
+            launch.stray.append(args[i])
+            i += 1
+    return launch
+
+
+def launch_of(ctr: dict) -> Launch | None:
+    return parse_launch([*ctr.get("command", []), *ctr.get("args", [])])
+
+
+def launches(resources: list[dict]):
+    """(pod template, container, Launch) for every container that runs ``specdec``."""
+    for pod in pod_templates(resources):
+        for ctr in pod.containers:
+            launch = launch_of(ctr)
+            if launch is not None:
+                yield pod, ctr, launch
+
+
+def selects(selector: dict, pod: PodTemplate, namespace: str | None) -> bool:
+    return pod.namespace == namespace and all(pod.labels.get(k) == v for k, v in selector.items())
+
+
+def resolve_port(pod: PodTemplate, target_port, ctr: dict | None = None) -> int | None:
+    """The container port a Service targetPort (name or number) reaches in the pod, or None."""
+    for c in [ctr] if ctr is not None else pod.spec["containers"]:
+        for port in c.get("ports", []):
+            if target_port in (port.get("name"), port["containerPort"]):
+                return port["containerPort"]
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Cross-checks: each returns a list of problems (empty = fine)
+# ---------------------------------------------------------------------------------------------
+
+
+def check_selectors(resources: list[dict]) -> list[str]:
+    """Services, workload selectors, StatefulSet governing Services and PDBs select existing pods."""
+    problems, pods = [], pod_templates(resources)
+    for svc in (r for r in resources if r["kind"] == "Service"):
+        name, ns = svc["metadata"]["name"], svc["metadata"].get("namespace")
+        selector = svc["spec"].get("selector") or {}
+        matched = [p for p in pods if selector and selects(selector, p, ns)]
+        if not matched:
+            problems.append(f"Service/{name}: selector {selector} selects no pods")
+        for port in svc["spec"].get("ports", []):
+            target = port.get("targetPort", port["port"])
+            for pod in matched:
+                if resolve_port(pod, target) is None:
+                    problems.append(f"Service/{name}: {pod.origin} has no port {target!r} (targetPort of {port['port']})")
+    for res in resources:
+        kind, name = res["kind"], res["metadata"]["name"]
+        if kind in ("Deployment", "StatefulSet"):
+            match = res["spec"]["selector"].get("matchLabels", {})
+            labels = res["spec"]["template"]["metadata"].get("labels", {})
+            if any(labels.get(k) != v for k, v in match.items()):
+                problems.append(f"{kind}/{name}: selector.matchLabels {match} do not match its template labels {labels}")
+        if kind == "StatefulSet":
+            governing = [s for s in resources if s["kind"] == "Service" and s["metadata"]["name"] == res["spec"].get("serviceName")]
+            if not governing or governing[0]["spec"].get("clusterIP") != "None":
+                problems.append(f"StatefulSet/{name}: serviceName {res['spec'].get('serviceName')!r} is not a headless Service")
+        if kind == "PodDisruptionBudget":
+            match = res["spec"]["selector"].get("matchLabels", {})
+            if not any(selects(match, p, res["metadata"].get("namespace")) for p in pods):
+                problems.append(f"PodDisruptionBudget/{name}: selector {match} selects no pods")
+    return problems
+
+
+def check_servers(resources: list[dict], config: ServeConfig) -> list[str]:
+    """Container ports and gRPC probes of each server equal the ports of the config."""
+    problems = []
+    for pod, ctr, launch in launches(resources):
+        where = f"{pod.origin} container {ctr['name']}"
+        if launch.subcommand not in SERVERS:
+            problems.append(f"{where}: runs `specdec {launch.subcommand}`, not one of {sorted(SERVERS)}")
+            continue
+        section, health_name = SERVERS[launch.subcommand]
+        port = getattr(config, section).port
+        ports = {p.get("name"): p["containerPort"] for p in ctr.get("ports", [])}
+        if ports.get("grpc") != port:
+            problems.append(f"{where}: containerPort 'grpc' is {ports.get('grpc')}, config {section}.port is {port}")
+        if launch.subcommand == "front" and config.front.metrics_port is not None \
+                and ports.get("front-metrics") != config.front.metrics_port:
+            problems.append(f"{where}: containerPort 'front-metrics' is {ports.get('front-metrics')}, "
+                            f"config front.metrics_port is {config.front.metrics_port}")
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            grpc_probe = (ctr.get(kind) or {}).get("grpc")
+            if grpc_probe is None:
+                problems.append(f"{where}: {kind} is not a gRPC health probe")
+                continue
+            if grpc_probe["port"] != port:
+                problems.append(f"{where}: {kind} port {grpc_probe['port']}, config {section}.port is {port}")
+            wanted = {"", health_name} if kind == "livenessProbe" else {health_name}
+            if grpc_probe.get("service", "") not in wanted:
+                problems.append(f"{where}: {kind} asks for health service {grpc_probe.get('service', '')!r}, "
+                                f"expected one of {sorted(wanted)}")
+    return problems
+
+
+def reached_ports(resources: list[dict], svc: dict, svc_port: dict, server: str) -> list[tuple[str, int | None]]:
+    """(pod, container port) that a Service port reaches in the pods running ``specdec <server>``."""
+    selector = svc["spec"].get("selector") or {}
+    reached = []
+    for pod in pod_templates(resources):
+        if not selector or not selects(selector, pod, svc["metadata"].get("namespace")):
+            continue
+        for ctr in pod.spec["containers"]:
+            if (launch_of(ctr) or Launch("")).subcommand == server:
+                reached.append((pod.origin, resolve_port(pod, svc_port.get("targetPort", svc_port["port"]), ctr)))
+    return reached
+
+
+def check_addresses(resources: list[dict], config: ServeConfig) -> list[str]:
+    """The front's draft/target addresses name Services (of its namespace) that reach that server's port."""
+    problems = []
+    for pod, _, launch in launches(resources):
+        if launch.subcommand != "front":
+            continue
+        for flag, server in (("--draft-address", "draft-server"), ("--target-address", "target-server")):
+            where = f"{pod.origin} {flag}"
+            if flag not in launch.flags:
+                problems.append(f"{where}: missing (the config's loopback address would be used in the cluster)")
+                continue
+            host, _, port = launch.flags[flag].rpartition(":")
+            name, _, namespace = host.partition(".")   # NAME or NAME.NAMESPACE[.svc...]
+            namespace = namespace.split(".")[0] or pod.namespace
+            services = [s for s in resources if s["kind"] == "Service" and s["metadata"]["name"] == name
+                        and s["metadata"].get("namespace") == namespace]
+            if not services:
+                problems.append(f"{where}: no Service named {name!r} in namespace {namespace!r}")
+                continue
+            svc_ports = [p for p in services[0]["spec"]["ports"] if str(p["port"]) == port]
+            if not svc_ports:
+                problems.append(f"{where}: Service/{name} has no port {port}")
+                continue
+            reached = reached_ports(resources, services[0], svc_ports[0], server)
+            if not reached:
+                problems.append(f"{where}: Service/{name} selects no `specdec {server}` pods")
+            wanted = getattr(config, SERVERS[server][0]).port
+            problems += [f"{where}: reaches port {got} of {origin}, the server listens on {wanted}"
+                         for origin, got in reached if got != wanted]
+    return problems
+
+
+def check_config_mounts(resources: list[dict], config_text: str) -> list[str]:
+    """--config points into a mounted ConfigMap that holds deploy/specdec.yaml byte for byte."""
+    problems = []
+    configmaps = {(r["metadata"].get("namespace"), r["metadata"]["name"]): r for r in resources if r["kind"] == "ConfigMap"}
+    for pod, ctr, launch in launches(resources):
+        where = f"{pod.origin} container {ctr['name']}"
+        path = launch.flags.get("--config")
+        if path is None:
+            problems.append(f"{where}: no --config")
+            continue
+        path = PurePosixPath(path)
+        mounts = [m for m in ctr.get("volumeMounts", []) if PurePosixPath(m["mountPath"]) == path.parent]
+        volumes = {v["name"]: v for v in pod.spec.get("volumes", [])}
+        sources = [volumes.get(m["name"], {}).get("configMap") for m in mounts]
+        if not mounts or not sources[0]:
+            problems.append(f"{where}: --config {path} is not in a mounted ConfigMap")
+            continue
+        cm = configmaps.get((pod.namespace, sources[0]["name"]))
+        if cm is None:
+            problems.append(f"{where}: ConfigMap {sources[0]['name']!r} does not exist")
+            continue
+        key = next((i["key"] for i in sources[0].get("items", []) if i["path"] == path.name), path.name)
+        if cm.get("data", {}).get(key) != config_text:
+            problems.append(f"{where}: ConfigMap {cm['metadata']['name']} key {key!r} differs from deploy/specdec.yaml")
+    return problems
+
+
+def check_overrides(resources: list[dict], config_file: Path = CONFIG_FILE) -> list[str]:
+    """Every flag besides --config overrides a config field, and the overridden config is valid."""
+    problems = []
+    for pod, ctr, launch in launches(resources):
+        where = f"{pod.origin} `specdec {launch.subcommand}`"
+        allowed = OVERRIDES.get(launch.subcommand, {})
+        if launch.stray:
+            problems.append(f"{where}: unexpected words {launch.stray}")
+        unknown = set(launch.flags) - set(allowed) - {"--config"}
+        if unknown:
+            problems.append(f"{where}: unknown flags {sorted(unknown)} (known: --config, {', '.join(sorted(allowed))})")
+        overrides = {allowed[f]: v for f, v in launch.flags.items() if f in allowed}
+        try:
+            load_config(config_file, overrides)
+        except ConfigError as exc:
+            problems.append(f"{where}: {exc}")
+    return problems
+
+
+def check_gpus(resources: list[dict], config: ServeConfig) -> list[str]:
+    """--tp equals the pod's GPUs; GPU requests equal limits; --device cuda iff GPUs; /dev/shm for TP."""
+    problems = []
+    for pod, ctr, launch in launches(resources):
+        where = f"{pod.origin} container {ctr['name']}"
+        limits = ctr.get("resources", {}).get("limits", {})
+        requests = ctr.get("resources", {}).get("requests", {})
+        gpus = int(limits.get(GPU, 0))
+        if GPU in requests and int(requests[GPU]) != gpus:
+            problems.append(f"{where}: {GPU} request {requests[GPU]} != limit {gpus}")
+        cuda = launch.flags.get("--device", config.models.device).startswith("cuda")
+        if cuda != (gpus > 0):
+            problems.append(f"{where}: --device {launch.flags.get('--device', config.models.device)} with {gpus} {GPU}")
+        if launch.subcommand == "target-server":
+            tp = int(launch.flags.get("--tp", config.target.tp))
+            if cuda and tp != gpus:
+                problems.append(f"{where}: --tp {tp} but {GPU} limit {gpus} (one TP rank per GPU)")
+            volumes = {v["name"]: v for v in pod.spec.get("volumes", [])}
+            shm = [m for m in ctr.get("volumeMounts", []) if m["mountPath"] == "/dev/shm"
+                   and volumes.get(m["name"], {}).get("emptyDir", {}).get("medium") == "Memory"]
+            if tp > 1 and not shm:
+                problems.append(f"{where}: --tp {tp} without a memory-backed /dev/shm (NCCL)")
+    return problems
+
+
+def prestop_sleep_s(ctr: dict) -> float:
+    hook = ctr.get("lifecycle", {}).get("preStop", {})
+    command = hook.get("exec", {}).get("command", [])
+    if command[:1] == ["sleep"]:
+        return float(command[1])
+    return float(hook.get("sleep", {}).get("seconds", 0))
+
+
+def check_grace(resources: list[dict], config: ServeConfig) -> list[str]:
+    """terminationGracePeriodSeconds > preStop sleep + grpc.shutdown_grace_s for every server pod."""
+    problems = []
+    for pod in pod_templates(resources):
+        servers = [c for c in pod.spec["containers"] if launch_of(c) is not None]
+        if not servers:
+            continue
+        grace = pod.spec.get("terminationGracePeriodSeconds", 30)
+        needed = max(prestop_sleep_s(c) for c in servers) + config.grpc.shutdown_grace_s
+        if grace <= needed:
+            problems.append(f"{pod.origin}: terminationGracePeriodSeconds {grace} <= preStop + "
+                            f"grpc.shutdown_grace_s = {needed}")
+    return problems
+
+
+def check_otel(resources: list[dict]) -> list[str]:
+    """Every container has OTEL_*; configMapKeyRefs resolve; $(VAR) refers to an earlier variable."""
+    problems = []
+    configmaps = {(r["metadata"].get("namespace"), r["metadata"]["name"]): r for r in resources if r["kind"] == "ConfigMap"}
+    for pod in pod_templates(resources):
+        for ctr in pod.containers:
+            where = f"{pod.origin} container {ctr['name']}"
+            env = ctr.get("env", [])
+            names = [e["name"] for e in env]
+            for var in OTEL_VARS:
+                if var not in names:
+                    problems.append(f"{where}: no {var}")
+            for i, entry in enumerate(env):
+                ref = entry.get("valueFrom", {}).get("configMapKeyRef")
+                if ref:
+                    cm = configmaps.get((pod.namespace, ref["name"]))
+                    if cm is None or ref["key"] not in cm.get("data", {}):
+                        problems.append(f"{where}: {entry['name']} from ConfigMap {ref['name']!r} key {ref['key']!r}, which does not exist")
+                for var in re.findall(r"\$\((\w+)\)", entry.get("value", "")):
+                    if var not in names[:i]:
+                        problems.append(f"{where}: {entry['name']} uses $({var}), not defined before it")
+    return problems
+
+
+def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments dropped."""
+    out, pending = [], ""
+    for line in text.splitlines():
+        if not pending and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        pending += line.rstrip()
+        if pending.endswith("\\"):
+            pending = pending[:-1] + " "
+            continue
+        keyword, _, args = pending.strip().partition(" ")
+        out.append((keyword.upper(), args.strip()))
+        pending = ""
+    return out
+
+
+def dockerfile_facts(text: str) -> dict:
+    facts = {"args": {}, "labels": {}, "copied": [], "runs": [], "expose": set()}
+    for keyword, args in dockerfile_instructions(text):
+        if keyword == "ARG":
+            name, _, default = args.partition("=")
+            facts["args"][name] = default
+        elif keyword == "LABEL":
+            facts["labels"].update(word.split("=", 1) for word in shlex.split(args))
+        elif keyword == "COPY":
+            facts["copied"] += shlex.split(args)[:-1]
+        elif keyword == "RUN":
+            facts["runs"].append(args)
+        elif keyword == "EXPOSE":
+            facts["expose"] |= {int(p.split("/")[0]) for p in args.split()}
+    return facts
+
+
+def check_images(resources: list[dict], dockerfile_text: str) -> list[str]:
+    """Every container runs the image the Dockerfile builds (title:version of its labels)."""
+    labels = dockerfile_facts(dockerfile_text)["labels"]
+    image = f"{labels['org.opencontainers.image.title']}:{labels['org.opencontainers.image.version']}"
+    return [f"{pod.origin} container {ctr['name']}: image {ctr.get('image')!r}, the Dockerfile builds {image!r}"
+            for pod in pod_templates(resources) for ctr in pod.containers
+            if ctr.get("image", "").rsplit("/", 1)[-1] != image]
+
+
+def all_problems(resources: list[dict], config: ServeConfig, config_text: str) -> list[str]:
+    return (check_selectors(resources) + check_servers(resources, config) + check_addresses(resources, config)
+            + check_config_mounts(resources, config_text) + check_overrides(resources) + check_gpus(resources, config)
+            + check_grace(resources, config) + check_otel(resources) + check_images(resources, (DEPLOY / "Dockerfile").read_text()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Schemas
+# ---------------------------------------------------------------------------------------------
+
+
+def strict_crd_schema(schema):
+    """The CRD schema with unknown fields rejected, as the API server does under strict field
+    validation (kubectl apply's default): objects with ``properties`` get additionalProperties: false
+    unless they preserve unknown fields."""
+    if isinstance(schema, list):
+        return [strict_crd_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict_crd_schema(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    return out
+
+
+@functools.cache
+def kuberay_validators() -> dict[tuple[str, str, str], jsonschema.protocols.Validator]:
+    """(group, kind, version) -> validator of the strict openAPIV3Schema, for every served CRD version."""
+    validators = {}
+    for path in sorted(KUBERAY_CRDS.glob("*.yaml")):
+        crd = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # 1 MB each
+        for v in crd["spec"]["versions"]:
+            if v.get("served", True):
+                key = (crd["spec"]["group"], crd["spec"]["names"]["kind"], v["name"])
+                validators[key] = jsonschema.Draft7Validator(strict_crd_schema(v["schema"]["openAPIV3Schema"]))
+    return validators
+
+
+def crd_validator(api_version: str, kind: str) -> jsonschema.protocols.Validator:
+    if not KUBERAY_CRDS.is_dir():
+        pytest.skip(f"KubeRay CRDs not found at {KUBERAY_CRDS} (../shared is absent): {kind} not validated")
+    group, _, version = api_version.partition("/")
+    validator = kuberay_validators().get((group, kind, version))
+    assert validator is not None, f"no served CRD for {kind} {api_version} in {KUBERAY_CRDS}"
+    return validator
+
+
+def schema_errors(res: dict) -> list[str]:
+    """Schema errors of one resource: Kubernetes kinds via kubernetes-validate (strict), ray.io via the CRD."""
+    if res["apiVersion"].startswith("ray.io/"):
+        validator = crd_validator(res["apiVersion"], res["kind"])
+        return [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(res)]
+    try:
+        kubernetes_validate.validate(res, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        return [f"{'.'.join(map(str, exc.path))}: {exc.message}"]
+    return []
+
+
+def names(resources):
+    return [f"{r['kind']}/{r['metadata']['name']}" for r in resources]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests: schemas
+# ---------------------------------------------------------------------------------------------
+
+
+def test_manifests_are_the_expected_set(resources):
+    kinds = {f"{r['kind']}/{r['metadata']['name']}" for r in resources}
+    assert {"Namespace/specdec", "ConfigMap/specdec-config", "ConfigMap/specdec-otel",
+            "Deployment/specdec-draft", "Service/specdec-draft", "StatefulSet/specdec-target",
+            "Service/specdec-target", "RayCluster/specdec-front", "Service/specdec-front"} <= kinds
+    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):  # every manifest file is listed (or is kustomize config)
+        listed = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+        assert f"k8s/{path.name}" in listed["resources"] + listed.get("configurations", []), path
+
+
+@pytest.mark.parametrize("index", range(len(render())), ids=names(render()))
+def test_schema(resources, index):
+    res = resources[index]
+    assert schema_errors(res) == []
+
+
+def test_kubernetes_schema_rejects_unknown_and_wrong_fields(resources):
+    deployment = copy.deepcopy(find(resources, "Deployment", "specdec-draft"))
+    container(deployment["spec"]["template"]["spec"], "draft")["readinesProbe"] = {"grpc": {"port": 50061}}
+    assert schema_errors(deployment)
+    service = copy.deepcopy(find(resources, "Service", "specdec-draft"))
+    service["spec"]["ports"][0]["port"] = "fifty"
+    assert schema_errors(service)
+
+
+def test_kuberay_schema_rejects_unknown_and_missing_fields(resources):
+    ray = copy.deepcopy(find(resources, "RayCluster", "specdec-front"))
+    ray["spec"]["headGroupSpec"]["rayStartParam"] = {}
+    assert any("rayStartParam" in e for e in schema_errors(ray))
+    ray = copy.deepcopy(find(resources, "RayCluster", "specdec-front"))
+    del ray["spec"]["workerGroupSpecs"][0]["groupName"]
+    assert any("groupName" in e for e in schema_errors(ray))
+    ray = copy.deepcopy(find(resources, "RayCluster", "specdec-front"))
+    ray["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "grpc"
+    assert schema_errors(ray)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests: config (one source of truth)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_configmap_is_the_config_file(resources, tmp_path):
+    cm = find(resources, "ConfigMap", "specdec-config")
+    assert cm["data"] == {"specdec.yaml": CONFIG_FILE.read_text()}
+    mounted = tmp_path / "specdec.yaml"  # what a pod reads at /etc/specdec/specdec.yaml
+    mounted.write_text(cm["data"]["specdec.yaml"])
+    loaded = load_config(mounted)
+    assert parse_tree_spec(yaml.safe_load(mounted.read_text())["front"]["tree"]) == loaded.front.tree
+    # Local addresses are the loopback ones the local launch uses; the cluster overrides them.
+    assert loaded.front.draft_address == f"127.0.0.1:{loaded.draft.port}"
+    assert loaded.front.target_address == f"127.0.0.1:{loaded.target.port}"
+
+
+def test_config_file_is_complete_about_what_the_cluster_relies_on():
+    raw = yaml.safe_load(CONFIG_FILE.read_text())
+    for section, key in [("draft", "port"), ("target", "port"), ("front", "port"), ("front", "tree"),
+                         ("grpc", "shutdown_grace_s"), ("front", "metrics_port")]:
+        assert key in raw[section], f"deploy/specdec.yaml: write {section}.{key} out (the manifests depend on it)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests: cross-checks pass, and each catches what it checks
+# ---------------------------------------------------------------------------------------------
+
+
+def test_cross_checks_pass(resources, config):
+    assert all_problems(resources, config, CONFIG_FILE.read_text()) == []
+
+
+def _head(res):
+    return container(find(res, "RayCluster", "specdec-front")["spec"]["headGroupSpec"]["template"]["spec"], "ray-head")
+
+
+def _draft(res):
+    return container(find(res, "Deployment", "specdec-draft")["spec"]["template"]["spec"], "draft")
+
+
+def _target(res):
+    return container(find(res, "StatefulSet", "specdec-target")["spec"]["template"]["spec"], "target")
+
+
+def _set_flag(ctr, flag, value):
+    """Replace ``flag``'s value in a container's args (list form or the head's shell script)."""
+    args = ctr["args"]
+    if len(args) == 1 and " " in args[0]:
+        args[0] = re.sub(rf"{flag} \S+", f"{flag} {value}", args[0])
+        assert f"{flag} {value}" in args[0]
+    else:
+        args[args.index(flag) + 1] = value
+
+
+def _drop_env(ctr, name):
+    ctr["env"] = [e for e in ctr["env"] if e["name"] != name]
+
+
+MUTATIONS = {
+    "draft Service selects nothing": (
+        lambda r: find(r, "Service", "specdec-draft")["spec"]["selector"].update({"app.kubernetes.io/component": "drafts"}),
+        "selects no pods"),
+    "front Service also selects other pods": (
+        lambda r: find(r, "Service", "specdec-front")["spec"]["selector"].pop("app.kubernetes.io/component"),
+        "has no port 'front-metrics'"),
+    "Service targets a port the pods lack": (
+        lambda r: find(r, "Service", "specdec-target")["spec"]["ports"][0].update(targetPort="grpc-x"),
+        "has no port 'grpc-x'"),
+    "Deployment selector misses its template": (
+        lambda r: find(r, "Deployment", "specdec-draft")["spec"]["selector"]["matchLabels"].update(tier="x"),
+        "matchLabels"),
+    "StatefulSet governed by a missing Service": (
+        lambda r: find(r, "StatefulSet", "specdec-target")["spec"].update(serviceName="nope"),
+        "serviceName"),
+    "PDB selects nothing": (
+        lambda r: find(r, "PodDisruptionBudget", "specdec-target")["spec"]["selector"]["matchLabels"].update(x="y"),
+        "PodDisruptionBudget/specdec-target"),
+    "draft containerPort differs from config": (
+        lambda r: _draft(r)["ports"][0].update(containerPort=50071),
+        "containerPort 'grpc' is 50071"),
+    "target readiness probe on a wrong port": (
+        lambda r: _target(r)["readinessProbe"]["grpc"].update(port=50061),
+        "readinessProbe port 50061"),
+    "front readiness probe asks the whole server": (
+        lambda r: _head(r)["readinessProbe"]["grpc"].pop("service"),
+        "readinessProbe asks for health service ''"),
+    "draft liveness is an exec probe": (
+        lambda r: _draft(r).update(livenessProbe={"exec": {"command": ["true"]}}),
+        "livenessProbe is not a gRPC health probe"),
+    "front metrics port differs from config": (
+        lambda r: _head(r)["ports"][1].update(containerPort=9090),
+        "front-metrics"),
+    "front points at a missing Service": (
+        lambda r: _set_flag(_head(r), "--draft-address", "specdec-drafts:50061"),
+        "no Service named 'specdec-drafts'"),
+    "front points at a wrong port": (
+        lambda r: _set_flag(_head(r), "--target-address", "specdec-target:50061"),
+        "has no port 50061"),
+    "front's draft address reaches the target": (
+        lambda r: _set_flag(_head(r), "--draft-address", "specdec-target:50062"),
+        "selects no `specdec draft-server` pods"),
+    "ConfigMap drifted from deploy/specdec.yaml": (
+        lambda r: find(r, "ConfigMap", "specdec-config")["data"].update({"specdec.yaml": CONFIG_FILE.read_text() + "# edited\n"}),
+        "differs from deploy/specdec.yaml"),
+    "--config outside the mount": (
+        lambda r: _set_flag(_draft(r), "--config", "/etc/other/specdec.yaml"),
+        "not in a mounted ConfigMap"),
+    "unknown flag": (
+        lambda r: _draft(r)["args"].extend(["--prot", "1"]),
+        "unknown flags ['--prot']"),
+    "invalid override": (
+        lambda r: _set_flag(_target(r), "--tp", "0"),
+        "target.tp"),
+    "--tp differs from the pod's GPUs": (
+        lambda r: _set_flag(_target(r), "--tp", "4"),
+        "--tp 4 but nvidia.com/gpu limit 2"),
+    "GPU request differs from limit": (
+        lambda r: _target(r)["resources"]["requests"].update({GPU: 1}),
+        "request 1 != limit 2"),
+    "cuda without a GPU": (
+        lambda r: _draft(r)["resources"]["limits"].pop(GPU) and _draft(r)["resources"]["requests"].pop(GPU),
+        "--device cuda with 0"),
+    "TP without /dev/shm": (
+        lambda r: _target(r).update(volumeMounts=[m for m in _target(r)["volumeMounts"] if m["mountPath"] != "/dev/shm"]),
+        "/dev/shm"),
+    "grace shorter than the drain": (
+        lambda r: find(r, "StatefulSet", "specdec-target")["spec"]["template"]["spec"].update(terminationGracePeriodSeconds=12),
+        "terminationGracePeriodSeconds 12"),
+    "worker without OTEL_SERVICE_NAME": (
+        lambda r: _drop_env(container(find(r, "RayCluster", "specdec-front")["spec"]["workerGroupSpecs"][0]["template"]["spec"], "ray-worker"), "OTEL_SERVICE_NAME"),
+        "no OTEL_SERVICE_NAME"),
+    "OTLP endpoint from a missing key": (
+        lambda r: next(e for e in _draft(r)["env"] if e["name"] == "OTEL_EXPORTER_OTLP_ENDPOINT")["valueFrom"]["configMapKeyRef"].update(key="ENDPOINT"),
+        "key 'ENDPOINT'"),
+    "resource attributes use an undefined variable": (
+        lambda r: next(e for e in _target(r)["env"] if e["name"] == "OTEL_RESOURCE_ATTRIBUTES").update(value="k8s.pod.uid=$(POD_UID)"),
+        "$(POD_UID)"),
+    "image the Dockerfile does not build": (
+        lambda r: _target(r).update(image="registry.example/specdec:0.0.9"),
+        "image 'registry.example/specdec:0.0.9'"),
+    "a container runs another subcommand": (
+        lambda r: _draft(r).update(command=["specdec", "serve"]),
+        "runs `specdec serve`"),
+}
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+def test_cross_checks_catch(resources, config, mutation):
+    mutate, expected = MUTATIONS[mutation]
+    broken = copy.deepcopy(resources)
+    mutate(broken)
+    problems = all_problems(broken, config, CONFIG_FILE.read_text())
+    assert any(expected in p for p in problems), problems
+
+
+def test_config_change_breaks_the_port_checks(resources):
+    """The ports are compared with the config file, not with constants."""
+    moved = load_config(CONFIG_FILE, {"draft.port": 50071, "grpc.shutdown_grace_s": 30})
+    problems = all_problems(resources, moved, CONFIG_FILE.read_text())
+    assert any("config draft.port is 50071" in p for p in problems)
+    assert any("reaches port 50061" in p for p in problems)
+    assert any("terminationGracePeriodSeconds 30" in p for p in problems)
+
+
+def test_parse_launch_reads_the_head_script():
+    launch = parse_launch(["/bin/bash", "-lc", "--", "ulimit -n 65536; ${X/--block/} && exec specdec front --config /c.yaml --host 0.0.0.0; echo done"])
+    assert launch == Launch("front", {"--config": "/c.yaml", "--host": "0.0.0.0"})
+    assert parse_launch(["ray", "start", "--block"]) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests: the real kustomize, where installed
+# ---------------------------------------------------------------------------------------------
+
+
+def kustomize_command() -> list[str] | None:
+    if shutil.which("kustomize"):
+        return ["kustomize", "build"]
+    if shutil.which("kubectl"):
+        return ["kubectl", "kustomize"]
+    return None
+
+
+def test_kustomize_output_equals_render_and_checks_out(resources, config):
+    command = kustomize_command()
+    if command is None:
+        pytest.skip("neither kustomize nor kubectl is installed: the real kustomize output is not checked")
+    proc = subprocess.run([*command, str(DEPLOY)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    built = [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+    # Generated ConfigMaps carry a content hash; every reference must name the hashed ConfigMap.
+    generated = {gen["name"] for gen in yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())["configMapGenerator"]}
+    hashed = {}
+    for res in built:
+        if res["kind"] == "ConfigMap":
+            base = re.sub(r"-[a-z0-9]{10}$", "", res["metadata"]["name"])
+            assert base in generated and base != res["metadata"]["name"], res["metadata"]["name"]
+            hashed[res["metadata"]["name"]] = base
+    assert all_problems(built, config, CONFIG_FILE.read_text()) == []   # references resolve to the hashed names
+    for res in built:
+        if res["apiVersion"].startswith("ray.io/") and not KUBERAY_CRDS.is_dir():
+            continue  # reported as a skip by test_schema
+        assert schema_errors(res) == [], names([res])
+
+    def unhash(node):
+        if isinstance(node, dict):
+            return {k: unhash(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [unhash(v) for v in node]
+        return hashed.get(node, node)
+
+    key = lambda r: (r["kind"], r["metadata"]["name"])  # noqa: E731
+    assert sorted(map(unhash, built), key=key) == sorted(resources, key=key)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests: image and entrypoints
+# ---------------------------------------------------------------------------------------------
+
+
+def pyproject() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def test_dockerfile_builds_what_the_manifests_run(resources, config):
+    facts = dockerfile_facts((DEPLOY / "Dockerfile").read_text())
+    project = pyproject()
+    # The package (and with it the `specdec` console script) is installed from the copied sources.
+    assert project["project"]["scripts"]["specdec"] == "orchestrator.cli:main"
+    packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    copied = {PurePosixPath(src).parts[0] for src in facts["copied"]}
+    assert {"pyproject.toml", "README.md"} | packages <= copied, copied
+    assert any(re.search(r"pip install .*\"\.(\$\{EXTRAS[^\"]*\})?\"", run) for run in facts["runs"]), facts["runs"]
+    # The image the manifests name is the Dockerfile's title:version, the package's version.
+    assert facts["labels"]["org.opencontainers.image.version"] == project["project"]["version"]
+    # Ports it exposes are the config's.
+    assert facts["expose"] == {config.front.port, config.draft.port, config.target.port, config.front.metrics_port}
+    # Ray: the image's Ray is the RayCluster's rayVersion and satisfies the package's requirement.
+    ray_version = facts["args"]["RAY_VERSION"]
+    assert find(resources, "RayCluster", "specdec-front")["spec"]["rayVersion"] == ray_version
+    ray_req = next(Requirement(d) for d in project["project"]["dependencies"] if Requirement(d).name == "ray")
+    assert ray_req.specifier.contains(ray_version), (ray_req, ray_version)
+    # The KubeRay annotation that makes the head run our command (see front.yaml).
+    ray = find(resources, "RayCluster", "specdec-front")
+    assert ray["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+    assert "KUBERAY_GEN_RAY_START_CMD" in " ".join(_head(resources)["args"])
+
+
+def test_dockerignore_keeps_the_sources():
+    facts = dockerfile_facts((DEPLOY / "Dockerfile").read_text())
+    patterns = [p.strip().removeprefix("**/") for p in (REPO / ".dockerignore").read_text().splitlines()
+                if p.strip() and not p.startswith("#")]
+    for src in facts["copied"]:
+        assert not [p for p in patterns if fnmatch.fnmatch(src, p)], src
+
+
+def local_launches() -> list[Launch]:
+    """The ``$specdec SUBCOMMAND ...`` lines of deploy/local.sh."""
+    out = []
+    for line in (DEPLOY / "local.sh").read_text().splitlines():
+        if line.startswith("$specdec "):
+            command = line.split("&", 1)[0].replace("$specdec", "specdec", 1)
+            out.append(parse_launch(shlex.split(command)))
+    return out
+
+
+def test_local_launch_runs_the_manifests_entrypoints(resources):
+    cluster = {launch.subcommand for _, _, launch in launches(resources)}
+    local = local_launches()
+    assert {launch.subcommand for launch in local} == cluster == set(SERVERS)
+    # Locally nothing is overridden: the config file alone decides.
+    assert all(set(launch.flags) == {"--config"} for launch in local), local
+
+
+RECORDER = """#!/bin/sh
+echo "$(basename "$0") $*" >> "$RECORD"
+"""
+
+
+def test_ray_pod_scripts_start_ray_then_the_front(resources, tmp_path):
+    """The Ray containers' bash scripts, run with stand-ins for KubeRay's generated ``ray start``
+    and for ``specdec``: the head starts Ray without --block and then execs the front with its
+    flags; a worker runs ``ray start`` as generated (blocking)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("ray", "specdec"):
+        (bin_dir / name).write_text(RECORDER)
+        (bin_dir / name).chmod(0o755)
+    ray = find(resources, "RayCluster", "specdec-front")
+    pods = {"head": ray["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0],
+            "worker": ray["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]}
+    generated = "ray start --address=specdec-front-head-svc:6379 --block --num-cpus=2"
+    expected = {
+        "head": ["ray start --address=specdec-front-head-svc:6379 --num-cpus=2",
+                 "specdec front --config /etc/specdec/specdec.yaml --host 0.0.0.0 --ray-address auto "
+                 "--draft-address specdec-draft:50061 --target-address specdec-target:50062"],
+        "worker": [generated],
+    }
+    for role, ctr in pods.items():
+        record = tmp_path / f"{role}.log"
+        env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "RECORD": str(record), "KUBERAY_GEN_RAY_START_CMD": generated}
+        assert ctr["command"] == ["/bin/bash", "-lc", "--"] and len(ctr["args"]) == 1
+        # bash -c, not -lc: a login shell here would read this machine's profile (in the image,
+        # /etc/profile's PATH holds /usr/local/bin, where pip puts `specdec` and `ray`).
+        proc = subprocess.run(["/bin/bash", "-c", "--", ctr["args"][0]], env=env, capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0, proc.stderr
+        assert record.read_text().splitlines() == expected[role]
+
+
+def cli_options() -> dict[str, set[str]]:
+    import typer
+
+    from orchestrator.cli import app
+
+    group = typer.main.get_command(app)
+    return {name: {opt for param in cmd.params for opt in [*param.opts, *param.secondary_opts]}
+            for name, cmd in group.commands.items()}
+
+
+@pytest.mark.parametrize("subcommand", sorted(SERVERS))
+def test_cli_takes_the_manifest_flags(resources, subcommand):
+    options = cli_options()
+    used = {flag for _, _, launch in launches(resources) if launch.subcommand == subcommand for flag in launch.flags}
+    if subcommand not in options:
+        pytest.skip(f"specdec {subcommand} not available yet (orchestrator/cli.py); the manifests run it with {sorted(used)}")
+    assert used <= options[subcommand], f"specdec {subcommand} lacks {sorted(used - options[subcommand])}"
+
+
+STUB_SERVER = """
+import os, pathlib, signal, sys, time
+sub, out = sys.argv[1], pathlib.Path(os.environ["STUB_DIR"])
+def term(*_):
+    (out / f"{sub}.term").write_text("")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+(out / f"{sub}.args").write_text(" ".join(sys.argv[1:]))
+if sub == os.environ.get("STUB_EXITS"):
+    time.sleep(1)
+    sys.exit(3)
+while True:
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("how", ["one exits", "SIGTERM"])
+def test_local_sh_runs_three_and_stops_them_together(tmp_path, how):
+    """deploy/local.sh with stand-in servers: each gets the config, and one exiting (or a SIGTERM
+    to the launcher) stops the other two with SIGTERM."""
+    (tmp_path / "stub.py").write_text(STUB_SERVER)
+    env = {**os.environ, "SPECDEC": f"{sys.executable} {tmp_path / 'stub.py'}", "STUB_DIR": str(tmp_path),
+           "STUB_EXITS": "front" if how == "one exits" else ""}
+    proc = subprocess.Popen(["bash", str(DEPLOY / "local.sh"), "cfg.yaml"], env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("*.args"))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if how == "SIGTERM":
+            proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    for sub in SERVERS:
+        assert (tmp_path / f"{sub}.args").read_text() == f"{sub} --config cfg.yaml"
+    stopped = {p.stem for p in tmp_path.glob("*.term")}
+    if how == "one exits":
+        assert rc == 3 and stopped == {"draft-server", "target-server"}
+    else:
+        assert rc == 143 and stopped == set(SERVERS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Local rehearsal: deploy/local.sh serves greedy output equal to target-only
+# ---------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_serving(address: str, service: str, proc: subprocess.Popen, timeout_s: float) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    return False
+
+
+def generate(address: str, prompt: str, max_new_tokens: int, no_spec: bool = False) -> tuple[list[int], str]:
+    import grpc
+
+    from specdec.v1 import generation_pb2, generation_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        request = generation_pb2.GenerateRequest(prompt=prompt, raw=True, max_new_tokens=max_new_tokens, no_spec=no_spec)
+        tokens, text = [], ""
+        for reply in stub.Generate(request, timeout=300):
+            tokens += reply.token_ids
+            text += reply.text_delta
+    return tokens, text
+
+
+def test_local_rehearsal_greedy_equals_target_only(tmp_path):
+    """deploy/local.sh with deploy/specdec.yaml, changed only where a test must: tiny models in
+    float32 (the real pair takes minutes and GBs) and free ports (this machine is shared)."""
+    if "front" not in cli_options():
+        pytest.skip("specdec front not available")
+    from tests.test_cli import save_tiny
+
+    target, draft = save_tiny(tmp_path / "target", 0), save_tiny(tmp_path / "draft", 1)
+    raw = yaml.safe_load(CONFIG_FILE.read_text())
+    ports = {section: free_port() for section in ("draft", "target", "front")}
+    raw["models"].update(target=str(target), draft=str(draft), dtype="float32", draft_quant="none")
+    for section, port in ports.items():
+        raw[section]["port"] = port
+    raw["front"].update(draft_address=f"127.0.0.1:{ports['draft']}", target_address=f"127.0.0.1:{ports['target']}",
+                        metrics_port=None)
+    config_path = tmp_path / "specdec.yaml"
+    config_path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    load_config(config_path)
+
+    log = open(tmp_path / "local.log", "w")
+    env = {**os.environ, "SPECDEC": f"{sys.executable} -m orchestrator.cli", "OTEL_SDK_DISABLED": "true"}
+    proc = subprocess.Popen(["bash", str(DEPLOY / "local.sh"), str(config_path)], cwd=REPO, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        front = f"127.0.0.1:{ports['front']}"
+        assert wait_serving(front, "specdec.v1.GenerationService", proc, timeout_s=240), (tmp_path / "local.log").read_text()
+        prompt = "the quick brown fox"
+        spec_tokens, spec_text = generate(front, prompt, 12)
+        plain_tokens, _ = generate(front, prompt, 12, no_spec=True)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+    # Target-only reference, independent of the services: the embedded CLI with --no-spec.
+    baseline = subprocess.run([sys.executable, "-m", "orchestrator.cli", "generate", prompt, "--target", str(target),
+                               "--draft", str(draft), "--dtype", "float32", "--raw", "--max-new-tokens", "12", "--no-spec"],
+                              capture_output=True, text=True, timeout=300)
+    assert baseline.returncode == 0, baseline.stderr
+    assert spec_tokens and spec_tokens == plain_tokens
+    assert spec_text.strip() and spec_text == baseline.stdout.removesuffix("\n")
