@@ -1,0 +1,723 @@
+"""Tensor-parallel target: N rank processes, each running a TargetRuntime over its shard of the model.
+
+Dims: N tree nodes, V vocabulary, H kv heads of the whole model, D head dim, P tensor-parallel ranks.
+
+Sharding: transformers' own tensor parallelism (``from_pretrained(dir,
+distributed_config=DistributedConfig(tp_size=P))``, the model family's tensor-parallel plan), so no
+sharding code of ours. For Qwen2 and Llama the decoder layers get the Megatron-LM layout (Shoeybi
+et al. 2019, section 3): q/k/v/gate/up column-parallel, o/down row-parallel followed by one
+all-reduce each, norms replicated, so every rank holds num_attention_heads / P query heads and
+num_key_value_heads / P kv heads. transformers also splits the embedding and lm_head along the
+vocabulary (embedding lookups all-reduced, lm_head outputs all-gathered: full [N + 1, V] logits on
+every rank), which saves memory for large vocabularies. Checked on transformers 5.24 with torch
+2.13, CPU and gloo, Qwen2 and Llama: the weights become DTensors but the inference forward runs on
+local shards, so the KV cache is an ordinary DynamicCache holding this rank's H / P heads,
+(1, H / P, S, D) per layer; our 4-D tree mask and position ids go through unchanged, and
+``compact_kv`` / ``truncate_kv`` work per shard with no change (every rank moves the same slots of
+its own heads). Logits match the unsharded model within ~2e-5 (float32).
+
+Processes: the caller (the target service) spawns P rank processes (torch.multiprocessing, start
+method ``spawn``; process group on 127.0.0.1 and a free port; backend ``nccl`` when CUDA is
+available, else ``gloo``; with CUDA, rank r uses cuda:r, as transformers binds LOCAL_RANK: the NCCL
+path is written but untested here, no multi-GPU machine). The caller itself is not a rank: it holds one pipe per rank and sends
+every call, (method name, args, kwargs), to all ranks; each rank runs that TargetRuntime method on
+its own runtime (the collectives inside the forward pair up because every rank runs the same call
+sequence), then answers on its pipe. Rank 0's answer is the call's result. Why a coordinator
+outside the ranks rather than "rank 0 serves gRPC and broadcasts": (1) idle ranks wait on a pipe,
+not in a collective, so every collective runs under the short process-group timeout and an idle
+service never times out; (2) the serving process never blocks in a collective: it waits on the
+pipes *and* the rank processes' sentinels, so a rank that dies is noticed at once
+(RankFailureError within milliseconds, not after a collective timeout) and a rank that hangs is
+noticed when a peer's collective times out; (3) ranks whose parent dies read EOF and exit.
+The cost is one pipe round trip per call (~0.1 ms; a verify of the real target takes 100s of ms).
+
+Decisions (acceptance): every rank runs the same ``verify``. Logits are all-reduced, so they are
+the same on every rank up to the reduction's round-off, and sampled sessions use the same seed on
+every rank (a request without a seed gets one random seed chosen here, shared by all ranks), so
+the decisions normally agree; to be safe, after every call that may decide (``verify``,
+``verify_batch``, and any TargetRuntime method this module does not know), rank 0 broadcasts each
+session's pending VerifyResult and random-generator state (``broadcast_object_list``) and the other
+ranks adopt them. So all ranks commit the same tokens and keep the same KV slots, and a sampled
+request's tokens depend only on rank 0's draws (the same as the unsharded run, up to float32
+round-off of the sharded logits). Disagreements are counted (``stats()['decision_mismatches']``).
+
+Failures: any rank that exits, a collective error or timeout on any rank, ranks that answer the
+same call differently (state divergence), or a call over ``call_timeout_s``: the coordinator kills
+all ranks and raises RankFailureError; every later call raises it too (the sessions are gone; build
+a new TensorParallelTarget). Ordinary errors that every rank raises alike (UnknownSessionError,
+SessionStateError, MalformedTreeError, ValueError) are re-raised as such and the ranks keep going.
+
+Spawning re-imports the caller's ``__main__`` module in every rank (start method ``spawn``): a
+script that builds a TensorParallelTarget needs an ``if __name__ == "__main__":`` guard.
+
+Generic mirroring: every public TargetRuntime method is available here under the same name
+(``__getattr__``), so methods added to TargetRuntime later (e.g. ``verify_batch``) are mirrored
+without changes here. Calls are serialised by a lock (the ranks must see one call order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import pickle
+import secrets
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from typing import Any
+
+import torch
+
+from specdec.sampling import GREEDY, SamplingParams
+from specdec.tree import DraftTree
+from specdec.tree_spec import MAX_TREE_NODES
+from target_service.runtime import TargetRuntime
+
+# TargetRuntime methods that never set a session's pending result or advance its generator: no
+# decision broadcast after them. Anything else (verify, verify_batch, methods added later) is
+# followed by one.
+_NON_DECIDING = frozenset({"start", "commit", "release", "tree_logits"})
+
+
+class RankFailureError(RuntimeError):
+    """A tensor-parallel rank died, hung, or fell out of step; the target is unusable from now on.
+
+    The gRPC server maps it to UNAVAILABLE. ``rank``: the rank at fault when known, else None.
+    """
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+    def __reduce__(self):
+        return (RankFailureError, (str(self), self.rank))
+
+
+class RemoteRankError(RuntimeError):
+    """An exception raised on a rank that could not be sent back as itself (not picklable)."""
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """A snapshot of one session on rank 0 (every rank holds the same state).
+
+    cache_len: committed tokens with KV cached (L); cache_slots: slots the cache holds now (L, or
+    L + N + 1 after a verify before its commit); root: the root token R; pending: the uncommitted
+    VerifyResult or None; sampling: the session's SamplingParams (with the seed shared by the ranks).
+    """
+
+    cache_len: int
+    cache_slots: int
+    root: int
+    pending: Any
+    sampling: SamplingParams
+
+
+def default_backend() -> str:
+    """``nccl`` when CUDA is available, else ``gloo``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def check_tp_compatible(config, tp: int) -> None:
+    """Raise ValueError naming ``tp`` when a model config cannot be split over ``tp`` ranks.
+
+    Needs a transformers tensor-parallel plan for the family (``base_model_tp_plan``; Qwen2 and
+    Llama have one) and num_attention_heads and num_key_value_heads divisible by ``tp``.
+    """
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp: must be an integer >= 1, got {tp!r}")
+    if tp == 1:
+        return
+    if not getattr(config, "base_model_tp_plan", None):
+        raise ValueError(f"tp: model type {config.model_type!r} has no transformers tensor-parallel plan")
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % tp or kv_heads % tp:
+        raise ValueError(
+            f"tp: {tp} ranks do not divide num_attention_heads {heads} and num_key_value_heads {kv_heads}"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Rank side
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _RankSpec:
+    model_dir: str
+    world: int
+    port: int
+    backend: str
+    dtype: str
+    threads: int
+    collective_timeout_s: float
+    max_tree_nodes: int
+    prepack: bool
+
+
+def _sendable(exc: BaseException) -> BaseException:
+    """The exception itself when it survives pickling, else a RemoteRankError with its text."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any pickling failure
+        return RemoteRankError(f"{type(exc).__name__}: {exc}")
+
+
+def _send(conn, kind: str, value, tb: str | None = None) -> None:
+    """One reply to the coordinator, plain pickle (tensors are copied, no shared-memory handles
+    that a killed rank could leave behind). A value that does not pickle becomes an "err" reply."""
+    try:
+        payload = pickle.dumps((kind, value, tb))
+    except Exception as exc:  # noqa: BLE001
+        payload = pickle.dumps(("err", RemoteRankError(f"reply does not pickle: {type(exc).__name__}: {exc}"), None))
+    conn.send_bytes(payload)
+
+
+def _sanitize(value):
+    """Exceptions in a result (e.g. ``verify_batch``'s per-item errors) made sendable."""
+    if isinstance(value, BaseException):
+        return _sendable(value)
+    if isinstance(value, list):
+        return [_sanitize(v) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_sanitize(v) for v in value)
+    return value
+
+
+def _is_comm_error(exc: BaseException) -> bool:
+    """Errors that mean the process group is broken (a peer died or a collective timed out)."""
+    if isinstance(exc, getattr(torch.distributed, "DistError", ())):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        key in text for key in ("gloo", "nccl", "connection closed", "connection reset", "timed out", "broken pipe")
+    )
+
+
+def _load_shard(spec: _RankSpec, rank: int):
+    """Load this rank's shard of the model (transformers TP) and wrap it in a TargetRuntime.
+
+    Returns (runtime, number of linears pre-packed)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+    from transformers.utils import logging as hf_logging
+
+    from specdec.models import DTYPES, check_supported
+
+    hf_logging.disable_progress_bar()
+
+    kwargs = {"dtype": DTYPES[spec.dtype]}
+    if spec.world > 1:
+        kwargs["distributed_config"] = DistributedConfig(tp_size=spec.world)
+    model = AutoModelForCausalLM.from_pretrained(spec.model_dir, **kwargs)
+    if spec.backend == "nccl":
+        if spec.world == 1:
+            model = model.to(f"cuda:{rank}")
+    model = model.eval()
+    check_supported(model, "--target")
+    packed = prepack_tp_linears(model) if spec.prepack else 0
+    return TargetRuntime(model, max_tree_nodes=spec.max_tree_nodes), packed
+
+
+def _rank_main(rank: int, spec: _RankSpec, conn) -> None:
+    """Entry point of one rank process: init the process group, load the shard, serve calls."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(spec.threads)
+    os.environ.update(  # what transformers reads to bind a rank to its accelerator (cuda:LOCAL_RANK)
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(spec.world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec.port),
+    )
+    try:
+        if spec.backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            spec.backend, init_method=f"tcp://127.0.0.1:{spec.port}", rank=rank, world_size=spec.world,
+            timeout=datetime.timedelta(seconds=spec.collective_timeout_s),
+        )
+        runtime, packed = _load_shard(spec, rank)
+    except BaseException as exc:  # noqa: BLE001 - reported to the coordinator, then exit
+        _send(conn, "err", _sendable(exc), traceback.format_exc())
+        return
+    _send(conn, "ok", {"vocab_size": runtime.vocab_size, "pid": os.getpid(), "prepacked": packed})
+    mismatches = 0
+    while True:
+        try:
+            name, args, kwargs = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # the coordinator is gone
+            break
+        if name == "_shutdown":
+            _send(conn, "ok", None)
+            break
+        try:
+            if name == "_stats":
+                value = {"decision_mismatches": mismatches}
+            elif name == "_sessions":
+                value = {
+                    sid: SessionInfo(s.cache_len, s.cache.get_seq_length(), s.root, s.pending, s.sampling)
+                    for sid, s in runtime.sessions.items()
+                }
+            elif name == "_kv":
+                value = _session_kv(runtime, *args)
+            elif name == "_apply":
+                fn, fn_args = args
+                value = fn(runtime, rank, *fn_args)
+            else:
+                outcome = _run(runtime, name, args, kwargs)
+                if name not in _NON_DECIDING:
+                    mismatches += _mirror_decisions(runtime, rank)
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                # Only rank 0's value is returned; the others answer small (no [N + 1, V] logits).
+                value = _sanitize(outcome) if rank == 0 else None
+            _send(conn, "ok", value)
+        except BaseException as exc:  # noqa: BLE001 - every error goes back to the coordinator
+            kind = "fatal" if _is_comm_error(exc) else "err"
+            _send(conn, kind, _sendable(exc), traceback.format_exc())
+            if kind == "fatal":
+                break
+
+
+def _run(runtime: TargetRuntime, name: str, args, kwargs):
+    """The method's return value, or the exception it raised (returned, not raised)."""
+    if name.startswith("_") or not callable(getattr(TargetRuntime, name, None)):
+        return AttributeError(f"TargetRuntime has no public method {name!r}")
+    try:
+        return getattr(runtime, name)(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001
+        if _is_comm_error(exc):
+            raise
+        return exc
+
+
+def _mirror_decisions(runtime: TargetRuntime, rank: int) -> int:
+    """Every rank adopts rank 0's pending results and generator states; returns how many differed.
+
+    A collective: all ranks call it after the same command. Raises on a broken process group.
+    """
+    import torch.distributed as dist
+
+    state = None
+    if rank == 0:
+        state = {
+            sid: (s.pending, None if s.rng is None else s.rng.bit_generator.state)
+            for sid, s in runtime.sessions.items()
+        }
+    box = [state]
+    dist.broadcast_object_list(box, src=0)
+    if rank == 0:
+        return 0
+    differ = 0
+    for sid, (pending, rng_state) in box[0].items():
+        s = runtime.sessions.get(sid)
+        if s is None:
+            continue
+        if s.pending != pending:
+            differ += 1
+        s.pending = pending
+        if rng_state is not None and s.rng is not None:
+            s.rng.bit_generator.state = rng_state
+    return differ
+
+
+def _session_kv(runtime: TargetRuntime, session_id: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's KV of a session: per layer (keys, values), each (1, H / P, S, D), on the CPU."""
+    s = runtime._session(session_id)
+    out = []
+    for layer in s.cache.layers:
+        if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel():
+            out.append((layer.keys.detach().cpu().clone(), layer.values.detach().cpu().clone()))
+        else:
+            out.append((torch.empty(0), torch.empty(0)))
+    return out
+
+
+def prepack_tp_linears(model) -> int:
+    """Run the sharded float32 CPU linears of a transformers-TP model on their local shards with
+    oneDNN pre-packed weights (``specdec.cpu_linear.PackedLinear``), keeping transformers' maths.
+
+    transformers' inference fast path for a sharded ``nn.Linear`` computes ``x @ W_local^T`` on the
+    local shard; then, by the module's style in ``model.tp_plan``: ``colwise`` keeps the local
+    output features (and local bias); ``rowwise`` all-reduces the partial sums over the TP group and
+    adds the replicated bias once; ``colwise_gather_output`` (lm_head) all-gathers the output
+    features. This replaces each such module's forward by the same maths with the local weight
+    pre-packed (the few-row GEMM ~2.5x cheaper than MKL, measured in ``specdec.cpu_linear``), and
+    frees the original shard unless it is tied to another parameter (so memory does not double).
+    Modules of other styles, or with unequal shards, keep transformers' forward. Returns the number
+    of linears changed; 0 when oneDNN is unavailable or the weights are not float32 on the CPU.
+    """
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+    from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
+
+    from specdec.cpu_linear import PackedLinear
+
+    if not torch.backends.mkldnn.is_available():
+        return 0
+    plan = dict(getattr(model, "tp_plan", None) or {})
+    owners: dict[int, int] = {}  # storage of each parameter's local shard -> parameters using it (tied weights)
+    for _, param in model.named_parameters(remove_duplicate=False):
+        ptr = (param.to_local() if isinstance(param, DTensor) else param).untyped_storage().data_ptr()
+        owners[ptr] = owners.get(ptr, 0) + 1
+    changed = 0
+    for name, module in list(model.named_modules()):
+        if type(module) is not nn.Linear or not isinstance(module.weight, DTensor):
+            continue
+        style = plan.get(replace_layer_number_by_wildcard(name))
+        weight_local = module.weight.to_local()
+        if weight_local.dtype != torch.float32 or weight_local.device.type != "cpu":
+            continue
+        bias = module.bias
+        bias_local = None if bias is None else (bias.to_local() if isinstance(bias, DTensor) else bias).detach().clone()
+        group = module.weight.device_mesh.get_group()
+        local = nn.Linear(weight_local.shape[1], weight_local.shape[0], bias=False)  # (out or out / P, in or in / P)
+        local.weight = nn.Parameter(weight_local.detach().clone(), requires_grad=False)
+        if style == "colwise":
+            if bias_local is not None:
+                local.bias = nn.Parameter(bias_local, requires_grad=False)
+            module.forward = PackedLinear(local).forward
+        elif style == "rowwise":
+            packed = PackedLinear(local)
+
+            def row_forward(x, packed=packed, group=group, bias=bias_local):
+                y = packed(x)  # (..., out) partial sums of this rank's input features
+                dist.all_reduce(y, group=group)
+                return y if bias is None else y + bias
+
+            module.forward = row_forward
+        elif style == "colwise_gather_output" and module.out_features == weight_local.shape[0] * group.size():
+            if bias_local is not None:
+                local.bias = nn.Parameter(bias_local, requires_grad=False)
+            packed = PackedLinear(local)
+
+            def gather_forward(x, packed=packed, group=group):
+                y = packed(x).contiguous()  # (..., out / P)
+                parts = [torch.empty_like(y) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(parts, y, group=group)
+                return torch.cat(parts, dim=-1)  # (..., out)
+
+            module.forward = gather_forward
+        else:
+            continue
+        if owners.get(weight_local.untyped_storage().data_ptr()) == 1:
+            # The packed copy replaces the weight: free the shard (not a tied one, e.g. a tied lm_head,
+            # whose storage the embedding still uses). The module keeps in/out_features for its repr.
+            module.weight = nn.Parameter(weight_local.new_empty(0), requires_grad=False)
+        changed += 1
+    return changed
+
+
+# ----------------------------------------------------------------------------------------------
+# Coordinator side (the target service's process)
+# ----------------------------------------------------------------------------------------------
+
+class TensorParallelTarget:
+    """A TargetRuntime over ``tp`` rank processes (TargetWorker protocol of specdec.interfaces).
+
+    model_dir: a transformers model directory (config.json + weights); tp: number of ranks (1 runs a
+    single rank process, no sharding); dtype: float32 | bfloat16 | float16; threads_per_rank: torch
+    CPU threads per rank (None = os.cpu_count() // tp, at least 1); collective_timeout_s: the
+    process-group timeout (a collective waiting longer for a peer fails, which fails the target);
+    call_timeout_s: the most one call may take in all, the last resort when every rank hangs outside
+    a collective (None = no limit; keep it above the longest prefill); start_timeout_s: spawning and
+    loading; prepack: pre-pack the local float32 CPU weight shards for oneDNN
+    (``prepack_tp_linears``; what embedded mode does with ``prepack_linears``); backend: override
+    the process-group backend (None = nccl with CUDA, else gloo). All times in seconds.
+
+    Raises ValueError (naming ``tp``) for a model that cannot be split so, the rank's own exception
+    when loading fails on a rank (e.g. OSError for a directory without weights), RankFailureError
+    when a rank dies or the start times out. Use ``close()`` (or ``with``) to stop the ranks.
+
+    Attributes: tp, backend, vocab_size, max_tree_nodes, config (the model's PretrainedConfig),
+    pids (the rank processes' pids, rank order), prepacked (linears pre-packed per rank).
+    """
+
+    def __init__(
+        self,
+        model_dir,
+        tp: int = 2,
+        dtype: str = "float32",
+        threads_per_rank: int | None = None,
+        collective_timeout_s: float = 30.0,
+        call_timeout_s: float | None = 600.0,
+        start_timeout_s: float = 600.0,
+        max_tree_nodes: int = MAX_TREE_NODES,
+        prepack: bool = False,
+        backend: str | None = None,
+    ):
+        import torch.multiprocessing as mp
+        from transformers import AutoConfig
+
+        self.config = AutoConfig.from_pretrained(model_dir)
+        check_tp_compatible(self.config, tp)
+        self.tp = tp
+        self.backend = backend or default_backend()
+        self.max_tree_nodes = max_tree_nodes
+        self.collective_timeout_s = collective_timeout_s
+        self.call_timeout_s = call_timeout_s
+        self._lock = threading.Lock()
+        self._failure: RankFailureError | None = None
+        self._closed = False
+        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // tp)
+        spec = _RankSpec(str(model_dir), tp, free_port(), self.backend, dtype, threads, collective_timeout_s,
+                         max_tree_nodes, prepack)
+        ctx = mp.get_context("spawn")
+        self._conns = []
+        self._procs = []
+        for rank in range(tp):
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=_rank_main, args=(rank, spec, child_end), name=f"specdec-tp-rank{rank}", daemon=True)
+            proc.start()
+            child_end.close()
+            self._conns.append(parent_end)
+            self._procs.append(proc)
+        try:
+            replies = self._gather(time.monotonic() + start_timeout_s, "start-up", stop_on_error=True)
+        except BaseException:
+            self._kill()
+            raise
+        for reply in replies:
+            if reply is not None and reply[0] != "ok":
+                self._kill()
+                raise reply[1]
+        self.vocab_size = replies[0][1]["vocab_size"]
+        self.pids = [proc.pid for proc in self._procs]
+        self.prepacked = [reply[1]["prepacked"] for reply in replies]
+
+    # -- the TargetRuntime interface ------------------------------------------------------------
+
+    def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams = GREEDY) -> None:
+        """``TargetRuntime.start`` on every rank. A sampled request without a seed gets one random seed
+        here, the same on every rank (still a fresh random seed per session)."""
+        if not sampling.greedy and sampling.seed is None:
+            sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
+        self._call("start", (session_id, list(prompt_ids), sampling))
+
+    def verify(self, session_id: str, tree: DraftTree):
+        """``TargetRuntime.verify`` on every rank; rank 0's decision is the result and every rank's
+        pending state. Returns VerifyResult."""
+        return self._call("verify", (session_id, tree))
+
+    def commit(self, session_id: str, num_tokens: int) -> None:
+        """``TargetRuntime.commit`` on every rank (each compacts its own KV heads)."""
+        self._call("commit", (session_id, num_tokens))
+
+    def release(self, session_id: str) -> None:
+        """``TargetRuntime.release`` on every rank. After a rank failure it is a no-op (nothing is held)."""
+        if self._failure is not None or self._closed:
+            return
+        self._call("release", (session_id,))
+
+    def tree_logits(self, session_id: str, tree: DraftTree) -> torch.Tensor:
+        """``TargetRuntime.tree_logits``: [N + 1, V] float32 from rank 0 (the same on every rank)."""
+        return self._call("tree_logits", (session_id, tree))
+
+    def __getattr__(self, name: str):
+        """Any other public TargetRuntime method (e.g. ``verify_batch``), mirrored on every rank."""
+        if name.startswith("_") or not callable(getattr(TargetRuntime, name, None)):
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+        def mirrored(*args, **kwargs):
+            return self._call(name, args, kwargs)
+
+        mirrored.__name__ = name
+        mirrored.__doc__ = getattr(TargetRuntime, name).__doc__
+        return mirrored
+
+    # -- inspection ----------------------------------------------------------------------------
+
+    @property
+    def sessions(self) -> dict[str, SessionInfo]:
+        """A snapshot of rank 0's sessions: {session_id: SessionInfo} (one round trip per access)."""
+        return self._call("_sessions")
+
+    def session_kv(self, session_id: str) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Every rank's KV of a session: [rank][layer] -> (keys, values), each (1, H / P, S, D).
+
+        Rank r holds kv heads r * H / P .. (r + 1) * H / P - 1 of the unsharded model.
+        """
+        return self._call("_kv", (session_id,), gather=True)
+
+    def on_ranks(self, fn, *args) -> list:
+        """Run ``fn(runtime, rank, *args)`` on every rank's TargetRuntime; the values in rank order.
+
+        For tests and diagnostics. ``fn`` must be importable by the ranks (a module-level function).
+        Not a collective: ``fn`` must not call one.
+        """
+        return self._call("_apply", (fn, args), gather=True)
+
+    def stats(self) -> dict:
+        """{"decision_mismatches": [per rank], "tp", "backend", "failed"}: how often a rank's own
+        acceptance decision differed from rank 0's (and was replaced by it)."""
+        per_rank = [] if self._failure else [s["decision_mismatches"] for s in self._call("_stats", gather=True)]
+        return {"decision_mismatches": per_rank, "tp": self.tp, "backend": self.backend, "failed": self._failure is not None}
+
+    @property
+    def failed(self) -> bool:
+        return self._failure is not None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the ranks (a clean shutdown, then kill what is left after ``timeout_s``). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            if self._failure is None:
+                for conn in self._conns:
+                    try:
+                        conn.send_bytes(pickle.dumps(("_shutdown", (), {})))
+                    except OSError:
+                        pass
+                deadline = time.monotonic() + timeout_s
+                for proc in self._procs:
+                    proc.join(max(0.0, deadline - time.monotonic()))
+            self._kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            if not self._closed:
+                self._kill()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _call(self, name: str, args: tuple = (), kwargs: dict | None = None, gather: bool = False):
+        """Send one call to every rank; rank 0's value (or every rank's, ``gather``), or raise."""
+        with self._lock:
+            if self._closed:
+                raise RankFailureError("tensor-parallel target is closed")
+            if self._failure is not None:
+                raise RankFailureError(f"tensor-parallel target failed earlier: {self._failure}", self._failure.rank)
+            self._check_alive()
+            payload = pickle.dumps((name, tuple(args), dict(kwargs or {})))
+            for rank, conn in enumerate(self._conns):
+                try:
+                    conn.send_bytes(payload)
+                except OSError as exc:
+                    self._fail(f"rank {rank}: cannot send {name!r} ({exc})", rank)
+            deadline = None if self.call_timeout_s is None else time.monotonic() + self.call_timeout_s
+            replies = self._gather(deadline, name)
+            kinds = [kind for kind, _, _ in replies]
+            if len(set(kinds)) > 1 or (
+                kinds[0] == "err" and len({type(value).__name__ for _, value, _ in replies}) > 1
+            ):
+                outcomes = ", ".join(f"rank {r}: {k} {type(v).__name__ if k != 'ok' else ''}".strip()
+                                     for r, (k, v, _) in enumerate(replies))
+                self._fail(f"ranks disagree on {name!r} ({outcomes}): their states diverged", None)
+            if kinds[0] == "err":
+                raise replies[0][1]
+            return [value for _, value, _ in replies] if gather else replies[0][1]
+
+    def _gather(self, deadline: float | None, what: str, stop_on_error: bool = False) -> list:
+        """One reply (kind, value, traceback) per rank, kind "ok" | "err" | "fatal".
+
+        Raises RankFailureError (after killing every rank) when a rank exits before answering, when a
+        rank reports a broken process group ("fatal"), when ranks still owe a reply
+        ``collective_timeout_s`` + 5 s after another rank reported an error, or at ``deadline``
+        (time.monotonic(); None = none). ``stop_on_error``: return at the first "err" reply (others
+        left None).
+        """
+        replies: list = [None] * len(self._conns)
+        grace_until = None
+        while any(r is None for r in replies):
+            waiting = {conn: rank for rank, conn in enumerate(self._conns) if replies[rank] is None}
+            sentinels = {self._procs[rank].sentinel: rank for rank in waiting.values()}
+            limits = [t for t in (deadline, grace_until) if t is not None]
+            timeout = None if not limits else max(0.0, min(limits) - time.monotonic())
+            ready = wait(list(waiting) + list(sentinels), timeout)
+            for obj in ready:
+                if obj in waiting:
+                    rank = waiting[obj]
+                    try:
+                        replies[rank] = pickle.loads(obj.recv_bytes())
+                    except (EOFError, OSError):
+                        self._fail(f"rank {rank} exited during {what!r}", rank)
+                    kind, value, _ = replies[rank]
+                    if kind == "fatal":
+                        self._fail(f"rank {rank}: collective failed during {what!r}: {value}", rank)
+                    if kind == "err" and stop_on_error:
+                        return replies
+                    if kind == "err" and grace_until is None:
+                        grace_until = time.monotonic() + self.collective_timeout_s + 5.0
+            for obj in ready:
+                if obj in sentinels:
+                    rank = sentinels[obj]
+                    if replies[rank] is None and not self._conns[rank].poll():
+                        self._fail(f"rank {rank} exited during {what!r}", rank)
+            now = time.monotonic()
+            late = [r for r, v in enumerate(replies) if v is None]
+            if late and deadline is not None and now >= deadline:
+                self._fail(f"ranks {late} did not answer {what!r} in time", late[0])
+            if late and grace_until is not None and now >= grace_until:
+                self._fail(f"ranks {late} hung in {what!r} after another rank failed", late[0])
+        return replies
+
+    def _check_alive(self) -> None:
+        for rank, proc in enumerate(self._procs):
+            if proc.exitcode is not None:
+                self._fail(f"rank {rank} is dead", rank)
+
+    def _fail(self, message: str, rank: int | None):
+        """Kill every rank, remember the failure, raise it (the message ends with the exit codes)."""
+        self._kill()
+        codes = ", ".join(f"rank {r}: {p.exitcode}" for r, p in enumerate(self._procs))
+        self._failure = RankFailureError(f"{message} [exit codes {codes}]", rank)
+        raise self._failure
+
+    def _kill(self) -> None:
+        for proc in self._procs:
+            if proc.exitcode is None:
+                proc.kill()
+        for proc in self._procs:
+            proc.join(5.0)
+        for conn in self._conns:
+            conn.close()
+
+
+def build_target(model_dir, tp: int = 1, dtype: str = "float32", device: str = "cpu",
+                 max_tree_nodes: int = MAX_TREE_NODES, **tp_options):
+    """The target worker for a service: TargetRuntime in this process for ``tp == 1``, else a
+    TensorParallelTarget over ``tp`` rank processes (``tp_options``: its keyword arguments, e.g.
+    collective_timeout_s). Float32 CPU weights are pre-packed for oneDNN either way, as in embedded
+    mode. Raises ValueError naming ``tp`` for a model that cannot be split so, specdec.models.ModelError
+    for a directory that does not load (tp == 1) or the rank's loading error (tp > 1).
+
+    Both results have start / verify / commit / release / tree_logits (and any other TargetRuntime
+    method); only the TensorParallelTarget raises RankFailureError and needs ``close()``.
+    """
+    if tp == 1:
+        from pathlib import Path
+
+        from specdec.cpu_linear import prepack_linears
+        from specdec.models import check_supported, load_model
+
+        model, _ = load_model(Path(model_dir), dtype, device)
+        check_supported(model, "--target")
+        prepack_linears(model)
+        return TargetRuntime(model, max_tree_nodes=max_tree_nodes)
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"device: tensor parallelism runs on cpu (gloo) or cuda (nccl), got {device!r}")
+    tp_options.setdefault("prepack", device == "cpu" and dtype == "float32")
+    return TensorParallelTarget(model_dir, tp=tp, dtype=dtype, max_tree_nodes=max_tree_nodes, **tp_options)
