@@ -52,8 +52,12 @@ class DeadlineExceeded(grpc.aio.AioRpcError):
                          details="request deadline exceeded")
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes)]
+def channel_options(max_message_bytes: int, max_reconnect_backoff_ms: int = 1000) -> list[tuple[str, int]]:
+    """Message size limits, and a short reconnect backoff (gRPC's default grows to 120 s): a
+    restarted draft or target is used again within about a second."""
+    return [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", max_reconnect_backoff_ms)]
 
 
 class TargetClient:
@@ -111,9 +115,9 @@ class DraftClient:
         except grpc.aio.AioRpcError as exc:
             self.streams.pop(session_id, None)
             raise DraftUnavailableError(f"draft service: {exc.code().name}: {exc.details()}") from exc
-        except (grpc.aio.UsageError, RuntimeError) as exc:  # the stream already ended
+        except Exception as exc:  # noqa: BLE001 - a stream that already ended (UsageError, InvalidStateError, ...)
             self.streams.pop(session_id, None)
-            raise DraftUnavailableError(f"draft stream closed: {exc}") from exc
+            raise DraftUnavailableError(f"draft stream closed: {type(exc).__name__}: {exc}") from exc
         if response is grpc.aio.EOF:
             self.streams.pop(session_id, None)
             code = await call.code()
@@ -124,8 +128,8 @@ class DraftClient:
         """Open the session's stream; returns the draft's context limit (max positions) if it reports one."""
         try:
             self.streams[session_id] = self.stub.Session(timeout=None)
-        except grpc.aio.AioRpcError as exc:
-            raise DraftUnavailableError(f"draft service: {exc.code().name}: {exc.details()}") from exc
+        except Exception as exc:  # noqa: BLE001 - any failure to open the stream is a draft failure
+            raise DraftUnavailableError(f"draft service: cannot open a session stream: {exc}") from exc
         self.rounds[session_id] = 0
         start = draft_pb2.DraftStart(session_id=session_id, prompt_ids=prompt_ids, sampling=sampling_to_proto(sampling))
         response = await self._exchange(session_id, draft_pb2.DraftRequest(start=start), reply=True)

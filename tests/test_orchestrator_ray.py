@@ -1,0 +1,212 @@
+"""Issue 5 end to end: the front on a local Ray (num_cpus=2) with real draft and target services.
+
+Tiny seeded models in float32. Criteria: 16 concurrent greedy requests (different prompt lengths,
+max_new_tokens and tree specs) each equal their solo target-only output, and the target merged
+verify calls of different requests into one forward; seeded sampled requests mixed into the same
+batches reproduce their tokens while greedy ones stay exact; Abort frees the request's KV (target
+sessions and cached tokens back to baseline); the draft service killed in the middle of 8 running
+requests: all finish with unchanged greedy output, the fallback shows in the front's Prometheus
+metrics, and a restarted draft brings speculation back. The draft-kill test runs last (it restarts
+the shared draft).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+import urllib.request
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specdec.tree_spec import DEFAULT_SPEC, SEED_SPEC, TreeSpec
+from specdec.v1 import generation_pb2, generation_pb2_grpc, target_pb2, target_pb2_grpc, tree_pb2
+from specdec.wire import spec_to_proto
+from tests.conftest import hf_greedy
+from tests.servers import launch_service, save_tiny_pair, stop_service, wait_ready, write_config
+
+EOS = 0  # the tiny models' eos_token_id
+SPECS = [DEFAULT_SPEC, SEED_SPEC, TreeSpec.chain(2), TreeSpec(gamma=2, topKSpec=[[2], [2, 1]], topHead=[1, 2])]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return save_tiny_pair(tmp_path_factory.mktemp("models"), noise=0.03)
+
+
+@pytest.fixture(scope="module")
+def target_model(pair):
+    return AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def stack(pair, tmp_path_factory):
+    """Draft, target and a Ray front (2 orchestrator actors); yields a dict of services and ports."""
+    metrics_port = free_port()
+    config = write_config(
+        tmp_path_factory.mktemp("cfg") / "serve.yaml", pair,
+        target={"max_batch": 16, "batch_wait_ms": 5.0},
+        front={"port": 0, "workers": 2, "ray_num_cpus": 2, "metrics_port": metrics_port,
+               "fallback": {"reconnect_s": 0.5, "draft_deadline_ms": 5000.0, "min_acceptance": 0.0}},
+    )
+    draft, target = launch_service("draft", config), launch_service("target", config)
+    wait_ready(draft), wait_ready(target)
+    front = wait_ready(launch_service("front", config, draft_address=draft.address, target_address=target.address),
+                       timeout_s=180)
+    services = {"config": config, "draft": draft, "target": target, "front": front, "metrics_port": metrics_port}
+    yield services
+    for name in ("front", "draft", "target"):
+        stop_service(services[name])
+
+
+def prompt_ids(seed: int, length: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(1, 250, (length,), generator=gen).tolist()
+
+
+async def generate(stub, **fields):
+    tokens, stats = [], None
+    async for reply in stub.Generate(generation_pb2.GenerateRequest(**fields), timeout=120):
+        tokens += reply.token_ids
+        if reply.HasField("stats"):
+            stats = reply.stats
+    return tokens, stats
+
+
+def run_concurrently(address, requests: list[dict]):
+    async def run():
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            return await asyncio.gather(*[generate(stub, **r) for r in requests])
+
+    return asyncio.run(run())
+
+
+def target_info(address) -> target_pb2.InfoResponse:
+    with grpc.insecure_channel(address) as channel:
+        return target_pb2_grpc.TargetServiceStub(channel).Info(target_pb2.InfoRequest(), timeout=10)
+
+
+def expected_greedy(model, ids, n) -> list[int]:
+    """Target-only greedy continuation, cut after EOS like the services do."""
+    out = hf_greedy(model, ids, n)
+    return out[: out.index(EOS) + 1] if EOS in out else out
+
+
+def metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{") and line.split(" ")[0] == name:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"metric {name} not exported")
+
+
+def test_16_concurrent_greedy_requests_equal_their_solo_runs_and_share_forwards(stack, target_model):
+    before = target_info(stack["target"].address).batched_forwards
+    requests = []
+    for i in range(16):
+        requests.append(dict(prompt_ids=prompt_ids(100 + i, 3 + 5 * (i % 8)), max_new_tokens=8 + 4 * (i % 6),
+                             tree=spec_to_proto(SPECS[i % len(SPECS)]), request_id=f"greedy-{i}"))
+    results = run_concurrently(stack["front"].address, requests)
+    speculated = 0
+    for request, (tokens, stats) in zip(requests, results):
+        assert tokens == expected_greedy(target_model, list(request["prompt_ids"]), request["max_new_tokens"]), request["request_id"]
+        assert stats.new_tokens == len(tokens)
+        speculated += len(tokens) - stats.rounds
+    assert speculated > 0, "no draft token was accepted in any request"
+    merged = target_info(stack["target"].address).batched_forwards - before
+    assert merged > 0, "the target never verified trees of several requests in one forward"
+
+
+def test_sampled_and_greedy_requests_in_the_same_batches(stack, target_model):
+    greedy = [dict(prompt_ids=prompt_ids(200 + i, 6 + 3 * i), max_new_tokens=20) for i in range(4)]
+    sampled = [dict(prompt_ids=prompt_ids(300 + i, 5 + 2 * i), max_new_tokens=20,
+                    sampling=tree_pb2.SamplingParams(temperature=0.9, top_k=50, seed=40 + i),
+                    tree=spec_to_proto(TreeSpec(gamma=2, topKSpec=[[2], [1, 1]], topHead=[1, 2], treeType=i % 2)))
+               for i in range(4)]
+    first = run_concurrently(stack["front"].address, greedy + sampled)
+    second = run_concurrently(stack["front"].address, sampled[::-1] + greedy[::-1])  # other batch partners
+    for request, (tokens, _) in zip(greedy, first[:4]):
+        assert tokens == expected_greedy(target_model, list(request["prompt_ids"]), 20)
+    for (a, _), (b, _) in zip(first[4:], second[:4][::-1]):
+        assert a == b, "a seeded sampled request did not reproduce its tokens"
+    assert any(a != expected_greedy(target_model, list(r["prompt_ids"]), 20) for r, (a, _) in zip(sampled, first[4:]))
+
+
+def test_abort_frees_the_requests_kv(stack):
+    target = stack["target"].address
+    base = target_info(target)
+
+    async def run():
+        async with grpc.aio.insecure_channel(stack["front"].address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            call = stub.Generate(generation_pb2.GenerateRequest(
+                request_id="to-abort", prompt_ids=prompt_ids(9, 10), max_new_tokens=220,
+                sampling=tree_pb2.SamplingParams(temperature=1.0, seed=9)), timeout=60)
+            first = await call.read()
+            during = target_info(target)
+            aborted = (await stub.Abort(generation_pb2.AbortRequest(request_id="to-abort"))).aborted
+            last = first
+            while (reply := await call.read()) is not grpc.aio.EOF:
+                last = reply
+            return during, aborted, last
+
+    during, aborted, last = asyncio.run(run())
+    assert during.sessions == base.sessions + 1 and during.cached_tokens > base.cached_tokens
+    assert aborted and last.stats.stop_reason == "aborted" and last.stats.new_tokens < 220
+    deadline = time.monotonic() + 10
+    while (info := target_info(target)).sessions != base.sessions and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (info.sessions, info.cached_tokens) == (base.sessions, base.cached_tokens)
+
+
+def test_draft_killed_mid_requests_falls_back_then_recovers(stack, target_model):
+    front, draft = stack["front"], stack["draft"]
+    fallback_before = metric(stack["metrics_port"], 'specdec_fallback_rounds_total{reason="draft_unavailable"}')
+    requests = [dict(prompt_ids=prompt_ids(400 + i, 4 + 2 * i), max_new_tokens=200, request_id=f"kill-{i}")
+                for i in range(8)]
+
+    async def run():
+        async with grpc.aio.insecure_channel(front.address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            calls = [stub.Generate(generation_pb2.GenerateRequest(**r), timeout=120) for r in requests]
+            outputs = [[] for _ in calls]
+            for out, call in zip(outputs, calls):  # every request is running
+                out += (await call.read()).token_ids
+            draft.proc.kill()
+            stats = []
+            for out, call in zip(outputs, calls):
+                last = None
+                while (reply := await call.read()) is not grpc.aio.EOF:
+                    out += reply.token_ids
+                    last = reply
+                stats.append(last.stats)
+            return outputs, stats
+
+    outputs, stats = asyncio.run(run())
+    for request, tokens in zip(requests, outputs):
+        assert tokens == expected_greedy(target_model, list(request["prompt_ids"]), 200), request["request_id"]
+    assert sum(s.fallback_rounds for s in stats) > 0
+    assert metric(stack["metrics_port"], 'specdec_fallback_rounds_total{reason="draft_unavailable"}') > fallback_before
+
+    # restart the draft on the same address: speculation comes back
+    restarted = wait_ready(launch_service("draft", stack["config"], port=draft.port))
+    stack["draft"] = restarted
+    deadline = time.monotonic() + 20  # reconnect_s 0.5 s + the channel's reconnect backoff (<= 1 s)
+    for attempt in range(100):
+        ids = prompt_ids(500 + attempt, 12)
+        [(tokens, final)] = run_concurrently(front.address, [dict(prompt_ids=ids, max_new_tokens=40)])
+        assert tokens == expected_greedy(target_model, ids, 40)
+        if final.fallback_rounds == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert final.fallback_rounds == 0 and final.acceptance_rate > 0, "speculation did not come back after the restart"
