@@ -177,6 +177,38 @@ def bench(
         fail(str(exc))
 
 
+_CONFIG_HELP = "Service config YAML (default: built-in defaults)."
+
+
+@app.command("draft-server")
+def draft_server(
+    config: Optional[Path] = typer.Option(None, help=_CONFIG_HELP),
+    port: Optional[int] = typer.Option(None, help="Listen port (0 = ephemeral); overrides draft.port."),
+    host: Optional[str] = typer.Option(None, help="Listen address; overrides draft.host."),
+    target: Optional[str] = typer.Option(None, help="Target model (its tokenizer and config only); overrides models.target."),
+    draft: Optional[str] = typer.Option(None, help="Draft model; overrides models.draft."),
+    dtype: Optional[str] = typer.Option(None, help="auto, float32, bfloat16 or float16; overrides models.dtype."),
+) -> None:
+    """Serve the draft model over gRPC (DraftService, health, reflection) until SIGTERM."""
+    from draft_service.server import run
+
+    raise typer.Exit(run(str(config) if config else None, port, host, target, draft, dtype))
+
+
+@app.command("target-server")
+def target_server(
+    config: Optional[Path] = typer.Option(None, help=_CONFIG_HELP),
+    port: Optional[int] = typer.Option(None, help="Listen port (0 = ephemeral); overrides target.port."),
+    host: Optional[str] = typer.Option(None, help="Listen address; overrides target.host."),
+    target: Optional[str] = typer.Option(None, help="Target model; overrides models.target."),
+    dtype: Optional[str] = typer.Option(None, help="auto, float32, bfloat16 or float16; overrides models.dtype."),
+) -> None:
+    """Serve the target model over gRPC (TargetService, health, reflection) until SIGTERM."""
+    from target_service.server import run
+
+    raise typer.Exit(run(str(config) if config else None, port, host, target, None, dtype))
+
+
 def main() -> None:
     app()
 

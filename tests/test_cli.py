@@ -7,25 +7,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from tokenizers import ByteLevelBPETokenizer
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-CORPUS = ["the quick brown fox jumps over the lazy dog", "def add(a, b):\n    return a + b", "hello world"]
-
-
-def save_tiny(path, seed: int, corpus=CORPUS, max_pos: int = 64):
-    """Save a tiny random Qwen2 model with a small byte-level BPE tokenizer trained on ``corpus``."""
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(corpus, vocab_size=300, min_frequency=1, special_tokens=["<eos>"], show_progress=False)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<eos>")
-    tok.save_pretrained(path)
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
-                      initializer_range=0.5, eos_token_id=0, tie_word_embeddings=False)
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
-    return path
+from tests.servers import save_tiny
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,256 @@
+"""Draft service gRPC server (protos/specdec/v1/draft.proto): one bidirectional Session stream per request.
+
+    python -m draft_service.server --config deploy/specdec.yaml [--port 0] [--host H] [--draft DIR] [--dtype float32]
+
+Prints ``draft-service ready on <host>:<port>`` once serving; SIGTERM/SIGINT drain and exit 0.
+
+A stream: ``start`` first (else INVALID_ARGUMENT), answered by DraftStarted; then any number of
+``propose`` (each answered by one DraftTreeReply, in order) and ``commit`` (not answered). Any error
+ends the stream with its status (bad input INVALID_ARGUMENT naming the field, ``draft.max_sessions``
+open streams RESOURCE_EXHAUSTED, the draft's context limit reached FAILED_PRECONDITION). The end of
+the stream, its cancellation, an error or a shutdown release the session's KV. While the server
+drains, a stream waiting for its next message ends with UNAVAILABLE.
+
+Each stream gets its own runtime session (keyed by a server-side id), so two streams that reuse a
+session_id (a re-opened session while the old stream is still closing) never share a cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import sys
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from specdec.config import ConfigError, DraftServerConfig, ServeConfig, load_config
+from specdec.grpc_server import (
+    CapacityError, ModelWorker, ServiceHost, abort_for, configure_logging, fail, server_arg_parser, server_overrides,
+)
+from specdec.sampling import SamplingParamsError
+from specdec.telemetry import setup_tracing, shutdown_tracing, tracer
+from specdec.tree_spec import TreeSpecError
+from specdec.v1 import draft_pb2, draft_pb2_grpc
+from specdec.wire import sampling_from_proto, spec_from_proto, tree_to_proto
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+
+
+class SessionLimitError(RuntimeError):
+    """The draft's context limit leaves no room for another tree (the caller should fall back)."""
+
+
+_CODES = {SessionLimitError: grpc.StatusCode.FAILED_PRECONDITION}
+
+
+@dataclass
+class _Stream:
+    """One open Session stream: its runtime key and what the server checks commits against."""
+
+    key: str  # runtime session id
+    session_id: str  # the caller's id (logs, traces)
+    tokens: int  # committed tokens (prompt + generated)
+    tree_size: int | None = None  # nodes of the last proposed tree (None: no propose since commit)
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    """gRPC DraftService over a ``DraftRuntime`` (or anything with start/propose/commit/release).
+
+    context_limit: the draft's max positions (tokens); config: the ``draft`` section (max_sessions);
+    draining: set when the server shuts down (open streams then end with UNAVAILABLE). The runtime is
+    only ever called from this servicer's worker thread. Create inside the running event loop;
+    ``close()`` at the end.
+    """
+
+    def __init__(self, runtime, *, context_limit: int, config: DraftServerConfig = DraftServerConfig(),
+                 draining: asyncio.Event | None = None):
+        self.runtime = runtime
+        self.context_limit = context_limit
+        self.config = config
+        self.draining = draining or asyncio.Event()
+        self.worker = ModelWorker("draft-runtime")
+        self.streams: dict[str, _Stream] = {}
+        self._keys = itertools.count()
+        self._tracer = tracer("draft_service")
+
+    def close(self) -> None:
+        self.worker.close()
+
+    async def Session(self, request_iterator, context):
+        """The stream's replies, in order (an async generator: the OpenTelemetry server interceptor
+        iterates streaming handlers)."""
+        stream = None
+        try:
+            first = await self._next(context)
+            if first is None:
+                return
+            if first.WhichOneof("kind") != "start":
+                raise ValueError(f"kind: the first message must be start, got {first.WhichOneof('kind') or 'an empty message'}")
+            stream, started = await self._start(first.start)
+            yield draft_pb2.DraftResponse(started=started)
+            while (msg := await self._next(context)) is not None:
+                kind = msg.WhichOneof("kind")
+                if kind == "propose":
+                    yield draft_pb2.DraftResponse(tree=await self._propose(stream, msg.propose))
+                elif kind == "commit":
+                    await self._commit(stream, msg.commit)
+                elif kind == "start":
+                    raise ValueError("start: the session is already started (one start per stream)")
+                else:
+                    raise ValueError("kind: empty message (set start, propose or commit)")
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the stream ends with the status; the server keeps serving
+            await abort_for(context, exc, _CODES, where="Session")
+        finally:
+            if stream is not None:
+                self.streams.pop(stream.key, None)
+                self.worker.submit(self.runtime.release, stream.key)
+
+    async def _next(self, context):
+        """The next request, or None at the end of the stream; aborts UNAVAILABLE when draining."""
+        read = asyncio.ensure_future(context.read())
+        drain = asyncio.ensure_future(self.draining.wait())
+        try:
+            await asyncio.wait({read, drain}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            drain.cancel()
+            if not read.done():
+                read.cancel()
+        if read.done() and not read.cancelled():
+            msg = read.result()
+            return None if msg is grpc.aio.EOF else msg
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "draft service is shutting down")
+
+    async def _start(self, start) -> tuple[_Stream, draft_pb2.DraftStarted]:
+        if not start.session_id:
+            raise ValueError("start.session_id: empty")
+        prompt = list(start.prompt_ids)
+        if not prompt:
+            raise ValueError("start.prompt_ids: empty prompt (need >= 1 token)")
+        for i, token in enumerate(prompt):
+            if token < 0:
+                raise ValueError(f"start.prompt_ids[{i}] = {token}: token ids are >= 0")
+        if len(prompt) >= self.context_limit:
+            raise ValueError(f"start.prompt_ids: {len(prompt)} tokens leave no room under the draft's context limit "
+                             f"of {self.context_limit} tokens")
+        try:
+            sampling = sampling_from_proto(start.sampling)
+        except SamplingParamsError as exc:
+            raise SamplingParamsError(f"start.sampling.{exc.field}", exc.detail) from None
+        if len(self.streams) >= self.config.max_sessions:
+            raise CapacityError(f"draft.max_sessions: all {self.config.max_sessions} draft sessions are in use")
+        stream = _Stream(f"{start.session_id}#{next(self._keys)}", start.session_id, len(prompt))
+        self.streams[stream.key] = stream
+        try:
+            await self.worker.run(self.runtime.start, stream.key, prompt, sampling)
+        except BaseException:
+            self.streams.pop(stream.key, None)
+            raise
+        return stream, draft_pb2.DraftStarted(cached_tokens=self._cached(stream), context_limit=self.context_limit)
+
+    def _cached(self, stream: _Stream) -> int:
+        session = getattr(self.runtime, "sessions", {}).get(stream.key)
+        return getattr(session, "cached_len", 0)
+
+    async def _propose(self, stream: _Stream, request) -> draft_pb2.DraftTreeReply:
+        try:
+            spec = spec_from_proto(request.spec)
+        except TreeSpecError as exc:
+            raise TreeSpecError(f"propose.spec: {exc}") from None
+        if request.max_depth < 1:
+            raise ValueError(f"propose.max_depth: must be >= 1, got {request.max_depth}")
+        # The root sits at position tokens - 1 and a depth-d node at tokens - 1 + d < context_limit.
+        room = self.context_limit - stream.tokens
+        if room < 1:
+            raise SessionLimitError(f"context_limit: {stream.tokens} committed tokens fill the draft's "
+                                    f"{self.context_limit} positions")
+        with self._tracer.start_as_current_span("draft.propose") as span:
+            span.set_attribute("specdec.session_id", stream.session_id)
+            started = time.perf_counter()
+            tree = await self.worker.run(self.runtime.propose, stream.key, spec, min(request.max_depth, room))
+            draft_ms = (time.perf_counter() - started) * 1000
+            span.set_attribute("specdec.tree_nodes", tree.size)
+        stream.tree_size = tree.size
+        return draft_pb2.DraftTreeReply(round=request.round, tree=tree_to_proto(tree), draft_ms=draft_ms)
+
+    async def _commit(self, stream: _Stream, request) -> None:
+        tokens, accepted = list(request.tokens), list(request.accepted_nodes)
+        if not tokens:
+            raise ValueError("commit.tokens: empty (a round commits >= 1 token)")
+        for i, token in enumerate(tokens):
+            if token < 0:
+                raise ValueError(f"commit.tokens[{i}] = {token}: token ids are >= 0")
+        if len(accepted) > len(tokens):
+            raise ValueError(f"commit.accepted_nodes: {len(accepted)} nodes for {len(tokens)} tokens")
+        size = stream.tree_size or 0
+        for i, node in enumerate(accepted):
+            if not 0 <= node < size:
+                raise ValueError(f"commit.accepted_nodes[{i}] = {node}: not a node of the last proposed tree ({size} nodes)")
+        await self.worker.run(self.runtime.commit, stream.key, tokens, accepted)
+        stream.tokens += len(tokens)
+        stream.tree_size = None
+
+
+# ----------------------------------------------------------------------------------------------
+# Process entry point
+# ----------------------------------------------------------------------------------------------
+
+async def serve_runtime(config: ServeConfig, runtime, *, context_limit: int) -> int:
+    """Serve ``runtime`` until SIGTERM/SIGINT, then drain. Returns the bound port."""
+    host = ServiceHost("draft-service", config.grpc)
+    servicer = DraftServicer(runtime, context_limit=context_limit, config=config.draft, draining=host.draining)
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, host.server)
+    try:
+        return await host.serve(config.draft.host, config.draft.port, [SERVICE_NAME])
+    finally:
+        servicer.close()
+
+
+def serve(config: ServeConfig) -> int:
+    """Load the draft model of ``config.models`` (checked against the target's tokenizer and config,
+    without the target's weights) and serve it; returns the exit code (0, or 2 with a message on
+    stderr naming the field for a bad model or an unusable address)."""
+    from specdec.model_setup import load_draft, target_info
+    from specdec.models import ModelError
+
+    configure_logging()
+    if config.models.threads:
+        import torch
+
+        torch.set_num_threads(config.models.threads)
+    setup_tracing("draft-service")
+    try:
+        loaded = load_draft(config.models, target_info(config.models, label="models.target"), label="models.draft")
+        asyncio.run(serve_runtime(config, loaded.runtime, context_limit=loaded.context_limit))
+    except ModelError as exc:
+        return fail(str(exc))
+    except OSError as exc:
+        return fail(f"draft.host / draft.port: {exc}")
+    finally:
+        shutdown_tracing()
+    return 0
+
+
+def run(config_path: str | None = None, port: int | None = None, host: str | None = None, target: str | None = None,
+        draft: str | None = None, dtype: str | None = None) -> int:
+    """Load the config (YAML + flag overrides) and serve; returns the exit code."""
+    try:
+        config = load_config(config_path, server_overrides("draft", port, host, target, draft, dtype))
+    except ConfigError as exc:
+        return fail(str(exc))
+    return serve(config)
+
+
+def main(argv=None) -> int:
+    args = server_arg_parser("python -m draft_service.server", "specdec draft service (gRPC)").parse_args(argv)
+    return run(args.config, args.port, args.host, args.target, args.draft, args.dtype)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

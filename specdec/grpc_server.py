@@ -1,0 +1,292 @@
+"""Plumbing shared by the draft and target gRPC servers (grpc.aio).
+
+``ServiceHost`` builds one ``grpc.aio.server`` with
+- the message size limits of ``config.grpc.max_message_bytes`` (both directions; an oversize
+  request fails with RESOURCE_EXHAUSTED before any handler runs),
+- the standard health service (``grpc.health.v1.Health``: "" and every service SERVING, all
+  NOT_SERVING once draining) and server reflection, so a stock ``grpcurl`` can list and call it,
+- a draining gate: after SIGTERM/SIGINT every new call except health and reflection is refused with
+  UNAVAILABLE, long-lived streams are told UNAVAILABLE at their next step (``draining`` event), and
+  in-flight calls get ``config.grpc.shutdown_grace_s`` to finish (``server.stop(grace)``).
+
+``status_for`` maps exceptions to status codes (bad input -> INVALID_ARGUMENT, unknown session or a
+call out of order -> FAILED_PRECONDITION, capacity -> RESOURCE_EXHAUSTED, an expired deadline ->
+DEADLINE_EXCEEDED, shutting down -> UNAVAILABLE, anything else -> INTERNAL); ``rpc_errors`` wraps a unary handler with it, so one bad
+call never takes the server down.
+
+``ModelWorker`` runs model compute off the event loop, on one dedicated thread per runtime, so health
+checks and other calls keep answering during a forward and the runtime is never entered twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import signal
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Mapping, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specdec.config import GrpcConfig
+from specdec.interfaces import UnknownSessionError
+from specdec.sampling import SamplingParamsError
+from specdec.tree import MalformedTreeError
+from specdec.tree_spec import TreeSpecError
+
+log = logging.getLogger(__name__)
+
+
+class CapacityError(RuntimeError):
+    """A server-wide limit (sessions, KV slots) would be exceeded; maps to RESOURCE_EXHAUSTED."""
+
+
+class DeadlineExpiredError(TimeoutError):
+    """The caller's deadline passed before the work started; maps to DEADLINE_EXCEEDED."""
+
+
+class ShuttingDownError(RuntimeError):
+    """The server is stopping and takes no more model work; maps to UNAVAILABLE."""
+
+
+_DEFAULT_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (UnknownSessionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DeadlineExpiredError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (ShuttingDownError, grpc.StatusCode.UNAVAILABLE),
+    (MalformedTreeError, grpc.StatusCode.INVALID_ARGUMENT),
+    (SamplingParamsError, grpc.StatusCode.INVALID_ARGUMENT),
+    (TreeSpecError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+)
+
+
+def error_message(exc: BaseException) -> str:
+    """The exception's message (a KeyError's without the repr quotes)."""
+    if isinstance(exc, KeyError) and exc.args:
+        return str(exc.args[0])
+    return str(exc) or type(exc).__name__
+
+
+def status_for(exc: BaseException, extra: Mapping[type[BaseException], grpc.StatusCode] | None = None) -> tuple[grpc.StatusCode, str]:
+    """(status code, message) for an exception raised while serving a call.
+
+    extra: service-specific classes (checked first), e.g. {SessionStateError: FAILED_PRECONDITION}.
+    Unknown exceptions give INTERNAL with the exception type and message.
+    """
+    for cls, code in (*(extra or {}).items(), *_DEFAULT_CODES):
+        if isinstance(exc, cls):
+            return code, error_message(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException,
+                    extra: Mapping[type[BaseException], grpc.StatusCode] | None = None, where: str = "") -> None:
+    """End the call with the status of ``exc`` (raises grpc.aio.AbortError, as context.abort does)."""
+    code, message = status_for(exc, extra)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("%s failed", where or "call", exc_info=exc)
+    await context.abort(code, message)
+
+
+def rpc_errors(extra: Mapping[type[BaseException], grpc.StatusCode] | None = None):
+    """Decorator for async unary handlers ``(self, request, context)``: exceptions -> status codes."""
+    def wrap(handler):
+        @functools.wraps(handler)
+        async def guarded(self, request, context):
+            try:
+                return await handler(self, request, context)
+            except (grpc.aio.AbortError, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a status, the server keeps serving
+                await abort_for(context, exc, extra, where=handler.__name__)
+        return guarded
+    return wrap
+
+
+def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
+    """The call's deadline on the loop's ``time.monotonic()`` clock (None = no deadline).
+
+    Raises DeadlineExpiredError if it has already passed.
+    """
+    import time
+
+    remaining = context.time_remaining()
+    if remaining is None:
+        return None
+    if remaining <= 0:
+        raise DeadlineExpiredError("deadline: expired before the call started")
+    return time.monotonic() + remaining
+
+
+class ModelWorker:
+    """One thread that runs every call into a model runtime, in submission order.
+
+    ``await worker.run(fn, *args)`` runs ``fn(*args)`` on that thread; the event loop stays free
+    (health checks answer during a forward), and the runtime never sees two calls at once.
+    """
+
+    def __init__(self, name: str):
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self.closed = False
+
+    async def run(self, fn: Callable, *args):
+        """Raises ShuttingDownError after ``close``."""
+        if self.closed:
+            raise ShuttingDownError("the server is shutting down")
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def submit(self, fn: Callable, *args) -> None:
+        """Fire and forget (e.g. a release from a cancelled stream); errors are logged."""
+        def report(future):
+            if not future.cancelled() and future.exception() is not None:
+                log.error("%s failed: %s", getattr(fn, "__name__", fn), future.exception())
+
+        if not self.closed:  # after close the process is exiting: nothing left to free
+            self.executor.submit(fn, *args).add_done_callback(report)
+
+    def close(self) -> None:
+        """Finish the call in progress, drop queued ones; later calls raise ShuttingDownError."""
+        self.closed = True
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+_ALWAYS_OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+class _DrainingGate(grpc.aio.ServerInterceptor):
+    """Refuses new calls with UNAVAILABLE once the host drains (health and reflection stay open)."""
+
+    def __init__(self, host: "ServiceHost"):
+        self.host = host
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or not self.host.draining.is_set() or handler_call_details.method.startswith(_ALWAYS_OPEN):
+            return handler
+        return _refusing(handler, f"{self.host.name} is shutting down")
+
+
+def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    async def refuse(_request, context):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, message)
+
+    async def refuse_stream(_request, context):  # an async generator, like the handlers it replaces
+        await context.abort(grpc.StatusCode.UNAVAILABLE, message)
+        yield  # pragma: no cover - abort raises
+
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    make = kinds[(handler.request_streaming, handler.response_streaming)]
+    return make(refuse_stream if handler.response_streaming else refuse, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+
+
+class ServiceHost:
+    """One gRPC server process: limits, health, reflection, draining, signal-driven shutdown.
+
+    Create it inside the running event loop, register servicers on ``host.server``, then
+    ``await host.serve(host_name, port, service_names)``; it returns after SIGTERM/SIGINT (or
+    ``request_stop()``) once the server has drained.
+
+    name: printed in the ready line ``<name> ready on <host>:<port>``; config: the grpc section.
+    """
+
+    def __init__(self, name: str, config: GrpcConfig):
+        self.name = name
+        self.config = config
+        self.draining = asyncio.Event()  # set when shutdown starts; streams watch it
+        self._stop = asyncio.Event()
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(
+            interceptors=[_DrainingGate(self)],
+            options=[
+                ("grpc.max_send_message_length", config.max_message_bytes),
+                ("grpc.max_receive_message_length", config.max_message_bytes),
+            ],
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+
+    async def start(self, host: str, port: int, service_names: Sequence[str]) -> int:
+        """Bind host:port (0 = ephemeral), mark the services SERVING, start; returns the bound port.
+
+        Raises OSError when the address cannot be bound.
+        """
+        reflection.enable_server_reflection(
+            [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        try:
+            bound = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as exc:
+            raise OSError(f"cannot listen on {host}:{port}: {exc}") from None
+        if bound == 0:
+            raise OSError(f"cannot listen on {host}:{port}")
+        for service in ("", *service_names):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await self.server.start()
+        print(f"{self.name} ready on {host}:{bound}", flush=True)
+        return bound
+
+    def request_stop(self) -> None:
+        """Begin the graceful shutdown (what SIGTERM/SIGINT do)."""
+        self._stop.set()
+
+    async def serve(self, host: str, port: int, service_names: Sequence[str]) -> int:
+        """Start, wait for SIGTERM/SIGINT, drain, stop. Returns the port that was bound."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        bound = await self.start(host, port, service_names)
+        await self._stop.wait()
+        await self.drain()
+        return bound
+
+    async def drain(self) -> None:
+        """NOT_SERVING, refuse new calls (UNAVAILABLE), end streams, give in-flight calls the grace."""
+        log.info("%s draining (grace %.1f s)", self.name, self.config.shutdown_grace_s)
+        self.draining.set()
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace=self.config.shutdown_grace_s)
+        log.info("%s stopped", self.name)
+
+
+def configure_logging() -> None:
+    """INFO logs on stderr (stdout carries only the ready line)."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry points: ``python -m draft_service.server`` / ``target_service.server`` and the specdec CLI
+# ----------------------------------------------------------------------------------------------
+
+def server_overrides(section: str, port: int | None = None, host: str | None = None, target: str | None = None,
+                     draft: str | None = None, dtype: str | None = None) -> dict:
+    """Command-line flags as dotted config overrides (None = keep the file's value)."""
+    return {f"{section}.port": port, f"{section}.host": host, "models.target": target, "models.draft": draft,
+            "models.dtype": dtype}
+
+
+def server_arg_parser(prog: str, description: str):
+    """The flags both servers take: --config FILE, --port N, --host H, --target, --draft, --dtype."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", help="service config YAML (default: built-in defaults)")
+    parser.add_argument("--port", type=int, help="listen port (0 = ephemeral; overrides the config)")
+    parser.add_argument("--host", help="listen address (overrides the config)")
+    parser.add_argument("--target", help="target model directory or .gguf (models.target)")
+    parser.add_argument("--draft", help="draft model directory or .gguf (models.draft)")
+    parser.add_argument("--dtype", help="auto, float32, bfloat16 or float16 (models.dtype)")
+    return parser
+
+
+def fail(message: str) -> int:
+    """Print ``error: message`` on stderr; returns exit code 2 (no traceback)."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return 2

@@ -1,0 +1,375 @@
+"""Target service gRPC server (protos/specdec/v1/target.proto): Prefill, Verify, VerifyBatch, Commit,
+Release, Info over a target runtime.
+
+    python -m target_service.server --config deploy/specdec.yaml [--port 0] [--host H] [--target DIR] [--dtype float32]
+
+Prints ``target-service ready on <host>:<port>`` once serving; SIGTERM/SIGINT drain and exit 0.
+
+Transport only: every message is checked (trees with ``specdec.wire.tree_from_proto``; a bad one is
+INVALID_ARGUMENT naming the field and leaves the session untouched), then handed to the runtime on
+its worker thread. Concurrent Verify calls of different sessions are merged by ``VerifyBatcher``
+into one ``runtime.verify_batch`` call; VerifyBatch goes through the same batcher.
+
+KV accounting (``target.max_kv_tokens``, RESOURCE_EXHAUSTED past it): a session holds its committed
+slots L (prompt length - 1 after Prefill, + num_tokens per Commit) plus N + 1 tree slots from the
+start of a verify of an N-node tree until its commit. Example: Prefill of 10 tokens holds 9; a
+verify of a 4-node tree holds 9 + 5 = 14; Commit(num_tokens=3) leaves 12.
+
+Verify is idempotent until Commit: the same tree sent again (a retry after a lost reply or an
+expired client deadline) gets the pending result back (batch_size 0, verify_ms 0) instead of a
+second forward, waiting first for a verify of that tree still queued or running; a different tree
+is FAILED_PRECONDITION (commit first). A verify whose deadline passes before its forward starts is
+not run (DEADLINE_EXCEEDED). VerifyBatch checks every item before running any (an error names
+``items[k]``); if an item fails in the forward, the call fails with that item's status and the other
+items' results stay pending (resending the same batch replays them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from specdec.config import ConfigError, ServeConfig, TargetServerConfig, load_config
+from specdec.grpc_server import (
+    CapacityError, DeadlineExpiredError, ModelWorker, ServiceHost, configure_logging, deadline_of, fail, rpc_errors, server_arg_parser,
+    server_overrides, status_for,
+)
+from specdec.interfaces import UnknownSessionError, VerifyResult
+from specdec.sampling import SamplingParamsError
+from specdec.telemetry import setup_tracing, shutdown_tracing, tracer
+from specdec.tree import DraftTree, MalformedTreeError, node_depths
+from specdec.v1 import target_pb2, target_pb2_grpc
+from specdec.wire import sampling_from_proto, tree_from_proto
+from target_service.batcher import BatchedVerify, VerifyBatcher
+from target_service.runtime import SessionStateError
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+_CODES = {SessionStateError: grpc.StatusCode.FAILED_PRECONDITION}
+
+
+@dataclass
+class _SessionSlots:
+    """The server's view of one session: KV slots held and the verify awaiting commit."""
+
+    cached: int  # L: committed slots
+    tree_slots: int = 0  # N + 1 from the start of a verify until its commit
+    busy: bool = False  # a prefill or a verify is queued or running
+    tree_key: bytes | None = None  # serialized tree of the verify in flight / pending
+    pending: VerifyResult | None = None
+    idle: asyncio.Event = field(default_factory=asyncio.Event)  # set whenever not busy
+
+    def __post_init__(self):
+        self.set_busy(self.busy)
+
+    def set_busy(self, busy: bool) -> None:
+        self.busy = busy
+        (self.idle.clear if busy else self.idle.set)()
+
+    @property
+    def held(self) -> int:
+        return self.cached + self.tree_slots
+
+
+class _SameTreeInFlight(Exception):
+    """A verify of this very tree is queued or running (a client retry): wait for it."""
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    """gRPC TargetService over a target runtime.
+
+    runtime: ``TargetRuntime`` or anything with the same methods (start, verify, optionally
+    verify_batch, commit, release, attribute vocab_size), e.g. a tensor-parallel runtime; it is only
+    ever called from this servicer's worker thread. config: the ``target`` section (max_batch,
+    batch_wait_ms, max_kv_tokens, max_tree_nodes, tp); model_name, context_limit (max total tokens),
+    eos_token_ids: reported by Info. Create inside the running event loop; ``close()`` at the end.
+    """
+
+    def __init__(self, runtime, *, context_limit: int, eos_token_ids=(), model_name: str = "",
+                 config: TargetServerConfig = TargetServerConfig()):
+        self.runtime = runtime
+        self.vocab_size: int = runtime.vocab_size
+        self.context_limit = context_limit
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.model_name = model_name
+        self.config = config
+        self.worker = ModelWorker("target-runtime")
+        self.batcher = VerifyBatcher(runtime, self.worker, config.max_batch, config.batch_wait_ms, self._verified)
+        self.sessions: dict[str, _SessionSlots] = {}
+        self._tracer = tracer("target_service")
+
+    def close(self) -> None:
+        self.worker.close()
+
+    # -- accounting -------------------------------------------------------------------------------
+
+    def kv_held(self) -> int:
+        """KV slots held over all sessions (committed + trees awaiting commit)."""
+        return sum(s.held for s in self.sessions.values())
+
+    def _reserve(self, slots: int, freed: int = 0) -> None:
+        """Raise CapacityError if ``slots`` more KV slots (after freeing ``freed``) exceed the limit."""
+        held = self.kv_held() - freed
+        if held + slots > self.config.max_kv_tokens:
+            raise CapacityError(
+                f"max_kv_tokens: {slots} more KV slots would exceed the limit of {self.config.max_kv_tokens} "
+                f"({held} held by {len(self.sessions)} sessions)"
+            )
+
+    def _session(self, session_id: str) -> _SessionSlots:
+        try:
+            return self.sessions[session_id]
+        except KeyError:
+            raise UnknownSessionError(f"session_id: unknown target session {session_id!r}") from None
+
+    def _verified(self, session_id: str, outcome: VerifyResult | Exception | None) -> None:
+        """Batcher callback, once per queued verify: a result stays pending until commit (even when
+        its caller has gone); a failed or unrun verify frees its tree slots."""
+        s = self.sessions.get(session_id)
+        if s is None or not s.busy:
+            return
+        s.set_busy(False)
+        if isinstance(outcome, VerifyResult):
+            s.pending = outcome
+        else:
+            s.tree_slots, s.tree_key = 0, None
+
+    # -- checks -----------------------------------------------------------------------------------
+
+    def _check_prompt(self, prompt_ids) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt_ids: empty prompt (need >= 1 token)")
+        for i, token in enumerate(prompt_ids):
+            if not 0 <= token < self.vocab_size:
+                raise ValueError(f"prompt_ids[{i}] = {token}: outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_ids) >= self.context_limit:
+            raise ValueError(f"prompt_ids: {len(prompt_ids)} tokens leave no room under the context limit "
+                             f"of {self.context_limit} tokens")
+
+    def _parse_tree(self, msg, field: str) -> DraftTree:
+        try:
+            return tree_from_proto(msg, self.vocab_size, self.config.max_tree_nodes)
+        except MalformedTreeError as exc:
+            raise MalformedTreeError(f"{field}.{exc}") from None
+
+    def _begin_verify(self, session_id: str, tree_msg, field: str) -> tuple[_SessionSlots, DraftTree | None]:
+        """Check one verify request and reserve its tree slots; (session, None) = replay the pending result."""
+        if not session_id:
+            raise ValueError(f"{field}session_id: empty")
+        s = self._session(session_id)
+        tree = self._parse_tree(tree_msg, f"{field}tree")
+        key = tree_msg.SerializeToString(deterministic=True)
+        if s.pending is not None:
+            if key == s.tree_key:
+                return s, None
+            raise SessionStateError(f"{field}session_id: {session_id!r} has an uncommitted verify of another tree (commit it first)")
+        if s.busy:
+            if key == s.tree_key:
+                raise _SameTreeInFlight()
+            raise SessionStateError(f"{field}session_id: {session_id!r} has a call in flight")
+        depth = max(node_depths(tree.parents), default=0)
+        if s.cached + depth >= self.context_limit:
+            raise ValueError(f"{field}tree: depth {depth} after {s.cached + 1} committed tokens passes the context "
+                             f"limit of {self.context_limit} tokens")
+        self._reserve(tree.size + 1)
+        s.set_busy(True)  # until the batcher's on_done
+        s.tree_key, s.tree_slots = key, tree.size + 1
+        return s, tree
+
+    async def _claim_verify(self, session_id: str, tree_msg, field: str, deadline: float | None):
+        """``_begin_verify``, first waiting (within the deadline) for a verify of the same tree in flight."""
+        while True:
+            try:
+                return self._begin_verify(session_id, tree_msg, field)
+            except _SameTreeInFlight:
+                s = self.sessions[session_id]
+                timeout = None if deadline is None else deadline - time.monotonic()
+                try:
+                    await asyncio.wait_for(s.idle.wait(), timeout)
+                except asyncio.TimeoutError:
+                    raise DeadlineExpiredError("deadline: expired while a verify of the same tree was in flight") from None
+
+    @staticmethod
+    def _undo_begin(begun: list[tuple[_SessionSlots, DraftTree | None]]) -> None:
+        for s, tree in begun:
+            if tree is not None:
+                s.set_busy(False)
+                s.tree_slots, s.tree_key = 0, None
+
+    @staticmethod
+    def _response(result: VerifyResult, batch_size: int = 0, verify_ms: float = 0.0) -> target_pb2.VerifyResponse:
+        return target_pb2.VerifyResponse(accepted_nodes=list(result.accepted_nodes), tokens=list(result.tokens),
+                                         verify_ms=verify_ms, batch_size=batch_size)
+
+    # -- RPCs -------------------------------------------------------------------------------------
+
+    @rpc_errors(_CODES)
+    async def Prefill(self, request, context):
+        deadline_of(context)
+        if not request.session_id:
+            raise ValueError("session_id: empty")
+        prompt = list(request.prompt_ids)
+        self._check_prompt(prompt)
+        try:
+            sampling = sampling_from_proto(request.sampling)
+        except SamplingParamsError as exc:
+            raise SamplingParamsError(f"sampling.{exc.field}", exc.detail) from None
+        old = self.sessions.get(request.session_id)
+        if old is not None and old.busy:
+            raise SessionStateError(f"session_id: {request.session_id!r} has a call in flight")
+        self._reserve(len(prompt) - 1, freed=old.held if old else 0)
+        new = self.sessions[request.session_id] = _SessionSlots(cached=len(prompt) - 1, busy=True)
+        try:
+            await self.worker.run(self.runtime.start, request.session_id, prompt, sampling)
+        except BaseException:
+            if self.sessions.get(request.session_id) is new:
+                if old is not None:
+                    self.sessions[request.session_id] = old
+                else:
+                    del self.sessions[request.session_id]
+            raise
+        new.set_busy(False)
+        return target_pb2.PrefillResponse(cached_tokens=len(prompt) - 1)
+
+    @rpc_errors(_CODES)
+    async def Verify(self, request, context):
+        deadline = deadline_of(context)
+        s, tree = await self._claim_verify(request.session_id, request.tree, "", deadline)
+        if tree is None:
+            return self._response(s.pending)
+        with self._tracer.start_as_current_span("target.verify") as span:
+            span.set_attribute("specdec.session_id", request.session_id)
+            span.set_attribute("specdec.tree_nodes", tree.size)
+            out: BatchedVerify = await self.batcher.verify(request.session_id, tree, deadline)
+            span.set_attribute("specdec.batch_size", out.batch_size)
+        return self._response(out.result, out.batch_size, out.verify_ms)
+
+    @rpc_errors(_CODES)
+    async def VerifyBatch(self, request, context):
+        deadline = deadline_of(context)
+        items = list(request.items)
+        ids = [item.session_id for item in items]
+        for k, session_id in enumerate(ids):
+            if session_id in ids[:k]:
+                raise ValueError(f"items[{k}].session_id: {session_id!r} repeats items[{ids.index(session_id)}]")
+        begun: list[tuple[_SessionSlots, DraftTree | None]] = []
+        try:
+            for k, item in enumerate(items):
+                begun.append(await self._claim_verify(item.session_id, item.tree, f"items[{k}].", deadline))
+        except BaseException:
+            self._undo_begin(begun)
+            raise
+        to_run = [(k, items[k].session_id, tree) for k, (_, tree) in enumerate(begun) if tree is not None]
+        outcomes = await self.batcher.verify_many([(sid, tree) for _, sid, tree in to_run], deadline)
+        results = {k: outcome for (k, _, _), outcome in zip(to_run, outcomes)}
+        for k, outcome in sorted(results.items()):
+            if isinstance(outcome, Exception):
+                # Items that did verify keep their pending results: resending the batch replays them.
+                code, message = status_for(outcome, _CODES)
+                await context.abort(code, f"items[{k}]: {message}")
+        response = target_pb2.VerifyBatchResponse()
+        for k, (s, _) in enumerate(begun):
+            out = results.get(k)
+            response.results.append(self._response(s.pending) if out is None
+                                    else self._response(out.result, out.batch_size, out.verify_ms))
+        return response
+
+    @rpc_errors(_CODES)
+    async def Commit(self, request, context):
+        deadline_of(context)
+        s = self._session(request.session_id)
+        if s.busy:
+            raise SessionStateError(f"session_id: {request.session_id!r} has a call in flight")
+        s.set_busy(True)  # no verify (or its replay) may start while the commit runs
+        try:
+            await self.worker.run(self.runtime.commit, request.session_id, request.num_tokens)
+        finally:
+            s.set_busy(False)
+        s.cached += request.num_tokens
+        s.tree_slots, s.tree_key, s.pending = 0, None, None
+        return target_pb2.CommitResponse(cached_tokens=s.cached)
+
+    @rpc_errors(_CODES)
+    async def Release(self, request, context):
+        s = self.sessions.pop(request.session_id, None)
+        if s is not None:
+            s.idle.set()  # wake retries waiting on it (they then find no session)
+            await self.worker.run(self.runtime.release, request.session_id)
+        return target_pb2.ReleaseResponse(released=s is not None)
+
+    @rpc_errors(_CODES)
+    async def Info(self, request, context):
+        return target_pb2.InfoResponse(
+            model=self.model_name, vocab_size=self.vocab_size, context_limit=self.context_limit,
+            eos_token_ids=self.eos_token_ids, sessions=len(self.sessions), cached_tokens=self.kv_held(),
+            tensor_parallel=self.config.tp, batched_forwards=self.batcher.batched_forwards,
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Process entry point
+# ----------------------------------------------------------------------------------------------
+
+async def serve_runtime(config: ServeConfig, runtime, *, context_limit: int, eos_token_ids=(), model_name: str = "") -> int:
+    """Serve ``runtime`` until SIGTERM/SIGINT, then drain. Returns the bound port."""
+    host = ServiceHost("target-service", config.grpc)
+    servicer = TargetServicer(runtime, context_limit=context_limit, eos_token_ids=eos_token_ids,
+                              model_name=model_name, config=config.target)
+    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, host.server)
+    try:
+        return await host.serve(config.target.host, config.target.port, [SERVICE_NAME])
+    finally:
+        servicer.close()
+
+
+def serve(config: ServeConfig) -> int:
+    """Load the target model of ``config.models`` and serve it; returns the exit code (0, or 2 with a
+    message on stderr naming the field for a bad model or an unusable address)."""
+    from specdec.model_setup import load_target
+    from specdec.models import ModelError
+
+    configure_logging()
+    if config.target.tp > 1:
+        return fail(f"target.tp: {config.target.tp} tensor-parallel ranks are not available from this entry point "
+                    "(pass a tensor-parallel runtime to serve_runtime)")
+    if config.models.threads:
+        import torch
+
+        torch.set_num_threads(config.models.threads)
+    setup_tracing("target-service")
+    try:
+        loaded = load_target(config.models, config.target.max_tree_nodes, label="models.target")
+        asyncio.run(serve_runtime(config, loaded.runtime, context_limit=loaded.context_limit,
+                                  eos_token_ids=loaded.eos_token_ids, model_name=loaded.name))
+    except ModelError as exc:
+        return fail(str(exc))
+    except OSError as exc:
+        return fail(f"target.host / target.port: {exc}")
+    finally:
+        shutdown_tracing()
+    return 0
+
+
+def run(config_path: str | None = None, port: int | None = None, host: str | None = None, target: str | None = None,
+        draft: str | None = None, dtype: str | None = None) -> int:
+    """Load the config (YAML + flag overrides) and serve; returns the exit code."""
+    try:
+        config = load_config(config_path, server_overrides("target", port, host, target, draft, dtype))
+    except ConfigError as exc:
+        return fail(str(exc))
+    return serve(config)
+
+
+def main(argv=None) -> int:
+    args = server_arg_parser("python -m target_service.server", "specdec target service (gRPC)").parse_args(argv)
+    return run(args.config, args.port, args.host, args.target, args.draft, args.dtype)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,673 @@
+"""The draft and target gRPC servers: real server subprocesses on 127.0.0.1 ephemeral ports, tiny
+saved models (float32), driven by a small synchronous test client; plus the verify batcher alone.
+
+Server layout (module fixture ``servers``, all four started at once):
+- ``target`` / ``draft``: the main pair (batch_wait_ms 50, max_tree_nodes 128, 2 draft sessions);
+- ``small_target``: tight limits (max_kv_tokens 40, 4 KiB messages).
+The SIGTERM test starts its own draft server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import queue
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+from google.protobuf.descriptor_pool import DescriptorPool
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from draft_service.runtime import DraftRuntime
+from specdec.grpc_server import DeadlineExpiredError, ModelWorker
+from specdec.interfaces import UnknownSessionError
+from specdec.sampling import GREEDY, SamplingParams
+from specdec.tree import DraftTree
+from specdec.tree_spec import DEFAULT_SPEC, SEED_SPEC, TreeSpec
+from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc, tree_pb2
+from specdec.wire import sampling_to_proto, spec_to_proto
+from target_service.batcher import VerifyBatcher
+from target_service.runtime import TargetRuntime
+from tests.conftest import causal_logits, perturbed_copy, random_prompt, tiny_model
+from tests.servers import launch_service, save_tiny_pair, start_service, stop_service, wait_for_exit, wait_ready, write_config
+
+TARGET_SERVICE = "specdec.v1.TargetService"
+DRAFT_SERVICE = "specdec.v1.DraftService"
+
+
+# ----------------------------------------------------------------------------------------------
+# The verify batcher alone (no gRPC): one merged runtime call, results equal to solo verifies
+# ----------------------------------------------------------------------------------------------
+
+class RecordingRuntime:
+    """A TargetRuntime whose verify_batch calls are recorded (session ids per call)."""
+
+    def __init__(self, runtime: TargetRuntime):
+        self.inner = runtime
+        self.vocab_size = runtime.vocab_size
+        self.calls: list[list[str]] = []
+
+    def verify_batch(self, items):
+        self.calls.append([sid for sid, _ in items])
+        if hasattr(self.inner, "verify_batch"):
+            return self.inner.verify_batch(items)
+        out = []
+        for sid, tree in items:
+            try:
+                out.append(self.inner.verify(sid, tree))
+            except Exception as exc:  # noqa: BLE001
+                out.append(exc)
+        return out
+
+
+def _batcher_setup(n_sessions: int = 3):
+    """Target runtime with n sessions (distinct prompts) and one draft tree per session."""
+    target = tiny_model("qwen2", seed=0)
+    draft = DraftRuntime(perturbed_copy(target, seed=5, scale=0.05))
+    runtime = TargetRuntime(target)
+    prompts = [random_prompt(20 + i, length=4 + 2 * i) for i in range(n_sessions)]
+    trees = {}
+    for i, prompt in enumerate(prompts):
+        sid = f"s{i}"
+        runtime.start(sid, prompt)
+        draft.start(sid, prompt)
+        trees[sid] = draft.propose(sid, SEED_SPEC, max_depth=3)
+    return target, runtime, prompts, trees
+
+
+def _solo_results(target, prompts, trees):
+    solo = TargetRuntime(target)
+    out = {}
+    for i, prompt in enumerate(prompts):
+        solo.start(f"s{i}", prompt)
+        out[f"s{i}"] = solo.verify(f"s{i}", trees[f"s{i}"])
+    return out
+
+
+def test_batcher_merges_concurrent_verifies_into_one_call_with_solo_results():
+    target, runtime, prompts, trees = _batcher_setup(3)
+    recording = RecordingRuntime(runtime)
+    expected = _solo_results(target, prompts, trees)
+
+    async def main():
+        worker = ModelWorker("test")
+        batcher = VerifyBatcher(recording, worker, max_batch=8, wait_ms=200)
+        try:
+            outs = await asyncio.gather(*(batcher.verify(sid, tree) for sid, tree in trees.items()))
+        finally:
+            worker.close()
+        return batcher, outs
+
+    batcher, outs = asyncio.run(main())
+    assert recording.calls == [["s0", "s1", "s2"]]
+    assert batcher.batched_forwards == 1
+    assert [o.batch_size for o in outs] == [3, 3, 3]
+    assert [o.result for o in outs] == [expected[sid] for sid in trees]
+    assert all(len(o.result.tokens) >= 1 for o in outs)
+
+
+def test_batcher_per_item_errors_deadlines_and_batch_limit():
+    target, runtime, prompts, trees = _batcher_setup(3)
+    recording = RecordingRuntime(runtime)
+    expected = _solo_results(target, prompts, trees)
+
+    async def main():
+        worker = ModelWorker("test")
+        batcher = VerifyBatcher(recording, worker, max_batch=2, wait_ms=100)
+        try:
+            expired = time.monotonic() - 1.0
+            outs = await asyncio.gather(
+                batcher.verify("s0", trees["s0"]),
+                batcher.verify("nope", DraftTree((), ())),
+                batcher.verify("s1", trees["s1"], deadline=expired),
+                batcher.verify("s2", trees["s2"]),
+                return_exceptions=True,
+            )
+            retry = await batcher.verify("s1", trees["s1"])  # the expired verify never touched s1
+        finally:
+            worker.close()
+        return outs, retry
+
+    outs, retry = asyncio.run(main())
+    # max_batch 2: [s0, nope] then [s1 (expired, dropped), s2] -> the second call holds s2 only.
+    assert recording.calls == [["s0", "nope"], ["s2"], ["s1"]]
+    assert outs[0].result == expected["s0"] and outs[0].batch_size == 2
+    assert isinstance(outs[1], UnknownSessionError)
+    assert isinstance(outs[2], DeadlineExpiredError)
+    assert outs[3].result == expected["s2"] and outs[3].batch_size == 1
+    assert retry.result == expected["s1"]
+
+
+def test_batcher_keeps_a_sessions_second_verify_for_the_next_call():
+    _, runtime, _, trees = _batcher_setup(2)
+    recording = RecordingRuntime(runtime)
+
+    async def main():
+        worker = ModelWorker("test")
+        batcher = VerifyBatcher(recording, worker, max_batch=8, wait_ms=50)
+        try:
+            return await asyncio.gather(batcher.verify("s0", trees["s0"]), batcher.verify("s0", trees["s0"]),
+                                        batcher.verify("s1", trees["s1"]), return_exceptions=True)
+        finally:
+            worker.close()
+
+    first, second, other = asyncio.run(main())
+    assert recording.calls == [["s0", "s1"], ["s0"]]
+    assert first.batch_size == 2 and other.batch_size == 2
+    assert "uncommitted verify" in str(second)  # the runtime's own rule, not a merged forward
+
+
+# ----------------------------------------------------------------------------------------------
+# Servers and a small synchronous client
+# ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return save_tiny_pair(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def configs(pair, tmp_path_factory):
+    root = tmp_path_factory.mktemp("configs")
+    return {
+        "main": write_config(root / "main.yaml", pair, target={"batch_wait_ms": 50, "max_tree_nodes": 128},
+                             draft={"max_sessions": 2}),
+        "small": write_config(root / "small.yaml", pair, target={"max_kv_tokens": 40, "max_tree_nodes": 128},
+                              grpc={"max_message_bytes": 4096}),
+    }
+
+
+@pytest.fixture(scope="module")
+def servers(configs):
+    launched = {
+        "target": launch_service("target", configs["main"]),
+        "draft": launch_service("draft", configs["main"]),
+        "small_target": launch_service("target", configs["small"]),
+    }
+    try:
+        for service in launched.values():
+            wait_ready(service)
+        yield launched
+    finally:
+        codes = {name: stop_service(service) for name, service in launched.items()}
+    assert codes == dict.fromkeys(launched, 0), {n: s.stderr[-2000:] for n, s in launched.items()}
+    for name, service in launched.items():  # every bad call was answered with a status, none crashed
+        assert "Traceback" not in service.stderr, (name, service.stderr[-4000:])
+
+
+@pytest.fixture(scope="module")
+def reference(pair):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def target(servers):
+    with grpc.insecure_channel(servers["target"].address) as channel:
+        yield target_pb2_grpc.TargetServiceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def small_target(servers):
+    with grpc.insecure_channel(servers["small_target"].address) as channel:
+        yield target_pb2_grpc.TargetServiceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def info(target):
+    return target.Info(target_pb2.InfoRequest(), timeout=10)
+
+
+def greedy_reference(model, prompt, n, eos=()) -> list[int]:
+    """The target alone: argmax of a plain causal forward, token by token (stops after an EOS)."""
+    ids, out = list(prompt), []
+    for _ in range(n):
+        token = int(causal_logits(model, ids)[-1].argmax())
+        out.append(token)
+        ids.append(token)
+        if token in eos:
+            break
+    return out
+
+
+class DraftSession:
+    """Client of one DraftService.Session stream (requests through a queue, replies in order)."""
+
+    def __init__(self, channel, timeout: float = 60.0):
+        self._requests: queue.Queue = queue.Queue()
+        self._replies = draft_pb2_grpc.DraftServiceStub(channel).Session(iter(self._requests.get, None), timeout=timeout)
+
+    def send(self, **kind) -> None:
+        self._requests.put(draft_pb2.DraftRequest(**kind))
+
+    def reply(self) -> draft_pb2.DraftResponse:
+        return next(self._replies)
+
+    def start(self, session_id, prompt, sampling=GREEDY) -> draft_pb2.DraftStarted:
+        self.send(start=draft_pb2.DraftStart(session_id=session_id, prompt_ids=prompt, sampling=sampling_to_proto(sampling)))
+        return self.reply().started
+
+    def propose(self, spec: TreeSpec, max_depth: int, round_: int = 0) -> draft_pb2.DraftTreeReply:
+        self.send(propose=draft_pb2.TreeRequest(spec=spec_to_proto(spec), max_depth=max_depth, round=round_))
+        return self.reply().tree
+
+    def commit(self, tokens, accepted_nodes) -> None:
+        self.send(commit=draft_pb2.DraftCommit(tokens=tokens, accepted_nodes=accepted_nodes))
+
+    def close(self) -> None:
+        self._requests.put(None)
+        for _ in self._replies:
+            pass
+
+
+def generate(target, draft_channel, session_id, prompt, n, spec, sampling=GREEDY, eos=()) -> tuple[list[int], int]:
+    """A full generation over gRPC (the engine's round loop): returns (new tokens, rounds)."""
+    target.Prefill(target_pb2.PrefillRequest(session_id=session_id, prompt_ids=prompt,
+                                             sampling=sampling_to_proto(sampling)), timeout=30)
+    draft = DraftSession(draft_channel)
+    draft.start(session_id, prompt, sampling)
+    out, rounds = [], 0
+    while len(out) < n and not (out and out[-1] in eos):
+        max_depth = n - len(out) - 1
+        tree = draft.propose(spec, max_depth, rounds).tree if max_depth >= 1 else tree_pb2.TokenTree()
+        result = target.Verify(target_pb2.VerifyRequest(session_id=session_id, tree=tree), timeout=30)
+        committed = []
+        for token in result.tokens:
+            committed.append(token)
+            if len(out) + len(committed) == n or token in eos:
+                break
+        target.Commit(target_pb2.CommitRequest(session_id=session_id, num_tokens=len(committed)), timeout=30)
+        draft.commit(committed, list(result.accepted_nodes)[: len(committed)])
+        out += committed
+        rounds += 1
+    assert target.Release(target_pb2.ReleaseRequest(session_id=session_id), timeout=10).released
+    draft.close()
+    return out, rounds
+
+
+def rpc_error(call, *args, **kwargs) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        call(*args, **kwargs)
+    return info.value
+
+
+def prefill(stub, session_id, prompt, **sampling):
+    return stub.Prefill(target_pb2.PrefillRequest(session_id=session_id, prompt_ids=prompt,
+                                                  sampling=tree_pb2.SamplingParams(**sampling)), timeout=30)
+
+
+def verify(stub, session_id, tree=None, **kwargs):
+    return stub.Verify(target_pb2.VerifyRequest(session_id=session_id, tree=tree or tree_pb2.TokenTree()),
+                       timeout=kwargs.pop("timeout", 30), **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Generation over gRPC equals the target alone
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", [DEFAULT_SPEC, SEED_SPEC, TreeSpec.chain(4)], ids=["default", "seed", "chain4"])
+def test_greedy_generation_over_grpc_equals_target_alone(servers, target, reference, info, spec):
+    eos = set(info.eos_token_ids)
+    total_rounds = total_tokens = 0
+    with grpc.insecure_channel(servers["draft"].address) as draft_channel:
+        for seed in range(3):
+            prompt = random_prompt(100 + seed, length=5 + 3 * seed, vocab=info.vocab_size)
+            out, rounds = generate(target, draft_channel, f"greedy-{spec.gamma}-{seed}", prompt, 24, spec, eos=eos)
+            assert out == greedy_reference(reference, prompt, 24, eos), f"prompt {prompt}"
+            total_rounds += rounds
+            total_tokens += len(out)
+    assert total_rounds < total_tokens  # the draft's trees were accepted in part (> 1 token per round)
+
+
+def test_sampled_generation_over_grpc_equals_embedded_mode(servers, target, pair, info):
+    from orchestrator.embedded import build_pipeline
+    from orchestrator.engine import GenerationRequest
+
+    spec = TreeSpec(gamma=2, topKSpec=[[2], [1, 1]], topHead=[1, 2], treeType=1)
+    sampling = SamplingParams(temperature=0.8, top_k=40, seed=11)
+    pipe = build_pipeline(str(pair.target), str(pair.draft), dtype="float32", draft_quant="none")
+    prompt = random_prompt(7, length=6, vocab=info.vocab_size)
+    embedded = pipe.engine.generate(GenerationRequest(prompt, 20, spec=spec, sampling=sampling)).tokens
+    with grpc.insecure_channel(servers["draft"].address) as draft_channel:
+        out, _ = generate(target, draft_channel, "sampled", prompt, 20, spec, sampling, eos=set(info.eos_token_ids))
+    assert out == embedded
+
+
+def test_concurrent_verifies_are_batched_and_equal_solo(servers, target, reference, info):
+    prompts = {f"batch-{i}": random_prompt(200 + i, length=4 + i, vocab=info.vocab_size) for i in range(3)}
+    for sid, prompt in prompts.items():
+        prefill(target, sid, prompt)
+    before = target.Info(target_pb2.InfoRequest(), timeout=10).batched_forwards
+    with ThreadPoolExecutor(3) as pool:
+        replies = dict(zip(prompts, pool.map(lambda sid: verify(target, sid), prompts)))
+    after = target.Info(target_pb2.InfoRequest(), timeout=10).batched_forwards
+    for sid, prompt in prompts.items():
+        assert list(replies[sid].tokens) == greedy_reference(reference, prompt, 1)
+        target.Release(target_pb2.ReleaseRequest(session_id=sid), timeout=10)
+    assert max(r.batch_size for r in replies.values()) > 1
+    assert after > before
+    assert "verify batch of" in servers["target"].stderr
+
+
+def test_verify_batch_rpc_results_in_order(target, reference, info):
+    prompts = {f"vb-{i}": random_prompt(300 + i, length=3 + i, vocab=info.vocab_size) for i in range(3)}
+    for sid, prompt in prompts.items():
+        prefill(target, sid, prompt)
+    items = [target_pb2.VerifyRequest(session_id=sid) for sid in prompts]
+    bad = rpc_error(target.VerifyBatch, target_pb2.VerifyBatchRequest(items=[
+        items[0], target_pb2.VerifyRequest(session_id="vb-1", tree=tree_pb2.TokenTree(tokens=[1], parents=[3]))]), timeout=30)
+    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "items[1].tree.parents[0]" in bad.details()
+    dup = rpc_error(target.VerifyBatch, target_pb2.VerifyBatchRequest(items=[items[0], items[0]]), timeout=30)
+    assert dup.code() == grpc.StatusCode.INVALID_ARGUMENT and "items[1].session_id" in dup.details()
+    reply = target.VerifyBatch(target_pb2.VerifyBatchRequest(items=items), timeout=30)
+    assert [list(r.tokens) for r in reply.results] == [greedy_reference(reference, p, 1) for p in prompts.values()]
+    assert [r.batch_size for r in reply.results] == [3, 3, 3]
+    for sid in prompts:
+        target.Release(target_pb2.ReleaseRequest(session_id=sid), timeout=10)
+
+
+# ----------------------------------------------------------------------------------------------
+# Health and reflection
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind, service", [("target", TARGET_SERVICE), ("draft", DRAFT_SERVICE)])
+def test_health_serving_and_reflection_lists_services(servers, kind, service):
+    with grpc.insecure_channel(servers[kind].address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ("", service):
+            assert health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        assert rpc_error(health.Check, health_pb2.HealthCheckRequest(service="no.Such"), timeout=10).code() == \
+            grpc.StatusCode.NOT_FOUND
+        db = ProtoReflectionDescriptorDatabase(channel)
+        assert {service, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= set(db.get_services())
+        methods = {m.name for m in DescriptorPool(db).FindServiceByName(service).methods}
+    assert methods == ({"Session"} if kind == "draft" else
+                       {"Prefill", "Verify", "VerifyBatch", "Commit", "Release", "Info"})
+
+
+def test_info(info, pair, reference):
+    assert info.vocab_size == reference.config.vocab_size
+    assert info.context_limit == 256 and list(info.eos_token_ids) == [0]
+    assert info.model == str(pair.target) and info.tensor_parallel == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: clear status, the session stays usable
+# ----------------------------------------------------------------------------------------------
+
+def _malformed_trees(vocab: int):
+    P = tree_pb2.Proposal
+    return {
+        "parents out of range": (tree_pb2.TokenTree(tokens=[1, 2], parents=[-1, 5]), "tree.parents[1]"),
+        "non-topological": (tree_pb2.TokenTree(tokens=[1, 2], parents=[1, -1]), "tree.parents[0]"),
+        "token id >= vocab": (tree_pb2.TokenTree(tokens=[1, vocab], parents=[-1, 0]), "tree.tokens[1]"),
+        "negative token id": (tree_pb2.TokenTree(tokens=[-3], parents=[-1]), "tree.tokens[0]"),
+        "too many nodes": (tree_pb2.TokenTree(tokens=[1] * 129, parents=[-1] * 129), "tree.tokens: 129 nodes"),
+        "too deep": (tree_pb2.TokenTree(tokens=[1] * 65, parents=list(range(-1, 64))), "tree.parents: tree depth 65"),
+        "parents length": (tree_pb2.TokenTree(tokens=[1, 2], parents=[-1]), "tree.parents: length"),
+        "draft_logprobs length": (tree_pb2.TokenTree(tokens=[1, 2], parents=[-1, 0], draft_logprobs=[-0.1]),
+                                  "tree.draft_logprobs: length"),
+        "expanded length": (tree_pb2.TokenTree(tokens=[1], parents=[-1], expanded=[True, False]), "tree.expanded: length"),
+        "NaN draft logprob": (tree_pb2.TokenTree(tokens=[1], parents=[-1], draft_logprobs=[math.nan]),
+                              "tree.draft_logprobs[0]"),
+        "proposal probs do not sum to 1": (tree_pb2.TokenTree(tokens=[1], parents=[-1], proposals=[
+            P(parent=-1, token_ids=[1, 2], probs=[0.5, 0.6])]), "tree.proposals[0].probs"),
+        "proposal probs length": (tree_pb2.TokenTree(tokens=[1], parents=[-1], proposals=[
+            P(parent=-1, token_ids=[1, 2], probs=[1.0])]), "tree.proposals[0].probs"),
+        "proposal id outside vocab": (tree_pb2.TokenTree(tokens=[1], parents=[-1], proposals=[
+            P(parent=-1, token_ids=[vocab], probs=[1.0])]), "tree.proposals[0].token_ids"),
+        "proposal parent out of range": (tree_pb2.TokenTree(tokens=[1], parents=[-1], proposals=[
+            P(parent=4, token_ids=[1], probs=[1.0])]), "tree.proposals[0].parent"),
+    }
+
+
+def test_each_malformed_tree_is_invalid_argument_and_the_session_still_verifies(target, reference, info):
+    prompt = random_prompt(400, length=7, vocab=info.vocab_size)
+    prefill(target, "malformed", prompt)
+    held = target.Info(target_pb2.InfoRequest(), timeout=10).cached_tokens
+    for kind, (tree, field) in _malformed_trees(info.vocab_size).items():
+        err = rpc_error(verify, target, "malformed", tree)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, kind
+        assert field in err.details(), (kind, err.details())
+    assert target.Info(target_pb2.InfoRequest(), timeout=10).cached_tokens == held  # nothing reserved
+    # The session is unchanged: a plain step, then a tree whose first node is the target's argmax.
+    first = greedy_reference(reference, prompt, 2)
+    assert list(verify(target, "malformed").tokens) == first[:1]
+    assert target.Commit(target_pb2.CommitRequest(session_id="malformed", num_tokens=1), timeout=10).cached_tokens == 7
+    result = verify(target, "malformed", tree_pb2.TokenTree(tokens=[first[1]], parents=[-1]))
+    assert list(result.accepted_nodes) == [0] and list(result.tokens) == greedy_reference(reference, prompt, 3)[1:]
+    assert target.Info(target_pb2.InfoRequest(), timeout=10).cached_tokens == held + 1 + 2  # + 1 committed, R + 1 node
+    target.Release(target_pb2.ReleaseRequest(session_id="malformed"), timeout=10)
+
+
+def test_unknown_session_is_failed_precondition(target):
+    for call, request in [
+        (target.Verify, target_pb2.VerifyRequest(session_id="nobody")),
+        (target.Commit, target_pb2.CommitRequest(session_id="nobody", num_tokens=1)),
+    ]:
+        err = rpc_error(call, request, timeout=10)
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "nobody" in err.details()
+    assert not target.Release(target_pb2.ReleaseRequest(session_id="nobody"), timeout=10).released
+
+
+def test_calls_out_of_order_and_verify_retry(target, reference, info):
+    prompt = random_prompt(500, length=4, vocab=info.vocab_size)
+    prefill(target, "order", prompt)
+    err = rpc_error(target.Commit, target_pb2.CommitRequest(session_id="order", num_tokens=1), timeout=10)
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "no verify to commit" in err.details()
+    first = verify(target, "order")
+    again = verify(target, "order")  # a retry of the same tree replays the pending result, no second forward
+    assert list(again.tokens) == list(first.tokens) == greedy_reference(reference, prompt, 1) and again.batch_size == 0
+    other = rpc_error(verify, target, "order", tree_pb2.TokenTree(tokens=[1], parents=[-1]))
+    assert other.code() == grpc.StatusCode.FAILED_PRECONDITION and "uncommitted verify" in other.details()
+    bad = rpc_error(target.Commit, target_pb2.CommitRequest(session_id="order", num_tokens=5), timeout=10)
+    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_tokens" in bad.details()
+    target.Commit(target_pb2.CommitRequest(session_id="order", num_tokens=1), timeout=10)
+    target.Release(target_pb2.ReleaseRequest(session_id="order"), timeout=10)
+
+
+@pytest.mark.parametrize("sampling, field", [
+    ({"temperature": -1.0}, "sampling.temperature"),
+    ({"temperature": 0.7, "top_p": 1.5}, "sampling.top_p"),
+    ({"temperature": 0.7, "top_k": -2}, "sampling.top_k"),
+])
+def test_bad_sampling_params_are_invalid_argument_naming_the_field(servers, target, sampling, field):
+    err = rpc_error(prefill, target, "bad-sampling", [1, 2, 3], **sampling)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.details(), err.details()
+    with grpc.insecure_channel(servers["draft"].address) as channel:
+        draft = DraftSession(channel)
+        draft.send(start=draft_pb2.DraftStart(session_id="bad", prompt_ids=[1, 2], sampling=tree_pb2.SamplingParams(**sampling)))
+        err = rpc_error(draft.reply)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and f"start.{field}" in err.details(), err.details()
+
+
+def test_bad_prefill_input(target, info):
+    for prompt, field in [([], "prompt_ids: empty"), ([1, info.vocab_size], "prompt_ids[1]"),
+                          ([1] * info.context_limit, "context limit")]:
+        err = rpc_error(prefill, target, "bad-prompt", prompt)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.details(), err.details()
+    err = rpc_error(prefill, target, "", [1, 2])
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "session_id" in err.details()
+
+
+def test_draft_stream_errors(servers):
+    with grpc.insecure_channel(servers["draft"].address) as channel:
+        draft = DraftSession(channel)
+        draft.send(propose=draft_pb2.TreeRequest(spec=spec_to_proto(DEFAULT_SPEC), max_depth=2))
+        err = rpc_error(draft.reply)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "first message must be start" in err.details()
+
+        draft = DraftSession(channel)
+        assert draft.start("errs", [1, 2, 3]).context_limit == 256
+        draft.send(propose=draft_pb2.TreeRequest(spec=tree_pb2.TreeSpec(gamma=2, top_k_spec=[tree_pb2.TopKRow(k=[2])],
+                                                                        top_head=[1]), max_depth=2))
+        err = rpc_error(draft.reply)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "propose.spec" in err.details()
+
+        draft = DraftSession(channel)
+        draft.start("errs2", [1, 2, 3])
+        tree = draft.propose(DEFAULT_SPEC, 3).tree
+        draft.commit([5], [len(tree.tokens)])  # not a node of that tree
+        draft.send(propose=draft_pb2.TreeRequest(spec=spec_to_proto(DEFAULT_SPEC), max_depth=3))
+        err = rpc_error(draft.reply)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "commit.accepted_nodes[0]" in err.details()
+
+
+# ----------------------------------------------------------------------------------------------
+# Limits: KV slots, sessions, message size, deadlines
+# ----------------------------------------------------------------------------------------------
+
+def test_kv_limit_is_resource_exhausted(small_target):
+    prefill(small_target, "kv-a", list(range(1, 31)))  # 29 slots of 40
+    err = rpc_error(prefill, small_target, "kv-b", list(range(1, 21)))  # + 19 > 40
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_kv_tokens" in err.details()
+    wide = tree_pb2.TokenTree(tokens=[1] * 11, parents=[-1] * 11)  # + 12 slots > 40
+    err = rpc_error(verify, small_target, "kv-a", wide)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_kv_tokens" in err.details()
+    assert len(verify(small_target, "kv-a", tree_pb2.TokenTree(tokens=[1] * 5, parents=[-1] * 5)).tokens) >= 1  # 35 fits
+    assert small_target.Info(target_pb2.InfoRequest(), timeout=10).cached_tokens == 35
+    small_target.Release(target_pb2.ReleaseRequest(session_id="kv-a"), timeout=10)
+    prefill(small_target, "kv-b", list(range(1, 21)))  # fits once kv-a is gone
+    small_target.Release(target_pb2.ReleaseRequest(session_id="kv-b"), timeout=10)
+
+
+def test_draft_max_sessions_is_resource_exhausted(servers):
+    with grpc.insecure_channel(servers["draft"].address) as channel:
+        open_ = [DraftSession(channel) for _ in range(2)]
+        for i, draft in enumerate(open_):
+            draft.start(f"cap-{i}", [1, 2, 3])
+        third = DraftSession(channel)
+        third.send(start=draft_pb2.DraftStart(session_id="cap-2", prompt_ids=[1, 2, 3]))
+        err = rpc_error(third.reply)
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "draft.max_sessions" in err.details()
+        open_[0].close()  # closing a stream frees its slot
+        deadline = time.monotonic() + 10
+        while True:
+            again = DraftSession(channel)
+            try:
+                assert again.start("cap-3", [1, 2, 3]).context_limit == 256
+                break
+            except grpc.RpcError:
+                assert time.monotonic() < deadline, "the closed stream's session was never released"
+                time.sleep(0.1)
+        again.close()
+        open_[1].close()
+
+
+def test_oversize_request_is_resource_exhausted(small_target):
+    prefill(small_target, "big", [1, 2, 3])
+    huge = tree_pb2.TokenTree(tokens=[1] * 3000, parents=[-1] * 3000)  # ~ 9 KB > 4 KiB
+    err = rpc_error(verify, small_target, "big", huge)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert len(verify(small_target, "big").tokens) == 1  # the server and the session are fine
+    small_target.Release(target_pb2.ReleaseRequest(session_id="big"), timeout=10)
+
+
+def test_tiny_deadline_is_deadline_exceeded_without_hanging(target, reference, info):
+    prompt = random_prompt(600, length=5, vocab=info.vocab_size)
+    prefill(target, "deadline", prompt)
+    started = time.monotonic()
+    err = rpc_error(verify, target, "deadline", timeout=0.0005)
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - started < 2.0
+    # The verify did not run (or, if it did, its pending result is replayed): the session goes on.
+    assert list(verify(target, "deadline").tokens) == greedy_reference(reference, prompt, 1)
+    target.Release(target_pb2.ReleaseRequest(session_id="deadline"), timeout=10)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shutdown
+# ----------------------------------------------------------------------------------------------
+
+def test_sigterm_mid_stream_ends_the_stream_promptly_and_exits_zero(configs):
+    service = start_service("draft", configs["main"])
+    with grpc.insecure_channel(service.address) as channel:
+        draft = DraftSession(channel)
+        draft.start("term", [1, 2, 3, 4])
+        assert len(draft.propose(DEFAULT_SPEC, 3).tree.tokens) > 0
+        service.proc.terminate()  # SIGTERM
+        started = time.monotonic()
+        draft.send(propose=draft_pb2.TreeRequest(spec=spec_to_proto(DEFAULT_SPEC), max_depth=3))
+        try:
+            while True:
+                draft.reply()  # a propose that raced ahead of the drain may still be answered
+        except grpc.RpcError as err:
+            assert err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), err
+        assert time.monotonic() - started < 3.0
+        code, waited = wait_for_exit(service, timeout_s=5.0 + 5.0)  # grace 5 s + interpreter exit
+    assert code == 0, service.stderr[-2000:]
+    assert "draft-service draining" in service.stderr and "Traceback" not in service.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry points: bad config -> message naming the field, exit 2, no traceback
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["draft", "target"])
+def test_bad_config_and_unknown_model_exit_2(kind, tmp_path, pair):
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"{kind}:\n  port: 70000\n")
+    proc = subprocess.run([sys.executable, "-m", f"{kind}_service.server", "--config", str(bad)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and f"{kind}.port" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    config = write_config(tmp_path / "ok.yaml", pair)
+    proc = subprocess.run([sys.executable, "-m", f"{kind}_service.server", "--config", str(config),
+                           f"--{kind}", str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and f"models.{kind}" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# In-process host: draining gate, health during a forward (model compute off the event loop)
+# ----------------------------------------------------------------------------------------------
+
+def test_host_answers_health_during_a_forward_and_refuses_calls_while_draining():
+    from specdec.config import GrpcConfig
+    from specdec.grpc_server import ServiceHost
+    from target_service.server import SERVICE_NAME, TargetServicer
+
+    class SlowRuntime(TargetRuntime):
+        def start(self, session_id, prompt_ids, sampling=GREEDY):
+            time.sleep(1.0)  # a long prefill forward, on the worker thread
+            super().start(session_id, prompt_ids, sampling)
+
+    async def main():
+        host = ServiceHost("test-target", GrpcConfig(shutdown_grace_s=1.0))
+        servicer = TargetServicer(SlowRuntime(tiny_model("qwen2", seed=0)), context_limit=512)
+        target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, host.server)
+        port = await host.start("127.0.0.1", 0, [SERVICE_NAME])
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = target_pb2_grpc.TargetServiceStub(channel)
+                health = health_pb2_grpc.HealthStub(channel)
+                slow = asyncio.ensure_future(stub.Prefill(target_pb2.PrefillRequest(session_id="s", prompt_ids=[1, 2, 3])))
+                await asyncio.sleep(0.2)  # the prefill is now running
+                started = time.monotonic()
+                status = (await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)).status
+                health_s = time.monotonic() - started
+                running = not slow.done()
+                assert (await slow).cached_tokens == 2
+                host.draining.set()
+                await host.health.enter_graceful_shutdown()
+                refused = None
+                try:
+                    await stub.Info(target_pb2.InfoRequest(), timeout=5)
+                except grpc.aio.AioRpcError as err:
+                    refused = err
+                drained = (await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)).status
+        finally:
+            await host.server.stop(None)
+            servicer.close()
+        return status, health_s, running, refused, drained
+
+    status, health_s, running, refused, drained = asyncio.run(main())
+    assert running and status == health_pb2.HealthCheckResponse.SERVING and health_s < 0.5
+    assert refused is not None and refused.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused.details()
+    assert drained == health_pb2.HealthCheckResponse.NOT_SERVING
