@@ -279,7 +279,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         acceptance_rate=stats["acceptance_rate"], mean_accepted_length=stats["mean_accepted_length"],
                         ttft_ms=stats["ttft_ms"], total_s=stats["total_s"] or time.perf_counter() - started,
                         stop_reason=stats["stop_reason"] or "", fallback_rounds=stats["fallback_rounds"],
-                        final_gamma=stats["final_gamma"]))
+                        final_gamma=stats["final_gamma"], proposed_tokens=stats["proposed_tokens"],
+                        accepted_tokens=stats["accepted_tokens"]))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except UpstreamError as exc:

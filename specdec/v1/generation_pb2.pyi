@@ -42,7 +42,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., stats: _Optional[_Union[FinalStats, _Mapping]] = ...) -> None: ...
 
 class FinalStats(_message.Message):
-    __slots__ = ("new_tokens", "prompt_tokens", "rounds", "acceptance_rate", "mean_accepted_length", "ttft_ms", "total_s", "stop_reason", "fallback_rounds", "final_gamma")
+    __slots__ = ("new_tokens", "prompt_tokens", "rounds", "acceptance_rate", "mean_accepted_length", "ttft_ms", "total_s", "stop_reason", "fallback_rounds", "final_gamma", "proposed_tokens", "accepted_tokens")
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,8 @@ class FinalStats(_message.Message):
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     FINAL_GAMMA_FIELD_NUMBER: _ClassVar[int]
+    PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     new_tokens: int
     prompt_tokens: int
     rounds: int
@@ -63,7 +65,9 @@ class FinalStats(_message.Message):
     stop_reason: str
     fallback_rounds: int
     final_gamma: int
-    def __init__(self, new_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_s: _Optional[float] = ..., stop_reason: _Optional[str] = ..., fallback_rounds: _Optional[int] = ..., final_gamma: _Optional[int] = ...) -> None: ...
+    proposed_tokens: int
+    accepted_tokens: int
+    def __init__(self, new_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_s: _Optional[float] = ..., stop_reason: _Optional[str] = ..., fallback_rounds: _Optional[int] = ..., final_gamma: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
