@@ -123,11 +123,16 @@ def generate(
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     max_context: Optional[int] = typer.Option(None, help="Context limit in tokens (default: the target's)."),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
+    dynamic_gamma: bool = typer.Option(True, "--dynamic-gamma/--fixed-gamma", help="Adapt the speculation depth to the request's acceptance (and fall back to plain decoding when it does not pay), or keep the tree's depth."),
+    server: Optional[str] = typer.Option(None, help="host:port of a generation front (specdec serve): run the request there instead of in-process."),
 ) -> None:
     """Generate text with the target model, accelerated by the draft model."""
     from orchestrator.embedded import build_pipeline, encode_prompt, set_threads
     from orchestrator.engine import GenerationRequest
 
+    if server is not None:
+        return _generate_remote(server, prompt, prompt_file, tree, max_new_tokens, temperature, top_p, top_k, seed,
+                                stop, no_spec, raw)
     try:
         check_choices(dtype, draft_quant)
         check_positive(max_new_tokens=max_new_tokens, threads=threads)
@@ -135,7 +140,15 @@ def generate(
         spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
         text = read_prompt(prompt, prompt_file)
         set_threads(threads)
-        pipe = build_pipeline(target, draft, dtype, speculate=not no_spec, max_context=max_context, draft_quant=draft_quant)
+        control = None
+        if dynamic_gamma:
+            from orchestrator.policy import RequestControl
+            from specdec.config import FrontConfig
+
+            front = FrontConfig()
+            control = lambda spec: RequestControl(spec, front.dynamic_gamma, front.fallback)  # noqa: E731
+        pipe = build_pipeline(target, draft, dtype, speculate=not no_spec, max_context=max_context, draft_quant=draft_quant,
+                              control=control)
         prompt_ids = encode_prompt(pipe.tokenizer, text, raw)
         request = GenerationRequest(prompt_ids, max_new_tokens, tuple(stop), None if no_spec else spec, sampling)
         result = pipe.engine.generate(request, on_tokens=TextStream(pipe.tokenizer))
@@ -207,6 +220,70 @@ def target_server(
     from target_service.server import run
 
     raise typer.Exit(run(str(config) if config else None, port, host, target, None, dtype))
+
+
+def _generate_remote(server, prompt, prompt_file, tree, max_new_tokens, temperature, top_p, top_k, seed, stop, no_spec, raw):
+    """generate --server: the request runs on a generation front; text streams as it arrives."""
+    from orchestrator.remote import RemoteError, generate_remote
+
+    try:
+        check_positive(max_new_tokens=max_new_tokens)
+        sampling = sampling_params(temperature, top_p, top_k, seed)
+        spec = parse_tree_spec(tree) if tree is not None else None
+        text = read_prompt(prompt, prompt_file)
+        stats = generate_remote(server, text, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec,
+                                no_spec=no_spec, raw=raw, stop=tuple(stop))
+    except (UsageError, TreeSpecError, ValueError) as exc:
+        fail(str(exc))
+    except RemoteError as exc:
+        fail(f"--server {server}: {exc}")
+    sys.stdout.write("\n")
+    err.print(stats_table(stats, not no_spec, sampling))
+
+
+@app.command()
+def front(
+    config: Optional[Path] = typer.Option(None, help=_CONFIG_HELP),
+    port: Optional[int] = typer.Option(None, help="Listen port (0 = ephemeral); overrides front.port."),
+    host: Optional[str] = typer.Option(None, help="Listen address; overrides front.host."),
+    target: Optional[str] = typer.Option(None, help="Target model directory, for the tokenizer; overrides models.target."),
+    draft_address: Optional[str] = typer.Option(None, help="Draft service host:port; overrides front.draft_address."),
+    target_address: Optional[str] = typer.Option(None, help="Target service host:port; overrides front.target_address."),
+    ray_address: Optional[str] = typer.Option(None, help="Attach to this Ray cluster ('auto' inside one); default: start a local Ray."),
+    no_ray: bool = typer.Option(False, "--no-ray", help="Run requests in this process instead of Ray actors."),
+) -> None:
+    """Serve the public GenerationService (orchestrator on Ray) until SIGTERM."""
+    from orchestrator.front import run
+
+    raise typer.Exit(run(str(config) if config else None, port, host, target, draft_address, target_address,
+                         False if no_ray else None, ray_address))
+
+
+@app.command()
+def serve(
+    config: Optional[Path] = typer.Option(None, help=_CONFIG_HELP),
+    target: Optional[str] = typer.Option(None, help="Target model; overrides models.target."),
+    draft: Optional[str] = typer.Option(None, help="Draft model; overrides models.draft."),
+    dtype: Optional[str] = typer.Option(None, help="auto, float32, bfloat16 or float16; overrides models.dtype."),
+    tp: Optional[int] = typer.Option(None, help="Tensor-parallel ranks of the target; overrides target.tp."),
+    no_ray: bool = typer.Option(False, "--no-ray", help="The front runs requests in its own process instead of Ray actors."),
+) -> None:
+    """Start the draft service, the target service and the generation front on this machine.
+
+    Prints one line per service (name and host:port) once it is ready; SIGTERM or Ctrl-C stops all three."""
+    from orchestrator.launcher import serve as launch
+    from specdec.config import ConfigError, load_config
+
+    try:
+        check_positive(tp=tp)
+        cfg = load_config(config, {"target.tp": tp})
+    except (UsageError, ConfigError) as exc:
+        fail(str(exc))
+    flags = []
+    for name, value in (("--target", target), ("--draft", draft), ("--dtype", dtype)):
+        if value is not None:
+            flags += [name, value]
+    raise typer.Exit(launch(str(config) if config else None, flags, tp=tp, no_ray=no_ray, grace_s=cfg.grpc.shutdown_grace_s))
 
 
 def main() -> None:

@@ -1,0 +1,82 @@
+"""``specdec serve`` starts three services and prints one ready line each; ``specdec generate
+--server`` is a client of the front whose greedy output equals in-process target-only decoding;
+bad input and an unreachable server end with a message and exit 2; SIGTERM stops everything."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.servers import ROOT, save_tiny_pair, write_config
+
+READY = re.compile(r"^(\S+) ready on (\S+:\d+)$")
+
+
+def cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    pair = save_tiny_pair(root / "models")
+    config = write_config(root / "serve.yaml", pair, front={"port": 0})
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--config", str(config), "--no-ray"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+    lines: list[str] = []
+    done = threading.Event()
+
+    def pump():
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if "all services ready" in line:
+                done.set()
+        done.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    done.wait(240)
+    ready = dict(m.groups() for line in lines if (m := READY.match(line)))
+    assert set(ready) == {"draft-service", "target-service", "generation-front"}, lines
+    yield pair, ready, proc, lines
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+def test_generate_over_the_front_equals_target_only(served):
+    pair, ready, _, _ = served
+    remote = cli("generate", "--server", ready["generation-front"], "--raw", "--max-new-tokens", "16", "the quick brown fox")
+    local = cli("generate", "--target", str(pair.target), "--dtype", "float32", "--raw", "--no-spec",
+                "--max-new-tokens", "16", "the quick brown fox")
+    assert remote.returncode == 0, remote.stderr
+    assert local.returncode == 0, local.stderr
+    assert remote.stdout == local.stdout and remote.stdout.strip()
+    assert "acceptance rate" in remote.stderr and "mean accepted length" in remote.stderr
+
+
+def test_bad_input_to_the_front_exits_2_naming_the_field(served):
+    _, ready, _, _ = served
+    bad_tree = cli("generate", "--server", ready["generation-front"], "--tree", '{"gamma": 2, "topKSpec": [[1]], "topHead": [1, 1]}', "hi")
+    assert bad_tree.returncode == 2 and "topKSpec" in bad_tree.stderr and "Traceback" not in bad_tree.stderr
+    bad_temp = cli("generate", "--server", ready["generation-front"], "--temperature", "-1", "hi")
+    assert bad_temp.returncode == 2 and "temperature" in bad_temp.stderr
+
+
+def test_unreachable_server_exits_2():
+    result = cli("generate", "--server", "127.0.0.1:9", "hi", timeout=60)
+    assert result.returncode == 2 and "UNAVAILABLE" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_sigterm_stops_all_services(served):
+    _, _, proc, _ = served
+    proc.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    assert proc.wait(60) == 0
+    assert time.monotonic() - started < 30
