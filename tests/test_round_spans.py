@@ -1,0 +1,47 @@
+"""Round spans in-process, with the OpenTelemetry SDK's in-memory exporter: one ``round`` span per
+round with ``draft``, ``verify`` and ``commit`` children and the round's attributes (tree nodes,
+accepted length, gamma), under the caller's span."""
+
+from __future__ import annotations
+
+import asyncio
+
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from draft_service.runtime import DraftRuntime
+from orchestrator.controller import GenerationRequest, RoundController, sync_worker
+from specdec.telemetry import setup_tracing
+from specdec.tree_spec import DEFAULT_SPEC
+from target_service.runtime import TargetRuntime
+from tests.conftest import perturbed_copy, random_prompt, tiny_model
+
+
+def test_round_spans_with_phases_and_attributes():
+    exporter = InMemorySpanExporter()
+    setup_tracing("specdec-test", exporter=exporter, simple=True)
+    target = tiny_model(seed=0)
+    ctl = RoundController(sync_worker(TargetRuntime(target)), sync_worker(DraftRuntime(perturbed_copy(target, 1, 0.02))),
+                          [], 10_000)
+    records = []
+
+    async def go():
+        with trace.get_tracer("test").start_as_current_span("request") as parent:
+            result = await ctl.generate(GenerationRequest(random_prompt(0, 8), 20, spec=DEFAULT_SPEC), on_round=records.append)
+            return result, parent.get_span_context().trace_id
+
+    result, trace_id = asyncio.run(go())
+    spans = [s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id]
+    rounds = [s for s in spans if s.name == "round"]
+    assert len(rounds) == result.stats.rounds == len(records)
+    by_id = {s.context.span_id: s for s in spans}
+    for phase in ("draft", "verify", "commit"):
+        children = [s for s in spans if s.name == phase]
+        assert children and all(by_id[s.parent.span_id].name == "round" for s in children)
+    assert sum(1 for s in spans if s.name == "verify") == len(rounds)
+    for span, record in zip(sorted(rounds, key=lambda s: s.start_time), records):
+        assert span.attributes["tree.nodes"] == record["proposed"]
+        assert span.attributes["committed"] == len(record["tokens"])
+        assert span.attributes["accepted_length"] >= record["accepted"]
+        assert span.attributes["gamma"] == DEFAULT_SPEC.gamma
+    assert all(by_id[s.parent.span_id].name == "request" for s in rounds)
