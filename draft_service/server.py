@@ -1,6 +1,7 @@
 """Draft service gRPC server (protos/specdec/v1/draft.proto): one bidirectional Session stream per request.
 
     python -m draft_service.server --config deploy/specdec.yaml [--port 0] [--host H] [--draft DIR] [--dtype float32]
+                                   [--device cpu|cuda]
 
 Prints ``draft-service ready on <host>:<port>`` once serving; SIGTERM/SIGINT drain and exit 0.
 
@@ -28,7 +29,8 @@ import grpc
 
 from specdec.config import ConfigError, DraftServerConfig, ServeConfig, load_config
 from specdec.grpc_server import (
-    CapacityError, ModelWorker, ServiceHost, abort_for, configure_logging, fail, server_arg_parser, server_overrides,
+    CapacityError, ModelWorker, ServiceHost, abort_for, check_device, configure_logging, fail, server_arg_parser,
+    server_overrides,
 )
 from specdec.sampling import SamplingParamsError
 from specdec.telemetry import setup_tracing, shutdown_tracing, tracer
@@ -238,18 +240,19 @@ def serve(config: ServeConfig) -> int:
 
 
 def run(config_path: str | None = None, port: int | None = None, host: str | None = None, target: str | None = None,
-        draft: str | None = None, dtype: str | None = None) -> int:
+        draft: str | None = None, dtype: str | None = None, device: str | None = None) -> int:
     """Load the config (YAML + flag overrides) and serve; returns the exit code."""
     try:
-        config = load_config(config_path, server_overrides("draft", port, host, target, draft, dtype))
-    except ConfigError as exc:
+        config = load_config(config_path, server_overrides("draft", port, host, target, draft, dtype, device))
+        check_device(config.models.device)
+    except (ConfigError, ValueError) as exc:
         return fail(str(exc))
     return serve(config)
 
 
 def main(argv=None) -> int:
-    args = server_arg_parser("python -m draft_service.server", "specdec draft service (gRPC)").parse_args(argv)
-    return run(args.config, args.port, args.host, args.target, args.draft, args.dtype)
+    args = server_arg_parser("python -m draft_service.server", "specdec draft service (gRPC)", device=True).parse_args(argv)
+    return run(args.config, args.port, args.host, args.target, args.draft, args.dtype, args.device)
 
 
 if __name__ == "__main__":

@@ -201,11 +201,12 @@ def draft_server(
     target: Optional[str] = typer.Option(None, help="Target model (its tokenizer and config only); overrides models.target."),
     draft: Optional[str] = typer.Option(None, help="Draft model; overrides models.draft."),
     dtype: Optional[str] = typer.Option(None, help="auto, float32, bfloat16 or float16; overrides models.dtype."),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N; overrides models.device."),
 ) -> None:
     """Serve the draft model over gRPC (DraftService, health, reflection) until SIGTERM."""
     from draft_service.server import run
 
-    raise typer.Exit(run(str(config) if config else None, port, host, target, draft, dtype))
+    raise typer.Exit(run(str(config) if config else None, port, host, target, draft, dtype, device))
 
 
 @app.command("target-server")
@@ -215,11 +216,14 @@ def target_server(
     host: Optional[str] = typer.Option(None, help="Listen address; overrides target.host."),
     target: Optional[str] = typer.Option(None, help="Target model; overrides models.target."),
     dtype: Optional[str] = typer.Option(None, help="auto, float32, bfloat16 or float16; overrides models.dtype."),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (with --tp N, rank r uses cuda:r); overrides models.device."),
+    tp: Optional[int] = typer.Option(None, help="Tensor-parallel ranks (processes) serving the target, >= 1; overrides target.tp."),
 ) -> None:
-    """Serve the target model over gRPC (TargetService, health, reflection) until SIGTERM."""
+    """Serve the target model over gRPC (TargetService, health, reflection) until SIGTERM; with
+    --tp N > 1 over N tensor-parallel rank processes."""
     from target_service.server import run
 
-    raise typer.Exit(run(str(config) if config else None, port, host, target, None, dtype))
+    raise typer.Exit(run(str(config) if config else None, port, host, target, None, dtype, device, tp))
 
 
 def _generate_remote(server, prompt, prompt_file, tree, max_new_tokens, temperature, top_p, top_k, seed, stop, no_spec, raw):

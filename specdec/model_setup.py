@@ -48,11 +48,15 @@ class LoadedTarget:
 
 @dataclass
 class TargetInfo:
-    """What the draft needs to know of the target, without its weights (config + tokenizer)."""
+    """What the draft (and a tensor-parallel target service, whose ranks hold the weights) needs to
+    know of the target, without its weights (config + tokenizer + generation config)."""
 
     tokenizer: object
     vocab_size: int
     dtype: torch.dtype  # the dtype the target is loaded in (same models.dtype)
+    context_limit: int = 0  # max total tokens, as LoadedTarget.context_limit
+    eos_token_ids: frozenset[int] = frozenset()  # as LoadedTarget.eos_token_ids
+    name: str = ""  # the model directory
 
 
 @dataclass
@@ -133,11 +137,16 @@ def load_target(models: ModelsConfig, max_tree_nodes: int = MAX_TREE_NODES, labe
 
 
 def target_info(models: ModelsConfig, label: str = "--target") -> TargetInfo:
-    """The target's tokenizer and vocabulary size without loading its weights (for the draft server).
+    """The target's tokenizer, vocabulary size, context limit and EOS ids without loading its weights
+    (for the draft server, and the tensor-parallel target service). The same values as ``load_target``:
+    the generation config comes from generation_config.json, else from the model config, as
+    ``from_pretrained`` does.
 
     Raises ModelError naming ``label``.
     """
-    from transformers import AutoConfig, AutoTokenizer
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     model_dir = resolve_model_dir(models.target, DEFAULT_TARGET, label)
     try:
@@ -145,7 +154,14 @@ def target_info(models: ModelsConfig, label: str = "--target") -> TargetInfo:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelError(f"{label}: cannot load the config or tokenizer from {model_dir}: {exc}") from exc
-    return TargetInfo(tokenizer, config.vocab_size, DTYPES[resolve_dtype(models.dtype, models.device)])
+    try:
+        generation = GenerationConfig.from_pretrained(model_dir)
+    except OSError:  # no generation_config.json
+        generation = GenerationConfig.from_model_config(config)
+    shell = SimpleNamespace(config=config, generation_config=generation)  # what the two helpers read
+    return TargetInfo(tokenizer, config.vocab_size, DTYPES[resolve_dtype(models.dtype, models.device)],
+                      context_limit(shell, models.max_context), frozenset(eos_token_ids(shell, tokenizer)),
+                      str(model_dir))
 
 
 def load_draft(models: ModelsConfig, target: LoadedTarget | TargetInfo, label: str = "--draft") -> LoadedDraft:

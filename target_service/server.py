@@ -2,8 +2,18 @@
 Release, Info over a target runtime.
 
     python -m target_service.server --config deploy/specdec.yaml [--port 0] [--host H] [--target DIR] [--dtype float32]
+                                    [--device cpu|cuda] [--tp N]
 
 Prints ``target-service ready on <host>:<port>`` once serving; SIGTERM/SIGINT drain and exit 0.
+
+Tensor parallelism (``target.tp`` / ``--tp`` N > 1): the model is served by a
+``target_service.tp.TensorParallelTarget`` over N rank processes spawned by this process (which
+reads only the target's config and tokenizer; the ranks hold the weights). The ranks' pids are
+logged at start (``tensor-parallel ranks ... pids [...]``); they are stopped after the drain, and
+exit by themselves if this process dies. A rank that dies, hangs or falls out of step
+(``RankFailureError``) fails that call and every later model call with UNAVAILABLE, and health
+turns NOT_SERVING ("" and TargetService) so the pod's probes restart it; Info keeps answering.
+A ``tp`` the model cannot be split by (heads not divisible) exits 2 with ``error: target.tp: ...``.
 
 Transport only: every message is checked (trees with ``specdec.wire.tree_from_proto``; a bad one is
 INVALID_ARGUMENT naming the field and leaves the session untouched), then handed to the runtime on
@@ -27,7 +37,9 @@ items' results stay pending (resending the same batch replays them).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -36,8 +48,8 @@ import grpc
 
 from specdec.config import ConfigError, ServeConfig, TargetServerConfig, load_config
 from specdec.grpc_server import (
-    CapacityError, DeadlineExpiredError, ModelWorker, ServiceHost, configure_logging, deadline_of, fail, rpc_errors, server_arg_parser,
-    server_overrides, status_for,
+    CapacityError, DeadlineExpiredError, ModelWorker, ServiceHost, check_device, configure_logging, deadline_of, fail, rpc_errors,
+    server_arg_parser, server_overrides, status_for,
 )
 from specdec.interfaces import UnknownSessionError, VerifyResult
 from specdec.sampling import SamplingParamsError
@@ -47,11 +59,32 @@ from specdec.v1 import target_pb2, target_pb2_grpc
 from specdec.wire import sampling_from_proto, tree_from_proto
 from target_service.batcher import BatchedVerify, VerifyBatcher
 from target_service.runtime import SessionStateError
+from target_service.tp import RankFailureError, TensorParallelTarget
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
-_CODES = {SessionStateError: grpc.StatusCode.FAILED_PRECONDITION}
+# Checked before specdec.grpc_server's defaults (RankFailureError is a RuntimeError, never INTERNAL).
+_CODES = {SessionStateError: grpc.StatusCode.FAILED_PRECONDITION, RankFailureError: grpc.StatusCode.UNAVAILABLE}
+
+
+def _unavailable(exc: RankFailureError) -> str:
+    return (f"target unavailable: a tensor-parallel rank failed ({exc}); the service reports NOT_SERVING "
+            "and must be restarted")
+
+
+def _rpc(handler):
+    """``rpc_errors(_CODES)``, and a RankFailureError first marks the service NOT_SERVING, then ends
+    the call with UNAVAILABLE."""
+    @functools.wraps(handler)
+    async def watched(self, request, context):
+        try:
+            return await handler(self, request, context)
+        except RankFailureError as exc:
+            await self.rank_failed(exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _unavailable(exc))
+
+    return rpc_errors(_CODES)(watched)
 
 
 @dataclass
@@ -88,11 +121,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     verify_batch, commit, release, attribute vocab_size), e.g. a tensor-parallel runtime; it is only
     ever called from this servicer's worker thread. config: the ``target`` section (max_batch,
     batch_wait_ms, max_kv_tokens, max_tree_nodes, tp); model_name, context_limit (max total tokens),
-    eos_token_ids: reported by Info. Create inside the running event loop; ``close()`` at the end.
+    eos_token_ids: reported by Info; health: the host's health servicer, set NOT_SERVING ("" and
+    TargetService) at the first RankFailureError (``failure`` then holds it). Create inside the
+    running event loop; ``close()`` at the end.
     """
 
     def __init__(self, runtime, *, context_limit: int, eos_token_ids=(), model_name: str = "",
-                 config: TargetServerConfig = TargetServerConfig()):
+                 config: TargetServerConfig = TargetServerConfig(), health=None):
         self.runtime = runtime
         self.vocab_size: int = runtime.vocab_size
         self.context_limit = context_limit
@@ -102,10 +137,24 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.worker = ModelWorker("target-runtime")
         self.batcher = VerifyBatcher(runtime, self.worker, config.max_batch, config.batch_wait_ms, self._verified)
         self.sessions: dict[str, _SessionSlots] = {}
+        self.health = health
+        self.failure: RankFailureError | None = None
         self._tracer = tracer("target_service")
 
     def close(self) -> None:
         self.worker.close()
+
+    async def rank_failed(self, exc: RankFailureError) -> None:
+        """The target is gone for good: health NOT_SERVING (once), so that probes restart the service."""
+        if self.failure is not None:
+            return
+        self.failure = exc
+        log.error("tensor-parallel target failed: %s; health NOT_SERVING, every model call is UNAVAILABLE", exc)
+        if self.health is not None:
+            from grpc_health.v1 import health_pb2
+
+            for service in ("", SERVICE_NAME):
+                await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     # -- accounting -------------------------------------------------------------------------------
 
@@ -209,7 +258,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     # -- RPCs -------------------------------------------------------------------------------------
 
-    @rpc_errors(_CODES)
+    @_rpc
     async def Prefill(self, request, context):
         deadline_of(context)
         if not request.session_id:
@@ -237,7 +286,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         new.set_busy(False)
         return target_pb2.PrefillResponse(cached_tokens=len(prompt) - 1)
 
-    @rpc_errors(_CODES)
+    @_rpc
     async def Verify(self, request, context):
         deadline = deadline_of(context)
         s, tree = await self._claim_verify(request.session_id, request.tree, "", deadline)
@@ -250,7 +299,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             span.set_attribute("specdec.batch_size", out.batch_size)
         return self._response(out.result, out.batch_size, out.verify_ms)
 
-    @rpc_errors(_CODES)
+    @_rpc
     async def VerifyBatch(self, request, context):
         deadline = deadline_of(context)
         items = list(request.items)
@@ -269,6 +318,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         outcomes = await self.batcher.verify_many([(sid, tree) for _, sid, tree in to_run], deadline)
         results = {k: outcome for (k, _, _), outcome in zip(to_run, outcomes)}
         for k, outcome in sorted(results.items()):
+            if isinstance(outcome, RankFailureError):
+                await self.rank_failed(outcome)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"items[{k}]: {_unavailable(outcome)}")
             if isinstance(outcome, Exception):
                 # Items that did verify keep their pending results: resending the batch replays them.
                 code, message = status_for(outcome, _CODES)
@@ -280,7 +332,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                     else self._response(out.result, out.batch_size, out.verify_ms))
         return response
 
-    @rpc_errors(_CODES)
+    @_rpc
     async def Commit(self, request, context):
         deadline_of(context)
         s = self._session(request.session_id)
@@ -295,7 +347,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         s.tree_slots, s.tree_key, s.pending = 0, None, None
         return target_pb2.CommitResponse(cached_tokens=s.cached)
 
-    @rpc_errors(_CODES)
+    @_rpc
     async def Release(self, request, context):
         s = self.sessions.pop(request.session_id, None)
         if s is not None:
@@ -303,7 +355,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             await self.worker.run(self.runtime.release, request.session_id)
         return target_pb2.ReleaseResponse(released=s is not None)
 
-    @rpc_errors(_CODES)
+    @_rpc
     async def Info(self, request, context):
         return target_pb2.InfoResponse(
             model=self.model_name, vocab_size=self.vocab_size, context_limit=self.context_limit,
@@ -320,7 +372,7 @@ async def serve_runtime(config: ServeConfig, runtime, *, context_limit: int, eos
     """Serve ``runtime`` until SIGTERM/SIGINT, then drain. Returns the bound port."""
     host = ServiceHost("target-service", config.grpc)
     servicer = TargetServicer(runtime, context_limit=context_limit, eos_token_ids=eos_token_ids,
-                              model_name=model_name, config=config.target)
+                              model_name=model_name, config=config.target, health=host.health)
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, host.server)
     try:
         return await host.serve(config.target.host, config.target.port, [SERVICE_NAME])
@@ -328,47 +380,105 @@ async def serve_runtime(config: ServeConfig, runtime, *, context_limit: int, eos
         servicer.close()
 
 
+class _StartError(Exception):
+    """The tensor-parallel target could not start; the message names the field."""
+
+
+class _Terminated(BaseException):
+    """SIGTERM while the model loads (before the server's own handler is installed)."""
+
+
+def _terminate(signum, frame):
+    raise _Terminated()
+
+
 def serve(config: ServeConfig) -> int:
     """Load the target model of ``config.models`` and serve it; returns the exit code (0, or 2 with a
-    message on stderr naming the field for a bad model or an unusable address)."""
-    from specdec.model_setup import load_target
+    message on stderr naming the field for a bad model, device, ``target.tp`` or an unusable address).
+
+    ``target.tp`` > 1: a TensorParallelTarget over that many rank processes, closed (ranks stopped)
+    after the server has drained, whatever ends it. A SIGTERM during loading stops cleanly (exit 0).
+    """
     from specdec.models import ModelError
 
     configure_logging()
-    if config.target.tp > 1:
-        return fail(f"target.tp: {config.target.tp} tensor-parallel ranks are not available from this entry point "
-                    "(pass a tensor-parallel runtime to serve_runtime)")
+    try:
+        check_device(config.models.device)
+    except ValueError as exc:
+        return fail(str(exc))
     if config.models.threads:
         import torch
 
         torch.set_num_threads(config.models.threads)
     setup_tracing("target-service")
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    runtime = None
     try:
-        loaded = load_target(config.models, config.target.max_tree_nodes, label="models.target")
-        asyncio.run(serve_runtime(config, loaded.runtime, context_limit=loaded.context_limit,
-                                  eos_token_ids=loaded.eos_token_ids, model_name=loaded.name))
+        if config.target.tp > 1:
+            runtime, info = _start_tensor_parallel(config)
+            context_limit, eos, name = info.context_limit, info.eos_token_ids, info.name
+        else:
+            from specdec.model_setup import load_target
+
+            loaded = load_target(config.models, config.target.max_tree_nodes, label="models.target")
+            runtime, context_limit, eos, name = loaded.runtime, loaded.context_limit, loaded.eos_token_ids, loaded.name
+        asyncio.run(serve_runtime(config, runtime, context_limit=context_limit, eos_token_ids=eos, model_name=name))
     except ModelError as exc:
+        return fail(str(exc))
+    except _StartError as exc:
         return fail(str(exc))
     except OSError as exc:
         return fail(f"target.host / target.port: {exc}")
+    except _Terminated:
+        log.info("target-service: SIGTERM while loading; stopped")
     finally:
+        signal.signal(signal.SIGTERM, previous)
+        if isinstance(runtime, TensorParallelTarget):
+            runtime.close()  # stop the ranks (after the drain; after a rank failure they are already gone)
         shutdown_tracing()
     return 0
 
 
+def _start_tensor_parallel(config: ServeConfig):
+    """(TensorParallelTarget, TargetInfo) for ``config.target.tp`` ranks; raises ModelError or
+    _StartError naming the field (``target.tp``, ``models.device``, ``models.target``)."""
+    from specdec.model_setup import resolve_dtype, target_info
+    from target_service.tp import build_target
+
+    models, tp = config.models, config.target.tp
+    info = target_info(models, label="models.target")  # config + tokenizer only: the ranks load the weights
+    try:
+        runtime = build_target(info.name, tp=tp, dtype=resolve_dtype(models.dtype, models.device),
+                               device=models.device, max_tree_nodes=config.target.max_tree_nodes,
+                               threads_per_rank=models.threads)
+    except ValueError as exc:  # "tp: ..." (heads not divisible, no TP plan) or "device: ..."
+        message = str(exc)
+        field = "target." if message.startswith("tp:") else "models." if message.startswith("device:") else None
+        if field is None:
+            raise _StartError(f"models.target: {tp} tensor-parallel ranks could not load {info.name}: {message}") from None
+        raise _StartError(field + message) from None
+    except Exception as exc:  # noqa: BLE001 - a rank's loading error (OSError, ModelError, RankFailureError, ...)
+        raise _StartError(f"models.target: {tp} tensor-parallel ranks could not load {info.name}: "
+                          f"{type(exc).__name__}: {exc}") from None
+    log.info("target-service: tensor-parallel ranks started: tp %d, backend %s, pids %s",
+             runtime.tp, runtime.backend, runtime.pids)
+    return runtime, info
+
+
 def run(config_path: str | None = None, port: int | None = None, host: str | None = None, target: str | None = None,
-        draft: str | None = None, dtype: str | None = None) -> int:
+        draft: str | None = None, dtype: str | None = None, device: str | None = None, tp: int | None = None) -> int:
     """Load the config (YAML + flag overrides) and serve; returns the exit code."""
     try:
-        config = load_config(config_path, server_overrides("target", port, host, target, draft, dtype))
+        config = load_config(config_path, server_overrides("target", port, host, target, draft, dtype, device, tp))
     except ConfigError as exc:
         return fail(str(exc))
     return serve(config)
 
 
 def main(argv=None) -> int:
-    args = server_arg_parser("python -m target_service.server", "specdec target service (gRPC)").parse_args(argv)
-    return run(args.config, args.port, args.host, args.target, args.draft, args.dtype)
+    args = server_arg_parser("python -m target_service.server", "specdec target service (gRPC)",
+                             device=True, tp=True).parse_args(argv)
+    return run(args.config, args.port, args.host, args.target, args.draft, args.dtype, args.device, args.tp)
 
 
 if __name__ == "__main__":

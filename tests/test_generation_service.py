@@ -45,7 +45,8 @@ def otlp():
 @pytest.fixture(scope="module")
 def stack(pair, tmp_path_factory, otlp):
     """Draft, target and front processes (front without Ray); yields (config, draft, target, front)."""
-    config = write_config(tmp_path_factory.mktemp("cfg") / "serve.yaml", pair, front={"port": 0})
+    # one draft session at a time: a session leaked by an earlier request would push later ones into fallback
+    config = write_config(tmp_path_factory.mktemp("cfg") / "serve.yaml", pair, front={"port": 0}, draft={"max_sessions": 1})
     env = otlp.env()
     draft = launch_service("draft", config, env={**env, "OTEL_SERVICE_NAME": "specdec-draft"})
     target = launch_service("target", config, env={**env, "OTEL_SERVICE_NAME": "specdec-target"})
@@ -181,6 +182,18 @@ def wait_sessions(address, expected: int, timeout: float = 10.0) -> int:
     return n
 
 
+def assert_draft_session_free(front_address, timeout: float = 10.0) -> None:
+    """The draft admits one session (max_sessions 1): a request that speculates without any fallback
+    round proves the previous request's draft session (and KV) was released."""
+    deadline = time.monotonic() + timeout
+    while True:
+        _, _, stats, _ = generate(front_address, prompt_ids=prompt_ids(77, 6), max_new_tokens=10)
+        if stats.fallback_rounds == 0 and stats.proposed_tokens > 0:
+            return
+        assert time.monotonic() < deadline, "the draft session of an ended request was never released"
+        time.sleep(0.2)
+
+
 def test_deadline_exceeded_frees_the_request(stack):
     _, _, target, front = stack
     started = time.monotonic()
@@ -190,6 +203,7 @@ def test_deadline_exceeded_frees_the_request(stack):
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - started < 5
     assert wait_sessions(target.address, 0) == 0, "the expired request's target session was not released"
+    assert_draft_session_free(front.address)
 
 
 def test_abort_ends_the_stream_and_frees_kv(stack):
@@ -213,6 +227,7 @@ def test_abort_ends_the_stream_and_frees_kv(stack):
     assert first.token_ids and last.stats.stop_reason == "aborted"
     assert last.stats.new_tokens < 250
     assert wait_sessions(target.address, 0) == 0
+    assert_draft_session_free(front.address)
 
 
 def test_trace_spans_from_all_three_processes(stack, otlp):

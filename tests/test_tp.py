@@ -16,13 +16,27 @@
 
 Each TensorParallelTarget spawns its ranks (~10 s on the 2-core machine): one shared target for the
 equality tests, one for the killed rank, one for pre-packed shards followed by the stuck rank.
+
+The target service with ``--tp 2`` (real subprocesses, tiny saved pair of tests/servers.py; both
+entry points, started together, ~15 s): ``python -m target_service.server`` serves a greedy
+speculative generation over gRPC equal to the target alone, Info reports tensor_parallel 2, then a
+SIGKILLed rank makes the next Verify UNAVAILABLE within a deadline, health turns NOT_SERVING and
+SIGTERM still exits 0; ``specdec target-server --tp 2`` (spawn from the console script) verifies
+and on SIGTERM exits 0 leaving no rank behind. Bad ``--tp`` / ``--device`` values exit 2 naming the
+field, no traceback.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
+import sys
+import tempfile
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,7 +50,10 @@ from specdec.tree import DraftTree, MalformedTreeError
 from specdec.tree_spec import SEED_SPEC, TreeSpec
 from target_service.runtime import SessionStateError, TargetRuntime
 from target_service.tp import RankFailureError, TensorParallelTarget, check_tp_compatible
-from tests.conftest import assert_kv_equal, hf_greedy, perturbed_copy, prefill_kv, random_prompt, tiny_model
+from tests.conftest import (
+    assert_kv_equal, causal_logits, hf_greedy, perturbed_copy, prefill_kv, random_prompt, tiny_model,
+)
+from tests.servers import ROOT, Service, _pump_stdout, save_tiny_pair, stop_service, wait_for_exit, wait_ready, write_config
 
 TP = 2
 N_NEW = 24
@@ -338,3 +355,184 @@ def test_prepacked_tied_shards_match_unsharded_then_a_stuck_rank_fails(tmp_path)
         os.kill(target.pids[1], signal.SIGSTOP)
         elapsed = _expect_failure(lambda: target.verify("p", random_tree(gen, 4, 64)), FAILURE_DEADLINE_S)
         assert elapsed >= 2.5  # it was the collective timeout that fired
+
+
+# ------------------------------------------------------------------------------------------------
+# The target service with --tp: python -m target_service.server and specdec target-server
+# ------------------------------------------------------------------------------------------------
+
+_SPECDEC = Path(sys.executable).parent / "specdec"  # the console script (spawn re-runs it as __mp_main__)
+ENTRY = {
+    "module": [sys.executable, "-m", "target_service.server"],
+    "cli": [str(_SPECDEC), "target-server"] if _SPECDEC.exists() else [sys.executable, "-m", "orchestrator.cli", "target-server"],
+    "draft-module": [sys.executable, "-m", "draft_service.server"],
+}
+_RANK_PIDS = re.compile(r"tensor-parallel ranks started: .*pids \[(?P<pids>[\d, ]+)\]")
+
+
+def _launch(argv: list[str]) -> Service:
+    """Like tests.servers.launch_service, for any command line (wait with ``wait_ready``)."""
+    stderr_file = tempfile.NamedTemporaryFile("w", prefix="tp-target-", suffix=".log", delete=False)
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr_file, text=True,
+                            env={**os.environ, "OTEL_TRACES_EXPORTER": "none"})
+    stderr_file.close()
+    service = Service("target", "", 0, proc, Path(stderr_file.name))
+    threading.Thread(target=_pump_stdout, args=(service,), daemon=True).start()
+    return service
+
+
+def _rank_pids(service: Service) -> list[int]:
+    match = _RANK_PIDS.search(service.stderr)
+    assert match, service.stderr[-2000:]
+    return [int(pid) for pid in match["pids"].split(",")]
+
+
+def _parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _gone(pid: int) -> bool:
+    return not os.path.exists(f"/proc/{pid}") or _is_zombie(pid)
+
+
+@pytest.fixture(scope="module")
+def service_pair(tmp_path_factory):
+    return save_tiny_pair(tmp_path_factory.mktemp("tp-service-models"))
+
+
+@pytest.fixture(scope="module")
+def tp_services(service_pair, tmp_path_factory):
+    """Both entry points with --tp 2, started together (their start-ups overlap)."""
+    config = write_config(tmp_path_factory.mktemp("tp-service") / "serve.yaml", service_pair)
+    launched = {how: _launch([*ENTRY[how], "--config", str(config), "--port", "0", "--tp", "2"])
+                for how in ("module", "cli")}
+    try:
+        for service in launched.values():
+            wait_ready(service, timeout_s=180)
+        yield launched
+    finally:
+        for service in launched.values():
+            stop_service(service)
+
+
+def _health(channel, service: str) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    request = health_pb2.HealthCheckRequest(service=service)
+    return health_pb2_grpc.HealthStub(channel).Check(request, timeout=10).status
+
+
+def _generate_over_grpc(stub, draft: DraftRuntime, session_id: str, prompt: list[int], n: int, spec) -> tuple[list[int], int]:
+    """Greedy speculative generation: trees from an in-process draft, verified by the service."""
+    from specdec.v1 import target_pb2
+    from specdec.wire import tree_to_proto
+
+    stub.Prefill(target_pb2.PrefillRequest(session_id=session_id, prompt_ids=prompt), timeout=30)
+    draft.start(session_id, prompt)
+    out, rounds = [], 0
+    while len(out) < n:
+        max_depth = n - len(out) - 1
+        tree = draft.propose(session_id, spec, max_depth) if max_depth >= 1 else DraftTree((), ())
+        result = stub.Verify(target_pb2.VerifyRequest(session_id=session_id, tree=tree_to_proto(tree)), timeout=30)
+        committed = list(result.tokens)[: n - len(out)]
+        stub.Commit(target_pb2.CommitRequest(session_id=session_id, num_tokens=len(committed)), timeout=30)
+        draft.commit(session_id, committed, list(result.accepted_nodes)[: len(committed)])
+        out += committed
+        rounds += 1
+    assert stub.Release(target_pb2.ReleaseRequest(session_id=session_id), timeout=10).released
+    draft.release(session_id)
+    return out, rounds
+
+
+def test_tp_service_generates_like_the_target_then_a_killed_rank_is_unavailable(tp_services, service_pair):
+    import grpc
+    from grpc_health.v1 import health_pb2
+    from transformers import AutoModelForCausalLM
+
+    from specdec.v1 import target_pb2, target_pb2_grpc
+    from specdec.wire import tree_to_proto
+
+    service = tp_services["module"]
+    target_model = AutoModelForCausalLM.from_pretrained(service_pair.target, dtype=torch.float32).eval()
+    draft = DraftRuntime(AutoModelForCausalLM.from_pretrained(service_pair.draft, dtype=torch.float32).eval())
+    pids = _rank_pids(service)
+    assert len(pids) == TP and all(_parent_of(pid) == service.proc.pid for pid in pids)
+    with grpc.insecure_channel(service.address) as channel:
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+        info = stub.Info(target_pb2.InfoRequest(), timeout=10)
+        assert info.tensor_parallel == TP and info.vocab_size == target_model.config.vocab_size
+        assert info.context_limit == 256 and list(info.eos_token_ids) == [0]
+
+        prompt = random_prompt(31, length=6, vocab=info.vocab_size)
+        out, rounds = _generate_over_grpc(stub, draft, "g", prompt, N_NEW, SEED_SPEC)
+        with torch.no_grad():
+            ids, want = list(prompt), []
+            for _ in range(N_NEW):  # the target alone, argmax of a plain causal forward
+                want.append(int(causal_logits(target_model, ids)[-1].argmax()))
+                ids.append(want[-1])
+        assert out == want
+        assert rounds < N_NEW, "the draft never agreed: acceptance through the ranks was not exercised"
+
+        stub.Prefill(target_pb2.PrefillRequest(session_id="k", prompt_ids=prompt), timeout=30)
+        os.kill(pids[1], signal.SIGKILL)
+        began = time.monotonic()
+        with pytest.raises(grpc.RpcError) as failed:
+            stub.Verify(target_pb2.VerifyRequest(session_id="k", tree=tree_to_proto(DraftTree((5,), (-1,)))),
+                        timeout=FAILURE_DEADLINE_S)
+        elapsed = time.monotonic() - began
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value
+        assert "tensor-parallel rank failed" in failed.value.details() and elapsed < FAILURE_DEADLINE_S
+        for name in ("", "specdec.v1.TargetService"):  # liveness asks "", readiness the service
+            assert _health(channel, name) == health_pb2.HealthCheckResponse.NOT_SERVING
+        began = time.monotonic()
+        with pytest.raises(grpc.RpcError) as again:  # every later model call fails fast, same status
+            stub.Prefill(target_pb2.PrefillRequest(session_id="k2", prompt_ids=prompt), timeout=10)
+        assert again.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - began < 2.0
+        assert stub.Info(target_pb2.InfoRequest(), timeout=10).tensor_parallel == TP  # still answers
+    code = stop_service(service)
+    assert code == 0 and "Traceback" not in service.stderr, service.stderr[-4000:]
+    assert all(_gone(pid) for pid in pids)
+
+
+def test_tp_service_from_the_cli_serves_and_sigterm_stops_the_ranks(tp_services):
+    import grpc
+    from grpc_health.v1 import health_pb2
+
+    from specdec.v1 import target_pb2, target_pb2_grpc
+    from specdec.wire import tree_to_proto
+
+    service = tp_services["cli"]
+    pids = _rank_pids(service)
+    assert len(pids) == TP and all(_parent_of(pid) == service.proc.pid for pid in pids)
+    with grpc.insecure_channel(service.address) as channel:
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+        assert stub.Info(target_pb2.InfoRequest(), timeout=10).tensor_parallel == TP
+        assert _health(channel, "specdec.v1.TargetService") == health_pb2.HealthCheckResponse.SERVING
+        stub.Prefill(target_pb2.PrefillRequest(session_id="c", prompt_ids=[1, 2, 3]), timeout=30)
+        result = stub.Verify(target_pb2.VerifyRequest(session_id="c", tree=tree_to_proto(DraftTree((4, 5), (-1, 0)))),
+                             timeout=30)
+        assert 1 <= len(result.tokens) <= 3
+    service.proc.send_signal(signal.SIGTERM)
+    code, waited = wait_for_exit(service, timeout_s=30)
+    assert code == 0 and "Traceback" not in service.stderr, service.stderr[-4000:]
+    assert "target-service draining" in service.stderr
+    deadline = time.monotonic() + 5
+    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_gone(pid) for pid in pids), "a rank outlived the service"
+
+
+@pytest.mark.parametrize("entry, flags, field", [
+    ("module", ["--tp", "3"], "target.tp"),           # 4 heads, 2 kv heads: not divisible by 3
+    ("cli", ["--tp", "3"], "target.tp"),
+    ("draft-module", ["--device", "nosuch"], "models.device"),
+], ids=["module-tp3", "cli-tp3", "draft-device"])
+def test_bad_tp_or_device_flag_exits_2_naming_the_field(service_pair, tmp_path, entry, flags, field):
+    config = write_config(tmp_path / "serve.yaml", service_pair)
+    proc = subprocess.run([*ENTRY[entry], "--config", str(config), "--port", "0", *flags], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert re.search(rf"^error: {re.escape(field)}: ", proc.stderr, re.M), proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "ready on" not in proc.stdout
