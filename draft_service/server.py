@@ -152,7 +152,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         try:
             await self.worker.run(self.runtime.start, stream.key, prompt, sampling)
         except BaseException:
+            # The worker thread may still finish runtime.start after a cancel: release after it (jobs run in order).
             self.streams.pop(stream.key, None)
+            self.worker.submit(self.runtime.release, stream.key)
             raise
         return stream, draft_pb2.DraftStarted(cached_tokens=self._cached(stream), context_limit=self.context_limit)
 

@@ -72,6 +72,8 @@ class OrchestratorActor:
 
     async def stream(self, request: dict, request_id: str, timeout_s: float | None, carrier: dict):
         """Yields (tokens, round record | None, stats dict | None) per round, then the final stats."""
+        if self.orchestrator.controller is None:  # a restarted actor connects on its first request
+            await self.orchestrator.connect()
         async for chunk in self.orchestrator.stream(request_from_dict(request), request_id, timeout_s, carrier):
             stats = None
             if chunk.stats is not None:

@@ -124,7 +124,7 @@ def generate(
     max_context: Optional[int] = typer.Option(None, help="Context limit in tokens (default: the target's)."),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
     dynamic_gamma: bool = typer.Option(True, "--dynamic-gamma/--fixed-gamma", help="Adapt the speculation depth to the request's acceptance (and fall back to plain decoding when it does not pay), or keep the tree's depth."),
-    server: Optional[str] = typer.Option(None, help="host:port of a generation front (specdec serve): run the request there instead of in-process."),
+    server: Optional[str] = typer.Option(None, help="host:port of a generation front (specdec serve): run the request there instead of in-process (the request flags apply; model, dtype, gamma and thread flags are the server's)."),
 ) -> None:
     """Generate text with the target model, accelerated by the draft model."""
     from orchestrator.embedded import build_pipeline, encode_prompt, set_threads

@@ -32,7 +32,7 @@ request_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
 DEFAULT_CALL_TIMEOUT_S = 120.0  # a single target call (prefill of a long prompt on a CPU included)
 
 
-def time_left(default: float = DEFAULT_CALL_TIMEOUT_S) -> float:
+def time_left(default: float | None = DEFAULT_CALL_TIMEOUT_S) -> float | None:
     """Timeout for the next downstream call: the request's time left, at most ``default`` seconds.
 
     Raises grpc-style DeadlineExceeded (an AioRpcError) when the request's deadline has passed.
@@ -43,7 +43,7 @@ def time_left(default: float = DEFAULT_CALL_TIMEOUT_S) -> float:
     left = deadline - time.monotonic()
     if left <= 0:
         raise DeadlineExceeded()
-    return min(default, left)
+    return left if default is None else min(default, left)
 
 
 class DeadlineExceeded(grpc.aio.AioRpcError):
@@ -113,21 +113,28 @@ class DraftClient:
                 return None
             response = await call.read()
         except grpc.aio.AioRpcError as exc:
-            self.streams.pop(session_id, None)
+            self._drop(session_id)
             raise DraftUnavailableError(f"draft service: {exc.code().name}: {exc.details()}") from exc
         except Exception as exc:  # noqa: BLE001 - a stream that already ended (UsageError, InvalidStateError, ...)
-            self.streams.pop(session_id, None)
+            self._drop(session_id)
             raise DraftUnavailableError(f"draft stream closed: {type(exc).__name__}: {exc}") from exc
         if response is grpc.aio.EOF:
-            self.streams.pop(session_id, None)
+            self._drop(session_id)
             code = await call.code()
             raise DraftUnavailableError(f"draft stream ended ({code.name}: {await call.details()})")
         return response
 
+    def _drop(self, session_id: str) -> None:
+        """Forget a broken stream and cancel it (the draft frees the session's KV when it ends)."""
+        call = self.streams.pop(session_id, None)
+        if call is not None:
+            call.cancel()
+
     async def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> int | None:
         """Open the session's stream; returns the draft's context limit (max positions) if it reports one."""
         try:
-            self.streams[session_id] = self.stub.Session(timeout=None)
+            # the stream lives for the whole request: it gets the request's time left as its deadline
+            self.streams[session_id] = self.stub.Session(timeout=time_left(None) if request_deadline.get() else None)
         except Exception as exc:  # noqa: BLE001 - any failure to open the stream is a draft failure
             raise DraftUnavailableError(f"draft service: cannot open a session stream: {exc}") from exc
         self.rounds[session_id] = 0
@@ -142,7 +149,7 @@ class DraftClient:
         request = draft_pb2.TreeRequest(spec=spec_to_proto(spec), max_depth=max_depth, round=self.rounds[session_id])
         response = await self._exchange(session_id, draft_pb2.DraftRequest(propose=request), reply=True)
         if not response.HasField("tree") or response.tree.round != self.rounds[session_id]:
-            self.streams.pop(session_id, None)
+            self._drop(session_id)
             raise DraftUnavailableError("draft service answered out of order")
         span = trace.get_current_span()
         span.set_attribute("tree.bytes", response.tree.tree.ByteSize())
@@ -150,7 +157,7 @@ class DraftClient:
         try:
             return tree_from_proto(response.tree.tree, self.vocab_size, self.max_tree_nodes)
         except ValueError as exc:  # a malformed tree from the draft is a draft failure
-            self.streams.pop(session_id, None)
+            self._drop(session_id)
             raise DraftUnavailableError(f"draft sent a malformed tree: {exc}") from exc
 
     async def commit(self, session_id: str, tokens: list[int], accepted_nodes: list[int]) -> None:

@@ -236,8 +236,8 @@ class _Request:
         return [*self.request.prompt_ids, *self.stops.generated]
 
     async def open(self) -> None:
+        self.target_open = True  # before the call: a cancel during Prefill must still release (harmless if unknown)
         await self.ctl.target.start(self.sid, self.request.prompt_ids, self.request.sampling)
-        self.target_open = True
         if self.spec is not None:
             await self._open_draft()
 
@@ -282,6 +282,8 @@ class _Request:
         max_depth = stops.budget() - 1  # the accepted path plus the bonus must fit the budget
         with _tracer.start_as_current_span("round", attributes={"request.id": self.sid, "round": stats.rounds}) as span:
             tree, depth, fallback = _EMPTY_TREE, 0, None
+            draft_s = None
+            t0 = time.perf_counter()
             if self.control is not None and max_depth >= 1:
                 now = time.monotonic()
                 committed_len = len(self.request.prompt_ids) + len(stops.generated)
@@ -296,6 +298,7 @@ class _Request:
                             except DraftUnavailableError as exc:
                                 await self._drop_draft(exc)
                         depth = max(node_depths(tree.parents), default=0)
+                        draft_s = time.perf_counter() - t0
                     if self.draft_sid is None:
                         fallback = "draft_unavailable"
                 else:
@@ -304,8 +307,10 @@ class _Request:
                     span.set_attribute("fallback.reason", fallback)
             span.set_attribute("gamma", self.control.gamma if self.control is not None else 0)
             span.set_attribute("tree.nodes", tree.size)
+            t1 = time.perf_counter()
             with _tracer.start_as_current_span("verify", attributes={"tree.nodes": tree.size}):
                 result = await self.ctl.target.verify(self.sid, tree)
+            t2 = time.perf_counter()
             committed: list[int] = []
             for token in result.tokens:
                 committed.append(token)
@@ -319,6 +324,7 @@ class _Request:
                         await self._draft_call(self.ctl.draft.commit(self.draft_sid, committed, accepted))
                     except DraftUnavailableError as exc:
                         await self._drop_draft(exc)
+            t3 = time.perf_counter()
             span.set_attribute("accepted_length", len(result.accepted_nodes))
             span.set_attribute("committed", len(committed))
         if tree.size:
@@ -337,7 +343,8 @@ class _Request:
             stats.stop_reason = stops.reason
         record = {"tokens": committed, "proposed": tree.size, "accepted": len(accepted), "depth": depth,
                   "fallback": fallback,
-                  "gamma": self.control.gamma if self.control is not None else 0}
+                  "gamma": self.control.gamma if self.control is not None else 0,
+                  "draft_s": draft_s, "verify_s": t2 - t1, "commit_s": t3 - t2}
         for callback in (self.on_round, self.ctl.on_round):
             if callback is not None:
                 await _maybe_await(callback(record))

@@ -13,7 +13,6 @@ their status code. Per-round records feed the Prometheus metrics and the global 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 import uuid
@@ -34,6 +33,8 @@ from specdec.wire import sampling_from_proto, spec_from_proto
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "specdec.v1.GenerationService"
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 
 class UpstreamError(RuntimeError):
@@ -61,11 +62,13 @@ def load_tokenizer(path: str):
 
 
 def control_factory(config: ServeConfig):
-    """TreeSpec -> per-request control policy from front.dynamic_gamma / front.fallback."""
+    """(TreeSpec, max_nodes) -> per-request control policy from front.dynamic_gamma / front.fallback;
+    max_nodes: the target's tree limit (dynamic gamma never grows a tree past it)."""
     from orchestrator.policy import RequestControl
+    from specdec.tree_spec import MAX_TREE_NODES
 
     front = config.front
-    return lambda spec: RequestControl(spec, front.dynamic_gamma, front.fallback)
+    return lambda spec, max_nodes=MAX_TREE_NODES: RequestControl(spec, front.dynamic_gamma, front.fallback, max_nodes=max_nodes)
 
 
 def build_orchestrator(config: ServeConfig, tok_dir: str | None) -> Orchestrator:
@@ -150,7 +153,7 @@ class RayBackend:
         index = min(self.inflight, key=self.inflight.get)
         actor = self.actors[index]
         self.inflight[index] += 1
-        self.owner[request_id] = actor
+        self.owner[request_id] = actor  # the front refuses a second running request with this id
         gen = actor.stream.options(num_returns="streaming").remote(request_to_dict(request), request_id, timeout_s, carrier)
         finished = False
         try:
@@ -205,14 +208,18 @@ class TextDeltas:
     def push(self, tokens: list[int]) -> str:
         self.ids.extend(tokens)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd") or not text.startswith(self.sent):
+        if text.endswith("\ufffd"):
             return ""
-        delta, self.sent = text[len(self.sent):], text
-        return delta
+        return self._delta(text)
 
     def final(self) -> str:
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
+        return self._delta(self.tokenizer.decode(self.ids, skip_special_tokens=True))
+
+    def _delta(self, text: str) -> str:
+        """New text since the last delta. If decoding changed text already sent (tokenizers that
+        clean up spaces), sent text cannot be taken back; the deltas then differ from the final decode
+        where it changed (never for byte-level BPE tokenizers such as Qwen's)."""
+        delta = text[len(self.sent):]  # on a divergence: best effort, the text past what was sent
         self.sent = text
         return delta
 
@@ -226,7 +233,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.monitor = monitor
-        self._ids = itertools.count()
+        self.running: set[str] = set()  # request ids with a stream open
 
     def _request(self, msg: generation_pb2.GenerateRequest) -> GenerationRequest:
         """Validate and convert; raises ValueError / SamplingParamsError / TreeSpecError naming the field."""
@@ -251,10 +258,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise ValueError(f"max_new_tokens: must be >= 0 (0 = server default), got {msg.max_new_tokens}")
         if any(not s for s in msg.stop):
             raise ValueError("stop: an empty stop string would stop after the first token")
+        if len(msg.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in msg.stop):
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
         sampling = sampling_from_proto(msg.sampling)
         spec = None
         if not msg.no_spec and front.speculate:
             spec = spec_from_proto(msg.tree) if msg.HasField("tree") else front.tree
+            limit = info.max_tree_nodes or spec.num_nodes
+            if spec.num_nodes > limit:
+                raise ValueError(f"tree: {spec.num_nodes} nodes exceed the target's limit of {limit} (target.max_tree_nodes)")
         return GenerationRequest(ids, msg.max_new_tokens or front.max_new_tokens, tuple(msg.stop), spec, sampling)
 
     async def Generate(self, request, context):
@@ -263,6 +275,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         except (ValueError, SamplingParamsError, TreeSpecError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = request.request_id or f"gen-{uuid.uuid4().hex[:12]}"
+        if request_id in self.running:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request_id!r} is already running")
+        self.running.add(request_id)
         carrier: dict = {}
         propagate.inject(carrier)
         deltas = TextDeltas(self.tokenizer)
@@ -287,12 +302,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             code = getattr(grpc.StatusCode, exc.code_name, grpc.StatusCode.INTERNAL)
             await context.abort(code, exc.details)
         finally:
+            self.running.discard(request_id)
             if self.monitor is not None:
                 self.monitor.finish(request_id)
 
     def _observe(self, request_id: str, record: dict) -> None:
         if self.metrics is not None:
             self.metrics.observe_round(record)
+            for phase in ("draft", "verify", "commit"):
+                if record.get(f"{phase}_s") is not None:
+                    self.metrics.observe_phase(phase, record[f"{phase}_s"])
         if self.monitor is not None and record["proposed"]:
             self.monitor.record(request_id, record["proposed"], record["accepted"])
 

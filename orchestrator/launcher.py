@@ -57,16 +57,21 @@ def start_child(name: str, module: str, args: list[str], env=None) -> Child:
     return child
 
 
-def wait_ready(child: Child, timeout: float = READY_TIMEOUT_S) -> str:
-    """Block until the child prints its ready line; returns ``host:port``. Raises LaunchError."""
+def wait_ready(child: Child, timeout: float = READY_TIMEOUT_S, stop: threading.Event | None = None) -> str:
+    """Block until the child prints its ready line; returns ``host:port``. Raises LaunchError (also
+    when ``stop`` is set meanwhile: SIGTERM during start-up)."""
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_pump, args=(child, lines), daemon=True).start()
     deadline = time.monotonic() + timeout
     while True:
+        if stop is not None and stop.is_set():
+            raise LaunchError(f"stopped while {child.name} was starting")
         try:
-            _, line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            _, line = lines.get(timeout=0.5)
         except queue.Empty:
-            raise LaunchError(f"{child.name}: not ready after {timeout:.0f} s") from None
+            if time.monotonic() > deadline:
+                raise LaunchError(f"{child.name}: not ready after {timeout:.0f} s") from None
+            continue
         if line is None:
             child.proc.wait()
             time.sleep(0.2)  # let the stderr thread catch the last lines
@@ -110,15 +115,17 @@ def serve(config_path: str | None, flags: list[str], tp: int | None = None, no_r
         target = start_child("target-service", "target_service.server",
                              [*config_args, *flags, *(["--tp", str(tp)] if tp else [])], env)
         children.append(target)
-        draft_addr, target_addr = wait_ready(draft), wait_ready(target)
+        draft_addr, target_addr = wait_ready(draft, stop=stop), wait_ready(target, stop=stop)
         front_flags = _model_flag(flags, "--target")  # the front loads only the tokenizer
         front = start_child("generation-front", "orchestrator.front",
                             [*config_args, *front_flags, "--draft-address", draft_addr, "--target-address", target_addr,
                              *(["--no-ray"] if no_ray else [])], env)
         children.append(front)
-        wait_ready(front)
+        wait_ready(front, stop=stop)
     except LaunchError as exc:
         stop_children(children[::-1], grace_s)
+        if stop.is_set():
+            return 0
         return fail(str(exc))
     print("specdec serve: all services ready (SIGTERM or Ctrl-C stops them)", flush=True)
     reported = set()

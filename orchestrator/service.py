@@ -10,7 +10,9 @@ wait for another's.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import uuid
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -59,10 +61,12 @@ class Orchestrator:
         self.draft_channel = grpc.aio.insecure_channel(self.front.draft_address, options=options)
         target = TargetClient(self.target_channel)
         self.info = await target.info(timeout=timeout)
-        draft = DraftClient(self.draft_channel, self.info.vocab_size) if self.front.speculate else None
+        max_nodes = self.info.max_tree_nodes or 512
+        draft = DraftClient(self.draft_channel, self.info.vocab_size, max_nodes) if self.front.speculate else None
+        control = functools.partial(self.control, max_nodes=max_nodes) if self.control is not None else None
         self.controller = RoundController(
             target, draft, list(self.info.eos_token_ids), self.info.context_limit, self.decode,
-            control=self.control, draft_deadline_s=self.front.fallback.draft_deadline_ms / 1000,
+            control=control, draft_deadline_s=self.front.fallback.draft_deadline_ms / 1000,
             on_round=self.on_round,
         )
 
@@ -98,7 +102,9 @@ class Orchestrator:
             with _tracer.start_as_current_span("generate", context=ctx, attributes={
                     "request.id": request_id, "prompt.tokens": len(request.prompt_ids),
                     "max_new_tokens": request.max_new_tokens}) as span:
-                result = await self.controller.generate(request, session_id=request_id, on_round=queue.put_nowait)
+                # service-side session ids are unique per run, whatever ids clients choose
+                session_id = f"{request_id}/{uuid.uuid4().hex[:8]}"
+                result = await self.controller.generate(request, session_id=session_id, on_round=queue.put_nowait)
                 span.set_attribute("new_tokens", result.stats.new_tokens)
                 span.set_attribute("acceptance_rate", result.stats.acceptance_rate)
                 return result

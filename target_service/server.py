@@ -65,7 +65,12 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 # Checked before specdec.grpc_server's defaults (RankFailureError is a RuntimeError, never INTERNAL).
-_CODES = {SessionStateError: grpc.StatusCode.FAILED_PRECONDITION, RankFailureError: grpc.StatusCode.UNAVAILABLE}
+class SessionExistsError(RuntimeError):
+    """Prefill of a session id that is already open; maps to ALREADY_EXISTS."""
+
+
+_CODES = {SessionStateError: grpc.StatusCode.FAILED_PRECONDITION, RankFailureError: grpc.StatusCode.UNAVAILABLE,
+          SessionExistsError: grpc.StatusCode.ALREADY_EXISTS}
 
 
 def _unavailable(exc: RankFailureError) -> str:
@@ -269,19 +274,17 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             sampling = sampling_from_proto(request.sampling)
         except SamplingParamsError as exc:
             raise SamplingParamsError(f"sampling.{exc.field}", exc.detail) from None
-        old = self.sessions.get(request.session_id)
-        if old is not None and old.busy:
-            raise SessionStateError(f"session_id: {request.session_id!r} has a call in flight")
-        self._reserve(len(prompt) - 1, freed=old.held if old else 0)
+        if request.session_id in self.sessions:
+            raise SessionExistsError(f"session_id: {request.session_id!r} is already open (release it first)")
+        self._reserve(len(prompt) - 1, freed=0)
         new = self.sessions[request.session_id] = _SessionSlots(cached=len(prompt) - 1, busy=True)
         try:
             await self.worker.run(self.runtime.start, request.session_id, prompt, sampling)
         except BaseException:
+            # The worker thread may still finish runtime.start after a cancel: release after it (jobs run in order).
             if self.sessions.get(request.session_id) is new:
-                if old is not None:
-                    self.sessions[request.session_id] = old
-                else:
-                    del self.sessions[request.session_id]
+                del self.sessions[request.session_id]
+            self.worker.submit(self.runtime.release, request.session_id)
             raise
         new.set_busy(False)
         return target_pb2.PrefillResponse(cached_tokens=len(prompt) - 1)
@@ -361,6 +364,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             model=self.model_name, vocab_size=self.vocab_size, context_limit=self.context_limit,
             eos_token_ids=self.eos_token_ids, sessions=len(self.sessions), cached_tokens=self.kv_held(),
             tensor_parallel=self.config.tp, batched_forwards=self.batcher.batched_forwards,
+            max_tree_nodes=self.config.max_tree_nodes,
         )
 
 

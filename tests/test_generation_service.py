@@ -46,7 +46,8 @@ def otlp():
 def stack(pair, tmp_path_factory, otlp):
     """Draft, target and front processes (front without Ray); yields (config, draft, target, front)."""
     # one draft session at a time: a session leaked by an earlier request would push later ones into fallback
-    config = write_config(tmp_path_factory.mktemp("cfg") / "serve.yaml", pair, front={"port": 0}, draft={"max_sessions": 1})
+    config = write_config(tmp_path_factory.mktemp("cfg") / "serve.yaml", pair, front={"port": 0}, draft={"max_sessions": 1},
+                          target={"max_tree_nodes": 64})
     env = otlp.env()
     draft = launch_service("draft", config, env={**env, "OTEL_SERVICE_NAME": "specdec-draft"})
     target = launch_service("target", config, env={**env, "OTEL_SERVICE_NAME": "specdec-target"})
@@ -283,3 +284,85 @@ def test_target_stopped_mid_request_gives_unavailable(pair, tmp_path):
     finally:
         for service in (front, draft, target):
             stop_service(service)
+
+
+def test_requests_cancelled_before_their_first_token_free_their_kv(stack):
+    _, _, target, front = stack
+
+    async def run():
+        async with grpc.aio.insecure_channel(front.address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            for i in range(4):  # Abort right after Generate, before any token
+                call = stub.Generate(generation_pb2.GenerateRequest(request_id=f"early-{i}", prompt_ids=prompt_ids(i, 30),
+                                                                    max_new_tokens=100), timeout=30)
+                await asyncio.sleep(0.005 * i)
+                await stub.Abort(generation_pb2.AbortRequest(request_id=f"early-{i}"))
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            for i in range(4):  # the client goes away before any token
+                call = stub.Generate(generation_pb2.GenerateRequest(prompt_ids=prompt_ids(10 + i, 30), max_new_tokens=100), timeout=30)
+                await asyncio.sleep(0.005 * i)
+                call.cancel()
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 10
+    while (info := target_info(target.address)).sessions and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (info.sessions, info.cached_tokens) == (0, 0)
+    assert_draft_session_free(front.address)
+
+
+def target_info(address):
+    with grpc.insecure_channel(address) as channel:
+        return target_pb2_grpc.TargetServiceStub(channel).Info(target_pb2.InfoRequest(), timeout=10)
+
+
+def test_a_running_request_id_cannot_be_reused(stack, target_model):
+    front = stack[3]
+    ids = prompt_ids(21, 9)
+
+    async def run():
+        async with grpc.aio.insecure_channel(front.address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            first = stub.Generate(generation_pb2.GenerateRequest(request_id="dup", prompt_ids=ids, max_new_tokens=60), timeout=60)
+            tokens = list((await first.read()).token_ids)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in stub.Generate(generation_pb2.GenerateRequest(request_id="dup", prompt_ids=[1, 2], max_new_tokens=5)):
+                    pass
+            while (reply := await first.read()) is not grpc.aio.EOF:
+                tokens += reply.token_ids
+            return tokens, info.value
+
+    tokens, error = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.ALREADY_EXISTS and "request_id" in error.details()
+    assert tokens == hf_greedy(target_model, ids, 60)[: len(tokens)] and len(tokens) > 1
+
+
+def test_tree_over_the_targets_node_limit_is_refused(stack):
+    front = stack[3]
+    assert target_info(stack[2].address).max_tree_nodes == 64
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        generate(front.address, prompt_ids=[1, 2, 3], max_new_tokens=4,
+                 tree=tree_pb2.TreeSpec(gamma=1, top_k_spec=[tree_pb2.TopKRow(k=[65])], top_head=[1]))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tree" in info.value.details() and "target.max_tree_nodes" in info.value.details()
+    # at the limit it runs
+    assert generate(front.address, prompt_ids=[1, 2, 3], max_new_tokens=4,
+                    tree=tree_pb2.TreeSpec(gamma=1, top_k_spec=[tree_pb2.TopKRow(k=[64])], top_head=[1]))[2].new_tokens == 4
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        generate(front.address, prompt_ids=[1, -4, 3], max_new_tokens=4)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_ids" in info.value.details()
+
+
+def test_prefill_of_an_open_session_is_already_exists(stack):
+    target = stack[2]
+    with grpc.insecure_channel(target.address) as channel:
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+        stub.Prefill(target_pb2.PrefillRequest(session_id="twice", prompt_ids=[1, 2, 3]), timeout=10)
+        try:
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Prefill(target_pb2.PrefillRequest(session_id="twice", prompt_ids=[4, 5]), timeout=10)
+            assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            assert stub.Info(target_pb2.InfoRequest()).cached_tokens == 2  # the first session is untouched
+        finally:
+            stub.Release(target_pb2.ReleaseRequest(session_id="twice"), timeout=10)

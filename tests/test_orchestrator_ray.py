@@ -169,6 +169,31 @@ def test_abort_frees_the_requests_kv(stack):
     assert (info.sessions, info.cached_tokens) == (base.sessions, base.cached_tokens)
 
 
+def test_a_killed_orchestrator_actor_is_restarted_and_serves_again(stack, target_model):
+    import os
+    import signal
+    import subprocess
+
+    pids = [int(p) for p in subprocess.run(["pgrep", "-f", "ray::OrchestratorActor"], capture_output=True,
+                                           text=True).stdout.split()]
+    assert len(pids) == 2, pids  # front.workers = 2
+    os.kill(pids[0], signal.SIGKILL)
+    requests = [dict(prompt_ids=prompt_ids(600 + i, 7), max_new_tokens=12) for i in range(4)]
+    deadline = time.monotonic() + 90
+    for request in requests:  # each goes to the least-loaded actor, the restarted one included
+        while True:
+            try:
+                [(tokens, _)] = run_concurrently(stack["front"].address, [request])
+                break
+            except grpc.aio.AioRpcError as exc:  # only while the actor restarts
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, exc
+                time.sleep(0.5)
+        assert tokens == expected_greedy(target_model, list(request["prompt_ids"]), 12)
+    results = run_concurrently(stack["front"].address, requests)  # both actors busy at once
+    for request, (tokens, _) in zip(requests, results):
+        assert tokens == expected_greedy(target_model, list(request["prompt_ids"]), 12)
+
+
 def test_draft_killed_mid_requests_falls_back_then_recovers(stack, target_model):
     front, draft = stack["front"], stack["draft"]
     fallback_before = metric(stack["metrics_port"], 'specdec_fallback_rounds_total{reason="draft_unavailable"}')
