@@ -14,6 +14,7 @@ context between processes.
 
 from __future__ import annotations
 
+import logging
 import os
 
 from opentelemetry import trace
@@ -23,6 +24,15 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 
 _configured: TracerProvider | None = None
 _instrumented = False
+
+
+class _DetachNoise(logging.Filter):
+    """Drops OpenTelemetry's "Failed to detach context" error: the gRPC aio server instrumentation
+    ends a streaming handler's span from another asyncio context when the stream is closed or
+    cancelled (open-telemetry/opentelemetry-python#2606). The span is still ended and exported."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Failed to detach context" not in record.getMessage()
 
 
 def _env_exporter() -> SpanExporter | None:
@@ -62,6 +72,7 @@ def setup_tracing(service_name: str, exporter: SpanExporter | None = None, simpl
     elif exporter is not None:
         _configured.add_span_processor(SimpleSpanProcessor(exporter) if simple else BatchSpanProcessor(exporter))
     if not _instrumented:
+        logging.getLogger("opentelemetry.context").addFilter(_DetachNoise())
         from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient, GrpcAioInstrumentorServer
 
         GrpcAioInstrumentorServer().instrument()
