@@ -18,7 +18,7 @@ import torch
 from rich.console import Console
 from rich.progress import track
 
-from orchestrator.embedded import build_pipeline, encode_prompt, set_threads
+from orchestrator.embedded import build_pipeline, default_control, encode_prompt, set_threads
 from orchestrator.engine import GenerationRequest, GenerationStats
 from specdec.sampling import GREEDY, SamplingParams
 from specdec.tree_spec import TreeSpec
@@ -133,14 +133,15 @@ def markdown_table(summary: dict[str, dict], temperature: float | None = None) -
 
 def run_bench(spec: TreeSpec, questions_path: Path, per_category: int, max_new_tokens: int, dtype: str,
               draft_quant: str, out_dir: Path, hf_assisted: bool, threads: int | None,
-              sampling: SamplingParams = GREEDY) -> dict:
+              sampling: SamplingParams = GREEDY, dynamic_gamma: bool = True) -> dict:
     """Run the benchmark and write results.json + results.md under out_dir; returns the summary.
 
     sampling: parameters of the sampled speculative pass (greedy = no such pass); question i uses
-    seed + i, so the pass is reproducible when a seed is given.
+    seed + i, so the pass is reproducible when a seed is given. dynamic_gamma: speculative passes
+    adapt the depth per request (orchestrator.policy), else the TreeSpec's depth every round.
     """
     set_threads(threads)
-    pipe = build_pipeline(dtype=dtype, draft_quant=draft_quant)
+    pipe = build_pipeline(dtype=dtype, draft_quant=draft_quant, control=default_control(dynamic_gamma))
     questions = load_questions(questions_path, per_category)
     warm = encode_prompt(pipe.tokenizer, "Say hi.", raw=False)
     run_question(pipe, warm, spec, 8, hf_assisted, sampling)  # warm-up, not recorded
@@ -155,7 +156,7 @@ def run_bench(spec: TreeSpec, questions_path: Path, per_category: int, max_new_t
         by_cat[r["category"]].append(r)
     summary = {cat: summarize(rs) for cat, rs in by_cat.items()}
     summary["overall"] = summarize(rows)
-    meta = {"spec": json.loads(spec.to_json()), "dtype": str(pipe.target_model.dtype), "draft_quant": draft_quant, "max_new_tokens": max_new_tokens,
+    meta = {"spec": json.loads(spec.to_json()), "dynamic_gamma": dynamic_gamma, "dtype": str(pipe.target_model.dtype), "draft_quant": draft_quant, "max_new_tokens": max_new_tokens,
             "per_category": per_category, "sampling": asdict(sampling),
             "threads": torch.get_num_threads(), "machine": platform.platform(),
             "cpu_count": __import__("os").cpu_count()}

@@ -127,7 +127,7 @@ def generate(
     server: Optional[str] = typer.Option(None, help="host:port of a generation front (specdec serve): run the request there instead of in-process (the request flags apply; model, dtype, gamma and thread flags are the server's)."),
 ) -> None:
     """Generate text with the target model, accelerated by the draft model."""
-    from orchestrator.embedded import build_pipeline, encode_prompt, set_threads
+    from orchestrator.embedded import build_pipeline, default_control, encode_prompt, set_threads
     from orchestrator.engine import GenerationRequest
 
     if server is not None:
@@ -140,15 +140,8 @@ def generate(
         spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
         text = read_prompt(prompt, prompt_file)
         set_threads(threads)
-        control = None
-        if dynamic_gamma:
-            from orchestrator.policy import RequestControl
-            from specdec.config import FrontConfig
-
-            front = FrontConfig()
-            control = lambda spec: RequestControl(spec, front.dynamic_gamma, front.fallback)  # noqa: E731
         pipe = build_pipeline(target, draft, dtype, speculate=not no_spec, max_context=max_context, draft_quant=draft_quant,
-                              control=control)
+                              control=default_control(dynamic_gamma))
         prompt_ids = encode_prompt(pipe.tokenizer, text, raw)
         request = GenerationRequest(prompt_ids, max_new_tokens, tuple(stop), None if no_spec else spec, sampling)
         result = pipe.engine.generate(request, on_tokens=TextStream(pipe.tokenizer))
@@ -173,6 +166,7 @@ def bench(
     top_k: int = typer.Option(0, help="top-k of the sampled pass (0 = off)."),
     seed: Optional[int] = typer.Option(0, help="Seed of the sampled pass (question i uses seed + i)."),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
+    dynamic_gamma: bool = typer.Option(True, "--dynamic-gamma/--fixed-gamma", help="Speculative passes adapt the speculation depth per request (default), or keep the tree's depth."),
 ) -> None:
     """Spec-Bench: target-only vs speculative vs HF assisted generation (greedy), plus a sampled
     speculative pass (default temperature 0.7) for acceptance under sampling; same run."""
@@ -185,7 +179,8 @@ def bench(
         spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
         if not questions.is_file():
             raise UsageError(f"--questions: no such file {questions}")
-        run_bench(spec, questions, per_category, max_new_tokens, dtype, draft_quant, out, hf_assisted, threads, sampling)
+        run_bench(spec, questions, per_category, max_new_tokens, dtype, draft_quant, out, hf_assisted, threads, sampling,
+                  dynamic_gamma)
     except (UsageError, TreeSpecError, ModelError, ValueError) as exc:
         fail(str(exc))
 

@@ -62,6 +62,18 @@ def build_pipeline(
     return EmbeddedPipeline(engine, tokenizer, loaded.model, draft_model)
 
 
+def default_control(dynamic_gamma: bool = True):
+    """The control policy factory of ``specdec generate`` / ``bench``: dynamic gamma and fallback with
+    the service defaults (specdec.config.FrontConfig), or None = the fixed TreeSpec every round."""
+    if not dynamic_gamma:
+        return None
+    from orchestrator.policy import RequestControl
+    from specdec.config import FrontConfig
+
+    front = FrontConfig()
+    return lambda spec: RequestControl(spec, front.dynamic_gamma, front.fallback)
+
+
 def encode_prompt(tokenizer, prompt: str, raw: bool) -> list[int]:
     """Token ids of a prompt; instruct models get their chat template unless ``raw``."""
     if not raw and getattr(tokenizer, "chat_template", None):
