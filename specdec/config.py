@@ -55,6 +55,7 @@ class TargetServerConfig(_Section):
     batch_wait_ms: float = Field(default=2.0, ge=0)       # how long a verify waits for company
     max_kv_tokens: int = Field(default=1 << 20, ge=1)     # KV slots over all sessions (RESOURCE_EXHAUSTED past it)
     max_tree_nodes: int = Field(default=512, ge=1)
+    session_idle_s: float = Field(default=600.0, gt=0)    # a session untouched this long is released (its client died)
 
 
 class DynamicGammaConfig(_Section):

@@ -102,12 +102,14 @@ class _SessionSlots:
     tree_key: bytes | None = None  # serialized tree of the verify in flight / pending
     pending: VerifyResult | None = None
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set whenever not busy
+    last_used: float = field(default_factory=time.monotonic)  # for the idle-session reaper
 
     def __post_init__(self):
         self.set_busy(self.busy)
 
     def set_busy(self, busy: bool) -> None:
         self.busy = busy
+        self.last_used = time.monotonic()
         (self.idle.clear if busy else self.idle.set)()
 
     @property
@@ -148,6 +150,20 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def close(self) -> None:
         self.worker.close()
+
+    async def reap_idle(self) -> None:
+        """Release sessions nobody touched for ``session_idle_s`` (their orchestrator died without a
+        Release, e.g. a killed Ray actor), so their KV does not stay held forever. Runs until cancelled."""
+        ttl = self.config.session_idle_s
+        while True:
+            await asyncio.sleep(min(30.0, ttl / 2))
+            now = time.monotonic()
+            for sid, s in list(self.sessions.items()):
+                if not s.busy and now - s.last_used > ttl and self.sessions.get(sid) is s:
+                    del self.sessions[sid]
+                    s.idle.set()
+                    log.warning("released session %r: idle for %.0f s (target.session_idle_s)", sid, now - s.last_used)
+                    self.worker.submit(self.runtime.release, sid)
 
     async def rank_failed(self, exc: RankFailureError) -> None:
         """The target is gone for good: health NOT_SERVING (once), so that probes restart the service."""
@@ -378,9 +394,11 @@ async def serve_runtime(config: ServeConfig, runtime, *, context_limit: int, eos
     servicer = TargetServicer(runtime, context_limit=context_limit, eos_token_ids=eos_token_ids,
                               model_name=model_name, config=config.target, health=host.health)
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, host.server)
+    reaper = asyncio.create_task(servicer.reap_idle())
     try:
         return await host.serve(config.target.host, config.target.port, [SERVICE_NAME])
     finally:
+        reaper.cancel()
         servicer.close()
 
 

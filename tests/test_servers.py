@@ -671,3 +671,27 @@ def test_host_answers_health_during_a_forward_and_refuses_calls_while_draining()
     assert running and status == health_pb2.HealthCheckResponse.SERVING and health_s < 0.5
     assert refused is not None and refused.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused.details()
     assert drained == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_idle_sessions_are_released_after_session_idle_s(tmp_path):
+    """A session whose client died without Release (e.g. a killed orchestrator actor) is released
+    after target.session_idle_s; its KV slots return to the pool."""
+
+    pair = save_tiny_pair(tmp_path / "models")
+    config = write_config(tmp_path / "idle.yaml", pair, target={"session_idle_s": 0.6})
+    service = start_service("target", config)
+    try:
+        with grpc.insecure_channel(service.address) as channel:
+            stub = target_pb2_grpc.TargetServiceStub(channel)
+            stub.Prefill(target_pb2.PrefillRequest(session_id="orphan", prompt_ids=[1, 2, 3, 4]), timeout=10)
+            assert stub.Info(target_pb2.InfoRequest(), timeout=10).sessions == 1
+            deadline = time.monotonic() + 10
+            while (info := stub.Info(target_pb2.InfoRequest(), timeout=10)).sessions and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert (info.sessions, info.cached_tokens) == (0, 0)
+            with pytest.raises(grpc.RpcError) as exc:
+                stub.Commit(target_pb2.CommitRequest(session_id="orphan", num_tokens=1), timeout=10)
+            assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        stop_service(service)
+    assert "released session 'orphan': idle" in service.stderr
