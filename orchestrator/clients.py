@@ -13,6 +13,7 @@ so a request past its deadline stops at the next call with DEADLINE_EXCEEDED.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import time
 
@@ -29,7 +30,8 @@ from specdec.wire import sampling_to_proto, spec_to_proto, tree_from_proto, tree
 
 request_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("request_deadline", default=None)
 
-DEFAULT_CALL_TIMEOUT_S = 120.0  # a single target call (prefill of a long prompt on a CPU included)
+DEFAULT_CALL_TIMEOUT_S = 120.0
+VERIFY_RETRIES = 2  # Verify calls retried on UNAVAILABLE  # a single target call (prefill of a long prompt on a CPU included)
 
 
 def time_left(default: float | None = DEFAULT_CALL_TIMEOUT_S) -> float | None:
@@ -77,7 +79,17 @@ class TargetClient:
         msg = tree_to_proto(tree)
         span = trace.get_current_span()
         span.set_attribute("tree.bytes", msg.ByteSize())
-        reply = await self.stub.Verify(target_pb2.VerifyRequest(session_id=session_id, tree=msg), timeout=time_left())
+        request = target_pb2.VerifyRequest(session_id=session_id, tree=msg)
+        for attempt in range(VERIFY_RETRIES + 1):
+            try:
+                reply = await self.stub.Verify(request, timeout=time_left())
+                break
+            except grpc.aio.AioRpcError as exc:
+                # A lost reply or a dropped connection: Verify is idempotent until Commit (the target
+                # returns the pending result of the same tree), so one more try is safe.
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == VERIFY_RETRIES:
+                    raise
+                await asyncio.sleep(0.2 * (attempt + 1))
         span.set_attribute("target.verify_ms", reply.verify_ms)
         span.set_attribute("target.batch_size", reply.batch_size)
         return VerifyResult(tuple(reply.accepted_nodes), tuple(reply.tokens))
