@@ -93,7 +93,18 @@ class Orchestrator:
             raise ValueError(f"request_id: {request_id!r} is already running")
         self.controller.check(request)
         queue: asyncio.Queue = asyncio.Queue()
-        streamed = [0]
+        partial = GenerationStats()  # what the rounds streamed so far reported (for an aborted request)
+        started = time.perf_counter()
+
+        def seen(record: dict) -> None:
+            partial.rounds += 1
+            partial.new_tokens += len(record["tokens"])
+            partial.proposed_tokens += record["proposed"]
+            partial.accepted_tokens += record["accepted"]
+            partial.fallback_rounds += record["fallback"] is not None
+            partial.final_gamma = record["gamma"]
+            if partial.rounds == 1:
+                partial.ttft_ms = (time.perf_counter() - started) * 1000
 
         async def run():
             ctx = propagate.extract(carrier or {})
@@ -118,16 +129,18 @@ class Orchestrator:
                 await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
                 if getter.done():
                     record = getter.result()
-                    streamed[0] += len(record["tokens"])
+                    seen(record)
                     yield Chunk(record["tokens"], round=record)
                     continue
                 getter.cancel()
                 while not queue.empty():
                     record = queue.get_nowait()
-                    streamed[0] += len(record["tokens"])
+                    seen(record)
                     yield Chunk(record["tokens"], round=record)
                 if task.cancelled():
-                    yield Chunk([], GenerationStats(new_tokens=streamed[0], stop_reason="aborted"))
+                    partial.stop_reason = "aborted"
+                    partial.total_s = time.perf_counter() - started
+                    yield Chunk([], partial)
                 else:
                     yield Chunk([], task.result().stats)
                 return
