@@ -190,8 +190,7 @@ class RayBackend:
 
         for actor in self.actors:
             ray.kill(actor)
-        if self.config.front.ray_address is None:
-            ray.shutdown()
+        ray.shutdown()  # stops a local Ray we started; only disconnects from a cluster we attached to
 
 
 class TextDeltas:

@@ -235,3 +235,43 @@ def test_draft_killed_mid_requests_falls_back_then_recovers(stack, target_model)
             break
         time.sleep(0.5)
     assert final.fallback_rounds == 0 and final.acceptance_rate > 0, "speculation did not come back after the restart"
+
+
+def test_front_attaches_to_an_existing_ray_cluster(stack, target_model, tmp_path):
+    """front.ray_address: the orchestrator actors run on a cluster started beforehand (ray start); a
+    front that could not attach exits instead of serving. Last in the module: ``ray stop`` ends every
+    Ray on the machine, the module front's local one included."""
+    import os
+    import shutil
+    import subprocess
+
+    ray_cli = shutil.which("ray")
+    assert ray_cli, "the ray command line comes with the ray package"
+    import tempfile
+
+    import yaml
+
+    port = free_port()
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    config = yaml.safe_load(stack["config"].read_text())
+    config["front"]["metrics_port"] = None  # the module's front holds that port
+    config_path = tmp_path / "attach.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    started = subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=1", "--include-dashboard=false",
+                              f"--temp-dir={temp_dir}", "--disable-usage-stats"], capture_output=True, text=True, timeout=180,
+                             env={**os.environ, "RAY_AUTH_MODE": "disabled"})  # the front's ray.init uses no token
+    assert started.returncode == 0, started.stderr[-2000:]
+    front = None
+    try:
+        front = wait_ready(launch_service("front", config_path, draft_address=stack["draft"].address,
+                                          target_address=stack["target"].address, ray_address=f"127.0.0.1:{port}"),
+                           timeout_s=180)
+        ids = prompt_ids(700, 9)
+        [(tokens, stats)] = run_concurrently(front.address, [dict(prompt_ids=ids, max_new_tokens=16)])
+        assert tokens == expected_greedy(target_model, ids, 16) and stats.new_tokens == len(tokens)
+    finally:
+        if front is not None:
+            stop_service(front)
+        subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=120,
+                       env={**os.environ, "RAY_TMPDIR": temp_dir})
+        shutil.rmtree(temp_dir, ignore_errors=True)
