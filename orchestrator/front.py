@@ -122,6 +122,7 @@ class RayBackend:
         self.actors = []
         self.inflight: dict[int, int] = {}
         self.owner: dict[str, object] = {}
+        self.unhealthy_until: dict[int, float] = {}
         self.info = None
 
     async def start(self) -> None:
@@ -145,39 +146,62 @@ class RayBackend:
         await probe.target_channel.close()
         await probe.draft_channel.close()
 
+    ACTOR_COOLDOWN_S = 5.0  # an actor that failed a request is skipped this long (it is restarting)
+
+    def _pick(self) -> int:
+        """The least-loaded actor, preferring those that did not fail in the last ACTOR_COOLDOWN_S."""
+        now = time.monotonic()
+        healthy = [i for i in self.inflight if self.unhealthy_until.get(i, 0.0) <= now] or list(self.inflight)
+        return min(healthy, key=self.inflight.get)
+
     async def stream(self, request: GenerationRequest, request_id: str, timeout_s, carrier):
+        """Run on an actor; a request whose actor dies or is restarting before its first token is
+        sent to another actor (nothing was streamed, so nothing is lost or repeated); after the first
+        token it fails with UNAVAILABLE."""
         import ray
 
         from orchestrator.actors import request_to_dict
 
-        index = min(self.inflight, key=self.inflight.get)
-        actor = self.actors[index]
-        self.inflight[index] += 1
-        self.owner[request_id] = actor  # the front refuses a second running request with this id
-        gen = actor.stream.options(num_returns="streaming").remote(request_to_dict(request), request_id, timeout_s, carrier)
-        finished = False
-        try:
-            async for ref in gen:
-                tokens, record, stats = await ref
-                yield tokens, record, stats
-                if stats is not None:
-                    finished = True
-        except ray.exceptions.RayTaskError as exc:
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, UpstreamError):
-                raise cause from None
-            if isinstance(cause, grpc.aio.AioRpcError):
-                raise UpstreamError(cause.code().name, cause.details() or "") from None
-            if isinstance(cause, ValueError):
-                raise ValueError(str(cause)) from None
-            raise UpstreamError("INTERNAL", str(cause or exc)) from None
-        except ray.exceptions.RayActorError as exc:
-            raise UpstreamError("UNAVAILABLE", f"orchestrator actor died: {exc}") from None
-        finally:
-            self.inflight[index] -= 1
-            self.owner.pop(request_id, None)
-            if not finished:
-                ray.cancel(gen)
+        payload = request_to_dict(request)
+        for attempt in range(len(self.actors) + 1):
+            index = self._pick()
+            actor = self.actors[index]
+            self.inflight[index] += 1
+            self.owner[request_id] = actor  # the front refuses a second running request with this id
+            gen = actor.stream.options(num_returns="streaming").remote(payload, request_id, timeout_s, carrier)
+            finished = streamed = False
+            try:
+                async for ref in gen:
+                    tokens, record, stats = await ref
+                    streamed = True
+                    yield tokens, record, stats
+                    if stats is not None:
+                        finished = True
+                return
+            except ray.exceptions.RayTaskError as exc:
+                cause = getattr(exc, "cause", None)
+                if isinstance(cause, UpstreamError):
+                    raise cause from None
+                if isinstance(cause, grpc.aio.AioRpcError):
+                    raise UpstreamError(cause.code().name, cause.details() or "") from None
+                if isinstance(cause, ValueError):
+                    raise ValueError(str(cause)) from None
+                raise UpstreamError("INTERNAL", str(cause or exc)) from None
+            except ray.exceptions.RayActorError as exc:  # ActorUnavailableError included
+                self.unhealthy_until[index] = time.monotonic() + self.ACTOR_COOLDOWN_S
+                if streamed or attempt == len(self.actors):
+                    raise UpstreamError("UNAVAILABLE", f"orchestrator actor died: {exc}") from None
+                log.warning("request %s: orchestrator actor %d unavailable before the first token (%s); trying another",
+                            request_id, index, type(exc).__name__)
+            finally:
+                self.inflight[index] -= 1
+                if self.owner.get(request_id) is actor:
+                    self.owner.pop(request_id, None)
+                if not finished:
+                    try:
+                        ray.cancel(gen)
+                    except Exception:  # noqa: BLE001 - the actor is gone; nothing left to cancel
+                        pass
 
     async def abort(self, request_id: str) -> bool:
         actor = self.owner.get(request_id)
