@@ -244,6 +244,7 @@ class _Request:
     async def _open_draft(self) -> bool:
         sid = self.sid if self.draft_opens == 0 else f"{self.sid}#{self.draft_opens}"
         self.draft_opens += 1
+        self.draft_sid = sid  # before the call: a cancel during start must still close (release) the session
         try:
             limit = await self._draft_call(self.ctl.draft.start(sid, self.committed_tokens, self.request.sampling))
             limit = limit or self.ctl.draft_context_limit  # gRPC clients report the draft's, in-process the engine's
@@ -251,10 +252,17 @@ class _Request:
                 self.control.set_draft_context_limit(limit)
         except DraftUnavailableError as exc:
             log.warning("request %s: draft unavailable at start (%s); decoding without it", self.sid, exc)
+            self.draft_sid = None
             self.control.draft_failed(time.monotonic())
+            await self._release_quietly(sid)
             return False
-        self.draft_sid = sid
         return True
+
+    async def _release_quietly(self, sid: str) -> None:
+        try:
+            await asyncio.wait_for(self.ctl.draft.release(sid), 1.0)
+        except Exception:  # noqa: BLE001 - the draft is already gone; its stream end frees the KV
+            pass
 
     async def _draft_call(self, awaitable):
         """A draft call under the draft deadline; every failure becomes DraftUnavailableError."""
@@ -271,10 +279,7 @@ class _Request:
         log.warning("request %s: draft failed (%s); decoding without it", self.sid, exc)
         self.control.draft_failed(time.monotonic())
         sid, self.draft_sid = self.draft_sid, None
-        try:
-            await asyncio.wait_for(self.ctl.draft.release(sid), 1.0)
-        except Exception:  # noqa: BLE001 - the draft is already gone; its stream end frees the KV
-            pass
+        await self._release_quietly(sid)
 
     async def round(self) -> list[int]:
         """One round; returns the tokens it committed."""
