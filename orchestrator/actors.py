@@ -74,12 +74,10 @@ class OrchestratorActor:
         """Yields (tokens, round record | None, stats dict | None) per round, then the final stats."""
         if self.orchestrator.controller is None:  # a restarted actor connects on its first request
             await self.orchestrator.connect()
+        from orchestrator.service import stats_dict
+
         async for chunk in self.orchestrator.stream(request_from_dict(request), request_id, timeout_s, carrier):
-            stats = None
-            if chunk.stats is not None:
-                stats = dataclasses.asdict(chunk.stats)
-                stats.update(acceptance_rate=chunk.stats.acceptance_rate, mean_accepted_length=chunk.stats.mean_accepted_length)
-            yield chunk.tokens, chunk.round, stats
+            yield chunk.tokens, chunk.round, stats_dict(chunk.stats) if chunk.stats is not None else None
 
     async def abort(self, request_id: str) -> bool:
         return await self.orchestrator.abort(request_id)

@@ -22,7 +22,7 @@ import grpc
 from opentelemetry import propagate
 
 from orchestrator.controller import GenerationRequest
-from orchestrator.service import Orchestrator
+from orchestrator.service import Orchestrator, stats_dict
 from specdec.config import ServeConfig
 from specdec.grpc_server import ServiceHost, configure_logging
 from specdec.sampling import SamplingParamsError
@@ -94,11 +94,7 @@ class LocalBackend:
     async def stream(self, request: GenerationRequest, request_id: str, timeout_s, carrier):
         try:
             async for chunk in self.orchestrator.stream(request, request_id, timeout_s, carrier):
-                stats = None
-                if chunk.stats is not None:
-                    s = chunk.stats
-                    stats = dict(vars(s), acceptance_rate=s.acceptance_rate, mean_accepted_length=s.mean_accepted_length)
-                yield chunk.tokens, chunk.round, stats
+                yield chunk.tokens, chunk.round, stats_dict(chunk.stats) if chunk.stats is not None else None
         except grpc.aio.AioRpcError as exc:
             raise UpstreamError(exc.code().name, exc.details() or "") from exc
 

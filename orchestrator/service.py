@@ -27,6 +27,11 @@ log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("specdec.orchestrator")
 
 
+def stats_dict(stats: GenerationStats) -> dict:
+    """GenerationStats as a plain dict (picklable across Ray), derived rates included."""
+    return dict(vars(stats), acceptance_rate=stats.acceptance_rate, mean_accepted_length=stats.mean_accepted_length)
+
+
 @dataclass
 class Chunk:
     """One message of a request's stream: tokens committed by a round, or the end (stats set)."""

@@ -172,8 +172,7 @@ def test_bad_requests_are_invalid_argument_naming_the_field(stack, target_model,
 
 
 def target_sessions(address) -> int:
-    with grpc.insecure_channel(address) as channel:
-        return target_pb2_grpc.TargetServiceStub(channel).Info(target_pb2.InfoRequest(), timeout=10).sessions
+    return target_info(address).sessions
 
 
 def wait_sessions(address, expected: int, timeout: float = 10.0) -> int:
