@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from draft_service.runtime import DraftRuntime
 from specdec.config import ConfigError, DraftServerConfig, ServeConfig, load_config
 from specdec.grpc_server import (
     CapacityError, ModelWorker, ServiceHost, abort_for, check_device, configure_logging, fail, server_arg_parser,
@@ -231,7 +232,8 @@ def serve(config: ServeConfig) -> int:
     setup_tracing("draft-service")
     try:
         loaded = load_draft(config.models, target_info(config.models, label="models.target"), label="models.draft")
-        asyncio.run(serve_runtime(config, loaded.runtime, context_limit=loaded.context_limit))
+        runtime = DraftRuntime(loaded.model, vocab_size=loaded.vocab_size)
+        asyncio.run(serve_runtime(config, runtime, context_limit=loaded.context_limit))
     except ModelError as exc:
         return fail(str(exc))
     except OSError as exc:

@@ -7,12 +7,14 @@ from dataclasses import dataclass
 import torch
 from pydantic import ValidationError
 
+from draft_service.runtime import DraftRuntime
 from orchestrator.engine import SpeculativeEngine
 from specdec.config import ModelsConfig
 from specdec.model_setup import (  # noqa: F401  (re-exported: older callers import them from here)
     eos_token_ids, load_draft, load_target, quantize_draft, resolve_draft_quant, resolve_dtype,
 )
 from specdec.models import ModelError
+from target_service.runtime import TargetRuntime
 
 
 @dataclass
@@ -52,10 +54,11 @@ def build_pipeline(
     draft_model = draft_runtime = draft_limit = None
     if speculate:
         loaded_draft = load_draft(models, loaded)
-        draft_model, draft_runtime, draft_limit = loaded_draft.model, loaded_draft.runtime, loaded_draft.context_limit
+        draft_model, draft_limit = loaded_draft.model, loaded_draft.context_limit
+        draft_runtime = DraftRuntime(draft_model, vocab_size=loaded_draft.vocab_size)
     tokenizer = loaded.tokenizer
     engine = SpeculativeEngine(
-        loaded.runtime, draft_runtime, loaded.eos_token_ids, loaded.context_limit,
+        TargetRuntime(loaded.model), draft_runtime, loaded.eos_token_ids, loaded.context_limit,
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False), control=control,
         draft_context_limit=draft_limit,
     )

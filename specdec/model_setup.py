@@ -1,7 +1,11 @@
-"""Load the draft and target models into runtimes, for embedded mode and for the two gRPC servers.
+"""Load the draft and target models, for embedded mode and for the two gRPC servers.
 
-    target = load_target(models)            # model + tokenizer + TargetRuntime + context limit + EOS ids
-    draft = load_draft(models, target)      # model + DraftRuntime (checked against the target)
+    target = load_target(models)            # model + tokenizer + context limit + EOS ids
+    draft = load_draft(models, target)      # model + shared vocabulary size (checked against the target)
+
+Models and what is known of them only: each caller wraps them in its own runtime
+(``target_service.runtime.TargetRuntime``, ``draft_service.runtime.DraftRuntime``), so this ground
+floor imports nothing from the services above it.
 
 The draft server does not hold the target's weights: ``target_info(models)`` reads only the target's
 config and tokenizer, which is all ``load_draft`` needs (shared vocabulary, pair compatibility).
@@ -16,14 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from draft_service.runtime import DraftRuntime
 from specdec.config import ModelsConfig
 from specdec.cpu_linear import default_cpu_dtype, prepack_linears
 from specdec.models import (
     DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES, ModelError, check_pair, check_supported, load_model, resolve_model_dir,
 )
-from specdec.tree_spec import MAX_TREE_NODES
-from target_service.runtime import TargetRuntime
 
 
 @dataclass
@@ -32,7 +33,6 @@ class LoadedTarget:
 
     model: object
     tokenizer: object
-    runtime: TargetRuntime
     context_limit: int
     eos_token_ids: frozenset[int]
     name: str  # the model directory
@@ -61,13 +61,14 @@ class TargetInfo:
 
 @dataclass
 class LoadedDraft:
-    """The draft model ready to serve. context_limit: the draft's max positions."""
+    """The draft model ready to serve. context_limit: the draft's max positions; vocab_size: the ids
+    both models share (the smaller of the two vocabularies), the draft runtime's ``vocab_size``."""
 
     model: object
     tokenizer: object
-    runtime: DraftRuntime
     context_limit: int
     name: str
+    vocab_size: int
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:
@@ -120,20 +121,18 @@ def context_limit(model, max_context: int | None) -> int:
     return limit if max_context is None else min(limit, max_context)
 
 
-def load_target(models: ModelsConfig, max_tree_nodes: int = MAX_TREE_NODES, label: str = "--target") -> LoadedTarget:
+def load_target(models: ModelsConfig, label: str = "--target") -> LoadedTarget:
     """Load, check and pre-pack the target model (models.target; None = the default real target).
 
-    max_tree_nodes: the largest tree one verify accepts. Raises ModelError naming ``label``.
+    Raises ModelError naming ``label``.
     """
     dtype = resolve_dtype(models.dtype, models.device)
     model_dir = resolve_model_dir(models.target, DEFAULT_TARGET, label)
     model, tokenizer = load_model(model_dir, dtype, models.device)
     check_supported(model, label)
     prepack_linears(model)
-    return LoadedTarget(
-        model, tokenizer, TargetRuntime(model, max_tree_nodes=max_tree_nodes),
-        context_limit(model, models.max_context), frozenset(eos_token_ids(model, tokenizer)), str(model_dir),
-    )
+    return LoadedTarget(model, tokenizer, context_limit(model, models.max_context),
+                        frozenset(eos_token_ids(model, tokenizer)), str(model_dir))
 
 
 def target_info(models: ModelsConfig, label: str = "--target") -> TargetInfo:
@@ -166,7 +165,7 @@ def target_info(models: ModelsConfig, label: str = "--target") -> TargetInfo:
 
 def load_draft(models: ModelsConfig, target: LoadedTarget | TargetInfo, label: str = "--draft") -> LoadedDraft:
     """Load the draft (models.draft; None = the default real draft), check it against ``target``,
-    quantize it per models.draft_quant, and wrap it in a DraftRuntime over the shared vocabulary.
+    quantize it per models.draft_quant, and note the vocabulary both models share.
 
     Raises ModelError naming ``label`` (or the incompatibility).
     """
@@ -180,5 +179,4 @@ def load_draft(models: ModelsConfig, target: LoadedTarget | TargetInfo, label: s
     else:
         prepack_linears(model)
     shared_vocab = min(model.config.vocab_size, target.vocab_size)
-    return LoadedDraft(model, tokenizer, DraftRuntime(model, vocab_size=shared_vocab),
-                       context_limit(model, models.max_context), str(model_dir))
+    return LoadedDraft(model, tokenizer, context_limit(model, models.max_context), str(model_dir), shared_vocab)

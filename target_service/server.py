@@ -58,7 +58,7 @@ from specdec.tree import DraftTree, MalformedTreeError, node_depths
 from specdec.v1 import target_pb2, target_pb2_grpc
 from specdec.wire import sampling_from_proto, tree_from_proto
 from target_service.batcher import BatchedVerify, VerifyBatcher
-from target_service.runtime import SessionStateError
+from target_service.runtime import SessionStateError, TargetRuntime
 from target_service.tp import RankFailureError, TensorParallelTarget
 
 log = logging.getLogger(__name__)
@@ -442,8 +442,9 @@ def serve(config: ServeConfig) -> int:
         else:
             from specdec.model_setup import load_target
 
-            loaded = load_target(config.models, config.target.max_tree_nodes, label="models.target")
-            runtime, context_limit, eos, name = loaded.runtime, loaded.context_limit, loaded.eos_token_ids, loaded.name
+            loaded = load_target(config.models, label="models.target")
+            runtime = TargetRuntime(loaded.model, max_tree_nodes=config.target.max_tree_nodes)
+            context_limit, eos, name = loaded.context_limit, loaded.eos_token_ids, loaded.name
         asyncio.run(serve_runtime(config, runtime, context_limit=context_limit, eos_token_ids=eos, model_name=name))
     except ModelError as exc:
         return fail(str(exc))
