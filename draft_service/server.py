@@ -29,11 +29,11 @@ import grpc
 
 from draft_service.runtime import DraftRuntime
 from specdec.config import ConfigError, DraftServerConfig, ServeConfig, load_config
-from specdec.grpc_server import (
-    CapacityError, ModelWorker, ServiceHost, abort_for, check_device, configure_logging, fail, server_arg_parser,
-    server_overrides,
-)
+from specdec.grpc_host import ServiceHost, abort_for
+from specdec.model_worker import ModelWorker
+from specdec.process_entry import check_device, configure_logging, fail, server_arg_parser, server_overrides
 from specdec.sampling import SamplingParamsError
+from specdec.service_errors import CapacityError
 from specdec.telemetry import setup_tracing, shutdown_tracing, tracer
 from specdec.tree_spec import TreeSpecError
 from specdec.v1 import draft_pb2, draft_pb2_grpc

@@ -24,7 +24,8 @@ from opentelemetry import propagate
 from orchestrator.controller import GenerationRequest
 from orchestrator.service import Orchestrator, stats_dict
 from specdec.config import ServeConfig
-from specdec.grpc_server import ServiceHost, configure_logging
+from specdec.grpc_host import ServiceHost
+from specdec.process_entry import configure_logging
 from specdec.sampling import SamplingParamsError
 from specdec.tree_spec import TreeSpecError
 from specdec.v1 import generation_pb2, generation_pb2_grpc
@@ -380,7 +381,7 @@ def run(config_path: str | None = None, port: int | None = None, host: str | Non
         ray_address: str | None = None) -> int:
     """Load the config (YAML + flag overrides) and serve the front; returns the exit code."""
     from specdec.config import ConfigError, load_config
-    from specdec.grpc_server import fail
+    from specdec.process_entry import fail
 
     overrides = {"front.port": port, "front.host": host, "models.target": target, "front.draft_address": draft_address,
                  "front.target_address": target_address, "front.use_ray": use_ray, "front.ray_address": ray_address}
@@ -397,7 +398,7 @@ def run(config_path: str | None = None, port: int | None = None, host: str | Non
 
 
 def main(argv=None) -> int:
-    from specdec.grpc_server import server_arg_parser
+    from specdec.process_entry import server_arg_parser
 
     parser = server_arg_parser("python -m orchestrator.front", "specdec generation front + orchestrator (gRPC)")
     parser.add_argument("--draft-address", help="draft service host:port (front.draft_address)")

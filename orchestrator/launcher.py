@@ -101,7 +101,7 @@ def serve(config_path: str | None, flags: list[str], tp: int | None = None, no_r
 
     flags: model flags passed to every child (--target DIR, --draft DIR, --dtype D).
     """
-    from specdec.grpc_server import fail
+    from specdec.process_entry import fail
 
     config_args = ["--config", config_path] if config_path else []
     children: list[Child] = []

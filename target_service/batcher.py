@@ -20,8 +20,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from specdec.grpc_server import DeadlineExpiredError, ModelWorker
 from specdec.interfaces import VerifyResult
+from specdec.model_worker import ModelWorker
+from specdec.service_errors import DeadlineExpiredError
 from specdec.tree import DraftTree
 
 log = logging.getLogger(__name__)

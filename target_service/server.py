@@ -47,12 +47,12 @@ from dataclasses import dataclass, field
 import grpc
 
 from specdec.config import ConfigError, ServeConfig, TargetServerConfig, load_config
-from specdec.grpc_server import (
-    CapacityError, DeadlineExpiredError, ModelWorker, ServiceHost, check_device, configure_logging, deadline_of, fail, rpc_errors,
-    server_arg_parser, server_overrides, status_for,
-)
+from specdec.grpc_host import ServiceHost, deadline_of, rpc_errors, status_for
 from specdec.interfaces import UnknownSessionError, VerifyResult
+from specdec.model_worker import ModelWorker
+from specdec.process_entry import check_device, configure_logging, fail, server_arg_parser, server_overrides
 from specdec.sampling import SamplingParamsError
+from specdec.service_errors import CapacityError, DeadlineExpiredError
 from specdec.telemetry import setup_tracing, shutdown_tracing, tracer
 from specdec.tree import DraftTree, MalformedTreeError, node_depths
 from specdec.v1 import target_pb2, target_pb2_grpc
@@ -64,7 +64,7 @@ from target_service.tp import RankFailureError, TensorParallelTarget
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
-# Checked before specdec.grpc_server's defaults (RankFailureError is a RuntimeError, never INTERNAL).
+# Checked before specdec.grpc_host's defaults (RankFailureError is a RuntimeError, never INTERNAL).
 class SessionExistsError(RuntimeError):
     """Prefill of a session id that is already open; maps to ALREADY_EXISTS."""
 

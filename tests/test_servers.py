@@ -23,9 +23,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from draft_service.runtime import DraftRuntime
-from specdec.grpc_server import DeadlineExpiredError, ModelWorker
 from specdec.interfaces import UnknownSessionError
+from specdec.model_worker import ModelWorker
 from specdec.sampling import GREEDY, SamplingParams
+from specdec.service_errors import DeadlineExpiredError
 from specdec.tree import DraftTree
 from specdec.tree_spec import DEFAULT_SPEC, SEED_SPEC, TreeSpec
 from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc, tree_pb2
@@ -630,7 +631,7 @@ def test_bad_config_and_unknown_model_exit_2(kind, tmp_path, pair):
 
 def test_host_answers_health_during_a_forward_and_refuses_calls_while_draining():
     from specdec.config import GrpcConfig
-    from specdec.grpc_server import ServiceHost
+    from specdec.grpc_host import ServiceHost
     from target_service.server import SERVICE_NAME, TargetServicer
 
     class SlowRuntime(TargetRuntime):

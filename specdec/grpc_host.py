@@ -1,4 +1,5 @@
-"""Plumbing shared by the draft and target gRPC servers (grpc.aio).
+"""The gRPC host shared by the draft and target servers and the front (grpc.aio), and the mapping
+of exceptions to status codes.
 
 ``ServiceHost`` builds one ``grpc.aio.server`` with
 - the message size limits of ``config.grpc.max_message_bytes`` (both directions; an oversize
@@ -11,11 +12,9 @@
 
 ``status_for`` maps exceptions to status codes (bad input -> INVALID_ARGUMENT, unknown session or a
 call out of order -> FAILED_PRECONDITION, capacity -> RESOURCE_EXHAUSTED, an expired deadline ->
-DEADLINE_EXCEEDED, shutting down -> UNAVAILABLE, anything else -> INTERNAL); ``rpc_errors`` wraps a unary handler with it, so one bad
-call never takes the server down.
-
-``ModelWorker`` runs model compute off the event loop, on one dedicated thread per runtime, so health
-checks and other calls keep answering during a forward and the runtime is never entered twice.
+DEADLINE_EXCEEDED, shutting down -> UNAVAILABLE, anything else -> INTERNAL); ``rpc_errors`` wraps a
+unary handler with it, so one bad call never takes the server down. The errors themselves are
+gRPC-free (``specdec.service_errors``).
 """
 
 from __future__ import annotations
@@ -24,9 +23,8 @@ import asyncio
 import functools
 import logging
 import signal
-import sys
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Mapping, Sequence
+import time
+from typing import Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -35,22 +33,11 @@ from grpc_reflection.v1alpha import reflection
 from specdec.config import GrpcConfig
 from specdec.interfaces import UnknownSessionError
 from specdec.sampling import SamplingParamsError
+from specdec.service_errors import CapacityError, DeadlineExpiredError, ShuttingDownError
 from specdec.tree import MalformedTreeError
 from specdec.tree_spec import TreeSpecError
 
 log = logging.getLogger(__name__)
-
-
-class CapacityError(RuntimeError):
-    """A server-wide limit (sessions, KV slots) would be exceeded; maps to RESOURCE_EXHAUSTED."""
-
-
-class DeadlineExpiredError(TimeoutError):
-    """The caller's deadline passed before the work started; maps to DEADLINE_EXCEEDED."""
-
-
-class ShuttingDownError(RuntimeError):
-    """The server is stopping and takes no more model work; maps to UNAVAILABLE."""
 
 
 _DEFAULT_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
@@ -113,46 +100,12 @@ def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
 
     Raises DeadlineExpiredError if it has already passed.
     """
-    import time
-
     remaining = context.time_remaining()
     if remaining is None:
         return None
     if remaining <= 0:
         raise DeadlineExpiredError("deadline: expired before the call started")
     return time.monotonic() + remaining
-
-
-class ModelWorker:
-    """One thread that runs every call into a model runtime, in submission order.
-
-    ``await worker.run(fn, *args)`` runs ``fn(*args)`` on that thread; the event loop stays free
-    (health checks answer during a forward), and the runtime never sees two calls at once.
-    """
-
-    def __init__(self, name: str):
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self.closed = False
-
-    async def run(self, fn: Callable, *args):
-        """Raises ShuttingDownError after ``close``."""
-        if self.closed:
-            raise ShuttingDownError("the server is shutting down")
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-
-    def submit(self, fn: Callable, *args) -> None:
-        """Fire and forget (e.g. a release from a cancelled stream); errors are logged."""
-        def report(future):
-            if not future.cancelled() and future.exception() is not None:
-                log.error("%s failed: %s", getattr(fn, "__name__", fn), future.exception())
-
-        if not self.closed:  # after close the process is exiting: nothing left to free
-            self.executor.submit(fn, *args).add_done_callback(report)
-
-    def close(self) -> None:
-        """Finish the call in progress, drop queued ones; later calls raise ShuttingDownError."""
-        self.closed = True
-        self.executor.shutdown(wait=True, cancel_futures=True)
 
 
 _ALWAYS_OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -254,59 +207,3 @@ class ServiceHost:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace=self.config.shutdown_grace_s)
         log.info("%s stopped", self.name)
-
-
-def configure_logging() -> None:
-    """INFO logs on stderr (stdout carries only the ready line)."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-
-
-# ----------------------------------------------------------------------------------------------
-# Entry points: ``python -m draft_service.server`` / ``target_service.server`` and the specdec CLI
-# ----------------------------------------------------------------------------------------------
-
-def server_overrides(section: str, port: int | None = None, host: str | None = None, target: str | None = None,
-                     draft: str | None = None, dtype: str | None = None, device: str | None = None,
-                     tp: int | None = None) -> dict:
-    """Command-line flags as dotted config overrides (None = keep the file's value). ``tp`` is the
-    target section's ``tp`` (tensor-parallel ranks); only the target server passes it."""
-    return {f"{section}.port": port, f"{section}.host": host, "models.target": target, "models.draft": draft,
-            "models.dtype": dtype, "models.device": device, f"{section}.tp": tp}
-
-
-def server_arg_parser(prog: str, description: str, *, device: bool = False, tp: bool = False):
-    """The flags every server takes: --config FILE, --port N, --host H, --target, --draft, --dtype;
-    with ``device`` also --device D (models.device), with ``tp`` also --tp N (target.tp)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--config", help="service config YAML (default: built-in defaults)")
-    parser.add_argument("--port", type=int, help="listen port (0 = ephemeral; overrides the config)")
-    parser.add_argument("--host", help="listen address (overrides the config)")
-    parser.add_argument("--target", help="target model directory or .gguf (models.target)")
-    parser.add_argument("--draft", help="draft model directory or .gguf (models.draft)")
-    parser.add_argument("--dtype", help="auto, float32, bfloat16 or float16 (models.dtype)")
-    if device:
-        parser.add_argument("--device", help="cpu, cuda or cuda:N (models.device)")
-    if tp:
-        parser.add_argument("--tp", type=int, help="tensor-parallel ranks of the target, >= 1 (target.tp)")
-    return parser
-
-
-def check_device(device: str) -> None:
-    """Raise ValueError naming ``models.device`` for a device torch does not know or this machine
-    lacks (e.g. cuda without a GPU), before any model is loaded."""
-    import torch
-
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"models.device: {device!r} is not a torch device ({exc})") from None
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"models.device: {device!r} but CUDA is not available on this machine")
-
-
-def fail(message: str) -> int:
-    """Print ``error: message`` on stderr; returns exit code 2 (no traceback)."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    return 2
