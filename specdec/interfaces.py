@@ -24,6 +24,10 @@ class UnknownSessionError(KeyError):
     """No session with that id on a worker (never started, or released)."""
 
 
+class SessionStateError(RuntimeError):
+    """Calls out of order, e.g. commit without a pending verify."""
+
+
 @dataclass(frozen=True)
 class VerifyResult:
     """Outcome of verifying one tree.

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from specdec.forward import model_forward, model_forward_batch
-from specdec.interfaces import UnknownSessionError, VerifyResult
+from specdec.interfaces import SessionStateError, UnknownSessionError, VerifyResult
 from specdec.kv_cache import append_kv_row, compact_kv, new_cache, stack_kv, truncate_kv
 from specdec.sampling import GREEDY, SamplingParams, processed_probs, session_rng
 from specdec.tree_spec import MAX_TREE_NODES
@@ -37,10 +37,6 @@ from specdec.tree import (
     validate_tree,
 )
 from target_service.verifier import verify_greedy, verify_sampled
-
-
-class SessionStateError(RuntimeError):
-    """Calls out of order, e.g. commit without a pending verify."""
 
 
 @dataclass

@@ -18,12 +18,14 @@ A ``tp`` the model cannot be split by (heads not divisible) exits 2 with ``error
 Transport only: every message is checked (trees with ``specdec.wire.tree_from_proto``; a bad one is
 INVALID_ARGUMENT naming the field and leaves the session untouched), then handed to the runtime on
 its worker thread. Concurrent Verify calls of different sessions are merged by ``VerifyBatcher``
-into one ``runtime.verify_batch`` call; VerifyBatch goes through the same batcher.
+into one ``runtime.verify_batch`` call; VerifyBatch goes through the same batcher. Session
+bookkeeping is ``target_service.sessions.TargetSessions``:
 
 KV accounting (``target.max_kv_tokens``, RESOURCE_EXHAUSTED past it): a session holds its committed
 slots L (prompt length - 1 after Prefill, + num_tokens per Commit) plus N + 1 tree slots from the
 start of a verify of an N-node tree until its commit. Example: Prefill of 10 tokens holds 9; a
-verify of a 4-node tree holds 9 + 5 = 14; Commit(num_tokens=3) leaves 12.
+verify of a 4-node tree holds 9 + 5 = 14; Commit(num_tokens=3) leaves 12. A session untouched for
+``target.session_idle_s`` is released (its client died).
 
 Verify is idempotent until Commit: the same tree sent again (a retry after a lost reply or an
 expired client deadline) gets the pending result back (batch_size 0, verify_ms 0) instead of a
@@ -41,34 +43,29 @@ import functools
 import logging
 import signal
 import sys
-import time
-from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from specdec.config import ConfigError, ServeConfig, TargetServerConfig, load_config
 from specdec.grpc_host import ServiceHost, deadline_of, rpc_errors, status_for
-from specdec.interfaces import UnknownSessionError, VerifyResult
+from specdec.interfaces import SessionStateError, VerifyResult
 from specdec.model_worker import ModelWorker
 from specdec.process_entry import check_device, configure_logging, fail, server_arg_parser, server_overrides
 from specdec.sampling import SamplingParamsError
-from specdec.service_errors import CapacityError, DeadlineExpiredError
 from specdec.telemetry import setup_tracing, shutdown_tracing, tracer
-from specdec.tree import DraftTree, MalformedTreeError, node_depths
+from specdec.tree import DraftTree, MalformedTreeError
 from specdec.v1 import target_pb2, target_pb2_grpc
 from specdec.wire import sampling_from_proto, tree_from_proto
 from target_service.batcher import BatchedVerify, VerifyBatcher
-from target_service.runtime import SessionStateError, TargetRuntime
+from target_service.runtime import TargetRuntime
+from target_service.sessions import SessionExistsError, SessionSlots, TargetSessions
 from target_service.tp import RankFailureError, TensorParallelTarget
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 # Checked before specdec.grpc_host's defaults (RankFailureError is a RuntimeError, never INTERNAL).
-class SessionExistsError(RuntimeError):
-    """Prefill of a session id that is already open; maps to ALREADY_EXISTS."""
-
-
 _CODES = {SessionStateError: grpc.StatusCode.FAILED_PRECONDITION, RankFailureError: grpc.StatusCode.UNAVAILABLE,
           SessionExistsError: grpc.StatusCode.ALREADY_EXISTS}
 
@@ -92,33 +89,9 @@ def _rpc(handler):
     return rpc_errors(_CODES)(watched)
 
 
-@dataclass
-class _SessionSlots:
-    """The server's view of one session: KV slots held and the verify awaiting commit."""
-
-    cached: int  # L: committed slots
-    tree_slots: int = 0  # N + 1 from the start of a verify until its commit
-    busy: bool = False  # a prefill or a verify is queued or running
-    tree_key: bytes | None = None  # serialized tree of the verify in flight / pending
-    pending: VerifyResult | None = None
-    idle: asyncio.Event = field(default_factory=asyncio.Event)  # set whenever not busy
-    last_used: float = field(default_factory=time.monotonic)  # for the idle-session reaper
-
-    def __post_init__(self):
-        self.set_busy(self.busy)
-
-    def set_busy(self, busy: bool) -> None:
-        self.busy = busy
-        self.last_used = time.monotonic()
-        (self.idle.clear if busy else self.idle.set)()
-
-    @property
-    def held(self) -> int:
-        return self.cached + self.tree_slots
-
-
-class _SameTreeInFlight(Exception):
-    """A verify of this very tree is queued or running (a client retry): wait for it."""
+def _response(result: VerifyResult, batch_size: int = 0, verify_ms: float = 0.0) -> target_pb2.VerifyResponse:
+    return target_pb2.VerifyResponse(accepted_nodes=list(result.accepted_nodes), tokens=list(result.tokens),
+                                     verify_ms=verify_ms, batch_size=batch_size)
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -127,10 +100,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     runtime: ``TargetRuntime`` or anything with the same methods (start, verify, optionally
     verify_batch, commit, release, attribute vocab_size), e.g. a tensor-parallel runtime; it is only
     ever called from this servicer's worker thread. config: the ``target`` section (max_batch,
-    batch_wait_ms, max_kv_tokens, max_tree_nodes, tp); model_name, context_limit (max total tokens),
-    eos_token_ids: reported by Info; health: the host's health servicer, set NOT_SERVING ("" and
-    TargetService) at the first RankFailureError (``failure`` then holds it). Create inside the
-    running event loop; ``close()`` at the end.
+    batch_wait_ms, max_kv_tokens, max_tree_nodes, tp, session_idle_s); model_name, context_limit (max
+    total tokens), eos_token_ids: reported by Info; health: the host's health servicer, set
+    NOT_SERVING ("" and TargetService) at the first RankFailureError (``failure`` then holds it).
+    Session bookkeeping (KV accounting, pending verifies, the idle reaper) is ``sessions``
+    (target_service.sessions). Create inside the running event loop; ``close()`` at the end.
     """
 
     def __init__(self, runtime, *, context_limit: int, eos_token_ids=(), model_name: str = "",
@@ -141,9 +115,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.eos_token_ids = sorted(eos_token_ids)
         self.model_name = model_name
         self.config = config
+        self.sessions = TargetSessions(config.max_kv_tokens, context_limit, config.session_idle_s)
         self.worker = ModelWorker("target-runtime")
-        self.batcher = VerifyBatcher(runtime, self.worker, config.max_batch, config.batch_wait_ms, self._verified)
-        self.sessions: dict[str, _SessionSlots] = {}
+        self.batcher = VerifyBatcher(runtime, self.worker, config.max_batch, config.batch_wait_ms, self.sessions.verified)
         self.health = health
         self.failure: RankFailureError | None = None
         self._tracer = tracer("target_service")
@@ -152,18 +126,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.worker.close()
 
     async def reap_idle(self) -> None:
-        """Release sessions nobody touched for ``session_idle_s`` (their orchestrator died without a
-        Release, e.g. a killed Ray actor), so their KV does not stay held forever. Runs until cancelled."""
-        ttl = self.config.session_idle_s
-        while True:
-            await asyncio.sleep(min(30.0, ttl / 2))
-            now = time.monotonic()
-            for sid, s in list(self.sessions.items()):
-                if not s.busy and now - s.last_used > ttl and self.sessions.get(sid) is s:
-                    del self.sessions[sid]
-                    s.idle.set()
-                    log.warning("released session %r: idle for %.0f s (target.session_idle_s)", sid, now - s.last_used)
-                    self.worker.submit(self.runtime.release, sid)
+        """Release sessions idle for ``session_idle_s`` (their KV too). Runs until cancelled."""
+        await self.sessions.reap_idle(lambda sid: self.worker.submit(self.runtime.release, sid))
 
     async def rank_failed(self, exc: RankFailureError) -> None:
         """The target is gone for good: health NOT_SERVING (once), so that probes restart the service."""
@@ -172,43 +136,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.failure = exc
         log.error("tensor-parallel target failed: %s; health NOT_SERVING, every model call is UNAVAILABLE", exc)
         if self.health is not None:
-            from grpc_health.v1 import health_pb2
-
             for service in ("", SERVICE_NAME):
                 await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-
-    # -- accounting -------------------------------------------------------------------------------
-
-    def kv_held(self) -> int:
-        """KV slots held over all sessions (committed + trees awaiting commit)."""
-        return sum(s.held for s in self.sessions.values())
-
-    def _reserve(self, slots: int, freed: int = 0) -> None:
-        """Raise CapacityError if ``slots`` more KV slots (after freeing ``freed``) exceed the limit."""
-        held = self.kv_held() - freed
-        if held + slots > self.config.max_kv_tokens:
-            raise CapacityError(
-                f"max_kv_tokens: {slots} more KV slots would exceed the limit of {self.config.max_kv_tokens} "
-                f"({held} held by {len(self.sessions)} sessions)"
-            )
-
-    def _session(self, session_id: str) -> _SessionSlots:
-        try:
-            return self.sessions[session_id]
-        except KeyError:
-            raise UnknownSessionError(f"session_id: unknown target session {session_id!r}") from None
-
-    def _verified(self, session_id: str, outcome: VerifyResult | Exception | None) -> None:
-        """Batcher callback, once per queued verify: a result stays pending until commit (even when
-        its caller has gone); a failed or unrun verify frees its tree slots."""
-        s = self.sessions.get(session_id)
-        if s is None or not s.busy:
-            return
-        s.set_busy(False)
-        if isinstance(outcome, VerifyResult):
-            s.pending = outcome
-        else:
-            s.tree_slots, s.tree_key = 0, None
 
     # -- checks -----------------------------------------------------------------------------------
 
@@ -222,60 +151,18 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             raise ValueError(f"prompt_ids: {len(prompt_ids)} tokens leave no room under the context limit "
                              f"of {self.context_limit} tokens")
 
-    def _parse_tree(self, msg, field: str) -> DraftTree:
-        try:
-            return tree_from_proto(msg, self.vocab_size, self.config.max_tree_nodes)
-        except MalformedTreeError as exc:
-            raise MalformedTreeError(f"{field}.{exc}") from None
-
-    def _begin_verify(self, session_id: str, tree_msg, field: str) -> tuple[_SessionSlots, DraftTree | None]:
-        """Check one verify request and reserve its tree slots; (session, None) = replay the pending result."""
+    async def _claim_verify(self, session_id: str, tree_msg, field: str, deadline: float | None):
+        """Check one verify request (session, then tree) and claim it: (session, tree to run), or
+        (session, None) to replay the session's pending result."""
         if not session_id:
             raise ValueError(f"{field}session_id: empty")
-        s = self._session(session_id)
-        tree = self._parse_tree(tree_msg, f"{field}tree")
+        self.sessions.get(session_id)  # an unknown session fails before a malformed tree
+        try:
+            tree = tree_from_proto(tree_msg, self.vocab_size, self.config.max_tree_nodes)
+        except MalformedTreeError as exc:
+            raise MalformedTreeError(f"{field}tree.{exc}") from None
         key = tree_msg.SerializeToString(deterministic=True)
-        if s.pending is not None:
-            if key == s.tree_key:
-                return s, None
-            raise SessionStateError(f"{field}session_id: {session_id!r} has an uncommitted verify of another tree (commit it first)")
-        if s.busy:
-            if key == s.tree_key:
-                raise _SameTreeInFlight()
-            raise SessionStateError(f"{field}session_id: {session_id!r} has a call in flight")
-        depth = max(node_depths(tree.parents), default=0)
-        if s.cached + depth >= self.context_limit:
-            raise ValueError(f"{field}tree: depth {depth} after {s.cached + 1} committed tokens passes the context "
-                             f"limit of {self.context_limit} tokens")
-        self._reserve(tree.size + 1)
-        s.set_busy(True)  # until the batcher's on_done
-        s.tree_key, s.tree_slots = key, tree.size + 1
-        return s, tree
-
-    async def _claim_verify(self, session_id: str, tree_msg, field: str, deadline: float | None):
-        """``_begin_verify``, first waiting (within the deadline) for a verify of the same tree in flight."""
-        while True:
-            try:
-                return self._begin_verify(session_id, tree_msg, field)
-            except _SameTreeInFlight:
-                s = self.sessions[session_id]
-                timeout = None if deadline is None else deadline - time.monotonic()
-                try:
-                    await asyncio.wait_for(s.idle.wait(), timeout)
-                except asyncio.TimeoutError:
-                    raise DeadlineExpiredError("deadline: expired while a verify of the same tree was in flight") from None
-
-    @staticmethod
-    def _undo_begin(begun: list[tuple[_SessionSlots, DraftTree | None]]) -> None:
-        for s, tree in begun:
-            if tree is not None:
-                s.set_busy(False)
-                s.tree_slots, s.tree_key = 0, None
-
-    @staticmethod
-    def _response(result: VerifyResult, batch_size: int = 0, verify_ms: float = 0.0) -> target_pb2.VerifyResponse:
-        return target_pb2.VerifyResponse(accepted_nodes=list(result.accepted_nodes), tokens=list(result.tokens),
-                                         verify_ms=verify_ms, batch_size=batch_size)
+        return await self.sessions.claim_verify(session_id, tree, key, field, deadline)
 
     # -- RPCs -------------------------------------------------------------------------------------
 
@@ -290,16 +177,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             sampling = sampling_from_proto(request.sampling)
         except SamplingParamsError as exc:
             raise SamplingParamsError(f"sampling.{exc.field}", exc.detail) from None
-        if request.session_id in self.sessions:
-            raise SessionExistsError(f"session_id: {request.session_id!r} is already open (release it first)")
-        self._reserve(len(prompt) - 1, freed=0)
-        new = self.sessions[request.session_id] = _SessionSlots(cached=len(prompt) - 1, busy=True)
+        new = self.sessions.open(request.session_id, len(prompt))
         try:
             await self.worker.run(self.runtime.start, request.session_id, prompt, sampling)
         except BaseException:
             # The worker thread may still finish runtime.start after a cancel: release after it (jobs run in order).
-            if self.sessions.get(request.session_id) is new:
-                del self.sessions[request.session_id]
+            self.sessions.discard(request.session_id, new)
             self.worker.submit(self.runtime.release, request.session_id)
             raise
         new.set_busy(False)
@@ -310,13 +193,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         deadline = deadline_of(context)
         s, tree = await self._claim_verify(request.session_id, request.tree, "", deadline)
         if tree is None:
-            return self._response(s.pending)
+            return _response(s.pending)
         with self._tracer.start_as_current_span("target.verify") as span:
             span.set_attribute("specdec.session_id", request.session_id)
             span.set_attribute("specdec.tree_nodes", tree.size)
             out: BatchedVerify = await self.batcher.verify(request.session_id, tree, deadline)
             span.set_attribute("specdec.batch_size", out.batch_size)
-        return self._response(out.result, out.batch_size, out.verify_ms)
+        return _response(out.result, out.batch_size, out.verify_ms)
 
     @_rpc
     async def VerifyBatch(self, request, context):
@@ -326,16 +209,26 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         for k, session_id in enumerate(ids):
             if session_id in ids[:k]:
                 raise ValueError(f"items[{k}].session_id: {session_id!r} repeats items[{ids.index(session_id)}]")
-        begun: list[tuple[_SessionSlots, DraftTree | None]] = []
+        begun: list[tuple[SessionSlots, DraftTree | None]] = []
         try:
             for k, item in enumerate(items):
                 begun.append(await self._claim_verify(item.session_id, item.tree, f"items[{k}].", deadline))
         except BaseException:
-            self._undo_begin(begun)
+            self.sessions.undo_begin(begun)
             raise
         to_run = [(k, items[k].session_id, tree) for k, (_, tree) in enumerate(begun) if tree is not None]
         outcomes = await self.batcher.verify_many([(sid, tree) for _, sid, tree in to_run], deadline)
         results = {k: outcome for (k, _, _), outcome in zip(to_run, outcomes)}
+        await self._abort_on_failed_item(results, context)
+        response = target_pb2.VerifyBatchResponse()
+        for k, (s, _) in enumerate(begun):
+            out = results.get(k)
+            response.results.append(_response(s.pending) if out is None
+                                    else _response(out.result, out.batch_size, out.verify_ms))
+        return response
+
+    async def _abort_on_failed_item(self, results: dict, context) -> None:
+        """End the call with the status of the first item that failed in the forward (if any)."""
         for k, outcome in sorted(results.items()):
             if isinstance(outcome, RankFailureError):
                 await self.rank_failed(outcome)
@@ -344,33 +237,22 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 # Items that did verify keep their pending results: resending the batch replays them.
                 code, message = status_for(outcome, _CODES)
                 await context.abort(code, f"items[{k}]: {message}")
-        response = target_pb2.VerifyBatchResponse()
-        for k, (s, _) in enumerate(begun):
-            out = results.get(k)
-            response.results.append(self._response(s.pending) if out is None
-                                    else self._response(out.result, out.batch_size, out.verify_ms))
-        return response
 
     @_rpc
     async def Commit(self, request, context):
         deadline_of(context)
-        s = self._session(request.session_id)
-        if s.busy:
-            raise SessionStateError(f"session_id: {request.session_id!r} has a call in flight")
-        s.set_busy(True)  # no verify (or its replay) may start while the commit runs
+        s = self.sessions.begin_commit(request.session_id)
         try:
             await self.worker.run(self.runtime.commit, request.session_id, request.num_tokens)
         finally:
             s.set_busy(False)
-        s.cached += request.num_tokens
-        s.tree_slots, s.tree_key, s.pending = 0, None, None
+        s.committed(request.num_tokens)
         return target_pb2.CommitResponse(cached_tokens=s.cached)
 
     @_rpc
     async def Release(self, request, context):
-        s = self.sessions.pop(request.session_id, None)
+        s = self.sessions.release(request.session_id)
         if s is not None:
-            s.idle.set()  # wake retries waiting on it (they then find no session)
             await self.worker.run(self.runtime.release, request.session_id)
         return target_pb2.ReleaseResponse(released=s is not None)
 
@@ -378,7 +260,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Info(self, request, context):
         return target_pb2.InfoResponse(
             model=self.model_name, vocab_size=self.vocab_size, context_limit=self.context_limit,
-            eos_token_ids=self.eos_token_ids, sessions=len(self.sessions), cached_tokens=self.kv_held(),
+            eos_token_ids=self.eos_token_ids, sessions=len(self.sessions), cached_tokens=self.sessions.kv_held(),
             tensor_parallel=self.config.tp, batched_forwards=self.batcher.batched_forwards,
             max_tree_nodes=self.config.max_tree_nodes,
         )

@@ -1,0 +1,179 @@
+"""The target server's session bookkeeping (``target_service.sessions``), without gRPC or a model:
+KV accounting, the verify-pending/commit state machine and the idle reaper."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from specdec.interfaces import SessionStateError, UnknownSessionError, VerifyResult
+from specdec.service_errors import CapacityError, DeadlineExpiredError
+from specdec.tree import DraftTree
+from target_service.sessions import SessionExistsError, TargetSessions
+
+CHAIN_4 = DraftTree((5, 6, 7, 8), (-1, 0, 1, 2))  # depth 4
+FAN_4 = DraftTree((5, 6, 7, 8), (-1, -1, -1, -1))  # depth 1
+RESULT = VerifyResult((0, 1), (5, 6, 9))
+
+
+def run(coro):
+    """Run ``coro`` in a fresh event loop (sessions hold asyncio events: create them inside)."""
+    return asyncio.run(coro)
+
+
+def test_kv_accounting_follows_the_worked_example():
+    async def body():
+        book = TargetSessions(max_kv_tokens=100, context_limit=64)
+        s = book.open("a", prompt_len=10)
+        assert (s.held, s.busy, book.kv_held()) == (9, True, 9)  # busy until its prefill ran
+        s.set_busy(False)
+        assert book.begin_verify("a", FAN_4, b"t1") is FAN_4
+        assert (s.tree_slots, book.kv_held(), s.busy) == (5, 14, True)  # 9 + 4 nodes + the root
+        book.verified("a", RESULT)
+        assert (s.pending, s.busy, book.kv_held()) == (RESULT, False, 14)  # held until commit
+        commit = book.begin_commit("a")
+        assert commit is s and s.busy
+        s.set_busy(False)
+        s.committed(3)
+        assert (s.cached, s.tree_slots, s.pending, s.tree_key, book.kv_held()) == (12, 0, None, None, 12)
+
+    run(body())
+
+
+def test_kv_accounting_refuses_past_the_budget_and_changes_nothing():
+    async def body():
+        book = TargetSessions(max_kv_tokens=20, context_limit=64)
+        book.open("a", prompt_len=10).set_busy(False)  # holds 9
+        with pytest.raises(CapacityError, match=r"max_kv_tokens: 12 more KV slots would exceed the limit of 20 \(9 held by 1 sessions\)"):
+            book.open("b", prompt_len=13)
+        assert "b" not in book.sessions and book.kv_held() == 9
+        big = DraftTree(tuple(range(11)), (-1,) * 11)  # 11 nodes: 12 tree slots, 9 + 12 = 21 > 20
+        with pytest.raises(CapacityError, match="max_kv_tokens: 12 more"):
+            book.begin_verify("a", big, b"big")
+        s = book.sessions["a"]
+        assert (s.busy, s.tree_slots, s.tree_key, book.kv_held()) == (False, 0, None, 9)
+        assert book.begin_verify("a", DraftTree(tuple(range(10)), (-1,) * 10), b"fits") is not None  # 9 + 11 = 20
+        assert book.kv_held() == 20
+        with pytest.raises(SessionExistsError, match="'a' is already open"):
+            book.open("a", prompt_len=2)
+
+    run(body())
+
+
+def test_verify_is_idempotent_until_commit():
+    async def body():
+        book = TargetSessions(max_kv_tokens=100, context_limit=64)
+        s = book.open("a", prompt_len=4)
+        s.set_busy(False)
+        assert book.begin_verify("a", FAN_4, b"t1") is FAN_4
+        with pytest.raises(SessionStateError, match="'a' has a call in flight"):
+            book.begin_verify("a", CHAIN_4, b"t2")  # another tree while the first runs
+        book.verified("a", RESULT)
+        # The retry of the same tree: nothing to run, the pending result is replayed; no new slots.
+        session, tree = await book.claim_verify("a", FAN_4, b"t1")
+        assert (session is s, tree, session.pending, book.kv_held()) == (True, None, RESULT, 3 + 5)
+        with pytest.raises(SessionStateError, match="items\\[1\\].session_id: 'a' has an uncommitted verify of another tree"):
+            book.begin_verify("a", CHAIN_4, b"t2", "items[1].")
+        book.begin_commit("a")
+        with pytest.raises(SessionStateError, match="has a call in flight"):
+            book.begin_commit("a")
+        s.set_busy(False)
+        s.committed(2)
+        assert book.begin_verify("a", CHAIN_4, b"t2") is CHAIN_4  # after the commit: a new tree
+        with pytest.raises(UnknownSessionError, match="unknown target session 'zz'"):
+            book.begin_verify("zz", FAN_4, b"t1")
+
+    run(body())
+
+
+def test_a_retry_waits_for_the_same_tree_in_flight_and_gets_its_result():
+    async def body():
+        book = TargetSessions(max_kv_tokens=100, context_limit=64)
+        book.open("a", prompt_len=4).set_busy(False)
+        book.begin_verify("a", FAN_4, b"t1")  # queued or running
+        retry = asyncio.ensure_future(book.claim_verify("a", FAN_4, b"t1", deadline=time.monotonic() + 5))
+        await asyncio.sleep(0.05)
+        assert not retry.done()
+        book.verified("a", RESULT)
+        session, tree = await retry
+        assert (tree, session.pending) == (None, RESULT)
+
+    run(body())
+
+
+def test_a_retry_past_its_deadline_and_a_failed_verify():
+    async def body():
+        book = TargetSessions(max_kv_tokens=100, context_limit=64)
+        s = book.open("a", prompt_len=4)
+        s.set_busy(False)
+        book.begin_verify("a", FAN_4, b"t1")
+        with pytest.raises(DeadlineExpiredError, match="expired while a verify of the same tree was in flight"):
+            await book.claim_verify("a", FAN_4, b"t1", deadline=time.monotonic() + 0.05)
+        book.verified("a", RuntimeError("forward failed"))  # a failed verify frees its tree slots
+        assert (s.busy, s.pending, s.tree_slots, s.tree_key, book.kv_held()) == (False, None, 0, None, 3)
+        book.begin_verify("a", FAN_4, b"t1")
+        book.undo_begin([(s, FAN_4)])  # claimed, never handed to the model
+        assert (s.busy, s.tree_slots, book.kv_held()) == (False, 0, 3)
+
+    run(body())
+
+
+def test_a_tree_past_the_context_limit_is_refused():
+    async def body():
+        book = TargetSessions(max_kv_tokens=100, context_limit=12)
+        book.open("a", prompt_len=9).set_busy(False)  # L = 8: a depth-4 node would sit at position 12
+        with pytest.raises(ValueError, match="tree: depth 4 after 9 committed tokens passes the context limit of 12"):
+            book.begin_verify("a", CHAIN_4, b"chain")
+        assert book.begin_verify("a", FAN_4, b"fan") is FAN_4  # depth 1 fits
+
+    run(body())
+
+
+def test_release_wakes_a_waiting_retry():
+    async def body():
+        book = TargetSessions(max_kv_tokens=100, context_limit=64)
+        book.open("a", prompt_len=4).set_busy(False)
+        book.begin_verify("a", FAN_4, b"t1")
+        retry = asyncio.ensure_future(book.claim_verify("a", FAN_4, b"t1"))
+        await asyncio.sleep(0.02)
+        assert book.release("a") is not None and book.release("a") is None
+        with pytest.raises(UnknownSessionError):
+            await retry
+        assert len(book) == 0 and book.kv_held() == 0
+
+    run(body())
+
+
+def test_the_reaper_releases_idle_sessions_only():
+    async def body():
+        book = TargetSessions(max_kv_tokens=100, context_limit=64, idle_s=10.0)
+        idle, busy, fresh = book.open("idle", 5), book.open("busy", 5), book.open("fresh", 5)
+        idle.set_busy(False)
+        fresh.set_busy(False)
+        now = time.monotonic()
+        idle.last_used = busy.last_used = now - 11.0  # busy: a long prefill, never reaped
+        assert book.reap(now) == ["idle"]
+        assert sorted(book.sessions) == ["busy", "fresh"] and idle.idle.is_set()
+        assert book.reap(now + 10.5) == ["fresh"]  # untouched for 10.5 s > idle_s
+        assert list(book.sessions) == ["busy"] and book.kv_held() == 4
+
+    run(body())
+
+
+def test_the_reaper_loop_frees_the_kv_of_an_abandoned_session():
+    async def body():
+        book = TargetSessions(max_kv_tokens=100, context_limit=64, idle_s=0.1)  # checks every 0.05 s
+        book.open("gone", 5).set_busy(False)
+        kept = book.open("kept", 5)
+        kept.set_busy(False)
+        released: list[str] = []
+        reaper = asyncio.ensure_future(book.reap_idle(released.append))
+        for _ in range(8):
+            await asyncio.sleep(0.04)
+            kept.set_busy(False)  # touched: stays
+        reaper.cancel()
+        assert released == ["gone"] and list(book.sessions) == ["kept"]
+
+    run(body())
