@@ -1,7 +1,8 @@
 """Draft service gRPC server (protos/specdec/v1/draft.proto): one bidirectional Session stream per request.
 
-    python -m draft_service.server --config deploy/specdec.yaml [--port 0] [--host H] [--draft DIR] [--dtype float32]
-                                   [--device cpu|cuda]
+    specdec draft-server --config deploy/specdec.yaml [--port 0] [--draft DIR] ...   (or python -m draft_service)
+
+The command line is ``draft_service.cli``; ``run(config_path, overrides)`` is its entry here.
 
 Prints ``draft-service ready on <host>:<port>`` once serving; SIGTERM/SIGINT drain and exit 0.
 
@@ -21,17 +22,20 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import sys
 import time
 from dataclasses import dataclass
+from typing import Mapping
 
 import grpc
+import torch
 
 from draft_service.runtime import DraftRuntime
 from specdec.config import ConfigError, DraftServerConfig, ServeConfig, load_config
 from specdec.grpc_host import ServiceHost, abort_for
+from specdec.model_setup import load_draft, target_info
 from specdec.model_worker import ModelWorker
-from specdec.process_entry import check_device, configure_logging, fail, server_arg_parser, server_overrides
+from specdec.models import ModelError
+from specdec.process_entry import check_device, configure_logging, fail
 from specdec.sampling import SamplingParamsError
 from specdec.service_errors import CapacityError
 from specdec.telemetry import setup_tracing, shutdown_tracing, tracer
@@ -221,13 +225,8 @@ def serve(config: ServeConfig) -> int:
     """Load the draft model of ``config.models`` (checked against the target's tokenizer and config,
     without the target's weights) and serve it; returns the exit code (0, or 2 with a message on
     stderr naming the field for a bad model or an unusable address)."""
-    from specdec.model_setup import load_draft, target_info
-    from specdec.models import ModelError
-
     configure_logging()
     if config.models.threads:
-        import torch
-
         torch.set_num_threads(config.models.threads)
     setup_tracing("draft-service")
     try:
@@ -243,21 +242,12 @@ def serve(config: ServeConfig) -> int:
     return 0
 
 
-def run(config_path: str | None = None, port: int | None = None, host: str | None = None, target: str | None = None,
-        draft: str | None = None, dtype: str | None = None, device: str | None = None) -> int:
-    """Load the config (YAML + flag overrides) and serve; returns the exit code."""
+def run(config_path: str | None = None, overrides: Mapping[str, object] | None = None) -> int:
+    """Load the config (YAML, then ``overrides``: dotted fields such as {"draft.port": 0}, None = keep
+    the file's value) and serve; returns the exit code."""
     try:
-        config = load_config(config_path, server_overrides("draft", port, host, target, draft, dtype, device))
+        config = load_config(config_path, dict(overrides or {}))
         check_device(config.models.device)
     except (ConfigError, ValueError) as exc:
         return fail(str(exc))
     return serve(config)
-
-
-def main(argv=None) -> int:
-    args = server_arg_parser("python -m draft_service.server", "specdec draft service (gRPC)", device=True).parse_args(argv)
-    return run(args.config, args.port, args.host, args.target, args.draft, args.dtype, args.device)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,9 +10,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from draft_service.cli import draft_server
 from specdec.models import ModelError
+from specdec.process_entry import CONFIG_HELP
 from specdec.sampling import SamplingParams, SamplingParamsError
 from specdec.tree_spec import DEFAULT_SPEC, TreeSpecError, parse_tree_spec
+from target_service.cli import target_server
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Tree speculative decoding (draft + target).")
 err = Console(stderr=True)
@@ -185,40 +188,8 @@ def bench(
         fail(str(exc))
 
 
-_CONFIG_HELP = "Service config YAML (default: built-in defaults)."
-
-
-@app.command("draft-server")
-def draft_server(
-    config: Optional[Path] = typer.Option(None, help=_CONFIG_HELP),
-    port: Optional[int] = typer.Option(None, help="Listen port (0 = ephemeral); overrides draft.port."),
-    host: Optional[str] = typer.Option(None, help="Listen address; overrides draft.host."),
-    target: Optional[str] = typer.Option(None, help="Target model (its tokenizer and config only); overrides models.target."),
-    draft: Optional[str] = typer.Option(None, help="Draft model; overrides models.draft."),
-    dtype: Optional[str] = typer.Option(None, help="auto, float32, bfloat16 or float16; overrides models.dtype."),
-    device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N; overrides models.device."),
-) -> None:
-    """Serve the draft model over gRPC (DraftService, health, reflection) until SIGTERM."""
-    from draft_service.server import run
-
-    raise typer.Exit(run(str(config) if config else None, port, host, target, draft, dtype, device))
-
-
-@app.command("target-server")
-def target_server(
-    config: Optional[Path] = typer.Option(None, help=_CONFIG_HELP),
-    port: Optional[int] = typer.Option(None, help="Listen port (0 = ephemeral); overrides target.port."),
-    host: Optional[str] = typer.Option(None, help="Listen address; overrides target.host."),
-    target: Optional[str] = typer.Option(None, help="Target model; overrides models.target."),
-    dtype: Optional[str] = typer.Option(None, help="auto, float32, bfloat16 or float16; overrides models.dtype."),
-    device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (with --tp N, rank r uses cuda:r); overrides models.device."),
-    tp: Optional[int] = typer.Option(None, help="Tensor-parallel ranks (processes) serving the target, >= 1; overrides target.tp."),
-) -> None:
-    """Serve the target model over gRPC (TargetService, health, reflection) until SIGTERM; with
-    --tp N > 1 over N tensor-parallel rank processes."""
-    from target_service.server import run
-
-    raise typer.Exit(run(str(config) if config else None, port, host, target, None, dtype, device, tp))
+app.command("draft-server")(draft_server)  # the same command as ``python -m draft_service``
+app.command("target-server")(target_server)  # the same command as ``python -m target_service``
 
 
 def _generate_remote(server, prompt, prompt_file, tree, max_new_tokens, temperature, top_p, top_k, seed, stop, no_spec, raw):
@@ -242,7 +213,7 @@ def _generate_remote(server, prompt, prompt_file, tree, max_new_tokens, temperat
 
 @app.command()
 def front(
-    config: Optional[Path] = typer.Option(None, help=_CONFIG_HELP),
+    config: Optional[Path] = typer.Option(None, help=CONFIG_HELP),
     port: Optional[int] = typer.Option(None, help="Listen port (0 = ephemeral); overrides front.port."),
     host: Optional[str] = typer.Option(None, help="Listen address; overrides front.host."),
     target: Optional[str] = typer.Option(None, help="Target model directory, for the tokenizer; overrides models.target."),
@@ -254,13 +225,15 @@ def front(
     """Serve the public GenerationService (orchestrator on Ray) until SIGTERM."""
     from orchestrator.front import run
 
-    raise typer.Exit(run(str(config) if config else None, port, host, target, draft_address, target_address,
-                         False if no_ray else None, ray_address))
+    overrides = {"front.port": port, "front.host": host, "models.target": target, "front.draft_address": draft_address,
+                 "front.target_address": target_address, "front.use_ray": False if no_ray else None,
+                 "front.ray_address": ray_address}
+    raise typer.Exit(run(str(config) if config else None, overrides))
 
 
 @app.command()
 def serve(
-    config: Optional[Path] = typer.Option(None, help=_CONFIG_HELP),
+    config: Optional[Path] = typer.Option(None, help=CONFIG_HELP),
     target: Optional[str] = typer.Option(None, help="Target model; overrides models.target."),
     draft: Optional[str] = typer.Option(None, help="Draft model; overrides models.draft."),
     dtype: Optional[str] = typer.Option(None, help="auto, float32, bfloat16 or float16; overrides models.dtype."),

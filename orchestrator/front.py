@@ -376,17 +376,15 @@ def run_front(config: ServeConfig) -> int:
     return asyncio.run(serve_front(config))
 
 
-def run(config_path: str | None = None, port: int | None = None, host: str | None = None, target: str | None = None,
-        draft_address: str | None = None, target_address: str | None = None, use_ray: bool | None = None,
-        ray_address: str | None = None) -> int:
-    """Load the config (YAML + flag overrides) and serve the front; returns the exit code."""
+def run(config_path: str | None = None, overrides: dict | None = None) -> int:
+    """Load the config (YAML, then ``overrides``: dotted fields such as {"front.port": 0}, None = keep
+    the file's value) and serve the front; returns the exit code. The command line is ``specdec
+    front`` (orchestrator.cli; also ``python -m orchestrator front``)."""
     from specdec.config import ConfigError, load_config
     from specdec.process_entry import fail
 
-    overrides = {"front.port": port, "front.host": host, "models.target": target, "front.draft_address": draft_address,
-                 "front.target_address": target_address, "front.use_ray": use_ray, "front.ray_address": ray_address}
     try:
-        config = load_config(config_path, overrides)
+        config = load_config(config_path, dict(overrides or {}))
         tokenizer_dir(config)  # fails early (exit 2) for an unknown model directory
     except (ConfigError, ValueError) as exc:
         return fail(str(exc))
@@ -395,22 +393,3 @@ def run(config_path: str | None = None, port: int | None = None, host: str | Non
     except grpc.aio.AioRpcError as exc:
         return fail(f"front: cannot reach the target service at {config.front.target_address} ({exc.code().name})")
     return 0
-
-
-def main(argv=None) -> int:
-    from specdec.process_entry import server_arg_parser
-
-    parser = server_arg_parser("python -m orchestrator.front", "specdec generation front + orchestrator (gRPC)")
-    parser.add_argument("--draft-address", help="draft service host:port (front.draft_address)")
-    parser.add_argument("--target-address", help="target service host:port (front.target_address)")
-    parser.add_argument("--no-ray", action="store_true", help="run requests in this process instead of Ray actors")
-    parser.add_argument("--ray-address", help="attach to this Ray cluster ('auto' inside one)")
-    args = parser.parse_args(argv)
-    return run(args.config, args.port, args.host, args.target, args.draft_address, args.target_address,
-               False if args.no_ray else None, args.ray_address)
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(main())

@@ -110,16 +110,18 @@ def serve(config_path: str | None, flags: list[str], tp: int | None = None, no_r
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     env = dict(os.environ)
     try:
-        draft = start_child("draft-service", "draft_service.server", [*config_args, *flags], env)
+        # the children run the same typer commands as ``specdec draft-server`` / ``target-server`` / ``front``
+        draft = start_child("draft-service", "draft_service", [*config_args, *flags], env)
         children.append(draft)
-        target = start_child("target-service", "target_service.server",
-                             [*config_args, *flags, *(["--tp", str(tp)] if tp else [])], env)
+        target_flags = _model_flags(flags, "--target", "--dtype")  # the target server takes no --draft
+        target = start_child("target-service", "target_service",
+                             [*config_args, *target_flags, *(["--tp", str(tp)] if tp else [])], env)
         children.append(target)
         draft_addr, target_addr = wait_ready(draft, stop=stop), wait_ready(target, stop=stop)
-        front_flags = _model_flag(flags, "--target")  # the front loads only the tokenizer
-        front = start_child("generation-front", "orchestrator.front",
-                            [*config_args, *front_flags, "--draft-address", draft_addr, "--target-address", target_addr,
-                             *(["--no-ray"] if no_ray else [])], env)
+        front_flags = _model_flags(flags, "--target")  # the front loads only the tokenizer
+        front = start_child("generation-front", "orchestrator",
+                            ["front", *config_args, *front_flags, "--draft-address", draft_addr,
+                             "--target-address", target_addr, *(["--no-ray"] if no_ray else [])], env)
         children.append(front)
         wait_ready(front, stop=stop)
     except LaunchError as exc:
@@ -140,9 +142,12 @@ def serve(config_path: str | None, flags: list[str], tp: int | None = None, no_r
     return 0
 
 
-def _model_flag(flags: list[str], name: str) -> list[str]:
-    """The ``name VALUE`` pair from flags, if present."""
-    for i, flag in enumerate(flags[:-1]):
-        if flag == name:
-            return [name, flags[i + 1]]
-    return []
+def _model_flags(flags: list[str], *names: str) -> list[str]:
+    """The ``name VALUE`` pairs of ``names`` present in flags, in the order of ``names``."""
+    picked = []
+    for name in names:
+        for i, flag in enumerate(flags[:-1]):
+            if flag == name:
+                picked += [name, flags[i + 1]]
+                break
+    return picked

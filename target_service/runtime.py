@@ -170,8 +170,22 @@ class TargetRuntime:
         when a uniform falls within ~1e-6 of a CDF boundary.
         """
         results: list[VerifyResult | Exception | None] = [None] * len(items)
+        batch = self._check_batch(items, results)
+        if len(batch) == 1:
+            index, session_id, _, tree = batch[0]
+            try:
+                results[index] = self.verify(session_id, tree)
+            except Exception as error:  # noqa: BLE001 - returned in its slot, as documented
+                results[index] = error
+        elif batch:
+            self._verify_together(batch, results)
+        return results  # type: ignore[return-value]
+
+    def _check_batch(self, items, results: list) -> list[tuple[int, str, TargetSession, DraftTree]]:
+        """The verifiable items as (item index, session id, session, tree); each refused item's
+        error goes to its slot of ``results``."""
         first_at: dict = {}
-        batch: list[tuple[int, str, TargetSession, DraftTree]] = []  # (item index, session id, session, tree)
+        batch: list[tuple[int, str, TargetSession, DraftTree]] = []
         for index, item in enumerate(items):
             try:
                 session_id, tree = self._batch_item(item)
@@ -184,30 +198,26 @@ class TargetRuntime:
                 batch.append((index, session_id, self._verifiable(session_id, tree), tree))
             except (UnknownSessionError, SessionStateError, MalformedTreeError, TypeError) as error:
                 results[index] = error
-        if len(batch) == 1:
-            index, session_id, _, tree = batch[0]
+        return batch
+
+    def _verify_together(self, batch: list[tuple[int, str, TargetSession, DraftTree]], results: list) -> None:
+        """One forward over B >= 2 sessions' trees; each item's result (or error) goes to its slot."""
+        sessions = [s for _, _, s, _ in batch]
+        trees = [tree for _, _, _, tree in batch]
+        for s in sessions:
+            truncate_kv(s.cache, s.cache_len)  # drop the slots of an earlier verify that failed mid-way
+        lengths = [s.cache_len for s in sessions]
+        stacked = stack_kv([s.cache for s in sessions], lengths, self.model.config)  # (B, H, S, D)
+        ids, positions, mask = batched_tree_inputs([s.root for s in sessions], trees, lengths, self.model.dtype)
+        logits = model_forward_batch(self.model, stacked, ids, positions, mask)  # (B, Q, V)
+        width = max(lengths)
+        for row, (index, _, s, tree) in enumerate(batch):
             try:
-                results[index] = self.verify(session_id, tree)
-            except Exception as error:  # noqa: BLE001 - returned in its slot, as documented
+                append_kv_row(s.cache, stacked, row, width, tree.size + 1)
+                results[index] = self._accept(s, tree, logits[row, : tree.size + 1])
+            except Exception as error:  # noqa: BLE001 - one item's failure must not affect the others
                 results[index] = error
-        elif batch:
-            sessions = [s for _, _, s, _ in batch]
-            trees = [tree for _, _, _, tree in batch]
-            for s in sessions:
-                truncate_kv(s.cache, s.cache_len)  # drop the slots of an earlier verify that failed mid-way
-            lengths = [s.cache_len for s in sessions]
-            stacked = stack_kv([s.cache for s in sessions], lengths, self.model.config)  # (B, H, S, D)
-            ids, positions, mask = batched_tree_inputs([s.root for s in sessions], trees, lengths, self.model.dtype)
-            logits = model_forward_batch(self.model, stacked, ids, positions, mask)  # (B, Q, V)
-            width = max(lengths)
-            for row, (index, _, s, tree) in enumerate(batch):
-                try:
-                    append_kv_row(s.cache, stacked, row, width, tree.size + 1)
-                    results[index] = self._accept(s, tree, logits[row, : tree.size + 1])
-                except Exception as error:  # noqa: BLE001 - one item's failure must not affect the others
-                    results[index] = error
-            del stacked
-        return results  # type: ignore[return-value]
+        del stacked
 
     @staticmethod
     def _batch_item(item) -> tuple[str, DraftTree]:

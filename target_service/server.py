@@ -1,8 +1,9 @@
 """Target service gRPC server (protos/specdec/v1/target.proto): Prefill, Verify, VerifyBatch, Commit,
 Release, Info over a target runtime.
 
-    python -m target_service.server --config deploy/specdec.yaml [--port 0] [--host H] [--target DIR] [--dtype float32]
-                                    [--device cpu|cuda] [--tp N]
+    specdec target-server --config deploy/specdec.yaml [--port 0] [--tp N] ...   (or python -m target_service)
+
+The command line is ``target_service.cli``; ``run(config_path, overrides)`` is its entry here.
 
 Prints ``target-service ready on <host>:<port>`` once serving; SIGTERM/SIGINT drain and exit 0.
 
@@ -42,16 +43,19 @@ import asyncio
 import functools
 import logging
 import signal
-import sys
+from typing import Mapping
 
 import grpc
+import torch
 from grpc_health.v1 import health_pb2
 
 from specdec.config import ConfigError, ServeConfig, TargetServerConfig, load_config
 from specdec.grpc_host import ServiceHost, deadline_of, rpc_errors, status_for
 from specdec.interfaces import SessionStateError, VerifyResult
+from specdec.model_setup import load_target, resolve_dtype, target_info
 from specdec.model_worker import ModelWorker
-from specdec.process_entry import check_device, configure_logging, fail, server_arg_parser, server_overrides
+from specdec.models import ModelError
+from specdec.process_entry import check_device, configure_logging, fail
 from specdec.sampling import SamplingParamsError
 from specdec.telemetry import setup_tracing, shutdown_tracing, tracer
 from specdec.tree import DraftTree, MalformedTreeError
@@ -60,7 +64,7 @@ from specdec.wire import sampling_from_proto, tree_from_proto
 from target_service.batcher import BatchedVerify, VerifyBatcher
 from target_service.runtime import TargetRuntime
 from target_service.sessions import SessionExistsError, SessionSlots, TargetSessions
-from target_service.tp import RankFailureError, TensorParallelTarget
+from target_service.tp import RankFailureError, TensorParallelTarget, build_target
 
 log = logging.getLogger(__name__)
 
@@ -303,34 +307,20 @@ def serve(config: ServeConfig) -> int:
     ``target.tp`` > 1: a TensorParallelTarget over that many rank processes, closed (ranks stopped)
     after the server has drained, whatever ends it. A SIGTERM during loading stops cleanly (exit 0).
     """
-    from specdec.models import ModelError
-
     configure_logging()
     try:
         check_device(config.models.device)
     except ValueError as exc:
         return fail(str(exc))
     if config.models.threads:
-        import torch
-
         torch.set_num_threads(config.models.threads)
     setup_tracing("target-service")
     previous = signal.signal(signal.SIGTERM, _terminate)
     runtime = None
     try:
-        if config.target.tp > 1:
-            runtime, info = _start_tensor_parallel(config)
-            context_limit, eos, name = info.context_limit, info.eos_token_ids, info.name
-        else:
-            from specdec.model_setup import load_target
-
-            loaded = load_target(config.models, label="models.target")
-            runtime = TargetRuntime(loaded.model, max_tree_nodes=config.target.max_tree_nodes)
-            context_limit, eos, name = loaded.context_limit, loaded.eos_token_ids, loaded.name
+        runtime, context_limit, eos, name = _load_target(config)
         asyncio.run(serve_runtime(config, runtime, context_limit=context_limit, eos_token_ids=eos, model_name=name))
-    except ModelError as exc:
-        return fail(str(exc))
-    except _StartError as exc:
+    except (ModelError, _StartError) as exc:
         return fail(str(exc))
     except OSError as exc:
         return fail(f"target.host / target.port: {exc}")
@@ -344,12 +334,20 @@ def serve(config: ServeConfig) -> int:
     return 0
 
 
+def _load_target(config: ServeConfig):
+    """(runtime, context limit, EOS ids, model name): a TargetRuntime over the loaded model, or with
+    ``target.tp`` > 1 a TensorParallelTarget whose ranks load it. Raises ModelError or _StartError."""
+    if config.target.tp > 1:
+        runtime, info = _start_tensor_parallel(config)
+        return runtime, info.context_limit, info.eos_token_ids, info.name
+    loaded = load_target(config.models, label="models.target")
+    runtime = TargetRuntime(loaded.model, max_tree_nodes=config.target.max_tree_nodes)
+    return runtime, loaded.context_limit, loaded.eos_token_ids, loaded.name
+
+
 def _start_tensor_parallel(config: ServeConfig):
     """(TensorParallelTarget, TargetInfo) for ``config.target.tp`` ranks; raises ModelError or
     _StartError naming the field (``target.tp``, ``models.device``, ``models.target``)."""
-    from specdec.model_setup import resolve_dtype, target_info
-    from target_service.tp import build_target
-
     models, tp = config.models, config.target.tp
     info = target_info(models, label="models.target")  # config + tokenizer only: the ranks load the weights
     try:
@@ -370,21 +368,11 @@ def _start_tensor_parallel(config: ServeConfig):
     return runtime, info
 
 
-def run(config_path: str | None = None, port: int | None = None, host: str | None = None, target: str | None = None,
-        draft: str | None = None, dtype: str | None = None, device: str | None = None, tp: int | None = None) -> int:
-    """Load the config (YAML + flag overrides) and serve; returns the exit code."""
+def run(config_path: str | None = None, overrides: Mapping[str, object] | None = None) -> int:
+    """Load the config (YAML, then ``overrides``: dotted fields such as {"target.tp": 2}, None = keep
+    the file's value) and serve; returns the exit code."""
     try:
-        config = load_config(config_path, server_overrides("target", port, host, target, draft, dtype, device, tp))
+        config = load_config(config_path, dict(overrides or {}))
     except ConfigError as exc:
         return fail(str(exc))
     return serve(config)
-
-
-def main(argv=None) -> int:
-    args = server_arg_parser("python -m target_service.server", "specdec target service (gRPC)",
-                             device=True, tp=True).parse_args(argv)
-    return run(args.config, args.port, args.host, args.target, args.draft, args.dtype, args.device, args.tp)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

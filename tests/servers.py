@@ -2,12 +2,13 @@
 
     pair = save_tiny_pair(tmp_path)                        # target + draft dirs (seeded, tokenizer included)
     config = write_config(tmp_path / "serve.yaml", pair, target={"max_batch": 4})
-    with running_service("target", config) as target:      # python -m target_service.server, port 0
+    with running_service("target", config) as target:      # python -m target_service, port 0
         channel = grpc.aio.insecure_channel(target.address)  # e.g. "127.0.0.1:43817"
     # leaving the block sends SIGTERM and waits for the exit (target.returncode)
 
-Kinds: "draft" (draft_service.server), "target" (target_service.server). A server that does not print
-its ready line in time, or exits first, fails the test with its stderr.
+Kinds: "draft" (python -m draft_service), "target" (python -m target_service), "front" (python -m
+orchestrator front). A server that does not print its ready line in time, or exits first, fails the
+test with its stderr.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 import yaml
 
 CORPUS = ["the quick brown fox jumps over the lazy dog", "def add(a, b):\n    return a + b", "hello world"]
-MODULES = {"draft": "draft_service.server", "target": "target_service.server", "front": "orchestrator.front"}
+MODULES = {"draft": ["draft_service"], "target": ["target_service"], "front": ["orchestrator", "front"]}  # python -m ...
 ROOT = Path(__file__).resolve().parent.parent
 _READY = re.compile(r"^(?P<name>\S+) ready on (?P<host>\S+):(?P<port>\d+)$")
 
@@ -120,7 +121,7 @@ class Service:
 def server_command(kind: str, config_path, **flags) -> list[str]:
     """argv of ``python -m <server> --config FILE --port 0 [--flag value ...]`` (flags: port, host, target, draft, dtype)."""
     flags.setdefault("port", 0)
-    argv = [sys.executable, "-m", MODULES[kind], "--config", str(config_path)]
+    argv = [sys.executable, "-m", *MODULES[kind], "--config", str(config_path)]
     for name, value in flags.items():
         name = name.replace("_", "-")
         if value is True:

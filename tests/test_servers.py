@@ -616,11 +616,11 @@ def test_bad_config_and_unknown_model_exit_2(kind, tmp_path, pair):
 
     bad = tmp_path / "bad.yaml"
     bad.write_text(f"{kind}:\n  port: 70000\n")
-    proc = subprocess.run([sys.executable, "-m", f"{kind}_service.server", "--config", str(bad)],
+    proc = subprocess.run([sys.executable, "-m", f"{kind}_service", "--config", str(bad)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and f"{kind}.port" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     config = write_config(tmp_path / "ok.yaml", pair)
-    proc = subprocess.run([sys.executable, "-m", f"{kind}_service.server", "--config", str(config),
+    proc = subprocess.run([sys.executable, "-m", f"{kind}_service", "--config", str(config),
                            f"--{kind}", str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and f"models.{kind}" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 

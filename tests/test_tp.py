@@ -18,7 +18,7 @@ Each TensorParallelTarget spawns its ranks (~10 s on the 2-core machine): one sh
 equality tests, one for the killed rank, one for pre-packed shards followed by the stuck rank.
 
 The target service with ``--tp 2`` (real subprocesses, tiny saved pair of tests/servers.py; both
-entry points, started together, ~15 s): ``python -m target_service.server`` serves a greedy
+entry points, started together, ~15 s): ``python -m target_service`` serves a greedy
 speculative generation over gRPC equal to the target alone, Info reports tensor_parallel 2, then a
 SIGKILLed rank makes the next Verify UNAVAILABLE within a deadline, health turns NOT_SERVING and
 SIGTERM still exits 0; ``specdec target-server --tp 2`` (spawn from the console script) verifies
@@ -358,14 +358,14 @@ def test_prepacked_tied_shards_match_unsharded_then_a_stuck_rank_fails(tmp_path)
 
 
 # ------------------------------------------------------------------------------------------------
-# The target service with --tp: python -m target_service.server and specdec target-server
+# The target service with --tp: python -m target_service and specdec target-server
 # ------------------------------------------------------------------------------------------------
 
 _SPECDEC = Path(sys.executable).parent / "specdec"  # the console script (spawn re-runs it as __mp_main__)
 ENTRY = {
-    "module": [sys.executable, "-m", "target_service.server"],
+    "module": [sys.executable, "-m", "target_service"],
     "cli": [str(_SPECDEC), "target-server"] if _SPECDEC.exists() else [sys.executable, "-m", "orchestrator.cli", "target-server"],
-    "draft-module": [sys.executable, "-m", "draft_service.server"],
+    "draft-module": [sys.executable, "-m", "draft_service"],
 }
 _RANK_PIDS = re.compile(r"tensor-parallel ranks started: .*pids \[(?P<pids>[\d, ]+)\]")
 

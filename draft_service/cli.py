@@ -1,0 +1,42 @@
+"""The draft service's command line (typer): ``specdec draft-server`` and ``python -m draft_service``
+run this one command, so each flag is written once.
+
+    specdec draft-server --config deploy/specdec.yaml [--port 0] [--host H] [--target DIR] [--draft DIR]
+                         [--dtype float32] [--device cpu|cuda]
+
+Each flag overrides one field of the YAML config (``specdec.config``); the server is
+``draft_service.server.run(config_path, overrides)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from specdec.process_entry import CONFIG_HELP
+
+
+def draft_server(
+    config: Optional[Path] = typer.Option(None, help=CONFIG_HELP),
+    port: Optional[int] = typer.Option(None, help="Listen port (0 = ephemeral); overrides draft.port."),
+    host: Optional[str] = typer.Option(None, help="Listen address; overrides draft.host."),
+    target: Optional[str] = typer.Option(None, help="Target model (its tokenizer and config only); overrides models.target."),
+    draft: Optional[str] = typer.Option(None, help="Draft model; overrides models.draft."),
+    dtype: Optional[str] = typer.Option(None, help="auto, float32, bfloat16 or float16; overrides models.dtype."),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N; overrides models.device."),
+) -> None:
+    """Serve the draft model over gRPC (DraftService, health, reflection) until SIGTERM."""
+    from draft_service.server import run  # here: grpc, torch and the models load only when serving
+
+    overrides = {"draft.port": port, "draft.host": host, "models.target": target, "models.draft": draft,
+                 "models.dtype": dtype, "models.device": device}
+    raise typer.Exit(run(str(config) if config else None, overrides))
+
+
+def main() -> None:
+    """``python -m draft_service``: the draft-server command alone."""
+    app = typer.Typer(add_completion=False)
+    app.command()(draft_server)
+    app(prog_name="python -m draft_service")

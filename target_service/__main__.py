@@ -1,0 +1,10 @@
+"""``python -m target_service [--config FILE] [flags]``: the same command as ``specdec target-server``.
+
+The guard matters: tensor-parallel ranks are spawned processes, which import this module again
+(as ``__mp_main__``) and must not serve.
+"""
+
+from target_service.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""The target service's command line (typer): ``specdec target-server`` and ``python -m
+target_service`` run this one command, so each flag is written once.
+
+    specdec target-server --config deploy/specdec.yaml [--port 0] [--host H] [--target DIR] [--dtype float32]
+                          [--device cpu|cuda] [--tp N]
+
+Each flag overrides one field of the YAML config (``specdec.config``); the server is
+``target_service.server.run(config_path, overrides)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from specdec.process_entry import CONFIG_HELP
+
+
+def target_server(
+    config: Optional[Path] = typer.Option(None, help=CONFIG_HELP),
+    port: Optional[int] = typer.Option(None, help="Listen port (0 = ephemeral); overrides target.port."),
+    host: Optional[str] = typer.Option(None, help="Listen address; overrides target.host."),
+    target: Optional[str] = typer.Option(None, help="Target model; overrides models.target."),
+    dtype: Optional[str] = typer.Option(None, help="auto, float32, bfloat16 or float16; overrides models.dtype."),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (with --tp N, rank r uses cuda:r); overrides models.device."),
+    tp: Optional[int] = typer.Option(None, help="Tensor-parallel ranks (processes) serving the target, >= 1; overrides target.tp."),
+) -> None:
+    """Serve the target model over gRPC (TargetService, health, reflection) until SIGTERM; with
+    --tp N > 1 over N tensor-parallel rank processes."""
+    from target_service.server import run  # here: grpc, torch and the model load only when serving
+
+    overrides = {"target.port": port, "target.host": host, "models.target": target, "models.dtype": dtype,
+                 "models.device": device, "target.tp": tp}
+    raise typer.Exit(run(str(config) if config else None, overrides))
+
+
+def main() -> None:
+    """``python -m target_service``: the target-server command alone."""
+    app = typer.Typer(add_completion=False)
+    app.command()(target_server)
+    app(prog_name="python -m target_service")
