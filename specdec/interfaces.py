@@ -45,20 +45,87 @@ class VerifyResult:
 
 
 class DraftWorker(Protocol):
-    def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None: ...
+    """The draft side of a round. In-process: ``draft_service.runtime.DraftRuntime``; over gRPC:
+    ``orchestrator.clients.DraftClient`` (the same methods, awaitable; every failure there raises
+    ``DraftUnavailableError`` and the request goes on without the draft).
 
-    def propose(self, session_id: str, spec: TreeSpec, max_depth: int) -> DraftTree: ...
+    Dims: T prompt tokens, N tree nodes, K tokens committed in a round, A accepted nodes.
+    """
 
-    def commit(self, session_id: str, tokens: list[int], accepted_nodes: list[int]) -> None: ...
+    def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> int | None:
+        """Open a session whose committed tokens are ``prompt_ids`` [T], T >= 1 (after a re-opened
+        draft: the prompt plus the tokens generated so far). ``sampling`` holds for every propose.
 
-    def release(self, session_id: str) -> None: ...
+        Returns the draft's context limit (max positions, tokens) when the worker knows it (the gRPC
+        client: the server's DraftStarted.context_limit), else None: the caller then uses the limit
+        it was given (``RoundController(draft_context_limit=...)``; the in-process runtime returns None).
+        """
+        ...
+
+    def propose(self, session_id: str, spec: TreeSpec, max_depth: int) -> DraftTree:
+        """Grow a tree after the session's committed tokens, as ``spec`` says, at most
+        min(spec.gamma, max_depth) deep (max_depth >= 1: the tokens the request may still commit,
+        less the bonus token).
+
+        Returns N nodes, parents before children, token ids below the vocabulary both models share;
+        N = 0 (the empty tree: a plain decoding step) when the draft cannot propose (a committed id
+        outside its vocabulary). A second propose before ``commit`` replaces the first (a retry).
+        Raises UnknownSessionError.
+        """
+        ...
+
+    def commit(self, session_id: str, tokens: list[int], accepted_nodes: list[int]) -> None:
+        """Append the round's committed tokens [K], K >= 1 (the accepted path's tokens and the bonus
+        token, cut short by a stop), whose first A <= K came from ``accepted_nodes`` [A] (node indices
+        of the last proposed tree, root side first). The draft keeps the KV of the accepted nodes it
+        fed and drops the rest of the tree. Raises UnknownSessionError.
+        """
+        ...
+
+    def release(self, session_id: str) -> None:
+        """Free the session and its KV; an unknown id is a no-op."""
+        ...
 
 
 class TargetWorker(Protocol):
-    def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None: ...
+    """The target side of a round. In-process: ``target_service.runtime.TargetRuntime`` (or the
+    tensor-parallel ``target_service.tp.TensorParallelTarget``); over gRPC:
+    ``orchestrator.clients.TargetClient`` (the same methods, awaitable; errors arrive as
+    ``grpc.aio.AioRpcError`` with the status the server maps them to). A runtime may also offer
+    ``verify_batch(items)`` (several sessions in one forward), which the target server's batcher uses.
 
-    def verify(self, session_id: str, tree: DraftTree) -> VerifyResult: ...
+    Dims: T prompt tokens, N tree nodes, A accepted nodes, L cached slots.
+    """
 
-    def commit(self, session_id: str, num_tokens: int) -> None: ...
+    def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        """Open a session: prefill ``prompt_ids`` [T], T >= 1, but the last token, which becomes the
+        root R (L = T - 1). ``sampling`` holds for every verify. Raises ValueError for an empty prompt.
 
-    def release(self, session_id: str) -> None: ...
+        Returns None: the target's context limit is fixed for the worker (the caller's
+        ``context_limit``; over gRPC, ``TargetClient.info()``).
+        """
+        ...
+
+    def verify(self, session_id: str, tree: DraftTree) -> VerifyResult:
+        """Verify a tree of N >= 0 nodes (N = 0: one plain decoding step) in one forward over
+        [R, node 0..N-1]; the cache grows by N + 1 slots until ``commit``.
+
+        Returns accepted_nodes [A] and tokens [A + 1] (the bonus token last), pending until commit.
+        Raises UnknownSessionError, SessionStateError (a verify is still uncommitted) or
+        MalformedTreeError (structure, ids outside the vocabulary, too many nodes).
+        """
+        ...
+
+    def commit(self, session_id: str, num_tokens: int) -> None:
+        """Commit the first ``num_tokens`` tokens of the pending result, 1 <= num_tokens <= A + 1
+        (fewer after a stop): the cache keeps R and the committed accepted nodes (L grows by
+        num_tokens) and the last committed token becomes the new R.
+
+        Raises UnknownSessionError, SessionStateError (no pending verify) or ValueError (num_tokens
+        out of range).
+        """
+        ...
+
+    def release(self, session_id: str) -> None:
+        """Free the session and its KV; an unknown id is a no-op."""
+        ...
