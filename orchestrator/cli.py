@@ -11,6 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 from draft_service.cli import draft_server
+from orchestrator.launcher import serve as launch
+from specdec.config import ConfigError, load_config
 from specdec.models import ModelError
 from specdec.process_entry import CONFIG_HELP
 from specdec.sampling import SamplingParams, SamplingParamsError
@@ -243,9 +245,6 @@ def serve(
     """Start the draft service, the target service and the generation front on this machine.
 
     Prints one line per service (name and host:port) once it is ready; SIGTERM or Ctrl-C stops all three."""
-    from orchestrator.launcher import serve as launch
-    from specdec.config import ConfigError, load_config
-
     try:
         check_positive(tp=tp)
         cfg = load_config(config, {"target.tp": tp})

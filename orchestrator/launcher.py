@@ -20,6 +20,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from specdec.process_entry import fail
+
 READY_TIMEOUT_S = 900.0  # the default pair is converted from GGUF on first use (minutes)
 
 
@@ -101,8 +103,6 @@ def serve(config_path: str | None, flags: list[str], tp: int | None = None, no_r
 
     flags: model flags passed to every child (--target DIR, --draft DIR, --dtype D).
     """
-    from specdec.process_entry import fail
-
     config_args = ["--config", config_path] if config_path else []
     children: list[Child] = []
     stop = threading.Event()

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from specdec.config import ModelsConfig
 from specdec.cpu_linear import default_cpu_dtype, prepack_linears
@@ -143,10 +145,6 @@ def target_info(models: ModelsConfig, label: str = "--target") -> TargetInfo:
 
     Raises ModelError naming ``label``.
     """
-    from types import SimpleNamespace
-
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
     model_dir = resolve_model_dir(models.target, DEFAULT_TARGET, label)
     try:
         config = AutoConfig.from_pretrained(model_dir)
