@@ -101,7 +101,8 @@ def serve(config_path: str | None, flags: list[str], tp: int | None = None, no_r
           grace_s: float = 10.0) -> int:
     """Run the three services until SIGTERM/SIGINT; returns the exit code.
 
-    flags: model flags passed to every child (--target DIR, --draft DIR, --dtype D).
+    flags: model flags (--target DIR, --draft DIR, --dtype D), each passed to the children that take it
+    (the draft all three, the target --target and --dtype, the front --target).
     """
     config_args = ["--config", config_path] if config_path else []
     children: list[Child] = []
