@@ -17,7 +17,10 @@ import os
 import ray
 
 from orchestrator.controller import GenerationRequest
+from orchestrator.service import build_orchestrator, stats_dict
+from specdec.config import ServeConfig
 from specdec.sampling import SamplingParams
+from specdec.telemetry import setup_tracing
 from specdec.tree_spec import TreeSpec
 
 log = logging.getLogger(__name__)
@@ -52,10 +55,6 @@ class OrchestratorActor:
     """Hosts an orchestrator.service.Orchestrator (gRPC clients + round controller)."""
 
     def __init__(self, config_json: str, tokenizer_dir: str | None):
-        from orchestrator.front import build_orchestrator
-        from specdec.config import ServeConfig
-        from specdec.telemetry import setup_tracing
-
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         setup_tracing("specdec-orchestrator", simple=True)
         self.config = ServeConfig.model_validate_json(config_json)
@@ -74,8 +73,6 @@ class OrchestratorActor:
         """Yields (tokens, round record | None, stats dict | None) per round, then the final stats."""
         if self.orchestrator.controller is None:  # a restarted actor connects on its first request
             await self.orchestrator.connect()
-        from orchestrator.service import stats_dict
-
         async for chunk in self.orchestrator.stream(request_from_dict(request), request_id, timeout_s, carrier):
             yield chunk.tokens, chunk.round, stats_dict(chunk.stats) if chunk.stats is not None else None
 

@@ -5,6 +5,9 @@ request and yields its committed tokens round by round, then its final statistic
 class: the front runs it in-process (``front.use_ray: false``) or inside Ray actors
 (``orchestrator.actors``), where each actor serves many requests at once and no request's rounds
 wait for another's.
+
+The wiring of a served orchestrator (``build_orchestrator``: tokenizer for stop strings, control
+policies from the config) lives here too, so the front and the Ray actors build it the same way.
 """
 
 from __future__ import annotations
@@ -19,9 +22,14 @@ from typing import AsyncIterator
 
 import grpc
 from opentelemetry import propagate, trace
+from transformers import AutoTokenizer
 
 from orchestrator.clients import DraftClient, TargetClient, channel_options, request_deadline
 from orchestrator.controller import GenerationRequest, GenerationStats, RoundController
+from orchestrator.policy import RequestControl
+from specdec.config import ServeConfig
+from specdec.models import DEFAULT_TARGET, resolve_model_dir
+from specdec.tree_spec import MAX_TREE_NODES
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("specdec.orchestrator")
@@ -165,3 +173,31 @@ class Orchestrator:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         return True
+
+
+# --------------------------------------------------------------------------- wiring from the config
+
+
+def tokenizer_dir(config: ServeConfig) -> str:
+    """Where the front's tokenizer comes from: front.tokenizer, else models.target, else the default target."""
+    if config.front.tokenizer:
+        return config.front.tokenizer
+    return str(resolve_model_dir(config.models.target, DEFAULT_TARGET, "models.target"))
+
+
+def load_tokenizer(path: str):
+    return AutoTokenizer.from_pretrained(path)
+
+
+def control_factory(config: ServeConfig):
+    """(TreeSpec, max_nodes) -> per-request control policy from front.dynamic_gamma / front.fallback;
+    max_nodes: the target's tree limit (dynamic gamma never grows a tree past it)."""
+    front = config.front
+    return lambda spec, max_nodes=MAX_TREE_NODES: RequestControl(spec, front.dynamic_gamma, front.fallback, max_nodes=max_nodes)
+
+
+def build_orchestrator(config: ServeConfig, tok_dir: str | None) -> Orchestrator:
+    """An Orchestrator for this config (tokenizer for stop strings, control policies)."""
+    tokenizer = load_tokenizer(tok_dir) if tok_dir else None
+    decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer is not None else None
+    return Orchestrator(config.front, config.grpc, decode, control=control_factory(config))
