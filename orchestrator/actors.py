@@ -10,18 +10,15 @@ the process boundary.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 
 import ray
 
 from orchestrator.controller import GenerationRequest
-from orchestrator.service import build_orchestrator, stats_dict
+from orchestrator.service import build_orchestrator
 from specdec.config import ServeConfig
-from specdec.sampling import SamplingParams
 from specdec.telemetry import setup_tracing
-from specdec.tree_spec import TreeSpec
 
 log = logging.getLogger(__name__)
 
@@ -31,23 +28,6 @@ OTEL_PREFIXES = ("OTEL_",)
 def actor_env() -> dict[str, str]:
     """The OTEL_* variables of this process, for the actors' runtime_env (traces go where ours go)."""
     return {k: v for k, v in os.environ.items() if k.startswith(OTEL_PREFIXES)}
-
-
-def request_to_dict(request: GenerationRequest) -> dict:
-    return {
-        "prompt_ids": list(request.prompt_ids), "max_new_tokens": request.max_new_tokens,
-        "stop_strings": list(request.stop_strings),
-        "spec": request.spec.model_dump(mode="json", by_alias=True) if request.spec is not None else None,
-        "sampling": dataclasses.asdict(request.sampling),
-    }
-
-
-def request_from_dict(data: dict) -> GenerationRequest:
-    return GenerationRequest(
-        data["prompt_ids"], data["max_new_tokens"], tuple(data["stop_strings"]),
-        TreeSpec.model_validate(data["spec"]) if data["spec"] is not None else None,
-        SamplingParams(**data["sampling"]),
-    )
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
@@ -69,12 +49,12 @@ class OrchestratorActor:
     async def load(self) -> int:
         return self.orchestrator.active()
 
-    async def stream(self, request: dict, request_id: str, timeout_s: float | None, carrier: dict):
-        """Yields (tokens, round record | None, stats dict | None) per round, then the final stats."""
+    async def stream(self, request: GenerationRequest, request_id: str, timeout_s: float | None, carrier: dict):
+        """Yields (tokens, RoundRecord | None, GenerationStats | None) per round, then the final stats."""
         if self.orchestrator.controller is None:  # a restarted actor connects on its first request
             await self.orchestrator.connect()
-        async for chunk in self.orchestrator.stream(request_from_dict(request), request_id, timeout_s, carrier):
-            yield chunk.tokens, chunk.round, stats_dict(chunk.stats) if chunk.stats is not None else None
+        async for chunk in self.orchestrator.stream(request, request_id, timeout_s, carrier):
+            yield chunk.tokens, chunk.round, chunk.stats
 
     async def abort(self, request_id: str) -> bool:
         return await self.orchestrator.abort(request_id)

@@ -15,7 +15,7 @@ import time
 import grpc
 
 from orchestrator.controller import GenerationRequest
-from orchestrator.service import Orchestrator, build_orchestrator, stats_dict
+from orchestrator.service import Orchestrator, build_orchestrator
 from specdec.config import ServeConfig
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class LocalBackend:
     async def stream(self, request: GenerationRequest, request_id: str, timeout_s, carrier):
         try:
             async for chunk in self.orchestrator.stream(request, request_id, timeout_s, carrier):
-                yield chunk.tokens, chunk.round, stats_dict(chunk.stats) if chunk.stats is not None else None
+                yield chunk.tokens, chunk.round, chunk.stats
         except grpc.aio.AioRpcError as exc:
             raise UpstreamError(exc.code().name, exc.details() or "") from exc
 
@@ -109,15 +109,12 @@ class RayBackend:
         token it fails with UNAVAILABLE."""
         import ray
 
-        from orchestrator.actors import request_to_dict
-
-        payload = request_to_dict(request)
         for attempt in range(len(self.actors) + 1):
             index = self._pick()
             actor = self.actors[index]
             self.inflight[index] += 1
             self.owner[request_id] = actor  # the front refuses a second running request with this id
-            gen = actor.stream.options(num_returns="streaming").remote(payload, request_id, timeout_s, carrier)
+            gen = actor.stream.options(num_returns="streaming").remote(request, request_id, timeout_s, carrier)
             finished = streamed = False
             try:
                 async for ref in gen:

@@ -19,8 +19,9 @@ from rich.console import Console
 from rich.progress import track
 
 from orchestrator.embedded import build_pipeline, default_control, encode_prompt, set_threads
-from orchestrator.engine import GenerationRequest, GenerationStats
+from orchestrator.engine import GenerationRequest
 from specdec.sampling import GREEDY, SamplingParams
+from specdec.stats import GenerationStats
 from specdec.tree_spec import TreeSpec
 
 console = Console(stderr=True)

@@ -32,6 +32,7 @@ from opentelemetry import trace
 
 from orchestrator.stops import StopChecker
 from specdec.sampling import GREEDY, SamplingParams
+from specdec.stats import GenerationStats, RoundRecord
 from specdec.tree import DraftTree, node_depths
 from specdec.tree_spec import TreeSpec
 
@@ -43,35 +44,6 @@ _session_ids = itertools.count()
 
 class DraftUnavailableError(RuntimeError):
     """The draft worker failed, is unreachable, or broke its session; the request goes on without it."""
-
-
-@dataclass
-class GenerationStats:
-    """Speculation statistics of one request (units in the names)."""
-
-    new_tokens: int = 0
-    rounds: int = 0
-    proposed_tokens: int = 0  # draft tree nodes sent to the target
-    accepted_tokens: int = 0  # draft tokens committed (bonus tokens excluded)
-    fallback_rounds: int = 0  # rounds decoded without a draft tree
-    final_gamma: int = 0  # speculation depth after the last round (0 = never speculated)
-    ttft_ms: float = 0.0
-    total_s: float = 0.0
-    stop_reason: str | None = None
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted draft tokens / proposed draft tokens."""
-        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens committed per round, bonus included."""
-        return self.new_tokens / self.rounds if self.rounds else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.total_s if self.total_s else 0.0
 
 
 @dataclass
@@ -159,12 +131,12 @@ class RoundController:
     decode: ids -> text, for stop strings; control: TreeSpec -> per-request control policy
     (default FixedControl); draft_deadline_s: a draft reply slower than this is a draft failure;
     draft_context_limit: the draft's max positions (None = unlimited); on_round: called with
-    (request stats, round record dict) after each round (metrics).
+    each round's RoundRecord (metrics).
     """
 
     def __init__(self, target, draft, eos_token_ids, context_limit: int, decode=None,
                  control: ControlFactory | None = None, draft_deadline_s: float | None = None,
-                 draft_context_limit: int | None = None, on_round: Callable[[dict], None] | None = None):
+                 draft_context_limit: int | None = None, on_round: Callable[[RoundRecord], None] | None = None):
         self.target = target
         self.draft = draft
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -193,9 +165,9 @@ class RoundController:
 
     async def generate(self, request: GenerationRequest,
                        on_tokens: Callable[[list[int]], Awaitable[None] | None] | None = None,
-                       session_id: str | None = None, on_round: Callable[[dict], None] | None = None) -> GenerationResult:
+                       session_id: str | None = None, on_round: Callable[[RoundRecord], None] | None = None) -> GenerationResult:
         """Generate until a stop; ``on_tokens`` receives each round's committed tokens as they land,
-        ``on_round`` the round's record (tokens, proposed, accepted, depth, gamma, fallback reason).
+        ``on_round`` the round's RoundRecord (specdec.stats).
 
         Raises ValueError (naming the field) for a bad request; errors of the target propagate.
         Cancellation (client gone, Abort) releases the sessions on both workers.
@@ -334,22 +306,14 @@ class _Request:
             span.set_attribute("committed", len(committed))
         if tree.size:
             self.control.record(depth, tree.size, len(result.accepted_nodes))
-        stats.rounds += 1
-        stats.proposed_tokens += tree.size
-        stats.accepted_tokens += len(accepted)
-        stats.fallback_rounds += fallback is not None
-        if self.control is not None:
-            stats.final_gamma = self.control.gamma
-        if stats.rounds == 1:
-            stats.ttft_ms = (time.perf_counter() - self.started) * 1000
+        record = RoundRecord(tuple(committed), proposed=tree.size, accepted=len(accepted), depth=depth,
+                             fallback=fallback, gamma=self.control.gamma if self.control is not None else 0,
+                             draft_s=draft_s, verify_s=t2 - t1, commit_s=t3 - t2)
+        stats.add(record, time.perf_counter() - self.started)
         if stops.reason is not None:
             stats.total_s = time.perf_counter() - self.started
             stats.new_tokens = len(stops.generated)
             stats.stop_reason = stops.reason
-        record = {"tokens": committed, "proposed": tree.size, "accepted": len(accepted), "depth": depth,
-                  "fallback": fallback,
-                  "gamma": self.control.gamma if self.control is not None else 0,
-                  "draft_s": draft_s, "verify_s": t2 - t1, "commit_s": t3 - t2}
         for callback in (self.on_round, self.ctl.on_round):
             if callback is not None:
                 await _maybe_await(callback(record))

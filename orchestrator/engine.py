@@ -11,8 +11,9 @@ import asyncio
 from typing import Callable, Sequence
 
 from orchestrator.controller import (  # noqa: F401 - re-exported: the engine's public types
-    GenerationRequest, GenerationResult, GenerationStats, RoundController, sync_worker,
+    GenerationRequest, GenerationResult, RoundController, sync_worker,
 )
+from specdec.stats import GenerationStats  # noqa: F401 - re-exported
 from specdec.interfaces import DraftWorker, TargetWorker
 
 

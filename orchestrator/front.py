@@ -13,6 +13,7 @@ their status code. Per-round records feed the Prometheus metrics and the global 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -29,10 +30,11 @@ from orchestrator.service import load_tokenizer, tokenizer_dir
 from specdec.config import ServeConfig
 from specdec.grpc_server import ServiceHost, configure_logging
 from specdec.sampling import SamplingParamsError
+from specdec.stats import RoundRecord
 from specdec.telemetry import setup_tracing, shutdown_tracing
 from specdec.tree_spec import TreeSpecError
 from specdec.v1 import generation_pb2, generation_pb2_grpc
-from specdec.wire import sampling_from_proto, spec_from_proto
+from specdec.wire import sampling_from_proto, spec_from_proto, stats_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -134,13 +136,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 if tokens:
                     yield generation_pb2.GenerateResponse(request_id=request_id, token_ids=tokens, text_delta=deltas.push(tokens))
                 if stats is not None:
-                    yield generation_pb2.GenerateResponse(request_id=request_id, text_delta=deltas.final(), stats=generation_pb2.FinalStats(
-                        new_tokens=stats["new_tokens"], prompt_tokens=len(req.prompt_ids), rounds=stats["rounds"],
-                        acceptance_rate=stats["acceptance_rate"], mean_accepted_length=stats["mean_accepted_length"],
-                        ttft_ms=stats["ttft_ms"], total_s=stats["total_s"] or time.perf_counter() - started,
-                        stop_reason=stats["stop_reason"] or "", fallback_rounds=stats["fallback_rounds"],
-                        final_gamma=stats["final_gamma"], proposed_tokens=stats["proposed_tokens"],
-                        accepted_tokens=stats["accepted_tokens"]))
+                    if not stats.total_s:
+                        stats = dataclasses.replace(stats, total_s=time.perf_counter() - started)
+                    yield generation_pb2.GenerateResponse(request_id=request_id, text_delta=deltas.final(),
+                                                          stats=stats_to_proto(stats, len(req.prompt_ids)))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except UpstreamError as exc:
@@ -151,14 +150,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if self.monitor is not None:
                 self.monitor.finish(request_id)
 
-    def _observe(self, request_id: str, record: dict) -> None:
+    def _observe(self, request_id: str, record: RoundRecord) -> None:
         if self.metrics is not None:
             self.metrics.observe_round(record)
-            for phase in ("draft", "verify", "commit"):
-                if record.get(f"{phase}_s") is not None:
-                    self.metrics.observe_phase(phase, record[f"{phase}_s"])
-        if self.monitor is not None and record["proposed"]:
-            self.monitor.record(request_id, record["proposed"], record["accepted"])
+            for phase, seconds in (("draft", record.draft_s), ("verify", record.verify_s), ("commit", record.commit_s)):
+                if seconds is not None:
+                    self.metrics.observe_phase(phase, seconds)
+        if self.monitor is not None and record.proposed:
+            self.monitor.record(request_id, record.proposed, record.accepted)
 
     async def Abort(self, request, context):
         if not request.request_id:

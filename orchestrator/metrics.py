@@ -32,6 +32,8 @@ from typing import Iterator
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from specdec.stats import RoundRecord
+
 PHASES = ("draft", "verify", "commit")
 FALLBACK_REASONS = ("low_acceptance", "draft_unavailable", "draft_context_limit")
 ALERT_SCOPES = ("request", "global")
@@ -102,18 +104,15 @@ class SpecMetrics:
         if speculative and gamma is not None:
             self.gamma.observe(gamma)
 
-    def observe_round(self, record: dict) -> None:
+    def observe_round(self, record: RoundRecord) -> None:
         """Count one round from the round controller's record (orchestrator/controller.py).
 
-        record keys: ``tokens`` (committed ids), ``proposed``, ``accepted`` (draft tokens committed),
-        ``gamma`` (the request's speculation depth, 0 without control) and ``fallback`` (the
-        fallback reason of a plain round, or None). Counts as ``record_round`` and, when
-        ``fallback`` is set, fallback_rounds{reason=fallback}.
+        Counts as ``record_round`` (gamma 0, no control policy, is not observed) and, when
+        ``record.fallback`` is set, fallback_rounds{reason=record.fallback}.
         """
-        gamma = record.get("gamma") or None
-        self.record_round(record["proposed"], record["accepted"], len(record["tokens"]), gamma)
-        if record.get("fallback"):
-            self.fallback_rounds.labels(reason=record["fallback"]).inc()
+        self.record_round(record.proposed, record.accepted, len(record.tokens), record.gamma or None)
+        if record.fallback:
+            self.fallback_rounds.labels(reason=record.fallback).inc()
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         """Record one phase's wall time in seconds. Raises ValueError for an unknown phase."""

@@ -25,19 +25,15 @@ from opentelemetry import propagate, trace
 from transformers import AutoTokenizer
 
 from orchestrator.clients import DraftClient, TargetClient, channel_options, request_deadline
-from orchestrator.controller import GenerationRequest, GenerationStats, RoundController
+from orchestrator.controller import GenerationRequest, RoundController
 from orchestrator.policy import RequestControl
 from specdec.config import ServeConfig
 from specdec.models import DEFAULT_TARGET, resolve_model_dir
+from specdec.stats import GenerationStats, RoundRecord
 from specdec.tree_spec import MAX_TREE_NODES
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("specdec.orchestrator")
-
-
-def stats_dict(stats: GenerationStats) -> dict:
-    """GenerationStats as a plain dict (picklable across Ray), derived rates included."""
-    return dict(vars(stats), acceptance_rate=stats.acceptance_rate, mean_accepted_length=stats.mean_accepted_length)
 
 
 @dataclass
@@ -46,7 +42,7 @@ class Chunk:
 
     tokens: list[int]
     stats: GenerationStats | None = None
-    round: dict | None = None  # the round's record (controller on_round): proposed, accepted, gamma, fallback
+    round: RoundRecord | None = None  # the round's record (controller on_round)
 
 
 class Orchestrator:
@@ -109,16 +105,6 @@ class Orchestrator:
         partial = GenerationStats()  # what the rounds streamed so far reported (for an aborted request)
         started = time.perf_counter()
 
-        def seen(record: dict) -> None:
-            partial.rounds += 1
-            partial.new_tokens += len(record["tokens"])
-            partial.proposed_tokens += record["proposed"]
-            partial.accepted_tokens += record["accepted"]
-            partial.fallback_rounds += record["fallback"] is not None
-            partial.final_gamma = record["gamma"]
-            if partial.rounds == 1:
-                partial.ttft_ms = (time.perf_counter() - started) * 1000
-
         async def run():
             ctx = propagate.extract(carrier or {})
             if timeout_s is not None:
@@ -142,14 +128,14 @@ class Orchestrator:
                 await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
                 if getter.done():
                     record = getter.result()
-                    seen(record)
-                    yield Chunk(record["tokens"], round=record)
+                    partial.add(record, time.perf_counter() - started)
+                    yield Chunk(list(record.tokens), round=record)
                     continue
                 getter.cancel()
                 while not queue.empty():
                     record = queue.get_nowait()
-                    seen(record)
-                    yield Chunk(record["tokens"], round=record)
+                    partial.add(record, time.perf_counter() - started)
+                    yield Chunk(list(record.tokens), round=record)
                 if task.cancelled():
                     partial.stop_reason = "aborted"
                     partial.total_s = time.perf_counter() - started

@@ -16,6 +16,7 @@ from orchestrator.policy import (
     AcceptanceMonitor, DynamicGamma, FallbackPolicy, RequestControl, max_depth_for, spec_at_depth, tree_depth,
 )
 from specdec.config import DynamicGammaConfig, FallbackConfig, MonitorConfig
+from specdec.stats import RoundRecord
 from specdec.tree_spec import DEFAULT_SPEC, SEED_SPEC, TreeSpec, TreeSpecError
 
 WIDE_SPEC = TreeSpec(gamma=1, topKSpec=[[100]], topHead=[1])  # 100 nodes a row: 5 rows fit in 512
@@ -379,10 +380,10 @@ def test_metrics_round_counters_and_gamma_histogram():
 
 def test_metrics_observe_round_record():
     m = SpecMetrics(CollectorRegistry())
-    m.observe_round({"tokens": [5, 6, 7], "proposed": 5, "accepted": 2, "depth": 3, "fallback": None, "gamma": 4})
-    m.observe_round({"tokens": [9], "proposed": 0, "accepted": 0, "depth": 0, "fallback": "low_acceptance",
-                     "gamma": 4})
-    m.observe_round({"tokens": [1], "proposed": 0, "accepted": 0, "depth": 0, "fallback": None, "gamma": 0})
+    times = dict(draft_s=None, verify_s=0.1, commit_s=0.01)
+    m.observe_round(RoundRecord((5, 6, 7), proposed=5, accepted=2, depth=3, fallback=None, gamma=4, **times))
+    m.observe_round(RoundRecord((9,), proposed=0, accepted=0, depth=0, fallback="low_acceptance", gamma=4, **times))
+    m.observe_round(RoundRecord((1,), proposed=0, accepted=0, depth=0, fallback=None, gamma=0, **times))
     assert sample(m, "specdec_rounds_total", mode="speculative") == 1
     assert sample(m, "specdec_rounds_total", mode="plain") == 2
     assert sample(m, "specdec_committed_tokens_total") == 5
