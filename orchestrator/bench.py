@@ -139,7 +139,7 @@ def run_bench(spec: TreeSpec, questions_path: Path, per_category: int, max_new_t
 
     sampling: parameters of the sampled speculative pass (greedy = no such pass); question i uses
     seed + i, so the pass is reproducible when a seed is given. dynamic_gamma: speculative passes
-    adapt the depth per request (orchestrator.policy), else the TreeSpec's depth every round.
+    adapt the depth per request (orchestrator.control), else the TreeSpec's depth every round.
     """
     set_threads(threads)
     pipe = build_pipeline(dtype=dtype, draft_quant=draft_quant, control=default_control(dynamic_gamma))

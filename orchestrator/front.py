@@ -24,8 +24,7 @@ from opentelemetry import propagate
 from orchestrator.backends import LocalBackend, RayBackend, UpstreamError
 from orchestrator.controller import GenerationRequest
 from orchestrator.embedded import encode_prompt
-from orchestrator.metrics import SpecMetrics, start_metrics_server
-from orchestrator.policy import AcceptanceMonitor
+from orchestrator.metrics import AcceptanceMonitor, SpecMetrics, start_metrics_server
 from orchestrator.service import load_tokenizer, tokenizer_dir
 from specdec.config import ServeConfig
 from specdec.grpc_server import ServiceHost, configure_logging
@@ -148,7 +147,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         finally:
             self.running.discard(request_id)
             if self.monitor is not None:
-                self.monitor.finish(request_id)
+                self.monitor.release(request_id)
 
     def _observe(self, request_id: str, record: RoundRecord) -> None:
         if self.metrics is not None:

@@ -25,8 +25,8 @@ from opentelemetry import propagate, trace
 from transformers import AutoTokenizer
 
 from orchestrator.clients import DraftClient, TargetClient, channel_options, request_deadline
+from orchestrator.control import RequestControl
 from orchestrator.controller import GenerationRequest, RoundController
-from orchestrator.policy import RequestControl
 from specdec.config import ServeConfig
 from specdec.models import DEFAULT_TARGET, resolve_model_dir
 from specdec.stats import GenerationStats, RoundRecord
@@ -49,15 +49,15 @@ class Orchestrator:
     """Runs generation requests over a draft service and a target service.
 
     front: specdec.config.FrontConfig; grpc_cfg: specdec.config.GrpcConfig; decode: ids -> text
-    for stop strings (None = stop strings refused); control: TreeSpec -> per-request control policy
-    (None = fixed TreeSpec); on_round: per-round record callback (metrics).
+    for stop strings (None = stop strings refused); control_factory: (TreeSpec, max_nodes) ->
+    per-request control policy (None = fixed TreeSpec); on_round: per-round record callback (metrics).
     """
 
-    def __init__(self, front, grpc_cfg, decode=None, control=None, on_round=None):
+    def __init__(self, front, grpc_cfg, decode=None, control_factory=None, on_round=None):
         self.front = front
         self.grpc_cfg = grpc_cfg
         self.decode = decode
-        self.control = control
+        self.control_factory = control_factory
         self.on_round = on_round
         self.controller: RoundController | None = None
         self.tasks: dict[str, asyncio.Task] = {}
@@ -72,10 +72,12 @@ class Orchestrator:
         self.info = await target.info(timeout=timeout)
         max_nodes = self.info.max_tree_nodes or 512
         draft = DraftClient(self.draft_channel, self.info.vocab_size, max_nodes) if self.front.speculate else None
-        control = functools.partial(self.control, max_nodes=max_nodes) if self.control is not None else None
+        factory = self.control_factory
+        if factory is not None:
+            factory = functools.partial(factory, max_nodes=max_nodes)
         self.controller = RoundController(
             target, draft, list(self.info.eos_token_ids), self.info.context_limit, self.decode,
-            control=control, draft_deadline_s=self.front.fallback.draft_deadline_ms / 1000,
+            control_factory=factory, draft_deadline_s=self.front.fallback.draft_deadline_ms / 1000,
             on_round=self.on_round,
         )
 
@@ -186,4 +188,4 @@ def build_orchestrator(config: ServeConfig, tok_dir: str | None) -> Orchestrator
     """An Orchestrator for this config (tokenizer for stop strings, control policies)."""
     tokenizer = load_tokenizer(tok_dir) if tok_dir else None
     decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer is not None else None
-    return Orchestrator(config.front, config.grpc, decode, control=control_factory(config))
+    return Orchestrator(config.front, config.grpc, decode, control_factory=control_factory(config))

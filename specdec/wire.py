@@ -17,10 +17,8 @@ import numpy as np
 from specdec.sampling import SamplingParams
 from specdec.stats import GenerationStats
 from specdec.tree import DraftTree, MalformedTreeError, Proposal, node_depths, validate_tree
-from specdec.tree_spec import TreeSpec, parse_tree_spec
+from specdec.tree_spec import MAX_GAMMA, TreeSpec, parse_tree_spec
 from specdec.v1 import generation_pb2, tree_pb2
-
-MAX_TREE_DEPTH = 64  # TreeSpec.gamma's upper bound
 
 
 def tree_to_proto(tree: DraftTree) -> tree_pb2.TokenTree:
@@ -34,7 +32,7 @@ def tree_to_proto(tree: DraftTree) -> tree_pb2.TokenTree:
     return msg
 
 
-def tree_from_proto(msg: tree_pb2.TokenTree, vocab_size: int, max_nodes: int, max_depth: int = MAX_TREE_DEPTH) -> DraftTree:
+def tree_from_proto(msg: tree_pb2.TokenTree, vocab_size: int, max_nodes: int, max_depth: int = MAX_GAMMA) -> DraftTree:
     """An untrusted TokenTree -> DraftTree. Raises MalformedTreeError naming the bad field.
 
     vocab_size: V of the receiving model (token ids and proposal ids must be < V); max_nodes: N cap.

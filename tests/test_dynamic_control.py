@@ -14,8 +14,8 @@ import asyncio
 import pytest
 
 from draft_service.runtime import DraftRuntime
+from orchestrator.control import RequestControl
 from orchestrator.controller import DraftUnavailableError, GenerationRequest, RoundController, sync_worker
-from orchestrator.policy import RequestControl
 from specdec.config import DynamicGammaConfig, FallbackConfig
 from specdec.tree_spec import DEFAULT_SPEC, TreeSpec
 from target_service.runtime import TargetRuntime
@@ -29,7 +29,7 @@ def run(target_model, draft, prompt, n, spec=DEFAULT_SPEC, dyn=DYN, fallback=FAL
     """Generate n tokens; returns (tokens, stats, per-round records)."""
     records = []
     ctl = RoundController(sync_worker(TargetRuntime(target_model)), sync_worker(draft), [], 10_000,
-                          control=lambda s: RequestControl(s, dyn, fallback))
+                          control_factory=lambda s: RequestControl(s, dyn, fallback))
     result = asyncio.run(ctl.generate(GenerationRequest(prompt, n, spec=spec), on_round=records.append))
     return result.tokens, result.stats, records
 
@@ -112,7 +112,7 @@ def test_draft_failure_falls_back_and_reconnects(target_model):
     fallback = FallbackConfig(window=4, min_acceptance=0.0, reconnect_s=0.05)
     records = []
     ctl = RoundController(sync_worker(TargetRuntime(target_model)), sync_worker(draft), [], 10_000,
-                          control=lambda s: RequestControl(s, DYN, fallback))
+                          control_factory=lambda s: RequestControl(s, DYN, fallback))
 
     async def go():
         async def slow_round(record):  # give the reconnect delay time to pass during plain rounds
