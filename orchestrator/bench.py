@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import track
 
 from orchestrator.embedded import build_pipeline, default_control, encode_prompt, set_threads
-from orchestrator.engine import GenerationRequest
+from orchestrator.controller import GenerationRequest
 from specdec.sampling import GREEDY, SamplingParams
 from specdec.stats import GenerationStats
 from specdec.tree_spec import TreeSpec

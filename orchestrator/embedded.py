@@ -10,9 +10,7 @@ from pydantic import ValidationError
 from orchestrator.control import RequestControl
 from orchestrator.engine import SpeculativeEngine
 from specdec.config import FrontConfig, ModelsConfig
-from specdec.model_setup import (  # noqa: F401  (re-exported: older callers import them from here)
-    eos_token_ids, load_draft, load_target, quantize_draft, resolve_draft_quant, resolve_dtype,
-)
+from specdec.model_setup import load_draft, load_target
 from specdec.models import ModelError
 
 

@@ -10,10 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Callable, Sequence
 
-from orchestrator.controller import (  # noqa: F401 - re-exported: the engine's public types
-    GenerationRequest, GenerationResult, RoundController, sync_worker,
-)
-from specdec.stats import GenerationStats  # noqa: F401 - re-exported
+from orchestrator.controller import GenerationRequest, GenerationResult, RoundController, sync_worker
 from specdec.interfaces import DraftWorker, TargetWorker
 
 
