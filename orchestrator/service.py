@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import uuid
 import time
+import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 
 from orchestrator.clients import DraftClient, TargetClient, channel_options, request_deadline
 from orchestrator.control import RequestControl
-from orchestrator.controller import GenerationRequest, RoundController
+from orchestrator.controller import GenerationRequest, GenerationResult, RoundController
 from specdec.config import ServeConfig
 from specdec.models import DEFAULT_TARGET, resolve_model_dir
 from specdec.stats import GenerationStats, RoundRecord
@@ -107,21 +107,7 @@ class Orchestrator:
         partial = GenerationStats()  # what the rounds streamed so far reported (for an aborted request)
         started = time.perf_counter()
 
-        async def run():
-            ctx = propagate.extract(carrier or {})
-            if timeout_s is not None:
-                request_deadline.set(time.monotonic() + timeout_s)
-            with _tracer.start_as_current_span("generate", context=ctx, attributes={
-                    "request.id": request_id, "prompt.tokens": len(request.prompt_ids),
-                    "max_new_tokens": request.max_new_tokens}) as span:
-                # service-side session ids are unique per run, whatever ids clients choose
-                session_id = f"{request_id}/{uuid.uuid4().hex[:8]}"
-                result = await self.controller.generate(request, session_id=session_id, on_round=queue.put_nowait)
-                span.set_attribute("new_tokens", result.stats.new_tokens)
-                span.set_attribute("acceptance_rate", result.stats.acceptance_rate)
-                return result
-
-        task = asyncio.create_task(run())
+        task = asyncio.create_task(self._run(request, request_id, timeout_s, carrier, queue.put_nowait))
         self.tasks[request_id] = task
         getter = None
         try:
@@ -152,6 +138,22 @@ class Orchestrator:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
             self.tasks.pop(request_id, None)
+
+    async def _run(self, request: GenerationRequest, request_id: str, timeout_s: float | None,
+                   carrier: dict | None, on_round) -> GenerationResult:
+        """The request's task: deadline and trace context of the caller, one ``generate`` span."""
+        ctx = propagate.extract(carrier or {})
+        if timeout_s is not None:
+            request_deadline.set(time.monotonic() + timeout_s)
+        with _tracer.start_as_current_span("generate", context=ctx, attributes={
+                "request.id": request_id, "prompt.tokens": len(request.prompt_ids),
+                "max_new_tokens": request.max_new_tokens}) as span:
+            # service-side session ids are unique per run, whatever ids clients choose
+            session_id = f"{request_id}/{uuid.uuid4().hex[:8]}"
+            result = await self.controller.generate(request, session_id=session_id, on_round=on_round)
+            span.set_attribute("new_tokens", result.stats.new_tokens)
+            span.set_attribute("acceptance_rate", result.stats.acceptance_rate)
+            return result
 
     async def abort(self, request_id: str) -> bool:
         """Cancel a running request (its KV is freed on both services). False if unknown."""
