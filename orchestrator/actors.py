@@ -1,10 +1,10 @@
 """Ray actors of the orchestrator: each an async actor running many requests concurrently.
 
-The front (orchestrator.front) starts or attaches to Ray, creates ``front.workers`` actors and sends
-each request to the least-loaded one. ``OrchestratorActor.stream`` is an async generator: Ray
+The front's RayBackend (orchestrator.backends) starts or attaches to Ray, creates ``front.workers``
+actors and sends each request to the least-loaded one. ``OrchestratorActor.stream`` is an async generator: Ray
 streams each round's tokens back as it lands (``num_returns="streaming"``); cancelling the
 stream (client gone) or ``abort`` cancels the request's task in the actor, which releases its KV on
-both services. Round and policy logic stay in plain classes (controller, policy); the actor is only
+both services. Round and control logic stay in plain classes (controller, control); the actor is only
 the process boundary.
 """
 
