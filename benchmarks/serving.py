@@ -248,7 +248,7 @@ class ThreadScoped:
 
 def make_engine(pipe, draft_threads: int | None, dynamic: bool, tree_bytes: list | None = None):
     from orchestrator.engine import SpeculativeEngine
-    from orchestrator.policy import RequestControl
+    from orchestrator.control import RequestControl
     from specdec.config import DynamicGammaConfig, FallbackConfig
     from specdec.wire import tree_to_proto
 
@@ -260,7 +260,7 @@ def make_engine(pipe, draft_threads: int | None, dynamic: bool, tree_bytes: list
     base = pipe.engine
     return SpeculativeEngine(base.target, ThreadScoped(base.draft, draft_threads, on_tree), base.eos_token_ids,
                              base.context_limit, base.decode,
-                             control=lambda spec: RequestControl(spec, gamma_cfg, fallback))
+                             control_factory=lambda spec: RequestControl(spec, gamma_cfg, fallback))
 
 
 def run_embedded(engine, ids: list[int], max_new: int, spec, request_id: str) -> dict:
@@ -619,7 +619,7 @@ def section_gamma(args, pipe, by_category: dict[str, list[dict]]) -> dict:
         fixed_tps = rows[-2]["tokens_per_s"]
         rows[-1]["ratio_vs_fixed"] = rows[-1]["tokens_per_s"] / fixed_tps if fixed_tps else None
         rows[-2]["ratio_vs_fixed"] = 1.0
-    return {"method": "embedded: SpeculativeEngine with orchestrator.policy.RequestControl "
+    return {"method": "embedded: SpeculativeEngine with orchestrator.control.RequestControl "
                       "(front.dynamic_gamma enabled true vs false, default fallback), base tree DEFAULT_SPEC",
             "rows": rows, "identical_outputs": all(q["identical"] for q in questions), "questions": questions}
 

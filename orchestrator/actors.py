@@ -1,24 +1,24 @@
 """Ray actors of the orchestrator: each an async actor running many requests concurrently.
 
-The front (orchestrator.front) starts or attaches to Ray, creates ``front.workers`` actors and sends
-each request to the least-loaded one. ``OrchestratorActor.stream`` is an async generator: Ray
+The front's RayBackend (orchestrator.backends) starts or attaches to Ray, creates ``front.workers``
+actors and sends each request to the least-loaded one. ``OrchestratorActor.stream`` is an async generator: Ray
 streams each round's tokens back as it lands (``num_returns="streaming"``); cancelling the
 stream (client gone) or ``abort`` cancels the request's task in the actor, which releases its KV on
-both services. Round and policy logic stay in plain classes (controller, policy); the actor is only
+both services. Round and control logic stay in plain classes (controller, control); the actor is only
 the process boundary.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 
 import ray
 
 from orchestrator.controller import GenerationRequest
-from specdec.sampling import SamplingParams
-from specdec.tree_spec import TreeSpec
+from orchestrator.service import build_orchestrator
+from specdec.config import ServeConfig
+from specdec.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)
 
@@ -30,32 +30,11 @@ def actor_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(OTEL_PREFIXES)}
 
 
-def request_to_dict(request: GenerationRequest) -> dict:
-    return {
-        "prompt_ids": list(request.prompt_ids), "max_new_tokens": request.max_new_tokens,
-        "stop_strings": list(request.stop_strings),
-        "spec": request.spec.model_dump(mode="json", by_alias=True) if request.spec is not None else None,
-        "sampling": dataclasses.asdict(request.sampling),
-    }
-
-
-def request_from_dict(data: dict) -> GenerationRequest:
-    return GenerationRequest(
-        data["prompt_ids"], data["max_new_tokens"], tuple(data["stop_strings"]),
-        TreeSpec.model_validate(data["spec"]) if data["spec"] is not None else None,
-        SamplingParams(**data["sampling"]),
-    )
-
-
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
 class OrchestratorActor:
     """Hosts an orchestrator.service.Orchestrator (gRPC clients + round controller)."""
 
     def __init__(self, config_json: str, tokenizer_dir: str | None):
-        from orchestrator.front import build_orchestrator
-        from specdec.config import ServeConfig
-        from specdec.telemetry import setup_tracing
-
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         setup_tracing("specdec-orchestrator", simple=True)
         self.config = ServeConfig.model_validate_json(config_json)
@@ -70,14 +49,12 @@ class OrchestratorActor:
     async def load(self) -> int:
         return self.orchestrator.active()
 
-    async def stream(self, request: dict, request_id: str, timeout_s: float | None, carrier: dict):
-        """Yields (tokens, round record | None, stats dict | None) per round, then the final stats."""
+    async def stream(self, request: GenerationRequest, request_id: str, timeout_s: float | None, carrier: dict):
+        """Yields (tokens, RoundRecord | None, GenerationStats | None) per round, then the final stats."""
         if self.orchestrator.controller is None:  # a restarted actor connects on its first request
             await self.orchestrator.connect()
-        from orchestrator.service import stats_dict
-
-        async for chunk in self.orchestrator.stream(request_from_dict(request), request_id, timeout_s, carrier):
-            yield chunk.tokens, chunk.round, stats_dict(chunk.stats) if chunk.stats is not None else None
+        async for chunk in self.orchestrator.stream(request, request_id, timeout_s, carrier):
+            yield chunk.tokens, chunk.round, chunk.stats
 
     async def abort(self, request_id: str) -> bool:
         return await self.orchestrator.abort(request_id)

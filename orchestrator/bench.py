@@ -19,8 +19,9 @@ from rich.console import Console
 from rich.progress import track
 
 from orchestrator.embedded import build_pipeline, default_control, encode_prompt, set_threads
-from orchestrator.engine import GenerationRequest, GenerationStats
+from orchestrator.controller import GenerationRequest
 from specdec.sampling import GREEDY, SamplingParams
+from specdec.stats import GenerationStats
 from specdec.tree_spec import TreeSpec
 
 console = Console(stderr=True)
@@ -138,7 +139,7 @@ def run_bench(spec: TreeSpec, questions_path: Path, per_category: int, max_new_t
 
     sampling: parameters of the sampled speculative pass (greedy = no such pass); question i uses
     seed + i, so the pass is reproducible when a seed is given. dynamic_gamma: speculative passes
-    adapt the depth per request (orchestrator.policy), else the TreeSpec's depth every round.
+    adapt the depth per request (orchestrator.control), else the TreeSpec's depth every round.
     """
     set_threads(threads)
     pipe = build_pipeline(dtype=dtype, draft_quant=draft_quant, control=default_control(dynamic_gamma))

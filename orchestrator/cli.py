@@ -132,8 +132,8 @@ def generate(
     server: Optional[str] = typer.Option(None, help="host:port of a generation front (specdec serve): run the request there instead of in-process (the request flags apply; model, dtype, gamma and thread flags are the server's)."),
 ) -> None:
     """Generate text with the target model, accelerated by the draft model."""
+    from orchestrator.controller import GenerationRequest
     from orchestrator.embedded import build_pipeline, default_control, encode_prompt, set_threads
-    from orchestrator.engine import GenerationRequest
 
     if server is not None:
         return _generate_remote(server, prompt, prompt_file, tree, max_new_tokens, temperature, top_p, top_k, seed,

@@ -5,10 +5,10 @@ A round: the draft grows a token tree (``propose``), the target verifies it in o
 workers commit exactly the tokens that passed (KV cache rollback of the rest). Around that loop:
 
 - dynamic gamma: the speculation depth of the next tree follows the request's own acceptance
-  (``orchestrator.policy.DynamicGamma``); rows past the TreeSpec repeat its last row;
+  (``orchestrator.control.DynamicGamma``); rows past the TreeSpec repeat its last row;
 - fallback: a round without the draft (an empty tree = one plain target step) when acceptance says
   speculation does not pay, when the draft fails, is unreachable or slower than its deadline, or
-  when the draft's context limit is reached (``orchestrator.policy.FallbackPolicy``). A failed
+  when the draft's context limit is reached (``orchestrator.control.FallbackPolicy``). A failed
   draft session is re-opened on the committed tokens when the policy retries it. Plain rounds commit
   the same tokens a speculative round would, so no token is lost, repeated or changed;
 - traces: one ``round`` span per round with ``draft``, ``verify`` and ``commit`` children.
@@ -30,8 +30,10 @@ from typing import Any, Awaitable, Callable
 
 from opentelemetry import trace
 
+from orchestrator.control import DRAFT_UNAVAILABLE, ControlFactory, FixedControl
 from orchestrator.stops import StopChecker
 from specdec.sampling import GREEDY, SamplingParams
+from specdec.stats import GenerationStats, RoundRecord
 from specdec.tree import DraftTree, node_depths
 from specdec.tree_spec import TreeSpec
 
@@ -43,35 +45,6 @@ _session_ids = itertools.count()
 
 class DraftUnavailableError(RuntimeError):
     """The draft worker failed, is unreachable, or broke its session; the request goes on without it."""
-
-
-@dataclass
-class GenerationStats:
-    """Speculation statistics of one request (units in the names)."""
-
-    new_tokens: int = 0
-    rounds: int = 0
-    proposed_tokens: int = 0  # draft tree nodes sent to the target
-    accepted_tokens: int = 0  # draft tokens committed (bonus tokens excluded)
-    fallback_rounds: int = 0  # rounds decoded without a draft tree
-    final_gamma: int = 0  # speculation depth after the last round (0 = never speculated)
-    ttft_ms: float = 0.0
-    total_s: float = 0.0
-    stop_reason: str | None = None
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted draft tokens / proposed draft tokens."""
-        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens committed per round, bonus included."""
-        return self.new_tokens / self.rounds if self.rounds else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.total_s if self.total_s else 0.0
 
 
 @dataclass
@@ -93,39 +66,6 @@ class GenerationRequest:
 class GenerationResult:
     tokens: list[int]
     stats: GenerationStats = field(default_factory=GenerationStats)
-
-
-class FixedControl:
-    """No adaptation: the request's TreeSpec every round, the draft always used while it works.
-
-    A failed draft is not retried. The interface (``gamma``, ``speculate``, ``record``,
-    ``draft_failed``, ``reason``) is what the controller asks of a control policy;
-    ``orchestrator.policy.RequestControl`` implements the adaptive one.
-    """
-
-    def __init__(self, spec: TreeSpec):
-        self.gamma = spec.gamma
-        self._failed = False
-        self.reason: str | None = None
-
-    def spec(self, base: TreeSpec) -> TreeSpec:
-        return base
-
-    def speculate(self, now: float, committed_len: int, depth: int) -> bool:
-        self.reason = "draft_unavailable" if self._failed else None
-        return not self._failed
-
-    def record(self, depth: int, proposed: int, accepted: int) -> None:
-        pass
-
-    def draft_failed(self, now: float) -> None:
-        self._failed = True
-
-    def set_draft_context_limit(self, limit: int | None) -> None:
-        pass  # a fixed policy never stops for the draft's context (the draft runtime falls back itself)
-
-
-ControlFactory = Callable[[TreeSpec], Any]
 
 
 def sync_worker(worker) -> Any:
@@ -156,21 +96,21 @@ class RoundController:
     """Runs requests round by round over an (async) draft and target worker.
 
     eos_token_ids: ids that end generation; context_limit: max total tokens (prompt + generated);
-    decode: ids -> text, for stop strings; control: TreeSpec -> per-request control policy
-    (default FixedControl); draft_deadline_s: a draft reply slower than this is a draft failure;
-    draft_context_limit: the draft's max positions (None = unlimited); on_round: called with
-    (request stats, round record dict) after each round (metrics).
+    decode: ids -> text, for stop strings; control_factory: TreeSpec -> per-request control policy
+    (orchestrator.control; default FixedControl); draft_deadline_s: a draft reply slower than this
+    is a draft failure; draft_context_limit: the draft's max positions (None = unlimited); on_round: called with
+    each round's RoundRecord (metrics).
     """
 
     def __init__(self, target, draft, eos_token_ids, context_limit: int, decode=None,
-                 control: ControlFactory | None = None, draft_deadline_s: float | None = None,
-                 draft_context_limit: int | None = None, on_round: Callable[[dict], None] | None = None):
+                 control_factory: ControlFactory | None = None, draft_deadline_s: float | None = None,
+                 draft_context_limit: int | None = None, on_round: Callable[[RoundRecord], None] | None = None):
         self.target = target
         self.draft = draft
         self.eos_token_ids = frozenset(eos_token_ids)
         self.context_limit = context_limit
         self.decode = decode
-        self.control = control or FixedControl
+        self.control_factory = control_factory or FixedControl
         self.draft_deadline_s = draft_deadline_s
         self.draft_context_limit = draft_context_limit
         self.on_round = on_round
@@ -193,9 +133,9 @@ class RoundController:
 
     async def generate(self, request: GenerationRequest,
                        on_tokens: Callable[[list[int]], Awaitable[None] | None] | None = None,
-                       session_id: str | None = None, on_round: Callable[[dict], None] | None = None) -> GenerationResult:
+                       session_id: str | None = None, on_round: Callable[[RoundRecord], None] | None = None) -> GenerationResult:
         """Generate until a stop; ``on_tokens`` receives each round's committed tokens as they land,
-        ``on_round`` the round's record (tokens, proposed, accepted, depth, gamma, fallback reason).
+        ``on_round`` the round's RoundRecord (specdec.stats).
 
         Raises ValueError (naming the field) for a bad request; errors of the target propagate.
         Cancellation (client gone, Abort) releases the sessions on both workers.
@@ -213,18 +153,28 @@ class RoundController:
         return GenerationResult(list(run.stops.generated), run.stats)
 
 
+@dataclass(frozen=True)
+class _Drafted:
+    """What the draft phase of a round produced."""
+
+    tree: DraftTree = _EMPTY_TREE  # the tree to verify (empty = a plain target step)
+    depth: int = 0  # tree levels of ``tree``
+    fallback: str | None = None  # why the round runs without the draft (orchestrator.control reasons)
+    draft_s: float | None = None  # wall time of the draft phase, seconds (None = the draft was not asked)
+
+
 class _Request:
     """One request in flight: sessions, stop checker, control policy, statistics."""
 
-    def __init__(self, ctl: RoundController, request: GenerationRequest, sid: str, on_round=None):
-        self.ctl = ctl
+    def __init__(self, controller: RoundController, request: GenerationRequest, sid: str, on_round=None):
+        self.controller = controller
         self.on_round = on_round
         self.request = request
         self.sid = sid
-        self.spec = request.spec if ctl.draft is not None else None
-        self.control = ctl.control(self.spec) if self.spec is not None else None
-        self.stops = StopChecker(len(request.prompt_ids), request.max_new_tokens, ctl.context_limit,
-                                 ctl.eos_token_ids, tuple(request.stop_strings), ctl.decode)
+        self.spec = request.spec if controller.draft is not None else None
+        self.control = controller.control_factory(self.spec) if self.spec is not None else None  # per-request policy
+        self.stops = StopChecker(len(request.prompt_ids), request.max_new_tokens, controller.context_limit,
+                                 controller.eos_token_ids, tuple(request.stop_strings), controller.decode)
         self.stats = GenerationStats()
         self.started = time.perf_counter()
         self.draft_sid: str | None = None  # open draft session
@@ -237,7 +187,7 @@ class _Request:
 
     async def open(self) -> None:
         self.target_open = True  # before the call: a cancel during Prefill must still release (harmless if unknown)
-        await self.ctl.target.start(self.sid, self.request.prompt_ids, self.request.sampling)
+        await self.controller.target.start(self.sid, self.request.prompt_ids, self.request.sampling)
         if self.spec is not None:
             await self._open_draft()
 
@@ -246,8 +196,8 @@ class _Request:
         self.draft_opens += 1
         self.draft_sid = sid  # before the call: a cancel during start must still close (release) the session
         try:
-            limit = await self._draft_call(self.ctl.draft.start(sid, self.committed_tokens, self.request.sampling))
-            limit = limit or self.ctl.draft_context_limit  # gRPC clients report the draft's, in-process the engine's
+            limit = await self._draft_call(self.controller.draft.start(sid, self.committed_tokens, self.request.sampling))
+            limit = limit or self.controller.draft_context_limit  # gRPC clients report the draft's, in-process the engine's
             if limit:
                 self.control.set_draft_context_limit(limit)
         except DraftUnavailableError as exc:
@@ -260,20 +210,20 @@ class _Request:
 
     async def _release_quietly(self, sid: str) -> None:
         try:
-            await asyncio.wait_for(self.ctl.draft.release(sid), 1.0)
+            await asyncio.wait_for(self.controller.draft.release(sid), 1.0)
         except Exception:  # noqa: BLE001 - the draft is already gone; its stream end frees the KV
             pass
 
     async def _draft_call(self, awaitable):
         """A draft call under the draft deadline; every failure becomes DraftUnavailableError."""
         try:
-            if self.ctl.draft_deadline_s is None:
+            if self.controller.draft_deadline_s is None:
                 return await awaitable
-            return await asyncio.wait_for(awaitable, self.ctl.draft_deadline_s)
+            return await asyncio.wait_for(awaitable, self.controller.draft_deadline_s)
         except DraftUnavailableError:
             raise
         except asyncio.TimeoutError as exc:
-            raise DraftUnavailableError(f"draft slower than its deadline of {self.ctl.draft_deadline_s} s") from exc
+            raise DraftUnavailableError(f"draft slower than its deadline of {self.controller.draft_deadline_s} s") from exc
 
     async def _drop_draft(self, exc: Exception) -> None:
         log.warning("request %s: draft failed (%s); decoding without it", self.sid, exc)
@@ -282,78 +232,106 @@ class _Request:
         await self._release_quietly(sid)
 
     async def round(self) -> list[int]:
-        """One round; returns the tokens it committed."""
-        stops, stats = self.stops, self.stats
-        max_depth = stops.budget() - 1  # the accepted path plus the bonus must fit the budget
-        with _tracer.start_as_current_span("round", attributes={"request.id": self.sid, "round": stats.rounds}) as span:
-            tree, depth, fallback = _EMPTY_TREE, 0, None
-            draft_s = None
-            t0 = time.perf_counter()
-            if self.control is not None and max_depth >= 1:
-                now = time.monotonic()
-                committed_len = len(self.request.prompt_ids) + len(stops.generated)
-                if self.control.speculate(now, committed_len, min(self.control.gamma, max_depth)):
-                    if self.draft_sid is None:
-                        await self._open_draft()
-                    if self.draft_sid is not None:
-                        spec = self.control.spec(self.spec)
-                        with _tracer.start_as_current_span("draft", attributes={"gamma": spec.gamma, "max_depth": max_depth}):
-                            try:
-                                tree = await self._draft_call(self.ctl.draft.propose(self.draft_sid, spec, max_depth))
-                            except DraftUnavailableError as exc:
-                                await self._drop_draft(exc)
-                        depth = max(node_depths(tree.parents), default=0)
-                        draft_s = time.perf_counter() - t0
-                    if self.draft_sid is None:
-                        fallback = "draft_unavailable"
-                else:
-                    fallback = self.control.reason
-                if fallback:
-                    span.set_attribute("fallback.reason", fallback)
-            span.set_attribute("gamma", self.control.gamma if self.control is not None else 0)
-            span.set_attribute("tree.nodes", tree.size)
+        """One round: draft, verify, stop checks, commit, record; returns the tokens it committed.
+
+        The phases of gpt-fast's ``speculative_decode``, each its own method: ``_draft`` (the
+        control decides; the draft grows a tree of at most max_depth levels, or none),
+        ``_verify`` (the target's accepted path + bonus token), ``_stop_checks`` (the tokens up to
+        the first stop), ``_commit`` (both workers keep exactly those), ``_record`` (control,
+        statistics and the round's RoundRecord).
+        """
+        max_depth = self.stops.budget() - 1  # the accepted path plus the bonus must fit the budget
+        with _tracer.start_as_current_span("round", attributes={"request.id": self.sid, "round": self.stats.rounds}) as span:
+            drafted = await self._draft(max_depth)
+            if drafted.fallback:
+                span.set_attribute("fallback.reason", drafted.fallback)
+            span.set_attribute("gamma", self._gamma())
+            span.set_attribute("tree.nodes", drafted.tree.size)
             t1 = time.perf_counter()
-            with _tracer.start_as_current_span("verify", attributes={"tree.nodes": tree.size}):
-                result = await self.ctl.target.verify(self.sid, tree)
+            result = await self._verify(drafted.tree)
             t2 = time.perf_counter()
-            committed: list[int] = []
-            for token in result.tokens:
-                committed.append(token)
-                if stops.push(token):
-                    break
-            accepted = list(result.accepted_nodes[: len(committed)])
-            with _tracer.start_as_current_span("commit", attributes={"tokens": len(committed)}):
-                await self.ctl.target.commit(self.sid, len(committed))
-                if self.draft_sid is not None:
-                    try:
-                        await self._draft_call(self.ctl.draft.commit(self.draft_sid, committed, accepted))
-                    except DraftUnavailableError as exc:
-                        await self._drop_draft(exc)
+            committed = self._stop_checks(result.tokens)
+            accepted = list(result.accepted_nodes[: len(committed)])  # node indices of the committed draft tokens
+            await self._commit(committed, accepted)
             t3 = time.perf_counter()
             span.set_attribute("accepted_length", len(result.accepted_nodes))
             span.set_attribute("committed", len(committed))
-        if tree.size:
-            self.control.record(depth, tree.size, len(result.accepted_nodes))
-        stats.rounds += 1
-        stats.proposed_tokens += tree.size
-        stats.accepted_tokens += len(accepted)
-        stats.fallback_rounds += fallback is not None
-        if self.control is not None:
-            stats.final_gamma = self.control.gamma
-        if stats.rounds == 1:
-            stats.ttft_ms = (time.perf_counter() - self.started) * 1000
-        if stops.reason is not None:
-            stats.total_s = time.perf_counter() - self.started
-            stats.new_tokens = len(stops.generated)
-            stats.stop_reason = stops.reason
-        record = {"tokens": committed, "proposed": tree.size, "accepted": len(accepted), "depth": depth,
-                  "fallback": fallback,
-                  "gamma": self.control.gamma if self.control is not None else 0,
-                  "draft_s": draft_s, "verify_s": t2 - t1, "commit_s": t3 - t2}
-        for callback in (self.on_round, self.ctl.on_round):
+        await self._record(drafted, len(result.accepted_nodes), committed, len(accepted), t2 - t1, t3 - t2)
+        return committed
+
+    def _gamma(self) -> int:
+        """The request's speculation depth, tree levels (0 without a control policy)."""
+        return self.control.gamma if self.control is not None else 0
+
+    async def _draft(self, max_depth: int) -> _Drafted:
+        """Phase 1: speculate or not (the control decides); a tree of at most max_depth levels, or none."""
+        if self.control is None or max_depth < 1:
+            return _Drafted()
+        t0 = time.perf_counter()
+        committed_len = len(self.request.prompt_ids) + len(self.stops.generated)
+        if not self.control.speculate(time.monotonic(), committed_len, min(self.control.gamma, max_depth)):
+            return _Drafted(fallback=self.control.reason)
+        if self.draft_sid is None:
+            await self._open_draft()  # a retry after a failure; on failure the round runs plain
+        if self.draft_sid is None:
+            return _Drafted(fallback=DRAFT_UNAVAILABLE)
+        tree = await self._propose(max_depth)
+        return _Drafted(tree, depth=max(node_depths(tree.parents), default=0),
+                        fallback=DRAFT_UNAVAILABLE if self.draft_sid is None else None,
+                        draft_s=time.perf_counter() - t0)
+
+    async def _propose(self, max_depth: int) -> DraftTree:
+        """The draft's tree at the control's shape; an empty tree (and the draft dropped) when it fails."""
+        spec = self.control.spec(self.spec)
+        with _tracer.start_as_current_span("draft", attributes={"gamma": spec.gamma, "max_depth": max_depth}):
+            try:
+                return await self._draft_call(self.controller.draft.propose(self.draft_sid, spec, max_depth))
+            except DraftUnavailableError as exc:
+                await self._drop_draft(exc)
+                return _EMPTY_TREE
+
+    async def _verify(self, tree: DraftTree):
+        """Phase 2: the target verifies the tree in one forward (an empty tree = one plain step)."""
+        with _tracer.start_as_current_span("verify", attributes={"tree.nodes": tree.size}):
+            return await self.controller.target.verify(self.sid, tree)
+
+    def _stop_checks(self, tokens) -> list[int]:
+        """Phase 3: the verified tokens up to and including the first that stops the request."""
+        committed: list[int] = []
+        for token in tokens:
+            committed.append(token)
+            if self.stops.push(token):
+                break
+        return committed
+
+    async def _commit(self, committed: list[int], accepted: list[int]) -> None:
+        """Phase 4: both workers keep exactly the committed tokens (KV rollback of the rest);
+        accepted: tree node indices of the committed draft tokens."""
+        with _tracer.start_as_current_span("commit", attributes={"tokens": len(committed)}):
+            await self.controller.target.commit(self.sid, len(committed))
+            if self.draft_sid is not None:
+                try:
+                    await self._draft_call(self.controller.draft.commit(self.draft_sid, committed, accepted))
+                except DraftUnavailableError as exc:
+                    await self._drop_draft(exc)
+
+    async def _record(self, drafted: _Drafted, accepted_length: int, committed: list[int], accepted: int,
+                      verify_s: float, commit_s: float) -> None:
+        """Phase 5: the control learns the outcome (accepted_length: the accepted path, before the
+        stop checks), the statistics count the round, the callbacks get its RoundRecord."""
+        if drafted.tree.size:
+            self.control.record(drafted.depth, drafted.tree.size, accepted_length)
+        record = RoundRecord(tuple(committed), proposed=drafted.tree.size, accepted=accepted, depth=drafted.depth,
+                             fallback=drafted.fallback, gamma=self._gamma(), draft_s=drafted.draft_s,
+                             verify_s=verify_s, commit_s=commit_s)
+        self.stats.add(record, time.perf_counter() - self.started)
+        if self.stops.reason is not None:
+            self.stats.total_s = time.perf_counter() - self.started
+            self.stats.new_tokens = len(self.stops.generated)
+            self.stats.stop_reason = self.stops.reason
+        for callback in (self.on_round, self.controller.on_round):
             if callback is not None:
                 await _maybe_await(callback(record))
-        return committed
 
     async def close(self) -> None:
         """Release both sessions (KV freed); errors here are logged, never raised."""
@@ -362,11 +340,11 @@ class _Request:
             self.stats.new_tokens = len(self.stops.generated)
         if self.draft_sid is not None:
             try:
-                await asyncio.wait_for(self.ctl.draft.release(self.draft_sid), 5.0)
+                await asyncio.wait_for(self.controller.draft.release(self.draft_sid), 5.0)
             except Exception as exc:  # noqa: BLE001
                 log.debug("request %s: draft release failed: %s", self.sid, exc)
         if self.target_open:
             try:
-                await asyncio.wait_for(self.ctl.target.release(self.sid), 5.0)
+                await asyncio.wait_for(self.controller.target.release(self.sid), 5.0)
             except Exception as exc:  # noqa: BLE001
                 log.warning("request %s: target release failed: %s", self.sid, exc)

@@ -8,11 +8,10 @@ import torch
 from pydantic import ValidationError
 
 from draft_service.runtime import DraftRuntime
+from orchestrator.control import RequestControl
 from orchestrator.engine import SpeculativeEngine
-from specdec.config import ModelsConfig
-from specdec.model_setup import (  # noqa: F401  (re-exported: older callers import them from here)
-    eos_token_ids, load_draft, load_target, quantize_draft, resolve_draft_quant, resolve_dtype,
-)
+from specdec.config import FrontConfig, ModelsConfig
+from specdec.model_setup import load_draft, load_target
 from specdec.models import ModelError
 from target_service.runtime import TargetRuntime
 
@@ -38,7 +37,7 @@ def build_pipeline(
     """Load the pair (defaults: the real Qwen2.5-Coder pair), check it, wire the engine.
 
     dtype: auto | bfloat16 | float32 | float16; draft_quant: auto | none | int8 (CPU only);
-    control: per-request control policy factory (TreeSpec -> policy, e.g. ``orchestrator.policy.
+    control: per-request control policy factory (TreeSpec -> policy, e.g. ``orchestrator.control.
     RequestControl`` for dynamic gamma and fallback; None = the fixed TreeSpec every round).
     Raises ModelError for unknown paths, bad values or an incompatible pair.
     """
@@ -59,7 +58,7 @@ def build_pipeline(
     tokenizer = loaded.tokenizer
     engine = SpeculativeEngine(
         TargetRuntime(loaded.model), draft_runtime, loaded.eos_token_ids, loaded.context_limit,
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False), control=control,
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False), control_factory=control,
         draft_context_limit=draft_limit,
     )
     return EmbeddedPipeline(engine, tokenizer, loaded.model, draft_model)
@@ -70,9 +69,6 @@ def default_control(dynamic_gamma: bool = True):
     the service defaults (specdec.config.FrontConfig), or None = the fixed TreeSpec every round."""
     if not dynamic_gamma:
         return None
-    from orchestrator.policy import RequestControl
-    from specdec.config import FrontConfig
-
     front = FrontConfig()
     return lambda spec: RequestControl(spec, front.dynamic_gamma, front.fallback)
 

@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Callable, Sequence
 
-from orchestrator.controller import (  # noqa: F401 - re-exported: the engine's public types
-    GenerationRequest, GenerationResult, GenerationStats, RoundController, sync_worker,
-)
+from orchestrator.controller import GenerationRequest, GenerationResult, RoundController, sync_worker
 from specdec.interfaces import DraftWorker, TargetWorker
 
 
@@ -20,17 +18,17 @@ class SpeculativeEngine:
     """Runs requests round by round over a draft worker and a target worker (in-process, sync).
 
     eos_token_ids: ids that end generation; context_limit: max total tokens (prompt + generated);
-    decode: ids -> text, used for stop strings; control: per-request control policy factory
-    (TreeSpec -> policy; default fixed TreeSpec, see orchestrator.controller.FixedControl).
+    decode: ids -> text, used for stop strings; control_factory: TreeSpec -> per-request control
+    policy (orchestrator.control; default FixedControl, the fixed TreeSpec).
     """
 
     def __init__(self, target: TargetWorker, draft: DraftWorker | None, eos_token_ids, context_limit: int,
-                 decode=None, control=None, draft_context_limit: int | None = None):
+                 decode=None, control_factory=None, draft_context_limit: int | None = None):
         self.target = target
         self.draft = draft
         self.controller = RoundController(
             sync_worker(target), sync_worker(draft) if draft is not None else None, eos_token_ids, context_limit,
-            decode, control=control, draft_context_limit=draft_context_limit,
+            decode, control_factory=control_factory, draft_context_limit=draft_context_limit,
         )
 
     @property

@@ -13,205 +13,34 @@ their status code. Per-round records feed the Prometheus metrics and the global 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
-from pathlib import Path
 
 import grpc
 from opentelemetry import propagate
 
+from orchestrator.backends import LocalBackend, RayBackend, UpstreamError
 from orchestrator.controller import GenerationRequest
-from orchestrator.service import Orchestrator, stats_dict
+from orchestrator.embedded import encode_prompt
+from orchestrator.metrics import AcceptanceMonitor, SpecMetrics, start_metrics_server
+from orchestrator.service import load_tokenizer, tokenizer_dir
 from specdec.config import ServeConfig
 from specdec.grpc_host import ServiceHost
 from specdec.process_entry import configure_logging
 from specdec.sampling import SamplingParamsError
+from specdec.stats import RoundRecord
+from specdec.telemetry import setup_tracing, shutdown_tracing
 from specdec.tree_spec import TreeSpecError
 from specdec.v1 import generation_pb2, generation_pb2_grpc
-from specdec.wire import sampling_from_proto, spec_from_proto
+from specdec.wire import sampling_from_proto, spec_from_proto, stats_to_proto
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "specdec.v1.GenerationService"
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
-
-
-class UpstreamError(RuntimeError):
-    """A downstream service failed a request; carries its gRPC status (picklable across Ray)."""
-
-    def __init__(self, code_name: str, details: str):
-        super().__init__(f"{code_name}: {details}")
-        self.code_name = code_name
-        self.details = details
-
-
-def tokenizer_dir(config: ServeConfig) -> str:
-    """Where the front's tokenizer comes from: front.tokenizer, else models.target, else the default target."""
-    if config.front.tokenizer:
-        return config.front.tokenizer
-    from specdec.models import DEFAULT_TARGET, resolve_model_dir
-
-    return str(resolve_model_dir(config.models.target, DEFAULT_TARGET, "models.target"))
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
-def control_factory(config: ServeConfig):
-    """(TreeSpec, max_nodes) -> per-request control policy from front.dynamic_gamma / front.fallback;
-    max_nodes: the target's tree limit (dynamic gamma never grows a tree past it)."""
-    from orchestrator.policy import RequestControl
-    from specdec.tree_spec import MAX_TREE_NODES
-
-    front = config.front
-    return lambda spec, max_nodes=MAX_TREE_NODES: RequestControl(spec, front.dynamic_gamma, front.fallback, max_nodes=max_nodes)
-
-
-def build_orchestrator(config: ServeConfig, tok_dir: str | None) -> Orchestrator:
-    """An Orchestrator for this config (tokenizer for stop strings, control policies)."""
-    tokenizer = load_tokenizer(tok_dir) if tok_dir else None
-    decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer is not None else None
-    return Orchestrator(config.front, config.grpc, decode, control=control_factory(config))
-
-
-class LocalBackend:
-    """Requests run in this process's event loop (no Ray)."""
-
-    def __init__(self, config: ServeConfig, tok_dir: str | None):
-        self.orchestrator = build_orchestrator(config, tok_dir)
-
-    async def start(self) -> None:
-        await self.orchestrator.connect()
-
-    @property
-    def info(self):
-        return self.orchestrator.info
-
-    async def stream(self, request: GenerationRequest, request_id: str, timeout_s, carrier):
-        try:
-            async for chunk in self.orchestrator.stream(request, request_id, timeout_s, carrier):
-                yield chunk.tokens, chunk.round, stats_dict(chunk.stats) if chunk.stats is not None else None
-        except grpc.aio.AioRpcError as exc:
-            raise UpstreamError(exc.code().name, exc.details() or "") from exc
-
-    async def abort(self, request_id: str) -> bool:
-        return await self.orchestrator.abort(request_id)
-
-    async def close(self) -> None:
-        await self.orchestrator.close()
-
-
-class RayBackend:
-    """Requests run in ``front.workers`` Ray async actors (orchestrator.actors), least-loaded first.
-
-    Starts a local Ray (``front.ray_address`` unset) or attaches to a cluster (``auto`` or an
-    address).
-    """
-
-    def __init__(self, config: ServeConfig, tok_dir: str | None):
-        self.config = config
-        self.tok_dir = tok_dir
-        self.actors = []
-        self.inflight: dict[int, int] = {}
-        self.owner: dict[str, object] = {}
-        self.unhealthy_until: dict[int, float] = {}
-        self.info = None
-
-    async def start(self) -> None:
-        import ray
-
-        from orchestrator.actors import OrchestratorActor, actor_env
-
-        front = self.config.front
-        if not ray.is_initialized():
-            ray.init(address=front.ray_address, num_cpus=front.ray_num_cpus if front.ray_address is None else None,
-                     include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
-                     runtime_env={"env_vars": actor_env()} if actor_env() else None)
-        config_json = self.config.model_dump_json(by_alias=True)
-        self.actors = [OrchestratorActor.remote(config_json, self.tok_dir) for _ in range(front.workers)]
-        self.inflight = {i: 0 for i in range(len(self.actors))}
-        await asyncio.gather(*[actor.ready.remote() for actor in self.actors])
-        # The front needs the target's limits too (prompt checks): one direct Info call.
-        probe = Orchestrator(front, self.config.grpc)
-        await probe.connect()
-        self.info = probe.info
-        await probe.target_channel.close()
-        await probe.draft_channel.close()
-
-    ACTOR_COOLDOWN_S = 5.0  # an actor that failed a request is skipped this long (it is restarting)
-
-    def _pick(self) -> int:
-        """The least-loaded actor, preferring those that did not fail in the last ACTOR_COOLDOWN_S."""
-        now = time.monotonic()
-        healthy = [i for i in self.inflight if self.unhealthy_until.get(i, 0.0) <= now] or list(self.inflight)
-        return min(healthy, key=self.inflight.get)
-
-    async def stream(self, request: GenerationRequest, request_id: str, timeout_s, carrier):
-        """Run on an actor; a request whose actor dies or is restarting before its first token is
-        sent to another actor (nothing was streamed, so nothing is lost or repeated); after the first
-        token it fails with UNAVAILABLE."""
-        import ray
-
-        from orchestrator.actors import request_to_dict
-
-        payload = request_to_dict(request)
-        for attempt in range(len(self.actors) + 1):
-            index = self._pick()
-            actor = self.actors[index]
-            self.inflight[index] += 1
-            self.owner[request_id] = actor  # the front refuses a second running request with this id
-            gen = actor.stream.options(num_returns="streaming").remote(payload, request_id, timeout_s, carrier)
-            finished = streamed = False
-            try:
-                async for ref in gen:
-                    tokens, record, stats = await ref
-                    streamed = True
-                    yield tokens, record, stats
-                    if stats is not None:
-                        finished = True
-                return
-            except ray.exceptions.RayTaskError as exc:
-                cause = getattr(exc, "cause", None)
-                if isinstance(cause, UpstreamError):
-                    raise cause from None
-                if isinstance(cause, grpc.aio.AioRpcError):
-                    raise UpstreamError(cause.code().name, cause.details() or "") from None
-                if isinstance(cause, ValueError):
-                    raise ValueError(str(cause)) from None
-                raise UpstreamError("INTERNAL", str(cause or exc)) from None
-            except ray.exceptions.RayActorError as exc:  # ActorUnavailableError included
-                self.unhealthy_until[index] = time.monotonic() + self.ACTOR_COOLDOWN_S
-                if streamed or attempt == len(self.actors):
-                    raise UpstreamError("UNAVAILABLE", f"orchestrator actor died: {exc}") from None
-                log.warning("request %s: orchestrator actor %d unavailable before the first token (%s); trying another",
-                            request_id, index, type(exc).__name__)
-            finally:
-                self.inflight[index] -= 1
-                if self.owner.get(request_id) is actor:
-                    self.owner.pop(request_id, None)
-                if not finished:
-                    try:
-                        ray.cancel(gen)
-                    except Exception:  # noqa: BLE001 - the actor is gone; nothing left to cancel
-                        pass
-
-    async def abort(self, request_id: str) -> bool:
-        actor = self.owner.get(request_id)
-        if actor is None:
-            return False
-        return await actor.abort.remote(request_id)
-
-    async def close(self) -> None:
-        import ray
-
-        for actor in self.actors:
-            ray.kill(actor)
-        ray.shutdown()  # stops a local Ray we started; only disconnects from a cluster we attached to
 
 
 class TextDeltas:
@@ -266,8 +95,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if bad:
                 raise ValueError(f"prompt_ids: {bad[0]} outside the vocabulary [0, {info.vocab_size})")
         elif msg.prompt:
-            from orchestrator.embedded import encode_prompt
-
             ids = encode_prompt(self.tokenizer, msg.prompt, msg.raw)
         else:
             raise ValueError("prompt: empty prompt (set prompt or prompt_ids)")
@@ -309,13 +136,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 if tokens:
                     yield generation_pb2.GenerateResponse(request_id=request_id, token_ids=tokens, text_delta=deltas.push(tokens))
                 if stats is not None:
-                    yield generation_pb2.GenerateResponse(request_id=request_id, text_delta=deltas.final(), stats=generation_pb2.FinalStats(
-                        new_tokens=stats["new_tokens"], prompt_tokens=len(req.prompt_ids), rounds=stats["rounds"],
-                        acceptance_rate=stats["acceptance_rate"], mean_accepted_length=stats["mean_accepted_length"],
-                        ttft_ms=stats["ttft_ms"], total_s=stats["total_s"] or time.perf_counter() - started,
-                        stop_reason=stats["stop_reason"] or "", fallback_rounds=stats["fallback_rounds"],
-                        final_gamma=stats["final_gamma"], proposed_tokens=stats["proposed_tokens"],
-                        accepted_tokens=stats["accepted_tokens"]))
+                    if not stats.total_s:
+                        stats = dataclasses.replace(stats, total_s=time.perf_counter() - started)
+                    yield generation_pb2.GenerateResponse(request_id=request_id, text_delta=deltas.final(),
+                                                          stats=stats_to_proto(stats, len(req.prompt_ids)))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except UpstreamError as exc:
@@ -324,16 +148,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         finally:
             self.running.discard(request_id)
             if self.monitor is not None:
-                self.monitor.finish(request_id)
+                self.monitor.release(request_id)
 
-    def _observe(self, request_id: str, record: dict) -> None:
+    def _observe(self, request_id: str, record: RoundRecord) -> None:
         if self.metrics is not None:
             self.metrics.observe_round(record)
-            for phase in ("draft", "verify", "commit"):
-                if record.get(f"{phase}_s") is not None:
-                    self.metrics.observe_phase(phase, record[f"{phase}_s"])
-        if self.monitor is not None and record["proposed"]:
-            self.monitor.record(request_id, record["proposed"], record["accepted"])
+            for phase, seconds in (("draft", record.draft_s), ("verify", record.verify_s), ("commit", record.commit_s)):
+                if seconds is not None:
+                    self.metrics.observe_phase(phase, seconds)
+        if self.monitor is not None and record.proposed:
+            self.monitor.record(request_id, record.proposed, record.accepted)
 
     async def Abort(self, request, context):
         if not request.request_id:
@@ -343,24 +167,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
 async def serve_front(config: ServeConfig) -> int:
     """Run the front until SIGTERM/SIGINT. Returns the bound port."""
-    from specdec.telemetry import setup_tracing, shutdown_tracing
-
     setup_tracing("specdec-front")
     tok_dir = tokenizer_dir(config)
     tokenizer = load_tokenizer(tok_dir)
     backend = RayBackend(config, tok_dir) if config.front.use_ray else LocalBackend(config, tok_dir)
     await backend.start()
-    metrics = monitor = None
-    try:
-        from orchestrator.metrics import SpecMetrics, start_metrics_server
-        from orchestrator.policy import AcceptanceMonitor
-
-        metrics = SpecMetrics()
-        monitor = AcceptanceMonitor(config.front.monitor, metrics=metrics)
-        if config.front.metrics_port is not None:
-            start_metrics_server(config.front.metrics_port, metrics)
-    except ImportError:  # pragma: no cover - policy/metrics modules are part of the package
-        pass
+    metrics = SpecMetrics()
+    monitor = AcceptanceMonitor(config.front.monitor, metrics=metrics)
+    if config.front.metrics_port is not None:
+        start_metrics_server(config.front.metrics_port, metrics)
     host = ServiceHost("generation-front", config.grpc)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(
         GenerationServicer(config, backend, tokenizer, metrics, monitor), host.server)

@@ -1,4 +1,5 @@
-"""Prometheus metrics of the orchestrator's speculation rounds (prometheus-client).
+"""Prometheus metrics of the orchestrator's speculation rounds (prometheus-client), and the
+front-wide acceptance monitor (``AcceptanceMonitor``: windowed acceptance with low-acceptance alerts).
 
 All metrics of one process live in one ``SpecMetrics`` object bound to one ``CollectorRegistry``:
 pass a fresh registry (tests, several engines side by side) or use ``default_metrics()``, which
@@ -25,15 +26,22 @@ Acceptance rate = accepted / proposed draft tokens; mean accepted length = commi
 
 from __future__ import annotations
 
+import logging
 import threading
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from orchestrator.control import FALLBACK_REASONS, AcceptanceWindow, check_counts
+from specdec.config import MonitorConfig
+from specdec.stats import RoundRecord
+
+log = logging.getLogger(__name__)
+
 PHASES = ("draft", "verify", "commit")
-FALLBACK_REASONS = ("low_acceptance", "draft_unavailable", "draft_context_limit")
 ALERT_SCOPES = ("request", "global")
 ROUND_MODES = ("speculative", "plain")
 
@@ -102,18 +110,15 @@ class SpecMetrics:
         if speculative and gamma is not None:
             self.gamma.observe(gamma)
 
-    def observe_round(self, record: dict) -> None:
+    def observe_round(self, record: RoundRecord) -> None:
         """Count one round from the round controller's record (orchestrator/controller.py).
 
-        record keys: ``tokens`` (committed ids), ``proposed``, ``accepted`` (draft tokens committed),
-        ``gamma`` (the request's speculation depth, 0 without control) and ``fallback`` (the
-        fallback reason of a plain round, or None). Counts as ``record_round`` and, when
-        ``fallback`` is set, fallback_rounds{reason=fallback}.
+        Counts as ``record_round`` (gamma 0, no control policy, is not observed) and, when
+        ``record.fallback`` is set, fallback_rounds{reason=record.fallback}.
         """
-        gamma = record.get("gamma") or None
-        self.record_round(record["proposed"], record["accepted"], len(record["tokens"]), gamma)
-        if record.get("fallback"):
-            self.fallback_rounds.labels(reason=record["fallback"]).inc()
+        self.record_round(record.proposed, record.accepted, len(record.tokens), record.gamma or None)
+        if record.fallback:
+            self.fallback_rounds.labels(reason=record.fallback).inc()
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         """Record one phase's wall time in seconds. Raises ValueError for an unknown phase."""
@@ -156,3 +161,109 @@ def start_metrics_server(port: int, source: "SpecMetrics | CollectorRegistry | N
     else:
         registry = source if source is not None else prometheus_client.REGISTRY
     return prometheus_client.start_http_server(port, addr=addr, registry=registry)
+
+
+# --------------------------------------------------------------------------- acceptance monitor
+
+
+@dataclass
+class _Track:
+    """Acceptance window and alert state of one scope (a request, or global)."""
+
+    window: AcceptanceWindow
+    rounds: int = 0            # rounds recorded (proposed > 0)
+    low_windows: int = 0       # consecutive full windows below the threshold
+    alerting: bool = False
+    last_window_rate: float | None = None
+    alerts: int = 0
+
+
+class AcceptanceMonitor:
+    """Windowed acceptance rate (accepted / proposed draft tokens) per request and globally, with alerts.
+
+    Each scope (every request id, and the global one over all requests' rounds in record order)
+    keeps a sliding window of its last ``window`` rounds (``rate``). Every ``window`` rounds, i.e.
+    at the end of each full, non-overlapping window, the window's rate is judged: below
+    ``alert_threshold`` it extends a run of low windows, otherwise it ends the run. When the run
+    reaches ``alert_windows`` the scope raises one alert (a WARNING log with the numbers and
+    acceptance_alerts{scope} + 1 on ``metrics``); no further alert until it clears, which happens
+    at the first judged window at or above the threshold (an INFO log).
+    Rounds with proposed == 0 (plain rounds) are not recorded. With metrics, the global sliding
+    rate is written to the acceptance_rate gauge after each round. Thread-safe.
+
+    Source: this project's rule (DESIGN.md "Terms" for the acceptance rate, MonitorConfig for the
+    window, threshold and run length); no paper prescribes it.
+    """
+
+    def __init__(self, config: MonitorConfig = MonitorConfig(), metrics: SpecMetrics | None = None,
+                 logger: logging.Logger | None = None):
+        self.config = config
+        self.metrics = metrics
+        self.log = logger or log
+        self._global = _Track(AcceptanceWindow(config.window))
+        self._requests: dict[str, _Track] = {}
+        self._lock = threading.Lock()
+
+    def record(self, request_id: str, proposed: int, accepted: int) -> None:
+        """Record one round of a request. Raises ValueError for negative counts or accepted > proposed."""
+        check_counts(proposed, accepted)
+        if proposed == 0:
+            return
+        with self._lock:
+            track = self._requests.get(request_id)
+            if track is None:
+                track = self._requests[request_id] = _Track(AcceptanceWindow(self.config.window))
+            self._add(track, "request", request_id, proposed, accepted)
+            self._add(self._global, "global", None, proposed, accepted)
+            if self.metrics is not None and self._global.window.rate is not None:
+                self.metrics.acceptance_rate.set(self._global.window.rate)
+
+    def rate(self, request_id: str | None = None) -> float | None:
+        """Sliding-window acceptance rate of a request (None = global); None before any round."""
+        track = self._track(request_id)
+        return track.window.rate if track else None
+
+    def alerting(self, request_id: str | None = None) -> bool:
+        """Whether the scope's low-acceptance alert is raised and not yet cleared."""
+        track = self._track(request_id)
+        return bool(track and track.alerting)
+
+    def alerts(self, request_id: str | None = None) -> int:
+        """Alerts raised so far by a request (None = global)."""
+        track = self._track(request_id)
+        return track.alerts if track else 0
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (its window and alert state); unknown ids are ignored."""
+        with self._lock:
+            self._requests.pop(request_id, None)
+
+    def _track(self, request_id: str | None) -> _Track | None:
+        return self._global if request_id is None else self._requests.get(request_id)
+
+    def _add(self, track: _Track, scope: str, request_id: str | None, proposed: int, accepted: int) -> None:
+        track.window.add(proposed, accepted)
+        track.rounds += 1
+        if track.rounds % self.config.window:
+            return
+        rate = track.window.rate  # the window now covers exactly the last `window` rounds
+        track.last_window_rate = rate
+        who = "global" if request_id is None else f"request {request_id}"
+        if rate < self.config.alert_threshold:
+            track.low_windows += 1
+            if track.low_windows >= self.config.alert_windows and not track.alerting:
+                track.alerting = True
+                track.alerts += 1
+                self.log.warning(
+                    "acceptance alert (%s): acceptance rate %.3f (%d/%d draft tokens over the last %d rounds) "
+                    "below %.3f for %d consecutive windows of %d rounds",
+                    who, rate, track.window.accepted, track.window.proposed, self.config.window,
+                    self.config.alert_threshold, track.low_windows, self.config.window)
+                if self.metrics is not None:
+                    self.metrics.acceptance_alerts.labels(scope=scope).inc()
+        else:
+            if track.alerting:
+                self.log.info("acceptance alert cleared (%s): acceptance rate %.3f >= %.3f",
+                              who, rate, self.config.alert_threshold)
+            track.alerting = False
+            track.low_windows = 0

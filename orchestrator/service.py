@@ -5,6 +5,9 @@ request and yields its committed tokens round by round, then its final statistic
 class: the front runs it in-process (``front.use_ray: false``) or inside Ray actors
 (``orchestrator.actors``), where each actor serves many requests at once and no request's rounds
 wait for another's.
+
+The wiring of a served orchestrator (``build_orchestrator``: tokenizer for stop strings, control
+policies from the config) lives here too, so the front and the Ray actors build it the same way.
 """
 
 from __future__ import annotations
@@ -12,24 +15,25 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import uuid
 import time
+import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
 
 import grpc
 from opentelemetry import propagate, trace
+from transformers import AutoTokenizer
 
 from orchestrator.clients import DraftClient, TargetClient, channel_options, request_deadline
-from orchestrator.controller import GenerationRequest, GenerationStats, RoundController
+from orchestrator.control import RequestControl
+from orchestrator.controller import GenerationRequest, GenerationResult, RoundController
+from specdec.config import ServeConfig
+from specdec.models import DEFAULT_TARGET, resolve_model_dir
+from specdec.stats import GenerationStats, RoundRecord
+from specdec.tree_spec import MAX_TREE_NODES
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("specdec.orchestrator")
-
-
-def stats_dict(stats: GenerationStats) -> dict:
-    """GenerationStats as a plain dict (picklable across Ray), derived rates included."""
-    return dict(vars(stats), acceptance_rate=stats.acceptance_rate, mean_accepted_length=stats.mean_accepted_length)
 
 
 @dataclass
@@ -38,22 +42,22 @@ class Chunk:
 
     tokens: list[int]
     stats: GenerationStats | None = None
-    round: dict | None = None  # the round's record (controller on_round): proposed, accepted, gamma, fallback
+    round: RoundRecord | None = None  # the round's record (controller on_round)
 
 
 class Orchestrator:
     """Runs generation requests over a draft service and a target service.
 
     front: specdec.config.FrontConfig; grpc_cfg: specdec.config.GrpcConfig; decode: ids -> text
-    for stop strings (None = stop strings refused); control: TreeSpec -> per-request control policy
-    (None = fixed TreeSpec); on_round: per-round record callback (metrics).
+    for stop strings (None = stop strings refused); control_factory: (TreeSpec, max_nodes) ->
+    per-request control policy (None = fixed TreeSpec); on_round: per-round record callback (metrics).
     """
 
-    def __init__(self, front, grpc_cfg, decode=None, control=None, on_round=None):
+    def __init__(self, front, grpc_cfg, decode=None, control_factory=None, on_round=None):
         self.front = front
         self.grpc_cfg = grpc_cfg
         self.decode = decode
-        self.control = control
+        self.control_factory = control_factory
         self.on_round = on_round
         self.controller: RoundController | None = None
         self.tasks: dict[str, asyncio.Task] = {}
@@ -68,10 +72,12 @@ class Orchestrator:
         self.info = await target.info(timeout=timeout)
         max_nodes = self.info.max_tree_nodes or 512
         draft = DraftClient(self.draft_channel, self.info.vocab_size, max_nodes) if self.front.speculate else None
-        control = functools.partial(self.control, max_nodes=max_nodes) if self.control is not None else None
+        factory = self.control_factory
+        if factory is not None:
+            factory = functools.partial(factory, max_nodes=max_nodes)
         self.controller = RoundController(
             target, draft, list(self.info.eos_token_ids), self.info.context_limit, self.decode,
-            control=control, draft_deadline_s=self.front.fallback.draft_deadline_ms / 1000,
+            control_factory=factory, draft_deadline_s=self.front.fallback.draft_deadline_ms / 1000,
             on_round=self.on_round,
         )
 
@@ -101,31 +107,7 @@ class Orchestrator:
         partial = GenerationStats()  # what the rounds streamed so far reported (for an aborted request)
         started = time.perf_counter()
 
-        def seen(record: dict) -> None:
-            partial.rounds += 1
-            partial.new_tokens += len(record["tokens"])
-            partial.proposed_tokens += record["proposed"]
-            partial.accepted_tokens += record["accepted"]
-            partial.fallback_rounds += record["fallback"] is not None
-            partial.final_gamma = record["gamma"]
-            if partial.rounds == 1:
-                partial.ttft_ms = (time.perf_counter() - started) * 1000
-
-        async def run():
-            ctx = propagate.extract(carrier or {})
-            if timeout_s is not None:
-                request_deadline.set(time.monotonic() + timeout_s)
-            with _tracer.start_as_current_span("generate", context=ctx, attributes={
-                    "request.id": request_id, "prompt.tokens": len(request.prompt_ids),
-                    "max_new_tokens": request.max_new_tokens}) as span:
-                # service-side session ids are unique per run, whatever ids clients choose
-                session_id = f"{request_id}/{uuid.uuid4().hex[:8]}"
-                result = await self.controller.generate(request, session_id=session_id, on_round=queue.put_nowait)
-                span.set_attribute("new_tokens", result.stats.new_tokens)
-                span.set_attribute("acceptance_rate", result.stats.acceptance_rate)
-                return result
-
-        task = asyncio.create_task(run())
+        task = asyncio.create_task(self._run(request, request_id, timeout_s, carrier, queue.put_nowait))
         self.tasks[request_id] = task
         getter = None
         try:
@@ -134,14 +116,14 @@ class Orchestrator:
                 await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
                 if getter.done():
                     record = getter.result()
-                    seen(record)
-                    yield Chunk(record["tokens"], round=record)
+                    partial.add(record, time.perf_counter() - started)
+                    yield Chunk(list(record.tokens), round=record)
                     continue
                 getter.cancel()
                 while not queue.empty():
                     record = queue.get_nowait()
-                    seen(record)
-                    yield Chunk(record["tokens"], round=record)
+                    partial.add(record, time.perf_counter() - started)
+                    yield Chunk(list(record.tokens), round=record)
                 if task.cancelled():
                     partial.stop_reason = "aborted"
                     partial.total_s = time.perf_counter() - started
@@ -157,6 +139,22 @@ class Orchestrator:
                 await asyncio.gather(task, return_exceptions=True)
             self.tasks.pop(request_id, None)
 
+    async def _run(self, request: GenerationRequest, request_id: str, timeout_s: float | None,
+                   carrier: dict | None, on_round) -> GenerationResult:
+        """The request's task: deadline and trace context of the caller, one ``generate`` span."""
+        ctx = propagate.extract(carrier or {})
+        if timeout_s is not None:
+            request_deadline.set(time.monotonic() + timeout_s)
+        with _tracer.start_as_current_span("generate", context=ctx, attributes={
+                "request.id": request_id, "prompt.tokens": len(request.prompt_ids),
+                "max_new_tokens": request.max_new_tokens}) as span:
+            # service-side session ids are unique per run, whatever ids clients choose
+            session_id = f"{request_id}/{uuid.uuid4().hex[:8]}"
+            result = await self.controller.generate(request, session_id=session_id, on_round=on_round)
+            span.set_attribute("new_tokens", result.stats.new_tokens)
+            span.set_attribute("acceptance_rate", result.stats.acceptance_rate)
+            return result
+
     async def abort(self, request_id: str) -> bool:
         """Cancel a running request (its KV is freed on both services). False if unknown."""
         task = self.tasks.get(request_id)
@@ -165,3 +163,31 @@ class Orchestrator:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         return True
+
+
+# --------------------------------------------------------------------------- wiring from the config
+
+
+def tokenizer_dir(config: ServeConfig) -> str:
+    """Where the front's tokenizer comes from: front.tokenizer, else models.target, else the default target."""
+    if config.front.tokenizer:
+        return config.front.tokenizer
+    return str(resolve_model_dir(config.models.target, DEFAULT_TARGET, "models.target"))
+
+
+def load_tokenizer(path: str):
+    return AutoTokenizer.from_pretrained(path)
+
+
+def control_factory(config: ServeConfig):
+    """(TreeSpec, max_nodes) -> per-request control policy from front.dynamic_gamma / front.fallback;
+    max_nodes: the target's tree limit (dynamic gamma never grows a tree past it)."""
+    front = config.front
+    return lambda spec, max_nodes=MAX_TREE_NODES: RequestControl(spec, front.dynamic_gamma, front.fallback, max_nodes=max_nodes)
+
+
+def build_orchestrator(config: ServeConfig, tok_dir: str | None) -> Orchestrator:
+    """An Orchestrator for this config (tokenizer for stop strings, control policies)."""
+    tokenizer = load_tokenizer(tok_dir) if tok_dir else None
+    decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer is not None else None
+    return Orchestrator(config.front, config.grpc, decode, control_factory=control_factory(config))

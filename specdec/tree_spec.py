@@ -5,6 +5,9 @@
 Draft step d (0-based) expands ``topHead[d]`` depth-d nodes (the root alone at d = 0; for d >= 1 the
 nodes with the highest path probability); the j-th of them keeps its draft top ``topKSpec[d][j]``
 children. The example has 6 + 4 + 2 = 12 nodes.
+
+``spec_at_depth`` gives the shape of a deeper or shallower tree (dynamic gamma): rows beyond the
+spec repeat its last row; ``max_depth_for`` the deepest gamma within a node limit.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, m
 
 
 MAX_TREE_NODES = 512  # what a target accepts in one verify (target_service.runtime)
+MAX_GAMMA = 64  # TreeSpec.gamma's upper bound: the deepest tree, in levels
 
 
 class TreeSpecError(ValueError):
@@ -27,7 +31,7 @@ class TreeSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
-    gamma: StrictInt = Field(ge=1, le=64)
+    gamma: StrictInt = Field(ge=1, le=MAX_GAMMA)
     top_k_spec: tuple[tuple[StrictInt, ...], ...] = Field(alias="topKSpec")
     top_head: tuple[StrictInt, ...] = Field(alias="topHead")
     tree_type: StrictInt = Field(default=0, alias="treeType", ge=0, le=1)
@@ -79,6 +83,51 @@ SEED_SPEC = TreeSpec(gamma=3, topKSpec=[[6], [2, 2], [1, 1]], topHead=[1, 2, 2],
 # accepted length 2.65, vs 1.39x / 2.91 for SEED_SPEC (12 nodes) and 1.56x / 2.51 for a chain of 3:
 # there a verify row costs ~20 ms more, so a narrow tree wins. Wider trees pay where verify is flat (GPU).
 DEFAULT_SPEC = TreeSpec(gamma=3, topKSpec=[[3], [1], [1]], topHead=[1, 1, 1], treeType=0, gammaThreshold=0)
+
+
+def spec_at_depth(spec: TreeSpec, gamma: int, max_nodes: int = MAX_TREE_NODES) -> TreeSpec:
+    """The tree shape for speculation depth gamma (DESIGN.md "Control": rows beyond the spec repeat the last row).
+
+    gamma < spec.gamma: the first gamma rows of topKSpec / topHead. gamma > spec.gamma: rows
+    spec.gamma .. gamma-1 repeat the last row (its topKSpec row and topHead entry). A repeated row
+    is always valid: the last row expands h = topHead[-1] nodes with k_j >= 1 children each, so the
+    depth it creates holds sum(k_j) >= h nodes, enough for the next copy's h expansions.
+    Each repeated row adds sum(topKSpec[-1]) nodes. treeType and gammaThreshold are kept;
+    gamma == spec.gamma returns ``spec`` itself.
+
+    Raises TreeSpecError (a ValueError) naming ``gamma`` when gamma < 1, gamma > MAX_GAMMA
+    (TreeSpec's bound) or the tree would exceed max_nodes nodes (default MAX_TREE_NODES, what a target
+    verifies in one forward); ``max_depth_for`` gives the deepest allowed gamma.
+    """
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
+        raise TreeSpecError(f"gamma: must be an integer >= 1, got {gamma!r}")
+    if gamma == spec.gamma and spec.num_nodes <= max_nodes:
+        return spec
+    deepest = max_depth_for(spec, max_nodes)
+    if gamma > deepest:
+        raise TreeSpecError(
+            f"gamma: {gamma} exceeds the deepest tree of this spec, {deepest} (limits: {MAX_GAMMA} rows, "
+            f"{max_nodes} nodes; each row past {spec.gamma} adds {sum(spec.top_k_spec[-1])} nodes)"
+        )
+    rows = list(spec.top_k_spec[:gamma]) + [spec.top_k_spec[-1]] * max(0, gamma - spec.gamma)
+    heads = list(spec.top_head[:gamma]) + [spec.top_head[-1]] * max(0, gamma - spec.gamma)
+    return TreeSpec(gamma=gamma, topKSpec=rows, topHead=heads, treeType=spec.tree_type,
+                    gammaThreshold=spec.gamma_threshold)
+
+
+def max_depth_for(spec: TreeSpec, max_nodes: int = MAX_TREE_NODES) -> int:
+    """The deepest gamma whose ``spec_at_depth`` tree has <= max_nodes nodes (and <= MAX_GAMMA rows).
+
+    Returns 0 when even the first row exceeds max_nodes.
+    """
+    total, depth = 0, 0
+    while depth < MAX_GAMMA:
+        row = spec.top_k_spec[min(depth, spec.gamma - 1)]
+        if total + sum(row) > max_nodes:
+            break
+        total += sum(row)
+        depth += 1
+    return depth
 
 
 def parse_tree_spec(source: str | dict) -> TreeSpec:

@@ -5,6 +5,7 @@ The receiving side never trusts a message: ``tree_from_proto`` checks every rule
 limits, finite draft log-probabilities, proposals that are probability vectors over valid ids) and
 raises MalformedTreeError naming the field; ``sampling_from_proto`` and ``spec_from_proto`` raise
 SamplingParamsError / TreeSpecError naming theirs. Servers map all three to INVALID_ARGUMENT.
+``stats_to_proto`` builds a request's ``FinalStats`` (the front's last message).
 """
 
 from __future__ import annotations
@@ -14,11 +15,10 @@ import math
 import numpy as np
 
 from specdec.sampling import SamplingParams
+from specdec.stats import GenerationStats
 from specdec.tree import DraftTree, MalformedTreeError, Proposal, node_depths, validate_tree
-from specdec.tree_spec import TreeSpec, parse_tree_spec
-from specdec.v1 import tree_pb2
-
-MAX_TREE_DEPTH = 64  # TreeSpec.gamma's upper bound
+from specdec.tree_spec import MAX_GAMMA, TreeSpec, parse_tree_spec
+from specdec.v1 import generation_pb2, tree_pb2
 
 
 def tree_to_proto(tree: DraftTree) -> tree_pb2.TokenTree:
@@ -32,7 +32,7 @@ def tree_to_proto(tree: DraftTree) -> tree_pb2.TokenTree:
     return msg
 
 
-def tree_from_proto(msg: tree_pb2.TokenTree, vocab_size: int, max_nodes: int, max_depth: int = MAX_TREE_DEPTH) -> DraftTree:
+def tree_from_proto(msg: tree_pb2.TokenTree, vocab_size: int, max_nodes: int, max_depth: int = MAX_GAMMA) -> DraftTree:
     """An untrusted TokenTree -> DraftTree. Raises MalformedTreeError naming the bad field.
 
     vocab_size: V of the receiving model (token ids and proposal ids must be < V); max_nodes: N cap.
@@ -101,3 +101,14 @@ def spec_from_proto(msg: tree_pb2.TreeSpec) -> TreeSpec:
         "gamma": msg.gamma, "topKSpec": [list(row.k) for row in msg.top_k_spec], "topHead": list(msg.top_head),
         "treeType": msg.tree_type, "gammaThreshold": msg.gamma_threshold,
     })
+
+
+def stats_to_proto(stats: GenerationStats, prompt_tokens: int) -> generation_pb2.FinalStats:
+    """A request's statistics as the front's FinalStats; prompt_tokens: the prompt's length in tokens."""
+    return generation_pb2.FinalStats(
+        new_tokens=stats.new_tokens, prompt_tokens=prompt_tokens, rounds=stats.rounds,
+        acceptance_rate=stats.acceptance_rate, mean_accepted_length=stats.mean_accepted_length,
+        ttft_ms=stats.ttft_ms, total_s=stats.total_s, stop_reason=stats.stop_reason or "",
+        fallback_rounds=stats.fallback_rounds, final_gamma=stats.final_gamma,
+        proposed_tokens=stats.proposed_tokens, accepted_tokens=stats.accepted_tokens,
+    )

@@ -14,8 +14,8 @@ import asyncio
 import pytest
 
 from draft_service.runtime import DraftRuntime
+from orchestrator.control import RequestControl
 from orchestrator.controller import DraftUnavailableError, GenerationRequest, RoundController, sync_worker
-from orchestrator.policy import RequestControl
 from specdec.config import DynamicGammaConfig, FallbackConfig
 from specdec.tree_spec import DEFAULT_SPEC, TreeSpec
 from target_service.runtime import TargetRuntime
@@ -29,7 +29,7 @@ def run(target_model, draft, prompt, n, spec=DEFAULT_SPEC, dyn=DYN, fallback=FAL
     """Generate n tokens; returns (tokens, stats, per-round records)."""
     records = []
     ctl = RoundController(sync_worker(TargetRuntime(target_model)), sync_worker(draft), [], 10_000,
-                          control=lambda s: RequestControl(s, dyn, fallback))
+                          control_factory=lambda s: RequestControl(s, dyn, fallback))
     result = asyncio.run(ctl.generate(GenerationRequest(prompt, n, spec=spec), on_round=records.append))
     return result.tokens, result.stats, records
 
@@ -45,9 +45,9 @@ def test_always_right_draft_drives_gamma_to_the_maximum(target_model):
     draft = OracleDraft(prompt, reference, agree=1000)
     tokens, stats, records = run(target_model, draft, prompt, 60, spec=TreeSpec.chain(2))
     assert tokens == reference[:60]
-    gammas = [r["gamma"] for r in records]
+    gammas = [r.gamma for r in records]
     assert gammas[:5] == [3, 4, 5, 6, 6]  # +1 per fully accepted round from the spec's 2, capped at 6
-    assert max(r["depth"] for r in records) == 6
+    assert max(r.depth for r in records) == 6
     assert stats.fallback_rounds == 0 and stats.final_gamma == 6
 
 
@@ -57,12 +57,12 @@ def test_always_wrong_draft_falls_to_the_minimum_then_falls_back_and_probes(targ
     draft = OracleDraft(prompt, reference, agree=0)
     tokens, stats, records = run(target_model, draft, prompt, 40, spec=TreeSpec.chain(3))
     assert tokens == reference[:40]
-    proposed = [r["proposed"] for r in records]
-    gammas = [r["gamma"] for r in records]
+    proposed = [r.proposed for r in records]
+    gammas = [r.gamma for r in records]
     assert gammas[:3] == [2, 1, 1]  # -1 per early rejection down to min_gamma
     # a full window (4 speculative rounds) at acceptance 0 < 0.2: plain rounds, then a probe after 5
     assert proposed[:4] == [3, 2, 1, 1] and proposed[4:9] == [0] * 5 and proposed[9] > 0
-    assert all(r["fallback"] == "low_acceptance" for r in records[4:9])
+    assert all(r.fallback == "low_acceptance" for r in records[4:9])
     assert stats.fallback_rounds >= 5 and stats.accepted_tokens == 0
 
 
@@ -72,11 +72,11 @@ def test_partial_agreement_keeps_gamma_inside_the_bounds_and_output_exact(target
         reference = hf_greedy(target_model, prompt, 80)
         tokens, stats, records = run(target_model, OracleDraft(prompt, reference, agree=agree), prompt, 50)
         assert tokens == reference[:50]
-        spec_rounds = [r for r in records if r["proposed"]]
-        assert all(r["accepted"] == min(agree, r["depth"]) for r in spec_rounds)
-        assert all(DYN.min_gamma <= r["gamma"] <= DYN.max_gamma for r in records)
+        spec_rounds = [r for r in records if r.proposed]
+        assert all(r.accepted == min(agree, r.depth) for r in spec_rounds)
+        assert all(DYN.min_gamma <= r.gamma <= DYN.max_gamma for r in records)
         # depth settles one above the agreement: deeper trees get rejected early, shallower fully accepted
-        assert spec_rounds[-1]["gamma"] in (agree, agree + 1)
+        assert spec_rounds[-1].gamma in (agree, agree + 1)
 
 
 class FlakyDraft:
@@ -112,7 +112,7 @@ def test_draft_failure_falls_back_and_reconnects(target_model):
     fallback = FallbackConfig(window=4, min_acceptance=0.0, reconnect_s=0.05)
     records = []
     ctl = RoundController(sync_worker(TargetRuntime(target_model)), sync_worker(draft), [], 10_000,
-                          control=lambda s: RequestControl(s, DYN, fallback))
+                          control_factory=lambda s: RequestControl(s, DYN, fallback))
 
     async def go():
         async def slow_round(record):  # give the reconnect delay time to pass during plain rounds
@@ -123,11 +123,11 @@ def test_draft_failure_falls_back_and_reconnects(target_model):
 
     result = asyncio.run(go())
     assert result.tokens == reference[:50]
-    reasons = [r["fallback"] for r in records]
+    reasons = [r.fallback for r in records]
     assert "draft_unavailable" in reasons
     first_plain = reasons.index("draft_unavailable")
-    assert records[first_plain - 1]["proposed"] > 0  # speculated before the failure
-    assert any(r["proposed"] > 0 for r in records[first_plain + 1:]), "speculation never came back"
+    assert records[first_plain - 1].proposed > 0  # speculated before the failure
+    assert any(r.proposed > 0 for r in records[first_plain + 1:]), "speculation never came back"
     # the re-opened draft session started from every token committed so far (prompt + generated)
     assert len(draft.starts) == 2 and draft.starts[1] > len(prompt)
     assert result.stats.fallback_rounds >= 1

@@ -18,8 +18,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from orchestrator.controller import GenerationRequest
 from orchestrator.embedded import build_pipeline
-from orchestrator.engine import GenerationRequest
 from specdec.tree_spec import DEFAULT_SPEC, SEED_SPEC, TreeSpec
 from specdec.v1 import generation_pb2, generation_pb2_grpc, target_pb2, target_pb2_grpc, tree_pb2
 from specdec.wire import spec_to_proto

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from orchestrator.bench import markdown_table, run_question, summarize
+from orchestrator.controller import GenerationRequest
 from orchestrator.embedded import build_pipeline, encode_prompt
-from orchestrator.engine import GenerationRequest
 from specdec.sampling import SamplingParams
 from specdec.tree_spec import SEED_SPEC, TreeSpec
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from draft_service.runtime import DraftRuntime
-from orchestrator.engine import GenerationRequest, SpeculativeEngine
+from orchestrator.controller import GenerationRequest
+from orchestrator.engine import SpeculativeEngine
 from orchestrator.stops import StopChecker
 from specdec.models import ModelError, check_supported
 from specdec.sampling import SamplingParams, SamplingParamsError

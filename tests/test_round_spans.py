@@ -40,8 +40,8 @@ def test_round_spans_with_phases_and_attributes():
         assert children and all(by_id[s.parent.span_id].name == "round" for s in children)
     assert sum(1 for s in spans if s.name == "verify") == len(rounds)
     for span, record in zip(sorted(rounds, key=lambda s: s.start_time), records):
-        assert span.attributes["tree.nodes"] == record["proposed"]
-        assert span.attributes["committed"] == len(record["tokens"])
-        assert span.attributes["accepted_length"] >= record["accepted"]
+        assert span.attributes["tree.nodes"] == record.proposed
+        assert span.attributes["committed"] == len(record.tokens)
+        assert span.attributes["accepted_length"] >= record.accepted
         assert span.attributes["gamma"] == DEFAULT_SPEC.gamma
     assert all(by_id[s.parent.span_id].name == "request" for s in rounds)

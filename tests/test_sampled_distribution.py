@@ -38,7 +38,8 @@ import torch
 
 from draft_service.runtime import DraftRuntime
 from draft_service.tree_builder import build_tree
-from orchestrator.engine import GenerationRequest, SpeculativeEngine
+from orchestrator.controller import GenerationRequest
+from orchestrator.engine import SpeculativeEngine
 from specdec.sampling import SamplingParams, processed_probs
 from specdec.tree import ROOT, DraftTree, children
 from specdec.tree_spec import TreeSpec

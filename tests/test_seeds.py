@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from draft_service.runtime import DraftRuntime
-from orchestrator.engine import GenerationRequest, SpeculativeEngine
+from orchestrator.controller import GenerationRequest
+from orchestrator.engine import SpeculativeEngine
 from specdec.sampling import SamplingParams
 from specdec.tree_spec import SEED_SPEC, TreeSpec
 from target_service.runtime import TargetRuntime

@@ -326,8 +326,8 @@ def test_greedy_generation_over_grpc_equals_target_alone(servers, target, refere
 
 
 def test_sampled_generation_over_grpc_equals_embedded_mode(servers, target, pair, info):
+    from orchestrator.controller import GenerationRequest
     from orchestrator.embedded import build_pipeline
-    from orchestrator.engine import GenerationRequest
 
     spec = TreeSpec(gamma=2, topKSpec=[[2], [1, 1]], topHead=[1, 2], treeType=1)
     sampling = SamplingParams(temperature=0.8, top_k=40, seed=11)

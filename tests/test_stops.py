@@ -14,7 +14,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from draft_service.runtime import DraftRuntime
-from orchestrator.engine import GenerationRequest, SpeculativeEngine
+from orchestrator.controller import GenerationRequest
+from orchestrator.engine import SpeculativeEngine
 from orchestrator.stops import StopChecker
 from specdec.tree_spec import SEED_SPEC, TreeSpec
 from target_service.runtime import TargetRuntime

@@ -43,7 +43,8 @@ import pytest
 import torch
 
 from draft_service.runtime import DraftRuntime
-from orchestrator.engine import GenerationRequest, SpeculativeEngine
+from orchestrator.controller import GenerationRequest
+from orchestrator.engine import SpeculativeEngine
 from specdec.interfaces import UnknownSessionError
 from specdec.sampling import SamplingParams
 from specdec.tree import DraftTree, MalformedTreeError

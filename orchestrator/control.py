@@ -1,101 +1,112 @@
-"""Per-request control policies of the orchestrator (DESIGN.md "Control"): plain classes, no Ray, no gRPC.
+"""Per-request control of the round loop (DESIGN.md "Control"): plain classes, no Ray, no gRPC.
 
-- ``spec_at_depth``: the TreeSpec for speculation depth gamma (rows beyond the spec repeat its last row).
-- ``DynamicGamma``: per-request speculation depth, +1 after a fully accepted path, -1 after an early rejection.
-- ``FallbackPolicy``: per-request choice, each round, between a speculative round and a plain target step.
-- ``RequestControl``: both of the above behind the round controller's control interface.
-- ``AcceptanceMonitor``: windowed acceptance rate per request and globally, with a low-acceptance alert.
+The round controller (orchestrator.controller) asks one ``Control`` per request, every round,
+whether to speculate and how deep. Implementations:
+
+- ``FixedControl``: the request's TreeSpec every round, the draft always used while it works.
+- ``RequestControl``: ``DynamicGamma`` (speculation depth +1 after a fully accepted path, -1 after
+  an early rejection) and ``FallbackPolicy`` (a plain target step instead of a speculative round
+  when acceptance is low, the draft is unavailable or its context is full).
 
 Terms: acceptance rate = accepted draft tokens / proposed draft tokens (tree nodes); accepted
 length = accepted draft tokens on the path (bonus excluded); mean accepted length = tokens
 committed per round (bonus included). Times are seconds from any monotonic clock
 (``time.monotonic`` by default).
 
-One round with the per-request policies, as the round loop would drive them (``RequestControl``
-bundles DynamicGamma and FallbackPolicy for orchestrator/controller.py)::
+One round as the controller drives a control (orchestrator/controller.py)::
 
-    if fallback.speculate(now, committed_len, depth=gamma.gamma):
-        tree = draft.propose(sid, gamma.spec, max_depth)          # gamma.spec: spec_at_depth(...)
+    if control.speculate(now, committed_len, depth=min(control.gamma, max_depth)):
+        tree = draft.propose(sid, control.spec(base_spec), max_depth)
         result = target.verify(sid, tree)
-        gamma.update(tree_depth(tree.parents), accepted)
-        fallback.record(tree.size, accepted, now, draft_s=...)
-        monitor.record(sid, tree.size, accepted)
+        control.record(tree_depth, tree.size, accepted_length)
     else:
-        ...plain target step...
+        ...plain target step, control.reason says why...
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Protocol
 
-from orchestrator.metrics import FALLBACK_REASONS, SpecMetrics
-from specdec.config import DynamicGammaConfig, FallbackConfig, MonitorConfig
-from specdec.tree_spec import MAX_TREE_NODES, TreeSpec, TreeSpecError
+from specdec.config import DynamicGammaConfig, FallbackConfig
+from specdec.tree_spec import MAX_TREE_NODES, TreeSpec, max_depth_for, spec_at_depth
 
 log = logging.getLogger(__name__)
 
-MAX_GAMMA = 64  # TreeSpec.gamma's upper bound
+# --------------------------------------------------------------------------- fallback reasons
+
+# Why a round runs without the draft (a plain target step). The values are the label values of
+# specdec_fallback_rounds_total{reason} and the ``fallback.reason`` attribute of round spans.
+LOW_ACCEPTANCE = "low_acceptance"  # windowed acceptance below front.fallback.min_acceptance
+DRAFT_UNAVAILABLE = "draft_unavailable"  # the draft failed, is unreachable or slower than its deadline
+DRAFT_CONTEXT_LIMIT = "draft_context_limit"  # the draft's context cannot hold the next tree
+FALLBACK_REASONS = (LOW_ACCEPTANCE, DRAFT_UNAVAILABLE, DRAFT_CONTEXT_LIMIT)
 
 
-# --------------------------------------------------------------------------- tree shape per depth
+# --------------------------------------------------------------------------- the controller's interface
 
 
-def spec_at_depth(spec: TreeSpec, gamma: int, max_nodes: int = MAX_TREE_NODES) -> TreeSpec:
-    """The tree shape for speculation depth gamma (DESIGN.md "Control": rows beyond the spec repeat the last row).
+class Control(Protocol):
+    """What the round controller asks of one request's control policy, every round.
 
-    gamma < spec.gamma: the first gamma rows of topKSpec / topHead. gamma > spec.gamma: rows
-    spec.gamma .. gamma-1 repeat the last row (its topKSpec row and topHead entry). A repeated row
-    is always valid: the last row expands h = topHead[-1] nodes with k_j >= 1 children each, so the
-    depth it creates holds sum(k_j) >= h nodes, enough for the next copy's h expansions.
-    Each repeated row adds sum(topKSpec[-1]) nodes. treeType and gammaThreshold are kept;
-    gamma == spec.gamma returns ``spec`` itself.
-
-    Raises TreeSpecError (a ValueError) naming ``gamma`` when gamma < 1, gamma > 64 (TreeSpec's
-    bound) or the tree would exceed max_nodes nodes (default MAX_TREE_NODES, what a target
-    verifies in one forward); ``max_depth_for`` gives the deepest allowed gamma.
+    Order within a round: ``speculate`` once; when it says yes, ``spec`` gives the tree shape
+    and, after the target verified a non-empty tree, ``record`` the outcome. ``draft_failed``
+    whenever a draft call fails (error, unreachable, past its deadline); ``set_draft_context_limit``
+    once the draft session opens. ``gamma`` (tree levels) and ``reason`` are read after each call.
     """
-    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
-        raise TreeSpecError(f"gamma: must be an integer >= 1, got {gamma!r}")
-    if gamma == spec.gamma and spec.num_nodes <= max_nodes:
-        return spec
-    deepest = max_depth_for(spec, max_nodes)
-    if gamma > deepest:
-        raise TreeSpecError(
-            f"gamma: {gamma} exceeds the deepest tree of this spec, {deepest} (limits: {MAX_GAMMA} rows, "
-            f"{max_nodes} nodes; each row past {spec.gamma} adds {sum(spec.top_k_spec[-1])} nodes)"
-        )
-    rows = list(spec.top_k_spec[:gamma]) + [spec.top_k_spec[-1]] * max(0, gamma - spec.gamma)
-    heads = list(spec.top_head[:gamma]) + [spec.top_head[-1]] * max(0, gamma - spec.gamma)
-    return TreeSpec(gamma=gamma, topKSpec=rows, topHead=heads, treeType=spec.tree_type,
-                    gammaThreshold=spec.gamma_threshold)
+
+    gamma: int  # speculation depth of the next tree, tree levels
+    reason: str | None  # why the last ``speculate`` said no (one of FALLBACK_REASONS), None when it said yes
+
+    def spec(self, base: TreeSpec) -> TreeSpec:
+        """The tree shape of this round, from the request's TreeSpec."""
+
+    def speculate(self, now: float, committed_len: int, depth: int) -> bool:
+        """True = speculate with a tree of up to ``depth`` levels; False = a plain target step.
+        now: seconds (monotonic clock); committed_len: prompt + committed tokens."""
+
+    def record(self, depth: int, proposed: int, accepted: int) -> None:
+        """After a speculative round: tree levels reached, draft tokens proposed (tree nodes) and
+        accepted (the accepted path, bonus excluded)."""
+
+    def draft_failed(self, now: float) -> None:
+        """A draft call failed at ``now`` (seconds)."""
+
+    def set_draft_context_limit(self, limit: int | None) -> None:
+        """The draft's max positions, tokens (None = unlimited)."""
 
 
-def max_depth_for(spec: TreeSpec, max_nodes: int = MAX_TREE_NODES) -> int:
-    """The deepest gamma whose ``spec_at_depth`` tree has <= max_nodes nodes (and <= 64 rows).
+ControlFactory = Callable[[TreeSpec], Control]
 
-    Returns 0 when even the first row exceeds max_nodes.
+
+class FixedControl:
+    """No adaptation: the request's TreeSpec every round, the draft always used while it works.
+
+    A failed draft is not retried. ``RequestControl`` implements the adaptive control.
     """
-    total, depth = 0, 0
-    while depth < MAX_GAMMA:
-        row = spec.top_k_spec[min(depth, spec.gamma - 1)]
-        if total + sum(row) > max_nodes:
-            break
-        total += sum(row)
-        depth += 1
-    return depth
 
+    def __init__(self, spec: TreeSpec):
+        self.gamma = spec.gamma
+        self._failed = False
+        self.reason: str | None = None
 
-def tree_depth(parents: Sequence[int]) -> int:
-    """Depth of a token tree given its parent array (-1 = child of the root, parents[i] < i); 0 if empty."""
-    depth: list[int] = []
-    for p in parents:
-        depth.append(1 if p < 0 else depth[p] + 1)
-    return max(depth, default=0)
+    def spec(self, base: TreeSpec) -> TreeSpec:
+        return base
+
+    def speculate(self, now: float, committed_len: int, depth: int) -> bool:
+        self.reason = DRAFT_UNAVAILABLE if self._failed else None
+        return not self._failed
+
+    def record(self, depth: int, proposed: int, accepted: int) -> None:
+        pass
+
+    def draft_failed(self, now: float) -> None:
+        self._failed = True
+
+    def set_draft_context_limit(self, limit: int | None) -> None:
+        pass  # a fixed policy never stops for the draft's context (the draft runtime falls back itself)
 
 
 # --------------------------------------------------------------------------- dynamic gamma
@@ -176,7 +187,7 @@ class DynamicGamma:
     def update(self, proposed_depth: int, accepted_length: int) -> int:
         """Apply the rule (class docstring) after one round; returns the new gamma.
 
-        proposed_depth: depth of the tree actually proposed (``tree_depth(tree.parents)``), 0 for
+        proposed_depth: depth of the tree actually proposed (the deepest of ``specdec.tree.node_depths(tree.parents)``), 0 for
         none; accepted_length: draft tokens on the accepted path, bonus excluded. Raises ValueError
         when either is negative or accepted_length > proposed_depth.
         """
@@ -196,8 +207,9 @@ class DynamicGamma:
 # --------------------------------------------------------------------------- fallback
 
 
-class _Window:
-    """Sliding window over the last n rounds of (proposed, accepted) draft tokens."""
+class AcceptanceWindow:
+    """Sliding window over the last n rounds of (proposed, accepted) draft tokens (also the
+    acceptance monitor's, orchestrator.metrics)."""
 
     def __init__(self, n: int):
         self.rounds: deque[tuple[int, int]] = deque(maxlen=n)
@@ -226,7 +238,8 @@ class _Window:
         self.proposed = self.accepted = 0
 
 
-def _check_counts(proposed: int, accepted: int) -> None:
+def check_counts(proposed: int, accepted: int) -> None:
+    """Raises ValueError unless 0 <= accepted <= proposed (draft tokens of one round)."""
     if proposed < 0 or accepted < 0 or accepted > proposed:
         raise ValueError(f"need 0 <= accepted <= proposed, got accepted={accepted}, proposed={proposed}")
 
@@ -264,18 +277,19 @@ class FallbackPolicy:
 
     now: seconds of the injected clock (``clock``, default time.monotonic) or None to read it.
     ``fallback_rounds``: plain rounds so far by reason; ``probes``: probes started. metrics: a
-    SpecMetrics whose fallback_rounds{reason} counter is incremented with every plain round.
+    SpecMetrics (orchestrator.metrics, not imported here: it imports this module's vocabulary)
+    whose fallback_rounds{reason} counter is incremented with every plain round.
     """
 
     def __init__(self, config: FallbackConfig = FallbackConfig(), draft_context_limit: int | None = None,
-                 metrics: SpecMetrics | None = None, clock: Callable[[], float] = time.monotonic):
+                 metrics=None, clock: Callable[[], float] = time.monotonic):
         if draft_context_limit is not None and draft_context_limit < 1:
             raise ValueError(f"draft_context_limit: must be >= 1 tokens, got {draft_context_limit}")
         self.config = config
         self.draft_context_limit = draft_context_limit
         self.metrics = metrics
         self.clock = clock
-        self.window = _Window(config.window)
+        self.window = AcceptanceWindow(config.window)
         self.reason: str | None = None
         self.fallback_rounds: dict[str, int] = {r: 0 for r in FALLBACK_REASONS}
         self.probes = 0
@@ -312,9 +326,9 @@ class FallbackPolicy:
         now = self.clock() if now is None else now
         reason = None
         if self.draft_context_limit is not None and committed_len + depth > self.draft_context_limit:
-            reason = "draft_context_limit"
+            reason = DRAFT_CONTEXT_LIMIT
         elif self._unavailable_until is not None and now < self._unavailable_until:
-            reason = "draft_unavailable"
+            reason = DRAFT_UNAVAILABLE
         elif self._low:
             if self._plain_since_low >= self.config.probe_every:
                 self._low = False
@@ -324,7 +338,7 @@ class FallbackPolicy:
                 log.info("fallback: probing speculation again after %d plain rounds", self.config.probe_every)
             else:
                 self._plain_since_low += 1
-                reason = "low_acceptance"
+                reason = LOW_ACCEPTANCE
         if reason is None and self._unavailable_until is not None:
             self._unavailable_until = None  # the retry
         self.reason = reason
@@ -341,7 +355,7 @@ class FallbackPolicy:
         marks the draft unavailable (as ``draft_failed(now)``). Raises ValueError for negative
         counts or accepted > proposed.
         """
-        _check_counts(proposed, accepted)
+        check_counts(proposed, accepted)
         if draft_s is not None and draft_s > self.deadline_s:
             log.warning("fallback: draft reply took %.3f s, over the %.3f s deadline", draft_s, self.deadline_s)
             self.draft_failed(now)
@@ -363,21 +377,20 @@ class FallbackPolicy:
         self._unavailable_until = now + self.config.reconnect_s
 
 
-# --------------------------------------------------------------------------- both, for the controller
+# --------------------------------------------------------------------------- both
 
 
 class RequestControl:
     """DynamicGamma + FallbackPolicy of one request, behind the round controller's control interface.
 
-    The interface of orchestrator.controller.FixedControl: ``gamma``, ``spec(base)``,
-    ``speculate(now, committed_len, depth)``, ``record(depth, proposed, accepted)``,
-    ``draft_failed(now)``, ``reason``. Rules and sources: DynamicGamma and FallbackPolicy.
+    Implements ``Control`` (with optional arguments beyond it). Rules and sources: DynamicGamma
+    and FallbackPolicy.
     Raises ValueError as DynamicGamma does (min_gamma beyond the node limit).
     """
 
     def __init__(self, spec: TreeSpec, dynamic_gamma: DynamicGammaConfig = DynamicGammaConfig(),
                  fallback: FallbackConfig = FallbackConfig(), draft_context_limit: int | None = None,
-                 metrics: SpecMetrics | None = None, clock: Callable[[], float] = time.monotonic,
+                 metrics=None, clock: Callable[[], float] = time.monotonic,
                  max_nodes: int = MAX_TREE_NODES):
         self.dynamic = DynamicGamma(spec, dynamic_gamma, max_nodes)
         self.fallback = FallbackPolicy(fallback, draft_context_limit, metrics, clock)
@@ -412,7 +425,7 @@ class RequestControl:
         """After a speculative round: tree depth reached, proposed draft tokens (tree nodes), accepted
         draft tokens (the accepted path, bonus excluded). Updates gamma, then the fallback window.
         Raises ValueError for impossible counts (accepted > depth or > proposed, negatives)."""
-        _check_counts(proposed, accepted)
+        check_counts(proposed, accepted)
         self.dynamic.update(depth, accepted)
         self.fallback.record(proposed, accepted, now, draft_s)
 
@@ -425,111 +438,3 @@ class RequestControl:
         if limit is not None and limit < 1:
             raise ValueError(f"draft_context_limit: must be >= 1 tokens, got {limit}")
         self.fallback.draft_context_limit = limit
-
-
-# --------------------------------------------------------------------------- acceptance monitor
-
-
-@dataclass
-class _Track:
-    """Acceptance window and alert state of one scope (a request, or global)."""
-
-    window: _Window
-    rounds: int = 0            # rounds recorded (proposed > 0)
-    low_windows: int = 0       # consecutive full windows below the threshold
-    alerting: bool = False
-    last_window_rate: float | None = None
-    alerts: int = 0
-
-
-class AcceptanceMonitor:
-    """Windowed acceptance rate (accepted / proposed draft tokens) per request and globally, with alerts.
-
-    Each scope (every request id, and the global one over all requests' rounds in record order)
-    keeps a sliding window of its last ``window`` rounds (``rate``). Every ``window`` rounds, i.e.
-    at the end of each full, non-overlapping window, the window's rate is judged: below
-    ``alert_threshold`` it extends a run of low windows, otherwise it ends the run. When the run
-    reaches ``alert_windows`` the scope raises one alert (a WARNING log with the numbers and
-    acceptance_alerts{scope} + 1 on ``metrics``); no further alert until it clears, which happens
-    at the first judged window at or above the threshold (an INFO log).
-    Rounds with proposed == 0 (plain rounds) are not recorded. With metrics, the global sliding
-    rate is written to the acceptance_rate gauge after each round. Thread-safe.
-
-    Source: this project's rule (DESIGN.md "Terms" for the acceptance rate, MonitorConfig for the
-    window, threshold and run length); no paper prescribes it.
-    """
-
-    def __init__(self, config: MonitorConfig = MonitorConfig(), metrics: SpecMetrics | None = None,
-                 logger: logging.Logger | None = None):
-        self.config = config
-        self.metrics = metrics
-        self.log = logger or log
-        self._global = _Track(_Window(config.window))
-        self._requests: dict[str, _Track] = {}
-        self._lock = threading.Lock()
-
-    def record(self, request_id: str, proposed: int, accepted: int) -> None:
-        """Record one round of a request. Raises ValueError for negative counts or accepted > proposed."""
-        _check_counts(proposed, accepted)
-        if proposed == 0:
-            return
-        with self._lock:
-            track = self._requests.get(request_id)
-            if track is None:
-                track = self._requests[request_id] = _Track(_Window(self.config.window))
-            self._add(track, "request", request_id, proposed, accepted)
-            self._add(self._global, "global", None, proposed, accepted)
-            if self.metrics is not None and self._global.window.rate is not None:
-                self.metrics.acceptance_rate.set(self._global.window.rate)
-
-    def rate(self, request_id: str | None = None) -> float | None:
-        """Sliding-window acceptance rate of a request (None = global); None before any round."""
-        track = self._track(request_id)
-        return track.window.rate if track else None
-
-    def alerting(self, request_id: str | None = None) -> bool:
-        """Whether the scope's low-acceptance alert is raised and not yet cleared."""
-        track = self._track(request_id)
-        return bool(track and track.alerting)
-
-    def alerts(self, request_id: str | None = None) -> int:
-        """Alerts raised so far by a request (None = global)."""
-        track = self._track(request_id)
-        return track.alerts if track else 0
-
-    def release(self, request_id: str) -> None:
-        """Forget a finished request (its window and alert state); unknown ids are ignored."""
-        with self._lock:
-            self._requests.pop(request_id, None)
-
-    finish = release  # the front's name for it
-
-    def _track(self, request_id: str | None) -> _Track | None:
-        return self._global if request_id is None else self._requests.get(request_id)
-
-    def _add(self, track: _Track, scope: str, request_id: str | None, proposed: int, accepted: int) -> None:
-        track.window.add(proposed, accepted)
-        track.rounds += 1
-        if track.rounds % self.config.window:
-            return
-        rate = track.window.rate  # the window now covers exactly the last `window` rounds
-        track.last_window_rate = rate
-        who = "global" if request_id is None else f"request {request_id}"
-        if rate < self.config.alert_threshold:
-            track.low_windows += 1
-            if track.low_windows >= self.config.alert_windows and not track.alerting:
-                track.alerting = True
-                track.alerts += 1
-                self.log.warning(
-                    "acceptance alert (%s): acceptance rate %.3f (%d/%d draft tokens over the last %d rounds) "
-                    "below %.3f for %d consecutive windows of %d rounds",
-                    who, rate, track.window.accepted, track.window.proposed, self.config.window,
-                    self.config.alert_threshold, track.low_windows, self.config.window)
-                if self.metrics is not None:
-                    self.metrics.acceptance_alerts.labels(scope=scope).inc()
-        else:
-            if track.alerting:
-                self.log.info("acceptance alert cleared (%s): acceptance rate %.3f >= %.3f",
-                              who, rate, self.config.alert_threshold)
-            track.alerting = False
-            track.low_windows = 0

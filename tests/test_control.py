@@ -1,22 +1,17 @@
-"""Per-request control policies (orchestrator/policy.py) and their metrics (orchestrator/metrics.py).
+"""Per-request control policies (orchestrator/control.py): DynamicGamma, FallbackPolicy, RequestControl.
 
 Pure unit tests: scripted round outcomes, an injected clock, fresh Prometheus registries.
 """
 
 from __future__ import annotations
 
-import logging
-import urllib.request
-
 import pytest
 from prometheus_client import CollectorRegistry
 
-from orchestrator.metrics import SpecMetrics, start_metrics_server
-from orchestrator.policy import (
-    AcceptanceMonitor, DynamicGamma, FallbackPolicy, RequestControl, max_depth_for, spec_at_depth, tree_depth,
-)
-from specdec.config import DynamicGammaConfig, FallbackConfig, MonitorConfig
-from specdec.tree_spec import DEFAULT_SPEC, SEED_SPEC, TreeSpec, TreeSpecError
+from orchestrator.control import DynamicGamma, FallbackPolicy, RequestControl
+from orchestrator.metrics import SpecMetrics
+from specdec.config import DynamicGammaConfig, FallbackConfig
+from specdec.tree_spec import DEFAULT_SPEC, SEED_SPEC, TreeSpec
 
 WIDE_SPEC = TreeSpec(gamma=1, topKSpec=[[100]], topHead=[1])  # 100 nodes a row: 5 rows fit in 512
 
@@ -33,64 +28,6 @@ class Clock:
 
 def sample(metrics: SpecMetrics, name: str, **labels) -> float | None:
     return metrics.registry.get_sample_value(name, labels)
-
-
-# --------------------------------------------------------------------------- spec_at_depth
-
-
-@pytest.mark.parametrize("gamma, rows, heads, nodes", [
-    (1, [[6]], [1], 6),
-    (2, [[6], [2, 2]], [1, 2], 10),
-    (3, [[6], [2, 2], [1, 1]], [1, 2, 2], 12),
-    (4, [[6], [2, 2], [1, 1], [1, 1]], [1, 2, 2, 2], 14),
-    (6, [[6], [2, 2], [1, 1], [1, 1], [1, 1], [1, 1]], [1, 2, 2, 2, 2, 2], 18),
-])
-def test_spec_at_depth_seed_spec(gamma, rows, heads, nodes):
-    spec = spec_at_depth(SEED_SPEC, gamma)
-    assert spec.gamma == gamma
-    assert [list(r) for r in spec.top_k_spec] == rows
-    assert list(spec.top_head) == heads
-    assert spec.num_nodes == nodes
-
-
-@pytest.mark.parametrize("gamma, nodes", [(1, 3), (2, 4), (3, 5), (5, 7), (8, 10)])
-def test_spec_at_depth_default_spec(gamma, nodes):
-    spec = spec_at_depth(DEFAULT_SPEC, gamma)
-    assert [list(r) for r in spec.top_k_spec] == [[3]] + [[1]] * (gamma - 1)
-    assert list(spec.top_head) == [1] * gamma
-    assert spec.num_nodes == nodes
-
-
-def test_spec_at_depth_same_gamma_is_the_spec_and_keeps_type_and_threshold():
-    assert spec_at_depth(SEED_SPEC, 3) is SEED_SPEC
-    sampled = TreeSpec(gamma=2, topKSpec=[[4], [2, 1]], topHead=[1, 2], treeType=1, gammaThreshold=0.25)
-    deeper = spec_at_depth(sampled, 4)
-    assert (deeper.tree_type, deeper.gamma_threshold) == (1, 0.25)
-    # the repeated row expands 2 nodes of a depth holding 2 + 1 = 3: valid; each copy adds 3 nodes
-    assert [list(r) for r in deeper.top_k_spec] == [[4], [2, 1], [2, 1], [2, 1]]
-    assert list(deeper.top_head) == [1, 2, 2, 2]
-    assert deeper.num_nodes == 4 + 3 * 3
-
-
-def test_spec_at_depth_node_cap_and_bad_gamma():
-    assert max_depth_for(WIDE_SPEC) == 5
-    assert spec_at_depth(WIDE_SPEC, 5).num_nodes == 500
-    with pytest.raises(TreeSpecError, match=r"gamma: 6 exceeds the deepest tree of this spec, 5"):
-        spec_at_depth(WIDE_SPEC, 6)
-    # SEED_SPEC: 12 nodes at depth 3, +2 a row; a 13-node target limit stops at depth 3
-    assert [max_depth_for(SEED_SPEC, n) for n in (5, 6, 12, 13, 14)] == [0, 1, 3, 3, 4]
-    with pytest.raises(TreeSpecError, match="gamma: 4 exceeds"):
-        spec_at_depth(SEED_SPEC, 4, max_nodes=13)
-    assert max_depth_for(SEED_SPEC) == 64  # 12 + 2 * 61 = 134 nodes: the 64-row bound binds first
-    for bad in (0, -1, 65):
-        with pytest.raises(TreeSpecError, match="gamma"):
-            spec_at_depth(SEED_SPEC, bad)
-
-
-def test_tree_depth():
-    assert tree_depth([]) == 0
-    assert tree_depth([-1, -1, -1]) == 1
-    assert tree_depth([-1, -1, 0, 0, 2]) == 3
 
 
 # --------------------------------------------------------------------------- DynamicGamma
@@ -291,138 +228,3 @@ def test_request_control_scripted_rounds():
     assert ctl.speculate(None, 10) is True
     with pytest.raises(ValueError):
         ctl.record(2, 1, 2)      # accepted > proposed
-
-
-# --------------------------------------------------------------------------- AcceptanceMonitor
-
-
-def test_monitor_alert_fires_once_after_n_low_windows_and_clears(caplog):
-    metrics = SpecMetrics(CollectorRegistry())
-    mon = AcceptanceMonitor(MonitorConfig(window=2, alert_threshold=0.5, alert_windows=3), metrics=metrics)
-    caplog.set_level(logging.INFO, logger="orchestrator.policy")
-    for i in range(5):                 # 2.5 low windows: no alert yet
-        mon.record("r1", 5, 1)
-    assert not mon.alerting("r1") and mon.alerts("r1") == 0
-    mon.record("r1", 5, 1)             # third full low window
-    assert mon.alerting("r1") and mon.alerting()
-    for _ in range(4):                 # still low: no second alert
-        mon.record("r1", 5, 1)
-    assert mon.alerts("r1") == 1 and mon.alerts() == 1
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 2          # request and global, once each
-    msg = warnings[0].getMessage()
-    assert "request r1" in msg and "0.200" in msg and "2/10" in msg and "3 consecutive windows of 2" in msg
-    assert sample(metrics, "specdec_acceptance_alerts_total", scope="request") == 1
-    assert sample(metrics, "specdec_acceptance_alerts_total", scope="global") == 1
-
-    mon.record("r1", 5, 5)             # window [1/5, 5/5] = 0.6: recovered
-    assert mon.alerting("r1")          # judged only at the end of a window (round 12)
-    mon.record("r1", 5, 2)             # window [5, 2] / 10 = 0.7
-    assert not mon.alerting("r1") and not mon.alerting()
-    assert any("cleared (request r1)" in r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
-    for _ in range(6):                 # three more low windows: a second alert
-        mon.record("r1", 5, 0)
-    assert mon.alerts("r1") == 2
-    assert sample(metrics, "specdec_acceptance_alerts_total", scope="request") == 2
-
-
-def test_monitor_needs_consecutive_low_windows():
-    mon = AcceptanceMonitor(MonitorConfig(window=2, alert_threshold=0.5, alert_windows=2))
-    for acc in [0, 0, 0, 0, 3, 3, 0, 0]:  # windows: low, low -> alert
-        mon.record("a", 5, acc)
-    assert mon.alerts("a") == 1
-    mon2 = AcceptanceMonitor(MonitorConfig(window=2, alert_threshold=0.5, alert_windows=2))
-    for acc in [0, 0, 3, 3, 0, 0, 3, 3]:  # low, ok, low, ok: never two in a row
-        mon2.record("b", 5, acc)
-    assert mon2.alerts("b") == 0 and not mon2.alerting("b")
-
-
-def test_monitor_per_request_and_global_windows():
-    metrics = SpecMetrics(CollectorRegistry())
-    mon = AcceptanceMonitor(MonitorConfig(window=2, alert_threshold=0.5, alert_windows=1), metrics=metrics)
-    for _ in range(3):                 # interleaved: a accepts nothing, b everything
-        mon.record("a", 5, 0)
-        mon.record("b", 5, 5)
-    assert mon.rate("a") == 0.0 and mon.rate("b") == 1.0
-    assert mon.rate() == 0.5           # global window = the last two rounds (one of each)
-    assert mon.alerting("a") and not mon.alerting("b") and not mon.alerting()
-    assert sample(metrics, "specdec_acceptance_rate") == 0.5
-    mon.record("a", 0, 0)              # a plain round: ignored
-    assert mon.rate() == 0.5
-    mon.finish("a")
-    assert mon.rate("a") is None and not mon.alerting("a") and mon.rate("b") == 1.0
-    with pytest.raises(ValueError):
-        mon.record("b", 1, 2)
-
-
-# --------------------------------------------------------------------------- metrics
-
-
-def test_metrics_round_counters_and_gamma_histogram():
-    m = SpecMetrics(CollectorRegistry())
-    assert sample(m, "specdec_rounds_total", mode="speculative") == 0
-    m.record_round(proposed=5, accepted=2, committed=3, gamma=3)
-    m.record_round(proposed=7, accepted=4, committed=5, gamma=5)
-    m.record_round(proposed=0, accepted=0, committed=1, gamma=5)   # plain: gamma not observed
-    assert sample(m, "specdec_rounds_total", mode="speculative") == 2
-    assert sample(m, "specdec_rounds_total", mode="plain") == 1
-    assert sample(m, "specdec_proposed_tokens_total") == 12
-    assert sample(m, "specdec_accepted_tokens_total") == 6
-    assert sample(m, "specdec_committed_tokens_total") == 9
-    assert sample(m, "specdec_gamma_count") == 2
-    assert sample(m, "specdec_gamma_sum") == 8
-    assert sample(m, "specdec_gamma_bucket", le="3.0") == 1
-    assert sample(m, "specdec_gamma_bucket", le="5.0") == 2
-    with pytest.raises(ValueError, match="accepted 3 > proposed 2"):
-        m.record_round(2, 3, 1)
-
-
-def test_metrics_observe_round_record():
-    m = SpecMetrics(CollectorRegistry())
-    m.observe_round({"tokens": [5, 6, 7], "proposed": 5, "accepted": 2, "depth": 3, "fallback": None, "gamma": 4})
-    m.observe_round({"tokens": [9], "proposed": 0, "accepted": 0, "depth": 0, "fallback": "low_acceptance",
-                     "gamma": 4})
-    m.observe_round({"tokens": [1], "proposed": 0, "accepted": 0, "depth": 0, "fallback": None, "gamma": 0})
-    assert sample(m, "specdec_rounds_total", mode="speculative") == 1
-    assert sample(m, "specdec_rounds_total", mode="plain") == 2
-    assert sample(m, "specdec_committed_tokens_total") == 5
-    assert sample(m, "specdec_accepted_tokens_total") == 2
-    assert sample(m, "specdec_fallback_rounds_total", reason="low_acceptance") == 1
-    assert sample(m, "specdec_gamma_sum") == 4 and sample(m, "specdec_gamma_count") == 1
-
-
-def test_metrics_phase_latency():
-    m = SpecMetrics(CollectorRegistry())
-    m.observe_phase("verify", 0.2)
-    m.observe_phase("verify", 0.05)
-    with m.time_phase("draft"):
-        pass
-    assert sample(m, "specdec_round_phase_seconds_count", phase="verify") == 2
-    assert sample(m, "specdec_round_phase_seconds_sum", phase="verify") == pytest.approx(0.25)
-    assert sample(m, "specdec_round_phase_seconds_bucket", phase="verify", le="0.1") == 1
-    assert sample(m, "specdec_round_phase_seconds_count", phase="draft") == 1
-    assert sample(m, "specdec_round_phase_seconds_count", phase="commit") == 0
-    with pytest.raises(ValueError, match="phase"):
-        m.observe_phase("prefill", 1.0)
-
-
-def test_metrics_registries_are_independent():
-    a, b = SpecMetrics(CollectorRegistry()), SpecMetrics(CollectorRegistry())
-    a.record_round(3, 1, 2)
-    assert sample(a, "specdec_proposed_tokens_total") == 3
-    assert sample(b, "specdec_proposed_tokens_total") == 0
-    with pytest.raises(ValueError):    # same names twice on one registry
-        SpecMetrics(a.registry)
-
-
-def test_metrics_http_server_serves_registry():
-    m = SpecMetrics(CollectorRegistry())
-    m.record_round(4, 3, 4, gamma=4)
-    server, thread = start_metrics_server(0, m, addr="127.0.0.1")
-    try:
-        body = urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/metrics", timeout=5).read().decode()
-    finally:
-        server.shutdown()
-        server.server_close()
-    assert "specdec_accepted_tokens_total 3.0" in body
-    assert 'specdec_fallback_rounds_total{reason="draft_unavailable"} 0.0' in body

@@ -1,0 +1,71 @@
+"""Statistics of a generation request: one ``RoundRecord`` per round, summed in ``GenerationStats``.
+
+The round controller (orchestrator.controller) builds a RoundRecord after every round; the
+orchestrator streams it with the round's tokens, the front feeds it to the Prometheus metrics and
+the acceptance monitor, and ``GenerationStats.add`` sums the records of a request. GenerationStats
+is the in-process side of ``specdec.v1.FinalStats`` (``specdec.wire.stats_to_proto``). Both are
+plain dataclasses: they cross the Ray actor boundary as they are.
+
+Terms (DESIGN.md "Terms"): acceptance rate = accepted draft tokens / proposed draft tokens (tree
+nodes); mean accepted length = tokens committed per round, bonus included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """What one round did."""
+
+    tokens: tuple[int, ...]  # token ids committed (accepted path + bonus, cut at a stop)
+    proposed: int  # draft tokens proposed: nodes of the tree sent to the target (0 = a plain round)
+    accepted: int  # draft tokens committed (bonus excluded)
+    depth: int  # tree levels of the proposed tree (0 = no tree)
+    fallback: str | None  # why the round ran without the draft (orchestrator.control reasons); None = it did not
+    gamma: int  # the request's speculation depth after this round, tree levels (0 = no control policy)
+    draft_s: float | None  # wall time of the draft phase, seconds (None = the draft was not asked)
+    verify_s: float  # wall time of the target's verify, seconds
+    commit_s: float  # wall time of the commits on both workers, seconds
+
+
+@dataclass
+class GenerationStats:
+    """Speculation statistics of one request (units in the names)."""
+
+    new_tokens: int = 0
+    rounds: int = 0
+    proposed_tokens: int = 0  # draft tree nodes sent to the target
+    accepted_tokens: int = 0  # draft tokens committed (bonus tokens excluded)
+    fallback_rounds: int = 0  # rounds decoded without a draft tree
+    final_gamma: int = 0  # speculation depth after the last round (0 = never speculated)
+    ttft_ms: float = 0.0
+    total_s: float = 0.0
+    stop_reason: str | None = None
+
+    def add(self, record: RoundRecord, elapsed_s: float) -> None:
+        """Count one round. elapsed_s: seconds from the request's start to the end of this round
+        (the first round's is the time to first token)."""
+        self.rounds += 1
+        self.new_tokens += len(record.tokens)
+        self.proposed_tokens += record.proposed
+        self.accepted_tokens += record.accepted
+        self.fallback_rounds += record.fallback is not None
+        self.final_gamma = record.gamma
+        if self.rounds == 1:
+            self.ttft_ms = elapsed_s * 1000
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / proposed draft tokens."""
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per round, bonus included."""
+        return self.new_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s else 0.0
