@@ -19,6 +19,8 @@ import numpy as np
 import torch
 
 ROOT = -1
+SOURCE_DRAFT = 0  # node proposed by the draft model
+SOURCE_CONTEXT = 1  # node copied from the context (n-gram / prompt lookup), never drawn from q
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,9 @@ class DraftTree:
     this node to its model (its KV sits in the draft cache), which the draft uses to keep its cache
     after commit; proposals: sampled trees (treeType 1) only, one Proposal per expanded node, the
     exact distribution its children were drawn from. Siblings are stored in draw order.
+    sources: [N] SOURCE_DRAFT or SOURCE_CONTEXT per node, or () = all from the draft. Context nodes
+    (``specdec.ngram``) were not drawn from any q: the verifier treats them as deterministic
+    children, after the drawn siblings (``target_service.verifier``).
     """
 
     tokens: tuple[int, ...]
@@ -71,13 +76,26 @@ class DraftTree:
     draft_logprobs: tuple[float, ...] = ()
     expanded: tuple[bool, ...] = ()
     proposals: tuple[Proposal, ...] = field(default=(), compare=False)
+    sources: tuple[int, ...] = ()
 
     def __post_init__(self):
         validate_tree(self.tokens, self.parents)
+        if self.sources and len(self.sources) != len(self.tokens):
+            raise MalformedTreeError(f"sources: length {len(self.sources)} != tokens length {len(self.tokens)}")
+        if any(src not in (SOURCE_DRAFT, SOURCE_CONTEXT) for src in self.sources):
+            raise MalformedTreeError(f"sources: values must be {SOURCE_DRAFT} (draft) or {SOURCE_CONTEXT} (context)")
 
     @property
     def size(self) -> int:
         return len(self.tokens)
+
+    def source(self, i: int) -> int:
+        """SOURCE_DRAFT or SOURCE_CONTEXT of node i."""
+        return self.sources[i] if self.sources else SOURCE_DRAFT
+
+    def drawn(self, i: int) -> bool:
+        """Whether node i is a draft child (drawn from q when its parent has a proposal)."""
+        return self.source(i) == SOURCE_DRAFT
 
 
 class MalformedTreeError(ValueError):
@@ -164,3 +182,66 @@ def tree_attention_mask(parents, cache_len: int, dtype: torch.dtype = torch.floa
     n = len(parents)
     visible = torch.cat([torch.ones(n + 1, cache_len, dtype=torch.bool), tree_visibility(parents)], dim=1)
     return additive_mask(visible, dtype)
+
+
+def select_nodes(tree: DraftTree, keep) -> tuple[DraftTree, list[int]]:
+    """The sub-tree of the nodes in ``keep`` (ancestor-closed: each kept node's parent is kept).
+
+    Returns (tree', old) where node j of tree' is node old[j] of ``tree`` (old ascending, so the
+    order stays topological). Proposals of kept expanded nodes are kept; the caller keeps, per
+    such node, a draw-order prefix of its drawn children (recursive rejection sampling judges
+    siblings in draw order). Raises MalformedTreeError when a kept node's parent is not kept.
+
+    Worked example: parents [-1, -1, 0, 1], keep {0, 2} -> parents [-1, 0], old [0, 2].
+    """
+    old = sorted(set(keep))
+    new_of = {o: j for j, o in enumerate(old)}
+    parents = []
+    for o in old:
+        p = tree.parents[o]
+        if p != ROOT and p not in new_of:
+            raise MalformedTreeError(f"keep: node {o} is kept but its parent {p} is not")
+        parents.append(ROOT if p == ROOT else new_of[p])
+    pick = lambda values: tuple(values[o] for o in old) if values else ()  # noqa: E731
+    proposals = tuple(Proposal(ROOT if q.parent == ROOT else new_of[q.parent], q.probs)
+                      for q in tree.proposals if q.parent == ROOT or q.parent in new_of)
+    sub = DraftTree(pick(tree.tokens), tuple(parents), pick(tree.draft_logprobs), pick(tree.expanded),
+                    proposals, pick(tree.sources))
+    return sub, old
+
+
+def merge_chain(tree: DraftTree, parent: int, chain, source: int = SOURCE_CONTEXT) -> tuple[DraftTree, list[int]]:
+    """Hang a chain of tokens below ``parent`` (-1 = root), sharing the nodes that already exist.
+
+    Walks down from ``parent`` while a child holds the chain's next token (a draft node and an
+    n-gram proposing the same token become one node), then appends the rest as new nodes of
+    ``source``, each the child of the previous one. Appended nodes come after all existing ones,
+    so existing indices do not change (the draft's commit keeps working on them). Returns
+    (tree', path): path[k] is the node index holding chain[k].
+
+    Worked example: tokens [7, 8], parents [-1, 0] (a chain 7 -> 8); merge_chain(tree, -1, [7, 9])
+    shares node 0 for 7 and appends node 2 = 9 under it: parents [-1, 0, 0], path [0, 2].
+    """
+    tokens, parents = list(tree.tokens), list(tree.parents)
+    n = len(tokens)
+    sources = list(tree.sources) if tree.sources else [SOURCE_DRAFT] * n
+    logprobs = list(tree.draft_logprobs) if tree.draft_logprobs else [0.0] * n
+    expanded = list(tree.expanded) if tree.expanded else [False] * n
+    kids = children(parents)
+    node, path = parent, []
+    for k, token in enumerate(chain):
+        match = next((c for c in kids[node + 1] if tokens[c] == token), None) if node < n else None
+        if match is None:
+            for token in chain[k:]:
+                tokens.append(token)
+                parents.append(node)
+                sources.append(source)
+                logprobs.append(0.0)  # no draft probability: not drawn from the draft
+                expanded.append(False)
+                node = len(tokens) - 1
+                path.append(node)
+            break
+        node = match
+        path.append(node)
+    merged = DraftTree(tuple(tokens), tuple(parents), tuple(logprobs), tuple(expanded), tree.proposals, tuple(sources))
+    return merged, path

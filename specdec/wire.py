@@ -16,7 +16,7 @@ import numpy as np
 
 from specdec.sampling import SamplingParams
 from specdec.stats import GenerationStats
-from specdec.tree import DraftTree, MalformedTreeError, Proposal, node_depths, validate_tree
+from specdec.tree import SOURCE_CONTEXT, SOURCE_DRAFT, DraftTree, MalformedTreeError, Proposal, node_depths, validate_tree
 from specdec.tree_spec import MAX_GAMMA, TreeSpec, parse_tree_spec
 from specdec.v1 import generation_pb2, tree_pb2
 
@@ -24,7 +24,7 @@ from specdec.v1 import generation_pb2, tree_pb2
 def tree_to_proto(tree: DraftTree) -> tree_pb2.TokenTree:
     msg = tree_pb2.TokenTree(
         tokens=list(tree.tokens), parents=list(tree.parents),
-        draft_logprobs=list(tree.draft_logprobs), expanded=list(tree.expanded),
+        draft_logprobs=list(tree.draft_logprobs), expanded=list(tree.expanded), sources=list(tree.sources),
     )
     for prop in tree.proposals:
         token_ids, probs = prop.sparse()
@@ -42,7 +42,7 @@ def tree_from_proto(msg: tree_pb2.TokenTree, vocab_size: int, max_nodes: int, ma
     if n > max_nodes:
         raise MalformedTreeError(f"tokens: {n} nodes exceed the limit of {max_nodes}")
     validate_tree(tokens, parents, vocab_size, max_nodes)
-    for name in ("draft_logprobs", "expanded"):
+    for name in ("draft_logprobs", "expanded", "sources"):
         if len(getattr(msg, name)) not in (0, n):
             raise MalformedTreeError(f"{name}: length {len(getattr(msg, name))} != tokens length {n}")
     for i, lp in enumerate(msg.draft_logprobs):
@@ -70,7 +70,11 @@ def tree_from_proto(msg: tree_pb2.TokenTree, vocab_size: int, max_nodes: int, ma
         if not np.all(np.isfinite(probs)) or probs.min() < 0 or abs(probs.sum() - 1.0) > 1e-6:
             raise MalformedTreeError(f"{field}.probs: must be finite, >= 0 and sum to 1 (sum {probs.sum()})")
         proposals.append(Proposal.from_sparse(prop.parent, ids, probs, vocab_size))
-    return DraftTree(tokens, parents, tuple(msg.draft_logprobs), tuple(msg.expanded), tuple(proposals))
+    for i, src in enumerate(msg.sources):
+        if src not in (SOURCE_DRAFT, SOURCE_CONTEXT):
+            raise MalformedTreeError(f"sources[{i}] = {src}: must be {SOURCE_DRAFT} (draft) or {SOURCE_CONTEXT} (context)")
+    return DraftTree(tokens, parents, tuple(msg.draft_logprobs), tuple(msg.expanded), tuple(proposals),
+                     tuple(msg.sources))
 
 
 def sampling_to_proto(params: SamplingParams) -> tree_pb2.SamplingParams:

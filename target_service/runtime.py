@@ -105,7 +105,7 @@ class TargetRuntime:
             def row_probs(row: int):  # processed only for the rows the walk visits
                 return processed_probs(logits[row], s.sampling)
 
-            s.pending = verify_sampled(tree.tokens, tree.parents, row_probs, s.rng, tree.proposals)
+            s.pending = verify_sampled(tree.tokens, tree.parents, row_probs, s.rng, tree.proposals, tree.sources)
         return s.pending
 
     def commit(self, session_id: str, num_tokens: int) -> None:

@@ -9,7 +9,12 @@ Three rules, all exact (the committed tokens have the target's own law):
 - sampled, deterministic children (treeType 0, or any node without a recorded proposal): draw
   x ~ p at the node; move to the child equal to x, else commit x (``verify_sampled``);
 - sampled, children drawn from the draft (treeType 1): recursive rejection sampling over the
-  siblings (``sample_siblings``), see below.
+  siblings (``sample_siblings``), see below;
+- context children (n-gram branches, ``specdec.tree.SOURCE_CONTEXT``) beside drawn siblings: they
+  were not drawn from q, so they take no part in the rejection sampling; the token that comes out
+  of it (law p whatever happened) moves to a context child holding that token. Following a child
+  whose token equals the emitted one is exact for any child: its row is the target's
+  distribution given the prefix plus that token, which is what the next step needs.
 
 Sampled children are drawn *without replacement* from the draft's q (``draft_service.tree_builder``),
 so sibling i was drawn from q_i = q with siblings 0..i-1 removed and renormalised. Sibling i is
@@ -31,7 +36,7 @@ import torch
 
 from specdec.interfaces import VerifyResult
 from specdec.sampling import accept, residual, sample, without_token
-from specdec.tree import ROOT, MalformedTreeError, Proposal, children
+from specdec.tree import ROOT, SOURCE_DRAFT, MalformedTreeError, Proposal, children
 
 
 def verify_greedy(tokens, parents, target_logits: torch.Tensor) -> VerifyResult:
@@ -60,15 +65,16 @@ def verify_sampled(
     target_probs: Callable[[int], np.ndarray],
     rng: np.random.Generator,
     proposals: tuple[Proposal, ...] = (),
+    sources: tuple[int, ...] = (),
 ) -> VerifyResult:
     """Lossless sampled tree verification (rules in the module docstring).
 
     tokens, parents: [N] the tree; target_probs(r): [V] float64, the target's distribution after
     row r (0 = R, i + 1 = node i) processed with the request's SamplingParams exactly as the draft
     processed q (``specdec.sampling.processed_probs``), asked only for visited rows; rng: the
-    session's generator; proposals: the tree's recorded q per expanded node (treeType 1). Random
-    draws happen only at visited nodes: one per tested sibling plus one per token not taken from
-    the tree.
+    session's generator; proposals: the tree's recorded q per expanded node (treeType 1); sources:
+    [N] per-node SOURCE_DRAFT / SOURCE_CONTEXT (() = all draft). Random draws happen only at
+    visited nodes: one per tested sibling plus one per token not taken from the tree.
     """
     kids = children(parents)
     q_of = {proposal.parent: proposal for proposal in proposals}
@@ -76,9 +82,11 @@ def verify_sampled(
     while True:
         p = target_probs(node + 1)  # (V,)
         siblings = kids[node + 1]
-        if node in q_of and siblings:
-            pick, token = sample_siblings(p, q_of[node].dense(len(p)), [tokens[c] for c in siblings], rng)
-            nxt = None if pick is None else siblings[pick]
+        drawn = [c for c in siblings if not sources or sources[c] == SOURCE_DRAFT]
+        if node in q_of and drawn:
+            pick, token = sample_siblings(p, q_of[node].dense(len(p)), [tokens[c] for c in drawn], rng)
+            context = (c for c in siblings if sources and sources[c] != SOURCE_DRAFT and tokens[c] == token)
+            nxt = drawn[pick] if pick is not None else next(context, None)
         else:
             token = sample(p, rng)
             nxt = next((c for c in siblings if tokens[c] == token), None)

@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specdec/v1/tree.proto\x12\nspecdec.v1\"\x7f\n\tTokenTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x16\n\x0e\x64raft_logprobs\x18\x03 \x03(\x02\x12\x10\n\x08\x65xpanded\x18\x04 \x03(\x08\x12\'\n\tproposals\x18\x05 \x03(\x0b\x32\x14.specdec.v1.Proposal\"<\n\x08Proposal\x12\x0e\n\x06parent\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x01\"\x80\x01\n\x08TreeSpec\x12\r\n\x05gamma\x18\x01 \x01(\x05\x12\'\n\ntop_k_spec\x18\x02 \x03(\x0b\x32\x13.specdec.v1.TopKRow\x12\x10\n\x08top_head\x18\x03 \x03(\x05\x12\x11\n\ttree_type\x18\x04 \x01(\x05\x12\x17\n\x0fgamma_threshold\x18\x05 \x01(\x01\"\x14\n\x07TopKRow\x12\t\n\x01k\x18\x01 \x03(\x05\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_seedb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specdec/v1/tree.proto\x12\nspecdec.v1\"\x90\x01\n\tTokenTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x16\n\x0e\x64raft_logprobs\x18\x03 \x03(\x02\x12\x10\n\x08\x65xpanded\x18\x04 \x03(\x08\x12\'\n\tproposals\x18\x05 \x03(\x0b\x32\x14.specdec.v1.Proposal\x12\x0f\n\x07sources\x18\x06 \x03(\x05\"<\n\x08Proposal\x12\x0e\n\x06parent\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x01\"\x80\x01\n\x08TreeSpec\x12\r\n\x05gamma\x18\x01 \x01(\x05\x12\'\n\ntop_k_spec\x18\x02 \x03(\x0b\x32\x13.specdec.v1.TopKRow\x12\x10\n\x08top_head\x18\x03 \x03(\x05\x12\x11\n\ttree_type\x18\x04 \x01(\x05\x12\x17\n\x0fgamma_threshold\x18\x05 \x01(\x01\"\x14\n\x07TopKRow\x12\t\n\x01k\x18\x01 \x03(\x05\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_seedb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.tree_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TOKENTREE']._serialized_start=37
-  _globals['_TOKENTREE']._serialized_end=164
-  _globals['_PROPOSAL']._serialized_start=166
-  _globals['_PROPOSAL']._serialized_end=226
-  _globals['_TREESPEC']._serialized_start=229
-  _globals['_TREESPEC']._serialized_end=357
-  _globals['_TOPKROW']._serialized_start=359
-  _globals['_TOPKROW']._serialized_end=379
-  _globals['_SAMPLINGPARAMS']._serialized_start=381
-  _globals['_SAMPLINGPARAMS']._serialized_end=476
+  _globals['_TOKENTREE']._serialized_start=38
+  _globals['_TOKENTREE']._serialized_end=182
+  _globals['_PROPOSAL']._serialized_start=184
+  _globals['_PROPOSAL']._serialized_end=244
+  _globals['_TREESPEC']._serialized_start=247
+  _globals['_TREESPEC']._serialized_end=375
+  _globals['_TOPKROW']._serialized_start=377
+  _globals['_TOPKROW']._serialized_end=397
+  _globals['_SAMPLINGPARAMS']._serialized_start=399
+  _globals['_SAMPLINGPARAMS']._serialized_end=494
 # @@protoc_insertion_point(module_scope)

@@ -7,18 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TokenTree(_message.Message):
-    __slots__ = ("tokens", "parents", "draft_logprobs", "expanded", "proposals")
+    __slots__ = ("tokens", "parents", "draft_logprobs", "expanded", "proposals", "sources")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     EXPANDED_FIELD_NUMBER: _ClassVar[int]
     PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
     draft_logprobs: _containers.RepeatedScalarFieldContainer[float]
     expanded: _containers.RepeatedScalarFieldContainer[bool]
     proposals: _containers.RepeatedCompositeFieldContainer[Proposal]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_logprobs: _Optional[_Iterable[float]] = ..., expanded: _Optional[_Iterable[bool]] = ..., proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ...) -> None: ...
+    sources: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_logprobs: _Optional[_Iterable[float]] = ..., expanded: _Optional[_Iterable[bool]] = ..., proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., sources: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("parent", "token_ids", "probs")

@@ -1,0 +1,267 @@
+"""The default per-request control: cost-aware tree shaping (``orchestrator.shaping``) each round.
+
+``CostAwareControl`` speaks the round controller's control interface (gamma, spec, speculate,
+record, draft_failed, set_draft_context_limit, reason) plus ``shape`` / ``observe``, which the
+controller calls around verification. What it decides, per round:
+
+- ``speculate`` / ``spec``: the number of draft steps g (``plan_depth``) and the draft's early-stop
+  threshold (``stop_threshold``); g = 0 is a round without the draft (reason ``"cost"``), which
+  still verifies the free context branches. The first round of a request never drafts: the target's
+  prefill then gives the first token as soon as target-only decoding would (TTFT), and the draft's
+  prefill moves to the second round;
+- ``shape``: the nodes to verify, context branches merged (``shape_tree``);
+- ``observe``: calibrations, per-depth value estimates and the shared cost model learn from the round.
+
+A draft that is always wrong drives the calibrated values to zero, so g = 0 wins the comparison and
+the request decodes without drafting: no separate low-acceptance rule. One draft step is still
+tried after ``probe_every`` rounds without one, since nothing else would show that the draft got
+better. Draft failures and the draft's context limit keep their rules (``FallbackPolicy``, its
+low-acceptance cut-off switched off).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from orchestrator.cost_model import CostModel
+from orchestrator.policy import FallbackPolicy, spec_at_depth
+from orchestrator.shaping import (
+    AcceptanceCalibration, ContextCalibration, ShapedTree, observe_verified, shape_tree,
+)
+from specdec.config import FallbackConfig
+from specdec.tree import DraftTree, node_depths
+from specdec.tree_spec import MAX_TREE_NODES, TreeSpec
+
+COST_REASON = "cost"  # a round without the draft because drafting would not pay
+
+
+@dataclass
+class SharedState:
+    """What the requests of one front (or one embedded engine) learn together: the cost model and
+    the front-wide calibrations that seed each request's own."""
+
+    cost: CostModel = field(default_factory=CostModel)
+    calib: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
+    ctx_calib: ContextCalibration = field(default_factory=ContextCalibration)
+
+
+@dataclass
+class DepthEstimates:
+    """Per-depth expectations of this request, exponential moving averages over drafted rounds.
+
+    value[d-1]: expected sum of kept node values at depth d; rows[d-1]: expected kept nodes at
+    depth d. Depths not seen yet extrapolate geometrically (ratio of the last two, in [0.3, 0.9]).
+    """
+
+    value: list[float] = field(default_factory=lambda: [0.6])
+    rows: list[float] = field(default_factory=lambda: [1.0])
+    alpha: float = 0.3
+
+    def ratio(self) -> float:
+        if len(self.value) < 2 or self.value[-2] <= 0:
+            return 0.7
+        return min(max(self.value[-1] / self.value[-2], 0.3), 0.9)
+
+    def at(self, d: int) -> tuple[float, float]:
+        """(expected value, expected rows) at depth d >= 1."""
+        if d <= len(self.value):
+            return self.value[d - 1], self.rows[d - 1]
+        return self.value[-1] * self.ratio() ** (d - len(self.value)), self.rows[-1]
+
+    def update(self, d: int, value: float, rows: float) -> None:
+        while len(self.value) < d:
+            v, r = self.at(len(self.value) + 1)
+            self.value.append(v)
+            self.rows.append(r)
+        self.value[d - 1] += self.alpha * (value - self.value[d - 1])
+        self.rows[d - 1] += self.alpha * (rows - self.rows[d - 1])
+
+
+def plan_depth(est: DepthEstimates, cost: CostModel, heads: list[int], max_steps: int,
+               context_value: float = 0.0, context_rows: float = 0.0) -> tuple[int, float]:
+    """The number of draft steps g in [0, max_steps] with the best predicted rate, and that rate.
+
+    heads: [max_steps] parents expanded by each step (the TreeSpec's topHead); context_*: expected
+    value and rows of the free context branch, present whatever g is. Rate(g) = (1 + context_value +
+    sum of value(d), d <= g) / (D(heads[0]) + ... + D(heads[g-1]) + V(1 + context_rows + sum of
+    rows(d)) + overhead), in tokens per ms.
+    """
+    tokens, rows = 1.0 + context_value, 1.0 + context_rows
+    best_g, best_rate = 0, tokens / cost.round_ms(round(rows))
+    draft_ms = 0.0
+    for g in range(1, max_steps + 1):
+        v, r = est.at(g)
+        tokens += v
+        rows += r
+        draft_ms += cost.draft_step(heads[g - 1])
+        rate = tokens / (draft_ms + cost.verify(rows) + cost.round_overhead_ms)
+        if rate > best_rate:
+            best_g, best_rate = g, rate
+    return best_g, best_rate
+
+
+def stop_threshold(cost: CostModel, rate: float, heads: int, width: int, decay: float, raw_per_value: float) -> float:
+    """The draft's gammaThreshold for this round: deepening stops when the best path probability
+    falls below the value one more step must bring to pay for itself.
+
+    One more step costs D(heads) plus ``width`` verify rows (the slope of V); it brings about
+    value(best) * decay tokens, worth value * decay / rate ms at the round's rate (tokens per ms).
+    The threshold on calibrated value is cost * rate / decay; ``raw_per_value`` converts it to the
+    draft's raw path probability. Clamped to [0, 0.95].
+    """
+    step_ms = cost.draft_step(heads) + width * max(cost.verify(2) - cost.verify(1), 0.0)
+    threshold = step_ms * rate / max(decay, 1e-3) * raw_per_value
+    return min(max(threshold, 0.0), 0.95)
+
+
+class CostAwareControl:
+    """Cost-aware control of one request (module docstring).
+
+    spec: the request's TreeSpec, an upper bound on widths (rows past its gamma repeat its last
+    row, up to max_gamma steps); shared: the front-wide SharedState; fallback: draft failure and
+    context-limit rules (FallbackConfig; its min_acceptance is ignored); ngram_tokens / max_ngram:
+    the context branch (0 tokens = off); first_round_plain: the TTFT rule.
+    """
+
+    def __init__(self, spec: TreeSpec, shared: SharedState | None = None, fallback: FallbackConfig = FallbackConfig(),
+                 max_gamma: int = 10, ngram_tokens: int = 8, max_ngram: int = 3, probe_every: int = 16,
+                 first_round_plain: bool = True, max_nodes: int = MAX_TREE_NODES, clock=time.monotonic):
+        self.base = spec
+        self.shared = shared or SharedState()
+        self.fallback = FallbackPolicy(fallback.model_copy(update={"min_acceptance": 0.0}), clock=clock)
+        self.max_gamma = max(max_gamma, 1)
+        self.max_nodes = max_nodes
+        self.ngram_tokens, self.max_ngram = ngram_tokens, max_ngram
+        self.probe_every = probe_every
+        self.first_round_plain = first_round_plain
+        self.calib = AcceptanceCalibration(self.shared.calib)
+        self.ctx_calib = ContextCalibration(self.shared.ctx_calib)
+        self.depths = DepthEstimates()
+        self.context_value = 0.0  # EMA of the kept context nodes' values per round
+        self.context_rows = 0.0
+        self.raw_per_value = 1.0  # EMA of raw best path probability / its calibrated value
+        self.gamma = 0  # draft steps planned for this round
+        self.reason: str | None = None
+        self.rounds = 0
+        self.rounds_without_draft = 0
+        self._planned_spec: TreeSpec | None = None
+        self.last_decision: dict = {}
+
+    # ----------------------------------------------------------------- before drafting
+
+    def speculate(self, now: float | None, committed_len: int, depth: int) -> bool:
+        """Plan this round (``plan_depth``) under ``depth`` levels; False = no draft this round."""
+        max_steps = min(depth, self.max_gamma, self._deepest())
+        if not self.fallback.speculate(now, committed_len, max(1, min(max_steps, 1))):
+            self.reason, self.gamma = self.fallback.reason, 0
+            return False
+        heads = list(spec_at_depth(self.base, max(max_steps, 1), self.max_nodes).top_head)
+        g, rate = plan_depth(self.depths, self.shared.cost, heads, max_steps, self.context_value, self.context_rows)
+        if self.first_round_plain and self.rounds == 0:
+            g = 0
+        elif g == 0 and self.rounds_without_draft >= self.probe_every and max_steps >= 1:
+            g = 1  # probe: has the draft become worth it?
+        self.gamma, self.reason = g, (None if g else COST_REASON)
+        if g:
+            width = sum(self.base.top_k_spec[-1])
+            threshold = stop_threshold(self.shared.cost, rate, heads[min(g, len(heads)) - 1], width,
+                                       self.depths.ratio(), self.raw_per_value)
+            spec = spec_at_depth(self.base, g, self.max_nodes)
+            self._planned_spec = spec.model_copy(update={"gamma_threshold": max(threshold, spec.gamma_threshold)})
+        self.last_decision = {"planned_gamma": g, "planned_rate_tok_s": rate * 1000}
+        return g > 0
+
+    def _deepest(self) -> int:
+        try:
+            return max(1, min(self.max_gamma, _max_depth(self.base, self.max_nodes)))
+        except ValueError:
+            return 1
+
+    def spec(self, base: TreeSpec | None = None) -> TreeSpec:
+        """The tree shape planned by the last ``speculate`` (the request's spec before any plan)."""
+        return self._planned_spec or self.base
+
+    # ----------------------------------------------------------------- after drafting
+
+    def shape(self, tree: DraftTree, context: list[int], max_depth: int, sunk_ms: float) -> ShapedTree:
+        """The tree to verify: drafted nodes that pay plus the context branch (``shape_tree``)."""
+        cost = self.shared.cost
+        shaped = shape_tree(tree, context, self.calib, self.ctx_calib, cost, sunk_ms + cost.round_overhead_ms,
+                            self.ngram_tokens if self.ngram_tokens > 0 else 0, self.max_ngram, max_depth)
+        return shaped
+
+    def observe(self, shaped: ShapedTree, accepted_nodes, verify_s: float, draft_s: float | None,
+                overhead_s: float, drafted_tree: DraftTree | None) -> None:
+        """Learn from a verified round: calibrations, per-depth estimates, the shared cost model."""
+        self.rounds += 1
+        observe_verified(shaped, accepted_nodes, self.calib, self.ctx_calib)
+        observe_verified(shaped, accepted_nodes, self.shared.calib, self.shared.ctx_calib)
+        depths = node_depths(shaped.tree.parents)
+        ctx = [i for i, d in enumerate(shaped.draft_index) if d is None]
+        self.context_value += 0.3 * (sum(shaped.values[i] for i in ctx) - self.context_value)
+        self.context_rows += 0.3 * (len(ctx) - self.context_rows)
+        parents_per_step: list[int] = []
+        if self.gamma and drafted_tree is not None:
+            self.rounds_without_draft = 0
+            drafted_depths = node_depths(drafted_tree.parents)
+            for d in range(1, self.gamma + 1):
+                kept = [i for i, dd in enumerate(depths) if dd == d and shaped.draft_index[i] is not None]
+                self.depths.update(d, sum(shaped.values[i] for i in kept), len(kept))
+            parents_per_step = _parents_per_step(drafted_tree, drafted_depths)
+            self._learn_raw_ratio(drafted_tree, shaped)
+        else:
+            self.rounds_without_draft += 1
+        self.shared.cost.observe_round(shaped.tree.size + 1, verify_s, parents_per_step, draft_s, overhead_s)
+        self.last_decision.update({"nodes": shaped.tree.size, "depth": shaped.depth, "drafted": shaped.drafted,
+                                   "expected_accepted": shaped.expected_accepted, "accepted": len(accepted_nodes)})
+
+    def _learn_raw_ratio(self, drafted: DraftTree, shaped: ShapedTree) -> None:
+        """raw best path probability / calibrated value of the deepest kept draft node."""
+        best = max((i for i, d in enumerate(shaped.draft_index) if d is not None), key=lambda i: shaped.values[i],
+                   default=None)
+        if best is None or not drafted.draft_logprobs:
+            return
+        j = shaped.draft_index[best]
+        raw = math.exp(sum(drafted.draft_logprobs[n] for n in _path(drafted.parents, j)))
+        value = shaped.values[best]
+        if value > 1e-6:
+            self.raw_per_value += 0.2 * (min(raw / value, 5.0) - self.raw_per_value)
+
+    # ----------------------------------------------------------------- the rest of the interface
+
+    def record(self, depth: int, proposed: int, accepted: int, now: float | None = None,
+               draft_s: float | None = None) -> None:
+        """After a speculative round (the controller's common hook): draft deadline accounting."""
+        self.fallback.record(proposed, accepted, now, draft_s)
+
+    def draft_failed(self, now: float | None = None) -> None:
+        self.fallback.draft_failed(now)
+
+    def set_draft_context_limit(self, limit: int | None) -> None:
+        if limit is not None and limit < 1:
+            raise ValueError(f"draft_context_limit: must be >= 1 tokens, got {limit}")
+        self.fallback.draft_context_limit = limit
+
+
+def _max_depth(spec: TreeSpec, max_nodes: int) -> int:
+    from orchestrator.policy import max_depth_for
+
+    return max_depth_for(spec, max_nodes)
+
+
+def _path(parents, node: int) -> list[int]:
+    out = []
+    while node != -1:
+        out.append(node)
+        node = parents[node]
+    return out
+
+
+def _parents_per_step(tree: DraftTree, depths: list[int]) -> list[int]:
+    """Parents the draft expanded at each step: 1 (the root) then the expanded nodes per depth."""
+    steps = [1]
+    for d in range(1, max(depths, default=0)):
+        steps.append(sum(1 for i, dd in enumerate(depths) if dd == d and tree.expanded and tree.expanded[i]))
+    return steps if tree.size else []

@@ -1,0 +1,142 @@
+"""Measured costs of this deployment: target verify latency V(n) and draft step latency D(p).
+
+Units: milliseconds. n = rows of one verify forward ([R, nodes], so n = tree nodes + 1); p =
+parents expanded by one draft step (rows of that draft forward).
+
+Both curves are piecewise linear through measured points (``grid``), extrapolated linearly past
+the last one. They start from a start-up measurement (a few forwards, ``measure_curve``) or from
+prior figures, and follow the running deployment: every round's own timing moves the curve by a
+multiplicative correction at the two grid points around the observation (an exponential moving
+average of observed / predicted, weight ``alpha``), so the shape measured at start-up is kept and
+drift (a busier machine, a longer context) is tracked.
+
+Worked example: grid {1: 285, 8: 449} gives V(4) = 285 + (449 - 285) * 3/7 = 355.3 ms; an observed
+V(4) of 426 ms (ratio 1.2) with alpha 0.5 scales point 1 by 1 + 0.5 * 0.2 * 4/7 and point 8 by
+1 + 0.5 * 0.2 * 3/7 (the nearer point moves more).
+
+The per-row figures the 2-core CPU gave for the default pair (float32 1.5B target after 300 cached
+tokens, int8 0.5B draft) are the priors: V(1, 4, 8, 16, 32) = 285, 365, 449, 606, 894 ms; D(1) ~45 ms.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+PRIOR_VERIFY_MS = {1: 285.0, 4: 365.0, 8: 449.0, 16: 606.0, 32: 894.0}
+PRIOR_DRAFT_STEP_MS = {1: 45.0, 4: 55.0, 8: 70.0, 16: 100.0}
+
+
+@dataclass
+class LatencyCurve:
+    """A latency curve ms(x) through measured points, with online correction (module docstring).
+
+    points: {x: ms} with x >= 1 integers (at least one point); alpha: weight of one observation.
+    Thread-safe: one lock around reads and updates (the front's requests share one curve).
+    """
+
+    points: dict[int, float]
+    alpha: float = 0.2
+    observations: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def __post_init__(self):
+        if not self.points:
+            raise ValueError("points: a latency curve needs at least one measured point")
+        if any(x < 1 or ms <= 0 for x, ms in self.points.items()):
+            raise ValueError(f"points: need x >= 1 and ms > 0, got {self.points}")
+        self.points = {int(x): float(ms) for x, ms in sorted(self.points.items())}
+
+    def __call__(self, x: float) -> float:
+        """Predicted ms at x (>= 1), linear between points and past the ends."""
+        with self._lock:
+            xs = list(self.points)
+            ys = list(self.points.values())
+        if len(xs) == 1:
+            return ys[0] * max(x, 1) / xs[0] if x > xs[0] else ys[0]
+        i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)  # segment [xs[i], xs[i+1]]
+        slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
+        return max(ys[i] + slope * (x - xs[i]), 1e-3)
+
+    def observe(self, x: float, ms: float) -> None:
+        """Move the curve towards one observed latency ``ms`` at ``x`` (module docstring)."""
+        if ms <= 0 or x < 1:
+            return
+        ratio = min(max(ms / self(x), 0.2), 5.0)  # one outlier (a GC pause) moves it boundedly
+        with self._lock:
+            xs = list(self.points)
+            j = bisect.bisect_left(xs, x)
+            if j < len(xs) and xs[j] == x:
+                near = [(xs[j], 1.0)]
+            elif j == 0 or j == len(xs):
+                near = [(xs[min(j, len(xs) - 1)], 1.0)]
+            else:
+                lo, hi = xs[j - 1], xs[j]
+                near = [(lo, (hi - x) / (hi - lo)), (hi, (x - lo) / (hi - lo))]
+            for point, weight in near:
+                self.points[point] *= 1 + self.alpha * weight * (ratio - 1)
+            self.observations += 1
+
+    def snapshot(self) -> dict[int, float]:
+        with self._lock:
+            return {x: round(ms, 2) for x, ms in self.points.items()}
+
+
+class CostModel:
+    """V(n) and D(p) of this deployment (module docstring), shared by the requests of one front.
+
+    verify_ms: {rows: ms} measured or prior; draft_step_ms: {parents: ms}; round_overhead_ms:
+    the rest of a round (stop checks, commits, transport), measured from the rounds.
+    """
+
+    def __init__(self, verify_ms: dict[int, float] | None = None, draft_step_ms: dict[int, float] | None = None,
+                 alpha: float = 0.2, source: str = "prior"):
+        self.verify = LatencyCurve(dict(verify_ms or PRIOR_VERIFY_MS), alpha)
+        self.draft_step = LatencyCurve(dict(draft_step_ms or PRIOR_DRAFT_STEP_MS), alpha)
+        self.round_overhead_ms = 0.0
+        self.source = source  # "prior" | "measured": where the starting points came from
+
+    def draft_ms(self, parents_per_step: Iterable[int]) -> float:
+        """Predicted ms of a draft proposal that expands these parents per step (one entry per step)."""
+        return sum(self.draft_step(p) for p in parents_per_step)
+
+    def round_ms(self, rows: int, parents_per_step: Iterable[int] = ()) -> float:
+        """Predicted ms of one round: drafting, then a verify of ``rows`` rows, plus the overhead."""
+        return self.draft_ms(parents_per_step) + self.verify(rows) + self.round_overhead_ms
+
+    def observe_round(self, rows: int, verify_s: float, parents_per_step: list[int], draft_s: float | None,
+                      overhead_s: float = 0.0) -> None:
+        """Fold one round's timings into the curves (seconds in, as the round loop measures them)."""
+        self.verify.observe(rows, verify_s * 1000)
+        if draft_s and parents_per_step:
+            predicted = self.draft_ms(parents_per_step)
+            for p in parents_per_step:  # share the observed total in proportion to the predictions
+                self.draft_step.observe(p, draft_s * 1000 * self.draft_step(p) / predicted)
+        self.round_overhead_ms += 0.2 * (overhead_s * 1000 - self.round_overhead_ms)
+
+    def snapshot(self) -> dict:
+        """Plain figures for stats, Info and metrics: {verify_ms: {rows: ms}, draft_step_ms: {...}, ...}."""
+        return {"verify_ms": self.verify.snapshot(), "draft_step_ms": self.draft_step.snapshot(),
+                "round_overhead_ms": round(self.round_overhead_ms, 2), "source": self.source,
+                "observations": self.verify.observations}
+
+
+def measure_curve(run: Callable[[int], None], xs: Iterable[int], repeats: int = 2) -> dict[int, float]:
+    """Time ``run(x)`` for each x; the fastest of ``repeats`` runs (ms) per x after one warm-up.
+
+    run: performs one forward of size x (rows or parents) and returns when it is done.
+    """
+    xs = list(xs)
+    run(xs[0])  # warm-up: first calls pay allocation and kernel selection
+    out = {}
+    for x in xs:
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run(x)
+            best = min(best, (time.perf_counter() - t0) * 1000)
+        out[x] = best
+    return out

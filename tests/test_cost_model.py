@@ -1,0 +1,56 @@
+"""The measured cost model: piecewise-linear V(n) / D(p) with online correction (orchestrator.cost_model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.cost_model import CostModel, LatencyCurve, measure_curve
+
+
+def test_worked_example_interpolation_and_extrapolation():
+    curve = LatencyCurve({1: 285.0, 8: 449.0})
+    assert curve(4) == pytest.approx(285 + 164 * 3 / 7)
+    assert curve(1) == 285.0 and curve(8) == 449.0
+    assert curve(15) == pytest.approx(449 + 164)  # the last segment's slope past the end
+
+
+def test_observation_moves_the_nearer_point_more():
+    curve = LatencyCurve({1: 285.0, 8: 449.0}, alpha=0.5)
+    predicted = curve(4)
+    curve.observe(4, predicted * 1.2)
+    assert curve.points[1] == pytest.approx(285 * (1 + 0.5 * 0.2 * 4 / 7))
+    assert curve.points[8] == pytest.approx(449 * (1 + 0.5 * 0.2 * 3 / 7))
+    assert predicted < curve(4) < predicted * 1.2
+
+
+def test_repeated_observations_converge_and_outliers_are_bounded():
+    curve = LatencyCurve({1: 100.0, 16: 400.0}, alpha=0.3)
+    for _ in range(60):
+        curve.observe(1, 150.0)
+    assert curve(1) == pytest.approx(150.0, rel=1e-3)
+    curve.observe(16, 1e9)  # one absurd figure moves the point at most by alpha * (5 - 1)
+    assert curve(16) <= 400.0 * (1 + 0.3 * 4) + 1e-6
+
+
+def test_bad_points_are_refused():
+    with pytest.raises(ValueError, match="points"):
+        LatencyCurve({})
+    with pytest.raises(ValueError, match="points"):
+        LatencyCurve({0: 10.0})
+
+
+def test_round_observation_splits_draft_time_by_prediction():
+    cost = CostModel({1: 100.0, 8: 200.0}, {1: 10.0, 4: 20.0}, alpha=1.0)
+    cost.observe_round(rows=4, verify_s=cost.verify(4) / 1000, parents_per_step=[1, 4], draft_s=0.060)
+    # predicted 30 ms for steps of 1 and 4 parents, observed 60: both points doubled (alpha 1)
+    assert cost.draft_step(1) == pytest.approx(20.0) and cost.draft_step(4) == pytest.approx(40.0)
+    assert cost.round_ms(8, [1]) == pytest.approx(200.0 + 20.0 + cost.round_overhead_ms)
+    snap = cost.snapshot()
+    assert snap["verify_ms"] == {1: 100.0, 8: 200.0} and snap["draft_step_ms"][4] == 40.0
+
+
+def test_measure_curve_times_each_size():
+    calls = []
+    out = measure_curve(calls.append, [1, 4], repeats=2)
+    assert calls == [1, 1, 1, 4, 4]  # one warm-up, then two timed runs per size
+    assert set(out) == {1, 4} and all(ms >= 0 for ms in out.values())

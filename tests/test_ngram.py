@@ -1,0 +1,72 @@
+"""n-gram (prompt lookup) continuations and merging them into token trees (specdec.ngram, specdec.tree)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specdec.ngram import lookup_continuation
+from specdec.tree import SOURCE_CONTEXT, SOURCE_DRAFT, DraftTree, MalformedTreeError, Proposal, merge_chain, select_nodes
+
+
+def test_worked_example():
+    assert lookup_continuation([5, 7, 9, 2, 5, 7], max_tokens=3) == [9, 2, 5]
+
+
+def test_longest_ngram_wins_over_a_more_recent_shorter_match():
+    # last 2 tokens [1, 2]: the 2-gram matched at index 0 (-> 3); the 1-gram [2] also at index 5 (-> 9)
+    ctx = [1, 2, 3, 4, 0, 2, 9, 1, 2]
+    assert lookup_continuation(ctx, 2, max_ngram=2) == [3, 4]
+    assert lookup_continuation(ctx, 2, max_ngram=1) == [9, 1]  # 1-gram [2]: its most recent match, index 5
+
+def test_most_recent_match_and_caps():
+    ctx = [8, 1, 5, 8, 1, 6, 8, 1]
+    assert lookup_continuation(ctx, 4, max_ngram=2) == [6, 8, 1]  # the match at index 3, not index 0
+    assert lookup_continuation(ctx, 1, max_ngram=2) == [6]
+    assert lookup_continuation(ctx, 0) == []
+    assert lookup_continuation([1, 2, 3], 5) == []  # nothing repeats
+    assert lookup_continuation([4], 5) == []
+
+
+def test_bad_ngram_bounds():
+    with pytest.raises(ValueError, match="min_ngram"):
+        lookup_continuation([1, 2, 1], 2, max_ngram=1, min_ngram=2)
+
+
+def test_merge_chain_shares_matching_nodes_and_appends_the_rest():
+    tree = DraftTree((7, 8), (-1, 0), (-0.1, -0.2), (True, False))
+    merged, path = merge_chain(tree, -1, [7, 9, 4])
+    assert merged.tokens == (7, 8, 9, 4)
+    assert merged.parents == (-1, 0, 0, 2)
+    assert merged.sources == (SOURCE_DRAFT, SOURCE_DRAFT, SOURCE_CONTEXT, SOURCE_CONTEXT)
+    assert merged.expanded == (True, False, False, False)
+    assert merged.draft_logprobs[:2] == (-0.1, -0.2)
+    assert path == [0, 2, 3]
+    same, path = merge_chain(tree, -1, [7, 8])  # entirely shared: nothing appended
+    assert same.tokens == tree.tokens and path == [0, 1]
+    below, path = merge_chain(tree, 1, [3])  # under a draft node
+    assert below.parents == (-1, 0, 1) and path == [2]
+
+
+def test_merge_chain_on_an_empty_tree():
+    merged, path = merge_chain(DraftTree((), ()), -1, [3, 3])
+    assert merged.parents == (-1, 0) and merged.sources == (SOURCE_CONTEXT, SOURCE_CONTEXT) and path == [0, 1]
+
+
+def test_select_nodes_keeps_order_and_remaps_proposals():
+    q = np.full(4, 0.25)
+    tree = DraftTree((1, 2, 3, 0), (-1, -1, 0, 1), (-1.0,) * 4, (True, True, False, False),
+                     (Proposal(-1, q), Proposal(0, q), Proposal(1, q)), (0, 0, 0, 1))
+    sub, old = select_nodes(tree, [2, 0])
+    assert old == [0, 2] and sub.tokens == (1, 3) and sub.parents == (-1, 0)
+    assert [p.parent for p in sub.proposals] == [-1, 0]
+    assert sub.sources == (0, 0)
+    with pytest.raises(MalformedTreeError, match="keep: node 3"):
+        select_nodes(tree, [3])
+
+
+def test_sources_are_validated():
+    with pytest.raises(MalformedTreeError, match="sources"):
+        DraftTree((1,), (-1,), sources=(0, 1))
+    with pytest.raises(MalformedTreeError, match="sources"):
+        DraftTree((1,), (-1,), sources=(2,))
