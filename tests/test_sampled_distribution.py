@@ -41,7 +41,7 @@ from draft_service.tree_builder import build_tree
 from orchestrator.controller import GenerationRequest
 from orchestrator.engine import SpeculativeEngine
 from specdec.sampling import SamplingParams, processed_probs
-from specdec.tree import ROOT, DraftTree, children
+from specdec.tree import ROOT, SOURCE_CONTEXT, DraftTree, children, merge_chain
 from specdec.tree_spec import TreeSpec
 from target_service.runtime import TargetRuntime
 from target_service.verifier import verify_sampled
@@ -70,6 +70,7 @@ class Config:
     tree_type: int
     draft: str  # close | far | swap (the target with its two most likely tokens swapped)
     params: SamplingParams
+    context: bool = False  # merge context (n-gram) branches into every tree (TableRounds.with_context)
 
 
 CONFIGS = {
@@ -89,6 +90,11 @@ CONFIGS = {
     # (70% of accepted nodes with treeType 0, 27% with treeType 1; checked > 20%).
     "nonfirst-tree0-swap": Config(0, "swap", SamplingParams(temperature=0.7)),
     "nonfirst-tree1-swap": Config(1, "swap", SamplingParams(temperature=0.7)),
+    # Context branches (not drawn from q) beside the draft's children, at the root and below a
+    # drawn node; some share a token with a drawn sibling, some do not.
+    "context-T0.7-tree0-far": Config(0, "far", SamplingParams(temperature=0.7), context=True),
+    "context-T0.7-tree1-close": Config(1, "close", SamplingParams(temperature=0.7), context=True),
+    "context-T1.0-tree1-far": Config(1, "far", SamplingParams(temperature=1.0, top_k=5), context=True),
 }
 
 CONTEXTS = [c for n in range(N + 1) for c in itertools.product(range(V), repeat=n)]  # generated tokens
@@ -132,16 +138,34 @@ class TableRounds:
         self.stacked: dict[tuple, torch.Tensor] = {}
         self.trees: dict[tuple, DraftTree] = {}
         self.accepted = Counter()  # accepted nodes by sibling rank (0 = first child of its parent)
+        self.context = config.context
+        self.context_accepted = 0  # accepted context nodes (the point of the context configurations)
+
+    def with_context(self, committed, tree: DraftTree, max_depth: int) -> DraftTree:
+        """Merge two context chains, as the orchestrator merges n-gram continuations: under the
+        root, the target's two most likely tokens in a row (often the same token as a drawn child,
+        then shared); under node 0, the target's third most likely token."""
+        first = self.ranked(committed)
+        tree, _ = merge_chain(tree, ROOT, [first[0], self.ranked(committed + (first[0],))[0]][:max_depth])
+        if tree.size and max_depth >= 2 and tree.parents[0] == ROOT:
+            tree, _ = merge_chain(tree, 0, [self.ranked(committed + (tree.tokens[0],))[2]])
+        return tree
+
+    def ranked(self, committed) -> list[int]:
+        return np.argsort(-self.target_probs[INDEX[committed]], kind="stable").tolist()
 
     def continuation(self) -> tuple[int, ...]:
         committed: tuple[int, ...] = ()
         while len(committed) < N:
             tree = self.tree(committed, max_depth=N - len(committed))
+            if self.context:
+                tree = self.with_context(committed, tree, max_depth=N - len(committed))
             rows = self.node_rows(committed, tree)
             result = verify_sampled(tree.tokens, tree.parents, lambda r: self.target_probs[rows[r]],
-                                    self.target_rng, tree.proposals)
+                                    self.target_rng, tree.proposals, tree.sources)
             kids = children(tree.parents)
             self.accepted.update(kids[tree.parents[node] + 1].index(node) for node in result.accepted_nodes)
+            self.context_accepted += sum(tree.source(node) == SOURCE_CONTEXT for node in result.accepted_nodes)
             committed += result.tokens
         return committed[:N]
 
@@ -187,6 +211,7 @@ def sample_counts(name: str, samples: int = SAMPLES) -> tuple[dict, dict, dict]:
     start = time.perf_counter()
     counts = Counter(rounds.continuation() for _ in range(samples))
     return dict(counts), exact_law(target_probs), {"accepted_by_rank": dict(rounds.accepted),
+                                                   "context_accepted": rounds.context_accepted,
                                                    "seconds": time.perf_counter() - start}
 
 
@@ -216,6 +241,8 @@ def test_matches_target_distribution(pending, name):
     later = sum(count for rank, count in by_rank.items() if rank > 0) / max(1, sum(by_rank.values()))
     if CONFIGS[name].draft == "swap":  # the point of these configurations: non-first siblings accepted
         assert later > 0.2, f"{name}: only {later:.0%} of accepted nodes are non-first siblings"
+    if CONFIGS[name].context:  # and of these: context nodes on the accepted path
+        assert info["context_accepted"] > SAMPLES // 100, f"{name}: {info['context_accepted']} context nodes accepted"
 
 
 def test_chi_square_detects_a_small_bias():
