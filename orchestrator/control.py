@@ -4,6 +4,8 @@ The round controller (orchestrator.controller) asks one ``Control`` per request,
 whether to speculate and how deep. Implementations:
 
 - ``FixedControl``: the request's TreeSpec every round, the draft always used while it works.
+- ``CostAwareControl`` (orchestrator.cost_aware, the default): each round's tree from measured
+  costs and calibrated acceptance, context branches included (orchestrator.shaping).
 - ``RequestControl``: ``DynamicGamma`` (speculation depth +1 after a fully accepted path, -1 after
   an early rejection) and ``FallbackPolicy`` (a plain target step instead of a speculative round
   when acceptance is low, the draft is unavailable or its context is full).
@@ -15,12 +17,15 @@ committed per round (bonus included). Times are seconds from any monotonic clock
 
 One round as the controller drives a control (orchestrator/controller.py)::
 
-    if control.speculate(now, committed_len, depth=min(control.gamma, max_depth)):
+    tree = empty
+    if control.speculate(now, committed_len, depth=max_depth):   # at most min(gamma, max_depth) levels
         tree = draft.propose(sid, control.spec(base_spec), max_depth)
-        result = target.verify(sid, tree)
+    # else: no draft this round, control.reason says why
+    shaped = control.shape(tree, committed_tokens, max_depth, sunk_ms)
+    result = target.verify(sid, shaped.tree)
+    if tree.size:
         control.record(tree_depth, tree.size, accepted_length)
-    else:
-        ...plain target step, control.reason says why...
+    control.observe(shaped, result.accepted_nodes, verify_s, draft_s, overhead_s, tree)
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from collections import deque
 from typing import Callable, Protocol
 
 from specdec.config import DynamicGammaConfig, FallbackConfig
+from orchestrator.shaping import ShapedTree
+from specdec.tree import DraftTree
 from specdec.tree_spec import MAX_TREE_NODES, TreeSpec, max_depth_for, spec_at_depth
 
 log = logging.getLogger(__name__)
@@ -42,7 +49,8 @@ log = logging.getLogger(__name__)
 LOW_ACCEPTANCE = "low_acceptance"  # windowed acceptance below front.fallback.min_acceptance
 DRAFT_UNAVAILABLE = "draft_unavailable"  # the draft failed, is unreachable or slower than its deadline
 DRAFT_CONTEXT_LIMIT = "draft_context_limit"  # the draft's context cannot hold the next tree
-FALLBACK_REASONS = (LOW_ACCEPTANCE, DRAFT_UNAVAILABLE, DRAFT_CONTEXT_LIMIT)
+COST = "cost"  # the cost model says no draft step pays this round (CostAwareControl)
+FALLBACK_REASONS = (LOW_ACCEPTANCE, DRAFT_UNAVAILABLE, DRAFT_CONTEXT_LIMIT, COST)
 
 
 # --------------------------------------------------------------------------- the controller's interface
@@ -77,11 +85,33 @@ class Control(Protocol):
     def set_draft_context_limit(self, limit: int | None) -> None:
         """The draft's max positions, tokens (None = unlimited)."""
 
+    def shape(self, tree: DraftTree, context: list[int], max_depth: int, sunk_ms: float) -> ShapedTree:
+        """The tree to verify this round, from the drafted one (possibly empty): ``ShapedTree.of(tree)``
+        keeps it as it is; a cost-aware control keeps the nodes that pay and adds context
+        branches (orchestrator.shaping). context: [T] committed tokens; max_depth: tree levels the
+        token budget allows; sunk_ms: time this round already spent drafting."""
+
+    def observe(self, shaped: ShapedTree, accepted_nodes, verify_s: float, draft_s: float | None,
+                overhead_s: float, drafted: DraftTree) -> None:
+        """After every round (speculative or not): the verified tree, its accepted path (node
+        indices of ``shaped.tree``) and the round's timings in seconds."""
+
+
+class PassThroughShaping:
+    """``shape`` / ``observe`` of controls that verify the drafted tree as it is."""
+
+    def shape(self, tree: DraftTree, context: list[int], max_depth: int, sunk_ms: float) -> ShapedTree:
+        return ShapedTree.of(tree)
+
+    def observe(self, shaped: ShapedTree, accepted_nodes, verify_s: float, draft_s: float | None,
+                overhead_s: float, drafted: DraftTree) -> None:
+        pass
+
 
 ControlFactory = Callable[[TreeSpec], Control]
 
 
-class FixedControl:
+class FixedControl(PassThroughShaping):
     """No adaptation: the request's TreeSpec every round, the draft always used while it works.
 
     A failed draft is not retried. ``RequestControl`` implements the adaptive control.
@@ -380,7 +410,7 @@ class FallbackPolicy:
 # --------------------------------------------------------------------------- both
 
 
-class RequestControl:
+class RequestControl(PassThroughShaping):
     """DynamicGamma + FallbackPolicy of one request, behind the round controller's control interface.
 
     Implements ``Control`` (with optional arguments beyond it). Rules and sources: DynamicGamma
@@ -417,8 +447,10 @@ class RequestControl:
         return spec_at_depth(base, self.dynamic.gamma, self.dynamic.max_nodes)
 
     def speculate(self, now: float | None, committed_len: int, depth: int | None = None) -> bool:
-        """FallbackPolicy.speculate with depth defaulting to the current gamma."""
-        return self.fallback.speculate(now, committed_len, self.dynamic.gamma if depth is None else depth)
+        """FallbackPolicy.speculate for a tree of min(gamma, depth) levels (depth: what the token
+        budget allows; None = no cap)."""
+        gamma = self.dynamic.gamma
+        return self.fallback.speculate(now, committed_len, gamma if depth is None else min(gamma, depth))
 
     def record(self, depth: int, proposed: int, accepted: int, now: float | None = None,
                draft_s: float | None = None) -> None:

@@ -31,6 +31,7 @@ from typing import Any, Awaitable, Callable
 from opentelemetry import trace
 
 from orchestrator.control import DRAFT_UNAVAILABLE, ControlFactory, FixedControl
+from orchestrator.shaping import ShapedTree
 from orchestrator.stops import StopChecker
 from specdec.sampling import GREEDY, SamplingParams
 from specdec.stats import GenerationStats, RoundRecord
@@ -232,31 +233,30 @@ class _Request:
         await self._release_quietly(sid)
 
     async def round(self) -> list[int]:
-        """One round: draft, verify, stop checks, commit, record; returns the tokens it committed.
+        """One round: draft, shape, verify, stop checks, commit, record; returns the tokens it committed.
 
         The phases of gpt-fast's ``speculative_decode``, each its own method: ``_draft`` (the
-        control decides; the draft grows a tree of at most max_depth levels, or none),
+        control decides; the draft grows a tree of at most max_depth levels, or none), ``_shape``
+        (the control keeps the nodes worth verifying and adds the free context branches),
         ``_verify`` (the target's accepted path + bonus token), ``_stop_checks`` (the tokens up to
         the first stop), ``_commit`` (both workers keep exactly those), ``_record`` (control,
         statistics and the round's RoundRecord).
         """
         max_depth = self.stops.budget() - 1  # the accepted path plus the bonus must fit the budget
+        t0 = time.perf_counter()
         with _tracer.start_as_current_span("round", attributes={"request.id": self.sid, "round": self.stats.rounds}) as span:
             drafted = await self._draft(max_depth)
-            if drafted.fallback:
-                span.set_attribute("fallback.reason", drafted.fallback)
-            span.set_attribute("gamma", self._gamma())
-            span.set_attribute("tree.nodes", drafted.tree.size)
+            shaped = self._shape(drafted, max_depth)
             t1 = time.perf_counter()
-            result = await self._verify(drafted.tree)
+            result = await self._verify(shaped.tree)
             t2 = time.perf_counter()
             committed = self._stop_checks(result.tokens)
             accepted = list(result.accepted_nodes[: len(committed)])  # node indices of the committed draft tokens
-            await self._commit(committed, accepted)
+            await self._commit(committed, _draft_nodes(shaped, accepted))
             t3 = time.perf_counter()
-            span.set_attribute("accepted_length", len(result.accepted_nodes))
-            span.set_attribute("committed", len(committed))
-        await self._record(drafted, len(result.accepted_nodes), committed, len(accepted), t2 - t1, t3 - t2)
+            _round_attributes(span, drafted, shaped, self._gamma(), result, committed)
+        timing = _Timing(draft_s=drafted.draft_s, verify_s=t2 - t1, commit_s=t3 - t2, round_s=t3 - t0)
+        await self._record(drafted, shaped, result.accepted_nodes, committed, accepted, timing)
         return committed
 
     def _gamma(self) -> int:
@@ -269,7 +269,7 @@ class _Request:
             return _Drafted()
         t0 = time.perf_counter()
         committed_len = len(self.request.prompt_ids) + len(self.stops.generated)
-        if not self.control.speculate(time.monotonic(), committed_len, min(self.control.gamma, max_depth)):
+        if not self.control.speculate(time.monotonic(), committed_len, max_depth):
             return _Drafted(fallback=self.control.reason)
         if self.draft_sid is None:
             await self._open_draft()  # a retry after a failure; on failure the round runs plain
@@ -315,15 +315,31 @@ class _Request:
                 except DraftUnavailableError as exc:
                     await self._drop_draft(exc)
 
-    async def _record(self, drafted: _Drafted, accepted_length: int, committed: list[int], accepted: int,
-                      verify_s: float, commit_s: float) -> None:
-        """Phase 5: the control learns the outcome (accepted_length: the accepted path, before the
-        stop checks), the statistics count the round, the callbacks get its RoundRecord."""
+    def _shape(self, drafted: _Drafted, max_depth: int) -> ShapedTree:
+        """Phase 2: the tree to verify, as the control shapes it (the drafted tree as it is, unless
+        the control keeps fewer nodes or adds context branches: orchestrator.shaping)."""
+        if self.control is None or max_depth < 1:
+            return ShapedTree.of(drafted.tree)
+        sunk_ms = (drafted.draft_s or 0.0) * 1000
+        return self.control.shape(drafted.tree, self.committed_tokens, max_depth, sunk_ms)
+
+    async def _record(self, drafted: _Drafted, shaped: ShapedTree, accepted_path, committed: list[int],
+                      accepted: list[int], timing: "_Timing") -> None:
+        """Phase 6: the control learns the outcome (accepted_path: node indices of the accepted
+        path, before the stop checks), the statistics count the round, the callbacks get its RoundRecord."""
+        tree = shaped.tree
         if drafted.tree.size:
-            self.control.record(drafted.depth, drafted.tree.size, accepted_length)
-        record = RoundRecord(tuple(committed), proposed=drafted.tree.size, accepted=accepted, depth=drafted.depth,
+            self.control.record(drafted.depth, drafted.tree.size, len(_draft_nodes(shaped, accepted_path)))
+        if self.control is not None:
+            self.control.observe(shaped, accepted_path, timing.verify_s, drafted.draft_s,
+                                 timing.round_s - timing.verify_s - (drafted.draft_s or 0.0), drafted.tree)
+        context_nodes = sum(1 for d in shaped.draft_index if d is None)
+        record = RoundRecord(tuple(committed), proposed=tree.size, accepted=len(accepted), depth=shaped.depth,
                              fallback=drafted.fallback, gamma=self._gamma(), draft_s=drafted.draft_s,
-                             verify_s=verify_s, commit_s=commit_s)
+                             verify_s=timing.verify_s, commit_s=timing.commit_s, drafted=drafted.tree.size,
+                             context_proposed=context_nodes,
+                             context_accepted=sum(1 for n in accepted if shaped.draft_index[n] is None),
+                             expected_accepted=shaped.expected_accepted)
         self.stats.add(record, time.perf_counter() - self.started)
         if self.stops.reason is not None:
             self.stats.total_s = time.perf_counter() - self.started
@@ -348,3 +364,40 @@ class _Request:
                 await asyncio.wait_for(self.controller.target.release(self.sid), 5.0)
             except Exception as exc:  # noqa: BLE001
                 log.warning("request %s: target release failed: %s", self.sid, exc)
+
+
+@dataclass(frozen=True)
+class _Timing:
+    """Wall times of one round's phases, seconds."""
+
+    draft_s: float | None
+    verify_s: float
+    commit_s: float
+    round_s: float
+
+
+def _draft_nodes(shaped: ShapedTree, accepted: list[int]) -> list[int]:
+    """The accepted nodes as the draft numbered them: the path's draft nodes up to its first context
+    node (below a context node everything is context)."""
+    out = []
+    for node in accepted:
+        index = shaped.draft_index[node]
+        if index is None:
+            break
+        out.append(index)
+    return out
+
+
+def _round_attributes(span, drafted: _Drafted, shaped: ShapedTree, gamma: int, result, committed) -> None:
+    """The round span's attributes: the control's decision (nodes, depth, expected accepted) and
+    what happened (accepted length, committed tokens)."""
+    if drafted.fallback:
+        span.set_attribute("fallback.reason", drafted.fallback)
+    span.set_attribute("gamma", gamma)
+    span.set_attribute("tree.nodes", shaped.tree.size)
+    span.set_attribute("tree.depth", shaped.depth)
+    span.set_attribute("tree.drafted", drafted.tree.size)
+    span.set_attribute("tree.context_nodes", sum(1 for d in shaped.draft_index if d is None))
+    span.set_attribute("expected_accepted", float(shaped.expected_accepted))
+    span.set_attribute("accepted_length", len(result.accepted_nodes))
+    span.set_attribute("committed", len(committed))

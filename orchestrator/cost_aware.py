@@ -26,16 +26,13 @@ import time
 from dataclasses import dataclass, field
 
 from orchestrator.cost_model import CostModel
-from orchestrator.policy import FallbackPolicy, spec_at_depth
+from orchestrator.control import COST, FallbackPolicy
 from orchestrator.shaping import (
-    AcceptanceCalibration, ContextCalibration, ShapedTree, observe_verified, shape_tree,
+    AcceptanceCalibration, ContextCalibration, Lookup, ShapedTree, observe_verified, shape_tree,
 )
-from specdec.config import FallbackConfig
+from specdec.config import CostAwareConfig, FallbackConfig
 from specdec.tree import DraftTree, node_depths
-from specdec.tree_spec import MAX_TREE_NODES, TreeSpec
-
-COST_REASON = "cost"  # a round without the draft because drafting would not pay
-
+from specdec.tree_spec import MAX_TREE_NODES, TreeSpec, max_depth_for, spec_at_depth
 
 @dataclass
 class SharedState:
@@ -122,12 +119,14 @@ class CostAwareControl:
     spec: the request's TreeSpec, an upper bound on widths (rows past its gamma repeat its last
     row, up to max_gamma steps); shared: the front-wide SharedState; fallback: draft failure and
     context-limit rules (FallbackConfig; its min_acceptance is ignored); ngram_tokens / max_ngram:
-    the context branch (0 tokens = off); first_round_plain: the TTFT rule.
+    the context branch (0 tokens = off); first_round_plain: the TTFT rule; lookup: replaces the n-gram
+    lookup (tests script the context branch).
     """
 
     def __init__(self, spec: TreeSpec, shared: SharedState | None = None, fallback: FallbackConfig = FallbackConfig(),
                  max_gamma: int = 10, ngram_tokens: int = 8, max_ngram: int = 3, probe_every: int = 16,
-                 first_round_plain: bool = True, max_nodes: int = MAX_TREE_NODES, clock=time.monotonic):
+                 first_round_plain: bool = True, max_nodes: int = MAX_TREE_NODES, clock=time.monotonic,
+                 lookup: Lookup | None = None):
         self.base = spec
         self.shared = shared or SharedState()
         self.fallback = FallbackPolicy(fallback.model_copy(update={"min_acceptance": 0.0}), clock=clock)
@@ -136,6 +135,7 @@ class CostAwareControl:
         self.ngram_tokens, self.max_ngram = ngram_tokens, max_ngram
         self.probe_every = probe_every
         self.first_round_plain = first_round_plain
+        self.lookup = lookup  # None = the n-gram lookup (orchestrator.shaping.ngram_continuation)
         self.calib = AcceptanceCalibration(self.shared.calib)
         self.ctx_calib = ContextCalibration(self.shared.ctx_calib)
         self.depths = DepthEstimates()
@@ -146,6 +146,7 @@ class CostAwareControl:
         self.reason: str | None = None
         self.rounds = 0
         self.rounds_without_draft = 0
+        self.draft_warm = False  # the draft session has prefilled (its first tree is done)
         self._planned_spec: TreeSpec | None = None
         self.last_decision: dict = {}
 
@@ -154,7 +155,7 @@ class CostAwareControl:
     def speculate(self, now: float | None, committed_len: int, depth: int) -> bool:
         """Plan this round (``plan_depth``) under ``depth`` levels; False = no draft this round."""
         max_steps = min(depth, self.max_gamma, self._deepest())
-        if not self.fallback.speculate(now, committed_len, max(1, min(max_steps, 1))):
+        if not self.fallback.speculate(now, committed_len, 1):
             self.reason, self.gamma = self.fallback.reason, 0
             return False
         heads = list(spec_at_depth(self.base, max(max_steps, 1), self.max_nodes).top_head)
@@ -163,7 +164,7 @@ class CostAwareControl:
             g = 0
         elif g == 0 and self.rounds_without_draft >= self.probe_every and max_steps >= 1:
             g = 1  # probe: has the draft become worth it?
-        self.gamma, self.reason = g, (None if g else COST_REASON)
+        self.gamma, self.reason = g, (None if g else COST)
         if g:
             width = sum(self.base.top_k_spec[-1])
             threshold = stop_threshold(self.shared.cost, rate, heads[min(g, len(heads)) - 1], width,
@@ -175,7 +176,7 @@ class CostAwareControl:
 
     def _deepest(self) -> int:
         try:
-            return max(1, min(self.max_gamma, _max_depth(self.base, self.max_nodes)))
+            return max(1, min(self.max_gamma, max_depth_for(self.base, self.max_nodes)))
         except ValueError:
             return 1
 
@@ -188,9 +189,8 @@ class CostAwareControl:
     def shape(self, tree: DraftTree, context: list[int], max_depth: int, sunk_ms: float) -> ShapedTree:
         """The tree to verify: drafted nodes that pay plus the context branch (``shape_tree``)."""
         cost = self.shared.cost
-        shaped = shape_tree(tree, context, self.calib, self.ctx_calib, cost, sunk_ms + cost.round_overhead_ms,
-                            self.ngram_tokens if self.ngram_tokens > 0 else 0, self.max_ngram, max_depth)
-        return shaped
+        return shape_tree(tree, context, self.calib, self.ctx_calib, cost, sunk_ms + cost.round_overhead_ms,
+                          self.ngram_tokens, self.max_ngram, max_depth, self.lookup)
 
     def observe(self, shaped: ShapedTree, accepted_nodes, verify_s: float, draft_s: float | None,
                 overhead_s: float, drafted_tree: DraftTree | None) -> None:
@@ -203,13 +203,15 @@ class CostAwareControl:
         self.context_value += 0.3 * (sum(shaped.values[i] for i in ctx) - self.context_value)
         self.context_rows += 0.3 * (len(ctx) - self.context_rows)
         parents_per_step: list[int] = []
-        if self.gamma and drafted_tree is not None:
+        if self.gamma and drafted_tree is not None and drafted_tree.size:
             self.rounds_without_draft = 0
             drafted_depths = node_depths(drafted_tree.parents)
             for d in range(1, self.gamma + 1):
                 kept = [i for i, dd in enumerate(depths) if dd == d and shaped.draft_index[i] is not None]
                 self.depths.update(d, sum(shaped.values[i] for i in kept), len(kept))
-            parents_per_step = _parents_per_step(drafted_tree, drafted_depths)
+            if self.draft_warm:  # the first drafted round also prefilled the draft: not a step's cost
+                parents_per_step = _parents_per_step(drafted_tree, drafted_depths)
+            self.draft_warm = True
             self._learn_raw_ratio(drafted_tree, shaped)
         else:
             self.rounds_without_draft += 1
@@ -245,12 +247,6 @@ class CostAwareControl:
         self.fallback.draft_context_limit = limit
 
 
-def _max_depth(spec: TreeSpec, max_nodes: int) -> int:
-    from orchestrator.policy import max_depth_for
-
-    return max_depth_for(spec, max_nodes)
-
-
 def _path(parents, node: int) -> list[int]:
     out = []
     while node != -1:
@@ -265,3 +261,15 @@ def _parents_per_step(tree: DraftTree, depths: list[int]) -> list[int]:
     for d in range(1, max(depths, default=0)):
         steps.append(sum(1 for i, dd in enumerate(depths) if dd == d and tree.expanded and tree.expanded[i]))
     return steps if tree.size else []
+
+
+def cost_aware_factory(config: CostAwareConfig, fallback: FallbackConfig, shared: SharedState):
+    """(TreeSpec, max_nodes) -> CostAwareControl with the front's settings; all the requests of the
+    factory share ``shared`` (the cost model and the front-wide calibrations)."""
+
+    def factory(spec: TreeSpec, max_nodes: int = MAX_TREE_NODES) -> CostAwareControl:
+        return CostAwareControl(spec, shared, fallback, max_gamma=config.max_gamma, ngram_tokens=config.ngram_tokens,
+                                max_ngram=config.max_ngram, probe_every=config.probe_every,
+                                first_round_plain=config.first_round_plain, max_nodes=max_nodes)
+
+    return factory

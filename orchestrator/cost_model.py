@@ -140,3 +140,46 @@ def measure_curve(run: Callable[[int], None], xs: Iterable[int], repeats: int = 
             best = min(best, (time.perf_counter() - t0) * 1000)
         out[x] = best
     return out
+
+
+def measure_worker_costs(target, draft, vocab_size: int, context_tokens: int = 128,
+                         rows: Iterable[int] = (1, 4, 8, 16, 32), parents: Iterable[int] = (1, 2, 4, 8)) -> CostModel:
+    """A CostModel measured on in-process workers (specdec.interfaces; the draft may be None).
+
+    V(n): verifies of chains of n - 1 nodes after ``context_tokens`` cached tokens, the fastest of
+    two per size after a warm-up. D(p): a draft proposal of one step (the root expanded; its 1-row
+    forward is D(1)) against one of two steps whose second expands p parents (the difference is
+    D(p)). Token ids are 1, 2, ... (any ids under ``vocab_size`` do: costs do not depend on them).
+    Uses and releases sessions named ``__cost_model__``. Takes seconds on the 2-core CPU.
+    """
+    from specdec.tree import DraftTree  # noqa: PLC0415 - keeps this module free of torch at import
+    from specdec.tree_spec import TreeSpec  # noqa: PLC0415
+
+    sid = "__cost_model__"
+    ids = [1 + i % (vocab_size - 1) for i in range(context_tokens)]
+    target.start(sid, ids)
+    try:
+        def verify(n: int) -> None:
+            target.verify(sid, DraftTree(tuple(ids[:n - 1]), tuple(range(-1, n - 2))))
+            target.commit(sid, 1)
+
+        verify_ms = measure_curve(verify, rows)
+    finally:
+        target.release(sid)
+    if draft is None:
+        return CostModel(verify_ms, source="measured")
+    draft.start(sid, ids)
+    try:
+        draft.propose(sid, TreeSpec.chain(1), 1)  # prefill
+        draft.commit(sid, [ids[0]], [])
+        one = measure_curve(lambda p: draft.propose(sid, TreeSpec(gamma=1, topKSpec=[[p]], topHead=[1]), 1), [1])[1]
+
+        def two_steps(p: int) -> None:
+            draft.propose(sid, TreeSpec(gamma=2, topKSpec=[[p], [1] * p], topHead=[1, p]), 2)
+
+        two = measure_curve(two_steps, parents)
+    finally:
+        draft.release(sid)
+    draft_ms = {p: max(ms - one, 1.0) for p, ms in two.items()}
+    draft_ms[1] = max(min(one, draft_ms[1]), 1.0) if 1 in draft_ms else one
+    return CostModel(verify_ms, draft_ms, source="measured")

@@ -8,12 +8,17 @@ import torch
 from pydantic import ValidationError
 
 from draft_service.runtime import DraftRuntime
-from orchestrator.control import RequestControl
+from orchestrator.control import ControlFactory, RequestControl
+from orchestrator.cost_aware import SharedState, cost_aware_factory
+from orchestrator.cost_model import CostModel, measure_worker_costs
 from orchestrator.engine import SpeculativeEngine
 from specdec.config import FrontConfig, ModelsConfig
 from specdec.model_setup import load_draft, load_target
 from specdec.models import ModelError
 from target_service.runtime import TargetRuntime
+
+
+CONTROLS = ("cost-aware", "dynamic-gamma", "fixed")  # per-request control of embedded mode
 
 
 @dataclass
@@ -22,6 +27,7 @@ class EmbeddedPipeline:
     tokenizer: object
     target_model: object
     draft_model: object | None
+    shared: SharedState | None = None  # cost model and calibrations of the cost-aware control
 
 
 def build_pipeline(
@@ -32,13 +38,15 @@ def build_pipeline(
     speculate: bool = True,
     max_context: int | None = None,
     draft_quant: str = "auto",
-    control=None,
+    control: str | ControlFactory | None = "cost-aware",
+    measure_costs: bool = True,
 ) -> EmbeddedPipeline:
     """Load the pair (defaults: the real Qwen2.5-Coder pair), check it, wire the engine.
 
     dtype: auto | bfloat16 | float32 | float16; draft_quant: auto | none | int8 (CPU only);
-    control: per-request control policy factory (TreeSpec -> policy, e.g. ``orchestrator.control.
-    RequestControl`` for dynamic gamma and fallback; None = the fixed TreeSpec every round).
+    control: one of CONTROLS (``make_control``) or a per-request control factory (TreeSpec ->
+    policy; None = the fixed TreeSpec every round); measure_costs: the cost-aware control starts
+    from V(n) and D(p) measured on these models (a few seconds), else from prior figures.
     Raises ModelError for unknown paths, bad values or an incompatible pair.
     """
     if max_context is not None and max_context < 2:
@@ -56,21 +64,39 @@ def build_pipeline(
         draft_model, draft_limit = loaded_draft.model, loaded_draft.context_limit
         draft_runtime = DraftRuntime(draft_model, vocab_size=loaded_draft.vocab_size)
     tokenizer = loaded.tokenizer
+    target_runtime = TargetRuntime(loaded.model)
+    factory, shared = make_control(control, target_runtime, draft_runtime, measure_costs)
     engine = SpeculativeEngine(
-        TargetRuntime(loaded.model), draft_runtime, loaded.eos_token_ids, loaded.context_limit,
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False), control_factory=control,
+        target_runtime, draft_runtime, loaded.eos_token_ids, loaded.context_limit,
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False), control_factory=factory,
         draft_context_limit=draft_limit,
     )
-    return EmbeddedPipeline(engine, tokenizer, loaded.model, draft_model)
+    return EmbeddedPipeline(engine, tokenizer, loaded.model, draft_model, shared)
 
 
-def default_control(dynamic_gamma: bool = True):
-    """The control policy factory of ``specdec generate`` / ``bench``: dynamic gamma and fallback with
-    the service defaults (specdec.config.FrontConfig), or None = the fixed TreeSpec every round."""
-    if not dynamic_gamma:
-        return None
-    front = FrontConfig()
-    return lambda spec: RequestControl(spec, front.dynamic_gamma, front.fallback)
+def make_control(control: str | ControlFactory | None, target, draft, measure_costs: bool = True,
+                 front: FrontConfig = FrontConfig()) -> tuple[ControlFactory | None, SharedState | None]:
+    """The control factory for a mode of CONTROLS, with the service defaults (specdec.config.FrontConfig):
+
+    - ``cost-aware``: CostAwareControl, sharing one SharedState whose cost model is measured on
+      the in-process workers (``measure_worker_costs``) unless measure_costs is False;
+    - ``dynamic-gamma``: RequestControl (+1/-1 depth, windowed-acceptance fallback);
+    - ``fixed``: None, the request's TreeSpec every round.
+    A factory (callable) or None is returned as it is. Raises ModelError for an unknown mode.
+    """
+    if control is None or callable(control):
+        return control, None
+    if control == "fixed":
+        return None, None
+    if control == "dynamic-gamma":
+        return (lambda spec: RequestControl(spec, front.dynamic_gamma, front.fallback)), None
+    if control != "cost-aware":
+        raise ModelError(f"--control: one of {', '.join(CONTROLS)}, got {control!r}")
+    cost = CostModel()
+    if measure_costs:
+        cost = measure_worker_costs(target, draft, target.vocab_size)
+    shared = SharedState(cost=cost)
+    return cost_aware_factory(front.cost_aware, front.fallback, shared), shared
 
 
 def encode_prompt(tokenizer, prompt: str, raw: bool) -> list[int]:

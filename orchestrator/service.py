@@ -26,6 +26,7 @@ from transformers import AutoTokenizer
 
 from orchestrator.clients import DraftClient, TargetClient, channel_options, request_deadline
 from orchestrator.control import RequestControl
+from orchestrator.cost_aware import SharedState, cost_aware_factory
 from orchestrator.controller import GenerationRequest, GenerationResult, RoundController
 from specdec.config import ServeConfig
 from specdec.models import DEFAULT_TARGET, resolve_model_dir
@@ -179,10 +180,14 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def control_factory(config: ServeConfig):
-    """(TreeSpec, max_nodes) -> per-request control policy from front.dynamic_gamma / front.fallback;
-    max_nodes: the target's tree limit (dynamic gamma never grows a tree past it)."""
+def control_factory(config: ServeConfig, shared: SharedState | None = None):
+    """(TreeSpec, max_nodes) -> per-request control policy: CostAwareControl when front.cost_aware
+    is enabled (its requests share ``shared``: cost model from prior figures, then the rounds'
+    timings), else RequestControl from front.dynamic_gamma / front.fallback; max_nodes: the
+    target's tree limit (no tree grows past it)."""
     front = config.front
+    if front.cost_aware.enabled:
+        return cost_aware_factory(front.cost_aware, front.fallback, shared or SharedState())
     return lambda spec, max_nodes=MAX_TREE_NODES: RequestControl(spec, front.dynamic_gamma, front.fallback, max_nodes=max_nodes)
 
 

@@ -38,7 +38,8 @@ import heapq
 import math
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from functools import partial
+from typing import Callable, Sequence
 
 from orchestrator.cost_model import CostModel
 from specdec.ngram import lookup_continuation
@@ -135,6 +136,11 @@ class ShapedTree:
     def depth(self) -> int:
         return max(node_depths(self.tree.parents), default=0)
 
+    @classmethod
+    def of(cls, tree: DraftTree) -> "ShapedTree":
+        """The drafted tree verified as it is (controls that do not shape trees)."""
+        return cls(tree, tuple(range(tree.size)), (0.0,) * tree.size, {}, tree.size, 0.0)
+
 
 def node_values(tree: DraftTree, calib: AcceptanceCalibration) -> list[float]:
     """[N] value of each draft node: product of a(q) along its path (q = exp(draft log-prob))."""
@@ -187,19 +193,24 @@ def select_by_rate(tree: DraftTree, values: Sequence[float], cost: CostModel, su
     return order[:best_n]
 
 
+Lookup = Callable[[Sequence[int], int], tuple[list[int], int]]  # (context, max tokens) -> (chain, matched n)
+
+
 def shape_tree(tree: DraftTree, context: Sequence[int], calib: AcceptanceCalibration, ctx_calib: ContextCalibration,
                cost: CostModel, sunk_ms: float, ngram_tokens: int = 8, max_ngram: int = 3,
-               max_depth: int | None = None, vocab_size: int | None = None) -> ShapedTree:
+               max_depth: int | None = None, lookup: Lookup | None = None) -> ShapedTree:
     """Merge the context's n-gram continuation into the drafted tree, then keep the nodes that pay.
 
-    tree: the draft's tree (may be empty); context: [T] committed tokens (prompt + generated);
-    max_depth: the deepest node allowed (token budget); vocab_size: the target's V (context ids are
-    always < V, being committed tokens). Returns a ShapedTree (see there).
+    tree: the draft's tree (may be empty); context: [T] committed tokens (prompt + generated; the
+    continuation's ids are committed ids, so valid for the target); max_depth: the deepest node
+    allowed (token budget); lookup: replaces ``ngram_continuation`` (tests script it).
+    Returns a ShapedTree (see there).
     """
     values = node_values(tree, calib)
     drafted = tree.size
     ctx_keys: dict[int, tuple[int, int]] = {}
-    chain, n = _continuation(context, ngram_tokens, max_ngram, max_depth)
+    limit = ngram_tokens if max_depth is None else min(ngram_tokens, max_depth)
+    chain, n = (lookup or partial(ngram_continuation, max_ngram=max_ngram))(context, limit) if limit > 0 else ([], 0)
     if chain:
         tree, path = merge_chain(tree, ROOT, chain)
         parent_value = 1.0
@@ -219,11 +230,11 @@ def shape_tree(tree: DraftTree, context: Sequence[int], calib: AcceptanceCalibra
     return ShapedTree(sub, draft_index, kept_values, context_keys, drafted, sum(kept_values))
 
 
-def _continuation(context: Sequence[int], max_tokens: int, max_ngram: int, max_depth: int | None) -> tuple[list[int], int]:
-    """(n-gram continuation, matched n), capped at max_depth tokens; ([], 0) when none."""
-    limit = max_tokens if max_depth is None else min(max_tokens, max_depth)
+def ngram_continuation(context: Sequence[int], max_tokens: int, max_ngram: int = 3) -> tuple[list[int], int]:
+    """(n-gram continuation of at most max_tokens tokens, the matched n); ([], 0) when none
+    (``specdec.ngram.lookup_continuation``, longest n first)."""
     for n in range(max_ngram, 0, -1):
-        chain = lookup_continuation(context, limit, max_ngram=n, min_ngram=n)
+        chain = lookup_continuation(context, max_tokens, max_ngram=n, min_ngram=n)
         if chain:
             return chain, n
     return [], 0

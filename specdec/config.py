@@ -78,6 +78,17 @@ class FallbackConfig(_Section):
     reconnect_s: float = Field(default=2.0, gt=0)         # wait before re-opening a failed draft
 
 
+class CostAwareConfig(_Section):
+    """The default per-request control (orchestrator.cost_aware): trees shaped by measured costs."""
+
+    enabled: bool = True                                  # false: dynamic_gamma (when enabled) or the fixed tree
+    max_gamma: int = Field(default=10, ge=1, le=64)       # most draft steps a round may plan
+    ngram_tokens: int = Field(default=8, ge=0, le=64)     # context (n-gram) branch length; 0 = no context branches
+    max_ngram: int = Field(default=3, ge=1, le=8)         # longest suffix matched in the context
+    probe_every: int = Field(default=16, ge=1)            # rounds without the draft before one draft step is tried
+    first_round_plain: bool = True                        # the first round never drafts (TTFT = target-only TTFT)
+
+
 class MonitorConfig(_Section):
     window: int = Field(default=32, ge=1)                 # rounds per acceptance window
     alert_threshold: float = Field(default=0.5, ge=0, le=1)
@@ -94,6 +105,7 @@ class FrontConfig(_Section):
     max_prompt_tokens: int = Field(default=8192, ge=1)
     tree: TreeSpec = DEFAULT_SPEC
     speculate: bool = True
+    cost_aware: CostAwareConfig = CostAwareConfig()
     dynamic_gamma: DynamicGammaConfig = DynamicGammaConfig()
     fallback: FallbackConfig = FallbackConfig()
     monitor: MonitorConfig = MonitorConfig()

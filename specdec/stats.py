@@ -28,6 +28,10 @@ class RoundRecord:
     draft_s: float | None  # wall time of the draft phase, seconds (None = the draft was not asked)
     verify_s: float  # wall time of the target's verify, seconds
     commit_s: float  # wall time of the commits on both workers, seconds
+    drafted: int = 0  # nodes the draft proposed, before the control kept those worth verifying
+    context_proposed: int = 0  # context (n-gram) nodes among the proposed ones
+    context_accepted: int = 0  # context nodes among the accepted ones
+    expected_accepted: float = 0.0  # draft tokens the control expected to be accepted (its decision), tokens
 
 
 @dataclass
@@ -40,6 +44,10 @@ class GenerationStats:
     accepted_tokens: int = 0  # draft tokens committed (bonus tokens excluded)
     fallback_rounds: int = 0  # rounds decoded without a draft tree
     final_gamma: int = 0  # speculation depth after the last round (0 = never speculated)
+    drafted_tokens: int = 0  # nodes the draft proposed, before shaping
+    context_proposed_tokens: int = 0  # context (n-gram) nodes sent to the target
+    context_accepted_tokens: int = 0  # context nodes committed
+    expected_accepted_tokens: float = 0.0  # the control's expectation of accepted_tokens
     ttft_ms: float = 0.0
     total_s: float = 0.0
     stop_reason: str | None = None
@@ -52,6 +60,10 @@ class GenerationStats:
         self.proposed_tokens += record.proposed
         self.accepted_tokens += record.accepted
         self.fallback_rounds += record.fallback is not None
+        self.drafted_tokens += record.drafted
+        self.context_proposed_tokens += record.context_proposed
+        self.context_accepted_tokens += record.context_accepted
+        self.expected_accepted_tokens += record.expected_accepted
         self.final_gamma = record.gamma
         if self.rounds == 1:
             self.ttft_ms = elapsed_s * 1000

@@ -1,0 +1,186 @@
+"""The cost-aware control in the real round loop (orchestrator.cost_aware with SpeculativeEngine).
+
+Greedy output equals the target alone (float32, tiny models) with context (n-gram) branches merged
+into the draft's trees: a scripted draft agrees with the target for exactly i tokens per round and a
+scripted context branch for exactly j, every (i, j), so partial acceptance is forced at every depth
+along a draft branch and along a context branch, and both kinds share their common first tokens.
+Then the shaping rule on scripted costs, the always-wrong draft, the first round, and the draft's
+cache after context tokens were accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from draft_service.runtime import DraftRuntime
+from orchestrator.cost_aware import CostAwareControl, SharedState
+from orchestrator.cost_model import PRIOR_DRAFT_STEP_MS, PRIOR_VERIFY_MS, CostModel
+from orchestrator.controller import GenerationRequest
+from orchestrator.engine import SpeculativeEngine
+from orchestrator.shaping import ngram_continuation
+from specdec.tree_spec import TreeSpec
+from target_service.runtime import TargetRuntime
+from tests.conftest import (
+    VOCAB, OracleDraft, RecordingDraft, RecordingTarget, assert_kv_equal, cache_kv, hf_greedy, perturbed_copy,
+    prefill_kv, random_prompt, tiny_model,
+)
+
+N_NEW = 16
+CONTEXT = 512
+CHAIN4 = TreeSpec.chain(4)
+
+
+def free_costs() -> CostModel:
+    """Verify rows and draft steps nearly free: every proposed node pays, no step is skipped. alpha 0:
+    scripted costs stay as they are (the rounds' real timings would otherwise correct them)."""
+    return CostModel({1: 100.0, 64: 100.001}, {1: 0.001}, alpha=0.0)
+
+
+def scripted_lookup(prompt_len: int, reference: list[int], agree: int):
+    """A context branch that follows the target's greedy continuation for exactly ``agree`` tokens,
+    then proposes a wrong token (the reference token + 1)."""
+    def lookup(context, max_tokens):
+        done = len(context) - prompt_len
+        want = reference[done:done + max_tokens + 1]
+        chain = want[:agree] + [(want[agree] + 1) % VOCAB] if agree < len(want) else want
+        return chain[:max_tokens], 3
+
+    return lookup
+
+
+def generate(model, draft, prompt, spec, control_factory, n=N_NEW):
+    """(target wrapper, result, round records) of one greedy request."""
+    target = RecordingTarget(TargetRuntime(model))
+    engine = SpeculativeEngine(target, draft, eos_token_ids=[], context_limit=CONTEXT, control_factory=control_factory)
+    records = []
+    result = asyncio.run(engine.controller.generate(GenerationRequest(prompt, max_new_tokens=n, spec=spec),
+                                                    on_round=records.append))
+    assert sum((list(r.tokens) for r in records), []) == result.tokens
+    assert target.final_cache_len == len(prompt) + n - 1  # nothing past the output left in the target cache
+    return target, result, records
+
+
+CASES = [(i, j) for i in range(CHAIN4.gamma + 1) for j in range(5)]
+
+
+@pytest.mark.parametrize("agree_draft, agree_context", CASES)
+def test_exact_with_context_branches(agree_draft, agree_context):
+    model = tiny_model("qwen2", seed=0)
+    prompt = random_prompt(seed=3000 + 7 * agree_draft + agree_context)
+    reference = hf_greedy(model, prompt, N_NEW + 8)
+    draft = OracleDraft(prompt, reference, agree=agree_draft, seed=agree_draft)
+    shared = SharedState(cost=free_costs())
+    factory = lambda spec: CostAwareControl(spec, shared, max_gamma=CHAIN4.gamma, ngram_tokens=4,  # noqa: E731
+                                            first_round_plain=False,
+                                            lookup=scripted_lookup(len(prompt), reference, agree_context))
+    _, result, records = generate(model, draft, prompt, CHAIN4, factory)
+    assert result.tokens == reference[:N_NEW]
+    done = 0
+    for r in records:
+        max_depth = N_NEW - done - 1
+        if max_depth >= 1:
+            want = min(max(agree_draft, min(agree_context, 4)), max_depth)
+            assert r.accepted == want, (done, r)
+            draft_part = min(agree_draft, max_depth)
+            # accepted tokens beyond the draft's correct run come from the context branch
+            assert r.context_accepted == max(0, want - draft_part)
+            assert r.depth >= want
+        done += len(r.tokens)
+    assert sum(r.accepted for r in records) == result.stats.accepted_tokens
+    assert result.stats.context_accepted_tokens == sum(r.context_accepted for r in records)
+
+
+def test_draft_cache_after_context_tokens_accepted():
+    """A real draft runtime: the draft's cache equals a fresh prefill of the committed tokens after
+    every round, also when the accepted path ran into context nodes the draft never fed."""
+    model = tiny_model("qwen2", seed=0)
+    draft_model = perturbed_copy(model, seed=5, scale=0.3)
+    base = random_prompt(seed=41, length=12)
+    prompt = base + base + base[:6]  # repeats: the context branch proposes the prompt's own sequel
+    committed: dict[str, list[int]] = {}
+
+    def check(inner, sid):
+        s = inner.sessions[sid]
+        # float32 round-off of an equivalent computation is ~2e-5 here; a wrong slot differs by O(1)
+        assert_kv_equal(cache_kv(s.cache), prefill_kv(draft_model, s.tokens[: s.cached_len]), atol=1e-4, rtol=1e-4,
+                        what="draft cache")
+        committed[sid] = list(s.tokens)
+
+    draft = RecordingDraft(DraftRuntime(draft_model), check_after_commit=check)
+    shared = SharedState(cost=free_costs())
+    factory = lambda spec: CostAwareControl(spec, shared, ngram_tokens=6, first_round_plain=False)  # noqa: E731
+    _, result, records = generate(model, draft, prompt, TreeSpec(gamma=2, topKSpec=[[2], [1, 1]], topHead=[1, 2]),
+                                  factory, n=24)
+    assert result.tokens == hf_greedy(model, prompt, 24)
+    assert result.stats.context_proposed_tokens > 0
+    assert committed  # the check ran
+
+
+@pytest.mark.parametrize("kind, draft_scale", [("qwen2", 0.05), ("llama", None)])
+def test_greedy_equals_target_with_default_costs(kind, draft_scale):
+    """Prior (CPU) costs, n-gram lookup on, first round plain: output equals the target alone."""
+    model = tiny_model(kind, seed=2)
+    draft_model = perturbed_copy(model, seed=3, scale=draft_scale) if draft_scale else tiny_model(kind, seed=9)
+    spec = TreeSpec(gamma=3, topKSpec=[[3], [1], [1]], topHead=[1, 1, 1])
+    shared = SharedState()
+    factory = lambda s: CostAwareControl(s, shared)  # noqa: E731
+    for seed in (1, 2, 3):
+        base = random_prompt(seed=50 + seed, length=10)
+        prompt = base + base[:5]
+        _, result, records = generate(model, DraftRuntime(draft_model), prompt, spec, factory, n=20)
+        assert result.tokens == hf_greedy(model, prompt, 20)
+        assert records[0].drafted == 0 and records[0].fallback == "cost"  # the first round never drafts
+
+
+def _shapes(costs: CostModel, agree: int = 2, n: int = 24):
+    model = tiny_model("qwen2", seed=0)
+    prompt = random_prompt(seed=77)
+    reference = hf_greedy(model, prompt, n + 8)
+    draft = OracleDraft(prompt, reference, agree=agree, seed=1)
+    spec = TreeSpec(gamma=4, topKSpec=[[4], [2, 2], [1, 1], [1]], topHead=[1, 2, 2, 1])
+    shared = SharedState(cost=costs)
+    factory = lambda s: CostAwareControl(s, shared, ngram_tokens=0, first_round_plain=False)  # noqa: E731
+    _, result, records = generate(model, draft, prompt, spec, factory, n=n)
+    assert result.tokens == reference[:n]
+    spec_rounds = [r for r in records if r.drafted]
+    nodes = sum(r.proposed for r in records) / len(records)
+    depth = sum(r.depth for r in records) / len(records)
+    return nodes, depth, len(spec_rounds)
+
+
+def test_cheap_rows_build_wider_and_deeper_trees_than_dear_rows():
+    """Scripted costs: with rows and steps nearly free the rounds verify wide, deep trees; when each
+    verify row costs as much as a target step, the trees are narrower and shallower."""
+    cheap_nodes, cheap_depth, _ = _shapes(free_costs())
+    dear = CostModel({1: 300.0, 2: 600.0, 64: 19200.0}, {1: 45.0}, alpha=0.0)
+    dear_nodes, dear_depth, _ = _shapes(dear)
+    assert cheap_nodes > 2 * dear_nodes and cheap_depth > dear_depth
+    assert cheap_depth >= 3
+
+
+def test_always_wrong_draft_stops_drafting_without_a_fallback_rule():
+    """A draft that never agrees: the calibrated values fall, no draft step pays, and the request
+    decodes without the draft (reason "cost"), trying one step every probe_every rounds; the
+    low-acceptance fallback rule never fires (it is off in this control)."""
+    model = tiny_model("qwen2", seed=0)
+    prompt = random_prompt(seed=88)
+    n = 60
+    reference = hf_greedy(model, prompt, n + 8)
+    draft = OracleDraft(prompt, reference, agree=0, seed=2)
+    shared = SharedState(cost=CostModel(dict(PRIOR_VERIFY_MS), dict(PRIOR_DRAFT_STEP_MS), alpha=0.0))
+    factory = lambda s: CostAwareControl(s, shared, ngram_tokens=0, probe_every=8)  # noqa: E731
+    _, result, records = generate(model, draft, prompt, CHAIN4, factory, n=n)
+    assert result.tokens == reference[:n]
+    assert all(r.fallback in (None, "cost") for r in records)
+    late = records[20:]
+    drafted = [r for r in late if r.drafted]
+    assert len(drafted) <= len(late) // 8 + 1  # only the probes
+    assert any(r.drafted for r in records[:20])  # it did try the draft first
+    assert result.stats.accepted_tokens == 0
+
+
+def test_lookup_is_the_ngram_continuation():
+    assert ngram_continuation([5, 7, 9, 2, 5, 7], 3) == ([9, 2, 5], 2)
+    assert ngram_continuation([1, 2, 3], 3) == ([], 0)
