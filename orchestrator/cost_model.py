@@ -3,16 +3,18 @@
 Units: milliseconds. n = rows of one verify forward ([R, nodes], so n = tree nodes + 1); p =
 parents expanded by one draft step (rows of that draft forward).
 
-Both curves are piecewise linear through measured points (``grid``), extrapolated linearly past
-the last one. They start from a start-up measurement (a few forwards, ``measure_curve``) or from
-prior figures, and follow the running deployment: every round's own timing moves the curve by a
-multiplicative correction at the two grid points around the observation (an exponential moving
-average of observed / predicted, weight ``alpha``), so the shape measured at start-up is kept and
-drift (a busier machine, a longer context) is tracked.
+Both curves are piecewise linear through measured points, extrapolated linearly past the last
+one, and never decreasing (a point below its left neighbour is raised to it). They start from a
+start-up measurement (a few forwards, ``measure_curve``) or from prior figures, and follow the
+running deployment: every round's own timing moves one scale factor of the whole curve (an
+exponential moving average of observed / predicted, weight ``alpha``, one observation's ratio
+clamped to [0.5, 2]). The shape measured at start-up is kept; drift (a busier machine, a longer
+context) moves all sizes together, so one noisy round cannot make extra rows look expensive
+or free.
 
-Worked example: grid {1: 285, 8: 449} gives V(4) = 285 + (449 - 285) * 3/7 = 355.3 ms; an observed
-V(4) of 426 ms (ratio 1.2) with alpha 0.5 scales point 1 by 1 + 0.5 * 0.2 * 4/7 and point 8 by
-1 + 0.5 * 0.2 * 3/7 (the nearer point moves more).
+Worked example: points {1: 285, 8: 449} give V(4) = 285 + (449 - 285) * 3/7 = 355.3 ms; an
+observed V(4) of 426.3 ms (ratio 1.2) with alpha 0.5 moves the scale from 1 to 1.1, so V(4) is
+then 390.8 ms and V(1) 313.5 ms.
 
 The per-row figures the 2-core CPU gave for the default pair (float32 1.5B target after 300 cached
 tokens, int8 0.5B draft) are the priors: V(1, 4, 8, 16, 32) = 285, 365, 449, 606, 894 ms; D(1) ~45 ms.
@@ -28,11 +30,12 @@ from typing import Callable, Iterable
 
 PRIOR_VERIFY_MS = {1: 285.0, 4: 365.0, 8: 449.0, 16: 606.0, 32: 894.0}
 PRIOR_DRAFT_STEP_MS = {1: 45.0, 4: 55.0, 8: 70.0, 16: 100.0}
+DRAFT_STEPS = 3  # steps per timed draft proposal at start-up
 
 
 @dataclass
 class LatencyCurve:
-    """A latency curve ms(x) through measured points, with online correction (module docstring).
+    """A latency curve ms(x) = scale * base(x) through measured points (module docstring).
 
     points: {x: ms} with x >= 1 integers (at least one point); alpha: weight of one observation.
     Thread-safe: one lock around reads and updates (the front's requests share one curve).
@@ -40,6 +43,7 @@ class LatencyCurve:
 
     points: dict[int, float]
     alpha: float = 0.2
+    scale: float = 1.0
     observations: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -48,41 +52,45 @@ class LatencyCurve:
             raise ValueError("points: a latency curve needs at least one measured point")
         if any(x < 1 or ms <= 0 for x, ms in self.points.items()):
             raise ValueError(f"points: need x >= 1 and ms > 0, got {self.points}")
-        self.points = {int(x): float(ms) for x, ms in sorted(self.points.items())}
+        monotone, top = {}, 0.0
+        for x, ms in sorted(self.points.items()):
+            top = max(top, float(ms))
+            monotone[int(x)] = top
+        self.points = monotone
 
-    def __call__(self, x: float) -> float:
-        """Predicted ms at x (>= 1), linear between points and past the ends."""
-        with self._lock:
-            xs = list(self.points)
-            ys = list(self.points.values())
+    def base(self, x: float) -> float:
+        """The measured shape at x (>= 1), linear between points and past the ends, before scaling."""
+        xs, ys = list(self.points), list(self.points.values())
         if len(xs) == 1:
             return ys[0] * max(x, 1) / xs[0] if x > xs[0] else ys[0]
         i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)  # segment [xs[i], xs[i+1]]
         slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
         return max(ys[i] + slope * (x - xs[i]), 1e-3)
 
-    def observe(self, x: float, ms: float) -> None:
-        """Move the curve towards one observed latency ``ms`` at ``x`` (module docstring)."""
-        if ms <= 0 or x < 1:
-            return
-        ratio = min(max(ms / self(x), 0.2), 5.0)  # one outlier (a GC pause) moves it boundedly
+    def __call__(self, x: float) -> float:
+        """Predicted ms at x (>= 1)."""
         with self._lock:
-            xs = list(self.points)
-            j = bisect.bisect_left(xs, x)
-            if j < len(xs) and xs[j] == x:
-                near = [(xs[j], 1.0)]
-            elif j == 0 or j == len(xs):
-                near = [(xs[min(j, len(xs) - 1)], 1.0)]
-            else:
-                lo, hi = xs[j - 1], xs[j]
-                near = [(lo, (hi - x) / (hi - lo)), (hi, (x - lo) / (hi - lo))]
-            for point, weight in near:
-                self.points[point] *= 1 + self.alpha * weight * (ratio - 1)
+            return self.scale * self.base(x)
+
+    def observe(self, x: float, ms: float) -> None:
+        """Move the scale towards one observed latency ``ms`` at ``x`` (module docstring)."""
+        self.observe_sum([x], ms)
+
+    def observe_sum(self, xs: Iterable[float], ms: float) -> None:
+        """One observation of ``ms`` for a sequence of forwards of sizes xs (e.g. a draft proposal's steps)."""
+        xs = [x for x in xs if x >= 1]
+        if ms <= 0 or not xs:
+            return
+        with self._lock:
+            predicted = self.scale * sum(self.base(x) for x in xs)
+            ratio = min(max(ms / predicted, 0.5), 2.0)  # a GC pause moves it boundedly
+            self.scale *= 1 + self.alpha * (ratio - 1)
             self.observations += 1
 
     def snapshot(self) -> dict[int, float]:
+        """{x: predicted ms} at the measured points, scale applied."""
         with self._lock:
-            return {x: round(ms, 2) for x, ms in self.points.items()}
+            return {x: round(self.scale * ms, 2) for x, ms in self.points.items()}
 
 
 class CostModel:
@@ -112,9 +120,7 @@ class CostModel:
         """Fold one round's timings into the curves (seconds in, as the round loop measures them)."""
         self.verify.observe(rows, verify_s * 1000)
         if draft_s and parents_per_step:
-            predicted = self.draft_ms(parents_per_step)
-            for p in parents_per_step:  # share the observed total in proportion to the predictions
-                self.draft_step.observe(p, draft_s * 1000 * self.draft_step(p) / predicted)
+            self.draft_step.observe_sum(parents_per_step, draft_s * 1000)
         self.round_overhead_ms += 0.2 * (overhead_s * 1000 - self.round_overhead_ms)
 
     def snapshot(self) -> dict:
@@ -124,8 +130,8 @@ class CostModel:
                 "observations": self.verify.observations}
 
 
-def measure_curve(run: Callable[[int], None], xs: Iterable[int], repeats: int = 2) -> dict[int, float]:
-    """Time ``run(x)`` for each x; the fastest of ``repeats`` runs (ms) per x after one warm-up.
+def measure_curve(run: Callable[[int], None], xs: Iterable[int], repeats: int = 3) -> dict[int, float]:
+    """Time ``run(x)`` for each x; the median of ``repeats`` runs (ms) per x after one warm-up.
 
     run: performs one forward of size x (rows or parents) and returns when it is done.
     """
@@ -133,12 +139,12 @@ def measure_curve(run: Callable[[int], None], xs: Iterable[int], repeats: int = 
     run(xs[0])  # warm-up: first calls pay allocation and kernel selection
     out = {}
     for x in xs:
-        best = float("inf")
+        times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
             run(x)
-            best = min(best, (time.perf_counter() - t0) * 1000)
-        out[x] = best
+            times.append((time.perf_counter() - t0) * 1000)
+        out[x] = sorted(times)[len(times) // 2]
     return out
 
 
@@ -146,10 +152,9 @@ def measure_worker_costs(target, draft, vocab_size: int, context_tokens: int = 1
                          rows: Iterable[int] = (1, 4, 8, 16, 32), parents: Iterable[int] = (1, 2, 4, 8)) -> CostModel:
     """A CostModel measured on in-process workers (specdec.interfaces; the draft may be None).
 
-    V(n): verifies of chains of n - 1 nodes after ``context_tokens`` cached tokens, the fastest of
-    two per size after a warm-up. D(p): a draft proposal of one step (the root expanded; its 1-row
-    forward is D(1)) against one of two steps whose second expands p parents (the difference is
-    D(p)). Token ids are 1, 2, ... (any ids under ``vocab_size`` do: costs do not depend on them).
+    V(n): verifies of chains of n - 1 nodes after ``context_tokens`` cached tokens, the median of
+    three per size after a warm-up. D(p): a draft proposal of one step against one of 1 +
+    DRAFT_STEPS steps whose later steps expand p parents each: D(p) = the difference / DRAFT_STEPS. Token ids are 1, 2, ... (any ids under ``vocab_size`` do: costs do not depend on them).
     Uses and releases sessions named ``__cost_model__``. Takes seconds on the 2-core CPU.
     """
     from specdec.tree import DraftTree  # noqa: PLC0415 - keeps this module free of torch at import
@@ -172,14 +177,15 @@ def measure_worker_costs(target, draft, vocab_size: int, context_tokens: int = 1
     try:
         draft.propose(sid, TreeSpec.chain(1), 1)  # prefill
         draft.commit(sid, [ids[0]], [])
-        one = measure_curve(lambda p: draft.propose(sid, TreeSpec(gamma=1, topKSpec=[[p]], topHead=[1]), 1), [1])[1]
 
-        def two_steps(p: int) -> None:
-            draft.propose(sid, TreeSpec(gamma=2, topKSpec=[[p], [1] * p], topHead=[1, p]), 2)
+        def steps(p: int) -> None:  # 1 + DRAFT_STEPS steps, the later ones expanding p parents each
+            rows = [[p]] + [[1] * p] * DRAFT_STEPS
+            draft.propose(sid, TreeSpec(gamma=1 + DRAFT_STEPS, topKSpec=rows, topHead=[1] + [p] * DRAFT_STEPS),
+                          1 + DRAFT_STEPS)
 
-        two = measure_curve(two_steps, parents)
+        one = measure_curve(lambda p: draft.propose(sid, TreeSpec.chain(1), 1), [1])[1]
+        many = measure_curve(steps, parents)
     finally:
         draft.release(sid)
-    draft_ms = {p: max(ms - one, 1.0) for p, ms in two.items()}
-    draft_ms[1] = max(min(one, draft_ms[1]), 1.0) if 1 in draft_ms else one
+    draft_ms = {p: max((ms - one) / DRAFT_STEPS, 1.0) for p, ms in many.items()}
     return CostModel(verify_ms, draft_ms, source="measured")

@@ -14,13 +14,13 @@ def test_worked_example_interpolation_and_extrapolation():
     assert curve(15) == pytest.approx(449 + 164)  # the last segment's slope past the end
 
 
-def test_observation_moves_the_nearer_point_more():
+def test_observation_scales_the_whole_curve():
     curve = LatencyCurve({1: 285.0, 8: 449.0}, alpha=0.5)
     predicted = curve(4)
     curve.observe(4, predicted * 1.2)
-    assert curve.points[1] == pytest.approx(285 * (1 + 0.5 * 0.2 * 4 / 7))
-    assert curve.points[8] == pytest.approx(449 * (1 + 0.5 * 0.2 * 3 / 7))
-    assert predicted < curve(4) < predicted * 1.2
+    assert curve.scale == pytest.approx(1.1)
+    assert curve(4) == pytest.approx(predicted * 1.1) and curve(1) == pytest.approx(285 * 1.1)
+    assert curve.snapshot() == {1: pytest.approx(313.5), 8: pytest.approx(493.9)}
 
 
 def test_repeated_observations_converge_and_outliers_are_bounded():
@@ -28,8 +28,16 @@ def test_repeated_observations_converge_and_outliers_are_bounded():
     for _ in range(60):
         curve.observe(1, 150.0)
     assert curve(1) == pytest.approx(150.0, rel=1e-3)
-    curve.observe(16, 1e9)  # one absurd figure moves the point at most by alpha * (5 - 1)
-    assert curve(16) <= 400.0 * (1 + 0.3 * 4) + 1e-6
+    assert curve(16) == pytest.approx(600.0, rel=1e-3)  # the shape is kept
+    before = curve(16)
+    curve.observe(16, 1e9)  # one absurd figure moves the scale at most by alpha * (2 - 1)
+    assert curve(16) == pytest.approx(before * 1.3)
+
+
+def test_measured_points_never_decrease():
+    curve = LatencyCurve({1: 300.0, 4: 280.0, 8: 450.0})  # a noisy start-up measurement
+    assert curve.points == {1: 300.0, 4: 300.0, 8: 450.0}
+    assert curve(2) >= curve(1)
 
 
 def test_bad_points_are_refused():
@@ -42,7 +50,7 @@ def test_bad_points_are_refused():
 def test_round_observation_splits_draft_time_by_prediction():
     cost = CostModel({1: 100.0, 8: 200.0}, {1: 10.0, 4: 20.0}, alpha=1.0)
     cost.observe_round(rows=4, verify_s=cost.verify(4) / 1000, parents_per_step=[1, 4], draft_s=0.060)
-    # predicted 30 ms for steps of 1 and 4 parents, observed 60: both points doubled (alpha 1)
+    # predicted 30 ms for steps of 1 and 4 parents, observed 60: the draft curve doubles (alpha 1)
     assert cost.draft_step(1) == pytest.approx(20.0) and cost.draft_step(4) == pytest.approx(40.0)
     assert cost.round_ms(8, [1]) == pytest.approx(200.0 + 20.0 + cost.round_overhead_ms)
     snap = cost.snapshot()
@@ -51,6 +59,6 @@ def test_round_observation_splits_draft_time_by_prediction():
 
 def test_measure_curve_times_each_size():
     calls = []
-    out = measure_curve(calls.append, [1, 4], repeats=2)
-    assert calls == [1, 1, 1, 4, 4]  # one warm-up, then two timed runs per size
+    out = measure_curve(calls.append, [1, 4], repeats=3)
+    assert calls == [1, 1, 1, 1, 4, 4, 4]  # one warm-up, then three timed runs per size
     assert set(out) == {1, 4} and all(ms >= 0 for ms in out.values())
