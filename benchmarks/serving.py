@@ -10,8 +10,9 @@ Writes ``serving.json`` and ``serving.md`` (same figures) under ``--out`` (defau
 
 Sections (``--sections grpc,concurrency,gamma``):
 
-- ``grpc``: the same ``--prompts`` Spec-Bench first turns (chat template applied here, sent as
-  ``prompt_ids`` so every mode gets identical ids), greedy, the fixed tree DEFAULT_SPEC (dynamic
+- ``grpc``: the same ``--prompts`` first turns of the built-in prompt set (or ``--questions`` FILE,
+  a Spec-Bench question.jsonl; chat template applied here, sent as ``prompt_ids`` so every mode
+  gets identical ids), greedy, the fixed tree DEFAULT_SPEC (dynamic
   gamma off), run (a) embedded in this process (the controller over in-process runtimes), (b) over
   gRPC through a front without Ray and (c) through a front on Ray; modes interleaved per prompt, the
   order rotated. Reports tokens/s (end to end and after the first round), whether the outputs are
@@ -70,7 +71,6 @@ import yaml  # noqa: E402
 from tests.otlp import OtlpReceiver  # noqa: E402
 from tests.servers import Service, launch_service, stop_service  # noqa: E402
 
-QUESTIONS = ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 SECTIONS = ("grpc", "concurrency", "gamma")
 BF16_NOTE = ("The issues asked for bf16; this CPU has no bf16 GEMM (bf16 multi-row forwards are ~4x slower "
              "here), so `models.dtype: auto` resolves to float32, which is what is measured.")
@@ -82,12 +82,16 @@ def log(msg: str) -> None:
 
 # ----------------------------------------------------------------------------------------- prompts
 
-def load_prompts(path: Path, tokenizer, max_prompt_tokens: int) -> list[dict]:
-    """Every question's first turn with its token ids (chat template), if within max_prompt_tokens."""
+def load_prompts(path: Path | None, tokenizer, max_prompt_tokens: int) -> list[dict]:
+    """Every question's first turn with its token ids (chat template), if within max_prompt_tokens.
+    path: a Spec-Bench question.jsonl; None = the built-in prompt set (orchestrator/data/prompts.jsonl)."""
+    from orchestrator.bench import BUILTIN_QUESTIONS
     from orchestrator.embedded import encode_prompt
 
     out = []
-    for line in path.read_text().splitlines():
+    for line in (BUILTIN_QUESTIONS if path is None else path).read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
         q = json.loads(line)
         ids = encode_prompt(tokenizer, q["turns"][0], raw=False)
         if len(ids) <= max_prompt_tokens:
@@ -717,7 +721,8 @@ def parse_args(argv=None):
     p.add_argument("--draft", help="draft model dir (default: the real pair's draft)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--draft-quant", default="auto", choices=["auto", "none", "int8"])
-    p.add_argument("--questions", type=Path, default=QUESTIONS, help="Spec-Bench question.jsonl")
+    p.add_argument("--questions", type=Path, default=None,
+                   help="Spec-Bench question.jsonl (default: the built-in prompt set, orchestrator/data/prompts.jsonl)")
     p.add_argument("--prompts", type=int, default=8, help="grpc section: prompts (spread over categories)")
     p.add_argument("--concurrency-prompts", type=int, default=None, help="requests per level (default --prompts)")
     p.add_argument("--levels", default="1,4,8", help="concurrent clients per level")
@@ -759,7 +764,7 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     all_prompts = load_prompts(args.questions, tokenizer, args.max_prompt_tokens)
     if not all_prompts:
-        raise SystemExit(f"no question of {args.questions} fits in --max-prompt-tokens {args.max_prompt_tokens}")
+        raise SystemExit(f"no question of {args.questions or 'the built-in prompt set'} fits in --max-prompt-tokens {args.max_prompt_tokens}")
     grpc_prompts = spread(all_prompts, args.prompts)
     conc_prompts = spread(all_prompts, args.concurrency_prompts)
     gamma_prompts = {c: [p for p in all_prompts if p["category"] == c][: args.gamma_prompts] for c in args.gamma_categories}
@@ -851,7 +856,7 @@ def main(argv=None) -> int:
         "target_threads": args.target_threads, "draft_threads": args.draft_threads,
         "tree": DEFAULT_SPEC.to_json(), "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
         "max_batch": args.max_batch, "batch_wait_ms": args.batch_wait_ms, "workers": args.workers,
-        "sections": args.sections, "levels": args.levels, "questions": str(args.questions),
+        "sections": args.sections, "levels": args.levels, "questions": str(args.questions or "built-in"),
         "machine": platform.platform(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
         "python": platform.python_version(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "concurrency_services_started_early": early, "wall_s": time.perf_counter() - started,

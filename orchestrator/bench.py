@@ -1,22 +1,34 @@
-"""Spec-Bench benchmark: target-only vs tree speculative vs HF assisted generation, greedy, one run,
-plus a sampled speculative pass (default temperature 0.7) reporting acceptance under sampling.
+"""``specdec bench``: target-only vs tree speculative (ours) vs HF assisted generation vs HF
+prompt-lookup decoding, greedy, side by side in one process on the same model objects; plus a sampled
+speculative pass (default temperature 0.7) reporting acceptance under sampling.
 
-Writes ``results.json`` (per question and per category) and ``results.md`` (a markdown table).
-Speedups are ratios measured side by side in the same process, since this machine is noisy.
+Questions: the built-in prompt set (``orchestrator/data/prompts.jsonl``, package data: 7 prompts
+written for this project in each of the 13 Spec-Bench categories) or a Spec-Bench ``question.jsonl``
+(``--questions``); same JSONL format (question_id, category, turns; the first turn is the prompt).
+``offset`` skips the first questions of each category (held-out runs).
+
+Per method and question: TTFT (ms from the call to the first new token), end-to-end tokens/s
+(new tokens / total s) and decode-only tokens/s ((new tokens - 1) / (total s - TTFT s): prefill
+excluded). Each question runs every greedy method back to back (order rotated per question) so
+they share the machine's noise; speedups are ratios against target-only from the same run.
+Writes ``results.json`` (per question rows, per category and overall summaries) and ``results.md``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from collections import defaultdict
 from dataclasses import asdict, replace
+from importlib import resources
 from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.progress import track
+from transformers.generation.streamers import BaseStreamer
 
 from orchestrator.embedded import build_pipeline, default_control, encode_prompt, set_threads
 from orchestrator.controller import GenerationRequest
@@ -26,146 +38,301 @@ from specdec.tree_spec import TreeSpec
 
 console = Console(stderr=True)
 
+BUILTIN_QUESTIONS = resources.files("orchestrator") / "data" / "prompts.jsonl"
+PROMPT_LOOKUP_NUM_TOKENS = 10  # HF prompt-lookup decoding: tokens copied from the context per step
+# Greedy methods, in their base order; "target_only" is the baseline of every speedup.
+METHODS = ("target_only", "speculative", "hf_assisted", "prompt_lookup")
+LABELS = {"target_only": "target", "speculative": "spec", "hf_assisted": "HF assisted", "prompt_lookup": "HF prompt lookup"}
 
-def load_questions(path: Path, per_category: int) -> list[dict]:
-    """The first ``per_category`` questions of each Spec-Bench category, in file order."""
-    taken: dict[str, int] = defaultdict(int)
+
+class QuestionsError(ValueError):
+    """Unreadable or malformed question file, or a bad selection; the message names the option."""
+
+
+# ----------------------------------------------------------------------------------------- questions
+
+def parse_questions(text: str, source: str) -> list[dict]:
+    """Questions of a JSONL text (one object per non-blank line: question_id, category, turns)."""
     out = []
-    for line in path.read_text().splitlines():
-        q = json.loads(line)
-        if taken[q["category"]] < per_category:
-            taken[q["category"]] += 1
-            out.append(q)
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            q = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise QuestionsError(f"--questions {source}: line {n} is not JSON ({exc.msg})") from None
+        turns = q.get("turns") if isinstance(q, dict) else None
+        if not (isinstance(q, dict) and "question_id" in q and isinstance(q.get("category"), str)
+                and isinstance(turns, list) and turns and isinstance(turns[0], str)):
+            raise QuestionsError(f"--questions {source}: line {n}: expected an object with question_id, category "
+                                 "and turns (a list of strings)")
+        out.append(q)
+    if not out:
+        raise QuestionsError(f"--questions {source}: no questions")
     return out
 
 
-def _hf_generate(model, prompt_ids, max_new_tokens, eos_ids, assistant=None) -> tuple[list[int], float]:
-    ids = torch.tensor([prompt_ids])
+def select_questions(questions: list[dict], per_category: int, offset: int = 0) -> list[dict]:
+    """Questions offset .. offset + per_category - 1 of each category (counted in file order)."""
+    if offset < 0:
+        raise QuestionsError(f"--offset: must be >= 0, got {offset}")
+    seen: dict[str, int] = defaultdict(int)
+    out = []
+    for q in questions:
+        index = seen[q["category"]]
+        seen[q["category"]] += 1
+        if offset <= index < offset + per_category:
+            out.append(q)
+    if not out:
+        raise QuestionsError(f"--offset {offset}: no category has more than {offset} questions")
+    return out
+
+
+def load_questions(path: Path | None, per_category: int, offset: int = 0) -> list[dict]:
+    """The selected questions of ``path`` (None = the built-in prompt set); QuestionsError names the
+    option (--questions, --offset) on a missing, unreadable or malformed file or an empty selection."""
+    if path is None:
+        text, source = BUILTIN_QUESTIONS.read_text(encoding="utf-8"), "built-in"
+    else:
+        if not path.is_file():
+            raise QuestionsError(f"--questions: no such file {path}")
+        try:
+            text, source = path.read_text(encoding="utf-8"), str(path)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise QuestionsError(f"--questions: cannot read {path}: {exc}") from None
+    return select_questions(parse_questions(text, source), per_category, offset)
+
+
+# ----------------------------------------------------------------------------------------- one question
+
+class FirstTokenTimer(BaseStreamer):
+    """A transformers streamer that records when generate() emits its first new tokens: the first
+    put() after the prompt's (generate puts the prompt first, then each step's committed tokens; the
+    same for plain, assisted and prompt-lookup decoding)."""
+
+    def __init__(self):
+        self.puts = 0
+        self.first_token_at: float | None = None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def _hf_generate(model, prompt_ids, max_new_tokens, eos_ids, **extra) -> tuple[list[int], dict]:
+    """Greedy HF generate (extra: assistant_model=..., prompt_lookup_num_tokens=...): tokens and
+    {new_tokens, s, ttft_ms}."""
+    ids = torch.tensor([prompt_ids])  # (1, T)
+    timer = FirstTokenTimer()
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                  eos_token_id=sorted(eos_ids), pad_token_id=sorted(eos_ids)[0])
-    if assistant is not None:
-        kwargs["assistant_model"] = assistant
+                  eos_token_id=sorted(eos_ids), pad_token_id=sorted(eos_ids)[0], streamer=timer, **extra)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, **kwargs)
-    return out[0, len(prompt_ids):].tolist(), time.perf_counter() - start
+    total_s = time.perf_counter() - start
+    tokens = out[0, len(prompt_ids):].tolist()
+    first = timer.first_token_at if timer.first_token_at is not None else start + total_s
+    return tokens, {"new_tokens": len(tokens), "s": total_s, "ttft_ms": (first - start) * 1000}
 
 
 def _spec_row(stats: GenerationStats) -> dict:
-    return {"new_tokens": stats.new_tokens, "s": stats.total_s, "rounds": stats.rounds,
-            "proposed": stats.proposed_tokens, "accepted": stats.accepted_tokens, "ttft_ms": stats.ttft_ms}
+    return {"new_tokens": stats.new_tokens, "s": stats.total_s, "ttft_ms": stats.ttft_ms, "rounds": stats.rounds,
+            "proposed": stats.proposed_tokens, "accepted": stats.accepted_tokens}
 
 
-def run_question(pipe, prompt_ids, spec, max_new_tokens, hf_assisted: bool, sampling: SamplingParams = GREEDY) -> dict:
-    """One question: target alone, speculative and (optionally) HF assisted, greedy; then, unless
+def greedy_methods(hf_assisted: bool = True, prompt_lookup: bool = True) -> list[str]:
+    """The greedy methods to run, in base order (target-only and speculative always)."""
+    skip = {"hf_assisted": not hf_assisted, "prompt_lookup": not prompt_lookup}
+    return [m for m in METHODS if not skip.get(m, False)]
+
+
+def run_question(pipe, prompt_ids, spec, max_new_tokens, hf_assisted: bool = True, sampling: SamplingParams = GREEDY,
+                 prompt_lookup: bool = True, rotate: int = 0) -> dict:
+    """One question: every greedy method back to back (base order rotated left by ``rotate``), each
+    row with new_tokens, s, ttft_ms (and matches_target: same tokens as target-only); then, unless
     ``sampling`` is greedy, a speculative pass with those sampling parameters ("sampled")."""
     eos = pipe.engine.eos_token_ids
-    base_tokens, base_s = _hf_generate(pipe.target_model, prompt_ids, max_new_tokens, eos)
-    result = pipe.engine.generate(GenerationRequest(prompt_ids, max_new_tokens, spec=spec))
-    row = {
-        "prompt_tokens": len(prompt_ids),
-        "target_only": {"new_tokens": len(base_tokens), "s": base_s},
-        "speculative": _spec_row(result.stats),
-        "spec_matches_target": result.tokens == base_tokens,
-    }
+
+    def run(method: str) -> tuple[list[int], dict]:
+        if method == "speculative":
+            result = pipe.engine.generate(GenerationRequest(prompt_ids, max_new_tokens, spec=spec))
+            return result.tokens, _spec_row(result.stats)
+        extra = {"hf_assisted": {"assistant_model": pipe.draft_model},
+                 "prompt_lookup": {"prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS}}.get(method, {})
+        return _hf_generate(pipe.target_model, prompt_ids, max_new_tokens, eos, **extra)
+
+    methods = greedy_methods(hf_assisted, prompt_lookup)
+    k = rotate % len(methods)
+    order = methods[k:] + methods[:k]
+    outputs = {m: run(m) for m in order}
+    base_tokens = outputs["target_only"][0]
+    row = {"prompt_tokens": len(prompt_ids), "order": order}
+    for m in methods:
+        tokens, figures = outputs[m]
+        row[m] = figures if m == "target_only" else {**figures, "matches_target": tokens == base_tokens}
     if not sampling.greedy:
         sampled = pipe.engine.generate(GenerationRequest(prompt_ids, max_new_tokens, spec=spec, sampling=sampling))
         row["sampled"] = _spec_row(sampled.stats)
-    if hf_assisted:
-        hf_tokens, hf_s = _hf_generate(pipe.target_model, prompt_ids, max_new_tokens, eos, pipe.draft_model)
-        row["hf_assisted"] = {"new_tokens": len(hf_tokens), "s": hf_s}
-        row["hf_matches_target"] = hf_tokens == base_tokens
     return row
 
 
-def summarize(rows: list[dict]) -> dict:
-    """Aggregate question rows: tokens/s of each method, speedups, acceptance figures."""
-    def tps(key):
-        return sum(r[key]["new_tokens"] for r in rows) / sum(r[key]["s"] for r in rows)
+# ----------------------------------------------------------------------------------------- aggregation
 
-    spec = [r["speculative"] for r in rows]
-    out = {
-        "questions": len(rows),
-        "target_only_tokens_per_s": tps("target_only"),
-        "speculative_tokens_per_s": tps("speculative"),
-        "mean_accepted_length": sum(s["new_tokens"] for s in spec) / sum(s["rounds"] for s in spec),
-        "acceptance_rate": sum(s["accepted"] for s in spec) / max(1, sum(s["proposed"] for s in spec)),
-        "spec_match_fraction": sum(r["spec_matches_target"] for r in rows) / len(rows),
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else 0.0
+
+
+def method_figures(runs: list[dict]) -> dict:
+    """Aggregate one method's runs: end-to-end tokens/s and decode-only tokens/s as ratios of sums
+    (long answers weigh more), TTFT as the mean over questions."""
+    return {
+        "tokens_per_s": _ratio(sum(r["new_tokens"] for r in runs), sum(r["s"] for r in runs)),
+        "decode_tokens_per_s": _ratio(sum(max(0, r["new_tokens"] - 1) for r in runs),
+                                      sum(r["s"] - r["ttft_ms"] / 1000 for r in runs)),
+        "ttft_ms": sum(r["ttft_ms"] for r in runs) / len(runs),
     }
-    out["speedup"] = out["speculative_tokens_per_s"] / out["target_only_tokens_per_s"]
-    out["efficiency"] = out["speedup"] / out["mean_accepted_length"]
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Aggregate question rows: per method ``{m}_tokens_per_s``, ``{m}_decode_tokens_per_s``,
+    ``{m}_ttft_ms``; against target-only ``{m}_speedup`` (end to end), ``{m}_decode_speedup``,
+    ``{m}_ttft_ratio`` and ``{m}_match_fraction`` (greedy output equal to target-only); ours'
+    mean accepted length, acceptance rate and efficiency (speedup / mean accepted length); the
+    sampled pass's figures if it ran."""
+    out: dict = {"questions": len(rows)}
+    for m in (m for m in METHODS if m in rows[0]):
+        for key, value in method_figures([r[m] for r in rows]).items():
+            out[f"{m}_{key}"] = value
+        if m != "target_only":
+            out[f"{m}_speedup"] = _ratio(out[f"{m}_tokens_per_s"], out["target_only_tokens_per_s"])
+            out[f"{m}_decode_speedup"] = _ratio(out[f"{m}_decode_tokens_per_s"], out["target_only_decode_tokens_per_s"])
+            out[f"{m}_ttft_ratio"] = _ratio(out[f"{m}_ttft_ms"], out["target_only_ttft_ms"])
+            out[f"{m}_match_fraction"] = sum(r[m]["matches_target"] for r in rows) / len(rows)
+    spec = [r["speculative"] for r in rows]
+    out["mean_accepted_length"] = _ratio(sum(s["new_tokens"] for s in spec), sum(s["rounds"] for s in spec))
+    out["acceptance_rate"] = _ratio(sum(s["accepted"] for s in spec), sum(s["proposed"] for s in spec))
+    out["efficiency"] = _ratio(out["speculative_speedup"], out["mean_accepted_length"])
     if "sampled" in rows[0]:
         sampled = [r["sampled"] for r in rows]
-        out["sampled_tokens_per_s"] = tps("sampled")
-        out["sampled_mean_accepted_length"] = sum(s["new_tokens"] for s in sampled) / sum(s["rounds"] for s in sampled)
-        out["sampled_acceptance_rate"] = sum(s["accepted"] for s in sampled) / max(1, sum(s["proposed"] for s in sampled))
-    if "hf_assisted" in rows[0]:
-        out["hf_assisted_tokens_per_s"] = tps("hf_assisted")
-        out["hf_speedup"] = out["hf_assisted_tokens_per_s"] / out["target_only_tokens_per_s"]
-        out["hf_match_fraction"] = sum(r["hf_matches_target"] for r in rows) / len(rows)
+        out["sampled_tokens_per_s"] = method_figures(sampled)["tokens_per_s"]
+        out["sampled_mean_accepted_length"] = _ratio(sum(s["new_tokens"] for s in sampled), sum(s["rounds"] for s in sampled))
+        out["sampled_acceptance_rate"] = _ratio(sum(s["accepted"] for s in sampled), sum(s["proposed"] for s in sampled))
     return out
 
 
-def markdown_table(summary: dict[str, dict], temperature: float | None = None) -> str:
-    """One row per category; greedy columns, HF assisted ones if run, and the sampled pass's
-    (labelled with its temperature) if run."""
-    first = next(iter(summary.values()))
-    hf = "hf_speedup" in first
-    sampled = "sampled_acceptance_rate" in first
-    head = ["category", "n", "target tok/s", "spec tok/s", "speedup", "mean acc len", "acc rate", "efficiency", "spec = target"]
-    if hf:
-        head[5:5] = ["HF assisted tok/s", "HF speedup"]
-    if sampled:
-        label = "sampled" if temperature is None else f"T={temperature:g}"
-        head += [f"{label} tok/s", f"{label} mean acc len", f"{label} acc rate"]
+def _table(head: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for cat, s in summary.items():
-        cells = [cat, str(s["questions"]), f"{s['target_only_tokens_per_s']:.2f}", f"{s['speculative_tokens_per_s']:.2f}",
-                 f"{s['speedup']:.2f}x", f"{s['mean_accepted_length']:.2f}", f"{s['acceptance_rate']:.3f}",
-                 f"{s['efficiency']:.2f}", f"{s['spec_match_fraction']:.0%}"]
-        if hf:
-            cells[5:5] = [f"{s['hf_assisted_tokens_per_s']:.2f}", f"{s['hf_speedup']:.2f}x"]
-        if sampled:
-            cells += [f"{s['sampled_tokens_per_s']:.2f}", f"{s['sampled_mean_accepted_length']:.2f}",
-                      f"{s['sampled_acceptance_rate']:.3f}"]
-        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
     return "\n".join(lines) + "\n"
 
 
-def run_bench(spec: TreeSpec, questions_path: Path, per_category: int, max_new_tokens: int, dtype: str,
-              draft_quant: str, out_dir: Path, hf_assisted: bool, threads: int | None,
-              sampling: SamplingParams = GREEDY, dynamic_gamma: bool = True) -> dict:
+def speedup_table(summary: dict[str, dict], temperature: float | None = None) -> str:
+    """One row per category: target-only tokens/s, each method's speedups (end to end, decode only),
+    ours' acceptance figures, which outputs equal target-only; the sampled pass's columns (labelled
+    with its temperature) if it ran."""
+    first = next(iter(summary.values()))
+    others = [m for m in METHODS[1:] if f"{m}_speedup" in first]
+    sampled = "sampled_acceptance_rate" in first
+    head = ["category", "n", "target tok/s"]
+    head += [f"{LABELS[m]} {kind}" for m in others for kind in ("speedup", "decode speedup")]
+    head += ["mean acc len", "acc rate", "efficiency"] + [f"{LABELS[m]} = target" for m in others]
+    if sampled:
+        label = "sampled" if temperature is None else f"T={temperature:g}"
+        head += [f"{label} tok/s", f"{label} mean acc len", f"{label} acc rate"]
+    rows = []
+    for cat, s in summary.items():
+        cells = [cat, str(s["questions"]), f"{s['target_only_tokens_per_s']:.2f}"]
+        cells += [f"{s[f'{m}_{kind}']:.2f}x" for m in others for kind in ("speedup", "decode_speedup")]
+        cells += [f"{s['mean_accepted_length']:.2f}", f"{s['acceptance_rate']:.3f}", f"{s['efficiency']:.2f}"]
+        cells += [f"{s[f'{m}_match_fraction']:.0%}" for m in others]
+        if sampled:
+            cells += [f"{s['sampled_tokens_per_s']:.2f}", f"{s['sampled_mean_accepted_length']:.2f}",
+                      f"{s['sampled_acceptance_rate']:.3f}"]
+        rows.append(cells)
+    return _table(head, rows)
+
+
+def latency_table(summary: dict[str, dict]) -> str:
+    """One row per category: each method's TTFT (ms), decode-only and end-to-end tokens/s."""
+    first = next(iter(summary.values()))
+    methods = [m for m in METHODS if f"{m}_tokens_per_s" in first]
+    head = ["category"] + [f"{LABELS[m]} {kind}" for m in methods for kind in ("TTFT ms", "decode tok/s", "tok/s")]
+    rows = [[cat] + [f"{s[f'{m}_{key}']:.{digits}f}" for m in methods
+                     for key, digits in (("ttft_ms", 0), ("decode_tokens_per_s", 2), ("tokens_per_s", 2))]
+            for cat, s in summary.items()]
+    return _table(head, rows)
+
+
+def markdown_table(summary: dict[str, dict], temperature: float | None = None) -> str:
+    """The speedup table, then the TTFT / tokens/s table (blank line between)."""
+    return speedup_table(summary, temperature) + "\n" + latency_table(summary)
+
+
+# ----------------------------------------------------------------------------------------- run
+
+def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, max_new_tokens: int, dtype: str,
+              draft_quant: str, out_dir: Path, hf_assisted: bool = True, threads: int | None = None,
+              sampling: SamplingParams = GREEDY, dynamic_gamma: bool = True, *, offset: int = 0,
+              prompt_lookup: bool = True, target: str | None = None, draft: str | None = None) -> dict:
     """Run the benchmark and write results.json + results.md under out_dir; returns the summary.
 
-    sampling: parameters of the sampled speculative pass (greedy = no such pass); question i uses
-    seed + i, so the pass is reproducible when a seed is given. dynamic_gamma: speculative passes
-    adapt the depth per request (orchestrator.control), else the TreeSpec's depth every round.
+    questions_path: a Spec-Bench question.jsonl (None = the built-in prompt set); offset skips the
+    first questions of each category. sampling: parameters of the sampled speculative pass (greedy =
+    no such pass); question i uses seed + i, so the pass is reproducible when a seed is given.
+    dynamic_gamma: speculative passes adapt the depth per request (orchestrator.control), else the
+    TreeSpec's depth every round. target / draft: model paths (None = the default pair).
+    Questions whose prompt plus max_new_tokens exceed the target's context are skipped (meta.skipped).
     """
+    questions = load_questions(questions_path, per_category, offset)  # bad files fail before the models load
     set_threads(threads)
-    pipe = build_pipeline(dtype=dtype, draft_quant=draft_quant, control=default_control(dynamic_gamma))
-    questions = load_questions(questions_path, per_category)
+    pipe = build_pipeline(target, draft, dtype=dtype, draft_quant=draft_quant, control=default_control(dynamic_gamma))
     warm = encode_prompt(pipe.tokenizer, "Say hi.", raw=False)
-    run_question(pipe, warm, spec, 8, hf_assisted, sampling)  # warm-up, not recorded
-    rows = []
-    for i, q in enumerate(track(questions, description="spec-bench", console=console)):
+    run_question(pipe, warm, spec, 8, hf_assisted, sampling, prompt_lookup)  # warm-up, not recorded
+    rows, skipped = [], []
+    for i, q in enumerate(track(questions, description="bench", console=console)):
         prompt_ids = encode_prompt(pipe.tokenizer, q["turns"][0], raw=False)
+        if len(prompt_ids) + max_new_tokens > pipe.engine.context_limit:
+            console.print(f"skipped question {q['question_id']}: {len(prompt_ids)} prompt tokens + {max_new_tokens} "
+                          f"new exceed the context ({pipe.engine.context_limit})")
+            skipped.append(q["question_id"])
+            continue
         seeded = replace(sampling, seed=None if sampling.seed is None else sampling.seed + i)
-        row = run_question(pipe, prompt_ids, spec, max_new_tokens, hf_assisted, seeded)
+        row = run_question(pipe, prompt_ids, spec, max_new_tokens, hf_assisted, seeded, prompt_lookup, rotate=i)
         rows.append({"question_id": q["question_id"], "category": q["category"], **row})
+    if not rows:
+        raise ValueError(f"--max-new-tokens {max_new_tokens}: no selected question fits in the context "
+                         f"({pipe.engine.context_limit} tokens)")
     by_cat: dict[str, list] = defaultdict(list)
     for r in rows:
         by_cat[r["category"]].append(r)
     summary = {cat: summarize(rs) for cat, rs in by_cat.items()}
     summary["overall"] = summarize(rows)
-    meta = {"spec": json.loads(spec.to_json()), "dynamic_gamma": dynamic_gamma, "dtype": str(pipe.target_model.dtype), "draft_quant": draft_quant, "max_new_tokens": max_new_tokens,
-            "per_category": per_category, "sampling": asdict(sampling),
-            "threads": torch.get_num_threads(), "machine": platform.platform(),
-            "cpu_count": __import__("os").cpu_count()}
+    meta = {"questions": "built-in" if questions_path is None else str(questions_path), "offset": offset,
+            "per_category": per_category, "skipped": skipped, "methods": greedy_methods(hf_assisted, prompt_lookup),
+            "prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS, "target": target, "draft": draft,
+            "spec": json.loads(spec.to_json()), "dynamic_gamma": dynamic_gamma, "dtype": str(pipe.target_model.dtype),
+            "draft_quant": draft_quant, "max_new_tokens": max_new_tokens, "sampling": asdict(sampling),
+            "threads": torch.get_num_threads(), "machine": platform.platform(), "cpu_count": os.cpu_count(),
+            "transformers": __import__("transformers").__version__}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "questions": rows}, indent=2))
     table = markdown_table(summary, None if sampling.greedy else sampling.temperature)
-    passes = "greedy" if sampling.greedy else f"greedy + sampled: {sampling.describe()} (+ question index)"
-    (out_dir / "results.md").write_text(f"# Spec-Bench ({dtype}, {passes}, {max_new_tokens} new tokens)\n\n"
-                                        f"TreeSpec: `{spec.to_json()}`\n\n{table}")
+    (out_dir / "results.md").write_text(_report(meta, spec, dtype, sampling, max_new_tokens, table))
     print(table)
     return summary
+
+
+def _report(meta: dict, spec: TreeSpec, dtype: str, sampling: SamplingParams, max_new_tokens: int, table: str) -> str:
+    passes = "greedy" if sampling.greedy else f"greedy + sampled: {sampling.describe()} (+ question index)"
+    source = "built-in prompt set" if meta["questions"] == "built-in" else meta["questions"]
+    return (f"# specdec bench ({source}, offset {meta['offset']}, {dtype}, {passes}, {max_new_tokens} new tokens)\n\n"
+            f"TreeSpec: `{spec.to_json()}`\n\n"
+            "Speedups are against target-only in the same run: end to end (new tokens / total time) and "
+            "decode only ((new tokens - 1) / (total time - TTFT)). Efficiency = speedup / mean accepted "
+            f"length. HF prompt lookup: `prompt_lookup_num_tokens={PROMPT_LOOKUP_NUM_TOKENS}`. "
+            "`X = target`: share of questions whose greedy output equals target-only's.\n\n"
+            f"{table}")

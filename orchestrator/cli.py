@@ -158,14 +158,18 @@ def generate(
 
 @app.command()
 def bench(
-    per_category: int = typer.Option(2, help="Spec-Bench questions per category."),
+    per_category: int = typer.Option(2, help="Questions per category."),
+    offset: int = typer.Option(0, help="Skip the first N questions of each category (held-out runs)."),
+    questions: Optional[Path] = typer.Option(None, help="A Spec-Bench question.jsonl (default: the built-in prompt set, 7 per category)."),
     max_new_tokens: int = typer.Option(64, help="New tokens per question."),
+    target: Optional[str] = typer.Option(None, help="Target model: transformers directory or .gguf file (default: Qwen2.5-Coder-1.5B-Instruct)."),
+    draft: Optional[str] = typer.Option(None, help="Draft model: transformers directory or .gguf file (default: Qwen2.5-Coder-0.5B-Instruct)."),
     tree: Optional[str] = typer.Option(None, help="TreeSpec (inline JSON or file; default: top-3 at the root, then a chain of 3)."),
     dtype: str = typer.Option("auto", help="Model dtype (auto, bfloat16, float32, float16)."),
     draft_quant: str = typer.Option("auto", help="auto (int8 on CPU), none or int8 draft."),
-    questions: Path = typer.Option(Path("../shared/data/spec_bench/question.jsonl"), help="Spec-Bench question.jsonl."),
     out: Path = typer.Option(Path("bench_out"), help="Directory for results.json and results.md."),
-    hf_assisted: bool = typer.Option(True, help="Also run HF assisted generation on the same pair."),
+    hf_assisted: bool = typer.Option(True, "--hf-assisted/--no-hf-assisted", help="Also run HF assisted generation (the draft as assistant_model)."),
+    prompt_lookup: bool = typer.Option(True, "--prompt-lookup/--no-prompt-lookup", help="Also run HF prompt-lookup decoding (prompt_lookup_num_tokens=10, no draft)."),
     temperature: float = typer.Option(0.7, help="Temperature of the sampled speculative pass (acceptance under sampling); 0 = skip it."),
     top_p: float = typer.Option(1.0, help="top-p of the sampled pass."),
     top_k: int = typer.Option(0, help="top-k of the sampled pass (0 = off)."),
@@ -173,19 +177,20 @@ def bench(
     threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
     dynamic_gamma: bool = typer.Option(True, "--dynamic-gamma/--fixed-gamma", help="Speculative passes adapt the speculation depth per request (default), or keep the tree's depth."),
 ) -> None:
-    """Spec-Bench: target-only vs speculative vs HF assisted generation (greedy), plus a sampled
-    speculative pass (default temperature 0.7) for acceptance under sampling; same run."""
+    """Benchmark on one pair, side by side: target-only, speculative, HF assisted generation and HF
+    prompt-lookup decoding (greedy: TTFT, decode and end-to-end tokens/s, speedups), plus a sampled
+    speculative pass (default temperature 0.7) for acceptance under sampling."""
     from orchestrator.bench import run_bench
 
     try:
         check_choices(dtype, draft_quant)
         check_positive(per_category=per_category, max_new_tokens=max_new_tokens, threads=threads)
+        if offset < 0:
+            raise UsageError(f"--offset: must be >= 0, got {offset}")
         sampling = sampling_params(temperature, top_p, top_k, seed)
         spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
-        if not questions.is_file():
-            raise UsageError(f"--questions: no such file {questions}")
         run_bench(spec, questions, per_category, max_new_tokens, dtype, draft_quant, out, hf_assisted, threads, sampling,
-                  dynamic_gamma)
+                  dynamic_gamma, offset=offset, prompt_lookup=prompt_lookup, target=target, draft=draft)
     except (UsageError, TreeSpecError, ModelError, ValueError) as exc:
         fail(str(exc))
 

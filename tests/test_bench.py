@@ -1,17 +1,30 @@
-"""Benchmark aggregation: the sampled pass's acceptance figures reach the summary and the table."""
+"""Benchmark (``specdec bench``): aggregation and tables (per method TTFT, decode-only and end-to-end
+tokens/s, speedups; the sampled pass), the built-in prompt set, question selection (--offset,
+--questions) and the command end to end on tiny models without the sibling ../shared folder."""
 
 from __future__ import annotations
 
-from orchestrator.bench import markdown_table, summarize
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from orchestrator.bench import BUILTIN_QUESTIONS, QuestionsError, load_questions, markdown_table, parse_questions, summarize
+from tests.servers import ROOT, save_tiny_pair
+
+CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities", "translation",
+              "summarization", "qa", "math_reasoning", "rag")
+METHODS = ("target_only", "speculative", "hf_assisted", "prompt_lookup")
 
 
 def _row(category: str, accepted: int, sampled_accepted: int) -> dict:
     spec = {"new_tokens": 32, "s": 2.0, "rounds": 16, "proposed": 192, "accepted": accepted, "ttft_ms": 50.0}
     return {
         "category": category, "prompt_tokens": 20,
-        "target_only": {"new_tokens": 32, "s": 4.0},
-        "speculative": spec,
-        "spec_matches_target": True,
+        "target_only": {"new_tokens": 32, "s": 4.0, "ttft_ms": 100.0},
+        "speculative": {**spec, "matches_target": True},
         "sampled": {**spec, "rounds": 20, "accepted": sampled_accepted},
     }
 
@@ -34,3 +47,215 @@ def test_table_without_sampled_pass():
     summary = summarize([row])
     assert "sampled_acceptance_rate" not in summary
     assert "T=" not in markdown_table({"math": summary})
+
+
+def _method_rows() -> list[dict]:
+    """Two questions with every greedy method; figures chosen so the aggregates are easy to check."""
+    def run(new, s, ttft_ms, **extra):
+        return {"new_tokens": new, "s": s, "ttft_ms": ttft_ms, **extra}
+
+    return [
+        {"category": "qa", "prompt_tokens": 10,
+         "target_only": run(9, 2.0, 200.0),
+         "speculative": run(9, 1.0, 250.0, rounds=3, proposed=12, accepted=6, matches_target=True),
+         "hf_assisted": run(9, 1.6, 400.0, matches_target=False),
+         "prompt_lookup": run(9, 2.5, 100.0, matches_target=True)},
+        {"category": "qa", "prompt_tokens": 30,
+         "target_only": run(5, 1.0, 200.0),
+         "speculative": run(5, 0.5, 150.0, rounds=2, proposed=8, accepted=3, matches_target=True),
+         "hf_assisted": run(5, 0.4, 200.0, matches_target=True),
+         "prompt_lookup": run(5, 0.7, 100.0, matches_target=True)},
+    ]
+
+
+def test_summary_per_method_ttft_decode_speedups():
+    s = summarize(_method_rows())
+    approx = pytest.approx
+    # end to end: new tokens / total s; decode only: (new tokens - 1) / (total s - TTFT s), sums over questions
+    assert s["target_only_tokens_per_s"] == approx(14 / 3.0)
+    assert s["target_only_decode_tokens_per_s"] == approx((8 + 4) / (1.8 + 0.8))
+    assert s["speculative_tokens_per_s"] == approx(14 / 1.5)
+    assert s["speculative_decode_tokens_per_s"] == approx(12 / (0.75 + 0.35))
+    assert s["hf_assisted_decode_tokens_per_s"] == approx(12 / (1.2 + 0.2))
+    assert s["prompt_lookup_decode_tokens_per_s"] == approx(12 / (2.4 + 0.6))
+    # TTFT: mean over questions
+    assert s["target_only_ttft_ms"] == approx(200.0) and s["speculative_ttft_ms"] == approx(200.0)
+    assert s["hf_assisted_ttft_ms"] == approx(300.0) and s["prompt_lookup_ttft_ms"] == approx(100.0)
+    assert s["hf_assisted_ttft_ratio"] == approx(1.5) and s["prompt_lookup_ttft_ratio"] == approx(0.5)
+    # speedups against target-only, end to end and decode only
+    assert s["speculative_speedup"] == approx(3.0 / 1.5)
+    assert s["hf_assisted_speedup"] == approx(3.0 / 2.0)
+    assert s["prompt_lookup_speedup"] == approx(3.0 / 3.2)
+    assert s["speculative_decode_speedup"] == approx((12 / 1.1) / (12 / 2.6))
+    assert s["prompt_lookup_decode_speedup"] == approx(2.6 / 3.0)
+    # ours: acceptance figures and efficiency = speedup / mean accepted length
+    assert s["mean_accepted_length"] == approx(14 / 5) and s["acceptance_rate"] == approx(9 / 20)
+    assert s["efficiency"] == approx(2.0 / (14 / 5))
+    assert s["speculative_match_fraction"] == 1.0 and s["hf_assisted_match_fraction"] == 0.5
+    assert s["prompt_lookup_match_fraction"] == 1.0
+
+
+def test_tables_show_every_method():
+    s = summarize(_method_rows())
+    lines = markdown_table({"qa": s, "overall": s}).splitlines()
+    speed_head, speed_row = lines[0].split(" | "), lines[2].split(" | ")
+    cell = dict(zip(speed_head, speed_row))
+    assert cell["target tok/s"] == "4.67"
+    assert cell["spec speedup"] == "2.00x" and cell["spec decode speedup"] == f"{(12 / 1.1) / (12 / 2.6):.2f}x"
+    assert cell["HF assisted speedup"] == "1.50x" and cell["HF prompt lookup speedup"] == "0.94x"
+    assert cell["HF prompt lookup decode speedup"] == "0.87x"
+    assert cell["efficiency"] == "0.71" and cell["HF assisted = target"] == "50%" and cell["spec = target"] == "100%"
+    second = lines.index("") + 1  # the TTFT / tokens/s table follows after a blank line
+    cell = dict(zip(lines[second].split(" | "), lines[second + 2].split(" | ")))
+    assert cell["target TTFT ms"] == "200" and cell["HF assisted TTFT ms"] == "300" and cell["HF prompt lookup TTFT ms"] == "100"
+    assert cell["spec decode tok/s"] == f"{12 / 1.1:.2f}" and cell["target tok/s"] == "4.67"
+
+
+def test_table_without_hf_methods():
+    rows = _method_rows()
+    for r in rows:
+        del r["hf_assisted"], r["prompt_lookup"]
+    s = summarize(rows)
+    assert "hf_assisted_speedup" not in s and "prompt_lookup_tokens_per_s" not in s
+    table = markdown_table({"qa": s})
+    assert "HF" not in table and "spec decode speedup" in table
+
+
+# ----------------------------------------------------------------------------------------- questions
+
+def test_builtin_prompt_set():
+    text = BUILTIN_QUESTIONS.read_text(encoding="utf-8")
+    assert len(text.encode()) < 150_000
+    questions = parse_questions(text, "built-in")
+    counts = Counter(q["category"] for q in questions)
+    assert set(counts) == set(CATEGORIES) and min(counts.values()) >= 7
+    assert len({q["question_id"] for q in questions}) == len(questions)
+    assert all(q["turns"] and all(isinstance(t, str) and t.strip() for t in q["turns"]) for q in questions)
+    longest = {c: min(len(q["turns"][0]) for q in questions if q["category"] == c) for c in ("summarization", "rag")}
+    assert min(longest.values()) >= 1500  # long passages, as in Spec-Bench
+
+
+def test_offset_picks_held_out_questions(tmp_path):
+    every = parse_questions(BUILTIN_QUESTIONS.read_text(encoding="utf-8"), "built-in")
+    picked = load_questions(None, per_category=2, offset=5)
+    expected = [q for c in CATEGORIES for q in [q for q in every if q["category"] == c][5:7]]
+    assert sorted(q["question_id"] for q in picked) == sorted(q["question_id"] for q in expected)
+    assert Counter(q["category"] for q in picked) == {c: 2 for c in CATEGORIES}
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [f"q{i}"]}) + "\n"
+                            for i, c in [(1, "a"), (2, "b"), (3, "a"), (4, "a"), (5, "b")]) + "\n")
+    assert [q["question_id"] for q in load_questions(path, per_category=2, offset=1)] == [3, 4, 5]
+    assert [q["question_id"] for q in load_questions(path, per_category=1, offset=0)] == [1, 2]
+
+
+@pytest.mark.parametrize("content, offset, needle", [
+    (None, 0, "--questions: no such file"),
+    ("not json\n", 0, "line 1 is not JSON"),
+    ('{"question_id": 1, "category": "qa"}\n', 0, "line 1: expected an object"),
+    ("\n", 0, "no questions"),
+    ('{"question_id": 1, "category": "qa", "turns": ["hi"]}\n', 1, "--offset 1: no category"),
+    ('{"question_id": 1, "category": "qa", "turns": ["hi"]}\n', -1, "--offset: must be >= 0"),
+])
+def test_bad_questions_name_the_option(tmp_path, content, offset, needle):
+    path = tmp_path / "q.jsonl"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(QuestionsError, match=needle.replace("(", r"\(")):
+        load_questions(path, 1, offset)
+
+
+# ----------------------------------------------------------------------------------------- end to end
+
+# Fails the command if anything opens a file under the sibling ../shared folder of this checkout.
+_GUARD = """
+import os, sys
+shared = sys.argv.pop(1)
+def hook(event, args):
+    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        path = os.path.abspath(os.fsdecode(args[0]))
+        if path == shared or path.startswith(shared + os.sep):
+            sys.stderr.write("opened " + path + "\\n")
+            os._exit(97)
+sys.addaudithook(hook)
+from orchestrator.cli import main
+sys.argv[0] = "specdec"
+main()
+"""
+
+
+def run_bench_cli(tmp_path, *args, timeout=600):
+    """``specdec bench`` in a subprocess whose cwd and HOME are fresh folders under tmp_path (no
+    ../shared next to them) and which may not open anything under this checkout's ../shared."""
+    work, home = tmp_path / "work", tmp_path / "home"
+    work.mkdir(exist_ok=True)
+    home.mkdir(exist_ok=True)
+    env = {**__import__("os").environ, "HOME": str(home), "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", _GUARD, str(ROOT.parent / "shared"), "bench", *args],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def long_pair(tmp_path_factory):
+    """Tiny pair with a 4096-token context: the long summarization and rag prompts fit."""
+    return save_tiny_pair(tmp_path_factory.mktemp("bench_models"), max_pos=4096)
+
+
+def test_bench_builtin_set_end_to_end(long_pair, tmp_path):
+    out = tmp_path / "out"
+    proc = run_bench_cli(tmp_path, "--per-category", "1", "--max-new-tokens", "8", "--target", str(long_pair.target),
+                         "--draft", str(long_pair.draft), "--dtype", "float32", "--draft-quant", "none", "--threads", "1",
+                         "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((out / "results.json").read_text())
+    assert result["meta"]["questions"] == "built-in" and result["meta"]["offset"] == 0 and not result["meta"]["skipped"]
+    assert result["meta"]["methods"] == list(METHODS)
+    rows = result["questions"]
+    assert Counter(r["category"] for r in rows) == {c: 1 for c in CATEGORIES}
+    for r in rows:
+        assert sorted(r["order"]) == sorted(METHODS)
+        for m in METHODS:
+            assert r[m]["new_tokens"] >= 1 and r[m]["s"] > 0 and 0 < r[m]["ttft_ms"] <= r[m]["s"] * 1000
+        assert r["speculative"]["matches_target"] is True  # float32: exact greedy output
+        assert isinstance(r["hf_assisted"]["matches_target"], bool) and "sampled" in r
+    summary = result["summary"]
+    assert set(summary) == set(CATEGORIES) | {"overall"}
+    for s in summary.values():
+        for m in METHODS:
+            assert s[f"{m}_tokens_per_s"] > 0 and s[f"{m}_decode_tokens_per_s"] > 0 and s[f"{m}_ttft_ms"] > 0
+        for m in METHODS[1:]:
+            assert s[f"{m}_speedup"] > 0 and s[f"{m}_decode_speedup"] > 0
+        assert s["mean_accepted_length"] >= 1 and s["efficiency"] > 0
+    md = (out / "results.md").read_text()
+    assert "built-in prompt set" in md and "HF prompt lookup decode speedup" in md and "spec TTFT ms" in md
+
+
+def test_bench_questions_file_offset_and_skipped_methods(long_pair, tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [f"hello world {i}"]}) + "\n"
+                            for i, c in [(1, "qa"), (2, "math"), (3, "qa"), (4, "qa"), (5, "math")]))
+    out = tmp_path / "out"
+    proc = run_bench_cli(tmp_path, "--questions", str(path), "--offset", "1", "--per-category", "1",
+                         "--max-new-tokens", "4", "--target", str(long_pair.target), "--draft", str(long_pair.draft),
+                         "--dtype", "float32", "--draft-quant", "none", "--threads", "1", "--temperature", "0",
+                         "--no-hf-assisted", "--no-prompt-lookup", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((out / "results.json").read_text())
+    assert [r["question_id"] for r in result["questions"]] == [3, 5]
+    assert result["meta"]["methods"] == ["target_only", "speculative"] and result["meta"]["offset"] == 1
+    assert all("hf_assisted" not in r and "prompt_lookup" not in r and "sampled" not in r for r in result["questions"])
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--offset", "-1"], "--offset"),
+    (["--offset", "99"], "--offset"),
+    (["--questions", "missing.jsonl"], "--questions"),
+    (["--questions", "bad.jsonl"], "--questions"),
+])
+def test_bench_bad_flags_exit_with_message(tmp_path, args, needle):
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "bad.jsonl").write_text("{not json\n")
+    # fails before any model loads (the model paths do not exist: a model load would fail naming --target)
+    nowhere = str(tmp_path / "no-model")
+    proc = run_bench_cli(tmp_path, *args, "--target", nowhere, "--draft", nowhere, timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert needle in proc.stderr and "Traceback" not in proc.stderr
