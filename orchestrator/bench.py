@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.progress import track
 from transformers.generation.streamers import BaseStreamer
 
-from orchestrator.embedded import build_pipeline, default_control, encode_prompt, set_threads
+from orchestrator.embedded import build_pipeline, encode_prompt, set_threads
 from orchestrator.controller import GenerationRequest
 from specdec.sampling import GREEDY, SamplingParams
 from specdec.stats import GenerationStats
@@ -141,7 +141,9 @@ def _hf_generate(model, prompt_ids, max_new_tokens, eos_ids, **extra) -> tuple[l
 
 def _spec_row(stats: GenerationStats) -> dict:
     return {"new_tokens": stats.new_tokens, "s": stats.total_s, "ttft_ms": stats.ttft_ms, "rounds": stats.rounds,
-            "proposed": stats.proposed_tokens, "accepted": stats.accepted_tokens}
+            "proposed": stats.proposed_tokens, "accepted": stats.accepted_tokens, "drafted": stats.drafted_tokens,
+            "context_proposed": stats.context_proposed_tokens, "context_accepted": stats.context_accepted_tokens,
+            "expected_accepted": round(stats.expected_accepted_tokens, 2), "rounds_without_draft": stats.fallback_rounds}
 
 
 def greedy_methods(hf_assisted: bool = True, prompt_lookup: bool = True) -> list[str]:
@@ -276,20 +278,20 @@ def markdown_table(summary: dict[str, dict], temperature: float | None = None) -
 
 def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, max_new_tokens: int, dtype: str,
               draft_quant: str, out_dir: Path, hf_assisted: bool = True, threads: int | None = None,
-              sampling: SamplingParams = GREEDY, dynamic_gamma: bool = True, *, offset: int = 0,
+              sampling: SamplingParams = GREEDY, control: str = "cost-aware", *, offset: int = 0,
               prompt_lookup: bool = True, target: str | None = None, draft: str | None = None) -> dict:
     """Run the benchmark and write results.json + results.md under out_dir; returns the summary.
 
     questions_path: a Spec-Bench question.jsonl (None = the built-in prompt set); offset skips the
     first questions of each category. sampling: parameters of the sampled speculative pass (greedy =
     no such pass); question i uses seed + i, so the pass is reproducible when a seed is given.
-    dynamic_gamma: speculative passes adapt the depth per request (orchestrator.control), else the
-    TreeSpec's depth every round. target / draft: model paths (None = the default pair).
+    control: the speculative passes' per-request control (specdec.config.CONTROLS: cost-aware,
+    the default, shapes each tree from measured costs; dynamic-gamma; fixed = the TreeSpec every round). target / draft: model paths (None = the default pair).
     Questions whose prompt plus max_new_tokens exceed the target's context are skipped (meta.skipped).
     """
     questions = load_questions(questions_path, per_category, offset)  # bad files fail before the models load
     set_threads(threads)
-    pipe = build_pipeline(target, draft, dtype=dtype, draft_quant=draft_quant, control=default_control(dynamic_gamma))
+    pipe = build_pipeline(target, draft, dtype=dtype, draft_quant=draft_quant, control=control)
     warm = encode_prompt(pipe.tokenizer, "Say hi.", raw=False)
     run_question(pipe, warm, spec, 8, hf_assisted, sampling, prompt_lookup)  # warm-up, not recorded
     rows, skipped = [], []
@@ -314,7 +316,8 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
     meta = {"questions": "built-in" if questions_path is None else str(questions_path), "offset": offset,
             "per_category": per_category, "skipped": skipped, "methods": greedy_methods(hf_assisted, prompt_lookup),
             "prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS, "target": target, "draft": draft,
-            "spec": json.loads(spec.to_json()), "dynamic_gamma": dynamic_gamma, "dtype": str(pipe.target_model.dtype),
+            "spec": json.loads(spec.to_json()), "control": control,
+            "cost_model": pipe.shared.cost.snapshot() if pipe.shared else None, "dtype": str(pipe.target_model.dtype),
             "draft_quant": draft_quant, "max_new_tokens": max_new_tokens, "sampling": asdict(sampling),
             "threads": torch.get_num_threads(), "machine": platform.platform(), "cpu_count": os.cpu_count(),
             "transformers": __import__("transformers").__version__}

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from draft_service.cli import draft_server
 from orchestrator.launcher import serve as launch
-from specdec.config import ConfigError, load_config
+from specdec.config import CONTROLS, ConfigError, load_config
 from specdec.models import ModelError
 from specdec.process_entry import CONFIG_HELP
 from specdec.sampling import SamplingParams, SamplingParamsError
@@ -41,7 +41,9 @@ def check_positive(**options) -> None:
             raise UsageError(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
 
 
-def check_choices(dtype: str, draft_quant: str) -> None:
+def check_choices(dtype: str, draft_quant: str, control: str = "cost-aware") -> None:
+    if control not in CONTROLS:
+        raise UsageError(f"--control: expected {', '.join(CONTROLS)}, got {control!r}")
     if dtype not in ("auto", "bfloat16", "float32", "float16"):
         raise UsageError(f"--dtype: expected auto, bfloat16, float32 or float16, got {dtype!r}")
     if draft_quant not in ("auto", "none", "int8"):
@@ -94,7 +96,8 @@ class TextStream:
         self.printed = len(text)
 
 
-def stats_table(stats, speculate: bool, sampling: SamplingParams = SamplingParams()) -> Table:
+def stats_table(stats, speculate: bool, sampling: SamplingParams = SamplingParams(), cost: dict | None = None) -> Table:
+    """The end-of-run table; cost: the cost model's snapshot (CostModel.snapshot) when cost-aware."""
     table = Table(title="speculation stats" if speculate else "target-only stats", show_header=False)
     rows = [("sampling", sampling.describe()), ("new tokens", f"{stats.new_tokens}"), ("rounds", f"{stats.rounds}")]
     if speculate:
@@ -102,11 +105,30 @@ def stats_table(stats, speculate: bool, sampling: SamplingParams = SamplingParam
             ("acceptance rate", f"{stats.acceptance_rate:.3f}  ({stats.accepted_tokens}/{stats.proposed_tokens} draft tokens)"),
             ("mean accepted length", f"{stats.mean_accepted_length:.2f} tokens/round"),
         ]
+    if speculate and cost is not None:
+        rows += [
+            ("tree decisions", f"{stats.drafted_tokens} drafted nodes, {stats.proposed_tokens} verified, "
+                               f"{stats.fallback_rounds} rounds without the draft"),
+            ("context branches", f"{stats.context_accepted_tokens}/{stats.context_proposed_tokens} n-gram tokens accepted"),
+            ("expected vs accepted", f"{stats.expected_accepted_tokens:.1f} expected, {stats.accepted_tokens} accepted"),
+            ("cost model", _cost_line(cost)),
+        ]
     rows += [("TTFT", f"{stats.ttft_ms:.0f} ms"), ("throughput", f"{stats.tokens_per_s:.2f} tokens/s"),
              ("stop reason", str(stats.stop_reason))]
     for k, v in rows:
         table.add_row(k, v)
     return table
+
+
+_CONTROL_HELP = ("Per-request control: cost-aware (each round's tree from measured costs and calibrated "
+                 "acceptance, context n-gram branches, no draft when it does not pay), dynamic-gamma (+1/-1 depth, "
+                 "low-acceptance fallback) or fixed (the tree every round).")
+
+
+def _cost_line(cost: dict) -> str:
+    verify = ", ".join(f"{n}: {ms:.0f}" for n, ms in cost["verify_ms"].items())
+    draft = ", ".join(f"{p}: {ms:.0f}" for p, ms in cost["draft_step_ms"].items())
+    return f"verify ms by rows {{{verify}}}; draft step ms by parents {{{draft}}} ({cost['source']})"
 
 
 @app.command()
@@ -128,32 +150,32 @@ def generate(
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     max_context: Optional[int] = typer.Option(None, help="Context limit in tokens (default: the target's)."),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
-    dynamic_gamma: bool = typer.Option(True, "--dynamic-gamma/--fixed-gamma", help="Adapt the speculation depth to the request's acceptance (and fall back to plain decoding when it does not pay), or keep the tree's depth."),
+    control: str = typer.Option("cost-aware", help=_CONTROL_HELP),
     server: Optional[str] = typer.Option(None, help="host:port of a generation front (specdec serve): run the request there instead of in-process (the request flags apply; model, dtype, gamma and thread flags are the server's)."),
 ) -> None:
     """Generate text with the target model, accelerated by the draft model."""
     from orchestrator.controller import GenerationRequest
-    from orchestrator.embedded import build_pipeline, default_control, encode_prompt, set_threads
+    from orchestrator.embedded import build_pipeline, encode_prompt, set_threads
 
     if server is not None:
         return _generate_remote(server, prompt, prompt_file, tree, max_new_tokens, temperature, top_p, top_k, seed,
                                 stop, no_spec, raw)
     try:
-        check_choices(dtype, draft_quant)
+        check_choices(dtype, draft_quant, control)
         check_positive(max_new_tokens=max_new_tokens, threads=threads)
         sampling = sampling_params(temperature, top_p, top_k, seed)
         spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
         text = read_prompt(prompt, prompt_file)
         set_threads(threads)
         pipe = build_pipeline(target, draft, dtype, speculate=not no_spec, max_context=max_context, draft_quant=draft_quant,
-                              control=default_control(dynamic_gamma))
+                              control=control)
         prompt_ids = encode_prompt(pipe.tokenizer, text, raw)
         request = GenerationRequest(prompt_ids, max_new_tokens, tuple(stop), None if no_spec else spec, sampling)
         result = pipe.engine.generate(request, on_tokens=TextStream(pipe.tokenizer))
     except (UsageError, TreeSpecError, ModelError, ValueError) as exc:
         fail(str(exc))
     sys.stdout.write("\n")
-    err.print(stats_table(result.stats, not no_spec, sampling))
+    err.print(stats_table(result.stats, not no_spec, sampling, pipe.shared.cost.snapshot() if pipe.shared else None))
 
 
 @app.command()
@@ -175,7 +197,7 @@ def bench(
     top_k: int = typer.Option(0, help="top-k of the sampled pass (0 = off)."),
     seed: Optional[int] = typer.Option(0, help="Seed of the sampled pass (question i uses seed + i)."),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
-    dynamic_gamma: bool = typer.Option(True, "--dynamic-gamma/--fixed-gamma", help="Speculative passes adapt the speculation depth per request (default), or keep the tree's depth."),
+    control: str = typer.Option("cost-aware", help=_CONTROL_HELP),
 ) -> None:
     """Benchmark on one pair, side by side: target-only, speculative, HF assisted generation and HF
     prompt-lookup decoding (greedy: TTFT, decode and end-to-end tokens/s, speedups), plus a sampled
@@ -183,14 +205,14 @@ def bench(
     from orchestrator.bench import run_bench
 
     try:
-        check_choices(dtype, draft_quant)
+        check_choices(dtype, draft_quant, control)
         check_positive(per_category=per_category, max_new_tokens=max_new_tokens, threads=threads)
         if offset < 0:
             raise UsageError(f"--offset: must be >= 0, got {offset}")
         sampling = sampling_params(temperature, top_p, top_k, seed)
         spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
         run_bench(spec, questions, per_category, max_new_tokens, dtype, draft_quant, out, hf_assisted, threads, sampling,
-                  dynamic_gamma, offset=offset, prompt_lookup=prompt_lookup, target=target, draft=draft)
+                  control, offset=offset, prompt_lookup=prompt_lookup, target=target, draft=draft)
     except (UsageError, TreeSpecError, ModelError, ValueError) as exc:
         fail(str(exc))
 

@@ -12,13 +12,10 @@ from orchestrator.control import ControlFactory, RequestControl
 from orchestrator.cost_aware import SharedState, cost_aware_factory
 from orchestrator.cost_model import CostModel, measure_worker_costs
 from orchestrator.engine import SpeculativeEngine
-from specdec.config import FrontConfig, ModelsConfig
+from specdec.config import CONTROLS, FrontConfig, ModelsConfig
 from specdec.model_setup import load_draft, load_target
 from specdec.models import ModelError
 from target_service.runtime import TargetRuntime
-
-
-CONTROLS = ("cost-aware", "dynamic-gamma", "fixed")  # per-request control of embedded mode
 
 
 @dataclass

@@ -78,6 +78,9 @@ class FallbackConfig(_Section):
     reconnect_s: float = Field(default=2.0, gt=0)         # wait before re-opening a failed draft
 
 
+CONTROLS = ("cost-aware", "dynamic-gamma", "fixed")  # per-request controls of embedded mode (specdec generate/bench)
+
+
 class CostAwareConfig(_Section):
     """The default per-request control (orchestrator.cost_aware): trees shaped by measured costs."""
 
