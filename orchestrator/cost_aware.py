@@ -99,17 +99,23 @@ def plan_depth(est: DepthEstimates, cost: CostModel, heads: list[int], max_steps
     return best_g, best_rate
 
 
-def stop_threshold(cost: CostModel, rate: float, heads: int, width: int, decay: float, raw_per_value: float) -> float:
+def stop_threshold(cost: CostModel, rate: float, heads: int, width: int, decay: float, raw_per_value: float,
+                   lookahead: int = 3) -> float:
     """The draft's gammaThreshold for this round: deepening stops when the best path probability
     falls below the value one more step must bring to pay for itself.
 
-    One more step costs D(heads) plus ``width`` verify rows (the slope of V); it brings about
-    value(best) * decay tokens, worth value * decay / rate ms at the round's rate (tokens per ms).
-    The threshold on calibrated value is cost * rate / decay; ``raw_per_value`` converts it to the
-    draft's raw path probability. Clamped to [0, 0.95].
+    One more step costs D(heads) plus ``width`` verify rows (the slope of V). It brings the best
+    node's child, worth value(best) * decay tokens, and opens the way to the steps after it: with
+    ``lookahead`` more steps at the same decay the gain is value(best) * (decay + ... +
+    decay^lookahead) tokens (a one-step rule stops confident chains too early). A token is worth
+    1 / rate ms at the round's rate (tokens per ms), so the threshold on calibrated value is
+    cost * rate / (decay + ... + decay^lookahead); ``raw_per_value`` converts it to the draft's raw
+    path probability. Clamped to [0, 0.95].
     """
     step_ms = cost.draft_step(heads) + width * max(cost.verify(2) - cost.verify(1), 0.0)
-    threshold = step_ms * rate / max(decay, 1e-3) * raw_per_value
+    decay = min(max(decay, 1e-3), 0.99)
+    gain = sum(decay ** k for k in range(1, lookahead + 1))
+    threshold = step_ms * rate / gain * raw_per_value
     return min(max(threshold, 0.0), 0.95)
 
 
