@@ -143,7 +143,7 @@ def _spec_row(stats: GenerationStats) -> dict:
     return {"new_tokens": stats.new_tokens, "s": stats.total_s, "ttft_ms": stats.ttft_ms, "rounds": stats.rounds,
             "proposed": stats.proposed_tokens, "accepted": stats.accepted_tokens, "drafted": stats.drafted_tokens,
             "context_proposed": stats.context_proposed_tokens, "context_accepted": stats.context_accepted_tokens,
-            "expected_accepted": round(stats.expected_accepted_tokens, 2), "rounds_without_draft": stats.fallback_rounds}
+            "expected_accepted": round(stats.expected_accepted_tokens, 2), "cost_plain_rounds": stats.cost_plain_rounds}
 
 
 def greedy_methods(hf_assisted: bool = True, prompt_lookup: bool = True) -> list[str]:

@@ -108,7 +108,7 @@ def stats_table(stats, speculate: bool, sampling: SamplingParams = SamplingParam
     if speculate and cost is not None:
         rows += [
             ("tree decisions", f"{stats.drafted_tokens} drafted nodes, {stats.proposed_tokens} verified, "
-                               f"{stats.fallback_rounds} rounds without the draft"),
+                               f"{stats.cost_plain_rounds} rounds without the draft (did not pay)"),
             ("context branches", f"{stats.context_accepted_tokens}/{stats.context_proposed_tokens} n-gram tokens accepted"),
             ("expected vs accepted", f"{stats.expected_accepted_tokens:.1f} expected, {stats.accepted_tokens} accepted"),
             ("cost model", _cost_line(cost)),

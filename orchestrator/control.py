@@ -37,6 +37,7 @@ from typing import Callable, Protocol
 
 from specdec.config import DynamicGammaConfig, FallbackConfig
 from orchestrator.shaping import ShapedTree
+from specdec.stats import COST_REASON
 from specdec.tree import DraftTree
 from specdec.tree_spec import MAX_TREE_NODES, TreeSpec, max_depth_for, spec_at_depth
 
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 LOW_ACCEPTANCE = "low_acceptance"  # windowed acceptance below front.fallback.min_acceptance
 DRAFT_UNAVAILABLE = "draft_unavailable"  # the draft failed, is unreachable or slower than its deadline
 DRAFT_CONTEXT_LIMIT = "draft_context_limit"  # the draft's context cannot hold the next tree
-COST = "cost"  # the cost model says no draft step pays this round (CostAwareControl)
+COST = COST_REASON  # "cost": the cost model says no draft step pays this round (CostAwareControl)
 FALLBACK_REASONS = (LOW_ACCEPTANCE, DRAFT_UNAVAILABLE, DRAFT_CONTEXT_LIMIT, COST)
 
 

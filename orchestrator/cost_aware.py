@@ -14,8 +14,8 @@ controller calls around verification. What it decides, per round:
 
 A draft that is always wrong drives the calibrated values to zero, so g = 0 wins the comparison and
 the request decodes without drafting: no separate low-acceptance rule. One draft step is still
-tried after ``probe_every`` rounds without one, since nothing else would show that the draft got
-better. Draft failures and the draft's context limit keep their rules (``FallbackPolicy``, its
+tried after ``probe_every`` rounds without one (counted over all the requests sharing the state),
+since nothing else would show that the draft got better. Draft failures and the draft's context limit keep their rules (``FallbackPolicy``, its
 low-acceptance cut-off switched off).
 """
 
@@ -42,6 +42,7 @@ class SharedState:
     cost: CostModel = field(default_factory=CostModel)
     calib: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
     ctx_calib: ContextCalibration = field(default_factory=ContextCalibration)
+    rounds_without_draft: int = 0  # across requests, since any request last drafted (the probe counts these)
 
 
 @dataclass
@@ -92,7 +93,7 @@ def plan_depth(est: DepthEstimates, cost: CostModel, heads: list[int], max_steps
         v, r = est.at(g)
         tokens += v
         rows += r
-        draft_ms += cost.draft_step(heads[g - 1])
+        draft_ms += cost.draft_step_ms(heads[g - 1])
         rate = tokens / (draft_ms + cost.verify(rows) + cost.round_overhead_ms)
         if rate > best_rate:
             best_g, best_rate = g, rate
@@ -112,7 +113,7 @@ def stop_threshold(cost: CostModel, rate: float, heads: int, width: int, decay: 
     cost * rate / (decay + ... + decay^lookahead); ``raw_per_value`` converts it to the draft's raw
     path probability. Clamped to [0, 0.95].
     """
-    step_ms = cost.draft_step(heads) + width * max(cost.verify(2) - cost.verify(1), 0.0)
+    step_ms = cost.draft_step_ms(heads) + width * max(cost.verify(2) - cost.verify(1), 0.0)
     decay = min(max(decay, 1e-3), 0.99)
     gain = sum(decay ** k for k in range(1, lookahead + 1))
     threshold = step_ms * rate / gain * raw_per_value
@@ -168,8 +169,9 @@ class CostAwareControl:
         g, rate = plan_depth(self.depths, self.shared.cost, heads, max_steps, self.context_value, self.context_rows)
         if self.first_round_plain and self.rounds == 0:
             g = 0
-        elif g == 0 and self.rounds_without_draft >= self.probe_every and max_steps >= 1:
-            g = 1  # probe: has the draft become worth it?
+        elif g == 0 and self.shared.rounds_without_draft >= self.probe_every and max_steps >= 1:
+            g = 1  # probe: has the draft become worth it? (counted across requests: short ones probe too)
+            self.shared.rounds_without_draft = 0
         self.gamma, self.reason = g, (None if g else COST)
         if g:
             width = sum(self.base.top_k_spec[-1])
@@ -211,6 +213,7 @@ class CostAwareControl:
         parents_per_step: list[int] = []
         if self.gamma and drafted_tree is not None and drafted_tree.size:
             self.rounds_without_draft = 0
+            self.shared.rounds_without_draft = 0
             drafted_depths = node_depths(drafted_tree.parents)
             for d in range(1, self.gamma + 1):
                 kept = [i for i, dd in enumerate(depths) if dd == d and shaped.draft_index[i] is not None]
@@ -221,6 +224,7 @@ class CostAwareControl:
             self._learn_raw_ratio(drafted_tree, shaped)
         else:
             self.rounds_without_draft += 1
+            self.shared.rounds_without_draft += 1
         self.shared.cost.observe_round(shaped.tree.size + 1, verify_s, parents_per_step, draft_s, overhead_s)
         self.last_decision.update({"nodes": shaped.tree.size, "depth": shaped.depth, "drafted": shaped.drafted,
                                    "expected_accepted": shaped.expected_accepted, "accepted": len(accepted_nodes)})

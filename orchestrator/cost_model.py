@@ -6,8 +6,9 @@ parents expanded by one draft step (rows of that draft forward).
 Both curves are piecewise linear through measured points, extrapolated linearly past the last
 one, and never decreasing (a point below its left neighbour is raised to it). They start from a
 start-up measurement (a few forwards, ``measure_curve``) or from prior figures, and follow the
-running deployment: every round's own timing moves one scale factor of the whole curve (an
-exponential moving average of observed / predicted, weight ``alpha``, one observation's ratio
+running deployment: every round's own timing moves one scale factor of the whole curve (the
+first observation sets it, as prior figures may come from another machine; later ones move it by
+an exponential moving average of observed / predicted, weight ``alpha``, one observation's ratio
 clamped to [0.5, 2]). The shape measured at start-up is kept; drift (a busier machine, a longer
 context) moves all sizes together, so one noisy round cannot make extra rows look expensive
 or free.
@@ -83,6 +84,10 @@ class LatencyCurve:
             return
         with self._lock:
             predicted = self.scale * sum(self.base(x) for x in xs)
+            if self.observations == 0 and self.alpha > 0:  # the first figure of this deployment sets the scale
+                self.scale *= ms / predicted
+                self.observations += 1
+                return
             ratio = min(max(ms / predicted, 0.5), 2.0)  # a GC pause moves it boundedly
             self.scale *= 1 + self.alpha * (ratio - 1)
             self.observations += 1
@@ -107,9 +112,17 @@ class CostModel:
         self.round_overhead_ms = 0.0
         self.source = source  # "prior" | "measured": where the starting points came from
 
+    def draft_step_ms(self, parents: int) -> float:
+        """D(parents). Until a draft step has been observed, the draft curve follows the verify
+        curve's scale: prior or start-up figures hold the ratio of the two models' costs, and a
+        machine that runs the target 10x faster than the figures runs the draft about as much faster."""
+        if self.draft_step.observations == 0:
+            return self.verify.scale * self.draft_step.base(parents)
+        return self.draft_step(parents)
+
     def draft_ms(self, parents_per_step: Iterable[int]) -> float:
         """Predicted ms of a draft proposal that expands these parents per step (one entry per step)."""
-        return sum(self.draft_step(p) for p in parents_per_step)
+        return sum(self.draft_step_ms(p) for p in parents_per_step)
 
     def round_ms(self, rows: int, parents_per_step: Iterable[int] = ()) -> float:
         """Predicted ms of one round: drafting, then a verify of ``rows`` rows, plus the overhead."""
@@ -120,12 +133,15 @@ class CostModel:
         """Fold one round's timings into the curves (seconds in, as the round loop measures them)."""
         self.verify.observe(rows, verify_s * 1000)
         if draft_s and parents_per_step:
+            if self.draft_step.observations == 0:
+                self.draft_step.scale = self.verify.scale  # start from the ratio of the figures
             self.draft_step.observe_sum(parents_per_step, draft_s * 1000)
         self.round_overhead_ms += 0.2 * (overhead_s * 1000 - self.round_overhead_ms)
 
     def snapshot(self) -> dict:
         """Plain figures for stats, Info and metrics: {verify_ms: {rows: ms}, draft_step_ms: {...}, ...}."""
-        return {"verify_ms": self.verify.snapshot(), "draft_step_ms": self.draft_step.snapshot(),
+        draft = {p: round(self.draft_step_ms(p), 2) for p in self.draft_step.points}
+        return {"verify_ms": self.verify.snapshot(), "draft_step_ms": draft,
                 "round_overhead_ms": round(self.round_overhead_ms, 2), "source": self.source,
                 "observations": self.verify.observations}
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+COST_REASON = "cost"  # orchestrator.control.COST: a planned round without the draft, not a fallback
+
 
 @dataclass(frozen=True)
 class RoundRecord:
@@ -42,7 +44,8 @@ class GenerationStats:
     rounds: int = 0
     proposed_tokens: int = 0  # draft tree nodes sent to the target
     accepted_tokens: int = 0  # draft tokens committed (bonus tokens excluded)
-    fallback_rounds: int = 0  # rounds decoded without a draft tree
+    fallback_rounds: int = 0  # rounds without the draft because it failed, was full or did not pay (window rule)
+    cost_plain_rounds: int = 0  # rounds the cost-aware control ran without the draft (reason "cost")
     final_gamma: int = 0  # speculation depth after the last round (0 = never speculated)
     drafted_tokens: int = 0  # nodes the draft proposed, before shaping
     context_proposed_tokens: int = 0  # context (n-gram) nodes sent to the target
@@ -59,7 +62,8 @@ class GenerationStats:
         self.new_tokens += len(record.tokens)
         self.proposed_tokens += record.proposed
         self.accepted_tokens += record.accepted
-        self.fallback_rounds += record.fallback is not None
+        self.fallback_rounds += record.fallback is not None and record.fallback != COST_REASON
+        self.cost_plain_rounds += record.fallback == COST_REASON
         self.drafted_tokens += record.drafted
         self.context_proposed_tokens += record.context_proposed
         self.context_accepted_tokens += record.context_accepted

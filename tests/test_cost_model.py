@@ -16,6 +16,7 @@ def test_worked_example_interpolation_and_extrapolation():
 
 def test_observation_scales_the_whole_curve():
     curve = LatencyCurve({1: 285.0, 8: 449.0}, alpha=0.5)
+    curve.observe(1, 285.0)  # the first observation sets the scale (here: 1)
     predicted = curve(4)
     curve.observe(4, predicted * 1.2)
     assert curve.scale == pytest.approx(1.1)
@@ -25,6 +26,8 @@ def test_observation_scales_the_whole_curve():
 
 def test_repeated_observations_converge_and_outliers_are_bounded():
     curve = LatencyCurve({1: 100.0, 16: 400.0}, alpha=0.3)
+    curve.observe(1, 1000.0)
+    assert curve(1) == pytest.approx(1000.0)  # the first figure sets the scale, unclamped
     for _ in range(60):
         curve.observe(1, 150.0)
     assert curve(1) == pytest.approx(150.0, rel=1e-3)
@@ -62,3 +65,14 @@ def test_measure_curve_times_each_size():
     out = measure_curve(calls.append, [1, 4], repeats=3)
     assert calls == [1, 1, 1, 1, 4, 4, 4]  # one warm-up, then three timed runs per size
     assert set(out) == {1, 4} and all(ms >= 0 for ms in out.values())
+
+
+def test_draft_costs_follow_the_verify_scale_until_observed():
+    """Prior figures on a 10x faster machine: the draft is assumed 10x faster too until a draft step
+    is timed (else a front with prior figures would think drafting never pays)."""
+    cost = CostModel({1: 300.0, 8: 450.0}, {1: 45.0}, alpha=1.0)
+    cost.observe_round(rows=1, verify_s=0.030, parents_per_step=[], draft_s=None)
+    assert cost.verify(1) == pytest.approx(30.0)
+    assert cost.draft_step_ms(1) == pytest.approx(4.5)
+    cost.observe_round(rows=1, verify_s=0.030, parents_per_step=[1], draft_s=0.009)
+    assert cost.draft_step_ms(1) == pytest.approx(9.0)  # now its own

@@ -45,9 +45,11 @@ def otlp():
 @pytest.fixture(scope="module")
 def stack(pair, tmp_path_factory, otlp):
     """Draft, target and front processes (front without Ray); yields (config, draft, target, front)."""
-    # one draft session at a time: a session leaked by an earlier request would push later ones into fallback
-    config = write_config(tmp_path_factory.mktemp("cfg") / "serve.yaml", pair, front={"port": 0}, draft={"max_sessions": 1},
-                          target={"max_tree_nodes": 64})
+    # one draft session at a time: a session leaked by an earlier request would push later ones into fallback;
+    # the draft is used every round (no cost-aware shaping: its mechanics are what these tests check;
+    # test_cost_aware_front_is_exact runs the default control)
+    config = write_config(tmp_path_factory.mktemp("cfg") / "serve.yaml", pair, draft={"max_sessions": 1},
+                          front={"port": 0, "cost_aware": {"enabled": False}}, target={"max_tree_nodes": 64})
     env = otlp.env()
     draft = launch_service("draft", config, env={**env, "OTEL_SERVICE_NAME": "specdec-draft"})
     target = launch_service("target", config, env={**env, "OTEL_SERVICE_NAME": "specdec-target"})
@@ -365,3 +367,31 @@ def test_prefill_of_an_open_session_is_already_exists(stack):
             assert stub.Info(target_pb2.InfoRequest()).cached_tokens == 2  # the first session is untouched
         finally:
             stub.Release(target_pb2.ReleaseRequest(session_id="twice"), timeout=10)
+
+
+def test_cost_aware_front_is_exact(pair, tmp_path, target_model):
+    """The default control over gRPC (cost-aware trees, context branches, the first round without the
+    draft): greedy output equals target-only, and FinalStats carries the control's decisions."""
+    config = write_config(tmp_path / "serve.yaml", pair, front={"port": 0})
+    draft, target = launch_service("draft", config), launch_service("target", config)
+    try:
+        wait_ready(draft), wait_ready(target)
+        front = wait_ready(launch_service("front", config, draft_address=draft.address,
+                                          target_address=target.address, no_ray=True))
+        try:
+            drafted = 0
+            for seed in range(4):
+                base = prompt_ids(200 + seed, 5)
+                ids = base + base  # a repeat: the context branch has something to propose
+                tokens, _, stats, _ = generate(front.address, prompt_ids=ids, max_new_tokens=24)
+                reference = hf_greedy(target_model, ids, 24)
+                assert tokens == reference[: len(tokens)]  # up to the tokenizer's EOS, where the front stops
+                assert len(tokens) == 24 or stats.stop_reason == "eos"
+                assert stats.cost_plain_rounds >= 1  # the first round never drafts
+                assert stats.proposed_tokens >= stats.context_proposed_tokens
+                drafted += stats.drafted_tokens
+            assert drafted > 0
+        finally:
+            stop_service(front)
+    finally:
+        stop_service(draft), stop_service(target)
