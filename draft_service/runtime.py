@@ -54,6 +54,20 @@ class DraftRuntime:
         rng = None if sampling.greedy else session_rng(sampling, "draft")
         self.sessions[session_id] = DraftSession(list(prompt_ids), new_cache(self.model.config), sampling=sampling, rng=rng)
 
+    def prefill(self, session_id: str) -> None:
+        """Feed the committed tokens but the last into the cache now (the draft service calls this
+        right after ``start``, so the draft's prefill overlaps the target's); the first ``propose``
+        then feeds only the last one. Without it, the first propose feeds them all."""
+        s = self.sessions.get(session_id)
+        if s is None:  # released before its queued prefill ran
+            return
+        pending = s.tokens[s.cached_len : -1]
+        if not pending or s.round_start is not None or max(pending) >= self.model.config.vocab_size:
+            return
+        positions = torch.arange(s.cached_len, len(s.tokens) - 1)
+        model_forward(self.model, s.cache, pending, positions, mask=None, logits_rows=1)
+        s.cached_len = len(s.tokens) - 1
+
     def release(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)
 

@@ -161,6 +161,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             self.streams.pop(stream.key, None)
             self.worker.submit(self.runtime.release, stream.key)
             raise
+        if hasattr(self.runtime, "prefill"):  # queued, not awaited: the prefill overlaps the target's (jobs run in order)
+            self.worker.submit(self.runtime.prefill, stream.key)
         return stream, draft_pb2.DraftStarted(cached_tokens=self._cached(stream), context_limit=self.context_limit)
 
     def _cached(self, stream: _Stream) -> int:

@@ -187,10 +187,19 @@ class _Request:
         return [*self.request.prompt_ids, *self.stops.generated]
 
     async def open(self) -> None:
+        """Open both sessions at once: in services mode the draft's prefill (its service starts it
+        on Start) runs beside the target's, on another process or machine."""
         self.target_open = True  # before the call: a cancel during Prefill must still release (harmless if unknown)
-        await self.controller.target.start(self.sid, self.request.prompt_ids, self.request.sampling)
+        starts = [asyncio.ensure_future(self.controller.target.start(self.sid, self.request.prompt_ids, self.request.sampling))]
         if self.spec is not None:
-            await self._open_draft()
+            starts.append(asyncio.ensure_future(self._open_draft()))
+        try:
+            await asyncio.gather(*starts)
+        except BaseException:
+            for task in starts:
+                task.cancel()
+            await asyncio.gather(*starts, return_exceptions=True)
+            raise
 
     async def _open_draft(self) -> bool:
         sid = self.sid if self.draft_opens == 0 else f"{self.sid}#{self.draft_opens}"
