@@ -348,7 +348,8 @@ class _Request:
                              verify_s=timing.verify_s, commit_s=timing.commit_s, drafted=drafted.tree.size,
                              context_proposed=context_nodes,
                              context_accepted=sum(1 for n in accepted if shaped.draft_index[n] is None),
-                             expected_accepted=shaped.expected_accepted)
+                             expected_accepted=shaped.expected_accepted,
+                             cost=getattr(self.control, "cost_snapshot", lambda: None)())
         self.stats.add(record, time.perf_counter() - self.started)
         if self.stops.reason is not None:
             self.stats.total_s = time.perf_counter() - self.started

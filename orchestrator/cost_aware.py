@@ -241,6 +241,10 @@ class CostAwareControl:
         if value > 1e-6:
             self.raw_per_value += 0.2 * (min(raw / value, 5.0) - self.raw_per_value)
 
+    def cost_snapshot(self) -> dict:
+        """The shared cost model's figures (CostModel.snapshot), for round records and metrics."""
+        return self.shared.cost.snapshot()
+
     # ----------------------------------------------------------------- the rest of the interface
 
     def record(self, depth: int, proposed: int, accepted: int, now: float | None = None,

@@ -81,6 +81,15 @@ class SpecMetrics:
                                namespace=ns, registry=r, buckets=GAMMA_BUCKETS)
         self.round_phase_seconds = Histogram("round_phase_seconds", "Wall time of one round phase, seconds",
                                              ["phase"], namespace=ns, registry=r, buckets=PHASE_BUCKETS)
+        self.cost_verify_ms = Gauge("cost_verify_ms", "Cost model: predicted target verify latency for a tree "
+                                    "of rows - 1 nodes, ms (cost-aware control)", ["rows"], namespace=ns, registry=r)
+        self.cost_draft_step_ms = Gauge("cost_draft_step_ms", "Cost model: predicted draft step latency for "
+                                        "parents expanded nodes, ms", ["parents"], namespace=ns, registry=r)
+        self.context_tokens = Counter("context_tokens", "Context (n-gram) tree nodes, by outcome",
+                                      ["outcome"], namespace=ns, registry=r)
+        self.expected_accepted_tokens = Counter("expected_accepted_tokens", "Draft tokens the cost-aware control "
+                                                "expected to be accepted (compare with accepted_tokens)",
+                                                namespace=ns, registry=r)
         for mode in ROUND_MODES:
             self.rounds.labels(mode=mode)
         for reason in FALLBACK_REASONS:
@@ -119,6 +128,14 @@ class SpecMetrics:
         self.record_round(record.proposed, record.accepted, len(record.tokens), record.gamma or None)
         if record.fallback:
             self.fallback_rounds.labels(reason=record.fallback).inc()
+        self.context_tokens.labels(outcome="proposed").inc(record.context_proposed)
+        self.context_tokens.labels(outcome="accepted").inc(record.context_accepted)
+        self.expected_accepted_tokens.inc(record.expected_accepted)
+        if record.cost is not None:  # the cost-aware control's cost model when it decided this round
+            for rows, ms in record.cost.get("verify_ms", {}).items():
+                self.cost_verify_ms.labels(rows=str(rows)).set(ms)
+            for parents, ms in record.cost.get("draft_step_ms", {}).items():
+                self.cost_draft_step_ms.labels(parents=str(parents)).set(ms)
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         """Record one phase's wall time in seconds. Raises ValueError for an unknown phase."""

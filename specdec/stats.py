@@ -34,6 +34,7 @@ class RoundRecord:
     context_proposed: int = 0  # context (n-gram) nodes among the proposed ones
     context_accepted: int = 0  # context nodes among the accepted ones
     expected_accepted: float = 0.0  # draft tokens the control expected to be accepted (its decision), tokens
+    cost: dict | None = None  # the cost model it decided with (CostModel.snapshot: ms by rows / parents), if any
 
 
 @dataclass

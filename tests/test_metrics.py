@@ -153,3 +153,17 @@ def test_metrics_http_server_serves_registry():
         server.server_close()
     assert "specdec_accepted_tokens_total 3.0" in body
     assert 'specdec_fallback_rounds_total{reason="draft_unavailable"} 0.0' in body
+
+
+def test_cost_aware_decisions_reach_the_metrics():
+    """A round record of the cost-aware control sets the cost-model gauges and the context counters."""
+    m = SpecMetrics()
+    record = RoundRecord((5, 6, 7), proposed=4, accepted=2, depth=2, fallback=None, gamma=3, draft_s=0.1,
+                         verify_s=0.3, commit_s=0.01, drafted=5, context_proposed=2, context_accepted=1,
+                         expected_accepted=1.5, cost={"verify_ms": {1: 300.0, 8: 450.0}, "draft_step_ms": {1: 45.0}})
+    m.observe_round(record)
+    assert sample(m, "specdec_cost_verify_ms", rows="8") == 450.0
+    assert sample(m, "specdec_cost_draft_step_ms", parents="1") == 45.0
+    assert sample(m, "specdec_context_tokens_total", outcome="proposed") == 2
+    assert sample(m, "specdec_context_tokens_total", outcome="accepted") == 1
+    assert sample(m, "specdec_expected_accepted_tokens_total") == 1.5
