@@ -68,8 +68,8 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 import yaml  # noqa: E402
 
-from tests.otlp import OtlpReceiver  # noqa: E402
-from tests.servers import Service, launch_service, stop_service  # noqa: E402
+from specdec.harness.otlp import OtlpReceiver, attribute_value  # noqa: E402
+from specdec.harness.servers import Service, launch_service, stop_service  # noqa: E402
 
 SECTIONS = ("grpc", "concurrency", "gamma")
 BF16_NOTE = ("The issues asked for bf16; this CPU has no bf16 GEMM (bf16 multi-row forwards are ~4x slower "
@@ -124,23 +124,12 @@ class Span:
 
 
 class SpanCollector(OtlpReceiver):
-    """tests.otlp.OtlpReceiver that also keeps each span's duration."""
+    """specdec.harness.otlp.OtlpReceiver that also keeps each span's duration."""
 
-    def Export(self, request, context):
-        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
-
-        from tests.otlp import _value
-
-        with self._lock:
-            for rs in request.resource_spans:
-                attrs = {a.key: _value(a.value) for a in rs.resource.attributes}
-                service = attrs.get("service.name", "?")
-                for ss in rs.scope_spans:
-                    for s in ss.spans:
-                        self._spans.append(Span(service, s.name, s.span_id.hex(), s.parent_span_id.hex(),
-                                                {a.key: _value(a.value) for a in s.attributes},
-                                                (s.end_time_unix_nano - s.start_time_unix_nano) / 1e6))
-        return trace_service_pb2.ExportTraceServiceResponse()
+    def keep(self, service: str, span) -> Span:
+        return Span(service, span.name, span.span_id.hex(), span.parent_span_id.hex(),
+                    {a.key: attribute_value(a.value) for a in span.attributes},
+                    (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6)
 
 
 def install_memory_tracing():

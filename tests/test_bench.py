@@ -8,12 +8,14 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 from orchestrator.bench import BUILTIN_QUESTIONS, QuestionsError, load_questions, markdown_table, parse_questions, summarize
-from tests.servers import ROOT, save_tiny_pair
+from tests.tiny_pair import save_tiny_pair
 
+ROOT = Path(__file__).resolve().parents[1]  # the repository root
 CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities", "translation",
               "summarization", "qa", "math_reasoning", "rag")
 METHODS = ("target_only", "speculative", "hf_assisted", "prompt_lookup")

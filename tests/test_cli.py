@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.servers import save_tiny
+from tests.tiny_pair import save_tiny
 
 
 @pytest.fixture(scope="module")

@@ -1062,7 +1062,7 @@ def test_local_rehearsal_greedy_equals_target_only(tmp_path):
     float32 (the real pair takes minutes and GBs) and free ports (this machine is shared)."""
     if "front" not in cli_options():
         pytest.skip("specdec front not available")
-    from tests.test_cli import save_tiny
+    from tests.tiny_pair import save_tiny
 
     target, draft = save_tiny(tmp_path / "target", 0), save_tiny(tmp_path / "draft", 1)
     raw = yaml.safe_load(CONFIG_FILE.read_text())

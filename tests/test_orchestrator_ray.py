@@ -22,11 +22,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from specdec.harness.servers import launch_service, stop_service, wait_ready
 from specdec.tree_spec import DEFAULT_SPEC, SEED_SPEC, TreeSpec
 from specdec.v1 import generation_pb2, generation_pb2_grpc, target_pb2, target_pb2_grpc, tree_pb2
 from specdec.wire import spec_to_proto
 from tests.conftest import hf_greedy
-from tests.servers import launch_service, save_tiny_pair, stop_service, wait_ready, write_config
+from tests.tiny_pair import save_tiny_pair, write_config
 
 EOS = 0  # the tiny models' eos_token_id
 SPECS = [DEFAULT_SPEC, SEED_SPEC, TreeSpec.chain(2), TreeSpec(gamma=2, topKSpec=[[2], [2, 1]], topHead=[1, 2])]

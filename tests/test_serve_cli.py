@@ -10,11 +10,13 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.servers import ROOT, save_tiny_pair, write_config
+from tests.tiny_pair import save_tiny_pair, write_config
 
+ROOT = Path(__file__).resolve().parents[1]  # the repository root
 READY = re.compile(r"^(\S+) ready on (\S+:\d+)$")
 
 

@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from draft_service.runtime import DraftRuntime
+from specdec.harness.servers import launch_service, start_service, stop_service, wait_for_exit, wait_ready
 from specdec.interfaces import UnknownSessionError
 from specdec.model_worker import ModelWorker
 from specdec.sampling import GREEDY, SamplingParams
@@ -34,7 +35,7 @@ from specdec.wire import sampling_to_proto, spec_to_proto
 from target_service.batcher import VerifyBatcher
 from target_service.runtime import TargetRuntime
 from tests.conftest import causal_logits, perturbed_copy, random_prompt, tiny_model
-from tests.servers import launch_service, save_tiny_pair, start_service, stop_service, wait_for_exit, wait_ready, write_config
+from tests.tiny_pair import save_tiny_pair, write_config
 
 TARGET_SERVICE = "specdec.v1.TargetService"
 DRAFT_SERVICE = "specdec.v1.DraftService"

@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
-from tests.servers import ROOT, save_tiny_pair
+from tests.tiny_pair import save_tiny_pair
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository root
 
 
 def test_serving_bench_smoke(tmp_path):

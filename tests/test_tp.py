@@ -17,7 +17,7 @@
 Each TensorParallelTarget spawns its ranks (~10 s on the 2-core machine): one shared target for the
 equality tests, one for the killed rank, one for pre-packed shards followed by the stuck rank.
 
-The target service with ``--tp 2`` (real subprocesses, tiny saved pair of tests/servers.py; both
+The target service with ``--tp 2`` (real subprocesses, tiny saved pair of tests/tiny_pair.py; both
 entry points, started together, ~15 s): ``python -m target_service`` serves a greedy
 speculative generation over gRPC equal to the target alone, Info reports tensor_parallel 2, then a
 SIGKILLed rank makes the next Verify UNAVAILABLE within a deadline, health turns NOT_SERVING and
@@ -33,8 +33,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -45,6 +43,7 @@ import torch
 from draft_service.runtime import DraftRuntime
 from orchestrator.controller import GenerationRequest
 from orchestrator.engine import SpeculativeEngine
+from specdec.harness.servers import Service, launch_command, stop_service, wait_for_exit, wait_ready
 from specdec.interfaces import UnknownSessionError
 from specdec.sampling import SamplingParams
 from specdec.tree import DraftTree, MalformedTreeError
@@ -54,8 +53,9 @@ from target_service.tp import RankFailureError, TensorParallelTarget, check_tp_c
 from tests.conftest import (
     assert_kv_equal, causal_logits, hf_greedy, perturbed_copy, prefill_kv, random_prompt, tiny_model,
 )
-from tests.servers import ROOT, Service, _pump_stdout, save_tiny_pair, stop_service, wait_for_exit, wait_ready, write_config
+from tests.tiny_pair import save_tiny_pair, write_config
 
+ROOT = Path(__file__).resolve().parents[1]  # the repository root
 TP = 2
 N_NEW = 24
 CONTEXT = 256
@@ -371,17 +371,6 @@ ENTRY = {
 _RANK_PIDS = re.compile(r"tensor-parallel ranks started: .*pids \[(?P<pids>[\d, ]+)\]")
 
 
-def _launch(argv: list[str]) -> Service:
-    """Like tests.servers.launch_service, for any command line (wait with ``wait_ready``)."""
-    stderr_file = tempfile.NamedTemporaryFile("w", prefix="tp-target-", suffix=".log", delete=False)
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr_file, text=True,
-                            env={**os.environ, "OTEL_TRACES_EXPORTER": "none"})
-    stderr_file.close()
-    service = Service("target", "", 0, proc, Path(stderr_file.name))
-    threading.Thread(target=_pump_stdout, args=(service,), daemon=True).start()
-    return service
-
-
 def _rank_pids(service: Service) -> list[int]:
     match = _RANK_PIDS.search(service.stderr)
     assert match, service.stderr[-2000:]
@@ -406,7 +395,7 @@ def service_pair(tmp_path_factory):
 def tp_services(service_pair, tmp_path_factory):
     """Both entry points with --tp 2, started together (their start-ups overlap)."""
     config = write_config(tmp_path_factory.mktemp("tp-service") / "serve.yaml", service_pair)
-    launched = {how: _launch([*ENTRY[how], "--config", str(config), "--port", "0", "--tp", "2"])
+    launched = {how: launch_command("target", [*ENTRY[how], "--config", str(config), "--port", "0", "--tp", "2"])
                 for how in ("module", "cli")}
     try:
         for service in launched.values():

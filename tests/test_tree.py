@@ -1,6 +1,7 @@
-"""Tree attention mask and position ids (DESIGN.md "Token tree"): pure-function unit tests, and the
-property that one tree-masked forward gives every node the logits (and KV) of a plain causal forward
-over the prefix plus that node's root path — for the target runtime and for the draft runtime."""
+"""Tree attention mask and position ids of specdec.tree (DESIGN.md "Token tree"): pure-function unit
+tests, and the property that one tree-masked forward gives every node the logits (and KV) of a plain
+causal forward over the prefix plus that node's root path — for the target runtime and for the draft
+runtime."""
 
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
-"""A minimal OTLP/gRPC trace receiver for tests: the services export real spans to it.
+"""A minimal OTLP/gRPC trace receiver for tests and benchmarks: the services export real spans to it.
 
     with OtlpReceiver() as otlp:
         env = otlp.env()              # OTEL_* variables that point a process at this receiver
         ...
-        spans = otlp.spans()          # [(service.name, span name, trace id hex, attributes dict)]
+        spans = otlp.spans()          # [ReceivedSpan(service.name, span name, trace id hex, ...)]
+
+A subclass that wants more of each span (its duration, say) overrides ``keep``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ class ReceivedSpan:
     attributes: dict
 
 
-def _value(v):
+def attribute_value(v):
+    """The Python value of an OTLP ``AnyValue`` (None when unset)."""
     kind = v.WhichOneof("value")
     return getattr(v, kind) if kind else None
 
@@ -42,14 +45,17 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     def Export(self, request, context):
         with self._lock:
             for resource_spans in request.resource_spans:
-                attrs = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
+                attrs = {a.key: attribute_value(a.value) for a in resource_spans.resource.attributes}
                 service = attrs.get("service.name", "?")
                 for scope_spans in resource_spans.scope_spans:
                     for span in scope_spans.spans:
-                        self._spans.append(ReceivedSpan(
-                            service, span.name, span.trace_id.hex(), span.span_id.hex(), span.parent_span_id.hex(),
-                            {a.key: _value(a.value) for a in span.attributes}))
+                        self._spans.append(self.keep(service, span))
         return trace_service_pb2.ExportTraceServiceResponse()
+
+    def keep(self, service: str, span):
+        """What ``spans()`` holds for one received protobuf ``Span`` of process ``service``."""
+        return ReceivedSpan(service, span.name, span.trace_id.hex(), span.span_id.hex(), span.parent_span_id.hex(),
+                            {a.key: attribute_value(a.value) for a in span.attributes})
 
     def env(self) -> dict[str, str]:
         return {
@@ -59,7 +65,7 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
             "OTEL_BSP_SCHEDULE_DELAY": "100",
         }
 
-    def spans(self) -> list[ReceivedSpan]:
+    def spans(self) -> list:
         with self._lock:
             return list(self._spans)
 

@@ -1,5 +1,6 @@
-"""The generated gRPC code is what scripts/gen_protos.py makes of protos/ (no hand edits, no stale
-files), and the wire conversions round-trip and refuse malformed trees naming the field."""
+"""specdec.wire: the conversions between domain objects and specdec.v1 messages round-trip and refuse
+malformed trees naming the field; and the generated gRPC code they target (specdec/v1) is what
+scripts/gen_protos.py makes of protos/ (no hand edits, no stale files)."""
 
 from __future__ import annotations
 
