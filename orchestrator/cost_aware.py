@@ -4,9 +4,10 @@
 record, draft_failed, set_draft_context_limit, reason) plus ``shape`` / ``observe``, which the
 controller calls around verification. What it decides, per round:
 
-- ``speculate`` / ``spec``: the number of draft steps g (``plan_depth``) and the draft's early-stop
-  threshold (``stop_threshold``); g = 0 is a round without the draft (reason ``"cost"``), which
-  still verifies the free context branches. The first round of a request never drafts: the target's
+- ``speculate`` / ``spec``: whether to draft at all (``plan_depth``: the best number of steps g,
+  g = 0 being a round without the draft, reason ``"cost"``, which still verifies the free context
+  branches), and the draft's early-stop threshold (``stop_threshold``), which sets the depth: the
+  draft goes on while its best path is likely enough to pay for a step, up to the budget. The first round of a request never drafts: the target's
   prefill then gives the first token as soon as target-only decoding would (TTFT), and the draft's
   prefill moves to the second round;
 - ``shape``: the nodes to verify, context branches merged (``shape_tree``);
@@ -174,10 +175,13 @@ class CostAwareControl:
             self.shared.rounds_without_draft = 0
         self.gamma, self.reason = g, (None if g else COST)
         if g:
+            # g decides whether to draft; how deep is the draft's own early stop on its confidence
+            # (the threshold), up to every step the budget allows: depths the estimates undervalue
+            # are still reached when the draft is sure, so the estimates keep learning them.
             width = sum(self.base.top_k_spec[-1])
-            threshold = stop_threshold(self.shared.cost, rate, heads[min(g, len(heads)) - 1], width,
+            threshold = stop_threshold(self.shared.cost, rate, heads[max_steps - 1], width,
                                        self.depths.ratio(), self.raw_per_value)
-            spec = spec_at_depth(self.base, g, self.max_nodes)
+            spec = spec_at_depth(self.base, max_steps, self.max_nodes)
             self._planned_spec = spec.model_copy(update={"gamma_threshold": max(threshold, spec.gamma_threshold)})
         self.last_decision = {"planned_gamma": g, "planned_rate_tok_s": rate * 1000}
         return g > 0
@@ -197,6 +201,8 @@ class CostAwareControl:
     def shape(self, tree: DraftTree, context: list[int], max_depth: int, sunk_ms: float) -> ShapedTree:
         """The tree to verify: drafted nodes that pay plus the context branch (``shape_tree``)."""
         cost = self.shared.cost
+        if self.first_round_plain and self.rounds == 0:  # TTFT: the first token from the prefill alone
+            return ShapedTree.of(tree)
         return shape_tree(tree, context, self.calib, self.ctx_calib, cost, sunk_ms + cost.round_overhead_ms,
                           self.ngram_tokens, self.max_ngram, max_depth, self.lookup)
 
@@ -215,7 +221,7 @@ class CostAwareControl:
             self.rounds_without_draft = 0
             self.shared.rounds_without_draft = 0
             drafted_depths = node_depths(drafted_tree.parents)
-            for d in range(1, self.gamma + 1):
+            for d in range(1, self._planned_spec.gamma + 1):  # depths the draft stopped short of count as 0
                 kept = [i for i, dd in enumerate(depths) if dd == d and shaped.draft_index[i] is not None]
                 self.depths.update(d, sum(shaped.values[i] for i in kept), len(kept))
             if self.draft_warm:  # the first drafted round also prefilled the draft: not a step's cost

@@ -2,10 +2,15 @@
 
 Dims: L cached slots, N tree nodes, V vocabulary.
 
-Target cache invariant: after ``start`` and every ``commit`` the cache holds KV for all committed
-tokens but the last one, the root R. Verify feeds [R, node 0, ..., node N-1] at slots L..L+N with
-tree position ids (R at L, a depth-d node at L + d) and the tree attention mask; commit keeps R and
-the accepted nodes, compacted to slots L, L+1, ..., and drops the rest (KV cache rollback).
+Target cache invariant: after every ``commit`` the cache holds KV for all committed tokens but the
+last one, the root R. Verify feeds [R, node 0, ..., node N-1] at slots L..L+N with tree position
+ids (R at L, a depth-d node at L + d) and the tree attention mask; commit keeps R and the accepted
+nodes, compacted to slots L, L+1, ..., and drops the rest (KV cache rollback).
+
+``start`` prefills the whole prompt in one forward, R included, and keeps R's logits: the first
+verify then feeds only the tree's nodes (an empty tree needs no forward at all), so the first token
+costs what target-only decoding's prefill costs (TTFT). Until that first commit the cache holds L + 1
+slots (R's KV among them); the layout after the verify is the usual one.
 
 Each session keeps the request's SamplingParams (given once, at ``start``) and, when sampling, its own
 random generator, so a request's draws never depend on other sessions.
@@ -47,6 +52,7 @@ class TargetSession:
     sampling: SamplingParams = GREEDY
     rng: np.random.Generator | None = None  # sampled requests only
     pending: VerifyResult | None = None
+    root_logits: torch.Tensor | None = None  # [V] R's logits while R's KV is cached (from start to the first commit)
 
 
 class TargetRuntime:
@@ -64,11 +70,11 @@ class TargetRuntime:
         if not prompt_ids:
             raise ValueError("prompt_ids: empty prompt")
         cache = new_cache(self.model.config)
-        if len(prompt_ids) > 1:
-            positions = torch.arange(len(prompt_ids) - 1)
-            model_forward(self.model, cache, prompt_ids[:-1], positions, mask=None, logits_rows=1)
+        positions = torch.arange(len(prompt_ids))
+        root_logits = model_forward(self.model, cache, prompt_ids, positions, mask=None, logits_rows=1)  # (1, V)
         rng = None if sampling.greedy else session_rng(sampling, "target")
-        self.sessions[session_id] = TargetSession(cache, len(prompt_ids) - 1, prompt_ids[-1], sampling, rng)
+        self.sessions[session_id] = TargetSession(cache, len(prompt_ids) - 1, prompt_ids[-1], sampling, rng,
+                                                  root_logits=root_logits[-1])
 
     def release(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)
@@ -83,10 +89,27 @@ class TargetRuntime:
         """One forward over [R, nodes]: [N + 1, V] float32. The cache grows by N + 1 slots."""
         s = self._session(session_id)
         validate_tree(tree.tokens, tree.parents, self.vocab_size, self.max_tree_nodes)
+        if s.root_logits is not None:
+            return self._first_tree_logits(s, tree)
         truncate_kv(s.cache, s.cache_len)  # drop the slots of an earlier verify that failed mid-way
         positions = tree_position_ids(tree.parents, s.cache_len)  # (N + 1,)
         mask = tree_attention_mask(tree.parents, s.cache_len, self.model.dtype)  # (1, 1, N+1, L+N+1)
         return model_forward(self.model, s.cache, [s.root, *tree.tokens], positions, mask)
+
+    def _first_tree_logits(self, s: TargetSession, tree: DraftTree) -> torch.Tensor:
+        """The first verify after ``start``: R's KV and logits are there; feed the nodes alone.
+
+        Worked example: a 7-token prompt gives L = 6 and R at slot 6; nodes of depths [1, 1, 2] go
+        to slots 7..9 at positions [7, 7, 8], each seeing slots 0..6 plus its ancestors and itself
+        (rows 1..N of ``tree_attention_mask``). Returns [N + 1, V] with row 0 = R's logits.
+        """
+        truncate_kv(s.cache, s.cache_len + 1)  # keep R; drop the slots of an earlier verify that failed mid-way
+        if not tree.size:
+            return s.root_logits[None]  # (1, V): no forward
+        positions = tree_position_ids(tree.parents, s.cache_len)[1:]  # (N,)
+        mask = tree_attention_mask(tree.parents, s.cache_len, self.model.dtype)[:, :, 1:]  # (1, 1, N, L+1+N)
+        logits = model_forward(self.model, s.cache, list(tree.tokens), positions, mask)  # (N, V)
+        return torch.cat([s.root_logits[None], logits])
 
     def verify(self, session_id: str, tree: DraftTree) -> VerifyResult:
         """Verify a tree (an empty tree is one plain decoding step); the result waits for commit."""
@@ -125,6 +148,7 @@ class TargetRuntime:
         s.cache_len += 1 + len(kept_nodes)
         s.root = result.tokens[num_tokens - 1]
         s.pending = None
+        s.root_logits = None
 
     def verify_batch(self, items: Sequence[tuple[str, DraftTree]]) -> list[VerifyResult | Exception]:
         """Verify the trees of several sessions in one target forward.
@@ -206,6 +230,7 @@ class TargetRuntime:
         trees = [tree for _, _, _, tree in batch]
         for s in sessions:
             truncate_kv(s.cache, s.cache_len)  # drop the slots of an earlier verify that failed mid-way
+            s.root_logits = None  # a first verify: R's KV (from start) is dropped and R fed again, as in every row
         lengths = [s.cache_len for s in sessions]
         stacked = stack_kv([s.cache for s in sessions], lengths, self.model.config)  # (B, H, S, D)
         ids, positions, mask = batched_tree_inputs([s.root for s in sessions], trees, lengths, self.model.dtype)

@@ -132,6 +132,7 @@ def test_greedy_equals_target_with_default_costs(kind, draft_scale):
         _, result, records = generate(model, DraftRuntime(draft_model), prompt, spec, factory, n=20)
         assert result.tokens == hf_greedy(model, prompt, 20)
         assert records[0].drafted == 0 and records[0].fallback == "cost"  # the first round never drafts
+        assert records[0].proposed == 0  # nor verifies context nodes: its token comes from the prefill
 
 
 def _shapes(costs: CostModel, agree: int = 2, n: int = 24):
