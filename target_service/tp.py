@@ -358,12 +358,9 @@ def prepack_tp_linears(model) -> int:
     Modules of other styles, or with unequal shards, keep transformers' forward. Returns the number
     of linears changed; 0 when oneDNN is unavailable or the weights are not float32 on the CPU.
     """
-    import torch.distributed as dist
     from torch import nn
     from torch.distributed.tensor import DTensor
     from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
-
-    from specdec.cpu_linear import PackedLinear
 
     if not torch.backends.mkldnn.is_available():
         return 0
@@ -376,48 +373,61 @@ def prepack_tp_linears(model) -> int:
     for name, module in list(model.named_modules()):
         if type(module) is not nn.Linear or not isinstance(module.weight, DTensor):
             continue
-        style = plan.get(replace_layer_number_by_wildcard(name))
         weight_local = module.weight.to_local()
         if weight_local.dtype != torch.float32 or weight_local.device.type != "cpu":
             continue
-        bias = module.bias
-        bias_local = None if bias is None else (bias.to_local() if isinstance(bias, DTensor) else bias).detach().clone()
-        group = module.weight.device_mesh.get_group()
-        local = nn.Linear(weight_local.shape[1], weight_local.shape[0], bias=False)  # (out or out / P, in or in / P)
-        local.weight = nn.Parameter(weight_local.detach().clone(), requires_grad=False)
-        if style == "colwise":
-            if bias_local is not None:
-                local.bias = nn.Parameter(bias_local, requires_grad=False)
-            module.forward = PackedLinear(local).forward
-        elif style == "rowwise":
-            packed = PackedLinear(local)
-
-            def row_forward(x, packed=packed, group=group, bias=bias_local):
-                y = packed(x)  # (..., out) partial sums of this rank's input features
-                dist.all_reduce(y, group=group)
-                return y if bias is None else y + bias
-
-            module.forward = row_forward
-        elif style == "colwise_gather_output" and module.out_features == weight_local.shape[0] * group.size():
-            if bias_local is not None:
-                local.bias = nn.Parameter(bias_local, requires_grad=False)
-            packed = PackedLinear(local)
-
-            def gather_forward(x, packed=packed, group=group):
-                y = packed(x).contiguous()  # (..., out / P)
-                parts = [torch.empty_like(y) for _ in range(dist.get_world_size(group))]
-                dist.all_gather(parts, y, group=group)
-                return torch.cat(parts, dim=-1)  # (..., out)
-
-            module.forward = gather_forward
-        else:
+        forward = _packed_forward(module, weight_local, plan.get(replace_layer_number_by_wildcard(name)))
+        if forward is None:
             continue
+        module.forward = forward
         if owners.get(weight_local.untyped_storage().data_ptr()) == 1:
             # The packed copy replaces the weight: free the shard (not a tied one, e.g. a tied lm_head,
             # whose storage the embedding still uses). The module keeps in/out_features for its repr.
             module.weight = nn.Parameter(weight_local.new_empty(0), requires_grad=False)
         changed += 1
     return changed
+
+
+def _packed_forward(module, weight_local: torch.Tensor, style: str | None):
+    """The forward of one sharded linear with its local weight pre-packed, by TP style (see
+    ``prepack_tp_linears``); None for a style or shard layout it does not handle."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+
+    from specdec.cpu_linear import PackedLinear
+
+    bias = module.bias
+    bias_local = None if bias is None else (bias.to_local() if isinstance(bias, DTensor) else bias).detach().clone()
+    group = module.weight.device_mesh.get_group()
+    local = nn.Linear(weight_local.shape[1], weight_local.shape[0], bias=False)  # (out or out / P, in or in / P)
+    local.weight = nn.Parameter(weight_local.detach().clone(), requires_grad=False)
+    if style == "colwise":
+        if bias_local is not None:
+            local.bias = nn.Parameter(bias_local, requires_grad=False)
+        return PackedLinear(local).forward
+    if style == "rowwise":
+        packed = PackedLinear(local)
+
+        def row_forward(x, packed=packed, group=group, bias=bias_local):
+            y = packed(x)  # (..., out) partial sums of this rank's input features
+            dist.all_reduce(y, group=group)
+            return y if bias is None else y + bias
+
+        return row_forward
+    if style == "colwise_gather_output" and module.out_features == weight_local.shape[0] * group.size():
+        if bias_local is not None:
+            local.bias = nn.Parameter(bias_local, requires_grad=False)
+        packed = PackedLinear(local)
+
+        def gather_forward(x, packed=packed, group=group):
+            y = packed(x).contiguous()  # (..., out / P)
+            parts = [torch.empty_like(y) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, y, group=group)
+            return torch.cat(parts, dim=-1)  # (..., out)
+
+        return gather_forward
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
