@@ -174,6 +174,8 @@ class _Request:
         self.sid = sid
         self.spec = request.spec if controller.draft is not None else None
         self.control = controller.control_factory(self.spec) if self.spec is not None else None  # per-request policy
+        if hasattr(self.control, "bind_request"):  # a control that needs the request's sampling parameters
+            self.control.bind_request(request.sampling)
         self.stops = StopChecker(len(request.prompt_ids), request.max_new_tokens, controller.context_limit,
                                  controller.eos_token_ids, tuple(request.stop_strings), controller.decode)
         self.stats = GenerationStats()

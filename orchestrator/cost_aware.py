@@ -144,6 +144,7 @@ class CostAwareControl:
         self.probe_every = probe_every
         self.first_round_plain = first_round_plain
         self.lookup = lookup  # None = the n-gram lookup (orchestrator.shaping.ngram_continuation)
+        self.timing_free = False  # a seeded sampled request (bind_request): no timing-dependent decisions
         self.calib = AcceptanceCalibration(self.shared.calib)
         self.ctx_calib = ContextCalibration(self.shared.ctx_calib)
         self.depths = DepthEstimates()
@@ -158,10 +159,22 @@ class CostAwareControl:
         self._planned_spec: TreeSpec | None = None
         self.last_decision: dict = {}
 
+    def bind_request(self, sampling) -> None:
+        """The request's SamplingParams (the round controller calls this once). A sampled request
+        with a seed must give the same tokens every run, and its random draws follow the tree's
+        shape, so its trees must not depend on timings: it gets the request's TreeSpec every round,
+        verified as drafted (the fixed control's behaviour), with the draft-failure rules kept."""
+        self.timing_free = not sampling.greedy and sampling.seed is not None
+
     # ----------------------------------------------------------------- before drafting
 
     def speculate(self, now: float | None, committed_len: int, depth: int) -> bool:
         """Plan this round (``plan_depth``) under ``depth`` levels; False = no draft this round."""
+        if self.timing_free:
+            self.gamma = min(depth, self.base.gamma)
+            speculate = self.fallback.speculate(now, committed_len, self.gamma)
+            self.reason, self._planned_spec = self.fallback.reason, self.base
+            return speculate
         max_steps = min(depth, self.max_gamma, self._deepest())
         if not self.fallback.speculate(now, committed_len, 1):
             self.reason, self.gamma = self.fallback.reason, 0
@@ -201,7 +214,7 @@ class CostAwareControl:
     def shape(self, tree: DraftTree, context: list[int], max_depth: int, sunk_ms: float) -> ShapedTree:
         """The tree to verify: drafted nodes that pay plus the context branch (``shape_tree``)."""
         cost = self.shared.cost
-        if self.first_round_plain and self.rounds == 0:  # TTFT: the first token from the prefill alone
+        if self.timing_free or (self.first_round_plain and self.rounds == 0):  # TTFT: the first token from the prefill
             return ShapedTree.of(tree)
         return shape_tree(tree, context, self.calib, self.ctx_calib, cost, sunk_ms + cost.round_overhead_ms,
                           self.ngram_tokens, self.max_ngram, max_depth, self.lookup)
@@ -210,6 +223,8 @@ class CostAwareControl:
                 overhead_s: float, drafted_tree: DraftTree | None) -> None:
         """Learn from a verified round: calibrations, per-depth estimates, the shared cost model."""
         self.rounds += 1
+        if self.timing_free:
+            return
         observe_verified(shaped, accepted_nodes, self.calib, self.ctx_calib)
         observe_verified(shaped, accepted_nodes, self.shared.calib, self.shared.ctx_calib)
         depths = node_depths(shaped.tree.parents)

@@ -185,3 +185,23 @@ def test_always_wrong_draft_stops_drafting_without_a_fallback_rule():
 def test_lookup_is_the_ngram_continuation():
     assert ngram_continuation([5, 7, 9, 2, 5, 7], 3) == ([9, 2, 5], 2)
     assert ngram_continuation([1, 2, 3], 3) == ([], 0)
+
+
+def test_seeded_sampled_requests_do_not_depend_on_timings():
+    """A seeded sampled request gives the same tokens whatever the cost model says (its random draws
+    follow the tree's shape, so the cost-aware control keeps the request's TreeSpec for it)."""
+    from specdec.sampling import SamplingParams
+
+    model = tiny_model("qwen2", seed=0)
+    draft_model = perturbed_copy(model, seed=3, scale=0.05)
+    prompt = random_prompt(seed=61)
+    spec = TreeSpec(gamma=2, topKSpec=[[3], [2, 1]], topHead=[1, 2], treeType=1)
+    outputs = []
+    for cost in (free_costs(), CostModel({1: 300.0, 2: 600.0, 64: 19200.0}, {1: 45.0}, alpha=0.0)):
+        shared = SharedState(cost=cost)
+        factory = lambda s: CostAwareControl(s, shared)  # noqa: E731
+        engine = SpeculativeEngine(TargetRuntime(model), DraftRuntime(draft_model), eos_token_ids=[],
+                                   context_limit=CONTEXT, control_factory=factory)
+        request = GenerationRequest(prompt, max_new_tokens=16, spec=spec, sampling=SamplingParams(0.8, seed=5))
+        outputs.append(engine.generate(request).tokens)
+    assert outputs[0] == outputs[1]
