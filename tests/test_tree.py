@@ -130,7 +130,7 @@ def test_target_rejects_bad_tree_tokens():
         target.verify("s", DraftTree((1,) * 5, (-1,) * 5))
     # The rejected trees left no pending verify and no KV behind.
     assert target.sessions["s"].pending is None
-    assert target.sessions["s"].cache.get_seq_length() == 2
+    assert target.sessions["s"].cache.get_seq_length() == 3  # the prompt, R included, until the first commit
 
 
 # ------------------------------------------------------------------------------------------------
