@@ -401,6 +401,13 @@ class FallbackPolicy:
                      "for %d rounds", rate, self.window.accepted, self.window.proposed, len(self.window.rounds),
                      self.config.min_acceptance, self.config.probe_every)
 
+    def set_draft_context_limit(self, limit: int | None) -> None:
+        """The draft's max positions, learnt when its session opens (None = unlimited).
+        Raises ValueError for a limit < 1."""
+        if limit is not None and limit < 1:
+            raise ValueError(f"draft_context_limit: must be >= 1 tokens, got {limit}")
+        self.draft_context_limit = limit
+
     def draft_failed(self, now: float | None = None) -> None:
         """Mark the draft unavailable (unreachable, error or too slow) until now + reconnect_s."""
         now = self.clock() if now is None else now
@@ -467,7 +474,5 @@ class RequestControl(PassThroughShaping):
         self.fallback.draft_failed(now)
 
     def set_draft_context_limit(self, limit: int | None) -> None:
-        """The draft's max positions, learnt when its session opens (None = unlimited)."""
-        if limit is not None and limit < 1:
-            raise ValueError(f"draft_context_limit: must be >= 1 tokens, got {limit}")
-        self.fallback.draft_context_limit = limit
+        """FallbackPolicy.set_draft_context_limit."""
+        self.fallback.set_draft_context_limit(limit)

@@ -32,7 +32,7 @@ from orchestrator.shaping import (
     AcceptanceCalibration, ContextCalibration, Lookup, ShapedTree, observe_verified, shape_tree,
 )
 from specdec.config import CostAwareConfig, FallbackConfig
-from specdec.tree import DraftTree, node_depths
+from specdec.tree import DraftTree, ancestors, node_depths
 from specdec.tree_spec import MAX_TREE_NODES, TreeSpec, max_depth_for, spec_at_depth
 
 @dataclass
@@ -157,7 +157,6 @@ class CostAwareControl:
         self.rounds_without_draft = 0
         self.draft_warm = False  # the draft session has prefilled (its first tree is done)
         self._planned_spec: TreeSpec | None = None
-        self.last_decision: dict = {}
 
     def bind_request(self, sampling) -> None:
         """The request's SamplingParams (the round controller calls this once). A sampled request
@@ -196,7 +195,6 @@ class CostAwareControl:
                                        self.depths.ratio(), self.raw_per_value)
             spec = spec_at_depth(self.base, max_steps, self.max_nodes)
             self._planned_spec = spec.model_copy(update={"gamma_threshold": max(threshold, spec.gamma_threshold)})
-        self.last_decision = {"planned_gamma": g, "planned_rate_tok_s": rate * 1000}
         return g > 0
 
     def _deepest(self) -> int:
@@ -247,8 +245,6 @@ class CostAwareControl:
             self.rounds_without_draft += 1
             self.shared.rounds_without_draft += 1
         self.shared.cost.observe_round(shaped.tree.size + 1, verify_s, parents_per_step, draft_s, overhead_s)
-        self.last_decision.update({"nodes": shaped.tree.size, "depth": shaped.depth, "drafted": shaped.drafted,
-                                   "expected_accepted": shaped.expected_accepted, "accepted": len(accepted_nodes)})
 
     def _learn_raw_ratio(self, drafted: DraftTree, shaped: ShapedTree) -> None:
         """raw best path probability / calibrated value of the deepest kept draft node."""
@@ -257,7 +253,7 @@ class CostAwareControl:
         if best is None or not drafted.draft_logprobs:
             return
         j = shaped.draft_index[best]
-        raw = math.exp(sum(drafted.draft_logprobs[n] for n in _path(drafted.parents, j)))
+        raw = math.exp(sum(drafted.draft_logprobs[n] for n in ancestors(drafted.parents, j)))
         value = shaped.values[best]
         if value > 1e-6:
             self.raw_per_value += 0.2 * (min(raw / value, 5.0) - self.raw_per_value)
@@ -277,17 +273,7 @@ class CostAwareControl:
         self.fallback.draft_failed(now)
 
     def set_draft_context_limit(self, limit: int | None) -> None:
-        if limit is not None and limit < 1:
-            raise ValueError(f"draft_context_limit: must be >= 1 tokens, got {limit}")
-        self.fallback.draft_context_limit = limit
-
-
-def _path(parents, node: int) -> list[int]:
-    out = []
-    while node != -1:
-        out.append(node)
-        node = parents[node]
-    return out
+        self.fallback.set_draft_context_limit(limit)
 
 
 def _parents_per_step(tree: DraftTree, depths: list[int]) -> list[int]:
