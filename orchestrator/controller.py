@@ -57,6 +57,7 @@ class GenerationRequest:
     stop_strings: tuple[str, ...] = ()
     spec: TreeSpec | None = None  # None = plain target decoding (no draft)
     sampling: SamplingParams = GREEDY  # temperature 0 = greedy; applied identically by draft and target
+    ignore_eos: bool = False  # EOS tokens do not end generation (vLLM's ignore_eos): fixed-length runs
 
     def __post_init__(self):
         if isinstance(self.stop_strings, str):  # one stop string, not one per character
@@ -177,7 +178,8 @@ class _Request:
         if hasattr(self.control, "bind_request"):  # a control that needs the request's sampling parameters
             self.control.bind_request(request.sampling)
         self.stops = StopChecker(len(request.prompt_ids), request.max_new_tokens, controller.context_limit,
-                                 controller.eos_token_ids, tuple(request.stop_strings), controller.decode)
+                                 frozenset() if request.ignore_eos else controller.eos_token_ids,
+                                 tuple(request.stop_strings), controller.decode)
         self.stats = GenerationStats()
         self.started = time.perf_counter()
         self.draft_sid: str | None = None  # open draft session

@@ -114,7 +114,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             limit = info.max_tree_nodes or spec.num_nodes
             if spec.num_nodes > limit:
                 raise ValueError(f"tree: {spec.num_nodes} nodes exceed the target's limit of {limit} (target.max_tree_nodes)")
-        return GenerationRequest(ids, msg.max_new_tokens or front.max_new_tokens, tuple(msg.stop), spec, sampling)
+        return GenerationRequest(ids, msg.max_new_tokens or front.max_new_tokens, tuple(msg.stop), spec, sampling,
+                                 ignore_eos=msg.ignore_eos)
 
     async def Generate(self, request, context):
         try:

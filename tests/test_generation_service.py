@@ -34,7 +34,7 @@ SPECS = [DEFAULT_SPEC, SEED_SPEC, TreeSpec.chain(4),
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    return save_tiny_pair(tmp_path_factory.mktemp("models"), noise=0.03)  # a draft close enough to accept often
+    return save_tiny_pair(tmp_path_factory.mktemp("models"), max_pos=1024, noise=0.03)  # a draft close enough to accept often
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +152,7 @@ BAD_REQUESTS = [
     (dict(), "prompt"),
     (dict(prompt="hi", prompt_ids=[1, 2]), "prompt"),
     (dict(prompt_ids=[1, 100000]), "prompt_ids"),
-    (dict(prompt_ids=[1] * 300), "prompt"),
+    (dict(prompt_ids=[1] * 1100), "prompt"),  # over the 1024-token context
     (dict(prompt_ids=[1, 2], max_new_tokens=-1), "max_new_tokens"),
     (dict(prompt_ids=[1, 2], stop=[""]), "stop"),
     (dict(prompt_ids=[1, 2], sampling=tree_pb2.SamplingParams(temperature=-1)), "temperature"),
@@ -216,8 +216,8 @@ def test_abort_ends_the_stream_and_frees_kv(stack):
         async with grpc.aio.insecure_channel(front.address) as channel:
             stub = generation_pb2_grpc.GenerationServiceStub(channel)
             call = stub.Generate(generation_pb2.GenerateRequest(
-                request_id="abort-me", prompt_ids=prompt_ids(2, 8), max_new_tokens=250,
-                sampling=tree_pb2.SamplingParams(temperature=1.0, seed=3)), timeout=60)
+                request_id="abort-me", prompt_ids=prompt_ids(2, 8), max_new_tokens=1000,
+                sampling=tree_pb2.SamplingParams(temperature=1.0, seed=3), ignore_eos=True), timeout=60)
             first = await call.read()
             assert target_sessions(target.address) == 1
             assert (await stub.Abort(generation_pb2.AbortRequest(request_id="abort-me"))).aborted
@@ -228,7 +228,7 @@ def test_abort_ends_the_stream_and_frees_kv(stack):
 
     first, last = asyncio.run(run())
     assert first.token_ids and last.stats.stop_reason == "aborted"
-    assert 0 < last.stats.new_tokens < 250 and last.stats.rounds >= 1 and last.stats.total_s > 0
+    assert 0 < last.stats.new_tokens < 1000 and last.stats.rounds >= 1 and last.stats.total_s > 0
     assert wait_sessions(target.address, 0) == 0
     assert_draft_session_free(front.address)
 
@@ -270,7 +270,7 @@ def test_target_stopped_mid_request_gives_unavailable(pair, tmp_path):
             async with grpc.aio.insecure_channel(front.address) as channel:
                 stub = generation_pb2_grpc.GenerationServiceStub(channel)
                 call = stub.Generate(generation_pb2.GenerateRequest(
-                    prompt_ids=prompt_ids(4, 8), max_new_tokens=250,
+                    prompt_ids=prompt_ids(4, 8), max_new_tokens=1000,
                     sampling=tree_pb2.SamplingParams(temperature=1.0, seed=5)), timeout=60)
                 await call.read()
                 stop_service(target)

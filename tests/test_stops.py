@@ -103,6 +103,20 @@ def test_eos_at_each_depth(j):
     _assert_nothing_after_stop(prompt, out, target, state)
 
 
+@pytest.mark.parametrize("j", [0, 3, 7])
+def test_ignore_eos_runs_past_the_eos_token(j):
+    """ignore_eos: the j-th greedy token is an EOS id, yet generation goes on to max_new_tokens with the
+    target's own greedy tokens (the reference is computed without any EOS)."""
+    model = _model()
+    prompt, reference = map(list, _distinct_prompt(model, 10))
+    engine, _ = _engine(model, DraftRuntime(model), eos=[reference[j]])
+    out = engine.generate(GenerationRequest(prompt, max_new_tokens=10, spec=CHAIN4, ignore_eos=True))
+    assert out.tokens == reference[:10]
+    assert out.stats.stop_reason == "max_new_tokens"
+    honoured = engine.generate(GenerationRequest(prompt, max_new_tokens=10, spec=CHAIN4))
+    assert honoured.tokens == reference[: j + 1] and honoured.stats.stop_reason == "eos"
+
+
 @pytest.mark.parametrize("agree, j", [(0, 0), (0, 3), (2, 2), (2, 5), (1, 3)])
 def test_eos_as_bonus_token(agree, j):
     """The scripted draft agrees for ``agree`` tokens a round; EOS = the bonus token of a round."""

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import tree_pb2 as specdec_dot_v1_dot_tree__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecdec/v1/generation.proto\x12\nspecdec.v1\x1a\x15specdec/v1/tree.proto\"\xdf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\x12\x0b\n\x03raw\x18\x04 \x01(\x08\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12,\n\x08sampling\x18\x07 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\"\n\x04tree\x18\x08 \x01(\x0b\x32\x14.specdec.v1.TreeSpec\x12\x0f\n\x07no_spec\x18\t \x01(\x08\"t\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12%\n\x05stats\x18\x04 \x01(\x0b\x32\x16.specdec.v1.FinalStats\"\xac\x03\n\nFinalStats\x12\x12\n\nnew_tokens\x18\x01 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06rounds\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x06 \x01(\x01\x12\x0f\n\x07total_s\x18\x07 \x01(\x01\x12\x13\n\x0bstop_reason\x18\x08 \x01(\t\x12\x17\n\x0f\x66\x61llback_rounds\x18\t \x01(\x05\x12\x13\n\x0b\x66inal_gamma\x18\n \x01(\x05\x12\x17\n\x0fproposed_tokens\x18\x0b \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x0c \x01(\x05\x12\x19\n\x11\x63ost_plain_rounds\x18\r \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x0e \x01(\x05\x12\x1f\n\x17\x63ontext_proposed_tokens\x18\x0f \x01(\x05\x12\x1f\n\x17\x63ontext_accepted_tokens\x18\x10 \x01(\x05\x12 \n\x18\x65xpected_accepted_tokens\x18\x11 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\x32\x9a\x01\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.specdec.v1.AbortRequest\x1a\x19.specdec.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecdec/v1/generation.proto\x12\nspecdec.v1\x1a\x15specdec/v1/tree.proto\"\xf3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\x12\x0b\n\x03raw\x18\x04 \x01(\x08\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12,\n\x08sampling\x18\x07 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\"\n\x04tree\x18\x08 \x01(\x0b\x32\x14.specdec.v1.TreeSpec\x12\x0f\n\x07no_spec\x18\t \x01(\x08\x12\x12\n\nignore_eos\x18\n \x01(\x08\"t\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12%\n\x05stats\x18\x04 \x01(\x0b\x32\x16.specdec.v1.FinalStats\"\xac\x03\n\nFinalStats\x12\x12\n\nnew_tokens\x18\x01 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06rounds\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x06 \x01(\x01\x12\x0f\n\x07total_s\x18\x07 \x01(\x01\x12\x13\n\x0bstop_reason\x18\x08 \x01(\t\x12\x17\n\x0f\x66\x61llback_rounds\x18\t \x01(\x05\x12\x13\n\x0b\x66inal_gamma\x18\n \x01(\x05\x12\x17\n\x0fproposed_tokens\x18\x0b \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x0c \x01(\x05\x12\x19\n\x11\x63ost_plain_rounds\x18\r \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x0e \x01(\x05\x12\x1f\n\x17\x63ontext_proposed_tokens\x18\x0f \x01(\x05\x12\x1f\n\x17\x63ontext_accepted_tokens\x18\x10 \x01(\x05\x12 \n\x18\x65xpected_accepted_tokens\x18\x11 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\x32\x9a\x01\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.specdec.v1.AbortRequest\x1a\x19.specdec.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,15 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.generation_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=67
-  _globals['_GENERATEREQUEST']._serialized_end=290
-  _globals['_GENERATERESPONSE']._serialized_start=292
-  _globals['_GENERATERESPONSE']._serialized_end=408
-  _globals['_FINALSTATS']._serialized_start=411
-  _globals['_FINALSTATS']._serialized_end=839
-  _globals['_ABORTREQUEST']._serialized_start=841
-  _globals['_ABORTREQUEST']._serialized_end=875
-  _globals['_ABORTRESPONSE']._serialized_start=877
-  _globals['_ABORTRESPONSE']._serialized_end=909
-  _globals['_GENERATIONSERVICE']._serialized_start=912
-  _globals['_GENERATIONSERVICE']._serialized_end=1066
+  _globals['_GENERATEREQUEST']._serialized_end=310
+  _globals['_GENERATERESPONSE']._serialized_start=312
+  _globals['_GENERATERESPONSE']._serialized_end=428
+  _globals['_FINALSTATS']._serialized_start=431
+  _globals['_FINALSTATS']._serialized_end=859
+  _globals['_ABORTREQUEST']._serialized_start=861
+  _globals['_ABORTREQUEST']._serialized_end=895
+  _globals['_ABORTRESPONSE']._serialized_start=897
+  _globals['_ABORTRESPONSE']._serialized_end=929
+  _globals['_GENERATIONSERVICE']._serialized_start=932
+  _globals['_GENERATIONSERVICE']._serialized_end=1086
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_ids", "raw", "max_new_tokens", "stop", "sampling", "tree", "no_spec")
+    __slots__ = ("request_id", "prompt", "prompt_ids", "raw", "max_new_tokens", "stop", "sampling", "tree", "no_spec", "ignore_eos")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     NO_SPEC_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -27,7 +28,8 @@ class GenerateRequest(_message.Message):
     sampling: _tree_pb2.SamplingParams
     tree: _tree_pb2.TreeSpec
     no_spec: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., raw: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., sampling: _Optional[_Union[_tree_pb2.SamplingParams, _Mapping]] = ..., tree: _Optional[_Union[_tree_pb2.TreeSpec, _Mapping]] = ..., no_spec: _Optional[bool] = ...) -> None: ...
+    ignore_eos: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., raw: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., sampling: _Optional[_Union[_tree_pb2.SamplingParams, _Mapping]] = ..., tree: _Optional[_Union[_tree_pb2.TreeSpec, _Mapping]] = ..., no_spec: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text_delta", "stats")
