@@ -73,9 +73,12 @@ def setup_tracing(service_name: str, exporter: SpanExporter | None = None, simpl
         _configured.add_span_processor(SimpleSpanProcessor(exporter) if simple else BatchSpanProcessor(exporter))
     if not _instrumented:
         logging.getLogger("opentelemetry.context").addFilter(_DetachNoise())
-        from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient, GrpcAioInstrumentorServer
+        from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient, GrpcAioInstrumentorServer, filters
 
-        GrpcAioInstrumentorServer().instrument()
+        # not grpc's own health servicer: its Watch is written in the read/write style (context.write),
+        # which the aio server interceptor cannot wrap (Watch would end UNKNOWN: "'async for' requires
+        # an object with __aiter__"); probes every few seconds would only add noise spans anyway
+        GrpcAioInstrumentorServer(filter_=filters.negate(filters.health_check())).instrument()
         GrpcAioInstrumentorClient().instrument()
         _instrumented = True
     return _configured

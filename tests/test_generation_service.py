@@ -396,3 +396,20 @@ def test_cost_aware_front_is_exact(pair, tmp_path, target_model):
             stop_service(front)
     finally:
         stop_service(draft), stop_service(target)
+
+
+def test_health_watch_and_reflection_work_with_tracing_on(stack):
+    """Every service of the three processes runs with the OpenTelemetry server interceptor on (the
+    stack exports spans): Health/Watch streams SERVING (it ended UNKNOWN when the interceptor wrapped
+    grpc's read/write-style Watch) and reflection lists the services."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    _, draft, target, front = stack
+    for service, name in ((draft, "specdec.v1.DraftService"), (target, "specdec.v1.TargetService"),
+                          (front, "specdec.v1.GenerationService")):
+        with grpc.insecure_channel(service.address) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=name), timeout=10)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING, service.kind
+            watch.cancel()
+            assert name in ProtoReflectionDescriptorDatabase(channel).get_services()
