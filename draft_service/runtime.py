@@ -54,19 +54,22 @@ class DraftRuntime:
         rng = None if sampling.greedy else session_rng(sampling, "draft")
         self.sessions[session_id] = DraftSession(list(prompt_ids), new_cache(self.model.config), sampling=sampling, rng=rng)
 
-    def prefill(self, session_id: str) -> None:
-        """Feed the committed tokens but the last into the cache now (the draft service calls this
-        right after ``start``, so the draft's prefill overlaps the target's); the first ``propose``
-        then feeds only the last one. Without it, the first propose feeds them all."""
+    def prefill(self, session_id: str, max_tokens: int | None = None) -> bool:
+        """Feed the committed tokens but the last into the cache now, at most ``max_tokens`` of them
+        (None = all) (the draft service calls this right after ``start``, chunk by chunk, so the
+        draft's prefill overlaps the target's and other sessions' proposes get in between chunks);
+        the first ``propose`` then feeds only what is left. Without it, the first propose feeds them
+        all. Returns True when tokens are left to prefill."""
         s = self.sessions.get(session_id)
         if s is None:  # released before its queued prefill ran
-            return
-        pending = s.tokens[s.cached_len : -1]
+            return False
+        pending = s.tokens[s.cached_len : -1][:max_tokens]
         if not pending or s.round_start is not None or max(pending) >= self.model.config.vocab_size:
-            return
-        positions = torch.arange(s.cached_len, len(s.tokens) - 1)
+            return False
+        positions = torch.arange(s.cached_len, s.cached_len + len(pending))
         model_forward(self.model, s.cache, pending, positions, mask=None, logits_rows=1)
-        s.cached_len = len(s.tokens) - 1
+        s.cached_len += len(pending)
+        return s.cached_len < len(s.tokens) - 1
 
     def release(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)

@@ -162,8 +162,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             self.worker.submit(self.runtime.release, stream.key)
             raise
         if hasattr(self.runtime, "prefill"):  # queued, not awaited: the prefill overlaps the target's (jobs run in order)
-            self.worker.submit(self.runtime.prefill, stream.key)
+            self.worker.submit(self._prefill_chunk, stream.key)
         return stream, draft_pb2.DraftStarted(cached_tokens=self._cached(stream), context_limit=self.context_limit)
+
+    def _prefill_chunk(self, key: str) -> None:
+        """One chunk of a session's prefill (on the worker thread); queues the next one behind the jobs
+        submitted meanwhile, so a long prompt does not hold up other sessions' proposes."""
+        if self.runtime.prefill(key, self.config.prefill_chunk_tokens):
+            self.worker.submit(self._prefill_chunk, key)
 
     def _cached(self, stream: _Stream) -> int:
         session = getattr(self.runtime, "sessions", {}).get(stream.key)

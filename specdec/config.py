@@ -45,6 +45,7 @@ class DraftServerConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=50061, ge=0, le=65535)      # 0 = ephemeral
     max_sessions: int = Field(default=256, ge=1)
+    prefill_chunk_tokens: int = Field(default=256, ge=1)  # prompt tokens per prefill job: others' proposes get in between
 
 
 class TargetServerConfig(_Section):
@@ -55,6 +56,7 @@ class TargetServerConfig(_Section):
     batch_wait_ms: float = Field(default=2.0, ge=0)       # how long a verify waits for company
     max_kv_tokens: int = Field(default=1 << 20, ge=1)     # KV slots over all sessions (RESOURCE_EXHAUSTED past it)
     max_tree_nodes: int = Field(default=512, ge=1)
+    prefill_chunk_tokens: int = Field(default=256, ge=1)  # prompt tokens per prefill forward: an abort or others' verifies get in between
     session_idle_s: float = Field(default=600.0, gt=0)    # a session untouched this long is released (its client died)
 
 

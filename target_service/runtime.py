@@ -76,6 +76,26 @@ class TargetRuntime:
         self.sessions[session_id] = TargetSession(cache, len(prompt_ids) - 1, prompt_ids[-1], sampling, rng,
                                                   root_logits=root_logits[-1])
 
+    def extend(self, session_id: str, prompt_ids: list[int]) -> None:
+        """Feed the next chunk of the prompt to a session that ``start`` opened with its first chunk
+        (chunked prefill: one model job per chunk, so an abort or another session's verify gets in
+        between chunks). prompt_ids: [C] token ids, C >= 1; afterwards the last of them is R, with its
+        KV and logits cached, exactly as if ``start`` had been given the whole prompt.
+
+        Raises ValueError for an empty chunk, SessionStateError once the session has verified.
+        """
+        s = self._session(session_id)
+        if s.root_logits is None or s.pending is not None:
+            raise SessionStateError(f"session_id: {session_id!r} is past its prefill (it has verified)")
+        if not prompt_ids:
+            raise ValueError("prompt_ids: empty prefill chunk")
+        first = s.cache_len + 1  # R's slot is cached: the chunk follows it
+        positions = torch.arange(first, first + len(prompt_ids))
+        logits = model_forward(self.model, s.cache, list(prompt_ids), positions, mask=None, logits_rows=1)  # (1, V)
+        s.cache_len += len(prompt_ids)
+        s.root = prompt_ids[-1]
+        s.root_logits = logits[-1]
+
     def release(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)
 

@@ -182,8 +182,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         except SamplingParamsError as exc:
             raise SamplingParamsError(f"sampling.{exc.field}", exc.detail) from None
         new = self.sessions.open(request.session_id, len(prompt))
-        try:
-            await self.worker.run(self.runtime.start, request.session_id, prompt, sampling)
+        chunk = self.config.prefill_chunk_tokens
+        try:  # chunk by chunk: a cancelled call (abort, deadline, client gone) stops after the current chunk
+            await self.worker.run(self.runtime.start, request.session_id, prompt[:chunk], sampling)
+            for at in range(chunk, len(prompt), chunk):
+                await self.worker.run(self.runtime.extend, request.session_id, prompt[at : at + chunk])
         except BaseException:
             # The worker thread may still finish runtime.start after a cancel: release after it (jobs run in order).
             self.sessions.discard(request.session_id, new)

@@ -516,6 +516,10 @@ class TensorParallelTarget:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
         self._call("start", (session_id, list(prompt_ids), sampling))
 
+    def extend(self, session_id: str, prompt_ids: list[int]) -> None:
+        """``TargetRuntime.extend`` (the next prefill chunk) on every rank."""
+        self._call("extend", (session_id, list(prompt_ids)))
+
     def verify(self, session_id: str, tree: DraftTree):
         """``TargetRuntime.verify`` on every rank; rank 0's decision is the result and every rank's
         pending state. Returns VerifyResult."""

@@ -697,3 +697,87 @@ def test_idle_sessions_are_released_after_session_idle_s(tmp_path):
     finally:
         stop_service(service)
     assert "released session 'orphan': idle" in service.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunked prefill: an aborted prompt stops between chunks; other sessions get in between
+# ----------------------------------------------------------------------------------------------
+
+def test_chunked_prefill_equals_one_forward_and_generation_is_unchanged():
+    """start(first chunk) + extend(rest) leaves R's logits and the whole greedy run of one start(prompt)."""
+    model = tiny_model("qwen2", seed=0)
+    prompt = random_prompt(4, 23)
+    whole, chunked = TargetRuntime(model), TargetRuntime(model)
+    whole.start("s", prompt)
+    chunked.start("s", prompt[:5])
+    for at in range(5, 23, 5):
+        chunked.extend("s", prompt[at : at + 5])
+    a, b = whole.sessions["s"], chunked.sessions["s"]
+    assert (b.cache_len, b.root) == (a.cache_len, a.root) == (22, prompt[-1])
+    torch.testing.assert_close(b.root_logits, a.root_logits, rtol=1e-5, atol=1e-5)
+    outputs = []
+    for runtime in (whole, chunked):
+        for _ in range(6):  # plain decoding steps (empty trees) on each
+            token = runtime.verify("s", DraftTree((), ())).tokens[0]
+            runtime.commit("s", 1)
+            outputs.append(token)
+    assert outputs[:6] == outputs[6:]
+    with pytest.raises(Exception, match="past its prefill"):
+        chunked.extend("s", [1])
+
+
+def test_draft_prefill_in_chunks_feeds_all_but_the_last_token():
+    model = tiny_model("qwen2", seed=1)
+    runtime = DraftRuntime(model)
+    runtime.start("d", random_prompt(2, 11))
+    assert [runtime.prefill("d", 4), runtime.prefill("d", 4), runtime.prefill("d", 4)] == [True, True, False]
+    assert runtime.sessions["d"].cached_len == 10 and not runtime.prefill("d", 4)
+
+
+def test_an_aborted_prefill_stops_between_chunks_and_does_not_delay_others():
+    """A 40-chunk prefill (0.1 s a chunk) is cancelled after 0.35 s: at most a few more chunks run,
+    its session is released, and a 3-token prefill sent right after it answers at once (with one
+    forward for the whole prompt it waited the full 4 s)."""
+    from specdec.config import GrpcConfig, TargetServerConfig
+    from specdec.grpc_host import ServiceHost
+    from target_service.server import SERVICE_NAME, TargetServicer
+
+    chunks: list[str] = []
+
+    class SlowRuntime(TargetRuntime):  # 0.1 s per 10 prompt tokens fed, on the worker thread
+        def start(self, session_id, prompt_ids, sampling=GREEDY):
+            chunks.append(session_id)
+            time.sleep(0.1 * math.ceil(len(prompt_ids) / 10))
+            super().start(session_id, prompt_ids, sampling)
+
+        def extend(self, session_id, prompt_ids):
+            chunks.append(session_id)
+            time.sleep(0.1 * math.ceil(len(prompt_ids) / 10))
+            super().extend(session_id, prompt_ids)
+
+    async def main():
+        host = ServiceHost("test-target", GrpcConfig(shutdown_grace_s=1.0))
+        servicer = TargetServicer(SlowRuntime(tiny_model("qwen2", seed=0)), context_limit=512,
+                                  config=TargetServerConfig(prefill_chunk_tokens=10))
+        target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, host.server)
+        port = await host.start("127.0.0.1", 0, [SERVICE_NAME])
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = target_pb2_grpc.TargetServiceStub(channel)
+                long = stub.Prefill(target_pb2.PrefillRequest(session_id="long", prompt_ids=random_prompt(1, 400)))
+                await asyncio.sleep(0.35)
+                long.cancel()  # what an abort or a client that went away does to the call
+                started = time.monotonic()
+                await stub.Prefill(target_pb2.PrefillRequest(session_id="short", prompt_ids=[1, 2, 3]), timeout=10)
+                short_s = time.monotonic() - started
+                await asyncio.sleep(0.3)  # the release queued behind the chunk in progress
+                info = await stub.Info(target_pb2.InfoRequest(), timeout=5)
+        finally:
+            await host.server.stop(None)
+            servicer.close()
+        return short_s, info
+
+    short_s, info = asyncio.run(main())
+    assert short_s < 1.0, f"the short prefill waited {short_s:.2f} s behind the cancelled one"
+    assert chunks.count("long") <= 6
+    assert (info.sessions, info.cached_tokens) == (1, 2)  # only the short session holds KV (L = T - 1)
