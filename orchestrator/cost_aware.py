@@ -223,6 +223,9 @@ class CostAwareControl:
         self.rounds += 1
         if self.timing_free:
             return
+        # the first round's empty verify reuses the prefill's logits: no forward ran, its ~1 ms says
+        # nothing about V(1) (taken as a figure, it made drafting look 1000x dearer than verifying)
+        no_forward = self.rounds == 1 and not shaped.tree.size
         observe_verified(shaped, accepted_nodes, self.calib, self.ctx_calib)
         observe_verified(shaped, accepted_nodes, self.shared.calib, self.shared.ctx_calib)
         depths = node_depths(shaped.tree.parents)
@@ -244,7 +247,8 @@ class CostAwareControl:
         else:
             self.rounds_without_draft += 1
             self.shared.rounds_without_draft += 1
-        self.shared.cost.observe_round(shaped.tree.size + 1, verify_s, parents_per_step, draft_s, overhead_s)
+        if not no_forward:
+            self.shared.cost.observe_round(shaped.tree.size + 1, verify_s, parents_per_step, draft_s, overhead_s)
 
     def _learn_raw_ratio(self, drafted: DraftTree, shaped: ShapedTree) -> None:
         """raw best path probability / calibrated value of the deepest kept draft node."""

@@ -38,14 +38,17 @@ DRAFT_STEPS = 3  # steps per timed draft proposal at start-up
 class LatencyCurve:
     """A latency curve ms(x) = scale * base(x) through measured points (module docstring).
 
-    points: {x: ms} with x >= 1 integers (at least one point); alpha: weight of one observation.
-    Thread-safe: one lock around reads and updates (the front's requests share one curve).
+    points: {x: ms} with x >= 1 integers (at least one point); alpha: weight of one observation;
+    measured: the points were measured on this deployment (start-up), so the first observation
+    moves the scale like any other instead of setting it (that rule is for prior figures, which may
+    come from another machine). Thread-safe: one lock around reads and updates (the front's requests share one curve).
     """
 
     points: dict[int, float]
     alpha: float = 0.2
     scale: float = 1.0
     observations: int = 0
+    measured: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __post_init__(self):
@@ -84,7 +87,7 @@ class LatencyCurve:
             return
         with self._lock:
             predicted = self.scale * sum(self.base(x) for x in xs)
-            if self.observations == 0 and self.alpha > 0:  # the first figure of this deployment sets the scale
+            if self.observations == 0 and self.alpha > 0 and not self.measured:  # prior figures: the first one here sets the scale
                 self.scale *= ms / predicted
                 self.observations += 1
                 return
@@ -107,8 +110,10 @@ class CostModel:
 
     def __init__(self, verify_ms: dict[int, float] | None = None, draft_step_ms: dict[int, float] | None = None,
                  alpha: float = 0.2, source: str = "prior"):
-        self.verify = LatencyCurve(dict(verify_ms or PRIOR_VERIFY_MS), alpha)
-        self.draft_step = LatencyCurve(dict(draft_step_ms or PRIOR_DRAFT_STEP_MS), alpha)
+        measured = source == "measured"
+        self.verify = LatencyCurve(dict(verify_ms or PRIOR_VERIFY_MS), alpha, measured=measured and bool(verify_ms))
+        self.draft_step = LatencyCurve(dict(draft_step_ms or PRIOR_DRAFT_STEP_MS), alpha,
+                                       measured=measured and bool(draft_step_ms))
         self.round_overhead_ms = 0.0
         self.source = source  # "prior" | "measured": where the starting points came from
 
@@ -116,7 +121,7 @@ class CostModel:
         """D(parents). Until a draft step has been observed, the draft curve follows the verify
         curve's scale: prior or start-up figures hold the ratio of the two models' costs, and a
         machine that runs the target 10x faster than the figures runs the draft about as much faster."""
-        if self.draft_step.observations == 0:
+        if self.draft_step.observations == 0 and not self.draft_step.measured:
             return self.verify.scale * self.draft_step.base(parents)
         return self.draft_step(parents)
 
@@ -133,8 +138,8 @@ class CostModel:
         """Fold one round's timings into the curves (seconds in, as the round loop measures them)."""
         self.verify.observe(rows, verify_s * 1000)
         if draft_s and parents_per_step:
-            if self.draft_step.observations == 0:
-                self.draft_step.scale = self.verify.scale  # start from the ratio of the figures
+            if self.draft_step.observations == 0 and not self.draft_step.measured:
+                self.draft_step.scale = self.verify.scale  # prior figures: start from their ratio
             self.draft_step.observe_sum(parents_per_step, draft_s * 1000)
         self.round_overhead_ms += 0.2 * (overhead_s * 1000 - self.round_overhead_ms)
 

@@ -205,3 +205,19 @@ def test_seeded_sampled_requests_do_not_depend_on_timings():
         request = GenerationRequest(prompt, max_new_tokens=16, spec=spec, sampling=SamplingParams(0.8, seed=5))
         outputs.append(engine.generate(request).tokens)
     assert outputs[0] == outputs[1]
+
+
+def test_the_first_rounds_free_verify_is_not_taken_as_a_cost_figure():
+    """The first round verifies an empty tree on the prefill's logits (no forward, ~1 ms): the shared
+    cost model must not learn V(1) from it (it once set V(1) to ~1 ms, and no draft step paid for
+    dozens of rounds). A later plain round, which runs a forward, is observed."""
+    model = tiny_model("qwen2", seed=0)
+    prompt = random_prompt(seed=7)
+    cost = CostModel({1: 300.0, 8: 450.0}, {1: 45.0}, alpha=0.5, source="measured")
+    shared = SharedState(cost=cost)
+    factory = lambda s: CostAwareControl(s, shared, ngram_tokens=0)  # noqa: E731
+    _, _, records = generate(model, DraftRuntime(model), prompt, CHAIN4, factory, n=1)
+    assert len(records) == 1 and records[0].proposed == 0
+    assert cost.verify.observations == 0 and cost.verify(1) == 300.0
+    generate(model, DraftRuntime(model), prompt, CHAIN4, factory, n=3)
+    assert cost.verify.observations >= 1  # the rounds after the first one are figures
