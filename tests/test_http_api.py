@@ -7,8 +7,8 @@ greedy decoding (HF ``generate``) token for token; streamed text must concatenat
 non-streamed text; usage must count the streamed tokens; stop strings and max_tokens must give
 their finish reasons; bad parameters must give 400 naming them; a client that disconnects must
 free its sessions on the draft and the target; concurrent streams must each get their solo output.
-A second front (bearer token, a target with a tiny KV budget) checks 401 and 429; the last test
-drains the first front (SIGTERM) and checks 503.
+A second front (bearer tokens, a target with a tiny KV budget) checks 401 and 429; the last test
+drains the first front (SIGTERM) and checks 503 while its running stream finishes.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from specdec.harness.servers import launch_service, stop_service, wait_address, wait_for_exit, wait_ready
 from tests.conftest import hf_greedy
 from tests.test_generation_service import assert_draft_session_free, prompt_ids, target_info, wait_sessions
-from tests.tiny_pair import save_tiny, save_tiny_pair, write_config
+from tests.tiny_pair import save_tiny_pair, write_config
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
@@ -47,19 +47,35 @@ def pair(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stack(pair, tmp_path_factory):
-    """Draft (one session at a time: a leaked one shows), target and front with HTTP on."""
-    config = write_config(tmp_path_factory.mktemp("cfg") / "serve.yaml", pair, draft={"max_sessions": 1},
+def servers(pair, tmp_path_factory):
+    """Every server of this module, launched together so that their start-ups overlap:
+    "main": draft (one session at a time: a leaked one shows), target and front with HTTP on;
+    "guarded": a second front with bearer tokens, over its own target with a KV budget of 64 slots
+    (and the main draft, unused: it does not speculate). Yields {name: (draft, target, front, http)}."""
+    root = tmp_path_factory.mktemp("cfg")
+    config = write_config(root / "serve.yaml", pair, draft={"max_sessions": 1},
                           front={"port": 0, "http_port": 0, "cost_aware": {"enabled": False}},
                           target={"max_tree_nodes": 64})
+    (root / "tokens.txt").write_text("first-token\n\nsecond-token\n")
+    guarded_config = write_config(root / "guarded.yaml", pair, target={"max_kv_tokens": 64},
+                                  front={"port": 0, "http_port": 0, "speculate": False,
+                                         "auth_token_file": str(root / "tokens.txt")})
     draft, target = launch_service("draft", config), launch_service("target", config)
-    wait_ready(draft), wait_ready(target)
-    front = wait_ready(launch_service("front", config, draft_address=draft.address, target_address=target.address,
-                                      no_ray=True))
-    http = wait_address(front, "http")
-    yield draft, target, front, http
-    for service in (front, draft, target):
+    guarded_target = launch_service("target", guarded_config)
+    wait_ready(draft), wait_ready(target), wait_ready(guarded_target)
+    front = launch_service("front", config, draft_address=draft.address, target_address=target.address, no_ray=True)
+    guarded_front = launch_service("front", guarded_config, draft_address=draft.address,
+                                   target_address=guarded_target.address, no_ray=True)
+    wait_ready(front), wait_ready(guarded_front)
+    yield {"main": (draft, target, front, wait_address(front, "http")),
+           "guarded": (draft, guarded_target, guarded_front, wait_address(guarded_front, "http"))}
+    for service in (front, guarded_front, draft, target, guarded_target):
         stop_service(service)
+
+
+@pytest.fixture(scope="module")
+def stack(servers):
+    return servers["main"]
 
 
 @pytest.fixture(scope="module")
@@ -299,20 +315,8 @@ def test_ten_concurrent_streams_each_get_their_solo_output(client, target_model,
 
 
 @pytest.fixture(scope="module")
-def guarded(stack, tmp_path_factory):
-    """A second front with a bearer token, over its own target with a KV budget of 64 slots."""
-    root = tmp_path_factory.mktemp("guarded")
-    tokens = root / "tokens.txt"
-    tokens.write_text("first-token\n\nsecond-token\n")
-    target_dir = save_tiny(root / "target", 0, max_pos=256)
-    config = write_config(root / "serve.yaml", models={"target": str(target_dir), "draft": str(target_dir)},
-                          target={"max_kv_tokens": 64},
-                          front={"port": 0, "http_port": 0, "speculate": False, "auth_token_file": str(tokens)})
-    target = wait_ready(launch_service("target", config))
-    front = wait_ready(launch_service("front", config, draft_address=stack[0].address, target_address=target.address,
-                                      no_ray=True))
-    yield wait_address(front, "http")
-    stop_service(front), stop_service(target)
+def guarded(servers):
+    return servers["guarded"][3]
 
 
 def test_bearer_token_and_kv_limit(guarded):
