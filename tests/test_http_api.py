@@ -156,6 +156,35 @@ def long_prompt(target_model) -> list[int]:
     pytest.fail("no prompt runs 240 greedy tokens without EOS")
 
 
+# --------------------------------------------------------------------------- without servers
+
+
+@pytest.mark.parametrize("deltas,stop,sent", [
+    (["ab", "c s", "top", "xyz"], ("stop",), ["", "ab", "c ", ""]),   # spans deltas: the tail is held back
+    (["ab", "c stopxyz"], ("stop", "zz"), ["", "abc "]),              # complete in one delta
+    (["ab", "c stopxyz", "w"], ("stop",), ["", "abc ", ""]),          # ... before the end is known
+    (["hello", " world"], (), ["hello", " world"]),                   # no stop strings: nothing held
+    (["xx s", "to"], ("stop",), ["x", "x sto"]),                      # ended without one: the rest flushed
+])
+def test_stop_trim_never_sends_the_stop_string(deltas, stop, sent):
+    from orchestrator.http_api import StopTrim
+
+    trim = StopTrim(stop)
+    assert [trim.push(d) for d in deltas[:-1]] + [trim.final(deltas[-1])] == sent
+
+
+def test_http_config_fields_and_their_errors(pair, capsys):
+    from orchestrator.front import run
+    from specdec.config import ConfigError, load_config
+
+    assert load_config().front.http_port is None  # HTTP is off unless asked for
+    assert load_config(None, {"front.http_port": 0, "front.metrics_port": 0}).front.http_port == 0
+    with pytest.raises(ConfigError, match="http_port: 50060 is already front.port"):
+        load_config(None, {"front.http_port": 50060})
+    code = run(None, {"models.target": str(pair.target), "front.http_port": 0, "front.auth_token_file": "/no/such/file"})
+    assert code == 2 and "front.auth_token_file: cannot read /no/such/file" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- the tests
 
 
