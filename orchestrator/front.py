@@ -265,4 +265,6 @@ def run(config_path: str | None = None, overrides: dict | None = None) -> int:
         run_front(config)
     except grpc.aio.AioRpcError as exc:
         return fail(f"front: cannot reach the target service at {config.front.target_address} ({exc.code().name})")
+    except OSError as exc:  # a port that cannot be bound
+        return fail(str(exc))
     return 0

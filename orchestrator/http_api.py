@@ -612,21 +612,25 @@ class _LoopServer(uvicorn.Server):
 class HttpServer:
     """The HTTP API on host:port, served by uvicorn as a task of the running loop."""
 
-    def __init__(self, api: HttpApi, sock: socket.socket, host: str):
+    def __init__(self, api: HttpApi, sock: socket.socket, host: str, grace_s: float):
         self.api = api
         self.sock = sock
         self.host = host
         self.port = sock.getsockname()[1]
         self.server = _LoopServer(uvicorn.Config(api.app, log_config=None, access_log=False, lifespan="off",
-                                                 timeout_graceful_shutdown=5))
+                                                 timeout_graceful_shutdown=max(grace_s, 0.1)))
         self.task: asyncio.Task | None = None
 
     @classmethod
-    async def start(cls, api: HttpApi, host: str, port: int) -> "HttpServer":
+    async def start(cls, api: HttpApi, host: str, port: int, grace_s: float = 10.0) -> "HttpServer":
         """Bind host:port (0 = ephemeral), serve, print ``http ready on HOST:PORT``. Raises OSError
-        when the address cannot be bound."""
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-        server = cls(api, socket.create_server((host, port), family=family), host)
+        naming front.http_port when the address cannot be bound."""
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+            sock = socket.create_server((host, port), family=family)
+        except OSError as exc:
+            raise OSError(f"front.http_port: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        server = cls(api, sock, host, grace_s)
         server.task = asyncio.create_task(server.server.serve(sockets=[server.sock]))
         while not server.server.started:
             if server.task.done():
@@ -652,4 +656,4 @@ async def start_http(config, servicer: GenerationServicer, tok_dir: str, registr
     front = config.front
     model_name = front.served_model_name or Path(tok_dir).name
     api = HttpApi(servicer, model_name, registry, draining, load_auth_tokens(front.auth_token_file))
-    return await HttpServer.start(api, front.host, front.http_port)
+    return await HttpServer.start(api, front.host, front.http_port, config.grpc.shutdown_grace_s)
