@@ -240,6 +240,10 @@ def _generate_remote(server, prompt, prompt_file, tree, max_new_tokens, temperat
     err.print(stats_table(stats, not no_spec, sampling))
 
 
+_HTTP_PORT_HELP = ("Also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this "
+                   "port of front.host (0 = ephemeral); overrides front.http_port (default: off).")
+
+
 @app.command()
 def front(
     config: Optional[Path] = typer.Option(None, help=CONFIG_HELP),
@@ -250,13 +254,15 @@ def front(
     target_address: Optional[str] = typer.Option(None, help="Target service host:port; overrides front.target_address."),
     ray_address: Optional[str] = typer.Option(None, help="Attach to this Ray cluster ('auto' inside one); default: start a local Ray."),
     no_ray: bool = typer.Option(False, "--no-ray", help="Run requests in this process instead of Ray actors."),
+    http_port: Optional[int] = typer.Option(None, help=_HTTP_PORT_HELP),
 ) -> None:
-    """Serve the public GenerationService (orchestrator on Ray) until SIGTERM."""
+    """Serve the public GenerationService (orchestrator on Ray) until SIGTERM; with --http-port also
+    the OpenAI-compatible HTTP API."""
     from orchestrator.front import run
 
     overrides = {"front.port": port, "front.host": host, "models.target": target, "front.draft_address": draft_address,
                  "front.target_address": target_address, "front.use_ray": False if no_ray else None,
-                 "front.ray_address": ray_address}
+                 "front.ray_address": ray_address, "front.http_port": http_port}
     raise typer.Exit(run(str(config) if config else None, overrides))
 
 
@@ -268,20 +274,23 @@ def serve(
     dtype: Optional[str] = typer.Option(None, help="auto, float32, bfloat16 or float16; overrides models.dtype."),
     tp: Optional[int] = typer.Option(None, help="Tensor-parallel ranks of the target; overrides target.tp."),
     no_ray: bool = typer.Option(False, "--no-ray", help="The front runs requests in its own process instead of Ray actors."),
+    http_port: Optional[int] = typer.Option(None, help=_HTTP_PORT_HELP),
 ) -> None:
     """Start the draft service, the target service and the generation front on this machine.
 
-    Prints one line per service (name and host:port) once it is ready; SIGTERM or Ctrl-C stops all three."""
+    Prints one line per service (name and host:port) once it is ready, and ``http ready on
+    HOST:PORT`` when the front serves HTTP too; SIGTERM or Ctrl-C stops all three."""
     try:
         check_positive(tp=tp)
-        cfg = load_config(config, {"target.tp": tp})
+        cfg = load_config(config, {"target.tp": tp, "front.http_port": http_port})
     except (UsageError, ConfigError) as exc:
         fail(str(exc))
     flags = []
     for name, value in (("--target", target), ("--draft", draft), ("--dtype", dtype)):
         if value is not None:
             flags += [name, value]
-    raise typer.Exit(launch(str(config) if config else None, flags, tp=tp, no_ray=no_ray, grace_s=cfg.grpc.shutdown_grace_s))
+    raise typer.Exit(launch(str(config) if config else None, flags, tp=tp, no_ray=no_ray, grace_s=cfg.grpc.shutdown_grace_s,
+                            http_port=http_port, http=cfg.front.http_port is not None))
 
 
 def main() -> None:

@@ -99,9 +99,17 @@ def make_control(control: str | ControlFactory | None, target, draft, measure_co
 def encode_prompt(tokenizer, prompt: str, raw: bool) -> list[int]:
     """Token ids of a prompt; instruct models get their chat template unless ``raw``."""
     if not raw and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
     return tokenizer(prompt)["input_ids"]
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation (``[{"role": ..., "content": ...}, ...]``) through the tokenizer's
+    chat template, ending with the assistant's turn. Raises ValueError when it has no chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("messages: the model's tokenizer has no chat template (send a raw prompt instead)")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def set_threads(threads: int | None) -> None:

@@ -6,8 +6,10 @@ each round's tokens with their text delta, then the final statistics. ``Abort`` 
 by id; a client that goes away cancels its request too; either frees the request's KV on both
 services. Bad requests get INVALID_ARGUMENT naming the field; errors of the target service keep
 their status code. Per-round records feed the Prometheus metrics and the global acceptance monitor.
+With ``front.http_port`` set, the same front also serves the OpenAI-compatible HTTP API
+(orchestrator.http_api), through the same ``parse`` and ``run``.
 
-    specdec front --config deploy/specdec.yaml
+    specdec front --config deploy/specdec.yaml [--http-port 8000]
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import dataclasses
 import logging
 import time
 import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
 
 import grpc
 from opentelemetry import propagate
@@ -30,7 +34,7 @@ from specdec.config import ServeConfig
 from specdec.grpc_host import ServiceHost
 from specdec.process_entry import configure_logging
 from specdec.sampling import SamplingParamsError
-from specdec.stats import RoundRecord
+from specdec.stats import GenerationStats, RoundRecord
 from specdec.telemetry import setup_tracing, shutdown_tracing
 from specdec.tree_spec import TreeSpecError
 from specdec.v1 import generation_pb2, generation_pb2_grpc
@@ -73,8 +77,26 @@ class TextDeltas:
         return delta
 
 
+class RequestIdInUse(Exception):
+    """A request with this id is already running on this front."""
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One step of a request's stream (``GenerationServicer.run``): the tokens a round committed and
+    their text delta, or the end, with the request's statistics (``stats`` set, ``tokens`` empty)."""
+
+    tokens: list[int]
+    text_delta: str
+    stats: GenerationStats | None = None
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    """specdec.v1.GenerationService over a backend (LocalBackend or RayBackend)."""
+    """specdec.v1.GenerationService over a backend (LocalBackend or RayBackend).
+
+    ``parse`` and ``run`` are the one path of every request of this front: the gRPC ``Generate``
+    here and the HTTP API (orchestrator.http_api) both call them.
+    """
 
     def __init__(self, config: ServeConfig, backend, tokenizer, metrics=None, monitor=None):
         self.config = config
@@ -84,7 +106,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.monitor = monitor
         self.running: set[str] = set()  # request ids with a stream open
 
-    def _request(self, msg: generation_pb2.GenerateRequest) -> GenerationRequest:
+    def parse(self, msg: generation_pb2.GenerateRequest) -> GenerationRequest:
         """Validate and convert; raises ValueError / SamplingParamsError / TreeSpecError naming the field."""
         front, info = self.config.front, self.backend.info
         if msg.prompt and msg.prompt_ids:
@@ -117,39 +139,59 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return GenerationRequest(ids, msg.max_new_tokens or front.max_new_tokens, tuple(msg.stop), spec, sampling,
                                  ignore_eos=msg.ignore_eos)
 
-    async def Generate(self, request, context):
-        try:
-            req = self._request(request)
-        except (ValueError, SamplingParamsError, TreeSpecError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        request_id = request.request_id or f"gen-{uuid.uuid4().hex[:12]}"
+    async def run(self, req: GenerationRequest, request_id: str, timeout_s: float | None = None,
+                  carrier: dict | None = None) -> AsyncIterator[StreamEvent]:
+        """Run a parsed request on the backend: a StreamEvent per round with tokens, then the final one.
+
+        timeout_s: the client's time left (None = no deadline); carrier: W3C trace context of the
+        caller (None = the current context). Rounds feed the metrics and the acceptance monitor.
+        Raises RequestIdInUse, ValueError naming the field, or UpstreamError (a downstream service's
+        status). Closing the iterator early (client gone) cancels the request and frees its KV.
+        """
         if request_id in self.running:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request_id!r} is already running")
+            raise RequestIdInUse(f"request_id: {request_id!r} is already running")
         self.running.add(request_id)
-        carrier: dict = {}
-        propagate.inject(carrier)
+        if carrier is None:
+            carrier = {}
+            propagate.inject(carrier)
         deltas = TextDeltas(self.tokenizer)
         started = time.perf_counter()
         try:
-            async for tokens, record, stats in self.backend.stream(req, request_id, context.time_remaining(), carrier):
+            async for tokens, record, stats in self.backend.stream(req, request_id, timeout_s, carrier):
                 if record is not None:
                     self._observe(request_id, record)
                 if tokens:
-                    yield generation_pb2.GenerateResponse(request_id=request_id, token_ids=tokens, text_delta=deltas.push(tokens))
+                    yield StreamEvent(tokens, deltas.push(tokens))
                 if stats is not None:
                     if not stats.total_s:
                         stats = dataclasses.replace(stats, total_s=time.perf_counter() - started)
-                    yield generation_pb2.GenerateResponse(request_id=request_id, text_delta=deltas.final(),
-                                                          stats=stats_to_proto(stats, len(req.prompt_ids)))
+                    yield StreamEvent([], deltas.final(), stats)
+        finally:
+            self.running.discard(request_id)
+            if self.monitor is not None:
+                self.monitor.release(request_id)
+
+    async def Generate(self, request, context):
+        try:
+            req = self.parse(request)
+        except (ValueError, SamplingParamsError, TreeSpecError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        request_id = request.request_id or f"gen-{uuid.uuid4().hex[:12]}"
+        try:
+            async for event in self.run(req, request_id, context.time_remaining()):
+                if event.stats is None:
+                    yield generation_pb2.GenerateResponse(request_id=request_id, token_ids=event.tokens,
+                                                          text_delta=event.text_delta)
+                else:
+                    yield generation_pb2.GenerateResponse(request_id=request_id, text_delta=event.text_delta,
+                                                          stats=stats_to_proto(event.stats, len(req.prompt_ids)))
+        except RequestIdInUse as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except UpstreamError as exc:
             code = getattr(grpc.StatusCode, exc.code_name, grpc.StatusCode.INTERNAL)
             await context.abort(code, exc.details)
-        finally:
-            self.running.discard(request_id)
-            if self.monitor is not None:
-                self.monitor.release(request_id)
 
     def _observe(self, request_id: str, record: RoundRecord) -> None:
         if self.metrics is not None:
@@ -167,7 +209,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
 
 async def serve_front(config: ServeConfig) -> int:
-    """Run the front until SIGTERM/SIGINT. Returns the bound port."""
+    """Run the front until SIGTERM/SIGINT: the gRPC GenerationService and, when front.http_port is
+    set, the OpenAI-compatible HTTP API (orchestrator.http_api) over the same servicer; both drain
+    together. Returns the bound gRPC port."""
     setup_tracing("specdec-front")
     tok_dir = tokenizer_dir(config)
     tokenizer = load_tokenizer(tok_dir)
@@ -178,10 +222,20 @@ async def serve_front(config: ServeConfig) -> int:
     if config.front.metrics_port is not None:
         start_metrics_server(config.front.metrics_port, metrics)
     host = ServiceHost("generation-front", config.grpc)
-    generation_pb2_grpc.add_GenerationServiceServicer_to_server(
-        GenerationServicer(config, backend, tokenizer, metrics, monitor), host.server)
+    servicer = GenerationServicer(config, backend, tokenizer, metrics, monitor)
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, host.server)
     try:
-        return await host.serve(config.front.host, config.front.port, [SERVICE_NAME])
+        host.stop_on_signals()
+        bound = await host.start(config.front.host, config.front.port, [SERVICE_NAME])
+        http = None
+        if config.front.http_port is not None:
+            from orchestrator.http_api import start_http  # FastAPI and uvicorn only where HTTP is on
+
+            http = await start_http(config, servicer, tok_dir, metrics.registry, host.draining)
+        await host.wait_for_stop()
+        # host.drain first: it sets host.draining at once, so new HTTP requests get 503 meanwhile
+        await asyncio.gather(host.drain(), *([http.drain(config.grpc.shutdown_grace_s)] if http else []))
+        return bound
     finally:
         await backend.close()
         shutdown_tracing()
@@ -202,10 +256,16 @@ def run(config_path: str | None = None, overrides: dict | None = None) -> int:
     try:
         config = load_config(config_path, dict(overrides or {}))
         tokenizer_dir(config)  # fails early (exit 2) for an unknown model directory
+        if config.front.http_port is not None:
+            from orchestrator.http_api import load_auth_tokens
+
+            load_auth_tokens(config.front.auth_token_file)  # likewise for an unreadable token file
     except (ConfigError, ValueError) as exc:
         return fail(str(exc))
     try:
         run_front(config)
     except grpc.aio.AioRpcError as exc:
         return fail(f"front: cannot reach the target service at {config.front.target_address} ({exc.code().name})")
+    except OSError as exc:  # a port that cannot be bound
+        return fail(str(exc))
     return 0

@@ -2,7 +2,7 @@
 
 Starts the three servers as child processes with the same config file (ports, models, dtype from
 it or from flags), waits for each ready line and prints it (``draft-service ready on
-127.0.0.1:50061`` ...). With ports 0, the front gets the draft and target addresses they really
+127.0.0.1:50061`` ...; the front's ``http ready on HOST:PORT`` too when it serves HTTP). With ports 0, the front gets the draft and target addresses they really
 bound. SIGTERM/SIGINT stop the front first, then the draft and target, each with its grace. A child
 that fails to start makes serve exit 2 with that child's last error lines; a child that dies later
 is reported and the others keep serving (the front falls back to plain decoding without a draft).
@@ -59,12 +59,15 @@ def start_child(name: str, module: str, args: list[str], env=None) -> Child:
     return child
 
 
-def wait_ready(child: Child, timeout: float = READY_TIMEOUT_S, stop: threading.Event | None = None) -> str:
-    """Block until the child prints its ready line; returns ``host:port``. Raises LaunchError (also
-    when ``stop`` is set meanwhile: SIGTERM during start-up)."""
+def wait_ready(child: Child, timeout: float = READY_TIMEOUT_S, stop: threading.Event | None = None,
+               ready_lines: int = 1) -> str:
+    """Block until the child prints ``ready_lines`` ready lines (the front: its gRPC line, then
+    ``http ready on ...`` when it serves HTTP); prints them and returns the first's ``host:port``.
+    Raises LaunchError (also when ``stop`` is set meanwhile: SIGTERM during start-up)."""
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_pump, args=(child, lines), daemon=True).start()
     deadline = time.monotonic() + timeout
+    addresses = []
     while True:
         if stop is not None and stop.is_set():
             raise LaunchError(f"stopped while {child.name} was starting")
@@ -81,8 +84,11 @@ def wait_ready(child: Child, timeout: float = READY_TIMEOUT_S, stop: threading.E
             raise LaunchError(f"{child.name} exited with code {child.proc.returncode} before it was ready:\n{tail}")
         if " ready on " in line:
             print(line, flush=True)
-            child.address = line.rsplit(" ready on ", 1)[1].strip()
-            return child.address
+            addresses.append(line.rsplit(" ready on ", 1)[1].strip())
+            if len(addresses) == ready_lines:
+                child.address = addresses[0]
+                return child.address
+            continue
         print(f"[{child.name}] {line}", flush=True)
 
 
@@ -98,11 +104,13 @@ def stop_children(children: list[Child], grace_s: float) -> None:
 
 
 def serve(config_path: str | None, flags: list[str], tp: int | None = None, no_ray: bool = False,
-          grace_s: float = 10.0) -> int:
+          grace_s: float = 10.0, http_port: int | None = None, http: bool = False) -> int:
     """Run the three services until SIGTERM/SIGINT; returns the exit code.
 
     flags: model flags (--target DIR, --draft DIR, --dtype D), each passed to the children that take it
-    (the draft all three, the target --target and --dtype, the front --target).
+    (the draft all three, the target --target and --dtype, the front --target). http_port: the
+    front's --http-port (None = the config's front.http_port); http: whether the front serves HTTP
+    (then its ``http ready on`` line is awaited and printed too).
     """
     config_args = ["--config", config_path] if config_path else []
     children: list[Child] = []
@@ -122,9 +130,10 @@ def serve(config_path: str | None, flags: list[str], tp: int | None = None, no_r
         front_flags = _model_flags(flags, "--target")  # the front loads only the tokenizer
         front = start_child("generation-front", "orchestrator",
                             ["front", *config_args, *front_flags, "--draft-address", draft_addr,
-                             "--target-address", target_addr, *(["--no-ray"] if no_ray else [])], env)
+                             "--target-address", target_addr, *(["--no-ray"] if no_ray else []),
+                             *(["--http-port", str(http_port)] if http_port is not None else [])], env)
         children.append(front)
-        wait_ready(front, stop=stop)
+        wait_ready(front, stop=stop, ready_lines=2 if http else 1)
     except LaunchError as exc:
         stop_children(children[::-1], grace_s)
         if stop.is_set():

@@ -119,6 +119,22 @@ class FrontConfig(_Section):
     ray_num_cpus: int | None = Field(default=None, ge=1)
     workers: int = Field(default=1, ge=1)                 # orchestrator actors
     metrics_port: int | None = Field(default=None, ge=0, le=65535)   # Prometheus /metrics (None = off)
+    # OpenAI-compatible HTTP API (orchestrator.http_api) on front.host: /v1/completions,
+    # /v1/chat/completions, /v1/models, /health, /metrics. None = off (the gRPC API only); 0 = ephemeral.
+    http_port: int | None = Field(default=None, ge=0, le=65535)
+    auth_token_file: str | None = None                    # HTTP /v1/*: bearer tokens, one a line (None = no auth)
+    served_model_name: str | None = None                  # HTTP "model" id (None = the tokenizer directory's name)
+
+    @model_validator(mode="after")
+    def _distinct_ports(self):
+        ports = {"port": self.port, "metrics_port": self.metrics_port, "http_port": self.http_port}
+        taken = {}
+        for name, port in ports.items():
+            if port:  # None = off, 0 = ephemeral: never a clash
+                if port in taken:
+                    raise ValueError(f"{name}: {port} is already front.{taken[port]}")
+                taken[port] = name
+        return self
 
     @field_validator("tree", mode="before")
     @classmethod

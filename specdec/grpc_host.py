@@ -190,13 +190,21 @@ class ServiceHost:
         """Begin the graceful shutdown (what SIGTERM/SIGINT do)."""
         self._stop.set()
 
-    async def serve(self, host: str, port: int, service_names: Sequence[str]) -> int:
-        """Start, wait for SIGTERM/SIGINT, drain, stop. Returns the port that was bound."""
+    def stop_on_signals(self) -> None:
+        """SIGTERM/SIGINT begin the graceful shutdown (``request_stop``)."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
-        bound = await self.start(host, port, service_names)
+
+    async def wait_for_stop(self) -> None:
+        """Return once SIGTERM/SIGINT (or ``request_stop``) asked for the shutdown."""
         await self._stop.wait()
+
+    async def serve(self, host: str, port: int, service_names: Sequence[str]) -> int:
+        """Start, wait for SIGTERM/SIGINT, drain, stop. Returns the port that was bound."""
+        self.stop_on_signals()
+        bound = await self.start(host, port, service_names)
+        await self.wait_for_stop()
         await self.drain()
         return bound
 

@@ -317,6 +317,10 @@ def check_servers(resources: list[dict], config: ServeConfig) -> list[str]:
                 and ports.get("front-metrics") != config.front.metrics_port:
             problems.append(f"{where}: containerPort 'front-metrics' is {ports.get('front-metrics')}, "
                             f"config front.metrics_port is {config.front.metrics_port}")
+        if launch.subcommand == "front" and config.front.http_port is not None \
+                and ports.get("http") != config.front.http_port:
+            problems.append(f"{where}: containerPort 'http' is {ports.get('http')}, "
+                            f"config front.http_port is {config.front.http_port}")
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             grpc_probe = (ctr.get(kind) or {}).get("grpc")
             if grpc_probe is None:
@@ -661,7 +665,8 @@ def test_configmap_is_the_config_file(resources, tmp_path):
 def test_config_file_is_complete_about_what_the_cluster_relies_on():
     raw = yaml.safe_load(CONFIG_FILE.read_text())
     for section, key in [("draft", "port"), ("target", "port"), ("front", "port"), ("front", "tree"),
-                         ("grpc", "shutdown_grace_s"), ("front", "metrics_port")]:
+                         ("grpc", "shutdown_grace_s"), ("front", "metrics_port"),
+                         ("front", "http_port")]:
         assert key in raw[section], f"deploy/specdec.yaml: write {section}.{key} out (the manifests depend on it)"
 
 
@@ -734,6 +739,12 @@ MUTATIONS = {
     "front metrics port differs from config": (
         lambda r: _head(r)["ports"][1].update(containerPort=9090),
         "front-metrics"),
+    "front http port differs from config": (
+        lambda r: _head(r)["ports"][2].update(containerPort=8080),
+        "containerPort 'http' is 8080"),
+    "front Service lacks the http port": (
+        lambda r: find(r, "Service", "specdec-front")["spec"]["ports"][2].update(targetPort="https"),
+        "has no port 'https'"),
     "front points at a missing Service": (
         lambda r: _set_flag(_head(r), "--draft-address", "specdec-drafts:50061"),
         "no Service named 'specdec-drafts'"),
@@ -878,7 +889,8 @@ def test_dockerfile_builds_what_the_manifests_run(resources, config):
     # The image the manifests name is the Dockerfile's title:version, the package's version.
     assert facts["labels"]["org.opencontainers.image.version"] == project["project"]["version"]
     # Ports it exposes are the config's.
-    assert facts["expose"] == {config.front.port, config.draft.port, config.target.port, config.front.metrics_port}
+    assert facts["expose"] == {config.front.port, config.draft.port, config.target.port, config.front.metrics_port,
+                               config.front.http_port}
     # Ray: the image's Ray is the RayCluster's rayVersion and satisfies the package's requirement.
     ray_version = facts["args"]["RAY_VERSION"]
     assert find(resources, "RayCluster", "specdec-front")["spec"]["rayVersion"] == ray_version
@@ -1071,7 +1083,7 @@ def test_local_rehearsal_greedy_equals_target_only(tmp_path):
     for section, port in ports.items():
         raw[section]["port"] = port
     raw["front"].update(draft_address=f"127.0.0.1:{ports['draft']}", target_address=f"127.0.0.1:{ports['target']}",
-                        metrics_port=None)
+                        metrics_port=None, http_port=None)
     config_path = tmp_path / "specdec.yaml"
     config_path.write_text(yaml.safe_dump(raw, sort_keys=False))
     load_config(config_path)

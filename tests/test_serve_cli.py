@@ -1,15 +1,19 @@
-"""``specdec serve`` starts three services and prints one ready line each; ``specdec generate
---server`` is a client of the front whose greedy output equals in-process target-only decoding;
-bad input and an unreachable server end with a message and exit 2; SIGTERM stops everything."""
+"""``specdec serve`` starts three services and prints one ready line each (and the front's
+``http ready on`` line with ``--http-port``); ``specdec generate --server`` is a client of the front
+whose greedy output equals in-process target-only decoding, and so is a plain HTTP POST to its
+OpenAI-compatible API; bad input and an unreachable server end with a message and exit 2; SIGTERM
+stops everything."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -30,7 +34,8 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     pair = save_tiny_pair(root / "models")
     config = write_config(root / "serve.yaml", pair, front={"port": 0})
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--config", str(config), "--no-ray"],
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "--config", str(config), "--no-ray",
+                             "--http-port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
     lines: list[str] = []
     done = threading.Event()
@@ -45,7 +50,7 @@ def served(tmp_path_factory):
     threading.Thread(target=pump, daemon=True).start()
     done.wait(240)
     ready = dict(m.groups() for line in lines if (m := READY.match(line)))
-    assert set(ready) == {"draft-service", "target-service", "generation-front"}, lines
+    assert set(ready) == {"draft-service", "target-service", "generation-front", "http"}, lines
     yield pair, ready, proc, lines
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -61,6 +66,10 @@ def test_generate_over_the_front_equals_target_only(served):
     assert local.returncode == 0, local.stderr
     assert remote.stdout == local.stdout and remote.stdout.strip()
     assert "acceptance rate" in remote.stderr and "mean accepted length" in remote.stderr
+    body = json.dumps({"prompt": "the quick brown fox", "max_tokens": 16, "temperature": 0}).encode()
+    request = urllib.request.Request(f"http://{ready['http']}/v1/completions", body, {"Content-Type": "application/json"})
+    completion = json.loads(urllib.request.urlopen(request, timeout=60).read())
+    assert completion["choices"][0]["text"] == local.stdout.removesuffix("\n")
 
 
 def test_bad_input_to_the_front_exits_2_naming_the_field(served):

@@ -9,7 +9,8 @@
 
 Kinds: "draft" (python -m draft_service), "target" (python -m target_service), "front" (python -m
 orchestrator front). A server that does not print its ready line (``<name> ready on <host>:<port>``)
-in time, or exits first, raises ServiceNotReady with its stdout and stderr.
+in time, or exits first, raises ServiceNotReady with its stdout and stderr. A front started with
+``http_port=0`` prints a second ready line (``http ready on ...``): ``wait_address(front, "http")``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Service:
     stderr_path: Path
     stdout_lines: list[str] = field(default_factory=list)
     ready: threading.Event = field(default_factory=threading.Event, repr=False)
+    addresses: dict[str, str] = field(default_factory=dict)  # name -> "host:port" of every ready line so far
 
     @property
     def address(self) -> str:
@@ -94,6 +96,8 @@ def _pump_stdout(service: Service) -> None:
     for line in service.proc.stdout:
         service.stdout_lines.append(line.rstrip("\n"))
         match = _READY.match(service.stdout_lines[-1])
+        if match:
+            service.addresses[match["name"]] = f"{match['host']}:{match['port']}"
         if match and not service.ready.is_set():
             service.host, service.port = match["host"], int(match["port"])
             service.ready.set()
@@ -114,6 +118,18 @@ def wait_ready(service: Service, timeout_s: float = 120.0) -> Service:
         raise ServiceNotReady(f"{service.kind} server {what}; stdout: {service.stdout_lines}; "
                               f"stderr:\n{service.stderr[-4000:]}")
     return service
+
+
+def wait_address(service: Service, name: str, timeout_s: float = 30.0) -> str:
+    """The "host:port" of the server's ready line ``<name> ready on ...`` (e.g. "http"), once printed.
+    Raises ServiceNotReady when it does not come in time or the server exits."""
+    deadline = time.monotonic() + timeout_s
+    while name not in service.addresses:
+        if service.proc.poll() is not None or time.monotonic() > deadline:
+            raise ServiceNotReady(f"{service.kind} server printed no '{name} ready on' line; stdout: "
+                                  f"{service.stdout_lines}; stderr:\n{service.stderr[-4000:]}")
+        time.sleep(0.05)
+    return service.addresses[name]
 
 
 def start_service(kind: str, config_path, timeout_s: float = 120.0, env: dict | None = None, **flags) -> Service:

@@ -1,0 +1,393 @@
+"""Issue 15: the front's OpenAI-compatible HTTP API, driven by the official ``openai`` client.
+
+Draft, target and front are real server processes on loopback ports (tiny seeded models, float32,
+the front without Ray and with ``--http-port 0``); the target's tokenizer is given a small chat
+template. Greedy output over HTTP (chat and completion, streamed and not) must equal target-only
+greedy decoding (HF ``generate``) token for token; streamed text must concatenate to the
+non-streamed text; usage must count the streamed tokens; stop strings and max_tokens must give
+their finish reasons; bad parameters must give 400 naming them; a client that disconnects must
+free its sessions on the draft and the target; concurrent streams must each get their solo output.
+A second front (bearer tokens, a target with a tiny KV budget) checks 401 and 429; the last test
+drains the first front (SIGTERM) and checks 503 while its running stream finishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdec.harness.servers import launch_service, stop_service, wait_address, wait_for_exit, wait_ready
+from tests.conftest import hf_greedy
+from tests.test_generation_service import assert_draft_session_free, prompt_ids, target_info, wait_sessions
+from tests.tiny_pair import save_tiny_pair, write_config
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+EOS = 0  # the tiny models' EOS id (tests/tiny_pair.py)
+TOKEN_IDS = {"specdec": {"return_token_ids": True}}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    pair = save_tiny_pair(tmp_path_factory.mktemp("models"), noise=0.03)
+    tokenizer = AutoTokenizer.from_pretrained(pair.target)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(pair.target)
+    return pair
+
+
+@pytest.fixture(scope="module")
+def servers(pair, tmp_path_factory):
+    """Every server of this module, launched together so that their start-ups overlap:
+    "main": draft (one session at a time: a leaked one shows), target and front with HTTP on;
+    "guarded": a second front with bearer tokens, over its own target with a KV budget of 64 slots
+    (and the main draft, unused: it does not speculate). Yields {name: (draft, target, front, http)}."""
+    root = tmp_path_factory.mktemp("cfg")
+    config = write_config(root / "serve.yaml", pair, draft={"max_sessions": 1},
+                          front={"port": 0, "http_port": 0, "cost_aware": {"enabled": False}},
+                          target={"max_tree_nodes": 64})
+    (root / "tokens.txt").write_text("first-token\n\nsecond-token\n")
+    guarded_config = write_config(root / "guarded.yaml", pair, target={"max_kv_tokens": 64},
+                                  front={"port": 0, "http_port": 0, "speculate": False,
+                                         "auth_token_file": str(root / "tokens.txt")})
+    draft, target = launch_service("draft", config), launch_service("target", config)
+    guarded_target = launch_service("target", guarded_config)
+    wait_ready(draft), wait_ready(target), wait_ready(guarded_target)
+    front = launch_service("front", config, draft_address=draft.address, target_address=target.address, no_ray=True)
+    guarded_front = launch_service("front", guarded_config, draft_address=draft.address,
+                                   target_address=guarded_target.address, no_ray=True)
+    wait_ready(front), wait_ready(guarded_front)
+    yield {"main": (draft, target, front, wait_address(front, "http")),
+           "guarded": (draft, guarded_target, guarded_front, wait_address(guarded_front, "http"))}
+    for service in (front, guarded_front, draft, target, guarded_target):
+        stop_service(service)
+
+
+@pytest.fixture(scope="module")
+def stack(servers):
+    return servers["main"]
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=f"http://{stack[3]}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(pair):
+    return AutoTokenizer.from_pretrained(pair.target)
+
+
+@pytest.fixture(scope="module")
+def target_model(pair):
+    return AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).eval()
+
+
+def until_eos(tokens: list[int]) -> list[int]:
+    """What the front commits of a target-only run: up to and including the first EOS."""
+    return tokens[: tokens.index(EOS) + 1] if EOS in tokens else tokens
+
+
+def chat_ids(tokenizer, messages) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def extra(obj, name):
+    """An extension field of an openai response object (kept by its pydantic models)."""
+    return (obj.model_extra or {}).get(name)
+
+
+def call(client, chat: bool, prompt, **params):
+    """One request, chat (prompt: messages) or completion; stream=True returns the chunk list."""
+    if chat:
+        return client.chat.completions.create(model=params.pop("model", "target"), messages=prompt, **params)
+    return client.completions.create(model=params.pop("model", "target"), prompt=prompt, **params)
+
+
+def streamed(client, chat: bool, prompt, **params):
+    """(text, token ids, finish_reason, usage, specdec stats, chunks) of a streamed request."""
+    chunks = list(call(client, chat, prompt, stream=True, stream_options={"include_usage": True}, **params))
+    text, tokens, finish, stats = "", [], None, None
+    for chunk in chunks[:-1]:
+        choice = chunk.choices[0]
+        text += (choice.delta.content or "") if chat else choice.text
+        tokens += extra(choice, "token_ids") or []
+        finish = choice.finish_reason or finish
+        stats = extra(chunk, "specdec") or stats
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None  # include_usage: the last chunk
+    return text, tokens, finish, chunks[-1].usage, stats, chunks
+
+
+def content(response, chat: bool) -> str:
+    return response.choices[0].message.content if chat else response.choices[0].text
+
+
+def metric(http: str, name: str) -> float:
+    text = urllib.request.urlopen(f"http://{http}/metrics", timeout=10).read().decode()
+    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+
+def long_greedy_prompt(client, n: int) -> str:
+    """A prompt whose greedy continuation runs n tokens without EOS (found by asking the server)."""
+    for word in ("the lazy dog", "hello world", "def add", "quick brown", "jumps over", "return a"):
+        response = client.completions.create(model="target", prompt=word, max_tokens=n, temperature=0)
+        if response.choices[0].finish_reason == "length":
+            return word
+    pytest.fail(f"no prompt ran {n} greedy tokens without EOS")
+
+
+@pytest.fixture(scope="module")
+def long_prompt(target_model) -> list[int]:
+    """Prompt token ids whose greedy continuation runs 240 tokens without EOS (a request that stays running)."""
+    for seed in range(40):
+        if EOS not in hf_greedy(target_model, ids := prompt_ids(seed, 6), 240):
+            return ids
+    pytest.fail("no prompt runs 240 greedy tokens without EOS")
+
+
+# --------------------------------------------------------------------------- without servers
+
+
+@pytest.mark.parametrize("deltas,stop,sent", [
+    (["ab", "c s", "top", "xyz"], ("stop",), ["", "ab", "c ", ""]),   # spans deltas: the tail is held back
+    (["ab", "c stopxyz"], ("stop", "zz"), ["", "abc "]),              # complete in one delta
+    (["ab", "c stopxyz", "w"], ("stop",), ["", "abc ", ""]),          # ... before the end is known
+    (["hello", " world"], (), ["hello", " world"]),                   # no stop strings: nothing held
+    (["xx s", "to"], ("stop",), ["x", "x sto"]),                      # ended without one: the rest flushed
+])
+def test_stop_trim_never_sends_the_stop_string(deltas, stop, sent):
+    from orchestrator.http_api import StopTrim
+
+    trim = StopTrim(stop)
+    assert [trim.push(d) for d in deltas[:-1]] + [trim.final(deltas[-1])] == sent
+
+
+def test_http_config_fields_and_their_errors(pair, capsys):
+    from orchestrator.front import run
+    from specdec.config import ConfigError, load_config
+
+    assert load_config().front.http_port is None  # HTTP is off unless asked for
+    assert load_config(None, {"front.http_port": 0, "front.metrics_port": 0}).front.http_port == 0
+    with pytest.raises(ConfigError, match="http_port: 50060 is already front.port"):
+        load_config(None, {"front.http_port": 50060})
+    code = run(None, {"models.target": str(pair.target), "front.http_port": 0, "front.auth_token_file": "/no/such/file"})
+    assert code == 2 and "front.auth_token_file: cannot read /no/such/file" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the tests
+
+
+def test_models_health_and_metrics(stack, client):
+    http = stack[3]
+    models = client.models.list().data
+    assert [m.id for m in models] == ["target"]  # the target model directory's name
+    assert extra(models[0], "max_model_len") == target_info(stack[1].address).context_limit
+    assert json.loads(urllib.request.urlopen(f"http://{http}/health", timeout=10).read()) == {"status": "ok"}
+    before = metric(http, "specdec_committed_tokens_total")
+    response = client.completions.create(model="target", prompt="hello", max_tokens=7, temperature=0)
+    # /metrics serves the registry the round loop feeds, HTTP requests included
+    assert metric(http, "specdec_committed_tokens_total") - before == response.usage.completion_tokens
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_greedy_stream_and_response_equal_target_only(client, tokenizer, target_model, chat):
+    if chat:
+        prompt = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def add(a, b):"}]
+        ids = chat_ids(tokenizer, prompt)
+    else:
+        prompt = "the quick brown fox"
+        ids = tokenizer(prompt)["input_ids"]
+    expected = until_eos(hf_greedy(target_model, ids, 24))
+    response = call(client, chat, prompt, max_tokens=24, temperature=0, extra_body=TOKEN_IDS)
+    text, tokens, finish, usage, stats, chunks = streamed(client, chat, prompt, max_tokens=24, temperature=0,
+                                                         extra_body=TOKEN_IDS)
+    assert len(chunks) >= 4  # streamed round by round, not in one piece
+    assert tokens == expected == extra(response.choices[0], "token_ids")
+    assert text == content(response, chat) == tokenizer.decode(expected, skip_special_tokens=True)
+    assert usage.completion_tokens == len(tokens) == response.usage.completion_tokens
+    assert usage.prompt_tokens == len(ids) == response.usage.prompt_tokens
+    assert usage.total_tokens == len(ids) + len(tokens)
+    assert finish == response.choices[0].finish_reason == ("length" if len(expected) == 24 else "stop")
+    assert stats["new_tokens"] == len(tokens) and stats["stop_reason"] in ("max_new_tokens", "eos")
+    assert extra(response, "specdec")["rounds"] >= 1
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_stop_string_ends_the_text_before_it(client, chat):
+    for word in ("hello world", "the quick brown fox", "def add", "jumps over"):
+        prompt = [{"role": "user", "content": word}] if chat else word
+        full = content(call(client, chat, prompt, max_tokens=40, temperature=0), chat)
+        # a printable ASCII stop string past the start (random weights also emit partial UTF-8 sequences)
+        stop = next((w for i in range(len(full) // 3, len(full) - 3) if (w := full[i:i + 3]).isascii()
+                     and w.isprintable() and full.find(w) > 0), None)
+        if stop is not None:
+            break
+    assert stop is not None, "no greedy output with a printable stop string to cut at"
+    response = call(client, chat, prompt, max_tokens=40, temperature=0, stop=["never appears", stop])
+    text, _, finish, usage, _, _ = streamed(client, chat, prompt, max_tokens=40, temperature=0, stop=stop)
+    assert content(response, chat) == text == full[: full.find(stop)]
+    assert finish == response.choices[0].finish_reason == "stop"
+    assert usage.completion_tokens == response.usage.completion_tokens < 40
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_max_tokens_gives_length_and_exactly_that_many_tokens(client, tokenizer, target_model, chat):
+    word = long_greedy_prompt(client, 20)
+    prompt = [{"role": "user", "content": word}] if chat else word
+    ids = chat_ids(tokenizer, prompt) if chat else tokenizer(word)["input_ids"]
+    reference = hf_greedy(target_model, ids, 13)
+    limit = {"max_completion_tokens": 13} if chat else {"max_tokens": 13}
+    response = call(client, chat, prompt, temperature=0, extra_body=TOKEN_IDS, **limit)
+    text, tokens, finish, usage, _, _ = streamed(client, chat, prompt, temperature=0, extra_body=TOKEN_IDS, **limit)
+    if EOS in reference:
+        pytest.skip("the chat prompt's greedy continuation meets EOS within 13 tokens")
+    assert tokens == reference == extra(response.choices[0], "token_ids")
+    assert finish == response.choices[0].finish_reason == "length"
+    assert usage.completion_tokens == response.usage.completion_tokens == 13
+    assert text == content(response, chat)
+
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+BAD_PARAMS = [  # (chat, parameters, the parameter the error must name)
+    (True, dict(logprobs=True), "logprobs"),
+    (True, dict(top_logprobs=2), "top_logprobs"),
+    (True, dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+    (True, dict(tool_choice="auto"), "tool_choice"),
+    (True, dict(frequency_penalty=0.5), "frequency_penalty"),
+    (False, dict(presence_penalty=1.0), "presence_penalty"),
+    (True, dict(logit_bias={"5": 10}), "logit_bias"),
+    (True, dict(response_format={"type": "json_object"}), "response_format"),
+    (False, dict(logprobs=1), "logprobs"),
+    (False, dict(extra_body={"foo": 1}), "foo"),
+    (True, dict(extra_body={"specdec": {"colour": "red"}}), "specdec.colour"),
+    (True, dict(temperature=-1), "temperature"),
+    (False, dict(top_p=1.5), "top_p"),
+    (False, dict(top_p=0), "top_p"),
+    (False, dict(seed=-3), "seed"),
+    (True, dict(n=2), "n"),
+    (True, dict(max_tokens=0), "max_tokens"),
+    (False, dict(max_tokens=-5), "max_tokens"),
+    (True, dict(max_completion_tokens=0), "max_completion_tokens"),
+    (True, dict(max_tokens=5, max_completion_tokens=6), "max_completion_tokens"),
+    (False, dict(stop=[""]), "stop"),
+    (False, dict(extra_body={"specdec": {"tree": {"gamma": 2, "topKSpec": [[1]], "topHead": [1, 1]}}}), "specdec.tree"),
+    (True, dict(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]), "messages[0].role"),
+    (False, dict(prompt=list(range(1, 301))), "prompt"),  # over the context limit
+    (False, dict(prompt=["two", "prompts"]), "prompt"),
+    (True, dict(messages=[{"role": "user", "content": "the quick brown fox " * 40}]), "messages"),
+]
+
+
+@pytest.mark.parametrize("chat,params,param", BAD_PARAMS, ids=[f"{p}-{i}" for i, (_, _, p) in enumerate(BAD_PARAMS)])
+def test_bad_parameters_are_400_naming_them(client, chat, params, param):
+    prompt = params.pop("messages" if chat else "prompt", MESSAGES if chat else "hi")
+    with pytest.raises(openai.BadRequestError) as info:
+        call(client, chat, prompt, max_tokens=params.pop("max_tokens", 4), **params)
+    assert info.value.status_code == 400
+    assert info.value.param == param and info.value.body["message"].startswith(f"{param}: ")
+    assert info.value.type == "invalid_request_error"
+
+
+def test_no_op_values_of_unsupported_parameters_and_unknown_model(client):
+    response = client.chat.completions.create(model="target", messages=MESSAGES, max_tokens=3, temperature=0,
+                                              logprobs=False, frequency_penalty=0, presence_penalty=0.0, n=1)
+    assert response.usage.completion_tokens >= 1
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-4o", prompt="hi", max_tokens=3)
+    assert info.value.param == "model" and info.value.code == "model_not_found"
+
+
+def test_client_disconnect_mid_stream_frees_draft_and_target_sessions(stack, client, long_prompt):
+    draft, target, front, http = stack
+    word = long_prompt
+    before = metric(http, "specdec_committed_tokens_total")
+    stream = client.completions.create(model="target", prompt=word, max_tokens=240, temperature=0, stream=True)
+    first = next(iter(stream))
+    assert first.choices[0].text or first.choices[0].finish_reason is None
+    assert target_info(target.address).sessions == 1  # the request is running
+    stream.close()  # the client goes away mid-stream
+    assert wait_sessions(target.address, 0) == 0, "the target session of a disconnected client was not released"
+    assert metric(http, "specdec_committed_tokens_total") - before < 240  # it was cut short, not run to the end
+    assert_draft_session_free(front.address)  # the draft admits one session: the request's was released
+
+
+def test_ten_concurrent_streams_each_get_their_solo_output(client, target_model, stack):
+    prompts = [prompt_ids(300 + i, 4 + i) for i in range(10)]
+    expected = [until_eos(hf_greedy(target_model, ids, 16)) for ids in prompts]
+    http = stack[3]
+
+    async def one(aclient, ids):
+        stream = await aclient.completions.create(model="target", prompt=ids, max_tokens=16, temperature=0,
+                                                  stream=True, extra_body=TOKEN_IDS)
+        tokens = []
+        async for chunk in stream:
+            tokens += extra(chunk.choices[0], "token_ids") or [] if chunk.choices else []
+        return tokens
+
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=f"http://{http}/v1", api_key="unused", max_retries=0, timeout=60)
+        return await asyncio.gather(*[one(aclient, ids) for ids in prompts])
+
+    outputs = asyncio.run(run())
+    assert outputs == expected
+
+
+@pytest.fixture(scope="module")
+def guarded(servers):
+    return servers["guarded"][3]
+
+
+def test_bearer_token_and_kv_limit(guarded):
+    def client(key):
+        return openai.OpenAI(base_url=f"http://{guarded}/v1", api_key=key, max_retries=0, timeout=60)
+
+    with pytest.raises(openai.AuthenticationError) as info:
+        client("wrong-token").completions.create(model="target", prompt="hi", max_tokens=3)
+    assert info.value.status_code == 401 and info.value.code == "invalid_api_key"
+    request = urllib.request.Request(f"http://{guarded}/v1/models")  # no Authorization header at all
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    assert refused.value.code == 401 and json.loads(refused.value.read())["error"]["type"] == "authentication_error"
+    for key in ("first-token", "second-token"):
+        assert client(key).completions.create(model="target", prompt="hi", max_tokens=3).usage.completion_tokens >= 1
+    assert urllib.request.urlopen(f"http://{guarded}/health", timeout=10).status == 200  # probes need no token
+    with pytest.raises(openai.RateLimitError) as info:  # a 100-token prompt needs more KV than the target has
+        client("first-token").completions.create(model="target", prompt=list(range(1, 101)), max_tokens=3, stream=True)
+    assert info.value.status_code == 429 and "max_kv_tokens" in info.value.message
+
+
+def test_draining_front_refuses_new_requests_with_503_and_finishes_streams(stack, client, long_prompt):
+    """Runs last: it stops the module's front."""
+    _, _, front, http = stack
+    word = long_prompt
+    stream = client.completions.create(model="target", prompt=word, max_tokens=240, temperature=0, stream=True)
+    chunks = iter(stream)
+    text = next(chunks).choices[0].text
+    front.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            urllib.request.urlopen(f"http://{http}/health", timeout=5)
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 503
+            break
+        assert time.monotonic() < deadline, "/health never answered 503 while draining"
+        time.sleep(0.01)
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(model="target", prompt="hi", max_tokens=3)
+    assert info.value.status_code == 503 and info.value.code == "draining"
+    rest = list(chunks)
+    assert rest[-1].choices[0].finish_reason == "length"  # the running stream was allowed to finish
+    assert len(text + "".join(c.choices[0].text for c in rest)) > 0
+    assert wait_for_exit(front, 30)[0] == 0
