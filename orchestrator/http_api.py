@@ -15,7 +15,7 @@ unset = front.max_new_tokens), ``temperature`` (default 1, as OpenAI's), ``top_p
 (extension, 0 = off), ``seed``, ``stop`` (a string or a list; the text ends before it, OpenAI's rule;
 the tokens and ``usage`` include the token that completed it), ``n`` (1 only), ``stream``,
 ``stream_options.include_usage``, ``user`` (accepted, unused), and our extension object ``specdec``:
-``{"tree": TreeSpec JSON, "no_spec": bool, "return_token_ids": bool}`` (``return_token_ids``: each
+``{"tree": TreeSpec JSON, "no_spec": bool, "ignore_eos": bool, "return_token_ids": bool}`` (``return_token_ids``: each
 choice and chunk also carries the committed ``token_ids``). Any other parameter is refused with 400
 naming it, never ignored; so is an unsupported OpenAI one (``logprobs``, ``tools``, penalties,
 ``logit_bias``, ``response_format`` ...) unless it holds its no-op value (null, false, 0, {}, []).
@@ -96,6 +96,7 @@ class SpecdecOptions(_Strict):
 
     tree: dict | None = None          # TreeSpec JSON (DESIGN.md "TreeSpec"); None = the server's
     no_spec: bool = False             # plain target decoding
+    ignore_eos: bool = False          # EOS does not end generation (vLLM's ignore_eos): fixed-length runs
     return_token_ids: bool = False    # choices and chunks also carry the committed token ids
 
 
@@ -525,7 +526,8 @@ class HttpApi:
         if body.model is not None and body.model != self.model_name:
             raise ApiError(404, f"model: {body.model!r} is not served here (GET /v1/models lists {self.model_name!r})",
                            "model", code="model_not_found")
-        msg = generation_pb2.GenerateRequest(raw=True, max_new_tokens=body.max_new_tokens(), no_spec=body.specdec.no_spec)
+        msg = generation_pb2.GenerateRequest(raw=True, max_new_tokens=body.max_new_tokens(), no_spec=body.specdec.no_spec,
+                                         ignore_eos=body.specdec.ignore_eos)
         msg.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop or [])
         msg.sampling.CopyFrom(tree_pb2.SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                                       seed=body.seed))
