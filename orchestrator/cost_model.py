@@ -41,7 +41,8 @@ class LatencyCurve:
     points: {x: ms} with x >= 1 integers (at least one point); alpha: weight of one observation;
     measured: the points were measured on this deployment (start-up), so the first observation
     moves the scale like any other instead of setting it (that rule is for prior figures, which may
-    come from another machine). Thread-safe: one lock around reads and updates (the front's requests share one curve).
+    come from another machine), unless it is more than 4x off: then the start-up figure was not
+    representative (a busy machine) and the observation sets the scale. Thread-safe: one lock around reads and updates (the front's requests share one curve).
     """
 
     points: dict[int, float]
@@ -87,7 +88,8 @@ class LatencyCurve:
             return
         with self._lock:
             predicted = self.scale * sum(self.base(x) for x in xs)
-            if self.observations == 0 and self.alpha > 0 and not self.measured:  # prior figures: the first one here sets the scale
+            first_sets = not self.measured or not 0.25 <= ms / predicted <= 4.0
+            if self.observations == 0 and self.alpha > 0 and first_sets:  # prior figures: the first one here sets the scale
                 self.scale *= ms / predicted
                 self.observations += 1
                 return

@@ -88,3 +88,10 @@ def test_measured_points_are_not_reset_by_the_first_observation():
     prior = CostModel({1: 300.0, 8: 450.0}, {1: 45.0}, alpha=0.2)
     prior.observe_round(rows=1, verify_s=0.030, parents_per_step=[], draft_s=None)
     assert prior.verify(1) == pytest.approx(30.0) and prior.draft_step_ms(1) == pytest.approx(4.5)
+
+
+def test_a_measured_curve_far_off_at_its_first_observation_is_rescaled():
+    """A start-up figure taken on a busy machine (here 10x off) is replaced by the first round's own."""
+    curve = LatencyCurve({1: 4.5, 4: 6.0}, alpha=0.2, measured=True)
+    curve.observe(1, 45.0)
+    assert curve(1) == pytest.approx(45.0) and curve(4) == pytest.approx(60.0)
