@@ -79,11 +79,11 @@ def test_draft_costs_follow_the_verify_scale_until_observed():
 
 
 def test_measured_points_are_not_reset_by_the_first_observation():
-    """Start-up figures of this deployment: one odd first figure (e.g. 1 ms) moves the scale by at most
-    alpha, where prior figures let it set the scale; the draft curve keeps its own measured scale."""
+    """Start-up figures of this deployment: one slow first round (2x) moves the scale by alpha, where
+    prior figures let it set the scale; the draft curve keeps its own measured scale."""
     cost = CostModel({1: 300.0, 8: 450.0}, {1: 45.0}, alpha=0.2, source="measured")
-    cost.observe_round(rows=1, verify_s=0.001, parents_per_step=[], draft_s=None)
-    assert cost.verify(1) == pytest.approx(300.0 * 0.9)  # ratio clamped to 0.5, weight 0.2
+    cost.observe_round(rows=1, verify_s=0.600, parents_per_step=[], draft_s=None)
+    assert cost.verify(1) == pytest.approx(300.0 * 1.2)  # ratio 2, weight 0.2
     assert cost.draft_step_ms(1) == pytest.approx(45.0)
     prior = CostModel({1: 300.0, 8: 450.0}, {1: 45.0}, alpha=0.2)
     prior.observe_round(rows=1, verify_s=0.030, parents_per_step=[], draft_s=None)
