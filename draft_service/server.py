@@ -220,7 +220,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
 async def serve_runtime(config: ServeConfig, runtime, *, context_limit: int) -> int:
     """Serve ``runtime`` until SIGTERM/SIGINT, then drain. Returns the bound port."""
-    host = ServiceHost("draft-service", config.grpc)
+    host = ServiceHost("draft-service", config.grpc, client_auth=True)  # mutual TLS when grpc.tls_ca is set
     servicer = DraftServicer(runtime, context_limit=context_limit, config=config.draft, draining=host.draining)
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, host.server)
     try:

@@ -14,7 +14,9 @@ from draft_service.cli import draft_server
 from orchestrator.launcher import serve as launch
 from specdec.config import CONTROLS, ConfigError, load_config
 from specdec.models import ModelError
-from specdec.process_entry import CONFIG_HELP
+from specdec.process_entry import (
+    AUTH_TOKEN_FILE_HELP, CONFIG_HELP, TLS_CA_HELP, TLS_CERT_HELP, TLS_KEY_HELP, tls_flags, tls_overrides,
+)
 from specdec.sampling import SamplingParams, SamplingParamsError
 from specdec.tree_spec import DEFAULT_SPEC, TreeSpecError, parse_tree_spec
 from target_service.cli import target_server
@@ -152,6 +154,8 @@ def generate(
     threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
     control: str = typer.Option("cost-aware", help=_CONTROL_HELP),
     server: Optional[str] = typer.Option(None, help="host:port of a generation front (specdec serve): run the request there instead of in-process (the request flags apply; model, dtype, gamma and thread flags are the server's)."),
+    tls_ca: Optional[str] = typer.Option(None, help="With --server: PEM CA bundle that verifies a TLS front."),
+    auth_token_file: Optional[str] = typer.Option(None, help="With --server: bearer token file (first line); $SPECDEC_TOKEN takes precedence."),
 ) -> None:
     """Generate text with the target model, accelerated by the draft model."""
     from orchestrator.controller import GenerationRequest
@@ -159,7 +163,7 @@ def generate(
 
     if server is not None:
         return _generate_remote(server, prompt, prompt_file, tree, max_new_tokens, temperature, top_p, top_k, seed,
-                                stop, no_spec, raw)
+                                stop, no_spec, raw, tls_ca, auth_token_file)
     try:
         check_choices(dtype, draft_quant, control)
         check_positive(max_new_tokens=max_new_tokens, threads=threads)
@@ -221,9 +225,10 @@ app.command("draft-server")(draft_server)  # the same command as ``python -m dra
 app.command("target-server")(target_server)  # the same command as ``python -m target_service``
 
 
-def _generate_remote(server, prompt, prompt_file, tree, max_new_tokens, temperature, top_p, top_k, seed, stop, no_spec, raw):
+def _generate_remote(server, prompt, prompt_file, tree, max_new_tokens, temperature, top_p, top_k, seed, stop, no_spec, raw,
+                     tls_ca=None, auth_token_file=None):
     """generate --server: the request runs on a generation front; text streams as it arrives."""
-    from orchestrator.remote import RemoteError, generate_remote
+    from orchestrator.remote import RemoteError, client_token, generate_remote
 
     try:
         check_positive(max_new_tokens=max_new_tokens)
@@ -231,7 +236,8 @@ def _generate_remote(server, prompt, prompt_file, tree, max_new_tokens, temperat
         spec = parse_tree_spec(tree) if tree is not None else None
         text = read_prompt(prompt, prompt_file)
         stats = generate_remote(server, text, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec,
-                                no_spec=no_spec, raw=raw, stop=tuple(stop))
+                                no_spec=no_spec, raw=raw, stop=tuple(stop), tls_ca=tls_ca,
+                                token=client_token(auth_token_file))
     except (UsageError, TreeSpecError, ValueError) as exc:
         fail(str(exc))
     except RemoteError as exc:
@@ -255,6 +261,10 @@ def front(
     ray_address: Optional[str] = typer.Option(None, help="Attach to this Ray cluster ('auto' inside one); default: start a local Ray."),
     no_ray: bool = typer.Option(False, "--no-ray", help="Run requests in this process instead of Ray actors."),
     http_port: Optional[int] = typer.Option(None, help=_HTTP_PORT_HELP),
+    tls_cert: Optional[str] = typer.Option(None, help=TLS_CERT_HELP),
+    tls_key: Optional[str] = typer.Option(None, help=TLS_KEY_HELP),
+    tls_ca: Optional[str] = typer.Option(None, help=TLS_CA_HELP),
+    auth_token_file: Optional[str] = typer.Option(None, help=AUTH_TOKEN_FILE_HELP),
 ) -> None:
     """Serve the public GenerationService (orchestrator on Ray) until SIGTERM; with --http-port also
     the OpenAI-compatible HTTP API."""
@@ -262,7 +272,8 @@ def front(
 
     overrides = {"front.port": port, "front.host": host, "models.target": target, "front.draft_address": draft_address,
                  "front.target_address": target_address, "front.use_ray": False if no_ray else None,
-                 "front.ray_address": ray_address, "front.http_port": http_port}
+                 "front.ray_address": ray_address, "front.http_port": http_port,
+                 "front.auth_token_file": auth_token_file, **tls_overrides(tls_cert, tls_key, tls_ca)}
     raise typer.Exit(run(str(config) if config else None, overrides))
 
 
@@ -275,6 +286,10 @@ def serve(
     tp: Optional[int] = typer.Option(None, help="Tensor-parallel ranks of the target; overrides target.tp."),
     no_ray: bool = typer.Option(False, "--no-ray", help="The front runs requests in its own process instead of Ray actors."),
     http_port: Optional[int] = typer.Option(None, help=_HTTP_PORT_HELP),
+    tls_cert: Optional[str] = typer.Option(None, help=TLS_CERT_HELP),
+    tls_key: Optional[str] = typer.Option(None, help=TLS_KEY_HELP),
+    tls_ca: Optional[str] = typer.Option(None, help=TLS_CA_HELP),
+    auth_token_file: Optional[str] = typer.Option(None, help=AUTH_TOKEN_FILE_HELP),
 ) -> None:
     """Start the draft service, the target service and the generation front on this machine.
 
@@ -282,7 +297,8 @@ def serve(
     HOST:PORT`` when the front serves HTTP too; SIGTERM or Ctrl-C stops all three."""
     try:
         check_positive(tp=tp)
-        cfg = load_config(config, {"target.tp": tp, "front.http_port": http_port})
+        cfg = load_config(config, {"target.tp": tp, "front.http_port": http_port, "front.auth_token_file": auth_token_file,
+                                   **tls_overrides(tls_cert, tls_key, tls_ca)})
     except (UsageError, ConfigError) as exc:
         fail(str(exc))
     flags = []
@@ -290,7 +306,9 @@ def serve(
         if value is not None:
             flags += [name, value]
     raise typer.Exit(launch(str(config) if config else None, flags, tp=tp, no_ray=no_ray, grace_s=cfg.grpc.shutdown_grace_s,
-                            http_port=http_port, http=cfg.front.http_port is not None))
+                            http_port=http_port, http=cfg.front.http_port is not None,
+                            security_flags=tls_flags(tls_cert, tls_key, tls_ca),
+                            front_flags=["--auth-token-file", auth_token_file] if auth_token_file else []))
 
 
 def main() -> None:

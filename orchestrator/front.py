@@ -34,6 +34,7 @@ from specdec.config import ServeConfig
 from specdec.grpc_host import ServiceHost
 from specdec.process_entry import configure_logging
 from specdec.sampling import SamplingParamsError
+from specdec.security import BearerAuth, load_auth_tokens
 from specdec.stats import GenerationStats, RoundRecord
 from specdec.telemetry import setup_tracing, shutdown_tracing
 from specdec.tree_spec import TreeSpecError
@@ -221,7 +222,8 @@ async def serve_front(config: ServeConfig) -> int:
     monitor = AcceptanceMonitor(config.front.monitor, metrics=metrics)
     if config.front.metrics_port is not None:
         start_metrics_server(config.front.metrics_port, metrics)
-    host = ServiceHost("generation-front", config.grpc)
+    tokens = load_auth_tokens(config.front.auth_token_file)
+    host = ServiceHost("generation-front", config.grpc, interceptors=[BearerAuth(tokens)] if tokens else [])
     servicer = GenerationServicer(config, backend, tokenizer, metrics, monitor)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, host.server)
     try:
@@ -256,10 +258,7 @@ def run(config_path: str | None = None, overrides: dict | None = None) -> int:
     try:
         config = load_config(config_path, dict(overrides or {}))
         tokenizer_dir(config)  # fails early (exit 2) for an unknown model directory
-        if config.front.http_port is not None:
-            from orchestrator.http_api import load_auth_tokens
-
-            load_auth_tokens(config.front.auth_token_file)  # likewise for an unreadable token file
+        load_auth_tokens(config.front.auth_token_file)  # likewise for an unreadable token file
     except (ConfigError, ValueError) as exc:
         return fail(str(exc))
     try:

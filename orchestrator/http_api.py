@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import socket
@@ -57,6 +56,7 @@ from orchestrator.backends import UpstreamError
 from orchestrator.embedded import encode_chat
 from orchestrator.front import GenerationServicer, RequestIdInUse, StreamEvent
 from specdec.sampling import SamplingParamsError
+from specdec.security import load_auth_tokens, token_accepted
 from specdec.tree_spec import TreeSpecError, parse_tree_spec
 from specdec.v1 import generation_pb2, tree_pb2
 from specdec.wire import spec_to_proto, stats_to_proto
@@ -438,20 +438,6 @@ async def _validation_error_response(_request: Request, exc: RequestValidationEr
     return validation_error(exc).response()
 
 
-def load_auth_tokens(path: str | None) -> tuple[str, ...]:
-    """Bearer tokens of front.auth_token_file: one a line, blank lines skipped (None = no auth).
-    Raises ValueError naming the field when the file cannot be read or holds no token."""
-    if path is None:
-        return ()
-    try:
-        tokens = tuple(line.strip() for line in Path(path).read_text().splitlines() if line.strip())
-    except OSError as exc:
-        raise ValueError(f"front.auth_token_file: cannot read {path}: {exc.strerror or exc}") from None
-    if not tokens:
-        raise ValueError(f"front.auth_token_file: {path} holds no token")
-    return tokens
-
-
 class HttpApi:
     """The FastAPI app over a GenerationServicer (see the module docstring for the endpoints).
 
@@ -486,13 +472,7 @@ class HttpApi:
 
     async def _admit(self, request: Request) -> None:
         """401 without an accepted bearer token (when tokens are configured); 503 while draining."""
-        if self.auth_tokens:
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            given = token.strip().encode()
-            ok = False
-            for accepted in self.auth_tokens:  # every token compared, in constant time each
-                ok |= hmac.compare_digest(accepted, given)
-            if scheme.lower() != "bearer" or not ok:
+        if self.auth_tokens and not token_accepted(self.auth_tokens, request.headers.get("authorization", "")):
                 raise ApiError(401, "missing or invalid bearer token (Authorization: Bearer ...)",
                                type="authentication_error", code="invalid_api_key")
         if self.draining.is_set():
@@ -614,17 +594,20 @@ class _LoopServer(uvicorn.Server):
 class HttpServer:
     """The HTTP API on host:port, served by uvicorn as a task of the running loop."""
 
-    def __init__(self, api: HttpApi, sock: socket.socket, host: str, grace_s: float):
+    def __init__(self, api: HttpApi, sock: socket.socket, host: str, grace_s: float,
+                 tls_cert: str | None = None, tls_key: str | None = None):
         self.api = api
         self.sock = sock
         self.host = host
         self.port = sock.getsockname()[1]
         self.server = _LoopServer(uvicorn.Config(api.app, log_config=None, access_log=False, lifespan="off",
-                                                 timeout_graceful_shutdown=max(grace_s, 0.1)))
+                                                 timeout_graceful_shutdown=max(grace_s, 0.1),
+                                                 ssl_certfile=tls_cert, ssl_keyfile=tls_key))  # HTTPS with grpc.tls_cert
         self.task: asyncio.Task | None = None
 
     @classmethod
-    async def start(cls, api: HttpApi, host: str, port: int, grace_s: float = 10.0) -> "HttpServer":
+    async def start(cls, api: HttpApi, host: str, port: int, grace_s: float = 10.0,
+                    tls_cert: str | None = None, tls_key: str | None = None) -> "HttpServer":
         """Bind host:port (0 = ephemeral), serve, print ``http ready on HOST:PORT``. Raises OSError
         naming front.http_port when the address cannot be bound."""
         try:
@@ -632,7 +615,7 @@ class HttpServer:
             sock = socket.create_server((host, port), family=family)
         except OSError as exc:
             raise OSError(f"front.http_port: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-        server = cls(api, sock, host, grace_s)
+        server = cls(api, sock, host, grace_s, tls_cert, tls_key)
         server.task = asyncio.create_task(server.server.serve(sockets=[server.sock]))
         while not server.server.started:
             if server.task.done():
@@ -658,4 +641,5 @@ async def start_http(config, servicer: GenerationServicer, tok_dir: str, registr
     front = config.front
     model_name = front.served_model_name or Path(tok_dir).name
     api = HttpApi(servicer, model_name, registry, draining, load_auth_tokens(front.auth_token_file))
-    return await HttpServer.start(api, front.host, front.http_port, config.grpc.shutdown_grace_s)
+    return await HttpServer.start(api, front.host, front.http_port, config.grpc.shutdown_grace_s,
+                                  config.grpc.tls_cert, config.grpc.tls_key)

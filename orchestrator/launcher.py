@@ -104,13 +104,15 @@ def stop_children(children: list[Child], grace_s: float) -> None:
 
 
 def serve(config_path: str | None, flags: list[str], tp: int | None = None, no_ray: bool = False,
-          grace_s: float = 10.0, http_port: int | None = None, http: bool = False) -> int:
+          grace_s: float = 10.0, http_port: int | None = None, http: bool = False,
+          security_flags: list[str] = (), front_flags: list[str] = ()) -> int:
     """Run the three services until SIGTERM/SIGINT; returns the exit code.
 
     flags: model flags (--target DIR, --draft DIR, --dtype D), each passed to the children that take it
     (the draft all three, the target --target and --dtype, the front --target). http_port: the
     front's --http-port (None = the config's front.http_port); http: whether the front serves HTTP
-    (then its ``http ready on`` line is awaited and printed too).
+    (then its ``http ready on`` line is awaited and printed too). security_flags: --tls-* flags for all
+    three; front_flags: more flags for the front alone (--auth-token-file).
     """
     config_args = ["--config", config_path] if config_path else []
     children: list[Child] = []
@@ -120,16 +122,16 @@ def serve(config_path: str | None, flags: list[str], tp: int | None = None, no_r
     env = dict(os.environ)
     try:
         # the children run the same typer commands as ``specdec draft-server`` / ``target-server`` / ``front``
-        draft = start_child("draft-service", "draft_service", [*config_args, *flags], env)
+        draft = start_child("draft-service", "draft_service", [*config_args, *flags, *security_flags], env)
         children.append(draft)
         target_flags = _model_flags(flags, "--target", "--dtype")  # the target server takes no --draft
         target = start_child("target-service", "target_service",
-                             [*config_args, *target_flags, *(["--tp", str(tp)] if tp else [])], env)
+                             [*config_args, *target_flags, *security_flags, *(["--tp", str(tp)] if tp else [])], env)
         children.append(target)
         draft_addr, target_addr = wait_ready(draft, stop=stop), wait_ready(target, stop=stop)
-        front_flags = _model_flags(flags, "--target")  # the front loads only the tokenizer
+        front_model_flags = _model_flags(flags, "--target")  # the front loads only the tokenizer
         front = start_child("generation-front", "orchestrator",
-                            ["front", *config_args, *front_flags, "--draft-address", draft_addr,
+                            ["front", *config_args, *front_model_flags, *security_flags, *front_flags, "--draft-address", draft_addr,
                              "--target-address", target_addr, *(["--no-ray"] if no_ray else []),
                              *(["--http-port", str(http_port)] if http_port is not None else [])], env)
         children.append(front)

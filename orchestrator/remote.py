@@ -7,12 +7,15 @@ exits non-zero).
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
 
 from specdec.sampling import SamplingParams
+from specdec.security import load_auth_tokens
 from specdec.tree_spec import TreeSpec
 from specdec.v1 import generation_pb2, generation_pb2_grpc
 from specdec.wire import sampling_to_proto, spec_to_proto
@@ -28,11 +31,13 @@ class RemoteError(RuntimeError):
 
 def generate_remote(address: str, prompt: str, *, max_new_tokens: int, sampling: SamplingParams,
                     spec: TreeSpec | None, no_spec: bool, raw: bool, stop: tuple[str, ...] = (),
-                    timeout_s: float | None = None, out=sys.stdout) -> SimpleNamespace:
+                    timeout_s: float | None = None, out=sys.stdout, tls_ca: str | None = None,
+                    token: str | None = None) -> SimpleNamespace:
     """Run one request on the front at ``address``; writes text deltas to ``out``.
 
-    spec None = the server's configured tree. Returns the final stats as a namespace with the
-    fields of specdec.v1.FinalStats (and ``tokens``). Raises RemoteError.
+    spec None = the server's configured tree; tls_ca: PEM CA bundle to verify a TLS front against
+    (None = plaintext); token: bearer token sent as ``authorization`` metadata. Returns the final
+    stats as a namespace with the fields of specdec.v1.FinalStats (and ``tokens``). Raises RemoteError.
     """
     request = generation_pb2.GenerateRequest(
         prompt=prompt, raw=raw, max_new_tokens=max_new_tokens, stop=list(stop),
@@ -43,9 +48,10 @@ def generate_remote(address: str, prompt: str, *, max_new_tokens: int, sampling:
     tokens: list[int] = []
     final = None
     try:
-        with grpc.insecure_channel(address) as channel:
+        with _channel(address, tls_ca) as channel:
             stub = generation_pb2_grpc.GenerationServiceStub(channel)
-            for reply in stub.Generate(request, timeout=timeout_s, wait_for_ready=False):
+            metadata = [("authorization", f"Bearer {token}")] if token else None
+            for reply in stub.Generate(request, timeout=timeout_s, wait_for_ready=False, metadata=metadata):
                 tokens += reply.token_ids
                 if reply.text_delta:
                     out.write(reply.text_delta)
@@ -60,3 +66,23 @@ def generate_remote(address: str, prompt: str, *, max_new_tokens: int, sampling:
     stats.tokens = tokens
     stats.tokens_per_s = stats.new_tokens / stats.total_s if stats.total_s else 0.0
     return stats
+
+
+def _channel(address: str, tls_ca: str | None) -> grpc.Channel:
+    if tls_ca is None:
+        return grpc.insecure_channel(address)
+    try:
+        ca = Path(tls_ca).read_bytes()
+    except OSError as exc:
+        raise RemoteError(grpc.StatusCode.INVALID_ARGUMENT, f"--tls-ca: cannot read {tls_ca}: {exc.strerror or exc}") from None
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca))
+
+
+def client_token(token_file: str | None) -> str | None:
+    """The bearer token for ``generate --server``: $SPECDEC_TOKEN, else the first line of
+    ``token_file`` (None = none). Raises ValueError naming --auth-token-file."""
+    if os.environ.get("SPECDEC_TOKEN"):
+        return os.environ["SPECDEC_TOKEN"].strip()
+    if token_file is None:
+        return None
+    return load_auth_tokens(token_file, "--auth-token-file")[0]

@@ -20,7 +20,6 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-import grpc
 from opentelemetry import propagate, trace
 from transformers import AutoTokenizer
 
@@ -30,6 +29,7 @@ from orchestrator.cost_aware import SharedState, cost_aware_factory
 from orchestrator.controller import GenerationRequest, GenerationResult, RoundController
 from specdec.config import ServeConfig
 from specdec.models import DEFAULT_TARGET, resolve_model_dir
+from specdec.security import aio_channel
 from specdec.stats import GenerationStats, RoundRecord
 from specdec.tree_spec import MAX_TREE_NODES
 
@@ -67,8 +67,8 @@ class Orchestrator:
     async def connect(self, timeout: float = 60.0) -> None:
         """Open the channels and read the target's vocabulary, EOS ids and context limit."""
         options = channel_options(self.grpc_cfg.max_message_bytes)
-        self.target_channel = grpc.aio.insecure_channel(self.front.target_address, options=options)
-        self.draft_channel = grpc.aio.insecure_channel(self.front.draft_address, options=options)
+        self.target_channel = aio_channel(self.front.target_address, self.grpc_cfg, options)  # TLS / mTLS when configured
+        self.draft_channel = aio_channel(self.front.draft_address, self.grpc_cfg, options)
         target = TargetClient(self.target_channel)
         self.info = await target.info(timeout=timeout)
         max_nodes = self.info.max_tree_nodes or 512

@@ -9,6 +9,8 @@ Errors (unknown keys, bad values, a malformed tree) raise ConfigError naming the
 
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 from typing import Literal
 
@@ -39,6 +41,22 @@ class ModelsConfig(_Section):
 class GrpcConfig(_Section):
     max_message_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
     shutdown_grace_s: float = Field(default=10.0, ge=0)   # SIGTERM: finish in-flight calls this long
+    # Transport security (specdec.security), PEM files. cert + key: every port serves TLS; + ca: the
+    # services verify each other against it (mutual TLS: draft and target accept only clients whose
+    # certificate chains to it; the front presents its certificate to them). ca alone: clients only.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+
+    @model_validator(mode="after")
+    def _tls_files(self):
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert: tls_cert and tls_key go together (the certificate and its private key)")
+        for name in ("tls_cert", "tls_key", "tls_ca"):
+            path = getattr(self, name)
+            if path is not None and not os.access(path, os.R_OK):
+                raise ValueError(f"{name}: cannot read {path}")
+        return self
 
 
 class DraftServerConfig(_Section):
@@ -122,7 +140,7 @@ class FrontConfig(_Section):
     # OpenAI-compatible HTTP API (orchestrator.http_api) on front.host: /v1/completions,
     # /v1/chat/completions, /v1/models, /health, /metrics. None = off (the gRPC API only); 0 = ephemeral.
     http_port: int | None = Field(default=None, ge=0, le=65535)
-    auth_token_file: str | None = None                    # HTTP /v1/*: bearer tokens, one a line (None = no auth)
+    auth_token_file: str | None = None                    # GenerationService and HTTP /v1/*: bearer tokens, one a line (None = no auth)
     served_model_name: str | None = None                  # HTTP "model" id (None = the tokenizer directory's name)
 
     @model_validator(mode="after")

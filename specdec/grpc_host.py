@@ -33,6 +33,7 @@ from grpc_reflection.v1alpha import reflection
 from specdec.config import GrpcConfig
 from specdec.interfaces import UnknownSessionError
 from specdec.sampling import SamplingParamsError
+from specdec.security import refusing_handler, server_credentials, warn_plaintext
 from specdec.service_errors import CapacityError, DeadlineExpiredError, ShuttingDownError
 from specdec.tree import MalformedTreeError
 from specdec.tree_spec import TreeSpecError
@@ -121,25 +122,7 @@ class _DrainingGate(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or not self.host.draining.is_set() or handler_call_details.method.startswith(_ALWAYS_OPEN):
             return handler
-        return _refusing(handler, f"{self.host.name} is shutting down")
-
-
-def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    async def refuse(_request, context):
-        await context.abort(grpc.StatusCode.UNAVAILABLE, message)
-
-    async def refuse_stream(_request, context):  # an async generator, like the handlers it replaces
-        await context.abort(grpc.StatusCode.UNAVAILABLE, message)
-        yield  # pragma: no cover - abort raises
-
-    kinds = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }
-    make = kinds[(handler.request_streaming, handler.response_streaming)]
-    return make(refuse_stream if handler.response_streaming else refuse, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        return refusing_handler(handler, grpc.StatusCode.UNAVAILABLE, f"{self.host.name} is shutting down")
 
 
 class ServiceHost:
@@ -149,17 +132,21 @@ class ServiceHost:
     ``await host.serve(host_name, port, service_names)``; it returns after SIGTERM/SIGINT (or
     ``request_stop()``) once the server has drained.
 
-    name: printed in the ready line ``<name> ready on <host>:<port>``; config: the grpc section.
+    name: printed in the ready line ``<name> ready on <host>:<port>``; config: the grpc section (TLS
+    when tls_cert is set, ``specdec.security``); client_auth: with TLS and tls_ca, accept only clients
+    whose certificate chains to the CA (mutual TLS: the draft and target services); interceptors:
+    more server interceptors after the draining gate (e.g. ``security.BearerAuth``).
     """
 
-    def __init__(self, name: str, config: GrpcConfig):
+    def __init__(self, name: str, config: GrpcConfig, client_auth: bool = False, interceptors: Sequence = ()):
         self.name = name
         self.config = config
+        self.client_auth = client_auth
         self.draining = asyncio.Event()  # set when shutdown starts; streams watch it
         self._stop = asyncio.Event()
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(
-            interceptors=[_DrainingGate(self)],
+            interceptors=[_DrainingGate(self), *interceptors],
             options=[
                 ("grpc.max_send_message_length", config.max_message_bytes),
                 ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -174,8 +161,13 @@ class ServiceHost:
         """
         reflection.enable_server_reflection(
             [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        credentials = server_credentials(self.config, self.client_auth)
+        warn_plaintext(self.name, host, self.config)
         try:
-            bound = self.server.add_insecure_port(f"{host}:{port}")
+            if credentials is None:
+                bound = self.server.add_insecure_port(f"{host}:{port}")
+            else:
+                bound = self.server.add_secure_port(f"{host}:{port}", credentials)
         except RuntimeError as exc:
             raise OSError(f"cannot listen on {host}:{port}: {exc}") from None
         if bound == 0:

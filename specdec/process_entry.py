@@ -36,3 +36,22 @@ def fail(message: str) -> int:
     """Print ``error: message`` on stderr; returns exit code 2 (no traceback)."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     return 2
+
+
+# Transport security flags of every server command (specdec.security); each overrides the YAML field.
+TLS_CERT_HELP = "PEM server certificate (TLS on every port; mutual TLS between services with --tls-ca); overrides grpc.tls_cert."
+TLS_KEY_HELP = "PEM private key of --tls-cert; overrides grpc.tls_key."
+TLS_CA_HELP = "PEM CA bundle that verifies peers (with --tls-cert/--tls-key: mutual TLS between the services); overrides grpc.tls_ca."
+AUTH_TOKEN_FILE_HELP = ("File of accepted bearer tokens, one a line (GenerationService and HTTP /v1/*; never pass a "
+                        "token on the command line); overrides front.auth_token_file.")
+
+
+def tls_overrides(tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> dict[str, str | None]:
+    """The config overrides of the --tls-* flags (None = keep the YAML's value)."""
+    return {"grpc.tls_cert": tls_cert, "grpc.tls_key": tls_key, "grpc.tls_ca": tls_ca}
+
+
+def tls_flags(tls_cert: str | None, tls_key: str | None, tls_ca: str | None) -> list[str]:
+    """The --tls-* flags again, for child processes (``specdec serve``)."""
+    pairs = (("--tls-cert", tls_cert), ("--tls-key", tls_key), ("--tls-ca", tls_ca))
+    return [part for flag, value in pairs if value is not None for part in (flag, value)]

@@ -279,7 +279,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
 async def serve_runtime(config: ServeConfig, runtime, *, context_limit: int, eos_token_ids=(), model_name: str = "") -> int:
     """Serve ``runtime`` until SIGTERM/SIGINT, then drain. Returns the bound port."""
-    host = ServiceHost("target-service", config.grpc)
+    host = ServiceHost("target-service", config.grpc, client_auth=True)  # mutual TLS when grpc.tls_ca is set
     servicer = TargetServicer(runtime, context_limit=context_limit, eos_token_ids=eos_token_ids,
                               model_name=model_name, config=config.target, health=host.health)
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, host.server)

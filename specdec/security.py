@@ -1,0 +1,149 @@
+"""Transport security and authentication for the three services: grpcio's own TLS credentials and
+a bearer-token interceptor. No crypto of our own.
+
+TLS (config ``grpc.tls_cert`` / ``grpc.tls_key`` / ``grpc.tls_ca``, PEM files):
+- cert + key: every gRPC port serves TLS (``server_credentials``);
+- + ca: mutual TLS between the services: the draft and target services accept only clients whose
+  certificate chains to the CA (``client_auth=True``), and the front presents its own certificate
+  when it calls them (``channel_credentials``); the front's public port verifies no client
+  certificate (its clients authenticate with bearer tokens);
+- ca alone: a client (``specdec generate --server --tls-ca``) verifies the server against it.
+Without TLS, plaintext is the default; binding a non-loopback address without it logs a warning
+(``warn_plaintext``).
+
+Bearer tokens (``front.auth_token_file``, one per line, read from a file or a mounted Kubernetes
+Secret, never from the command line): ``BearerAuth`` refuses every GenerationService call without
+``authorization: Bearer TOKEN`` metadata naming an accepted token with UNAUTHENTICATED; health and
+reflection stay open for probes. Tokens are compared in constant time (``hmac.compare_digest``,
+each accepted token in turn) and never logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import grpc
+
+from specdec.config import GrpcConfig
+
+log = logging.getLogger(__name__)
+
+PROTECTED_PREFIX = "/specdec.v1.GenerationService/"
+
+
+def refusing_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that ends every call with ``code`` and ``message``."""
+    async def refuse(_request, context):
+        await context.abort(code, message)
+
+    async def refuse_stream(_request, context):  # an async generator, like the handlers it replaces
+        await context.abort(code, message)
+        yield  # pragma: no cover - abort raises
+
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    make = kinds[(handler.request_streaming, handler.response_streaming)]
+    return make(refuse_stream if handler.response_streaming else refuse, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+
+
+def load_auth_tokens(path: str | None, field: str = "front.auth_token_file") -> tuple[str, ...]:
+    """Bearer tokens of ``path``: one a line, blank lines skipped (None = no auth).
+
+    Raises ValueError naming ``field`` when the file cannot be read or holds no token.
+    """
+    if path is None:
+        return ()
+    try:
+        tokens = tuple(line.strip() for line in Path(path).read_text().splitlines() if line.strip())
+    except OSError as exc:
+        raise ValueError(f"{field}: cannot read {path}: {exc.strerror or exc}") from None
+    if not tokens:
+        raise ValueError(f"{field}: {path} holds no token")
+    return tokens
+
+
+def token_accepted(accepted: Sequence[bytes], header: str) -> bool:
+    """Whether an ``authorization`` value is ``Bearer <one of accepted>`` (constant time per token)."""
+    scheme, _, token = header.partition(" ")
+    given = token.strip().encode()
+    ok = False
+    for candidate in accepted:  # every token compared, so the time does not tell which one matched
+        ok |= hmac.compare_digest(candidate, given)
+    return ok and scheme.lower() == "bearer"
+
+
+def _read(path: str | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
+def server_credentials(config: GrpcConfig, client_auth: bool) -> grpc.ServerCredentials | None:
+    """TLS credentials of a server port (None = plaintext: no tls_cert).
+
+    client_auth: require a client certificate that chains to ``tls_ca`` (mutual TLS; needs tls_ca).
+    """
+    if config.tls_cert is None:
+        return None
+    pair = [(_read(config.tls_key), _read(config.tls_cert))]
+    ca = _read(config.tls_ca)
+    return grpc.ssl_server_credentials(pair, root_certificates=ca, require_client_auth=client_auth and ca is not None)
+
+
+def channel_credentials(config: GrpcConfig) -> grpc.ChannelCredentials | None:
+    """TLS credentials of a client channel (None = plaintext: neither tls_ca nor tls_cert). Verifies
+    the server against tls_ca (the system roots when unset) and presents tls_cert when set."""
+    if config.tls_ca is None and config.tls_cert is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=_read(config.tls_ca), private_key=_read(config.tls_key),
+                                        certificate_chain=_read(config.tls_cert))
+
+
+def aio_channel(address: str, config: GrpcConfig, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
+    """A grpc.aio channel to another service: TLS when configured (``channel_credentials``)."""
+    credentials = channel_credentials(config)
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=list(options))
+    return grpc.aio.secure_channel(address, credentials, options=list(options))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address is loopback only ("localhost", 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_plaintext(name: str, host: str, config: GrpcConfig) -> None:
+    """Log a warning when ``host`` is not a loopback address and the port serves no TLS."""
+    if config.tls_cert is None and not is_loopback(host):
+        log.warning("%s listens on %s without TLS: anyone who reaches the port can call it "
+                    "(set grpc.tls_cert / tls_key / tls_ca, README 'Security')", name, host)
+
+
+class BearerAuth(grpc.aio.ServerInterceptor):
+    """UNAUTHENTICATED for GenerationService calls without an accepted bearer token (health and
+    reflection, and the draft and target services' own RPCs, pass). tokens: the accepted ones."""
+
+    def __init__(self, tokens: Sequence[str]):
+        self.tokens = tuple(t.encode() for t in tokens)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith(PROTECTED_PREFIX):
+            return handler
+        header = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
+        if token_accepted(self.tokens, header if isinstance(header, str) else header.decode(errors="replace")):
+            return handler
+        return refusing_handler(handler, grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or invalid bearer token (metadata authorization: Bearer ...)")

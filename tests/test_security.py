@@ -1,0 +1,181 @@
+"""Transport security and authentication (specdec.security): TLS on every port, mutual TLS between
+the services, bearer tokens on the public GenerationService. Real draft, target and front processes
+on loopback ports with tiny models; certificates made here with ``cryptography`` (a test CA, a
+server/client certificate for 127.0.0.1 signed by it, and one signed by another CA).
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import logging
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec.harness.servers import launch_service, stop_service, wait_ready
+from specdec.security import BearerAuth, is_loopback, token_accepted, warn_plaintext
+from specdec.config import GrpcConfig
+from specdec.v1 import generation_pb2, generation_pb2_grpc, target_pb2, target_pb2_grpc
+from tests.tiny_pair import save_tiny_pair, write_config
+
+TOKEN = "s3cret-token-for-tests"
+
+
+def _certificate(subject: str, issuer_key, issuer_name, key, ca: bool):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
+    builder = (x509.CertificateBuilder().subject_name(name).issuer_name(issuer_name or name)
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if not ca:
+        builder = builder.add_extension(x509.SubjectAlternativeName(
+            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+    return builder.sign(issuer_key or key, hashes.SHA256())
+
+
+def _make_pki(root):
+    """(ca.pem, cert.pem, key.pem, other_cert.pem, other_key.pem): a CA, a certificate it signed for
+    127.0.0.1 (servers and clients both use it), and one signed by an unrelated CA."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    def pem_key(key):
+        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                 serialization.NoEncryption())
+
+    files = {}
+    for label in ("", "other_"):
+        ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+        ca = _certificate(f"{label}test CA", None, None, ca_key, ca=True)
+        cert = _certificate("127.0.0.1", ca_key, ca.subject, key, ca=False)
+        for name, data in ((f"{label}ca.pem", ca.public_bytes(serialization.Encoding.PEM)),
+                           (f"{label}cert.pem", cert.public_bytes(serialization.Encoding.PEM)),
+                           (f"{label}key.pem", pem_key(key))):
+            (root / name).write_bytes(data)
+            files[name] = str(root / name)
+    return files
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    return _make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def secure_stack(pki, tmp_path_factory):
+    """Draft, target and front with TLS (mutual between the services) and a bearer token file."""
+    root = tmp_path_factory.mktemp("secure")
+    pair = save_tiny_pair(root / "models")
+    tokens = root / "tokens.txt"
+    tokens.write_text(f"other-token\n{TOKEN}\n")
+    config = write_config(root / "serve.yaml", pair, front={"port": 0, "use_ray": False},
+                          grpc={"tls_cert": pki["cert.pem"], "tls_key": pki["key.pem"], "tls_ca": pki["ca.pem"]})
+    draft, target = launch_service("draft", config), launch_service("target", config)
+    wait_ready(draft), wait_ready(target)
+    front = wait_ready(launch_service("front", config, draft_address=draft.address, target_address=target.address,
+                                      auth_token_file=str(tokens), no_ray=True))
+    yield {"draft": draft, "target": target, "front": front}
+    for service in (front, draft, target):
+        stop_service(service)
+
+
+def _credentials(pki, ca="ca.pem", cert=None):
+    key = cert.replace("cert", "key") if cert else None
+    read = lambda name: open(pki[name], "rb").read() if name else None  # noqa: E731
+    return grpc.ssl_channel_credentials(root_certificates=read(ca), private_key=read(key), certificate_chain=read(cert))
+
+
+def _generate(address, credentials, token=None, prompt_ids=(1, 2, 3, 4)):
+    with grpc.secure_channel(address, credentials) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        metadata = [("authorization", f"Bearer {token}")] if token else None
+        replies = list(stub.Generate(generation_pb2.GenerateRequest(prompt_ids=list(prompt_ids), max_new_tokens=6),
+                                     timeout=60, metadata=metadata))
+    return [t for r in replies for t in r.token_ids], replies[-1].stats
+
+
+def test_tls_client_with_the_ca_and_token_generates(secure_stack, pki):
+    tokens, stats = _generate(secure_stack["front"].address, _credentials(pki), TOKEN)
+    assert len(tokens) == stats.new_tokens > 0  # the front reached draft and target over mutual TLS
+
+
+def test_client_without_the_ca_cannot_connect(secure_stack, pki):
+    with pytest.raises(grpc.RpcError) as err:
+        _generate(secure_stack["front"].address, _credentials(pki, ca="other_ca.pem"), TOKEN)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # the handshake fails: the server is not trusted
+    with grpc.insecure_channel(secure_stack["front"].address) as channel:  # plaintext to a TLS port
+        with pytest.raises(grpc.RpcError) as err:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token", TOKEN + "x"])
+def test_missing_or_wrong_token_is_unauthenticated_and_health_stays_open(secure_stack, pki, token):
+    with pytest.raises(grpc.RpcError) as err:
+        _generate(secure_stack["front"].address, _credentials(pki), token)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with grpc.secure_channel(secure_stack["front"].address, _credentials(pki)) as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_target_refuses_clients_without_a_certificate_from_the_ca(secure_stack, pki):
+    address = secure_stack["target"].address
+    for credentials in (_credentials(pki), _credentials(pki, cert="other_cert.pem")):  # none / wrong CA
+        with grpc.secure_channel(address, credentials) as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                target_pb2_grpc.TargetServiceStub(channel).Info(target_pb2.InfoRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    with grpc.secure_channel(address, _credentials(pki, cert="cert.pem")) as channel:  # a certificate the CA signed
+        info = target_pb2_grpc.TargetServiceStub(channel).Info(target_pb2.InfoRequest(), timeout=5)
+    assert info.vocab_size > 0
+
+
+def test_the_token_never_appears_in_logs(secure_stack, pki):
+    _generate(secure_stack["front"].address, _credentials(pki), TOKEN)
+    with pytest.raises(grpc.RpcError):
+        _generate(secure_stack["front"].address, _credentials(pki), "wrong-token")
+    for service in secure_stack.values():
+        assert TOKEN not in service.stderr and TOKEN not in "\n".join(service.stdout_lines)
+        assert "wrong-token" not in service.stderr
+
+
+def test_token_check_and_loopback_rules(caplog):
+    accepted = (b"alpha", b"beta")
+    assert token_accepted(accepted, "Bearer beta") and token_accepted(accepted, "bearer alpha")
+    assert not token_accepted(accepted, "Bearer gamma") and not token_accepted(accepted, "beta")
+    assert not token_accepted(accepted, "Basic beta") and not token_accepted(accepted, "")
+    assert not BearerAuth([]).tokens and BearerAuth(["a"]).tokens == (b"a",)
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("my-host")
+    with caplog.at_level(logging.WARNING, logger="specdec.security"):
+        warn_plaintext("target-service", "127.0.0.1", GrpcConfig())
+        assert not caplog.records
+        warn_plaintext("target-service", "0.0.0.0", GrpcConfig())
+    assert "without TLS" in caplog.text
+
+
+def test_generate_cli_over_tls_with_the_token_from_the_environment(secure_stack, pki, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "orchestrator", "generate", "--server", secure_stack["front"].address,
+            "--tls-ca", pki["ca.pem"], "--raw", "--max-new-tokens", "4", "hello world"]
+    env = {k: v for k, v in os.environ.items() if k != "SPECDEC_TOKEN"}
+    ok = subprocess.run(argv, capture_output=True, text=True, timeout=120, env={**env, "SPECDEC_TOKEN": TOKEN})
+    assert ok.returncode == 0, ok.stderr
+    refused = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    from_file = subprocess.run([*argv[:-1], "--auth-token-file", str(token_file), argv[-1]], capture_output=True,
+                               text=True, timeout=120, env=env)
+    assert from_file.returncode == 0, from_file.stderr
