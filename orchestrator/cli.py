@@ -284,6 +284,44 @@ def serve(
     raise typer.Exit(launch(str(config) if config else None, flags, tp=tp, no_ray=no_ray, grace_s=cfg.grpc.shutdown_grace_s))
 
 
+@app.command("eval")
+def eval_(
+    out: Path = typer.Option(..., help="Directory for report.json, report.md and the PNG figures."),
+    questions: Optional[Path] = typer.Option(None, help="A Spec-Bench style question.jsonl (default: the built-in prompt set, 7 per category)."),
+    per_category: int = typer.Option(2, help="Questions per category."),
+    max_new_tokens: int = typer.Option(96, help="New tokens per question."),
+    server: Optional[str] = typer.Option(None, help="host:port of a generation front (specdec serve): run there; the model, dtype and control flags are the server's."),
+    service_pid: list[int] = typer.Option([], help="With --server: a local service process (draft, target, front) whose peak memory to report (repeatable)."),
+    target: Optional[str] = typer.Option(None, help="Target model: transformers directory or .gguf file (default: Qwen2.5-Coder-1.5B-Instruct)."),
+    draft: Optional[str] = typer.Option(None, help="Draft model: transformers directory or .gguf file (default: Qwen2.5-Coder-0.5B-Instruct)."),
+    tree: Optional[str] = typer.Option(None, help="TreeSpec (inline JSON or file; default: top-3 at the root, then a chain of 3)."),
+    dtype: str = typer.Option("auto", help="Model dtype (auto, bfloat16, float32, float16)."),
+    draft_quant: str = typer.Option("auto", help="auto (int8 on CPU), none or int8 draft."),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
+    control: str = typer.Option("cost-aware", help=_CONTROL_HELP),
+) -> None:
+    """Evaluation report: target-only vs speculation per question (greedy), SpeculativeReport overall and
+    per slice (category, prompt length, output length, language), tables and figures."""
+    from orchestrator.bench import QuestionsError
+    from orchestrator.embedded import set_threads
+    from orchestrator.eval_report import run_eval
+
+    try:
+        check_choices(dtype, draft_quant, control)
+        check_positive(per_category=per_category, max_new_tokens=max_new_tokens, threads=threads)
+        if service_pid and server is None:
+            raise UsageError("--service-pid: only with --server (embedded runs measure this process)")
+        spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
+        set_threads(threads)
+        reports = run_eval(spec, questions, per_category, max_new_tokens, out, target=target, draft=draft, dtype=dtype,
+                           draft_quant=draft_quant, control=control, server=server, service_pids=tuple(service_pid))
+    except (UsageError, TreeSpecError, ModelError, QuestionsError, ValueError) as exc:
+        fail(str(exc))
+    overall = reports[0]
+    err.print(f"overall: {overall.speedup:.2f}x speedup, acceptance {overall.acceptance_rate:.3f}, "
+              f"outputs equal on {overall.output_equivalent_fraction:.0%}; report in {out}", highlight=False)
+
+
 def main() -> None:
     app()
 
