@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
@@ -66,6 +67,7 @@ def acceptance_figure(reports, path: Path) -> None:
         ax.plot(depths, r.acceptance_per_depth, marker="o", linewidth=2.5 if overall else 0.8,
                 color="black" if overall else None, label=_label(r))
     ax.set_xlabel("tree depth")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_ylabel("acceptance")
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=6, ncol=2)
