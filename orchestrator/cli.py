@@ -322,6 +322,25 @@ def eval_(
               f"outputs equal on {overall.output_equivalent_fraction:.0%}; report in {out}", highlight=False)
 
 
+@app.command("trace-report")
+def trace_report(
+    spans_file: list[Path] = typer.Argument(..., help="OTLP JSON spans file(s): the Collector file exporter's format, or what "
+                                                      "OTEL_TRACES_EXPORTER=otlp_json_file SPECDEC_TRACES_FILE=... writes."),
+    out: Path = typer.Option(..., help="Directory for trace_report.json, trace_report.md and trace_report.png."),
+) -> None:
+    """Latency breakdown of speculation rounds from OpenTelemetry spans: per phase (draft compute and wire,
+    verify queue, compute and wire, commit, control) mean / p50 / p95, shares, per request and overall."""
+    from orchestrator.trace_report import TraceFileError, write_trace_report
+
+    try:
+        report = write_trace_report(spans_file, out)
+    except TraceFileError as exc:
+        fail(str(exc))
+    shares = ", ".join(f"{p} {s['share']:.0%}" for p, s in report["overall"].items())
+    err.print(f"{report['requests_count']} requests, {report['rounds_count']} rounds: {shares}; report in {out}",
+              highlight=False)
+
+
 def main() -> None:
     app()
 
