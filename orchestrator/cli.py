@@ -341,6 +341,44 @@ def trace_report(
               highlight=False)
 
 
+@app.command("profile-draft")
+def profile_draft(
+    candidate: list[str] = typer.Option(..., help="A draft to profile, PATH[@none|@int8] (PATH: model directory, .gguf file "
+                                                  "or 'default'; repeatable), e.g. --candidate default@none --candidate default@int8."),
+    out: Path = typer.Option(..., help="Directory for profile.json and profile.md."),
+    target: Optional[str] = typer.Option(None, help="Target model: transformers directory or .gguf file (default: Qwen2.5-Coder-1.5B-Instruct)."),
+    questions: Optional[Path] = typer.Option(None, help="A Spec-Bench style question.jsonl (default: the built-in prompt set)."),
+    per_category: int = typer.Option(1, help="Questions per category."),
+    max_new_tokens: int = typer.Option(64, help="New tokens per question."),
+    draft_quant: str = typer.Option("none", help="Quantization of candidates given without @QUANT: none or int8."),
+    tree: Optional[str] = typer.Option(None, help="TreeSpec (inline JSON or file; default: top-3 at the root, then a chain of 3)."),
+    dtype: str = typer.Option("auto", help="Model dtype (auto, bfloat16, float32, float16)."),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
+    control: str = typer.Option("cost-aware", help=_CONTROL_HELP),
+) -> None:
+    """DraftProfile of each candidate draft against the target: parameters, the draft's own tokens/s,
+    acceptance rate, tokenizer compatibility (with the reason when not) and the end-to-end speedup."""
+    from orchestrator.bench import QuestionsError
+    from orchestrator.draft_profile import parse_candidate, run_profile
+    from orchestrator.embedded import set_threads
+
+    try:
+        check_choices(dtype, draft_quant, control)
+        if draft_quant == "auto":
+            raise UsageError("--draft-quant: none or int8 (each candidate is profiled as given)")
+        check_positive(per_category=per_category, max_new_tokens=max_new_tokens, threads=threads)
+        candidates = [parse_candidate(c, draft_quant) for c in candidate]
+        spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
+        set_threads(threads)
+        profiles = run_profile(candidates, out, target=target, questions_path=questions, per_category=per_category,
+                               max_new_tokens=max_new_tokens, dtype=dtype, control=control, spec=spec)
+    except (UsageError, TreeSpecError, ModelError, QuestionsError, ValueError) as exc:
+        fail(str(exc))
+    for p in profiles:
+        err.print(f"{p.name}: " + (f"{p.end_to_end_speedup:.2f}x, acceptance {p.acceptance_rate:.3f}" if p.compatible_tokenizer
+                                   else f"incompatible ({p.tokenizer_reason})"), highlight=False)
+
+
 def main() -> None:
     app()
 
