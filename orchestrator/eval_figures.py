@@ -99,7 +99,7 @@ def report_table(reports) -> str:
              f"{r.target_only_first_token_ms:.0f} / {r.first_token_ms:.0f}",
              f"{r.target_only_p95_latency_ms:.0f} / {r.p95_latency_ms:.0f}",
              f"{r.target_only_decode_tokens_per_second:.2f} / {r.decode_tokens_per_second:.2f}",
-             f"{r.acceptance_rate:.3f}", f"{r.mean_accepted_length:.2f}", f"{r.speculation_length:.2f}",
+             f"{r.acceptance_rate:.3f}", f"{r.mean_accepted_length:.2f}", "n/a" if r.speculation_length is None else f"{r.speculation_length:.2f}",
              f"{r.output_equivalent_fraction:.0%}", "n/a" if r.peak_memory_mb is None else f"{r.peak_memory_mb:.0f}"]
             for r in reports]
     return _table(head, rows)

@@ -57,7 +57,7 @@ class SpeculativeReport(BaseModel):
 
     task_set: str
     draft_model: str
-    speculation_length: float
+    speculation_length: float | None  # None: the runner saw no tree depths (a remote front)
     acceptance_rate: float
     first_token_ms: float
     decode_tokens_per_second: float
@@ -90,14 +90,20 @@ class SpeculativeReport(BaseModel):
 @dataclass(frozen=True)
 class Run:
     """One greedy generation: tokens, timing (seconds / ms from the call), and per round (tree depth,
-    accepted draft tokens) — (0, 0) for a plain round; ``rounds`` empty when the runner cannot see them."""
+    accepted draft tokens) — (0, 0) for a plain round; ``rounds`` None when the runner cannot see
+    them (a remote front streams no tree depths), ``rounds_count`` then says how many there were."""
 
     tokens: list[int]
     ttft_ms: float
     total_s: float
-    rounds: list[tuple[int, int]] = field(default_factory=list)
+    rounds: list[tuple[int, int]] | None = field(default_factory=list)
     proposed: int = 0  # draft tokens (tree nodes) verified
     accepted: int = 0  # draft tokens committed
+    rounds_count: int | None = None  # None = len(rounds)
+
+    @property
+    def round_count(self) -> int:
+        return self.rounds_count if self.rounds_count is not None else len(self.rounds or [])
 
     def figures(self) -> dict:
         """The row bench.method_figures aggregates."""
@@ -244,7 +250,7 @@ class RemoteRunner:
         self._prompt_tokens[prompt] = final.prompt_tokens
         ttft_ms = ((first or start + total_s) - start) * 1000
         # the front streams no tree depths: per-depth acceptance and speculation length need an embedded run
-        return Run(tokens, ttft_ms, total_s, [], final.proposed_tokens, final.accepted_tokens)
+        return Run(tokens, ttft_ms, total_s, None, final.proposed_tokens, final.accepted_tokens, final.rounds)
 
     def peak_memory_mb(self) -> dict[str, float]:
         return {f"service (pid {pid})": peak_rss_mb(pid) for pid in self.service_pids}
@@ -279,7 +285,7 @@ def _ratio(a: float, b: float) -> float:
 
 def acceptance_per_depth(runs: list[Run]) -> list[float]:
     """[D] accepted draft tokens at depth d / rounds whose tree reached depth d, d = 1..max depth."""
-    rounds = [r for run in runs for r in run.rounds]
+    rounds = [r for run in runs for r in run.rounds or []]
     deepest = max((depth for depth, _ in rounds), default=0)
     return [_ratio(sum(acc >= d for depth, acc in rounds if depth >= d), sum(depth >= d for depth, _ in rounds))
             for d in range(1, deepest + 1)]
@@ -293,14 +299,15 @@ def summarize_slice(runs: list[QuestionRun], dimension: str, value: str, task_se
     p95 = float(np.percentile([s.total_s * 1000 for s in spec], 95))
     p95_target = float(np.percentile([t.total_s * 1000 for t in target], 95))
     equal = [r.speculative.tokens == r.target.tokens for r in runs]
-    depths = [depth for s in spec for depth, _ in s.rounds]
+    seen = all(s.rounds is not None for s in spec)
+    depths = [depth for s in spec for depth, _ in s.rounds or []]
     by_process: dict[str, float] = {}
     for r in runs:
         for name, mb in r.peak_memory_mb.items():
             by_process[name] = max(by_process.get(name, 0.0), mb)
     return SpeculativeReport(
         task_set=task_set, draft_model=draft_model,
-        speculation_length=float(np.mean(depths)) if depths else 0.0,
+        speculation_length=(float(np.mean(depths)) if depths else 0.0) if seen else None,
         acceptance_rate=_ratio(sum(s.accepted for s in spec), sum(s.proposed for s in spec)),
         first_token_ms=fs["ttft_ms"], decode_tokens_per_second=fs["decode_tokens_per_s"], p95_latency_ms=p95,
         output_equivalent=all(equal), peak_memory_mb=sum(by_process.values()) if by_process else None,
@@ -310,7 +317,7 @@ def summarize_slice(runs: list[QuestionRun], dimension: str, value: str, task_se
         target_only_p95_latency_ms=p95_target, speedup=_ratio(fs["tokens_per_s"], ft["tokens_per_s"]),
         decode_speedup=_ratio(fs["decode_tokens_per_s"], ft["decode_tokens_per_s"]),
         first_token_ratio=_ratio(fs["ttft_ms"], ft["ttft_ms"]), p95_latency_ratio=_ratio(p95, p95_target),
-        mean_accepted_length=_ratio(sum(len(s.tokens) for s in spec), sum(len(s.rounds) for s in spec)),
+        mean_accepted_length=_ratio(sum(len(s.tokens) for s in spec), sum(s.round_count for s in spec)),
         acceptance_per_depth=acceptance_per_depth(spec), peak_memory_by_process_mb=by_process,
         peak_gpu_memory_mb=peak_gpu_memory_mb(),
     )
@@ -347,7 +354,7 @@ def write_report(runs: list[QuestionRun], meta: dict, out_dir: Path) -> list[Spe
 
 
 def _run_row(run: Run) -> dict:
-    return {"new_tokens": len(run.tokens), "ttft_ms": run.ttft_ms, "total_s": run.total_s, "rounds": len(run.rounds),
+    return {"new_tokens": len(run.tokens), "ttft_ms": run.ttft_ms, "total_s": run.total_s, "rounds": run.round_count,
             "proposed": run.proposed, "accepted": run.accepted}
 
 

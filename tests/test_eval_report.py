@@ -162,3 +162,44 @@ def test_acceptance_per_depth_and_buckets_by_hand():
     assert acceptance_per_depth(runs) == [2 / 3, 1 / 2, 0.0]
     assert acceptance_per_depth([Run([1], 1.0, 0.1, [(0, 0)])]) == []
     assert [length_bucket(n, (128, 512)) for n in (0, 127, 128, 512, 513)] == ["<128", "<128", "128-512", "128-512", ">512"]
+
+
+@pytest.fixture(scope="module")
+def stack(pair, tmp_path_factory):
+    """Draft, target and front processes on the tiny pair (front without Ray, the draft every round)."""
+    from specdec.harness.servers import launch_service, stop_service, wait_ready
+    from tests.tiny_pair import write_config
+
+    config = write_config(tmp_path_factory.mktemp("eval_cfg") / "serve.yaml", pair,
+                          front={"port": 0, "cost_aware": {"enabled": False}})
+    draft, target = launch_service("draft", config), launch_service("target", config)
+    services = [draft, target]
+    try:
+        wait_ready(draft), wait_ready(target)
+        services.append(wait_ready(launch_service("front", config, draft_address=draft.address,
+                                                  target_address=target.address, no_ray=True)))
+        yield services
+    finally:
+        for service in services:
+            stop_service(service)
+
+
+def test_eval_against_a_running_front(stack, questions_file, tmp_path):
+    draft, target, front = stack
+    pids = [str(s.proc.pid) for s in stack]
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "eval", "--server", front.address, "--questions", str(questions_file),
+         "--per-category", "2", "--max-new-tokens", "8", *[a for pid in pids for a in ("--service-pid", pid)],
+         "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    document = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    overall = document["overall"]
+    assert overall["outputEquivalent"] is True and overall["questions"] == 4  # greedy float32 services: exact
+    assert overall["acceptanceRate"] > 0 and overall["meanAcceptedLength"] >= 1
+    assert overall["speculationLength"] is None and overall["acceptancePerDepth"] == []  # the front streams no depths
+    by_process = overall["peakMemoryByProcessMb"]
+    assert sorted(by_process) == sorted(f"service (pid {pid})" for pid in pids)
+    assert all(mb > 50 for mb in by_process.values()) and overall["peakMemoryMb"] == pytest.approx(sum(by_process.values()))
+    assert {r["language"] for r in document["questions"]} >= {"en", "zh"}
