@@ -311,6 +311,101 @@ def serve(
                             front_flags=["--auth-token-file", auth_token_file] if auth_token_file else []))
 
 
+@app.command("eval")
+def eval_(
+    out: Path = typer.Option(..., help="Directory for report.json, report.md and the PNG figures."),
+    questions: Optional[Path] = typer.Option(None, help="A Spec-Bench style question.jsonl (default: the built-in prompt set, 7 per category)."),
+    per_category: int = typer.Option(2, help="Questions per category."),
+    max_new_tokens: int = typer.Option(96, help="New tokens per question."),
+    server: Optional[str] = typer.Option(None, help="host:port of a generation front (specdec serve): run there; the model, dtype and control flags are the server's."),
+    service_pid: list[int] = typer.Option([], help="With --server: a local service process (draft, target, front) whose peak memory to report (repeatable)."),
+    target: Optional[str] = typer.Option(None, help="Target model: transformers directory or .gguf file (default: Qwen2.5-Coder-1.5B-Instruct)."),
+    draft: Optional[str] = typer.Option(None, help="Draft model: transformers directory or .gguf file (default: Qwen2.5-Coder-0.5B-Instruct)."),
+    tree: Optional[str] = typer.Option(None, help="TreeSpec (inline JSON or file; default: top-3 at the root, then a chain of 3)."),
+    dtype: str = typer.Option("auto", help="Model dtype (auto, bfloat16, float32, float16)."),
+    draft_quant: str = typer.Option("auto", help="auto (int8 on CPU), none or int8 draft."),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
+    control: str = typer.Option("cost-aware", help=_CONTROL_HELP),
+) -> None:
+    """Evaluation report: target-only vs speculation per question (greedy), SpeculativeReport overall and
+    per slice (category, prompt length, output length, language), tables and figures."""
+    from orchestrator.bench import QuestionsError
+    from orchestrator.embedded import set_threads
+    from orchestrator.eval_report import run_eval
+
+    try:
+        check_choices(dtype, draft_quant, control)
+        check_positive(per_category=per_category, max_new_tokens=max_new_tokens, threads=threads)
+        if service_pid and server is None:
+            raise UsageError("--service-pid: only with --server (embedded runs measure this process)")
+        spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
+        set_threads(threads)
+        reports = run_eval(spec, questions, per_category, max_new_tokens, out, target=target, draft=draft, dtype=dtype,
+                           draft_quant=draft_quant, control=control, server=server, service_pids=tuple(service_pid))
+    except (UsageError, TreeSpecError, ModelError, QuestionsError, ValueError) as exc:
+        fail(str(exc))
+    overall = reports[0]
+    err.print(f"overall: {overall.speedup:.2f}x speedup, acceptance {overall.acceptance_rate:.3f}, "
+              f"outputs equal on {overall.output_equivalent_fraction:.0%}; report in {out}", highlight=False)
+
+
+@app.command("trace-report")
+def trace_report(
+    spans_file: list[Path] = typer.Argument(..., help="OTLP JSON spans file(s): the Collector file exporter's format, or what "
+                                                      "OTEL_TRACES_EXPORTER=otlp_json_file SPECDEC_TRACES_FILE=... writes."),
+    out: Path = typer.Option(..., help="Directory for trace_report.json, trace_report.md and trace_report.png."),
+) -> None:
+    """Latency breakdown of speculation rounds from OpenTelemetry spans: per phase (draft compute and wire,
+    verify queue, compute and wire, commit, control) mean / p50 / p95, shares, per request and overall."""
+    from orchestrator.trace_report import TraceFileError, write_trace_report
+
+    try:
+        report = write_trace_report(spans_file, out)
+    except TraceFileError as exc:
+        fail(str(exc))
+    shares = ", ".join(f"{p} {s['share']:.0%}" for p, s in report["overall"].items())
+    err.print(f"{report['requests_count']} requests, {report['rounds_count']} rounds: {shares}; report in {out}",
+              highlight=False)
+
+
+@app.command("profile-draft")
+def profile_draft(
+    candidate: list[str] = typer.Option(..., help="A draft to profile, PATH[@none|@int8] (PATH: model directory, .gguf file "
+                                                  "or 'default'; repeatable), e.g. --candidate default@none --candidate default@int8."),
+    out: Path = typer.Option(..., help="Directory for profile.json and profile.md."),
+    target: Optional[str] = typer.Option(None, help="Target model: transformers directory or .gguf file (default: Qwen2.5-Coder-1.5B-Instruct)."),
+    questions: Optional[Path] = typer.Option(None, help="A Spec-Bench style question.jsonl (default: the built-in prompt set)."),
+    per_category: int = typer.Option(1, help="Questions per category."),
+    max_new_tokens: int = typer.Option(64, help="New tokens per question."),
+    draft_quant: str = typer.Option("none", help="Quantization of candidates given without @QUANT: none or int8."),
+    tree: Optional[str] = typer.Option(None, help="TreeSpec (inline JSON or file; default: top-3 at the root, then a chain of 3)."),
+    dtype: str = typer.Option("auto", help="Model dtype (auto, bfloat16, float32, float16)."),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
+    control: str = typer.Option("cost-aware", help=_CONTROL_HELP),
+) -> None:
+    """DraftProfile of each candidate draft against the target: parameters, the draft's own tokens/s,
+    acceptance rate, tokenizer compatibility (with the reason when not) and the end-to-end speedup."""
+    from orchestrator.bench import QuestionsError
+    from orchestrator.draft_profile import parse_candidate, run_profile
+    from orchestrator.embedded import set_threads
+
+    try:
+        check_choices(dtype, draft_quant, control)
+        if draft_quant == "auto":
+            raise UsageError("--draft-quant: none or int8 (each candidate is profiled as given)")
+        check_positive(per_category=per_category, max_new_tokens=max_new_tokens, threads=threads)
+        candidates = [parse_candidate(c, draft_quant) for c in candidate]
+        spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
+        set_threads(threads)
+        profiles = run_profile(candidates, out, target=target, questions_path=questions, per_category=per_category,
+                               max_new_tokens=max_new_tokens, dtype=dtype, control=control, spec=spec)
+    except (UsageError, TreeSpecError, ModelError, QuestionsError, ValueError) as exc:
+        fail(str(exc))
+    for p in profiles:
+        err.print(f"{p.name}: " + (f"{p.end_to_end_speedup:.2f}x, acceptance {p.acceptance_rate:.3f}" if p.compatible_tokenizer
+                                   else f"incompatible ({p.tokenizer_reason})"), highlight=False)
+
+
 def main() -> None:
     app()
 

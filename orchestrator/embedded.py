@@ -13,7 +13,7 @@ from orchestrator.cost_aware import SharedState, cost_aware_factory
 from orchestrator.cost_model import CostModel, measure_worker_costs
 from orchestrator.engine import SpeculativeEngine
 from specdec.config import CONTROLS, FrontConfig, ModelsConfig
-from specdec.model_setup import load_draft, load_target
+from specdec.model_setup import LoadedDraft, LoadedTarget, load_draft, load_target
 from specdec.models import ModelError
 from target_service.runtime import TargetRuntime
 
@@ -55,9 +55,16 @@ def build_pipeline(
         err = exc.errors()[0]
         raise ModelError(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}") from None
     loaded = load_target(models)
+    return wire_pipeline(loaded, load_draft(models, loaded) if speculate else None, control, measure_costs)
+
+
+def wire_pipeline(loaded: LoadedTarget, loaded_draft: LoadedDraft | None, control: str | ControlFactory | None = "cost-aware",
+                  measure_costs: bool = True) -> EmbeddedPipeline:
+    """The engine over loaded models (``build_pipeline`` without the loading: several drafts can
+    share one loaded target, as ``specdec profile-draft`` does). loaded_draft None = target only.
+    Raises ModelError for an unknown control mode."""
     draft_model = draft_runtime = draft_limit = None
-    if speculate:
-        loaded_draft = load_draft(models, loaded)
+    if loaded_draft is not None:
         draft_model, draft_limit = loaded_draft.model, loaded_draft.context_limit
         draft_runtime = DraftRuntime(draft_model, vocab_size=loaded_draft.vocab_size)
     tokenizer = loaded.tokenizer

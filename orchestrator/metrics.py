@@ -19,18 +19,28 @@ Exported series (prometheus_client appends ``_total`` to counters):
 | ``specdec_acceptance_rate`` | gauge | | global windowed acceptance rate (accepted / proposed draft tokens, 0..1) |
 | ``specdec_gamma`` | histogram | | speculation depth gamma of each speculative round |
 | ``specdec_round_phase_seconds`` | histogram | ``phase`` = draft, verify, commit | wall time of one phase of one round, seconds |
+| ``specdec_position_proposed_tokens_total`` | counter | ``position`` = 1, 2, ... | rounds whose verified tree reached this depth |
+| ``specdec_position_accepted_tokens_total`` | counter | ``position`` | rounds whose accepted path reached this depth |
+| ``specdec_request_latency_seconds`` | histogram | | a request's time from arrival to the end of its stream |
+| ``specdec_time_to_first_token_seconds`` | histogram | | a request's time from arrival to its first token (TTFT) |
+| ``specdec_inter_token_latency_seconds`` | histogram | | gap between streamed rounds / tokens in the later one, once per token |
+| ``specdec_requests_running`` | gauge | | requests streaming tokens (first token sent, not finished) |
+| ``specdec_requests_waiting`` | gauge | | requests received without a first token yet (queued or in prefill) |
 
 Acceptance rate = accepted / proposed draft tokens; mean accepted length = committed / rounds
-(bonus included): both derivable from the counters with ``rate()`` in PromQL.
+(bonus included): both derivable from the counters with ``rate()`` in PromQL (README "Metrics").
+Acceptance at position d (vLLM's per-position acceptance) = position_accepted{d} / position_proposed{d}.
+The request series are fed by ``SpecMetrics.track_stream`` around a request's stream of rounds.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -49,6 +59,12 @@ ROUND_MODES = ("speculative", "plain")
 GAMMA_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64)
 # A CPU round phase takes 10 ms .. seconds; a GPU one 1 ms .. 100 ms.
 PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+# Request latency and TTFT: vLLM's buckets (vllm/v1/metrics/loggers.py), seconds
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
 class SpecMetrics:
@@ -90,6 +106,21 @@ class SpecMetrics:
         self.expected_accepted_tokens = Counter("expected_accepted_tokens", "Draft tokens the cost-aware control "
                                                 "expected to be accepted (compare with accepted_tokens)",
                                                 namespace=ns, registry=r)
+        self.position_proposed = Counter("position_proposed_tokens", "Rounds whose verified tree reached "
+                                         "this depth (position)", ["position"], namespace=ns, registry=r)
+        self.position_accepted = Counter("position_accepted_tokens", "Rounds whose accepted path reached "
+                                         "this depth (position)", ["position"], namespace=ns, registry=r)
+        self.request_latency = Histogram("request_latency_seconds", "Request time from arrival to the end of its stream, "
+                                         "seconds", namespace=ns, registry=r, buckets=REQUEST_LATENCY_BUCKETS)
+        self.ttft = Histogram("time_to_first_token_seconds", "Request time from arrival to its first token, seconds",
+                              namespace=ns, registry=r, buckets=TTFT_BUCKETS)
+        self.inter_token_latency = Histogram("inter_token_latency_seconds", "Gap between streamed rounds divided by "
+                                             "the tokens of the later one, observed once per token, seconds",
+                                             namespace=ns, registry=r, buckets=ITL_BUCKETS)
+        self.requests_running = Gauge("requests_running", "Requests streaming tokens (first token sent)",
+                                      namespace=ns, registry=r)
+        self.requests_waiting = Gauge("requests_waiting", "Requests received without a first token yet "
+                                      "(queued or in prefill)", namespace=ns, registry=r)
         for mode in ROUND_MODES:
             self.rounds.labels(mode=mode)
         for reason in FALLBACK_REASONS:
@@ -126,6 +157,9 @@ class SpecMetrics:
         ``record.fallback`` is set, fallback_rounds{reason=record.fallback}.
         """
         self.record_round(record.proposed, record.accepted, len(record.tokens), record.gamma or None)
+        for position in range(1, record.depth + 1):  # both series exist from a position's first tree on
+            self.position_proposed.labels(position=str(position)).inc()
+            self.position_accepted.labels(position=str(position)).inc(1 if position <= record.accepted else 0)
         if record.fallback:
             self.fallback_rounds.labels(reason=record.fallback).inc()
         self.context_tokens.labels(outcome="proposed").inc(record.context_proposed)
@@ -150,6 +184,37 @@ class SpecMetrics:
             raise ValueError(f"phase: {phase!r} is not one of {PHASES}")
         with self.round_phase_seconds.labels(phase=phase).time():
             yield
+
+
+    async def track_stream(self, stream: AsyncIterator, clock=time.perf_counter) -> AsyncIterator:
+        """Pass a request's stream through, feeding the request series: ``stream`` yields
+        (tokens, record, stats) as the backends do (orchestrator.backends), tokens: list[int].
+
+        From arrival (this call) the request counts as waiting; its first tokens observe the TTFT and
+        move it to running; every later chunk of n tokens observes n inter-token latencies of
+        gap / n seconds; the end (any way: finished, cancelled, failed) observes the request latency
+        and leaves the gauges. clock: seconds (tests pass a scripted one).
+        """
+        started = last = clock()
+        first = False
+        self.requests_waiting.inc()
+        try:
+            async for tokens, record, stats in stream:
+                if tokens:
+                    now = clock()
+                    if not first:
+                        first = True
+                        self.ttft.observe(now - started)
+                        self.requests_waiting.dec()
+                        self.requests_running.inc()
+                    else:
+                        for _ in tokens:
+                            self.inter_token_latency.observe((now - last) / len(tokens))
+                    last = now
+                yield tokens, record, stats
+        finally:
+            (self.requests_running if first else self.requests_waiting).dec()
+            self.request_latency.observe(clock() - started)
 
 
 _default: SpecMetrics | None = None

@@ -1,10 +1,16 @@
 """OpenTelemetry set-up: one tracer provider per process, gRPC instrumentation, exporter from OTEL_*.
 
 Exporter choice follows the standard variables: ``OTEL_TRACES_EXPORTER`` = ``otlp`` | ``console`` |
-``none`` (default: ``otlp`` when ``OTEL_EXPORTER_OTLP_ENDPOINT`` or
+``otlp_json_file`` | ``none`` (default: ``otlp`` when ``OTEL_EXPORTER_OTLP_ENDPOINT`` or
 ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is set, else ``none``); the OTLP exporter (gRPC) reads its
 endpoint, headers and timeout from the same variables; ``OTEL_SERVICE_NAME`` overrides the service
 name; ``OTEL_SDK_DISABLED=true`` turns tracing off. Tests pass their own exporter (in-memory).
+
+``otlp_json_file`` (no collector needed): each process appends its spans to the file named by
+``SPECDEC_TRACES_FILE``, one ``{"resourceSpans": [...]}`` line per export, the OTLP JSON encoding
+that the OpenTelemetry Collector's file exporter writes (``specdec trace-report`` reads it)::
+
+    OTEL_TRACES_EXPORTER=otlp_json_file SPECDEC_TRACES_FILE=spans.jsonl specdec serve ...
 
 Span names used across the services: ``round`` (orchestrator, one per speculation round, with
 ``draft``, ``verify`` and ``commit`` children), ``draft.propose`` (draft service), ``target.verify``
@@ -14,13 +20,17 @@ context between processes.
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import os
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor, SpanExporter, SpanExportResult,
+)
 
 _configured: TracerProvider | None = None
 _instrumented = False
@@ -35,6 +45,46 @@ class _DetachNoise(logging.Filter):
         return "Failed to detach context" not in record.getMessage()
 
 
+class OtlpJsonFileExporter(SpanExporter):
+    """Appends spans to ``path`` as OTLP JSON lines (the Collector file exporter's format).
+
+    The SDK has no such exporter; the encoding is the OTLP exporters' own (``encode_spans``: the
+    ExportTraceServiceRequest protobuf) printed with protobuf's JSON mapping, then the OTLP JSON
+    rules on top (specification "OTLP/JSON"): trace and span ids as hex strings, enums as integers.
+    Each export is one ``write`` of one line on a file opened for appending, so several processes
+    can share the file.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def export(self, spans) -> SpanExportResult:
+        from google.protobuf import json_format
+        from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+        document = json_format.MessageToDict(encode_spans(spans), use_integers_for_enums=True)
+        for resource_spans in document.get("resourceSpans", []):
+            for scope_spans in resource_spans.get("scopeSpans", []):
+                for span in scope_spans.get("spans", []):
+                    _hex_ids(span)
+                    for link in span.get("links", []):
+                        _hex_ids(link)
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(document, separators=(",", ":")) + "\n")
+        except OSError as exc:
+            logging.getLogger(__name__).warning("SPECDEC_TRACES_FILE %s: %s", self.path, exc)
+            return SpanExportResult.FAILURE
+        return SpanExportResult.SUCCESS
+
+
+def _hex_ids(span: dict) -> None:
+    """protobuf's JSON mapping writes bytes as base64; OTLP JSON wants trace / span ids in hex."""
+    for key in ("traceId", "spanId", "parentSpanId"):
+        if span.get(key):
+            span[key] = base64.b64decode(span[key]).hex()
+
+
 def _env_exporter() -> SpanExporter | None:
     choice = os.environ.get("OTEL_TRACES_EXPORTER")
     if choice is None:
@@ -45,11 +95,16 @@ def _env_exporter() -> SpanExporter | None:
         return None
     if choice == "console":
         return ConsoleSpanExporter()
+    if choice == "otlp_json_file":
+        path = os.environ.get("SPECDEC_TRACES_FILE")
+        if not path:
+            raise ValueError("SPECDEC_TRACES_FILE: OTEL_TRACES_EXPORTER=otlp_json_file needs the file to append spans to")
+        return OtlpJsonFileExporter(path)
     if choice == "otlp":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
         return OTLPSpanExporter()
-    raise ValueError(f"OTEL_TRACES_EXPORTER: unsupported exporter {choice!r} (otlp, console or none)")
+    raise ValueError(f"OTEL_TRACES_EXPORTER: unsupported exporter {choice!r} (otlp, console, otlp_json_file or none)")
 
 
 def setup_tracing(service_name: str, exporter: SpanExporter | None = None, simple: bool = False) -> TracerProvider | None:

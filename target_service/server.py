@@ -43,6 +43,7 @@ import asyncio
 import functools
 import logging
 import signal
+import time
 from typing import Mapping
 
 import grpc
@@ -204,8 +205,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         with self._tracer.start_as_current_span("target.verify") as span:
             span.set_attribute("specdec.session_id", request.session_id)
             span.set_attribute("specdec.tree_nodes", tree.size)
+            started = time.perf_counter()
             out: BatchedVerify = await self.batcher.verify(request.session_id, tree, deadline)
+            # compute vs queueing (trace-report): the batched forward's time, the rest waited for company or the worker
             span.set_attribute("specdec.batch_size", out.batch_size)
+            span.set_attribute("specdec.verify_ms", out.verify_ms)
+            span.set_attribute("specdec.queue_ms", max(0.0, (time.perf_counter() - started) * 1000 - out.verify_ms))
         return _response(out.result, out.batch_size, out.verify_ms)
 
     @_rpc

@@ -167,3 +167,66 @@ def test_cost_aware_decisions_reach_the_metrics():
     assert sample(m, "specdec_context_tokens_total", outcome="proposed") == 2
     assert sample(m, "specdec_context_tokens_total", outcome="accepted") == 1
     assert sample(m, "specdec_expected_accepted_tokens_total") == 1.5
+
+
+def test_acceptance_per_position_from_round_records():
+    m = SpecMetrics(CollectorRegistry())
+    times = dict(draft_s=0.01, verify_s=0.1, commit_s=0.01)
+    # depth 3 tree, 2 accepted; depth 2 tree, 0 accepted; a plain round (depth 0) counts nowhere
+    m.observe_round(RoundRecord((5, 6, 7), proposed=5, accepted=2, depth=3, fallback=None, gamma=3, **times))
+    m.observe_round(RoundRecord((8,), proposed=3, accepted=0, depth=2, fallback=None, gamma=2, **times))
+    m.observe_round(RoundRecord((9,), proposed=0, accepted=0, depth=0, fallback=None, gamma=2, **times))
+    proposed = [sample(m, "specdec_position_proposed_tokens_total", position=str(d)) for d in (1, 2, 3)]
+    accepted = [sample(m, "specdec_position_accepted_tokens_total", position=str(d)) for d in (1, 2, 3)]
+    assert proposed == [2, 2, 1] and accepted == [1, 1, 0]
+    assert sample(m, "specdec_position_proposed_tokens_total", position="4") is None
+
+
+def test_track_stream_request_latency_ttft_itl_and_gauges():
+    """A scripted stream (first chunk of 1 token at t=0.5 s, then 3 tokens at 1.1 s, final stats at
+    1.2 s) under a scripted clock; the gauges are read while the stream is inside each stage."""
+    import asyncio
+
+    m = SpecMetrics(CollectorRegistry())
+    clock_values = iter([0.0, 0.5, 1.1, 1.2])
+    gauges = []
+
+    async def backend_stream():
+        gauges.append((sample(m, "specdec_requests_waiting"), sample(m, "specdec_requests_running")))
+        yield [7], "round-1", None
+        gauges.append((sample(m, "specdec_requests_waiting"), sample(m, "specdec_requests_running")))
+        yield [8, 9, 10], "round-2", None
+        yield [], None, "stats"
+
+    async def consume():
+        return [chunk async for chunk in m.track_stream(backend_stream(), clock=lambda: next(clock_values))]
+
+    chunks = asyncio.run(consume())
+    assert chunks == [([7], "round-1", None), ([8, 9, 10], "round-2", None), ([], None, "stats")]  # passed through
+    assert gauges == [(1, 0), (0, 1)]  # waiting before the first token, running after it
+    assert sample(m, "specdec_requests_waiting") == 0 and sample(m, "specdec_requests_running") == 0
+    assert sample(m, "specdec_time_to_first_token_seconds_sum") == pytest.approx(0.5)
+    assert sample(m, "specdec_inter_token_latency_seconds_count") == 3  # once per token of the later round
+    assert sample(m, "specdec_inter_token_latency_seconds_sum") == pytest.approx(0.6)  # 3 x (0.6 s / 3)
+    assert sample(m, "specdec_request_latency_seconds_sum") == pytest.approx(1.2)
+    assert sample(m, "specdec_request_latency_seconds_bucket", le="1.5") == 1
+    assert sample(m, "specdec_request_latency_seconds_bucket", le="1.0") == 0
+
+
+def test_track_stream_request_that_fails_before_its_first_token_leaves_the_gauges():
+    import asyncio
+
+    m = SpecMetrics(CollectorRegistry())
+
+    async def failing():
+        raise RuntimeError("target gone")
+        yield  # an async generator
+
+    async def consume():
+        async for _ in m.track_stream(failing()):
+            pass
+
+    with pytest.raises(RuntimeError, match="target gone"):
+        asyncio.run(consume())
+    assert sample(m, "specdec_requests_waiting") == 0 and sample(m, "specdec_request_latency_seconds_count") == 1
+    assert sample(m, "specdec_time_to_first_token_seconds_count") == 0
