@@ -157,8 +157,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             propagate.inject(carrier)
         deltas = TextDeltas(self.tokenizer)
         started = time.perf_counter()
+        stream = self.backend.stream(req, request_id, timeout_s, carrier)
+        if self.metrics is not None:  # request latency, TTFT, inter-token latency, running / waiting
+            stream = self.metrics.track_stream(stream)
         try:
-            async for tokens, record, stats in self.backend.stream(req, request_id, timeout_s, carrier):
+            async for tokens, record, stats in stream:
                 if record is not None:
                     self._observe(request_id, record)
                 if tokens:

@@ -215,6 +215,8 @@ class SpecMetrics:
         finally:
             (self.requests_running if first else self.requests_waiting).dec()
             self.request_latency.observe(clock() - started)
+            if hasattr(stream, "aclose"):  # closed early (client gone): the backend's stream ends too, freeing its KV
+                await stream.aclose()
 
 
 _default: SpecMetrics | None = None

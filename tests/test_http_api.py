@@ -195,9 +195,15 @@ def test_models_health_and_metrics(stack, client):
     assert extra(models[0], "max_model_len") == target_info(stack[1].address).context_limit
     assert json.loads(urllib.request.urlopen(f"http://{http}/health", timeout=10).read()) == {"status": "ok"}
     before = metric(http, "specdec_committed_tokens_total")
+    requests_before = metric(http, "specdec_request_latency_seconds_count")
+    ttft_before = metric(http, "specdec_time_to_first_token_seconds_count")
     response = client.completions.create(model="target", prompt="hello", max_tokens=7, temperature=0)
     # /metrics serves the registry the round loop feeds, HTTP requests included
     assert metric(http, "specdec_committed_tokens_total") - before == response.usage.completion_tokens
+    # the request series of every front request: one latency and one TTFT observation, none running after
+    assert metric(http, "specdec_request_latency_seconds_count") - requests_before == 1
+    assert metric(http, "specdec_time_to_first_token_seconds_count") - ttft_before == 1
+    assert metric(http, "specdec_requests_running") == 0
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
