@@ -16,7 +16,8 @@ unset = front.max_new_tokens), ``temperature`` (default 1, as OpenAI's), ``top_p
 the tokens and ``usage`` include the token that completed it), ``n`` (1 only), ``stream``,
 ``stream_options.include_usage``, ``user`` (accepted, unused), and our extension object ``specdec``:
 ``{"tree": TreeSpec JSON, "no_spec": bool, "ignore_eos": bool, "return_token_ids": bool}`` (``return_token_ids``: each
-choice and chunk also carries the committed ``token_ids``). Any other parameter is refused with 400
+choice and chunk also carries the committed ``token_ids``). A null parameter takes its default
+(OpenAI's are nullable). Any other parameter is refused with 400
 naming it, never ignored; so is an unsupported OpenAI one (``logprobs``, ``tools``, penalties,
 ``logit_bias``, ``response_format`` ...) unless it holds its no-op value (null, false, 0, {}, []).
 
@@ -28,8 +29,8 @@ are sent with the first committed tokens, so an error before them gets its statu
 parameter, 401 missing or wrong bearer token (``front.auth_token_file``; /health and /metrics stay
 open), 404 unknown model, 429 over the target's limits (RESOURCE_EXHAUSTED), 503 draining or a
 service down, 504 deadline; later an ``{"error": ...}`` event ends the stream. Errors use OpenAI's
-object ``{"error": {"message", "type", "param", "code"}}``. A client that disconnects cancels its
-request, which frees its KV on the draft and the target.
+object ``{"error": {"message", "type", "param", "code"}}`` (unknown paths and internal errors too).
+A client that disconnects cancels its request, which frees its KV on the draft and the target.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from google.protobuf.json_format import MessageToDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orchestrator.backends import UpstreamError
 from orchestrator.embedded import encode_chat
@@ -89,6 +91,15 @@ def _is_noop(value, noops: tuple) -> bool:
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data):
+        """A null field takes its default (OpenAI's parameters are nullable: "temperature": null = 1);
+        a null required one is then missing."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in cls.model_fields)}
+        return data
 
 
 class SpecdecOptions(_Strict):
@@ -416,6 +427,17 @@ class Run:
         self.producer.cancel()
 
 
+def _unicode(text: str, param: str) -> str:
+    """text, when it is valid Unicode (JSON's \\ud800 escapes give lone surrogates, which UTF-8 and
+    protobuf strings cannot hold); else ApiError 400 naming param."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, f"{param}: not valid Unicode text (a lone surrogate at character {exc.start})",
+                       param) from None
+    return text
+
+
 async def _disconnect(request: Request) -> None:
     """Return once the client has gone (after the body, the next ASGI message is the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -436,6 +458,17 @@ async def _api_error_response(_request: Request, exc: ApiError) -> JSONResponse:
 
 async def _validation_error_response(_request: Request, exc: RequestValidationError) -> JSONResponse:
     return validation_error(exc).response()
+
+
+async def _http_error_response(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors (404 unknown path, 405 wrong method) in OpenAI's error format."""
+    body = ApiError(exc.status_code, str(exc.detail), type="invalid_request_error").body()
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+async def _internal_error_response(_request: Request, exc: Exception) -> JSONResponse:
+    """Any other exception: 500 in OpenAI's error format (uvicorn logs the traceback)."""
+    return ApiError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
 
 
 class HttpApi:
@@ -462,6 +495,8 @@ class HttpApi:
                       docs_url=None, redoc_url=None)
         app.add_exception_handler(ApiError, _api_error_response)
         app.add_exception_handler(RequestValidationError, _validation_error_response)
+        app.add_exception_handler(StarletteHTTPException, _http_error_response)
+        app.add_exception_handler(Exception, _internal_error_response)
         admit = [Depends(self._admit)]
         app.add_api_route("/v1/completions", self.completions, methods=["POST"], dependencies=admit)
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"], dependencies=admit)
@@ -486,13 +521,18 @@ class HttpApi:
             prompt = prompt[0]
         msg = self._generate_request(body, "prompt")
         if isinstance(prompt, str):
-            msg.prompt = prompt
+            msg.prompt = _unicode(prompt, "prompt")
         else:
+            vocab = self.servicer.backend.info.vocab_size
+            if (bad := next((t for t in prompt if not 0 <= t < vocab), None)) is not None:  # before int32 protobuf
+                raise ApiError(400, f"prompt: {bad} outside the vocabulary [0, {vocab})", "prompt")
             msg.prompt_ids.extend(prompt)
         return await self._respond(request, body, msg, chat=False, prompt_param="prompt")
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         msg = self._generate_request(body, "messages")
+        for i, message in enumerate(body.messages):
+            _unicode(message.as_template_input()["content"], f"messages[{i}].content")
         try:
             msg.prompt_ids.extend(encode_chat(self.servicer.tokenizer, [m.as_template_input() for m in body.messages]))
         except ValueError as exc:
@@ -508,7 +548,7 @@ class HttpApi:
                            "model", code="model_not_found")
         msg = generation_pb2.GenerateRequest(raw=True, max_new_tokens=body.max_new_tokens(), no_spec=body.specdec.no_spec,
                                          ignore_eos=body.specdec.ignore_eos)
-        msg.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop or [])
+        msg.stop.extend(_unicode(s, "stop") for s in ([body.stop] if isinstance(body.stop, str) else body.stop or []))
         msg.sampling.CopyFrom(tree_pb2.SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                                       seed=body.seed))
         if body.specdec.tree is not None:

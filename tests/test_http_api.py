@@ -14,6 +14,7 @@ drains the first front (SIGTERM) and checks 503 while its running stream finishe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import signal
@@ -173,6 +174,44 @@ def test_stop_trim_never_sends_the_stop_string(deltas, stop, sent):
     assert [trim.push(d) for d in deltas[:-1]] + [trim.final(deltas[-1])] == sent
 
 
+def test_unknown_paths_and_internal_errors_use_the_error_object():
+    """Starlette's 404 / 405 and an unexpected exception (here from a broken servicer) answer in
+    OpenAI's error format, not plain text."""
+    from orchestrator.http_api import HttpApi
+
+    class Broken:
+        tokenizer = None
+
+        def parse(self, msg):
+            raise RuntimeError("broken")
+
+    app = HttpApi(Broken(), "m", None, asyncio.Event()).app
+
+    async def call_app(method: str, path: str, body: bytes = b"") -> tuple[int, dict]:
+        sent, messages = [], [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+                 "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
+                 "server": ("127.0.0.1", 80)}
+        with contextlib.suppress(RuntimeError):  # Starlette re-raises a 500's exception after answering
+            await app(scope, receive, send)
+        start = next(m for m in sent if m["type"] == "http.response.start")
+        return start["status"], json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
+
+    for method, path, body, status in [("GET", "/v1/nope", b"", 404), ("GET", "/v1/completions", b"", 405),
+                                       ("POST", "/v1/completions", b'{"prompt": "hi"}', 500)]:
+        code, out = asyncio.run(call_app(method, path, body))
+        assert code == status and set(out["error"]) == {"message", "type", "param", "code"}, (path, out)
+    assert out["error"]["type"] == "server_error"
+
+
 def test_http_config_fields_and_their_errors(pair, capsys):
     from orchestrator.front import run
     from specdec.config import ConfigError, load_config
@@ -303,6 +342,44 @@ def test_bad_parameters_are_400_naming_them(client, chat, params, param):
     assert info.value.status_code == 400
     assert info.value.param == param and info.value.body["message"].startswith(f"{param}: ")
     assert info.value.type == "invalid_request_error"
+
+
+def post(http: str, path: str, body: bytes) -> tuple[int, dict]:
+    """(status, JSON body) of a raw POST: bodies the openai client would not send as they are."""
+    request = urllib.request.Request(f"http://{http}{path}", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", rb'{"prompt": [2147483648], "max_tokens": 2}', "prompt"),  # past int32 (protobuf)
+    ("/v1/completions", rb'{"prompt": "a\ud800b", "max_tokens": 2}', "prompt"),  # a lone surrogate
+    ("/v1/completions", rb'{"prompt": "ab", "max_tokens": 2, "stop": ["x", "\udc00"]}', "stop"),
+    ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "a\ud800"}], "max_tokens": 2}',
+     "messages[0].content"),
+])
+def test_values_protobuf_cannot_hold_are_400_naming_them(stack, path, body, param):
+    status, out = post(stack[3], path, body)
+    assert status == 400 and out["error"]["param"] == param and out["error"]["message"].startswith(f"{param}: ")
+
+
+def test_null_parameters_take_their_defaults(stack):
+    """OpenAI's parameters are nullable ("temperature": null = 1); clients send null for unset ones."""
+    nulls = dict.fromkeys(["model", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop",
+                           "seed", "user", "specdec", "logprobs"])
+    status, out = post(stack[3], "/v1/completions", json.dumps({"prompt": "hello", "max_tokens": 3, **nulls}).encode())
+    assert status == 200, out
+    assert out["object"] == "text_completion" and 1 <= out["usage"]["completion_tokens"] <= 3
+    chat = {"messages": [{"role": "user", "content": "hi", "name": None}], "max_tokens": None,
+            "max_completion_tokens": 2, **nulls, "specdec": {"tree": None, "no_spec": None}}
+    status, out = post(stack[3], "/v1/chat/completions", json.dumps(chat).encode())
+    assert status == 200, out
+    assert out["object"] == "chat.completion" and 1 <= out["usage"]["completion_tokens"] <= 2
+    status, out = post(stack[3], "/v1/chat/completions", json.dumps({"messages": None}).encode())
+    assert status == 400 and out["error"]["param"] == "messages"  # a required one is then missing
 
 
 def test_no_op_values_of_unsupported_parameters_and_unknown_model(client):
