@@ -108,7 +108,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.running: set[str] = set()  # request ids with a stream open
 
     def parse(self, msg: generation_pb2.GenerateRequest) -> GenerationRequest:
-        """Validate and convert; raises ValueError / SamplingParamsError / TreeSpecError naming the field."""
+        """Validate and convert; raises ValueError / SamplingParamsError / TreeSpecError naming the field.
+        A text prompt is tokenized here (seconds for megabytes): async callers run it in a thread."""
         front, info = self.config.front, self.backend.info
         if msg.prompt and msg.prompt_ids:
             raise ValueError("prompt: give either prompt (text) or prompt_ids, not both")
@@ -177,7 +178,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def Generate(self, request, context):
         try:
-            req = self.parse(request)
+            req = await asyncio.to_thread(self.parse, request)  # it tokenizes: off the event loop (the GIL is released)
         except (ValueError, SamplingParamsError, TreeSpecError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = request.request_id or f"gen-{uuid.uuid4().hex[:12]}"

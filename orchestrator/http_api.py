@@ -534,7 +534,9 @@ class HttpApi:
         for i, message in enumerate(body.messages):
             _unicode(message.as_template_input()["content"], f"messages[{i}].content")
         try:
-            msg.prompt_ids.extend(encode_chat(self.servicer.tokenizer, [m.as_template_input() for m in body.messages]))
+            # tokenized off the event loop (the tokenizer releases the GIL): a huge prompt stalls no other request
+            msg.prompt_ids.extend(await asyncio.to_thread(encode_chat, self.servicer.tokenizer,
+                                                          [m.as_template_input() for m in body.messages]))
         except ValueError as exc:
             raise field_error(exc, "messages") from None
         except Exception as exc:  # noqa: BLE001 - a template's own error (e.g. raise_exception on the roles)
@@ -562,7 +564,7 @@ class HttpApi:
                        chat: bool, prompt_param: str) -> Response:
         """Parse and run; the first event is awaited here, so errors before any token get their status."""
         try:
-            req = self.servicer.parse(msg)
+            req = await asyncio.to_thread(self.servicer.parse, msg)  # it tokenizes: off the event loop
         except (ValueError, SamplingParamsError, TreeSpecError) as exc:
             raise field_error(exc, prompt_param) from None
         out = Output(chat, self.model_name, body, tuple(msg.stop), len(req.prompt_ids))

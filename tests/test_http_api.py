@@ -14,6 +14,7 @@ drains the first front (SIGTERM) and checks 503 while its running stream finishe
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import re
@@ -364,6 +365,25 @@ def post(http: str, path: str, body: bytes) -> tuple[int, dict]:
 def test_values_protobuf_cannot_hold_are_400_naming_them(stack, path, body, param):
     status, out = post(stack[3], path, body)
     assert status == 400 and out["error"]["param"] == param and out["error"]["message"].startswith(f"{param}: ")
+
+
+def test_tokenizing_a_huge_prompt_does_not_stall_the_front(stack):
+    """A multi-megabyte prompt (tokenized, then refused as over the limit) is tokenized off the
+    event loop: meanwhile the front still answers (here /health) at once."""
+    http = stack[3]
+    body = json.dumps({"prompt": "hello world " * 300_000, "max_tokens": 2}).encode()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        big = pool.submit(post, http, "/v1/completions", body)
+        time.sleep(0.3)  # the body is in; its tokenization runs
+        asked = time.monotonic()
+        urllib.request.urlopen(f"http://{http}/health", timeout=60).read()
+        health_s = time.monotonic() - asked
+        status, out = big.result()
+        big_s = time.monotonic() - started
+    assert status == 400 and out["error"]["param"] == "prompt"
+    assert big_s > 1.0, "the huge prompt was tokenized too fast to tell"
+    assert health_s < 0.25 * big_s, f"/health took {health_s:.2f} s while a {big_s:.2f} s prompt was tokenized"
 
 
 def test_null_parameters_take_their_defaults(stack):
