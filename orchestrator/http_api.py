@@ -10,8 +10,8 @@ same servicer: every request is parsed by ``GenerationServicer.parse`` and runs 
     GET  /health                200 while serving, 503 while draining
     GET  /metrics               Prometheus text of the front's registry (the one front.metrics_port serves)
 
-Parameters: ``model``, ``prompt`` / ``messages``, ``max_tokens`` (chat also ``max_completion_tokens``;
-unset = front.max_new_tokens), ``temperature`` (default 1, as OpenAI's), ``top_p``, ``top_k``
+Parameters: ``model``, ``prompt`` / ``messages`` (a message's ``name`` goes to the chat template),
+``max_tokens`` (chat also ``max_completion_tokens``; unset = front.max_new_tokens), ``temperature`` (default 1, as OpenAI's), ``top_p``, ``top_k``
 (extension, 0 = off), ``seed``, ``stop`` (a string or a list; the text ends before it, OpenAI's rule;
 the tokens and ``usage`` include the token that completed it), ``n`` (1 only), ``stream``,
 ``stream_options.include_usage``, ``user`` (accepted, unused), and our extension object ``specdec``:
@@ -163,11 +163,11 @@ class TextPart(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
-    name: str | None = None
+    name: str | None = None           # the participant's name: passed to the chat template (as vLLM does)
 
     def as_template_input(self) -> dict:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": self.role, "content": text}
+        return {"role": self.role, "content": text} | ({"name": self.name} if self.name is not None else {})
 
 
 class ChatCompletionRequest(_GenerationParams):
@@ -532,7 +532,8 @@ class HttpApi:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         msg = self._generate_request(body, "messages")
         for i, message in enumerate(body.messages):
-            _unicode(message.as_template_input()["content"], f"messages[{i}].content")
+            for field, text in message.as_template_input().items():
+                _unicode(text, f"messages[{i}].{field}")
         try:
             # tokenized off the event loop (the tokenizer releases the GIL): a huge prompt stalls no other request
             msg.prompt_ids.extend(await asyncio.to_thread(encode_chat, self.servicer.tokenizer,

@@ -33,7 +33,8 @@ from tests.conftest import hf_greedy
 from tests.test_generation_service import assert_draft_session_free, prompt_ids, target_info, wait_sessions
 from tests.tiny_pair import save_tiny_pair, write_config
 
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}{% if m.name %} ({{ m.name }}){% endif %}: "
+                 "{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 EOS = 0  # the tiny models' EOS id (tests/tiny_pair.py)
 TOKEN_IDS = {"specdec": {"return_token_ids": True}}
@@ -384,6 +385,12 @@ def test_tokenizing_a_huge_prompt_does_not_stall_the_front(stack):
     assert status == 400 and out["error"]["param"] == "prompt"
     assert big_s > 1.0, "the huge prompt was tokenized too fast to tell"
     assert health_s < 0.25 * big_s, f"/health took {health_s:.2f} s while a {big_s:.2f} s prompt was tokenized"
+
+
+def test_a_message_name_reaches_the_chat_template(client, tokenizer):
+    named = [{"role": "user", "content": "hi", "name": "ann"}]
+    response = client.chat.completions.create(model="target", messages=named, max_tokens=1, temperature=0)
+    assert response.usage.prompt_tokens == len(chat_ids(tokenizer, named)) > len(chat_ids(tokenizer, MESSAGES))
 
 
 def test_null_parameters_take_their_defaults(stack):
