@@ -80,7 +80,7 @@ from target_service.runtime import TargetRuntime
 # TargetRuntime methods that never set a session's pending result or advance its generator: no
 # decision broadcast after them. Anything else (verify, verify_batch, methods added later) is
 # followed by one.
-_NON_DECIDING = frozenset({"start", "commit", "release", "tree_logits"})
+_NON_DECIDING = frozenset({"start", "extend", "commit", "release", "tree_logits"})
 
 
 class RankFailureError(RuntimeError):
