@@ -770,8 +770,10 @@ def test_an_aborted_prefill_stops_between_chunks_and_does_not_delay_others():
                 started = time.monotonic()
                 await stub.Prefill(target_pb2.PrefillRequest(session_id="short", prompt_ids=[1, 2, 3]), timeout=10)
                 short_s = time.monotonic() - started
-                await asyncio.sleep(0.3)  # the release queued behind the chunk in progress
-                info = await stub.Info(target_pb2.InfoRequest(), timeout=5)
+                deadline = time.monotonic() + 5  # the release runs after the chunk in progress
+                while (info := await stub.Info(target_pb2.InfoRequest(), timeout=5)).sessions > 1 \
+                        and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
         finally:
             await host.server.stop(None)
             servicer.close()
