@@ -29,6 +29,7 @@ from typing import Sequence
 import grpc
 
 from specdec.config import GrpcConfig
+from specdec.telemetry import CancelThrough
 
 log = logging.getLogger(__name__)
 
@@ -107,11 +108,13 @@ def channel_credentials(config: GrpcConfig) -> grpc.ChannelCredentials | None:
 
 
 def aio_channel(address: str, config: GrpcConfig, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
-    """A grpc.aio channel to another service: TLS when configured (``channel_credentials``)."""
+    """A grpc.aio channel to another service: TLS when configured (``channel_credentials``); a
+    cancelled call is cancelled at the server too, traced or not (``telemetry.CancelThrough``)."""
     credentials = channel_credentials(config)
+    interceptors = [CancelThrough()]
     if credentials is None:
-        return grpc.aio.insecure_channel(address, options=list(options))
-    return grpc.aio.secure_channel(address, credentials, options=list(options))
+        return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
+    return grpc.aio.secure_channel(address, credentials, options=list(options), interceptors=interceptors)
 
 
 def is_loopback(host: str) -> bool:

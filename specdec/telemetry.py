@@ -25,6 +25,7 @@ import json
 import logging
 import os
 
+import grpc
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -137,6 +138,34 @@ def setup_tracing(service_name: str, exporter: SpanExporter | None = None, simpl
         GrpcAioInstrumentorClient().instrument()
         _instrumented = True
     return _configured
+
+
+class CancelThrough(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.StreamUnaryClientInterceptor):
+    """Lets a cancelled unary call reach the server while the gRPC client instrumentation is on.
+
+    The instrumentation's aio client interceptor waits for a unary call's status (``await
+    call.code()``); cancelling the caller (an abort, a client that went away) then cancels only that
+    wait, and the RPC runs on at the server (open-telemetry/opentelemetry-python-contrib#3271). Placed
+    after it (innermost: ``interceptors=`` of the channel; the instrumentation puts its own first),
+    this one awaits the call itself, and grpc.aio cancels a call whose awaiter is cancelled.
+    ``specdec.security.aio_channel`` adds it to every channel between the services.
+    """
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await _awaited(await continuation(client_call_details, request))
+
+    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return await _awaited(await continuation(client_call_details, request_iterator))
+
+
+async def _awaited(call):
+    """``call`` once it ended; its failure stays in the call (the instrumentation reads its status
+    and records the error on the client span; the caller's ``await`` raises it)."""
+    try:
+        await call
+    except grpc.aio.AioRpcError:
+        pass
+    return call
 
 
 def shutdown_tracing() -> None:

@@ -52,7 +52,7 @@ from grpc_health.v1 import health_pb2
 
 from specdec.config import ConfigError, ServeConfig, TargetServerConfig, load_config
 from specdec.grpc_host import ServiceHost, deadline_of, rpc_errors, status_for
-from specdec.interfaces import SessionStateError, VerifyResult
+from specdec.interfaces import SessionStateError, UnknownSessionError, VerifyResult
 from specdec.model_setup import load_target, resolve_dtype, target_info
 from specdec.model_worker import ModelWorker
 from specdec.models import ModelError
@@ -187,6 +187,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         try:  # chunk by chunk: a cancelled call (abort, deadline, client gone) stops after the current chunk
             await self.worker.run(self.runtime.start, request.session_id, prompt[:chunk], sampling)
             for at in range(chunk, len(prompt), chunk):
+                if self.sessions.sessions.get(request.session_id) is not new:  # a Release came meanwhile
+                    raise UnknownSessionError(f"session_id: {request.session_id!r} was released during its prefill")
                 await self.worker.run(self.runtime.extend, request.session_id, prompt[at : at + chunk])
         except BaseException:
             # The worker thread may still finish runtime.start after a cancel: release after it (jobs run in order).

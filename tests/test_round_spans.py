@@ -45,3 +45,59 @@ def test_round_spans_with_phases_and_attributes():
         assert span.attributes["accepted_length"] >= record.accepted
         assert span.attributes["gamma"] == DEFAULT_SPEC.gamma
     assert all(by_id[s.parent.span_id].name == "request" for s in rounds)
+
+
+def test_channels_between_services_keep_client_spans_and_statuses_and_pass_cancels_on():
+    """``aio_channel`` under the gRPC instrumentation: a failed call raises its own status and leaves
+    an ERROR client span, a good one returns its response, and cancelling the caller cancels the
+    handler at the server (without ``CancelThrough`` it ran on until the server stopped)."""
+    import grpc
+    from opentelemetry.trace import SpanKind, StatusCode
+
+    from specdec.config import GrpcConfig
+    from specdec.security import aio_channel
+
+    exporter = InMemorySpanExporter()
+    setup_tracing("specdec-test", exporter=exporter, simple=True)
+    steps: list[int] = []
+
+    async def slow(request, context):
+        for step in range(40):
+            steps.append(step)
+            await asyncio.sleep(0.05)
+        return b"late"
+
+    async def refuse(request, context):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_ids: empty")
+
+    async def echo(request, context):
+        return request + b"!"
+
+    async def main():
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.Probe", {
+            name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in
+            (("Slow", slow), ("Refuse", refuse), ("Echo", echo))}),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with aio_channel(f"127.0.0.1:{port}", GrpcConfig()) as channel:
+                assert await channel.unary_unary("/t.Probe/Echo")(b"hi", timeout=10) == b"hi!"
+                try:
+                    await channel.unary_unary("/t.Probe/Refuse")(b"", timeout=10)
+                except grpc.aio.AioRpcError as exc:
+                    refused = exc
+                waiter = asyncio.ensure_future(channel.unary_unary("/t.Probe/Slow")(b"", timeout=30))
+                await asyncio.sleep(0.3)
+                waiter.cancel()
+                await asyncio.sleep(0.5)  # ten more steps if the handler ran on
+                return refused
+        finally:
+            await server.stop(None)
+
+    refused = asyncio.run(main())
+    assert (refused.code(), refused.details()) == (grpc.StatusCode.INVALID_ARGUMENT, "prompt_ids: empty")
+    client = {s.name: s for s in exporter.get_finished_spans() if s.kind == SpanKind.CLIENT}
+    assert client["/t.Probe/Refuse"].status.status_code == StatusCode.ERROR
+    assert client["/t.Probe/Echo"].status.status_code != StatusCode.ERROR
+    assert len(steps) <= 12, f"the cancelled call ran on at the server ({len(steps)} of 40 steps)"

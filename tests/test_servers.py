@@ -734,53 +734,102 @@ def test_draft_prefill_in_chunks_feeds_all_but_the_last_token():
     assert runtime.sessions["d"].cached_len == 10 and not runtime.prefill("d", 4)
 
 
+class _SlowChunks(TargetRuntime):
+    """0.1 s per 10 prompt tokens fed, on the worker thread; ``chunks`` logs whose chunk ran."""
+
+    def __init__(self, model, chunks: list[str]):
+        super().__init__(model)
+        self.chunks = chunks
+
+    def start(self, session_id, prompt_ids, sampling=GREEDY):
+        self.chunks.append(session_id)
+        time.sleep(0.1 * math.ceil(len(prompt_ids) / 10))
+        super().start(session_id, prompt_ids, sampling)
+
+    def extend(self, session_id, prompt_ids):
+        self.chunks.append(session_id)
+        time.sleep(0.1 * math.ceil(len(prompt_ids) / 10))
+        super().extend(session_id, prompt_ids)
+
+
+async def _with_slow_target(chunks: list[str], body):
+    """Serve ``_SlowChunks`` (10-token prefill chunks) on a loopback port and run ``body(stub)``
+    against it over the front's own channel (``aio_channel``)."""
+    from specdec.config import GrpcConfig, TargetServerConfig
+    from specdec.grpc_host import ServiceHost
+    from specdec.security import aio_channel
+    from target_service.server import SERVICE_NAME, TargetServicer
+
+    host = ServiceHost("test-target", GrpcConfig(shutdown_grace_s=1.0))
+    servicer = TargetServicer(_SlowChunks(tiny_model("qwen2", seed=0), chunks), context_limit=512,
+                              config=TargetServerConfig(prefill_chunk_tokens=10))
+    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, host.server)
+    port = await host.start("127.0.0.1", 0, [SERVICE_NAME])
+    try:
+        async with aio_channel(f"127.0.0.1:{port}", GrpcConfig()) as channel:
+            return await body(target_pb2_grpc.TargetServiceStub(channel))
+    finally:
+        await host.server.stop(None)
+        servicer.close()
+
+
+async def _info_once_settled(stub, sessions: int) -> target_pb2.InfoResponse:
+    """Info once at most ``sessions`` remain (the release runs after the chunk in progress; up to 5 s)."""
+    deadline = time.monotonic() + 5
+    while (info := await stub.Info(target_pb2.InfoRequest(), timeout=5)).sessions > sessions \
+            and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return info
+
+
 def test_an_aborted_prefill_stops_between_chunks_and_does_not_delay_others():
     """A 40-chunk prefill (0.1 s a chunk) is cancelled after 0.35 s: it stops long before its end, its
     session is released, and a 3-token prefill sent right after it answers within a chunk or two
-    (with one forward for the whole prompt it waited the full 4 s)."""
-    from specdec.config import GrpcConfig, TargetServerConfig
-    from specdec.grpc_host import ServiceHost
-    from target_service.server import SERVICE_NAME, TargetServicer
+    (with one forward for the whole prompt it waited the full 4 s).
 
+    The call goes through the front's own channel with the gRPC instrumentation on, as in a traced
+    deployment: the instrumentation's client interceptor alone swallowed the cancel
+    (open-telemetry/opentelemetry-python-contrib#3271) and all 40 chunks ran."""
+    from specdec.telemetry import setup_tracing
+
+    setup_tracing("test-target")  # instruments grpc.aio channels and servers (once per process)
     chunks: list[str] = []
 
-    class SlowRuntime(TargetRuntime):  # 0.1 s per 10 prompt tokens fed, on the worker thread
-        def start(self, session_id, prompt_ids, sampling=GREEDY):
-            chunks.append(session_id)
-            time.sleep(0.1 * math.ceil(len(prompt_ids) / 10))
-            super().start(session_id, prompt_ids, sampling)
+    async def body(stub):
+        async def prefill_long():  # the front awaits the call in a task, and an abort cancels the task
+            await stub.Prefill(target_pb2.PrefillRequest(session_id="long", prompt_ids=random_prompt(1, 400)))
 
-        def extend(self, session_id, prompt_ids):
-            chunks.append(session_id)
-            time.sleep(0.1 * math.ceil(len(prompt_ids) / 10))
-            super().extend(session_id, prompt_ids)
+        long = asyncio.ensure_future(prefill_long())
+        await asyncio.sleep(0.35)
+        long.cancel()
+        started = time.monotonic()
+        await stub.Prefill(target_pb2.PrefillRequest(session_id="short", prompt_ids=[1, 2, 3]), timeout=10)
+        return time.monotonic() - started, await _info_once_settled(stub, 1)
 
-    async def main():
-        host = ServiceHost("test-target", GrpcConfig(shutdown_grace_s=1.0))
-        servicer = TargetServicer(SlowRuntime(tiny_model("qwen2", seed=0)), context_limit=512,
-                                  config=TargetServerConfig(prefill_chunk_tokens=10))
-        target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, host.server)
-        port = await host.start("127.0.0.1", 0, [SERVICE_NAME])
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = target_pb2_grpc.TargetServiceStub(channel)
-                long = stub.Prefill(target_pb2.PrefillRequest(session_id="long", prompt_ids=random_prompt(1, 400)))
-                await asyncio.sleep(0.35)
-                long.cancel()  # what an abort or a client that went away does to the call
-                started = time.monotonic()
-                await stub.Prefill(target_pb2.PrefillRequest(session_id="short", prompt_ids=[1, 2, 3]), timeout=10)
-                short_s = time.monotonic() - started
-                deadline = time.monotonic() + 5  # the release runs after the chunk in progress
-                while (info := await stub.Info(target_pb2.InfoRequest(), timeout=5)).sessions > 1 \
-                        and time.monotonic() < deadline:
-                    await asyncio.sleep(0.05)
-        finally:
-            await host.server.stop(None)
-            servicer.close()
-        return short_s, info
-
-    short_s, info = asyncio.run(main())
+    short_s, info = asyncio.run(_with_slow_target(chunks, body))
     # one forward for the whole prompt made it wait the full 4 s; margins allow a loaded machine
     assert short_s < 2.0, f"the short prefill waited {short_s:.2f} s behind the cancelled one"
     assert chunks.count("long") <= 20, "the cancelled prefill ran on (40 chunks in all)"
     assert (info.sessions, info.cached_tokens) == (1, 2)  # only the short session holds KV (L = T - 1)
+
+
+def test_a_release_during_prefill_stops_it_between_chunks():
+    """Release of a session whose 40-chunk prefill is running (the call itself not cancelled): the
+    prefill stops at the next chunk with FAILED_PRECONDITION (the code for an unknown session) naming
+    session_id, and nothing stays held."""
+    chunks: list[str] = []
+
+    async def body(stub):
+        long = asyncio.ensure_future(
+            stub.Prefill(target_pb2.PrefillRequest(session_id="long", prompt_ids=random_prompt(1, 400)), timeout=20))
+        await asyncio.sleep(0.35)
+        released = await stub.Release(target_pb2.ReleaseRequest(session_id="long"), timeout=10)
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await long
+        return released, failed.value, await _info_once_settled(stub, 0)
+
+    released, error, info = asyncio.run(_with_slow_target(chunks, body))
+    assert released.released
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "session_id" in error.details(), error
+    assert chunks.count("long") <= 20, "the released prefill ran on (40 chunks in all)"
+    assert (info.sessions, info.cached_tokens) == (0, 0)
