@@ -17,17 +17,21 @@ random generator (a stream of the request seed distinct from the target's).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generator, Sequence
 
 import numpy as np
 import torch
 
-from draft_service.tree_builder import build_tree
-from specdec.forward import model_forward
-from specdec.interfaces import UnknownSessionError
-from specdec.kv_cache import cache_length, compact_kv, new_cache, truncate_kv
+from draft_service.tree_builder import Step, tree_steps
+from specdec.forward import model_forward, model_forward_batch
+from specdec.interfaces import SessionStateError, UnknownSessionError
+from specdec.kv_cache import append_kv_row, cache_length, compact_kv, new_cache, stack_kv, truncate_kv
 from specdec.sampling import GREEDY, SamplingParams, session_rng
 from specdec.tree import ROOT, DraftTree, additive_mask, ancestors, node_depths
 from specdec.tree_spec import TreeSpec
+
+
+MAX_BATCHED_ROWS = 32  # a step feeding more rows than this (a long pending prefix) runs alone
 
 
 @dataclass
@@ -81,40 +85,94 @@ class DraftRuntime:
             raise UnknownSessionError(f"session_id: unknown draft session {session_id!r}") from None
 
     def propose(self, session_id: str, spec: TreeSpec, max_depth: int) -> DraftTree:
-        """Grow a tree after the session's committed tokens; gamma is capped at max_depth (>= 1)."""
+        """Grow a tree after the session's committed tokens; gamma is capped at max_depth (>= 1).
+
+        Raises UnknownSessionError."""
+        (tree,) = self.propose_batch([(session_id, spec, max_depth)])
+        if isinstance(tree, Exception):
+            raise tree
+        return tree
+
+    def propose_batch(self, items: Sequence[tuple[str, TreeSpec, int]]) -> list[DraftTree | Exception]:
+        """Grow the trees of several sessions together: one draft forward per tree depth for all of
+        them (``tree_steps`` of each session in lockstep), instead of one per session and depth.
+
+        items: B triples (session_id, spec, max_depth), distinct sessions, any mix of cached lengths,
+        TreeSpecs and sampling parameters. Returns one entry per item, in order: the DraftTree that
+        ``propose`` alone would give, or the exception it would raise (UnknownSessionError;
+        SessionStateError for a session already at an earlier item). A session's random draws
+        (sampled requests) come from its own generator, in its own order: they never depend on the
+        other items. An error of a shared forward is raised (every item of that forward is then
+        left mid-proposal; the next ``propose`` of each starts the round again).
+
+        Each step's rows of all sessions go through one ``model_forward_batch`` after a stacked
+        cache (``stack_kv``, right-padded; layout of ``batched_step_inputs``); each session's new
+        slots are appended back to its own cache, so ``commit`` works unchanged. A step that holds
+        one session, or a session feeding more than ``MAX_BATCHED_ROWS`` rows at once (a long
+        pending prefix), runs that session's own forward. Numerics: a row's log-probs equal its
+        solo forward's up to float32 round-off of the differently shaped computation (as the
+        target's ``verify_batch``); a tree can differ only at a near-tie within that noise.
+        """
+        results: list[DraftTree | Exception | None] = [None] * len(items)
+        running: dict[int, tuple[DraftSession, Generator, Step]] = {}
+        seen: dict[str, int] = {}
+        for index, (session_id, spec, max_depth) in enumerate(items):
+            try:
+                if session_id in seen:
+                    raise SessionStateError(f"session_id: {session_id!r} is already at item {seen[session_id]} of this batch")
+                seen[session_id] = index
+                s = self._begin_round(session_id)
+                if s is None:
+                    results[index] = DraftTree((), ())
+                    continue
+                steps = tree_steps(spec, max_depth=max_depth, vocab_size=self.vocab_size, sampling=s.sampling, rng=s.rng)
+                running[index] = (s, steps, next(steps))
+            except StopIteration as done:
+                results[index] = done.value
+            except Exception as error:  # noqa: BLE001 - returned in its slot, as documented
+                results[index] = error
+        while running:
+            rows = {index: self._step_rows(s, *step) for index, (s, _, step) in running.items()}
+            logprobs = self._forward_rows(rows)
+            for index in list(running):
+                s, steps, _ = running[index]
+                try:
+                    running[index] = (s, steps, steps.send(logprobs[index]))
+                except StopIteration as done:
+                    results[index] = done.value
+                    del running[index]
+                except Exception as error:  # noqa: BLE001
+                    results[index] = error
+                    del running[index]
+        return results  # type: ignore[return-value]
+
+    def _begin_round(self, session_id: str) -> DraftSession | None:
+        """The session, its cache back at the round's start (a retry drops an uncommitted proposal,
+        pending tokens included); None when the committed tokens hold an id the draft has no
+        embedding for (the target's vocabulary is larger): no tree from here on, the engine
+        verifies the empty tree = plain decoding."""
         s = self._session(session_id)
-        if s.round_start is not None:  # a retry: drop the uncommitted proposal, pending tokens included
+        if s.round_start is not None:
             s.cached_len = s.round_start
             truncate_kv(s.cache, s.cached_len)
         s.round_start = s.cached_len
         s.slot_of_node = {}
         if max(s.tokens[s.cached_len :]) >= self.model.config.vocab_size:
-            # The target committed an id the draft has no embedding for (its vocabulary is
-            # smaller): no tree from here on; the engine verifies the empty tree = plain decoding.
-            return DraftTree((), ())
+            return None
+        return s
 
-        def expand(nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
-            if nodes == [ROOT]:
-                return self._feed_pending(s)
-            return self._feed_nodes(s, nodes, tokens, parents)
-
-        return build_tree(spec, expand, max_depth=max_depth, vocab_size=self.vocab_size,
-                          sampling=s.sampling, rng=s.rng)
-
-    def _feed_pending(self, s: DraftSession) -> torch.Tensor:
-        """Step 0: feed the committed tokens not yet cached (R last); log-probs after R: [1, V]."""
-        pending = s.tokens[s.cached_len :]
-        positions = torch.arange(s.cached_len, len(s.tokens))
-        logits = model_forward(self.model, s.cache, pending, positions, mask=None, logits_rows=1)
-        s.cached_len = len(s.tokens)
-        return torch.log_softmax(logits, dim=-1)  # (1, V)
-
-    def _feed_nodes(self, s: DraftSession, nodes, tokens, parents) -> torch.Tensor:
-        """Step d >= 1: feed P tree nodes with a draft tree mask; log-probs after each: [P, V]."""
-        base = s.cached_len  # committed slots; tree slots follow
-        start = cache_length(s.cache)
+    def _step_rows(self, s: DraftSession, nodes: list[int], tokens: list[int], parents: list[int]) -> _StepRows:
+        """One session's rows of a draft step. Step 0 (nodes = [ROOT]): the committed tokens not
+        yet cached, R last, causal; step d >= 1: the P chosen depth-d nodes, each seeing the
+        committed slots, its ancestors' slots and itself (the draft tree mask)."""
+        start = cache_length(s.cache)  # C: committed slots, then the tree slots of earlier steps
+        if nodes == [ROOT]:
+            pending = s.tokens[s.cached_len :]
+            visible = torch.ones(len(pending), start + len(pending), dtype=torch.bool).tril(start)  # (P, C + P)
+            return _StepRows(s, pending, torch.arange(s.cached_len, len(s.tokens)), visible, root=True)
+        base = s.cached_len
         depths = node_depths(parents)
-        visible = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)  # (P, S + P)
+        visible = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)  # (P, C + P)
         visible[:, :base] = True
         for row, node in enumerate(nodes):
             for anc in ancestors(parents, node)[:-1]:
@@ -122,9 +180,45 @@ class DraftRuntime:
             visible[row, start + row] = True
             s.slot_of_node[node] = start + row
         positions = torch.tensor([base - 1 + depths[n] for n in nodes])
-        mask = additive_mask(visible, self.model.dtype)
-        logits = model_forward(self.model, s.cache, [tokens[n] for n in nodes], positions, mask)
-        return torch.log_softmax(logits, dim=-1)  # (P, V)
+        return _StepRows(s, [tokens[n] for n in nodes], positions, visible, root=False)
+
+    def _forward_rows(self, rows: dict[int, _StepRows]) -> dict[int, torch.Tensor]:
+        """Log-probs of each session's step rows ([1, V] after R at step 0, [P, V] after that):
+        sessions batched together where there are two or more (``propose_batch``)."""
+        together = [i for i, r in rows.items() if len(r.ids) <= MAX_BATCHED_ROWS]
+        alone = [i for i in rows if i not in together or len(together) < 2]
+        out = {i: self._forward_one(rows[i]) for i in alone}
+        together = [i for i in together if i not in out]
+        if together:
+            out.update(zip(together, self._forward_together([rows[i] for i in together])))
+        return out
+
+    def _forward_one(self, r: _StepRows) -> torch.Tensor:
+        """One session's own forward: step 0 plainly causal, later steps with the tree mask."""
+        if r.root:
+            logits = model_forward(self.model, r.session.cache, r.ids, r.positions, mask=None, logits_rows=1)
+            r.session.cached_len = len(r.session.tokens)
+        else:
+            logits = model_forward(self.model, r.session.cache, r.ids, r.positions, additive_mask(r.visible, self.model.dtype))
+        return torch.log_softmax(logits, dim=-1)  # (1 or P, V)
+
+    def _forward_together(self, rows: list[_StepRows]) -> list[torch.Tensor]:
+        """One forward over B >= 2 sessions' step rows (``batched_step_inputs``)."""
+        lengths = [cache_length(r.session.cache) for r in rows]
+        stacked = stack_kv([r.session.cache for r in rows], lengths, self.model.config)  # (B, H, S, D)
+        ids, positions, mask = batched_step_inputs(rows, lengths, self.model.dtype)
+        logits = model_forward_batch(self.model, stacked, ids, positions, mask)  # (B, Q, V)
+        width = max(lengths)
+        out = []
+        for b, r in enumerate(rows):
+            append_kv_row(r.session.cache, stacked, b, width, len(r.ids))
+            if r.root:
+                r.session.cached_len = len(r.session.tokens)
+                out.append(torch.log_softmax(logits[b, len(r.ids) - 1 : len(r.ids)], dim=-1))  # (1, V)
+            else:
+                out.append(torch.log_softmax(logits[b, : len(r.ids)], dim=-1))  # (P, V)
+        del stacked
+        return out
 
     def commit(self, session_id: str, tokens: list[int], accepted_nodes: list[int]) -> None:
         """Append the round's committed tokens; keep the KV of accepted nodes the draft had fed."""
@@ -136,3 +230,47 @@ class DraftRuntime:
         s.tokens.extend(tokens)
         s.slot_of_node = {}
         s.round_start = None
+
+
+@dataclass
+class _StepRows:
+    """One session's rows of one draft step: P token ids, their positions [P], which of the
+    session's C cache slots and P new slots each row sees (visible [P, C + P] bool), and whether
+    this is step 0 (the pending committed tokens; only the last row's log-probs are used)."""
+
+    session: DraftSession
+    ids: list[int]
+    positions: torch.Tensor
+    visible: torch.Tensor
+    root: bool
+
+
+def batched_step_inputs(rows: Sequence[_StepRows], cache_lens: Sequence[int], dtype: torch.dtype = torch.float32):
+    """Inputs of one draft forward over B sessions' step rows after a right-padded stacked cache.
+
+    rows: B sessions' rows (P_b each, ``visible`` [P_b, C_b + P_b]); cache_lens: [B] cached slots
+    C_b. With S = max C_b and Q = max P_b, row b holds its P_b tokens in query rows 0..P_b-1 and
+    padding after; its keys are cache slots 0..S-1 (its C_b slots, then padding) followed by the Q
+    new slots. Returns (input_ids [B, Q] int64, position_ids [B, Q] int64, mask [B, 1, Q, S + Q]
+    additive in ``dtype``): each real row sees exactly what its own ``visible`` row says (cache
+    columns at 0..C_b-1, new columns at S..S+P_b-1); a pad row (token 0) sees only its own slot,
+    so no row is fully masked and no real row sees a pad (the layout of the target's
+    ``batched_tree_inputs``).
+    """
+    batch = len(rows)
+    width = max(cache_lens, default=0)
+    q = max(len(r.ids) for r in rows)
+    ids = torch.zeros(batch, q, dtype=torch.long)
+    positions = torch.zeros(batch, q, dtype=torch.long)
+    visible = torch.zeros(batch, q, width + q, dtype=torch.bool)
+    own = torch.arange(q)
+    for b, (r, length) in enumerate(zip(rows, cache_lens)):
+        p = len(r.ids)
+        ids[b, :p] = torch.tensor(r.ids, dtype=torch.long)
+        positions[b, :p] = r.positions
+        positions[b, p:] = int(r.positions[-1]) + 1 if p else length
+        visible[b, :p, :length] = r.visible[:, :length]
+        visible[b, :p, width : width + p] = r.visible[:, length:]
+        visible[b, own[p:], width + own[p:]] = True
+    mask = additive_mask(visible, dtype)[0, 0][:, None]  # (B, 1, Q, S + Q)
+    return ids, positions, mask

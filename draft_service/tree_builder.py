@@ -18,7 +18,7 @@ Children (DESIGN.md "TreeSpec", ``treeType``):
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Generator
 
 import numpy as np
 import torch
@@ -30,6 +30,9 @@ from specdec.tree_spec import TreeSpec
 # expand(nodes, tokens, parents) -> [P, V] draft log-probabilities after each of the P nodes
 # (node -1 = the root). ``tokens``/``parents`` are the tree built so far.
 ExpandFn = Callable[[list[int], list[int], list[int]], torch.Tensor]
+
+# What ``tree_steps`` yields: (nodes, tokens, parents), the arguments of one ExpandFn call.
+Step = tuple[list[int], list[int], list[int]]
 
 
 def build_tree(
@@ -45,7 +48,29 @@ def build_tree(
     max_depth caps gamma (context or token budget left); vocab_size restricts children to ids
     below it (the ids both models share); rng: the session's random generator, needed for
     sampled children (treeType 1, temperature > 0). Returns a DraftTree with nodes in breadth-first
-    order, siblings in draw order.
+    order, siblings in draw order. ``tree_steps`` driven by one ``expand`` per step.
+    """
+    steps = tree_steps(spec, max_depth, vocab_size, sampling, rng)
+    try:
+        step = next(steps)
+        while True:
+            step = steps.send(expand(*step))
+    except StopIteration as done:
+        return done.value
+
+
+def tree_steps(
+    spec: TreeSpec,
+    max_depth: int | None = None,
+    vocab_size: int | None = None,
+    sampling: SamplingParams = GREEDY,
+    rng: np.random.Generator | None = None,
+) -> Generator[Step, torch.Tensor, DraftTree]:
+    """``build_tree`` as a generator, so a caller can run the steps of several trees in one forward.
+
+    Yields each step's (nodes, tokens, parents) (the ExpandFn arguments; tokens and parents are the
+    tree so far, the same lists every step) and takes back that step's [P, V] log-probabilities
+    (``send``); returns the DraftTree (``StopIteration.value``). Same arguments as ``build_tree``.
     """
     sampled_children = spec.tree_type == 1 and not sampling.greedy
     assert rng is not None or not sampled_children, "build_tree: sampled children need an rng"
@@ -61,7 +86,7 @@ def build_tree(
         chosen = [ROOT] if d == 0 else _top_nodes(frontier, path_logp, spec.top_head[d])
         if d > 0 and spec.gamma_threshold > 0 and math.exp(path_logp[chosen[0]]) < spec.gamma_threshold:
             break
-        step_logprobs = expand(chosen, tokens, parents)  # (P, V)
+        step_logprobs = yield chosen, tokens, parents  # (P, V)
         if vocab_size is not None:
             step_logprobs = step_logprobs[:, :vocab_size]
         # Greedy: children by raw log-prob; sampling: from q, the target's processing of these rows.

@@ -1,7 +1,10 @@
 """DraftRuntime.prefill: the draft service prefills at Start so the draft's prefill overlaps the
-target's; the trees and the cache afterwards are those of the lazy path (prefill in the first propose)."""
+target's; the trees and the cache afterwards are those of the lazy path (prefill in the first propose).
+DraftRuntime.propose_batch: several sessions' trees in shared forwards equal their solo trees."""
 
 from __future__ import annotations
+
+import pytest
 
 from draft_service.runtime import DraftRuntime
 from specdec.tree_spec import TreeSpec
@@ -40,3 +43,86 @@ def test_prefill_of_a_released_session_is_a_no_op():
     runtime.start("b", [5])
     runtime.prefill("b")  # one token: nothing to prefill (it is the root of the first tree)
     assert runtime.sessions["b"].cached_len == 0
+
+
+BATCH_SPECS = [
+    SPEC,
+    TreeSpec.chain(4),
+    TreeSpec(gamma=2, topKSpec=[[4], [2, 1, 1]], topHead=[1, 3], treeType=1),
+    TreeSpec(gamma=3, topKSpec=[[2], [2, 1], [1, 1]], topHead=[1, 2, 2], treeType=1),
+    TreeSpec(gamma=4, topKSpec=[[3], [1, 1], [1], [1]], topHead=[1, 2, 1, 1]),
+    TreeSpec(gamma=2, topKSpec=[[1], [3]], topHead=[1, 1], treeType=1),
+]
+
+
+def _batch_sessions(runtime: DraftRuntime) -> list[tuple[str, list[int], object]]:
+    """Six sessions: prompt lengths 3..40, greedy and seeded sampled (treeType 0 and 1)."""
+    from specdec.sampling import GREEDY, SamplingParams
+
+    samplings = [GREEDY, GREEDY, SamplingParams(0.8, seed=3), SamplingParams(1.0, top_k=20, seed=4),
+                 SamplingParams(0.7, top_p=0.9, seed=5), GREEDY]
+    out = []
+    for i, (length, sampling) in enumerate(zip((3, 17, 40, 9, 25, 5), samplings)):
+        sid, prompt = f"s{i}", random_prompt(seed=100 + i, length=length)
+        runtime.start(sid, prompt, sampling)
+        out.append((sid, prompt, sampling))
+    return out
+
+
+def _commit_first_path(runtime: DraftRuntime, sid: str, tree, accept: int) -> None:
+    """Accept the first ``accept`` nodes along the first-child path (fewer if the tree is shallower),
+    then a bonus token."""
+    path, node = [], -1
+    while len(path) < accept:
+        children = [i for i, p in enumerate(tree.parents) if p == node]
+        if not children:
+            break
+        node = children[0]
+        path.append(node)
+    runtime.commit(sid, [tree.tokens[n] for n in path] + [7 + len(path)], path)
+
+
+def test_batched_proposals_equal_each_sessions_solo_trees_and_cache(monkeypatch):
+    """propose_batch over six sessions (different prompt lengths, TreeSpecs, greedy and seeded
+    sampled, one prefilled eagerly, partial acceptance of 0..3 nodes between rounds) gives every
+    session the tree ``propose`` gives it alone, round after round, in shared forwards (the first
+    holds all six), and leaves each cache equal to a fresh prefill of its committed tokens."""
+    import draft_service.runtime as module
+
+    model = tiny_model("qwen2", seed=4)
+    batched, solo = DraftRuntime(model), DraftRuntime(model)
+    sessions = _batch_sessions(batched)
+    _batch_sessions(solo)
+    batched.prefill("s2")  # cached lengths differ at the first step too
+    solo.prefill("s2")
+    shared_rows = []  # input_ids shape [B, Q] of every shared forward
+    real = module.model_forward_batch
+    monkeypatch.setattr(module, "model_forward_batch",
+                        lambda model_, cache, ids, *rest: shared_rows.append(tuple(ids.shape)) or real(model_, cache, ids, *rest))
+    for round_ in range(4):
+        items = [(sid, BATCH_SPECS[i], 4) for i, (sid, _, _) in enumerate(sessions)]
+        trees = batched.propose_batch(items)
+        for i, (sid, spec, depth) in enumerate(items):
+            alone = solo.propose(sid, spec, depth)
+            assert (trees[i].tokens, trees[i].parents) == (alone.tokens, alone.parents), (round_, sid)
+            assert trees[i].draft_logprobs == pytest.approx(alone.draft_logprobs, abs=1e-4)
+            accept = (round_ + i) % 4
+            _commit_first_path(batched, sid, trees[i], accept)
+            _commit_first_path(solo, sid, alone, accept)
+    assert shared_rows and shared_rows[0][0] == 6 and len(shared_rows) >= 4 * 2, shared_rows
+    for sid, _, _ in sessions:
+        s = batched.sessions[sid]
+        assert_kv_equal(cache_kv(s.cache), prefill_kv(model, s.tokens[: s.cached_len]), what=f"{sid} draft cache")
+
+
+def test_batched_proposals_report_per_item_errors():
+    """An unknown session and a repeated session fail in their own slots; the others get trees."""
+    from specdec.interfaces import SessionStateError, UnknownSessionError
+
+    runtime = DraftRuntime(tiny_model("qwen2", seed=4))
+    runtime.start("a", random_prompt(seed=1, length=5))
+    runtime.start("b", random_prompt(seed=2, length=8))
+    out = runtime.propose_batch([("a", SPEC, 3), ("nope", SPEC, 3), ("b", SPEC, 3), ("a", SPEC, 3)])
+    assert out[0].size == out[2].size == 7
+    assert isinstance(out[1], UnknownSessionError) and "nope" in str(out[1])
+    assert isinstance(out[3], SessionStateError) and "item 0" in str(out[3])
