@@ -92,7 +92,8 @@ class TargetClient:
                 await asyncio.sleep(0.2 * (attempt + 1))
         span.set_attribute("target.verify_ms", reply.verify_ms)
         span.set_attribute("target.batch_size", reply.batch_size)
-        return VerifyResult(tuple(reply.accepted_nodes), tuple(reply.tokens))
+        span.set_attribute("target.batch_rows", reply.batch_rows)
+        return VerifyResult(tuple(reply.accepted_nodes), tuple(reply.tokens), max(reply.batch_size, 1), reply.batch_rows)
 
     async def commit(self, session_id: str, num_tokens: int) -> None:
         await self.stub.Commit(target_pb2.CommitRequest(session_id=session_id, num_tokens=num_tokens), timeout=time_left())

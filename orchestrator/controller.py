@@ -33,6 +33,7 @@ from opentelemetry import trace
 from orchestrator.control import DRAFT_UNAVAILABLE, ControlFactory, FixedControl
 from orchestrator.shaping import ShapedTree
 from orchestrator.stops import StopChecker
+from specdec.interfaces import VerifyResult
 from specdec.sampling import GREEDY, SamplingParams
 from specdec.stats import GenerationStats, RoundRecord
 from specdec.tree import DraftTree, node_depths
@@ -269,7 +270,7 @@ class _Request:
             t3 = time.perf_counter()
             _round_attributes(span, drafted, shaped, self._gamma(), result, committed)
         timing = _Timing(draft_s=drafted.draft_s, verify_s=t2 - t1, commit_s=t3 - t2, round_s=t3 - t0)
-        await self._record(drafted, shaped, result.accepted_nodes, committed, accepted, timing)
+        await self._record(drafted, shaped, result, committed, accepted, timing)
         return committed
 
     def _gamma(self) -> int:
@@ -336,16 +337,19 @@ class _Request:
         sunk_ms = (drafted.draft_s or 0.0) * 1000
         return self.control.shape(drafted.tree, self.committed_tokens, max_depth, sunk_ms)
 
-    async def _record(self, drafted: _Drafted, shaped: ShapedTree, accepted_path, committed: list[int],
+    async def _record(self, drafted: _Drafted, shaped: ShapedTree, result: VerifyResult, committed: list[int],
                       accepted: list[int], timing: "_Timing") -> None:
-        """Phase 6: the control learns the outcome (accepted_path: node indices of the accepted
-        path, before the stop checks), the statistics count the round, the callbacks get its RoundRecord."""
+        """Phase 6: the control learns the outcome (the verify result: the accepted path before the
+        stop checks, and the target forward's batch), the statistics count the round, the callbacks
+        get its RoundRecord."""
         tree = shaped.tree
+        accepted_path = result.accepted_nodes
         if drafted.tree.size:
             self.control.record(drafted.depth, drafted.tree.size, len(_draft_nodes(shaped, accepted_path)))
         if self.control is not None:
             self.control.observe(shaped, accepted_path, timing.verify_s, drafted.draft_s,
-                                 timing.round_s - timing.verify_s - (drafted.draft_s or 0.0), drafted.tree)
+                                 timing.round_s - timing.verify_s - (drafted.draft_s or 0.0), drafted.tree,
+                                 batch_size=result.batch_size, batch_rows=result.batch_rows)
         context_nodes = sum(1 for d in shaped.draft_index if d is None)
         record = RoundRecord(tuple(committed), proposed=tree.size, accepted=len(accepted), depth=shaped.depth,
                              fallback=drafted.fallback, gamma=self._gamma(), draft_s=drafted.draft_s,

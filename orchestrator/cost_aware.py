@@ -26,7 +26,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from orchestrator.cost_model import CostModel
+from orchestrator.cost_model import CostModel, LoadedCost
 from orchestrator.control import COST, FallbackPolicy
 from orchestrator.shaping import (
     AcceptanceCalibration, ContextCalibration, Lookup, ShapedTree, observe_verified, shape_tree,
@@ -44,6 +44,16 @@ class SharedState:
     calib: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
     ctx_calib: ContextCalibration = field(default_factory=ContextCalibration)
     rounds_without_draft: int = 0  # across requests, since any request last drafted (the probe counts these)
+    load: float = 1.0  # sessions per target verify forward, moving average over every request's rounds
+
+    def observe_load(self, batch_size: int, alpha: float = 0.3) -> None:
+        """One round's verify forward held ``batch_size`` sessions (1 in-process)."""
+        self.load += alpha * (max(batch_size, 1) - self.load)
+
+    def planning_cost(self) -> CostModel | LoadedCost:
+        """The cost model the planning uses: ``LoadedCost`` at the current load (goodput), the model
+        itself when rounds run alone (a load under 1.1 is noise of an occasional merge)."""
+        return LoadedCost(self.cost, self.load) if self.load >= 1.1 else self.cost
 
 
 @dataclass
@@ -78,7 +88,7 @@ class DepthEstimates:
         self.rows[d - 1] += self.alpha * (rows - self.rows[d - 1])
 
 
-def plan_depth(est: DepthEstimates, cost: CostModel, heads: list[int], max_steps: int,
+def plan_depth(est: DepthEstimates, cost: CostModel | LoadedCost, heads: list[int], max_steps: int,
                context_value: float = 0.0, context_rows: float = 0.0) -> tuple[int, float]:
     """The number of draft steps g in [0, max_steps] with the best predicted rate, and that rate.
 
@@ -101,7 +111,7 @@ def plan_depth(est: DepthEstimates, cost: CostModel, heads: list[int], max_steps
     return best_g, best_rate
 
 
-def stop_threshold(cost: CostModel, rate: float, heads: int, width: int, decay: float, raw_per_value: float,
+def stop_threshold(cost: CostModel | LoadedCost, rate: float, heads: int, width: int, decay: float, raw_per_value: float,
                    lookahead: int = 3) -> float:
     """The draft's gammaThreshold for this round: deepening stops when the best path probability
     falls below the value one more step must bring to pay for itself.
@@ -179,7 +189,8 @@ class CostAwareControl:
             self.reason, self.gamma = self.fallback.reason, 0
             return False
         heads = list(spec_at_depth(self.base, max(max_steps, 1), self.max_nodes).top_head)
-        g, rate = plan_depth(self.depths, self.shared.cost, heads, max_steps, self.context_value, self.context_rows)
+        cost = self.shared.planning_cost()  # under load: the batch's goodput (LoadedCost)
+        g, rate = plan_depth(self.depths, cost, heads, max_steps, self.context_value, self.context_rows)
         if self.first_round_plain and self.rounds == 0:
             g = 0
         elif g == 0 and self.shared.rounds_without_draft >= self.probe_every and max_steps >= 1:
@@ -191,7 +202,7 @@ class CostAwareControl:
             # (the threshold), up to every step the budget allows: depths the estimates undervalue
             # are still reached when the draft is sure, so the estimates keep learning them.
             width = sum(self.base.top_k_spec[-1])
-            threshold = stop_threshold(self.shared.cost, rate, heads[max_steps - 1], width,
+            threshold = stop_threshold(cost, rate, heads[max_steps - 1], width,
                                        self.depths.ratio(), self.raw_per_value)
             spec = spec_at_depth(self.base, max_steps, self.max_nodes)
             self._planned_spec = spec.model_copy(update={"gamma_threshold": max(threshold, spec.gamma_threshold)})
@@ -211,15 +222,17 @@ class CostAwareControl:
 
     def shape(self, tree: DraftTree, context: list[int], max_depth: int, sunk_ms: float) -> ShapedTree:
         """The tree to verify: drafted nodes that pay plus the context branch (``shape_tree``)."""
-        cost = self.shared.cost
+        cost = self.shared.planning_cost()
         if self.timing_free or (self.first_round_plain and self.rounds == 0):  # TTFT: the first token from the prefill
             return ShapedTree.of(tree)
         return shape_tree(tree, context, self.calib, self.ctx_calib, cost, sunk_ms + cost.round_overhead_ms,
                           self.ngram_tokens, self.max_ngram, max_depth, self.lookup)
 
     def observe(self, shaped: ShapedTree, accepted_nodes, verify_s: float, draft_s: float | None,
-                overhead_s: float, drafted_tree: DraftTree | None) -> None:
-        """Learn from a verified round: calibrations, per-depth estimates, the shared cost model."""
+                overhead_s: float, drafted_tree: DraftTree | None, batch_size: int = 1, batch_rows: int = 0) -> None:
+        """Learn from a verified round: calibrations, per-depth estimates, the shared cost model and
+        load. batch_size, batch_rows: sessions and rows of the target forward that verified the tree
+        (VerifyResult; 0 rows = not reported, the tree's own)."""
         self.rounds += 1
         if self.timing_free:
             return
@@ -248,7 +261,9 @@ class CostAwareControl:
             self.rounds_without_draft += 1
             self.shared.rounds_without_draft += 1
         if not no_forward:
-            self.shared.cost.observe_round(shaped.tree.size + 1, verify_s, parents_per_step, draft_s, overhead_s)
+            self.shared.observe_load(batch_size)
+            rows = batch_rows or shaped.tree.size + 1  # the forward's rows decide its latency
+            self.shared.cost.observe_round(rows, verify_s, parents_per_step, draft_s, overhead_s)
 
     def _learn_raw_ratio(self, drafted: DraftTree, shaped: ShapedTree) -> None:
         """raw best path probability / calibrated value of the deepest kept draft node."""

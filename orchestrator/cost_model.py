@@ -137,7 +137,8 @@ class CostModel:
 
     def observe_round(self, rows: int, verify_s: float, parents_per_step: list[int], draft_s: float | None,
                       overhead_s: float = 0.0) -> None:
-        """Fold one round's timings into the curves (seconds in, as the round loop measures them)."""
+        """Fold one round's timings into the curves (seconds in, as the round loop measures them).
+        rows: of the whole verify forward (every session's rows when the target merged several)."""
         self.verify.observe(rows, verify_s * 1000)
         if draft_s and parents_per_step:
             if self.draft_step.observations == 0 and not self.draft_step.measured:
@@ -151,6 +152,43 @@ class CostModel:
         return {"verify_ms": self.verify.snapshot(), "draft_step_ms": draft,
                 "round_overhead_ms": round(self.round_overhead_ms, 2), "source": self.source,
                 "observations": self.verify.observations}
+
+
+class LoadedCost:
+    """The cost model as each of ``load`` requests whose rounds share one verify forward sees it.
+
+    Goodput planning (Liu et al. 2024, "Optimizing Speculative Decoding for Serving Large Language
+    Models Using Goodput", SmartSpec, section 4): with B requests merged into each forward and each
+    verifying r rows, a round takes D + V(B r) + overhead and yields B times one request's expected
+    tokens, so the choice that maximises the batch's tokens per ms is the one that maximises one
+    request's tokens / (D + V(B r) + overhead). ``verify(rows)`` is therefore V(load * rows): once
+    V turns compute-bound (linear), every row a request adds costs B rows' time, trees shrink as
+    load grows, and a plain round (1 row) beats drafting where batched decoding has the higher
+    throughput. load: sessions per verify forward (>= 1, fractional: a moving average); load 1 is
+    the cost model itself. Same methods as CostModel's planning side (verify, draft_step_ms,
+    draft_ms, round_ms, round_overhead_ms).
+    """
+
+    def __init__(self, cost: CostModel, load: float):
+        self.cost = cost
+        self.load = max(float(load), 1.0)
+
+    @property
+    def round_overhead_ms(self) -> float:
+        return self.cost.round_overhead_ms
+
+    def verify(self, rows: float) -> float:
+        """ms of a forward holding ``load`` trees of ``rows`` rows each."""
+        return self.cost.verify(self.load * rows)
+
+    def draft_step_ms(self, parents: int) -> float:
+        return self.cost.draft_step_ms(parents)
+
+    def draft_ms(self, parents_per_step: Iterable[int]) -> float:
+        return self.cost.draft_ms(parents_per_step)
+
+    def round_ms(self, rows: int, parents_per_step: Iterable[int] = ()) -> float:
+        return self.draft_ms(parents_per_step) + self.verify(rows) + self.round_overhead_ms
 
 
 def measure_curve(run: Callable[[int], None], xs: Iterable[int], repeats: int = 3) -> dict[int, float]:

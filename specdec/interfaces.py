@@ -12,7 +12,7 @@ tree, whose KV the next verify computes).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from specdec.sampling import SamplingParams
@@ -33,11 +33,16 @@ class VerifyResult:
     """Outcome of verifying one tree.
 
     accepted_nodes: node indices of the accepted path, root side first (may be empty);
-    tokens: the accepted path's tokens followed by the bonus token (len = len(accepted_nodes) + 1).
+    tokens: the accepted path's tokens followed by the bonus token (len = len(accepted_nodes) + 1);
+    batch_size, batch_rows: the sessions and the rows (each tree's nodes + 1) of the target forward
+    that verified it, as the target service reports them (0 rows = not reported: in-process, the
+    forward held this tree alone). Not part of equality: the outcome is the path and the tokens.
     """
 
     accepted_nodes: tuple[int, ...]
     tokens: tuple[int, ...]
+    batch_size: int = field(default=1, compare=False)
+    batch_rows: int = field(default=0, compare=False)
 
     @property
     def bonus_token(self) -> int:

@@ -30,11 +30,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class BatchedVerify:
-    """One item's outcome: its result, how many sessions shared the call, the call's time (ms)."""
+    """One item's outcome: its result, how many sessions shared the call, the call's time (ms), and
+    the call's rows over all its sessions (each tree's nodes + 1: what its latency depends on)."""
 
     result: VerifyResult
     batch_size: int
     verify_ms: float
+    batch_rows: int = 0
 
 
 @dataclass
@@ -140,6 +142,7 @@ class VerifyBatcher:
             self.batched_forwards += 1
             log.info("verify batch of %d sessions", len(ran))
         outcomes = dict(zip(map(id, ran), results))
+        rows = sum(item.tree.size + 1 for item in ran)
         for item in batch:
             outcome = outcomes.get(id(item), DeadlineExpiredError("deadline: expired before the verify forward started"))
             self.on_done(item.session_id, outcome if id(item) in outcomes else None)
@@ -148,7 +151,7 @@ class VerifyBatcher:
             if isinstance(outcome, Exception):
                 item.future.set_exception(outcome)
             else:
-                item.future.set_result(BatchedVerify(outcome, len(ran), verify_ms))
+                item.future.set_result(BatchedVerify(outcome, len(ran), verify_ms, rows))
 
     def _forward(self, batch: list[_Item]) -> tuple[list[_Item], list, float]:
         """On the worker thread: drop expired or abandoned items, then one runtime call.

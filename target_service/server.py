@@ -94,9 +94,12 @@ def _rpc(handler):
     return rpc_errors(_CODES)(watched)
 
 
-def _response(result: VerifyResult, batch_size: int = 0, verify_ms: float = 0.0) -> target_pb2.VerifyResponse:
-    return target_pb2.VerifyResponse(accepted_nodes=list(result.accepted_nodes), tokens=list(result.tokens),
-                                     verify_ms=verify_ms, batch_size=batch_size)
+def _response(result: VerifyResult, out: BatchedVerify | None = None) -> target_pb2.VerifyResponse:
+    """out: the batched forward that verified it (None: a replayed pending result, no forward ran)."""
+    response = target_pb2.VerifyResponse(accepted_nodes=list(result.accepted_nodes), tokens=list(result.tokens))
+    if out is not None:
+        response.verify_ms, response.batch_size, response.batch_rows = out.verify_ms, out.batch_size, out.batch_rows
+    return response
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -213,7 +216,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             span.set_attribute("specdec.batch_size", out.batch_size)
             span.set_attribute("specdec.verify_ms", out.verify_ms)
             span.set_attribute("specdec.queue_ms", max(0.0, (time.perf_counter() - started) * 1000 - out.verify_ms))
-        return _response(out.result, out.batch_size, out.verify_ms)
+        return _response(out.result, out)
 
     @_rpc
     async def VerifyBatch(self, request, context):
@@ -238,7 +241,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         for k, (s, _) in enumerate(begun):
             out = results.get(k)
             response.results.append(_response(s.pending) if out is None
-                                    else _response(out.result, out.batch_size, out.verify_ms))
+                                    else _response(out.result, out))
         return response
 
     async def _abort_on_failed_item(self, results: dict, context) -> None:

@@ -221,3 +221,77 @@ def test_the_first_rounds_free_verify_is_not_taken_as_a_cost_figure():
     assert cost.verify.observations == 0 and cost.verify(1) == 300.0
     generate(model, DraftRuntime(model), prompt, CHAIN4, factory, n=3)
     assert cost.verify.observations >= 1  # the rounds after the first one are figures
+
+
+# Verification memory-bound up to 8 rows, then compute-bound at 40 ms a row (alpha 0: scripted).
+BOUND_AT_8 = {1: 285.0, 8: 300.0, 64: 2540.0}
+
+
+class ReportsBatch:
+    """The target runtime, its verify results reporting a forward shared with ``sessions - 1``
+    others' trees of the same size (what the target service's batcher reports under load)."""
+
+    def __init__(self, runtime: TargetRuntime, sessions: int):
+        self.runtime, self.sessions = runtime, sessions
+
+    def __getattr__(self, name):
+        return getattr(self.runtime, name)
+
+    def verify(self, session_id, tree):
+        import dataclasses
+
+        result = self.runtime.verify(session_id, tree)
+        return dataclasses.replace(result, batch_size=self.sessions, batch_rows=self.sessions * (tree.size + 1))
+
+
+def test_load_aware_control_turns_speculation_off_at_8_sessions_per_forward_and_on_at_1():
+    """Goodput (LoadedCost): with verification compute-bound past 8 rows, a perfect draft still
+    drafts every round when each forward holds one session, and stops drafting (reason "cost") once
+    the target reports 8 sessions per forward: 8 trees of even 2 rows cost 620 ms against 300 ms
+    for 8 plain rows, and a 2-row tree brings at most 2 tokens. Output stays the target's own."""
+    model = tiny_model("qwen2", seed=0)
+    prompt = random_prompt(seed=91)
+    n = 40
+    reference = hf_greedy(model, prompt, n + 8)
+    drafting = {}
+    for sessions in (1, 8):
+        shared = SharedState(cost=CostModel(dict(BOUND_AT_8), {1: 45.0}, alpha=0.0))
+        factory = lambda s: CostAwareControl(s, shared, ngram_tokens=0, probe_every=1000)  # noqa: E731
+        target = ReportsBatch(TargetRuntime(model), sessions)
+        engine = SpeculativeEngine(target, OracleDraft(prompt, reference, agree=8), eos_token_ids=[],
+                                   context_limit=CONTEXT, control_factory=factory)
+        records = []
+        result = asyncio.run(engine.controller.generate(GenerationRequest(prompt, max_new_tokens=n, spec=CHAIN4),
+                                                        on_round=records.append))
+        assert result.tokens == reference[:n]
+        # after the first (plain) round at 1 session; at 8 once the load estimate (a moving average) is ~8
+        late = records[1:-1] if sessions == 1 else records[8:-1]  # the last round: budget for the bonus only
+        drafting[sessions] = (sum(1 for r in late if r.drafted), len(late), {r.fallback for r in late})
+        if sessions == 8:
+            assert shared.load > 7.5
+    drafted, rounds, _ = drafting[1]
+    assert drafted == rounds and rounds >= 3, drafting
+    drafted, rounds, reasons = drafting[8]
+    assert drafted == 0 and rounds >= 10 and reasons == {"cost"}, drafting
+
+
+def test_loaded_cost_prices_rows_at_the_batch_and_observes_the_whole_forward():
+    """LoadedCost: verify(r) = V(load * r); a round of a merged forward teaches V at the forward's
+    rows (batch_rows), not at the request's own tree."""
+    from orchestrator.cost_model import LoadedCost
+    from orchestrator.shaping import ShapedTree
+    from specdec.tree import DraftTree
+
+    cost = CostModel(dict(BOUND_AT_8), {1: 45.0}, alpha=1.0, source="measured")
+    loaded = LoadedCost(cost, 8)
+    assert loaded.verify(1) == cost.verify(8) == 300.0
+    assert loaded.verify(2) == cost.verify(16) == 620.0
+    assert LoadedCost(cost, 0.3).verify(2) == cost.verify(2)  # load under 1 counts as 1
+    shared = SharedState(cost=cost)
+    control = CostAwareControl(CHAIN4, shared, ngram_tokens=0)
+    control.observe(ShapedTree.of(DraftTree((), ())), [], 0.001, None, 0.0, None, batch_size=8, batch_rows=8)
+    assert shared.load == 1.0 and cost.verify.observations == 0  # the first round: no forward ran
+    tree = ShapedTree.of(DraftTree((5,), (-1,)))
+    control.observe(tree, [], 1.24, None, 0.0, None, batch_size=8, batch_rows=16)  # V(16) observed at 2x
+    assert cost.verify(16) == pytest.approx(1240.0) and shared.load == pytest.approx(1 + 0.3 * 7)
+    assert shared.planning_cost().verify(2) == pytest.approx(cost.verify(2 * shared.load))

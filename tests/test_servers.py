@@ -108,6 +108,8 @@ def test_batcher_merges_concurrent_verifies_into_one_call_with_solo_results():
     assert recording.calls == [["s0", "s1", "s2"]]
     assert batcher.batched_forwards == 1
     assert [o.batch_size for o in outs] == [3, 3, 3]
+    rows = sum(tree.size + 1 for tree in trees.values())  # what the forward's latency depends on
+    assert [o.batch_rows for o in outs] == [rows] * 3 and rows > 3
     assert [o.result for o in outs] == [expected[sid] for sid in trees]
     assert all(len(o.result.tokens) >= 1 for o in outs)
 
@@ -369,6 +371,7 @@ def test_verify_batch_rpc_results_in_order(target, reference, info):
     reply = target.VerifyBatch(target_pb2.VerifyBatchRequest(items=items), timeout=30)
     assert [list(r.tokens) for r in reply.results] == [greedy_reference(reference, p, 1) for p in prompts.values()]
     assert [r.batch_size for r in reply.results] == [3, 3, 3]
+    assert [r.batch_rows for r in reply.results] == [3, 3, 3]  # empty trees: one row each
     for sid in prompts:
         target.Release(target_pb2.ReleaseRequest(session_id=sid), timeout=10)
 
