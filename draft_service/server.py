@@ -15,6 +15,11 @@ drains, a stream waiting for its next message ends with UNAVAILABLE.
 
 Each stream gets its own runtime session (keyed by a server-side id), so two streams that reuse a
 session_id (a re-opened session while the old stream is still closing) never share a cache.
+
+Concurrent streams' proposes are merged (``specdec.batching``; ``draft.max_batch`` sessions, a
+propose waits ``draft.batch_wait_ms`` for company): their trees grow in shared forwards, one per
+tree depth (``DraftRuntime.propose_batch``), each tree the one its session gets alone; a reply's
+``batch_size`` says how many sessions shared them.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import grpc
 import torch
 
 from draft_service.runtime import DraftRuntime
+from specdec.batching import SessionBatcher
 from specdec.config import ConfigError, DraftServerConfig, ServeConfig, load_config
 from specdec.grpc_host import ServiceHost, abort_for
 from specdec.model_setup import load_draft, target_info
@@ -65,10 +71,19 @@ class _Stream:
     tree_size: int | None = None  # nodes of the last proposed tree (None: no propose since commit)
 
 
+class _ProposeBatcher(SessionBatcher):
+    """Concurrent streams' proposes, merged into ``runtime.propose_batch`` calls; each caller gets
+    (its tree, the sessions that shared the call)."""
+
+    def answer(self, tree, ran, call_ms):
+        return tree, len(ran)
+
+
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     """gRPC DraftService over a ``DraftRuntime`` (or anything with start/propose/commit/release).
 
-    context_limit: the draft's max positions (tokens); config: the ``draft`` section (max_sessions);
+    context_limit: the draft's max positions (tokens); config: the ``draft`` section (max_sessions,
+    prefill_chunk_tokens, max_batch, batch_wait_ms);
     draining: set when the server shuts down (open streams then end with UNAVAILABLE). The runtime is
     only ever called from this servicer's worker thread. Create inside the running event loop;
     ``close()`` at the end.
@@ -81,6 +96,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.config = config
         self.draining = draining or asyncio.Event()
         self.worker = ModelWorker("draft-runtime")
+        # concurrent streams' proposes share draft forwards (runtime.propose_batch: one per tree depth)
+        batch_call = None
+        if hasattr(runtime, "propose_batch"):
+            batch_call = lambda pairs: runtime.propose_batch([(key, *args) for key, args in pairs])  # noqa: E731
+        self.batcher = _ProposeBatcher(self.worker, batch_call, lambda key, args: runtime.propose(key, *args),
+                                       config.max_batch, config.batch_wait_ms, what="propose")
         self.streams: dict[str, _Stream] = {}
         self._keys = itertools.count()
         self._tracer = tracer("draft_service")
@@ -190,11 +211,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         with self._tracer.start_as_current_span("draft.propose") as span:
             span.set_attribute("specdec.session_id", stream.session_id)
             started = time.perf_counter()
-            tree = await self.worker.run(self.runtime.propose, stream.key, spec, min(request.max_depth, room))
+            tree, batch_size = await self.batcher.submit(stream.key, (spec, min(request.max_depth, room)))
             draft_ms = (time.perf_counter() - started) * 1000
             span.set_attribute("specdec.tree_nodes", tree.size)
+            span.set_attribute("specdec.batch_size", batch_size)
         stream.tree_size = tree.size
-        return draft_pb2.DraftTreeReply(round=request.round, tree=tree_to_proto(tree), draft_ms=draft_ms)
+        return draft_pb2.DraftTreeReply(round=request.round, tree=tree_to_proto(tree), draft_ms=draft_ms,
+                                        batch_size=batch_size)
 
     async def _commit(self, stream: _Stream, request) -> None:
         tokens, accepted = list(request.tokens), list(request.accepted_nodes)

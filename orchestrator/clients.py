@@ -167,6 +167,7 @@ class DraftClient:
         span = trace.get_current_span()
         span.set_attribute("tree.bytes", response.tree.tree.ByteSize())
         span.set_attribute("draft.draft_ms", response.tree.draft_ms)
+        span.set_attribute("draft.batch_size", response.tree.batch_size)
         try:
             return tree_from_proto(response.tree.tree, self.vocab_size, self.max_tree_nodes)
         except ValueError as exc:  # a malformed tree from the draft is a draft failure

@@ -64,6 +64,8 @@ class DraftServerConfig(_Section):
     port: int = Field(default=50061, ge=0, le=65535)      # 0 = ephemeral
     max_sessions: int = Field(default=256, ge=1)
     prefill_chunk_tokens: int = Field(default=256, ge=1)  # prompt tokens per prefill job: others' proposes get in between
+    max_batch: int = Field(default=8, ge=1)               # sessions whose tree steps share one draft forward
+    batch_wait_ms: float = Field(default=1.0, ge=0)       # how long a propose waits for company
 
 
 class TargetServerConfig(_Section):

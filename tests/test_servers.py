@@ -836,3 +836,70 @@ def test_a_release_during_prefill_stops_it_between_chunks():
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "session_id" in error.details(), error
     assert chunks.count("long") <= 20, "the released prefill ran on (40 chunks in all)"
     assert (info.sessions, info.cached_tokens) == (0, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Batched drafting: concurrent streams' proposes share draft forwards
+# ----------------------------------------------------------------------------------------------
+
+def test_concurrent_draft_streams_share_forwards_and_get_their_solo_trees():
+    """Six Session streams (prompt lengths 3..40, different TreeSpecs, greedy and seeded sampled)
+    propose at once, three rounds with partial acceptance: each tree equals the one a solo
+    DraftRuntime grows for that session, the replies report shared forwards (batch_size > 1), and
+    the service counts merged forwards."""
+    from specdec.config import DraftServerConfig, GrpcConfig
+    from specdec.grpc_host import ServiceHost
+    from draft_service.server import SERVICE_NAME as DRAFT_SERVICE, DraftServicer
+
+    model = tiny_model("qwen2", seed=4)
+    specs = [DEFAULT_SPEC, TreeSpec.chain(3), TreeSpec(gamma=2, topKSpec=[[3], [2, 1]], topHead=[1, 2], treeType=1),
+             SEED_SPEC, TreeSpec(gamma=3, topKSpec=[[2], [1, 1], [1]], topHead=[1, 2, 1]), TreeSpec.chain(2)]
+    samplings = [GREEDY, GREEDY, SamplingParams(0.8, seed=3), SamplingParams(1.0, top_k=20, seed=4), GREEDY,
+                 SamplingParams(0.7, top_p=0.9, seed=5)]
+    prompts = [random_prompt(seed=300 + i, length=n) for i, n in enumerate((3, 17, 40, 9, 25, 5))]
+    solo = DraftRuntime(model)
+    for i, (prompt, sampling) in enumerate(zip(prompts, samplings)):
+        solo.start(f"d{i}", prompt, sampling)
+
+    async def main():
+        host = ServiceHost("test-draft", GrpcConfig(shutdown_grace_s=1.0))
+        servicer = DraftServicer(DraftRuntime(model), context_limit=256,
+                                 config=DraftServerConfig(max_batch=8, batch_wait_ms=100))
+        draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, host.server)
+        port = await host.start("127.0.0.1", 0, [DRAFT_SERVICE])
+        rounds = []
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = draft_pb2_grpc.DraftServiceStub(channel)
+                streams = [stub.Session() for _ in prompts]
+                for i, call in enumerate(streams):
+                    await call.write(draft_pb2.DraftRequest(start=draft_pb2.DraftStart(
+                        session_id=f"d{i}", prompt_ids=prompts[i], sampling=sampling_to_proto(samplings[i]))))
+                    await call.read()
+
+                async def propose(i, call):
+                    await call.write(draft_pb2.DraftRequest(propose=draft_pb2.TreeRequest(spec=spec_to_proto(specs[i]), max_depth=4)))
+                    return (await call.read()).tree
+
+                for round_ in range(3):
+                    replies = await asyncio.gather(*(propose(i, call) for i, call in enumerate(streams)))
+                    rounds.append(replies)
+                    for i, (call, reply) in enumerate(zip(streams, replies)):
+                        accepted = [0] if (round_ + i) % 2 and reply.tree.tokens else []
+                        tokens = [reply.tree.tokens[n] for n in accepted] + [11 + i]
+                        await call.write(draft_pb2.DraftRequest(commit=draft_pb2.DraftCommit(tokens=tokens, accepted_nodes=accepted)))
+                for call in streams:
+                    await call.done_writing()
+            return rounds, servicer.batcher.batched_forwards
+        finally:
+            await host.server.stop(None)
+            servicer.close()
+
+    rounds, merged = asyncio.run(main())
+    for replies in rounds:
+        for i, reply in enumerate(replies):
+            alone = solo.propose(f"d{i}", specs[i], 4)
+            assert (list(reply.tree.tokens), list(reply.tree.parents)) == (list(alone.tokens), list(alone.parents)), i
+            accepted = [0] if (rounds.index(replies) + i) % 2 and alone.tokens else []
+            solo.commit(f"d{i}", [alone.tokens[n] for n in accepted] + [11 + i], accepted)
+    assert merged > 0 and max(reply.batch_size for replies in rounds for reply in replies) > 1

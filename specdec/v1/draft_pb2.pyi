@@ -62,11 +62,13 @@ class DraftStarted(_message.Message):
     def __init__(self, cached_tokens: _Optional[int] = ..., context_limit: _Optional[int] = ...) -> None: ...
 
 class DraftTreeReply(_message.Message):
-    __slots__ = ("round", "tree", "draft_ms")
+    __slots__ = ("round", "tree", "draft_ms", "batch_size")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     round: int
     tree: _tree_pb2.TokenTree
     draft_ms: float
-    def __init__(self, round: _Optional[int] = ..., tree: _Optional[_Union[_tree_pb2.TokenTree, _Mapping]] = ..., draft_ms: _Optional[float] = ...) -> None: ...
+    batch_size: int
+    def __init__(self, round: _Optional[int] = ..., tree: _Optional[_Union[_tree_pb2.TokenTree, _Mapping]] = ..., draft_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,183 @@
+"""Merging concurrent per-session calls into one runtime call (DESIGN.md "Batching").
+
+A call waits up to ``wait_ms`` for company; the first ``max_batch`` waiting items with distinct
+sessions then go to the runtime as one batch call on the model worker thread, and each caller gets
+its own outcome (or exception) back. While that call runs, new items queue for the next batch.
+Example with wait_ms = 2, max_batch = 8: sessions a, b, c call at t = 0.0, 0.5 and 1.2 ms -> one
+batch call with a, b and c at t = 2.0 ms, batch size 3.
+
+Deadlines: an item whose deadline (time.monotonic()) has passed when its call is about to start,
+or whose caller has gone (cancelled), is left out of the call and never touches its session.
+When the batch call itself fails, each item is retried alone (one failing item cannot take the
+others' work with it). Used by the target's verifies (``target_service.batcher``) and the draft's
+proposals (``draft_service.server``). Plain asyncio, no gRPC: tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from specdec.model_worker import ModelWorker
+from specdec.service_errors import DeadlineExpiredError
+
+log = logging.getLogger(__name__)
+
+# batch_call([(session_id, payload), ...]) -> one outcome (result or Exception) per pair, in order
+BatchCall = Callable[[list[tuple[str, Any]]], Sequence[Any]]
+# solo_call(session_id, payload) -> result (raises on failure)
+SoloCall = Callable[[str, Any], Any]
+
+
+@dataclass
+class BatchItem:
+    session_id: str
+    payload: Any
+    deadline: float | None  # time.monotonic(); None = none
+    future: asyncio.Future
+    arrived: float = field(default_factory=time.monotonic)
+
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now >= self.deadline
+
+
+class SessionBatcher:
+    """Merges concurrent calls of distinct sessions into ``batch_call`` calls (module docstring).
+
+    worker: the runtime's ModelWorker (calls run there, in order with the runtime's other calls);
+    batch_call: None = ``solo_call`` for each item in turn; max_batch: sessions per call (>= 1);
+    wait_ms: how long the first waiting item waits for company (>= 0); on_done(session_id, outcome):
+    called on the event loop exactly once for every queued item, even when its caller has gone,
+    with the outcome (result or exception), or None when the item was dropped unrun (caller
+    cancelled); what: the calls' name in logs ("verify"). Subclasses shape each caller's answer
+    (``answer``). Raises ValueError for max_batch < 1 or wait_ms < 0.
+    """
+
+    def __init__(self, worker: ModelWorker, batch_call: BatchCall | None, solo_call: SoloCall, max_batch: int = 8,
+                 wait_ms: float = 2.0, on_done: Callable[[str, Any], None] | None = None, what: str = "call"):
+        if max_batch < 1 or wait_ms < 0:
+            raise ValueError(f"max_batch / wait_ms: need >= 1 / >= 0, got {max_batch} / {wait_ms}")
+        self.worker = worker
+        self.batch_call = batch_call
+        self.solo_call = solo_call
+        self.max_batch = max_batch
+        self.wait_s = wait_ms / 1000
+        self.on_done = on_done or (lambda session_id, outcome: None)
+        self.what = what
+        self.batched_forwards = 0  # calls that held more than one session
+        self.calls = 0  # runtime calls made (any size)
+        self._queue: list[BatchItem] = []
+        self._full = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def answer(self, outcome, ran: list[BatchItem], call_ms: float):
+        """What a caller whose item ran gets back (default: the outcome itself)."""
+        return outcome
+
+    async def submit(self, session_id: str, payload, deadline: float | None = None):
+        """One item, merged with concurrent ones; raises the item's exception or DeadlineExpiredError."""
+        (future,) = self.enqueue([(session_id, payload)], deadline)
+        return await future
+
+    def enqueue(self, items: Sequence[tuple[str, Any]], deadline: float | None) -> list[asyncio.Future]:
+        loop = asyncio.get_running_loop()
+        futures = []
+        for session_id, payload in items:
+            future = loop.create_future()
+            self._queue.append(BatchItem(session_id, payload, deadline, future))
+            futures.append(future)
+        if len(self._queue) >= self.max_batch:
+            self._full.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._dispatch())
+        return futures
+
+    async def _dispatch(self) -> None:
+        """Form batches while items wait: wait for company (or a full batch), then run one call."""
+        while self._queue:
+            wait = self._queue[0].arrived + self.wait_s - time.monotonic()
+            if wait > 0 and len(self._queue) < self.max_batch:
+                self._full.clear()
+                try:
+                    await asyncio.wait_for(self._full.wait(), wait)
+                except asyncio.TimeoutError:
+                    pass
+            batch = self._take()
+            if batch:
+                await self._run(batch)
+
+    def _take(self) -> list[BatchItem]:
+        """Up to max_batch waiting items, one per session (a session's second call waits)."""
+        batch, rest, seen = [], [], set()
+        for item in self._queue:
+            if item.future.done():  # caller gone
+                self.on_done(item.session_id, None)
+                continue
+            if len(batch) < self.max_batch and item.session_id not in seen:
+                seen.add(item.session_id)
+                batch.append(item)
+            else:
+                rest.append(item)
+        self._queue = rest
+        if len(rest) < self.max_batch:
+            self._full.clear()
+        return batch
+
+    async def _run(self, batch: list[BatchItem]) -> None:
+        try:
+            ran, results, call_ms = await self.worker.run(self._forward, batch)
+        except Exception as exc:  # noqa: BLE001 - delivered to every caller of the batch
+            ran, results, call_ms = batch, [exc] * len(batch), 0.0
+        if len(ran) > 1:
+            self.batched_forwards += 1
+            log.info("%s batch of %d sessions", self.what, len(ran))
+        outcomes = dict(zip(map(id, ran), results))
+        for item in batch:
+            outcome = outcomes.get(id(item), DeadlineExpiredError(f"deadline: expired before the {self.what} forward started"))
+            self.on_done(item.session_id, outcome if id(item) in outcomes else None)
+            if item.future.done():
+                continue
+            if isinstance(outcome, Exception):
+                item.future.set_exception(outcome)
+            else:
+                item.future.set_result(self.answer(outcome, ran, call_ms))
+
+    def _forward(self, batch: list[BatchItem]) -> tuple[list[BatchItem], list, float]:
+        """On the worker thread: drop expired or abandoned items, then one runtime call.
+
+        Returns (items that ran, their outcomes, the call's time in ms).
+        """
+        now = time.monotonic()
+        # future.done() read from this thread: a stale False only means running an abandoned item.
+        live = [item for item in batch if not item.future.done() and not item.expired(now)]
+        if not live:
+            return [], [], 0.0
+        self.calls += 1
+        started = time.perf_counter()
+        results = self._call([(item.session_id, item.payload) for item in live])
+        return live, results, (time.perf_counter() - started) * 1000
+
+    def _call(self, pairs: list[tuple[str, Any]]) -> list:
+        if self.batch_call is None:
+            return [self._solo(session_id, payload) for session_id, payload in pairs]
+        try:
+            results = list(self.batch_call(pairs))
+        except Exception as exc:  # noqa: BLE001 - the shared forward failed: retry each item alone
+            if len(pairs) == 1:
+                return [exc]
+            log.warning("%s batch of %d sessions failed (%s: %s); running them one by one",
+                        self.what, len(pairs), type(exc).__name__, exc)
+            return [self._call([pair])[0] for pair in pairs]
+        if len(results) != len(pairs):
+            error = RuntimeError(f"{self.what} batch returned {len(results)} results for {len(pairs)} items")
+            return [error] * len(pairs)
+        return results
+
+    def _solo(self, session_id: str, payload):
+        try:
+            return self.solo_call(session_id, payload)
+        except Exception as exc:  # noqa: BLE001 - per-item outcome
+            return exc
