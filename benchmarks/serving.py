@@ -30,6 +30,8 @@ Sections (``--sections grpc,concurrency,gamma``):
   (``no_spec`` requests, on the batched target). Throughput = generated tokens / wall time of the
   level; latency = a request's time from send to its final message (p50, p95; with 8 requests
   p95 is close to the slowest). Levels run in turn, the configurations interleaved inside a level.
+  ``--skip-one-at-a-time`` leaves the second configuration out, so only one target service runs
+  (two float32 1.5B targets do not fit beside each other in 24 GiB).
 - ``gamma``: dynamic vs fixed gamma on ``--gamma-categories`` (``--gamma-prompts`` each), embedded
   mode with the front's control policy (``RequestControl`` with ``front.dynamic_gamma.enabled``
   true / false, default fallback policy), interleaved per prompt.
@@ -725,6 +727,9 @@ def parse_args(argv=None):
     p.add_argument("--batch-wait-ms", type=float, default=5.0)
     p.add_argument("--workers", type=int, default=1, help="front.workers (orchestrator actors) of the Ray fronts")
     p.add_argument("--no-ray-grpc", action="store_true", help="grpc section: skip the Ray front mode")
+    p.add_argument("--skip-one-at-a-time", action="store_true",
+                   help="concurrency section: leave out the one-verify-at-a-time configuration (one target "
+                        "service instead of two, for machines where two copies do not fit)")
     p.add_argument("--out", type=Path, default=ROOT / "bench_out" / "serving")
     args = p.parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -764,7 +769,7 @@ def main(argv=None) -> int:
     want_grpc, want_conc, want_gamma = (s in args.sections for s in SECTIONS)
     ray_grpc = want_grpc and not args.no_ray_grpc
     need = 3 * weights_bytes(args.target) + 2 * weights_bytes(args.draft) + (4 << 30)
-    early = want_conc and need < mem_available()
+    early = want_conc and need < mem_available() and not args.skip_one_at_a_time
     log(f"sections {args.sections}; {len(all_prompts)} questions fit; concurrency services start "
         f"{'early' if early else 'after the grpc/gamma phase'}")
 
@@ -775,8 +780,10 @@ def main(argv=None) -> int:
         try:
             fronts: dict[str, str] = {}
             one, draft = None, None
+            want_one = want_grpc or (want_conc and not args.skip_one_at_a_time)
             if want_grpc or want_conc:
                 draft = services.launch("draft", "bench-draft", service_config(args, args.draft_threads))
+            if want_one:
                 one = services.launch("target", "bench-target-one", service_config(args, args.target_threads, {"max_batch": 1}))
             batched = front_batched = front_local = front_ray_one = None
 
@@ -792,7 +799,7 @@ def main(argv=None) -> int:
             if want_grpc:
                 front_local = services.launch("front", "bench-front-local", service_config(args, front={"use_ray": False}),
                                               draft_address=draft.address, target_address=one.address, no_ray=True)
-            if ray_grpc or want_conc:
+            if ray_grpc or (want_conc and want_one):
                 front_ray_one = services.launch("front", "bench-front-ray-one", service_config(args, front={"use_ray": True}),
                                                 draft_address=draft.address, target_address=one.address)
             if early:
@@ -822,16 +829,22 @@ def main(argv=None) -> int:
             if want_conc:
                 if front_local is not None:
                     services.stop(front_local)
+                if one is not None and args.skip_one_at_a_time:  # one target copy at a time
+                    if front_ray_one is not None:
+                        services.stop(front_ray_one)
+                    services.stop(one)
+                    front_ray_one = one = None
                 if not early:
                     launch_batched()
                     services.wait(batched)
                     front_batched = services.launch("front", "bench-front-ray-batched",
                                                     service_config(args, front={"use_ray": True}),
                                                     draft_address=draft.address, target_address=batched.address)
-                services.wait(front_ray_one), services.wait(front_batched)
-                configs = {"batched": (front_batched.address, batched.address, False),
-                           "one_at_a_time": (front_ray_one.address, one.address, False),
-                           "target_only": (front_batched.address, batched.address, True)}
+                services.wait(front_batched)
+                configs = {"batched": (front_batched.address, batched.address, False)}
+                if front_ray_one is not None:
+                    configs["one_at_a_time"] = (services.wait(front_ray_one).address, one.address, False)
+                configs["target_only"] = (front_batched.address, batched.address, True)
                 log(f"concurrency section: levels {args.levels} x {len(conc_prompts)} requests x {len(configs)} configs")
                 result["concurrency"] = section_concurrency(args, conc_prompts, configs)
         finally:
