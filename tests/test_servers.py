@@ -816,6 +816,32 @@ def test_an_aborted_prefill_stops_between_chunks_and_does_not_delay_others():
     assert (info.sessions, info.cached_tokens) == (1, 2)  # only the short session holds KV (L = T - 1)
 
 
+def test_a_verify_completes_while_a_long_prompt_prefills():
+    """Chunked prefill (issue 12): a session's Verify sent while another session's 40-chunk prefill
+    (4 s) runs is answered between two chunks, long before that prefill ends, and equals the same
+    verify without the long prefill (the target's greedy next token)."""
+    chunks: list[str] = []
+
+    async def body(stub):
+        prompt = random_prompt(5, 12)
+        await stub.Prefill(target_pb2.PrefillRequest(session_id="short", prompt_ids=prompt), timeout=10)
+        long = asyncio.ensure_future(
+            stub.Prefill(target_pb2.PrefillRequest(session_id="long", prompt_ids=random_prompt(1, 400)), timeout=30))
+        await asyncio.sleep(0.35)
+        started = time.monotonic()
+        reply = await stub.Verify(target_pb2.VerifyRequest(session_id="short"), timeout=10)
+        verify_s = time.monotonic() - started
+        during = len(chunks)
+        await long
+        return prompt, list(reply.tokens), verify_s, during
+
+    prompt, tokens, verify_s, during = asyncio.run(_with_slow_target(chunks, body))
+    model = tiny_model("qwen2", seed=0)
+    assert tokens == [int(causal_logits(model, prompt)[-1].argmax())]
+    assert verify_s < 2.0, f"the verify waited {verify_s:.2f} s behind the long prefill"
+    assert chunks.count("long") == 40 and during < 30, (during, chunks.count("long"))
+
+
 def test_a_release_during_prefill_stops_it_between_chunks():
     """Release of a session whose 40-chunk prefill is running (the call itself not cancelled): the
     prefill stops at the next chunk with FAILED_PRECONDITION (the code for an unknown session) naming
