@@ -299,7 +299,8 @@ async def grpc_generate(stub, request_id: str, ids: list[int], max_new: int, no_
     return {"tokens": tokens, "new_tokens": len(tokens), "wall_s": wall, "ttft_s": (first or time.perf_counter()) - start,
             "first_tokens": first_tokens,
             "rounds": stats.rounds, "acceptance_rate": stats.acceptance_rate, "fallback_rounds": stats.fallback_rounds,
-            "final_gamma": stats.final_gamma, "stop_reason": stats.stop_reason}
+            "final_gamma": stats.final_gamma, "stop_reason": stats.stop_reason,
+            "proposed_tokens": stats.proposed_tokens, "cost_plain_rounds": stats.cost_plain_rounds}
 
 
 def grpc_one(address: str, request_id: str, ids: list[int], max_new: int, no_spec: bool = False) -> dict:
@@ -558,12 +559,16 @@ def section_concurrency(args, prompts, configs: dict) -> dict:
             lat = [r["wall_s"] for r in reqs]
             tokens = sum(r["new_tokens"] for r in reqs)
             rounds = sum(r["rounds"] for r in reqs)
+            rows_verified = sum(r["proposed_tokens"] for r in reqs) + rounds  # each round verifies its tree + 1 row
             for i, r in enumerate(reqs):
                 outputs[i][(name, level)] = r.pop("tokens")
             row = {"config": name, "clients": level, "requests": len(reqs), "new_tokens": tokens, "wall_s": out["wall_s"],
                    "tokens_per_s": tokens / out["wall_s"], "latency_p50_s": percentile(lat, 50),
                    "latency_p95_s": percentile(lat, 95), "ttft_p50_s": percentile([r["ttft_s"] for r in reqs], 50),
+                   "ttft_p95_s": percentile([r["ttft_s"] for r in reqs], 95),
                    "mean_accepted_length": tokens / rounds if rounds else 0.0, "merged_verify_forwards": merged,
+                   "mean_tree_rows": rows_verified / rounds if rounds else 0.0,
+                   "cost_plain_round_share": sum(r["cost_plain_rounds"] for r in reqs) / rounds if rounds else 0.0,
                    "run_order": order.index(name)}
             rows.append(row)
             log(f"concurrency {name} x{level}: {row['tokens_per_s']:.2f} tok/s, p50 {row['latency_p50_s']:.2f} s, "
@@ -675,17 +680,20 @@ def markdown(result: dict) -> str:
                      f"{meta['max_batch']}, `batch_wait_ms` {meta['batch_wait_ms']}; one_at_a_time: `max_batch` 1; "
                      f"target_only: `no_spec` requests on the batched target. Throughput = generated tokens / wall "
                      f"time of the level; latency per request from send to its final message. merged = target verify "
-                     f"forwards that held more than one request. Once speculative requests overlap, the draft service "
+                     f"forwards that held more than one request; tree rows / round = verified rows (tree nodes + 1) per "
+                     f"round; plain rounds (cost) = rounds the cost-aware control ran without the draft because no "
+                     f"draft step paid (under load: the batch's goodput). Once speculative requests overlap, the draft service "
                      f"({meta['draft_threads']} thread(s)) and the target service ({meta['target_threads']}) compute at "
                      f"the same time on {meta['cpu_count']} CPUs.\n")
         head = ["config", "clients", "tok/s", "vs target only", "p50 latency s", "p95 latency s", "p50 TTFT s",
-                "mean acc len", "merged"]
+                "p95 TTFT s", "mean acc len", "tree rows / round", "plain rounds (cost)", "merged"]
         rows = []
         for r in sorted(c["rows"], key=lambda r: (c["configs"].index(r["config"]), r["clients"])):
             sp = r.get("speedup_vs_target_only")
             rows.append([r["config"], r["clients"], _f(r["tokens_per_s"]), f"{sp:.2f}x" if sp else "-",
-                         _f(r["latency_p50_s"]), _f(r["latency_p95_s"]), _f(r["ttft_p50_s"]),
-                         _f(r["mean_accepted_length"]), r["merged_verify_forwards"]])
+                         _f(r["latency_p50_s"]), _f(r["latency_p95_s"]), _f(r["ttft_p50_s"]), _f(r.get("ttft_p95_s")),
+                         _f(r["mean_accepted_length"]), _f(r.get("mean_tree_rows")),
+                         f"{r.get('cost_plain_round_share', 0):.0%}", r["merged_verify_forwards"]])
         parts.append(md_table(head, rows))
         parts.append(f"Outputs identical across configurations and levels: **{c['identical_outputs']}** "
                      f"({c['identical_prompts']}/{c['prompts']} prompts)\n")
