@@ -60,13 +60,9 @@ class Admission:
     def __init__(self, limits: ClientLimitsConfig):
         self.limits = limits
         self.queue: deque[Ticket] = deque()
+        self.running = 0                            # requests holding a running slot
         self.running_of: Counter[str] = Counter()   # client -> requests holding a slot
         self.waiting_of: Counter[str] = Counter()   # client -> requests in the queue
-
-    @property
-    def running(self) -> int:
-        """Requests holding a running slot."""
-        return sum(self.running_of.values())
 
     @property
     def waiting(self) -> int:
@@ -94,10 +90,10 @@ class Admission:
         if ticket.state == WAITING:
             self._dequeue(ticket)
         elif ticket.state == RUNNING:
-            self._count_down(self.running_of, ticket.client)
             ticket.state = LEFT
+            self.running -= 1
+            self._count_down(self.running_of, ticket.client)
             self._promote()
-        ticket.state = LEFT
 
     def abort(self, request_id: str) -> bool:
         """End a waiting request: it leaves the queue and its ``granted`` resolves False. Returns
@@ -120,11 +116,11 @@ class Admission:
             run_field, running, whose = "max_running_per_client", self.running_of[client], " of this client"
         else:
             run_field, running, whose = "max_running", self.running, ""
-        if limits.max_waiting_per_client is not None and self.waiting_of[client] >= limits.max_waiting_per_client:
+        if self.waiting >= limits.max_waiting:
+            wait_field, waiting, wait_limit, wait_whose = "max_waiting", self.waiting, limits.max_waiting, ""
+        elif limits.max_waiting_per_client is not None and self.waiting_of[client] >= limits.max_waiting_per_client:
             wait_field, waiting, wait_limit, wait_whose = ("max_waiting_per_client", self.waiting_of[client],
                                                            limits.max_waiting_per_client, " of this client")
-        elif self.waiting >= limits.max_waiting:
-            wait_field, waiting, wait_limit, wait_whose = "max_waiting", self.waiting, limits.max_waiting, ""
         else:
             return
         if wait_limit == 0:
@@ -137,6 +133,7 @@ class Admission:
         raise AdmissionRefused(message)
 
     def _start(self, ticket: Ticket) -> None:
+        self.running += 1
         self.running_of[ticket.client] += 1
         ticket.state = RUNNING
         ticket.granted.set_result(True)

@@ -209,7 +209,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         stats = dataclasses.replace(stats, total_s=time.perf_counter() - started)
                     yield StreamEvent([], deltas.final(), stats)
         finally:
-            await stream.aclose()  # closed early: the backend's stream ends (KV freed) before the slot is
+            await stream.aclose()  # ended early: the backend's stream ends first (its KV freed), then the slot
             self.admission.leave(ticket)
             self.running.discard(request_id)
             if self.monitor is not None:
@@ -242,8 +242,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         metadata = dict(context.invocation_metadata() or ())
         client = self.client_of(metadata.get("authorization", ""), peer_host(context.peer()))
         try:
-            async with contextlib.aclosing(self.run(req, request_id, context.time_remaining(), client=client)) as events:
-                async for event in events:  # aclosing: a call that ends early frees the slot at once, not at GC
+            events = self.run(req, request_id, context.time_remaining(), client=client)
+            async with contextlib.aclosing(events):  # a call that ends early frees its slot at once, not at GC
+                async for event in events:
                     if event.stats is None:
                         yield generation_pb2.GenerateResponse(request_id=request_id, token_ids=event.tokens,
                                                               text_delta=event.text_delta)
