@@ -4,7 +4,10 @@
 orchestrator (in Ray actors by default, in-process with ``front.use_ray: false``) and streams
 each round's tokens with their text delta, then the final statistics. ``Abort`` cancels a request
 by id; a client that goes away cancels its request too; either frees the request's KV on both
-services. Bad requests get INVALID_ARGUMENT naming the field; errors of the target service keep
+services. Requests are admitted under ``front.limits`` (orchestrator.admission): past the running
+slots they wait in a FIFO queue, past the queue they get RESOURCE_EXHAUSTED naming the limit; a
+request whose prompt + max_new_tokens exceeds ``max_kv_tokens_per_request`` gets INVALID_ARGUMENT.
+Bad requests get INVALID_ARGUMENT naming the field; errors of the target service keep
 their status code. Per-round records feed the Prometheus metrics and the global acceptance monitor.
 With ``front.http_port`` set, the same front also serves the OpenAI-compatible HTTP API
 (orchestrator.http_api), through the same ``parse`` and ``run``.
@@ -15,16 +18,18 @@ With ``front.http_port`` set, the same front also serves the OpenAI-compatible H
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 import grpc
 from opentelemetry import propagate
 
+from orchestrator.admission import Admission, AdmissionRefused, Ticket, client_key, peer_host
 from orchestrator.backends import LocalBackend, RayBackend, UpstreamError
 from orchestrator.controller import GenerationRequest
 from orchestrator.embedded import encode_prompt
@@ -96,16 +101,26 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     """specdec.v1.GenerationService over a backend (LocalBackend or RayBackend).
 
     ``parse`` and ``run`` are the one path of every request of this front: the gRPC ``Generate``
-    here and the HTTP API (orchestrator.http_api) both call them.
+    here and the HTTP API (orchestrator.http_api) both call them. auth_tokens: the accepted bearer
+    tokens (``front.auth_token_file``; empty = no auth), which name the clients of the admission
+    limits (``client_of``).
     """
 
-    def __init__(self, config: ServeConfig, backend, tokenizer, metrics=None, monitor=None):
+    def __init__(self, config: ServeConfig, backend, tokenizer, metrics=None, monitor=None,
+                 auth_tokens: Sequence[str] = ()):
         self.config = config
         self.backend = backend
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.monitor = monitor
-        self.running: set[str] = set()  # request ids with a stream open
+        self.auth_tokens = tuple(t.encode() for t in auth_tokens)
+        self.admission = Admission(config.front.limits)
+        self.running: set[str] = set()  # request ids with a stream open (waiting for a slot or running)
+
+    def client_of(self, authorization: str, host: str) -> str:
+        """The admission key of a caller (orchestrator.admission.client_key): its bearer token's line
+        when auth is on, else its host. authorization: the header's value ("" when absent)."""
+        return client_key(self.auth_tokens, authorization, host)
 
     def parse(self, msg: generation_pb2.GenerateRequest) -> GenerationRequest:
         """Validate and convert; raises ValueError / SamplingParamsError / TreeSpecError naming the field.
@@ -138,28 +153,50 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             limit = info.max_tree_nodes or spec.num_nodes
             if spec.num_nodes > limit:
                 raise ValueError(f"tree: {spec.num_nodes} nodes exceed the target's limit of {limit} (target.max_tree_nodes)")
-        return GenerationRequest(ids, msg.max_new_tokens or front.max_new_tokens, tuple(msg.stop), spec, sampling,
-                                 ignore_eos=msg.ignore_eos)
+        return GenerationRequest(ids, self._max_new_tokens(msg.max_new_tokens, len(ids)), tuple(msg.stop), spec,
+                                 sampling, ignore_eos=msg.ignore_eos)
+
+    def _max_new_tokens(self, asked: int, prompt_tokens: int) -> int:
+        """The request's max_new_tokens (asked: 0 = front.max_new_tokens) under
+        front.limits.max_kv_tokens_per_request: prompt + max_new_tokens target KV slots at most (a
+        round's tree nodes come on top until its verify). The server default shrinks to fit; an
+        explicit value that does not fit raises ValueError naming max_new_tokens (the prompt, when
+        it alone fills the cap)."""
+        max_new = asked or self.config.front.max_new_tokens
+        cap = self.config.front.limits.max_kv_tokens_per_request
+        if cap is None or prompt_tokens + max_new <= cap:
+            return max_new
+        if prompt_tokens >= cap:
+            raise ValueError(f"prompt: {prompt_tokens} tokens leave no room for new tokens under "
+                             f"front.limits.max_kv_tokens_per_request ({cap} tokens)")
+        if not asked:
+            return cap - prompt_tokens
+        raise ValueError(f"max_new_tokens: {prompt_tokens} prompt tokens + {max_new} new tokens exceed "
+                         f"front.limits.max_kv_tokens_per_request ({cap} tokens)")
 
     async def run(self, req: GenerationRequest, request_id: str, timeout_s: float | None = None,
-                  carrier: dict | None = None) -> AsyncIterator[StreamEvent]:
+                  carrier: dict | None = None, client: str = "local") -> AsyncIterator[StreamEvent]:
         """Run a parsed request on the backend: a StreamEvent per round with tokens, then the final one.
 
         timeout_s: the client's time left (None = no deadline); carrier: W3C trace context of the
-        caller (None = the current context). Rounds feed the metrics and the acceptance monitor.
-        Raises RequestIdInUse, ValueError naming the field, or UpstreamError (a downstream service's
-        status). Closing the iterator early (client gone) cancels the request and frees its KV.
+        caller (None = the current context); client: its admission key (``client_of``). The request
+        first waits for a running slot (``front.limits``); aborted meanwhile, it ends at once with
+        stop reason "aborted". Rounds feed the metrics and the acceptance monitor.
+        Raises RequestIdInUse, AdmissionRefused (over front.limits), ValueError naming the field, or
+        UpstreamError (a downstream service's status). Closing the iterator early (client gone)
+        cancels the request and frees its KV and its slot or queue place.
         """
         if request_id in self.running:
             raise RequestIdInUse(f"request_id: {request_id!r} is already running")
-        self.running.add(request_id)
         if carrier is None:
             carrier = {}
             propagate.inject(carrier)
         deltas = TextDeltas(self.tokenizer)
         started = time.perf_counter()
-        stream = self.backend.stream(req, request_id, timeout_s, carrier)
-        if self.metrics is not None:  # request latency, TTFT, inter-token latency, running / waiting
+        ticket = self.admission.enter(client, request_id)  # raises AdmissionRefused
+        self.running.add(request_id)
+        stream = self._admitted(ticket, req, request_id, timeout_s, carrier)
+        if self.metrics is not None:  # request latency, TTFT, inter-token latency, running / waiting (queued too)
             stream = self.metrics.track_stream(stream)
         try:
             async for tokens, record, stats in stream:
@@ -172,9 +209,29 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         stats = dataclasses.replace(stats, total_s=time.perf_counter() - started)
                     yield StreamEvent([], deltas.final(), stats)
         finally:
+            await stream.aclose()  # ended early: the backend's stream ends first (its KV freed), then the slot
+            self.admission.leave(ticket)
             self.running.discard(request_id)
             if self.monitor is not None:
                 self.monitor.release(request_id)
+
+    async def _admitted(self, ticket: Ticket, req: GenerationRequest, request_id: str, timeout_s: float | None,
+                        carrier: dict):
+        """The backend's stream of (tokens, record, stats) once the request holds a running slot;
+        aborted while waiting, one final chunk with stop reason "aborted". The deadline left to the
+        backend is what the wait did not use."""
+        queued_at = time.monotonic()
+        if not await ticket.granted:
+            yield [], None, GenerationStats(stop_reason="aborted")
+            return
+        if timeout_s is not None:
+            timeout_s = max(timeout_s - (time.monotonic() - queued_at), 0.0)
+        stream = self.backend.stream(req, request_id, timeout_s, carrier)
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            await stream.aclose()
 
     async def Generate(self, request, context):
         try:
@@ -182,16 +239,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         except (ValueError, SamplingParamsError, TreeSpecError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = request.request_id or f"gen-{uuid.uuid4().hex[:12]}"
+        metadata = dict(context.invocation_metadata() or ())
+        client = self.client_of(metadata.get("authorization", ""), peer_host(context.peer()))
         try:
-            async for event in self.run(req, request_id, context.time_remaining()):
-                if event.stats is None:
-                    yield generation_pb2.GenerateResponse(request_id=request_id, token_ids=event.tokens,
-                                                          text_delta=event.text_delta)
-                else:
-                    yield generation_pb2.GenerateResponse(request_id=request_id, text_delta=event.text_delta,
-                                                          stats=stats_to_proto(event.stats, len(req.prompt_ids)))
+            events = self.run(req, request_id, context.time_remaining(), client=client)
+            async with contextlib.aclosing(events):  # a call that ends early frees its slot at once, not at GC
+                async for event in events:
+                    if event.stats is None:
+                        yield generation_pb2.GenerateResponse(request_id=request_id, token_ids=event.tokens,
+                                                              text_delta=event.text_delta)
+                    else:
+                        yield generation_pb2.GenerateResponse(request_id=request_id, text_delta=event.text_delta,
+                                                              stats=stats_to_proto(event.stats, len(req.prompt_ids)))
         except RequestIdInUse as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except AdmissionRefused as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except UpstreamError as exc:
@@ -210,7 +273,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Abort(self, request, context):
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: required")
-        return generation_pb2.AbortResponse(aborted=await self.backend.abort(request.request_id))
+        aborted = self.admission.abort(request.request_id) or await self.backend.abort(request.request_id)
+        return generation_pb2.AbortResponse(aborted=aborted)
 
 
 async def serve_front(config: ServeConfig) -> int:
@@ -228,7 +292,7 @@ async def serve_front(config: ServeConfig) -> int:
         start_metrics_server(config.front.metrics_port, metrics)
     tokens = load_auth_tokens(config.front.auth_token_file)
     host = ServiceHost("generation-front", config.grpc, interceptors=[BearerAuth(tokens)] if tokens else [])
-    servicer = GenerationServicer(config, backend, tokenizer, metrics, monitor)
+    servicer = GenerationServicer(config, backend, tokenizer, metrics, monitor, tokens)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, host.server)
     try:
         host.stop_on_signals()

@@ -27,7 +27,9 @@ carries the request's speculation statistics in ``specdec`` (the fields of gRPC 
 Streams are server-sent events in OpenAI's chunk format ending with ``data: [DONE]``; the headers
 are sent with the first committed tokens, so an error before them gets its status: 400 bad
 parameter, 401 missing or wrong bearer token (``front.auth_token_file``; /health and /metrics stay
-open), 404 unknown model, 429 over the target's limits (RESOURCE_EXHAUSTED), 503 draining or a
+open), 404 unknown model, 429 over the front's admission limits (``front.limits``: running and
+waiting requests, per client - the bearer token, else the client host - and overall) or the
+target's (RESOURCE_EXHAUSTED), 503 draining or a
 service down, 504 deadline; later an ``{"error": ...}`` event ends the stream. Errors use OpenAI's
 object ``{"error": {"message", "type", "param", "code"}}`` (unknown paths and internal errors too).
 A client that disconnects cancels its request, which frees its KV on the draft and the target.
@@ -54,6 +56,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from orchestrator.admission import AdmissionRefused
 from orchestrator.backends import UpstreamError
 from orchestrator.embedded import encode_chat
 from orchestrator.front import GenerationServicer, RequestIdInUse, StreamEvent
@@ -238,6 +241,8 @@ def run_error(exc: BaseException, prompt_param: str) -> ApiError:
         return ApiError(status, exc.details or exc.code_name, type=kind, code=exc.code_name.lower())
     if isinstance(exc, RequestIdInUse):
         return ApiError(409, str(exc), code="request_id_in_use")
+    if isinstance(exc, AdmissionRefused):  # over front.limits: OpenAI's rate-limit error
+        return ApiError(429, str(exc), type="rate_limit_error", code="rate_limit_exceeded")
     if isinstance(exc, ValueError):
         return field_error(exc, prompt_param)
     log.exception("HTTP request failed", exc_info=exc)
@@ -569,7 +574,9 @@ class HttpApi:
         except (ValueError, SamplingParamsError, TreeSpecError) as exc:
             raise field_error(exc, prompt_param) from None
         out = Output(chat, self.model_name, body, tuple(msg.stop), len(req.prompt_ids))
-        run = Run(self.servicer.run(req, out.id, None, _trace_carrier(request)), request, self.active, out.id)
+        client = self.servicer.client_of(request.headers.get("authorization", ""),
+                                         request.client.host if request.client else "unknown")
+        run = Run(self.servicer.run(req, out.id, None, _trace_carrier(request), client), request, self.active, out.id)
         try:
             first = await anext(run)
         except BaseException as exc:

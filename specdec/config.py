@@ -120,6 +120,17 @@ class MonitorConfig(_Section):
     alert_windows: int = Field(default=3, ge=1)           # consecutive low windows before an alert
 
 
+class ClientLimitsConfig(_Section):
+    """Admission limits of the front (orchestrator.admission), per client and overall. A client is its
+    bearer token when ``front.auth_token_file`` is set, else its address (the peer's host)."""
+
+    max_running: int = Field(default=256, ge=1)            # requests holding a running slot (prefill or decoding)
+    max_waiting: int = Field(default=1024, ge=0)           # requests queued (FIFO) for a slot; 0 = refuse when full
+    max_running_per_client: int | None = Field(default=None, ge=1)   # None = only max_running
+    max_waiting_per_client: int | None = Field(default=None, ge=0)   # None = only max_waiting
+    max_kv_tokens_per_request: int | None = Field(default=None, ge=2)  # prompt + max_new_tokens (None = no cap)
+
+
 class FrontConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=50060, ge=0, le=65535)
@@ -144,6 +155,7 @@ class FrontConfig(_Section):
     http_port: int | None = Field(default=None, ge=0, le=65535)
     auth_token_file: str | None = None                    # GenerationService and HTTP /v1/*: bearer tokens, one a line (None = no auth)
     served_model_name: str | None = None                  # HTTP "model" id (None = the tokenizer directory's name)
+    limits: ClientLimitsConfig = ClientLimitsConfig()     # concurrent / queued requests and KV per request (RESOURCE_EXHAUSTED past them)
 
     @model_validator(mode="after")
     def _distinct_ports(self):

@@ -72,14 +72,21 @@ def load_auth_tokens(path: str | None, field: str = "front.auth_token_file") -> 
     return tokens
 
 
-def token_accepted(accepted: Sequence[bytes], header: str) -> bool:
-    """Whether an ``authorization`` value is ``Bearer <one of accepted>`` (constant time per token)."""
+def token_index(accepted: Sequence[bytes], header: str) -> int | None:
+    """The index in ``accepted`` of the token of an ``authorization`` value ``Bearer <token>`` (the
+    first, if listed twice); None when it names none of them (constant time per token)."""
     scheme, _, token = header.partition(" ")
     given = token.strip().encode()
-    ok = False
-    for candidate in accepted:  # every token compared, so the time does not tell which one matched
-        ok |= hmac.compare_digest(candidate, given)
-    return ok and scheme.lower() == "bearer"
+    found = None
+    for index, candidate in enumerate(accepted):  # every token compared, so the time does not tell which one matched
+        if hmac.compare_digest(candidate, given) and found is None:
+            found = index
+    return found if scheme.lower() == "bearer" else None
+
+
+def token_accepted(accepted: Sequence[bytes], header: str) -> bool:
+    """Whether an ``authorization`` value is ``Bearer <one of accepted>`` (constant time per token)."""
+    return token_index(accepted, header) is not None
 
 
 def _read(path: str | None) -> bytes | None:

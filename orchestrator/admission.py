@@ -1,0 +1,180 @@
+"""Admission control of the front: running and queued requests per client and overall (``front.limits``).
+
+A request holds a running slot from its admission until its stream ends, whichever way it ends
+(finished, failed, aborted, deadline, client gone). When no slot is free for it - ``max_running``
+requests hold one overall, or ``max_running_per_client`` of its client do - it waits in one FIFO
+queue, bounded by ``max_waiting`` overall and ``max_waiting_per_client`` per client; past those it is
+refused at once with ``AdmissionRefused`` naming the limit (gRPC RESOURCE_EXHAUSTED, HTTP 429). A
+freed slot goes to the first waiter that may run: one held back only by its own client's cap does
+not hold up the others behind it. A waiter that is aborted (``abort``) or cancelled leaves the queue.
+
+Clients (``client_key``): the bearer token when ``front.auth_token_file`` is set, named by its line
+among the file's tokens (``token 2``; never the token itself: keys appear in logs), else the
+caller's host (``peer 10.0.0.7``; gRPC ``context.peer()`` without its port, HTTP the client host).
+
+Everything runs on the front's event loop (the gRPC servicer and the HTTP API share it): no locks.
+
+    admission = Admission(config.front.limits)
+    ticket = admission.enter("token 2", "req-1")  # raises AdmissionRefused past the limits
+    try:
+        if await ticket.granted:                    # True: holds a slot; False: aborted while waiting
+            ...                                     # generate
+    finally:
+        admission.leave(ticket)                     # on every exit path
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from specdec.config import ClientLimitsConfig
+from specdec.security import token_index
+
+log = logging.getLogger(__name__)
+
+WAITING, RUNNING, LEFT = "waiting", "running", "left"
+
+
+class AdmissionRefused(Exception):
+    """Over a limit of ``front.limits``; the message names the field (RESOURCE_EXHAUSTED / HTTP 429)."""
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request's place: ``granted`` resolves True once it holds a running slot, False when it is
+    aborted while waiting. state: waiting, running or left."""
+
+    client: str
+    request_id: str
+    granted: asyncio.Future
+    state: str = field(default=WAITING)
+
+
+class Admission:
+    """Running slots and the FIFO queue of one front, under ``limits`` (see the module docstring)."""
+
+    def __init__(self, limits: ClientLimitsConfig):
+        self.limits = limits
+        self.queue: deque[Ticket] = deque()
+        self.running = 0                            # requests holding a running slot
+        self.running_of: Counter[str] = Counter()   # client -> requests holding a slot
+        self.waiting_of: Counter[str] = Counter()   # client -> requests in the queue
+
+    @property
+    def waiting(self) -> int:
+        """Requests in the queue."""
+        return len(self.queue)
+
+    def enter(self, client: str, request_id: str) -> Ticket:
+        """Admit a request now or queue it; must be called on the event loop.
+
+        Returns its Ticket (await ``ticket.granted``; call ``leave`` on every exit path). Raises
+        AdmissionRefused naming the limit when it may neither run nor wait.
+        """
+        ticket = Ticket(client, request_id, asyncio.get_running_loop().create_future())
+        if self._may_run(client):
+            self._start(ticket)
+            return ticket
+        self._check_queue(client)
+        self.queue.append(ticket)
+        self.waiting_of[client] += 1
+        return ticket
+
+    def leave(self, ticket: Ticket) -> None:
+        """The request is over: frees its slot (the first waiter that may run gets it) or its queue
+        place. Idempotent."""
+        if ticket.state == WAITING:
+            self._dequeue(ticket)
+        elif ticket.state == RUNNING:
+            ticket.state = LEFT
+            self.running -= 1
+            self._count_down(self.running_of, ticket.client)
+            self._promote()
+
+    def abort(self, request_id: str) -> bool:
+        """End a waiting request: it leaves the queue and its ``granted`` resolves False. Returns
+        whether a waiting request had this id (a running one is aborted by the backend)."""
+        for ticket in self.queue:
+            if ticket.request_id == request_id and not ticket.granted.done():
+                self._dequeue(ticket)
+                ticket.granted.set_result(False)
+                return True
+        return False
+
+    def _may_run(self, client: str) -> bool:
+        per_client = self.limits.max_running_per_client
+        return self.running < self.limits.max_running and (per_client is None or self.running_of[client] < per_client)
+
+    def _check_queue(self, client: str) -> None:
+        """Raise AdmissionRefused when a request of ``client`` that cannot run may not wait either."""
+        limits = self.limits
+        if limits.max_running_per_client is not None and self.running_of[client] >= limits.max_running_per_client:
+            run_field, running, whose = "max_running_per_client", self.running_of[client], " of this client"
+        else:
+            run_field, running, whose = "max_running", self.running, ""
+        if self.waiting >= limits.max_waiting:
+            wait_field, waiting, wait_limit, wait_whose = "max_waiting", self.waiting, limits.max_waiting, ""
+        elif limits.max_waiting_per_client is not None and self.waiting_of[client] >= limits.max_waiting_per_client:
+            wait_field, waiting, wait_limit, wait_whose = ("max_waiting_per_client", self.waiting_of[client],
+                                                           limits.max_waiting_per_client, " of this client")
+        else:
+            return
+        if wait_limit == 0:
+            message = (f"front.limits.{run_field}: {running} requests{whose} are running "
+                       f"(and front.limits.{wait_field} is 0: none may wait)")
+        else:
+            message = (f"front.limits.{wait_field}: {waiting} requests{wait_whose} are waiting for a slot "
+                       f"(front.limits.{run_field}: {running}{whose} running)")
+        log.info("refused a request of client %s: %s", client, message)
+        raise AdmissionRefused(message)
+
+    def _start(self, ticket: Ticket) -> None:
+        self.running += 1
+        self.running_of[ticket.client] += 1
+        ticket.state = RUNNING
+        ticket.granted.set_result(True)
+
+    def _dequeue(self, ticket: Ticket) -> None:
+        self.queue.remove(ticket)
+        self._count_down(self.waiting_of, ticket.client)
+        ticket.state = LEFT
+
+    def _promote(self) -> None:
+        """Give free slots to the waiters that may run, first come first served. A waiter whose task
+        was cancelled (its future too) is skipped: it leaves the queue itself."""
+        for ticket in list(self.queue):
+            if self.running >= self.limits.max_running:
+                return
+            if not ticket.granted.done() and self._may_run(ticket.client):
+                self.queue.remove(ticket)
+                self._count_down(self.waiting_of, ticket.client)
+                self._start(ticket)
+
+    @staticmethod
+    def _count_down(counts: Counter, client: str) -> None:
+        counts[client] -= 1
+        if counts[client] <= 0:
+            del counts[client]  # no entry per client ever seen
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC ``context.peer()`` ("ipv4:10.0.0.7:51234" -> "10.0.0.7", "ipv6:[::1]:5" -> "::1");
+    any other form (unix sockets) is returned whole."""
+    kind, _, address = peer.partition(":")
+    if kind in ("ipv4", "ipv6") and ":" in address:
+        return address.rsplit(":", 1)[0].strip("[]")
+    return peer
+
+
+def client_key(tokens: Sequence[bytes], authorization: str, host: str) -> str:
+    """A caller's admission key: ``token N`` (N: the line, 1-based, of its bearer token among
+    ``tokens``) when tokens are configured, else ``peer HOST``. authorization: the header's value."""
+    if tokens:
+        index = token_index(tokens, authorization)
+        if index is not None:
+            return f"token {index + 1}"
+    return f"peer {host}"
