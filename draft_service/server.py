@@ -18,8 +18,9 @@ session_id (a re-opened session while the old stream is still closing) never sha
 
 Concurrent streams' proposes are merged (``specdec.batching``; ``draft.max_batch`` sessions, a
 propose waits ``draft.batch_wait_ms`` for company): their trees grow in shared forwards, one per
-tree depth (``DraftRuntime.propose_batch``), each tree the one its session gets alone; a reply's
-``batch_size`` says how many sessions shared them.
+tree depth (``DraftRuntime.propose_batch``), each tree the one its session gets alone up to float32
+round-off of the shared forward (a near-tie may break the other way; the target's verification keeps
+the output exact either way); a reply's ``batch_size`` says how many sessions shared them.
 """
 
 from __future__ import annotations

@@ -232,13 +232,13 @@ class CostAwareControl:
                 overhead_s: float, drafted_tree: DraftTree | None, batch_size: int = 1, batch_rows: int = 0) -> None:
         """Learn from a verified round: calibrations, per-depth estimates, the shared cost model and
         load. batch_size, batch_rows: sessions and rows of the target forward that verified the tree
-        (VerifyResult; 0 rows = not reported, the tree's own)."""
+        (VerifyResult; 0 rows = not reported, the tree's own; batch_size 0 = no forward ran)."""
         self.rounds += 1
         if self.timing_free:
             return
         # the first round's empty verify reuses the prefill's logits: no forward ran, its ~1 ms says
         # nothing about V(1) (taken as a figure, it made drafting look 1000x dearer than verifying)
-        no_forward = self.rounds == 1 and not shaped.tree.size
+        no_forward = (self.rounds == 1 and not shaped.tree.size) or batch_size == 0  # 0: a replayed result
         observe_verified(shaped, accepted_nodes, self.calib, self.ctx_calib)
         observe_verified(shaped, accepted_nodes, self.shared.calib, self.shared.ctx_calib)
         depths = node_depths(shaped.tree.parents)

@@ -209,11 +209,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         stats = dataclasses.replace(stats, total_s=time.perf_counter() - started)
                     yield StreamEvent([], deltas.final(), stats)
         finally:
-            await stream.aclose()  # ended early: the backend's stream ends first (its KV freed), then the slot
-            self.admission.leave(ticket)
-            self.running.discard(request_id)
-            if self.monitor is not None:
-                self.monitor.release(request_id)
+            try:
+                await stream.aclose()  # ended early: the backend's stream ends first (its KV freed), then the slot
+            finally:  # a second cancel or an error while closing must not keep the slot or the id
+                self.admission.leave(ticket)
+                self.running.discard(request_id)
+                if self.monitor is not None:
+                    self.monitor.release(request_id)
 
     async def _admitted(self, ticket: Ticket, req: GenerationRequest, request_id: str, timeout_s: float | None,
                         carrier: dict):

@@ -53,7 +53,9 @@ class SessionBatcher:
     called on the event loop exactly once for every queued item, even when its caller has gone,
     with the outcome (result or exception), or None when the item was dropped unrun (caller
     cancelled); what: the calls' name in logs ("verify"). Subclasses shape each caller's answer
-    (``answer``). Raises ValueError for max_batch < 1 or wait_ms < 0.
+    (``answer(outcome, company, ms)``: company = the items that shared its call, itself alone when
+    the items ran one by one - no batch call, or the shared one failed - with its own time).
+    Raises ValueError for max_batch < 1 or wait_ms < 0.
     """
 
     def __init__(self, worker: ModelWorker, batch_call: BatchCall | None, solo_call: SoloCall, max_batch: int = 8,
@@ -128,53 +130,70 @@ class SessionBatcher:
 
     async def _run(self, batch: list[BatchItem]) -> None:
         try:
-            ran, results, call_ms = await self.worker.run(self._forward, batch)
+            ran, results, call_ms, alone_ms = await self.worker.run(self._forward, batch)
         except Exception as exc:  # noqa: BLE001 - delivered to every caller of the batch
-            ran, results, call_ms = batch, [exc] * len(batch), 0.0
-        if len(ran) > 1:
+            ran, results, call_ms, alone_ms = batch, [exc] * len(batch), 0.0, None
+        if len(ran) > 1 and alone_ms is None:
             self.batched_forwards += 1
             log.info("%s batch of %d sessions", self.what, len(ran))
-        outcomes = dict(zip(map(id, ran), results))
+        outcomes = {id(item): k for k, item in enumerate(ran)}
         for item in batch:
-            outcome = outcomes.get(id(item), DeadlineExpiredError(f"deadline: expired before the {self.what} forward started"))
-            self.on_done(item.session_id, outcome if id(item) in outcomes else None)
+            k = outcomes.get(id(item))
+            outcome = results[k] if k is not None else DeadlineExpiredError(
+                f"deadline: expired before the {self.what} forward started")
+            self.on_done(item.session_id, outcome if k is not None else None)
             if item.future.done():
                 continue
             if isinstance(outcome, Exception):
                 item.future.set_exception(outcome)
-            else:
+            elif alone_ms is None:
                 item.future.set_result(self.answer(outcome, ran, call_ms))
+            else:  # it ran by itself (no batch call, or the shared one failed): its own figures
+                item.future.set_result(self.answer(outcome, [item], alone_ms[k]))
 
-    def _forward(self, batch: list[BatchItem]) -> tuple[list[BatchItem], list, float]:
+    def _forward(self, batch: list[BatchItem]) -> tuple[list[BatchItem], list, float, list[float] | None]:
         """On the worker thread: drop expired or abandoned items, then one runtime call.
 
-        Returns (items that ran, their outcomes, the call's time in ms).
+        Returns (items that ran, their outcomes, the call's time in ms, each item's own time in ms
+        when they ran one by one instead of in one shared call, else None).
         """
         now = time.monotonic()
         # future.done() read from this thread: a stale False only means running an abandoned item.
         live = [item for item in batch if not item.future.done() and not item.expired(now)]
         if not live:
-            return [], [], 0.0
+            return [], [], 0.0, None
         self.calls += 1
         started = time.perf_counter()
-        results = self._call([(item.session_id, item.payload) for item in live])
-        return live, results, (time.perf_counter() - started) * 1000
+        results, alone_ms = self._call([(item.session_id, item.payload) for item in live])
+        return live, results, (time.perf_counter() - started) * 1000, alone_ms
 
-    def _call(self, pairs: list[tuple[str, Any]]) -> list:
-        if self.batch_call is None:
-            return [self._solo(session_id, payload) for session_id, payload in pairs]
-        try:
-            results = list(self.batch_call(pairs))
-        except Exception as exc:  # noqa: BLE001 - the shared forward failed: retry each item alone
-            if len(pairs) == 1:
-                return [exc]
-            log.warning("%s batch of %d sessions failed (%s: %s); running them one by one",
-                        self.what, len(pairs), type(exc).__name__, exc)
-            return [self._call([pair])[0] for pair in pairs]
-        if len(results) != len(pairs):
-            error = RuntimeError(f"{self.what} batch returned {len(results)} results for {len(pairs)} items")
-            return [error] * len(pairs)
-        return results
+    def _call(self, pairs: list[tuple[str, Any]]) -> tuple[list, list[float] | None]:
+        """(outcomes, None) after one shared call; (outcomes, each item's ms) when they ran alone."""
+        if self.batch_call is not None:
+            try:
+                results = list(self.batch_call(pairs))
+            except Exception as exc:  # noqa: BLE001 - the shared forward failed: retry each item alone
+                if len(pairs) == 1:
+                    return [exc], None
+                log.warning("%s batch of %d sessions failed (%s: %s); running them one by one",
+                            self.what, len(pairs), type(exc).__name__, exc)
+                return self._each(lambda sid, payload: self._call([(sid, payload)])[0][0], pairs)
+            if len(results) != len(pairs):
+                error = RuntimeError(f"{self.what} batch returned {len(results)} results for {len(pairs)} items")
+                return [error] * len(pairs), None
+            return results, None
+        if len(pairs) == 1:
+            return [self._solo(*pairs[0])], None
+        return self._each(self._solo, pairs)
+
+    @staticmethod
+    def _each(run, pairs) -> tuple[list, list[float]]:
+        outcomes, times = [], []
+        for session_id, payload in pairs:
+            started = time.perf_counter()
+            outcomes.append(run(session_id, payload))
+            times.append((time.perf_counter() - started) * 1000)
+        return outcomes, times
 
     def _solo(self, session_id: str, payload):
         try:

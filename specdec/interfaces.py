@@ -36,7 +36,8 @@ class VerifyResult:
     tokens: the accepted path's tokens followed by the bonus token (len = len(accepted_nodes) + 1);
     batch_size, batch_rows: the sessions and the rows (each tree's nodes + 1) of the target forward
     that verified it, as the target service reports them (0 rows = not reported: in-process, the
-    forward held this tree alone). Not part of equality: the outcome is the path and the tokens.
+    forward held this tree alone; batch_size 0 = no forward ran, a replayed pending result). Not
+    part of equality: the outcome is the path and the tokens.
     """
 
     accepted_nodes: tuple[int, ...]

@@ -194,9 +194,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     raise UnknownSessionError(f"session_id: {request.session_id!r} was released during its prefill")
                 await self.worker.run(self.runtime.extend, request.session_id, prompt[at : at + chunk])
         except BaseException:
-            # The worker thread may still finish runtime.start after a cancel: release after it (jobs run in order).
-            self.sessions.discard(request.session_id, new)
-            self.worker.submit(self.runtime.release, request.session_id)
+            # The worker thread may still finish runtime.start after a cancel: release after it (jobs run in
+            # order). Not when a Release came meanwhile: it queued the runtime's release itself, and the id
+            # may already belong to a reopened session whose runtime state must stay.
+            if self.sessions.sessions.get(request.session_id) is new:
+                self.sessions.discard(request.session_id, new)
+                self.worker.submit(self.runtime.release, request.session_id)
             raise
         new.set_busy(False)
         return target_pb2.PrefillResponse(cached_tokens=len(prompt) - 1)

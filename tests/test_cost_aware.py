@@ -296,3 +296,6 @@ def test_loaded_cost_prices_rows_at_the_batch_and_observes_the_whole_forward():
     control.observe(tree, [], 2.2, None, 0.0, None, batch_size=8, batch_rows=16)  # V(16) observed at 2x
     assert cost.verify(16) == pytest.approx(2200.0) and shared.load == pytest.approx(1 + 0.3 * 7)
     assert shared.planning_cost().verify(2) == pytest.approx(cost.verify(2 * shared.load))
+    load = shared.load
+    control.observe(tree, [], 0.001, None, 0.0, None, batch_size=0, batch_rows=0)  # a replayed result: no forward
+    assert cost.verify(16) == pytest.approx(2200.0) and shared.load == load

@@ -146,6 +146,35 @@ def test_batcher_per_item_errors_deadlines_and_batch_limit():
     assert retry.result == expected["s1"]
 
 
+def test_batcher_reports_each_item_alone_when_the_runtime_cannot_batch():
+    """A runtime without verify_batch (e.g. tensor-parallel) runs queued verifies one by one: each
+    caller gets batch size 1 and its own rows and time, not the queue's (the load-aware control
+    would otherwise price V at rows that never shared a forward), and no merged forward is counted."""
+    target, runtime, prompts, trees = _batcher_setup(3)
+    expected = _solo_results(target, prompts, trees)
+
+    class OneAtATime:  # only verify: the batcher's solo path
+        vocab_size = runtime.vocab_size
+
+        def verify(self, session_id, tree):
+            return runtime.verify(session_id, tree)
+
+    async def main():
+        worker = ModelWorker("test")
+        batcher = VerifyBatcher(OneAtATime(), worker, max_batch=8, wait_ms=200)
+        try:
+            outs = await asyncio.gather(*(batcher.verify(sid, tree) for sid, tree in trees.items()))
+        finally:
+            worker.close()
+        return batcher, outs
+
+    batcher, outs = asyncio.run(main())
+    assert [o.result for o in outs] == [expected[sid] for sid in trees]
+    assert [(o.batch_size, o.batch_rows) for o in outs] == [(1, tree.size + 1) for tree in trees.values()]
+    assert batcher.calls == 1 and batcher.batched_forwards == 0
+    assert all(o.verify_ms > 0 for o in outs) and len({o.verify_ms for o in outs}) == 3  # each its own time
+
+
 def test_batcher_keeps_a_sessions_second_verify_for_the_next_call():
     _, runtime, _, trees = _batcher_setup(2)
     recording = RecordingRuntime(runtime)
@@ -922,10 +951,10 @@ def test_concurrent_draft_streams_share_forwards_and_get_their_solo_trees():
             servicer.close()
 
     rounds, merged = asyncio.run(main())
-    for replies in rounds:
+    for round_, replies in enumerate(rounds):
         for i, reply in enumerate(replies):
             alone = solo.propose(f"d{i}", specs[i], 4)
             assert (list(reply.tree.tokens), list(reply.tree.parents)) == (list(alone.tokens), list(alone.parents)), i
-            accepted = [0] if (rounds.index(replies) + i) % 2 and alone.tokens else []
+            accepted = [0] if (round_ + i) % 2 and alone.tokens else []
             solo.commit(f"d{i}", [alone.tokens[n] for n in accepted] + [11 + i], accepted)
     assert merged > 0 and max(reply.batch_size for replies in rounds for reply in replies) > 1
