@@ -62,6 +62,7 @@ class Orchestrator:
         self.on_round = on_round
         self.controller: RoundController | None = None
         self.tasks: dict[str, asyncio.Task] = {}
+        self.stopping: set[str] = set()  # requests being aborted or cancelled (``_stop``)
         self.info = None
 
     async def connect(self, timeout: float = 60.0) -> None:
@@ -108,7 +109,7 @@ class Orchestrator:
         partial = GenerationStats()  # what the rounds streamed so far reported (for an aborted request)
         started = time.perf_counter()
 
-        task = asyncio.create_task(self._run(request, request_id, timeout_s, carrier, queue.put_nowait))
+        task = asyncio.create_task(self._run(request, request_id, timeout_s, carrier, self._round_sink(request_id, queue)))
         self.tasks[request_id] = task
         getter = None
         try:
@@ -136,9 +137,28 @@ class Orchestrator:
             if getter is not None and not getter.done():
                 getter.cancel()
             if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+                await self._stop(request_id, task)
             self.tasks.pop(request_id, None)
+
+    def _round_sink(self, request_id: str, queue: asyncio.Queue):
+        """The request's on_round: queue the round's record; once the request is being stopped, end
+        it at this round (the cancel itself can be lost: Python 3.11's ``asyncio.wait_for``, which
+        the draft deadline uses, swallows a cancel that arrives as its call completes, gh-86296)."""
+        def on_round(record) -> None:
+            queue.put_nowait(record)
+            if request_id in self.stopping:
+                raise asyncio.CancelledError(f"request {request_id!r} stopped")
+        return on_round
+
+    async def _stop(self, request_id: str, task: asyncio.Task) -> None:
+        """Cancel the request's task and wait for its end (its sessions released); a swallowed
+        cancel still ends it after its current round (``_round_sink``)."""
+        self.stopping.add(request_id)
+        try:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        finally:
+            self.stopping.discard(request_id)
 
     async def _run(self, request: GenerationRequest, request_id: str, timeout_s: float | None,
                    carrier: dict | None, on_round) -> GenerationResult:
@@ -161,8 +181,7 @@ class Orchestrator:
         task = self.tasks.get(request_id)
         if task is None or task.done():
             return False
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await self._stop(request_id, task)
         return True
 
 
