@@ -90,21 +90,23 @@ def _solo_results(target, prompts, trees):
     return out
 
 
+async def _verify_all_at_once(runtime, trees):
+    """(batcher, outcomes) of every session's tree verified at once through a VerifyBatcher that
+    waits 200 ms for company."""
+    worker = ModelWorker("test")
+    batcher = VerifyBatcher(runtime, worker, max_batch=8, wait_ms=200)
+    try:
+        return batcher, await asyncio.gather(*(batcher.verify(sid, tree) for sid, tree in trees.items()))
+    finally:
+        worker.close()
+
+
 def test_batcher_merges_concurrent_verifies_into_one_call_with_solo_results():
     target, runtime, prompts, trees = _batcher_setup(3)
     recording = RecordingRuntime(runtime)
     expected = _solo_results(target, prompts, trees)
 
-    async def main():
-        worker = ModelWorker("test")
-        batcher = VerifyBatcher(recording, worker, max_batch=8, wait_ms=200)
-        try:
-            outs = await asyncio.gather(*(batcher.verify(sid, tree) for sid, tree in trees.items()))
-        finally:
-            worker.close()
-        return batcher, outs
-
-    batcher, outs = asyncio.run(main())
+    batcher, outs = asyncio.run(_verify_all_at_once(recording, trees))
     assert recording.calls == [["s0", "s1", "s2"]]
     assert batcher.batched_forwards == 1
     assert [o.batch_size for o in outs] == [3, 3, 3]
@@ -159,16 +161,7 @@ def test_batcher_reports_each_item_alone_when_the_runtime_cannot_batch():
         def verify(self, session_id, tree):
             return runtime.verify(session_id, tree)
 
-    async def main():
-        worker = ModelWorker("test")
-        batcher = VerifyBatcher(OneAtATime(), worker, max_batch=8, wait_ms=200)
-        try:
-            outs = await asyncio.gather(*(batcher.verify(sid, tree) for sid, tree in trees.items()))
-        finally:
-            worker.close()
-        return batcher, outs
-
-    batcher, outs = asyncio.run(main())
+    batcher, outs = asyncio.run(_verify_all_at_once(OneAtATime(), trees))
     assert [o.result for o in outs] == [expected[sid] for sid in trees]
     assert [(o.batch_size, o.batch_rows) for o in outs] == [(1, tree.size + 1) for tree in trees.values()]
     assert batcher.calls == 1 and batcher.batched_forwards == 0
