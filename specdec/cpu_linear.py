@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specdec.checkpoint_memory import checkpoint_ranges, drop_checkpoint_pages
+
 
 def bf16_gemm_is_native() -> bool:
     """True when oneDNN has native bf16 kernels here (AVX512-BF16 or AMX)."""
@@ -51,7 +53,9 @@ class PackedLinear(nn.Module):
 def prepack_linears(model: nn.Module) -> int:
     """Replace every float32 CPU ``nn.Linear`` in ``model`` with a PackedLinear; returns how many.
 
-    A no-op (returns 0) for other dtypes or devices, or where oneDNN is unavailable.
+    A no-op (returns 0) for other dtypes or devices, or where oneDNN is unavailable. Each replaced
+    weight's pages in a memory-mapped checkpoint are released as soon as it is packed
+    (specdec.checkpoint_memory), so loading holds one copy of the weights at a time, not two.
     """
     if not torch.backends.mkldnn.is_available():
         return 0
@@ -61,6 +65,8 @@ def prepack_linears(model: nn.Module) -> int:
         for name, child in parent.named_children()
         if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu"
     ]
+    ranges = checkpoint_ranges()
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
+        drop_checkpoint_pages([child.weight], ranges)
     return len(targets)

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+from specdec.checkpoint_memory import own_weights
 from specdec.config import ModelsConfig
 from specdec.cpu_linear import default_cpu_dtype, prepack_linears
 from specdec.models import (
@@ -114,7 +115,8 @@ def quantize_draft(model):
         warnings.simplefilter("ignore")  # torch.ao.quantization deprecation notices
         from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
-        return quantize_dynamic(model.float(), {torch.nn.Linear: per_channel_dynamic_qconfig})
+        # In place: a copy would read every float weight into process memory first (2 GB for the default).
+        return quantize_dynamic(model.float(), {torch.nn.Linear: per_channel_dynamic_qconfig}, inplace=True)
 
 
 def context_limit(model, max_context: int | None) -> int:
@@ -133,6 +135,7 @@ def load_target(models: ModelsConfig, label: str = "--target") -> LoadedTarget:
     model, tokenizer = load_model(model_dir, dtype, models.device)
     check_supported(model, label)
     prepack_linears(model)
+    own_weights(model)  # what is left (embedding, norms) stops holding the mapped checkpoint
     return LoadedTarget(model, tokenizer, context_limit(model, models.max_context),
                         frozenset(eos_token_ids(model, tokenizer)), str(model_dir))
 
@@ -176,5 +179,6 @@ def load_draft(models: ModelsConfig, target: LoadedTarget | TargetInfo, label: s
         model = quantize_draft(model)
     else:
         prepack_linears(model)
+    own_weights(model)
     shared_vocab = min(model.config.vocab_size, target.vocab_size)
     return LoadedDraft(model, tokenizer, context_limit(model, models.max_context), str(model_dir), shared_vocab)

@@ -724,12 +724,14 @@ def build_target(model_dir, tp: int = 1, dtype: str = "float32", device: str = "
     if tp == 1:
         from pathlib import Path
 
+        from specdec.checkpoint_memory import own_weights
         from specdec.cpu_linear import prepack_linears
         from specdec.models import check_supported, load_model
 
         model, _ = load_model(Path(model_dir), dtype, device)
         check_supported(model, "--target")
         prepack_linears(model)
+        own_weights(model)
         return TargetRuntime(model, max_tree_nodes=max_tree_nodes)
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"device: tensor parallelism runs on cpu (gloo) or cuda (nccl), got {device!r}")
