@@ -72,6 +72,7 @@ import yaml  # noqa: E402
 
 from specdec.harness.otlp import OtlpReceiver, attribute_value  # noqa: E402
 from specdec.harness.servers import Service, launch_service, stop_service  # noqa: E402
+from orchestrator.eval_report import peak_rss_mb  # noqa: E402
 
 SECTIONS = ("grpc", "concurrency", "gamma")
 BF16_NOTE = ("The issues asked for bf16; this CPU has no bf16 GEMM (bf16 multi-row forwards are ~4x slower "
@@ -354,6 +355,14 @@ class Services:
     workdir: Path
     env: dict
     running: list = field(default_factory=list)
+    peak_rss_mb: dict = field(default_factory=dict)  # name -> peak resident MB (VmHWM), read as each stops
+
+    def note_peak(self, service: Service) -> None:
+        """Record the service's peak resident memory (its own process; a Ray front's actors not included)."""
+        try:
+            self.peak_rss_mb[service.name] = peak_rss_mb(service.proc.pid)
+        except (ValueError, OSError):  # already gone, or no /proc here
+            pass
 
     def launch(self, kind: str, name: str, config: dict, **flags) -> Service:
         path = self.workdir / f"{name}.yaml"
@@ -374,6 +383,7 @@ class Services:
     def stop(self, service: Service) -> None:
         if service in self.running:
             self.running.remove(service)
+            self.note_peak(service)
             stop_service(service, timeout_s=30)
             try:
                 service.stderr_path.unlink()
@@ -385,6 +395,7 @@ class Services:
         front gets the time it needs to shut its local Ray down."""
         services, self.running = list(reversed(self.running)), []
         for service in services:
+            self.note_peak(service)
             if service.proc.poll() is None:
                 service.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
@@ -638,6 +649,9 @@ def markdown(result: dict) -> str:
              f"{meta['max_prompt_tokens']} tokens (Spec-Bench first turns, chat template, sent as `prompt_ids`)",
              "- tracing on in every mode (OTLP to a receiver in the benchmark process; embedded: in-memory exporter)",
              f"- wall time of the run: {meta['wall_s']:.0f} s"]
+    if meta.get("peak_rss_mb"):
+        parts.append("- peak resident memory per service process (VmHWM, MB; a Ray front's actors not included): "
+                     + ", ".join(f"{name} {mb:,.0f}" for name, mb in meta["peak_rss_mb"].items()))
     if meta.get("bf16_note"):
         parts.append(f"- {meta['bf16_note']}")
     parts.append("")
@@ -870,6 +884,7 @@ def main(argv=None) -> int:
         "machine": platform.platform(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
         "python": platform.python_version(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "concurrency_services_started_early": early, "wall_s": time.perf_counter() - started,
+        "peak_rss_mb": services.peak_rss_mb,
     }
     result = {"meta": result.pop("meta"), **result}
     args.out.mkdir(parents=True, exist_ok=True)

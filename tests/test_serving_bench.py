@@ -26,6 +26,10 @@ def test_serving_bench_smoke(tmp_path):
     assert {"meta", "grpc", "concurrency", "gamma"} <= result.keys()
     meta = result["meta"]
     assert meta["target_threads"] == 2 and meta["draft_threads"] == 1 and meta["wall_s"] > 0
+    # every service process's peak memory: a draft, a target and a front at least, each a loaded process
+    peaks = meta["peak_rss_mb"]
+    assert len(peaks) >= 3 and all(mb > 50 for mb in peaks.values()), peaks
+    assert "peak resident memory" in md
 
     grpc_ = result["grpc"]
     assert grpc_["modes"] == ["embedded", "grpc_local", "grpc_ray"] and grpc_["prompts"] == 2
