@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -74,7 +74,10 @@ class TargetServerConfig(_Section):
     tp: int = Field(default=1, ge=1)                      # tensor-parallel ranks
     max_batch: int = Field(default=8, ge=1)               # sessions merged into one verify forward
     batch_wait_ms: float = Field(default=2.0, ge=0)       # how long a verify waits for company
-    max_kv_tokens: int = Field(default=1 << 20, ge=1)     # KV slots over all sessions (RESOURCE_EXHAUSTED past it)
+    # KV slots over all sessions (RESOURCE_EXHAUSTED past it); "auto": kv_memory_fraction of the memory
+    # free once the weights are loaded, over the model's KV bytes per token (target_service.kv_budget)
+    max_kv_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    kv_memory_fraction: float = Field(default=0.7, gt=0, le=1)
     max_tree_nodes: int = Field(default=512, ge=1)
     prefill_chunk_tokens: int = Field(default=256, ge=1)  # prompt tokens per prefill forward: an abort or others' verifies get in between
     session_idle_s: float = Field(default=600.0, gt=0)    # a session untouched this long is released (its client died)

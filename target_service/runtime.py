@@ -64,6 +64,17 @@ class TargetRuntime:
         self.max_tree_nodes = max_tree_nodes
         self.sessions: dict[str, TargetSession] = {}
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one cached token holds (target_service.kv_budget sizes the slot budget)."""
+        from target_service.kv_budget import kv_bytes_per_token
+
+        return kv_bytes_per_token(self.model.config, self.model.dtype.itemsize)
+
+    @property
+    def device(self) -> str:
+        return self.model.device.type
+
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams = GREEDY) -> None:
         """Prefill all prompt tokens but the last, which becomes the root R. prompt_ids: [T], T >= 1;
         sampling: the request's parameters, used by every verify of the session."""

@@ -63,6 +63,7 @@ from specdec.tree import DraftTree, MalformedTreeError
 from specdec.v1 import target_pb2, target_pb2_grpc
 from specdec.wire import sampling_from_proto, tree_from_proto
 from target_service.batcher import BatchedVerify, VerifyBatcher
+from target_service.kv_budget import free_memory_bytes, resolve_max_kv_tokens
 from target_service.runtime import TargetRuntime
 from target_service.sessions import SessionExistsError, SessionSlots, TargetSessions
 from target_service.tp import RankFailureError, TensorParallelTarget, build_target
@@ -123,12 +124,27 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.eos_token_ids = sorted(eos_token_ids)
         self.model_name = model_name
         self.config = config
-        self.sessions = TargetSessions(config.max_kv_tokens, context_limit, config.session_idle_s)
+        self.max_kv_tokens = self._kv_budget(runtime, config)
+        self.sessions = TargetSessions(self.max_kv_tokens, context_limit, config.session_idle_s)
         self.worker = ModelWorker("target-runtime")
         self.batcher = VerifyBatcher(runtime, self.worker, config.max_batch, config.batch_wait_ms, self.sessions.verified)
         self.health = health
         self.failure: RankFailureError | None = None
         self._tracer = tracer("target_service")
+
+    @staticmethod
+    def _kv_budget(runtime, config: TargetServerConfig) -> int:
+        """config.max_kv_tokens, or for "auto" the slots that fit config.kv_memory_fraction of the free
+        memory (target_service.kv_budget; a runtime without ``kv_bytes_per_token`` gets the fallback)."""
+        if config.max_kv_tokens != "auto":
+            return config.max_kv_tokens
+        per_token = getattr(runtime, "kv_bytes_per_token", None)
+        device = getattr(runtime, "device", "cpu")
+        free = free_memory_bytes(device, ranks=config.tp) if per_token else None
+        budget = resolve_max_kv_tokens("auto", config.kv_memory_fraction, per_token, free)
+        log.info("target-service: max_kv_tokens auto = %d (%.2f of %s free, %s bytes per token)", budget,
+                 config.kv_memory_fraction, f"{free / 2**30:.1f} GiB" if free is not None else "unknown", per_token)
+        return budget
 
     def close(self) -> None:
         self.worker.close()
@@ -282,7 +298,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             model=self.model_name, vocab_size=self.vocab_size, context_limit=self.context_limit,
             eos_token_ids=self.eos_token_ids, sessions=len(self.sessions), cached_tokens=self.sessions.kv_held(),
             tensor_parallel=self.config.tp, batched_forwards=self.batcher.batched_forwards,
-            max_tree_nodes=self.config.max_tree_nodes,
+            max_tree_nodes=self.config.max_tree_nodes, max_kv_tokens=self.max_kv_tokens,
         )
 
 

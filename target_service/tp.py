@@ -505,6 +505,11 @@ class TensorParallelTarget:
                 raise reply[1]
         self.vocab_size = replies[0][1]["vocab_size"]
         self.pids = [proc.pid for proc in self._procs]
+        from specdec.models import DTYPES
+        from target_service.kv_budget import kv_bytes_per_token
+
+        self.kv_bytes_per_token = kv_bytes_per_token(self.config, DTYPES[dtype].itemsize)  # all ranks together
+        self.device = "cuda" if self.backend == "nccl" else "cpu"
         self.prepacked = [reply[1]["prepacked"] for reply in replies]
 
     # -- the TargetRuntime interface ------------------------------------------------------------
