@@ -15,7 +15,7 @@ from typing import Optional
 
 import typer
 
-from specdec.process_entry import CONFIG_HELP, TLS_CA_HELP, TLS_CERT_HELP, TLS_KEY_HELP, tls_overrides
+from specdec.process_entry import CONFIG_HELP, HEALTH_PORT_HELP, TLS_CA_HELP, TLS_CERT_HELP, TLS_KEY_HELP, tls_overrides
 
 
 def draft_server(
@@ -29,12 +29,14 @@ def draft_server(
     tls_cert: Optional[str] = typer.Option(None, help=TLS_CERT_HELP),
     tls_key: Optional[str] = typer.Option(None, help=TLS_KEY_HELP),
     tls_ca: Optional[str] = typer.Option(None, help=TLS_CA_HELP),
+    health_port: Optional[int] = typer.Option(None, help=HEALTH_PORT_HELP),
 ) -> None:
     """Serve the draft model over gRPC (DraftService, health, reflection) until SIGTERM."""
     from draft_service.server import run  # here: grpc, torch and the models load only when serving
 
     overrides = {"draft.port": port, "draft.host": host, "models.target": target, "models.draft": draft,
-                 "models.dtype": dtype, "models.device": device, **tls_overrides(tls_cert, tls_key, tls_ca)}
+                 "models.dtype": dtype, "models.device": device, **tls_overrides(tls_cert, tls_key, tls_ca),
+                 "grpc.health_port": health_port}
     raise typer.Exit(run(str(config) if config else None, overrides))
 
 

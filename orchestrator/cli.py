@@ -15,7 +15,7 @@ from orchestrator.launcher import serve as launch
 from specdec.config import CONTROLS, ConfigError, load_config
 from specdec.models import ModelError
 from specdec.process_entry import (
-    AUTH_TOKEN_FILE_HELP, CONFIG_HELP, TLS_CA_HELP, TLS_CERT_HELP, TLS_KEY_HELP, tls_flags, tls_overrides,
+    AUTH_TOKEN_FILE_HELP, CONFIG_HELP, HEALTH_PORT_HELP, TLS_CA_HELP, TLS_CERT_HELP, TLS_KEY_HELP, tls_flags, tls_overrides,
 )
 from specdec.sampling import SamplingParams, SamplingParamsError
 from specdec.tree_spec import DEFAULT_SPEC, TreeSpecError, parse_tree_spec
@@ -265,6 +265,7 @@ def front(
     tls_key: Optional[str] = typer.Option(None, help=TLS_KEY_HELP),
     tls_ca: Optional[str] = typer.Option(None, help=TLS_CA_HELP),
     auth_token_file: Optional[str] = typer.Option(None, help=AUTH_TOKEN_FILE_HELP),
+    health_port: Optional[int] = typer.Option(None, help=HEALTH_PORT_HELP),
 ) -> None:
     """Serve the public GenerationService (orchestrator on Ray) until SIGTERM; with --http-port also
     the OpenAI-compatible HTTP API."""
@@ -273,7 +274,8 @@ def front(
     overrides = {"front.port": port, "front.host": host, "models.target": target, "front.draft_address": draft_address,
                  "front.target_address": target_address, "front.use_ray": False if no_ray else None,
                  "front.ray_address": ray_address, "front.http_port": http_port,
-                 "front.auth_token_file": auth_token_file, **tls_overrides(tls_cert, tls_key, tls_ca)}
+                 "front.auth_token_file": auth_token_file, **tls_overrides(tls_cert, tls_key, tls_ca),
+                 "grpc.health_port": health_port}
     raise typer.Exit(run(str(config) if config else None, overrides))
 
 
@@ -294,11 +296,17 @@ def serve(
     """Start the draft service, the target service and the generation front on this machine.
 
     Prints one line per service (name and host:port) once it is ready, and ``http ready on
-    HOST:PORT`` when the front serves HTTP too; SIGTERM or Ctrl-C stops all three."""
+    HOST:PORT`` when the front serves HTTP too; SIGTERM or Ctrl-C stops all three. No --health-port:
+    the three servers share this host, so they cannot share one (a grpc.health_port in the config is
+    refused); the health port is for kubelet probes of TLS pods, one server per pod."""
     try:
         check_positive(tp=tp)
         cfg = load_config(config, {"target.tp": tp, "front.http_port": http_port, "front.auth_token_file": auth_token_file,
                                    **tls_overrides(tls_cert, tls_key, tls_ca)})
+        if cfg.grpc.health_port is not None:
+            raise UsageError(f"grpc.health_port: {cfg.grpc.health_port} is set, but `specdec serve` runs three servers on "
+                             "this host and they cannot share one health port; leave it unset here and pass --health-port "
+                             "to each `specdec draft-server` / `target-server` / `front` instead")
     except (UsageError, ConfigError) as exc:
         fail(str(exc))
     flags = []

@@ -47,6 +47,11 @@ class GrpcConfig(_Section):
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
+    # A second, plaintext port that serves only grpc.health.v1.Health (the same statuses as the
+    # service's own port): kubelet's gRPC probes speak plaintext and present no client certificate,
+    # so with TLS the probes ask here. None = off; 0 = ephemeral. Set per server (--health-port):
+    # one process per host binds it, so ``specdec serve`` refuses it.
+    health_port: int | None = Field(default=None, ge=0, le=65535)
 
     @model_validator(mode="after")
     def _tls_files(self):
@@ -189,6 +194,19 @@ class ServeConfig(_Section):
     target: TargetServerConfig = TargetServerConfig()
     front: FrontConfig = FrontConfig()
 
+    @model_validator(mode="after")
+    def _health_port_apart(self):
+        """grpc.health_port differs from every port a service of this config serves (0 = ephemeral: no clash)."""
+        health_port = self.grpc.health_port
+        if not health_port:
+            return self
+        ports = {"draft.port": self.draft.port, "target.port": self.target.port, "front.port": self.front.port,
+                 "front.metrics_port": self.front.metrics_port, "front.http_port": self.front.http_port}
+        for name, port in ports.items():
+            if port == health_port:
+                raise ValueError(f"grpc.health_port: {health_port} is already {name} (the health port is a port of its own)")
+        return self
+
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> ServeConfig:
     """Read a YAML config (None = defaults) and apply dotted overrides, e.g. {"target.port": 0}.
@@ -221,7 +239,8 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         parts = []
         for err in exc.errors():
             loc = ".".join(str(x) for x in err["loc"])
-            parts.append(f"{loc}: {err['msg'].removeprefix('Value error, ')}")
+            message = err["msg"].removeprefix("Value error, ")
+            parts.append(f"{loc}: {message}" if loc else message)  # a check across sections names its field itself
         raise ConfigError("invalid config: " + "; ".join(parts)) from exc
 
 

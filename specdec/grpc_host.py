@@ -8,7 +8,10 @@ of exceptions to status codes.
   NOT_SERVING once draining) and server reflection, so a stock ``grpcurl`` can list and call it,
 - a draining gate: after SIGTERM/SIGINT every new call except health and reflection is refused with
   UNAVAILABLE, long-lived streams are told UNAVAILABLE at their next step (``draining`` event), and
-  in-flight calls get ``config.grpc.shutdown_grace_s`` to finish (``server.stop(grace)``).
+  in-flight calls get ``config.grpc.shutdown_grace_s`` to finish (``server.stop(grace)``),
+- with ``config.grpc.health_port`` set, a second, plaintext server on that port that serves only the
+  health service, with the same servicer (so the same statuses, draining included): kubelet's gRPC
+  probes speak plaintext and present no client certificate, so they cannot reach a TLS port.
 
 ``status_for`` maps exceptions to status codes (bad input -> INVALID_ARGUMENT, unknown session or a
 call out of order -> FAILED_PRECONDITION, capacity -> RESOURCE_EXHAUSTED, an expired deadline ->
@@ -135,7 +138,10 @@ class ServiceHost:
     name: printed in the ready line ``<name> ready on <host>:<port>``; config: the grpc section (TLS
     when tls_cert is set, ``specdec.security``); client_auth: with TLS and tls_ca, accept only clients
     whose certificate chains to the CA (mutual TLS: the draft and target services); interceptors:
-    more server interceptors after the draining gate (e.g. ``security.BearerAuth``).
+    more server interceptors after the draining gate (e.g. ``security.BearerAuth``). With
+    ``config.health_port`` set, ``health_server`` serves only the health service there, in plaintext
+    (ready line ``health ready on <host>:<port>``, printed after the service's own); it stops after
+    the main server, so probes see NOT_SERVING while the service drains.
     """
 
     def __init__(self, name: str, config: GrpcConfig, client_auth: bool = False, interceptors: Sequence = ()):
@@ -153,29 +159,33 @@ class ServiceHost:
             ],
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.health_server: grpc.aio.Server | None = None
+        if config.health_port is not None:
+            self.health_server = grpc.aio.server()  # health only: no reflection, no draining gate (nothing else to refuse)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
 
     async def start(self, host: str, port: int, service_names: Sequence[str]) -> int:
         """Bind host:port (0 = ephemeral), mark the services SERVING, start; returns the bound port.
 
-        Raises OSError when the address cannot be bound.
+        Also binds and starts the plaintext health port (``config.health_port``) when set.
+        Raises OSError when an address cannot be bound.
         """
         reflection.enable_server_reflection(
             [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         credentials = server_credentials(self.config, self.client_auth)
         warn_plaintext(self.name, host, self.config)
-        try:
-            if credentials is None:
-                bound = self.server.add_insecure_port(f"{host}:{port}")
-            else:
-                bound = self.server.add_secure_port(f"{host}:{port}", credentials)
-        except RuntimeError as exc:
-            raise OSError(f"cannot listen on {host}:{port}: {exc}") from None
-        if bound == 0:
-            raise OSError(f"cannot listen on {host}:{port}")
+        bound = _bind(self.server, host, port, credentials)
+        health_bound = None
+        if self.health_server is not None:
+            health_bound = _bind(self.health_server, host, self.config.health_port, None)
         for service in ("", *service_names):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
         print(f"{self.name} ready on {host}:{bound}", flush=True)
+        if health_bound is not None:
+            print(f"health ready on {host}:{health_bound}", flush=True)
         return bound
 
     def request_stop(self) -> None:
@@ -206,4 +216,23 @@ class ServiceHost:
         self.draining.set()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace=self.config.shutdown_grace_s)
+        if self.health_server is not None:  # after the service: probes read NOT_SERVING until the end
+            await self.health_server.stop(grace=None)
         log.info("%s stopped", self.name)
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
+    """Add host:port to ``server`` (TLS with ``credentials``, else plaintext); returns the bound port.
+
+    Raises OSError when the address cannot be bound.
+    """
+    try:
+        if credentials is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = server.add_secure_port(f"{host}:{port}", credentials)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on {host}:{port}: {exc}") from None
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    return bound

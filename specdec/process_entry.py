@@ -42,6 +42,8 @@ def fail(message: str) -> int:
 TLS_CERT_HELP = "PEM server certificate (TLS on every port; mutual TLS between services with --tls-ca); overrides grpc.tls_cert."
 TLS_KEY_HELP = "PEM private key of --tls-cert; overrides grpc.tls_key."
 TLS_CA_HELP = "PEM CA bundle that verifies peers (with --tls-cert/--tls-key: mutual TLS between the services); overrides grpc.tls_ca."
+HEALTH_PORT_HELP = ("Also serve the gRPC health service alone, in plaintext, on this port of the listen address "
+                    "(for kubelet's gRPC probes when the service port is TLS; 0 = ephemeral); overrides grpc.health_port.")
 AUTH_TOKEN_FILE_HELP = ("File of accepted bearer tokens, one a line (GenerationService and HTTP /v1/*; never pass a "
                         "token on the command line); overrides front.auth_token_file.")
 

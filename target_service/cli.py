@@ -15,7 +15,7 @@ from typing import Optional
 
 import typer
 
-from specdec.process_entry import CONFIG_HELP, TLS_CA_HELP, TLS_CERT_HELP, TLS_KEY_HELP, tls_overrides
+from specdec.process_entry import CONFIG_HELP, HEALTH_PORT_HELP, TLS_CA_HELP, TLS_CERT_HELP, TLS_KEY_HELP, tls_overrides
 
 
 def target_server(
@@ -29,13 +29,15 @@ def target_server(
     tls_cert: Optional[str] = typer.Option(None, help=TLS_CERT_HELP),
     tls_key: Optional[str] = typer.Option(None, help=TLS_KEY_HELP),
     tls_ca: Optional[str] = typer.Option(None, help=TLS_CA_HELP),
+    health_port: Optional[int] = typer.Option(None, help=HEALTH_PORT_HELP),
 ) -> None:
     """Serve the target model over gRPC (TargetService, health, reflection) until SIGTERM; with
     --tp N > 1 over N tensor-parallel rank processes."""
     from target_service.server import run  # here: grpc, torch and the model load only when serving
 
     overrides = {"target.port": port, "target.host": host, "models.target": target, "models.dtype": dtype,
-                 "models.device": device, "target.tp": tp, **tls_overrides(tls_cert, tls_key, tls_ca)}
+                 "models.device": device, "target.tp": tp, **tls_overrides(tls_cert, tls_key, tls_ca),
+                 "grpc.health_port": health_port}
     raise typer.Exit(run(str(config) if config else None, overrides))
 
 

@@ -15,9 +15,14 @@ What is checked, and against what:
   --draft-address/--target-address name Services that reach the draft/target containers; the
   ConfigMap holds deploy/specdec.yaml byte for byte, is mounted where --config points, loads with
   ``specdec.config.load_config`` and its tree parses with ``parse_tree_spec``; every override flag
-  maps to a config field and the overridden config is valid; --tp equals the GPUs of the target pod;
+  maps to a config field and the overridden config is valid (file flags checked against a readable
+  stand-in: the files live in the pods' Secrets); --tp equals the GPUs of the target pod;
   terminationGracePeriodSeconds exceeds preStop + grpc.shutdown_grace_s; every container has the
-  OTEL_* variables; images are the one the Dockerfile builds; the Dockerfile installs the package
+  OTEL_* variables; every server serves TLS with mutual TLS (--tls-cert/--tls-key/--tls-ca) and the
+  front needs bearer tokens (--auth-token-file), each file a key of a Secret mounted read-only at its
+  folder (specdec-tls, specdec-auth), every Secret volume mounted, the Ray workers holding the
+  front's TLS files at the same paths (their orchestrator actors dial draft and target); with TLS,
+  the probes ask the plaintext health port (--health-port = container port "health"); images are the one the Dockerfile builds; the Dockerfile installs the package
   whose ``specdec`` subcommands the manifests run, and they take the flags the manifests pass.
 - The manifests are what ``kubectl apply -k deploy/`` applies: ``render()`` builds them from
   deploy/kustomization.yaml (resources, namespace, configMapGenerator); where ``kubectl`` or
@@ -75,12 +80,20 @@ SERVERS = {
     "target-server": ("target", "specdec.v1.TargetService"),
     "front": ("front", "specdec.v1.GenerationService"),
 }
+SECURITY_FLAGS = {"--health-port": "grpc.health_port", "--tls-cert": "grpc.tls_cert", "--tls-key": "grpc.tls_key",
+                  "--tls-ca": "grpc.tls_ca"}
 OVERRIDES = {
-    "draft-server": {"--host": "draft.host", "--device": "models.device"},
-    "target-server": {"--host": "target.host", "--device": "models.device", "--tp": "target.tp"},
+    "draft-server": {"--host": "draft.host", "--device": "models.device", **SECURITY_FLAGS},
+    "target-server": {"--host": "target.host", "--device": "models.device", "--tp": "target.tp", **SECURITY_FLAGS},
     "front": {"--host": "front.host", "--draft-address": "front.draft_address",
-              "--target-address": "front.target_address", "--ray-address": "front.ray_address"},
+              "--target-address": "front.target_address", "--ray-address": "front.ray_address",
+              "--auth-token-file": "front.auth_token_file", **SECURITY_FLAGS},
 }
+# Flags naming files the pod must hold (each in a mounted Secret, check_secrets), and the keys the
+# manifests' Secrets hold (README "Security"; created by hand or cert-manager, not by kustomize).
+TLS_FLAGS = ("--tls-cert", "--tls-key", "--tls-ca")
+FILE_FLAGS = (*TLS_FLAGS, "--auth-token-file")
+SECRET_KEYS = {"specdec-tls": {"tls.crt", "tls.key", "ca.crt"}, "specdec-auth": {"tokens"}}
 OTEL_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES")
 GPU = "nvidia.com/gpu"
 SHELL_OPERATORS = {";", "&&", "||", "|", "&", "(", ")"}
@@ -301,7 +314,9 @@ def check_selectors(resources: list[dict]) -> list[str]:
 
 
 def check_servers(resources: list[dict], config: ServeConfig) -> list[str]:
-    """Container ports and gRPC probes of each server equal the ports of the config."""
+    """Container ports of each server equal the ports of the config; its gRPC probes ask the health
+    port (--health-port, a container port named "health") when set, else the service port; TLS
+    without a health port is a problem (kubelet probes speak plaintext)."""
     problems = []
     for pod, ctr, launch in launches(resources):
         where = f"{pod.origin} container {ctr['name']}"
@@ -321,13 +336,21 @@ def check_servers(resources: list[dict], config: ServeConfig) -> list[str]:
                 and ports.get("http") != config.front.http_port:
             problems.append(f"{where}: containerPort 'http' is {ports.get('http')}, "
                             f"config front.http_port is {config.front.http_port}")
+        probe_port, probe_port_is = port, f"config {section}.port is {port}"
+        if "--health-port" in launch.flags:  # kubelet probes speak plaintext: with TLS only the health port answers them
+            probe_port = int(launch.flags["--health-port"])
+            probe_port_is = f"the health port (--health-port) is {probe_port}"
+            if ports.get("health") != probe_port:
+                problems.append(f"{where}: containerPort 'health' is {ports.get('health')}, --health-port is {probe_port}")
+        elif "--tls-cert" in launch.flags:
+            problems.append(f"{where}: TLS without --health-port: kubelet's plaintext gRPC probes cannot reach a TLS port")
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             grpc_probe = (ctr.get(kind) or {}).get("grpc")
             if grpc_probe is None:
                 problems.append(f"{where}: {kind} is not a gRPC health probe")
                 continue
-            if grpc_probe["port"] != port:
-                problems.append(f"{where}: {kind} port {grpc_probe['port']}, config {section}.port is {port}")
+            if grpc_probe["port"] != probe_port:
+                problems.append(f"{where}: {kind} port {grpc_probe['port']}, {probe_port_is}")
             wanted = {"", health_name} if kind == "livenessProbe" else {health_name}
             if grpc_probe.get("service", "") not in wanted:
                 problems.append(f"{where}: {kind} asks for health service {grpc_probe.get('service', '')!r}, "
@@ -419,6 +442,9 @@ def check_overrides(resources: list[dict], config_file: Path = CONFIG_FILE) -> l
         if unknown:
             problems.append(f"{where}: unknown flags {sorted(unknown)} (known: --config, {', '.join(sorted(allowed))})")
         overrides = {allowed[f]: v for f, v in launch.flags.items() if f in allowed}
+        for flag in FILE_FLAGS:  # files of the pod (check_secrets): a readable stand-in here, for the validator
+            if flag in launch.flags and flag in allowed:
+                overrides[allowed[flag]] = str(config_file)
         try:
             load_config(config_file, overrides)
         except ConfigError as exc:
@@ -448,6 +474,67 @@ def check_gpus(resources: list[dict], config: ServeConfig) -> list[str]:
                    and volumes.get(m["name"], {}).get("emptyDir", {}).get("medium") == "Memory"]
             if tp > 1 and not shm:
                 problems.append(f"{where}: --tp {tp} without a memory-backed /dev/shm (NCCL)")
+    return problems
+
+
+def mounted_secret(pod: PodTemplate, ctr: dict, path: str) -> tuple[str | None, str | None, str]:
+    """(Secret name, key, problem) of a file path in a container: the Secret volume mounted at the
+    path's folder and the key the file is; a problem ("" = none) when no such volume is mounted there."""
+    path = PurePosixPath(path)
+    volumes = {v["name"]: v for v in pod.spec.get("volumes", [])}
+    mounts = [m for m in ctr.get("volumeMounts", []) if PurePosixPath(m["mountPath"]) == path.parent]
+    if not mounts:
+        return None, None, f"no volume is mounted at {path.parent}"
+    if mounts[0]["name"] not in volumes:
+        return None, None, f"volume {mounts[0]['name']!r} mounted at {path.parent} is not a volume of the pod"
+    secret = volumes[mounts[0]["name"]].get("secret")
+    if secret is None:
+        return None, None, f"volume {mounts[0]['name']!r} at {path.parent} is not a Secret"
+    key = next((i["key"] for i in secret.get("items", []) if i["path"] == path.name), path.name)
+    if not mounts[0].get("readOnly"):
+        return secret["secretName"], key, f"Secret volume {mounts[0]['name']!r} is not mounted readOnly"
+    return secret["secretName"], key, ""
+
+
+def check_file_flag(pod: PodTemplate, ctr: dict, flag: str, path: str) -> list[str]:
+    """A file flag's path is a key of a mounted Secret that holds it (SECRET_KEYS)."""
+    where = f"{pod.origin} container {ctr['name']} {flag} {path}"
+    secret, key, problem = mounted_secret(pod, ctr, path)
+    if problem:
+        return [f"{where}: {problem}"]
+    if secret not in SECRET_KEYS:
+        return [f"{where}: Secret {secret!r} is none of {sorted(SECRET_KEYS)}"]
+    if key not in SECRET_KEYS[secret]:
+        return [f"{where}: Secret {secret} holds no key {key!r} (it holds {sorted(SECRET_KEYS[secret])})"]
+    return []
+
+
+def check_secrets(resources: list[dict]) -> list[str]:
+    """TLS with mutual TLS on every server and bearer tokens on the front, from mounted Secrets;
+    every Secret volume is mounted; Ray workers (orchestrator actors: the front's config dials draft
+    and target) hold the front's TLS files at the same paths."""
+    problems, front_files = [], {}
+    for pod, ctr, launch in launches(resources):
+        where = f"{pod.origin} `specdec {launch.subcommand}`"
+        wanted = (*TLS_FLAGS, "--auth-token-file") if launch.subcommand == "front" else TLS_FLAGS
+        problems += [f"{where}: no {flag} (TLS with mutual TLS between the services; bearer tokens on the front)"
+                     for flag in wanted if flag not in launch.flags]
+        for flag in FILE_FLAGS:
+            if flag in launch.flags:
+                problems += check_file_flag(pod, ctr, flag, launch.flags[flag])
+        if launch.subcommand == "front":
+            front_files[pod.origin.rsplit(" ", 1)[0]] = {f: launch.flags[f] for f in TLS_FLAGS if f in launch.flags}
+    for pod in pod_templates(resources):
+        mounted = {m["name"] for c in pod.containers for m in c.get("volumeMounts", [])}
+        problems += [f"{pod.origin}: volume {v['name']!r} (Secret {v['secret'].get('secretName')}) is mounted by no container"
+                     for v in pod.spec.get("volumes", []) if "secret" in v and v["name"] not in mounted]
+        cluster, _, role = pod.origin.partition(" ")
+        if role.startswith("worker") and cluster in front_files:
+            for ctr in pod.spec["containers"]:
+                problems += [f"{pod.origin} container {ctr['name']}: {flag} {path} of the front: {problem} "
+                             "(orchestrator actors here dial draft and target with the front's config)"
+                             for flag, path in front_files[cluster].items()
+                             for problem in [mounted_secret(pod, ctr, path)[2]] if problem]
     return problems
 
 
@@ -543,7 +630,7 @@ def check_images(resources: list[dict], dockerfile_text: str) -> list[str]:
 def all_problems(resources: list[dict], config: ServeConfig, config_text: str) -> list[str]:
     return (check_selectors(resources) + check_servers(resources, config) + check_addresses(resources, config)
             + check_config_mounts(resources, config_text) + check_overrides(resources) + check_gpus(resources, config)
-            + check_grace(resources, config) + check_otel(resources) + check_images(resources, (DEPLOY / "Dockerfile").read_text()))
+            + check_grace(resources, config) + check_otel(resources) + check_secrets(resources) + check_images(resources, (DEPLOY / "Dockerfile").read_text()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -701,8 +788,31 @@ def _set_flag(ctr, flag, value):
         args[args.index(flag) + 1] = value
 
 
+def _port(ctr, name):
+    return next(p for p in ctr["ports"] if p["name"] == name)
+
+
 def _drop_env(ctr, name):
     ctr["env"] = [e for e in ctr["env"] if e["name"] != name]
+
+
+def _drop_flag(ctr, flag):
+    """Remove ``flag`` and its value from a container's args (list form or the head's shell script)."""
+    args = ctr["args"]
+    if len(args) == 1 and " " in args[0]:
+        args[0], count = re.subn(rf" {flag} \S+", "", args[0])
+        assert count == 1
+    else:
+        i = args.index(flag)
+        del args[i:i + 2]
+
+
+def _worker(res):
+    return find(res, "RayCluster", "specdec-front")["spec"]["workerGroupSpecs"][0]["template"]["spec"]
+
+
+def _drop_mount(ctr, name):
+    ctr["volumeMounts"] = [m for m in ctr["volumeMounts"] if m["name"] != name]
 
 
 MUTATIONS = {
@@ -725,7 +835,7 @@ MUTATIONS = {
         lambda r: find(r, "PodDisruptionBudget", "specdec-target")["spec"]["selector"]["matchLabels"].update(x="y"),
         "PodDisruptionBudget/specdec-target"),
     "draft containerPort differs from config": (
-        lambda r: _draft(r)["ports"][0].update(containerPort=50071),
+        lambda r: _port(_draft(r), "grpc").update(containerPort=50071),
         "containerPort 'grpc' is 50071"),
     "target readiness probe on a wrong port": (
         lambda r: _target(r)["readinessProbe"]["grpc"].update(port=50061),
@@ -737,10 +847,10 @@ MUTATIONS = {
         lambda r: _draft(r).update(livenessProbe={"exec": {"command": ["true"]}}),
         "livenessProbe is not a gRPC health probe"),
     "front metrics port differs from config": (
-        lambda r: _head(r)["ports"][1].update(containerPort=9090),
+        lambda r: _port(_head(r), "front-metrics").update(containerPort=9090),
         "front-metrics"),
     "front http port differs from config": (
-        lambda r: _head(r)["ports"][2].update(containerPort=8080),
+        lambda r: _port(_head(r), "http").update(containerPort=8080),
         "containerPort 'http' is 8080"),
     "front Service lacks the http port": (
         lambda r: find(r, "Service", "specdec-front")["spec"]["ports"][2].update(targetPort="https"),
@@ -793,6 +903,50 @@ MUTATIONS = {
     "image the Dockerfile does not build": (
         lambda r: _target(r).update(image="registry.example/specdec:0.0.9"),
         "image 'registry.example/specdec:0.0.9'"),
+    "probe on the TLS port": (
+        lambda r: _target(r)["readinessProbe"]["grpc"].update(port=50062),
+        "readinessProbe port 50062, the health port (--health-port) is 50070"),
+    "liveness probe on the front's TLS port": (
+        lambda r: _head(r)["livenessProbe"]["grpc"].update(port=50060),
+        "livenessProbe port 50060, the health port"),
+    "health containerPort differs from --health-port": (
+        lambda r: _set_flag(_draft(r), "--health-port", "50071"),
+        "containerPort 'health' is 50070, --health-port is 50071"),
+    "TLS without a health port": (
+        lambda r: _drop_flag(_draft(r), "--health-port"),
+        "TLS without --health-port"),
+    "health port clashes with a service port": (
+        lambda r: _set_flag(_target(r), "--health-port", "50061"),
+        "grpc.health_port: 50061 is already draft.port"),
+    "TLS flag points where no volume is mounted": (
+        lambda r: _set_flag(_draft(r), "--tls-ca", "/etc/tls/ca.crt"),
+        "--tls-ca /etc/tls/ca.crt: no volume is mounted at /etc/tls"),
+    "TLS flag points into the ConfigMap": (
+        lambda r: _set_flag(_target(r), "--tls-cert", "/etc/specdec/tls.crt"),
+        "volume 'config' at /etc/specdec is not a Secret"),
+    "TLS key the Secret does not hold": (
+        lambda r: _set_flag(_target(r), "--tls-key", "/etc/specdec-tls/tls.pem"),
+        "holds no key 'tls.pem'"),
+    "Secret volume no container mounts": (
+        lambda r: _drop_mount(_target(r), "tls"),
+        "volume 'tls' (Secret specdec-tls) is mounted by no container"),
+    "Secret mounted writable": (
+        lambda r: next(m for m in _draft(r)["volumeMounts"] if m["name"] == "tls").pop("readOnly"),
+        "not mounted readOnly"),
+    "target without mutual TLS": (
+        lambda r: _drop_flag(_target(r), "--tls-ca"),
+        "`specdec target-server`: no --tls-ca"),
+    "front without --auth-token-file": (
+        lambda r: _drop_flag(_head(r), "--auth-token-file"),
+        "`specdec front`: no --auth-token-file"),
+    "tokens from a Secret volume the pod lacks": (
+        lambda r: find(r, "RayCluster", "specdec-front")["spec"]["headGroupSpec"]["template"]["spec"].update(
+            volumes=[v for v in find(r, "RayCluster", "specdec-front")["spec"]["headGroupSpec"]["template"]["spec"]["volumes"]
+                     if v["name"] != "auth"]),
+        "--auth-token-file /etc/specdec-auth/tokens: volume 'auth' mounted at /etc/specdec-auth is not a volume of the pod"),
+    "Ray worker without the TLS Secret": (
+        lambda r: _drop_mount(container(_worker(r), "ray-worker"), "tls"),
+        "--tls-cert /etc/specdec-tls/tls.crt of the front: no volume is mounted at /etc/specdec-tls"),
     "a container runs another subcommand": (
         lambda r: _draft(r).update(command=["specdec", "serve"]),
         "runs `specdec serve`"),
@@ -949,7 +1103,9 @@ def test_ray_pod_scripts_start_ray_then_the_front(resources, tmp_path):
     expected = {
         "head": ["ray start --address=specdec-front-head-svc:6379 --num-cpus=2",
                  "specdec front --config /etc/specdec/specdec.yaml --host 0.0.0.0 --ray-address auto "
-                 "--draft-address specdec-draft:50061 --target-address specdec-target:50062"],
+                 "--draft-address specdec-draft:50061 --target-address specdec-target:50062 --health-port 50070 "
+                 "--tls-cert /etc/specdec-tls/tls.crt --tls-key /etc/specdec-tls/tls.key --tls-ca /etc/specdec-tls/ca.crt "
+                 "--auth-token-file /etc/specdec-auth/tokens"],
         "worker": [generated],
     }
     for role, ctr in pods.items():

@@ -1,5 +1,6 @@
 """Transport security and authentication (specdec.security): TLS on every port, mutual TLS between
-the services, bearer tokens on the public GenerationService. Real draft, target and front processes
+the services, bearer tokens on the public GenerationService, the plaintext health-only port for
+kubelet's probes (grpc.health_port). Real draft, target and front processes
 on loopback ports with tiny models; certificates made here with ``cryptography`` (a test CA, a
 server/client certificate for 127.0.0.1 signed by it, and one signed by another CA).
 """
@@ -9,14 +10,15 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import logging
+import signal
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.harness.servers import launch_service, stop_service, wait_ready
+from specdec.harness.servers import launch_service, stop_service, wait_address, wait_for_exit, wait_ready
 from specdec.security import BearerAuth, is_loopback, token_accepted, warn_plaintext
-from specdec.config import GrpcConfig
+from specdec.config import ConfigError, GrpcConfig, load_config
 from specdec.v1 import generation_pb2, generation_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.tiny_pair import save_tiny_pair, write_config
 
@@ -179,3 +181,69 @@ def test_generate_cli_over_tls_with_the_token_from_the_environment(secure_stack,
     from_file = subprocess.run([*argv[:-1], "--auth-token-file", str(token_file), argv[-1]], capture_output=True,
                                text=True, timeout=120, env=env)
     assert from_file.returncode == 0, from_file.stderr
+
+
+def _check(address, service="", credentials=None):
+    """Health/Check status of ``service`` at ``address`` (plaintext unless ``credentials``)."""
+    channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    with channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+def test_health_port_serves_plaintext_health_alone_and_follows_the_drain(pki, tmp_path):
+    """A target with mutual TLS and --health-port 0: kubelet-style plaintext probes get the service's
+    statuses on the health port (SERVING, then NOT_SERVING while it drains); nothing else is there."""
+    pair = save_tiny_pair(tmp_path / "models")
+    config = write_config(tmp_path / "serve.yaml", pair, grpc={
+        "tls_cert": pki["cert.pem"], "tls_key": pki["key.pem"], "tls_ca": pki["ca.pem"], "shutdown_grace_s": 3.0})
+    target = wait_ready(launch_service("target", config, health_port=0))
+    try:
+        health_address = wait_address(target, "health")
+        assert health_address != target.address
+        assert _check(health_address) == _check(health_address, "specdec.v1.TargetService") \
+            == health_pb2.HealthCheckResponse.SERVING
+        with grpc.insecure_channel(target.address) as channel, pytest.raises(grpc.RpcError) as err:  # the TLS port
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        with grpc.insecure_channel(health_address) as channel, pytest.raises(grpc.RpcError) as err:
+            target_pb2_grpc.TargetServiceStub(channel).Info(target_pb2.InfoRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED  # the service itself is not on the health port
+        # A watch on the TLS port stays in flight, so the drain lasts shutdown_grace_s: probes meanwhile.
+        with grpc.secure_channel(target.address, _credentials(pki, cert="cert.pem")) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=30)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            target.proc.send_signal(signal.SIGTERM)
+            assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING  # the drain began
+            assert _check(health_address) == _check(health_address, "specdec.v1.TargetService") \
+                == health_pb2.HealthCheckResponse.NOT_SERVING
+            watch.cancel()
+        code, _ = wait_for_exit(target, 30)
+        assert code == 0
+        with pytest.raises(grpc.RpcError) as err:  # the health port closed with the service
+            _check(health_address)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        stop_service(target)
+
+
+def test_health_port_is_validated_naming_the_field(tmp_path):
+    with pytest.raises(ConfigError, match=r"grpc.health_port: 50062 is already target.port"):
+        load_config(None, {"grpc.health_port": 50062})
+    with pytest.raises(ConfigError, match=r"grpc.health_port: 9464 is already front.metrics_port"):
+        load_config(None, {"grpc.health_port": 9464, "front.metrics_port": 9464})
+    with pytest.raises(ConfigError, match=r"grpc.health_port: Input should be less than or equal to 65535"):
+        load_config(None, {"grpc.health_port": 70000})
+    assert load_config(None, {"grpc.health_port": 0}).grpc.health_port == 0  # ephemeral: never a clash
+    assert load_config(None, {"grpc.health_port": 50070}).grpc.health_port == 50070
+
+
+def test_serve_refuses_a_health_port(tmp_path):
+    """``specdec serve`` runs three servers on one host: one grpc.health_port cannot serve them all."""
+    import subprocess
+    import sys
+
+    config = write_config(tmp_path / "serve.yaml", grpc={"health_port": 50070})
+    result = subprocess.run([sys.executable, "-m", "orchestrator", "serve", "--config", str(config)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "grpc.health_port" in result.stderr and "--health-port" in result.stderr
+    assert "ready on" not in result.stdout  # refused before any server started
