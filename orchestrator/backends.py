@@ -61,7 +61,8 @@ class LocalBackend:
 
 
 class RayBackend:
-    """Requests run in ``front.workers`` Ray async actors (orchestrator.actors), least-loaded first.
+    """Requests run in ``front.workers`` Ray async actors (orchestrator.actors), least-loaded first;
+    a request whose actor dies continues on another (``stream``, orchestrator.failover).
 
     Starts a local Ray (``front.ray_address`` unset) or attaches to a cluster (``auto`` or an
     address). ``ray`` and orchestrator.actors (which imports it) are imported inside the methods:
@@ -140,8 +141,10 @@ class RayBackend:
         from the tokens already streamed (orchestrator.failover): the client sees one unbroken
         stream, greedy output unchanged, a sampled one still from the target's law (from a seed
         derived from the request's: a seeded sampled request that fails over is not bit-identical to
-        one that did not). At most ``len(actors)`` fail-overs per request, then UpstreamError
-        UNAVAILABLE; past the deadline at a fail-over, DEADLINE_EXCEEDED."""
+        one that did not). A failed actor is skipped until it answers again; while every actor is
+        failed, the request waits for one (``_pick``). At most ``len(actors)`` fail-overs per
+        request, then UpstreamError UNAVAILABLE; past the deadline at a fail-over, DEADLINE_EXCEEDED.
+        Yields (tokens, RoundRecord | None, GenerationStats | None) as ``LocalBackend.stream``."""
         import ray
 
         progress = Resumption(request, timeout_s, max_failovers=len(self.actors))
