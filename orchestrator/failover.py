@@ -76,7 +76,9 @@ class Resumption:
     def next_part(self) -> GenerationRequest:
         """The request for the next actor: the original one while nothing was streamed, else its
         continuation from the streamed tokens (prompt + streamed, the rest of max_new_tokens, the
-        same stop strings, tree, EOS rule; a sampling seed derived from the request's)."""
+        same stop strings, tree, EOS rule; a sampling seed derived from the request's). Called only
+        for a request that has not ended, so prompt + streamed fits the target's context (one that
+        reached it ended with stop reason context_limit) and max_new_tokens stays >= 1."""
         if not self.streamed:
             return self.request
         n = len(self.streamed)
