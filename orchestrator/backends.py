@@ -9,14 +9,17 @@ reaches the servicer as ``UpstreamError`` carrying its gRPC status.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
 import grpc
 
 from orchestrator.controller import GenerationRequest
+from orchestrator.failover import Resumption
 from orchestrator.service import Orchestrator, build_orchestrator
 from specdec.config import ServeConfig
+from specdec.stats import GenerationStats
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +61,8 @@ class LocalBackend:
 
 
 class RayBackend:
-    """Requests run in ``front.workers`` Ray async actors (orchestrator.actors), least-loaded first.
+    """Requests run in ``front.workers`` Ray async actors (orchestrator.actors), least-loaded first;
+    a request whose actor dies continues on another (``stream``, orchestrator.failover).
 
     Starts a local Ray (``front.ray_address`` unset) or attaches to a cluster (``auto`` or an
     address). ``ray`` and orchestrator.actors (which imports it) are imported inside the methods:
@@ -71,7 +75,8 @@ class RayBackend:
         self.actors = []
         self.inflight: dict[int, int] = {}
         self.owner: dict[str, object] = {}
-        self.unhealthy_until: dict[int, float] = {}
+        self.failed: dict[int, asyncio.Task] = {}  # actors that failed a request, until they answer again
+        self.aborted: set[str] = set()  # requests aborted while between actors (failing over)
         self.info = None
 
     async def start(self) -> None:
@@ -95,69 +100,145 @@ class RayBackend:
         await probe.target_channel.close()
         await probe.draft_channel.close()
 
-    ACTOR_COOLDOWN_S = 5.0  # an actor that failed a request is skipped this long (it is restarting)
+    PROBE_INTERVAL_S = 0.5  # a failed actor is asked for ``ready`` this often until it answers (Ray restarts it)
+    RECOVERY_WAIT_S = 30.0  # with every actor failed, a request waits this long at most for one to answer
 
-    def _pick(self) -> int:
-        """The least-loaded actor, preferring those that did not fail in the last ACTOR_COOLDOWN_S."""
-        now = time.monotonic()
-        healthy = [i for i in self.inflight if self.unhealthy_until.get(i, 0.0) <= now] or list(self.inflight)
+    async def _pick(self, time_left_s: float | None) -> int:
+        """The least-loaded actor, among those that did not fail or answered again since. While
+        every actor is failed, wait for one (at most RECOVERY_WAIT_S and time_left_s, the request's
+        time left), then take the least-loaded of all."""
+        wait_s = self.RECOVERY_WAIT_S if time_left_s is None else min(self.RECOVERY_WAIT_S, time_left_s)
+        until = time.monotonic() + wait_s
+        while len(self.failed) == len(self.actors) and time.monotonic() < until:
+            await asyncio.sleep(0.05)
+        healthy = [i for i in self.inflight if i not in self.failed] or list(self.inflight)
         return min(healthy, key=self.inflight.get)
 
-    async def stream(self, request: GenerationRequest, request_id: str, timeout_s, carrier):
-        """Run on an actor; a request whose actor dies or is restarting before its first token is
-        sent to another actor (nothing was streamed, so nothing is lost or repeated); after the first
-        token it fails with UNAVAILABLE."""
+    def _mark_failed(self, index: int) -> None:
+        """Skip actor ``index`` (``_pick``) until it answers ``ready`` again."""
+        if index not in self.failed:
+            self.failed[index] = asyncio.ensure_future(self._until_ready(index))
+
+    async def _until_ready(self, index: int) -> None:
+        """Ask a failed actor for ``ready`` until it answers (a restarted actor also connects to the
+        services then), then count it healthy again."""
         import ray
 
-        for attempt in range(len(self.actors) + 1):
-            index = self._pick()
-            actor = self.actors[index]
-            self.inflight[index] += 1
-            self.owner[request_id] = actor  # the front refuses a second running request with this id
-            gen = actor.stream.options(num_returns="streaming").remote(request, request_id, timeout_s, carrier)
-            finished = streamed = False
-            try:
-                async for ref in gen:
-                    tokens, record, stats = await ref
-                    streamed = True
-                    yield tokens, record, stats
-                    if stats is not None:
-                        finished = True
-                return
-            except ray.exceptions.RayTaskError as exc:
-                cause = getattr(exc, "cause", None)
-                if isinstance(cause, UpstreamError):
-                    raise cause from None
-                if isinstance(cause, grpc.aio.AioRpcError):
-                    raise UpstreamError(cause.code().name, cause.details() or "") from None
-                if isinstance(cause, ValueError):
-                    raise ValueError(str(cause)) from None
-                raise UpstreamError("INTERNAL", str(cause or exc)) from None
-            except ray.exceptions.RayActorError as exc:  # ActorUnavailableError included
-                self.unhealthy_until[index] = time.monotonic() + self.ACTOR_COOLDOWN_S
-                if streamed or attempt == len(self.actors):
-                    raise UpstreamError("UNAVAILABLE", f"orchestrator actor died: {exc}") from None
-                log.warning("request %s: orchestrator actor %d unavailable before the first token (%s); trying another",
-                            request_id, index, type(exc).__name__)
-            finally:
-                self.inflight[index] -= 1
-                if self.owner.get(request_id) is actor:
-                    self.owner.pop(request_id, None)
-                if not finished:
-                    try:
-                        ray.cancel(gen)
-                    except Exception:  # noqa: BLE001 - the actor is gone; nothing left to cancel
-                        pass
+        try:
+            while True:
+                try:
+                    await self.actors[index].ready.remote()
+                    return
+                except ray.exceptions.RayActorError:  # still dead or restarting
+                    await asyncio.sleep(self.PROBE_INTERVAL_S)
+                except Exception:  # noqa: BLE001 - it answered, with an error of its own (a request will tell it)
+                    return
+        finally:
+            self.failed.pop(index, None)
+
+    async def stream(self, request: GenerationRequest, request_id: str, timeout_s, carrier):
+        """Run on an actor. A request whose actor dies or is restarting continues on another actor
+        from the tokens already streamed (orchestrator.failover): the client sees one unbroken
+        stream, greedy output unchanged, a sampled one still from the target's law (from a seed
+        derived from the request's: a seeded sampled request that fails over is not bit-identical to
+        one that did not). A failed actor is skipped until it answers again; while every actor is
+        failed, the request waits for one (``_pick``). At most ``len(actors)`` fail-overs per
+        request, then UpstreamError UNAVAILABLE; past the deadline at a fail-over, DEADLINE_EXCEEDED.
+        Yields (tokens, RoundRecord | None, GenerationStats | None) as ``LocalBackend.stream``."""
+        import ray
+
+        progress = Resumption(request, timeout_s, max_failovers=len(self.actors))
+        self.owner[request_id] = None  # between actors: ``abort`` marks it for the next part to end it
+        try:
+            while True:
+                if request_id in self.aborted:
+                    yield [], None, progress.final(GenerationStats(stop_reason="aborted"))
+                    return
+                index = await self._pick(progress.time_left_s())
+                try:
+                    async with contextlib.aclosing(self._part(index, progress, request_id, carrier)) as part:
+                        async for tokens, record, stats in part:  # closed at once when the client goes
+                            progress.record(tokens, record)
+                            yield tokens, record, None if stats is None else progress.final(stats)
+                    return
+                except ray.exceptions.RayActorError as exc:  # ActorUnavailableError included
+                    self._mark_failed(index)
+                    if progress.ended:  # died after the last round, before its stats: nothing to continue
+                        log.warning("request %s: orchestrator actor %d died after the request's last round (%s)",
+                                    request_id, index, type(exc).__name__)
+                        yield [], None, progress.final(None)
+                        return
+                    if not progress.fail_over():
+                        raise UpstreamError("UNAVAILABLE", f"orchestrator actor died: {exc}") from None
+                    log.warning("request %s: orchestrator actor %d failed after %d streamed tokens (%s); continuing "
+                                "on another actor (fail-over %d of %d)", request_id, index, len(progress.streamed),
+                                type(exc).__name__, progress.failovers, progress.max_failovers)
+        finally:
+            self.owner.pop(request_id, None)
+            self.aborted.discard(request_id)
+
+    async def _part(self, index: int, progress: Resumption, request_id: str, carrier):
+        """One part of a request on actor ``index``: (tokens, record, stats) chunks as the actor streams
+        them. Raises ray's RayActorError when the actor dies, UpstreamError or ValueError for a failed
+        request (its downstream status), UpstreamError DEADLINE_EXCEEDED when no time is left."""
+        import ray
+
+        time_left_s = progress.time_left_s()
+        if time_left_s is not None and time_left_s <= 0:
+            raise UpstreamError("DEADLINE_EXCEEDED", f"deadline of {progress.timeout_s} s passed before a fail-over")
+        actor = self.actors[index]
+        self.inflight[index] += 1
+        self.owner[request_id] = actor  # the front refuses a second running request with this id
+        gen = actor.stream.options(num_returns="streaming").remote(progress.next_part(), request_id, time_left_s, carrier)
+        finished = False
+        try:
+            async for ref in gen:
+                chunk = await ref
+                finished = chunk[2] is not None
+                yield chunk
+        except ray.exceptions.RayTaskError as exc:
+            raise _task_error(exc) from None
+        finally:
+            self.inflight[index] -= 1
+            self.owner[request_id] = None
+            if not finished:
+                try:
+                    ray.cancel(gen)
+                except Exception:  # noqa: BLE001 - the actor is gone; nothing left to cancel
+                    pass
 
     async def abort(self, request_id: str) -> bool:
-        actor = self.owner.get(request_id)
-        if actor is None:
+        """Abort a running request; one between actors (failing over) ends before its next part."""
+        import ray
+
+        if request_id not in self.owner:
             return False
-        return await actor.abort.remote(request_id)
+        actor = self.owner[request_id]
+        if actor is not None:
+            try:
+                return await actor.abort.remote(request_id)
+            except ray.exceptions.RayActorError:  # its actor is dying: the fail-over sees the mark
+                pass
+        self.aborted.add(request_id)
+        return True
 
     async def close(self) -> None:
         import ray
 
+        for probe in list(self.failed.values()):
+            probe.cancel()
         for actor in self.actors:
             ray.kill(actor)
         ray.shutdown()  # stops a local Ray we started; only disconnects from a cluster we attached to
+
+
+def _task_error(exc) -> Exception:
+    """The error a request failed with inside an actor (ray's RayTaskError), as the front raises it."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, UpstreamError):
+        return cause
+    if isinstance(cause, grpc.aio.AioRpcError):
+        return UpstreamError(cause.code().name, cause.details() or "")
+    if isinstance(cause, ValueError):
+        return ValueError(str(cause))
+    return UpstreamError("INTERNAL", str(cause or exc))

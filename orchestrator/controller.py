@@ -59,6 +59,7 @@ class GenerationRequest:
     spec: TreeSpec | None = None  # None = plain target decoding (no draft)
     sampling: SamplingParams = GREEDY  # temperature 0 = greedy; applied identically by draft and target
     ignore_eos: bool = False  # EOS tokens do not end generation (vLLM's ignore_eos): fixed-length runs
+    resumed_tokens: int = 0  # trailing prompt_ids an earlier part of this request generated (fail-over): stop strings see them
 
     def __post_init__(self):
         if isinstance(self.stop_strings, str):  # one stop string, not one per character
@@ -133,6 +134,9 @@ class RoundController:
             raise ValueError("stop_strings: this engine has no decode function (tokenizer) to match text")
         if request.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be >= 1, got {request.max_new_tokens}")
+        if not 0 <= request.resumed_tokens < len(request.prompt_ids):
+            raise ValueError(f"resumed_tokens: must be in [0, {len(request.prompt_ids)}) (the prompt's length), "
+                             f"got {request.resumed_tokens}")
 
     async def generate(self, request: GenerationRequest,
                        on_tokens: Callable[[list[int]], Awaitable[None] | None] | None = None,
@@ -180,7 +184,8 @@ class _Request:
             self.control.bind_request(request.sampling)
         self.stops = StopChecker(len(request.prompt_ids), request.max_new_tokens, controller.context_limit,
                                  frozenset() if request.ignore_eos else controller.eos_token_ids,
-                                 tuple(request.stop_strings), controller.decode)
+                                 tuple(request.stop_strings), controller.decode,
+                                 streamed=tuple(request.prompt_ids[len(request.prompt_ids) - request.resumed_tokens:]))
         self.stats = GenerationStats()
         self.started = time.perf_counter()
         self.draft_sid: str | None = None  # open draft session
@@ -356,7 +361,7 @@ class _Request:
                              verify_s=timing.verify_s, commit_s=timing.commit_s, drafted=drafted.tree.size,
                              context_proposed=context_nodes,
                              context_accepted=sum(1 for n in accepted if shaped.draft_index[n] is None),
-                             expected_accepted=shaped.expected_accepted,
+                             expected_accepted=shaped.expected_accepted, stop_reason=self.stops.reason,
                              cost=getattr(self.control, "cost_snapshot", lambda: None)())
         self.stats.add(record, time.perf_counter() - self.started)
         if self.stops.reason is not None:

@@ -205,6 +205,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 if tokens:
                     yield StreamEvent(tokens, deltas.push(tokens))
                 if stats is not None:
+                    if self.metrics is not None and stats.failovers:
+                        self.metrics.failovers.inc(stats.failovers)
                     if not stats.total_s:
                         stats = dataclasses.replace(stats, total_s=time.perf_counter() - started)
                     yield StreamEvent([], deltas.final(), stats)

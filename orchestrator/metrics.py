@@ -117,6 +117,8 @@ class SpecMetrics:
         self.inter_token_latency = Histogram("inter_token_latency_seconds", "Gap between streamed rounds divided by "
                                              "the tokens of the later one, observed once per token, seconds",
                                              namespace=ns, registry=r, buckets=ITL_BUCKETS)
+        self.failovers = Counter("failovers", "Requests moved to another orchestrator actor after theirs failed "
+                                 "(Ray front, orchestrator.failover), one per move", namespace=ns, registry=r)
         self.requests_running = Gauge("requests_running", "Requests streaming tokens (first token sent)",
                                       namespace=ns, registry=r)
         self.requests_waiting = Gauge("requests_waiting", "Requests received without a first token yet "

@@ -15,7 +15,11 @@ class StopChecker:
 
     eos_token_ids: ids that end generation; stop_strings: texts that end generation once the
     decoded output contains them; max_new_tokens: generated-token budget; context_limit: the
-    maximum total length, prompt included; decode: ids -> text (needed only for stop strings).
+    maximum total length, prompt included; decode: ids -> text (needed only for stop strings);
+    streamed: tokens an earlier part of this request already generated (a fail-over continuation,
+    orchestrator.failover), now the prompt's tail: stop strings see them before ``generated``, so a
+    stop string spanning the hand-over stops where it would have without one; they count toward
+    neither budget (prompt_len already holds them).
     """
 
     prompt_len: int
@@ -24,9 +28,14 @@ class StopChecker:
     eos_token_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
     decode: object = None
+    streamed: tuple[int, ...] = ()
     generated: list[int] = field(default_factory=list)
     reason: str | None = None
     _text: str = ""
+
+    def __post_init__(self):
+        if self.stop_strings and self.streamed:
+            self._text = self.decode(list(self.streamed))  # already checked by the earlier part
 
     def push(self, token: int) -> bool:
         """Record one committed token; True if generation stops after it."""
@@ -45,7 +54,7 @@ class StopChecker:
     def _hits_stop_string(self) -> bool:
         if not self.stop_strings:
             return False
-        text = self.decode(self.generated)
+        text = self.decode([*self.streamed, *self.generated])
         # Only a match that ends inside the changed part is new (it may span tokens). The changed
         # part starts where old and new text first differ: a multi-byte character split across
         # tokens decodes as U+FFFD first and changes in place once complete.

@@ -35,6 +35,7 @@ class RoundRecord:
     context_accepted: int = 0  # context nodes among the accepted ones
     expected_accepted: float = 0.0  # draft tokens the control expected to be accepted (its decision), tokens
     cost: dict | None = None  # the cost model it decided with (CostModel.snapshot: ms by rows / parents), if any
+    stop_reason: str | None = None  # set on the round that ended the request (its stats follow)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class GenerationStats:
     ttft_ms: float = 0.0
     total_s: float = 0.0
     stop_reason: str | None = None
+    failovers: int = 0  # times the request moved to another orchestrator actor after its own failed
 
     def add(self, record: RoundRecord, elapsed_s: float) -> None:
         """Count one round. elapsed_s: seconds from the request's start to the end of this round
