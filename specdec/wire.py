@@ -117,5 +117,5 @@ def stats_to_proto(stats: GenerationStats, prompt_tokens: int) -> generation_pb2
         proposed_tokens=stats.proposed_tokens, accepted_tokens=stats.accepted_tokens,
         cost_plain_rounds=stats.cost_plain_rounds, drafted_tokens=stats.drafted_tokens,
         context_proposed_tokens=stats.context_proposed_tokens, context_accepted_tokens=stats.context_accepted_tokens,
-        expected_accepted_tokens=stats.expected_accepted_tokens,
+        expected_accepted_tokens=stats.expected_accepted_tokens, failovers=stats.failovers,
     )

@@ -30,6 +30,7 @@ from orchestrator.stops import StopChecker
 from specdec.sampling import SamplingParams, derive_seed
 from specdec.stats import GenerationStats, RoundRecord
 from specdec.tree_spec import DEFAULT_SPEC, TreeSpec
+from specdec.wire import stats_to_proto
 from target_service.runtime import TargetRuntime
 from tests.conftest import char_decode, hf_greedy, random_prompt, tiny_model
 
@@ -335,6 +336,7 @@ def test_greedy_request_whose_actor_is_killed_mid_stream_is_unchanged(ray_front,
                                 "kill-greedy", kill_after=2)
     assert tokens == reference
     assert (stats.new_tokens, stats.stop_reason, stats.failovers) == (N, "max_new_tokens", 1)
+    assert stats_to_proto(stats, len(prompt)).failovers == 1  # what a gRPC client's FinalStats says
     assert servicer.metrics.registry.get_sample_value("specdec_failovers_total") == 1
     assert 2 <= failover_point(caplog, "kill-greedy") < N
 
