@@ -414,7 +414,7 @@ def test_health_serving_and_reflection_lists_services(servers, kind, service):
         db = ProtoReflectionDescriptorDatabase(channel)
         assert {service, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= set(db.get_services())
         methods = {m.name for m in DescriptorPool(db).FindServiceByName(service).methods}
-    assert methods == ({"Session"} if kind == "draft" else
+    assert methods == ({"Session", "Info"} if kind == "draft" else
                        {"Prefill", "Verify", "VerifyBatch", "Commit", "Release", "Info"})
 
 
@@ -422,6 +422,28 @@ def test_info(info, pair, reference):
     assert info.vocab_size == reference.config.vocab_size
     assert info.context_limit == 256 and list(info.eos_token_ids) == [0]
     assert info.model == str(pair.target) and info.tensor_parallel == 1
+
+
+def _draft_info_settled(stub, sessions: int, timeout_s: float = 10.0) -> draft_pb2.DraftInfoResponse:
+    """DraftService.Info once it reports ``sessions`` open streams (a closed stream's release runs after its end)."""
+    deadline = time.monotonic() + timeout_s
+    while (info := stub.Info(draft_pb2.DraftInfoRequest(), timeout=10)).sessions != sessions and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return info
+
+
+def test_draft_info_counts_open_sessions_and_their_kv(servers, info):
+    with grpc.insecure_channel(servers["draft"].address) as channel:
+        stub = draft_pb2_grpc.DraftServiceStub(channel)
+        before = _draft_info_settled(stub, 0)
+        assert (before.sessions, before.cached_sessions, before.context_limit) == (0, 0, 256)
+        session = DraftSession(channel)
+        session.start("info-1", random_prompt(500, length=5, vocab=info.vocab_size))
+        assert (stub.Info(draft_pb2.DraftInfoRequest(), timeout=10).sessions,
+                stub.Info(draft_pb2.DraftInfoRequest(), timeout=10).cached_sessions) == (1, 1)
+        session.close()
+        after = _draft_info_settled(stub, 0)
+        assert (after.sessions, after.cached_sessions) == (0, 0)
 
 
 # ----------------------------------------------------------------------------------------------
