@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from draft_service.runtime import DraftRuntime
+from specdec.grpc_host import MAX_STATUS_CHARS
 from specdec.harness.servers import launch_service, start_service, stop_service, wait_for_exit, wait_ready
 from specdec.interfaces import UnknownSessionError
 from specdec.model_worker import ModelWorker
@@ -474,6 +475,21 @@ def _malformed_trees(vocab: int):
         "proposal parent out of range": (tree_pb2.TokenTree(tokens=[1], parents=[-1], proposals=[
             P(parent=4, token_ids=[1], probs=[1.0])]), "tree.proposals[0].parent"),
     }
+
+
+@pytest.mark.parametrize("rpc", ["Commit", "Verify"])
+def test_a_huge_session_id_gets_the_status_not_a_transport_error(target, rpc):
+    """Found by benchmarks/reliability_fuzz.py: a 70,000-character session id was echoed into the status
+    message, past the client's 16 KiB metadata limit, so the caller got RESOURCE_EXHAUSTED "Stream
+    removed" instead of the server's status."""
+    sid = "x" * 70_000
+    if rpc == "Commit":
+        err = rpc_error(target.Commit, target_pb2.CommitRequest(session_id=sid, num_tokens=1), timeout=10)
+    else:
+        err = rpc_error(verify, target, sid)
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err.details()
+    assert err.details().startswith("session_id: unknown target session 'xxx")
+    assert len(err.details()) <= MAX_STATUS_CHARS + 40 and err.details().endswith("(70037 characters)")
 
 
 def test_each_malformed_tree_is_invalid_argument_and_the_session_still_verifies(target, reference, info):
