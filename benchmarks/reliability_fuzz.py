@@ -136,6 +136,8 @@ def _repeated(fd: FieldDescriptor, depth: int) -> st.SearchStrategy[list]:
         sizes = [1_000, 10_000] if depth == 0 else [50]
     else:
         sizes = [129, 4_096, HUGE_REPEAT] if depth == 0 else [129]
+    if fd.type in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES):  # short values: 100,000 x 70 KB would be 7 GB
+        element = st.text(max_size=8) if fd.type == FieldDescriptor.TYPE_STRING else st.binary(max_size=8)
     huge = st.builds(lambda v, n: [v] * n, element, st.sampled_from(sizes))
     return st.one_of(small, small, small, huge)
 
@@ -160,7 +162,8 @@ def _message(draw, descriptor, depth: int):
 
 
 def _is_repeated(fd: FieldDescriptor) -> bool:
-    return getattr(fd, "is_repeated", None) if hasattr(fd, "is_repeated") else fd.label == FieldDescriptor.LABEL_REPEATED
+    """protobuf 6+ has ``is_repeated`` (``label`` is deprecated there); older ones only ``label``."""
+    return fd.is_repeated if hasattr(fd, "is_repeated") else fd.label == FieldDescriptor.LABEL_REPEATED
 
 
 def _set_field(msg, fd: FieldDescriptor, value) -> None:
