@@ -67,14 +67,22 @@ def test_fuzz_reached_every_rpc_both_accepted_and_refused(fuzzed):
     assert sum(n for per in codes.values() for n in per.values()) == fuzzed["messages"]
 
 
-def test_a_huge_request_id_gets_the_front_status(deployment):
-    """A 70,000-character request id quoted in the front's status message stays under the trailer limit."""
+def test_a_huge_running_request_id_gets_already_exists_from_the_front(deployment):
+    """Before status messages were cut (specdec.grpc_host.MAX_STATUS_CHARS) the front quoted the whole
+    70,000-character id in ALREADY_EXISTS, past the client's 16 KiB trailer limit: the caller got
+    RESOURCE_EXHAUSTED "Stream removed"."""
     addresses, _ = deployment
-    request = generation_pb2.GenerateRequest(request_id="r" * 70_000, prompt_ids=[1, 2], max_new_tokens=-1)
+    request = generation_pb2.GenerateRequest(request_id="r" * 70_000, prompt_ids=[1, 2], max_new_tokens=200,
+                                             ignore_eos=True)
     with grpc.insecure_channel(addresses.front) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        running = stub.Generate(request, timeout=60)
+        next(running)  # the first id holder is running
         with pytest.raises(grpc.RpcError) as info:
-            list(generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=30))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_new_tokens" in info.value.details()
+            list(stub.Generate(request, timeout=30))
+        running.cancel()
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS, info.value.details()
+    assert info.value.details().startswith("request_id: 'rrr") and len(info.value.details()) < 1100
 
 
 def test_cli_on_a_running_deployment_writes_json_and_markdown(deployment, tmp_path):
