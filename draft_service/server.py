@@ -6,6 +6,8 @@ The command line is ``draft_service.cli``; ``run(config_path, overrides)`` is it
 
 Prints ``draft-service ready on <host>:<port>`` once serving; SIGTERM/SIGINT drain and exit 0.
 
+``Info`` gives the open streams and the sessions whose KV the draft holds (monitoring, leak checks).
+
 A stream: ``start`` first (else INVALID_ARGUMENT), answered by DraftStarted; then any number of
 ``propose`` (each answered by one DraftTreeReply, in order) and ``commit`` (not answered). Any error
 ends the stream with its status (bad input INVALID_ARGUMENT naming the field, ``draft.max_sessions``
@@ -38,7 +40,7 @@ import torch
 from draft_service.runtime import DraftRuntime
 from specdec.batching import SessionBatcher
 from specdec.config import ConfigError, DraftServerConfig, ServeConfig, load_config
-from specdec.grpc_host import ServiceHost, abort_for
+from specdec.grpc_host import ServiceHost, abort_for, rpc_errors
 from specdec.model_setup import load_draft, target_info
 from specdec.model_worker import ModelWorker
 from specdec.models import ModelError
@@ -140,6 +142,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             if stream is not None:
                 self.streams.pop(stream.key, None)
                 self.worker.submit(self.runtime.release, stream.key)
+
+    @rpc_errors()
+    async def Info(self, request, context):
+        """Open streams, and the sessions whose KV the runtime holds once the releases queued before
+        this call have run (counted on the worker thread, behind them)."""
+        cached = await self.worker.run(lambda: len(getattr(self.runtime, "sessions", {})))
+        return draft_pb2.DraftInfoResponse(sessions=len(self.streams), cached_sessions=cached,
+                                           context_limit=self.context_limit)
 
     async def _next(self, context):
         """The next request, or None at the end of the stream; aborts UNAVAILABLE when draining."""

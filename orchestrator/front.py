@@ -36,7 +36,7 @@ from orchestrator.embedded import encode_prompt
 from orchestrator.metrics import AcceptanceMonitor, SpecMetrics, start_metrics_server
 from orchestrator.service import load_tokenizer, tokenizer_dir
 from specdec.config import ServeConfig
-from specdec.grpc_host import ServiceHost
+from specdec.grpc_host import ServiceHost, error_message, short_status
 from specdec.process_entry import configure_logging
 from specdec.sampling import SamplingParamsError
 from specdec.security import BearerAuth, load_auth_tokens
@@ -241,7 +241,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         try:
             req = await asyncio.to_thread(self.parse, request)  # it tokenizes: off the event loop (the GIL is released)
         except (ValueError, SamplingParamsError, TreeSpecError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error_message(exc))
         request_id = request.request_id or f"gen-{uuid.uuid4().hex[:12]}"
         metadata = dict(context.invocation_metadata() or ())
         client = self.client_of(metadata.get("authorization", ""), peer_host(context.peer()))
@@ -256,14 +256,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         yield generation_pb2.GenerateResponse(request_id=request_id, text_delta=event.text_delta,
                                                               stats=stats_to_proto(event.stats, len(req.prompt_ids)))
         except RequestIdInUse as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, error_message(exc))
         except AdmissionRefused as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, error_message(exc))
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error_message(exc))
         except UpstreamError as exc:
             code = getattr(grpc.StatusCode, exc.code_name, grpc.StatusCode.INTERNAL)
-            await context.abort(code, exc.details)
+            await context.abort(code, short_status(exc.details))
 
     def _observe(self, request_id: str, record: RoundRecord) -> None:
         if self.metrics is not None:

@@ -56,11 +56,24 @@ _DEFAULT_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
 )
 
 
+# Longest status message sent: gRPC clients refuse trailers past 16 KiB (the call then fails with
+# RESOURCE_EXHAUSTED "Stream removed"), and a message may quote a caller's value (a 70,000-character
+# session id, found by benchmarks/reliability_fuzz.py).
+MAX_STATUS_CHARS = 1024
+
+
+def short_status(text: str) -> str:
+    """``text`` cut to MAX_STATUS_CHARS, with the full length said at the end."""
+    if len(text) <= MAX_STATUS_CHARS:
+        return text
+    return f"{text[:MAX_STATUS_CHARS]}... ({len(text)} characters)"
+
+
 def error_message(exc: BaseException) -> str:
-    """The exception's message (a KeyError's without the repr quotes)."""
+    """The exception's message (a KeyError's without the repr quotes), cut to MAX_STATUS_CHARS."""
     if isinstance(exc, KeyError) and exc.args:
-        return str(exc.args[0])
-    return str(exc) or type(exc).__name__
+        return short_status(str(exc.args[0]))
+    return short_status(str(exc) or type(exc).__name__)
 
 
 def status_for(exc: BaseException, extra: Mapping[type[BaseException], grpc.StatusCode] | None = None) -> tuple[grpc.StatusCode, str]:
@@ -72,7 +85,7 @@ def status_for(exc: BaseException, extra: Mapping[type[BaseException], grpc.Stat
     for cls, code in (*(extra or {}).items(), *_DEFAULT_CODES):
         if isinstance(exc, cls):
             return code, error_message(exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    return grpc.StatusCode.INTERNAL, short_status(f"internal error: {type(exc).__name__}: {exc}")
 
 
 async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException,

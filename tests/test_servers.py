@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from draft_service.runtime import DraftRuntime
+from specdec.grpc_host import MAX_STATUS_CHARS
 from specdec.harness.servers import launch_service, start_service, stop_service, wait_for_exit, wait_ready
 from specdec.interfaces import UnknownSessionError
 from specdec.model_worker import ModelWorker
@@ -414,7 +415,7 @@ def test_health_serving_and_reflection_lists_services(servers, kind, service):
         db = ProtoReflectionDescriptorDatabase(channel)
         assert {service, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= set(db.get_services())
         methods = {m.name for m in DescriptorPool(db).FindServiceByName(service).methods}
-    assert methods == ({"Session"} if kind == "draft" else
+    assert methods == ({"Session", "Info"} if kind == "draft" else
                        {"Prefill", "Verify", "VerifyBatch", "Commit", "Release", "Info"})
 
 
@@ -422,6 +423,28 @@ def test_info(info, pair, reference):
     assert info.vocab_size == reference.config.vocab_size
     assert info.context_limit == 256 and list(info.eos_token_ids) == [0]
     assert info.model == str(pair.target) and info.tensor_parallel == 1
+
+
+def _draft_info_settled(stub, sessions: int, timeout_s: float = 10.0) -> draft_pb2.DraftInfoResponse:
+    """DraftService.Info once it reports ``sessions`` open streams (a closed stream's release runs after its end)."""
+    deadline = time.monotonic() + timeout_s
+    while (info := stub.Info(draft_pb2.DraftInfoRequest(), timeout=10)).sessions != sessions and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return info
+
+
+def test_draft_info_counts_open_sessions_and_their_kv(servers, info):
+    with grpc.insecure_channel(servers["draft"].address) as channel:
+        stub = draft_pb2_grpc.DraftServiceStub(channel)
+        before = _draft_info_settled(stub, 0)
+        assert (before.sessions, before.cached_sessions, before.context_limit) == (0, 0, 256)
+        session = DraftSession(channel)
+        session.start("info-1", random_prompt(500, length=5, vocab=info.vocab_size))
+        assert (stub.Info(draft_pb2.DraftInfoRequest(), timeout=10).sessions,
+                stub.Info(draft_pb2.DraftInfoRequest(), timeout=10).cached_sessions) == (1, 1)
+        session.close()
+        after = _draft_info_settled(stub, 0)
+        assert (after.sessions, after.cached_sessions) == (0, 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -452,6 +475,21 @@ def _malformed_trees(vocab: int):
         "proposal parent out of range": (tree_pb2.TokenTree(tokens=[1], parents=[-1], proposals=[
             P(parent=4, token_ids=[1], probs=[1.0])]), "tree.proposals[0].parent"),
     }
+
+
+@pytest.mark.parametrize("rpc", ["Commit", "Verify"])
+def test_a_huge_session_id_gets_the_status_not_a_transport_error(target, rpc):
+    """Found by benchmarks/reliability_fuzz.py: a 70,000-character session id was echoed into the status
+    message, past the client's 16 KiB metadata limit, so the caller got RESOURCE_EXHAUSTED "Stream
+    removed" instead of the server's status."""
+    sid = "x" * 70_000
+    if rpc == "Commit":
+        err = rpc_error(target.Commit, target_pb2.CommitRequest(session_id=sid, num_tokens=1), timeout=10)
+    else:
+        err = rpc_error(verify, target, sid)
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err.details()
+    assert err.details().startswith("session_id: unknown target session 'xxx")
+    assert len(err.details()) <= MAX_STATUS_CHARS + 40 and err.details().endswith("(70037 characters)")
 
 
 def test_each_malformed_tree_is_invalid_argument_and_the_session_still_verifies(target, reference, info):

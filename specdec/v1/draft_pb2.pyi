@@ -72,3 +72,17 @@ class DraftTreeReply(_message.Message):
     draft_ms: float
     batch_size: int
     def __init__(self, round: _Optional[int] = ..., tree: _Optional[_Union[_tree_pb2.TokenTree, _Mapping]] = ..., draft_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+
+class DraftInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DraftInfoResponse(_message.Message):
+    __slots__ = ("sessions", "cached_sessions", "context_limit")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    sessions: int
+    cached_sessions: int
+    context_limit: int
+    def __init__(self, sessions: _Optional[int] = ..., cached_sessions: _Optional[int] = ..., context_limit: _Optional[int] = ...) -> None: ...

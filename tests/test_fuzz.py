@@ -1,0 +1,123 @@
+"""The fuzzer of benchmarks/reliability_fuzz.py, short: a few hundred random and mutated messages against
+real draft, target and front processes (tiny saved models, front without Ray, module fixture), checking
+what the full run checks: only the allowed status codes, the servers stay up and log no traceback, no
+session is leaked, greedy output unchanged. Plus the generator and the checker alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, find, settings
+
+from benchmarks.reliability_fuzz import (Addresses, Record, Shape, main, message_strategy, run_fuzz,
+                                         summarize, token_tree)
+from specdec.harness.servers import launch_service, stop_service, wait_ready
+from specdec.v1 import generation_pb2, generation_pb2_grpc, target_pb2, tree_pb2
+from tests.tiny_pair import save_tiny_pair, write_config
+
+MESSAGES = 250
+FIND = settings(database=None, max_examples=2000, suppress_health_check=list(HealthCheck))
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fuzz")
+    config = write_config(root / "serve.yaml", save_tiny_pair(root / "models"), draft={"max_sessions": 8},
+                          target={"max_tree_nodes": 64}, front={"port": 0})
+    services = {"draft": launch_service("draft", config), "target": launch_service("target", config)}
+    try:
+        wait_ready(services["draft"]), wait_ready(services["target"])
+        services["front"] = wait_ready(launch_service("front", config, draft_address=services["draft"].address,
+                                                      target_address=services["target"].address, no_ray=True))
+        yield Addresses(services["draft"].address, services["target"].address, services["front"].address), services
+    finally:
+        codes = {name: stop_service(s) for name, s in services.items()}
+    assert codes == dict.fromkeys(services, 0), {n: s.stderr[-2000:] for n, s in services.items()}
+    for name, service in services.items():  # every fuzzed call was answered with a status, none crashed
+        assert "Traceback" not in service.stderr, (name, service.stderr[-4000:])
+
+
+@pytest.fixture(scope="module")
+def fuzzed(deployment):
+    addresses, services = deployment
+    return run_fuzz(addresses, MESSAGES, seed=0, alive=lambda: {n: s.returncode is None for n, s in services.items()})
+
+
+def test_fuzz_gets_only_allowed_codes_and_leaves_the_servers_as_they_were(fuzzed):
+    assert fuzzed["faults"] == 0, fuzzed["fault_examples"]
+    assert fuzzed["processes_alive"] == {"draft": True, "target": True, "front": True}
+    assert fuzzed["sessions_after"] == {"target_sessions": 0, "target_cached_tokens": 0, "draft_sessions": 0,
+                                        "draft_cached_sessions": 0}
+    assert fuzzed["greedy_after"] == fuzzed["greedy_before"]
+    assert len(fuzzed["greedy_after"]["front"]) == len(fuzzed["greedy_after"]["target"]) == 12
+    assert fuzzed["passed"] and fuzzed["messages"] >= MESSAGES
+
+
+def test_fuzz_reached_every_rpc_both_accepted_and_refused(fuzzed):
+    codes = fuzzed["codes_per_rpc"]
+    assert set(codes) == {"Prefill", "Verify", "VerifyBatch", "Commit", "Release", "TargetInfo", "DraftInfo",
+                          "Session", "Generate", "Abort"}
+    for rpc in ("Prefill", "Verify", "VerifyBatch", "Session", "Generate"):
+        assert codes[rpc].get("OK", 0) + codes[rpc].get("CANCELLED", 0) > 0, (rpc, codes[rpc])
+        assert codes[rpc].get("INVALID_ARGUMENT", 0) > 0, (rpc, codes[rpc])
+    assert sum(n for per in codes.values() for n in per.values()) == fuzzed["messages"]
+
+
+def test_a_huge_running_request_id_gets_already_exists_from_the_front(deployment):
+    """Before status messages were cut (specdec.grpc_host.MAX_STATUS_CHARS) the front quoted the whole
+    70,000-character id in ALREADY_EXISTS, past the client's 16 KiB trailer limit: the caller got
+    RESOURCE_EXHAUSTED "Stream removed"."""
+    addresses, _ = deployment
+    request = generation_pb2.GenerateRequest(request_id="r" * 70_000, prompt_ids=[1, 2], max_new_tokens=200,
+                                             ignore_eos=True)
+    with grpc.insecure_channel(addresses.front) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        running = stub.Generate(request, timeout=60)
+        next(running)  # the first id holder is running
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(request, timeout=30))
+        running.cancel()
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS, info.value.details()
+    assert info.value.details().startswith("request_id: 'rrr") and len(info.value.details()) < 1100
+
+
+def test_cli_on_a_running_deployment_writes_json_and_markdown(deployment, tmp_path):
+    addresses, _ = deployment
+    code = main(["--messages", "30", "--seed", "3", "--out", str(tmp_path), "--front", addresses.front,
+                 "--draft", addresses.draft, "--target", addresses.target])
+    result = json.loads((tmp_path / "fuzz.json").read_text())
+    assert code == 0 and result["passed"] and result["seed"] == 3
+    markdown = (tmp_path / "fuzz.md").read_text()
+    assert "| only_allowed_codes | pass |" in markdown and "| Verify |" in markdown
+
+
+def test_descriptor_strategy_reaches_nan_huge_repeats_and_nested_messages():
+    trees = message_strategy(tree_pb2.TokenTree.DESCRIPTOR)
+    assert math.isnan(find(trees, lambda t: any(math.isnan(x) for x in t.draft_logprobs), settings=FIND).draft_logprobs[0])
+    assert len(find(trees, lambda t: len(t.tokens) > 8, settings=FIND).tokens) == 129  # the smallest "huge" repeat
+    nested = find(message_strategy(target_pb2.VerifyBatchRequest.DESCRIPTOR),
+                  lambda m: any(len(item.tree.proposals) for item in m.items), settings=FIND)
+    assert isinstance(nested.items[0], target_pb2.VerifyRequest)
+
+
+def test_mutated_trees_include_cycles_and_ids_outside_the_vocabulary():
+    shape = Shape(vocab=300, context_limit=256, max_tree_nodes=64)
+    cycle = find(token_tree(shape), lambda t: any(p >= i for i, p in enumerate(t.parents)), settings=FIND)
+    assert any(p >= i for i, p in enumerate(cycle.parents))
+    assert 300 in find(token_tree(shape), lambda t: 300 in t.tokens, settings=FIND).tokens
+
+
+def test_checker_counts_internal_and_transport_codes_as_faults():
+    record = Record()
+    record.add("Verify", grpc.StatusCode.INVALID_ARGUMENT, "tree.parents[0]: ...", "req")
+    record.add("Verify", grpc.StatusCode.INTERNAL, "internal error: KeyError", "req")
+    record.add("Commit", grpc.StatusCode.RESOURCE_EXHAUSTED, "Stream removed (received metadata size exceeds ...)", "req")
+    record.add("Generate", grpc.StatusCode.CANCELLED, "", "req")  # not the fuzzer's own cancel: a fault
+    assert record.fault_count == 3 and [f["code"] for f in record.faults] == ["INTERNAL", "RESOURCE_EXHAUSTED", "CANCELLED"]
+    held = {"target_sessions": 1, "target_cached_tokens": 7, "draft_sessions": 0, "draft_cached_sessions": 0}
+    result = summarize(Record(), 1, 1.0, 0, held, {"target": [1]}, {"target": [1]}, {})
+    assert result["checks"]["no_sessions_leaked"] is False and result["passed"] is False
