@@ -141,6 +141,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 self.streams.pop(stream.key, None)
                 self.worker.submit(self.runtime.release, stream.key)
 
+    async def Info(self, request, context) -> draft_pb2.DraftInfoResponse:
+        """Open streams, runtime sessions and their cached KV positions (read on the worker thread,
+        after the jobs queued before it: a release submitted by an ended stream is counted)."""
+        runtime_sessions = await self.worker.run(lambda: list(getattr(self.runtime, "sessions", {}).values()))
+        cached = sum(getattr(s, "cached_len", 0) for s in runtime_sessions)
+        return draft_pb2.DraftInfoResponse(sessions=len(self.streams), runtime_sessions=len(runtime_sessions),
+                                           cached_tokens=cached)
+
     async def _next(self, context):
         """The next request, or None at the end of the stream; aborts UNAVAILABLE when draining."""
         read = asyncio.ensure_future(context.read())

@@ -587,6 +587,24 @@ def test_draft_max_sessions_is_resource_exhausted(servers):
         open_[1].close()
 
 
+def test_draft_info_counts_open_sessions_and_their_kv_until_released(servers):
+    with grpc.insecure_channel(servers["draft"].address) as channel:
+        stub = draft_pb2_grpc.DraftServiceStub(channel)
+        base = stub.Info(draft_pb2.DraftInfoRequest(), timeout=10)
+        assert (base.sessions, base.runtime_sessions, base.cached_tokens) == (0, 0, 0)
+        session = DraftSession(channel)
+        session.start("info", [1, 2, 3, 4, 5, 6])
+        session.propose(TreeSpec.chain(2), max_depth=2)  # runs after the queued prefill: 5 tokens cached
+        during = stub.Info(draft_pb2.DraftInfoRequest(), timeout=10)
+        assert (during.sessions, during.runtime_sessions) == (1, 1) and during.cached_tokens >= 5
+        session.close()
+        deadline = time.monotonic() + 10
+        while (info := stub.Info(draft_pb2.DraftInfoRequest(), timeout=10)).runtime_sessions or info.sessions:
+            assert time.monotonic() < deadline, "the closed stream's session was never released"
+            time.sleep(0.05)
+        assert info.cached_tokens == 0
+
+
 def test_oversize_request_is_resource_exhausted(small_target):
     prefill(small_target, "big", [1, 2, 3])
     huge = tree_pb2.TokenTree(tokens=[1] * 3000, parents=[-1] * 3000)  # ~ 9 KB > 4 KiB

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import tree_pb2 as specdec_dot_v1_dot_tree__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x15specdec/v1/tree.proto\"\x96\x01\n\x0c\x44raftRequest\x12\'\n\x05start\x18\x01 \x01(\x0b\x32\x16.specdec.v1.DraftStartH\x00\x12*\n\x07propose\x18\x02 \x01(\x0b\x32\x17.specdec.v1.TreeRequestH\x00\x12)\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x17.specdec.v1.DraftCommitH\x00\x42\x06\n\x04kind\"b\n\nDraftStart\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\"S\n\x0bTreeRequest\x12\"\n\x04spec\x18\x01 \x01(\x0b\x32\x14.specdec.v1.TreeSpec\x12\x11\n\tmax_depth\x18\x02 \x01(\x05\x12\r\n\x05round\x18\x03 \x01(\x04\"5\n\x0b\x44raftCommit\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x02 \x03(\x05\"p\n\rDraftResponse\x12+\n\x07started\x18\x01 \x01(\x0b\x32\x18.specdec.v1.DraftStartedH\x00\x12*\n\x04tree\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.DraftTreeReplyH\x00\x42\x06\n\x04kind\"<\n\x0c\x44raftStarted\x12\x15\n\rcached_tokens\x18\x01 \x01(\x05\x12\x15\n\rcontext_limit\x18\x02 \x01(\x05\"j\n\x0e\x44raftTreeReply\x12\r\n\x05round\x18\x01 \x01(\x04\x12#\n\x04tree\x18\x02 \x01(\x0b\x32\x15.specdec.v1.TokenTree\x12\x10\n\x08\x64raft_ms\x18\x03 \x01(\x01\x12\x12\n\nbatch_size\x18\x04 \x01(\x05\x32R\n\x0c\x44raftService\x12\x42\n\x07Session\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x15specdec/v1/tree.proto\"\x96\x01\n\x0c\x44raftRequest\x12\'\n\x05start\x18\x01 \x01(\x0b\x32\x16.specdec.v1.DraftStartH\x00\x12*\n\x07propose\x18\x02 \x01(\x0b\x32\x17.specdec.v1.TreeRequestH\x00\x12)\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x17.specdec.v1.DraftCommitH\x00\x42\x06\n\x04kind\"b\n\nDraftStart\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\"S\n\x0bTreeRequest\x12\"\n\x04spec\x18\x01 \x01(\x0b\x32\x14.specdec.v1.TreeSpec\x12\x11\n\tmax_depth\x18\x02 \x01(\x05\x12\r\n\x05round\x18\x03 \x01(\x04\"5\n\x0b\x44raftCommit\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x02 \x03(\x05\"p\n\rDraftResponse\x12+\n\x07started\x18\x01 \x01(\x0b\x32\x18.specdec.v1.DraftStartedH\x00\x12*\n\x04tree\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.DraftTreeReplyH\x00\x42\x06\n\x04kind\"<\n\x0c\x44raftStarted\x12\x15\n\rcached_tokens\x18\x01 \x01(\x05\x12\x15\n\rcontext_limit\x18\x02 \x01(\x05\"j\n\x0e\x44raftTreeReply\x12\r\n\x05round\x18\x01 \x01(\x04\x12#\n\x04tree\x18\x02 \x01(\x0b\x32\x15.specdec.v1.TokenTree\x12\x10\n\x08\x64raft_ms\x18\x03 \x01(\x01\x12\x12\n\nbatch_size\x18\x04 \x01(\x05\"\x12\n\x10\x44raftInfoRequest\"V\n\x11\x44raftInfoResponse\x12\x10\n\x08sessions\x18\x01 \x01(\x05\x12\x18\n\x10runtime_sessions\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x03\x32\x97\x01\n\x0c\x44raftService\x12\x42\n\x07Session\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse(\x01\x30\x01\x12\x43\n\x04Info\x12\x1c.specdec.v1.DraftInfoRequest\x1a\x1d.specdec.v1.DraftInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,6 +46,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTSTARTED']._serialized_end=628
   _globals['_DRAFTTREEREPLY']._serialized_start=630
   _globals['_DRAFTTREEREPLY']._serialized_end=736
-  _globals['_DRAFTSERVICE']._serialized_start=738
-  _globals['_DRAFTSERVICE']._serialized_end=820
+  _globals['_DRAFTINFOREQUEST']._serialized_start=738
+  _globals['_DRAFTINFOREQUEST']._serialized_end=756
+  _globals['_DRAFTINFORESPONSE']._serialized_start=758
+  _globals['_DRAFTINFORESPONSE']._serialized_end=844
+  _globals['_DRAFTSERVICE']._serialized_start=847
+  _globals['_DRAFTSERVICE']._serialized_end=998
 # @@protoc_insertion_point(module_scope)

@@ -72,3 +72,17 @@ class DraftTreeReply(_message.Message):
     draft_ms: float
     batch_size: int
     def __init__(self, round: _Optional[int] = ..., tree: _Optional[_Union[_tree_pb2.TokenTree, _Mapping]] = ..., draft_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+
+class DraftInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DraftInfoResponse(_message.Message):
+    __slots__ = ("sessions", "runtime_sessions", "cached_tokens")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    sessions: int
+    runtime_sessions: int
+    cached_tokens: int
+    def __init__(self, sessions: _Optional[int] = ..., runtime_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...

@@ -39,12 +39,23 @@ class DraftServiceStub:
                 request_serializer=specdec_dot_v1_dot_draft__pb2.DraftRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_draft__pb2.DraftResponse.FromString,
                 _registered_method=True)
+        self.Info = channel.unary_unary(
+                '/specdec.v1.DraftService/Info',
+                request_serializer=specdec_dot_v1_dot_draft__pb2.DraftInfoRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_draft__pb2.DraftInfoResponse.FromString,
+                _registered_method=True)
 
 
 class DraftServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Session(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Info(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -57,6 +68,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=specdec_dot_v1_dot_draft__pb2.DraftRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_draft__pb2.DraftResponse.SerializeToString,
+            ),
+            'Info': grpc.unary_unary_rpc_method_handler(
+                    servicer.Info,
+                    request_deserializer=specdec_dot_v1_dot_draft__pb2.DraftInfoRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_draft__pb2.DraftInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +102,33 @@ class DraftService:
             '/specdec.v1.DraftService/Session',
             specdec_dot_v1_dot_draft__pb2.DraftRequest.SerializeToString,
             specdec_dot_v1_dot_draft__pb2.DraftResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Info(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.DraftService/Info',
+            specdec_dot_v1_dot_draft__pb2.DraftInfoRequest.SerializeToString,
+            specdec_dot_v1_dot_draft__pb2.DraftInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
