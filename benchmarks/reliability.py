@@ -33,8 +33,10 @@ Parts (each writes ``reliability_<part>.json`` and ``reliability_<part>.md`` und
   equal their solo run, and the tokens a stopped greedy request got must be a prefix of it.
 - ``chaos``: ``--clients`` closed-loop clients (each request with deadline ``--deadline-s``) while
   this script SIGKILLs and restarts the draft service, SIGKILLs one orchestrator Ray actor worker
-  (Ray restarts it), then SIGKILLs the target service and restarts it on the same port. Each request
-  is classified by the disruption it overlapped (draft / actor / target / none) and its outcome is
+  (Ray restarts it), then SIGKILLs the target service and restarts it on the same port, with
+  ``--settle-s`` of load before each kill and after the last. Each request is classified by the
+  disruption window it overlapped (draft / actor / target / none; a window runs from the kill until
+  the part is back, plus 1.5 s for the front's channels to reconnect) and its outcome is
   counted (completed equal to its solo run, completed different, UNAVAILABLE, other status, hung:
   no end by deadline + ``--hang-grace-s``). Properties: none hung, no wrong output, requests that
   overlapped no disruption or only the draft's completed, requests on the killed target completed
@@ -476,33 +478,53 @@ class Disruption:
     kind: str  # "draft" | "actor" | "target"
     start_s: float
     end_s: float
-    restart_s: float | None = None  # seconds the restart took (None: Ray restarts actors itself)
+    restart_s: float  # seconds until it was back (a service restarted here; an actor worker restarted by Ray)
 
 
 async def chaos_script(args, dep: LocalDeployment, clock) -> list[Disruption]:
-    """Kill and restart the draft, kill one actor worker, kill and restart the target, in turn."""
+    """Kill and restart the draft, kill one actor worker, kill and restart the target, in turn, with
+    ``settle_s`` of load before each kill and after the last. A window ends ``RECONNECT_GRACE_S``
+    after the part is back (service ready again; Ray's actor worker count restored)."""
     windows = []
-    await asyncio.sleep(args.settle_s)
     for kind in ("draft", "actor", "target"):
         if kind == "actor" and args.no_ray:
             continue
-        start = clock()
-        if kind == "actor":
-            pids = dep.actor_pids()
-            if not pids:
-                raise RuntimeError("no ray::OrchestratorActor worker found under the front process")
-            log(f"chaos: SIGKILL actor worker {pids[0]} (of {pids})")
-            os.kill(pids[0], signal.SIGKILL)
-            restart_s = None
-        else:
-            log(f"chaos: SIGKILL the {kind} service")
-            dep.kill(kind)
-            await asyncio.sleep(args.down_s)
-            restart_s = await asyncio.to_thread(dep.restart, kind)
-            log(f"chaos: {kind} restarted in {restart_s:.1f} s")
         await asyncio.sleep(args.settle_s)
+        start = clock()
+        restart_s = await (kill_actor(dep) if kind == "actor" else kill_service(args, dep, kind))
+        await asyncio.sleep(RECONNECT_GRACE_S)
         windows.append(Disruption(kind, start, clock(), restart_s))
+    await asyncio.sleep(args.settle_s)
     return windows
+
+
+RECONNECT_GRACE_S = 1.5  # the front's channels retry a restarted service within ~1 s (clients.channel_options)
+
+
+async def kill_service(args, dep: LocalDeployment, kind: str) -> float:
+    """SIGKILL the draft or target, wait ``down_s``, restart it; returns the restart's seconds."""
+    log(f"chaos: SIGKILL the {kind} service")
+    dep.kill(kind)
+    await asyncio.sleep(args.down_s)
+    restart_s = await asyncio.to_thread(dep.restart, kind)
+    log(f"chaos: {kind} restarted in {restart_s:.1f} s")
+    return restart_s
+
+
+async def kill_actor(dep: LocalDeployment, timeout_s: float = 60.0) -> float:
+    """SIGKILL one orchestrator actor worker; returns the seconds until Ray had as many workers again."""
+    pids = dep.actor_pids()
+    if not pids:
+        raise RuntimeError("no ray::OrchestratorActor worker found under the front process")
+    log(f"chaos: SIGKILL actor worker {pids[0]} (of {pids})")
+    started = time.monotonic()
+    os.kill(pids[0], signal.SIGKILL)
+    while (now := dep.actor_pids()) == pids or len(now) < len(pids):
+        if time.monotonic() - started > timeout_s:
+            raise RuntimeError(f"Ray did not restart the killed actor worker in {timeout_s:.0f} s")
+        await asyncio.sleep(0.1)
+    log(f"chaos: actor worker back after {time.monotonic() - started:.1f} s")
+    return time.monotonic() - started
 
 
 def overlapped(out: Outcome, windows: list[Disruption]) -> str:
@@ -614,7 +636,7 @@ def markdown(part: str, result: dict) -> str:
             lines.append(f"| {window} | " + " | ".join(str(row.get(v, 0)) for v in verdicts) + " |")
         lines += ["", "| disruption | start_s | end_s | restart_s |", "|---|---|---|---|"]
         for w in result[part]["windows"]:
-            lines.append(f"| {w['kind']} | {w['start_s']:.1f} | {w['end_s']:.1f} | {w['restart_s'] or '-'} |")
+            lines.append(f"| {w['kind']} | {w['start_s']:.1f} | {w['end_s']:.1f} | {w['restart_s']:.1f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -13,6 +13,9 @@ open streams RESOURCE_EXHAUSTED, the draft's context limit reached FAILED_PRECON
 the stream, its cancellation, an error or a shutdown release the session's KV. While the server
 drains, a stream waiting for its next message ends with UNAVAILABLE.
 
+``Info`` answers the open streams, the runtime sessions still holding KV and their committed cached
+tokens (all 0 once every stream has ended and its release ran: leak checks from outside).
+
 Each stream gets its own runtime session (keyed by a server-side id), so two streams that reuse a
 session_id (a re-opened session while the old stream is still closing) never share a cache.
 
