@@ -431,13 +431,18 @@ async def run_soak(args, endpoints: Endpoints, deployment: LocalDeployment | Non
     pool = prompt_pool(rng, args.prompt_lengths, args.prompts_per_length, args.vocab)
     plans = make_plans(rng, args.requests, pool, args, "soak")
     client = Client(endpoints.front, endpoints.credentials, endpoints.token, args.hang_grace_s)
+    trace, stop = None, asyncio.Event()
     try:
         refs = await client.references(plans)  # also the warm-up
         rss_before = deployment.rss_bytes() if deployment else None
         base = await service_counts(endpoints)
         client.t0 = time.monotonic()
+        if deployment:
+            trace = asyncio.ensure_future(rss_trace(deployment, client, args.rss_every_s, stop))
         outcomes = await run_closed_loop(client, plans, args.concurrency)
     finally:
+        stop.set()
+        rss_samples = await trace if trace is not None else []
         await client.close()
     after, settle_s = await counts_back_to_zero(endpoints, args.settle_s)
     rss_after = deployment.rss_bytes() if deployment else None
@@ -451,8 +456,30 @@ async def run_soak(args, endpoints: Endpoints, deployment: LocalDeployment | Non
             "greedy_mismatches": len(wrong), "mismatched_ids": wrong, **latency_figures(outcomes),
             "wall_s": max(o.end_s for o in outcomes), "counts_baseline": base, "counts_end": after,
             "settle_s": settle_s, "rss_baseline_bytes": rss_before, "rss_end_bytes": rss_after,
-            "rss_growth_bytes": growth,
+            "rss_growth_bytes": growth, "rss_growth_second_half_bytes": second_half_growth(rss_samples, rss_after),
+            "rss_samples": rss_samples,
             "ok": not any(after.values()) and not wrong and not any(o.status == HUNG for o in outcomes)}
+
+
+async def rss_trace(deployment: LocalDeployment, client: Client, every_s: float, stop: asyncio.Event) -> list[dict]:
+    """RSS of each process every ``every_s`` seconds until ``stop`` is set: [{"t_s": ..., kind: bytes}]."""
+    samples: list[dict] = []
+    while not stop.is_set():
+        samples.append({"t_s": time.monotonic() - client.t0, **deployment.rss_bytes()})
+        try:
+            await asyncio.wait_for(stop.wait(), every_s)
+        except asyncio.TimeoutError:
+            pass
+    return samples
+
+
+def second_half_growth(samples: list[dict], end: dict | None) -> dict | None:
+    """RSS growth from the sample nearest the run's middle to the end: near 0 where memory levels
+    off (caches warming up), about half the total growth where it leaks steadily."""
+    if not samples or end is None:
+        return None
+    middle = min(samples, key=lambda s: abs(s["t_s"] - samples[-1]["t_s"] / 2))
+    return {k: end[k] - middle[k] for k in end}
 
 
 async def run_closed_loop(client: Client, plans: list[Plan], concurrency: int) -> list[Outcome]:
@@ -623,6 +650,8 @@ def markdown(part: str, result: dict) -> str:
     for key, value in result[part].items():
         if isinstance(value, float):
             value = f"{value:.3f}"
+        elif isinstance(value, dict) and key.endswith("_bytes"):
+            key, value = key[: -len("_bytes")] + "_mib", ", ".join(f"{k}: {v / 2**20:.1f}" for k, v in value.items())
         elif isinstance(value, dict) and key != "outcomes_by_window":
             value = ", ".join(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}" for k, v in value.items())
         elif isinstance(value, (list, dict)):
@@ -699,6 +728,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     soak.add_argument("--deadline-rate", type=float, default=0.2)
     soak.add_argument("--short-deadline-s", type=float, default=0.5, help="short deadlines: 0.2..1 x this")
     soak.add_argument("--settle-s", type=float, default=30.0, help="time for sessions to drain to 0 at the end")
+    soak.add_argument("--rss-every-s", type=float, default=5.0, help="RSS sampled this often (own deployment)")
     chaos = sub.add_parser("chaos", help="kill and restart the draft, an actor and the target under load")
     chaos.add_argument("--clients", type=int, default=8)
     chaos.add_argument("--down-s", type=float, default=1.0, help="a killed service stays down this long")

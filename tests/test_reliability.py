@@ -77,7 +77,7 @@ def test_cli_load_against_a_running_front_writes_json_and_markdown(deployment, t
 def test_soak_short_returns_sessions_and_kv_to_zero(deployment):
     figures = run_part(["soak", "--requests", "40", "--concurrency", "4", "--abort-rate", "0.3", "--deadline-rate", "0.3",
                         "--short-deadline-s", "0.4", "--abort-within-s", "0.3", "--max-new-tokens", "24",
-                        "--settle-s", "20"], deployment)
+                        "--settle-s", "20", "--rss-every-s", "1"], deployment)
     statuses = figures["statuses"]
     assert figures["hung"] == 0 and "HUNG" not in statuses
     # the stops really happened: aborted by RPC (stop reason "aborted") or by the client, deadlines passed
@@ -90,6 +90,7 @@ def test_soak_short_returns_sessions_and_kv_to_zero(deployment):
     assert not any(end.values()), end
     assert set(figures["rss_growth_bytes"]) == {"front", "actors", "draft", "target"}
     assert figures["rss_baseline_bytes"]["actors"] > 0  # the actor workers were found and measured
+    assert figures["rss_samples"] and set(figures["rss_growth_second_half_bytes"]) == set(figures["rss_growth_bytes"])
     assert figures["ok"] is True
 
 
