@@ -15,6 +15,9 @@ open streams RESOURCE_EXHAUSTED, the draft's context limit reached FAILED_PRECON
 the stream, its cancellation, an error or a shutdown release the session's KV. While the server
 drains, a stream waiting for its next message ends with UNAVAILABLE.
 
+``Info`` answers the open streams, the runtime sessions still holding KV and their committed cached
+tokens (all 0 once every stream has ended and its release ran: leak checks from outside).
+
 Each stream gets its own runtime session (keyed by a server-side id), so two streams that reuse a
 session_id (a re-opened session while the old stream is still closing) never share a cache.
 
@@ -144,12 +147,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 self.worker.submit(self.runtime.release, stream.key)
 
     @rpc_errors()
-    async def Info(self, request, context):
-        """Open streams, and the sessions whose KV the runtime holds once the releases queued before
-        this call have run (counted on the worker thread, behind them)."""
-        cached = await self.worker.run(lambda: len(getattr(self.runtime, "sessions", {})))
-        return draft_pb2.DraftInfoResponse(sessions=len(self.streams), cached_sessions=cached,
-                                           context_limit=self.context_limit)
+    async def Info(self, request, context) -> draft_pb2.DraftInfoResponse:
+        """Open streams, the sessions whose KV the runtime holds and their cached KV positions, read
+        on the worker thread behind the jobs queued before this call (a release submitted by an ended
+        stream is counted); the draft's context limit."""
+        held = await self.worker.run(lambda: list(getattr(self.runtime, "sessions", {}).values()))
+        return draft_pb2.DraftInfoResponse(sessions=len(self.streams), cached_sessions=len(held),
+                                           context_limit=self.context_limit,
+                                           cached_tokens=sum(getattr(s, "cached_len", 0) for s in held))
 
     async def _next(self, context):
         """The next request, or None at the end of the stream; aborts UNAVAILABLE when draining."""

@@ -425,28 +425,6 @@ def test_info(info, pair, reference):
     assert info.model == str(pair.target) and info.tensor_parallel == 1
 
 
-def _draft_info_settled(stub, sessions: int, timeout_s: float = 10.0) -> draft_pb2.DraftInfoResponse:
-    """DraftService.Info once it reports ``sessions`` open streams (a closed stream's release runs after its end)."""
-    deadline = time.monotonic() + timeout_s
-    while (info := stub.Info(draft_pb2.DraftInfoRequest(), timeout=10)).sessions != sessions and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return info
-
-
-def test_draft_info_counts_open_sessions_and_their_kv(servers, info):
-    with grpc.insecure_channel(servers["draft"].address) as channel:
-        stub = draft_pb2_grpc.DraftServiceStub(channel)
-        before = _draft_info_settled(stub, 0)
-        assert (before.sessions, before.cached_sessions, before.context_limit) == (0, 0, 256)
-        session = DraftSession(channel)
-        session.start("info-1", random_prompt(500, length=5, vocab=info.vocab_size))
-        assert (stub.Info(draft_pb2.DraftInfoRequest(), timeout=10).sessions,
-                stub.Info(draft_pb2.DraftInfoRequest(), timeout=10).cached_sessions) == (1, 1)
-        session.close()
-        after = _draft_info_settled(stub, 0)
-        assert (after.sessions, after.cached_sessions) == (0, 0)
-
-
 # ----------------------------------------------------------------------------------------------
 # Bad input: clear status, the session stays usable
 # ----------------------------------------------------------------------------------------------
@@ -623,6 +601,24 @@ def test_draft_max_sessions_is_resource_exhausted(servers):
                 time.sleep(0.1)
         again.close()
         open_[1].close()
+
+
+def test_draft_info_counts_open_sessions_and_their_kv_until_released(servers):
+    with grpc.insecure_channel(servers["draft"].address) as channel:
+        stub = draft_pb2_grpc.DraftServiceStub(channel)
+        base = stub.Info(draft_pb2.DraftInfoRequest(), timeout=10)
+        assert (base.sessions, base.cached_sessions, base.cached_tokens, base.context_limit) == (0, 0, 0, 256)
+        session = DraftSession(channel)
+        session.start("info", [1, 2, 3, 4, 5, 6])
+        session.propose(TreeSpec.chain(2), max_depth=2)  # runs after the queued prefill: 5 tokens cached
+        during = stub.Info(draft_pb2.DraftInfoRequest(), timeout=10)
+        assert (during.sessions, during.cached_sessions) == (1, 1) and during.cached_tokens >= 5
+        session.close()
+        deadline = time.monotonic() + 10
+        while (info := stub.Info(draft_pb2.DraftInfoRequest(), timeout=10)).cached_sessions or info.sessions:
+            assert time.monotonic() < deadline, "the closed stream's session was never released"
+            time.sleep(0.05)
+        assert info.cached_tokens == 0
 
 
 def test_oversize_request_is_resource_exhausted(small_target):

@@ -78,11 +78,13 @@ class DraftInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftInfoResponse(_message.Message):
-    __slots__ = ("sessions", "cached_sessions", "context_limit")
+    __slots__ = ("sessions", "cached_sessions", "context_limit", "cached_tokens")
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CACHED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     sessions: int
     cached_sessions: int
     context_limit: int
-    def __init__(self, sessions: _Optional[int] = ..., cached_sessions: _Optional[int] = ..., context_limit: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, sessions: _Optional[int] = ..., cached_sessions: _Optional[int] = ..., context_limit: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
