@@ -3,6 +3,7 @@
     python benchmarks/reliability.py load  --clients 64 --out bench_out/reliability      # tiny models, own deployment
     python benchmarks/reliability.py soak  --requests 1000 --concurrency 4 --abort-rate 0.2 --deadline-rate 0.2
     python benchmarks/reliability.py chaos --clients 8
+    python benchmarks/reliability.py fuzz  --messages 10000 --out bench_out/reliability  # reliability_fuzz.py
     python benchmarks/reliability.py load  --front HOST:PORT [--target HOST:PORT --draft HOST:PORT] \\
         [--tls-ca ca.pem --tls-cert client.pem --tls-key client.key --auth-token-file tokens]   # your deployment
 
@@ -677,8 +678,8 @@ def write_report(out_dir: Path, part: str, result: dict) -> None:
 
 # ----------------------------------------------------------------------------------------- CLI
 
-# Parts: name -> runner(args, endpoints, deployment or None) -> figures. benchmarks/reliability_fuzz.py
-# (the fuzz part) is a separate script.
+# Parts: name -> runner(args, endpoints, deployment or None) -> figures. The fuzz part is
+# benchmarks/reliability_fuzz.py (``reliability.py fuzz ARGS`` runs it with its own arguments).
 PARTS = {"load": run_load, "soak": run_soak, "chaos": run_chaos}
 
 
@@ -718,6 +719,8 @@ def common_options(p: argparse.ArgumentParser) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="part", required=True)
+    sub.add_parser("fuzz", help="random and mutated messages against every RPC (benchmarks/reliability_fuzz.py; "
+                   "`fuzz --help` for its options)", add_help=False)
     load = sub.add_parser("load", help="concurrent streaming clients")
     load.add_argument("--clients", type=int, default=64)
     soak = sub.add_parser("soak", help="requests back to back with aborts and short deadlines")
@@ -753,6 +756,12 @@ def endpoints_from(args) -> Endpoints:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["fuzz"]:  # the fuzz part: benchmarks/reliability_fuzz.py, beside this script
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import reliability_fuzz
+
+        return reliability_fuzz.main(argv[1:])
     args = parse_args(argv)
     deployment = None
     with tempfile.TemporaryDirectory(prefix="reliability-") as workdir:
