@@ -341,9 +341,16 @@ class LocalDeployment:
                       "fallback": {"reconnect_s": 0.5}},
         }
         dep.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        draft, target = dep._launch("draft"), dep._launch("target")
-        dep.services.update(draft=wait_ready(draft), target=wait_ready(target))
-        dep.services["front"] = wait_ready(launch_service("front", dep.config_path), timeout_s=300)
+        launched = []
+        try:
+            launched += [dep._launch("draft"), dep._launch("target")]
+            dep.services.update(draft=wait_ready(launched[0]), target=wait_ready(launched[1]))
+            launched.append(launch_service("front", dep.config_path))
+            dep.services["front"] = wait_ready(launched[-1], timeout_s=300)
+        except BaseException:  # a service that did not start: stop the others, leave nothing running
+            for service in launched:
+                stop_service(service, timeout_s=30)
+            raise
         return dep
 
     @property
@@ -633,6 +640,7 @@ def chaos_figures(args, outcomes: list[Outcome], windows: list[Disruption], tabl
     clean = {"completed_equal"}
     ok = ("HUNG" not in verdicts and "completed_different" not in verdicts
           and set(table.get("none", {})) <= clean and set(table.get("draft", {})) <= clean
+          and set(table.get("actor", {})) <= clean  # a killed actor's requests fail over (orchestrator.failover)
           and set(table.get("target", {})) <= clean | {"UNAVAILABLE"} and recovery["serves_again"])
     return {"clients": args.clients, "deadline_s": args.deadline_s, "down_s": args.down_s, "settle_s": args.settle_s,
             "requests": len(outcomes), "windows": [asdict(w) for w in windows], "outcomes_by_window": table,

@@ -103,13 +103,14 @@ class RayBackend:
     PROBE_INTERVAL_S = 0.5  # a failed actor is asked for ``ready`` this often until it answers (Ray restarts it)
     RECOVERY_WAIT_S = 30.0  # with every actor failed, a request waits this long at most for one to answer
 
-    async def _pick(self, time_left_s: float | None) -> int:
+    async def _pick(self, time_left_s: float | None, request_id: str | None = None) -> int:
         """The least-loaded actor, among those that did not fail or answered again since. While
         every actor is failed, wait for one (at most RECOVERY_WAIT_S and time_left_s, the request's
-        time left), then take the least-loaded of all."""
+        time left; an abort of ``request_id`` ends the wait), then take the least-loaded of all."""
         wait_s = self.RECOVERY_WAIT_S if time_left_s is None else min(self.RECOVERY_WAIT_S, time_left_s)
         until = time.monotonic() + wait_s
-        while len(self.failed) == len(self.actors) and time.monotonic() < until:
+        while (len(self.failed) == len(self.actors) and time.monotonic() < until
+               and request_id not in self.aborted):
             await asyncio.sleep(0.05)
         healthy = [i for i in self.inflight if i not in self.failed] or list(self.inflight)
         return min(healthy, key=self.inflight.get)
@@ -151,15 +152,17 @@ class RayBackend:
         self.owner[request_id] = None  # between actors: ``abort`` marks it for the next part to end it
         try:
             while True:
-                if request_id in self.aborted:
+                index = await self._pick(progress.time_left_s(), request_id)
+                if request_id in self.aborted:  # aborted between actors (also while _pick waited)
                     yield [], None, progress.final(GenerationStats(stop_reason="aborted"))
                     return
-                index = await self._pick(progress.time_left_s())
                 try:
                     async with contextlib.aclosing(self._part(index, progress, request_id, carrier)) as part:
                         async for tokens, record, stats in part:  # closed at once when the client goes
                             progress.record(tokens, record)
                             yield tokens, record, None if stats is None else progress.final(stats)
+                            if stats is not None:  # the final chunk is out: an actor dying now changes nothing
+                                return
                     return
                 except ray.exceptions.RayActorError as exc:  # ActorUnavailableError included
                     self._mark_failed(index)
@@ -188,10 +191,11 @@ class RayBackend:
             raise UpstreamError("DEADLINE_EXCEEDED", f"deadline of {progress.timeout_s} s passed before a fail-over")
         actor = self.actors[index]
         self.inflight[index] += 1
-        self.owner[request_id] = actor  # the front refuses a second running request with this id
-        gen = actor.stream.options(num_returns="streaming").remote(progress.next_part(), request_id, time_left_s, carrier)
-        finished = False
+        gen, finished = None, False
         try:
+            self.owner[request_id] = actor  # the front refuses a second running request with this id
+            gen = actor.stream.options(num_returns="streaming").remote(progress.next_part(), request_id, time_left_s,
+                                                                      carrier)
             async for ref in gen:
                 chunk = await ref
                 finished = chunk[2] is not None
@@ -201,7 +205,7 @@ class RayBackend:
         finally:
             self.inflight[index] -= 1
             self.owner[request_id] = None
-            if not finished:
+            if gen is not None and not finished:
                 try:
                     ray.cancel(gen)
                 except Exception:  # noqa: BLE001 - the actor is gone; nothing left to cancel

@@ -11,9 +11,12 @@ read once and never again; 7.5 GB once the remaining views are copied and the ma
     drop_checkpoint_pages([linear.weight])   # after packing it: its pages leave this process
     own_weights(model)                       # after pre-packing / quantizing: nothing views the file
 
-Dropping is ``madvise(MADV_DONTNEED)`` on the private, read-only file mapping only (found in
-``/proc/self/maps``), where it is always safe: a page read again is re-read from the file, never
-zeroed. Anonymous memory is never touched. Elsewhere than Linux both functions do nothing; so do
+Dropping is ``madvise(MADV_DONTNEED)`` on the checkpoint's file mapping only (found in
+``/proc/self/maps``), never on anonymous memory. The mapping is private (copy-on-write): a page that
+was only read is re-read from the file when used again, so its values never change; a page written
+in place would go back to the file's bytes. So only the pages of tensors being discarded
+(``drop_checkpoint_pages``: whole pages inside them) or already copied out (``own_weights``: the
+mappings the model itself viewed) are dropped; nothing here writes to a mapped tensor. Elsewhere than Linux both functions do nothing; so do
 they for tensor-parallel shards (DTensor), which transformers loads as slices of the file.
 """
 
@@ -45,17 +48,25 @@ def checkpoint_ranges() -> list[tuple[int, int]]:
     return ranges
 
 
-def _overlap(tensor: torch.Tensor, ranges) -> tuple[int, int] | None:
-    """The page-aligned part of a mapped range that ``tensor``'s bytes lie in, or None."""
+def _mapping_of(tensor: torch.Tensor, ranges) -> tuple[int, int] | None:
+    """The mapped checkpoint range ``tensor``'s bytes start in, or None (not a mapped CPU tensor)."""
     if type(tensor).__name__ == "DTensor" or tensor.device.type != "cpu" or tensor.numel() == 0 or tensor.is_mkldnn:
         return None
     start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    for lo, hi in ranges:
-        if lo <= start < hi:
-            page = mmap.PAGESIZE
-            return max(lo, start - start % page), min(hi, -(-end // page) * page)
-    return None
+    return next(((lo, hi) for lo, hi in ranges if lo <= start < hi), None)
+
+
+def _whole_pages(tensor: torch.Tensor, ranges) -> tuple[int, int] | None:
+    """[start, end) of the whole pages that lie inside ``tensor``'s bytes in a mapped checkpoint (a
+    page it shares with a neighbouring tensor is left alone), or None."""
+    mapping = _mapping_of(tensor, ranges)
+    if mapping is None:
+        return None
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr()
+    end = min(mapping[1], start + tensor.numel() * tensor.element_size())
+    first, last = -(-start // page) * page, end - end % page
+    return (first, last) if first < last else None
 
 
 def _libc():
@@ -72,7 +83,7 @@ def drop_checkpoint_pages(tensors: Iterable[torch.Tensor], ranges=None) -> int:
         return 0
     libc, advised = _libc(), 0
     for tensor in tensors:
-        span = _overlap(tensor, ranges)
+        span = _whole_pages(tensor, ranges)
         if span is not None and libc.madvise(ctypes.c_void_p(span[0]), ctypes.c_size_t(span[1] - span[0]),
                                              MADV_DONTNEED) == 0:
             advised += span[1] - span[0]
@@ -81,22 +92,25 @@ def drop_checkpoint_pages(tensors: Iterable[torch.Tensor], ranges=None) -> int:
 
 def own_weights(model: torch.nn.Module) -> int:
     """Copy every CPU parameter and buffer of ``model`` that still views a mapped checkpoint into
-    process memory, then drop every resident page of the mapped checkpoints; returns the bytes copied.
+    process memory, then drop the resident pages of the mappings it viewed; returns the bytes copied.
 
     Tied parameters (one Parameter object in several modules) are copied once and stay tied.
     """
     ranges = checkpoint_ranges()
     if not ranges:
         return 0
-    copied = 0
+    copied, viewed = 0, set()
     with torch.no_grad():
         for tensor in list(model.parameters()) + list(model.buffers()):
-            if _overlap(tensor, ranges) is not None:
+            mapping = _mapping_of(tensor, ranges)
+            if mapping is not None:
+                viewed.add(mapping)
                 old = tensor.data
                 tensor.data = old.clone()
-                drop_checkpoint_pages([old], ranges)
                 copied += old.numel() * old.element_size()
-    _drop_ranges(ranges)  # pages read through modules already replaced (a view may outlive them until gc)
+    # The mappings this model viewed: also the pages read through modules already replaced (pre-packed
+    # or quantized linears), which a stale view may keep mapped until the garbage collector runs.
+    _drop_ranges(viewed)
     return copied
 
 

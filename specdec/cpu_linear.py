@@ -66,7 +66,10 @@ def prepack_linears(model: nn.Module) -> int:
         if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu"
     ]
     ranges = checkpoint_ranges()
+    replaced = {id(child.weight) for _, _, child in targets}
+    kept = {p.data_ptr() for p in model.parameters() if id(p) not in replaced}  # e.g. an embedding a head is tied to
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
-        drop_checkpoint_pages([child.weight], ranges)
+        if child.weight.data_ptr() not in kept:
+            drop_checkpoint_pages([child.weight], ranges)
     return len(targets)

@@ -10,7 +10,8 @@ the way vLLM sizes its KV blocks from ``gpu_memory_utilization``:
 - KV bytes per token: 2 (K and V) x layers x KV heads x head dim x element size, over all
   tensor-parallel ranks (Qwen2.5-1.5B in float32: 2 x 28 x 2 x 128 x 4 = 57,344 bytes).
 - Free memory, CPU: the smaller of the machine's MemAvailable (/proc/meminfo) and what the process's
-  cgroup (a container's memory limit, v2 or v1) has left. CUDA: ``torch.cuda.mem_get_info`` of the
+  cgroup (a container's memory limit, v2 or v1; its own cgroup first) has left, not counting the
+  inactive file cache the kernel reclaims first. CUDA: ``torch.cuda.mem_get_info`` of the
   first device, times the number of ranks (each holds its share of the heads).
 - The default fraction, 0.7, leaves headroom for what the budget does not count: verification's
   activations and attention masks, the draft and front when they share the machine.
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 FALLBACK_KV_TOKENS = 1 << 20  # the former fixed default
 _CGROUP_V2 = Path("/sys/fs/cgroup")
 _CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+_PROC_CGROUP = Path("/proc/self/cgroup")
 
 
 def kv_bytes_per_token(config, element_size: int) -> int:
@@ -48,13 +50,44 @@ def _read_int(path: Path) -> int | None:
     return int(text) if text.isdigit() else None  # "max" (no limit) -> None
 
 
+def _cgroup_dirs() -> list[tuple[Path, str, str, str]]:
+    """(folder, limit file, usage file, inactive-file key of memory.stat) to try, the process's own
+    cgroup first (from /proc/self/cgroup: v2 "0::/path", v1 "N:memory:/path"), then the mount roots
+    (a container with its own cgroup namespace sees its cgroup there)."""
+    v2, v1 = ("memory.max", "memory.current", "inactive_file"), ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                                  "total_inactive_file")
+    own = []
+    try:
+        for line in _PROC_CGROUP.read_text().splitlines():
+            hierarchy, controllers, path = line.split(":", 2)
+            if hierarchy == "0" and path.strip("/"):
+                own.append((_CGROUP_V2 / path.strip("/"), *v2))
+            elif "memory" in controllers.split(",") and path.strip("/"):
+                own.append((_CGROUP_V1 / path.strip("/"), *v1))
+    except (OSError, ValueError):
+        pass
+    return own + [(_CGROUP_V2, *v2), (_CGROUP_V1, *v1)]
+
+
+def _stat(path: Path, key: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key and value.strip().isdigit():
+                return int(value)
+    except OSError:
+        pass
+    return 0
+
+
 def cgroup_free_bytes() -> int | None:
-    """Memory the process's cgroup may still use (limit - usage), or None without a limit."""
-    for limit_file, usage_file in ((_CGROUP_V2 / "memory.max", _CGROUP_V2 / "memory.current"),
-                                   (_CGROUP_V1 / "memory.limit_in_bytes", _CGROUP_V1 / "memory.usage_in_bytes")):
-        limit, usage = _read_int(limit_file), _read_int(usage_file)
+    """Memory the process's cgroup may still use, or None without a limit: limit - (usage - inactive
+    file cache), since the kernel reclaims that cache (e.g. the checkpoint just read) before it
+    refuses memory."""
+    for folder, limit_name, usage_name, inactive_key in _cgroup_dirs():
+        limit, usage = _read_int(folder / limit_name), _read_int(folder / usage_name)
         if limit is not None and usage is not None and limit < (1 << 60):  # v1 writes a huge number for "none"
-            return max(0, limit - usage)
+            return max(0, limit - max(0, usage - _stat(folder / "memory.stat", inactive_key)))
     return None
 
 
@@ -88,5 +121,7 @@ def resolve_max_kv_tokens(setting: int | str, fraction: float, bytes_per_token: 
     if setting != "auto":
         return int(setting)
     if not bytes_per_token or free_bytes is None:
+        log.warning("max_kv_tokens auto: free memory or KV bytes per token unknown; %d slots (set "
+                    "target.max_kv_tokens to size it)", FALLBACK_KV_TOKENS)
         return FALLBACK_KV_TOKENS
     return max(1, int(fraction * free_bytes) // bytes_per_token)

@@ -73,7 +73,8 @@ class TargetRuntime:
 
     @property
     def device(self) -> str:
-        return self.model.device.type
+        """The model's device, e.g. "cpu" or "cuda:1" (where the KV cache grows)."""
+        return str(self.model.device)
 
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams = GREEDY) -> None:
         """Prefill all prompt tokens but the last, which becomes the root R. prompt_ids: [T], T >= 1;

@@ -126,6 +126,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.config = config
         self.max_kv_tokens = self._kv_budget(runtime, config)
         self.sessions = TargetSessions(self.max_kv_tokens, context_limit, config.session_idle_s)
+        self._warn_small_budget()
         self.worker = ModelWorker("target-runtime")
         self.batcher = VerifyBatcher(runtime, self.worker, config.max_batch, config.batch_wait_ms, self.sessions.verified)
         self.health = health
@@ -145,6 +146,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         log.info("target-service: max_kv_tokens auto = %d (%.2f of %s free, %s bytes per token)", budget,
                  config.kv_memory_fraction, f"{free / 2**30:.1f} GiB" if free is not None else "unknown", per_token)
         return budget
+
+    def _warn_small_budget(self) -> None:
+        if self.max_kv_tokens < self.context_limit:
+            log.warning("target-service: max_kv_tokens %d < the context limit %d: one long request can be refused "
+                        "RESOURCE_EXHAUSTED (raise target.kv_memory_fraction or set target.max_kv_tokens)",
+                        self.max_kv_tokens, self.context_limit)
 
     def close(self) -> None:
         self.worker.close()

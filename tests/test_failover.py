@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import logging
 import re
+import time
 
 import pytest
 import torch
@@ -105,17 +106,20 @@ class FakeActor:
     round (the last round carries its stop reason, then the stats), and dies (ActorDiedError) once
     it has streamed ``die_after`` tokens of a part (None = never)."""
 
-    def __init__(self, die_after: int | None = None, abort_dies: bool = False):
+    def __init__(self, die_after: int | None = None, abort_dies: bool = False, die_after_stats: bool = False,
+                 restart_s: float = 0.05):
         self.die_after = die_after
         self.abort_dies = abort_dies
+        self.die_after_stats = die_after_stats  # dies just after sending a part's final stats
+        self.restart_s = restart_s
         self.requests: list[tuple[GenerationRequest, float | None]] = []
         self.aborts: list[str] = []
         self.stream = _Method(self._stream)
         self.abort = _Method(self._abort)
         self.ready = _Method(self._ready)
 
-    async def _ready(self):  # restarted after 50 ms
-        await asyncio.sleep(0.05)
+    async def _ready(self):  # restarted after restart_s
+        await asyncio.sleep(self.restart_s)
         return 64
 
     async def _stream(self, request, request_id, timeout_s, carrier):
@@ -132,6 +136,8 @@ class FakeActor:
             yield _ready((tokens, record, None))
         self._maybe_die(sent)
         yield _ready(([], None, GenerationStats(new_tokens=sent, rounds=len(todo) // 2, stop_reason="max_new_tokens")))
+        if self.die_after_stats:
+            raise ActorDiedError()
 
     def _maybe_die(self, sent: int) -> None:
         if self.die_after is not None and sent >= self.die_after:
@@ -263,11 +269,49 @@ def test_abort_reaches_the_new_actor_or_ends_a_request_failing_over():
     assert asyncio.run(backend.abort("r5")) is False  # over: unknown
 
 
+def test_an_actor_dying_after_its_final_stats_starts_no_other_part():
+    """Found by review: the backend read on after the final chunk, so an actor dying then started a
+    continuation (a request ended by deadline or abort streamed on) or a second final chunk."""
+    first, second = FakeActor(die_after_stats=True), FakeActor()
+    backend = fake_backend(first, second)
+    finals = []
+
+    async def run():
+        async for tokens, _, stats in backend.stream(GenerationRequest(PROMPT, max_new_tokens=len(FULL)), "r6", None, {}):
+            if stats is not None:
+                finals.append(stats)
+
+    asyncio.run(run())
+    assert len(finals) == 1 and finals[0].stop_reason == "max_new_tokens"
+    assert second.requests == [] and backend.owner == {}
+
+
+def test_an_abort_while_waiting_for_a_restarting_actor_ends_the_request():
+    """Found by review: with every actor failed the request waits for one to come back; an Abort in
+    that wait answered True but the request then ran on to max_new_tokens."""
+    only = FakeActor(die_after=2, restart_s=5.0)  # one actor (front.workers: 1), slow to come back
+    backend = fake_backend(only)
+
+    async def run():
+        async def abort_soon():
+            await asyncio.sleep(0.3)  # the actor died at 2 tokens; the request waits in _pick
+            return await backend.abort("r7")
+
+        aborter = asyncio.ensure_future(abort_soon())
+        started = time.monotonic()
+        tokens, stats = await collect(backend.stream(GenerationRequest(PROMPT, max_new_tokens=len(FULL)), "r7", None, {}))
+        return tokens, stats, await aborter, time.monotonic() - started
+
+    tokens, stats, aborted, took_s = asyncio.run(run())
+    assert aborted is True and stats.stop_reason == "aborted" and tokens == FULL[:2]
+    assert len(only.requests) == 1 and took_s < 2.0  # no second part; the wait ended at the abort
+
+
 # ------------------------------------------------------------------------------------------------
 # End to end: real local Ray, real draft and target services
 # ------------------------------------------------------------------------------------------------
 
-N = 120
+N = 400  # long enough that the kill (asynchronous) lands while the request still streams
 
 
 @pytest.fixture(scope="module")
@@ -308,6 +352,9 @@ def run_killing(servicer, loop, request: GenerationRequest, request_id: str, kil
 
     async def run():
         nonlocal kill_after
+        # every actor up (one killed by an earlier test may still be restarting): the fail-over has
+        # somewhere to go at once
+        await asyncio.gather(*(actor.ready.remote() for actor in servicer.backend.actors))
         tokens, stats = [], None
         async for event in servicer.run(request, request_id):
             tokens += event.tokens

@@ -51,6 +51,7 @@ def test_a_container_limit_bounds_free_memory(tmp_path, monkeypatch, version):
         (v1 / "memory.usage_in_bytes").write_text("6442450944\n")
     monkeypatch.setattr(kv_budget, "_CGROUP_V2", v2)
     monkeypatch.setattr(kv_budget, "_CGROUP_V1", v1)
+    monkeypatch.setattr(kv_budget, "_PROC_CGROUP", tmp_path / "no-such-file")
     assert cgroup_free_bytes() == 2 << 30
     monkeypatch.setattr(kv_budget, "host_available_bytes", lambda: 20 << 30)
     assert free_memory_bytes("cpu") == 2 << 30  # the container's 2 GiB, not the host's 20
@@ -63,9 +64,36 @@ def test_no_limit_means_the_host_figure(tmp_path, monkeypatch):
     (tmp_path / "memory.current").write_text("123\n")
     monkeypatch.setattr(kv_budget, "_CGROUP_V2", tmp_path)
     monkeypatch.setattr(kv_budget, "_CGROUP_V1", tmp_path / "none")
+    monkeypatch.setattr(kv_budget, "_PROC_CGROUP", tmp_path / "no-such-file")
     assert cgroup_free_bytes() is None
     monkeypatch.setattr(kv_budget, "host_available_bytes", lambda: 3 << 30)
     assert free_memory_bytes("cpu") == 3 << 30
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_the_processs_own_cgroup_is_read_and_reclaimable_file_cache_counts_as_free(tmp_path, monkeypatch, version):
+    """Without a cgroup namespace the limit is on the process's own cgroup, not the mount root; the
+    inactive file cache (e.g. the checkpoint just read) is reclaimed before the limit bites."""
+    root = tmp_path / version
+    own = root / "kubepods" / "pod1"
+    own.mkdir(parents=True)
+    names = {"v2": ("memory.max", "memory.current", "inactive_file", "0::/kubepods/pod1\n"),
+             "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file",
+                    "4:memory:/kubepods/pod1\n0::/\n")}[version]
+    (own / names[0]).write_text(str(8 << 30))
+    (own / names[1]).write_text(str(7 << 30))
+    (own / "memory.stat").write_text(f"anon 123\n{names[2]} {3 << 30}\nother 5\n")
+    (tmp_path / "cgroup").write_text(names[3])
+    monkeypatch.setattr(kv_budget, "_PROC_CGROUP", tmp_path / "cgroup")
+    monkeypatch.setattr(kv_budget, "_CGROUP_V2", root)
+    monkeypatch.setattr(kv_budget, "_CGROUP_V1", root)
+    assert cgroup_free_bytes() == (8 << 30) - ((7 << 30) - (3 << 30))  # 4 GiB, not 1
+
+
+def test_an_unknown_budget_is_logged(caplog):
+    with caplog.at_level("WARNING", logger="target_service.kv_budget"):
+        assert resolve_max_kv_tokens("auto", 0.7, 57_344, None) == FALLBACK_KV_TOKENS
+    assert "max_kv_tokens" in caplog.text
 
 
 def test_the_config_takes_auto_or_a_positive_count(tmp_path):

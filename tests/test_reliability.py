@@ -103,7 +103,9 @@ def test_chaos_short_nothing_hangs_outputs_unchanged_serves_again(deployment):
     assert set(table.get("none", {})) <= {"completed_equal"}, table
     assert set(table.get("draft", {})) <= {"completed_equal"}, table
     assert set(table.get("target", {})) <= {"completed_equal", "UNAVAILABLE"}, table
+    assert set(table.get("actor", {})) <= {"completed_equal"}, table  # fail-over: none lost to the actor kill
     assert sum(table.get("draft", {}).values()) > 0, "no request ran while the draft was down"
+    assert sum(table.get("actor", {}).values()) > 0, "no request ran while the actor was down"
     assert figures["max_latency_s"] < 20 + 10
     assert figures["recovery"]["serves_again"] is True, figures["recovery"]
     assert figures["ok"] is True
