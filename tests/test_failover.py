@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import re
 import time
 
@@ -330,6 +331,7 @@ def ray_front(tmp_path_factory):
     draft, target = launch_service("draft", path), launch_service("target", path)
     loop = asyncio.new_event_loop()
     backend = None
+    environ = dict(os.environ)  # ray.init in this process sets RAY_* variables later tests' subprocesses inherit
     try:
         wait_ready(draft), wait_ready(target)
         config = load_config(path, {"front.draft_address": draft.address, "front.target_address": target.address})
@@ -343,6 +345,8 @@ def ray_front(tmp_path_factory):
             loop.run_until_complete(backend.close())
         loop.close()
         stop_service(draft), stop_service(target)
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 def run_killing(servicer, loop, request: GenerationRequest, request_id: str, kill_after: int | None):

@@ -274,7 +274,10 @@ def test_front_attaches_to_an_existing_ray_cluster(stack, target_model, tmp_path
     assert started.returncode == 0, started.stderr[-2000:]
     front = None
     try:
-        front = wait_ready(launch_service("front", config_path, draft_address=stack["draft"].address,
+        # RAY_AUTH_MODE as the cluster's: an in-process ray.init earlier in this pytest process (e.g.
+        # test_failover) leaves RAY_AUTH_MODE=token in os.environ, which the front would inherit
+        front = wait_ready(launch_service("front", config_path, env={"RAY_AUTH_MODE": "disabled"},
+                                          draft_address=stack["draft"].address,
                                           target_address=stack["target"].address, ray_address=f"127.0.0.1:{port}"),
                            timeout_s=180)
         ids = prompt_ids(700, 9)
