@@ -36,6 +36,7 @@ Properties checked (``run_fuzz`` returns them, ``write_report`` writes fuzz.json
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import queue
@@ -640,26 +641,34 @@ def summarize(record: Record, ran: int, elapsed_s: float, seed: int, held: dict,
 # Spawned tiny deployment, report, command line
 # ----------------------------------------------------------------------------------------------
 
-def fuzz_spawned(messages: int, seed: int = 0, workdir: Path | None = None) -> dict:
-    """Start draft, target and front (no Ray) on tiny random-weight models on loopback ports, fuzz them,
-    stop them; adds each server's exit code and the tracebacks in its log to the result."""
+@contextlib.contextmanager
+def spawned_services(root: Path):
+    """Draft, target and front (no Ray) on tiny random-weight models saved under ``root``, on loopback
+    ports; yields (Addresses, {name: Service}) and stops them on exit (each Service's returncode is
+    then set). Used by ``fuzz_spawned`` and the short CI version (tests/test_fuzz.py)."""
     from specdec.harness.servers import launch_service, stop_service, wait_ready
     from tests.tiny_pair import save_tiny_pair, write_config
 
-    root = Path(workdir or tempfile.mkdtemp(prefix="fuzz-"))
-    pair = save_tiny_pair(root / "models")
-    config = write_config(root / "serve.yaml", pair, draft={"max_sessions": 8},
+    config = write_config(root / "serve.yaml", save_tiny_pair(root / "models"), draft={"max_sessions": 8},
                           target={"max_tree_nodes": 64, "max_kv_tokens": 20_000}, front={"port": 0})
     services = {"draft": launch_service("draft", config), "target": launch_service("target", config)}
     try:
         wait_ready(services["draft"]), wait_ready(services["target"])
         services["front"] = wait_ready(launch_service("front", config, draft_address=services["draft"].address,
                                                       target_address=services["target"].address, no_ray=True))
-        addresses = Addresses(services["draft"].address, services["target"].address, services["front"].address)
+        yield Addresses(services["draft"].address, services["target"].address, services["front"].address), services
+    finally:
+        for service in services.values():
+            stop_service(service)
+
+
+def fuzz_spawned(messages: int, seed: int = 0, workdir: Path | None = None) -> dict:
+    """Start draft, target and front (no Ray) on tiny random-weight models on loopback ports, fuzz them,
+    stop them; adds each server's exit code and the tracebacks in its log to the result."""
+    with spawned_services(Path(workdir or tempfile.mkdtemp(prefix="fuzz-"))) as (addresses, services):
         result = run_fuzz(addresses, messages, seed,
                           alive=lambda: {name: s.returncode is None for name, s in services.items()})
-    finally:
-        exit_codes = {name: stop_service(s) for name, s in services.items()}
+    exit_codes = {name: s.returncode for name, s in services.items()}
     tracebacks = {name: s.stderr.count("Traceback") for name, s in services.items()}
     result.update(exit_codes=exit_codes, tracebacks=tracebacks, deployment="spawned: tiny random-weight models, "
                   "float32 CPU, draft + target + front (use_ray false) on 127.0.0.1")

@@ -13,11 +13,9 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, find, settings
 
-from benchmarks.reliability_fuzz import (Addresses, Record, Shape, main, message_strategy, run_fuzz,
-                                         summarize, token_tree)
-from specdec.harness.servers import launch_service, stop_service, wait_ready
+from benchmarks.reliability_fuzz import (Record, Shape, main, message_strategy, run_fuzz,
+                                         spawned_services, summarize, token_tree)
 from specdec.v1 import generation_pb2, generation_pb2_grpc, target_pb2, tree_pb2
-from tests.tiny_pair import save_tiny_pair, write_config
 
 MESSAGES = 250
 FIND = settings(database=None, max_examples=2000, suppress_health_check=list(HealthCheck))
@@ -25,17 +23,9 @@ FIND = settings(database=None, max_examples=2000, suppress_health_check=list(Hea
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fuzz")
-    config = write_config(root / "serve.yaml", save_tiny_pair(root / "models"), draft={"max_sessions": 8},
-                          target={"max_tree_nodes": 64}, front={"port": 0})
-    services = {"draft": launch_service("draft", config), "target": launch_service("target", config)}
-    try:
-        wait_ready(services["draft"]), wait_ready(services["target"])
-        services["front"] = wait_ready(launch_service("front", config, draft_address=services["draft"].address,
-                                                      target_address=services["target"].address, no_ray=True))
-        yield Addresses(services["draft"].address, services["target"].address, services["front"].address), services
-    finally:
-        codes = {name: stop_service(s) for name, s in services.items()}
+    with spawned_services(tmp_path_factory.mktemp("fuzz")) as (addresses, services):
+        yield addresses, services
+    codes = {name: s.returncode for name, s in services.items()}
     assert codes == dict.fromkeys(services, 0), {n: s.stderr[-2000:] for n, s in services.items()}
     for name, service in services.items():  # every fuzzed call was answered with a status, none crashed
         assert "Traceback" not in service.stderr, (name, service.stderr[-4000:])
