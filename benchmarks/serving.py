@@ -8,7 +8,7 @@ fixed gamma (issue 5). One run, side by side, so the figures are ratios taken un
 
 Writes ``serving.json`` and ``serving.md`` (same figures) under ``--out`` (default bench_out/serving/).
 
-Sections (``--sections grpc,concurrency,gamma``):
+Sections (``--sections grpc,concurrency,gamma,longprompt``):
 
 - ``grpc``: the same ``--prompts`` first turns of the built-in prompt set (or ``--questions`` FILE,
   a Spec-Bench question.jsonl; chat template applied here, sent as ``prompt_ids`` so every mode
@@ -35,6 +35,44 @@ Sections (``--sections grpc,concurrency,gamma``):
 - ``gamma``: dynamic vs fixed gamma on ``--gamma-categories`` (``--gamma-prompts`` each), embedded
   mode with the front's control policy (``RequestControl`` with ``front.dynamic_gamma.enabled``
   true / false, default fallback policy), interleaved per prompt.
+
+- ``longprompt`` (issue 12): does a long prompt's prefill stall the requests already decoding?
+  ``--long-running`` (4) speculative requests of ``--long-running-tokens`` (1024, ``ignore_eos``, so
+  they keep generating) stream; once each has its first token, a window of ``--long-window-s`` (10 s)
+  measures their inter-token latency (before); then one request whose prompt is
+  ``--long-prompt-tokens`` (2000) ids (the built-in prompts' text concatenated, repeated and cut;
+  deterministic) is sent, and their inter-token latency is measured again while it prefills, until
+  its first token (during). ITL is per token: the gap between two consecutive streamed chunks of a
+  request divided by the tokens in the later chunk, counted once per token of that chunk; a gap
+  belongs to the window its closing chunk arrives in, and the during window also takes each running
+  request's first chunk after the long request's first token (the gap the prefill held open). Rows:
+  p50 / p95 ITL before vs during and the p95 ratio, the largest gap, the long request's TTFT, the
+  target's ``prefill_chunk_tokens`` (``--prefill-chunk-tokens``, default the config default).
+  ``--longprompt-configs`` (default ``speculative``; also ``speculative_pipelined`` (needs
+  ``--pipeline``'s front key) and ``target_only``: every request ``no_spec``) picks the rows;
+  ``--longprompt-unchunked`` adds each again on a target whose ``prefill_chunk_tokens`` holds the
+  whole long prompt (one prefill forward: chunking off). One target service runs at a time here
+  (started and stopped per chunk setting; the concurrency section's are stopped first).
+
+Flags of issue 12:
+
+- ``--pin``: every draft and target service runs under ``taskset -c`` (util-linux; a clear error
+  where it is missing or fewer than 2 CPUs are usable): the target on core 0, the draft on core 1,
+  each with 1 torch thread (``models.threads: 1``; ``--target-threads`` / ``--draft-threads`` are
+  set to 1), as if they were separate devices. The target-only rows use that same target (core 0,
+  1 thread), so ratios compare like with like. Fronts and their Ray actors are not pinned (both
+  cores; the orchestrator's own work is small). The embedded mode of the grpc and gamma sections
+  runs in this process, unpinned, with the same thread counts. JSON ``meta.pinning``: ``pinned``,
+  the cores per service kind and the affinity each service process actually had
+  (``os.sched_getaffinity`` of its pid once ready).
+- ``--pipeline``: the concurrency section gains a configuration ``speculative_pipelined``: a Ray
+  front with ``front.pipeline: true`` (draft/verify pipelining) on the batched target. Its rows show
+  the front's ``pipeline_ahead_hits`` / ``pipeline_ahead_misses`` where its final stats carry them
+  ("-" otherwise). The key is only set with the flag; a ``specdec.config.FrontConfig`` without a
+  ``pipeline`` field makes the flag an error.
+- ``--levels 1,4,8,16``: ``--concurrency-prompts`` defaults to the larger of ``--prompts`` and the
+  largest level (so every client has a request), and the fronts' ``limits.max_running`` is set to
+  admit every level's and the longprompt section's streams at once.
 
 Threads: the target runs ``--target-threads`` torch threads and the draft ``--draft-threads`` in
 every mode (services via ``models.threads``; embedded mode switches torch's thread count around
@@ -71,10 +109,14 @@ import grpc  # noqa: E402
 import yaml  # noqa: E402
 
 from specdec.harness.otlp import OtlpReceiver, attribute_value  # noqa: E402
-from specdec.harness.servers import Service, launch_service, stop_service  # noqa: E402
+from specdec.harness.servers import (Service, launch_command, launch_service, server_command,  # noqa: E402
+                                     stop_service)
 from orchestrator.eval_report import peak_rss_mb  # noqa: E402
 
-SECTIONS = ("grpc", "concurrency", "gamma")
+SECTIONS = ("grpc", "concurrency", "gamma", "longprompt")
+LONGPROMPT_CONFIGS = ("speculative", "speculative_pipelined", "target_only")
+PIN_CORES = {"target": "0", "draft": "1"}  # --pin: taskset -c cores per service kind (fronts unpinned)
+PIPELINE_STATS = ("pipeline_ahead_hits", "pipeline_ahead_misses")  # FinalStats fields, where the front has them
 BF16_NOTE = ("The issues asked for bf16; this CPU has no bf16 GEMM (bf16 multi-row forwards are ~4x slower "
              "here), so `models.dtype: auto` resolves to float32, which is what is measured.")
 
@@ -282,26 +324,34 @@ def run_embedded(engine, ids: list[int], max_new: int, spec, request_id: str) ->
 # ----------------------------------------------------------------------------------------- gRPC client
 
 async def grpc_generate(stub, request_id: str, ids: list[int], max_new: int, no_spec: bool = False,
-                        timeout: float = 1800.0) -> dict:
+                        timeout: float = 1800.0, ignore_eos: bool = False, chunks: list | None = None) -> dict:
+    """One streamed request. chunks: if given, (perf_counter s, tokens) of each message with tokens is
+    appended as it arrives (readable while the request runs). The pipeline_* keys are None where the
+    front's FinalStats has no such field."""
     from specdec.v1 import generation_pb2
 
     tokens, first, first_tokens, stats = [], None, 0, None
     start = time.perf_counter()
     request = generation_pb2.GenerateRequest(request_id=request_id, prompt_ids=list(ids), max_new_tokens=max_new,
-                                             no_spec=no_spec)
+                                             no_spec=no_spec, ignore_eos=ignore_eos)
     async for reply in stub.Generate(request, timeout=timeout):
-        if reply.token_ids and first is None:
-            first = time.perf_counter()
-            first_tokens = len(reply.token_ids)
+        if reply.token_ids:
+            now = time.perf_counter()
+            if first is None:
+                first, first_tokens = now, len(reply.token_ids)
+            if chunks is not None:
+                chunks.append((now, len(reply.token_ids)))
         tokens += reply.token_ids
         if reply.HasField("stats"):
             stats = reply.stats
     wall = time.perf_counter() - start
+    fields = stats.DESCRIPTOR.fields_by_name
     return {"tokens": tokens, "new_tokens": len(tokens), "wall_s": wall, "ttft_s": (first or time.perf_counter()) - start,
             "first_tokens": first_tokens,
             "rounds": stats.rounds, "acceptance_rate": stats.acceptance_rate, "fallback_rounds": stats.fallback_rounds,
             "final_gamma": stats.final_gamma, "stop_reason": stats.stop_reason,
-            "proposed_tokens": stats.proposed_tokens, "cost_plain_rounds": stats.cost_plain_rounds}
+            "proposed_tokens": stats.proposed_tokens, "cost_plain_rounds": stats.cost_plain_rounds,
+            **{key: getattr(stats, key) if key in fields else None for key in PIPELINE_STATS}}
 
 
 def grpc_one(address: str, request_id: str, ids: list[int], max_new: int, no_spec: bool = False) -> dict:
@@ -354,8 +404,10 @@ class Services:
 
     workdir: Path
     env: dict
+    pin: dict | None = None  # kind -> taskset core list ("0"); kinds not named run unpinned
     running: list = field(default_factory=list)
     peak_rss_mb: dict = field(default_factory=dict)  # name -> peak resident MB (VmHWM), read as each stops
+    affinity: dict = field(default_factory=dict)  # name -> CPUs its process may run on, read once ready
 
     def note_peak(self, service: Service) -> None:
         """Record the service's peak resident memory (its own process; a Ray front's actors not included)."""
@@ -365,9 +417,15 @@ class Services:
             pass
 
     def launch(self, kind: str, name: str, config: dict, **flags) -> Service:
+        """Start a service from ``config`` (written to the workdir); under ``taskset -c`` when ``pin`` names its kind."""
         path = self.workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
-        service = launch_service(kind, path, env={**self.env, "OTEL_SERVICE_NAME": name}, **flags)
+        env = {**self.env, "OTEL_SERVICE_NAME": name}
+        cores = (self.pin or {}).get(kind)
+        if cores is None:
+            service = launch_service(kind, path, env=env, **flags)
+        else:  # taskset execs the server: the pid stays the server's own
+            service = launch_command(kind, ["taskset", "-c", cores, *server_command(kind, path, **flags)], env)
         service.name = name
         self.running.append(service)
         return service
@@ -378,6 +436,8 @@ class Services:
             code = service.proc.poll()
             raise RuntimeError(f"{service.name} ({service.kind}) {'exited with %s' % code if code is not None else 'not ready'}; "
                                f"stderr:\n{service.stderr[-4000:]}")
+        if service.name not in self.affinity:
+            self.affinity[service.name] = sorted(os.sched_getaffinity(service.proc.pid))
         return service
 
     def stop(self, service: Service) -> None:
@@ -422,8 +482,12 @@ def service_config(args, threads: int | None = None, target: dict | None = None,
     if threads:
         data["models"]["threads"] = threads
     if front is not None:
+        from specdec.config import ClientLimitsConfig
+
+        # admit every stream the run opens at once (the largest level; longprompt: running + long request)
+        streams = max([*args.levels, args.long_running + 1, ClientLimitsConfig().max_running])
         data["front"] = {"port": 0, "max_new_tokens": args.max_new_tokens, "dynamic_gamma": {"enabled": False},
-                         "workers": args.workers, "ray_num_cpus": 2, **front}
+                         "workers": args.workers, "ray_num_cpus": 2, "limits": {"max_running": streams}, **front}
     return data
 
 
@@ -581,12 +645,18 @@ def section_concurrency(args, prompts, configs: dict) -> dict:
                    "mean_tree_rows": rows_verified / rounds if rounds else 0.0,
                    "cost_plain_round_share": sum(r["cost_plain_rounds"] for r in reqs) / rounds if rounds else 0.0,
                    "run_order": order.index(name)}
+            for key in PIPELINE_STATS:  # None: the front's final stats have no such field
+                values = [r[key] for r in reqs if r[key] is not None]
+                row[key] = sum(values) if values else None
             rows.append(row)
             log(f"concurrency {name} x{level}: {row['tokens_per_s']:.2f} tok/s, p50 {row['latency_p50_s']:.2f} s, "
                 f"p95 {row['latency_p95_s']:.2f} s, merged forwards {merged}")
-    base = {(r["clients"]): r["tokens_per_s"] for r in rows if r["config"] == "target_only"}
+    base = {r["clients"]: r for r in rows if r["config"] == "target_only"}
     for r in rows:
-        r["speedup_vs_target_only"] = r["tokens_per_s"] / base[r["clients"]] if base.get(r["clients"]) else None
+        ref = base.get(r["clients"])
+        r["speedup_vs_target_only"] = r["tokens_per_s"] / ref["tokens_per_s"] if ref and ref["tokens_per_s"] else None
+        r["latency_p95_vs_target_only"] = (r["latency_p95_s"] / ref["latency_p95_s"]
+                                           if ref and ref["latency_p95_s"] else None)
     ref_key = ("target_only", args.levels[0]) if "target_only" in names else (names[0], args.levels[0])
     same = [all(v == out[ref_key] for v in out.values()) for out in outputs.values()]
     return {"levels": args.levels, "configs": names, "rows": rows, "identical_outputs": all(same),
@@ -635,6 +705,157 @@ def section_gamma(args, pipe, by_category: dict[str, list[dict]]) -> dict:
             "rows": rows, "identical_outputs": all(q["identical"] for q in questions), "questions": questions}
 
 
+# ----------------------------------------------------------------------------------------- longprompt
+
+def long_prompt_ids(tokenizer, n_tokens: int) -> list[int]:
+    """``n_tokens`` prompt ids: the built-in prompt set's first turns joined by blank lines, tokenized
+    without special tokens, repeated until long enough and cut (deterministic for a tokenizer)."""
+    from orchestrator.bench import BUILTIN_QUESTIONS
+
+    lines = BUILTIN_QUESTIONS.read_text(encoding="utf-8").splitlines()
+    text = "\n\n".join(json.loads(line)["turns"][0] for line in lines if line.strip())
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return (ids * (n_tokens // len(ids) + 1))[:n_tokens]
+
+
+def itl_samples(chunks: list[tuple[float, int]], start_s: float, end_s: float,
+                close_after_end: bool = False) -> tuple[list[float], float]:
+    """Per-token inter-token latencies (s) of one request's streamed chunks ``[(arrival s, tokens)]``
+    whose closing chunk arrives in (start_s, end_s]; ``close_after_end`` also takes the first chunk
+    after end_s (the gap still open at end_s). Each gap counts once per token of its closing chunk,
+    as gap / tokens. Returns (samples, largest gap s).
+
+    Example: chunks at 1.0 s (2 tokens) and 1.3 s (3 tokens), window (1.0, 2.0]: [0.1, 0.1, 0.1], 0.3.
+    """
+    samples, largest = [], 0.0
+    for (t0, _), (t1, k) in zip(chunks, chunks[1:]):
+        if t1 <= start_s:
+            continue
+        if t1 > end_s and not close_after_end:
+            break
+        samples += [(t1 - t0) / k] * k
+        largest = max(largest, t1 - t0)
+        if t1 > end_s:
+            break
+    return samples, largest
+
+
+async def _until(ready, tasks: list, timeout_s: float, what: str) -> None:
+    """Poll ``ready()`` every 10 ms; raise what a failed task raised, or TimeoutError naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"longprompt: {what} not within {timeout_s:.0f} s")
+        await asyncio.sleep(0.01)
+
+
+async def longprompt_run(address: str, running_ids: list[list[int]], long_ids: list[int], args, no_spec: bool,
+                         tag: str) -> dict:
+    """Running requests stream (ignore_eos); after ``args.long_window_s`` of steady decoding the long
+    request is sent; returns every chunk's arrival, the window bounds (perf_counter s) and the long
+    request's result. The running requests are cancelled once each has streamed past the long
+    request's first token (or ended)."""
+    from specdec.v1 import generation_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        await asyncio.wait_for(channel.channel_ready(), 60)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        chunks: list[list] = [[] for _ in running_ids]
+        runs = [asyncio.create_task(grpc_generate(stub, f"{tag}-run-{i}", ids, args.long_running_tokens, no_spec,
+                                                  ignore_eos=True, chunks=chunks[i])) for i, ids in enumerate(running_ids)]
+        await _until(lambda: all(chunks), runs, 600, "the running requests' first tokens")
+        window_start = time.perf_counter()
+        await asyncio.sleep(args.long_window_s)
+        long_chunks: list = []
+        sent = time.perf_counter()
+        long_task = asyncio.create_task(grpc_generate(stub, f"{tag}-long", long_ids, args.max_new_tokens, no_spec,
+                                                      chunks=long_chunks))
+        await _until(lambda: long_chunks or long_task.done(), [long_task], 1800, "the long request's first token")
+        if not long_chunks:
+            raise RuntimeError(f"longprompt: the long request ended without a token: {await long_task}")
+        first = long_chunks[0][0]
+        await _until(lambda: all(t.done() or c[-1][0] > first for t, c in zip(runs, chunks)), runs, 600,
+                     "a chunk of every running request after the long request's first token")
+        outlasted = sum(c[-1][0] > first for c in chunks)
+        for task in runs:
+            task.cancel()
+        await asyncio.gather(*runs, return_exceptions=True)
+        long = await long_task
+    return {"chunks": chunks, "window_start": window_start, "sent": sent, "long_first": first, "long": long,
+            "outlasted": outlasted}
+
+
+def longprompt_row(config: str, chunk_tokens: int, run: dict, args) -> dict:
+    """One table row: p50 / p95 ITL (ms) of the running requests before vs during the long prefill."""
+    before, during, gap_before, gap_during = [], [], 0.0, 0.0
+    for chunks in run["chunks"]:
+        samples, gap = itl_samples(chunks, run["window_start"], run["sent"])
+        before, gap_before = before + samples, max(gap_before, gap)
+        samples, gap = itl_samples(chunks, run["sent"], run["long_first"], close_after_end=True)
+        during, gap_during = during + samples, max(gap_during, gap)
+
+    def ms(values, q):
+        return percentile(values, q) * 1e3 if values else None
+
+    row = {"config": config, "prefill_chunk_tokens": chunk_tokens, "chunked": chunk_tokens < args.long_prompt_tokens,
+           "long_prompt_tokens": args.long_prompt_tokens, "running": len(run["chunks"]),
+           "running_max_new_tokens": args.long_running_tokens, "window_before_s": run["sent"] - run["window_start"],
+           "window_during_s": run["long_first"] - run["sent"],
+           "itl_p50_before_ms": ms(before, 50), "itl_p95_before_ms": ms(before, 95),
+           "itl_p50_during_ms": ms(during, 50), "itl_p95_during_ms": ms(during, 95),
+           "max_gap_before_ms": gap_before * 1e3, "max_gap_during_ms": gap_during * 1e3,
+           "itl_tokens_before": len(before), "itl_tokens_during": len(during),
+           "long_ttft_s": run["long"]["ttft_s"], "long_new_tokens": run["long"]["new_tokens"],
+           "long_wall_s": run["long"]["wall_s"], "running_outlasted": run["outlasted"]}
+    b, d = row["itl_p95_before_ms"], row["itl_p95_during_ms"]
+    row["itl_p95_ratio"] = d / b if b and d is not None else None
+    return row
+
+
+def section_longprompt(args, services: Services, draft: Service, tokenizer, prompts: list[dict]) -> dict:
+    """For each prefill chunk setting: start a target and the fronts ``--longprompt-configs`` need,
+    run every configuration once (after a short warm-up request), stop them (one target at a time)."""
+    from specdec.config import TargetServerConfig
+
+    long_ids = long_prompt_ids(tokenizer, args.long_prompt_tokens)
+    running_ids = [prompts[i % len(prompts)]["ids"] for i in range(args.long_running)]
+    chunk = args.prefill_chunk_tokens or TargetServerConfig().prefill_chunk_tokens
+    settings = [chunk] + ([max(chunk, len(long_ids))] if args.longprompt_unchunked else [])
+    front_keys = {"speculative": {"use_ray": True}, "target_only": {"use_ray": True},
+                  "speculative_pipelined": {"use_ray": True, "pipeline": True}}
+    rows = []
+    for chunk_tokens in settings:
+        target = services.wait(services.launch("target", f"bench-target-long-{chunk_tokens}", service_config(
+            args, args.target_threads, {"max_batch": args.max_batch, "batch_wait_ms": args.batch_wait_ms,
+                                        "prefill_chunk_tokens": chunk_tokens})))
+        fronts = {}
+        for config in args.longprompt_configs:
+            key = "pipelined" if config == "speculative_pipelined" else "plain"
+            if key not in fronts:
+                fronts[key] = services.launch("front", f"bench-front-long-{key}-{chunk_tokens}",
+                                              service_config(args, front=front_keys[config]),
+                                              draft_address=draft.address, target_address=target.address)
+        for config in args.longprompt_configs:
+            front = services.wait(fronts["pipelined" if config == "speculative_pipelined" else "plain"])
+            no_spec = config == "target_only"
+            grpc_one(front.address, f"warm-long-{config}-{chunk_tokens}", running_ids[0], 4, no_spec)
+            run = asyncio.run(longprompt_run(front.address, running_ids, long_ids, args, no_spec,
+                                             f"long-{config}-{chunk_tokens}"))
+            rows.append(longprompt_row(config, chunk_tokens, run, args))
+            r = rows[-1]
+            log(f"longprompt {config} chunk {chunk_tokens}: ITL p95 before {_or_dash(r['itl_p95_before_ms'], 1)} ms, "
+                f"during {_or_dash(r['itl_p95_during_ms'], 1)} ms, long TTFT {r['long_ttft_s']:.2f} s")
+        for front in fronts.values():
+            services.stop(front)
+        services.stop(target)
+    return {"long_prompt_tokens": len(long_ids), "running": args.long_running,
+            "running_max_new_tokens": args.long_running_tokens, "window_s": args.long_window_s,
+            "configs": args.longprompt_configs, "prefill_chunk_settings": settings, "rows": rows}
+
+
 # ----------------------------------------------------------------------------------------- markdown
 
 def markdown(result: dict) -> str:
@@ -654,6 +875,7 @@ def markdown(result: dict) -> str:
                      + ", ".join(f"{name} {mb:,.0f}" for name, mb in meta["peak_rss_mb"].items()))
     if meta.get("bf16_note"):
         parts.append(f"- {meta['bf16_note']}")
+    parts.append(pinning_line(meta.get("pinning")))
     parts.append("")
     g = result.get("grpc")
     if g:
@@ -699,16 +921,23 @@ def markdown(result: dict) -> str:
                      f"draft step paid (under load: the batch's goodput). Once speculative requests overlap, the draft service "
                      f"({meta['draft_threads']} thread(s)) and the target service ({meta['target_threads']}) compute at "
                      f"the same time on {meta['cpu_count']} CPUs.\n")
-        head = ["config", "clients", "tok/s", "vs target only", "p50 latency s", "p95 latency s", "p50 TTFT s",
-                "p95 TTFT s", "mean acc len", "tree rows / round", "plain rounds (cost)", "merged"]
+        head = ["config", "clients", "tok/s", "vs target only", "p50 latency s", "p95 latency s",
+                "p95 latency vs target only", "p50 TTFT s", "p95 TTFT s", "mean acc len", "tree rows / round",
+                "plain rounds (cost)", "merged", "ahead hits", "ahead misses"]
         rows = []
         for r in sorted(c["rows"], key=lambda r: (c["configs"].index(r["config"]), r["clients"])):
-            sp = r.get("speedup_vs_target_only")
+            sp, lat = r.get("speedup_vs_target_only"), r.get("latency_p95_vs_target_only")
             rows.append([r["config"], r["clients"], _f(r["tokens_per_s"]), f"{sp:.2f}x" if sp else "-",
-                         _f(r["latency_p50_s"]), _f(r["latency_p95_s"]), _f(r["ttft_p50_s"]), _f(r.get("ttft_p95_s")),
+                         _f(r["latency_p50_s"]), _f(r["latency_p95_s"]), f"{lat:.2f}x" if lat else "-",
+                         _f(r["ttft_p50_s"]), _f(r.get("ttft_p95_s")),
                          _f(r["mean_accepted_length"]), _f(r.get("mean_tree_rows")),
-                         f"{r.get('cost_plain_round_share', 0):.0%}", r["merged_verify_forwards"]])
+                         f"{r.get('cost_plain_round_share', 0):.0%}", r["merged_verify_forwards"],
+                         _or_dash(r.get("pipeline_ahead_hits")), _or_dash(r.get("pipeline_ahead_misses"))])
         parts.append(md_table(head, rows))
+        parts.append("p95 latency vs target only: the row's p95 latency / target_only's at the same clients (<= 1: "
+                     "never worse). ahead hits / misses: the front's `pipeline_ahead_hits` / `pipeline_ahead_misses` "
+                     "(draft rounds started ahead of the verify outcome that were used / discarded), '-' where its "
+                     "final stats have no such field.\n")
         parts.append(f"Outputs identical across configurations and levels: **{c['identical_outputs']}** "
                      f"({c['identical_prompts']}/{c['prompts']} prompts)\n")
     d = result.get("gamma")
@@ -722,6 +951,42 @@ def markdown(result: dict) -> str:
                  _f(r["final_gamma_mean"], 1), r["fallback_rounds"]] for r in d["rows"]]
         parts.append(md_table(head, rows))
         parts.append(f"Outputs identical (dynamic vs fixed): **{d['identical_outputs']}**\n")
+    if result.get("longprompt"):
+        parts.append(longprompt_markdown(result["longprompt"]))
+    return "\n".join(parts)
+
+
+def _or_dash(x, nd=2) -> str:
+    if x is None:
+        return "-"
+    return str(x) if isinstance(x, int) else _f(x, nd)
+
+
+def pinning_line(pinning: dict | None) -> str:
+    if not pinning or not pinning["pinned"]:
+        return "- CPU pinning: none (every process may run on every CPU)"
+    cores = ", ".join(f"{kind} {core}" for kind, core in pinning["cores"].items())
+    seen = "; ".join(f"{name} {cpus}" for name, cpus in pinning["affinity"].items())
+    return (f"- CPU pinning (`--pin`, taskset -c, 1 torch thread per pinned service): {cores}; "
+            f"observed affinity: {seen}")
+
+
+def longprompt_markdown(lp: dict) -> str:
+    parts = [f"## Long prompt beside running requests (issue 12): {lp['long_prompt_tokens']}-token prompt, "
+             f"{lp['running']} running requests\n",
+             f"The running requests (ignore_eos, up to {lp['running_max_new_tokens']} new tokens) decode for "
+             f"{lp['window_s']:.1f} s (before), then the long request arrives; during = until its first token. ITL per "
+             f"token: chunk gap / tokens in the chunk; a gap belongs to the window its closing chunk arrives in (during "
+             f"also takes each running request's first chunk after the long request's first token). chunked: the "
+             f"target's `prefill_chunk_tokens` is below the prompt length (its prefill interleaves with verifies).\n"]
+    head = ["config", "prefill chunk", "chunked", "ITL p50 before ms", "ITL p95 before ms", "ITL p50 during ms",
+            "ITL p95 during ms", "p95 during / before", "max gap during ms", "long TTFT s", "long new tokens",
+            "running outlasted"]
+    rows = [[r["config"], r["prefill_chunk_tokens"], r["chunked"], _or_dash(r["itl_p50_before_ms"], 1),
+             _or_dash(r["itl_p95_before_ms"], 1), _or_dash(r["itl_p50_during_ms"], 1), _or_dash(r["itl_p95_during_ms"], 1),
+             f"{r['itl_p95_ratio']:.2f}x" if r["itl_p95_ratio"] else "-", _f(r["max_gap_during_ms"], 1),
+             _f(r["long_ttft_s"]), r["long_new_tokens"], f"{r['running_outlasted']}/{r['running']}"] for r in lp["rows"]]
+    parts.append(md_table(head, rows))
     return "\n".join(parts)
 
 
@@ -752,6 +1017,22 @@ def parse_args(argv=None):
     p.add_argument("--skip-one-at-a-time", action="store_true",
                    help="concurrency section: leave out the one-verify-at-a-time configuration (one target "
                         "service instead of two, for machines where two copies do not fit)")
+    p.add_argument("--pin", action="store_true",
+                   help="run the target service under taskset -c 0 and the draft under taskset -c 1, 1 torch thread each")
+    p.add_argument("--pipeline", action="store_true",
+                   help="concurrency section: add speculative_pipelined (a front with front.pipeline: true)")
+    p.add_argument("--long-prompt-tokens", type=int, default=2000, help="longprompt section: the long prompt's length")
+    p.add_argument("--long-running", type=int, default=4, help="longprompt section: requests decoding meanwhile")
+    p.add_argument("--long-running-tokens", type=int, default=1024,
+                   help="longprompt section: max_new_tokens (ignore_eos) of each running request")
+    p.add_argument("--long-window-s", type=float, default=10.0,
+                   help="longprompt section: seconds of steady decoding measured before the long request")
+    p.add_argument("--longprompt-configs", default="speculative",
+                   help=f"longprompt section: comma list of {', '.join(LONGPROMPT_CONFIGS)}")
+    p.add_argument("--longprompt-unchunked", action="store_true",
+                   help="longprompt section: each configuration again with the long prompt prefilled in one forward")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                   help="longprompt section: target.prefill_chunk_tokens of the chunked rows (default: the config default)")
     p.add_argument("--out", type=Path, default=ROOT / "bench_out" / "serving")
     args = p.parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -760,14 +1041,55 @@ def parse_args(argv=None):
         p.error(f"--sections: unknown {bad} (choose from {', '.join(SECTIONS)})")
     args.levels = [int(x) for x in args.levels.split(",") if x.strip()]
     args.gamma_categories = [c.strip() for c in args.gamma_categories.split(",") if c.strip()]
-    args.concurrency_prompts = args.concurrency_prompts or args.prompts
+    if args.concurrency_prompts is not None and args.concurrency_prompts < max(args.levels):
+        p.error(f"--concurrency-prompts: {args.concurrency_prompts} requests leave clients of level "
+                f"{max(args.levels)} idle (give at least the largest of --levels)")
+    args.concurrency_prompts = args.concurrency_prompts or max(args.prompts, *args.levels)
     if bool(args.target) != bool(args.draft):
         p.error("--target and --draft go together")
+    check_longprompt_args(p, args)
+    if args.pin:  # one torch thread per pinned core
+        args.target_threads = args.draft_threads = 1
     return args
+
+
+def check_longprompt_args(p: argparse.ArgumentParser, args) -> None:
+    """--longprompt-configs names, the long request's sizes, and the pipeline key where it is asked for."""
+    from specdec.config import FrontConfig
+
+    args.longprompt_configs = [c.strip() for c in args.longprompt_configs.split(",") if c.strip()]
+    bad = [c for c in args.longprompt_configs if c not in LONGPROMPT_CONFIGS]
+    if bad or not args.longprompt_configs:
+        p.error(f"--longprompt-configs: unknown {bad} (choose from {', '.join(LONGPROMPT_CONFIGS)})")
+    for name in ("long_prompt_tokens", "long_running", "long_running_tokens", "prefill_chunk_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
+    if args.long_window_s <= 0:
+        p.error(f"--long-window-s: must be > 0, got {args.long_window_s}")
+    wants_pipeline = args.pipeline or "speculative_pipelined" in args.longprompt_configs
+    if wants_pipeline and "pipeline" not in FrontConfig.model_fields:
+        p.error("--pipeline / --longprompt-configs speculative_pipelined: this specdec's FrontConfig has no "
+                "'pipeline' key (draft/verify pipelining is not in this build)")
+
+
+def pin_plan(enabled: bool) -> dict | None:
+    """--pin: the taskset core list per service kind (PIN_CORES), once taskset and those CPUs are
+    known to be there; None without --pin. Raises SystemExit naming what is missing."""
+    if not enabled:
+        return None
+    if shutil.which("taskset") is None:
+        raise SystemExit("--pin: the taskset command (util-linux) is not on PATH; install util-linux or drop --pin")
+    usable = os.sched_getaffinity(0)
+    wanted = {int(c) for c in PIN_CORES.values()}
+    if not wanted <= usable:
+        raise SystemExit(f"--pin: needs CPUs {sorted(wanted)} (target, draft) but this process may use only {sorted(usable)}")
+    return dict(PIN_CORES)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    pin = pin_plan(args.pin)
     started = time.perf_counter()
     from specdec.model_setup import resolve_draft_quant, resolve_dtype
     from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, resolve_model_dir
@@ -788,7 +1110,7 @@ def main(argv=None) -> int:
     if "gamma" in args.sections and not gamma_prompts:
         raise SystemExit(f"--gamma-categories: no short question in {args.gamma_categories}")
 
-    want_grpc, want_conc, want_gamma = (s in args.sections for s in SECTIONS)
+    want_grpc, want_conc, want_gamma, want_long = (s in args.sections for s in SECTIONS)
     ray_grpc = want_grpc and not args.no_ray_grpc
     need = 3 * weights_bytes(args.target) + 2 * weights_bytes(args.draft) + (4 << 30)
     early = want_conc and need < mem_available() and not args.skip_one_at_a_time
@@ -798,12 +1120,12 @@ def main(argv=None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="serving-bench-"))
     result: dict = {}
     with SpanCollector() as collector:
-        services = Services(workdir, collector.env())
+        services = Services(workdir, collector.env(), pin)
         try:
             fronts: dict[str, str] = {}
             one, draft = None, None
             want_one = want_grpc or (want_conc and not args.skip_one_at_a_time)
-            if want_grpc or want_conc:
+            if want_grpc or want_conc or want_long:
                 draft = services.launch("draft", "bench-draft", service_config(args, args.draft_threads))
             if want_one:
                 one = services.launch("target", "bench-target-one", service_config(args, args.target_threads, {"max_batch": 1}))
@@ -862,13 +1184,27 @@ def main(argv=None) -> int:
                     front_batched = services.launch("front", "bench-front-ray-batched",
                                                     service_config(args, front={"use_ray": True}),
                                                     draft_address=draft.address, target_address=batched.address)
+                front_pipelined = None
+                if args.pipeline:
+                    front_pipelined = services.launch("front", "bench-front-ray-pipelined",
+                                                      service_config(args, front={"use_ray": True, "pipeline": True}),
+                                                      draft_address=draft.address, target_address=batched.address)
                 services.wait(front_batched)
                 configs = {"batched": (front_batched.address, batched.address, False)}
                 if front_ray_one is not None:
                     configs["one_at_a_time"] = (services.wait(front_ray_one).address, one.address, False)
+                if front_pipelined is not None:
+                    configs["speculative_pipelined"] = (services.wait(front_pipelined).address, batched.address, False)
                 configs["target_only"] = (front_batched.address, batched.address, True)
                 log(f"concurrency section: levels {args.levels} x {len(conc_prompts)} requests x {len(configs)} configs")
                 result["concurrency"] = section_concurrency(args, conc_prompts, configs)
+            if want_long:
+                for service in [s for s in services.running if s is not draft]:  # one target service at a time
+                    services.stop(service)
+                services.wait(draft)
+                log(f"longprompt section: {args.long_prompt_tokens}-token prompt beside {args.long_running} running "
+                    f"requests x {len(args.longprompt_configs)} configs")
+                result["longprompt"] = section_longprompt(args, services, draft, tokenizer, conc_prompts)
         finally:
             services.stop_all()
             shutil.rmtree(workdir, ignore_errors=True)
@@ -884,7 +1220,9 @@ def main(argv=None) -> int:
         "machine": platform.platform(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
         "python": platform.python_version(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "concurrency_services_started_early": early, "wall_s": time.perf_counter() - started,
-        "peak_rss_mb": services.peak_rss_mb,
+        "peak_rss_mb": services.peak_rss_mb, "pipeline": args.pipeline,
+        "pinning": {"pinned": pin is not None, "cores": {**pin, "front": "unpinned"} if pin else None,
+                    "affinity": services.affinity},
     }
     result = {"meta": result.pop("meta"), **result}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -4,9 +4,13 @@ subprocesses, a Ray front, embedded mode) and the JSON holds the figures the iss
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.tiny_pair import save_tiny_pair
 
@@ -61,3 +65,158 @@ def test_serving_bench_smoke(tmp_path):
         assert title in md
     if meta["dtype_arg"] == "auto" and meta["dtype"] == "float32":
         assert "bf16" in meta["bf16_note"] and "bf16" in md
+
+
+# ------------------------------------------------------------------------------ issue 12: --pin, longprompt, --pipeline
+
+def _can_pin() -> str | None:
+    """None when --pin can run here, else why not (the skip reason)."""
+    if shutil.which("taskset") is None:
+        return "taskset (util-linux) is not installed"
+    if not {0, 1} <= os.sched_getaffinity(0):
+        return f"--pin needs CPUs 0 and 1; this process may use {sorted(os.sched_getaffinity(0))}"
+    return None
+
+
+def _run_bench(out: Path, pair, *flags: str) -> tuple[dict, str]:
+    argv = [sys.executable, str(ROOT / "benchmarks" / "serving.py"), "--target", str(pair.target), "--draft",
+            str(pair.draft), "--prompts", "2", "--max-new-tokens", "6", "--max-prompt-tokens", "120",
+            "--skip-one-at-a-time", "--out", str(out), *flags]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((out / "serving.json").read_text()), (out / "serving.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def tiny_long_pair(tmp_path_factory):
+    """A tiny pair with room for a 300-token prompt beside requests of 1500 new tokens."""
+    return save_tiny_pair(tmp_path_factory.mktemp("models"), max_pos=2048, noise=0.03)
+
+
+@pytest.fixture(scope="module")
+def pinned_longprompt_run(tiny_long_pair, tmp_path_factory):
+    """One run of the concurrency (1 client) and longprompt sections, with --pin where the machine
+    allows it (one run for both tests: each Ray front takes ~25 s to start on 2 cores)."""
+    flags = ["--sections", "concurrency,longprompt", "--levels", "1", "--long-prompt-tokens", "300",
+             "--long-running", "2", "--long-running-tokens", "1500", "--long-window-s", "1",
+             "--prefill-chunk-tokens", "32"]
+    if _can_pin() is None:
+        flags.append("--pin")
+    return _run_bench(tmp_path_factory.mktemp("out"), tiny_long_pair, *flags)
+
+
+def test_pin_runs_target_on_core_0_and_draft_on_core_1(pinned_longprompt_run):
+    reason = _can_pin()
+    if reason:
+        pytest.skip(reason)
+    result, md = pinned_longprompt_run
+    meta = result["meta"]
+    pinning = meta["pinning"]
+    assert pinning["pinned"] is True and pinning["cores"] == {"target": "0", "draft": "1", "front": "unpinned"}
+    # the affinity each service process had once ready (os.sched_getaffinity of its pid)
+    affinity = pinning["affinity"]
+    assert affinity["bench-target-batched"] == [0] and affinity["bench-target-long-32"] == [0]
+    assert affinity["bench-draft"] == [1]
+    assert len(affinity["bench-front-ray-batched"]) >= 2  # fronts stay unpinned
+    assert meta["target_threads"] == 1 and meta["draft_threads"] == 1
+    # the target-only rows ran on that same pinned target
+    assert {r["config"] for r in result["concurrency"]["rows"]} == {"batched", "target_only"}
+    assert "CPU pinning (`--pin`" in md and "bench-target-batched [0]" in md
+
+
+def test_longprompt_section_reports_itl_before_and_during(pinned_longprompt_run):
+    result, md = pinned_longprompt_run
+    lp = result["longprompt"]
+    assert lp["long_prompt_tokens"] == 300 and lp["running"] == 2 and lp["prefill_chunk_settings"] == [32]
+    (row,) = lp["rows"]
+    assert row["config"] == "speculative" and row["prefill_chunk_tokens"] == 32 and row["chunked"] is True
+    for key in ("itl_p50_before_ms", "itl_p95_before_ms", "itl_p50_during_ms", "itl_p95_during_ms",
+                "max_gap_during_ms", "itl_p95_ratio", "long_ttft_s", "window_during_s"):
+        assert row[key] > 0, (key, row)
+    assert row["itl_p50_before_ms"] <= row["itl_p95_before_ms"] and row["itl_p50_during_ms"] <= row["itl_p95_during_ms"]
+    assert row["itl_tokens_before"] > 0 and row["itl_tokens_during"] > 0
+    assert row["running_outlasted"] == 2  # both still decoding when the long request's first token came
+    assert 0 < row["long_new_tokens"] <= 6 and row["long_wall_s"] >= row["long_ttft_s"]
+    assert "Long prompt beside running requests" in md and "| speculative | 32 | True |" in md
+    # the concurrency table's new column
+    conc = {r["config"]: r for r in result["concurrency"]["rows"]}
+    assert conc["target_only"]["latency_p95_vs_target_only"] == 1.0
+    assert conc["batched"]["latency_p95_vs_target_only"] == pytest.approx(
+        conc["batched"]["latency_p95_s"] / conc["target_only"]["latency_p95_s"])
+    assert "p95 latency vs target only" in md
+
+
+def test_pipeline_configuration(tmp_path, tiny_long_pair):
+    from specdec.config import FrontConfig
+
+    if "pipeline" not in FrontConfig.model_fields:
+        pytest.skip("specdec.config.FrontConfig has no 'pipeline' field (draft/verify pipelining not merged)")
+    result, md = _run_bench(tmp_path / "out", tiny_long_pair, "--sections", "concurrency", "--levels", "2", "--pipeline")
+    conc = result["concurrency"]
+    assert "speculative_pipelined" in conc["configs"] and conc["identical_outputs"] is True
+    rows = [r for r in conc["rows"] if r["config"] == "speculative_pipelined"]
+    assert len(rows) == 1 and rows[0]["new_tokens"] > 0 and rows[0]["tokens_per_s"] > 0
+    for key in ("pipeline_ahead_hits", "pipeline_ahead_misses"):
+        assert rows[0][key] is None or rows[0][key] >= 0
+    assert "| speculative_pipelined | 2 |" in md and result["meta"]["pipeline"] is True
+
+
+def test_pipeline_flag_needs_the_front_key(monkeypatch):
+    from benchmarks.serving import parse_args
+    from specdec.config import FrontConfig
+
+    if "pipeline" in FrontConfig.model_fields:
+        pytest.skip("FrontConfig has a 'pipeline' field here: the flag is accepted")
+    with pytest.raises(SystemExit):
+        parse_args(["--pipeline"])
+    with pytest.raises(SystemExit):
+        parse_args(["--longprompt-configs", "speculative_pipelined"])
+
+
+def test_bad_flags_are_refused_naming_the_flag(capsys):
+    from benchmarks.serving import parse_args
+
+    for argv, flag in ((["--longprompt-configs", "speculative,fast"], "--longprompt-configs"),
+                       (["--levels", "1,16", "--concurrency-prompts", "8"], "--concurrency-prompts"),
+                       (["--long-prompt-tokens", "0"], "--long-prompt-tokens"),
+                       (["--long-window-s", "0"], "--long-window-s")):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert flag in capsys.readouterr().err
+    args = parse_args(["--levels", "1,4,8,16", "--prompts", "8"])
+    assert args.concurrency_prompts == 16  # every one of 16 clients has a request
+    assert parse_args(["--pin"]).target_threads == 1
+
+
+def test_pin_without_taskset_is_a_clear_error(monkeypatch):
+    from benchmarks.serving import pin_plan
+
+    monkeypatch.setenv("PATH", "")
+    with pytest.raises(SystemExit, match="taskset"):
+        pin_plan(True)
+    assert pin_plan(False) is None
+
+
+def test_itl_samples_per_token_and_windows():
+    from benchmarks.serving import itl_samples
+
+    chunks = [(1.0, 2), (1.3, 3), (1.5, 1), (2.5, 2)]
+    # window (1.0, 1.5]: gaps 0.3 over 3 tokens and 0.2 over 1 token
+    samples, largest = itl_samples(chunks, 1.0, 1.5)
+    assert samples == pytest.approx([0.1, 0.1, 0.1, 0.2]) and largest == pytest.approx(0.3)
+    # window (1.3, 2.0]: only the chunk at 1.5; with close_after_end the open gap closing at 2.5 counts too
+    assert itl_samples(chunks, 1.3, 2.0)[0] == pytest.approx([0.2])
+    samples, largest = itl_samples(chunks, 1.3, 2.0, close_after_end=True)
+    assert samples == pytest.approx([0.2, 0.5, 0.5]) and largest == pytest.approx(1.0)
+    assert itl_samples(chunks[:1], 0.0, 9.0) == ([], 0.0)
+
+
+def test_long_prompt_ids_are_deterministic_and_exact_length(tiny_long_pair):
+    from transformers import AutoTokenizer
+
+    from benchmarks.serving import long_prompt_ids
+
+    tok = AutoTokenizer.from_pretrained(tiny_long_pair.target)
+    ids = long_prompt_ids(tok, 2000)
+    assert len(ids) == 2000 and ids == long_prompt_ids(tok, 2000)
+    assert long_prompt_ids(tok, 300) == ids[:300]
