@@ -154,3 +154,155 @@ def test_ahead_merges_with_other_sessions_proposes():
     solo_a = solo.sessions["a"].last_tree
     assert_same_tree(out[0].tree, solo_a)
     assert_same_tree(out[1], solo.propose("b", SPEC, 2))
+
+
+# ------------------------------------------------------------------------------------------------
+# The round loop (embedded: real tiny runtimes, in-process)
+# ------------------------------------------------------------------------------------------------
+
+from orchestrator.controller import GenerationRequest  # noqa: E402
+from orchestrator.engine import SpeculativeEngine  # noqa: E402
+from specdec.kv_cache import cache_length  # noqa: E402
+from target_service.runtime import TargetRuntime  # noqa: E402
+from tests.conftest import RecordingTarget, hf_greedy, perturbed_copy  # noqa: E402
+
+CHAIN_SPEC = TreeSpec(gamma=3, topKSpec=[[2], [1, 1], [1, 1]], topHead=[1, 2, 2])
+
+
+class AheadDraft:
+    """A DraftRuntime with the pipelining methods, a script for the guesses it reports, and cache
+    checks after every commit and every resolve.
+
+    script(i) for the i-th ahead: "real" reports the runtime's own guess; "wrong" reports another
+    token, so the round loop sees a bonus token that differs from the guess (the runtime's tentative
+    state is then discarded like any miss). Each resolve is logged in ``resolved`` (True = adopted).
+    """
+
+    def __init__(self, runtime: DraftRuntime, model, script=lambda i: "real"):
+        self.runtime = runtime
+        self.model = model
+        self.script = script
+        self.aheads = 0
+        self.resolved: list[bool] = []
+        self.checks = 0
+
+    def start(self, session_id, prompt_ids, sampling=GREEDY):
+        self.runtime.start(session_id, prompt_ids, sampling)
+
+    def propose(self, session_id, spec, max_depth):
+        return self.runtime.propose(session_id, spec, max_depth)
+
+    def propose_ahead(self, session_id, path_nodes, spec, max_depth):
+        guess, tree = self.runtime.propose_ahead(session_id, path_nodes, spec, max_depth)
+        kind = self.script(self.aheads)
+        self.aheads += 1
+        return (guess if kind == "real" else (guess + 1) % self.model.config.vocab_size), tree
+
+    def resolve_ahead(self, session_id, adopt):
+        self.runtime.resolve_ahead(session_id, adopt)
+        self.resolved.append(adopt)
+        self._check(session_id)
+
+    def commit(self, session_id, tokens, accepted_nodes):
+        self.runtime.commit(session_id, tokens, accepted_nodes)
+        self._check(session_id)
+
+    def _check(self, session_id):
+        """The committed slots equal a fresh prefill (after an adopt the ahead tree's slots follow them)."""
+        s = self.runtime.sessions[session_id]
+        assert cache_length(s.cache) >= s.cached_len
+        kv = [(k[:, :, : s.cached_len], v[:, :, : s.cached_len]) for k, v in cache_kv(s.cache)]
+        assert_kv_equal(kv, prefill_kv(self.model, s.tokens[: s.cached_len]), what="draft cache")
+        self.checks += 1
+
+    def release(self, session_id):
+        self.runtime.release(session_id)
+
+
+def _target_checker(model):
+    def check(runtime, session_id, committed):
+        s = runtime.sessions[session_id]
+        assert_kv_equal(cache_kv(s.cache), prefill_kv(model, committed[:-1]), what="target cache")
+    return check
+
+
+def _pipelined_run(target_model, draft_model, prompt, spec, n, script=lambda i: "real", pipeline=True,
+                   sampling=GREEDY):
+    target = RecordingTarget(TargetRuntime(target_model), check_after_commit=_target_checker(target_model))
+    draft = AheadDraft(DraftRuntime(draft_model), draft_model, script)
+    engine = SpeculativeEngine(target, draft, eos_token_ids=[], context_limit=512, pipeline=pipeline)
+    rounds = []
+    engine.controller.on_round = rounds.append
+    out = engine.generate(GenerationRequest(prompt, max_new_tokens=n, spec=spec, sampling=sampling))
+    assert target.committed == prompt + out.tokens
+    return out, rounds, draft
+
+
+def test_greedy_pipelined_equals_target_alone_with_guesses_forced_right_and_wrong():
+    """Draft = target: every best path is fully accepted; the reported guess is right in even aheads
+    and wrong in odd ones, so hits and misses alternate."""
+    model = tiny_model("qwen2", seed=5, init_std=STD)
+    prompt = random_prompt(seed=21, length=8)
+    out, rounds, draft = _pipelined_run(model, model, prompt, CHAIN_SPEC, 40,
+                                        script=lambda i: "real" if i % 2 == 0 else "wrong")
+    assert out.tokens == hf_greedy(model, prompt, 40)
+    assert out.stats.ahead_hits > 0 and out.stats.ahead_misses > 0
+    assert out.stats.ahead_hits == sum(r.ahead == "hit" for r in rounds) == sum(draft.resolved)
+    assert out.stats.ahead_misses == sum(r.ahead == "miss" for r in rounds)
+    assert [r.pipelined for r in rounds[1:]] == [r.ahead == "hit" for r in rounds[:-1]]
+    assert all(r.draft_s == 0.0 for r in rounds if r.pipelined)
+    assert draft.checks == len(draft.resolved) + sum(not a for a in draft.resolved) + sum(r.ahead is None for r in rounds)
+
+
+@pytest.mark.parametrize("noise", [0.03, 0.1])
+@pytest.mark.parametrize("spec", [CHAIN_SPEC, TreeSpec.chain(4)], ids=["tree", "chain4"])
+def test_greedy_pipelined_partial_acceptance(noise, spec):
+    """A perturbed draft: paths break off at several depths; output = target alone, caches checked."""
+    model = tiny_model("qwen2", seed=6, init_std=STD)
+    draft_model = perturbed_copy(model, seed=2, scale=noise)
+    prompt = random_prompt(seed=22, length=10)
+    out, rounds, _ = _pipelined_run(model, draft_model, prompt, spec, 40)
+    assert out.tokens == hf_greedy(model, prompt, 40)
+    accepted = {r.accepted for r in rounds if r.proposed}
+    assert {0, 1, 2} <= accepted, f"partial acceptance not at depths 0, 1 and 2: {accepted}"
+    assert out.stats.ahead_hits + out.stats.ahead_misses == sum(r.ahead is not None for r in rounds) > 0
+
+
+def test_greedy_pipelined_hits_with_a_perturbed_draft():
+    model = tiny_model("qwen2", seed=6, init_std=STD)
+    draft_model = perturbed_copy(model, seed=2, scale=0.01)
+    prompt = random_prompt(seed=23, length=10)
+    out, rounds, _ = _pipelined_run(model, draft_model, prompt, CHAIN_SPEC, 40)
+    assert out.tokens == hf_greedy(model, prompt, 40)
+    assert out.stats.ahead_hits > 0
+
+
+@pytest.mark.parametrize("spec", [CHAIN_SPEC, SAMPLED_SPEC], ids=["treeType0", "treeType1"])
+def test_seeded_sampled_pipelined_equals_not_pipelined(spec):
+    model = tiny_model("qwen2", seed=7, init_std=STD)
+    draft_model = perturbed_copy(model, seed=3, scale=0.01)
+    prompt = random_prompt(seed=24, length=9)
+    sampling = SamplingParams(temperature=0.3, top_k=30, seed=99)
+    on, rounds_on, _ = _pipelined_run(model, draft_model, prompt, spec, 40, sampling=sampling)
+    off, rounds_off, _ = _pipelined_run(model, draft_model, prompt, spec, 40, sampling=sampling, pipeline=False)
+    assert on.tokens == off.tokens
+    assert [(r.tokens, r.proposed, r.accepted) for r in rounds_on] == [(r.tokens, r.proposed, r.accepted) for r in rounds_off]
+    assert on.stats.ahead_hits > 0 and off.stats.ahead_hits == off.stats.ahead_misses == 0
+
+
+def test_ahead_failure_is_a_draft_failure_and_output_is_unchanged():
+    model = tiny_model("qwen2", seed=5, init_std=STD)
+    prompt = random_prompt(seed=25, length=8)
+
+    class Failing(AheadDraft):
+        def propose_ahead(self, *args):
+            raise RuntimeError("draft crashed")
+
+    target = TargetRuntime(model)
+    draft = Failing(DraftRuntime(model), model)
+    engine = SpeculativeEngine(target, draft, eos_token_ids=[], context_limit=512, pipeline=True)
+    rounds = []
+    engine.controller.on_round = rounds.append
+    out = engine.generate(GenerationRequest(prompt, max_new_tokens=20, spec=CHAIN_SPEC))
+    assert out.tokens == hf_greedy(model, prompt, 20)
+    assert rounds[0].ahead == "failed" and out.stats.ahead_misses >= 1
