@@ -306,3 +306,158 @@ def test_ahead_failure_is_a_draft_failure_and_output_is_unchanged():
     out = engine.generate(GenerationRequest(prompt, max_new_tokens=20, spec=CHAIN_SPEC))
     assert out.tokens == hf_greedy(model, prompt, 20)
     assert rounds[0].ahead == "failed" and out.stats.ahead_misses >= 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Services: real draft and target servers on loopback, the round loop over the gRPC clients
+# ------------------------------------------------------------------------------------------------
+
+import asyncio  # noqa: E402
+
+import grpc  # noqa: E402
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
+
+from orchestrator.clients import DraftClient, TargetClient  # noqa: E402
+from orchestrator.controller import RoundController  # noqa: E402
+from specdec.harness.servers import launch_service, stop_service, wait_ready  # noqa: E402
+from specdec.telemetry import setup_tracing  # noqa: E402
+from specdec.v1 import draft_pb2, draft_pb2_grpc  # noqa: E402
+from specdec.wire import spec_to_proto  # noqa: E402
+from tests.tiny_pair import save_tiny_pair, write_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory):
+    pair = save_tiny_pair(tmp_path_factory.mktemp("models"), max_pos=512, noise=0.01)  # a close draft: aheads hit
+    config = write_config(tmp_path_factory.mktemp("cfg") / "serve.yaml", pair, draft={"max_sessions": 4})
+    draft, target = launch_service("draft", config), launch_service("target", config)
+    try:
+        wait_ready(draft), wait_ready(target)
+        yield draft.address, target.address
+    finally:
+        codes = [stop_service(s) for s in (draft, target)]
+    assert codes == [0, 0]
+    for service in (draft, target):
+        assert "Traceback" not in service.stderr, service.stderr[-4000:]
+
+
+def _over_grpc(draft_address, target_address, prompt, n, pipeline, speculate=True):
+    """One greedy request through RoundController over DraftClient / TargetClient; (result, records)."""
+    async def run():
+        async with grpc.aio.insecure_channel(target_address) as tc, grpc.aio.insecure_channel(draft_address) as dc:
+            target = TargetClient(tc)
+            info = await target.info()
+            draft = DraftClient(dc, info.vocab_size) if speculate else None
+            controller = RoundController(target, draft, [], info.context_limit, pipeline=pipeline)
+            records = []
+            result = await controller.generate(GenerationRequest(prompt, n, spec=CHAIN_SPEC if speculate else None),
+                                               on_round=records.append)
+            return result, records
+    return asyncio.run(run())
+
+
+def test_pipelined_request_over_services_equals_target_alone_and_overlaps_verify(services):
+    exporter = InMemorySpanExporter()
+    setup_tracing("specdec-test", exporter=exporter, simple=True)
+    prompt = random_prompt(seed=31, length=12)
+    alone, _ = _over_grpc(*services, prompt, 40, pipeline=False, speculate=False)
+    exporter.clear()
+    result, records = _over_grpc(*services, prompt, 40, pipeline=True)
+    assert result.tokens == alone.tokens
+    assert result.stats.ahead_hits > 0
+    assert result.stats.ahead_hits == sum(r.pipelined for r in records) == sum(r.ahead == "hit" for r in records)
+    spans = exporter.get_finished_spans()
+    by_id = {s.context.span_id: s for s in spans}
+    aheads = [s for s in spans if s.name == "draft.ahead"]
+    assert aheads
+    overlapping = 0
+    for ahead in aheads:
+        parent = by_id[ahead.parent.span_id]
+        assert parent.name == "round"
+        verify = next(s for s in spans if s.name == "verify" and s.parent.span_id == parent.context.span_id)
+        overlapping += ahead.start_time < verify.end_time and verify.start_time < ahead.end_time
+        assert "ahead.outcome" in parent.attributes
+    assert overlapping == len(aheads)  # each ahead ran while its round's verify did
+    assert any(by_id[s.context.span_id].attributes.get("pipelined") for s in spans if s.name == "round")
+
+
+class _Stream:
+    """One DraftService.Session stream driven step by step (requests through a queue)."""
+
+    def __init__(self, address):
+        import queue
+
+        self.channel = grpc.insecure_channel(address)
+        self.requests = queue.Queue()
+        self.replies = draft_pb2_grpc.DraftServiceStub(self.channel).Session(iter(self.requests.get, None), timeout=30)
+
+    def send(self, **kind):
+        self.requests.put(draft_pb2.DraftRequest(**kind))
+
+    def reply(self):
+        return next(self.replies)
+
+    def error(self) -> grpc.RpcError:
+        with pytest.raises(grpc.RpcError) as info:
+            while True:
+                next(self.replies)
+        return info.value
+
+    def close(self):
+        self.requests.put(None)
+        self.channel.close()
+
+
+def _stream_with_tree(address) -> tuple[_Stream, draft_pb2.DraftTreeReply]:
+    stream = _Stream(address)
+    stream.send(start=draft_pb2.DraftStart(session_id="bad", prompt_ids=random_prompt(seed=3, length=6)))
+    stream.reply()
+    stream.send(propose=draft_pb2.TreeRequest(spec=spec_to_proto(CHAIN_SPEC), max_depth=3, round=1))
+    return stream, stream.reply().tree
+
+
+def _ahead(path, max_depth=3):
+    return draft_pb2.AheadRequest(path_nodes=path, spec=spec_to_proto(CHAIN_SPEC), max_depth=max_depth, round=2)
+
+
+def test_ahead_and_resolve_on_the_stream(services):
+    stream, reply = _stream_with_tree(services[0])
+    stream.send(ahead=_ahead([0]))
+    ahead = stream.reply().tree
+    assert ahead.ahead and ahead.round == 2 and len(ahead.tree.tokens) > 0 and ahead.guess_token >= 0
+    stream.send(resolve=draft_pb2.AheadResolve(adopt=True))
+    # the ahead tree is now the last tree: a commit against its nodes is accepted, then a propose
+    stream.send(commit=draft_pb2.DraftCommit(tokens=[ahead.tree.tokens[0], 1], accepted_nodes=[0]))
+    stream.send(propose=draft_pb2.TreeRequest(spec=spec_to_proto(CHAIN_SPEC), max_depth=3, round=3))
+    assert stream.reply().tree.round == 3
+    stream.close()
+
+
+@pytest.mark.parametrize("steps,field", [
+    ([("ahead", [5000])], "ahead.path_nodes[0] = 5000"),
+    ([("ahead", [])], "ahead.path_nodes: empty"),
+    ([("ahead", "child")], "ahead.path_nodes[0]"),  # a depth-2 node first: not a root path
+    ([("ahead", [0]), ("ahead", [0])], "ahead: an earlier ahead is unresolved"),
+    ([("ahead", [0]), ("propose", None)], "propose: an ahead is unresolved"),
+    ([("ahead", [0]), ("commit", None)], "commit: an ahead is unresolved"),
+    ([("resolve", None)], "resolve: no unresolved ahead"),
+    ([("ahead0", [0])], "ahead.max_depth"),
+])
+def test_bad_ahead_input_is_invalid_argument_naming_the_field(services, steps, field):
+    stream, reply = _stream_with_tree(services[0])
+    child = next(i for i, p in enumerate(reply.tree.parents) if p >= 0)
+    for kind, arg in steps:
+        if kind.startswith("ahead"):
+            path = [child] if arg == "child" else arg
+            stream.send(ahead=_ahead(path, max_depth=0 if kind == "ahead0" else 3))
+            if kind == "ahead" and steps[-1] != (kind, arg):
+                stream.reply()
+        elif kind == "propose":
+            stream.send(propose=draft_pb2.TreeRequest(spec=spec_to_proto(CHAIN_SPEC), max_depth=3, round=3))
+        elif kind == "commit":
+            stream.send(commit=draft_pb2.DraftCommit(tokens=[1], accepted_nodes=[]))
+        else:
+            stream.send(resolve=draft_pb2.AheadResolve(adopt=False))
+    err = stream.error()
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.details(), err.details()
+    stream.close()
