@@ -461,3 +461,16 @@ def test_bad_ahead_input_is_invalid_argument_naming_the_field(services, steps, f
     err = stream.error()
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.details(), err.details()
     stream.close()
+
+
+def test_front_pipeline_config_and_final_stats():
+    from specdec.config import ConfigError, load_config
+    from specdec.stats import GenerationStats
+    from specdec.wire import stats_to_proto
+
+    assert load_config(None, {}).front.pipeline is False
+    assert load_config(None, {"front.pipeline": True}).front.pipeline is True
+    with pytest.raises((ConfigError, ValueError), match="pipeline"):
+        load_config(None, {"front.pipeline": "sometimes"})
+    msg = stats_to_proto(GenerationStats(ahead_hits=3, ahead_misses=2), prompt_tokens=4)
+    assert (msg.ahead_hits, msg.ahead_misses) == (3, 2)
