@@ -211,7 +211,7 @@ class AheadDraft:
         """The committed slots equal a fresh prefill (after an adopt the ahead tree's slots follow them)."""
         s = self.runtime.sessions[session_id]
         assert cache_length(s.cache) >= s.cached_len
-        kv = [(k[:, :, : s.cached_len], v[:, :, : s.cached_len]) for k, v in cache_kv(s.cache)]
+        kv = [(k[:, :, : s.cached_len], v[:, :, : s.cached_len]) if k.numel() else (k, v) for k, v in cache_kv(s.cache)]
         assert_kv_equal(kv, prefill_kv(self.model, s.tokens[: s.cached_len]), what="draft cache")
         self.checks += 1
 
@@ -474,3 +474,36 @@ def test_front_pipeline_config_and_final_stats():
         load_config(None, {"front.pipeline": "sometimes"})
     msg = stats_to_proto(GenerationStats(ahead_hits=3, ahead_misses=2), prompt_tokens=4)
     assert (msg.ahead_hits, msg.ahead_misses) == (3, 2)
+
+
+def test_cost_aware_control_pipelined_is_exact_and_learns_no_draft_cost_from_aheads():
+    """The default (cost-aware) control with pipelining: greedy = target alone, and the rounds whose
+    tree came from an ahead reach ``observe`` with draft_s None (no D(p) sample)."""
+    from orchestrator.embedded import make_control
+
+    model = tiny_model("qwen2", seed=6, init_std=STD)
+    draft_model = perturbed_copy(model, seed=2, scale=0.01)
+    prompt = random_prompt(seed=26, length=10)
+    target_rt, draft_rt = TargetRuntime(model), DraftRuntime(draft_model)
+    factory, _ = make_control("cost-aware", target_rt, draft_rt, measure_costs=False)
+    observed = []
+
+    def spying(spec):
+        control = factory(spec)
+        observe = control.observe
+
+        def spy(shaped, accepted, verify_s, draft_s, *args, **kwargs):
+            observed.append(draft_s)
+            return observe(shaped, accepted, verify_s, draft_s, *args, **kwargs)
+        control.observe = spy
+        return control
+
+    engine = SpeculativeEngine(target_rt, AheadDraft(draft_rt, draft_model), eos_token_ids=[], context_limit=512,
+                               control_factory=spying, pipeline=True)
+    rounds = []
+    engine.controller.on_round = rounds.append
+    out = engine.generate(GenerationRequest(prompt, max_new_tokens=40, spec=CHAIN_SPEC))
+    assert out.tokens == hf_greedy(model, prompt, 40)
+    assert out.stats.ahead_hits > 0
+    assert [d for d, r in zip(observed, rounds) if r.pipelined] == [None] * out.stats.ahead_hits
+    assert any(d for d, r in zip(observed, rounds) if not r.pipelined and r.drafted)
