@@ -312,13 +312,13 @@ class _Request:
             ahead = self._start_ahead(drafted, shaped, max_depth)  # pipelining: round r+1 beside this verify
             try:
                 result = await self._verify(shaped.tree)
+                t2 = time.perf_counter()
+                committed = self._stop_checks(result.tokens)
+                accepted = list(result.accepted_nodes[: len(committed)])  # node indices of the committed draft tokens
+                outcome = await self._commit(committed, _draft_nodes(shaped, accepted), ahead)
             except BaseException:
-                await _cancel(ahead)
+                await _cancel(ahead)  # a failed round (target error, cancel) leaves no ahead running
                 raise
-            t2 = time.perf_counter()
-            committed = self._stop_checks(result.tokens)
-            accepted = list(result.accepted_nodes[: len(committed)])  # node indices of the committed draft tokens
-            outcome = await self._commit(committed, _draft_nodes(shaped, accepted), ahead)
             t3 = time.perf_counter()
             _round_attributes(span, drafted, shaped, self._gamma(), result, committed, outcome)
         timing = _Timing(draft_s=drafted.draft_s, verify_s=t2 - t1, commit_s=t3 - t2, round_s=t3 - t0)
