@@ -107,8 +107,8 @@ def stats_table(stats, speculate: bool, sampling: SamplingParams = SamplingParam
             ("acceptance rate", f"{stats.acceptance_rate:.3f}  ({stats.accepted_tokens}/{stats.proposed_tokens} draft tokens)"),
             ("mean accepted length", f"{stats.mean_accepted_length:.2f} tokens/round"),
         ]
-    if speculate and (stats.ahead_hits or stats.ahead_misses):
-        rows.append(("pipelining", f"{stats.ahead_hits} ahead trees adopted, {stats.ahead_misses} discarded"))
+    if speculate and (stats.pipeline_ahead_hits or stats.pipeline_ahead_misses):
+        rows.append(("pipelining", f"{stats.pipeline_ahead_hits} ahead trees adopted, {stats.pipeline_ahead_misses} discarded"))
     if speculate and cost is not None:
         rows += [
             ("tree decisions", f"{stats.drafted_tokens} drafted nodes, {stats.proposed_tokens} verified, "

@@ -60,8 +60,8 @@ class GenerationStats:
     total_s: float = 0.0
     stop_reason: str | None = None
     failovers: int = 0  # times the request moved to another orchestrator actor after its own failed
-    ahead_hits: int = 0  # pipelining: aheads adopted (the next round's tree was ready when its verify began)
-    ahead_misses: int = 0  # pipelining: aheads discarded (a guess or a path missed) or failed
+    pipeline_ahead_hits: int = 0  # pipelining: aheads adopted (the next round's tree was ready when its verify began)
+    pipeline_ahead_misses: int = 0  # pipelining: aheads discarded (a guess or a path missed) or failed
 
     def add(self, record: RoundRecord, elapsed_s: float) -> None:
         """Count one round. elapsed_s: seconds from the request's start to the end of this round
@@ -77,8 +77,8 @@ class GenerationStats:
         self.context_accepted_tokens += record.context_accepted
         self.expected_accepted_tokens += record.expected_accepted
         self.final_gamma = record.gamma
-        self.ahead_hits += record.ahead == "hit"
-        self.ahead_misses += record.ahead in ("miss", "failed")
+        self.pipeline_ahead_hits += record.ahead == "hit"
+        self.pipeline_ahead_misses += record.ahead in ("miss", "failed")
         if self.rounds == 1:
             self.ttft_ms = elapsed_s * 1000
 

@@ -246,9 +246,9 @@ def test_greedy_pipelined_equals_target_alone_with_guesses_forced_right_and_wron
     out, rounds, draft = _pipelined_run(model, model, prompt, CHAIN_SPEC, 40,
                                         script=lambda i: "real" if i % 2 == 0 else "wrong")
     assert out.tokens == hf_greedy(model, prompt, 40)
-    assert out.stats.ahead_hits > 0 and out.stats.ahead_misses > 0
-    assert out.stats.ahead_hits == sum(r.ahead == "hit" for r in rounds) == sum(draft.resolved)
-    assert out.stats.ahead_misses == sum(r.ahead == "miss" for r in rounds)
+    assert out.stats.pipeline_ahead_hits > 0 and out.stats.pipeline_ahead_misses > 0
+    assert out.stats.pipeline_ahead_hits == sum(r.ahead == "hit" for r in rounds) == sum(draft.resolved)
+    assert out.stats.pipeline_ahead_misses == sum(r.ahead == "miss" for r in rounds)
     assert [r.pipelined for r in rounds[1:]] == [r.ahead == "hit" for r in rounds[:-1]]
     assert all(r.draft_s == 0.0 for r in rounds if r.pipelined)
     assert draft.checks == len(draft.resolved) + sum(not a for a in draft.resolved) + sum(r.ahead is None for r in rounds)
@@ -265,7 +265,7 @@ def test_greedy_pipelined_partial_acceptance(noise, spec):
     assert out.tokens == hf_greedy(model, prompt, 40)
     accepted = {r.accepted for r in rounds if r.proposed}
     assert {0, 1, 2} <= accepted, f"partial acceptance not at depths 0, 1 and 2: {accepted}"
-    assert out.stats.ahead_hits + out.stats.ahead_misses == sum(r.ahead is not None for r in rounds) > 0
+    assert out.stats.pipeline_ahead_hits + out.stats.pipeline_ahead_misses == sum(r.ahead is not None for r in rounds) > 0
 
 
 def test_greedy_pipelined_hits_with_a_perturbed_draft():
@@ -274,7 +274,7 @@ def test_greedy_pipelined_hits_with_a_perturbed_draft():
     prompt = random_prompt(seed=23, length=10)
     out, rounds, _ = _pipelined_run(model, draft_model, prompt, CHAIN_SPEC, 40)
     assert out.tokens == hf_greedy(model, prompt, 40)
-    assert out.stats.ahead_hits > 0
+    assert out.stats.pipeline_ahead_hits > 0
 
 
 @pytest.mark.parametrize("spec", [CHAIN_SPEC, SAMPLED_SPEC], ids=["treeType0", "treeType1"])
@@ -287,7 +287,7 @@ def test_seeded_sampled_pipelined_equals_not_pipelined(spec):
     off, rounds_off, _ = _pipelined_run(model, draft_model, prompt, spec, 40, sampling=sampling, pipeline=False)
     assert on.tokens == off.tokens
     assert [(r.tokens, r.proposed, r.accepted) for r in rounds_on] == [(r.tokens, r.proposed, r.accepted) for r in rounds_off]
-    assert on.stats.ahead_hits > 0 and off.stats.ahead_hits == off.stats.ahead_misses == 0
+    assert on.stats.pipeline_ahead_hits > 0 and off.stats.pipeline_ahead_hits == off.stats.pipeline_ahead_misses == 0
 
 
 def test_ahead_failure_is_a_draft_failure_and_output_is_unchanged():
@@ -305,7 +305,7 @@ def test_ahead_failure_is_a_draft_failure_and_output_is_unchanged():
     engine.controller.on_round = rounds.append
     out = engine.generate(GenerationRequest(prompt, max_new_tokens=20, spec=CHAIN_SPEC))
     assert out.tokens == hf_greedy(model, prompt, 20)
-    assert rounds[0].ahead == "failed" and out.stats.ahead_misses >= 1
+    assert rounds[0].ahead == "failed" and out.stats.pipeline_ahead_misses >= 1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -364,8 +364,8 @@ def test_pipelined_request_over_services_equals_target_alone_and_overlaps_verify
     exporter.clear()
     result, records = _over_grpc(*services, prompt, 40, pipeline=True)
     assert result.tokens == alone.tokens
-    assert result.stats.ahead_hits > 0
-    assert result.stats.ahead_hits == sum(r.pipelined for r in records) == sum(r.ahead == "hit" for r in records)
+    assert result.stats.pipeline_ahead_hits > 0
+    assert result.stats.pipeline_ahead_hits == sum(r.pipelined for r in records) == sum(r.ahead == "hit" for r in records)
     spans = exporter.get_finished_spans()
     by_id = {s.context.span_id: s for s in spans}
     aheads = [s for s in spans if s.name == "draft.ahead"]
@@ -472,8 +472,8 @@ def test_front_pipeline_config_and_final_stats():
     assert load_config(None, {"front.pipeline": True}).front.pipeline is True
     with pytest.raises((ConfigError, ValueError), match="pipeline"):
         load_config(None, {"front.pipeline": "sometimes"})
-    msg = stats_to_proto(GenerationStats(ahead_hits=3, ahead_misses=2), prompt_tokens=4)
-    assert (msg.ahead_hits, msg.ahead_misses) == (3, 2)
+    msg = stats_to_proto(GenerationStats(pipeline_ahead_hits=3, pipeline_ahead_misses=2), prompt_tokens=4)
+    assert (msg.pipeline_ahead_hits, msg.pipeline_ahead_misses) == (3, 2)
 
 
 def test_cost_aware_control_pipelined_is_exact_and_learns_no_draft_cost_from_aheads():
@@ -504,6 +504,6 @@ def test_cost_aware_control_pipelined_is_exact_and_learns_no_draft_cost_from_ahe
     engine.controller.on_round = rounds.append
     out = engine.generate(GenerationRequest(prompt, max_new_tokens=40, spec=CHAIN_SPEC))
     assert out.tokens == hf_greedy(model, prompt, 40)
-    assert out.stats.ahead_hits > 0
-    assert [d for d, r in zip(observed, rounds) if r.pipelined] == [None] * out.stats.ahead_hits
+    assert out.stats.pipeline_ahead_hits > 0
+    assert [d for d, r in zip(observed, rounds) if r.pipelined] == [None] * out.stats.pipeline_ahead_hits
     assert any(d for d, r in zip(observed, rounds) if not r.pipelined and r.drafted)
