@@ -10,14 +10,22 @@ R sits at position 6 and a node of depth d at position 6 + d. After commit the c
 committed prefix plus the accepted nodes that were fed, compacted; the rest is dropped, so the
 draft never re-prefills the whole context.
 
+Pipelining (DESIGN.md "Pipelining"; PEARL, Liu et al. 2024, "pre-verify / post-verify"): while the
+target verifies round r, ``propose_ahead`` tentatively commits the round's best path plus the draft's
+own guess of the bonus token (its argmax after that path: no random draw) and grows round r+1's tree
+from there; ``resolve_ahead`` then adopts that state (the guess was right) or rolls the session back
+exactly to where it was (KV truncated, tokens, cached_len, random state) before the real ``commit``.
+While an ahead is unresolved, ``propose`` and ``commit`` raise SessionStateError (no silent resolve).
+
 Each session keeps the request's SamplingParams (given once, at ``start``) and, when sampling, its own
 random generator (a stream of the request seed distinct from the target's).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
-from typing import Generator, Sequence
+from typing import Generator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -43,6 +51,26 @@ class DraftSession:
     rng: np.random.Generator | None = None  # sampled requests only
     slot_of_node: dict[int, int] = field(default_factory=dict)  # last tree's fed nodes -> cache slot
     round_start: int | None = None  # cached_len before an uncommitted proposal (for a retry)
+    last_tree: DraftTree | None = None  # the last proposed tree (ahead paths are checked against it)
+    ahead: "_AheadSnapshot | None" = None  # set while an ahead proposal is unresolved
+
+
+@dataclass(frozen=True)
+class _AheadSnapshot:
+    """A session as it was before ``propose_ahead`` (what ``resolve_ahead(adopt=False)`` restores)."""
+
+    tokens_len: int  # committed tokens
+    cached_len: int  # committed tokens whose KV is cached (slots past it are dropped on discard)
+    round_start: int | None
+    last_tree: DraftTree | None
+    rng_state: dict | None  # the session generator's bit_generator.state (sampled requests)
+
+
+class AheadTree(NamedTuple):
+    """What ``propose_ahead`` returns: the draft's guess of the bonus token and the next round's tree."""
+
+    guess: int
+    tree: DraftTree
 
 
 class DraftRuntime:
@@ -93,14 +121,78 @@ class DraftRuntime:
             raise tree
         return tree
 
-    def propose_batch(self, items: Sequence[tuple[str, TreeSpec, int]]) -> list[DraftTree | Exception]:
+    def propose_ahead(self, session_id: str, path_nodes: Sequence[int], spec: TreeSpec, max_depth: int) -> AheadTree:
+        """Draft round r+1 before round r is verified: tentatively commit ``path_nodes`` [A], A >= 1
+        (a root path of the last proposed tree, root side first), feed it and take the draft's argmax
+        after it as the guess of the bonus token (no random draw), append the guess as a committed
+        token and grow the next tree after it (``propose``'s rules; sampled trees draw from the
+        session's generator, whose state ``resolve_ahead(adopt=False)`` restores).
+
+        Raises UnknownSessionError, SessionStateError (an ahead is already unresolved, or no tree
+        was proposed since the last commit), ValueError naming ``path_nodes`` (not a root path of the
+        last tree)."""
+        (out,) = self.propose_batch([(session_id, spec, max_depth, tuple(path_nodes))])
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def resolve_ahead(self, session_id: str, adopt: bool) -> None:
+        """End the unresolved ahead: adopt = keep its state (the next round verifies its tree and
+        commits against it; round r needs no ``commit``); else roll back exactly to the state before
+        ``propose_ahead`` (the KV of round r's tree is dropped: the following ``commit`` re-feeds the
+        accepted tokens at the next propose). Raises UnknownSessionError, SessionStateError (no ahead)."""
+        s = self._session(session_id)
+        snap, s.ahead = s.ahead, None
+        if snap is None:
+            raise SessionStateError(f"adopt: session {session_id!r} has no unresolved ahead proposal")
+        if adopt:
+            return
+        truncate_kv(s.cache, snap.cached_len)
+        del s.tokens[snap.tokens_len :]
+        s.cached_len, s.round_start, s.last_tree = snap.cached_len, snap.round_start, snap.last_tree
+        s.slot_of_node = {}  # the tree slots are gone: commit keeps no node KV
+        if s.rng is not None:
+            s.rng.bit_generator.state = snap.rng_state
+
+    def _begin_ahead(self, session_id: str, path_nodes: tuple[int, ...]) -> int:
+        """Snapshot the session, commit ``path_nodes`` tentatively, feed what is pending and append
+        the draft's argmax (the guess, returned) as the next root. Example: committed [a b R], tree
+        node 0 (fed) -> node 2 (leaf, not fed) as the path: the cache keeps a b R n0, n2 is fed now,
+        the guess g is argmax after n2, tokens become [a b R n0 n2 g] with g pending."""
+        s = self._session(session_id)
+        if s.ahead is not None:
+            raise SessionStateError(f"ahead: session {session_id!r} already has an unresolved ahead proposal")
+        tree = s.last_tree
+        if tree is None or s.round_start is None:
+            raise SessionStateError(f"path_nodes: session {session_id!r} has no proposed tree since its last commit")
+        _check_root_path(tree, path_nodes)
+        rng_state = copy.deepcopy(s.rng.bit_generator.state) if s.rng is not None else None
+        s.ahead = _AheadSnapshot(len(s.tokens), s.cached_len, s.round_start, tree, rng_state)
+        fed = [s.slot_of_node[n] for n in path_nodes if n in s.slot_of_node]  # a prefix of the path
+        compact_kv(s.cache, s.cached_len, fed)
+        s.cached_len += len(fed)
+        s.tokens.extend(tree.tokens[n] for n in path_nodes)
+        s.slot_of_node, s.round_start = {}, None
+        if s.cached_len == len(s.tokens):  # every path node was fed: re-feed the last for its logits
+            s.cached_len -= 1
+            truncate_kv(s.cache, s.cached_len)
+        pending = s.tokens[s.cached_len :]
+        logits = model_forward(self.model, s.cache, pending, torch.arange(s.cached_len, len(s.tokens)),
+                               mask=None, logits_rows=1)  # (1, V)
+        s.cached_len = len(s.tokens)
+        guess = int(logits[-1, : self.vocab_size].argmax())
+        s.tokens.append(guess)
+        return guess
+
+    def propose_batch(self, items: Sequence[tuple]) -> list[DraftTree | AheadTree | Exception]:
         """Grow the trees of several sessions together: one draft forward per tree depth for all of
         them (``tree_steps`` of each session in lockstep), instead of one per session and depth.
 
         items: B triples (session_id, spec, max_depth), distinct sessions, any mix of cached lengths,
-        TreeSpecs and sampling parameters. Returns one entry per item, in order: the DraftTree that
-        ``propose`` alone would give, or the exception it would raise (UnknownSessionError;
-        SessionStateError for a session already at an earlier item). A session's random draws
+        TreeSpecs and sampling parameters; a fourth entry (path_nodes) makes the item an ahead
+        proposal (``propose_ahead``). Returns one entry per item, in order: the DraftTree that
+        ``propose`` alone would give (AheadTree for an ahead item), or the exception it would raise
+        (UnknownSessionError; SessionStateError for a session already at an earlier item). A session's random draws
         (sampled requests) come from its own generator, in its own order: they never depend on the
         other items. An error of a shared forward is raised (every item of that forward is then
         left mid-proposal; the next ``propose`` of each starts the round again).
@@ -116,19 +208,22 @@ class DraftRuntime:
         results: list[DraftTree | Exception | None] = [None] * len(items)
         running: dict[int, tuple[DraftSession, Generator, Step]] = {}
         seen: dict[str, int] = {}
-        for index, (session_id, spec, max_depth) in enumerate(items):
+        guesses: dict[int, int] = {}  # item -> guess, for ahead items
+        for index, (session_id, spec, max_depth, *ahead) in enumerate(items):
             try:
                 if session_id in seen:
                     raise SessionStateError(f"session_id: {session_id!r} is already at item {seen[session_id]} of this batch")
                 seen[session_id] = index
-                s = self._begin_round(session_id)
+                if ahead:
+                    guesses[index] = self._begin_ahead(session_id, tuple(ahead[0]))
+                s = self._begin_round(session_id, ahead=bool(ahead))
                 if s is None:
                     results[index] = DraftTree((), ())
                     continue
                 steps = tree_steps(spec, max_depth=max_depth, vocab_size=self.vocab_size, sampling=s.sampling, rng=s.rng)
                 running[index] = (s, steps, next(steps))
             except StopIteration as done:
-                results[index] = done.value
+                results[index] = s.last_tree = done.value
             except Exception as error:  # noqa: BLE001 - returned in its slot, as documented
                 results[index] = error
         while running:
@@ -139,19 +234,25 @@ class DraftRuntime:
                 try:
                     running[index] = (s, steps, steps.send(logprobs[index]))
                 except StopIteration as done:
-                    results[index] = done.value
+                    results[index] = s.last_tree = done.value
                     del running[index]
                 except Exception as error:  # noqa: BLE001
                     results[index] = error
                     del running[index]
+        for index, guess in guesses.items():
+            if isinstance(results[index], DraftTree):
+                results[index] = AheadTree(guess, results[index])
         return results  # type: ignore[return-value]
 
-    def _begin_round(self, session_id: str) -> DraftSession | None:
+    def _begin_round(self, session_id: str, ahead: bool = False) -> DraftSession | None:
         """The session, its cache back at the round's start (a retry drops an uncommitted proposal,
         pending tokens included); None when the committed tokens hold an id the draft has no
         embedding for (the target's vocabulary is larger): no tree from here on, the engine
-        verifies the empty tree = plain decoding."""
+        verifies the empty tree = plain decoding. ahead: the round of a ``propose_ahead`` (else an
+        unresolved ahead raises SessionStateError)."""
         s = self._session(session_id)
+        if s.ahead is not None and not ahead:
+            raise SessionStateError(f"session_id: {session_id!r} has an unresolved ahead proposal (resolve_ahead first)")
         if s.round_start is not None:
             s.cached_len = s.round_start
             truncate_kv(s.cache, s.cached_len)
@@ -223,6 +324,8 @@ class DraftRuntime:
     def commit(self, session_id: str, tokens: list[int], accepted_nodes: list[int]) -> None:
         """Append the round's committed tokens; keep the KV of accepted nodes the draft had fed."""
         s = self._session(session_id)
+        if s.ahead is not None:
+            raise SessionStateError(f"session_id: {session_id!r} has an unresolved ahead proposal (resolve_ahead first)")
         fed = [s.slot_of_node[n] for n in accepted_nodes if n in s.slot_of_node]
         # Fed nodes form a prefix of the accepted path (a fed node's parent was fed too).
         compact_kv(s.cache, s.cached_len, fed)
@@ -230,6 +333,19 @@ class DraftRuntime:
         s.tokens.extend(tokens)
         s.slot_of_node = {}
         s.round_start = None
+
+
+def _check_root_path(tree: DraftTree, path_nodes: tuple[int, ...]) -> None:
+    """Raises ValueError naming path_nodes unless it is a non-empty root path of ``tree`` (root side first)."""
+    if not path_nodes:
+        raise ValueError("path_nodes: empty (an ahead needs >= 1 node of the last tree)")
+    parent = ROOT
+    for i, node in enumerate(path_nodes):
+        if not 0 <= node < tree.size:
+            raise ValueError(f"path_nodes[{i}] = {node}: not a node of the last proposed tree ({tree.size} nodes)")
+        if tree.parents[node] != parent:
+            raise ValueError(f"path_nodes[{i}] = {node}: its parent is {tree.parents[node]}, not {parent} (not a root path)")
+        parent = node
 
 
 @dataclass

@@ -9,7 +9,12 @@ Prints ``draft-service ready on <host>:<port>`` once serving; SIGTERM/SIGINT dra
 ``Info`` gives the open streams and the sessions whose KV the draft holds (monitoring, leak checks).
 
 A stream: ``start`` first (else INVALID_ARGUMENT), answered by DraftStarted; then any number of
-``propose`` (each answered by one DraftTreeReply, in order) and ``commit`` (not answered). Any error
+``propose`` (each answered by one DraftTreeReply, in order) and ``commit`` (not answered); between a
+propose and its commit, an ``ahead`` (answered by a DraftTreeReply with ``ahead`` and the guess; the
+runtime's ``propose_ahead``, merged with other sessions' proposes) and its ``resolve`` (not answered;
+adopt: the ahead tree becomes the last tree and the round needs no commit). A propose, commit or
+second ahead while an ahead is unresolved, a resolve without one, or a path that is not a root path
+of the last tree is INVALID_ARGUMENT naming the field. Any error
 ends the stream with its status (bad input INVALID_ARGUMENT naming the field, ``draft.max_sessions``
 open streams RESOURCE_EXHAUSTED, the draft's context limit reached FAILED_PRECONDITION). The end of
 the stream, its cancellation, an error or a shutdown release the session's KV. While the server
@@ -75,6 +80,8 @@ class _Stream:
     session_id: str  # the caller's id (logs, traces)
     tokens: int  # committed tokens (prompt + generated)
     tree_size: int | None = None  # nodes of the last proposed tree (None: no propose since commit)
+    parents: tuple[int, ...] = ()  # the last proposed tree's parents (ahead paths are checked against them)
+    ahead: tuple[int, tuple[int, ...]] | None = None  # unresolved ahead: (tokens it adds, its tree's parents)
 
 
 class _ProposeBatcher(SessionBatcher):
@@ -106,7 +113,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         batch_call = None
         if hasattr(runtime, "propose_batch"):
             batch_call = lambda pairs: runtime.propose_batch([(key, *args) for key, args in pairs])  # noqa: E731
-        self.batcher = _ProposeBatcher(self.worker, batch_call, lambda key, args: runtime.propose(key, *args),
+        self.batcher = _ProposeBatcher(self.worker, batch_call, self._propose_solo,
                                        config.max_batch, config.batch_wait_ms, what="propose")
         self.streams: dict[str, _Stream] = {}
         self._keys = itertools.count()
@@ -114,6 +121,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def close(self) -> None:
         self.worker.close()
+
+    def _propose_solo(self, key: str, args: tuple):
+        """One session's propose (spec, max_depth) or ahead (spec, max_depth, path_nodes), alone."""
+        if len(args) == 3:
+            spec, max_depth, path = args
+            return self.runtime.propose_ahead(key, path, spec, max_depth)
+        return self.runtime.propose(key, *args)
 
     async def Session(self, request_iterator, context):
         """The stream's replies, in order (an async generator: the OpenTelemetry server interceptor
@@ -133,10 +147,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     yield draft_pb2.DraftResponse(tree=await self._propose(stream, msg.propose))
                 elif kind == "commit":
                     await self._commit(stream, msg.commit)
+                elif kind == "ahead":
+                    yield draft_pb2.DraftResponse(tree=await self._ahead(stream, msg.ahead))
+                elif kind == "resolve":
+                    await self._resolve(stream, msg.resolve)
                 elif kind == "start":
                     raise ValueError("start: the session is already started (one start per stream)")
                 else:
-                    raise ValueError("kind: empty message (set start, propose or commit)")
+                    raise ValueError("kind: empty message (set start, propose, commit, ahead or resolve)")
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as exc:  # noqa: BLE001 - the stream ends with the status; the server keeps serving
@@ -213,6 +231,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return getattr(session, "cached_len", 0)
 
     async def _propose(self, stream: _Stream, request) -> draft_pb2.DraftTreeReply:
+        _no_ahead(stream, "propose")
         try:
             spec = spec_from_proto(request.spec)
         except TreeSpecError as exc:
@@ -231,11 +250,53 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             draft_ms = (time.perf_counter() - started) * 1000
             span.set_attribute("specdec.tree_nodes", tree.size)
             span.set_attribute("specdec.batch_size", batch_size)
-        stream.tree_size = tree.size
+        stream.tree_size, stream.parents = tree.size, tuple(tree.parents)
         return draft_pb2.DraftTreeReply(round=request.round, tree=tree_to_proto(tree), draft_ms=draft_ms,
                                         batch_size=batch_size)
 
+    async def _ahead(self, stream: _Stream, request) -> draft_pb2.DraftTreeReply:
+        """An AheadRequest: checked here (path against the last tree, room under the context limit),
+        grown through the same batcher as proposes."""
+        if stream.ahead is not None:
+            raise ValueError("ahead: an earlier ahead is unresolved (send resolve first)")
+        if stream.tree_size is None:
+            raise ValueError("ahead.path_nodes: no proposed tree since the last commit")
+        path = list(request.path_nodes)
+        _check_root_path(path, stream.parents)
+        try:
+            spec = spec_from_proto(request.spec)
+        except TreeSpecError as exc:
+            raise TreeSpecError(f"ahead.spec: {exc}") from None
+        if request.max_depth < 1:
+            raise ValueError(f"ahead.max_depth: must be >= 1, got {request.max_depth}")
+        tokens = stream.tokens + len(path) + 1  # the path and the guess, taken as committed
+        room = self.context_limit - tokens
+        if room < 1:
+            raise SessionLimitError(f"context_limit: {tokens} tokens after the ahead path fill the draft's "
+                                    f"{self.context_limit} positions")
+        with self._tracer.start_as_current_span("draft.propose_ahead") as span:
+            span.set_attribute("specdec.session_id", stream.session_id)
+            started = time.perf_counter()
+            (guess, tree), batch_size = await self.batcher.submit(stream.key, (spec, min(request.max_depth, room), path))
+            draft_ms = (time.perf_counter() - started) * 1000
+            span.set_attribute("specdec.tree_nodes", tree.size)
+            span.set_attribute("specdec.batch_size", batch_size)
+        stream.ahead = (len(path) + 1, tuple(tree.parents))
+        return draft_pb2.DraftTreeReply(round=request.round, tree=tree_to_proto(tree), draft_ms=draft_ms,
+                                        batch_size=batch_size, ahead=True, guess_token=guess)
+
+    async def _resolve(self, stream: _Stream, request) -> None:
+        if stream.ahead is None:
+            raise ValueError("resolve: no unresolved ahead on this stream")
+        added, parents = stream.ahead
+        stream.ahead = None
+        await self.worker.run(self.runtime.resolve_ahead, stream.key, request.adopt)
+        if request.adopt:  # the ahead's tree is now the last tree; the guessed round counts as committed
+            stream.tokens += added
+            stream.tree_size, stream.parents = len(parents), parents
+
     async def _commit(self, stream: _Stream, request) -> None:
+        _no_ahead(stream, "commit")
         tokens, accepted = list(request.tokens), list(request.accepted_nodes)
         if not tokens:
             raise ValueError("commit.tokens: empty (a round commits >= 1 token)")
@@ -251,6 +312,24 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         await self.worker.run(self.runtime.commit, stream.key, tokens, accepted)
         stream.tokens += len(tokens)
         stream.tree_size = None
+
+
+def _no_ahead(stream: _Stream, field: str) -> None:
+    if stream.ahead is not None:
+        raise ValueError(f"{field}: an ahead is unresolved on this stream (send resolve first)")
+
+
+def _check_root_path(path: list[int], parents: tuple[int, ...]) -> None:
+    """Raises ValueError naming ahead.path_nodes unless ``path`` is a non-empty root path of the tree."""
+    if not path:
+        raise ValueError("ahead.path_nodes: empty (need >= 1 node of the last tree)")
+    parent = -1
+    for i, node in enumerate(path):
+        if not 0 <= node < len(parents):
+            raise ValueError(f"ahead.path_nodes[{i}] = {node}: not a node of the last proposed tree ({len(parents)} nodes)")
+        if parents[node] != parent:
+            raise ValueError(f"ahead.path_nodes[{i}] = {node}: its parent is {parents[node]}, not {parent} (not a root path)")
+        parent = node
 
 
 # ----------------------------------------------------------------------------------------------

@@ -107,6 +107,8 @@ def stats_table(stats, speculate: bool, sampling: SamplingParams = SamplingParam
             ("acceptance rate", f"{stats.acceptance_rate:.3f}  ({stats.accepted_tokens}/{stats.proposed_tokens} draft tokens)"),
             ("mean accepted length", f"{stats.mean_accepted_length:.2f} tokens/round"),
         ]
+    if speculate and (stats.pipeline_ahead_hits or stats.pipeline_ahead_misses):
+        rows.append(("pipelining", f"{stats.pipeline_ahead_hits} ahead trees adopted, {stats.pipeline_ahead_misses} discarded"))
     if speculate and cost is not None:
         rows += [
             ("tree decisions", f"{stats.drafted_tokens} drafted nodes, {stats.proposed_tokens} verified, "
@@ -153,6 +155,7 @@ def generate(
     max_context: Optional[int] = typer.Option(None, help="Context limit in tokens (default: the target's)."),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
     control: str = typer.Option("cost-aware", help=_CONTROL_HELP),
+    pipeline: bool = typer.Option(False, "--pipeline", help="Draft round r+1 from round r's likely outcome while the target verifies round r (output unchanged; in-process the two take turns, so it pays with the services)."),
     server: Optional[str] = typer.Option(None, help="host:port of a generation front (specdec serve): run the request there instead of in-process (the request flags apply; model, dtype, gamma and thread flags are the server's)."),
     tls_ca: Optional[str] = typer.Option(None, help="With --server: PEM CA bundle that verifies a TLS front."),
     auth_token_file: Optional[str] = typer.Option(None, help="With --server: bearer token file (first line); $SPECDEC_TOKEN takes precedence."),
@@ -172,7 +175,7 @@ def generate(
         text = read_prompt(prompt, prompt_file)
         set_threads(threads)
         pipe = build_pipeline(target, draft, dtype, speculate=not no_spec, max_context=max_context, draft_quant=draft_quant,
-                              control=control)
+                              control=control, pipeline=pipeline)
         prompt_ids = encode_prompt(pipe.tokenizer, text, raw)
         request = GenerationRequest(prompt_ids, max_new_tokens, tuple(stop), None if no_spec else spec, sampling)
         result = pipe.engine.generate(request, on_tokens=TextStream(pipe.tokenizer))

@@ -165,15 +165,38 @@ class DraftClient:
         if not response.HasField("tree") or response.tree.round != self.rounds[session_id]:
             self._drop(session_id)
             raise DraftUnavailableError("draft service answered out of order")
+        return self._tree(session_id, response.tree)
+
+    def _tree(self, session_id: str, reply: draft_pb2.DraftTreeReply) -> DraftTree:
+        """The reply's tree, checked like any untrusted message (a malformed one is a draft failure)."""
         span = trace.get_current_span()
-        span.set_attribute("tree.bytes", response.tree.tree.ByteSize())
-        span.set_attribute("draft.draft_ms", response.tree.draft_ms)
-        span.set_attribute("draft.batch_size", response.tree.batch_size)
+        span.set_attribute("tree.bytes", reply.tree.ByteSize())
+        span.set_attribute("draft.draft_ms", reply.draft_ms)
+        span.set_attribute("draft.batch_size", reply.batch_size)
         try:
-            return tree_from_proto(response.tree.tree, self.vocab_size, self.max_tree_nodes)
+            return tree_from_proto(reply.tree, self.vocab_size, self.max_tree_nodes)
         except ValueError as exc:  # a malformed tree from the draft is a draft failure
             self._drop(session_id)
             raise DraftUnavailableError(f"draft sent a malformed tree: {exc}") from exc
+
+    async def propose_ahead(self, session_id: str, path_nodes: list[int], spec: TreeSpec,
+                            max_depth: int) -> tuple[int, DraftTree]:
+        """The next round's tree drafted ahead (DraftRuntime.propose_ahead): returns (guess token, tree)."""
+        self.rounds[session_id] = self.rounds.get(session_id, 0) + 1
+        request = draft_pb2.AheadRequest(path_nodes=path_nodes, spec=spec_to_proto(spec), max_depth=max_depth,
+                                         round=self.rounds[session_id])
+        response = await self._exchange(session_id, draft_pb2.DraftRequest(ahead=request), reply=True)
+        if not response.HasField("tree") or not response.tree.ahead or response.tree.round != self.rounds[session_id]:
+            self._drop(session_id)
+            raise DraftUnavailableError("draft service answered an ahead out of order")
+        tree = self._tree(session_id, response.tree)
+        if not 0 <= response.tree.guess_token < self.vocab_size:
+            self._drop(session_id)
+            raise DraftUnavailableError(f"draft sent guess_token {response.tree.guess_token} outside the vocabulary")
+        return response.tree.guess_token, tree
+
+    async def resolve_ahead(self, session_id: str, adopt: bool) -> None:
+        await self._exchange(session_id, draft_pb2.DraftRequest(resolve=draft_pb2.AheadResolve(adopt=adopt)), reply=False)
 
     async def commit(self, session_id: str, tokens: list[int], accepted_nodes: list[int]) -> None:
         commit = draft_pb2.DraftCommit(tokens=tokens, accepted_nodes=accepted_nodes)

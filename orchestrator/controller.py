@@ -11,7 +11,20 @@ workers commit exactly the tokens that passed (KV cache rollback of the rest). A
   when the draft's context limit is reached (``orchestrator.control.FallbackPolicy``). A failed
   draft session is re-opened on the committed tokens when the policy retries it. Plain rounds commit
   the same tokens a speculative round would, so no token is lost, repeated or changed;
-- traces: one ``round`` span per round with ``draft``, ``verify`` and ``commit`` children.
+- traces: one ``round`` span per round with ``draft``, ``verify`` and ``commit`` children;
+- pipelining (``pipeline=True``, DESIGN.md "Pipelining"; PEARL, Liu et al. 2024): while the target
+  verifies round r, the draft drafts round r+1 (``propose_ahead``, a ``draft.ahead`` span under round
+  r's span, beside its ``verify``) from round r's best path (the chain of most likely draft children
+  among the nodes the shaping kept) taken as fully accepted plus the draft's argmax guess of the
+  bonus token. When the committed tokens are exactly that path + guess (no stop): ``resolve_ahead
+  (adopt=True)`` and round r+1 verifies the ahead tree (asked with round r+1's depth budget; still
+  shaped, so context branches join) without drafting; otherwise ``resolve_ahead(adopt=False)`` and
+  the normal draft commit. An ahead failure is a draft failure (the draft is dropped, as above); the
+  output never depends on the ahead. Learning: a round whose tree came from an ahead has draft_s 0
+  (nothing on its critical path) and teaches the cost model no D(p) (the ahead ran beside a verify,
+  on other hardware in services mode: its time is not a step's cost on the critical path); the
+  ahead's own time is the RoundRecord's ahead_s. Time spent waiting for an ahead after its verify
+  returned is not counted as round overhead.
 
 Workers are awaitables with the DraftWorker / TargetWorker methods (specdec.interfaces): gRPC
 clients (orchestrator.clients) or in-process runtimes wrapped by ``sync_worker``. The controller
@@ -36,7 +49,7 @@ from orchestrator.stops import StopChecker
 from specdec.interfaces import VerifyResult
 from specdec.sampling import GREEDY, SamplingParams
 from specdec.stats import GenerationStats, RoundRecord
-from specdec.tree import DraftTree, node_depths
+from specdec.tree import ROOT, DraftTree, node_depths
 from specdec.tree_spec import TreeSpec
 
 log = logging.getLogger(__name__)
@@ -103,12 +116,14 @@ class RoundController:
     decode: ids -> text, for stop strings; control_factory: TreeSpec -> per-request control policy
     (orchestrator.control; default FixedControl); draft_deadline_s: a draft reply slower than this
     is a draft failure; draft_context_limit: the draft's max positions (None = unlimited); on_round: called with
-    each round's RoundRecord (metrics).
+    each round's RoundRecord (metrics); pipeline: draft round r+1 while round r verifies (module
+    docstring), where the draft worker has ``propose_ahead`` / ``resolve_ahead``.
     """
 
     def __init__(self, target, draft, eos_token_ids, context_limit: int, decode=None,
                  control_factory: ControlFactory | None = None, draft_deadline_s: float | None = None,
-                 draft_context_limit: int | None = None, on_round: Callable[[RoundRecord], None] | None = None):
+                 draft_context_limit: int | None = None, on_round: Callable[[RoundRecord], None] | None = None,
+                 pipeline: bool = False):
         self.target = target
         self.draft = draft
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -118,6 +133,7 @@ class RoundController:
         self.draft_deadline_s = draft_deadline_s
         self.draft_context_limit = draft_context_limit
         self.on_round = on_round
+        self.pipeline = pipeline
 
     def check(self, request: GenerationRequest) -> None:
         """Raises ValueError naming the field for a request that cannot run."""
@@ -168,6 +184,27 @@ class _Drafted:
     depth: int = 0  # tree levels of ``tree``
     fallback: str | None = None  # why the round runs without the draft (orchestrator.control reasons)
     draft_s: float | None = None  # wall time of the draft phase, seconds (None = the draft was not asked)
+    pipelined: bool = False  # the tree came from an adopted ahead (drafted during the previous verify)
+    ahead_s: float | None = None  # pipelined: wall time of that ahead, seconds (off the critical path)
+
+
+@dataclass(frozen=True)
+class _Ahead:
+    """An ahead proposal: the next round drafted from this round's best path + the draft's guess."""
+
+    path_tokens: tuple[int, ...]  # tokens of the best path (draft nodes), root side first
+    guess: int  # the draft's guess of the bonus token
+    tree: DraftTree  # the next round's tree, after path + guess
+    draft_s: float  # wall time of the ahead, seconds
+
+
+@dataclass(frozen=True)
+class _AheadOutcome:
+    """How a round's ahead ended: "hit" (adopted), "miss" (discarded) or "failed" (a draft failure)."""
+
+    kind: str
+    ahead_s: float | None  # wall time of the ahead, seconds (None when it failed)
+    wait_s: float  # time the round waited for it after the verify returned, seconds
 
 
 class _Request:
@@ -191,6 +228,10 @@ class _Request:
         self.draft_sid: str | None = None  # open draft session
         self.draft_opens = 0
         self.target_open = False
+        self.pipeline = (controller.pipeline and self.spec is not None
+                         and hasattr(controller.draft, "propose_ahead") and hasattr(controller.draft, "resolve_ahead"))
+        self.adopted: _Drafted | None = None  # the next round's tree, from an adopted ahead
+        self.draft_limit = controller.draft_context_limit  # the draft's max positions (None = unknown)
 
     @property
     def committed_tokens(self) -> list[int]:
@@ -220,6 +261,7 @@ class _Request:
             limit = limit or self.controller.draft_context_limit  # gRPC clients report the draft's, in-process the engine's
             if limit:
                 self.control.set_draft_context_limit(limit)
+                self.draft_limit = limit
         except DraftUnavailableError as exc:
             log.warning("request %s: draft unavailable at start (%s); decoding without it", self.sid, exc)
             self.draft_sid = None
@@ -264,18 +306,23 @@ class _Request:
         max_depth = self.stops.budget() - 1  # the accepted path plus the bonus must fit the budget
         t0 = time.perf_counter()
         with _tracer.start_as_current_span("round", attributes={"request.id": self.sid, "round": self.stats.rounds}) as span:
-            drafted = await self._draft(max_depth)
+            drafted, self.adopted = self.adopted or await self._draft(max_depth), None
             shaped = self._shape(drafted, max_depth)
             t1 = time.perf_counter()
-            result = await self._verify(shaped.tree)
-            t2 = time.perf_counter()
-            committed = self._stop_checks(result.tokens)
-            accepted = list(result.accepted_nodes[: len(committed)])  # node indices of the committed draft tokens
-            await self._commit(committed, _draft_nodes(shaped, accepted))
+            ahead = self._start_ahead(drafted, shaped, max_depth)  # pipelining: round r+1 beside this verify
+            try:
+                result = await self._verify(shaped.tree)
+                t2 = time.perf_counter()
+                committed = self._stop_checks(result.tokens)
+                accepted = list(result.accepted_nodes[: len(committed)])  # node indices of the committed draft tokens
+                outcome = await self._commit(committed, _draft_nodes(shaped, accepted), ahead)
+            except BaseException:
+                await _cancel(ahead)  # a failed round (target error, cancel) leaves no ahead running
+                raise
             t3 = time.perf_counter()
-            _round_attributes(span, drafted, shaped, self._gamma(), result, committed)
+            _round_attributes(span, drafted, shaped, self._gamma(), result, committed, outcome)
         timing = _Timing(draft_s=drafted.draft_s, verify_s=t2 - t1, commit_s=t3 - t2, round_s=t3 - t0)
-        await self._record(drafted, shaped, result, committed, accepted, timing)
+        await self._record(drafted, shaped, result, committed, accepted, timing, outcome)
         return committed
 
     def _gamma(self) -> int:
@@ -323,16 +370,75 @@ class _Request:
                 break
         return committed
 
-    async def _commit(self, committed: list[int], accepted: list[int]) -> None:
+    async def _commit(self, committed: list[int], accepted: list[int],
+                      ahead: "asyncio.Future | None" = None) -> _AheadOutcome | None:
         """Phase 4: both workers keep exactly the committed tokens (KV rollback of the rest);
-        accepted: tree node indices of the committed draft tokens."""
+        accepted: tree node indices of the committed draft tokens; ahead: the round's ahead task
+        (pipelining), resolved here: adopted (the draft needs no commit) or discarded first."""
         with _tracer.start_as_current_span("commit", attributes={"tokens": len(committed)}):
             await self.controller.target.commit(self.sid, len(committed))
+            outcome = await self._resolve_ahead(ahead, committed) if ahead is not None else None
+            if outcome is not None and outcome.kind == "hit":
+                return outcome
             if self.draft_sid is not None:
                 try:
                     await self._draft_call(self.controller.draft.commit(self.draft_sid, committed, accepted))
                 except DraftUnavailableError as exc:
                     await self._drop_draft(exc)
+        return outcome
+
+    def _start_ahead(self, drafted: _Drafted, shaped: ShapedTree, max_depth: int) -> "asyncio.Future | None":
+        """Pipelining: start drafting round r+1 from this round's best path + the draft's guess, as a
+        task beside the verify; None when not pipelining, no draft tree was kept, or round r+1 would
+        have no depth budget (max_depth - path - bonus < 1) or no room in the draft's context."""
+        if not self.pipeline or self.draft_sid is None or not drafted.tree.size:
+            return None
+        path = _best_path(drafted.tree, shaped)
+        next_depth = max_depth - len(path) - 1  # round r+1's max_depth when path + guess are committed
+        next_committed = len(self.committed_tokens) + len(path) + 1
+        if not path or next_depth < 1 or (self.draft_limit and next_committed >= self.draft_limit):
+            return None
+        spec = self.control.spec(self.spec)
+        tokens = tuple(drafted.tree.tokens[n] for n in path)
+        return asyncio.ensure_future(self._ahead(path, tokens, spec, next_depth))  # copies the context: under round r's span
+
+    async def _ahead(self, path: list[int], path_tokens: tuple[int, ...], spec: TreeSpec,
+                     max_depth: int) -> _Ahead | Exception:
+        """The ahead proposal (its own ``draft.ahead`` span); any failure is returned, not raised."""
+        t0 = time.perf_counter()
+        with _tracer.start_as_current_span("draft.ahead", attributes={"gamma": spec.gamma, "max_depth": max_depth,
+                                                                      "ahead.path_length": len(path)}) as span:
+            try:
+                guess, tree = await self._draft_call(
+                    self.controller.draft.propose_ahead(self.draft_sid, path, spec, max_depth))
+            except Exception as exc:  # noqa: BLE001 - any ahead failure is a draft failure; the output never depends on it
+                span.set_attribute("ahead.failed", True)
+                return exc
+            span.set_attribute("ahead.guess", guess)
+            span.set_attribute("tree.nodes", tree.size)
+        return _Ahead(path_tokens, guess, tree, time.perf_counter() - t0)
+
+    async def _resolve_ahead(self, task: asyncio.Future, committed: list[int]) -> _AheadOutcome:
+        """Adopt the ahead when the committed tokens are its path + guess and nothing stopped (the
+        next round then verifies its tree), else discard it (the draft rolls back)."""
+        t0 = time.perf_counter()
+        ahead = await task
+        wait_s = time.perf_counter() - t0
+        hit = False
+        if not isinstance(ahead, Exception):
+            hit = self.stops.reason is None and tuple(committed) == (*ahead.path_tokens, ahead.guess)
+            try:
+                await self._draft_call(self.controller.draft.resolve_ahead(self.draft_sid, hit))
+            except DraftUnavailableError as exc:
+                ahead = exc
+        if isinstance(ahead, Exception):
+            if self.draft_sid is not None:
+                await self._drop_draft(ahead)
+            return _AheadOutcome("failed", None, wait_s)
+        if hit:
+            self.adopted = _Drafted(ahead.tree, depth=max(node_depths(ahead.tree.parents), default=0), draft_s=0.0,
+                                    pipelined=True, ahead_s=ahead.draft_s)
+        return _AheadOutcome("hit" if hit else "miss", ahead.draft_s, wait_s)
 
     def _shape(self, drafted: _Drafted, max_depth: int) -> ShapedTree:
         """Phase 2: the tree to verify, as the control shapes it (the drafted tree as it is, unless
@@ -343,17 +449,19 @@ class _Request:
         return self.control.shape(drafted.tree, self.committed_tokens, max_depth, sunk_ms)
 
     async def _record(self, drafted: _Drafted, shaped: ShapedTree, result: VerifyResult, committed: list[int],
-                      accepted: list[int], timing: "_Timing") -> None:
+                      accepted: list[int], timing: "_Timing", ahead: _AheadOutcome | None = None) -> None:
         """Phase 6: the control learns the outcome (the verify result: the accepted path before the
         stop checks, and the target forward's batch), the statistics count the round, the callbacks
-        get its RoundRecord."""
+        get its RoundRecord. A tree from an ahead teaches no draft cost (module docstring); the wait
+        for this round's ahead is not overhead."""
         tree = shaped.tree
         accepted_path = result.accepted_nodes
         if drafted.tree.size:
             self.control.record(drafted.depth, drafted.tree.size, len(_draft_nodes(shaped, accepted_path)))
         if self.control is not None:
-            self.control.observe(shaped, accepted_path, timing.verify_s, drafted.draft_s,
-                                 timing.round_s - timing.verify_s - (drafted.draft_s or 0.0), drafted.tree,
+            draft_s = None if drafted.pipelined else drafted.draft_s
+            overhead_s = timing.round_s - timing.verify_s - (draft_s or 0.0) - (ahead.wait_s if ahead else 0.0)
+            self.control.observe(shaped, accepted_path, timing.verify_s, draft_s, overhead_s, drafted.tree,
                                  batch_size=result.batch_size, batch_rows=result.batch_rows)
         context_nodes = sum(1 for d in shaped.draft_index if d is None)
         record = RoundRecord(tuple(committed), proposed=tree.size, accepted=len(accepted), depth=shaped.depth,
@@ -362,6 +470,8 @@ class _Request:
                              context_proposed=context_nodes,
                              context_accepted=sum(1 for n in accepted if shaped.draft_index[n] is None),
                              expected_accepted=shaped.expected_accepted, stop_reason=self.stops.reason,
+                             pipelined=drafted.pipelined, ahead=ahead.kind if ahead else None,
+                             ahead_s=ahead.ahead_s if ahead else None,
                              cost=getattr(self.control, "cost_snapshot", lambda: None)())
         self.stats.add(record, time.perf_counter() - self.started)
         if self.stops.reason is not None:
@@ -399,6 +509,28 @@ class _Timing:
     round_s: float
 
 
+async def _cancel(task: "asyncio.Future | None") -> None:
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def _best_path(tree: DraftTree, shaped: ShapedTree) -> list[int]:
+    """The round's most likely root path among the draft nodes the shaping kept, in the draft's
+    numbering: from the root, the kept child with the highest draft log-prob (the first on ties), until
+    a node has no kept child. Example: kept children of the root 0 (-0.1), 1 (-2.3); of 0: 3 (-0.7)
+    -> [0, 3]."""
+    kept = {d for d in shaped.draft_index if d is not None}
+    logprobs = tree.draft_logprobs or (0.0,) * tree.size
+    path, node = [], ROOT
+    while True:
+        kids = [i for i in sorted(kept) if tree.parents[i] == node]
+        if not kids:
+            return path
+        node = max(kids, key=lambda i: logprobs[i])  # max() keeps the first of equals
+        path.append(node)
+
+
 def _draft_nodes(shaped: ShapedTree, accepted: list[int]) -> list[int]:
     """The accepted nodes as the draft numbered them: the path's draft nodes up to its first context
     node (below a context node everything is context)."""
@@ -411,9 +543,17 @@ def _draft_nodes(shaped: ShapedTree, accepted: list[int]) -> list[int]:
     return out
 
 
-def _round_attributes(span, drafted: _Drafted, shaped: ShapedTree, gamma: int, result, committed) -> None:
+def _round_attributes(span, drafted: _Drafted, shaped: ShapedTree, gamma: int, result, committed,
+                      ahead: _AheadOutcome | None = None) -> None:
     """The round span's attributes: the control's decision (nodes, depth, expected accepted) and
-    what happened (accepted length, committed tokens)."""
+    what happened (accepted length, committed tokens; pipelining: whether the tree came from an
+    ahead, and how this round's ahead ended)."""
+    span.set_attribute("pipelined", drafted.pipelined)
+    if drafted.ahead_s is not None:
+        span.set_attribute("ahead.draft_s", drafted.ahead_s)
+    if ahead is not None:
+        span.set_attribute("ahead.outcome", ahead.kind)
+        span.set_attribute("ahead.hit", ahead.kind == "hit")
     if drafted.fallback:
         span.set_attribute("fallback.reason", drafted.fallback)
     span.set_attribute("gamma", gamma)

@@ -37,13 +37,15 @@ def build_pipeline(
     draft_quant: str = "auto",
     control: str | ControlFactory | None = "cost-aware",
     measure_costs: bool = True,
+    pipeline: bool = False,
 ) -> EmbeddedPipeline:
     """Load the pair (defaults: the real Qwen2.5-Coder pair), check it, wire the engine.
 
     dtype: auto | bfloat16 | float32 | float16; draft_quant: auto | none | int8 (CPU only);
     control: one of CONTROLS (``make_control``) or a per-request control factory (TreeSpec ->
     policy; None = the fixed TreeSpec every round); measure_costs: the cost-aware control starts
-    from V(n) and D(p) measured on these models (a few seconds), else from prior figures.
+    from V(n) and D(p) measured on these models (a few seconds), else from prior figures;
+    pipeline: RoundController's pipelining (in-process: correct, but the calls take turns).
     Raises ModelError for unknown paths, bad values or an incompatible pair.
     """
     if max_context is not None and max_context < 2:
@@ -55,11 +57,11 @@ def build_pipeline(
         err = exc.errors()[0]
         raise ModelError(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}") from None
     loaded = load_target(models)
-    return wire_pipeline(loaded, load_draft(models, loaded) if speculate else None, control, measure_costs)
+    return wire_pipeline(loaded, load_draft(models, loaded) if speculate else None, control, measure_costs, pipeline)
 
 
 def wire_pipeline(loaded: LoadedTarget, loaded_draft: LoadedDraft | None, control: str | ControlFactory | None = "cost-aware",
-                  measure_costs: bool = True) -> EmbeddedPipeline:
+                  measure_costs: bool = True, pipeline: bool = False) -> EmbeddedPipeline:
     """The engine over loaded models (``build_pipeline`` without the loading: several drafts can
     share one loaded target, as ``specdec profile-draft`` does). loaded_draft None = target only.
     Raises ModelError for an unknown control mode."""
@@ -73,7 +75,7 @@ def wire_pipeline(loaded: LoadedTarget, loaded_draft: LoadedDraft | None, contro
     engine = SpeculativeEngine(
         target_runtime, draft_runtime, loaded.eos_token_ids, loaded.context_limit,
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False), control_factory=factory,
-        draft_context_limit=draft_limit,
+        draft_context_limit=draft_limit, pipeline=pipeline,
     )
     return EmbeddedPipeline(engine, tokenizer, loaded.model, draft_model, shared)
 

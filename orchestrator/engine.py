@@ -19,16 +19,17 @@ class SpeculativeEngine:
 
     eos_token_ids: ids that end generation; context_limit: max total tokens (prompt + generated);
     decode: ids -> text, used for stop strings; control_factory: TreeSpec -> per-request control
-    policy (orchestrator.control; default FixedControl, the fixed TreeSpec).
+    policy (orchestrator.control; default FixedControl, the fixed TreeSpec); pipeline: draft round
+    r+1 while round r verifies (RoundController; in-process the two calls take turns, no overlap).
     """
 
     def __init__(self, target: TargetWorker, draft: DraftWorker | None, eos_token_ids, context_limit: int,
-                 decode=None, control_factory=None, draft_context_limit: int | None = None):
+                 decode=None, control_factory=None, draft_context_limit: int | None = None, pipeline: bool = False):
         self.target = target
         self.draft = draft
         self.controller = RoundController(
             sync_worker(target), sync_worker(draft) if draft is not None else None, eos_token_ids, context_limit,
-            decode, control_factory=control_factory, draft_context_limit=draft_context_limit,
+            decode, control_factory=control_factory, draft_context_limit=draft_context_limit, pipeline=pipeline,
         )
 
     @property

@@ -25,6 +25,7 @@ Exported series (prometheus_client appends ``_total`` to counters):
 | ``specdec_time_to_first_token_seconds`` | histogram | | a request's time from arrival to its first token (TTFT) |
 | ``specdec_inter_token_latency_seconds`` | histogram | | gap between streamed rounds / tokens in the later one, once per token |
 | ``specdec_requests_running`` | gauge | | requests streaming tokens (first token sent, not finished) |
+| ``specdec_pipeline_ahead_total`` | counter | ``outcome`` = hit, miss, failed | pipelining: trees drafted ahead during a verify, adopted (hit), discarded (miss) or failed |
 | ``specdec_requests_waiting`` | gauge | | requests received without a first token yet (queued or in prefill) |
 
 Acceptance rate = accepted / proposed draft tokens; mean accepted length = committed / rounds
@@ -53,6 +54,7 @@ log = logging.getLogger(__name__)
 
 PHASES = ("draft", "verify", "commit")
 ALERT_SCOPES = ("request", "global")
+AHEAD_OUTCOMES = ("hit", "miss", "failed")  # RoundRecord.ahead
 ROUND_MODES = ("speculative", "plain")
 
 # gamma is an integer in [1, 64] (TreeSpec); one bucket per small depth, coarser beyond.
@@ -123,6 +125,11 @@ class SpecMetrics:
                                       namespace=ns, registry=r)
         self.requests_waiting = Gauge("requests_waiting", "Requests received without a first token yet "
                                       "(queued or in prefill)", namespace=ns, registry=r)
+        self.pipeline_ahead = Counter("pipeline_ahead", "Pipelining: trees drafted ahead during a verify, by "
+                                      "outcome (hit = adopted, miss = discarded, failed)", ["outcome"],
+                                      namespace=ns, registry=r)
+        for outcome in AHEAD_OUTCOMES:
+            self.pipeline_ahead.labels(outcome=outcome)
         for mode in ROUND_MODES:
             self.rounds.labels(mode=mode)
         for reason in FALLBACK_REASONS:
@@ -164,6 +171,8 @@ class SpecMetrics:
             self.position_accepted.labels(position=str(position)).inc(1 if position <= record.accepted else 0)
         if record.fallback:
             self.fallback_rounds.labels(reason=record.fallback).inc()
+        if record.ahead is not None:
+            self.pipeline_ahead.labels(outcome=record.ahead).inc()
         self.context_tokens.labels(outcome="proposed").inc(record.context_proposed)
         self.context_tokens.labels(outcome="accepted").inc(record.context_accepted)
         self.expected_accepted_tokens.inc(record.expected_accepted)

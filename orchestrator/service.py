@@ -80,7 +80,7 @@ class Orchestrator:
         self.controller = RoundController(
             target, draft, list(self.info.eos_token_ids), self.info.context_limit, self.decode,
             control_factory=factory, draft_deadline_s=self.front.fallback.draft_deadline_ms / 1000,
-            on_round=self.on_round,
+            on_round=self.on_round, pipeline=self.front.pipeline,
         )
 
     async def close(self) -> None:

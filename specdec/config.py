@@ -152,6 +152,7 @@ class FrontConfig(_Section):
     max_prompt_tokens: int = Field(default=8192, ge=1)
     tree: TreeSpec = DEFAULT_SPEC
     speculate: bool = True
+    pipeline: bool = False                                # draft round r+1 while round r verifies (DESIGN.md "Pipelining")
     cost_aware: CostAwareConfig = CostAwareConfig()
     dynamic_gamma: DynamicGammaConfig = DynamicGammaConfig()
     fallback: FallbackConfig = FallbackConfig()

@@ -92,6 +92,15 @@ class DraftWorker(Protocol):
         """Free the session and its KV; an unknown id is a no-op."""
         ...
 
+    # Optional (pipelining, ``RoundController(pipeline=True)``; used only where a worker has both):
+    #   propose_ahead(session_id, path_nodes [A], spec, max_depth) -> (guess, DraftTree): after a
+    #     propose, before its commit: take the root path ``path_nodes`` of that tree and the draft's
+    #     argmax guess of the bonus token as committed and grow the next tree (no random draw for the
+    #     guess; the tree's draws come from the session's generator).
+    #   resolve_ahead(session_id, adopt): adopt = keep that state (no commit for the guessed round);
+    #     else roll back exactly, then ``commit`` as usual. While an ahead is unresolved, propose and
+    #     commit raise SessionStateError. (draft_service.runtime.DraftRuntime; orchestrator.clients.DraftClient)
+
 
 class TargetWorker(Protocol):
     """The target side of a round. In-process: ``target_service.runtime.TargetRuntime`` (or the

@@ -36,6 +36,9 @@ class RoundRecord:
     expected_accepted: float = 0.0  # draft tokens the control expected to be accepted (its decision), tokens
     cost: dict | None = None  # the cost model it decided with (CostModel.snapshot: ms by rows / parents), if any
     stop_reason: str | None = None  # set on the round that ended the request (its stats follow)
+    pipelined: bool = False  # the tree came from an adopted ahead (drafted during the previous verify; draft_s 0)
+    ahead: str | None = None  # this round's ahead (pipelining): "hit" (adopted), "miss", "failed"; None = none
+    ahead_s: float | None = None  # wall time of this round's ahead, seconds (beside the verify; None = none or failed)
 
 
 @dataclass
@@ -57,6 +60,8 @@ class GenerationStats:
     total_s: float = 0.0
     stop_reason: str | None = None
     failovers: int = 0  # times the request moved to another orchestrator actor after its own failed
+    pipeline_ahead_hits: int = 0  # pipelining: aheads adopted (the next round's tree was ready when its verify began)
+    pipeline_ahead_misses: int = 0  # pipelining: aheads discarded (a guess or a path missed) or failed
 
     def add(self, record: RoundRecord, elapsed_s: float) -> None:
         """Count one round. elapsed_s: seconds from the request's start to the end of this round
@@ -72,6 +77,8 @@ class GenerationStats:
         self.context_accepted_tokens += record.context_accepted
         self.expected_accepted_tokens += record.expected_accepted
         self.final_gamma = record.gamma
+        self.pipeline_ahead_hits += record.ahead == "hit"
+        self.pipeline_ahead_misses += record.ahead in ("miss", "failed")
         if self.rounds == 1:
             self.ttft_ms = elapsed_s * 1000
 

@@ -118,4 +118,5 @@ def stats_to_proto(stats: GenerationStats, prompt_tokens: int) -> generation_pb2
         cost_plain_rounds=stats.cost_plain_rounds, drafted_tokens=stats.drafted_tokens,
         context_proposed_tokens=stats.context_proposed_tokens, context_accepted_tokens=stats.context_accepted_tokens,
         expected_accepted_tokens=stats.expected_accepted_tokens, failovers=stats.failovers,
+        pipeline_ahead_hits=stats.pipeline_ahead_hits, pipeline_ahead_misses=stats.pipeline_ahead_misses,
     )

@@ -33,6 +33,17 @@ def test_generate_greedy_equals_target_only(pair):
     assert "acceptance rate" in spec.stderr and "mean accepted length" in spec.stderr and "TTFT" in spec.stderr
 
 
+def test_generate_pipeline_flag_keeps_the_output(pair):
+    target, draft = pair
+    base = ["--target", str(target), "--draft", str(draft), "--dtype", "float32", "--raw", "--max-new-tokens", "24",
+            "--control", "fixed", "--tree", '{"gamma": 2, "topKSpec": [[2], [1, 1]], "topHead": [1, 2]}']
+    piped = run_cli("the quick brown fox", *base, "--pipeline")
+    plain = run_cli("the quick brown fox", *base)
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == plain.stdout and piped.stdout.strip()
+    assert ("pipelining" in piped.stderr) and "pipelining" not in plain.stderr
+
+
 def test_prompt_from_stdin_and_file(pair, tmp_path):
     target, draft = pair
     base = ["--target", str(target), "--draft", str(draft), "--dtype", "float32", "--raw", "--max-new-tokens", "5"]

@@ -118,6 +118,16 @@ def test_metrics_observe_round_record():
     assert sample(m, "specdec_gamma_sum") == 4 and sample(m, "specdec_gamma_count") == 1
 
 
+def test_pipeline_ahead_counter_by_outcome():
+    m = SpecMetrics(CollectorRegistry())
+    times = dict(draft_s=0.0, verify_s=0.1, commit_s=0.01)
+    for outcome in ("hit", "hit", "miss", "failed", None):
+        m.observe_round(RoundRecord((5, 6), proposed=3, accepted=1, depth=2, fallback=None, gamma=3, ahead=outcome, **times))
+    assert sample(m, "specdec_pipeline_ahead_total", outcome="hit") == 2
+    assert sample(m, "specdec_pipeline_ahead_total", outcome="miss") == 1
+    assert sample(m, "specdec_pipeline_ahead_total", outcome="failed") == 1
+
+
 def test_metrics_phase_latency():
     m = SpecMetrics(CollectorRegistry())
     m.observe_phase("verify", 0.2)

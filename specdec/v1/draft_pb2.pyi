@@ -8,14 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftRequest(_message.Message):
-    __slots__ = ("start", "propose", "commit")
+    __slots__ = ("start", "propose", "commit", "ahead", "resolve")
     START_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
+    RESOLVE_FIELD_NUMBER: _ClassVar[int]
     start: DraftStart
     propose: TreeRequest
     commit: DraftCommit
-    def __init__(self, start: _Optional[_Union[DraftStart, _Mapping]] = ..., propose: _Optional[_Union[TreeRequest, _Mapping]] = ..., commit: _Optional[_Union[DraftCommit, _Mapping]] = ...) -> None: ...
+    ahead: AheadRequest
+    resolve: AheadResolve
+    def __init__(self, start: _Optional[_Union[DraftStart, _Mapping]] = ..., propose: _Optional[_Union[TreeRequest, _Mapping]] = ..., commit: _Optional[_Union[DraftCommit, _Mapping]] = ..., ahead: _Optional[_Union[AheadRequest, _Mapping]] = ..., resolve: _Optional[_Union[AheadResolve, _Mapping]] = ...) -> None: ...
 
 class DraftStart(_message.Message):
     __slots__ = ("session_id", "prompt_ids", "sampling")
@@ -45,6 +49,24 @@ class DraftCommit(_message.Message):
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class AheadRequest(_message.Message):
+    __slots__ = ("path_nodes", "spec", "max_depth", "round")
+    PATH_NODES_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    path_nodes: _containers.RepeatedScalarFieldContainer[int]
+    spec: _tree_pb2.TreeSpec
+    max_depth: int
+    round: int
+    def __init__(self, path_nodes: _Optional[_Iterable[int]] = ..., spec: _Optional[_Union[_tree_pb2.TreeSpec, _Mapping]] = ..., max_depth: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
+
+class AheadResolve(_message.Message):
+    __slots__ = ("adopt",)
+    ADOPT_FIELD_NUMBER: _ClassVar[int]
+    adopt: bool
+    def __init__(self, adopt: _Optional[bool] = ...) -> None: ...
+
 class DraftResponse(_message.Message):
     __slots__ = ("started", "tree")
     STARTED_FIELD_NUMBER: _ClassVar[int]
@@ -62,16 +84,20 @@ class DraftStarted(_message.Message):
     def __init__(self, cached_tokens: _Optional[int] = ..., context_limit: _Optional[int] = ...) -> None: ...
 
 class DraftTreeReply(_message.Message):
-    __slots__ = ("round", "tree", "draft_ms", "batch_size")
+    __slots__ = ("round", "tree", "draft_ms", "batch_size", "ahead", "guess_token")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
+    GUESS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     round: int
     tree: _tree_pb2.TokenTree
     draft_ms: float
     batch_size: int
-    def __init__(self, round: _Optional[int] = ..., tree: _Optional[_Union[_tree_pb2.TokenTree, _Mapping]] = ..., draft_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    ahead: bool
+    guess_token: int
+    def __init__(self, round: _Optional[int] = ..., tree: _Optional[_Union[_tree_pb2.TokenTree, _Mapping]] = ..., draft_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., ahead: _Optional[bool] = ..., guess_token: _Optional[int] = ...) -> None: ...
 
 class DraftInfoRequest(_message.Message):
     __slots__ = ()
