@@ -12,7 +12,7 @@ from rich.table import Table
 
 from draft_service.cli import draft_server
 from orchestrator.launcher import serve as launch
-from specdec.config import CONTROLS, DRAFT_QUANTS, ConfigError, load_config
+from specdec.config import CONTROLS, ConfigError, load_config
 from specdec.models import ModelError
 from specdec.process_entry import (
     AUTH_TOKEN_FILE_HELP, CONFIG_HELP, HEALTH_PORT_HELP, TLS_CA_HELP, TLS_CERT_HELP, TLS_KEY_HELP, tls_flags, tls_overrides,
@@ -48,8 +48,8 @@ def check_choices(dtype: str, draft_quant: str, control: str = "cost-aware") -> 
         raise UsageError(f"--control: expected {', '.join(CONTROLS)}, got {control!r}")
     if dtype not in ("auto", "bfloat16", "float32", "float16"):
         raise UsageError(f"--dtype: expected auto, bfloat16, float32 or float16, got {dtype!r}")
-    if draft_quant not in DRAFT_QUANTS:
-        raise UsageError(f"--draft-quant: expected {', '.join(DRAFT_QUANTS)}, got {draft_quant!r}")
+    if draft_quant not in ("auto", "none", "int8"):
+        raise UsageError(f"--draft-quant: expected auto, none or int8, got {draft_quant!r}")
 
 
 def sampling_params(temperature: float, top_p: float, top_k: int, seed: Optional[int]) -> SamplingParams:
@@ -142,7 +142,7 @@ def generate(
     target: Optional[str] = typer.Option(None, help="Target model: transformers directory or .gguf file (default: Qwen2.5-Coder-1.5B-Instruct)."),
     draft: Optional[str] = typer.Option(None, help="Draft model: transformers directory or .gguf file (default: Qwen2.5-Coder-0.5B-Instruct)."),
     dtype: str = typer.Option("auto", help="auto (bfloat16 where the CPU has native bf16 GEMM, else float32), bfloat16, float32 (exact greedy equality) or float16."),
-    draft_quant: str = typer.Option("auto", help="auto (int8 on CPU), none, int8 (down projections float32) or int8-full: an int8 draft drafts cheaper; output unchanged."),
+    draft_quant: str = typer.Option("auto", help="auto (int8 on CPU), none or int8: a dynamic-int8 draft drafts cheaper; output unchanged."),
     tree: Optional[str] = typer.Option(None, help="TreeSpec as inline JSON or a JSON file (default: top-3 at the root, then a chain of 3)."),
     max_new_tokens: int = typer.Option(128, help="Maximum new tokens."),
     temperature: float = typer.Option(0.0, help="0 = greedy (output equals the target alone); > 0 samples, with exactly the target's distribution."),
@@ -195,7 +195,7 @@ def bench(
     draft: Optional[str] = typer.Option(None, help="Draft model: transformers directory or .gguf file (default: Qwen2.5-Coder-0.5B-Instruct)."),
     tree: Optional[str] = typer.Option(None, help="TreeSpec (inline JSON or file; default: top-3 at the root, then a chain of 3)."),
     dtype: str = typer.Option("auto", help="Model dtype (auto, bfloat16, float32, float16)."),
-    draft_quant: str = typer.Option("auto", help="auto (int8 on CPU), none, int8 or int8-full draft."),
+    draft_quant: str = typer.Option("auto", help="auto (int8 on CPU), none or int8 draft."),
     out: Path = typer.Option(Path("bench_out"), help="Directory for results.json and results.md."),
     hf_assisted: bool = typer.Option(True, "--hf-assisted/--no-hf-assisted", help="Also run HF assisted generation (the draft as assistant_model)."),
     prompt_lookup: bool = typer.Option(True, "--prompt-lookup/--no-prompt-lookup", help="Also run HF prompt-lookup decoding (prompt_lookup_num_tokens=10, no draft)."),
@@ -334,7 +334,7 @@ def eval_(
     draft: Optional[str] = typer.Option(None, help="Draft model: transformers directory or .gguf file (default: Qwen2.5-Coder-0.5B-Instruct)."),
     tree: Optional[str] = typer.Option(None, help="TreeSpec (inline JSON or file; default: top-3 at the root, then a chain of 3)."),
     dtype: str = typer.Option("auto", help="Model dtype (auto, bfloat16, float32, float16)."),
-    draft_quant: str = typer.Option("auto", help="auto (int8 on CPU), none, int8 or int8-full draft."),
+    draft_quant: str = typer.Option("auto", help="auto (int8 on CPU), none or int8 draft."),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
     control: str = typer.Option("cost-aware", help=_CONTROL_HELP),
 ) -> None:
@@ -388,7 +388,7 @@ def profile_draft(
     questions: Optional[Path] = typer.Option(None, help="A Spec-Bench style question.jsonl (default: the built-in prompt set)."),
     per_category: int = typer.Option(1, help="Questions per category."),
     max_new_tokens: int = typer.Option(64, help="New tokens per question."),
-    draft_quant: str = typer.Option("none", help="Quantization of candidates given without @QUANT: none, int8 or int8-full."),
+    draft_quant: str = typer.Option("none", help="Quantization of candidates given without @QUANT: none or int8."),
     tree: Optional[str] = typer.Option(None, help="TreeSpec (inline JSON or file; default: top-3 at the root, then a chain of 3)."),
     dtype: str = typer.Option("auto", help="Model dtype (auto, bfloat16, float32, float16)."),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads."),

@@ -2,7 +2,7 @@
 draft against one target, to choose a draft.
 
 A candidate is ``PATH[@QUANT]``: a model directory or .gguf file (``default`` = the default real
-draft) and its quantization (``none``, ``int8`` or ``int8-full``; default: ``--draft-quant``). Per candidate:
+draft) and its quantization (``none`` or ``int8``; default: ``--draft-quant``). Per candidate:
 
 - ``parameters``: counted from the loaded model (the int8 linears' packed weights included);
 - ``tokensPerSecond``: the draft alone, greedy HF ``generate``, decode-only tokens/s
@@ -26,7 +26,7 @@ from pydantic.alias_generators import to_camel
 
 from orchestrator.bench import _hf_generate, console, load_questions, method_figures
 
-QUANTS = ("none", "int8", "int8-full")
+QUANTS = ("none", "int8")
 
 
 class DraftProfile(BaseModel):

@@ -20,9 +20,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from specdec.tree_spec import DEFAULT_SPEC, TreeSpec, TreeSpecError, parse_tree_spec
 
 
-DRAFT_QUANTS = ("auto", "none", "int8", "int8-full")  # models.draft_quant (specdec.model_setup.resolve_draft_quant)
-
-
 class ConfigError(ValueError):
     """An invalid service config; the message names the field."""
 
@@ -35,7 +32,7 @@ class ModelsConfig(_Section):
     target: str | None = None        # model dir (None = the default real pair's target)
     draft: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    draft_quant: Literal[DRAFT_QUANTS] = "auto"  # specdec.model_setup.resolve_draft_quant
+    draft_quant: Literal["auto", "none", "int8"] = "auto"
     device: str = "cpu"
     max_context: int | None = Field(default=None, ge=2)
     threads: int | None = Field(default=None, ge=1)

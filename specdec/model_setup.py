@@ -23,7 +23,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from specdec.checkpoint_memory import own_weights
-from specdec.config import DRAFT_QUANTS, ModelsConfig  # noqa: F401 - DRAFT_QUANTS: the choices resolve_draft_quant takes
+from specdec.config import ModelsConfig
 from specdec.cpu_linear import default_cpu_dtype, prepack_linears
 from specdec.models import (
     DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES, ModelError, check_pair, check_supported, load_model, resolve_model_dir,
@@ -92,30 +92,21 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return default_cpu_dtype() if device == "cpu" else "bfloat16"
 
 
-FLOAT_LINEARS = ("mlp.down_proj",)  # linears ``int8`` keeps in float32 (names' ends)
-
-
 def resolve_draft_quant(draft_quant: str, device: str) -> str:
-    """``auto``: ``int8`` on a CPU with fbgemm kernels, else ``none``.
+    """``auto``: int8 on a CPU with fbgemm kernels, else none.
 
-    ``int8``: dynamic int8 for every linear of the draft but the MLP down projections, which stay
-    float32 (packed); ``int8-full``: every linear int8. Measured on a 2-core AMD EPYC (AVX2),
-    Qwen2.5-Coder-0.5B against the 1.5B target, greedy top-1 agreement with the target over the
-    built-in prompts (teacher-forced, 24 prompts): float32 0.539, int8-full 0.341, int8 0.525.
-    The down projection's input carries the MLP's outlier features, which one int8 scale per row
-    of activations cannot hold (LLM.int8(), Dettmers et al. 2022, section 3; SmoothQuant, Xiao et
-    al. 2023, section 3). A step of 1-4 rows after 300 tokens: ~45-55 ms int8-full vs ~120-150 ms
-    float32.
+    Measured on a 2-core AMD EPYC (AVX2), Qwen2.5-Coder-0.5B after 300 tokens: a draft step of 1-4
+    rows takes ~45 ms in int8 vs ~120-150 ms in packed float32; greedy top-1 agreement with the
+    1.5B target on Spec-Bench text falls from 0.77 (float32) to 0.65 (int8 per-channel; 0.58
+    per-tensor).
     """
     if draft_quant != "auto":
         return draft_quant
     return "int8" if device == "cpu" and "fbgemm" in torch.backends.quantized.supported_engines else "none"
 
 
-def quantize_draft(model, keep_float: tuple[str, ...] = FLOAT_LINEARS):
-    """int8 dynamic quantization (per-channel weights) of the draft's linears (torch.ao, fbgemm),
-    but those whose module name ends with one of ``keep_float`` (``()`` = every linear), which the
-    caller may pre-pack. Returns the model, changed in place.
+def quantize_draft(model):
+    """int8 dynamic quantization (per-channel weights) of the draft's linears (torch.ao, fbgemm).
 
     Only the draft: it changes which tokens are proposed (acceptance), never the output, which the
     unquantized target verifies.
@@ -124,10 +115,8 @@ def quantize_draft(model, keep_float: tuple[str, ...] = FLOAT_LINEARS):
         warnings.simplefilter("ignore")  # torch.ao.quantization deprecation notices
         from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
-        names = {name: per_channel_dynamic_qconfig for name, module in model.named_modules()
-                 if isinstance(module, torch.nn.Linear) and not name.endswith(keep_float)}
         # In place: a copy would read every float weight into process memory first (2 GB for the default).
-        return quantize_dynamic(model.float(), names, inplace=True)
+        return quantize_dynamic(model.float(), {torch.nn.Linear: per_channel_dynamic_qconfig}, inplace=True)
 
 
 def context_limit(model, max_context: int | None) -> int:
@@ -186,10 +175,10 @@ def load_draft(models: ModelsConfig, target: LoadedTarget | TargetInfo, label: s
     model, tokenizer = load_model(model_dir, dtype, models.device)
     check_supported(model, label)
     check_pair(model, tokenizer, target, target.tokenizer)  # reads target.dtype only
-    quant = resolve_draft_quant(models.draft_quant, models.device)
-    if quant != "none":
-        model = quantize_draft(model, FLOAT_LINEARS if quant == "int8" else ())
-    prepack_linears(model)  # the float linears left
+    if resolve_draft_quant(models.draft_quant, models.device) == "int8":
+        model = quantize_draft(model)
+    else:
+        prepack_linears(model)
     own_weights(model)
     shared_vocab = min(model.config.vocab_size, target.vocab_size)
     return LoadedDraft(model, tokenizer, context_limit(model, models.max_context), str(model_dir), shared_vocab)

@@ -17,7 +17,7 @@ import torch
 
 from specdec.checkpoint_memory import checkpoint_ranges, drop_checkpoint_pages, own_weights
 from specdec.config import ModelsConfig
-from specdec.model_setup import load_draft, load_target, target_info
+from specdec.model_setup import load_draft, load_target
 from specdec.models import load_model
 from tests.tiny_pair import save_tiny_pair
 
@@ -73,7 +73,7 @@ def test_dropping_pages_never_changes_a_value_never_written(pair):
     assert torch.equal(anonymous, copies[1])
 
 
-@pytest.mark.parametrize("draft_quant", ["none", "int8", "int8-full"])
+@pytest.mark.parametrize("draft_quant", ["none", "int8"])
 def test_loaded_target_and_draft_hold_no_checkpoint_views_and_keep_their_logits(pair, draft_quant):
     models = ModelsConfig(target=str(pair.target), draft=str(pair.draft), dtype="float32", draft_quant=draft_quant)
     plain, _ = load_model(pair.target, "float32")
@@ -85,23 +85,3 @@ def test_loaded_target_and_draft_hold_no_checkpoint_views_and_keep_their_logits(
     assert _mapped(target.model) == [] and _mapped(draft.model) == []
     with torch.no_grad():
         torch.testing.assert_close(target.model(ids).logits, expected, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("draft_quant, float_names", [("int8", ("mlp.down_proj",)), ("int8-full", ()),
-                                                       ("none", ("proj", "lm_head"))])
-def test_draft_quant_keeps_exactly_the_down_projections_float(pair, draft_quant, float_names):
-    """int8: every linear int8 but the MLP down projections (float32, packed); int8-full: all int8;
-    none: all float32. Checked on every linear of the loaded draft."""
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
-
-    from specdec.cpu_linear import PackedLinear
-
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("no oneDNN: float linears are not packed here")
-    models = ModelsConfig(target=str(pair.target), draft=str(pair.draft), dtype="float32", draft_quant=draft_quant)
-    draft = load_draft(models, target_info(models))
-    kinds = {name: type(m) for name, m in draft.model.named_modules() if isinstance(m, (DynamicInt8Linear, PackedLinear))}
-    assert len(kinds) == 7 * draft.model.config.num_hidden_layers + 1  # q k v o gate up down per layer, lm_head
-    floats = {name for name, kind in kinds.items() if kind is PackedLinear}
-    assert floats == {name for name in kinds if name.endswith(float_names)}
-    assert not any(isinstance(m, torch.nn.Linear) and type(m) is torch.nn.Linear for m in draft.model.modules())
