@@ -194,8 +194,9 @@ class DraftRuntime:
         ``propose`` alone would give (AheadTree for an ahead item), or the exception it would raise
         (UnknownSessionError; SessionStateError for a session already at an earlier item). A session's random draws
         (sampled requests) come from its own generator, in its own order: they never depend on the
-        other items. An error of a shared forward is raised (every item of that forward is then
-        left mid-proposal; the next ``propose`` of each starts the round again).
+        other items. An error of a shared forward is raised (every plain item of that forward is then
+        left mid-proposal, and the next ``propose`` of each starts the round again; every ahead item
+        is rolled back to its state before the ahead, so a retry of it alone starts clean).
 
         Each step's rows of all sessions go through one ``model_forward_batch`` after a stacked
         cache (``stack_kv``, right-padded; layout of ``batched_step_inputs``); each session's new
@@ -226,6 +227,22 @@ class DraftRuntime:
                 results[index] = s.last_tree = done.value
             except Exception as error:  # noqa: BLE001 - returned in its slot, as documented
                 results[index] = error
+        try:
+            self._run_steps(running, results)
+        except BaseException:  # a shared forward failed: the caller retries each item alone (SessionBatcher)
+            for index in guesses:  # so every ahead item goes back to its state before the ahead
+                session = self.sessions.get(items[index][0])
+                if session is not None and session.ahead is not None:
+                    self.resolve_ahead(items[index][0], adopt=False)
+            raise
+        for index, guess in guesses.items():
+            if isinstance(results[index], DraftTree):
+                results[index] = AheadTree(guess, results[index])
+        return results  # type: ignore[return-value]
+
+    def _run_steps(self, running: dict, results: list) -> None:
+        """Drive the running sessions' ``tree_steps`` in lockstep, one (shared) forward per step, until
+        each has its tree (or its error) in ``results``; an error of a shared forward is raised."""
         while running:
             rows = {index: self._step_rows(s, *step) for index, (s, _, step) in running.items()}
             logprobs = self._forward_rows(rows)
@@ -239,10 +256,6 @@ class DraftRuntime:
                 except Exception as error:  # noqa: BLE001
                     results[index] = error
                     del running[index]
-        for index, guess in guesses.items():
-            if isinstance(results[index], DraftTree):
-                results[index] = AheadTree(guess, results[index])
-        return results  # type: ignore[return-value]
 
     def _begin_round(self, session_id: str, ahead: bool = False) -> DraftSession | None:
         """The session, its cache back at the round's start (a retry drops an uncommitted proposal,

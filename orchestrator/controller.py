@@ -24,7 +24,8 @@ workers commit exactly the tokens that passed (KV cache rollback of the rest). A
   (nothing on its critical path) and teaches the cost model no D(p) (the ahead ran beside a verify,
   on other hardware in services mode: its time is not a step's cost on the critical path); the
   ahead's own time is the RoundRecord's ahead_s. Time spent waiting for an ahead after its verify
-  returned is not counted as round overhead.
+  returned is not counted as round overhead. In-process (``sync_worker``: the calls take turns)
+  the ahead starts once the verify has returned, so the verify's time, which V(n) learns from, holds no draft work.
 
 Workers are awaitables with the DraftWorker / TargetWorker methods (specdec.interfaces): gRPC
 clients (orchestrator.clients) or in-process runtimes wrapped by ``sync_worker``. The controller
@@ -90,6 +91,7 @@ def sync_worker(worker) -> Any:
     afterwards, so concurrent requests interleave round by round."""
 
     class _Async:
+        in_process = True  # calls take turns with the event loop: nothing runs beside them
         def __getattr__(self, name):
             method = getattr(worker, name)
 
@@ -309,10 +311,13 @@ class _Request:
             drafted, self.adopted = self.adopted or await self._draft(max_depth), None
             shaped = self._shape(drafted, max_depth)
             t1 = time.perf_counter()
-            ahead = self._start_ahead(drafted, shaped, max_depth)  # pipelining: round r+1 beside this verify
+            beside = not getattr(self.controller.draft, "in_process", False)
+            ahead = self._start_ahead(drafted, shaped, max_depth) if beside else None  # round r+1 beside this verify
             try:
                 result = await self._verify(shaped.tree)
                 t2 = time.perf_counter()
+                if not beside:  # in-process the calls take turns: after the verify, so its time stays its own
+                    ahead = self._start_ahead(drafted, shaped, max_depth)
                 committed = self._stop_checks(result.tokens)
                 accepted = list(result.accepted_nodes[: len(committed)])  # node indices of the committed draft tokens
                 outcome = await self._commit(committed, _draft_nodes(shaped, accepted), ahead)
@@ -429,7 +434,7 @@ class _Request:
             hit = self.stops.reason is None and tuple(committed) == (*ahead.path_tokens, ahead.guess)
             try:
                 await self._draft_call(self.controller.draft.resolve_ahead(self.draft_sid, hit))
-            except DraftUnavailableError as exc:
+            except Exception as exc:  # noqa: BLE001 - as in _ahead: any failure here is a draft failure
                 ahead = exc
         if isinstance(ahead, Exception):
             if self.draft_sid is not None:

@@ -156,6 +156,39 @@ def test_ahead_merges_with_other_sessions_proposes():
     assert_same_tree(out[1], solo.propose("b", SPEC, 2))
 
 
+
+def test_failed_shared_forward_rolls_the_ahead_back_so_a_retry_alone_succeeds(monkeypatch):
+    """A shared draft forward that fails raises out of propose_batch; SessionBatcher then retries
+    each item alone. The ahead item must be back at its state before the ahead (no unresolved ahead
+    left), so its solo retry gives the tree and guess an untroubled run gives."""
+    model = tiny_model("qwen2", seed=3, init_std=STD)
+    batch, solo = DraftRuntime(model), DraftRuntime(model)
+    for r in (batch, solo):
+        r.start("a", random_prompt(seed=1, length=7))
+        r.start("b", random_prompt(seed=2, length=12))
+        r.propose("a", SPEC, 3)
+    path = best_path(batch.sessions["a"].last_tree)
+    real = DraftRuntime._forward_together
+
+    def fail_once(self, rows):
+        monkeypatch.setattr(DraftRuntime, "_forward_together", real)
+        raise RuntimeError("out of memory in the stacked batch")
+
+    monkeypatch.setattr(DraftRuntime, "_forward_together", fail_once)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        batch.propose_batch([("a", SPEC, 3, path), ("b", SPEC, 2)])
+    assert batch.sessions["a"].ahead is None
+    retried = batch.propose_ahead("a", path, SPEC, 3)  # before the fix: SessionStateError (unresolved ahead)
+    expected = solo.propose_ahead("a", path, SPEC, 3)
+    assert retried.guess == expected.guess
+    assert_same_tree(retried.tree, expected.tree)
+    assert_same_tree(batch.propose("b", SPEC, 2), solo.propose("b", SPEC, 2))
+    for r in (batch, solo):
+        r.resolve_ahead("a", adopt=True)
+        r.commit("a", [expected.tree.tokens[0], 7], [0])
+        assert_fresh(r, model, "a")
+    assert batch.sessions["a"].tokens == solo.sessions["a"].tokens
+
 # ------------------------------------------------------------------------------------------------
 # The round loop (embedded: real tiny runtimes, in-process)
 # ------------------------------------------------------------------------------------------------
@@ -507,3 +540,28 @@ def test_cost_aware_control_pipelined_is_exact_and_learns_no_draft_cost_from_ahe
     assert out.stats.pipeline_ahead_hits > 0
     assert [d for d, r in zip(observed, rounds) if r.pipelined] == [None] * out.stats.pipeline_ahead_hits
     assert any(d for d, r in zip(observed, rounds) if not r.pipelined and r.drafted)
+
+
+def test_in_process_ahead_runs_after_the_verify_so_verify_time_stays_its_own():
+    """In-process (sync workers) the ahead cannot run beside the verify; it runs after it, so a slow
+    ahead (0.3 s here) never enters the round's verify time, which the cost model learns V(n) from.
+    Before, the ahead ran inside the verify's yield and every such round's verify_s held it."""
+    import time as _time
+
+    class SlowAheadDraft(AheadDraft):
+        def propose_ahead(self, *args):
+            _time.sleep(0.3)
+            return super().propose_ahead(*args)
+
+    model = tiny_model("qwen2", seed=5, init_std=STD)
+    prompt = random_prompt(seed=21, length=8)
+    target = RecordingTarget(TargetRuntime(model))
+    engine = SpeculativeEngine(target, SlowAheadDraft(DraftRuntime(model), model), eos_token_ids=[],
+                               context_limit=512, pipeline=True)
+    rounds = []
+    engine.controller.on_round = rounds.append
+    out = engine.generate(GenerationRequest(prompt, max_new_tokens=16, spec=CHAIN_SPEC))
+    assert out.tokens == hf_greedy(model, prompt, 16)
+    with_ahead = [r for r in rounds if r.ahead is not None]
+    assert with_ahead and all(r.ahead_s >= 0.3 for r in with_ahead if r.ahead != "failed")
+    assert all(r.verify_s < 0.25 for r in with_ahead), [round(r.verify_s, 3) for r in with_ahead]
