@@ -230,23 +230,30 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         session = getattr(self.runtime, "sessions", {}).get(stream.key)
         return getattr(session, "cached_len", 0)
 
-    async def _propose(self, stream: _Stream, request) -> draft_pb2.DraftTreeReply:
-        _no_ahead(stream, "propose")
+    def _tree_request(self, field: str, request, tokens: int) -> tuple:
+        """The TreeSpec and depth cap of a propose or ahead request after ``tokens`` committed tokens:
+        max_depth capped by the room under the context limit (the root sits at position tokens - 1,
+        a depth-d node at tokens - 1 + d < context_limit). Raises TreeSpecError / ValueError naming
+        ``field``.spec / ``field``.max_depth, SessionLimitError when no position is left."""
         try:
             spec = spec_from_proto(request.spec)
         except TreeSpecError as exc:
-            raise TreeSpecError(f"propose.spec: {exc}") from None
+            raise TreeSpecError(f"{field}.spec: {exc}") from None
         if request.max_depth < 1:
-            raise ValueError(f"propose.max_depth: must be >= 1, got {request.max_depth}")
-        # The root sits at position tokens - 1 and a depth-d node at tokens - 1 + d < context_limit.
-        room = self.context_limit - stream.tokens
+            raise ValueError(f"{field}.max_depth: must be >= 1, got {request.max_depth}")
+        room = self.context_limit - tokens
         if room < 1:
-            raise SessionLimitError(f"context_limit: {stream.tokens} committed tokens fill the draft's "
+            raise SessionLimitError(f"context_limit: {tokens} committed tokens fill the draft's "
                                     f"{self.context_limit} positions")
+        return spec, min(request.max_depth, room)
+
+    async def _propose(self, stream: _Stream, request) -> draft_pb2.DraftTreeReply:
+        _no_ahead(stream, "propose")
+        spec, depth = self._tree_request("propose", request, stream.tokens)
         with self._tracer.start_as_current_span("draft.propose") as span:
             span.set_attribute("specdec.session_id", stream.session_id)
             started = time.perf_counter()
-            tree, batch_size = await self.batcher.submit(stream.key, (spec, min(request.max_depth, room)))
+            tree, batch_size = await self.batcher.submit(stream.key, (spec, depth))
             draft_ms = (time.perf_counter() - started) * 1000
             span.set_attribute("specdec.tree_nodes", tree.size)
             span.set_attribute("specdec.batch_size", batch_size)
@@ -263,21 +270,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             raise ValueError("ahead.path_nodes: no proposed tree since the last commit")
         path = list(request.path_nodes)
         _check_root_path(path, stream.parents)
-        try:
-            spec = spec_from_proto(request.spec)
-        except TreeSpecError as exc:
-            raise TreeSpecError(f"ahead.spec: {exc}") from None
-        if request.max_depth < 1:
-            raise ValueError(f"ahead.max_depth: must be >= 1, got {request.max_depth}")
-        tokens = stream.tokens + len(path) + 1  # the path and the guess, taken as committed
-        room = self.context_limit - tokens
-        if room < 1:
-            raise SessionLimitError(f"context_limit: {tokens} tokens after the ahead path fill the draft's "
-                                    f"{self.context_limit} positions")
+        spec, depth = self._tree_request("ahead", request, stream.tokens + len(path) + 1)  # path + guess committed
         with self._tracer.start_as_current_span("draft.propose_ahead") as span:
             span.set_attribute("specdec.session_id", stream.session_id)
             started = time.perf_counter()
-            (guess, tree), batch_size = await self.batcher.submit(stream.key, (spec, min(request.max_depth, room), path))
+            (guess, tree), batch_size = await self.batcher.submit(stream.key, (spec, depth, path))
             draft_ms = (time.perf_counter() - started) * 1000
             span.set_attribute("specdec.tree_nodes", tree.size)
             span.set_attribute("specdec.batch_size", batch_size)
