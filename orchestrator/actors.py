@@ -23,6 +23,7 @@ from specdec.telemetry import setup_tracing
 log = logging.getLogger(__name__)
 
 OTEL_PREFIXES = ("OTEL_",)
+ACTOR_EXPORT_DELAY_MS = 200  # an actor's spans reach the collector within about this
 
 
 def actor_env() -> dict[str, str]:
@@ -36,7 +37,10 @@ class OrchestratorActor:
 
     def __init__(self, config_json: str, tokenizer_dir: str | None):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        setup_tracing("specdec-orchestrator", simple=True)
+        # batched on the SDK's thread, exported every 200 ms: exporting each span as it ends (a
+        # blocking OTLP call on this event loop) held up every request's rounds, so concurrent
+        # requests drifted apart and their verifies stopped merging at the target
+        setup_tracing("specdec-orchestrator", export_delay_ms=ACTOR_EXPORT_DELAY_MS)
         self.config = ServeConfig.model_validate_json(config_json)
         self.orchestrator = build_orchestrator(self.config, tokenizer_dir)
 

@@ -6,6 +6,15 @@ its own outcome (or exception) back. While that call runs, new items queue for t
 Example with wait_ms = 2, max_batch = 8: sessions a, b, c call at t = 0.0, 0.5 and 1.2 ms -> one
 batch call with a, b and c at t = 2.0 ms, batch size 3.
 
+Gathering (``gather`` > 0; the target's verifies): after each call, the sessions it answered are
+expected back. A session's next item follows its answer by a gap that is about the same every
+round (the orchestrator's round overhead; its draft's time when it drafts), so the batcher keeps a
+moving average of each session's gap, and before a call waits, at most ``gather`` x the mean call
+time, for the sessions predicted back within that window. Without it, concurrent requests whose
+items come back a few ms apart split into groups that alternate between forwards and never merge
+again: with 4 plain-decoding requests, two forwards per token instead of one. A session that is
+overdue (its gap passed twice over) is no longer waited for; ``forget`` drops a released one.
+
 Deadlines: an item whose deadline (time.monotonic()) has passed when its call is about to start,
 or whose caller has gone (cancelled), is left out of the call and never touches its session.
 When the batch call itself fails, each item is retried alone (one failing item cannot take the
@@ -55,13 +64,18 @@ class SessionBatcher:
     cancelled); what: the calls' name in logs ("verify"). Subclasses shape each caller's answer
     (``answer(outcome, company, ms)``: company = the items that shared its call, itself alone when
     the items ran one by one - no batch call, or the shared one failed - with its own time).
-    Raises ValueError for max_batch < 1 or wait_ms < 0.
+    gather: the longest wait for sessions expected back, as a fraction of the mean call time (0 =
+    never wait for them; module docstring). Raises ValueError for max_batch < 1, wait_ms < 0 or
+    gather outside [0, 1].
     """
 
     def __init__(self, worker: ModelWorker, batch_call: BatchCall | None, solo_call: SoloCall, max_batch: int = 8,
-                 wait_ms: float = 2.0, on_done: Callable[[str, Any], None] | None = None, what: str = "call"):
+                 wait_ms: float = 2.0, on_done: Callable[[str, Any], None] | None = None, what: str = "call",
+                 gather: float = 0.0):
         if max_batch < 1 or wait_ms < 0:
             raise ValueError(f"max_batch / wait_ms: need >= 1 / >= 0, got {max_batch} / {wait_ms}")
+        if not 0.0 <= gather <= 1.0:
+            raise ValueError(f"gather: need a fraction in [0, 1], got {gather}")
         self.worker = worker
         self.batch_call = batch_call
         self.solo_call = solo_call
@@ -71,9 +85,15 @@ class SessionBatcher:
         self.what = what
         self.batched_forwards = 0  # calls that held more than one session
         self.calls = 0  # runtime calls made (any size)
+        self.gather = gather
+        self.gathered = 0  # items that joined a call while it waited for sessions expected back
         self._queue: list[BatchItem] = []
         self._full = asyncio.Event()
+        self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._answered: dict[str, float] = {}  # session -> time.monotonic() its last outcome was delivered
+        self._gap: dict[str, float] = {}  # session -> moving average of s from that answer to its next item
+        self._call_s = 0.0  # moving average of a call's time (s)
 
     def answer(self, outcome, ran: list[BatchItem], call_ms: float):
         """What a caller whose item ran gets back (default: the outcome itself)."""
@@ -84,13 +104,24 @@ class SessionBatcher:
         (future,) = self.enqueue([(session_id, payload)], deadline)
         return await future
 
+    def forget(self, session_id: str) -> None:
+        """The session has ended (released): no longer expect it back."""
+        self._answered.pop(session_id, None)
+        self._gap.pop(session_id, None)
+
     def enqueue(self, items: Sequence[tuple[str, Any]], deadline: float | None) -> list[asyncio.Future]:
         loop = asyncio.get_running_loop()
+        now = time.monotonic()
         futures = []
         for session_id, payload in items:
             future = loop.create_future()
             self._queue.append(BatchItem(session_id, payload, deadline, future))
             futures.append(future)
+            answered = self._answered.pop(session_id, None)
+            if answered is not None:
+                gap, seen = now - answered, self._gap.get(session_id)
+                self._gap[session_id] = gap if seen is None else seen + 0.3 * (gap - seen)
+        self._arrived.set()
         if len(self._queue) >= self.max_batch:
             self._full.set()
         if self._task is None or self._task.done():
@@ -107,9 +138,37 @@ class SessionBatcher:
                     await asyncio.wait_for(self._full.wait(), wait)
                 except asyncio.TimeoutError:
                     pass
+            await self._gather()
             batch = self._take()
             if batch:
                 await self._run(batch)
+
+    def _expected(self, now: float, limit: float) -> list[str]:
+        """Sessions not queued whose next item is predicted by ``limit`` and is not overdue."""
+        queued = {item.session_id for item in self._queue}
+        late = self.gather * self._call_s
+        return [sid for sid, answered in self._answered.items()
+                if sid not in queued and sid in self._gap
+                and answered + self._gap[sid] <= limit and now <= answered + 2 * self._gap[sid] + late]
+
+    async def _gather(self) -> None:
+        """Wait (at most ``gather`` x the mean call time) for the sessions expected back soon."""
+        if not self.gather or not self._call_s or not self._answered:
+            return
+        limit = time.monotonic() + self.gather * self._call_s
+        waited_for: set[str] = set()
+        while len({item.session_id for item in self._queue}) < self.max_batch:
+            now = time.monotonic()
+            expected = self._expected(now, limit)
+            if not expected or now >= limit:
+                break
+            waited_for.update(expected)
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), limit - now)
+            except asyncio.TimeoutError:
+                break
+        self.gathered += sum(1 for item in self._queue if item.session_id in waited_for)
 
     def _take(self) -> list[BatchItem]:
         """Up to max_batch waiting items, one per session (a session's second call waits)."""
@@ -136,8 +195,15 @@ class SessionBatcher:
         if len(ran) > 1 and alone_ms is None:
             self.batched_forwards += 1
             log.info("%s batch of %d sessions", self.what, len(ran))
+        if ran and call_ms:
+            self._call_s += 0.3 * (call_ms / 1000 - self._call_s) if self._call_s else call_ms / 1000
+        answered = time.monotonic()
+        for sid in [sid for sid, at in self._answered.items() if answered - at > 60.0]:
+            self.forget(sid)  # gone without a release (nothing waits this long for it anyway)
         outcomes = {id(item): k for k, item in enumerate(ran)}
         for item in batch:
+            if id(item) in outcomes:
+                self._answered[item.session_id] = answered
             k = outcomes.get(id(item))
             outcome = results[k] if k is not None else DeadlineExpiredError(
                 f"deadline: expired before the {self.what} forward started")

@@ -79,6 +79,9 @@ class TargetServerConfig(_Section):
     tp: int = Field(default=1, ge=1)                      # tensor-parallel ranks
     max_batch: int = Field(default=8, ge=1)               # sessions merged into one verify forward
     batch_wait_ms: float = Field(default=2.0, ge=0)       # how long a verify waits for company
+    # the longest wait for sessions expected back from their last verify (specdec.batching), as a
+    # fraction of the mean verify forward time; 0 = only batch_wait_ms
+    batch_gather: float = Field(default=0.25, ge=0, le=1)
     # KV slots over all sessions (RESOURCE_EXHAUSTED past it); "auto": kv_memory_fraction of the memory
     # free once the weights are loaded, over the model's KV bytes per token (target_service.kv_budget)
     max_kv_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"

@@ -108,11 +108,16 @@ def _env_exporter() -> SpanExporter | None:
     raise ValueError(f"OTEL_TRACES_EXPORTER: unsupported exporter {choice!r} (otlp, console, otlp_json_file or none)")
 
 
-def setup_tracing(service_name: str, exporter: SpanExporter | None = None, simple: bool = False) -> TracerProvider | None:
+def setup_tracing(service_name: str, exporter: SpanExporter | None = None, simple: bool = False,
+                  export_delay_ms: int | None = None) -> TracerProvider | None:
     """Install this process's tracer provider (once) and instrument gRPC (client and server, aio).
 
     exporter: overrides the OTEL_* choice (tests: InMemorySpanExporter); simple: export each span
-    at once (SimpleSpanProcessor) instead of batching. Returns the provider, or None when disabled.
+    at once (SimpleSpanProcessor, in the thread that ends the span) instead of batching;
+    export_delay_ms: the batch processor's schedule delay (ms between exports; None = the SDK's,
+    OTEL_BSP_SCHEDULE_DELAY or 5000), ignored with ``simple``. Batching exports from the SDK's own
+    thread: with ``simple`` and an OTLP exporter every span end is a blocking gRPC call, which on an
+    event loop stalls every request the loop runs. Returns the provider, or None when disabled.
     Raises ValueError for an unknown OTEL_TRACES_EXPORTER.
     """
     global _configured, _instrumented
@@ -122,11 +127,11 @@ def setup_tracing(service_name: str, exporter: SpanExporter | None = None, simpl
         exporter = exporter if exporter is not None else _env_exporter()
         provider = TracerProvider(resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)}))
         if exporter is not None:
-            provider.add_span_processor(SimpleSpanProcessor(exporter) if simple else BatchSpanProcessor(exporter))
+            provider.add_span_processor(_processor(exporter, simple, export_delay_ms))
         trace.set_tracer_provider(provider)
         _configured = provider
     elif exporter is not None:
-        _configured.add_span_processor(SimpleSpanProcessor(exporter) if simple else BatchSpanProcessor(exporter))
+        _configured.add_span_processor(_processor(exporter, simple, export_delay_ms))
     if not _instrumented:
         logging.getLogger("opentelemetry.context").addFilter(_DetachNoise())
         from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient, GrpcAioInstrumentorServer, filters
@@ -138,6 +143,14 @@ def setup_tracing(service_name: str, exporter: SpanExporter | None = None, simpl
         GrpcAioInstrumentorClient().instrument()
         _instrumented = True
     return _configured
+
+
+def _processor(exporter: SpanExporter, simple: bool, export_delay_ms: int | None):
+    if simple:
+        return SimpleSpanProcessor(exporter)
+    if export_delay_ms is None:
+        return BatchSpanProcessor(exporter)
+    return BatchSpanProcessor(exporter, schedule_delay_millis=export_delay_ms)
 
 
 class CancelThrough(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.StreamUnaryClientInterceptor):

@@ -36,14 +36,14 @@ class VerifyBatcher(SessionBatcher):
 
     runtime: has ``verify(session_id, tree)`` and optionally ``verify_batch(items)`` (returning one
     VerifyResult or Exception per item); worker: the runtime's ModelWorker; max_batch, wait_ms,
-    on_done(session_id, outcome): as ``SessionBatcher`` (on_done: the owner's bookkeeping of
-    sessions with a verify in flight or pending).
+    on_done(session_id, outcome), gather: as ``SessionBatcher`` (on_done: the owner's bookkeeping of
+    sessions with a verify in flight or pending; gather: waiting for sessions expected back).
     """
 
     def __init__(self, runtime, worker: ModelWorker, max_batch: int = 8, wait_ms: float = 2.0,
-                 on_done: Callable[[str, VerifyResult | Exception | None], None] | None = None):
+                 on_done: Callable[[str, VerifyResult | Exception | None], None] | None = None, gather: float = 0.0):
         super().__init__(worker, getattr(runtime, "verify_batch", None), lambda sid, tree: runtime.verify(sid, tree),
-                         max_batch, wait_ms, on_done, what="verify")
+                         max_batch, wait_ms, on_done, what="verify", gather=gather)
         self.runtime = runtime
 
     def answer(self, outcome: VerifyResult, ran: list[BatchItem], call_ms: float) -> BatchedVerify:

@@ -128,7 +128,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.sessions = TargetSessions(self.max_kv_tokens, context_limit, config.session_idle_s)
         self._warn_small_budget()
         self.worker = ModelWorker("target-runtime")
-        self.batcher = VerifyBatcher(runtime, self.worker, config.max_batch, config.batch_wait_ms, self.sessions.verified)
+        self.batcher = VerifyBatcher(runtime, self.worker, config.max_batch, config.batch_wait_ms, self.sessions.verified,
+                                     gather=config.batch_gather)
         self.health = health
         self.failure: RankFailureError | None = None
         self._tracer = tracer("target_service")
@@ -158,7 +159,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def reap_idle(self) -> None:
         """Release sessions idle for ``session_idle_s`` (their KV too). Runs until cancelled."""
-        await self.sessions.reap_idle(lambda sid: self.worker.submit(self.runtime.release, sid))
+        await self.sessions.reap_idle(self._release_reaped)
+
+    def _release_reaped(self, session_id: str) -> None:
+        self.batcher.forget(session_id)
+        self.worker.submit(self.runtime.release, session_id)
 
     async def rank_failed(self, exc: RankFailureError) -> None:
         """The target is gone for good: health NOT_SERVING (once), so that probes restart the service."""
@@ -295,6 +300,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     @_rpc
     async def Release(self, request, context):
         s = self.sessions.release(request.session_id)
+        self.batcher.forget(request.session_id)
         if s is not None:
             await self.worker.run(self.runtime.release, request.session_id)
         return target_pb2.ReleaseResponse(released=s is not None)
