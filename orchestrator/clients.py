@@ -94,7 +94,8 @@ class TargetClient:
         span.set_attribute("target.batch_size", reply.batch_size)
         span.set_attribute("target.batch_rows", reply.batch_rows)
         # batch_size 0: a replayed pending result (no forward ran); the control then learns no cost from it
-        return VerifyResult(tuple(reply.accepted_nodes), tuple(reply.tokens), reply.batch_size, reply.batch_rows)
+        return VerifyResult(tuple(reply.accepted_nodes), tuple(reply.tokens), reply.batch_size, reply.batch_rows,
+                            reply.mergeable_sessions)
 
     async def commit(self, session_id: str, num_tokens: int) -> None:
         await self.stub.Commit(target_pb2.CommitRequest(session_id=session_id, num_tokens=num_tokens), timeout=time_left())

@@ -93,10 +93,12 @@ class Control(Protocol):
         token budget allows; sunk_ms: time this round already spent drafting."""
 
     def observe(self, shaped: ShapedTree, accepted_nodes, verify_s: float, draft_s: float | None,
-                overhead_s: float, drafted: DraftTree, batch_size: int = 1, batch_rows: int = 0) -> None:
+                overhead_s: float, drafted: DraftTree, batch_size: int = 1, batch_rows: int = 0,
+                mergeable: int = 0) -> None:
         """After every round (speculative or not): the verified tree, its accepted path (node
-        indices of ``shaped.tree``), the round's timings in seconds, and the sessions and rows of
-        the target forward that verified it (0 rows = not reported)."""
+        indices of ``shaped.tree``), the round's timings in seconds, the sessions and rows of
+        the target forward that verified it (0 rows = not reported), and the sessions open at the
+        target up to its max_batch (``VerifyResult.mergeable``, 0 = not reported)."""
 
 
 class PassThroughShaping:
@@ -106,7 +108,8 @@ class PassThroughShaping:
         return ShapedTree.of(tree)
 
     def observe(self, shaped: ShapedTree, accepted_nodes, verify_s: float, draft_s: float | None,
-                overhead_s: float, drafted: DraftTree, batch_size: int = 1, batch_rows: int = 0) -> None:
+                overhead_s: float, drafted: DraftTree, batch_size: int = 1, batch_rows: int = 0,
+                mergeable: int = 0) -> None:
         pass
 
 

@@ -44,10 +44,11 @@ class SharedState:
     calib: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
     ctx_calib: ContextCalibration = field(default_factory=ContextCalibration)
     rounds_without_draft: int = 0  # across requests, since any request last drafted (the probe counts these)
-    load: float = 1.0  # sessions per target verify forward, moving average over every request's rounds
+    load: float = 1.0  # sessions a verify forward holds or could hold, moving average over every request's rounds
 
     def observe_load(self, batch_size: int, alpha: float = 0.3) -> None:
-        """One round's verify forward held ``batch_size`` sessions (1 in-process)."""
+        """One round's load: the sessions its verify forward held, or the target's open sessions
+        (up to max_batch) when more (``CostAwareControl.observe``); 1 in-process."""
         self.load += alpha * (max(batch_size, 1) - self.load)
 
     def planning_cost(self) -> CostModel | LoadedCost:
@@ -229,10 +230,15 @@ class CostAwareControl:
                           self.ngram_tokens, self.max_ngram, max_depth, self.lookup)
 
     def observe(self, shaped: ShapedTree, accepted_nodes, verify_s: float, draft_s: float | None,
-                overhead_s: float, drafted_tree: DraftTree | None, batch_size: int = 1, batch_rows: int = 0) -> None:
+                overhead_s: float, drafted_tree: DraftTree | None, batch_size: int = 1, batch_rows: int = 0,
+                mergeable: int = 0) -> None:
         """Learn from a verified round: calibrations, per-depth estimates, the shared cost model and
         load. batch_size, batch_rows: sessions and rows of the target forward that verified the tree
-        (VerifyResult; 0 rows = not reported, the tree's own; batch_size 0 = no forward ran)."""
+        (VerifyResult; 0 rows = not reported, the tree's own; batch_size 0 = no forward ran);
+        mergeable: sessions open at the target up to its max_batch (0 = not reported). The load is
+        the larger of the two session counts: speculative rounds of concurrent requests drift apart
+        and share few forwards, yet each row they verify still takes the batch's time from the
+        others, and plain decoding would merge every open session."""
         self.rounds += 1
         if self.timing_free:
             return
@@ -261,7 +267,7 @@ class CostAwareControl:
             self.rounds_without_draft += 1
             self.shared.rounds_without_draft += 1
         if not no_forward:
-            self.shared.observe_load(batch_size)
+            self.shared.observe_load(max(batch_size, mergeable))
             rows = batch_rows or shaped.tree.size + 1  # the forward's rows decide its latency
             self.shared.cost.observe_round(rows, verify_s, parents_per_step, draft_s, overhead_s)
 

@@ -36,14 +36,16 @@ class VerifyResult:
     tokens: the accepted path's tokens followed by the bonus token (len = len(accepted_nodes) + 1);
     batch_size, batch_rows: the sessions and the rows (each tree's nodes + 1) of the target forward
     that verified it, as the target service reports them (0 rows = not reported: in-process, the
-    forward held this tree alone; batch_size 0 = no forward ran, a replayed pending result). Not
-    part of equality: the outcome is the path and the tokens.
+    forward held this tree alone; batch_size 0 = no forward ran, a replayed pending result);
+    mergeable: sessions open at the target service when it answered, at most its max_batch (0 =
+    not reported: in-process). Not part of equality: the outcome is the path and the tokens.
     """
 
     accepted_nodes: tuple[int, ...]
     tokens: tuple[int, ...]
     batch_size: int = field(default=1, compare=False)
     batch_rows: int = field(default=0, compare=False)
+    mergeable: int = field(default=0, compare=False)
 
     @property
     def bonus_token(self) -> int:

@@ -95,9 +95,11 @@ def _rpc(handler):
     return rpc_errors(_CODES)(watched)
 
 
-def _response(result: VerifyResult, out: BatchedVerify | None = None) -> target_pb2.VerifyResponse:
-    """out: the batched forward that verified it (None: a replayed pending result, no forward ran)."""
-    response = target_pb2.VerifyResponse(accepted_nodes=list(result.accepted_nodes), tokens=list(result.tokens))
+def _response(result: VerifyResult, out: BatchedVerify | None = None, mergeable: int = 0) -> target_pb2.VerifyResponse:
+    """out: the batched forward that verified it (None: a replayed pending result, no forward ran);
+    mergeable: open sessions, at most max_batch (``VerifyResponse.mergeable_sessions``)."""
+    response = target_pb2.VerifyResponse(accepted_nodes=list(result.accepted_nodes), tokens=list(result.tokens),
+                                         mergeable_sessions=mergeable)
     if out is not None:
         response.verify_ms, response.batch_size, response.batch_rows = out.verify_ms, out.batch_size, out.batch_rows
     return response
@@ -247,7 +249,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             span.set_attribute("specdec.batch_size", out.batch_size)
             span.set_attribute("specdec.verify_ms", out.verify_ms)
             span.set_attribute("specdec.queue_ms", max(0.0, (time.perf_counter() - started) * 1000 - out.verify_ms))
-        return _response(out.result, out)
+        return _response(out.result, out, self._mergeable())
+
+    def _mergeable(self) -> int:
+        return min(len(self.sessions), self.config.max_batch)
 
     @_rpc
     async def VerifyBatch(self, request, context):
@@ -272,7 +277,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         for k, (s, _) in enumerate(begun):
             out = results.get(k)
             response.results.append(_response(s.pending) if out is None
-                                    else _response(out.result, out))
+                                    else _response(out.result, out, self._mergeable()))
         return response
 
     async def _abort_on_failed_item(self, results: dict, context) -> None:

@@ -229,10 +229,12 @@ BOUND_AT_8 = {1: 285.0, 8: 300.0, 64: 5900.0}
 
 class ReportsBatch:
     """The target runtime, its verify results reporting a forward shared with ``sessions - 1``
-    others' trees of the same size (what the target service's batcher reports under load)."""
+    others' trees of the same size (what the target service's batcher reports under load); with
+    ``open_only``, a forward of its own but ``sessions`` sessions open at the target (speculative
+    requests that drifted apart: ``VerifyResponse.mergeable_sessions``)."""
 
-    def __init__(self, runtime: TargetRuntime, sessions: int):
-        self.runtime, self.sessions = runtime, sessions
+    def __init__(self, runtime: TargetRuntime, sessions: int, open_only: bool = False):
+        self.runtime, self.sessions, self.open_only = runtime, sessions, open_only
 
     def __getattr__(self, name):
         return getattr(self.runtime, name)
@@ -241,15 +243,20 @@ class ReportsBatch:
         import dataclasses
 
         result = self.runtime.verify(session_id, tree)
+        if self.open_only:
+            return dataclasses.replace(result, batch_size=1, batch_rows=tree.size + 1, mergeable=self.sessions)
         return dataclasses.replace(result, batch_size=self.sessions, batch_rows=self.sessions * (tree.size + 1))
 
 
-def test_load_aware_control_turns_speculation_off_at_8_sessions_per_forward_and_on_at_1():
+@pytest.mark.parametrize("open_only", [False, True], ids=["8-per-forward", "8-open-sessions"])
+def test_load_aware_control_turns_speculation_off_at_8_sessions_per_forward_and_on_at_1(open_only):
     """Goodput (LoadedCost): with verification compute-bound past 8 rows, a perfect draft still
     drafts every round when each forward holds one session, and stops drafting (reason "cost") once
     the target reports 8 sessions per forward: 8 trees of even 2 rows cost 1100 ms against 300 ms
     for 8 plain rows, and a 2-row tree brings at most 2 tokens (the rounds' own overhead, learnt from
-    real timings, would have to pass 800 ms to change that). Output stays the target's own."""
+    real timings, would have to pass 800 ms to change that). The same when each forward holds one
+    session but 8 are open at the target (open_only): plain decoding would merge all 8. Output
+    stays the target's own."""
     model = tiny_model("qwen2", seed=0)
     prompt = random_prompt(seed=91)
     n = 40
@@ -258,7 +265,7 @@ def test_load_aware_control_turns_speculation_off_at_8_sessions_per_forward_and_
     for sessions in (1, 8):
         shared = SharedState(cost=CostModel(dict(BOUND_AT_8), {1: 45.0}, alpha=0.0))
         factory = lambda s: CostAwareControl(s, shared, ngram_tokens=0, probe_every=1000)  # noqa: E731
-        target = ReportsBatch(TargetRuntime(model), sessions)
+        target = ReportsBatch(TargetRuntime(model), sessions, open_only)
         engine = SpeculativeEngine(target, OracleDraft(prompt, reference, agree=8), eos_token_ids=[],
                                    context_limit=CONTEXT, control_factory=factory)
         records = []
