@@ -49,6 +49,7 @@ from draft_service.runtime import DraftRuntime
 from specdec.batching import SessionBatcher
 from specdec.config import ConfigError, DraftServerConfig, ServeConfig, load_config
 from specdec.grpc_host import ServiceHost, abort_for, rpc_errors
+from specdec.placement import placement
 from specdec.model_setup import load_draft, target_info
 from specdec.model_worker import ModelWorker
 from specdec.models import ModelError
@@ -109,6 +110,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.config = config
         self.draining = draining or asyncio.Event()
         self.worker = ModelWorker("draft-runtime")
+        model = getattr(runtime, "model", None)
+        self.placement = placement(str(getattr(model, "device", "cpu")))
         # concurrent streams' proposes share draft forwards (runtime.propose_batch: one per tree depth)
         batch_call = None
         if hasattr(runtime, "propose_batch"):
@@ -172,7 +175,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         held = await self.worker.run(lambda: list(getattr(self.runtime, "sessions", {}).values()))
         return draft_pb2.DraftInfoResponse(sessions=len(self.streams), cached_sessions=len(held),
                                            context_limit=self.context_limit,
-                                           cached_tokens=sum(getattr(s, "cached_len", 0) for s in held))
+                                           cached_tokens=sum(getattr(s, "cached_len", 0) for s in held),
+                                           host=self.placement.host, device=self.placement.device,
+                                           cpus=list(self.placement.cpus))
 
     async def _next(self, context):
         """The next request, or None at the end of the stream; aborts UNAVAILABLE when draining."""

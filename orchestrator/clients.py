@@ -95,7 +95,7 @@ class TargetClient:
         span.set_attribute("target.batch_rows", reply.batch_rows)
         # batch_size 0: a replayed pending result (no forward ran); the control then learns no cost from it
         return VerifyResult(tuple(reply.accepted_nodes), tuple(reply.tokens), reply.batch_size, reply.batch_rows,
-                            reply.mergeable_sessions)
+                            reply.mergeable_sessions, reply.verify_ms)
 
     async def commit(self, session_id: str, num_tokens: int) -> None:
         await self.stub.Commit(target_pb2.CommitRequest(session_id=session_id, num_tokens=num_tokens), timeout=time_left())
@@ -117,6 +117,10 @@ class DraftClient:
         self.max_tree_nodes = max_tree_nodes
         self.streams: dict[str, grpc.aio.StreamStreamCall] = {}
         self.rounds: dict[str, int] = {}
+
+    async def info(self, timeout: float = 5.0) -> draft_pb2.DraftInfoResponse:
+        """The draft service's Info (grpc errors raised as they are: the caller decides)."""
+        return await self.stub.Info(draft_pb2.DraftInfoRequest(), timeout=timeout)
 
     async def _exchange(self, session_id: str, request: draft_pb2.DraftRequest, reply: bool):
         call = self.streams.get(session_id)

@@ -94,11 +94,12 @@ class Control(Protocol):
 
     def observe(self, shaped: ShapedTree, accepted_nodes, verify_s: float, draft_s: float | None,
                 overhead_s: float, drafted: DraftTree, batch_size: int = 1, batch_rows: int = 0,
-                mergeable: int = 0) -> None:
+                mergeable: int = 0, forward_s: float = 0.0) -> None:
         """After every round (speculative or not): the verified tree, its accepted path (node
         indices of ``shaped.tree``), the round's timings in seconds, the sessions and rows of
-        the target forward that verified it (0 rows = not reported), and the sessions open at the
-        target up to its max_batch (``VerifyResult.mergeable``, 0 = not reported)."""
+        the target forward that verified it (0 rows = not reported), the sessions open at the
+        target up to its max_batch (``VerifyResult.mergeable``, 0 = not reported), and that
+        forward's own time in seconds (``VerifyResult.forward_ms`` / 1000, 0 = not reported)."""
 
 
 class PassThroughShaping:
@@ -109,7 +110,7 @@ class PassThroughShaping:
 
     def observe(self, shaped: ShapedTree, accepted_nodes, verify_s: float, draft_s: float | None,
                 overhead_s: float, drafted: DraftTree, batch_size: int = 1, batch_rows: int = 0,
-                mergeable: int = 0) -> None:
+                mergeable: int = 0, forward_s: float = 0.0) -> None:
         pass
 
 

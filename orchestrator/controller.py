@@ -468,7 +468,7 @@ class _Request:
             overhead_s = timing.round_s - timing.verify_s - (draft_s or 0.0) - (ahead.wait_s if ahead else 0.0)
             self.control.observe(shaped, accepted_path, timing.verify_s, draft_s, overhead_s, drafted.tree,
                                  batch_size=result.batch_size, batch_rows=result.batch_rows,
-                                 mergeable=result.mergeable)
+                                 mergeable=result.mergeable, forward_s=result.forward_ms / 1000)
         context_nodes = sum(1 for d in shaped.draft_index if d is None)
         record = RoundRecord(tuple(committed), proposed=tree.size, accepted=len(accepted), depth=shaped.depth,
                              fallback=drafted.fallback, gamma=self._gamma(), draft_s=drafted.draft_s,

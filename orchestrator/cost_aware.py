@@ -45,6 +45,7 @@ class SharedState:
     ctx_calib: ContextCalibration = field(default_factory=ContextCalibration)
     rounds_without_draft: int = 0  # across requests, since any request last drafted (the probe counts these)
     load: float = 1.0  # sessions a verify forward holds or could hold, moving average over every request's rounds
+    shared_compute: bool = False  # draft and target on the same hardware (specdec.placement; set at connect)
 
     def observe_load(self, batch_size: int, alpha: float = 0.3) -> None:
         """One round's load: the sessions its verify forward held, or the target's open sessions
@@ -54,7 +55,7 @@ class SharedState:
     def planning_cost(self) -> CostModel | LoadedCost:
         """The cost model the planning uses: ``LoadedCost`` at the current load (goodput), the model
         itself when rounds run alone (a load under 1.1 is noise of an occasional merge)."""
-        return LoadedCost(self.cost, self.load) if self.load >= 1.1 else self.cost
+        return LoadedCost(self.cost, self.load, self.shared_compute) if self.load >= 1.1 else self.cost
 
 
 @dataclass
@@ -231,14 +232,17 @@ class CostAwareControl:
 
     def observe(self, shaped: ShapedTree, accepted_nodes, verify_s: float, draft_s: float | None,
                 overhead_s: float, drafted_tree: DraftTree | None, batch_size: int = 1, batch_rows: int = 0,
-                mergeable: int = 0) -> None:
+                mergeable: int = 0, forward_s: float = 0.0) -> None:
         """Learn from a verified round: calibrations, per-depth estimates, the shared cost model and
         load. batch_size, batch_rows: sessions and rows of the target forward that verified the tree
         (VerifyResult; 0 rows = not reported, the tree's own; batch_size 0 = no forward ran);
         mergeable: sessions open at the target up to its max_batch (0 = not reported). The load is
         the larger of the two session counts: speculative rounds of concurrent requests drift apart
         and share few forwards, yet each row they verify still takes the batch's time from the
-        others, and plain decoding would merge every open session."""
+        others, and plain decoding would merge every open session. forward_s: the target's own time
+        for that forward (0 = not reported: ``verify_s``, which also holds transport and, under load,
+        the wait behind other sessions' forwards, a wait that V(rows) must not learn: it does not
+        grow with this tree's rows, and learnt as V it makes every row look cheap)."""
         self.rounds += 1
         if self.timing_free:
             return
@@ -269,7 +273,7 @@ class CostAwareControl:
         if not no_forward:
             self.shared.observe_load(max(batch_size, mergeable))
             rows = batch_rows or shaped.tree.size + 1  # the forward's rows decide its latency
-            self.shared.cost.observe_round(rows, verify_s, parents_per_step, draft_s, overhead_s)
+            self.shared.cost.observe_round(rows, forward_s or verify_s, parents_per_step, draft_s, overhead_s)
 
     def _learn_raw_ratio(self, drafted: DraftTree, shaped: ShapedTree) -> None:
         """raw best path probability / calibrated value of the deepest kept draft node."""
@@ -318,4 +322,6 @@ def cost_aware_factory(config: CostAwareConfig, fallback: FallbackConfig, shared
                                 max_ngram=config.max_ngram, probe_every=config.probe_every,
                                 first_round_plain=config.first_round_plain, max_nodes=max_nodes)
 
+    factory.shared = shared  # the Orchestrator sets shared.shared_compute once it knows both services
+    factory.shared_compute = config.shared_compute
     return factory

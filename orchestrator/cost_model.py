@@ -167,11 +167,17 @@ class LoadedCost:
     throughput. load: sessions per verify forward (>= 1, fractional: a moving average); load 1 is
     the cost model itself. Same methods as CostModel's planning side (verify, draft_step_ms,
     draft_ms, round_ms, round_overhead_ms).
+
+    shared_compute: the draft and the target compute on the same hardware (``specdec.placement``):
+    then each of the ``load`` requests' draft steps takes the target's compute for its time, and
+    concurrent requests' rounds drift apart so their steps rarely merge: a step costs D(p) * load.
+    On its own device the draft's steps run beside other requests' verifies: D(p).
     """
 
-    def __init__(self, cost: CostModel, load: float):
+    def __init__(self, cost: CostModel, load: float, shared_compute: bool = False):
         self.cost = cost
         self.load = max(float(load), 1.0)
+        self.shared_compute = shared_compute
 
     @property
     def round_overhead_ms(self) -> float:
@@ -182,10 +188,11 @@ class LoadedCost:
         return self.cost.verify(self.load * rows)
 
     def draft_step_ms(self, parents: int) -> float:
-        return self.cost.draft_step_ms(parents)
+        step = self.cost.draft_step_ms(parents)
+        return step * self.load if self.shared_compute else step
 
     def draft_ms(self, parents_per_step: Iterable[int]) -> float:
-        return self.cost.draft_ms(parents_per_step)
+        return sum(self.draft_step_ms(p) for p in parents_per_step)
 
     def round_ms(self, rows: int, parents_per_step: Iterable[int] = ()) -> float:
         return self.draft_ms(parents_per_step) + self.verify(rows) + self.round_overhead_ms

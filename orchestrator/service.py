@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+import grpc
 from opentelemetry import propagate, trace
 from transformers import AutoTokenizer
 
@@ -29,6 +30,7 @@ from orchestrator.cost_aware import SharedState, cost_aware_factory
 from orchestrator.controller import GenerationRequest, GenerationResult, RoundController
 from specdec.config import ServeConfig
 from specdec.models import DEFAULT_TARGET, resolve_model_dir
+from specdec.placement import Placement, shares_compute
 from specdec.security import aio_channel
 from specdec.stats import GenerationStats, RoundRecord
 from specdec.tree_spec import MAX_TREE_NODES
@@ -77,11 +79,31 @@ class Orchestrator:
         factory = self.control_factory
         if factory is not None:
             factory = functools.partial(factory, max_nodes=max_nodes)
+        if draft is not None and hasattr(self.control_factory, "shared"):
+            self.control_factory.shared.shared_compute = await self._shared_compute(draft)
         self.controller = RoundController(
             target, draft, list(self.info.eos_token_ids), self.info.context_limit, self.decode,
             control_factory=factory, draft_deadline_s=self.front.fallback.draft_deadline_ms / 1000,
             on_round=self.on_round, pipeline=self.front.pipeline,
         )
+
+    async def _shared_compute(self, draft: DraftClient) -> bool:
+        """Whether the draft computes on the target's hardware (front.cost_aware.shared_compute;
+        "auto": the two Info placements, ``specdec.placement.shares_compute``; an unreachable draft
+        counts as separate, and the next connect asks again)."""
+        setting = self.control_factory.shared_compute
+        if setting != "auto":
+            return bool(setting)
+        try:
+            info = await draft.info()
+        except grpc.aio.AioRpcError as exc:
+            log.warning("draft Info failed (%s): taking the draft as on its own hardware", exc.code())
+            return False
+        shared = shares_compute(Placement(info.host, info.device, tuple(info.cpus)),
+                                Placement(self.info.host, self.info.device, tuple(self.info.cpus)))
+        log.info("draft on %s %s cpus %s, target on %s %s cpus %s: %s compute", info.host, info.device, list(info.cpus),
+                 self.info.host, self.info.device, list(self.info.cpus), "shared" if shared else "separate")
+        return shared
 
     async def close(self) -> None:
         for task in list(self.tasks.values()):

@@ -123,6 +123,9 @@ class CostAwareConfig(_Section):
     max_ngram: int = Field(default=3, ge=1, le=8)         # longest suffix matched in the context
     probe_every: int = Field(default=16, ge=1)            # rounds without the draft before one draft step is tried
     first_round_plain: bool = True                        # the first round never drafts (TTFT = target-only TTFT)
+    # draft and target compute on the same hardware: under load a draft step is priced for the whole
+    # batch (orchestrator.cost_model.LoadedCost); "auto" = compare the two services' Info placements
+    shared_compute: Literal["auto"] | bool = "auto"
 
 
 class MonitorConfig(_Section):

@@ -38,7 +38,8 @@ class VerifyResult:
     that verified it, as the target service reports them (0 rows = not reported: in-process, the
     forward held this tree alone; batch_size 0 = no forward ran, a replayed pending result);
     mergeable: sessions open at the target service when it answered, at most its max_batch (0 =
-    not reported: in-process). Not part of equality: the outcome is the path and the tokens.
+    not reported: in-process); forward_ms: the target service's time for that forward (0 = not
+    reported). Not part of equality: the outcome is the path and the tokens.
     """
 
     accepted_nodes: tuple[int, ...]
@@ -46,6 +47,7 @@ class VerifyResult:
     batch_size: int = field(default=1, compare=False)
     batch_rows: int = field(default=0, compare=False)
     mergeable: int = field(default=0, compare=False)
+    forward_ms: float = field(default=0.0, compare=False)
 
     @property
     def bonus_token(self) -> int:

@@ -56,6 +56,7 @@ from specdec.interfaces import SessionStateError, UnknownSessionError, VerifyRes
 from specdec.model_setup import load_target, resolve_dtype, target_info
 from specdec.model_worker import ModelWorker
 from specdec.models import ModelError
+from specdec.placement import placement
 from specdec.process_entry import check_device, configure_logging, fail
 from specdec.sampling import SamplingParamsError
 from specdec.telemetry import setup_tracing, shutdown_tracing, tracer
@@ -133,6 +134,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.batcher = VerifyBatcher(runtime, self.worker, config.max_batch, config.batch_wait_ms, self.sessions.verified,
                                      gather=config.batch_gather)
         self.health = health
+        self.placement = placement(getattr(runtime, "device", "cpu"))
         self.failure: RankFailureError | None = None
         self._tracer = tracer("target_service")
 
@@ -317,6 +319,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             eos_token_ids=self.eos_token_ids, sessions=len(self.sessions), cached_tokens=self.sessions.kv_held(),
             tensor_parallel=self.config.tp, batched_forwards=self.batcher.batched_forwards,
             max_tree_nodes=self.config.max_tree_nodes, max_kv_tokens=self.max_kv_tokens,
+            host=self.placement.host, device=self.placement.device, cpus=list(self.placement.cpus),
         )
 
 

@@ -306,3 +306,56 @@ def test_loaded_cost_prices_rows_at_the_batch_and_observes_the_whole_forward():
     load = shared.load
     control.observe(tree, [], 0.001, None, 0.0, None, batch_size=0, batch_rows=0)  # a replayed result: no forward
     assert cost.verify(16) == pytest.approx(2200.0) and shared.load == load
+
+
+@pytest.mark.parametrize("shared_compute", [False, True], ids=["own-device", "shared-compute"])
+def test_a_draft_on_the_targets_hardware_is_priced_for_the_whole_batch(shared_compute):
+    """4 sessions open at the target, verification memory-bound (V(4) ~ V(8) ~ 300 ms), a perfect
+    draft at 150 ms a step. On its own device one step pays: 2 tokens in 150 + V(8) = 450 ms beats
+    1 token in V(4) = 292 ms, so every round drafts. On the target's hardware the 4 requests' steps
+    take the target's compute in turn (LoadedCost: 4 x 150 ms): 2 tokens in 900 ms lose to plain
+    rounds, so no round drafts (reason "cost"). Output stays the target's own either way."""
+    model = tiny_model("qwen2", seed=0)
+    prompt = random_prompt(seed=93)
+    n = 80
+    reference = hf_greedy(model, prompt, n + 8)
+    shared = SharedState(cost=CostModel(dict(BOUND_AT_8), {1: 150.0}, alpha=0.0), shared_compute=shared_compute)
+    factory = lambda s: CostAwareControl(s, shared, ngram_tokens=0, probe_every=1000)  # noqa: E731
+    engine = SpeculativeEngine(ReportsBatch(TargetRuntime(model), 4, open_only=True),
+                               OracleDraft(prompt, reference, agree=8), eos_token_ids=[],
+                               context_limit=CONTEXT, control_factory=factory)
+    records = []
+    result = asyncio.run(engine.controller.generate(GenerationRequest(prompt, max_new_tokens=n, spec=CHAIN4),
+                                                    on_round=records.append))
+    assert result.tokens == reference[:n]
+    assert shared.load > 3.5
+    late = records[8:-1]  # once the load estimate (a moving average) is near 4
+    drafted = sum(1 for r in late if r.drafted)
+    if shared_compute:
+        assert drafted == 0 and len(late) >= 8 and {r.fallback for r in late} == {"cost"}, [r.fallback for r in late]
+    else:
+        assert drafted == len(late) and len(late) >= 4, [r.fallback for r in late]
+
+
+def test_loaded_cost_prices_a_shared_draft_step_for_the_batch():
+    from orchestrator.cost_model import LoadedCost
+
+    cost = CostModel(dict(BOUND_AT_8), {1: 45.0, 4: 60.0}, alpha=0.0, source="measured")
+    assert LoadedCost(cost, 4).draft_step_ms(1) == 45.0  # own device: the step's own time
+    assert LoadedCost(cost, 4, shared_compute=True).draft_step_ms(1) == 180.0
+    assert LoadedCost(cost, 4, shared_compute=True).draft_ms([1, 4]) == 4 * (45.0 + 60.0)
+    assert LoadedCost(cost, 4, shared_compute=True).verify(2) == cost.verify(8)  # verify pricing unchanged
+
+
+def test_shares_compute_compares_host_device_and_cpus():
+    from specdec.placement import Placement, placement, shares_compute
+
+    here = placement("cpu")
+    assert here.host and here.device == "cpu" and here.cpus
+    assert shares_compute(Placement("a", "cpu", (0, 1)), Placement("a", "cpu", (1,)))
+    assert not shares_compute(Placement("a", "cpu", (0,)), Placement("a", "cpu", (1,)))  # pinned apart
+    assert shares_compute(Placement("a", "cpu", ()), Placement("a", "cpu", (1,)))  # unknown CPU set: shared
+    assert not shares_compute(Placement("a", "cpu", (0,)), Placement("b", "cpu", (0,)))  # other host
+    assert not shares_compute(Placement("a", "cuda:0", ()), Placement("a", "cuda:1", ()))
+    assert shares_compute(Placement("a", "cuda:0", ()), Placement("a", "cuda:0", ()))
+    assert not shares_compute(Placement("", "cpu", ()), Placement("", "cpu", ()))  # not reported (an old service)

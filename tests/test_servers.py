@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import queue
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -425,6 +427,30 @@ def test_info(info, pair, reference):
     assert info.vocab_size == reference.config.vocab_size
     assert info.context_limit == 256 and list(info.eos_token_ids) == [0]
     assert info.model == str(pair.target) and info.tensor_parallel == 1
+    # placement (specdec.placement): the server process inherits this process's CPU affinity
+    assert (info.host, info.device, set(info.cpus)) == (socket.gethostname(), "cpu", os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("setting, expected", [("auto", True), (False, False)])
+def test_the_orchestrator_finds_the_draft_on_the_targets_cpus(servers, setting, expected):
+    """Both services report their placement in Info; on one host and CPU set the front prices
+    draft steps as shared compute (front.cost_aware.shared_compute "auto"); an explicit setting wins."""
+    from orchestrator.service import Orchestrator, control_factory
+    from specdec.config import ServeConfig
+
+    config = ServeConfig.model_validate({"front": {
+        "draft_address": servers["draft"].address, "target_address": servers["target"].address,
+        "cost_aware": {"shared_compute": setting}}})
+
+    async def main():
+        orchestrator = Orchestrator(config.front, config.grpc, None, control_factory=control_factory(config))
+        await orchestrator.connect()
+        try:
+            return orchestrator.control_factory.shared.shared_compute
+        finally:
+            await orchestrator.close()
+
+    assert asyncio.run(main()) is expected
 
 
 # ----------------------------------------------------------------------------------------------
@@ -610,6 +636,7 @@ def test_draft_info_counts_open_sessions_and_their_kv_until_released(servers):
         stub = draft_pb2_grpc.DraftServiceStub(channel)
         base = stub.Info(draft_pb2.DraftInfoRequest(), timeout=10)
         assert (base.sessions, base.cached_sessions, base.cached_tokens, base.context_limit) == (0, 0, 0, 256)
+        assert (base.host, base.device, set(base.cpus)) == (socket.gethostname(), "cpu", os.sched_getaffinity(0))
         session = DraftSession(channel)
         session.start("info", [1, 2, 3, 4, 5, 6])
         session.propose(TreeSpec.chain(2), max_depth=2)  # runs after the queued prefill: 5 tokens cached

@@ -104,13 +104,19 @@ class DraftInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftInfoResponse(_message.Message):
-    __slots__ = ("sessions", "cached_sessions", "context_limit", "cached_tokens")
+    __slots__ = ("sessions", "cached_sessions", "context_limit", "cached_tokens", "host", "device", "cpus")
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CACHED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LIMIT_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
     sessions: int
     cached_sessions: int
     context_limit: int
     cached_tokens: int
-    def __init__(self, sessions: _Optional[int] = ..., cached_sessions: _Optional[int] = ..., context_limit: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    host: str
+    device: str
+    cpus: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sessions: _Optional[int] = ..., cached_sessions: _Optional[int] = ..., context_limit: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., cpus: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -90,7 +90,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "vocab_size", "context_limit", "eos_token_ids", "sessions", "cached_tokens", "tensor_parallel", "batched_forwards", "max_tree_nodes", "max_kv_tokens")
+    __slots__ = ("model", "vocab_size", "context_limit", "eos_token_ids", "sessions", "cached_tokens", "tensor_parallel", "batched_forwards", "max_tree_nodes", "max_kv_tokens", "host", "device", "cpus")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LIMIT_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,9 @@ class InfoResponse(_message.Message):
     BATCHED_FORWARDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     MAX_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     context_limit: int
@@ -111,4 +114,7 @@ class InfoResponse(_message.Message):
     batched_forwards: int
     max_tree_nodes: int
     max_kv_tokens: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_limit: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., batched_forwards: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_kv_tokens: _Optional[int] = ...) -> None: ...
+    host: str
+    device: str
+    cpus: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_limit: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., batched_forwards: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_kv_tokens: _Optional[int] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., cpus: _Optional[_Iterable[int]] = ...) -> None: ...

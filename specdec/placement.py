@@ -1,0 +1,47 @@
+"""Where a service's model computes, so the orchestrator can tell whether draft and target share it.
+
+    p = placement("cpu")                 # this process: host name, device, CPUs it may run on
+    shares_compute(draft_p, target_p)    # True: same host and device (CPU: overlapping CPU sets)
+
+Both services report their placement in Info (``host``, ``device``, ``cpus``). When the draft and
+the target share compute (one CPU, or one GPU), every ms the draft computes is a ms the target's
+verify forwards do not get: the goodput planning then prices a round's draft steps for the whole
+batch (``orchestrator.cost_model.LoadedCost``). Two pods on one Kubernetes node have different host
+names and count as separate (their CPU limits keep them apart); two processes given the same
+``CUDA_VISIBLE_DEVICES`` GPU as "cuda:0" on one host count as shared.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Placement:
+    """host: the machine's host name; device: "cpu", "cuda:0", ...; cpus: the CPUs the process may
+    run on (its affinity; () where unknown)."""
+
+    host: str
+    device: str
+    cpus: tuple[int, ...] = field(default=())
+
+
+def placement(device: str) -> Placement:
+    """This process's placement for a model on ``device``."""
+    try:
+        cpus = tuple(sorted(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        cpus = ()
+    return Placement(socket.gethostname(), str(device), cpus)
+
+
+def shares_compute(a: Placement, b: Placement) -> bool:
+    """Whether two services compute on the same hardware: same host and device, and on CPU at least
+    one CPU both may run on (unknown CPU sets count as overlapping)."""
+    if not a.host or a.host != b.host or a.device != b.device:
+        return False
+    if a.device.startswith("cpu") and a.cpus and b.cpus:
+        return bool(set(a.cpus) & set(b.cpus))
+    return True
