@@ -244,7 +244,8 @@ class _Request:
         on Start) runs beside the target's, on another process or machine."""
         self.target_open = True  # before the call: a cancel during Prefill must still release (harmless if unknown)
         starts = [asyncio.ensure_future(self.controller.target.start(self.sid, self.request.prompt_ids, self.request.sampling))]
-        if self.spec is not None:
+        defer = getattr(self.control, "defer_draft_open", None)
+        if self.spec is not None and not (defer is not None and defer()):  # deferred: opened by the first drafted round
             starts.append(asyncio.ensure_future(self._open_draft()))
         try:
             await asyncio.gather(*starts)
@@ -343,7 +344,7 @@ class _Request:
         if not self.control.speculate(time.monotonic(), committed_len, max_depth):
             return _Drafted(fallback=self.control.reason)
         if self.draft_sid is None:
-            await self._open_draft()  # a retry after a failure; on failure the round runs plain
+            await self._open_draft()  # deferred at open, or a retry after a failure; on failure the round runs plain
         if self.draft_sid is None:
             return _Drafted(fallback=DRAFT_UNAVAILABLE)
         tree = await self._propose(max_depth)

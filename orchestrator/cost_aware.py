@@ -49,8 +49,22 @@ class SharedState:
 
     def observe_load(self, batch_size: int, alpha: float = 0.3) -> None:
         """One round's load: the sessions its verify forward held, or the target's open sessions
-        (up to max_batch) when more (``CostAwareControl.observe``); 1 in-process."""
-        self.load += alpha * (max(batch_size, 1) - self.load)
+        (up to max_batch) when more (``CostAwareControl.observe``); 1 in-process. A rise is taken
+        at once (the sessions are there now: speculation backs off before it costs the batch), a
+        fall as a moving average."""
+        load = max(batch_size, 1)
+        self.load = float(load) if load > self.load else self.load + alpha * (load - self.load)
+
+    def probe_interval(self, probe_every: int) -> float:
+        """Rounds without a draft step (over all requests) before one is tried: ``probe_every``, times
+        the load when the draft shares the target's compute (each probe then takes every request's
+        compute, and the shared count grows with the number of requests)."""
+        return probe_every * (self.load if self.shared_compute else 1.0)
+
+    def defer_draft(self) -> bool:
+        """Whether a new request should not prefill the draft until a round decides to draft: the
+        draft shares the target's compute and other requests are running (``load`` >= 1.5)."""
+        return self.shared_compute and self.load >= 1.5
 
     def planning_cost(self) -> CostModel | LoadedCost:
         """The cost model the planning uses: ``LoadedCost`` at the current load (goodput), the model
@@ -195,7 +209,7 @@ class CostAwareControl:
         g, rate = plan_depth(self.depths, cost, heads, max_steps, self.context_value, self.context_rows)
         if self.first_round_plain and self.rounds == 0:
             g = 0
-        elif g == 0 and self.shared.rounds_without_draft >= self.probe_every and max_steps >= 1:
+        elif g == 0 and self.shared.rounds_without_draft >= self.shared.probe_interval(self.probe_every) and max_steps >= 1:
             g = 1  # probe: has the draft become worth it? (counted across requests: short ones probe too)
             self.shared.rounds_without_draft = 0
         self.gamma, self.reason = g, (None if g else COST)
@@ -209,6 +223,10 @@ class CostAwareControl:
             spec = spec_at_depth(self.base, max_steps, self.max_nodes)
             self._planned_spec = spec.model_copy(update={"gamma_threshold": max(threshold, spec.gamma_threshold)})
         return g > 0
+
+    def defer_draft_open(self) -> bool:
+        """``SharedState.defer_draft``: the round loop then opens the draft at the first drafted round."""
+        return self.shared.defer_draft()
 
     def _deepest(self) -> int:
         try:

@@ -94,10 +94,53 @@ class SessionBatcher:
         self._answered: dict[str, float] = {}  # session -> time.monotonic() its last outcome was delivered
         self._gap: dict[str, float] = {}  # session -> moving average of s from that answer to its next item
         self._call_s = 0.0  # moving average of a call's time (s)
+        self._in_call: set[str] = set()  # sessions of the call running now
 
     def answer(self, outcome, ran: list[BatchItem], call_ms: float):
         """What a caller whose item ran gets back (default: the outcome itself)."""
         return outcome
+
+    def reports(self, item: BatchItem) -> bool:
+        """Whether ``on_done`` hears of this item (default: every item)."""
+        return True
+
+    def rider(self, item: BatchItem) -> bool:
+        """Whether this item should rather share another session's call than run alone (default: no;
+        the target's prefill chunks). Riders alone in the queue wait for the other sessions'
+        next items while those are mid-round (``busy``), up to twice their usual gap."""
+        return False
+
+    async def _ride(self) -> None:
+        """Riders alone in the queue: wait for the next item of a session that is mid-round."""
+        if not self._queue or not all(self.rider(item) for item in self._queue):
+            return
+        riders = {item.session_id for item in self._queue}
+        now = time.monotonic()
+        limit = max((at + 2 * max(self._gap.get(sid, 0.0), self._call_s) + 0.02
+                     for sid, at in self._answered.items() if sid not in riders), default=now)
+        if self._in_call - riders:  # a call is running: its sessions come back after it
+            limit = max(limit, now + 2 * self._call_s + 0.02)
+        while now < limit and all(self.rider(item) for item in self._queue):
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), limit - now)
+            except asyncio.TimeoutError:
+                break
+            now = time.monotonic()
+
+    def _done(self, item: BatchItem, outcome) -> None:
+        if self.reports(item):
+            self.on_done(item.session_id, outcome)
+
+    def busy(self, session_id: str | None = None) -> bool:
+        """Whether sessions other than ``session_id`` are mid-round: an item queued or in the
+        running call, or answered less than twice its usual gap (or the mean call time) + 20 ms ago
+        (about to come back)."""
+        if any(item.session_id != session_id for item in self._queue) or self._in_call - {session_id}:
+            return True
+        now = time.monotonic()
+        return any(now - at <= 2 * max(self._gap.get(sid, 0.0), self._call_s) + 0.02
+                   for sid, at in self._answered.items() if sid != session_id)
 
     async def submit(self, session_id: str, payload, deadline: float | None = None):
         """One item, merged with concurrent ones; raises the item's exception or DeadlineExpiredError."""
@@ -138,6 +181,7 @@ class SessionBatcher:
                     await asyncio.wait_for(self._full.wait(), wait)
                 except asyncio.TimeoutError:
                     pass
+            await self._ride()
             await self._gather()
             batch = self._take()
             if batch:
@@ -175,7 +219,7 @@ class SessionBatcher:
         batch, rest, seen = [], [], set()
         for item in self._queue:
             if item.future.done():  # caller gone
-                self.on_done(item.session_id, None)
+                self._done(item, None)
                 continue
             if len(batch) < self.max_batch and item.session_id not in seen:
                 seen.add(item.session_id)
@@ -188,10 +232,13 @@ class SessionBatcher:
         return batch
 
     async def _run(self, batch: list[BatchItem]) -> None:
+        self._in_call = {item.session_id for item in batch}
         try:
             ran, results, call_ms, alone_ms = await self.worker.run(self._forward, batch)
         except Exception as exc:  # noqa: BLE001 - delivered to every caller of the batch
             ran, results, call_ms, alone_ms = batch, [exc] * len(batch), 0.0, None
+        finally:
+            self._in_call = set()
         if len(ran) > 1 and alone_ms is None:
             self.batched_forwards += 1
             log.info("%s batch of %d sessions", self.what, len(ran))
@@ -207,7 +254,7 @@ class SessionBatcher:
             k = outcomes.get(id(item))
             outcome = results[k] if k is not None else DeadlineExpiredError(
                 f"deadline: expired before the {self.what} forward started")
-            self.on_done(item.session_id, outcome if k is not None else None)
+            self._done(item, outcome if k is not None else None)
             if item.future.done():
                 continue
             if isinstance(outcome, Exception):

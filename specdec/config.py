@@ -88,6 +88,8 @@ class TargetServerConfig(_Section):
     kv_memory_fraction: float = Field(default=0.7, gt=0, le=1)
     max_tree_nodes: int = Field(default=512, ge=1)
     prefill_chunk_tokens: int = Field(default=256, ge=1)  # prompt tokens per prefill forward: an abort or others' verifies get in between
+    # while other sessions are decoding: prompt tokens per chunk, each fed inside their next verify forward
+    prefill_busy_chunk_tokens: int = Field(default=16, ge=1)
     session_idle_s: float = Field(default=600.0, gt=0)    # a session untouched this long is released (its client died)
 
 

@@ -18,6 +18,7 @@ from specdec.batching import BatchItem, SessionBatcher
 from specdec.interfaces import VerifyResult
 from specdec.model_worker import ModelWorker
 from specdec.tree import DraftTree
+from target_service.runtime import PrefillChunk
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,22 @@ class VerifyBatcher(SessionBatcher):
 
     def answer(self, outcome: VerifyResult, ran: list[BatchItem], call_ms: float) -> BatchedVerify:
         return BatchedVerify(outcome, len(ran), call_ms, sum(item.payload.size + 1 for item in ran))
+
+    def reports(self, item: BatchItem) -> bool:
+        """A prefill chunk is not a verify: the owner's verify bookkeeping does not hear of it."""
+        return not isinstance(item.payload, PrefillChunk)
+
+    def rider(self, item: BatchItem) -> bool:
+        """A prefill chunk rides in the decoding sessions' next verify forward."""
+        return isinstance(item.payload, PrefillChunk)
+
+    async def prefill_chunk(self, session_id: str, tokens: Sequence[int], deadline: float | None = None) -> None:
+        """Feed the next chunk of a session's prompt in the next verify forward (chunked prefill
+        mixed with the other sessions' verifies; the runtime must take ``PrefillChunk`` items).
+        Raises the runtime's error (SessionStateError past the prefill, ...) or DeadlineExpiredError."""
+        out = await self.submit(session_id, PrefillChunk(tuple(tokens)), deadline)
+        if isinstance(out, BatchedVerify) and isinstance(out.result, Exception):
+            raise out.result
 
     async def verify(self, session_id: str, tree: DraftTree, deadline: float | None = None) -> BatchedVerify:
         """Verify one tree, merged with concurrent ones. Raises the item's exception from the

@@ -17,6 +17,8 @@ random generator, so a request's draws never depend on other sessions.
 
 ``verify_batch`` verifies the trees of several sessions in one forward (DESIGN.md "Batching"); each
 session ends up exactly as after its own ``verify`` (see ``batched_tree_inputs`` for the layout).
+A batch may also carry the next chunk of a session's prompt (``PrefillChunk``): chunked prefill
+mixed into the other sessions' verify forward, as ``extend`` would feed it alone.
 """
 
 from __future__ import annotations
@@ -55,8 +57,37 @@ class TargetSession:
     root_logits: torch.Tensor | None = None  # [V] R's logits while R's KV is cached (from start to the first commit)
 
 
+@dataclass(frozen=True)
+class PrefillChunk:
+    """The next tokens of a session's prompt, fed in a ``verify_batch`` forward beside other
+    sessions' trees: the row holds [R, tokens...] as a chain, and afterwards the session is as after
+    ``extend(session_id, tokens)``. tokens: [C] ids, C >= 1."""
+
+    tokens: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        """Rows past R (a tree's node count): the forward holds size + 1 rows for it."""
+        return len(self.tokens)
+
+    def as_tree(self) -> DraftTree:
+        return DraftTree(self.tokens, tuple(range(-1, len(self.tokens) - 1)))
+
+
+class PrefillChunkFed:
+    """A PrefillChunk's outcome in ``verify_batch``: its tokens are cached, the last one is R."""
+
+    def __repr__(self) -> str:
+        return "PrefillChunkFed()"
+
+
+CHUNK_FED = PrefillChunkFed()
+
+
 class TargetRuntime:
     """Implements TargetWorker (specdec.interfaces) over a transformers causal LM."""
+
+    batch_prefill_chunks = True  # verify_batch takes PrefillChunk items
 
     def __init__(self, model, max_tree_nodes: int = MAX_TREE_NODES):
         self.model = model
@@ -203,7 +234,12 @@ class TargetRuntime:
         would leave it. An error of the shared forward itself (e.g. out of memory) is raised; no
         session then holds a pending result.
 
-        With one valid item this is ``verify`` itself. Otherwise one forward over [B, Q] new tokens,
+        An item may instead be (session_id, PrefillChunk) for a session still in its prefill (started,
+        never verified): its outcome is CHUNK_FED and the session is as after ``extend`` with those
+        tokens (SessionStateError past the prefill, MalformedTreeError for ids outside the
+        vocabulary or an empty chunk).
+
+        With one valid item this is ``verify`` (or ``extend``) itself. Otherwise one forward over [B, Q] new tokens,
         Q = max(N_b + 1), after a B-row cache stacked from the sessions' caches (right-padded to
         S = max L_b; layout in ``batched_tree_inputs``); each row's new KV slots are then appended
         to its own session cache, so ``commit`` works unchanged.
@@ -230,7 +266,11 @@ class TargetRuntime:
         if len(batch) == 1:
             index, session_id, _, tree = batch[0]
             try:
-                results[index] = self.verify(session_id, tree)
+                if isinstance(tree, PrefillChunk):
+                    self.extend(session_id, list(tree.tokens))
+                    results[index] = CHUNK_FED
+                else:
+                    results[index] = self.verify(session_id, tree)
             except Exception as error:  # noqa: BLE001 - returned in its slot, as documented
                 results[index] = error
         elif batch:
@@ -259,7 +299,7 @@ class TargetRuntime:
     def _verify_together(self, batch: list[tuple[int, str, TargetSession, DraftTree]], results: list) -> None:
         """One forward over B >= 2 sessions' trees; each item's result (or error) goes to its slot."""
         sessions = [s for _, _, s, _ in batch]
-        trees = [tree for _, _, _, tree in batch]
+        trees = [tree.as_tree() if isinstance(tree, PrefillChunk) else tree for _, _, _, tree in batch]
         for s in sessions:
             truncate_kv(s.cache, s.cache_len)  # drop the slots of an earlier verify that failed mid-way
             s.root_logits = None  # a first verify: R's KV (from start) is dropped and R fed again, as in every row
@@ -271,6 +311,12 @@ class TargetRuntime:
         for row, (index, _, s, tree) in enumerate(batch):
             try:
                 append_kv_row(s.cache, stacked, row, width, tree.size + 1)
+                if isinstance(tree, PrefillChunk):  # R and the chunk stay cached; the chunk's last token is R
+                    s.cache_len += tree.size
+                    s.root = tree.tokens[-1]
+                    s.root_logits = logits[row, tree.size].clone()
+                    results[index] = CHUNK_FED
+                    continue
                 results[index] = self._accept(s, tree, logits[row, : tree.size + 1])
             except Exception as error:  # noqa: BLE001 - one item's failure must not affect the others
                 results[index] = error
@@ -282,14 +328,23 @@ class TargetRuntime:
             session_id, tree = item
         except (TypeError, ValueError):
             raise TypeError(f"items: expected (session_id, DraftTree) pairs, got {item!r}") from None
-        if not isinstance(tree, DraftTree):
-            raise TypeError(f"tree: expected a DraftTree, got {type(tree).__name__}")
+        if not isinstance(tree, (DraftTree, PrefillChunk)):
+            raise TypeError(f"tree: expected a DraftTree or PrefillChunk, got {type(tree).__name__}")
         hash(session_id)  # TypeError for an unhashable id
         return session_id, tree
 
-    def _verifiable(self, session_id: str, tree: DraftTree) -> TargetSession:
-        """The session, after the checks ``verify`` makes before its forward (same errors)."""
+    def _verifiable(self, session_id: str, tree: DraftTree | PrefillChunk) -> TargetSession:
+        """The session, after the checks ``verify`` (``extend`` for a chunk) makes before its forward."""
         s = self._session(session_id)
+        if isinstance(tree, PrefillChunk):
+            if s.root_logits is None or s.pending is not None:
+                raise SessionStateError(f"session_id: {session_id!r} is past its prefill (it has verified)")
+            if not tree.tokens:
+                raise MalformedTreeError("prompt_ids: empty prefill chunk")
+            for i, token in enumerate(tree.tokens):
+                if not 0 <= token < self.vocab_size:
+                    raise MalformedTreeError(f"prompt_ids[{i}] = {token}: outside the vocabulary [0, {self.vocab_size})")
+            return s
         if s.pending is not None:
             raise SessionStateError(f"session_id: {session_id!r} has an uncommitted verify")
         validate_tree(tree.tokens, tree.parents, self.vocab_size, self.max_tree_nodes)

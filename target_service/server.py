@@ -206,9 +206,17 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     # -- RPCs -------------------------------------------------------------------------------------
 
+    def _chunk_tokens(self, session_id: str) -> int:
+        """The next prefill chunk's size: prefill_busy_chunk_tokens while other sessions are decoding
+        (the chunk then joins their next verify forward, so a long prompt adds a few rows to each
+        of their rounds instead of stalling them), else prefill_chunk_tokens (a forward of its own)."""
+        if getattr(self.runtime, "batch_prefill_chunks", False) and self.batcher.busy(session_id):
+            return min(self.config.prefill_busy_chunk_tokens, self.config.prefill_chunk_tokens)
+        return self.config.prefill_chunk_tokens
+
     @_rpc
     async def Prefill(self, request, context):
-        deadline_of(context)
+        deadline = deadline_of(context)
         if not request.session_id:
             raise ValueError("session_id: empty")
         prompt = list(request.prompt_ids)
@@ -218,13 +226,19 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         except SamplingParamsError as exc:
             raise SamplingParamsError(f"sampling.{exc.field}", exc.detail) from None
         new = self.sessions.open(request.session_id, len(prompt))
-        chunk = self.config.prefill_chunk_tokens
+        sid = request.session_id
         try:  # chunk by chunk: a cancelled call (abort, deadline, client gone) stops after the current chunk
-            await self.worker.run(self.runtime.start, request.session_id, prompt[:chunk], sampling)
-            for at in range(chunk, len(prompt), chunk):
-                if self.sessions.sessions.get(request.session_id) is not new:  # a Release came meanwhile
-                    raise UnknownSessionError(f"session_id: {request.session_id!r} was released during its prefill")
-                await self.worker.run(self.runtime.extend, request.session_id, prompt[at : at + chunk])
+            at = self._chunk_tokens(sid)
+            await self.worker.run(self.runtime.start, sid, prompt[:at], sampling)
+            while at < len(prompt):
+                if self.sessions.sessions.get(sid) is not new:  # a Release came meanwhile
+                    raise UnknownSessionError(f"session_id: {sid!r} was released during its prefill")
+                size = self._chunk_tokens(sid)
+                if size < self.config.prefill_chunk_tokens:  # others are decoding: ride in their next verify forward
+                    await self.batcher.prefill_chunk(sid, prompt[at : at + size], deadline)
+                else:
+                    await self.worker.run(self.runtime.extend, sid, prompt[at : at + size])
+                at += size
         except BaseException:
             # The worker thread may still finish runtime.start after a cancel: release after it (jobs run in
             # order). Not when a Release came meanwhile: it queued the runtime's release itself, and the id

@@ -301,7 +301,7 @@ def test_loaded_cost_prices_rows_at_the_batch_and_observes_the_whole_forward():
     assert shared.load == 1.0 and cost.verify.observations == 0  # the first round: no forward ran
     tree = ShapedTree.of(DraftTree((5,), (-1,)))
     control.observe(tree, [], 2.2, None, 0.0, None, batch_size=8, batch_rows=16)  # V(16) observed at 2x
-    assert cost.verify(16) == pytest.approx(2200.0) and shared.load == pytest.approx(1 + 0.3 * 7)
+    assert cost.verify(16) == pytest.approx(2200.0) and shared.load == 8  # a rise is taken at once
     assert shared.planning_cost().verify(2) == pytest.approx(cost.verify(2 * shared.load))
     load = shared.load
     control.observe(tree, [], 0.001, None, 0.0, None, batch_size=0, batch_rows=0)  # a replayed result: no forward
@@ -359,3 +359,43 @@ def test_shares_compute_compares_host_device_and_cpus():
     assert not shares_compute(Placement("a", "cuda:0", ()), Placement("a", "cuda:1", ()))
     assert shares_compute(Placement("a", "cuda:0", ()), Placement("a", "cuda:0", ()))
     assert not shares_compute(Placement("", "cpu", ()), Placement("", "cpu", ()))  # not reported (an old service)
+
+
+def test_shared_compute_load_rises_at_once_scales_probes_and_defers_the_draft():
+    shared, own = SharedState(shared_compute=True), SharedState()
+    for state in (shared, own):
+        state.observe_load(4)
+        assert state.load == 4.0  # a rise is taken at once
+    assert (shared.probe_interval(16), own.probe_interval(16)) == (64.0, 16.0)
+    assert shared.defer_draft() and not own.defer_draft()
+    shared.observe_load(1)
+    assert shared.load == pytest.approx(4 + 0.3 * (1 - 4))  # a fall as a moving average
+    for _ in range(10):
+        shared.observe_load(1)
+    assert shared.load < 1.5 and not shared.defer_draft()
+
+
+def test_a_deferred_draft_opens_at_the_first_drafted_round_and_the_output_is_exact():
+    """Shared compute under load: the request starts without a draft session (no draft prefill
+    beside the target's); once the load falls (in-process every forward holds one session) a round
+    decides to draft, opens the draft then, and drafts from there on. Greedy output = target alone."""
+    model = tiny_model("qwen2", seed=0)
+    prompt = random_prompt(seed=95)
+    reference = hf_greedy(model, prompt, 40)
+
+    class CountingDraft(DraftRuntime):  # the target model as its own draft: every step agrees
+        starts: list[int] = []
+
+        def start(self, session_id, prompt_ids, *args, **kwargs):
+            self.starts.append(len(prompt_ids))
+            return super().start(session_id, prompt_ids, *args, **kwargs)
+
+    draft = CountingDraft(model)
+    shared = SharedState(cost=CostModel(dict(BOUND_AT_8), {1: 45.0}, alpha=0.0), shared_compute=True, load=4.0)
+    factory = lambda s: CostAwareControl(s, shared, ngram_tokens=0, probe_every=1000)  # noqa: E731
+    _, result, records = generate(model, draft, prompt, CHAIN4, factory, n=32)
+    assert result.tokens == reference[:32]
+    first = next(i for i, r in enumerate(records) if r.drafted)
+    assert first >= 2 and len(draft.starts) == 1  # opened once, not at the start
+    assert draft.starts[0] > len(prompt)  # with the tokens committed by the plain rounds before it
+    assert sum(1 for r in records[first:] if r.drafted) >= 3

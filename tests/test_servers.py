@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from draft_service.runtime import DraftRuntime
 from specdec.grpc_host import MAX_STATUS_CHARS
 from specdec.harness.servers import launch_service, start_service, stop_service, wait_for_exit, wait_ready
-from specdec.interfaces import UnknownSessionError
+from specdec.interfaces import SessionStateError, UnknownSessionError
 from specdec.model_worker import ModelWorker
 from specdec.sampling import GREEDY, SamplingParams
 from specdec.service_errors import DeadlineExpiredError
@@ -1014,3 +1014,100 @@ def test_concurrent_draft_streams_share_forwards_and_get_their_solo_trees():
             accepted = [0] if (round_ + i) % 2 and alone.tokens else []
             solo.commit(f"d{i}", [alone.tokens[n] for n in accepted] + [11 + i], accepted)
     assert merged > 0 and max(reply.batch_size for replies in rounds for reply in replies) > 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunked prefill mixed into other sessions' verify forwards
+# ----------------------------------------------------------------------------------------------
+
+def test_a_prefill_chunk_in_a_verify_batch_leaves_the_session_as_extend_does():
+    """verify_batch with (session, PrefillChunk) items beside another session's plain steps: the
+    prefilling session ends as after ``start`` of its whole prompt (same R and length, its logits
+    and KV equal up to float32 round-off of the differently shaped forward), both sessions then
+    decode the target's greedy tokens, and the decoding session's steps equal its solo steps."""
+    from target_service.runtime import CHUNK_FED, PrefillChunk
+
+    model = tiny_model("qwen2", seed=0)
+    mixed, solo = TargetRuntime(model), TargetRuntime(model)
+    other, long = random_prompt(3, 20), random_prompt(4, 61)
+    for rt in (mixed, solo):
+        rt.start("o", other)
+    mixed.start("L", long[:13])
+    solo.start("L", long)
+    empty = DraftTree((), ())
+    at, steps = 13, 0
+    while at < len(long):
+        out = mixed.verify_batch([("o", empty), ("L", PrefillChunk(tuple(long[at : at + 8])))])
+        assert out[1] is CHUNK_FED and out[0] == solo.verify("o", empty)
+        mixed.commit("o", 1)
+        solo.commit("o", 1)
+        at, steps = at + 8, steps + 1
+    assert steps == 6  # 48 tokens in chunks of 8, the last one shorter
+    got, want = mixed.sessions["L"], solo.sessions["L"]
+    assert (got.cache_len, got.root) == (want.cache_len, want.root) == (len(long) - 1, long[-1])
+    torch.testing.assert_close(got.root_logits, want.root_logits, rtol=1e-4, atol=1e-4)
+    for a, b in zip(got.cache.layers, want.cache.layers):
+        torch.testing.assert_close(a.keys[..., : got.cache_len + 1, :], b.keys[..., : want.cache_len + 1, :],
+                                   rtol=1e-4, atol=1e-4)
+    tokens = []
+    for _ in range(5):
+        (res,) = mixed.verify_batch([("L", empty)])
+        mixed.commit("L", 1)
+        tokens.append(res.tokens[-1])
+    assert tokens == greedy_reference(model, long, 5)
+    # a chunk is refused once the session has verified, and for ids outside the vocabulary
+    mixed.start("n", [1, 2, 3])
+    past, bad = mixed.verify_batch([("L", PrefillChunk((1, 2))), ("n", PrefillChunk((10 ** 9,)))])
+    assert isinstance(past, SessionStateError) and "past its prefill" in str(past)
+    assert "prompt_ids[0]" in str(bad)
+
+
+def test_a_long_prompt_rides_in_a_decoding_sessions_verify_forwards():
+    """While session "d" decodes (plain verifies back to back), a 70-token prompt arrives: its
+    chunks (prefill_busy_chunk_tokens 16) are fed inside d's verify forwards instead of forwards
+    of their own, and both sessions' tokens are the target's greedy ones."""
+    from specdec.config import GrpcConfig, TargetServerConfig
+    from specdec.grpc_host import ServiceHost
+    from specdec.security import aio_channel
+    from target_service.server import SERVICE_NAME, TargetServicer
+
+    model = tiny_model("qwen2", seed=0)
+    short, long = random_prompt(5, 12), random_prompt(6, 70)
+
+    async def main():
+        host = ServiceHost("test-target", GrpcConfig(shutdown_grace_s=1.0))
+        servicer = TargetServicer(TargetRuntime(model), context_limit=512,
+                                  config=TargetServerConfig(prefill_chunk_tokens=256, prefill_busy_chunk_tokens=16))
+        target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, host.server)
+        port = await host.start("127.0.0.1", 0, [SERVICE_NAME])
+        try:
+            async with aio_channel(f"127.0.0.1:{port}", GrpcConfig()) as channel:
+                stub = target_pb2_grpc.TargetServiceStub(channel)
+                await stub.Prefill(target_pb2.PrefillRequest(session_id="d", prompt_ids=short), timeout=10)
+                decoded: list[int] = []
+                done = asyncio.Event()
+
+                async def decode():
+                    while not done.is_set() or len(decoded) < 3:
+                        reply = await stub.Verify(target_pb2.VerifyRequest(session_id="d"), timeout=10)
+                        await stub.Commit(target_pb2.CommitRequest(session_id="d", num_tokens=1), timeout=10)
+                        decoded.append(reply.tokens[-1])
+
+                decoding = asyncio.ensure_future(decode())
+                while len(decoded) < 2:
+                    await asyncio.sleep(0.01)
+                merged_before = servicer.batcher.batched_forwards
+                await stub.Prefill(target_pb2.PrefillRequest(session_id="L", prompt_ids=long), timeout=30)
+                merged = servicer.batcher.batched_forwards - merged_before
+                first = await stub.Verify(target_pb2.VerifyRequest(session_id="L"), timeout=10)
+                done.set()
+                await decoding
+                return decoded, merged, list(first.tokens)
+        finally:
+            await host.server.stop(None)
+            servicer.close()
+
+    decoded, merged, first = asyncio.run(main())
+    assert first == greedy_reference(model, long, 1)
+    assert decoded == greedy_reference(model, short, len(decoded))
+    assert merged >= 3, merged  # the first chunk starts the session (a forward of its own); 3 more rode along
