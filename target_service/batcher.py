@@ -24,7 +24,8 @@ from target_service.runtime import PrefillChunk
 @dataclass(frozen=True)
 class BatchedVerify:
     """One item's outcome: its result, how many sessions shared the call, the call's time (ms), and
-    the call's rows over all its sessions (each tree's nodes + 1: what its latency depends on)."""
+    the rows the call computed over all its sessions: B x Q, each session's row padded to the
+    largest tree's nodes + 1 (what its latency depends on; one session: its tree's nodes + 1)."""
 
     result: VerifyResult
     batch_size: int
@@ -48,7 +49,8 @@ class VerifyBatcher(SessionBatcher):
         self.runtime = runtime
 
     def answer(self, outcome: VerifyResult, ran: list[BatchItem], call_ms: float) -> BatchedVerify:
-        return BatchedVerify(outcome, len(ran), call_ms, sum(item.payload.size + 1 for item in ran))
+        # rows the forward computed: every session's row is padded to the largest tree's (B x Q)
+        return BatchedVerify(outcome, len(ran), call_ms, len(ran) * max(item.payload.size + 1 for item in ran))
 
     def reports(self, item: BatchItem) -> bool:
         """A prefill chunk is not a verify: the owner's verify bookkeeping does not hear of it."""

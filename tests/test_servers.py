@@ -106,6 +106,7 @@ async def _verify_all_at_once(runtime, trees):
 
 def test_batcher_merges_concurrent_verifies_into_one_call_with_solo_results():
     target, runtime, prompts, trees = _batcher_setup(3)
+    trees["s2"] = DraftTree((), ())  # a plain step beside two trees: its row is padded to theirs
     recording = RecordingRuntime(runtime)
     expected = _solo_results(target, prompts, trees)
 
@@ -113,8 +114,9 @@ def test_batcher_merges_concurrent_verifies_into_one_call_with_solo_results():
     assert recording.calls == [["s0", "s1", "s2"]]
     assert batcher.batched_forwards == 1
     assert [o.batch_size for o in outs] == [3, 3, 3]
-    rows = sum(tree.size + 1 for tree in trees.values())  # what the forward's latency depends on
-    assert [o.batch_rows for o in outs] == [rows] * 3 and rows > 3
+    # what the forward's latency depends on: 3 rows padded to the largest tree's nodes + 1
+    rows = 3 * max(tree.size + 1 for tree in trees.values())
+    assert [o.batch_rows for o in outs] == [rows] * 3 and rows > sum(tree.size + 1 for tree in trees.values())
     assert [o.result for o in outs] == [expected[sid] for sid in trees]
     assert all(len(o.result.tokens) >= 1 for o in outs)
 
