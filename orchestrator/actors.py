@@ -40,7 +40,8 @@ class OrchestratorActor:
         # batched on the SDK's thread, exported every 200 ms: exporting each span as it ends (a
         # blocking OTLP call on this event loop) held up every request's rounds, so concurrent
         # requests drifted apart and their verifies stopped merging at the target
-        setup_tracing("specdec-orchestrator", export_delay_ms=ACTOR_EXPORT_DELAY_MS)
+        setup_tracing("specdec-orchestrator",  # OTEL_BSP_SCHEDULE_DELAY, when set, wins
+                      export_delay_ms=None if "OTEL_BSP_SCHEDULE_DELAY" in os.environ else ACTOR_EXPORT_DELAY_MS)
         self.config = ServeConfig.model_validate_json(config_json)
         self.orchestrator = build_orchestrator(self.config, tokenizer_dir)
 

@@ -94,7 +94,8 @@ class SessionBatcher:
         self._answered: dict[str, float] = {}  # session -> time.monotonic() its last outcome was delivered
         self._gap: dict[str, float] = {}  # session -> moving average of s from that answer to its next item
         self._call_s = 0.0  # moving average of a call's time (s)
-        self._in_call: set[str] = set()  # sessions of the call running now
+        self._in_call: set[str] = set()  # sessions of the call running now (riders not counted)
+        self._forgotten: set[str] = set()  # sessions of the running call released meanwhile
 
     def answer(self, outcome, ran: list[BatchItem], call_ms: float):
         """What a caller whose item ran gets back (default: the outcome itself)."""
@@ -118,8 +119,6 @@ class SessionBatcher:
         now = time.monotonic()
         limit = max((at + 2 * max(self._gap.get(sid, 0.0), self._call_s) + 0.02
                      for sid, at in self._answered.items() if sid not in riders), default=now)
-        if self._in_call - riders:  # a call is running: its sessions come back after it
-            limit = max(limit, now + 2 * self._call_s + 0.02)
         while now < limit and all(self.rider(item) for item in self._queue):
             self._arrived.clear()
             try:
@@ -135,8 +134,9 @@ class SessionBatcher:
     def busy(self, session_id: str | None = None) -> bool:
         """Whether sessions other than ``session_id`` are mid-round: an item queued or in the
         running call, or answered less than twice its usual gap (or the mean call time) + 20 ms ago
-        (about to come back)."""
-        if any(item.session_id != session_id for item in self._queue) or self._in_call - {session_id}:
+        (about to come back). Riders do not count (two prefills do not keep each other busy)."""
+        if any(item.session_id != session_id and not self.rider(item) for item in self._queue) \
+                or self._in_call - {session_id}:
             return True
         now = time.monotonic()
         return any(now - at <= 2 * max(self._gap.get(sid, 0.0), self._call_s) + 0.02
@@ -148,9 +148,12 @@ class SessionBatcher:
         return await future
 
     def forget(self, session_id: str) -> None:
-        """The session has ended (released): no longer expect it back."""
+        """The session has ended (released): no longer expect it back (also when its item is in the
+        running call: that call's answer does not put it back)."""
         self._answered.pop(session_id, None)
         self._gap.pop(session_id, None)
+        if session_id in self._in_call:
+            self._forgotten.add(session_id)
 
     def enqueue(self, items: Sequence[tuple[str, Any]], deadline: float | None) -> list[asyncio.Future]:
         loop = asyncio.get_running_loop()
@@ -161,7 +164,7 @@ class SessionBatcher:
             self._queue.append(BatchItem(session_id, payload, deadline, future))
             futures.append(future)
             answered = self._answered.pop(session_id, None)
-            if answered is not None:
+            if answered is not None and not self.rider(self._queue[-1]):
                 gap, seen = now - answered, self._gap.get(session_id)
                 self._gap[session_id] = gap if seen is None else seen + 0.3 * (gap - seen)
         self._arrived.set()
@@ -232,7 +235,8 @@ class SessionBatcher:
         return batch
 
     async def _run(self, batch: list[BatchItem]) -> None:
-        self._in_call = {item.session_id for item in batch}
+        self._in_call = {item.session_id for item in batch if not self.rider(item)}
+        self._forgotten = set()
         try:
             ran, results, call_ms, alone_ms = await self.worker.run(self._forward, batch)
         except Exception as exc:  # noqa: BLE001 - delivered to every caller of the batch
@@ -249,7 +253,7 @@ class SessionBatcher:
             self.forget(sid)  # gone without a release (nothing waits this long for it anyway)
         outcomes = {id(item): k for k, item in enumerate(ran)}
         for item in batch:
-            if id(item) in outcomes:
+            if id(item) in outcomes and not self.rider(item) and item.session_id not in self._forgotten:
                 self._answered[item.session_id] = answered
             k = outcomes.get(id(item))
             outcome = results[k] if k is not None else DeadlineExpiredError(

@@ -7,8 +7,10 @@ Both services report their placement in Info (``host``, ``device``, ``cpus``). W
 the target share compute (one CPU, or one GPU), every ms the draft computes is a ms the target's
 verify forwards do not get: the goodput planning then prices a round's draft steps for the whole
 batch (``orchestrator.cost_model.LoadedCost``). Two pods on one Kubernetes node have different host
-names and count as separate (their CPU limits keep them apart); two processes given the same
-``CUDA_VISIBLE_DEVICES`` GPU as "cuda:0" on one host count as shared.
+names and count as separate (their CPU limits keep them apart). A CUDA device is named by its
+UUID ("cuda:GPU-...", so two processes each shown a different GPU as "cuda:0" by
+``CUDA_VISIBLE_DEVICES`` count as separate); a tensor-parallel target reports "cuda" (several
+GPUs) and counts as separate from any draft.
 """
 
 from __future__ import annotations
@@ -29,12 +31,24 @@ class Placement:
 
 
 def placement(device: str) -> Placement:
-    """This process's placement for a model on ``device``."""
+    """This process's placement for a model on ``device`` ("cpu", "cuda:1", ...; a CUDA device with
+    an index is reported by its UUID)."""
     try:
         cpus = tuple(sorted(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not Linux
         cpus = ()
-    return Placement(socket.gethostname(), str(device), cpus)
+    return Placement(socket.gethostname(), _device_name(str(device)), cpus)
+
+
+def _device_name(device: str) -> str:
+    if not device.startswith("cuda:"):
+        return device
+    try:
+        import torch
+
+        return f"cuda:{torch.cuda.get_device_properties(int(device.split(':')[1])).uuid}"
+    except Exception:  # noqa: BLE001 - no CUDA here, or an old torch: the index is the best name left
+        return device
 
 
 def shares_compute(a: Placement, b: Placement) -> bool:

@@ -60,13 +60,14 @@ class VerifyBatcher(SessionBatcher):
         """A prefill chunk rides in the decoding sessions' next verify forward."""
         return isinstance(item.payload, PrefillChunk)
 
-    async def prefill_chunk(self, session_id: str, tokens: Sequence[int], deadline: float | None = None) -> None:
+    async def prefill_chunk(self, session_id: str, tokens: Sequence[int], deadline: float | None = None,
+                            still_open: Callable[[], bool] | None = None) -> None:
         """Feed the next chunk of a session's prompt in the next verify forward (chunked prefill
         mixed with the other sessions' verifies; the runtime must take ``PrefillChunk`` items).
-        Raises the runtime's error (SessionStateError past the prefill, ...) or DeadlineExpiredError."""
-        out = await self.submit(session_id, PrefillChunk(tuple(tokens)), deadline)
-        if isinstance(out, BatchedVerify) and isinstance(out.result, Exception):
-            raise out.result
+        still_open: ``PrefillChunk.still_open`` (False right before the forward = the chunk is not
+        fed). Raises the runtime's error (SessionStateError past the prefill, UnknownSessionError
+        once released, ...) or DeadlineExpiredError."""
+        await self.submit(session_id, PrefillChunk(tuple(tokens), still_open), deadline)
 
     async def verify(self, session_id: str, tree: DraftTree, deadline: float | None = None) -> BatchedVerify:
         """Verify one tree, merged with concurrent ones. Raises the item's exception from the

@@ -23,8 +23,8 @@ mixed into the other sessions' verify forward, as ``extend`` would feed it alone
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -61,9 +61,12 @@ class TargetSession:
 class PrefillChunk:
     """The next tokens of a session's prompt, fed in a ``verify_batch`` forward beside other
     sessions' trees: the row holds [R, tokens...] as a chain, and afterwards the session is as after
-    ``extend(session_id, tokens)``. tokens: [C] ids, C >= 1."""
+    ``extend(session_id, tokens)``. tokens: [C] ids, C >= 1; still_open: called on the worker thread
+    right before the forward, False = the session that queued the chunk is gone (released, maybe
+    reopened under the same id): the chunk is refused with UnknownSessionError, never fed."""
 
     tokens: tuple[int, ...]
+    still_open: Callable[[], bool] | None = field(default=None, compare=False)
 
     @property
     def size(self) -> int:
@@ -71,6 +74,7 @@ class PrefillChunk:
         return len(self.tokens)
 
     def as_tree(self) -> DraftTree:
+        """The chunk as a chain tree under R (node i's parent is node i - 1): its rows and mask."""
         return DraftTree(self.tokens, tuple(range(-1, len(self.tokens) - 1)))
 
 
@@ -300,13 +304,20 @@ class TargetRuntime:
         """One forward over B >= 2 sessions' trees; each item's result (or error) goes to its slot."""
         sessions = [s for _, _, s, _ in batch]
         trees = [tree.as_tree() if isinstance(tree, PrefillChunk) else tree for _, _, _, tree in batch]
+        prefilling = [s for s, (_, _, _, tree) in zip(sessions, batch) if isinstance(tree, PrefillChunk)]
+        saved = [_root_state(s) for s in prefilling]
         for s in sessions:
             truncate_kv(s.cache, s.cache_len)  # drop the slots of an earlier verify that failed mid-way
             s.root_logits = None  # a first verify: R's KV (from start) is dropped and R fed again, as in every row
         lengths = [s.cache_len for s in sessions]
-        stacked = stack_kv([s.cache for s in sessions], lengths, self.model.config)  # (B, H, S, D)
-        ids, positions, mask = batched_tree_inputs([s.root for s in sessions], trees, lengths, self.model.dtype)
-        logits = model_forward_batch(self.model, stacked, ids, positions, mask)  # (B, Q, V)
+        try:
+            stacked = stack_kv([s.cache for s in sessions], lengths, self.model.config)  # (B, H, S, D)
+            ids, positions, mask = batched_tree_inputs([s.root for s in sessions], trees, lengths, self.model.dtype)
+            logits = model_forward_batch(self.model, stacked, ids, positions, mask)  # (B, Q, V)
+        except BaseException:
+            for s, state in zip(prefilling, saved):  # still mid-prefill: R's slot and logits back, as extend needs
+                _restore_root_state(s, state)
+            raise
         width = max(lengths)
         for row, (index, _, s, tree) in enumerate(batch):
             try:
@@ -339,16 +350,33 @@ class TargetRuntime:
         if isinstance(tree, PrefillChunk):
             if s.root_logits is None or s.pending is not None:
                 raise SessionStateError(f"session_id: {session_id!r} is past its prefill (it has verified)")
+            if tree.still_open is not None and not tree.still_open():
+                raise UnknownSessionError(f"session_id: {session_id!r} was released during its prefill")
             if not tree.tokens:
                 raise MalformedTreeError("prompt_ids: empty prefill chunk")
             for i, token in enumerate(tree.tokens):
                 if not 0 <= token < self.vocab_size:
-                    raise MalformedTreeError(f"prompt_ids[{i}] = {token}: outside the vocabulary [0, {self.vocab_size})")
+                    raise MalformedTreeError(f"prefill chunk token {i} = {token}: outside the vocabulary [0, {self.vocab_size})")
             return s
         if s.pending is not None:
             raise SessionStateError(f"session_id: {session_id!r} has an uncommitted verify")
         validate_tree(tree.tokens, tree.parents, self.vocab_size, self.max_tree_nodes)
         return s
+
+
+def _root_state(s: TargetSession):
+    """R's cached KV slot (slot L, one per layer) and logits of a session in its prefill."""
+    slot = slice(s.cache_len, s.cache_len + 1)
+    return s.root_logits, [(layer.keys[:, :, slot].clone(), layer.values[:, :, slot].clone()) for layer in s.cache.layers]
+
+
+def _restore_root_state(s: TargetSession, state) -> None:
+    """Undo the first-verify truncation of a prefilling session after a failed shared forward."""
+    root_logits, slots = state
+    truncate_kv(s.cache, s.cache_len)
+    for layer, (keys, values) in zip(s.cache.layers, slots):
+        layer.update(keys, values)
+    s.root_logits = root_logits
 
 
 def batched_tree_inputs(

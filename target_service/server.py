@@ -235,7 +235,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     raise UnknownSessionError(f"session_id: {sid!r} was released during its prefill")
                 size = self._chunk_tokens(sid)
                 if size < self.config.prefill_chunk_tokens:  # others are decoding: ride in their next verify forward
-                    await self.batcher.prefill_chunk(sid, prompt[at : at + size], deadline)
+                    await self.batcher.prefill_chunk(sid, prompt[at : at + size], deadline,
+                                                     still_open=lambda: self.sessions.sessions.get(sid) is new)
                 else:
                     await self.worker.run(self.runtime.extend, sid, prompt[at : at + size])
                 at += size

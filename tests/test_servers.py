@@ -1061,7 +1061,46 @@ def test_a_prefill_chunk_in_a_verify_batch_leaves_the_session_as_extend_does():
     mixed.start("n", [1, 2, 3])
     past, bad = mixed.verify_batch([("L", PrefillChunk((1, 2))), ("n", PrefillChunk((10 ** 9,)))])
     assert isinstance(past, SessionStateError) and "past its prefill" in str(past)
-    assert "prompt_ids[0]" in str(bad)
+    assert "prefill chunk token 0" in str(bad)
+
+
+def test_a_riding_chunk_of_a_released_session_and_a_failed_shared_forward():
+    """A chunk whose session was released before the forward (``still_open`` False) is refused
+    (UnknownSessionError) and feeds nothing; when the shared forward itself fails, a prefilling
+    session keeps R's KV slot and logits, so the batcher's solo retry (``extend``) still works and the
+    session ends as after ``start`` of the whole prompt."""
+    from target_service import runtime as runtime_module
+    from target_service.runtime import CHUNK_FED, PrefillChunk
+
+    model = tiny_model("qwen2", seed=0)
+    rt, solo = TargetRuntime(model), TargetRuntime(model)
+    prompt = random_prompt(8, 30)
+    rt.start("o", random_prompt(9, 10))
+    rt.start("L", prompt[:10])
+    solo.start("L", prompt)
+    before = rt.sessions["L"].cache_len
+    gone, _ = rt.verify_batch([("L", PrefillChunk(tuple(prompt[10:20]), still_open=lambda: False)),
+                               ("o", DraftTree((), ()))])
+    assert isinstance(gone, UnknownSessionError) and "released during its prefill" in str(gone)
+    assert rt.sessions["L"].cache_len == before
+    rt.commit("o", 1)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory (simulated)")
+
+    real = runtime_module.model_forward_batch
+    runtime_module.model_forward_batch = broken
+    try:
+        with pytest.raises(RuntimeError, match="simulated"):
+            rt.verify_batch([("L", PrefillChunk(tuple(prompt[10:20]))), ("o", DraftTree((), ()))])
+    finally:
+        runtime_module.model_forward_batch = real
+    (fed,) = rt.verify_batch([("L", PrefillChunk(tuple(prompt[10:20])))])  # the solo retry: extend
+    assert fed is CHUNK_FED
+    rt.extend("L", prompt[20:])
+    got, want = rt.sessions["L"], solo.sessions["L"]
+    assert (got.cache_len, got.root) == (want.cache_len, want.root)
+    torch.testing.assert_close(got.root_logits, want.root_logits, rtol=1e-4, atol=1e-4)
 
 
 def test_a_long_prompt_rides_in_a_decoding_sessions_verify_forwards():
