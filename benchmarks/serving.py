@@ -47,11 +47,13 @@ Sections (``--sections grpc,concurrency,gamma,longprompt``):
   belongs to the window its closing chunk arrives in, and the during window also takes each running
   request's first chunk after the long request's first token (the gap the prefill held open). Rows:
   p50 / p95 ITL before vs during and the p95 ratio, the largest gap, the long request's TTFT, the
-  target's ``prefill_chunk_tokens`` (``--prefill-chunk-tokens``, default the config default).
+  target's ``prefill_chunk_tokens`` (``--prefill-chunk-tokens``) and ``prefill_busy_chunk_tokens``
+  (``--prefill-busy-chunk-tokens``: the chunks that ride in the running requests' verify forwards),
+  both by default the config defaults.
   ``--longprompt-configs`` (default ``speculative``; also ``speculative_pipelined`` (needs
   ``--pipeline``'s front key) and ``target_only``: every request ``no_spec``) picks the rows;
-  ``--longprompt-unchunked`` adds each again on a target whose ``prefill_chunk_tokens`` holds the
-  whole long prompt (one prefill forward: chunking off). One target service runs at a time here
+  ``--longprompt-unchunked`` adds each again on a target whose ``prefill_chunk_tokens`` and
+  ``prefill_busy_chunk_tokens`` hold the whole long prompt (one prefill forward: chunking off). One target service runs at a time here
   (started and stopped per chunk setting; the concurrency section's are stopped first).
 
 Flags of issue 12:
@@ -788,8 +790,10 @@ async def longprompt_run(address: str, running_ids: list[list[int]], long_ids: l
             "outlasted": outlasted}
 
 
-def longprompt_row(config: str, chunk_tokens: int, run: dict, args) -> dict:
-    """One table row: p50 / p95 ITL (ms) of the running requests before vs during the long prefill."""
+def longprompt_row(config: str, chunk_tokens: int, run: dict, args, busy_tokens: int | None = None) -> dict:
+    """One table row: p50 / p95 ITL (ms) of the running requests before vs during the long prefill.
+    busy_tokens: the target's prefill_busy_chunk_tokens (None = chunk_tokens: no riding)."""
+    busy_tokens = chunk_tokens if busy_tokens is None else busy_tokens
     before, during, gap_before, gap_during = [], [], 0.0, 0.0
     for chunks in run["chunks"]:
         samples, gap = itl_samples(chunks, run["window_start"], run["sent"])
@@ -800,7 +804,8 @@ def longprompt_row(config: str, chunk_tokens: int, run: dict, args) -> dict:
     def ms(values, q):
         return percentile(values, q) * 1e3 if values else None
 
-    row = {"config": config, "prefill_chunk_tokens": chunk_tokens, "chunked": chunk_tokens < args.long_prompt_tokens,
+    row = {"config": config, "prefill_chunk_tokens": chunk_tokens, "prefill_busy_chunk_tokens": busy_tokens,
+           "chunked": min(chunk_tokens, busy_tokens) < args.long_prompt_tokens,
            "long_prompt_tokens": args.long_prompt_tokens, "running": len(run["chunks"]),
            "running_max_new_tokens": args.long_running_tokens, "window_before_s": run["sent"] - run["window_start"],
            "window_during_s": run["long_first"] - run["sent"],
@@ -823,14 +828,17 @@ def section_longprompt(args, services: Services, draft: Service, tokenizer, prom
     long_ids = long_prompt_ids(tokenizer, args.long_prompt_tokens)
     running_ids = [prompts[i % len(prompts)]["ids"] for i in range(args.long_running)]
     chunk = args.prefill_chunk_tokens or TargetServerConfig().prefill_chunk_tokens
-    settings = [chunk] + ([max(chunk, len(long_ids))] if args.longprompt_unchunked else [])
+    busy = min(args.prefill_busy_chunk_tokens or TargetServerConfig().prefill_busy_chunk_tokens, chunk)
+    whole = max(chunk, len(long_ids))  # unchunked: one forward for the whole prompt, riding off
+    settings = [[chunk, busy]] + ([[whole, whole]] if args.longprompt_unchunked else [])
     front_keys = {"speculative": {"use_ray": True}, "target_only": {"use_ray": True},
                   "speculative_pipelined": {"use_ray": True, "pipeline": True}}
     rows = []
-    for chunk_tokens in settings:
+    for chunk_tokens, busy_tokens in settings:
         target = services.wait(services.launch("target", f"bench-target-long-{chunk_tokens}", service_config(
             args, args.target_threads, {"max_batch": args.max_batch, "batch_wait_ms": args.batch_wait_ms,
-                                        "prefill_chunk_tokens": chunk_tokens})))
+                                        "prefill_chunk_tokens": chunk_tokens,
+                                        "prefill_busy_chunk_tokens": busy_tokens})))
         fronts = {}
         for config in args.longprompt_configs:
             key = "pipelined" if config == "speculative_pipelined" else "plain"
@@ -844,7 +852,7 @@ def section_longprompt(args, services: Services, draft: Service, tokenizer, prom
             grpc_one(front.address, f"warm-long-{config}-{chunk_tokens}", running_ids[0], 4, no_spec)
             run = asyncio.run(longprompt_run(front.address, running_ids, long_ids, args, no_spec,
                                              f"long-{config}-{chunk_tokens}"))
-            rows.append(longprompt_row(config, chunk_tokens, run, args))
+            rows.append(longprompt_row(config, chunk_tokens, run, args, busy_tokens))
             r = rows[-1]
             log(f"longprompt {config} chunk {chunk_tokens}: ITL p95 before {_or_dash(r['itl_p95_before_ms'], 1)} ms, "
                 f"during {_or_dash(r['itl_p95_during_ms'], 1)} ms, long TTFT {r['long_ttft_s']:.2f} s")
@@ -978,11 +986,13 @@ def longprompt_markdown(lp: dict) -> str:
              f"{lp['window_s']:.1f} s (before), then the long request arrives; during = until its first token. ITL per "
              f"token: chunk gap / tokens in the chunk; a gap belongs to the window its closing chunk arrives in (during "
              f"also takes each running request's first chunk after the long request's first token). chunked: the "
-             f"target's `prefill_chunk_tokens` is below the prompt length (its prefill interleaves with verifies).\n"]
-    head = ["config", "prefill chunk", "chunked", "ITL p50 before ms", "ITL p95 before ms", "ITL p50 during ms",
+             f"target's `prefill_chunk_tokens` is below the prompt length (its prefill interleaves with verifies); "
+             f"busy chunk: `prefill_busy_chunk_tokens`, the chunk size while other sessions decode, fed inside their "
+             f"verify forwards (equal to the prefill chunk: no riding).\n"]
+    head = ["config", "prefill chunk", "busy chunk", "chunked", "ITL p50 before ms", "ITL p95 before ms", "ITL p50 during ms",
             "ITL p95 during ms", "p95 during / before", "max gap during ms", "long TTFT s", "long new tokens",
             "running outlasted"]
-    rows = [[r["config"], r["prefill_chunk_tokens"], r["chunked"], _or_dash(r["itl_p50_before_ms"], 1),
+    rows = [[r["config"], r["prefill_chunk_tokens"], r.get("prefill_busy_chunk_tokens", r["prefill_chunk_tokens"]), r["chunked"], _or_dash(r["itl_p50_before_ms"], 1),
              _or_dash(r["itl_p95_before_ms"], 1), _or_dash(r["itl_p50_during_ms"], 1), _or_dash(r["itl_p95_during_ms"], 1),
              f"{r['itl_p95_ratio']:.2f}x" if r["itl_p95_ratio"] else "-", _f(r["max_gap_during_ms"], 1),
              _f(r["long_ttft_s"]), r["long_new_tokens"], f"{r['running_outlasted']}/{r['running']}"] for r in lp["rows"]]
@@ -1033,6 +1043,9 @@ def parse_args(argv=None):
                    help="longprompt section: each configuration again with the long prompt prefilled in one forward")
     p.add_argument("--prefill-chunk-tokens", type=int, default=None,
                    help="longprompt section: target.prefill_chunk_tokens of the chunked rows (default: the config default)")
+    p.add_argument("--prefill-busy-chunk-tokens", type=int, default=None,
+                   help="longprompt section: target.prefill_busy_chunk_tokens of the chunked rows (chunks that ride in "
+                        "the running requests' verify forwards; default: the config default)")
     p.add_argument("--out", type=Path, default=ROOT / "bench_out" / "serving")
     args = p.parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -1061,7 +1074,8 @@ def check_longprompt_args(p: argparse.ArgumentParser, args) -> None:
     bad = [c for c in args.longprompt_configs if c not in LONGPROMPT_CONFIGS]
     if bad or not args.longprompt_configs:
         p.error(f"--longprompt-configs: unknown {bad} (choose from {', '.join(LONGPROMPT_CONFIGS)})")
-    for name in ("long_prompt_tokens", "long_running", "long_running_tokens", "prefill_chunk_tokens"):
+    for name in ("long_prompt_tokens", "long_running", "long_running_tokens", "prefill_chunk_tokens",
+                 "prefill_busy_chunk_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
