@@ -288,6 +288,8 @@ class CostAwareControl:
         else:
             self.rounds_without_draft += 1
             self.shared.rounds_without_draft += 1
+        if no_forward and mergeable:  # the open sessions are known even when no forward ran (the first round)
+            self.shared.observe_load(mergeable)
         if not no_forward:
             self.shared.observe_load(max(batch_size, mergeable))
             rows = batch_rows or shaped.tree.size + 1  # the forward's rows decide its latency

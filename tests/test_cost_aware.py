@@ -299,6 +299,9 @@ def test_loaded_cost_prices_rows_at_the_batch_and_observes_the_whole_forward():
     control = CostAwareControl(CHAIN4, shared, ngram_tokens=0)
     control.observe(ShapedTree.of(DraftTree((), ())), [], 0.001, None, 0.0, None, batch_size=8, batch_rows=8)
     assert shared.load == 1.0 and cost.verify.observations == 0  # the first round: no forward ran
+    first = CostAwareControl(CHAIN4, SharedState(cost=cost), ngram_tokens=0)
+    first.observe(ShapedTree.of(DraftTree((), ())), [], 0.001, None, 0.0, None, batch_size=1, mergeable=5)
+    assert first.shared.load == 5.0  # ... but the sessions open at the target are known: round 2 plans with them
     tree = ShapedTree.of(DraftTree((5,), (-1,)))
     control.observe(tree, [], 2.2, None, 0.0, None, batch_size=8, batch_rows=16)  # V(16) observed at 2x
     assert cost.verify(16) == pytest.approx(2200.0) and shared.load == 8  # a rise is taken at once
