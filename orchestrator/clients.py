@@ -34,6 +34,15 @@ DEFAULT_CALL_TIMEOUT_S = 120.0
 VERIFY_RETRIES = 2  # Verify calls retried on UNAVAILABLE  # a single target call (prefill of a long prompt on a CPU included)
 
 
+PREFILL_S_PER_TOKEN = 0.1  # the Prefill call's timeout over DEFAULT_CALL_TIMEOUT_S, per prompt token
+
+
+def prefill_timeout_s(prompt_tokens: int) -> float:
+    """A Prefill call's timeout, seconds: DEFAULT_CALL_TIMEOUT_S + 0.1 s per prompt token (a 2,000-token
+    prompt riding in 16-token chunks beside 4 decoding requests took ~2 min on the 2-core CPU)."""
+    return DEFAULT_CALL_TIMEOUT_S + PREFILL_S_PER_TOKEN * prompt_tokens
+
+
 def time_left(default: float | None = DEFAULT_CALL_TIMEOUT_S) -> float | None:
     """Timeout for the next downstream call: the request's time left, at most ``default`` seconds.
 
@@ -72,8 +81,11 @@ class TargetClient:
         return await self.stub.Info(target_pb2.InfoRequest(), timeout=timeout, wait_for_ready=True)
 
     async def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        """Prefill. Its timeout grows with the prompt (``prefill_timeout_s``): under load the target
+        feeds a long prompt in small chunks inside other sessions' verify forwards."""
         await self.stub.Prefill(target_pb2.PrefillRequest(
-            session_id=session_id, prompt_ids=prompt_ids, sampling=sampling_to_proto(sampling)), timeout=time_left())
+            session_id=session_id, prompt_ids=prompt_ids, sampling=sampling_to_proto(sampling)),
+            timeout=time_left(prefill_timeout_s(len(prompt_ids))))
 
     async def verify(self, session_id: str, tree: DraftTree) -> VerifyResult:
         msg = tree_to_proto(tree)
