@@ -828,7 +828,7 @@ def section_longprompt(args, services: Services, draft: Service, tokenizer, prom
     long_ids = long_prompt_ids(tokenizer, args.long_prompt_tokens)
     running_ids = [prompts[i % len(prompts)]["ids"] for i in range(args.long_running)]
     chunk = args.prefill_chunk_tokens or TargetServerConfig().prefill_chunk_tokens
-    busy = min(args.prefill_busy_chunk_tokens or TargetServerConfig().prefill_busy_chunk_tokens, chunk)
+    busy = min(args.prefill_busy_chunk_tokens or TargetServerConfig().prefill_busy_chunk_tokens or chunk, chunk)
     whole = max(chunk, len(long_ids))  # unchunked: one forward for the whole prompt, riding off
     settings = [[chunk, busy]] + ([[whole, whole]] if args.longprompt_unchunked else [])
     front_keys = {"speculative": {"use_ray": True}, "target_only": {"use_ray": True},

@@ -207,11 +207,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     # -- RPCs -------------------------------------------------------------------------------------
 
     def _chunk_tokens(self, session_id: str) -> int:
-        """The next prefill chunk's size: prefill_busy_chunk_tokens while other sessions are decoding
-        (the chunk then joins their next verify forward, so a long prompt adds a few rows to each
-        of their rounds instead of stalling them), else prefill_chunk_tokens (a forward of its own)."""
-        if getattr(self.runtime, "batch_prefill_chunks", False) and self.batcher.busy(session_id):
-            return min(self.config.prefill_busy_chunk_tokens, self.config.prefill_chunk_tokens)
+        """The next prefill chunk's size: prefill_busy_chunk_tokens (when set) while other sessions are
+        decoding (the chunk then joins their next verify forward, so a long prompt adds a few rows to
+        each of their rounds instead of stalling them), else prefill_chunk_tokens (a forward of its own)."""
+        busy = self.config.prefill_busy_chunk_tokens
+        if busy is not None and getattr(self.runtime, "batch_prefill_chunks", False) and self.batcher.busy(session_id):
+            return min(busy, self.config.prefill_chunk_tokens)
         return self.config.prefill_chunk_tokens
 
     @_rpc
