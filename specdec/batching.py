@@ -116,16 +116,27 @@ class SessionBatcher:
         if not self._queue or not all(self.rider(item) for item in self._queue):
             return
         riders = {item.session_id for item in self._queue}
+        limit = max((self._back_by(sid, at) for sid, at in self._answered.items() if sid not in riders),
+                    default=time.monotonic())
+        while all(self.rider(item) for item in self._queue) and await self._arrival(limit):
+            pass
+
+    def _back_by(self, session_id: str, answered: float) -> float:
+        """When a session answered at ``answered`` counts as gone: twice its usual gap (or the mean
+        call time) + 20 ms later."""
+        return answered + 2 * max(self._gap.get(session_id, 0.0), self._call_s) + 0.02
+
+    async def _arrival(self, limit: float) -> bool:
+        """Wait for the next enqueue until ``limit`` (time.monotonic()); False = none came in time."""
         now = time.monotonic()
-        limit = max((at + 2 * max(self._gap.get(sid, 0.0), self._call_s) + 0.02
-                     for sid, at in self._answered.items() if sid not in riders), default=now)
-        while now < limit and all(self.rider(item) for item in self._queue):
-            self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), limit - now)
-            except asyncio.TimeoutError:
-                break
-            now = time.monotonic()
+        if now >= limit:
+            return False
+        self._arrived.clear()
+        try:
+            await asyncio.wait_for(self._arrived.wait(), limit - now)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     def _done(self, item: BatchItem, outcome) -> None:
         if self.reports(item):
@@ -139,8 +150,7 @@ class SessionBatcher:
                 or self._in_call - {session_id}:
             return True
         now = time.monotonic()
-        return any(now - at <= 2 * max(self._gap.get(sid, 0.0), self._call_s) + 0.02
-                   for sid, at in self._answered.items() if sid != session_id)
+        return any(now <= self._back_by(sid, at) for sid, at in self._answered.items() if sid != session_id)
 
     async def submit(self, session_id: str, payload, deadline: float | None = None):
         """One item, merged with concurrent ones; raises the item's exception or DeadlineExpiredError."""
@@ -205,15 +215,11 @@ class SessionBatcher:
         limit = time.monotonic() + self.gather * self._call_s
         waited_for: set[str] = set()
         while len({item.session_id for item in self._queue}) < self.max_batch:
-            now = time.monotonic()
-            expected = self._expected(now, limit)
-            if not expected or now >= limit:
+            expected = self._expected(time.monotonic(), limit)
+            if not expected:
                 break
             waited_for.update(expected)
-            self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), limit - now)
-            except asyncio.TimeoutError:
+            if not await self._arrival(limit):
                 break
         self.gathered += sum(1 for item in self._queue if item.session_id in waited_for)
 

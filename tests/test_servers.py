@@ -845,19 +845,30 @@ class _SlowChunks(TargetRuntime):
 async def _with_slow_target(chunks: list[str], body):
     """Serve ``_SlowChunks`` (10-token prefill chunks) on a loopback port and run ``body(stub)``
     against it over the front's own channel (``aio_channel``)."""
-    from specdec.config import GrpcConfig, TargetServerConfig
+    from specdec.config import TargetServerConfig
+    from target_service.server import TargetServicer
+
+    return await _serve_target(lambda: TargetServicer(_SlowChunks(tiny_model("qwen2", seed=0), chunks),
+                                                      context_limit=512, config=TargetServerConfig(prefill_chunk_tokens=10)),
+                               lambda stub, servicer: body(stub))
+
+
+async def _serve_target(make_servicer, body):
+    """Serve ``make_servicer()`` (a TargetServicer, made inside the running loop) on a loopback port
+    and return ``await body(stub, servicer)``, the stub on the front's own channel (``aio_channel``);
+    the servicer is closed afterwards."""
+    from specdec.config import GrpcConfig
     from specdec.grpc_host import ServiceHost
     from specdec.security import aio_channel
-    from target_service.server import SERVICE_NAME, TargetServicer
+    from target_service.server import SERVICE_NAME
 
     host = ServiceHost("test-target", GrpcConfig(shutdown_grace_s=1.0))
-    servicer = TargetServicer(_SlowChunks(tiny_model("qwen2", seed=0), chunks), context_limit=512,
-                              config=TargetServerConfig(prefill_chunk_tokens=10))
+    servicer = make_servicer()
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, host.server)
     port = await host.start("127.0.0.1", 0, [SERVICE_NAME])
     try:
         async with aio_channel(f"127.0.0.1:{port}", GrpcConfig()) as channel:
-            return await body(target_pb2_grpc.TargetServiceStub(channel))
+            return await body(target_pb2_grpc.TargetServiceStub(channel), servicer)
     finally:
         await host.server.stop(None)
         servicer.close()
@@ -1107,48 +1118,37 @@ def test_a_long_prompt_rides_in_a_decoding_sessions_verify_forwards():
     """While session "d" decodes (plain verifies back to back), a 70-token prompt arrives: its
     chunks (prefill_busy_chunk_tokens 16) are fed inside d's verify forwards instead of forwards
     of their own, and both sessions' tokens are the target's greedy ones."""
-    from specdec.config import GrpcConfig, TargetServerConfig
-    from specdec.grpc_host import ServiceHost
-    from specdec.security import aio_channel
-    from target_service.server import SERVICE_NAME, TargetServicer
+    from specdec.config import TargetServerConfig
+    from target_service.server import TargetServicer
 
     model = tiny_model("qwen2", seed=0)
     short, long = random_prompt(5, 12), random_prompt(6, 70)
+    config = TargetServerConfig(prefill_chunk_tokens=256, prefill_busy_chunk_tokens=16)
 
-    async def main():
-        host = ServiceHost("test-target", GrpcConfig(shutdown_grace_s=1.0))
-        servicer = TargetServicer(TargetRuntime(model), context_limit=512,
-                                  config=TargetServerConfig(prefill_chunk_tokens=256, prefill_busy_chunk_tokens=16))
-        target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, host.server)
-        port = await host.start("127.0.0.1", 0, [SERVICE_NAME])
-        try:
-            async with aio_channel(f"127.0.0.1:{port}", GrpcConfig()) as channel:
-                stub = target_pb2_grpc.TargetServiceStub(channel)
-                await stub.Prefill(target_pb2.PrefillRequest(session_id="d", prompt_ids=short), timeout=10)
-                decoded: list[int] = []
-                done = asyncio.Event()
+    async def body(stub, servicer):
+        await stub.Prefill(target_pb2.PrefillRequest(session_id="d", prompt_ids=short), timeout=10)
+        decoded: list[int] = []
+        done = asyncio.Event()
 
-                async def decode():
-                    while not done.is_set() or len(decoded) < 3:
-                        reply = await stub.Verify(target_pb2.VerifyRequest(session_id="d"), timeout=10)
-                        await stub.Commit(target_pb2.CommitRequest(session_id="d", num_tokens=1), timeout=10)
-                        decoded.append(reply.tokens[-1])
+        async def decode():
+            while not done.is_set() or len(decoded) < 3:
+                reply = await stub.Verify(target_pb2.VerifyRequest(session_id="d"), timeout=10)
+                await stub.Commit(target_pb2.CommitRequest(session_id="d", num_tokens=1), timeout=10)
+                decoded.append(reply.tokens[-1])
 
-                decoding = asyncio.ensure_future(decode())
-                while len(decoded) < 2:
-                    await asyncio.sleep(0.01)
-                merged_before = servicer.batcher.batched_forwards
-                await stub.Prefill(target_pb2.PrefillRequest(session_id="L", prompt_ids=long), timeout=30)
-                merged = servicer.batcher.batched_forwards - merged_before
-                first = await stub.Verify(target_pb2.VerifyRequest(session_id="L"), timeout=10)
-                done.set()
-                await decoding
-                return decoded, merged, list(first.tokens)
-        finally:
-            await host.server.stop(None)
-            servicer.close()
+        decoding = asyncio.ensure_future(decode())
+        while len(decoded) < 2:
+            await asyncio.sleep(0.01)
+        merged_before = servicer.batcher.batched_forwards
+        await stub.Prefill(target_pb2.PrefillRequest(session_id="L", prompt_ids=long), timeout=30)
+        merged = servicer.batcher.batched_forwards - merged_before
+        first = await stub.Verify(target_pb2.VerifyRequest(session_id="L"), timeout=10)
+        done.set()
+        await decoding
+        return decoded, merged, list(first.tokens)
 
-    decoded, merged, first = asyncio.run(main())
+    decoded, merged, first = asyncio.run(
+        _serve_target(lambda: TargetServicer(TargetRuntime(model), context_limit=512, config=config), body))
     assert first == greedy_reference(model, long, 1)
     assert decoded == greedy_reference(model, short, len(decoded))
     assert merged >= 3, merged  # the first chunk starts the session (a forward of its own); 3 more rode along
