@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from draft_service.tree_builder import Step, tree_steps
-from specdec.forward import model_forward, model_forward_batch
+from specdec.forward import PACKED_ATTENTION, model_forward, model_forward_batch, model_forward_packed, use_packed_attention
 from specdec.interfaces import SessionStateError, UnknownSessionError
 from specdec.kv_cache import append_kv_row, cache_length, compact_kv, new_cache, stack_kv, truncate_kv
 from specdec.sampling import GREEDY, SamplingParams, session_rng
@@ -76,10 +76,19 @@ class AheadTree(NamedTuple):
 class DraftRuntime:
     """Implements DraftWorker (specdec.interfaces) over a transformers causal LM."""
 
-    def __init__(self, model, vocab_size: int | None = None):
+    def __init__(self, model, vocab_size: int | None = None, packed: bool | None = None):
+        """vocab_size: ids both models share (None = the draft's own); packed: how ``propose_batch``
+        lays out several sessions' step rows, as in ``TargetRuntime`` (True = one packed sequence,
+        each session attending to its own cache; False = padded batch after a stacked cache; None =
+        packed when the model's attention is ``sdpa``)."""
         self.model = model
-        self.vocab_size = vocab_size  # ids both models share; None = the draft's own
+        self.vocab_size = vocab_size
         self.sessions: dict[str, DraftSession] = {}
+        if packed is None:
+            packed = model.config._attn_implementation in ("sdpa", PACKED_ATTENTION)
+        if packed:
+            use_packed_attention(model)
+        self.packed = packed
 
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams = GREEDY) -> None:
         """Open a session; sampling: the request's parameters, used by every propose of the session."""
@@ -317,7 +326,20 @@ class DraftRuntime:
         return torch.log_softmax(logits, dim=-1)  # (1 or P, V)
 
     def _forward_together(self, rows: list[_StepRows]) -> list[torch.Tensor]:
-        """One forward over B >= 2 sessions' step rows (``batched_step_inputs``)."""
+        """One forward over B >= 2 sessions' step rows: packed (``model_forward_packed``, sum P_b
+        rows) or padded (``batched_step_inputs``, B * max P_b rows)."""
+        if self.packed:
+            logits = model_forward_packed(
+                self.model, [r.session.cache for r in rows], [r.ids for r in rows], [r.positions for r in rows],
+                [additive_mask(r.visible, self.model.dtype) for r in rows],
+            )  # B x (P_b, V)
+            out = []
+            for r, rows_logits in zip(rows, logits):
+                if r.root:
+                    r.session.cached_len = len(r.session.tokens)
+                    rows_logits = rows_logits[-1:]  # (1, V): only R's row is drafted from
+                out.append(torch.log_softmax(rows_logits, dim=-1))
+            return out
         lengths = [cache_length(r.session.cache) for r in rows]
         stacked = stack_kv([r.session.cache for r in rows], lengths, self.model.config)  # (B, H, S, D)
         ids, positions, mask = batched_step_inputs(rows, lengths, self.model.dtype)

@@ -47,8 +47,9 @@ class ForwardSpy:
 
     def __init__(self, monkeypatch):
         self.solo: list[torch.Tensor] = []  # [Q, V] per solo forward
-        self.batched: list[torch.Tensor] = []  # [B, Q, V] per batched forward
+        self.batched: list = []  # per batched forward: [B, Q, V] (padded) or B x [N_b + 1, V] (packed)
         solo_fn, batch_fn = runtime_module.model_forward, runtime_module.model_forward_batch
+        packed_fn = runtime_module.model_forward_packed
 
         def solo(*args, **kwargs):
             self.solo.append(solo_fn(*args, **kwargs))
@@ -58,8 +59,13 @@ class ForwardSpy:
             self.batched.append(batch_fn(*args, **kwargs))
             return self.batched[-1]
 
+        def packed(*args, **kwargs):
+            self.batched.append(packed_fn(*args, **kwargs))
+            return self.batched[-1]
+
         monkeypatch.setattr(runtime_module, "model_forward", solo)
         monkeypatch.setattr(runtime_module, "model_forward_batch", batched)
+        monkeypatch.setattr(runtime_module, "model_forward_packed", packed)
 
     def reset(self):
         self.solo.clear()
@@ -182,9 +188,10 @@ PLAIN = [(3, (), ()), (1, (), ()), (17, (), ())]  # Q = 1: one new token per row
 @pytest.mark.parametrize("kind", list(MODELS))
 @pytest.mark.parametrize("cases", [CASES[:2], CASES[1:4], CASES, CASES[::-1], PLAIN],
                          ids=["B2", "B3", "B5", "B5-reversed", "B3-plain"])
-def test_batch_equals_solo(kind, cases, spy):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_batch_equals_solo(kind, cases, packed, spy):
     model, sessions = _case_items(kind, cases)
-    solo, batched = TargetRuntime(model), TargetRuntime(model)
+    solo, batched = TargetRuntime(model), TargetRuntime(model, packed=packed)
     for sid, prompt, *_ in sessions:
         solo.start(sid, prompt)
         batched.start(sid, prompt)
@@ -192,8 +199,10 @@ def test_batch_equals_solo(kind, cases, spy):
 
     results = batched.verify_batch([(sid, tree) for sid, _, tree, _, _ in sessions])
     assert len(spy.batched) == 1 and not spy.solo, "one batched forward, no solo forward"
-    logits = spy.batched[0]  # (B, Q, V)
-    assert logits.shape[:2] == (len(sessions), max(tree.size for _, _, tree, _, _ in sessions) + 1)
+    logits = spy.batched[0]  # (B, Q, V) padded, B x (N_b + 1, V) packed
+    q = max(tree.size for _, _, tree, _, _ in sessions) + 1
+    rows = [q if not packed else tree.size + 1 for _, _, tree, _, _ in sessions]
+    assert [len(r) for r in logits] == rows, "padded: Q rows each; packed: each session's own rows"
 
     for row, (sid, prompt, tree, path, reference) in enumerate(sessions):
         spy.reset()
@@ -202,9 +211,9 @@ def test_batch_equals_solo(kind, cases, spy):
         assert results[row].accepted_nodes == path and results[row].tokens == tuple(reference[: len(path) + 1])
         # the solo first verify reuses R's logits from start (no forward when the tree is empty) and
         # feeds the nodes alone; the batch feeds R again in every row
-        torch.testing.assert_close(logits[row, 0], solo.sessions[sid].root_logits, **TOL)
+        torch.testing.assert_close(logits[row][0], solo.sessions[sid].root_logits, **TOL)
         if tree.size:
-            torch.testing.assert_close(logits[row, 1 : tree.size + 1], spy.solo[0], **TOL)
+            torch.testing.assert_close(logits[row][1 : tree.size + 1], spy.solo[0], **TOL)
         _assert_same_session(batched, solo, sid)
         assert cache_length(batched.sessions[sid].cache) == len(prompt) - 1 + tree.size + 1
 
@@ -297,7 +306,7 @@ def test_batched_rounds_generate_target_greedy_tokens(kind, spy):
         results = target.verify_batch([(r.sid, tree) for r, tree in zip(active, trees)])
         batch_sizes.append(len(active))
         if len(active) > 1:
-            assert len(spy.batched) == before + 1 and spy.batched[-1].shape[0] == len(active)
+            assert len(spy.batched) == before + 1 and len(spy.batched[-1]) == len(active)
         else:
             solo_rounds += 1  # a batch of one takes the solo path
         for r, tree, result in zip(active, trees, results):
@@ -429,7 +438,7 @@ def test_per_item_errors_leave_other_items_alone(kind, spy):
     batched.max_tree_nodes = 32
     spy.reset()
     results = batched.verify_batch(items)
-    assert len(spy.batched) == 1 and spy.batched[0].shape[0] == 2, "only the two valid items go to the forward"
+    assert len(spy.batched) == 1 and len(spy.batched[0]) == 2, "only the two valid items go to the forward"
     assert isinstance(results[0], UnknownSessionError) and "missing" in str(results[0])
     assert isinstance(results[2], MalformedTreeError) and "tokens[1]" in str(results[2])
     assert isinstance(results[3], SessionStateError) and "uncommitted" in str(results[3])
@@ -475,3 +484,25 @@ def test_acceptance_error_stays_in_its_slot(spy):
     for name in ("sampled", sid):
         _assert_same_session(batched, solo, name)  # the failed one as verify leaves it: no pending
     assert batched.sessions["sampled"].pending is None
+
+
+def test_packed_layout_needs_sdpa_and_auto_falls_back_to_padded():
+    """packed=None picks the packed layout on an sdpa model and the padded one on an eager model;
+    packed=True on an eager model is refused naming attn_implementation; a packed forward on a
+    model that was never switched is refused too."""
+    import copy
+
+    from specdec.forward import model_forward_packed
+
+    sdpa = copy.deepcopy(tiny_model("qwen2", seed=0, init_std=STD))
+    sdpa.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="use_packed_attention"):
+        model_forward_packed(sdpa, [new_cache(sdpa.config)], [[1]], [torch.tensor([0])], [torch.zeros(1, 1, 1, 1)])
+    assert TargetRuntime(sdpa).packed and sdpa.config._attn_implementation == "specdec_packed"
+    eager = copy.deepcopy(sdpa)
+    eager.set_attn_implementation("eager")
+    assert not TargetRuntime(eager).packed
+    with pytest.raises(ValueError, match="attn_implementation"):
+        TargetRuntime(eager, packed=True)
+    with pytest.raises(ValueError, match="lengths 2 / 1"):
+        model_forward_packed(sdpa, [new_cache(sdpa.config)] * 2, [[1]], [torch.tensor([0])], [torch.zeros(1, 1, 1, 1)])

@@ -82,7 +82,8 @@ def _commit_first_path(runtime: DraftRuntime, sid: str, tree, accept: int) -> No
     runtime.commit(sid, [tree.tokens[n] for n in path] + [7 + len(path)], path)
 
 
-def test_batched_proposals_equal_each_sessions_solo_trees_and_cache(monkeypatch):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_batched_proposals_equal_each_sessions_solo_trees_and_cache(monkeypatch, packed):
     """propose_batch over six sessions (different prompt lengths, TreeSpecs, greedy and seeded
     sampled, one prefilled eagerly, partial acceptance of 0..3 nodes between rounds) gives every
     session the tree ``propose`` gives it alone, round after round, in shared forwards (the first
@@ -90,15 +91,17 @@ def test_batched_proposals_equal_each_sessions_solo_trees_and_cache(monkeypatch)
     import draft_service.runtime as module
 
     model = tiny_model("qwen2", seed=4)
-    batched, solo = DraftRuntime(model), DraftRuntime(model)
+    batched, solo = DraftRuntime(model, packed=packed), DraftRuntime(model)
     sessions = _batch_sessions(batched)
     _batch_sessions(solo)
     batched.prefill("s2")  # cached lengths differ at the first step too
     solo.prefill("s2")
-    shared_rows = []  # input_ids shape [B, Q] of every shared forward
-    real = module.model_forward_batch
+    shared_rows = []  # (sessions B, rows) of every shared forward: B * Q padded, sum P_b packed
+    real, real_packed = module.model_forward_batch, module.model_forward_packed
     monkeypatch.setattr(module, "model_forward_batch",
                         lambda model_, cache, ids, *rest: shared_rows.append(tuple(ids.shape)) or real(model_, cache, ids, *rest))
+    monkeypatch.setattr(module, "model_forward_packed", lambda model_, caches, ids, *rest: shared_rows.append(
+        (len(ids), sum(map(len, ids)))) or real_packed(model_, caches, ids, *rest))
     for round_ in range(4):
         items = [(sid, BATCH_SPECS[i], 4) for i, (sid, _, _) in enumerate(sessions)]
         trees = batched.propose_batch(items)

@@ -1075,16 +1075,17 @@ def test_a_prefill_chunk_in_a_verify_batch_leaves_the_session_as_extend_does():
     assert "prefill chunk token 0" in str(bad)
 
 
-def test_a_riding_chunk_of_a_released_session_and_a_failed_shared_forward():
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_a_riding_chunk_of_a_released_session_and_a_failed_shared_forward(packed):
     """A chunk whose session was released before the forward (``still_open`` False) is refused
     (UnknownSessionError) and feeds nothing; when the shared forward itself fails, a prefilling
     session keeps R's KV slot and logits, so the batcher's solo retry (``extend``) still works and the
     session ends as after ``start`` of the whole prompt."""
-    from target_service import runtime as runtime_module
+    from specdec.kv_cache import cache_length
     from target_service.runtime import CHUNK_FED, PrefillChunk
 
     model = tiny_model("qwen2", seed=0)
-    rt, solo = TargetRuntime(model), TargetRuntime(model)
+    rt, solo = TargetRuntime(model, packed=packed), TargetRuntime(model)
     prompt = random_prompt(8, 30)
     rt.start("o", random_prompt(9, 10))
     rt.start("L", prompt[:10])
@@ -1096,16 +1097,16 @@ def test_a_riding_chunk_of_a_released_session_and_a_failed_shared_forward():
     assert rt.sessions["L"].cache_len == before
     rt.commit("o", 1)
 
-    def broken(*args, **kwargs):
+    def broken(*args, **kwargs):  # after layer 0 has run (packed: its KV is in both sessions' caches)
         raise RuntimeError("out of memory (simulated)")
 
-    real = runtime_module.model_forward_batch
-    runtime_module.model_forward_batch = broken
+    hook = model.model.layers[1].register_forward_pre_hook(broken)
     try:
         with pytest.raises(RuntimeError, match="simulated"):
             rt.verify_batch([("L", PrefillChunk(tuple(prompt[10:20]))), ("o", DraftTree((), ()))])
     finally:
-        runtime_module.model_forward_batch = real
+        hook.remove()
+    assert [cache_length(rt.sessions[sid].cache) for sid in "oL"] == [rt.sessions["o"].cache_len, before + 1]
     (fed,) = rt.verify_batch([("L", PrefillChunk(tuple(prompt[10:20])))])  # the solo retry: extend
     assert fed is CHUNK_FED
     rt.extend("L", prompt[20:])
