@@ -24,8 +24,9 @@ from target_service.runtime import PrefillChunk
 @dataclass(frozen=True)
 class BatchedVerify:
     """One item's outcome: its result, how many sessions shared the call, the call's time (ms), and
-    the rows the call computed over all its sessions: B x Q, each session's row padded to the
-    largest tree's nodes + 1 (what its latency depends on; one session: its tree's nodes + 1)."""
+    the rows the call computed over all its sessions (what its latency depends on): packed, the
+    sum of every session's nodes + 1; padded, B x Q, each session's row padded to the largest
+    tree's nodes + 1 (one session: its tree's nodes + 1)."""
 
     result: VerifyResult
     batch_size: int
@@ -49,8 +50,9 @@ class VerifyBatcher(SessionBatcher):
         self.runtime = runtime
 
     def answer(self, outcome: VerifyResult, ran: list[BatchItem], call_ms: float) -> BatchedVerify:
-        # rows the forward computed: every session's row is padded to the largest tree's (B x Q)
-        return BatchedVerify(outcome, len(ran), call_ms, len(ran) * max(item.payload.size + 1 for item in ran))
+        sizes = [item.payload.size + 1 for item in ran]
+        rows = sum(sizes) if getattr(self.runtime, "packed", False) else len(ran) * max(sizes)
+        return BatchedVerify(outcome, len(ran), call_ms, rows)
 
     def reports(self, item: BatchItem) -> bool:
         """A prefill chunk is not a verify: the owner's verify bookkeeping does not hear of it."""

@@ -251,7 +251,8 @@ def _rank_main(rank: int, spec: _RankSpec, conn) -> None:
     except BaseException as exc:  # noqa: BLE001 - reported to the coordinator, then exit
         _send(conn, "err", _sendable(exc), traceback.format_exc())
         return
-    _send(conn, "ok", {"vocab_size": runtime.vocab_size, "pid": os.getpid(), "prepacked": packed})
+    _send(conn, "ok", {"vocab_size": runtime.vocab_size, "pid": os.getpid(), "prepacked": packed,
+                       "packed_rows": runtime.packed})
     mismatches = 0
     while True:
         try:
@@ -452,7 +453,8 @@ class TensorParallelTarget:
     when a rank dies or the start times out. Use ``close()`` (or ``with``) to stop the ranks.
 
     Attributes: tp, backend, vocab_size, max_tree_nodes, config (the model's PretrainedConfig),
-    pids (the rank processes' pids, rank order), prepacked (linears pre-packed per rank).
+    pids (the rank processes' pids, rank order), prepacked (linears pre-packed per rank), packed
+    (the ranks' ``verify_batch`` packs rows, ``TargetRuntime.packed``).
     """
 
     def __init__(
@@ -511,6 +513,7 @@ class TensorParallelTarget:
         self.kv_bytes_per_token = kv_bytes_per_token(self.config, DTYPES[dtype].itemsize)  # all ranks together
         self.device = "cuda" if self.backend == "nccl" else "cpu"
         self.prepacked = [reply[1]["prepacked"] for reply in replies]
+        self.packed = all(reply[1]["packed_rows"] for reply in replies)  # verify_batch's layout (TargetRuntime.packed)
 
     # -- the TargetRuntime interface ------------------------------------------------------------
 

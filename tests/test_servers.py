@@ -54,6 +54,7 @@ class RecordingRuntime:
     def __init__(self, runtime: TargetRuntime):
         self.inner = runtime
         self.vocab_size = runtime.vocab_size
+        self.packed = getattr(runtime, "packed", False)
         self.calls: list[list[str]] = []
 
     def verify_batch(self, items):
@@ -69,11 +70,11 @@ class RecordingRuntime:
         return out
 
 
-def _batcher_setup(n_sessions: int = 3):
+def _batcher_setup(n_sessions: int = 3, packed: bool | None = None):
     """Target runtime with n sessions (distinct prompts) and one draft tree per session."""
     target = tiny_model("qwen2", seed=0)
     draft = DraftRuntime(perturbed_copy(target, seed=5, scale=0.05))
-    runtime = TargetRuntime(target)
+    runtime = TargetRuntime(target, packed=packed)
     prompts = [random_prompt(20 + i, length=4 + 2 * i) for i in range(n_sessions)]
     trees = {}
     for i, prompt in enumerate(prompts):
@@ -104,9 +105,10 @@ async def _verify_all_at_once(runtime, trees):
         worker.close()
 
 
-def test_batcher_merges_concurrent_verifies_into_one_call_with_solo_results():
-    target, runtime, prompts, trees = _batcher_setup(3)
-    trees["s2"] = DraftTree((), ())  # a plain step beside two trees: its row is padded to theirs
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_batcher_merges_concurrent_verifies_into_one_call_with_solo_results(packed):
+    target, runtime, prompts, trees = _batcher_setup(3, packed)
+    trees["s2"] = DraftTree((), ())  # a plain step beside two trees: padded, its row is padded to theirs
     recording = RecordingRuntime(runtime)
     expected = _solo_results(target, prompts, trees)
 
@@ -114,9 +116,11 @@ def test_batcher_merges_concurrent_verifies_into_one_call_with_solo_results():
     assert recording.calls == [["s0", "s1", "s2"]]
     assert batcher.batched_forwards == 1
     assert [o.batch_size for o in outs] == [3, 3, 3]
-    # what the forward's latency depends on: 3 rows padded to the largest tree's nodes + 1
-    rows = 3 * max(tree.size + 1 for tree in trees.values())
-    assert [o.batch_rows for o in outs] == [rows] * 3 and rows > sum(tree.size + 1 for tree in trees.values())
+    # what the forward's latency depends on: packed, each session's own rows; padded, 3 rows
+    # padded to the largest tree's nodes + 1
+    own = sum(tree.size + 1 for tree in trees.values())
+    rows = own if packed else 3 * max(tree.size + 1 for tree in trees.values())
+    assert [o.batch_rows for o in outs] == [rows] * 3 and (rows > own) is not packed
     assert [o.result for o in outs] == [expected[sid] for sid in trees]
     assert all(len(o.result.tokens) >= 1 for o in outs)
 

@@ -334,6 +334,7 @@ def test_prepacked_tied_shards_match_unsharded_then_a_stuck_rank_fails(tmp_path)
     gen = torch.Generator().manual_seed(2)
     with TensorParallelTarget(tmp_path, tp=TP, threads_per_rank=1, collective_timeout_s=3, prepack=True) as target:
         assert target.prepacked == [2 * 7 + 1] * TP  # q, k, v, o, gate, up, down per layer + the tied lm_head
+        assert target.packed  # the ranks pack verify_batch rows (sdpa models)
         prompt = random_prompt(seed=21, length=7)
         target.start("p", prompt)
         reference.start("p", prompt)
