@@ -89,9 +89,10 @@ class TargetServerConfig(_Section):
     max_tree_nodes: int = Field(default=512, ge=1)
     prefill_chunk_tokens: int = Field(default=256, ge=1)  # prompt tokens per prefill forward: an abort or others' verifies get in between
     # while other sessions are decoding: prompt tokens per chunk, each fed inside their next verify forward
-    # (null = off: chunks of prefill_chunk_tokens in forwards of their own). Off by default: a batched
-    # forward pads every session's row to the longest, so a riding chunk of C tokens costs B x (C + 1) rows
-    prefill_busy_chunk_tokens: int | None = Field(default=None, ge=1)
+    # (null = off: chunks of prefill_chunk_tokens in forwards of their own). Packed forwards make a riding
+    # chunk of C tokens cost its C + 1 rows; 16 keeps the decoders' forwards within ~2x on the 2-core CPU
+    # (raise it where rows are cheap, e.g. on a GPU). Only on a target whose verify_batch packs rows.
+    prefill_busy_chunk_tokens: int | None = Field(default=16, ge=1)
     session_idle_s: float = Field(default=600.0, gt=0)    # a session untouched this long is released (its client died)
 
 

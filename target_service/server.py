@@ -209,9 +209,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def _chunk_tokens(self, session_id: str) -> int:
         """The next prefill chunk's size: prefill_busy_chunk_tokens (when set) while other sessions are
         decoding (the chunk then joins their next verify forward, so a long prompt adds a few rows to
-        each of their rounds instead of stalling them), else prefill_chunk_tokens (a forward of its own)."""
+        each of their rounds instead of stalling them), else prefill_chunk_tokens (a forward of its own).
+        Riding needs a runtime that takes chunks and packs rows (padded, a chunk would pad every row)."""
         busy = self.config.prefill_busy_chunk_tokens
-        if busy is not None and getattr(self.runtime, "batch_prefill_chunks", False) and self.batcher.busy(session_id):
+        rides = getattr(self.runtime, "batch_prefill_chunks", False) and getattr(self.runtime, "packed", False)
+        if busy is not None and rides and self.batcher.busy(session_id):
             return min(busy, self.config.prefill_chunk_tokens)
         return self.config.prefill_chunk_tokens
 

@@ -1119,10 +1119,12 @@ def test_a_riding_chunk_of_a_released_session_and_a_failed_shared_forward(packed
     torch.testing.assert_close(got.root_logits, want.root_logits, rtol=1e-4, atol=1e-4)
 
 
-def test_a_long_prompt_rides_in_a_decoding_sessions_verify_forwards():
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_a_long_prompt_rides_in_a_decoding_sessions_verify_forwards(packed):
     """While session "d" decodes (plain verifies back to back), a 70-token prompt arrives: its
     chunks (prefill_busy_chunk_tokens 16) are fed inside d's verify forwards instead of forwards
-    of their own, and both sessions' tokens are the target's greedy ones."""
+    of their own, and both sessions' tokens are the target's greedy ones. A padded runtime does
+    not take riders (a chunk would pad every row): the prompt is one forward of its own."""
     from specdec.config import TargetServerConfig
     from target_service.server import TargetServicer
 
@@ -1153,7 +1155,10 @@ def test_a_long_prompt_rides_in_a_decoding_sessions_verify_forwards():
         return decoded, merged, list(first.tokens)
 
     decoded, merged, first = asyncio.run(
-        _serve_target(lambda: TargetServicer(TargetRuntime(model), context_limit=512, config=config), body))
+        _serve_target(lambda: TargetServicer(TargetRuntime(model, packed=packed), context_limit=512, config=config), body))
     assert first == greedy_reference(model, long, 1)
     assert decoded == greedy_reference(model, short, len(decoded))
-    assert merged >= 3, merged  # the first chunk starts the session (a forward of its own); 3 more rode along
+    if packed:
+        assert merged >= 3, merged  # the first chunk starts the session (a forward of its own); 3 more rode along
+    else:
+        assert merged == 0, merged

@@ -130,7 +130,7 @@ def test_longprompt_section_reports_itl_before_and_during(pinned_longprompt_run)
     assert lp["long_prompt_tokens"] == 300 and lp["running"] == 2 and lp["prefill_chunk_settings"] == [[32, 32]]
     (row,) = lp["rows"]
     assert row["config"] == "speculative" and row["prefill_chunk_tokens"] == 32 and row["chunked"] is True
-    assert row["prefill_busy_chunk_tokens"] == 32  # the config default: no riding (the busy chunk is the chunk)
+    assert row["prefill_busy_chunk_tokens"] == 16  # the config default: chunks ride in the running requests' forwards
     for key in ("itl_p50_before_ms", "itl_p95_before_ms", "itl_p50_during_ms", "itl_p95_during_ms",
                 "max_gap_during_ms", "itl_p95_ratio", "long_ttft_s", "window_during_s"):
         assert row[key] > 0, (key, row)
