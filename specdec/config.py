@@ -88,8 +88,8 @@ class TargetServerConfig(_Section):
     kv_memory_fraction: float = Field(default=0.7, gt=0, le=1)
     max_tree_nodes: int = Field(default=512, ge=1)
     prefill_chunk_tokens: int = Field(default=256, ge=1)  # prompt tokens per prefill forward: an abort or others' verifies get in between
-    # while other sessions are decoding: prompt tokens per chunk, each fed inside their next verify forward
-    # (null = off: chunks of prefill_chunk_tokens in forwards of their own). Packed forwards make a riding
+    # while other sessions are decoding, a prompt longer than prefill_chunk_tokens is fed this many tokens at
+    # a time inside their next verify forward (null = off: chunks of prefill_chunk_tokens in forwards of their own). Packed forwards make a riding
     # chunk of C tokens cost its C + 1 rows; 16 keeps the decoders' forwards within ~2x on the 2-core CPU
     # (raise it where rows are cheap, e.g. on a GPU). Only on a target whose verify_batch packs rows.
     prefill_busy_chunk_tokens: int | None = Field(default=16, ge=1)

@@ -206,14 +206,19 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     # -- RPCs -------------------------------------------------------------------------------------
 
-    def _chunk_tokens(self, session_id: str) -> int:
-        """The next prefill chunk's size: prefill_busy_chunk_tokens (when set) while other sessions are
-        decoding (the chunk then joins their next verify forward, so a long prompt adds a few rows to
-        each of their rounds instead of stalling them), else prefill_chunk_tokens (a forward of its own).
-        Riding needs a runtime that takes chunks and packs rows (padded, a chunk would pad every row)."""
+    def _chunk_tokens(self, session_id: str, prompt_tokens: int) -> int:
+        """The next prefill chunk's size for a prompt of ``prompt_tokens``: prefill_busy_chunk_tokens
+        (when set) while other sessions are decoding and the prompt is longer than one chunk (the
+        chunk then joins their next verify forward, so a long prompt adds a few rows to each of their
+        rounds instead of stalling them), else prefill_chunk_tokens (a forward of its own). A prompt
+        of at most one chunk keeps its one forward: spread over many small riding chunks its first
+        token comes later and its prefill costs more rows' worth (a forward's cost per row falls
+        with its rows). Riding needs a runtime that takes chunks and packs rows (padded, a chunk
+        would pad every row)."""
         busy = self.config.prefill_busy_chunk_tokens
         rides = getattr(self.runtime, "batch_prefill_chunks", False) and getattr(self.runtime, "packed", False)
-        if busy is not None and rides and self.batcher.busy(session_id):
+        long = prompt_tokens > self.config.prefill_chunk_tokens
+        if busy is not None and rides and long and self.batcher.busy(session_id):
             return min(busy, self.config.prefill_chunk_tokens)
         return self.config.prefill_chunk_tokens
 
@@ -231,12 +236,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         new = self.sessions.open(request.session_id, len(prompt))
         sid = request.session_id
         try:  # chunk by chunk: a cancelled call (abort, deadline, client gone) stops after the current chunk
-            at = self._chunk_tokens(sid)
+            at = self._chunk_tokens(sid, len(prompt))
             await self.worker.run(self.runtime.start, sid, prompt[:at], sampling)
             while at < len(prompt):
                 if self.sessions.sessions.get(sid) is not new:  # a Release came meanwhile
                     raise UnknownSessionError(f"session_id: {sid!r} was released during its prefill")
-                size = self._chunk_tokens(sid)
+                size = self._chunk_tokens(sid, len(prompt))
                 if size < self.config.prefill_chunk_tokens:  # others are decoding: ride in their next verify forward
                     await self.batcher.prefill_chunk(sid, prompt[at : at + size], deadline,
                                                      still_open=lambda: self.sessions.sessions.get(sid) is new)

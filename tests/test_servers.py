@@ -1121,16 +1121,17 @@ def test_a_riding_chunk_of_a_released_session_and_a_failed_shared_forward(packed
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
 def test_a_long_prompt_rides_in_a_decoding_sessions_verify_forwards(packed):
-    """While session "d" decodes (plain verifies back to back), a 70-token prompt arrives: its
-    chunks (prefill_busy_chunk_tokens 16) are fed inside d's verify forwards instead of forwards
-    of their own, and both sessions' tokens are the target's greedy ones. A padded runtime does
-    not take riders (a chunk would pad every row): the prompt is one forward of its own."""
+    """While session "d" decodes (plain verifies back to back), a 70-token prompt arrives (longer
+    than one 32-token prefill chunk): its chunks (prefill_busy_chunk_tokens 16) are fed inside d's
+    verify forwards instead of forwards of their own, and both sessions' tokens are the target's
+    greedy ones. A 20-token prompt (one chunk) keeps its forward of its own. A padded runtime does
+    not take riders (a chunk would pad every row): the long prompt's chunks run on their own."""
     from specdec.config import TargetServerConfig
     from target_service.server import TargetServicer
 
     model = tiny_model("qwen2", seed=0)
     short, long = random_prompt(5, 12), random_prompt(6, 70)
-    config = TargetServerConfig(prefill_chunk_tokens=256, prefill_busy_chunk_tokens=16)
+    config = TargetServerConfig(prefill_chunk_tokens=32, prefill_busy_chunk_tokens=16)
 
     async def body(stub, servicer):
         await stub.Prefill(target_pb2.PrefillRequest(session_id="d", prompt_ids=short), timeout=10)
@@ -1149,12 +1150,15 @@ def test_a_long_prompt_rides_in_a_decoding_sessions_verify_forwards(packed):
         merged_before = servicer.batcher.batched_forwards
         await stub.Prefill(target_pb2.PrefillRequest(session_id="L", prompt_ids=long), timeout=30)
         merged = servicer.batcher.batched_forwards - merged_before
+        merged_before = servicer.batcher.batched_forwards
+        await stub.Prefill(target_pb2.PrefillRequest(session_id="S", prompt_ids=long[:20]), timeout=30)
+        merged_short = servicer.batcher.batched_forwards - merged_before
         first = await stub.Verify(target_pb2.VerifyRequest(session_id="L"), timeout=10)
         done.set()
         await decoding
-        return decoded, merged, list(first.tokens)
+        return decoded, merged, merged_short, list(first.tokens)
 
-    decoded, merged, first = asyncio.run(
+    decoded, merged, merged_short, first = asyncio.run(
         _serve_target(lambda: TargetServicer(TargetRuntime(model, packed=packed), context_limit=512, config=config), body))
     assert first == greedy_reference(model, long, 1)
     assert decoded == greedy_reference(model, short, len(decoded))
@@ -1162,3 +1166,4 @@ def test_a_long_prompt_rides_in_a_decoding_sessions_verify_forwards(packed):
         assert merged >= 3, merged  # the first chunk starts the session (a forward of its own); 3 more rode along
     else:
         assert merged == 0, merged
+    assert merged_short == 0, merged_short
