@@ -828,7 +828,8 @@ def section_longprompt(args, services: Services, draft: Service, tokenizer, prom
     long_ids = long_prompt_ids(tokenizer, args.long_prompt_tokens)
     running_ids = [prompts[i % len(prompts)]["ids"] for i in range(args.long_running)]
     chunk = args.prefill_chunk_tokens or TargetServerConfig().prefill_chunk_tokens
-    busy = min(args.prefill_busy_chunk_tokens or TargetServerConfig().prefill_busy_chunk_tokens or chunk, chunk)
+    busy_arg = args.prefill_busy_chunk_tokens  # 0 = no riding (the busy chunk is the chunk)
+    busy = chunk if busy_arg == 0 else min(busy_arg or TargetServerConfig().prefill_busy_chunk_tokens or chunk, chunk)
     whole = max(chunk, len(long_ids))  # unchunked: one forward for the whole prompt, riding off
     settings = [[chunk, busy]] + ([[whole, whole]] if args.longprompt_unchunked else [])
     front_keys = {"speculative": {"use_ray": True}, "target_only": {"use_ray": True},
@@ -1045,7 +1046,7 @@ def parse_args(argv=None):
                    help="longprompt section: target.prefill_chunk_tokens of the chunked rows (default: the config default)")
     p.add_argument("--prefill-busy-chunk-tokens", type=int, default=None,
                    help="longprompt section: target.prefill_busy_chunk_tokens of the chunked rows (chunks that ride in "
-                        "the running requests' verify forwards; default: the config default)")
+                        "the running requests' verify forwards; default: the config default; 0 = no riding)")
     p.add_argument("--out", type=Path, default=ROOT / "bench_out" / "serving")
     args = p.parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]

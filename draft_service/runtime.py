@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from draft_service.tree_builder import Step, tree_steps
-from specdec.forward import PACKED_ATTENTION, model_forward, model_forward_batch, model_forward_packed, use_packed_attention
+from specdec.forward import model_forward, model_forward_batch, model_forward_packed, packed_layout
 from specdec.interfaces import SessionStateError, UnknownSessionError
 from specdec.kv_cache import append_kv_row, cache_length, compact_kv, new_cache, stack_kv, truncate_kv
 from specdec.sampling import GREEDY, SamplingParams, session_rng
@@ -39,7 +39,7 @@ from specdec.tree import ROOT, DraftTree, additive_mask, ancestors, node_depths
 from specdec.tree_spec import TreeSpec
 
 
-MAX_BATCHED_ROWS = 32  # a step feeding more rows than this (a long pending prefix) runs alone
+MAX_BATCHED_ROWS = 32  # a step feeding more rows than this (a long pending prefix) runs alone, not holding up others
 
 
 @dataclass
@@ -84,11 +84,7 @@ class DraftRuntime:
         self.model = model
         self.vocab_size = vocab_size
         self.sessions: dict[str, DraftSession] = {}
-        if packed is None:
-            packed = model.config._attn_implementation in ("sdpa", PACKED_ATTENTION)
-        if packed:
-            use_packed_attention(model)
-        self.packed = packed
+        self.packed = packed_layout(model, packed)
 
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams = GREEDY) -> None:
         """Open a session; sampling: the request's parameters, used by every propose of the session."""
@@ -207,11 +203,14 @@ class DraftRuntime:
         left mid-proposal, and the next ``propose`` of each starts the round again; every ahead item
         is rolled back to its state before the ahead, so a retry of it alone starts clean).
 
-        Each step's rows of all sessions go through one ``model_forward_batch`` after a stacked
-        cache (``stack_kv``, right-padded; layout of ``batched_step_inputs``); each session's new
-        slots are appended back to its own cache, so ``commit`` works unchanged. A step that holds
-        one session, or a session feeding more than ``MAX_BATCHED_ROWS`` rows at once (a long
-        pending prefix), runs that session's own forward. Numerics: a row's log-probs equal its
+        Each step's rows of all sessions go through one forward: packed (``self.packed``, the
+        default on sdpa models: ``model_forward_packed``, sum P_b rows, each session attending to
+        its own cache, which grows as in its solo forward) or padded (``model_forward_batch`` after
+        a stacked cache, ``stack_kv``, right-padded; layout of ``batched_step_inputs``; each
+        session's new slots are appended back to its own cache). Either way ``commit`` works
+        unchanged. A step that holds one session, or a session feeding more than
+        ``MAX_BATCHED_ROWS`` rows at once (a long pending prefix, which would hold up the other
+        sessions' step), runs that session's own forward. Numerics: a row's log-probs equal its
         solo forward's up to float32 round-off of the differently shaped computation (as the
         target's ``verify_batch``); a tree can differ only at a near-tie within that noise.
         """
@@ -332,12 +331,12 @@ class DraftRuntime:
             logits = model_forward_packed(
                 self.model, [r.session.cache for r in rows], [r.ids for r in rows], [r.positions for r in rows],
                 [additive_mask(r.visible, self.model.dtype) for r in rows],
-            )  # B x (P_b, V)
+                [1 if r.root else None for r in rows],  # step 0: only R's row is drafted from
+            )  # B x (P_b, V); (1, V) at step 0
             out = []
             for r, rows_logits in zip(rows, logits):
                 if r.root:
                     r.session.cached_len = len(r.session.tokens)
-                    rows_logits = rows_logits[-1:]  # (1, V): only R's row is drafted from
                 out.append(torch.log_softmax(rows_logits, dim=-1))
             return out
         lengths = [cache_length(r.session.cache) for r in rows]

@@ -161,7 +161,8 @@ class LoadedCost:
     Models Using Goodput", SmartSpec, section 4): with B requests merged into each forward and each
     verifying r rows, a round takes D + V(B r) + overhead and yields B times one request's expected
     tokens, so the choice that maximises the batch's tokens per ms is the one that maximises one
-    request's tokens / (D + V(B r) + overhead). ``verify(rows)`` is therefore V(load * rows): once
+    request's tokens / (D + V(B r) + overhead) (the symmetric case: every request plans alike, so the
+    forward holds B r rows, packed or padded). ``verify(rows)`` is therefore V(load * rows): once
     V turns compute-bound (linear), every row a request adds costs B rows' time, trees shrink as
     load grows, and a plain round (1 row) beats drafting where batched decoding has the higher
     throughput. load: sessions per verify forward (>= 1, fractional: a moving average); load 1 is

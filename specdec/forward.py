@@ -136,7 +136,11 @@ def _packed_attention(module, query, key, value, attention_mask, packed_rows: Pa
 def use_packed_attention(model) -> None:
     """Route ``model``'s attention through ``_packed_attention`` (plain ``sdpa`` for every forward
     that is not packed, so other forwards are unchanged). Raises ValueError for a model whose
-    attention is not ``sdpa`` (eager, flash, flex: packing is built on sdpa)."""
+    attention is not ``sdpa`` (eager, flash, flex: packing is built on sdpa) or whose class does not
+    take a registered attention function (transformers then only warns and keeps sdpa).
+
+    The switch is on ``model.config``: a model sharing that config object switches too (harmless:
+    without a PackedRows plan the packed attention is sdpa)."""
     current = model.config._attn_implementation
     if current == PACKED_ATTENTION:
         return
@@ -145,6 +149,24 @@ def use_packed_attention(model) -> None:
     AttentionInterface.register(PACKED_ATTENTION, _packed_attention)
     AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)
     model.set_attn_implementation(PACKED_ATTENTION)
+    if model.config._attn_implementation != PACKED_ATTENTION:
+        raise ValueError(f"attn_implementation: {type(model).__name__} does not take a registered attention "
+                         f"function (still {model.config._attn_implementation!r}): packed forwards need it")
+
+
+def packed_layout(model, packed: bool | None) -> bool:
+    """Whether a runtime's batched forwards pack rows (``model_forward_packed``): packed=True
+    switches the model (``use_packed_attention``, ValueError where it cannot), False keeps the
+    padded batch, None packs where the model can be switched and stays padded elsewhere."""
+    if packed is False:
+        return False
+    try:
+        use_packed_attention(model)
+    except ValueError:
+        if packed:
+            raise
+        return False
+    return True
 
 
 @torch.inference_mode()
@@ -154,39 +176,57 @@ def model_forward_packed(
     input_ids: Sequence[Sequence[int]],
     position_ids: Sequence[torch.Tensor],
     masks: Sequence[torch.Tensor],
+    logits_rows: Sequence[int | None] | None = None,
 ) -> list[torch.Tensor]:
     """Run ``model`` once on the new rows of B sessions, packed into one sequence (no padding).
 
     caches: B dynamic caches (L_b slots each; each grows by its n_b rows); input_ids: B lists of n_b
-    >= 1 ids; position_ids: B [n_b] int64; masks: B [1, 1, n_b, L_b + n_b] additive. The linear
-    layers run over T = sum n_b rows (a padded batch would run B * max n_b), attention runs per
-    session against its own cache (``_packed_attention``; the model must have gone through
-    ``use_packed_attention``). Returns B [n_b, V] float32 logits.
+    >= 1 ids; position_ids: B [n_b] int64; masks: B [1, 1, n_b, L_b + n_b] additive; logits_rows:
+    per session, keep only its last that many rows' logits (None = all; the LM head runs only
+    over the rows kept, e.g. 1 for a prefill chunk). The linear layers run over T = sum n_b rows (a
+    padded batch would run B * max n_b), attention runs per session against its own cache
+    (``_packed_attention``; the model must have gone through ``use_packed_attention``). Returns B
+    [k_b, V] float32 logits (k_b = logits_rows[b] or n_b).
 
     Numerics: each session's attention is its solo forward's; the GEMMs see T rows instead of n_b,
     so logits equal the solo forward's up to float32 round-off (same order as a batched forward).
-    Raises ValueError for mismatched lengths or a model without packed attention. On an error in
-    the forward, some layers of some caches may already hold the new rows: truncate them.
+    Not for dynamic / longrope RoPE, whose angles depend on the largest position in the forward
+    (the padded batch has the same limit); the default pair's RoPE is static.
+    Raises ValueError for mismatched lengths, an empty row, a mask of the wrong shape or a model
+    without packed attention. On an error in the forward, some layers of some caches may already
+    hold the new rows: truncate them.
     """
     if model.config._attn_implementation != PACKED_ATTENTION:
         raise ValueError("model: call use_packed_attention(model) before packed forwards")
-    if not (len(caches) == len(input_ids) == len(position_ids) == len(masks)) or not caches:
-        raise ValueError(f"caches / input_ids / position_ids / masks: lengths {len(caches)} / {len(input_ids)} / "
-                         f"{len(position_ids)} / {len(masks)} must be equal and >= 1")
+    keep = list(logits_rows) if logits_rows is not None else [None] * len(input_ids)
+    if not (len(caches) == len(input_ids) == len(position_ids) == len(masks) == len(keep)) or not caches:
+        raise ValueError(f"caches / input_ids / position_ids / masks / logits_rows: lengths {len(caches)} / "
+                         f"{len(input_ids)} / {len(position_ids)} / {len(masks)} / {len(keep)} must be equal and >= 1")
     device = model.device
-    segments, start = [], 0
-    for cache, ids, mask in zip(caches, input_ids, masks):
-        segments.append(PackedSegment(start, len(ids), cache, mask.to(device=device, dtype=model.dtype)))
-        start += len(ids)
-    plan = PackedRows(tuple(segments))
+    segments, kept, start = [], [], 0
+    for b, (cache, ids, mask, k) in enumerate(zip(caches, input_ids, masks, keep)):
+        n, cached = len(ids), cache.get_seq_length()
+        if not n or tuple(mask.shape) != (1, 1, n, cached + n):
+            raise ValueError(f"masks[{b}]: shape {tuple(mask.shape)}, expected (1, 1, {n}, {cached + n}) "
+                             f"for {n} >= 1 rows after {cached} cached slots")
+        segments.append(PackedSegment(start, n, cache, mask.to(device=device, dtype=model.dtype)))
+        kept.append(range(start + n - min(k or n, n), start + n))
+        start += n
     ids = torch.tensor([[t for row in input_ids for t in row]], dtype=torch.long, device=device)  # (1, T)
     positions = torch.cat([p.to(torch.long) for p in position_ids]).to(device)[None]  # (1, T)
+    rows = torch.tensor([r for span in kept for r in span], dtype=torch.long, device=device)  # (K,)
     kwargs = {
         _cache_kwarg(model): None,
         "position_ids": positions,
+        # any 4-D mask makes transformers skip building its own (the packed attention does not read it)
+        "attention_mask": torch.zeros(1, 1, 1, 1, dtype=model.dtype, device=device),
         "use_cache": False,
-        "packed_rows": plan,
-        "logits_to_keep": 0,
+        "packed_rows": PackedRows(tuple(segments)),
+        "logits_to_keep": rows,
     }
-    logits = model(ids, **kwargs).logits[0].float()  # (T, V)
-    return [logits[seg.start : seg.start + seg.rows] for seg in segments]
+    logits = model(ids, **kwargs).logits[0].float()  # (K, V)
+    out, at = [], 0
+    for span in kept:
+        out.append(logits[at : at + len(span)])
+        at += len(span)
+    return out

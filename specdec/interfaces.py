@@ -34,8 +34,8 @@ class VerifyResult:
 
     accepted_nodes: node indices of the accepted path, root side first (may be empty);
     tokens: the accepted path's tokens followed by the bonus token (len = len(accepted_nodes) + 1);
-    batch_size, batch_rows: the sessions and the rows (sessions x the largest tree's nodes + 1,
-    padding included) of the target forward
+    batch_size, batch_rows: the sessions and the rows of the target forward (packed: the sum of
+    every session's nodes + 1; padded: sessions x the largest tree's nodes + 1, padding included)
     that verified it, as the target service reports them (0 rows = not reported: in-process, the
     forward held this tree alone; batch_size 0 = no forward ran, a replayed pending result);
     mergeable: sessions open at the target service when it answered, at most its max_batch (0 =

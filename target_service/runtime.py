@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from specdec.forward import PACKED_ATTENTION, model_forward, model_forward_batch, model_forward_packed, use_packed_attention
+from specdec.forward import model_forward, model_forward_batch, model_forward_packed, packed_layout
 from specdec.interfaces import SessionStateError, UnknownSessionError, VerifyResult
 from specdec.kv_cache import append_kv_row, compact_kv, new_cache, stack_kv, truncate_kv
 from specdec.sampling import GREEDY, SamplingParams, processed_probs, session_rng
@@ -107,11 +107,7 @@ class TargetRuntime:
         self.vocab_size = model.config.vocab_size
         self.max_tree_nodes = max_tree_nodes
         self.sessions: dict[str, TargetSession] = {}
-        if packed is None:
-            packed = model.config._attn_implementation in ("sdpa", PACKED_ATTENTION)
-        if packed:
-            use_packed_attention(model)
-        self.packed = packed
+        self.packed = packed_layout(model, packed)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -371,7 +367,8 @@ class TargetRuntime:
                 [[s.root, *tree.tokens] for s, tree in zip(sessions, trees)],
                 [tree_position_ids(tree.parents, s.cache_len) for s, tree in zip(sessions, trees)],
                 [tree_attention_mask(tree.parents, s.cache_len, self.model.dtype) for s, tree in zip(sessions, trees)],
-            )  # B x (N_b + 1, V)
+                [1 if isinstance(item[3], PrefillChunk) else None for item in batch],  # a chunk: its last row only
+            )  # B x (N_b + 1, V); (1, V) for a chunk
         except BaseException:
             for s in sessions:  # some layers of some caches may hold the new rows already
                 truncate_kv(s.cache, s.cache_len)
@@ -383,7 +380,7 @@ class TargetRuntime:
                 if isinstance(tree, PrefillChunk):  # R and the chunk stay cached; the chunk's last token is R
                     s.cache_len += tree.size
                     s.root = tree.tokens[-1]
-                    s.root_logits = rows[tree.size].clone()
+                    s.root_logits = rows[-1].clone()
                     results[index] = CHUNK_FED
                     continue
                 results[index] = self._accept(s, tree, rows)

@@ -487,9 +487,10 @@ def test_acceptance_error_stays_in_its_slot(spy):
 
 
 def test_packed_layout_needs_sdpa_and_auto_falls_back_to_padded():
-    """packed=None picks the packed layout on an sdpa model and the padded one on an eager model;
-    packed=True on an eager model is refused naming attn_implementation; a packed forward on a
-    model that was never switched is refused too."""
+    """packed=None picks the packed layout on an sdpa model and the padded one on an eager model
+    (or one whose class does not take a registered attention); packed=True there is refused naming
+    attn_implementation; a packed forward on a model that was never switched, with mismatched
+    lengths, an empty row or a mask of the wrong shape is refused too."""
     import copy
 
     from specdec.forward import model_forward_packed
@@ -506,3 +507,14 @@ def test_packed_layout_needs_sdpa_and_auto_falls_back_to_padded():
         TargetRuntime(eager, packed=True)
     with pytest.raises(ValueError, match="lengths 2 / 1"):
         model_forward_packed(sdpa, [new_cache(sdpa.config)] * 2, [[1]], [torch.tensor([0])], [torch.zeros(1, 1, 1, 1)])
+    with pytest.raises(ValueError, match=r"masks\[0\]: shape \(1, 1, 1, 3\), expected \(1, 1, 2, 2\)"):
+        model_forward_packed(sdpa, [new_cache(sdpa.config)], [[1, 2]], [torch.tensor([0, 1])], [torch.zeros(1, 1, 1, 3)])
+    with pytest.raises(ValueError, match=r"masks\[0\]: .*for 0 >= 1 rows"):
+        model_forward_packed(sdpa, [new_cache(sdpa.config)], [[]], [torch.tensor([], dtype=torch.long)], [torch.zeros(1, 1, 0, 0)])
+    # a class that cannot switch its attention (transformers only warns): refused, auto falls back to padded
+    stuck = copy.deepcopy(sdpa)
+    stuck.set_attn_implementation("sdpa")
+    stuck.set_attn_implementation = lambda name: None  # what transformers does for such a class: keep sdpa
+    assert not TargetRuntime(stuck).packed and stuck.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="does not take a registered attention"):
+        TargetRuntime(stuck, packed=True)

@@ -96,12 +96,12 @@ def test_batched_proposals_equal_each_sessions_solo_trees_and_cache(monkeypatch,
     _batch_sessions(solo)
     batched.prefill("s2")  # cached lengths differ at the first step too
     solo.prefill("s2")
-    shared_rows = []  # (sessions B, rows) of every shared forward: B * Q padded, sum P_b packed
+    shared_rows = []  # (layout, sessions B, rows per session) of every shared forward
     real, real_packed = module.model_forward_batch, module.model_forward_packed
-    monkeypatch.setattr(module, "model_forward_batch",
-                        lambda model_, cache, ids, *rest: shared_rows.append(tuple(ids.shape)) or real(model_, cache, ids, *rest))
+    monkeypatch.setattr(module, "model_forward_batch", lambda model_, cache, ids, *rest: shared_rows.append(
+        ("padded", ids.shape[0], [ids.shape[1]] * ids.shape[0])) or real(model_, cache, ids, *rest))
     monkeypatch.setattr(module, "model_forward_packed", lambda model_, caches, ids, *rest: shared_rows.append(
-        (len(ids), sum(map(len, ids)))) or real_packed(model_, caches, ids, *rest))
+        ("packed", len(ids), list(map(len, ids)))) or real_packed(model_, caches, ids, *rest))
     for round_ in range(4):
         items = [(sid, BATCH_SPECS[i], 4) for i, (sid, _, _) in enumerate(sessions)]
         trees = batched.propose_batch(items)
@@ -112,7 +112,10 @@ def test_batched_proposals_equal_each_sessions_solo_trees_and_cache(monkeypatch,
             accept = (round_ + i) % 4
             _commit_first_path(batched, sid, trees[i], accept)
             _commit_first_path(solo, sid, alone, accept)
-    assert shared_rows and shared_rows[0][0] == 6 and len(shared_rows) >= 4 * 2, shared_rows
+    assert shared_rows and shared_rows[0][1] == 6 and len(shared_rows) >= 4 * 2, shared_rows
+    assert {layout for layout, _, _ in shared_rows} == {"packed" if packed else "padded"}
+    if packed:  # each session's own rows: sessions expanding different numbers of parents differ
+        assert any(len(set(rows)) > 1 for _, _, rows in shared_rows), shared_rows
     for sid, _, _ in sessions:
         s = batched.sessions[sid]
         assert_kv_equal(cache_kv(s.cache), prefill_kv(model, s.tokens[: s.cached_len]), what=f"{sid} draft cache")

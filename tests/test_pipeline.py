@@ -157,10 +157,13 @@ def test_ahead_merges_with_other_sessions_proposes():
 
 
 
-def test_failed_shared_forward_rolls_the_ahead_back_so_a_retry_alone_succeeds(monkeypatch):
+@pytest.mark.parametrize("where", ["before", "mid-forward"])
+def test_failed_shared_forward_rolls_the_ahead_back_so_a_retry_alone_succeeds(monkeypatch, where):
     """A shared draft forward that fails raises out of propose_batch; SessionBatcher then retries
     each item alone. The ahead item must be back at its state before the ahead (no unresolved ahead
-    left), so its solo retry gives the tree and guess an untroubled run gives."""
+    left), so its solo retry gives the tree and guess an untroubled run gives. "mid-forward": the
+    packed forward fails in layer 1, after layer 0 appended the rows' KV to both caches (layers of
+    uneven length: the rollback and the next round's start must cut every layer)."""
     model = tiny_model("qwen2", seed=3, init_std=STD)
     batch, solo = DraftRuntime(model), DraftRuntime(model)
     for r in (batch, solo):
@@ -174,9 +177,25 @@ def test_failed_shared_forward_rolls_the_ahead_back_so_a_retry_alone_succeeds(mo
         monkeypatch.setattr(DraftRuntime, "_forward_together", real)
         raise RuntimeError("out of memory in the stacked batch")
 
-    monkeypatch.setattr(DraftRuntime, "_forward_together", fail_once)
-    with pytest.raises(RuntimeError, match="out of memory"):
-        batch.propose_batch([("a", SPEC, 3, path), ("b", SPEC, 2)])
+    def fail_in_layer_1(module, args, kwargs):  # only in a packed (shared) forward, once
+        if kwargs.get("packed_rows") is not None:
+            hook.remove()
+            raise RuntimeError("out of memory in layer 1 of the packed forward")
+
+    if where == "before":
+        monkeypatch.setattr(DraftRuntime, "_forward_together", fail_once)
+    else:
+        assert batch.packed
+        hook = model.model.layers[1].register_forward_pre_hook(fail_in_layer_1, with_kwargs=True)
+    try:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            batch.propose_batch([("a", SPEC, 3, path), ("b", SPEC, 2)])
+    finally:
+        if where != "before":
+            hook.remove()
+    if where != "before":  # layer 0 holds rows that layer 1 does not: the caches are uneven until rolled back
+        layers = batch.sessions["b"].cache.layers  # b was never prefilled: layer 1 is still empty
+        assert layers[0].keys.shape[2] > (0 if layers[1].keys is None else layers[1].keys.shape[2])
     assert batch.sessions["a"].ahead is None
     retried = batch.propose_ahead("a", path, SPEC, 3)  # before the fix: SessionStateError (unresolved ahead)
     expected = solo.propose_ahead("a", path, SPEC, 3)

@@ -1037,7 +1037,8 @@ def test_concurrent_draft_streams_share_forwards_and_get_their_solo_trees():
 # Chunked prefill mixed into other sessions' verify forwards
 # ----------------------------------------------------------------------------------------------
 
-def test_a_prefill_chunk_in_a_verify_batch_leaves_the_session_as_extend_does():
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_a_prefill_chunk_in_a_verify_batch_leaves_the_session_as_extend_does(packed):
     """verify_batch with (session, PrefillChunk) items beside another session's plain steps: the
     prefilling session ends as after ``start`` of its whole prompt (same R and length, its logits
     and KV equal up to float32 round-off of the differently shaped forward), both sessions then
@@ -1045,7 +1046,7 @@ def test_a_prefill_chunk_in_a_verify_batch_leaves_the_session_as_extend_does():
     from target_service.runtime import CHUNK_FED, PrefillChunk
 
     model = tiny_model("qwen2", seed=0)
-    mixed, solo = TargetRuntime(model), TargetRuntime(model)
+    mixed, solo = TargetRuntime(model, packed=packed), TargetRuntime(model)
     other, long = random_prompt(3, 20), random_prompt(4, 61)
     for rt in (mixed, solo):
         rt.start("o", other)

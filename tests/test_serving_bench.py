@@ -127,7 +127,7 @@ def test_pin_runs_target_on_core_0_and_draft_on_core_1(pinned_longprompt_run):
 def test_longprompt_section_reports_itl_before_and_during(pinned_longprompt_run):
     result, md = pinned_longprompt_run
     lp = result["longprompt"]
-    assert lp["long_prompt_tokens"] == 300 and lp["running"] == 2 and lp["prefill_chunk_settings"] == [[32, 32]]
+    assert lp["long_prompt_tokens"] == 300 and lp["running"] == 2 and lp["prefill_chunk_settings"] == [[32, 16]]
     (row,) = lp["rows"]
     assert row["config"] == "speculative" and row["prefill_chunk_tokens"] == 32 and row["chunked"] is True
     assert row["prefill_busy_chunk_tokens"] == 16  # the config default: chunks ride in the running requests' forwards
@@ -138,7 +138,7 @@ def test_longprompt_section_reports_itl_before_and_during(pinned_longprompt_run)
     assert row["itl_tokens_before"] > 0 and row["itl_tokens_during"] > 0
     assert row["running_outlasted"] == 2  # both still decoding when the long request's first token came
     assert 0 < row["long_new_tokens"] <= 6 and row["long_wall_s"] >= row["long_ttft_s"]
-    assert "Long prompt beside running requests" in md and "| speculative | 32 | 32 | True |" in md
+    assert "Long prompt beside running requests" in md and "| speculative | 32 | 16 | True |" in md
     # the concurrency table's new column
     conc = {r["config"]: r for r in result["concurrency"]["rows"]}
     assert conc["target_only"]["latency_p95_vs_target_only"] == 1.0
