@@ -101,8 +101,9 @@ class TargetRuntime:
         sequence, each session attending to its own cache (``model_forward_packed``; switches the
         model's ``sdpa`` attention to the packed one, which is plain sdpa for every other forward);
         False = a padded [B, Q] batch after a stacked cache (``model_forward_batch``); None = packed
-        when the model's attention is ``sdpa`` (the transformers default), else padded. Raises
-        ValueError for packed=True on a model whose attention is not sdpa."""
+        when the model's attention is ``sdpa`` (the transformers default) and its class takes a
+        registered attention function, else padded. Raises ValueError for packed=True where that
+        does not hold (``specdec.forward.packed_layout``)."""
         self.model = model
         self.vocab_size = model.config.vocab_size
         self.max_tree_nodes = max_tree_nodes
@@ -274,7 +275,7 @@ class TargetRuntime:
         append back to each session (L_b + N_b + 1). The stacked cache lives until the new slots
         are split back, so at the peak the batch's KV is held about twice (three times within one
         layer's concatenation); logits are [B, Q, V] float32. Packed: one copy per session, as
-        solo; logits [T, V] float32.
+        solo; logits [K, V] float32 for the K rows kept (a prefill chunk keeps its last row only).
 
         Numerics: each row's logits equal its solo forward's up to float32 round-off of the
         differently shaped computation (packed: the attention is the solo one, the GEMMs run over T
