@@ -326,19 +326,27 @@ class DraftRuntime:
 
     def _forward_together(self, rows: list[_StepRows]) -> list[torch.Tensor]:
         """One forward over B >= 2 sessions' step rows: packed (``model_forward_packed``, sum P_b
-        rows) or padded (``batched_step_inputs``, B * max P_b rows)."""
+        rows) or padded (``_forward_padded``, B * max P_b rows). Returns B log-prob tensors: [1, V]
+        (R's row) at step 0, [P_b, V] after."""
         if self.packed:
             logits = model_forward_packed(
                 self.model, [r.session.cache for r in rows], [r.ids for r in rows], [r.positions for r in rows],
                 [additive_mask(r.visible, self.model.dtype) for r in rows],
                 [1 if r.root else None for r in rows],  # step 0: only R's row is drafted from
-            )  # B x (P_b, V); (1, V) at step 0
-            out = []
-            for r, rows_logits in zip(rows, logits):
-                if r.root:
-                    r.session.cached_len = len(r.session.tokens)
-                out.append(torch.log_softmax(rows_logits, dim=-1))
-            return out
+            )
+        else:
+            logits = self._forward_padded(rows)
+        out = []
+        for r, rows_logits in zip(rows, logits):
+            if r.root:
+                r.session.cached_len = len(r.session.tokens)
+            out.append(torch.log_softmax(rows_logits, dim=-1))
+        return out
+
+    def _forward_padded(self, rows: list[_StepRows]) -> list[torch.Tensor]:
+        """``_forward_together``'s forward as a padded batch after a stacked cache
+        (``batched_step_inputs``); each session's new slots are appended back to its cache. Returns
+        B logits tensors: [1, V] at step 0, [P_b, V] after."""
         lengths = [cache_length(r.session.cache) for r in rows]
         stacked = stack_kv([r.session.cache for r in rows], lengths, self.model.config)  # (B, H, S, D)
         ids, positions, mask = batched_step_inputs(rows, lengths, self.model.dtype)
@@ -347,11 +355,8 @@ class DraftRuntime:
         out = []
         for b, r in enumerate(rows):
             append_kv_row(r.session.cache, stacked, b, width, len(r.ids))
-            if r.root:
-                r.session.cached_len = len(r.session.tokens)
-                out.append(torch.log_softmax(logits[b, len(r.ids) - 1 : len(r.ids)], dim=-1))  # (1, V)
-            else:
-                out.append(torch.log_softmax(logits[b, : len(r.ids)], dim=-1))  # (P, V)
+            p = len(r.ids)
+            out.append(logits[b, p - 1 : p] if r.root else logits[b, :p])
         del stacked
         return out
 

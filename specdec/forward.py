@@ -186,7 +186,10 @@ def model_forward_packed(
     over the rows kept, e.g. 1 for a prefill chunk). The linear layers run over T = sum n_b rows (a
     padded batch would run B * max n_b), attention runs per session against its own cache
     (``_packed_attention``; the model must have gone through ``use_packed_attention``). Returns B
-    [k_b, V] float32 logits (k_b = logits_rows[b] or n_b).
+    [k_b, V] float32 logits (k_b = logits_rows[b] or n_b). This is sequence packing without
+    cross-contamination (Krell et al. 2021, "Efficient Sequence Packing without
+    Cross-contamination", section 3: block-diagonal attention, per-sequence positions), with each
+    sequence's own KV cache behind its block, as vLLM's varlen attention batches requests.
 
     Numerics: each session's attention is its solo forward's; the GEMMs see T rows instead of n_b,
     so logits equal the solo forward's up to float32 round-off (same order as a batched forward).
