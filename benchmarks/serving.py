@@ -168,15 +168,18 @@ class Span:
     parent_id: str
     attributes: dict
     ms: float
+    start_ns: int = 0  # wall clock (time.time_ns), comparable across the processes of this machine
+    end_ns: int = 0
 
 
 class SpanCollector(OtlpReceiver):
-    """specdec.harness.otlp.OtlpReceiver that also keeps each span's duration."""
+    """specdec.harness.otlp.OtlpReceiver that also keeps each span's duration and start / end times."""
 
     def keep(self, service: str, span) -> Span:
         return Span(service, span.name, span.span_id.hex(), span.parent_span_id.hex(),
                     {a.key: attribute_value(a.value) for a in span.attributes},
-                    (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6)
+                    (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6,
+                    span.start_time_unix_nano, span.end_time_unix_nano)
 
 
 def install_memory_tracing():
@@ -251,6 +254,66 @@ def round_split(spans: list[Span], request_ids: set[str]) -> dict:
         out["tree_bytes_mean"] = sum(tree_bytes) / len(tree_bytes)
         out["tree_bytes_max"] = max(tree_bytes)
     return out
+
+
+def wait_for_rounds(collector: SpanCollector, expected: dict[str, int], timeout_s: float = 30.0) -> None:
+    """Wait until each request's ``round`` spans (expected: request id -> rounds) have arrived; log
+    what is missing after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = {k: len(v) for k, v in request_rounds(collector.spans(), set(expected)).items()}
+        if all(got.get(k, 0) >= v for k, v in expected.items()):
+            return
+        time.sleep(0.3)
+    seen = defaultdict(int)
+    for s in collector.spans():
+        seen[(s.service, s.name)] += 1
+    log(f"warning: round spans missing after {timeout_s:.0f} s (got {dict(got)}, expected {expected}); spans seen: {dict(seen)}")
+
+
+def pipeline_overlap(spans: list[Span], request_ids: set[str]) -> dict:
+    """Draft/verify pipelining read from the traces of these requests (issue 12: in rounds whose guess
+    was right, the critical path holds no draft time).
+
+    Round r's ``draft.ahead`` span (round r+1's tree, drafted beside round r's verify) is set against
+    round r's ``verify`` span: ``hidden_share`` = the hit aheads' time inside their verify span / their
+    whole time; ``wait_ms_mean`` = how long after its verify ended a hit ahead was still drafting
+    (the draft time that stayed on the critical path). A round whose tree was adopted (``pipelined``)
+    has no ``draft`` span of its own; ``adopted_draft_ms_mean`` is its mean ``draft`` child time (0.0
+    when none has one) against ``drafted_draft_ms_mean`` of the rounds that drafted in line.
+    """
+    rounds = [s for group in request_rounds(spans, request_ids).values() for s in group]
+    ids = {s.span_id for s in rounds}
+    children: dict[str, dict[str, Span]] = defaultdict(dict)
+    for s in spans:
+        if s.parent_id in ids and s.name in ("draft", "verify", "draft.ahead"):
+            children[s.parent_id][s.name] = s
+    aheads = hits = 0
+    ahead_ns = hidden_ns = 0
+    waits, adopted_draft, drafted_draft = [], [], []
+    for r in rounds:
+        kids = children[r.span_id]
+        ahead, verify = kids.get("draft.ahead"), kids.get("verify")
+        if ahead is not None and verify is not None:
+            aheads += 1
+            if r.attributes.get("ahead.outcome") == "hit":
+                hits += 1
+                ahead_ns += ahead.end_ns - ahead.start_ns
+                hidden_ns += max(0, min(ahead.end_ns, verify.end_ns) - max(ahead.start_ns, verify.start_ns))
+                waits.append(max(0, ahead.end_ns - verify.end_ns) / 1e6)
+        draft = kids.get("draft")
+        if r.attributes.get("pipelined"):
+            adopted_draft.append(draft.ms if draft else 0.0)
+        elif draft is not None:
+            drafted_draft.append(draft.ms)
+
+    def mean(values):
+        return sum(values) / len(values) if values else None
+
+    return {"rounds": len(rounds), "aheads": aheads, "hits": hits, "adopted_rounds": len(adopted_draft),
+            "hidden_share": hidden_ns / ahead_ns if ahead_ns else None, "wait_ms_mean": mean(waits),
+            "adopted_draft_ms_mean": mean(adopted_draft), "drafted_rounds": len(drafted_draft),
+            "drafted_draft_ms_mean": mean(drafted_draft)}
 
 
 # ----------------------------------------------------------------------------------------- embedded
@@ -589,19 +652,7 @@ def section_grpc(args, pipe, prompts, fronts: dict, collector, mem_exporter) -> 
         summary[mode]["ratio_vs_embedded"] = (summary[mode]["tokens_per_s"] / summary["embedded"]["tokens_per_s"]
                                               if summary["embedded"]["tokens_per_s"] else 0.0)
     identical = {m: sum(r["identical"][m] for r in rows) for m in fronts}
-    # traces: wait until every gRPC request's round spans have arrived
-    expected = {r[m]["request_id"]: r[m]["rounds"] for r in rows for m in fronts}
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        got = {k: len(v) for k, v in request_rounds(collector.spans(), set(expected)).items()}
-        if all(got.get(k, 0) >= v for k, v in expected.items()):
-            break
-        time.sleep(0.3)
-    else:
-        seen = defaultdict(int)
-        for s in collector.spans():
-            seen[(s.service, s.name)] += 1
-        log(f"warning: round spans missing after 30 s (got {dict(got)}, expected {expected}); spans seen: {dict(seen)}")
+    wait_for_rounds(collector, {r[m]["request_id"]: r[m]["rounds"] for r in rows for m in fronts})
     spans = collector.spans()
     split = {"embedded": round_split(memory_spans(mem_exporter), {r["embedded"]["request_id"] for r in rows})}
     for m in fronts:
@@ -618,13 +669,15 @@ def section_grpc(args, pipe, prompts, fronts: dict, collector, mem_exporter) -> 
             "rows": rows}
 
 
-def section_concurrency(args, prompts, configs: dict) -> dict:
-    """configs: name -> (front address, target address, no_spec)."""
+def section_concurrency(args, prompts, configs: dict, collector: SpanCollector | None = None) -> dict:
+    """configs: name -> (front address, target address, no_spec); collector: the services' spans
+    (the pipelined configuration's rows get ``pipeline_trace``, see pipeline_overlap)."""
     ids = [p["ids"] for p in prompts]
     for name, (front, _, no_spec) in configs.items():  # warm-up
         grpc_one(front, f"warm-conc-{name}", ids[0], 4, no_spec)
     names = list(configs)
     rows, outputs = [], defaultdict(dict)
+    traced: dict[int, dict[str, int]] = {}  # row index -> {request id: rounds} of the rows with ahead hits
     for li, level in enumerate(args.levels):
         order = names[li % len(names):] + names[: li % len(names)]
         for name in order:
@@ -650,9 +703,14 @@ def section_concurrency(args, prompts, configs: dict) -> dict:
             for key in PIPELINE_STATS:  # None: the front's final stats have no such field
                 values = [r[key] for r in reqs if r[key] is not None]
                 row[key] = sum(values) if values else None
+            if collector is not None and row["pipeline_ahead_hits"]:
+                traced[len(rows)] = {f"conc-{name}-{level}-{i}": r["rounds"] for i, r in enumerate(reqs)}
             rows.append(row)
             log(f"concurrency {name} x{level}: {row['tokens_per_s']:.2f} tok/s, p50 {row['latency_p50_s']:.2f} s, "
                 f"p95 {row['latency_p95_s']:.2f} s, merged forwards {merged}")
+    for i, expected in traced.items():
+        wait_for_rounds(collector, expected)
+        rows[i]["pipeline_trace"] = pipeline_overlap(collector.spans(), set(expected))
     base = {r["clients"]: r for r in rows if r["config"] == "target_only"}
     for r in rows:
         ref = base.get(r["clients"])
@@ -947,6 +1005,22 @@ def markdown(result: dict) -> str:
                      "never worse). ahead hits / misses: the front's `pipeline_ahead_hits` / `pipeline_ahead_misses` "
                      "(draft rounds started ahead of the verify outcome that were used / discarded), '-' where its "
                      "final stats have no such field.\n")
+        traced = [r for r in c["rows"] if r.get("pipeline_trace")]
+        if traced:
+            parts.append("Pipelining from the traces: each hit ahead's `draft.ahead` span against its round's `verify` "
+                         "span (hidden = share of the aheads' time inside the verify; wait = how long after the verify "
+                         "ended the ahead still drafted, mean ms), and the `draft` span time of the rounds that used an "
+                         "adopted tree against the rounds that drafted in line (mean ms).\n")
+            head = ["config", "clients", "rounds", "aheads", "hits", "draft hidden behind verify", "wait after verify ms",
+                    "adopted rounds", "their draft ms", "in-line drafted rounds", "their draft ms"]
+            rows = []
+            for r in sorted(traced, key=lambda r: (c["configs"].index(r["config"]), r["clients"])):
+                t = r["pipeline_trace"]
+                rows.append([r["config"], r["clients"], t["rounds"], t["aheads"], t["hits"],
+                             f"{t['hidden_share']:.0%}" if t["hidden_share"] is not None else "-", _or_dash(t["wait_ms_mean"], 1),
+                             t["adopted_rounds"], _or_dash(t["adopted_draft_ms_mean"], 1), t["drafted_rounds"],
+                             _or_dash(t["drafted_draft_ms_mean"], 1)])
+            parts.append(md_table(head, rows))
         parts.append(f"Outputs identical across configurations and levels: **{c['identical_outputs']}** "
                      f"({c['identical_prompts']}/{c['prompts']} prompts)\n")
     d = result.get("gamma")
@@ -1212,7 +1286,7 @@ def main(argv=None) -> int:
                     configs["speculative_pipelined"] = (services.wait(front_pipelined).address, batched.address, False)
                 configs["target_only"] = (front_batched.address, batched.address, True)
                 log(f"concurrency section: levels {args.levels} x {len(conc_prompts)} requests x {len(configs)} configs")
-                result["concurrency"] = section_concurrency(args, conc_prompts, configs)
+                result["concurrency"] = section_concurrency(args, conc_prompts, configs, collector)
             if want_long:
                 for service in [s for s in services.running if s is not draft]:  # one target service at a time
                     services.stop(service)

@@ -160,6 +160,12 @@ def test_pipeline_configuration(tmp_path, tiny_long_pair):
     for key in ("pipeline_ahead_hits", "pipeline_ahead_misses"):
         assert rows[0][key] is None or rows[0][key] >= 0
     assert "| speculative_pipelined | 2 |" in md and result["meta"]["pipeline"] is True
+    if rows[0]["pipeline_ahead_hits"]:  # the traces tell the same story as the front's counters
+        trace = rows[0]["pipeline_trace"]
+        assert trace["hits"] == rows[0]["pipeline_ahead_hits"] and trace["adopted_rounds"] == trace["hits"]
+        assert trace["adopted_draft_ms_mean"] == 0.0 and trace["hidden_share"] > 0
+        assert "Pipelining from the traces" in md
+    assert not any("pipeline_trace" in r for r in conc["rows"] if r["config"] != "speculative_pipelined")
 
 
 def test_pipeline_flag_needs_the_front_key(monkeypatch):
@@ -221,3 +227,38 @@ def test_long_prompt_ids_are_deterministic_and_exact_length(tiny_long_pair):
     ids = long_prompt_ids(tok, 2000)
     assert len(ids) == 2000 and ids == long_prompt_ids(tok, 2000)
     assert long_prompt_ids(tok, 300) == ids[:300]
+
+
+def test_pipeline_overlap_from_spans():
+    """pipeline_overlap on hand-made spans: a hit ahead half inside its verify, a miss, an adopted
+    round without a draft span, an in-line drafted round; another request's spans are ignored."""
+    from benchmarks.serving import Span, pipeline_overlap
+
+    ms = 1_000_000
+
+    def span(name, sid, parent, start, end, **attributes):
+        return Span("front", name, sid, parent, attributes, (end - start) / ms, start, end)
+
+    spans = [
+        # round 0 of req-0: drafted in line (draft 0-40 ms), verify 40-140, ahead 50-190 ends 50 ms after the verify: a hit
+        span("round", "r0", "", 0, 200 * ms, **{"request.id": "req-0", "ahead.outcome": "hit"}),
+        span("draft", "d0", "r0", 0, 40 * ms), span("verify", "v0", "r0", 40 * ms, 140 * ms),
+        span("draft.ahead", "a0", "r0", 50 * ms, 190 * ms),
+        # round 1: its tree was adopted (no draft span); its ahead misses
+        span("round", "r1", "", 200 * ms, 400 * ms, **{"request.id": "req-0", "pipelined": True, "ahead.outcome": "miss"}),
+        span("verify", "v1", "r1", 200 * ms, 300 * ms), span("draft.ahead", "a1", "r1", 210 * ms, 260 * ms),
+        # round 2: drafted in line again (draft 60 ms), no ahead
+        span("round", "r2", "", 400 * ms, 600 * ms, **{"request.id": "req-0"}),
+        span("draft", "d2", "r2", 400 * ms, 460 * ms), span("verify", "v2", "r2", 460 * ms, 560 * ms),
+        # another request's round: ignored
+        span("round", "x0", "", 0, 100 * ms, **{"request.id": "other", "ahead.outcome": "hit"}),
+        span("verify", "xv", "x0", 0, 10 * ms), span("draft.ahead", "xa", "x0", 50 * ms, 90 * ms),
+    ]
+    out = pipeline_overlap(spans, {"req-0"})
+    assert out["rounds"] == 3 and out["aheads"] == 2 and out["hits"] == 1
+    assert out["hidden_share"] == pytest.approx(90 / 140)  # 50-140 ms of the 50-190 ms ahead
+    assert out["wait_ms_mean"] == pytest.approx(50.0)
+    assert out["adopted_rounds"] == 1 and out["adopted_draft_ms_mean"] == 0.0
+    assert out["drafted_rounds"] == 2 and out["drafted_draft_ms_mean"] == pytest.approx(50.0)
+    empty = pipeline_overlap(spans, {"nobody"})
+    assert empty["rounds"] == 0 and empty["hidden_share"] is None and empty["wait_ms_mean"] is None
