@@ -699,6 +699,7 @@ def section_concurrency(args, prompts, configs: dict, collector: SpanCollector |
                    "mean_accepted_length": tokens / rounds if rounds else 0.0, "merged_verify_forwards": merged,
                    "mean_tree_rows": rows_verified / rounds if rounds else 0.0,
                    "cost_plain_round_share": sum(r["cost_plain_rounds"] for r in reqs) / rounds if rounds else 0.0,
+                   "fallback_round_share": sum(r["fallback_rounds"] for r in reqs) / rounds if rounds else 0.0,
                    "run_order": order.index(name)}
             for key in PIPELINE_STATS:  # None: the front's final stats have no such field
                 values = [r[key] for r in reqs if r[key] is not None]
@@ -985,12 +986,13 @@ def markdown(result: dict) -> str:
                      f"time of the level; latency per request from send to its final message. merged = target verify "
                      f"forwards that held more than one request; tree rows / round = verified rows (tree nodes + 1) per "
                      f"round; plain rounds (cost) = rounds the cost-aware control ran without the draft because no "
-                     f"draft step paid (under load: the batch's goodput). Once speculative requests overlap, the draft service "
+                     f"draft step paid (under load: the batch's goodput); fallback rounds = rounds without the draft "
+                     f"because it failed, was past its deadline or was full. Once speculative requests overlap, the draft service "
                      f"({meta['draft_threads']} thread(s)) and the target service ({meta['target_threads']}) compute at "
                      f"the same time on {meta['cpu_count']} CPUs.\n")
         head = ["config", "clients", "tok/s", "vs target only", "p50 latency s", "p95 latency s",
                 "p95 latency vs target only", "p50 TTFT s", "p95 TTFT s", "mean acc len", "tree rows / round",
-                "plain rounds (cost)", "merged", "ahead hits", "ahead misses"]
+                "plain rounds (cost)", "fallback rounds", "merged", "ahead hits", "ahead misses"]
         rows = []
         for r in sorted(c["rows"], key=lambda r: (c["configs"].index(r["config"]), r["clients"])):
             sp, lat = r.get("speedup_vs_target_only"), r.get("latency_p95_vs_target_only")
@@ -998,7 +1000,8 @@ def markdown(result: dict) -> str:
                          _f(r["latency_p50_s"]), _f(r["latency_p95_s"]), f"{lat:.2f}x" if lat else "-",
                          _f(r["ttft_p50_s"]), _f(r.get("ttft_p95_s")),
                          _f(r["mean_accepted_length"]), _f(r.get("mean_tree_rows")),
-                         f"{r.get('cost_plain_round_share', 0):.0%}", r["merged_verify_forwards"],
+                         f"{r.get('cost_plain_round_share', 0):.0%}", f"{r.get('fallback_round_share', 0):.0%}",
+                         r["merged_verify_forwards"],
                          _or_dash(r.get("pipeline_ahead_hits")), _or_dash(r.get("pipeline_ahead_misses"))])
         parts.append(md_table(head, rows))
         parts.append("p95 latency vs target only: the row's p95 latency / target_only's at the same clients (<= 1: "

@@ -160,6 +160,7 @@ def test_pipeline_configuration(tmp_path, tiny_long_pair):
     for key in ("pipeline_ahead_hits", "pipeline_ahead_misses"):
         assert rows[0][key] is None or rows[0][key] >= 0
     assert "| speculative_pipelined | 2 |" in md and result["meta"]["pipeline"] is True
+    assert all(0.0 <= r["fallback_round_share"] <= 1.0 for r in conc["rows"]) and "| fallback rounds |" in md
     if rows[0]["pipeline_ahead_hits"]:  # the traces tell the same story as the front's counters
         trace = rows[0]["pipeline_trace"]
         assert trace["hits"] == rows[0]["pipeline_ahead_hits"] and trace["adopted_rounds"] == trace["hits"]
