@@ -256,19 +256,21 @@ def round_split(spans: list[Span], request_ids: set[str]) -> dict:
     return out
 
 
-def wait_for_rounds(collector: SpanCollector, expected: dict[str, int], timeout_s: float = 30.0) -> None:
-    """Wait until each request's ``round`` spans (expected: request id -> rounds) have arrived; log
-    what is missing after timeout_s."""
+def wait_for_rounds(collector: SpanCollector, expected: dict[str, int], timeout_s: float = 30.0) -> bool:
+    """Wait until each request's ``round`` spans (expected: request id -> rounds) have arrived; False
+    (and a warning naming what is missing) after timeout_s."""
     deadline = time.monotonic() + timeout_s
+    got: dict[str, int] = {}
     while time.monotonic() < deadline:
         got = {k: len(v) for k, v in request_rounds(collector.spans(), set(expected)).items()}
         if all(got.get(k, 0) >= v for k, v in expected.items()):
-            return
+            return True
         time.sleep(0.3)
     seen = defaultdict(int)
     for s in collector.spans():
         seen[(s.service, s.name)] += 1
     log(f"warning: round spans missing after {timeout_s:.0f} s (got {dict(got)}, expected {expected}); spans seen: {dict(seen)}")
+    return False
 
 
 def pipeline_overlap(spans: list[Span], request_ids: set[str]) -> dict:
@@ -276,11 +278,15 @@ def pipeline_overlap(spans: list[Span], request_ids: set[str]) -> dict:
     was right, the critical path holds no draft time).
 
     Round r's ``draft.ahead`` span (round r+1's tree, drafted beside round r's verify) is set against
-    round r's ``verify`` span: ``hidden_share`` = the hit aheads' time inside their verify span / their
-    whole time; ``wait_ms_mean`` = how long after its verify ended a hit ahead was still drafting
-    (the draft time that stayed on the critical path). A round whose tree was adopted (``pipelined``)
-    has no ``draft`` span of its own; ``adopted_draft_ms_mean`` is its mean ``draft`` child time (0.0
-    when none has one) against ``drafted_draft_ms_mean`` of the rounds that drafted in line.
+    round r's ``verify`` span. ``aheads`` counts every ahead (failed ones too), ``hits`` those whose
+    guess was right (round attribute ``ahead.outcome``). Over the hits: ``hit_ahead_ms_mean`` = an
+    ahead's own time; ``hidden_share`` = their time inside their verify span / their whole time;
+    ``wait_ms_mean`` = how long after its verify ended an ahead still ran (an upper bound on what the
+    round waited for it: the round awaits the ahead after the target's commit). Round r+1, whose tree
+    was adopted (``pipelined``), runs no draft call: ``adopted_with_draft_span`` counts those that
+    still have a ``draft`` child (0 expected); ``adopted_round_ms_mean`` / ``drafted_round_ms_mean``
+    are the mean round times of adopted rounds and of rounds that drafted in line (whose mean
+    ``draft`` span is ``drafted_draft_ms_mean``). All times ms.
     """
     rounds = [s for group in request_rounds(spans, request_ids).values() for s in group]
     ids = {s.span_id for s in rounds}
@@ -288,32 +294,35 @@ def pipeline_overlap(spans: list[Span], request_ids: set[str]) -> dict:
     for s in spans:
         if s.parent_id in ids and s.name in ("draft", "verify", "draft.ahead"):
             children[s.parent_id][s.name] = s
-    aheads = hits = 0
+    aheads = 0
     ahead_ns = hidden_ns = 0
-    waits, adopted_draft, drafted_draft = [], [], []
+    hit_ms, waits, adopted_ms, drafted_ms, drafted_draft = [], [], [], [], []
+    adopted_with_draft = 0
     for r in rounds:
         kids = children[r.span_id]
-        ahead, verify = kids.get("draft.ahead"), kids.get("verify")
+        ahead, verify, draft = kids.get("draft.ahead"), kids.get("verify"), kids.get("draft")
         if ahead is not None and verify is not None:
             aheads += 1
             if r.attributes.get("ahead.outcome") == "hit":
-                hits += 1
+                hit_ms.append(ahead.ms)
                 ahead_ns += ahead.end_ns - ahead.start_ns
                 hidden_ns += max(0, min(ahead.end_ns, verify.end_ns) - max(ahead.start_ns, verify.start_ns))
                 waits.append(max(0, ahead.end_ns - verify.end_ns) / 1e6)
-        draft = kids.get("draft")
         if r.attributes.get("pipelined"):
-            adopted_draft.append(draft.ms if draft else 0.0)
+            adopted_ms.append(r.ms)
+            adopted_with_draft += draft is not None
         elif draft is not None:
+            drafted_ms.append(r.ms)
             drafted_draft.append(draft.ms)
 
     def mean(values):
         return sum(values) / len(values) if values else None
 
-    return {"rounds": len(rounds), "aheads": aheads, "hits": hits, "adopted_rounds": len(adopted_draft),
+    return {"rounds": len(rounds), "aheads": aheads, "hits": len(hit_ms), "hit_ahead_ms_mean": mean(hit_ms),
             "hidden_share": hidden_ns / ahead_ns if ahead_ns else None, "wait_ms_mean": mean(waits),
-            "adopted_draft_ms_mean": mean(adopted_draft), "drafted_rounds": len(drafted_draft),
-            "drafted_draft_ms_mean": mean(drafted_draft)}
+            "adopted_rounds": len(adopted_ms), "adopted_with_draft_span": adopted_with_draft,
+            "adopted_round_ms_mean": mean(adopted_ms), "drafted_rounds": len(drafted_ms),
+            "drafted_round_ms_mean": mean(drafted_ms), "drafted_draft_ms_mean": mean(drafted_draft)}
 
 
 # ----------------------------------------------------------------------------------------- embedded
@@ -671,7 +680,8 @@ def section_grpc(args, pipe, prompts, fronts: dict, collector, mem_exporter) -> 
 
 def section_concurrency(args, prompts, configs: dict, collector: SpanCollector | None = None) -> dict:
     """configs: name -> (front address, target address, no_spec); collector: the services' spans
-    (the pipelined configuration's rows get ``pipeline_trace``, see pipeline_overlap)."""
+    (rows with ahead hits get ``pipeline_trace``, see pipeline_overlap; ``complete``: every round span
+    of their requests arrived)."""
     ids = [p["ids"] for p in prompts]
     for name, (front, _, no_spec) in configs.items():  # warm-up
         grpc_one(front, f"warm-conc-{name}", ids[0], 4, no_spec)
@@ -710,8 +720,8 @@ def section_concurrency(args, prompts, configs: dict, collector: SpanCollector |
             log(f"concurrency {name} x{level}: {row['tokens_per_s']:.2f} tok/s, p50 {row['latency_p50_s']:.2f} s, "
                 f"p95 {row['latency_p95_s']:.2f} s, merged forwards {merged}")
     for i, expected in traced.items():
-        wait_for_rounds(collector, expected)
-        rows[i]["pipeline_trace"] = pipeline_overlap(collector.spans(), set(expected))
+        complete = wait_for_rounds(collector, expected)
+        rows[i]["pipeline_trace"] = {**pipeline_overlap(collector.spans(), set(expected)), "complete": complete}
     base = {r["clients"]: r for r in rows if r["config"] == "target_only"}
     for r in rows:
         ref = base.get(r["clients"])
@@ -1010,19 +1020,22 @@ def markdown(result: dict) -> str:
                      "final stats have no such field.\n")
         traced = [r for r in c["rows"] if r.get("pipeline_trace")]
         if traced:
-            parts.append("Pipelining from the traces: each hit ahead's `draft.ahead` span against its round's `verify` "
-                         "span (hidden = share of the aheads' time inside the verify; wait = how long after the verify "
-                         "ended the ahead still drafted, mean ms), and the `draft` span time of the rounds that used an "
-                         "adopted tree against the rounds that drafted in line (mean ms).\n")
-            head = ["config", "clients", "rounds", "aheads", "hits", "draft hidden behind verify", "wait after verify ms",
-                    "adopted rounds", "their draft ms", "in-line drafted rounds", "their draft ms"]
+            parts.append("Pipelining from the traces (rows with ahead hits): aheads = `draft.ahead` spans (failed ones "
+                         "too); over the hit aheads: their mean ms, the share of their time inside their round's `verify` "
+                         "span (hidden) and how long after the verify ended they still ran (wait, mean ms, an upper bound "
+                         "on what the round waited). Adopted rounds (their tree came from a hit) against rounds that "
+                         "drafted in line: mean round ms, and the adopted rounds that still had a `draft` span.\n")
+            head = ["config", "clients", "rounds", "aheads", "hits", "hit ahead ms", "hidden behind verify",
+                    "wait after verify ms", "adopted rounds", "their round ms", "with a draft span",
+                    "in-line drafted rounds", "their round ms", "their draft ms", "all spans"]
             rows = []
             for r in sorted(traced, key=lambda r: (c["configs"].index(r["config"]), r["clients"])):
                 t = r["pipeline_trace"]
-                rows.append([r["config"], r["clients"], t["rounds"], t["aheads"], t["hits"],
+                rows.append([r["config"], r["clients"], t["rounds"], t["aheads"], t["hits"], _or_dash(t["hit_ahead_ms_mean"], 1),
                              f"{t['hidden_share']:.0%}" if t["hidden_share"] is not None else "-", _or_dash(t["wait_ms_mean"], 1),
-                             t["adopted_rounds"], _or_dash(t["adopted_draft_ms_mean"], 1), t["drafted_rounds"],
-                             _or_dash(t["drafted_draft_ms_mean"], 1)])
+                             t["adopted_rounds"], _or_dash(t["adopted_round_ms_mean"], 1), t["adopted_with_draft_span"],
+                             t["drafted_rounds"], _or_dash(t["drafted_round_ms_mean"], 1),
+                             _or_dash(t["drafted_draft_ms_mean"], 1), "yes" if t.get("complete", True) else "no"])
             parts.append(md_table(head, rows))
         parts.append(f"Outputs identical across configurations and levels: **{c['identical_outputs']}** "
                      f"({c['identical_prompts']}/{c['prompts']} prompts)\n")

@@ -164,8 +164,10 @@ def test_pipeline_configuration(tmp_path, tiny_long_pair):
     if rows[0]["pipeline_ahead_hits"]:  # the traces tell the same story as the front's counters
         trace = rows[0]["pipeline_trace"]
         assert trace["hits"] == rows[0]["pipeline_ahead_hits"] and trace["adopted_rounds"] == trace["hits"]
-        assert trace["adopted_draft_ms_mean"] == 0.0 and trace["hidden_share"] > 0
+        assert trace["adopted_with_draft_span"] == 0 and trace["hidden_share"] > 0 and trace["complete"] is True
         assert "Pipelining from the traces" in md
+    else:
+        assert "pipeline_trace" not in rows[0]
     assert not any("pipeline_trace" in r for r in conc["rows"] if r["config"] != "speculative_pipelined")
 
 
@@ -231,8 +233,9 @@ def test_long_prompt_ids_are_deterministic_and_exact_length(tiny_long_pair):
 
 
 def test_pipeline_overlap_from_spans():
-    """pipeline_overlap on hand-made spans: a hit ahead half inside its verify, a miss, an adopted
-    round without a draft span, an in-line drafted round; another request's spans are ignored."""
+    """pipeline_overlap on hand-made spans: a hit ahead partly inside its verify, one wholly inside, a
+    miss, adopted rounds with and without a draft span, in-line drafted rounds; another request's
+    spans are ignored."""
     from benchmarks.serving import Span, pipeline_overlap
 
     ms = 1_000_000
@@ -248,18 +251,25 @@ def test_pipeline_overlap_from_spans():
         # round 1: its tree was adopted (no draft span); its ahead misses
         span("round", "r1", "", 200 * ms, 400 * ms, **{"request.id": "req-0", "pipelined": True, "ahead.outcome": "miss"}),
         span("verify", "v1", "r1", 200 * ms, 300 * ms), span("draft.ahead", "a1", "r1", 210 * ms, 260 * ms),
-        # round 2: drafted in line again (draft 60 ms), no ahead
-        span("round", "r2", "", 400 * ms, 600 * ms, **{"request.id": "req-0"}),
+        # round 2: drafted in line again (draft 60 ms); a hit ahead that ends inside its verify (no wait)
+        span("round", "r2", "", 400 * ms, 600 * ms, **{"request.id": "req-0", "ahead.outcome": "hit"}),
         span("draft", "d2", "r2", 400 * ms, 460 * ms), span("verify", "v2", "r2", 460 * ms, 560 * ms),
+        span("draft.ahead", "a2", "r2", 470 * ms, 530 * ms),
+        # round 3: adopted, yet carries a draft span (counted, not hidden)
+        span("round", "r3", "", 600 * ms, 700 * ms, **{"request.id": "req-0", "pipelined": True}),
+        span("draft", "d3", "r3", 600 * ms, 610 * ms), span("verify", "v3", "r3", 610 * ms, 700 * ms),
         # another request's round: ignored
         span("round", "x0", "", 0, 100 * ms, **{"request.id": "other", "ahead.outcome": "hit"}),
         span("verify", "xv", "x0", 0, 10 * ms), span("draft.ahead", "xa", "x0", 50 * ms, 90 * ms),
     ]
     out = pipeline_overlap(spans, {"req-0"})
-    assert out["rounds"] == 3 and out["aheads"] == 2 and out["hits"] == 1
-    assert out["hidden_share"] == pytest.approx(90 / 140)  # 50-140 ms of the 50-190 ms ahead
-    assert out["wait_ms_mean"] == pytest.approx(50.0)
-    assert out["adopted_rounds"] == 1 and out["adopted_draft_ms_mean"] == 0.0
-    assert out["drafted_rounds"] == 2 and out["drafted_draft_ms_mean"] == pytest.approx(50.0)
+    assert out["rounds"] == 4 and out["aheads"] == 3 and out["hits"] == 2
+    assert out["hit_ahead_ms_mean"] == pytest.approx((140 + 60) / 2)
+    assert out["hidden_share"] == pytest.approx((90 + 60) / (140 + 60))  # 50-140 of 50-190 ms; all of 470-530 ms
+    assert out["wait_ms_mean"] == pytest.approx((50.0 + 0.0) / 2)
+    assert out["adopted_rounds"] == 2 and out["adopted_with_draft_span"] == 1
+    assert out["adopted_round_ms_mean"] == pytest.approx((200 + 100) / 2)
+    assert out["drafted_rounds"] == 2 and out["drafted_round_ms_mean"] == pytest.approx(200.0)
+    assert out["drafted_draft_ms_mean"] == pytest.approx(50.0)
     empty = pipeline_overlap(spans, {"nobody"})
     assert empty["rounds"] == 0 and empty["hidden_share"] is None and empty["wait_ms_mean"] is None
