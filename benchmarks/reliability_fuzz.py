@@ -65,6 +65,10 @@ CALL_TIMEOUT_S = 30.0
 INT32 = (-2**31, 2**31 - 1)
 INT64 = (-2**63, 2**63 - 1)
 HUGE_REPEAT = 100_000  # elements of a "huge" repeated field (~0.5 MB of int32: under the 4 MiB message limit)
+# Drawn messages past this size are not sent (``Record.unsent_oversize``): huge repeats nested in huge
+# repeats reach hundreds of MB, which the client's transport cannot stream within CALL_TIMEOUT_S; the
+# servers' 4 MiB limit is still met by the drawn messages between 4 and 16 MiB.
+MAX_SENT_BYTES = 16 << 20
 MAX_FAULTS_KEPT = 50
 GREEDY_PROMPT = [5, 17, 42, 9, 3, 77]  # ids < the tiny models' ~300-token vocabulary
 GREEDY_TOKENS = 12
@@ -349,6 +353,7 @@ class Record:
     fault_count: int = 0
     seconds: Counter = field(default_factory=Counter)  # rpc -> wall time of its calls (s)
     details: dict = field(default_factory=dict)  # (rpc, code name) -> the details of its first call
+    unsent_oversize: int = 0  # drawn unary requests over MAX_SENT_BYTES, not sent
 
     def add(self, rpc: str, code: grpc.StatusCode, details: str, request, allowed=ALLOWED, seconds: float = 0.0) -> None:
         self.codes[(rpc, code.name)] += 1
@@ -406,6 +411,9 @@ class Fuzzer:
         stub_call, request_type, mutated = self._unary(rpc)
         request = data.draw(message_strategy(request_type.DESCRIPTOR) if random_message or mutated is None
                             else mutated, label="request")
+        if request.ByteSize() > MAX_SENT_BYTES:
+            self.record.unsent_oversize += 1
+            return
         started = time.perf_counter()
         _, code, details = _status(lambda: stub_call(request, timeout=CALL_TIMEOUT_S))
         if rpc == "Prefill" and code is OK:
@@ -561,7 +569,8 @@ def greedy_outputs(fuzzer: Fuzzer) -> dict[str, list[int]]:
 
 def drive(fuzzer: Fuzzer, messages: int, seed: int) -> int:
     """Run ``messages`` cases (hypothesis's ``max_examples``: generate phase only, seeded, no database;
-    draws that overrun its buffer end a case before its call and are not counted); returns the count run."""
+    draws that overrun its buffer end a case before its call and are not counted); returns the count run,
+    the drawn requests too large to send (``Record.unsent_oversize``) included."""
 
     @hypothesis_seed(seed)
     @settings(max_examples=messages, database=None, deadline=None, phases=[Phase.generate],
@@ -571,7 +580,7 @@ def drive(fuzzer: Fuzzer, messages: int, seed: int) -> int:
         fuzzer.case(data)
 
     one()
-    return sum(fuzzer.record.codes.values())
+    return sum(fuzzer.record.codes.values()) + fuzzer.record.unsent_oversize
 
 
 def open_sessions(fuzzer: Fuzzer, settle_s: float = 20.0) -> dict[str, int]:
@@ -626,7 +635,7 @@ def summarize(record: Record, ran: int, elapsed_s: float, seed: int, held: dict,
         "greedy_unchanged": before == after,
     }
     return {
-        "messages": ran, "requests": record.requests, "seed": seed, "elapsed_s": round(elapsed_s, 1),
+        "messages": ran, "requests": record.requests, "unsent_oversize": record.unsent_oversize, "seed": seed, "elapsed_s": round(elapsed_s, 1),
         "messages_per_s": round(ran / elapsed_s, 1) if elapsed_s else None,
         "allowed_codes": sorted(c.name for c in ALLOWED) + ["CANCELLED (the fuzzer's own cancel of a Generate)"],
         "codes_per_rpc": per_rpc, "seconds_per_rpc": {rpc: round(t, 2) for rpc, t in sorted(record.seconds.items())},
