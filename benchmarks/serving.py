@@ -217,18 +217,23 @@ def request_rounds(spans: list[Span], request_ids: set[str]) -> dict[str, list[S
     return out
 
 
-def round_split(spans: list[Span], request_ids: set[str]) -> dict:
-    """Mean ms per phase over the round spans of these requests (and their children)."""
+def round_children(spans: list[Span], request_ids: set[str], names: tuple[str, ...]) -> list[tuple[Span, dict[str, Span]]]:
+    """The ``round`` spans of these requests, each with its children named in ``names`` (name -> span)."""
     rounds = [s for group in request_rounds(spans, request_ids).values() for s in group]
     ids = {s.span_id for s in rounds}
     children: dict[str, dict[str, Span]] = defaultdict(dict)
     for s in spans:
-        if s.parent_id in ids and s.name in ("draft", "verify", "commit"):
+        if s.parent_id in ids and s.name in names:
             children[s.parent_id][s.name] = s
+    return [(r, children[r.span_id]) for r in rounds]
+
+
+def round_split(spans: list[Span], request_ids: set[str]) -> dict:
+    """Mean ms per phase over the round spans of these requests (and their children)."""
+    rounds = round_children(spans, request_ids, ("draft", "verify", "commit"))
     rows = defaultdict(list)
     tree_bytes = []
-    for r in rounds:
-        kids = children[r.span_id]
+    for r, kids in rounds:
         draft, verify, commit = kids.get("draft"), kids.get("verify"), kids.get("commit")
         draft_ms = verify_ms = None
         rows["round"].append(r.ms)
@@ -288,18 +293,12 @@ def pipeline_overlap(spans: list[Span], request_ids: set[str]) -> dict:
     are the mean round times of adopted rounds and of rounds that drafted in line (whose mean
     ``draft`` span is ``drafted_draft_ms_mean``). All times ms.
     """
-    rounds = [s for group in request_rounds(spans, request_ids).values() for s in group]
-    ids = {s.span_id for s in rounds}
-    children: dict[str, dict[str, Span]] = defaultdict(dict)
-    for s in spans:
-        if s.parent_id in ids and s.name in ("draft", "verify", "draft.ahead"):
-            children[s.parent_id][s.name] = s
+    rounds = round_children(spans, request_ids, ("draft", "verify", "draft.ahead"))
     aheads = 0
     ahead_ns = hidden_ns = 0
     hit_ms, waits, adopted_ms, drafted_ms, drafted_draft = [], [], [], [], []
     adopted_with_draft = 0
-    for r in rounds:
-        kids = children[r.span_id]
+    for r, kids in rounds:
         ahead, verify, draft = kids.get("draft.ahead"), kids.get("verify"), kids.get("draft")
         if ahead is not None and verify is not None:
             aheads += 1
