@@ -24,6 +24,7 @@ from collections import defaultdict
 from dataclasses import asdict, replace
 from importlib import resources
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from rich.console import Console
@@ -32,6 +33,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from orchestrator.embedded import build_pipeline, encode_prompt, set_threads
 from orchestrator.controller import GenerationRequest
+from specdec.config import DraftWindowConfig, FrontConfig
 from specdec.sampling import GREEDY, SamplingParams
 from specdec.stats import GenerationStats
 from specdec.tree_spec import TreeSpec
@@ -88,9 +90,10 @@ def select_questions(questions: list[dict], per_category: int, offset: int = 0) 
     return out
 
 
-def load_questions(path: Path | None, per_category: int, offset: int = 0) -> list[dict]:
-    """The selected questions of ``path`` (None = the built-in prompt set); QuestionsError names the
-    option (--questions, --offset) on a missing, unreadable or malformed file or an empty selection."""
+def load_questions(path: Path | None, per_category: int, offset: int = 0, categories: Sequence[str] = ()) -> list[dict]:
+    """The selected questions of ``path`` (None = the built-in prompt set), of ``categories`` only when
+    given; QuestionsError names the option (--questions, --offset, --category) on a missing,
+    unreadable or malformed file, an unknown category or an empty selection."""
     if path is None:
         text, source = BUILTIN_QUESTIONS.read_text(encoding="utf-8"), "built-in"
     else:
@@ -100,7 +103,12 @@ def load_questions(path: Path | None, per_category: int, offset: int = 0) -> lis
             text, source = path.read_text(encoding="utf-8"), str(path)
         except (OSError, UnicodeDecodeError) as exc:
             raise QuestionsError(f"--questions: cannot read {path}: {exc}") from None
-    return select_questions(parse_questions(text, source), per_category, offset)
+    questions = parse_questions(text, source)
+    known = sorted({q["category"] for q in questions})
+    unknown = [c for c in categories if c not in known]
+    if unknown:
+        raise QuestionsError(f"--category: {', '.join(unknown)} not in {source} (its categories: {', '.join(known)})")
+    return [q for q in select_questions(questions, per_category, offset) if not categories or q["category"] in categories]
 
 
 # ----------------------------------------------------------------------------------------- one question
@@ -279,7 +287,8 @@ def markdown_table(summary: dict[str, dict], temperature: float | None = None) -
 def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, max_new_tokens: int, dtype: str,
               draft_quant: str, out_dir: Path, hf_assisted: bool = True, threads: int | None = None,
               sampling: SamplingParams = GREEDY, control: str = "cost-aware", *, offset: int = 0,
-              prompt_lookup: bool = True, target: str | None = None, draft: str | None = None) -> dict:
+              prompt_lookup: bool = True, target: str | None = None, draft: str | None = None,
+              draft_window: DraftWindowConfig | None = FrontConfig().draft_window, categories: Sequence[str] = ()) -> dict:
     """Run the benchmark and write results.json + results.md under out_dir; returns the summary.
 
     questions_path: a Spec-Bench question.jsonl (None = the built-in prompt set); offset skips the
@@ -287,11 +296,12 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
     no such pass); question i uses seed + i, so the pass is reproducible when a seed is given.
     control: the speculative passes' per-request control (specdec.config.CONTROLS: cost-aware,
     the default, shapes each tree from measured costs; dynamic-gamma; fixed = the TreeSpec every round). target / draft: model paths (None = the default pair).
+    draft_window: the context a draft session opens with (None = all tokens); categories: only these.
     Questions whose prompt plus max_new_tokens exceed the target's context are skipped (meta.skipped).
     """
-    questions = load_questions(questions_path, per_category, offset)  # bad files fail before the models load
+    questions = load_questions(questions_path, per_category, offset, categories)  # bad files fail before the models load
     set_threads(threads)
-    pipe = build_pipeline(target, draft, dtype=dtype, draft_quant=draft_quant, control=control)
+    pipe = build_pipeline(target, draft, dtype=dtype, draft_quant=draft_quant, control=control, draft_window=draft_window)
     warm = encode_prompt(pipe.tokenizer, "Say hi.", raw=False)
     run_question(pipe, warm, spec, 8, hf_assisted, sampling, prompt_lookup)  # warm-up, not recorded
     rows, skipped = [], []
@@ -316,7 +326,8 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
     meta = {"questions": "built-in" if questions_path is None else str(questions_path), "offset": offset,
             "per_category": per_category, "skipped": skipped, "methods": greedy_methods(hf_assisted, prompt_lookup),
             "prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS, "target": target, "draft": draft,
-            "spec": json.loads(spec.to_json()), "control": control,
+            "spec": json.loads(spec.to_json()), "control": control, "categories": list(categories),
+            "draft_window": draft_window.model_dump() if draft_window is not None else None,
             "cost_model": pipe.shared.cost.snapshot() if pipe.shared else None, "dtype": str(pipe.target_model.dtype),
             "draft_quant": draft_quant, "max_new_tokens": max_new_tokens, "sampling": asdict(sampling),
             "threads": torch.get_num_threads(), "machine": platform.platform(), "cpu_count": os.cpu_count(),

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from draft_service.cli import draft_server
 from orchestrator.launcher import serve as launch
-from specdec.config import CONTROLS, ConfigError, load_config
+from specdec.config import CONTROLS, ConfigError, DraftWindowConfig, FrontConfig, load_config
 from specdec.models import ModelError
 from specdec.process_entry import (
     AUTH_TOKEN_FILE_HELP, CONFIG_HELP, HEALTH_PORT_HELP, TLS_CA_HELP, TLS_CERT_HELP, TLS_KEY_HELP, tls_flags, tls_overrides,
@@ -50,6 +50,24 @@ def check_choices(dtype: str, draft_quant: str, control: str = "cost-aware") -> 
         raise UsageError(f"--dtype: expected auto, bfloat16, float32 or float16, got {dtype!r}")
     if draft_quant not in ("auto", "none", "int8"):
         raise UsageError(f"--draft-quant: expected auto, none or int8, got {draft_quant!r}")
+
+
+_DRAFT_WINDOW_HELP = ("Tokens a draft session opens with: the first 32 plus the most recent (a long prompt costs the "
+                      "draft a short prefill; output unchanged); 0 = the whole context; default: the service's "
+                      "front.draft_window.")
+
+
+def draft_window_option(value: Optional[int]) -> DraftWindowConfig | None:
+    """``--draft-window``: None = the service default, 0 = the whole context (None is returned), else
+    that many tokens (sinks + recent). Raises UsageError naming the option for a bad value."""
+    if value is None:
+        return FrontConfig().draft_window
+    if value == 0:
+        return None
+    sink = DraftWindowConfig().sink_tokens
+    if value <= sink:
+        raise UsageError(f"--draft-window: must be 0 (whole context) or > {sink} (the sink tokens), got {value}")
+    return DraftWindowConfig(max_tokens=value, sink_tokens=sink)
 
 
 def sampling_params(temperature: float, top_p: float, top_k: int, seed: Optional[int]) -> SamplingParams:
@@ -156,6 +174,7 @@ def generate(
     threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
     control: str = typer.Option("cost-aware", help=_CONTROL_HELP),
     pipeline: bool = typer.Option(False, "--pipeline", help="Draft round r+1 from round r's likely outcome while the target verifies round r (output unchanged; in-process the two take turns, so it pays with the services)."),
+    draft_window: Optional[int] = typer.Option(None, help=_DRAFT_WINDOW_HELP),
     server: Optional[str] = typer.Option(None, help="host:port of a generation front (specdec serve): run the request there instead of in-process (the request flags apply; model, dtype, gamma and thread flags are the server's)."),
     tls_ca: Optional[str] = typer.Option(None, help="With --server: PEM CA bundle that verifies a TLS front."),
     auth_token_file: Optional[str] = typer.Option(None, help="With --server: bearer token file (first line); $SPECDEC_TOKEN takes precedence."),
@@ -172,10 +191,11 @@ def generate(
         check_positive(max_new_tokens=max_new_tokens, threads=threads)
         sampling = sampling_params(temperature, top_p, top_k, seed)
         spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
+        window = draft_window_option(draft_window)
         text = read_prompt(prompt, prompt_file)
         set_threads(threads)
         pipe = build_pipeline(target, draft, dtype, speculate=not no_spec, max_context=max_context, draft_quant=draft_quant,
-                              control=control, pipeline=pipeline)
+                              control=control, pipeline=pipeline, draft_window=window)
         prompt_ids = encode_prompt(pipe.tokenizer, text, raw)
         request = GenerationRequest(prompt_ids, max_new_tokens, tuple(stop), None if no_spec else spec, sampling)
         result = pipe.engine.generate(request, on_tokens=TextStream(pipe.tokenizer))
@@ -205,6 +225,8 @@ def bench(
     seed: Optional[int] = typer.Option(0, help="Seed of the sampled pass (question i uses seed + i)."),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
     control: str = typer.Option("cost-aware", help=_CONTROL_HELP),
+    draft_window: Optional[int] = typer.Option(None, help=_DRAFT_WINDOW_HELP),
+    category: list[str] = typer.Option([], help="Only this category (repeatable; default: every category)."),
 ) -> None:
     """Benchmark on one pair, side by side: target-only, speculative, HF assisted generation and HF
     prompt-lookup decoding (greedy: TTFT, decode and end-to-end tokens/s, speedups), plus a sampled
@@ -219,7 +241,8 @@ def bench(
         sampling = sampling_params(temperature, top_p, top_k, seed)
         spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
         run_bench(spec, questions, per_category, max_new_tokens, dtype, draft_quant, out, hf_assisted, threads, sampling,
-                  control, offset=offset, prompt_lookup=prompt_lookup, target=target, draft=draft)
+                  control, offset=offset, prompt_lookup=prompt_lookup, target=target, draft=draft,
+                  draft_window=draft_window_option(draft_window), categories=tuple(category))
     except (UsageError, TreeSpecError, ModelError, ValueError) as exc:
         fail(str(exc))
 

@@ -47,6 +47,7 @@ from opentelemetry import trace
 from orchestrator.control import DRAFT_UNAVAILABLE, ControlFactory, FixedControl
 from orchestrator.shaping import ShapedTree
 from orchestrator.stops import StopChecker
+from specdec.config import DraftWindowConfig
 from specdec.interfaces import VerifyResult
 from specdec.sampling import GREEDY, SamplingParams
 from specdec.stats import GenerationStats, RoundRecord
@@ -119,13 +120,15 @@ class RoundController:
     (orchestrator.control; default FixedControl); draft_deadline_s: a draft reply slower than this
     is a draft failure; draft_context_limit: the draft's max positions (None = unlimited); on_round: called with
     each round's RoundRecord (metrics); pipeline: draft round r+1 while round r verifies (module
-    docstring), where the draft worker has ``propose_ahead`` / ``resolve_ahead``.
+    docstring), where the draft worker has ``propose_ahead`` / ``resolve_ahead``; draft_window: the
+    committed tokens a draft session opens with (specdec.config.DraftWindowConfig: attention sinks
+    plus the most recent tokens; None = all of them).
     """
 
     def __init__(self, target, draft, eos_token_ids, context_limit: int, decode=None,
                  control_factory: ControlFactory | None = None, draft_deadline_s: float | None = None,
                  draft_context_limit: int | None = None, on_round: Callable[[RoundRecord], None] | None = None,
-                 pipeline: bool = False):
+                 pipeline: bool = False, draft_window: DraftWindowConfig | None = None):
         self.target = target
         self.draft = draft
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -136,6 +139,7 @@ class RoundController:
         self.draft_context_limit = draft_context_limit
         self.on_round = on_round
         self.pipeline = pipeline
+        self.draft_window = draft_window
 
     def check(self, request: GenerationRequest) -> None:
         """Raises ValueError naming the field for a request that cannot run."""
@@ -234,6 +238,9 @@ class _Request:
                          and hasattr(controller.draft, "propose_ahead") and hasattr(controller.draft, "resolve_ahead"))
         self.adopted: _Drafted | None = None  # the next round's tree, from an adopted ahead
         self.draft_limit = controller.draft_context_limit  # the draft's max positions (None = unknown)
+        self.draft_skipped = 0  # committed tokens the open draft session left out (DraftWindowConfig)
+        self.draft_widened = False  # the draft session was re-opened with the whole context (full_after_tokens)
+        self.draft_positions: int | None = None  # the draft's max positions, as its start reported (None = unknown)
 
     @property
     def committed_tokens(self) -> list[int]:
@@ -259,10 +266,19 @@ class _Request:
         sid = self.sid if self.draft_opens == 0 else f"{self.sid}#{self.draft_opens}"
         self.draft_opens += 1
         self.draft_sid = sid  # before the call: a cancel during start must still close (release) the session
+        window = None if self.draft_widened else self.controller.draft_window
+        tokens = self.committed_tokens
+        context = window.context(tokens) if window is not None else tokens
+        self.draft_skipped = len(tokens) - len(context)
         try:
-            limit = await self._draft_call(self.controller.draft.start(sid, self.committed_tokens, self.request.sampling))
+            limit = await self._draft_call(self.controller.draft.start(sid, context, self.request.sampling))
             limit = limit or self.controller.draft_context_limit  # gRPC clients report the draft's, in-process the engine's
+            opened = getattr(self.control, "draft_opened", None)
+            if opened is not None:
+                opened()
             if limit:
+                self.draft_positions = limit
+                limit += self.draft_skipped  # in committed tokens: the draft's positions start after the skipped ones
                 self.control.set_draft_context_limit(limit)
                 self.draft_limit = limit
         except DraftUnavailableError as exc:
@@ -343,6 +359,8 @@ class _Request:
         committed_len = len(self.request.prompt_ids) + len(self.stops.generated)
         if not self.control.speculate(time.monotonic(), committed_len, max_depth):
             return _Drafted(fallback=self.control.reason)
+        if self.draft_sid is not None and self._widen_due(committed_len, max_depth):
+            await self._widen_draft()
         if self.draft_sid is None:
             await self._open_draft()  # deferred at open, or a retry after a failure; on failure the round runs plain
         if self.draft_sid is None:
@@ -351,6 +369,23 @@ class _Request:
         return _Drafted(tree, depth=max(node_depths(tree.parents), default=0),
                         fallback=DRAFT_UNAVAILABLE if self.draft_sid is None else None,
                         draft_s=time.perf_counter() - t0)
+
+    def _widen_due(self, committed_len: int, max_depth: int) -> bool:
+        """Whether the windowed draft session should now hold the whole context: the request has
+        generated ``full_after_tokens`` and every committed token plus the tree fit the draft."""
+        window = self.controller.draft_window
+        if not self.draft_skipped or window is None or window.full_after_tokens is None:
+            return False
+        if len(self.stops.generated) < window.full_after_tokens:
+            return False
+        return self.draft_positions is None or committed_len + max_depth <= self.draft_positions
+
+    async def _widen_draft(self) -> None:
+        """Release the windowed draft session; the caller opens the next with every committed token."""
+        log.info("request %s: %d tokens generated; the draft re-opens with the whole context (%d tokens)",
+                 self.sid, len(self.stops.generated), len(self.committed_tokens))
+        sid, self.draft_sid, self.draft_widened = self.draft_sid, None, True
+        await self._release_quietly(sid)
 
     async def _propose(self, max_depth: int) -> DraftTree:
         """The draft's tree at the control's shape; an empty tree (and the draft dropped) when it fails."""

@@ -318,6 +318,11 @@ class CostAwareControl:
         """After a speculative round (the controller's common hook): draft deadline accounting."""
         self.fallback.record(proposed, accepted, now, draft_s)
 
+    def draft_opened(self) -> None:
+        """A draft session (re-)opened: its first drafted round also prefills it, so that round's
+        draft time is not a step's cost (the round loop calls this after each draft start)."""
+        self.draft_warm = False
+
     def draft_failed(self, now: float | None = None) -> None:
         self.fallback.draft_failed(now)
 

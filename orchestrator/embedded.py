@@ -12,7 +12,7 @@ from orchestrator.control import ControlFactory, RequestControl
 from orchestrator.cost_aware import SharedState, cost_aware_factory
 from orchestrator.cost_model import CostModel, measure_worker_costs
 from orchestrator.engine import SpeculativeEngine
-from specdec.config import CONTROLS, FrontConfig, ModelsConfig
+from specdec.config import CONTROLS, DraftWindowConfig, FrontConfig, ModelsConfig
 from specdec.model_setup import LoadedDraft, LoadedTarget, load_draft, load_target
 from specdec.models import ModelError
 from target_service.runtime import TargetRuntime
@@ -38,6 +38,7 @@ def build_pipeline(
     control: str | ControlFactory | None = "cost-aware",
     measure_costs: bool = True,
     pipeline: bool = False,
+    draft_window: DraftWindowConfig | None = FrontConfig().draft_window,
 ) -> EmbeddedPipeline:
     """Load the pair (defaults: the real Qwen2.5-Coder pair), check it, wire the engine.
 
@@ -45,7 +46,8 @@ def build_pipeline(
     control: one of CONTROLS (``make_control``) or a per-request control factory (TreeSpec ->
     policy; None = the fixed TreeSpec every round); measure_costs: the cost-aware control starts
     from V(n) and D(p) measured on these models (a few seconds), else from prior figures;
-    pipeline: RoundController's pipelining (in-process: correct, but the calls take turns).
+    pipeline: RoundController's pipelining (in-process: correct, but the calls take turns);
+    draft_window: the context a draft session opens with (the service default; None = all tokens).
     Raises ModelError for unknown paths, bad values or an incompatible pair.
     """
     if max_context is not None and max_context < 2:
@@ -57,11 +59,13 @@ def build_pipeline(
         err = exc.errors()[0]
         raise ModelError(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}") from None
     loaded = load_target(models)
-    return wire_pipeline(loaded, load_draft(models, loaded) if speculate else None, control, measure_costs, pipeline)
+    return wire_pipeline(loaded, load_draft(models, loaded) if speculate else None, control, measure_costs, pipeline,
+                         draft_window)
 
 
 def wire_pipeline(loaded: LoadedTarget, loaded_draft: LoadedDraft | None, control: str | ControlFactory | None = "cost-aware",
-                  measure_costs: bool = True, pipeline: bool = False) -> EmbeddedPipeline:
+                  measure_costs: bool = True, pipeline: bool = False,
+                  draft_window: DraftWindowConfig | None = FrontConfig().draft_window) -> EmbeddedPipeline:
     """The engine over loaded models (``build_pipeline`` without the loading: several drafts can
     share one loaded target, as ``specdec profile-draft`` does). loaded_draft None = target only.
     Raises ModelError for an unknown control mode."""
@@ -75,7 +79,7 @@ def wire_pipeline(loaded: LoadedTarget, loaded_draft: LoadedDraft | None, contro
     engine = SpeculativeEngine(
         target_runtime, draft_runtime, loaded.eos_token_ids, loaded.context_limit,
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False), control_factory=factory,
-        draft_context_limit=draft_limit, pipeline=pipeline,
+        draft_context_limit=draft_limit, pipeline=pipeline, draft_window=draft_window,
     )
     return EmbeddedPipeline(engine, tokenizer, loaded.model, draft_model, shared)
 

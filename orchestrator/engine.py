@@ -11,6 +11,7 @@ import asyncio
 from typing import Callable, Sequence
 
 from orchestrator.controller import GenerationRequest, GenerationResult, RoundController, sync_worker
+from specdec.config import DraftWindowConfig
 from specdec.interfaces import DraftWorker, TargetWorker
 
 
@@ -20,16 +21,19 @@ class SpeculativeEngine:
     eos_token_ids: ids that end generation; context_limit: max total tokens (prompt + generated);
     decode: ids -> text, used for stop strings; control_factory: TreeSpec -> per-request control
     policy (orchestrator.control; default FixedControl, the fixed TreeSpec); pipeline: draft round
-    r+1 while round r verifies (RoundController; in-process the two calls take turns, no overlap).
+    r+1 while round r verifies (RoundController; in-process the two calls take turns, no overlap);
+    draft_window: the context the draft session opens with (None = every committed token).
     """
 
     def __init__(self, target: TargetWorker, draft: DraftWorker | None, eos_token_ids, context_limit: int,
-                 decode=None, control_factory=None, draft_context_limit: int | None = None, pipeline: bool = False):
+                 decode=None, control_factory=None, draft_context_limit: int | None = None, pipeline: bool = False,
+                 draft_window: DraftWindowConfig | None = None):
         self.target = target
         self.draft = draft
         self.controller = RoundController(
             sync_worker(target), sync_worker(draft) if draft is not None else None, eos_token_ids, context_limit,
             decode, control_factory=control_factory, draft_context_limit=draft_context_limit, pipeline=pipeline,
+            draft_window=draft_window,
         )
 
     @property

@@ -84,7 +84,7 @@ class Orchestrator:
         self.controller = RoundController(
             target, draft, list(self.info.eos_token_ids), self.info.context_limit, self.decode,
             control_factory=factory, draft_deadline_s=self.front.fallback.draft_deadline_ms / 1000,
-            on_round=self.on_round, pipeline=self.front.pipeline,
+            on_round=self.on_round, pipeline=self.front.pipeline, draft_window=self.front.draft_window,
         )
 
     async def _shared_compute(self, draft: DraftClient) -> bool:

@@ -133,6 +133,36 @@ class CostAwareConfig(_Section):
     shared_compute: Literal["auto"] | bool = "auto"
 
 
+class DraftWindowConfig(_Section):
+    """The context the draft session opens with (orchestrator.controller): the first ``sink_tokens``
+    committed tokens and the most recent ones, ``max_tokens`` in all (StreamingLLM's attention sinks
+    plus a recent window, Xiao et al. 2024, section 3; MagicDec, Chen et al. 2024, section 4, drafts
+    long contexts this way). A long prompt then costs the draft a short prefill; the target still
+    sees every token, so the output is unchanged and only acceptance can move. A short answer after a
+    long prompt (rag, extraction) never pays for the whole prompt's draft prefill; a long answer does,
+    in acceptance: once a request has generated ``full_after_tokens`` tokens its draft session re-opens
+    with every committed token (one full prefill then, as in ski rental: rent the window, buy the
+    whole context once the answer proves long). max_tokens None = all tokens from the start;
+    full_after_tokens None = keep the window to the end."""
+
+    max_tokens: int | None = Field(default=256, ge=2)
+    sink_tokens: int = Field(default=32, ge=0)
+    full_after_tokens: int | None = Field(default=32, ge=1)
+
+    @model_validator(mode="after")
+    def _sink_fits(self):
+        if self.max_tokens is not None and self.sink_tokens >= self.max_tokens:
+            raise ValueError(f"sink_tokens: must be under max_tokens ({self.max_tokens}), got {self.sink_tokens}")
+        return self
+
+    def context(self, tokens: list[int]) -> list[int]:
+        """tokens [N] -> the draft's context [min(N, max_tokens)]: the first sink_tokens and the
+        last max_tokens - sink_tokens, in order, at draft positions 0.. (the gap closed)."""
+        if self.max_tokens is None or len(tokens) <= self.max_tokens:
+            return list(tokens)
+        return [*tokens[: self.sink_tokens], *tokens[len(tokens) - (self.max_tokens - self.sink_tokens):]]
+
+
 class MonitorConfig(_Section):
     window: int = Field(default=32, ge=1)                 # rounds per acceptance window
     alert_threshold: float = Field(default=0.5, ge=0, le=1)
@@ -161,6 +191,7 @@ class FrontConfig(_Section):
     tree: TreeSpec = DEFAULT_SPEC
     speculate: bool = True
     pipeline: bool = False                                # draft round r+1 while round r verifies (DESIGN.md "Pipelining")
+    draft_window: DraftWindowConfig = DraftWindowConfig()  # the context a draft session opens with (sinks + recent tokens)
     cost_aware: CostAwareConfig = CostAwareConfig()
     dynamic_gamma: DynamicGammaConfig = DynamicGammaConfig()
     fallback: FallbackConfig = FallbackConfig()

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.bench import BUILTIN_QUESTIONS, QuestionsError, load_questions, markdown_table, parse_questions, summarize
+from specdec.config import FrontConfig
 from tests.tiny_pair import save_tiny_pair
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
@@ -148,6 +149,9 @@ def test_offset_picks_held_out_questions(tmp_path):
                             for i, c in [(1, "a"), (2, "b"), (3, "a"), (4, "a"), (5, "b")]) + "\n")
     assert [q["question_id"] for q in load_questions(path, per_category=2, offset=1)] == [3, 4, 5]
     assert [q["question_id"] for q in load_questions(path, per_category=1, offset=0)] == [1, 2]
+    assert [q["question_id"] for q in load_questions(path, per_category=2, offset=1, categories=["a"])] == [3, 4]
+    with pytest.raises(QuestionsError, match="--category: c not in"):
+        load_questions(path, per_category=2, categories=["a", "c"])
 
 
 @pytest.mark.parametrize("content, offset, needle", [
@@ -244,6 +248,16 @@ def test_bench_questions_file_offset_and_skipped_methods(long_pair, tmp_path):
     result = json.loads((out / "results.json").read_text())
     assert [r["question_id"] for r in result["questions"]] == [3, 5]
     assert result["meta"]["methods"] == ["target_only", "speculative"] and result["meta"]["offset"] == 1
+    assert result["meta"]["draft_window"] == FrontConfig().draft_window.model_dump()  # the service default
+    out2 = tmp_path / "out2"
+    proc = run_bench_cli(tmp_path, "--questions", str(path), "--category", "math", "--per-category", "2",
+                         "--max-new-tokens", "4", "--target", str(long_pair.target), "--draft", str(long_pair.draft),
+                         "--dtype", "float32", "--draft-quant", "none", "--threads", "1", "--temperature", "0",
+                         "--no-hf-assisted", "--no-prompt-lookup", "--draft-window", "0", "--out", str(out2))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((out2 / "results.json").read_text())
+    assert [r["question_id"] for r in result["questions"]] == [2, 5]
+    assert result["meta"]["categories"] == ["math"] and result["meta"]["draft_window"] is None
     assert all("hf_assisted" not in r and "prompt_lookup" not in r and "sampled" not in r for r in result["questions"])
 
 
@@ -252,6 +266,9 @@ def test_bench_questions_file_offset_and_skipped_methods(long_pair, tmp_path):
     (["--offset", "99"], "--offset"),
     (["--questions", "missing.jsonl"], "--questions"),
     (["--questions", "bad.jsonl"], "--questions"),
+    (["--category", "poetry"], "--category: poetry not in built-in"),
+    (["--draft-window", "32"], "--draft-window: must be 0"),
+    (["--draft-window", "-5"], "--draft-window: must be 0"),
 ])
 def test_bench_bad_flags_exit_with_message(tmp_path, args, needle):
     (tmp_path / "work").mkdir()

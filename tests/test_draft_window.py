@@ -1,0 +1,117 @@
+"""The draft's context window (specdec.config.DraftWindowConfig): a draft session opens with the
+attention sinks plus the most recent committed tokens, the target keeps every token, and the output
+stays the target's own greedy tokens (float32, tiny models)."""
+
+from __future__ import annotations
+
+import pytest
+
+from draft_service.runtime import DraftRuntime
+from orchestrator.controller import GenerationRequest
+from orchestrator.embedded import make_control
+from orchestrator.engine import SpeculativeEngine
+from specdec.config import ConfigError, DraftWindowConfig, load_config
+from specdec.sampling import GREEDY
+from specdec.tree_spec import TreeSpec
+from target_service.runtime import TargetRuntime
+from tests.conftest import hf_greedy, random_prompt, tiny_model
+
+SPEC = TreeSpec(gamma=3, topKSpec=[[2], [1, 1], [1, 1]], topHead=[1, 2, 2])
+
+
+class StartLog(DraftRuntime):
+    """The in-process draft, logging the tokens each session opens with."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.started: list[list[int]] = []
+
+    def start(self, session_id, prompt_ids, sampling=GREEDY):
+        self.started.append(list(prompt_ids))
+        return super().start(session_id, prompt_ids, sampling)
+
+
+def test_context_keeps_the_sinks_and_the_most_recent_tokens():
+    window = DraftWindowConfig(max_tokens=6, sink_tokens=2)
+    assert window.context(list(range(10))) == [0, 1, 6, 7, 8, 9]
+    assert window.context([5, 6, 7]) == [5, 6, 7]  # short contexts are kept whole
+    assert window.context(list(range(6))) == list(range(6))
+    assert DraftWindowConfig(max_tokens=3, sink_tokens=0).context(list(range(5))) == [2, 3, 4]
+
+
+def test_a_sink_as_long_as_the_window_is_refused_naming_the_field(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("front:\n  draft_window:\n    max_tokens: 16\n    sink_tokens: 16\n")
+    with pytest.raises(ConfigError, match="sink_tokens"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("kind, seed", [("qwen2", 0), ("llama", 1)])
+def test_windowed_draft_keeps_the_target_greedy_output(kind, seed):
+    model = tiny_model(kind, seed=seed)
+    prompt = random_prompt(seed=77, length=40)
+    n = 24
+    reference = hf_greedy(model, prompt, n)
+    draft = StartLog(model)  # the target itself, but seeing 12 of the 40 prompt tokens: partial acceptance
+    engine = SpeculativeEngine(TargetRuntime(model), draft, eos_token_ids=[], context_limit=512,
+                               draft_window=DraftWindowConfig(max_tokens=12, sink_tokens=3))
+    out = engine.generate(GenerationRequest(prompt, max_new_tokens=n, spec=SPEC))
+    assert out.tokens == reference
+    assert draft.started == [prompt[:3] + prompt[-9:]]
+    assert 0 < out.stats.accepted_tokens < out.stats.proposed_tokens  # drafted, some rejected
+
+
+def test_window_lets_a_draft_with_a_short_context_speculate():
+    """A draft whose context (16 positions) cannot hold the 40-token prompt: whole, the request falls
+    back to plain decoding for its draft context limit; windowed to 8 tokens it drafts until the
+    draft's positions (8 + generated) run out, and the limit counts in the draft's positions."""
+    model = tiny_model("qwen2", seed=0)
+    prompt = random_prompt(seed=78, length=40)
+    n = 12
+    reference = hf_greedy(model, prompt, n)
+
+    def run(window):
+        factory, _ = make_control("dynamic-gamma", None, None)
+        draft = StartLog(model)  # draft = target: every drafted token is accepted
+        engine = SpeculativeEngine(TargetRuntime(model), draft, eos_token_ids=[], context_limit=512,
+                                   control_factory=factory, draft_context_limit=16, draft_window=window)
+        records = []
+        engine.controller.on_round = records.append
+        out = engine.generate(GenerationRequest(prompt, max_new_tokens=n, spec=SPEC))
+        assert out.tokens == reference
+        return out, draft, records
+
+    out, draft, _ = run(None)
+    assert out.stats.drafted_tokens == 0 and out.stats.rounds == n
+    out, draft, records = run(DraftWindowConfig(max_tokens=8, sink_tokens=2, full_after_tokens=4))
+    assert draft.started == [prompt[:2] + prompt[-6:]]  # the whole context never fits: no re-open
+    assert out.stats.accepted_tokens > 0
+    # the draft holds 8 + generated tokens (32 skipped): a tree of depth d fits while 40 + generated + d <= 16 + 32
+    done = 0
+    for record in records:
+        assert record.depth == 0 or 40 + done + record.depth <= 48
+        if record.fallback is not None:
+            assert record.fallback == "draft_context_limit" and 40 + done + 1 > 48
+        done += len(record.tokens)
+    assert any(record.fallback == "draft_context_limit" for record in records)
+
+
+@pytest.mark.parametrize("kind, seed", [("qwen2", 0), ("llama", 1)])
+def test_a_long_answer_reopens_the_draft_with_the_whole_context(kind, seed):
+    """full_after_tokens=6: the first rounds draft from the 12-token window; the first round after
+    6 generated tokens re-opens the draft with every committed token; output unchanged."""
+    model = tiny_model(kind, seed=seed)
+    prompt = random_prompt(seed=79, length=40)
+    n = 24
+    reference = hf_greedy(model, prompt, n)
+    draft = StartLog(model)
+    engine = SpeculativeEngine(TargetRuntime(model), draft, eos_token_ids=[], context_limit=512,
+                               draft_window=DraftWindowConfig(max_tokens=12, sink_tokens=3, full_after_tokens=6))
+    rounds = []
+    out = engine.generate(GenerationRequest(prompt, max_new_tokens=n, spec=SPEC), on_tokens=rounds.append)
+    assert out.tokens == reference
+    assert len(draft.started) == 2 and draft.started[0] == prompt[:3] + prompt[-9:]
+    done = [sum(len(r) for r in rounds[:i]) for i in range(len(rounds) + 1)]
+    first_due = min(d for d in done if d >= 6)  # generated tokens at the first round that may re-open
+    assert draft.started[1] == prompt + reference[:first_due]
+    assert out.stats.accepted_tokens > 0
