@@ -39,7 +39,7 @@ import inspect
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable
 
 from opentelemetry import trace
@@ -49,7 +49,7 @@ from orchestrator.shaping import ShapedTree
 from orchestrator.stops import StopChecker
 from specdec.config import DraftWindowConfig
 from specdec.interfaces import VerifyResult
-from specdec.sampling import GREEDY, SamplingParams
+from specdec.sampling import GREEDY, SamplingParams, derive_seed
 from specdec.stats import GenerationStats, RoundRecord
 from specdec.tree import ROOT, DraftTree, node_depths
 from specdec.tree_spec import TreeSpec
@@ -270,8 +270,13 @@ class _Request:
         tokens = self.committed_tokens
         context = window.context(tokens) if window is not None else tokens
         self.draft_skipped = len(tokens) - len(context)
+        sampling = self.request.sampling
+        if self.draft_opens > 1 and sampling.seed is not None:
+            # a re-opened session must not replay the draws of the stream it had: given the rounds
+            # already committed, replayed draws would not follow q (a fresh stream of the same seed)
+            sampling = replace(sampling, seed=derive_seed(sampling.seed, f"draft-reopen/{self.draft_opens - 1}"))
         try:
-            limit = await self._draft_call(self.controller.draft.start(sid, context, self.request.sampling))
+            limit = await self._draft_call(self.controller.draft.start(sid, context, sampling))
             limit = limit or self.controller.draft_context_limit  # gRPC clients report the draft's, in-process the engine's
             opened = getattr(self.control, "draft_opened", None)
             if opened is not None:
@@ -384,6 +389,8 @@ class _Request:
         """Release the windowed draft session; the caller opens the next with every committed token."""
         log.info("request %s: %d tokens generated; the draft re-opens with the whole context (%d tokens)",
                  self.sid, len(self.stops.generated), len(self.committed_tokens))
+        trace.get_current_span().add_event("draft.widen", {"generated": len(self.stops.generated),
+                                                           "skipped": self.draft_skipped})
         sid, self.draft_sid, self.draft_widened = self.draft_sid, None, True
         await self._release_quietly(sid)
 

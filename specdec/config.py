@@ -138,16 +138,16 @@ class DraftWindowConfig(_Section):
     committed tokens and the most recent ones, ``max_tokens`` in all (StreamingLLM's attention sinks
     plus a recent window, Xiao et al. 2024, section 3; MagicDec, Chen et al. 2024, section 4, drafts
     long contexts this way). A long prompt then costs the draft a short prefill; the target still
-    sees every token, so the output is unchanged and only acceptance can move. A short answer after a
-    long prompt (rag, extraction) never pays for the whole prompt's draft prefill; a long answer does,
-    in acceptance: once a request has generated ``full_after_tokens`` tokens its draft session re-opens
-    with every committed token (one full prefill then, as in ski rental: rent the window, buy the
-    whole context once the answer proves long). max_tokens None = all tokens from the start;
-    full_after_tokens None = keep the window to the end."""
+    sees every token, so the output is unchanged and only acceptance can move: a short answer after a
+    long prompt (rag, extraction) no longer pays for the whole prompt's draft prefill. With
+    ``full_after_tokens`` set, a request that has generated that many tokens re-opens its draft with
+    every committed token (one full prefill, for long answers that depend on the far context; off by
+    default: on Spec-Bench's long-prompt categories it cost more than it won back, see the README).
+    max_tokens None = every token from the start; full_after_tokens None = the window to the end."""
 
     max_tokens: int | None = Field(default=256, ge=2)
     sink_tokens: int = Field(default=32, ge=0)
-    full_after_tokens: int | None = Field(default=32, ge=1)
+    full_after_tokens: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _sink_fits(self):

@@ -4,17 +4,22 @@ stays the target's own greedy tokens (float32, tiny models)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from draft_service.runtime import DraftRuntime
-from orchestrator.controller import GenerationRequest
+from orchestrator.controller import GenerationRequest, RoundController, sync_worker
 from orchestrator.embedded import make_control
 from orchestrator.engine import SpeculativeEngine
 from specdec.config import ConfigError, DraftWindowConfig, load_config
-from specdec.sampling import GREEDY
+from specdec.sampling import GREEDY, SamplingParams, derive_seed
+from specdec.telemetry import setup_tracing
 from specdec.tree_spec import TreeSpec
 from target_service.runtime import TargetRuntime
-from tests.conftest import hf_greedy, random_prompt, tiny_model
+from tests.conftest import hf_greedy, perturbed_copy, random_prompt, tiny_model
 
 SPEC = TreeSpec(gamma=3, topKSpec=[[2], [1, 1], [1, 1]], topHead=[1, 2, 2])
 
@@ -25,9 +30,11 @@ class StartLog(DraftRuntime):
     def __init__(self, model):
         super().__init__(model)
         self.started: list[list[int]] = []
+        self.seeds: list[int | None] = []
 
     def start(self, session_id, prompt_ids, sampling=GREEDY):
         self.started.append(list(prompt_ids))
+        self.seeds.append(sampling.seed)
         return super().start(session_id, prompt_ids, sampling)
 
 
@@ -115,3 +122,45 @@ def test_a_long_answer_reopens_the_draft_with_the_whole_context(kind, seed):
     first_due = min(d for d in done if d >= 6)  # generated tokens at the first round that may re-open
     assert draft.started[1] == prompt + reference[:first_due]
     assert out.stats.accepted_tokens > 0
+
+
+def test_the_reopen_is_an_event_of_its_round_span():
+    exporter = InMemorySpanExporter()
+    setup_tracing("specdec-test", exporter=exporter, simple=True)
+    model = tiny_model("qwen2", seed=0)
+    prompt = random_prompt(seed=80, length=30)
+    ctl = RoundController(sync_worker(TargetRuntime(model)), sync_worker(DraftRuntime(model)), [], 512,
+                          draft_window=DraftWindowConfig(max_tokens=10, sink_tokens=2, full_after_tokens=5))
+    rounds = []
+
+    async def go():
+        with trace.get_tracer("test").start_as_current_span("request") as parent:
+            await ctl.generate(GenerationRequest(prompt, 16, spec=SPEC), on_tokens=rounds.append)
+            return parent.get_span_context().trace_id
+
+    trace_id = asyncio.run(go())
+    spans = sorted((s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id and s.name == "round"),
+                   key=lambda s: s.start_time)
+    marked = [i for i, s in enumerate(spans) if any(e.name == "draft.widen" for e in s.events)]
+    done = [sum(len(r) for r in rounds[:i]) for i in range(len(rounds))]
+    assert marked == [min(i for i, d in enumerate(done) if d >= 5)]
+    (event,) = [e for e in spans[marked[0]].events if e.name == "draft.widen"]
+    assert event.attributes["skipped"] == 20 and event.attributes["generated"] == done[marked[0]]
+
+
+def test_a_reopened_sampled_session_draws_a_fresh_stream_of_the_request_seed():
+    """Seeded sampling: the re-opened draft session gets a seed derived from the request's (its old
+    stream's draws are not replayed), so the run stays reproducible."""
+    model = tiny_model("qwen2", seed=0)
+    prompt = random_prompt(seed=81, length=30)
+    window = DraftWindowConfig(max_tokens=10, sink_tokens=2, full_after_tokens=4)
+    sampling = SamplingParams(temperature=0.8, seed=11)
+
+    def run():
+        draft = StartLog(perturbed_copy(model, seed=5, scale=0.05))
+        engine = SpeculativeEngine(TargetRuntime(model), draft, eos_token_ids=[], context_limit=512, draft_window=window)
+        return engine.generate(GenerationRequest(prompt, max_new_tokens=16, spec=SPEC, sampling=sampling)), draft
+
+    (first, draft), (again, _) = run(), run()
+    assert first.tokens == again.tokens
+    assert draft.seeds == [11, derive_seed(11, "draft-reopen/1")] and len(draft.started[1]) > 30

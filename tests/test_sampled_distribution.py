@@ -40,6 +40,7 @@ from draft_service.runtime import DraftRuntime
 from draft_service.tree_builder import build_tree
 from orchestrator.controller import GenerationRequest
 from orchestrator.engine import SpeculativeEngine
+from specdec.config import DraftWindowConfig
 from specdec.sampling import SamplingParams, processed_probs
 from specdec.tree import ROOT, SOURCE_CONTEXT, DraftTree, children, merge_chain
 from specdec.tree_spec import TreeSpec
@@ -264,16 +265,23 @@ def test_chi_square_detects_a_small_bias():
 E2E_SAMPLES = 2000
 
 
-@pytest.mark.parametrize("tree_type, params", [
-    (1, SamplingParams(temperature=0.7, top_k=5)),
-    (0, SamplingParams(temperature=1.0, top_p=0.9)),
+# the draft's window: it opens seeing [3, 1] of PROMPT and, when round 1 commits one token, re-opens
+# with the whole context (a fresh random stream of the request seed) for round 2
+WINDOW = DraftWindowConfig(max_tokens=2, sink_tokens=1, full_after_tokens=1)
+
+
+@pytest.mark.parametrize("tree_type, params, window", [
+    (1, SamplingParams(temperature=0.7, top_k=5), None),
+    (0, SamplingParams(temperature=1.0, top_p=0.9), None),
+    (1, SamplingParams(temperature=0.7, top_k=5), WINDOW),
+    (0, SamplingParams(temperature=1.0, top_p=0.9), WINDOW),
 ])
-def test_engine_end_to_end(tree_type, params):
+def test_engine_end_to_end(tree_type, params, window):
     """Requests with seeds 0..E2E_SAMPLES-1 in batches of 250 through the engine and both runtimes."""
     torch.set_num_threads(1)
     target = target_model()
-    engine = SpeculativeEngine(TargetRuntime(target), DraftRuntime(draft_model("close")), eos_token_ids=[],
-                               context_limit=64)
+    draft = StartCount(draft_model("close"))
+    engine = SpeculativeEngine(TargetRuntime(target), draft, eos_token_ids=[], context_limit=64, draft_window=window)
     spec = TreeSpec(**TREE, treeType=tree_type)
     counts: Counter = Counter()
     for first in range(0, E2E_SAMPLES, 250):
@@ -283,3 +291,17 @@ def test_engine_end_to_end(tree_type, params):
     law = exact_law(processed_probs(next_token_logits(target), params))
     pvalue = chi2_pvalue(counts, law, E2E_SAMPLES)
     assert pvalue > P_MIN, f"chi-square p = {pvalue:.2e}, total variation {total_variation(counts, law, E2E_SAMPLES):.4f}"
+    if window is not None:  # windowed opens, and re-opens with the whole context in a share of the requests
+        assert draft.contexts[(3, 1)] == E2E_SAMPLES and 0 < sum(n for c, n in draft.contexts.items() if len(c) == 4) < E2E_SAMPLES
+
+
+class StartCount(DraftRuntime):
+    """The in-process draft, counting the contexts its sessions open with."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.contexts: Counter = Counter()
+
+    def start(self, session_id, prompt_ids, sampling):
+        self.contexts[tuple(prompt_ids)] += 1
+        return super().start(session_id, prompt_ids, sampling)
