@@ -371,7 +371,9 @@ def make_engine(pipe, draft_threads: int | None, dynamic: bool, tree_bytes: list
     base = pipe.engine
     return SpeculativeEngine(base.target, ThreadScoped(base.draft, draft_threads, on_tree), base.eos_token_ids,
                              base.context_limit, base.decode,
-                             control_factory=lambda spec: RequestControl(spec, gamma_cfg, fallback))
+                             control_factory=lambda spec: RequestControl(spec, gamma_cfg, fallback),
+                             draft_context_limit=base.controller.draft_context_limit,
+                             draft_window=base.controller.draft_window)  # embedded mode's, as build_pipeline set it
 
 
 def run_embedded(engine, ids: list[int], max_new: int, spec, request_id: str) -> dict:

@@ -108,7 +108,9 @@ def load_questions(path: Path | None, per_category: int, offset: int = 0, catego
     unknown = [c for c in categories if c not in known]
     if unknown:
         raise QuestionsError(f"--category: {', '.join(unknown)} not in {source} (its categories: {', '.join(known)})")
-    return [q for q in select_questions(questions, per_category, offset) if not categories or q["category"] in categories]
+    if categories:
+        questions = [q for q in questions if q["category"] in categories]
+    return select_questions(questions, per_category, offset)
 
 
 # ----------------------------------------------------------------------------------------- one question

@@ -53,8 +53,8 @@ def check_choices(dtype: str, draft_quant: str, control: str = "cost-aware") -> 
 
 
 _DRAFT_WINDOW_HELP = ("Tokens a draft session opens with: the first 32 plus the most recent (a long prompt costs the "
-                      "draft a short prefill; output unchanged); 0 = the whole context; default: the service's "
-                      "front.draft_window.")
+                      "draft a short prefill; output unchanged); 0 = the whole context; default: 256, as "
+                      "front.draft_window.max_tokens (in-process only: with --server the front's config decides).")
 
 
 def draft_window_option(value: Optional[int]) -> DraftWindowConfig | None:
@@ -184,6 +184,8 @@ def generate(
     from orchestrator.embedded import build_pipeline, encode_prompt, set_threads
 
     if server is not None:
+        if draft_window is not None:
+            fail("--draft-window: an in-process option; a front's draft window is its front.draft_window")
         return _generate_remote(server, prompt, prompt_file, tree, max_new_tokens, temperature, top_p, top_k, seed,
                                 stop, no_spec, raw, tls_ca, auth_token_file)
     try:

@@ -9,8 +9,14 @@ workers commit exactly the tokens that passed (KV cache rollback of the rest). A
 - fallback: a round without the draft (an empty tree = one plain target step) when acceptance says
   speculation does not pay, when the draft fails, is unreachable or slower than its deadline, or
   when the draft's context limit is reached (``orchestrator.control.FallbackPolicy``). A failed
-  draft session is re-opened on the committed tokens when the policy retries it. Plain rounds commit
+  draft session is re-opened on the committed tokens (or their draft window) when the policy retries it. Plain rounds commit
   the same tokens a speculative round would, so no token is lost, repeated or changed;
+- draft window (``draft_window``, specdec.config.DraftWindowConfig): the draft session opens with the
+  first and the most recent committed tokens only, so a long prompt costs the draft a short prefill;
+  the target sees every token, so only acceptance can change. With ``full_after_tokens`` the draft
+  re-opens with every committed token once the request has generated that many (once: a failure of
+  that session goes back to the window). The draft's context limit counts in the draft's positions;
+  the controller adds the tokens the window left out;
 - traces: one ``round`` span per round with ``draft``, ``verify`` and ``commit`` children;
 - pipelining (``pipeline=True``, DESIGN.md "Pipelining"; PEARL, Liu et al. 2024): while the target
   verifies round r, the draft drafts round r+1 (``propose_ahead``, a ``draft.ahead`` span under round
@@ -58,6 +64,13 @@ log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("specdec.orchestrator")
 _EMPTY_TREE = DraftTree((), ())
 _session_ids = itertools.count()
+
+
+# The first propose of a draft session may still wait for the session's prefill (the draft service
+# prefills on Start, beside the target's prefill; a whole-context re-open has no prefill beside it):
+# it gets this much more time per token the session opened with (the int8 default draft prefills
+# ~0.0043 s a token on the 2-core CPU).
+FRESH_DRAFT_S_PER_TOKEN = 0.02
 
 
 class DraftUnavailableError(RuntimeError):
@@ -241,6 +254,8 @@ class _Request:
         self.draft_skipped = 0  # committed tokens the open draft session left out (DraftWindowConfig)
         self.draft_widened = False  # the draft session was re-opened with the whole context (full_after_tokens)
         self.draft_positions: int | None = None  # the draft's max positions, as its start reported (None = unknown)
+        self.draft_widen_failed = False  # a whole-context draft session failed: the window for the rest
+        self.draft_fresh = 0  # tokens of the open draft session not known to be prefilled (until its first propose)
 
     @property
     def committed_tokens(self) -> list[int]:
@@ -266,10 +281,15 @@ class _Request:
         sid = self.sid if self.draft_opens == 0 else f"{self.sid}#{self.draft_opens}"
         self.draft_opens += 1
         self.draft_sid = sid  # before the call: a cancel during start must still close (release) the session
-        window = None if self.draft_widened else self.controller.draft_window
         tokens = self.committed_tokens
+        window = self.controller.draft_window
+        if window is not None and not self.draft_widened and self._full_context_due(len(tokens)):
+            self.draft_widened = True  # a retry or deferred open after full_after_tokens: no windowed detour
+        if self.draft_widened:
+            window = None
         context = window.context(tokens) if window is not None else tokens
         self.draft_skipped = len(tokens) - len(context)
+        self.draft_fresh = len(context)  # tokens its first propose may still be prefilling (a longer deadline)
         sampling = self.request.sampling
         if self.draft_opens > 1 and sampling.seed is not None:
             # a re-opened session must not replay the draws of the stream it had: given the rounds
@@ -288,6 +308,7 @@ class _Request:
                 self.draft_limit = limit
         except DraftUnavailableError as exc:
             log.warning("request %s: draft unavailable at start (%s); decoding without it", self.sid, exc)
+            self._whole_context_failed()
             self.draft_sid = None
             self.control.draft_failed(time.monotonic())
             await self._release_quietly(sid)
@@ -300,19 +321,31 @@ class _Request:
         except Exception:  # noqa: BLE001 - the draft is already gone; its stream end frees the KV
             pass
 
-    async def _draft_call(self, awaitable):
-        """A draft call under the draft deadline; every failure becomes DraftUnavailableError."""
+    async def _draft_call(self, awaitable, extra_s: float = 0.0):
+        """A draft call under the draft deadline (plus ``extra_s`` seconds); every failure becomes
+        DraftUnavailableError."""
+        if self.controller.draft_deadline_s is None:
+            deadline = None
+        else:
+            deadline = self.controller.draft_deadline_s + extra_s
         try:
-            if self.controller.draft_deadline_s is None:
+            if deadline is None:
                 return await awaitable
-            return await asyncio.wait_for(awaitable, self.controller.draft_deadline_s)
+            return await asyncio.wait_for(awaitable, deadline)
         except DraftUnavailableError:
             raise
         except asyncio.TimeoutError as exc:
-            raise DraftUnavailableError(f"draft slower than its deadline of {self.controller.draft_deadline_s} s") from exc
+            raise DraftUnavailableError(f"draft slower than its deadline of {deadline:g} s") from exc
+
+    def _whole_context_failed(self) -> None:
+        """A failing whole-context session (full_after_tokens; e.g. past a deadline during its long
+        prefill) is not tried again: retries open the window."""
+        if self.draft_widened:
+            self.draft_widened, self.draft_widen_failed = False, True
 
     async def _drop_draft(self, exc: Exception) -> None:
         log.warning("request %s: draft failed (%s); decoding without it", self.sid, exc)
+        self._whole_context_failed()
         self.control.draft_failed(time.monotonic())
         sid, self.draft_sid = self.draft_sid, None
         await self._release_quietly(sid)
@@ -376,14 +409,20 @@ class _Request:
                         draft_s=time.perf_counter() - t0)
 
     def _widen_due(self, committed_len: int, max_depth: int) -> bool:
-        """Whether the windowed draft session should now hold the whole context: the request has
-        generated ``full_after_tokens`` and every committed token plus the tree fit the draft."""
+        """Whether the open windowed draft session should now give way to one holding every committed
+        token (``_full_context_due``); max_depth: the request's remaining budget, which must fit too."""
+        return bool(self.draft_skipped) and self._full_context_due(committed_len + max_depth)
+
+    def _full_context_due(self, positions: int) -> bool:
+        """full_after_tokens generated, no whole-context session failed before, and ``positions``
+        (tokens) fit the draft's context (when known)."""
         window = self.controller.draft_window
-        if not self.draft_skipped or window is None or window.full_after_tokens is None:
+        if window is None or window.full_after_tokens is None or self.draft_widen_failed:
             return False
         if len(self.stops.generated) < window.full_after_tokens:
             return False
-        return self.draft_positions is None or committed_len + max_depth <= self.draft_positions
+        limit = self.draft_positions or self.controller.draft_context_limit
+        return limit is None or positions <= limit
 
     async def _widen_draft(self) -> None:
         """Release the windowed draft session; the caller opens the next with every committed token."""
@@ -398,8 +437,9 @@ class _Request:
         """The draft's tree at the control's shape; an empty tree (and the draft dropped) when it fails."""
         spec = self.control.spec(self.spec)
         with _tracer.start_as_current_span("draft", attributes={"gamma": spec.gamma, "max_depth": max_depth}):
+            extra_s, self.draft_fresh = FRESH_DRAFT_S_PER_TOKEN * self.draft_fresh, 0
             try:
-                return await self._draft_call(self.controller.draft.propose(self.draft_sid, spec, max_depth))
+                return await self._draft_call(self.controller.draft.propose(self.draft_sid, spec, max_depth), extra_s)
             except DraftUnavailableError as exc:
                 await self._drop_draft(exc)
                 return _EMPTY_TREE

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
 from orchestrator.bench import _hf_generate, console, load_questions, method_figures
+from specdec.config import FrontConfig
 
 QUANTS = ("none", "int8")
 
@@ -178,7 +179,7 @@ def run_profile(candidates: list[Candidate], out_dir: Path, *, target: str | Non
                                           max_new_tokens, control))
     meta = {"target": target, "task_set": "built-in" if questions_path is None else str(questions_path),
             "per_category": per_category, "max_new_tokens": max_new_tokens, "dtype": str(loaded_target.dtype),
-            "control": control}
+            "control": control, "draft_window": FrontConfig().draft_window.model_dump()}  # wire_pipeline's default
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "profile.json").write_text(json.dumps({"meta": meta, "drafts": [p.to_json() for p in profiles]}, indent=2))
     (out_dir / "profile.md").write_text(markdown(profiles, meta))

@@ -79,19 +79,21 @@ class Orchestrator:
         factory = self.control_factory
         if factory is not None:
             factory = functools.partial(factory, max_nodes=max_nodes)
+        shared = await self._shared_compute(draft) if draft is not None else False
         if draft is not None and hasattr(self.control_factory, "shared"):
-            self.control_factory.shared.shared_compute = await self._shared_compute(draft)
+            self.control_factory.shared.shared_compute = shared
+        window = self.front.draft_window if self.front.draft_window.applies(shared) else None
         self.controller = RoundController(
             target, draft, list(self.info.eos_token_ids), self.info.context_limit, self.decode,
             control_factory=factory, draft_deadline_s=self.front.fallback.draft_deadline_ms / 1000,
-            on_round=self.on_round, pipeline=self.front.pipeline, draft_window=self.front.draft_window,
+            on_round=self.on_round, pipeline=self.front.pipeline, draft_window=window,
         )
 
     async def _shared_compute(self, draft: DraftClient) -> bool:
-        """Whether the draft computes on the target's hardware (front.cost_aware.shared_compute;
-        "auto": the two Info placements, ``specdec.placement.shares_compute``; an unreachable draft
-        counts as separate, and the next connect asks again)."""
-        setting = self.control_factory.shared_compute
+        """Whether the draft computes on the target's hardware (front.cost_aware.shared_compute, or the
+        cost-aware factory's; "auto": the two Info placements, ``specdec.placement.shares_compute``;
+        an unreachable draft counts as separate, and the next connect asks again)."""
+        setting = getattr(self.control_factory, "shared_compute", self.front.cost_aware.shared_compute)
         if setting != "auto":
             return bool(setting)
         try:

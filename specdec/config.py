@@ -148,12 +148,21 @@ class DraftWindowConfig(_Section):
     max_tokens: int | None = Field(default=256, ge=2)
     sink_tokens: int = Field(default=32, ge=0)
     full_after_tokens: int | None = Field(default=None, ge=1)
+    # also where the draft has its own hardware; by default only where it shares the target's compute
+    # (embedded mode; services whose placements coincide, front.cost_aware.shared_compute): on its own
+    # device the draft prefills beside the target's prefill, off the critical path, and a window
+    # would only cost acceptance
+    on_separate_hardware: bool = False
 
     @model_validator(mode="after")
     def _sink_fits(self):
         if self.max_tokens is not None and self.sink_tokens >= self.max_tokens:
             raise ValueError(f"sink_tokens: must be under max_tokens ({self.max_tokens}), got {self.sink_tokens}")
         return self
+
+    def applies(self, shared_compute: bool) -> bool:
+        """Whether the window is used for a draft that does (True) or does not share the target's compute."""
+        return self.max_tokens is not None and (shared_compute or self.on_separate_hardware)
 
     def context(self, tokens: list[int]) -> list[int]:
         """tokens [N] -> the draft's context [min(N, max_tokens)]: the first sink_tokens and the

@@ -64,8 +64,11 @@ class DraftWorker(Protocol):
     """
 
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> int | None:
-        """Open a session whose committed tokens are ``prompt_ids`` [T], T >= 1 (after a re-opened
-        draft: the prompt plus the tokens generated so far). ``sampling`` holds for every propose.
+        """Open a session whose committed tokens are ``prompt_ids`` [T], T >= 1: the request's committed
+        tokens (prompt plus the tokens generated so far, after a re-open), or the part of them the
+        round loop's draft window keeps (specdec.config.DraftWindowConfig: the first and the most
+        recent tokens; the draft's positions then count from its own first token). ``sampling``
+        holds for every propose.
 
         Returns the draft's context limit (max positions, tokens) when the worker knows it (the gRPC
         client: the server's DraftStarted.context_limit), else None: the caller then uses the limit

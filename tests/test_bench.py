@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.bench import BUILTIN_QUESTIONS, QuestionsError, load_questions, markdown_table, parse_questions, summarize
-from specdec.config import FrontConfig
+from specdec.config import DraftWindowConfig, FrontConfig
 from tests.tiny_pair import save_tiny_pair
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
@@ -152,6 +152,8 @@ def test_offset_picks_held_out_questions(tmp_path):
     assert [q["question_id"] for q in load_questions(path, per_category=2, offset=1, categories=["a"])] == [3, 4]
     with pytest.raises(QuestionsError, match="--category: c not in"):
         load_questions(path, per_category=2, categories=["a", "c"])
+    with pytest.raises(QuestionsError, match="--offset 2: no category"):  # a has a third question, b has not
+        load_questions(path, per_category=1, offset=2, categories=["b"])
 
 
 @pytest.mark.parametrize("content, offset, needle", [
@@ -278,3 +280,29 @@ def test_bench_bad_flags_exit_with_message(tmp_path, args, needle):
     proc = run_bench_cli(tmp_path, *args, "--target", nowhere, "--draft", nowhere, timeout=120)
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
     assert needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_draft_window_benchmark_on_tiny_models(long_pair, tmp_path):
+    """benchmarks/draft_window.py: windows side by side, outputs equal to target-only, JSON + markdown."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import draft_window
+
+    assert draft_window.window_of("none") is None
+    assert draft_window.window_of("64") == DraftWindowConfig(max_tokens=64, sink_tokens=32, full_after_tokens=None)
+    assert draft_window.window_of("64f8").full_after_tokens == 8
+    path = tmp_path / "q.jsonl"
+    long_prompt = " ".join(f"word{i}" for i in range(60))  # > 40 tokens: the window applies
+    path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
+                            for i, c, t in [(1, "rag", long_prompt), (2, "qa", "hello world")]))
+    out = tmp_path / "out"
+    summary = draft_window.main(["--questions", str(path), "--per-category", "1", "--max-new-tokens", "6",
+                                 "--windows", "none,40,40f2", "--target", str(long_pair.target),
+                                 "--draft", str(long_pair.draft), "--out", str(out)])
+    result = json.loads((out / "results.json").read_text())
+    rows = result["questions"]
+    assert [r["question_id"] for r in rows] == [1, 2]
+    assert all(r[m]["same"] for r in rows for m in ("wnone", "w40", "w40f2"))
+    assert rows[0]["prompt_tokens"] > 40 and sorted(rows[1]["order"]) == sorted(["target", "wnone", "w40", "w40f2"])
+    assert set(summary) == {"target", "wnone", "w40", "w40f2"} and summary["target"]["speedup"] == 1.0
+    assert result["meta"]["windows"]["w40"]["max_tokens"] == 40 and result["meta"]["windows"]["wnone"] is None
+    assert "| w40f2 |" in (out / "results.md").read_text()

@@ -11,10 +11,11 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from draft_service.runtime import DraftRuntime
-from orchestrator.controller import GenerationRequest, RoundController, sync_worker
+from orchestrator.control import FixedControl, RequestControl
+from orchestrator.controller import DraftUnavailableError, GenerationRequest, RoundController, sync_worker
 from orchestrator.embedded import make_control
 from orchestrator.engine import SpeculativeEngine
-from specdec.config import ConfigError, DraftWindowConfig, load_config
+from specdec.config import ConfigError, DraftWindowConfig, DynamicGammaConfig, FallbackConfig, load_config
 from specdec.sampling import GREEDY, SamplingParams, derive_seed
 from specdec.telemetry import setup_tracing
 from specdec.tree_spec import TreeSpec
@@ -44,6 +45,13 @@ def test_context_keeps_the_sinks_and_the_most_recent_tokens():
     assert window.context([5, 6, 7]) == [5, 6, 7]  # short contexts are kept whole
     assert window.context(list(range(6))) == list(range(6))
     assert DraftWindowConfig(max_tokens=3, sink_tokens=0).context(list(range(5))) == [2, 3, 4]
+
+
+def test_the_window_applies_where_the_draft_shares_the_target_compute():
+    window = DraftWindowConfig()
+    assert window.applies(shared_compute=True) and not window.applies(shared_compute=False)
+    assert DraftWindowConfig(on_separate_hardware=True).applies(shared_compute=False)
+    assert not DraftWindowConfig(max_tokens=None).applies(shared_compute=True)
 
 
 def test_a_sink_as_long_as_the_window_is_refused_naming_the_field(tmp_path):
@@ -164,3 +172,92 @@ def test_a_reopened_sampled_session_draws_a_fresh_stream_of_the_request_seed():
     (first, draft), (again, _) = run(), run()
     assert first.tokens == again.tokens
     assert draft.seeds == [11, derive_seed(11, "draft-reopen/1")] and len(draft.started[1]) > 30
+
+
+class FailingWhole(StartLog):
+    """Fails every propose of a session opened with more than ``window`` tokens (a whole-context
+    re-open that, say, ran past its deadline during its prefill)."""
+
+    def __init__(self, model, window: int):
+        super().__init__(model)
+        self.window = window
+        self.opened_with: dict[str, int] = {}
+
+    def start(self, session_id, prompt_ids, sampling=GREEDY):
+        self.opened_with[session_id] = len(prompt_ids)
+        return super().start(session_id, prompt_ids, sampling)
+
+    def propose_batch(self, items):
+        if any(self.opened_with[item[0]] > self.window for item in items):
+            raise DraftUnavailableError("scripted: the whole-context session is too slow")
+        return super().propose_batch(items)
+
+
+def test_a_failed_whole_context_session_goes_back_to_the_window_for_good():
+    model = tiny_model("qwen2", seed=0)
+    prompt = random_prompt(seed=82, length=30)
+    n = 24
+    reference = hf_greedy(model, prompt, n)
+    draft = FailingWhole(model, window=10)
+    control = lambda spec: RequestControl(spec, DynamicGammaConfig(), FallbackConfig(reconnect_s=0.001, min_acceptance=0.0))
+    engine = SpeculativeEngine(TargetRuntime(model), draft, eos_token_ids=[], context_limit=512, control_factory=control,
+                               draft_window=DraftWindowConfig(max_tokens=10, sink_tokens=2, full_after_tokens=4))
+    out = engine.generate(GenerationRequest(prompt, max_new_tokens=n, spec=SPEC))
+    assert out.tokens == reference
+    lengths = [len(tokens) for tokens in draft.started]
+    assert lengths[0] == 10 and lengths[1] > 30  # windowed, then the whole context once 4 tokens are out
+    assert len(lengths) >= 3 and all(length == 10 for length in lengths[2:])  # after its failure: the window only
+    assert out.stats.accepted_tokens > 0  # the windowed retries drafted again
+
+
+class LateDraft(FixedControl):
+    """Drafts only once 4 tokens are generated (prompt of 30), the draft opened at the first drafted round."""
+
+    def defer_draft_open(self) -> bool:
+        return True
+
+    def speculate(self, now, committed_len, depth):
+        self.reason = None if committed_len >= 34 else "cost"
+        return committed_len >= 34
+
+
+def test_an_open_after_full_after_tokens_takes_the_whole_context_at_once():
+    model = tiny_model("qwen2", seed=0)
+    prompt = random_prompt(seed=83, length=30)
+    n = 16
+    reference = hf_greedy(model, prompt, n)
+    draft = StartLog(model)
+    engine = SpeculativeEngine(TargetRuntime(model), draft, eos_token_ids=[], context_limit=512, control_factory=LateDraft,
+                               draft_window=DraftWindowConfig(max_tokens=10, sink_tokens=2, full_after_tokens=4))
+    out = engine.generate(GenerationRequest(prompt, max_new_tokens=n, spec=SPEC))
+    assert out.tokens == reference
+    assert draft.started == [prompt + reference[:4]]  # no windowed session first
+
+
+class SlowPropose:
+    """An async draft worker whose ``slow``-th propose (1-based) takes 0.3 s."""
+
+    def __init__(self, model, slow: int):
+        self.inner = sync_worker(DraftRuntime(model))
+        self.slow, self.calls = slow, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def propose(self, session_id, spec, max_depth):
+        self.calls += 1
+        if self.calls == self.slow:
+            await asyncio.sleep(0.3)
+        return await self.inner.propose(session_id, spec, max_depth)
+
+
+@pytest.mark.parametrize("slow, dropped", [(1, False), (2, True)])
+def test_the_first_propose_of_a_session_gets_time_for_its_prefill(slow, dropped):
+    """Deadline 0.1 s: the first propose of a session opened with 30 tokens may take 0.1 + 30 * 0.02
+    s (it may still wait for the session's prefill); a later one may not."""
+    model = tiny_model("qwen2", seed=0)
+    prompt = random_prompt(seed=84, length=30)
+    ctl = RoundController(sync_worker(TargetRuntime(model)), SlowPropose(model, slow), [], 512, draft_deadline_s=0.1)
+    result = asyncio.run(ctl.generate(GenerationRequest(prompt, 12, spec=SPEC)))
+    assert result.tokens == hf_greedy(model, prompt, 12)
+    assert (result.stats.fallback_rounds > 0) == dropped

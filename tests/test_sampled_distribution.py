@@ -266,7 +266,8 @@ E2E_SAMPLES = 2000
 
 
 # the draft's window: it opens seeing [3, 1] of PROMPT and, when round 1 commits one token, re-opens
-# with the whole context (a fresh random stream of the request seed) for round 2
+# with the whole context (a fresh random stream of the request seed) for round 2. Windowed requests
+# generate N + 1 tokens (so round 2 still drafts after a one-token round 1); the first N are counted.
 WINDOW = DraftWindowConfig(max_tokens=2, sink_tokens=1, full_after_tokens=1)
 
 
@@ -285,9 +286,10 @@ def test_engine_end_to_end(tree_type, params, window):
     spec = TreeSpec(**TREE, treeType=tree_type)
     counts: Counter = Counter()
     for first in range(0, E2E_SAMPLES, 250):
-        requests = [GenerationRequest(PROMPT, max_new_tokens=N, spec=spec, sampling=SamplingParams(
-            params.temperature, params.top_p, params.top_k, seed=seed)) for seed in range(first, first + 250)]
-        counts.update(tuple(result.tokens) for result in engine.generate_batch(requests))
+        requests = [GenerationRequest(PROMPT, max_new_tokens=N if window is None else N + 1, spec=spec,
+                                      sampling=SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed))
+                    for seed in range(first, first + 250)]
+        counts.update(tuple(result.tokens[:N]) for result in engine.generate_batch(requests))
     law = exact_law(processed_probs(next_token_logits(target), params))
     pvalue = chi2_pvalue(counts, law, E2E_SAMPLES)
     assert pvalue > P_MIN, f"chi-square p = {pvalue:.2e}, total variation {total_variation(counts, law, E2E_SAMPLES):.4f}"
