@@ -139,15 +139,16 @@ class DraftWindowConfig(_Section):
     plus a recent window, Xiao et al. 2024, section 3; MagicDec, Chen et al. 2024, section 4, drafts
     long contexts this way). A long prompt then costs the draft a short prefill; the target still
     sees every token, so the output is unchanged and only acceptance can move: a short answer after a
-    long prompt (rag, extraction) no longer pays for the whole prompt's draft prefill. With
-    ``full_after_tokens`` set, a request that has generated that many tokens re-opens its draft with
-    every committed token (one full prefill, for long answers that depend on the far context; off by
-    default: on Spec-Bench's long-prompt categories it cost more than it won back, see the README).
+    long prompt (rag, extraction) no longer pays for the whole prompt's draft prefill. A long answer
+    to a long prompt (a summary) drafts about half as well from the window, so once a request has
+    generated ``full_after_tokens`` its draft re-opens with every committed token: one full prefill,
+    as in ski rental (rent the window; buy the whole context once the answer has shown it is long;
+    the loss is bounded by the window's prefill plus full_after_tokens drafted from the window).
     max_tokens None = every token from the start; full_after_tokens None = the window to the end."""
 
     max_tokens: int | None = Field(default=256, ge=2)
     sink_tokens: int = Field(default=32, ge=0)
-    full_after_tokens: int | None = Field(default=None, ge=1)
+    full_after_tokens: int | None = Field(default=32, ge=1)
     # also where the draft has its own hardware; by default only where it shares the target's compute
     # (embedded mode; services whose placements coincide, front.cost_aware.shared_compute): on its own
     # device the draft prefills beside the target's prefill, off the critical path, and a window
