@@ -71,6 +71,7 @@ _session_ids = itertools.count()
 # it gets this much more time per token the session opened with (the int8 default draft prefills
 # ~0.0043 s a token on the 2-core CPU).
 FRESH_DRAFT_S_PER_TOKEN = 0.02
+FRESH_DRAFT_MAX_S = 120.0  # at most this much more (a hung draft must not hold a request for long)
 
 
 class DraftUnavailableError(RuntimeError):
@@ -283,7 +284,7 @@ class _Request:
         self.draft_sid = sid  # before the call: a cancel during start must still close (release) the session
         tokens = self.committed_tokens
         window = self.controller.draft_window
-        if window is not None and not self.draft_widened and self._full_context_due(len(tokens)):
+        if window is not None and not self.draft_widened and self._full_context_due(len(tokens) + self.stops.budget() - 1):
             self.draft_widened = True  # a retry or deferred open after full_after_tokens: no windowed detour
         if self.draft_widened:
             window = None
@@ -437,7 +438,7 @@ class _Request:
         """The draft's tree at the control's shape; an empty tree (and the draft dropped) when it fails."""
         spec = self.control.spec(self.spec)
         with _tracer.start_as_current_span("draft", attributes={"gamma": spec.gamma, "max_depth": max_depth}):
-            extra_s, self.draft_fresh = FRESH_DRAFT_S_PER_TOKEN * self.draft_fresh, 0
+            extra_s, self.draft_fresh = min(FRESH_DRAFT_S_PER_TOKEN * self.draft_fresh, FRESH_DRAFT_MAX_S), 0
             try:
                 return await self._draft_call(self.controller.draft.propose(self.draft_sid, spec, max_depth), extra_s)
             except DraftUnavailableError as exc:

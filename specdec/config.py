@@ -144,8 +144,8 @@ class DraftWindowConfig(_Section):
     generated ``full_after_tokens`` its draft re-opens with every committed token: one full prefill,
     as in ski rental (rent the window; buy the whole context once the answer has shown it is long;
     the loss is bounded by the window's prefill plus full_after_tokens drafted from the window; 64:
-    Spec-Bench's rag and extraction answers, mostly under 64 tokens, keep the window's gain, and a
-    re-open at 32 cost 3-5 s on answers of 36-39 tokens).
+    Spec-Bench's rag and extraction answers, mostly under 64 tokens, keep the window's gain, where a
+    re-open at 32 cost a 39-token rag answer 3.3 s; benchmarks/draft_window_cpu_2core_2026-12-01.md).
     max_tokens None = every token from the start; full_after_tokens None = the window to the end."""
 
     max_tokens: int | None = Field(default=256, ge=2)

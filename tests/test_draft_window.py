@@ -11,6 +11,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from draft_service.runtime import DraftRuntime
+import orchestrator.controller as controller_module
 from orchestrator.control import FixedControl, RequestControl
 from orchestrator.controller import DraftUnavailableError, GenerationRequest, RoundController, sync_worker
 from orchestrator.embedded import make_control
@@ -221,17 +222,25 @@ class LateDraft(FixedControl):
         return committed_len >= 34
 
 
-def test_an_open_after_full_after_tokens_takes_the_whole_context_at_once():
+@pytest.mark.parametrize("draft_limit", [None, 45, 44])
+def test_an_open_after_full_after_tokens_takes_the_whole_context_at_once(draft_limit):
+    """Opened at 4 generated tokens (34 committed, 12 more to generate: the request needs 34 + 11
+    draft positions): the whole context when the draft holds 45 positions or more, else the window."""
     model = tiny_model("qwen2", seed=0)
     prompt = random_prompt(seed=83, length=30)
     n = 16
     reference = hf_greedy(model, prompt, n)
     draft = StartLog(model)
     engine = SpeculativeEngine(TargetRuntime(model), draft, eos_token_ids=[], context_limit=512, control_factory=LateDraft,
+                               draft_context_limit=draft_limit,
                                draft_window=DraftWindowConfig(max_tokens=10, sink_tokens=2, full_after_tokens=4))
     out = engine.generate(GenerationRequest(prompt, max_new_tokens=n, spec=SPEC))
     assert out.tokens == reference
-    assert draft.started == [prompt + reference[:4]]  # no windowed session first
+    committed = prompt + reference[:4]
+    if draft_limit == 44:
+        assert draft.started == [committed[:2] + committed[-8:]]
+    else:
+        assert draft.started == [committed]  # no windowed session first
 
 
 class SlowPropose:
@@ -252,9 +261,10 @@ class SlowPropose:
 
 
 @pytest.mark.parametrize("slow, dropped", [(1, False), (2, True)])
-def test_the_first_propose_of_a_session_gets_time_for_its_prefill(slow, dropped):
-    """Deadline 0.1 s: the first propose of a session opened with 30 tokens may take 0.1 + 30 * 0.02
-    s (it may still wait for the session's prefill); a later one may not."""
+def test_the_first_propose_of_a_session_gets_time_for_its_prefill(slow, dropped, monkeypatch):
+    """Deadline 0.1 s: the first propose of a session opened with 30 tokens may take 0.1 + 30 * 0.1
+    s (it may still wait for the session's prefill); a later one may not (0.3 s > 0.1 s)."""
+    monkeypatch.setattr(controller_module, "FRESH_DRAFT_S_PER_TOKEN", 0.1)
     model = tiny_model("qwen2", seed=0)
     prompt = random_prompt(seed=84, length=30)
     ctl = RoundController(sync_worker(TargetRuntime(model)), SlowPropose(model, slow), [], 512, draft_deadline_s=0.1)
