@@ -325,14 +325,10 @@ class _Request:
     async def _draft_call(self, awaitable, extra_s: float = 0.0):
         """A draft call under the draft deadline (plus ``extra_s`` seconds); every failure becomes
         DraftUnavailableError."""
-        if self.controller.draft_deadline_s is None:
-            deadline = None
-        else:
-            deadline = self.controller.draft_deadline_s + extra_s
+        base = self.controller.draft_deadline_s
+        deadline = None if base is None else base + extra_s
         try:
-            if deadline is None:
-                return await awaitable
-            return await asyncio.wait_for(awaitable, deadline)
+            return await asyncio.wait_for(awaitable, deadline)  # None: no deadline
         except DraftUnavailableError:
             raise
         except asyncio.TimeoutError as exc:
