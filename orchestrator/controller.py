@@ -438,6 +438,9 @@ class _Request:
             try:
                 return await self._draft_call(self.controller.draft.propose(self.draft_sid, spec, max_depth), extra_s)
             except DraftUnavailableError as exc:
+                timed_out = getattr(self.control, "draft_timed_out", None)
+                if timed_out is not None and isinstance(exc.__cause__, asyncio.TimeoutError):
+                    timed_out(self.controller.draft_deadline_s)  # the base deadline: the extra was for a prefill
                 await self._drop_draft(exc)
                 return _EMPTY_TREE
 

@@ -46,6 +46,26 @@ class SharedState:
     rounds_without_draft: int = 0  # across requests, since any request last drafted (the probe counts these)
     load: float = 1.0  # sessions a verify forward holds or could hold, moving average over every request's rounds
     shared_compute: bool = False  # draft and target on the same hardware (specdec.placement; set at connect)
+    draft_queue: float = 0.0  # the draft's queueing under load on its own device (LoadedCost.queue_factor)
+
+    def queue_learns(self) -> bool:
+        """Whether a draft reply's wall time now teaches ``draft_queue`` rather than D: the draft has its
+        own device and other requests run (load >= 1.5). Their steps and prefills queue on the one
+        draft, so the reply's time beyond D is queueing; learnt as D it would outlast the load."""
+        return not self.shared_compute and self.load >= 1.5
+
+    def observe_draft_queue(self, observed_ms: float, steps_ms: float, lower_bound: bool = False,
+                            alpha: float = 0.3) -> None:
+        """One draft reply under load: ``observed_ms`` wall time for steps that D prices at ``steps_ms``.
+        Its queue share is (observed / steps - 1) / (load - 1), clamped to [0, 8], folded in as a
+        moving average. lower_bound: the reply never came (its deadline), so the share is at least
+        that: it only raises ``draft_queue``."""
+        if steps_ms <= 0 or self.load < 1.5:
+            return
+        share = min(max((observed_ms / steps_ms - 1.0) / (self.load - 1.0), 0.0), 8.0)
+        if lower_bound and share <= self.draft_queue:
+            return
+        self.draft_queue += alpha * (share - self.draft_queue)
 
     def observe_load(self, batch_size: int, alpha: float = 0.3) -> None:
         """One round's load: the sessions its verify forward held, or the target's open sessions
@@ -69,7 +89,9 @@ class SharedState:
     def planning_cost(self) -> CostModel | LoadedCost:
         """The cost model the planning uses: ``LoadedCost`` at the current load (goodput), the model
         itself when rounds run alone (a load under 1.1 is noise of an occasional merge)."""
-        return LoadedCost(self.cost, self.load, self.shared_compute) if self.load >= 1.1 else self.cost
+        if self.load < 1.1:
+            return self.cost
+        return LoadedCost(self.cost, self.load, self.shared_compute, self.draft_queue)
 
 
 @dataclass
@@ -182,6 +204,7 @@ class CostAwareControl:
         self.rounds = 0
         self.rounds_without_draft = 0
         self.draft_warm = False  # the draft session has prefilled (its first tree is done)
+        self.drafted_depth = 0  # steps of the last tree the draft returned (0: none yet)
         self._planned_spec: TreeSpec | None = None
 
     def bind_request(self, sampling) -> None:
@@ -225,8 +248,20 @@ class CostAwareControl:
         return g > 0
 
     def defer_draft_open(self) -> bool:
-        """``SharedState.defer_draft``: the round loop then opens the draft at the first drafted round."""
-        return self.shared.defer_draft()
+        """Whether the round loop should open the draft at the first drafted round instead of at the
+        request's start: ``SharedState.defer_draft`` (shared compute under load), or other requests
+        are running (load >= 1.5) and, at the current costs, a new request's plan would not draft
+        (a draft whose replies queue behind other sessions' steps and prefills prices itself out:
+        ``draft_timed_out``); opening it anyway would add one more prefill to that queue."""
+        if self.shared.defer_draft():
+            return True
+        if self.timing_free or self.shared.load < 1.5:
+            return False
+        max_steps = min(self.max_gamma, self._deepest())
+        heads = list(spec_at_depth(self.base, max_steps, self.max_nodes).top_head)
+        g, _ = plan_depth(self.depths, self.shared.planning_cost(), heads, max_steps,
+                          self.context_value, self.context_rows)
+        return g == 0
 
     def _deepest(self) -> int:
         try:
@@ -278,6 +313,7 @@ class CostAwareControl:
             self.rounds_without_draft = 0
             self.shared.rounds_without_draft = 0
             drafted_depths = node_depths(drafted_tree.parents)
+            self.drafted_depth = max(drafted_depths, default=0)
             for d in range(1, self._planned_spec.gamma + 1):  # depths the draft stopped short of count as 0
                 kept = [i for i, dd in enumerate(depths) if dd == d and shaped.draft_index[i] is not None]
                 self.depths.update(d, sum(shaped.values[i] for i in kept), len(kept))
@@ -293,6 +329,9 @@ class CostAwareControl:
         if not no_forward:
             self.shared.observe_load(max(batch_size, mergeable))
             rows = batch_rows or shaped.tree.size + 1  # the forward's rows decide its latency
+            if parents_per_step and draft_s and self.shared.queue_learns():
+                self.shared.observe_draft_queue(draft_s * 1000, self.shared.cost.draft_ms(parents_per_step))
+                parents_per_step = []  # the reply's time beyond D was the queue's, not D's
             self.shared.cost.observe_round(rows, forward_s or verify_s, parents_per_step, draft_s, overhead_s)
 
     def _learn_raw_ratio(self, drafted: DraftTree, shaped: ShapedTree) -> None:
@@ -308,8 +347,10 @@ class CostAwareControl:
             self.raw_per_value += 0.2 * (min(raw / value, 5.0) - self.raw_per_value)
 
     def cost_snapshot(self) -> dict:
-        """The shared cost model's figures (CostModel.snapshot), for round records and metrics."""
-        return self.shared.cost.snapshot()
+        """The shared cost model's figures (CostModel.snapshot) and the load it was planned at (load,
+        draft_queue: ``SharedState``), for round records and metrics."""
+        return {**self.shared.cost.snapshot(), "load": round(self.shared.load, 2),
+                "draft_queue": round(self.shared.draft_queue, 3)}
 
     # ----------------------------------------------------------------- the rest of the interface
 
@@ -325,6 +366,23 @@ class CostAwareControl:
 
     def draft_failed(self, now: float | None = None) -> None:
         self.fallback.draft_failed(now)
+
+    def draft_timed_out(self, waited_s: float) -> None:
+        """The round's proposal got no reply within ``waited_s`` seconds (the draft deadline; the round
+        loop calls this before ``draft_failed``). The shared cost model takes it as that proposal's
+        latency, a lower bound (``CostModel.observe_draft_timeout``): under load the draft's queue
+        then raises D as the requests see it, and the plan drafts less, or not at all, before more
+        deadlines trip (each failure drops the session, and its re-open prefills again)."""
+        if self.timing_free or not self.gamma or self._planned_spec is None or not waited_s:
+            return
+        # the steps it would have run: as many as the last tree it drafted, else the plan's g (the
+        # planned spec's gamma is only the budget the draft's early stop may use)
+        steps = min(self.drafted_depth or self.gamma, self._planned_spec.gamma)
+        heads = list(self._planned_spec.top_head[:steps])
+        if self.shared.queue_learns():
+            self.shared.observe_draft_queue(waited_s * 1000, self.shared.cost.draft_ms(heads), lower_bound=True)
+        else:
+            self.shared.cost.observe_draft_timeout(heads, waited_s)
 
     def set_draft_context_limit(self, limit: int | None) -> None:
         self.fallback.set_draft_context_limit(limit)

@@ -141,10 +141,23 @@ class CostModel:
         rows: of the whole verify forward (every session's rows when the target merged several)."""
         self.verify.observe(rows, verify_s * 1000)
         if draft_s and parents_per_step:
-            if self.draft_step.observations == 0 and not self.draft_step.measured:
-                self.draft_step.scale = self.verify.scale  # prior figures: start from their ratio
-            self.draft_step.observe_sum(parents_per_step, draft_s * 1000)
+            self._observe_draft(parents_per_step, draft_s * 1000)
         self.round_overhead_ms += 0.2 * (overhead_s * 1000 - self.round_overhead_ms)
+
+    def observe_draft_timeout(self, parents_per_step: list[int], waited_s: float) -> None:
+        """A draft proposal of these parents per step gave no reply within ``waited_s`` seconds (its
+        deadline): a lower bound on its latency, folded into D like a reply that took that long
+        where D predicted less. Without it, proposals that all time out would teach D nothing and
+        every round would keep planning a draft that cannot answer in time. (Under load, on the
+        draft's own device, the round loop folds a timeout into the draft's queue share instead:
+        ``SharedState.observe_draft_queue``.)"""
+        if parents_per_step and waited_s * 1000 > self.draft_ms(parents_per_step):  # a bound already met says nothing
+            self._observe_draft(parents_per_step, waited_s * 1000)
+
+    def _observe_draft(self, parents_per_step: list[int], ms: float) -> None:
+        if self.draft_step.observations == 0 and not self.draft_step.measured:
+            self.draft_step.scale = self.verify.scale  # prior figures: start from their ratio
+        self.draft_step.observe_sum(parents_per_step, ms)
 
     def snapshot(self) -> dict:
         """Plain figures for stats, Info and metrics: {verify_ms: {rows: ms}, draft_step_ms: {...}, ...}."""
@@ -172,13 +185,17 @@ class LoadedCost:
     shared_compute: the draft and the target compute on the same hardware (``specdec.placement``):
     then each of the ``load`` requests' draft steps takes the target's compute for its time, and
     concurrent requests' rounds drift apart so their steps rarely merge: a step costs D(p) * load.
-    On its own device the draft's steps run beside other requests' verifies: D(p).
+    On its own device the draft's steps run beside other requests' verifies, but one draft serves
+    every request: a step costs D(p) * (1 + draft_queue * (load - 1)) (``queue_factor``), with
+    draft_queue learnt from the replies' wall times under load (issue 12: a one-core draft serving
+    16 sessions answered in 3.7 s, past its 2 s deadline, while D alone priced a step at ~45 ms).
     """
 
-    def __init__(self, cost: CostModel, load: float, shared_compute: bool = False):
+    def __init__(self, cost: CostModel, load: float, shared_compute: bool = False, draft_queue: float = 0.0):
         self.cost = cost
         self.load = max(float(load), 1.0)
         self.shared_compute = shared_compute
+        self.draft_queue = max(float(draft_queue), 0.0)
 
     @property
     def round_overhead_ms(self) -> float:
@@ -188,9 +205,17 @@ class LoadedCost:
         """ms of a forward holding ``load`` trees of ``rows`` rows each."""
         return self.cost.verify(self.load * rows)
 
+    def queue_factor(self) -> float:
+        """How much longer than D a draft step takes as a request sees it, on the draft's own device:
+        1 + draft_queue * (load - 1). draft_queue (learnt, ``SharedState.observe_draft_queue``) is
+        the share of each other request's step that a step waits behind: 0 when the draft merges or
+        overlaps every session's steps, 1 when they run one after another, more when other
+        sessions' prefills queue there too."""
+        return 1.0 + self.draft_queue * (self.load - 1.0)
+
     def draft_step_ms(self, parents: int) -> float:
         step = self.cost.draft_step_ms(parents)
-        return step * self.load if self.shared_compute else step
+        return step * self.load if self.shared_compute else step * self.queue_factor()
 
     def draft_ms(self, parents_per_step: Iterable[int]) -> float:
         return sum(self.draft_step_ms(p) for p in parents_per_step)

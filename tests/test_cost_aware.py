@@ -402,3 +402,101 @@ def test_a_deferred_draft_opens_at_the_first_drafted_round_and_the_output_is_exa
     assert first >= 2 and len(draft.starts) == 1  # opened once, not at the start
     assert draft.starts[0] > len(prompt)  # with the tokens committed by the plain rounds before it
     assert sum(1 for r in records[first:] if r.drafted) >= 3
+
+
+def test_the_draft_queue_prices_a_step_under_load_on_its_own_device_only():
+    """SharedState.observe_draft_queue and LoadedCost.queue_factor, by the numbers: at load 4 a reply
+    of 300 ms for steps D prices at 60 ms is a queue share of (300 / 60 - 1) / 3 = 4/3; one
+    observation moves draft_queue 0.3 of the way (0.4), so a step costs D * (1 + 0.4 * 3) = 2.2 D.
+    A timeout is a lower bound: one under the current share changes nothing. At load 1 nothing is
+    learnt and planning uses D itself; a draft sharing the target's compute keeps its D * load."""
+    from orchestrator.cost_model import LoadedCost
+
+    cost = CostModel(dict(BOUND_AT_8), {1: 20.0}, alpha=0.0, source="measured")
+    shared = SharedState(cost=cost, load=4.0)
+    assert shared.queue_learns() and not SharedState(cost=cost, load=1.2).queue_learns()
+    shared.observe_draft_queue(300.0, 60.0)
+    assert shared.draft_queue == pytest.approx(0.4)
+    assert shared.planning_cost().draft_step_ms(1) == pytest.approx(20.0 * 2.2)
+    shared.observe_draft_queue(80.0, 60.0, lower_bound=True)  # share 1/9 < 0.4: no news
+    assert shared.draft_queue == pytest.approx(0.4)
+    shared.observe_draft_queue(1260.0, 60.0, lower_bound=True)  # share 20/3 > 0.4: raised
+    assert shared.draft_queue == pytest.approx(0.4 + 0.3 * (20 / 3 - 0.4))
+    shared.observe_draft_queue(60.0, 600.0)  # faster than D: share 0, the queue drains
+    assert shared.draft_queue == pytest.approx(0.7 * (0.4 + 0.3 * (20 / 3 - 0.4)))
+    shared.load = 1.0
+    assert shared.planning_cost() is cost  # alone: no queue
+    assert LoadedCost(cost, 4, shared_compute=True, draft_queue=5.0).draft_step_ms(1) == 80.0  # D * load
+
+
+class SlowDraft:
+    """An async draft worker whose proposes take ``delay_s`` (a draft whose replies queue behind
+    other sessions' work); counts them."""
+
+    def __init__(self, model, delay_s: float):
+        from orchestrator.controller import sync_worker
+
+        self.inner = sync_worker(DraftRuntime(model))
+        self.delay_s, self.proposes = delay_s, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def propose(self, session_id, spec, max_depth):
+        self.proposes += 1
+        await asyncio.sleep(self.delay_s)
+        return await self.inner.propose(session_id, spec, max_depth)
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.5], ids=["answers-in-time", "past-its-deadline"])
+def test_a_draft_past_its_deadline_under_load_prices_itself_out(delay_s, monkeypatch):
+    """Load 4 (sessions open at the target), verification memory-bound (V(4) 58 ms, V(8) 60 ms, the
+    figures of BOUND_AT_8 / 5), a draft on its own device that D prices at 3 ms a step, deadline
+    0.2 s, re-open after 0.01 s. A draft that answers in time drafts most rounds. One whose replies
+    take 0.5 s times out; each timeout is a lower bound on the queue share of the step the plan
+    paid for ((200 / 3 - 1) / 3, clamped to 8): draft_queue 2.4 after the first (a step priced at
+    3 * (1 + 2.4 * 3) = 24.6 ms, still drafted), 4.08 after the second (39.7 ms, where 1.6 expected
+    tokens in D + V(8) no longer beat 1 in V(4): 33 ms is the break-even). From then on the rounds
+    run plain for "cost", not a timeout every other round that re-opens the draft each time.
+    Output = target alone."""
+    import orchestrator.controller as controller_module
+    from orchestrator.controller import RoundController, sync_worker
+    from specdec.config import FallbackConfig
+
+    monkeypatch.setattr(controller_module, "FRESH_DRAFT_S_PER_TOKEN", 0.0)  # no prefill allowance: 0.2 s each
+    model = tiny_model("qwen2", seed=0)
+    prompt = random_prompt(seed=97)
+    n = 40
+    reference = hf_greedy(model, prompt, n)
+    scaled = {rows: ms / 5 for rows, ms in BOUND_AT_8.items()}
+    shared = SharedState(cost=CostModel(scaled, {1: 3.0}, alpha=0.0, source="measured"))
+    factory = lambda s, *_: CostAwareControl(s, shared, FallbackConfig(reconnect_s=0.01),  # noqa: E731
+                                             ngram_tokens=0, probe_every=1000)
+    draft = SlowDraft(model, delay_s)
+    ctl = RoundController(sync_worker(ReportsBatch(TargetRuntime(model), 4, open_only=True)), draft, [], CONTEXT,
+                          control_factory=factory, draft_deadline_s=0.2)
+    records = []
+    result = asyncio.run(ctl.generate(GenerationRequest(prompt, max_new_tokens=n, spec=CHAIN4),
+                                      on_round=records.append))
+    assert result.tokens == reference
+    assert shared.load == 4.0
+    if delay_s == 0.0:
+        assert sum(1 for r in records if r.drafted) >= len(records) // 2 and shared.draft_queue < 1.0
+        return
+    assert draft.proposes == 2  # then no round plans a draft
+    assert shared.draft_queue == pytest.approx(4.08)
+    assert [r.fallback for r in records[-10:-1]] == ["cost"] * 9  # the last round: budget for the bonus only
+
+
+def test_a_congested_draft_is_not_opened_at_a_new_requests_start():
+    """On its own device the draft opens beside the target's prefill, unless other requests run and
+    the queue prices drafting out for a new request (defer_draft_open): opening it would only add a
+    prefill to the queue. Same costs as above (break-even at a 33 ms step)."""
+    scaled = {rows: ms / 5 for rows, ms in BOUND_AT_8.items()}
+    shared = SharedState(cost=CostModel(scaled, {1: 3.0}, alpha=0.0, source="measured"), load=4.0)
+    control = CostAwareControl(CHAIN4, shared, ngram_tokens=0)
+    assert not control.defer_draft_open()  # 3 ms a step: drafting pays
+    shared.draft_queue = 4.08  # 39.7 ms a step
+    assert control.defer_draft_open()
+    shared.load = 1.0  # alone: no queue
+    assert not control.defer_draft_open()
