@@ -154,6 +154,7 @@ class RoundController:
         self.on_round = on_round
         self.pipeline = pipeline
         self.draft_window = draft_window
+        self.running = 0  # requests in generate now (a new one's control may defer its draft's open)
 
     def check(self, request: GenerationRequest) -> None:
         """Raises ValueError naming the field for a request that cannot run."""
@@ -185,6 +186,7 @@ class RoundController:
         """
         self.check(request)
         run = _Request(self, request, session_id or f"req-{next(_session_ids)}", on_round)
+        self.running += 1
         try:
             await run.open()
             while run.stops.reason is None:
@@ -192,6 +194,7 @@ class RoundController:
                 if on_tokens is not None:
                     await _maybe_await(on_tokens(committed))
         finally:
+            self.running -= 1
             await asyncio.shield(run.close())
         return GenerationResult(list(run.stops.generated), run.stats)
 
@@ -268,7 +271,8 @@ class _Request:
         self.target_open = True  # before the call: a cancel during Prefill must still release (harmless if unknown)
         starts = [asyncio.ensure_future(self.controller.target.start(self.sid, self.request.prompt_ids, self.request.sampling))]
         defer = getattr(self.control, "defer_draft_open", None)
-        if self.spec is not None and not (defer is not None and defer()):  # deferred: opened by the first drafted round
+        others = self.controller.running - 1  # other requests of this controller running now
+        if self.spec is not None and not (defer is not None and defer(others)):  # deferred: opened by the first drafted round
             starts.append(asyncio.ensure_future(self._open_draft()))
         try:
             await asyncio.gather(*starts)

@@ -81,10 +81,13 @@ class SharedState:
         compute, and the shared count grows with the number of requests)."""
         return probe_every * (self.load if self.shared_compute else 1.0)
 
-    def defer_draft(self) -> bool:
+    def defer_draft(self, others: int = 0) -> bool:
         """Whether a new request should not prefill the draft until a round decides to draft: the
-        draft shares the target's compute and other requests are running (``load`` >= 1.5)."""
-        return self.shared_compute and self.load >= 1.5
+        draft shares the target's compute and other requests are running (``load`` >= 1.5, or
+        ``others`` >= 1: requests of the same front in flight, known before any round has reported a
+        load; requests that arrive together would otherwise all prefill the draft at once, on the
+        compute their target prefills need)."""
+        return self.shared_compute and (self.load >= 1.5 or others >= 1)
 
     def planning_cost(self) -> CostModel | LoadedCost:
         """The cost model the planning uses: ``LoadedCost`` at the current load (goodput), the model
@@ -247,13 +250,14 @@ class CostAwareControl:
             self._planned_spec = spec.model_copy(update={"gamma_threshold": max(threshold, spec.gamma_threshold)})
         return g > 0
 
-    def defer_draft_open(self) -> bool:
+    def defer_draft_open(self, others: int = 0) -> bool:
         """Whether the round loop should open the draft at the first drafted round instead of at the
-        request's start: ``SharedState.defer_draft`` (shared compute under load), or other requests
+        request's start: ``SharedState.defer_draft`` (shared compute and other requests running;
+        others: the front's other requests in flight), or on the draft's own device other requests
         are running (load >= 1.5) and, at the current costs, a new request's plan would not draft
         (a draft whose replies queue behind other sessions' steps and prefills prices itself out:
         ``draft_timed_out``); opening it anyway would add one more prefill to that queue."""
-        if self.shared.defer_draft():
+        if self.shared.defer_draft(others):
             return True
         if self.timing_free or self.shared.load < 1.5:
             return False

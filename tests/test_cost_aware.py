@@ -376,6 +376,7 @@ def test_shared_compute_load_rises_at_once_scales_probes_and_defers_the_draft():
     for _ in range(10):
         shared.observe_load(1)
     assert shared.load < 1.5 and not shared.defer_draft()
+    assert shared.defer_draft(others=1) and not own.defer_draft(others=1)  # requests in flight, no load seen yet
 
 
 def test_a_deferred_draft_opens_at_the_first_drafted_round_and_the_output_is_exact():
@@ -500,3 +501,39 @@ def test_a_congested_draft_is_not_opened_at_a_new_requests_start():
     assert control.defer_draft_open()
     shared.load = 1.0  # alone: no queue
     assert not control.defer_draft_open()
+
+
+def test_requests_arriving_together_on_shared_compute_prefill_the_draft_once():
+    """Draft on the target's hardware, no load reported yet (the first rounds): of three requests
+    started together on one controller, the first opens its draft at its start and the two that find
+    it running defer theirs (no draft prefill on the compute the target prefills need). Each request's
+    output is the target's own greedy tokens."""
+    from orchestrator.controller import RoundController, sync_worker
+
+    model = tiny_model("qwen2", seed=0)
+    prompts = [random_prompt(seed=s, length=12 + s) for s in (1, 2, 3)]
+
+    class CountingDraft(DraftRuntime):
+        def __init__(self, model):
+            super().__init__(model)
+            self.starts: list[int] = []
+
+        def start(self, session_id, prompt_ids, *args, **kwargs):
+            self.starts.append(len(prompt_ids))
+            return super().start(session_id, prompt_ids, *args, **kwargs)
+
+    draft = CountingDraft(model)
+    shared = SharedState(cost=CostModel(dict(BOUND_AT_8), {1: 45.0}, alpha=0.0), shared_compute=True)
+    factory = lambda s, *_: CostAwareControl(s, shared, ngram_tokens=0, probe_every=1000)  # noqa: E731
+    ctl = RoundController(sync_worker(TargetRuntime(model)), sync_worker(draft), [], CONTEXT, control_factory=factory)
+
+    async def run():
+        return await asyncio.gather(*(ctl.generate(GenerationRequest(p, max_new_tokens=6, spec=CHAIN4))
+                                      for p in prompts))
+
+    results = asyncio.run(run())
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == hf_greedy(model, prompt, 6)
+    # the others opened at their first drafted round (round 2), with the prompt and round 1's token
+    assert draft.starts == [len(prompts[0]), len(prompts[1]) + 1, len(prompts[2]) + 1]
+    assert ctl.running == 0

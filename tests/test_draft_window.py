@@ -214,7 +214,7 @@ def test_a_failed_whole_context_session_goes_back_to_the_window_for_good():
 class LateDraft(FixedControl):
     """Drafts only once 4 tokens are generated (prompt of 30), the draft opened at the first drafted round."""
 
-    def defer_draft_open(self) -> bool:
+    def defer_draft_open(self, others: int = 0) -> bool:
         return True
 
     def speculate(self, now, committed_len, depth):
