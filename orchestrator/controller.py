@@ -442,11 +442,17 @@ class _Request:
             try:
                 return await self._draft_call(self.controller.draft.propose(self.draft_sid, spec, max_depth), extra_s)
             except DraftUnavailableError as exc:
-                timed_out = getattr(self.control, "draft_timed_out", None)
-                if timed_out is not None and isinstance(exc.__cause__, asyncio.TimeoutError):
-                    timed_out(self.controller.draft_deadline_s)  # the base deadline: the extra was for a prefill
+                self._timed_out(exc)
                 await self._drop_draft(exc)
                 return _EMPTY_TREE
+
+    def _timed_out(self, exc: BaseException) -> None:
+        """Tell the control when a draft proposal (in line or ahead) failed by its deadline: the
+        base deadline is a lower bound on the draft's reply time (the extra a fresh session's first
+        propose gets was for its prefill). Other failures (an unreachable draft) say nothing of it."""
+        timed_out = getattr(self.control, "draft_timed_out", None)
+        if timed_out is not None and isinstance(exc.__cause__, asyncio.TimeoutError):
+            timed_out(self.controller.draft_deadline_s)
 
     async def _verify(self, tree: DraftTree):
         """Phase 2: the target verifies the tree in one forward (an empty tree = one plain step)."""
@@ -525,6 +531,7 @@ class _Request:
                 ahead = exc
         if isinstance(ahead, Exception):
             if self.draft_sid is not None:
+                self._timed_out(ahead)
                 await self._drop_draft(ahead)
             return _AheadOutcome("failed", None, wait_s)
         if hit:

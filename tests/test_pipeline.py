@@ -360,6 +360,50 @@ def test_ahead_failure_is_a_draft_failure_and_output_is_unchanged():
     assert rounds[0].ahead == "failed" and out.stats.pipeline_ahead_misses >= 1
 
 
+@pytest.mark.parametrize("failure", ["deadline", "crash"])
+def test_an_ahead_past_its_deadline_tells_the_control_the_deadline(failure):
+    """An ahead that times out is a lower bound on the draft's reply time, as an in-line propose
+    that times out is: the control's ``draft_timed_out`` gets the base deadline (0.1 s) once per such
+    ahead. An ahead that crashes says nothing about the draft's speed: no call. Output unchanged."""
+    import asyncio
+
+    from orchestrator.control import FixedControl
+    from orchestrator.controller import RoundController, sync_worker
+
+    model = tiny_model("qwen2", seed=5, init_std=STD)
+    prompt = random_prompt(seed=26, length=8)
+    timeouts: list[float] = []
+
+    class Recording(FixedControl):
+        def draft_timed_out(self, waited_s):
+            timeouts.append(waited_s)
+
+    class SlowAhead:
+        def __init__(self):
+            self.inner = sync_worker(DraftRuntime(model))
+            self.aheads = 0
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        async def propose_ahead(self, *args):
+            self.aheads += 1
+            if failure == "crash":
+                raise RuntimeError("draft crashed")
+            await asyncio.sleep(0.3)
+            return await self.inner.propose_ahead(*args)
+
+    draft = SlowAhead()
+    ctl = RoundController(sync_worker(TargetRuntime(model)), draft, [], 512, control_factory=Recording,
+                          draft_deadline_s=0.1, pipeline=True)
+    rounds = []
+    out = asyncio.run(ctl.generate(GenerationRequest(prompt, max_new_tokens=20, spec=CHAIN_SPEC), on_round=rounds.append))
+    assert out.tokens == hf_greedy(model, prompt, 20)
+    failed = sum(r.ahead == "failed" for r in rounds)
+    assert failed == draft.aheads >= 1
+    assert timeouts == ([0.1] * failed if failure == "deadline" else [])
+
+
 # ------------------------------------------------------------------------------------------------
 # Services: real draft and target servers on loopback, the round loop over the gRPC clients
 # ------------------------------------------------------------------------------------------------
