@@ -94,12 +94,18 @@ class Control(Protocol):
 
     def observe(self, shaped: ShapedTree, accepted_nodes, verify_s: float, draft_s: float | None,
                 overhead_s: float, drafted: DraftTree, batch_size: int = 1, batch_rows: int = 0,
-                mergeable: int = 0, forward_s: float = 0.0) -> None:
+                mergeable: int = 0, forward_s: float = 0.0, reply_s: float | None = None) -> None:
         """After every round (speculative or not): the verified tree, its accepted path (node
         indices of ``shaped.tree``), the round's timings in seconds, the sessions and rows of
         the target forward that verified it (0 rows = not reported), the sessions open at the
-        target up to its max_batch (``VerifyResult.mergeable``, 0 = not reported), and that
-        forward's own time in seconds (``VerifyResult.forward_ms`` / 1000, 0 = not reported)."""
+        target up to its max_batch (``VerifyResult.mergeable``, 0 = not reported), that
+        forward's own time in seconds (``VerifyResult.forward_ms`` / 1000, 0 = not reported), and
+        for a tree drafted ahead (pipelining; draft_s is then None) the ahead's wall time in seconds.
+
+        Optional hooks, called only where a control has them: ``defer_draft_open(others)`` (at the
+        request's start, others = the controller's other requests in flight: True = open the draft
+        at the first drafted round) and ``draft_timed_out(waited_s)`` (a proposal, in line or
+        ahead, got no reply within the draft deadline of waited_s seconds; before draft_failed)."""
 
 
 class PassThroughShaping:
@@ -110,7 +116,7 @@ class PassThroughShaping:
 
     def observe(self, shaped: ShapedTree, accepted_nodes, verify_s: float, draft_s: float | None,
                 overhead_s: float, drafted: DraftTree, batch_size: int = 1, batch_rows: int = 0,
-                mergeable: int = 0, forward_s: float = 0.0) -> None:
+                mergeable: int = 0, forward_s: float = 0.0, reply_s: float | None = None) -> None:
         pass
 
 

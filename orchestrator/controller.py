@@ -523,7 +523,8 @@ class _Request:
         ahead = await task
         wait_s = time.perf_counter() - t0
         hit = False
-        if not isinstance(ahead, Exception):
+        proposal_failed = isinstance(ahead, Exception)  # the ahead proposal itself (not its resolve)
+        if not proposal_failed:
             hit = self.stops.reason is None and tuple(committed) == (*ahead.path_tokens, ahead.guess)
             try:
                 await self._draft_call(self.controller.draft.resolve_ahead(self.draft_sid, hit))
@@ -531,7 +532,8 @@ class _Request:
                 ahead = exc
         if isinstance(ahead, Exception):
             if self.draft_sid is not None:
-                self._timed_out(ahead)
+                if proposal_failed:  # a resolve runs no draft steps: its timeout prices none
+                    self._timed_out(ahead)
                 await self._drop_draft(ahead)
             return _AheadOutcome("failed", None, wait_s)
         if hit:
@@ -562,7 +564,8 @@ class _Request:
             overhead_s = timing.round_s - timing.verify_s - (draft_s or 0.0) - (ahead.wait_s if ahead else 0.0)
             self.control.observe(shaped, accepted_path, timing.verify_s, draft_s, overhead_s, drafted.tree,
                                  batch_size=result.batch_size, batch_rows=result.batch_rows,
-                                 mergeable=result.mergeable, forward_s=result.forward_ms / 1000)
+                                 mergeable=result.mergeable, forward_s=result.forward_ms / 1000,
+                                 reply_s=drafted.ahead_s if drafted.pipelined else None)
         context_nodes = sum(1 for d in shaped.draft_index if d is None)
         record = RoundRecord(tuple(committed), proposed=tree.size, accepted=len(accepted), depth=shaped.depth,
                              fallback=drafted.fallback, gamma=self._gamma(), draft_s=drafted.draft_s,

@@ -84,9 +84,9 @@ class SharedState:
     def defer_draft(self, others: int = 0) -> bool:
         """Whether a new request should not prefill the draft until a round decides to draft: the
         draft shares the target's compute and other requests are running (``load`` >= 1.5, or
-        ``others`` >= 1: requests of the same front in flight, known before any round has reported a
-        load; requests that arrive together would otherwise all prefill the draft at once, on the
-        compute their target prefills need)."""
+        ``others`` >= 1: the round controller's other requests in flight, known before any round has
+        reported a load; requests that arrive together would otherwise all prefill the draft at once,
+        on the compute their target prefills need)."""
         return self.shared_compute and (self.load >= 1.5 or others >= 1)
 
     def planning_cost(self) -> CostModel | LoadedCost:
@@ -94,7 +94,8 @@ class SharedState:
         itself when rounds run alone (a load under 1.1 is noise of an occasional merge)."""
         if self.load < 1.1:
             return self.cost
-        return LoadedCost(self.cost, self.load, self.shared_compute, self.draft_queue)
+        queue = self.draft_queue if self.queue_learns() else 0.0  # learnt and priced at the same loads
+        return LoadedCost(self.cost, self.load, self.shared_compute, queue)
 
 
 @dataclass
@@ -259,7 +260,7 @@ class CostAwareControl:
         ``draft_timed_out``); opening it anyway would add one more prefill to that queue."""
         if self.shared.defer_draft(others):
             return True
-        if self.timing_free or self.shared.load < 1.5:
+        if self.timing_free or self.shared.load < 1.5 or others == 0:  # alone now: a past burst's load is stale
             return False
         max_steps = min(self.max_gamma, self._deepest())
         heads = list(spec_at_depth(self.base, max_steps, self.max_nodes).top_head)
@@ -289,7 +290,7 @@ class CostAwareControl:
 
     def observe(self, shaped: ShapedTree, accepted_nodes, verify_s: float, draft_s: float | None,
                 overhead_s: float, drafted_tree: DraftTree | None, batch_size: int = 1, batch_rows: int = 0,
-                mergeable: int = 0, forward_s: float = 0.0) -> None:
+                mergeable: int = 0, forward_s: float = 0.0, reply_s: float | None = None) -> None:
         """Learn from a verified round: calibrations, per-depth estimates, the shared cost model and
         load. batch_size, batch_rows: sessions and rows of the target forward that verified the tree
         (VerifyResult; 0 rows = not reported, the tree's own; batch_size 0 = no forward ran);
@@ -299,7 +300,10 @@ class CostAwareControl:
         others, and plain decoding would merge every open session. forward_s: the target's own time
         for that forward (0 = not reported: ``verify_s``, which also holds transport and, under load,
         the wait behind other sessions' forwards, a wait that V(rows) must not learn: it does not
-        grow with this tree's rows, and learnt as V it makes every row look cheap)."""
+        grow with this tree's rows, and learnt as V it makes every row look cheap). reply_s: the
+        wall time of the ahead that drafted this tree (pipelining; draft_s is then None): off the
+        critical path, so it teaches D nothing, but under load it shows the draft's queue as an
+        in-line reply does (else a high hit rate would leave ``draft_queue`` where timeouts put it)."""
         self.rounds += 1
         if self.timing_free:
             return
@@ -333,8 +337,9 @@ class CostAwareControl:
         if not no_forward:
             self.shared.observe_load(max(batch_size, mergeable))
             rows = batch_rows or shaped.tree.size + 1  # the forward's rows decide its latency
-            if parents_per_step and draft_s and self.shared.queue_learns():
-                self.shared.observe_draft_queue(draft_s * 1000, self.shared.cost.draft_ms(parents_per_step))
+            reply = draft_s or reply_s
+            if parents_per_step and reply and self.shared.queue_learns():
+                self.shared.observe_draft_queue(reply * 1000, self.shared.cost.draft_ms(parents_per_step))
                 parents_per_step = []  # the reply's time beyond D was the queue's, not D's
             self.shared.cost.observe_round(rows, forward_s or verify_s, parents_per_step, draft_s, overhead_s)
 
@@ -351,8 +356,8 @@ class CostAwareControl:
             self.raw_per_value += 0.2 * (min(raw / value, 5.0) - self.raw_per_value)
 
     def cost_snapshot(self) -> dict:
-        """The shared cost model's figures (CostModel.snapshot) and the load it was planned at (load,
-        draft_queue: ``SharedState``), for round records and metrics."""
+        """The shared cost model's figures (CostModel.snapshot) and the shared load and draft queue
+        (``SharedState``), as they stand after this round's ``observe``, for round records and metrics."""
         return {**self.shared.cost.snapshot(), "load": round(self.shared.load, 2),
                 "draft_queue": round(self.shared.draft_queue, 3)}
 
@@ -385,6 +390,9 @@ class CostAwareControl:
         heads = list(self._planned_spec.top_head[:steps])
         if self.shared.queue_learns():
             self.shared.observe_draft_queue(waited_s * 1000, self.shared.cost.draft_ms(heads), lower_bound=True)
+        elif self.shared.shared_compute and self.shared.load >= 1.5:
+            # LoadedCost already prices a shared step at D * load: the wait held the other requests' share
+            self.shared.cost.observe_draft_timeout(heads, waited_s / self.shared.load)
         else:
             self.shared.cost.observe_draft_timeout(heads, waited_s)
 

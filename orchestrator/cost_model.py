@@ -81,14 +81,16 @@ class LatencyCurve:
         """Move the scale towards one observed latency ``ms`` at ``x`` (module docstring)."""
         self.observe_sum([x], ms)
 
-    def observe_sum(self, xs: Iterable[float], ms: float) -> None:
-        """One observation of ``ms`` for a sequence of forwards of sizes xs (e.g. a draft proposal's steps)."""
+    def observe_sum(self, xs: Iterable[float], ms: float, may_set: bool = True) -> None:
+        """One observation of ``ms`` for a sequence of forwards of sizes xs (e.g. a draft proposal's steps).
+        may_set False: never the first-observation rule, always the clamped moving average (a bound,
+        not a measurement: a deadline that tripped once must not set the scale)."""
         xs = [x for x in xs if x >= 1]
         if ms <= 0 or not xs:
             return
         with self._lock:
             predicted = self.scale * sum(self.base(x) for x in xs)
-            first_sets = not self.measured or not 0.25 <= ms / predicted <= 4.0
+            first_sets = may_set and (not self.measured or not 0.25 <= ms / predicted <= 4.0)
             if self.observations == 0 and self.alpha > 0 and first_sets:  # prior figures: the first one here sets the scale
                 self.scale *= ms / predicted
                 self.observations += 1
@@ -147,17 +149,18 @@ class CostModel:
     def observe_draft_timeout(self, parents_per_step: list[int], waited_s: float) -> None:
         """A draft proposal of these parents per step gave no reply within ``waited_s`` seconds (its
         deadline): a lower bound on its latency, folded into D like a reply that took that long
-        where D predicted less. Without it, proposals that all time out would teach D nothing and
-        every round would keep planning a draft that cannot answer in time. (Under load, on the
-        draft's own device, the round loop folds a timeout into the draft's queue share instead:
+        where D predicted less, through the clamped moving average only (one timeout moves D by at
+        most 1 + alpha). Without it, proposals that all time out would teach D nothing and every
+        round would keep planning a draft that cannot answer in time. (Under load, on the draft's
+        own device, the cost-aware control folds a timeout into the draft's queue share instead:
         ``SharedState.observe_draft_queue``.)"""
         if parents_per_step and waited_s * 1000 > self.draft_ms(parents_per_step):  # a bound already met says nothing
-            self._observe_draft(parents_per_step, waited_s * 1000)
+            self._observe_draft(parents_per_step, waited_s * 1000, may_set=False)  # moves D by at most 1 + alpha
 
-    def _observe_draft(self, parents_per_step: list[int], ms: float) -> None:
+    def _observe_draft(self, parents_per_step: list[int], ms: float, may_set: bool = True) -> None:
         if self.draft_step.observations == 0 and not self.draft_step.measured:
             self.draft_step.scale = self.verify.scale  # prior figures: start from their ratio
-        self.draft_step.observe_sum(parents_per_step, ms)
+        self.draft_step.observe_sum(parents_per_step, ms, may_set)
 
     def snapshot(self) -> dict:
         """Plain figures for stats, Info and metrics: {verify_ms: {rows: ms}, draft_step_ms: {...}, ...}."""
