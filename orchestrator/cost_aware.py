@@ -35,6 +35,9 @@ from specdec.config import CostAwareConfig, FallbackConfig
 from specdec.tree import DraftTree, ancestors, node_depths
 from specdec.tree_spec import MAX_TREE_NODES, TreeSpec, max_depth_for, spec_at_depth
 
+LOADED = 1.5  # sessions (moving average) from which other requests count as running: load-aware rules apply
+
+
 @dataclass
 class SharedState:
     """What the requests of one front (or one embedded engine) learn together: the cost model and
@@ -52,7 +55,7 @@ class SharedState:
         """Whether a draft reply's wall time now teaches ``draft_queue`` rather than D: the draft has its
         own device and other requests run (load >= 1.5). Their steps and prefills queue on the one
         draft, so the reply's time beyond D is queueing; learnt as D it would outlast the load."""
-        return not self.shared_compute and self.load >= 1.5
+        return not self.shared_compute and self.load >= LOADED
 
     def observe_draft_queue(self, observed_ms: float, steps_ms: float, lower_bound: bool = False,
                             alpha: float = 0.3) -> None:
@@ -60,7 +63,7 @@ class SharedState:
         Its queue share is (observed / steps - 1) / (load - 1), clamped to [0, 8], folded in as a
         moving average. lower_bound: the reply never came (its deadline), so the share is at least
         that: it only raises ``draft_queue``."""
-        if steps_ms <= 0 or self.load < 1.5:
+        if steps_ms <= 0 or self.load < LOADED:
             return
         share = min(max((observed_ms / steps_ms - 1.0) / (self.load - 1.0), 0.0), 8.0)
         if lower_bound and share <= self.draft_queue:
@@ -87,7 +90,7 @@ class SharedState:
         ``others`` >= 1: the round controller's other requests in flight, known before any round has
         reported a load; requests that arrive together would otherwise all prefill the draft at once,
         on the compute their target prefills need)."""
-        return self.shared_compute and (self.load >= 1.5 or others >= 1)
+        return self.shared_compute and (self.load >= LOADED or others >= 1)
 
     def planning_cost(self) -> CostModel | LoadedCost:
         """The cost model the planning uses: ``LoadedCost`` at the current load (goodput), the model
@@ -260,7 +263,7 @@ class CostAwareControl:
         ``draft_timed_out``); opening it anyway would add one more prefill to that queue."""
         if self.shared.defer_draft(others):
             return True
-        if self.timing_free or self.shared.load < 1.5 or others == 0:  # alone now: a past burst's load is stale
+        if self.timing_free or self.shared.load < LOADED or others == 0:  # alone now: a past burst's load is stale
             return False
         max_steps = min(self.max_gamma, self._deepest())
         heads = list(spec_at_depth(self.base, max_steps, self.max_nodes).top_head)
@@ -378,10 +381,10 @@ class CostAwareControl:
 
     def draft_timed_out(self, waited_s: float) -> None:
         """The round's proposal got no reply within ``waited_s`` seconds (the draft deadline; the round
-        loop calls this before ``draft_failed``). The shared cost model takes it as that proposal's
-        latency, a lower bound (``CostModel.observe_draft_timeout``): under load the draft's queue
-        then raises D as the requests see it, and the plan drafts less, or not at all, before more
-        deadlines trip (each failure drops the session, and its re-open prefills again)."""
+        loop calls this before ``draft_failed``), a lower bound on that proposal's latency: on the
+        draft's own device under load it raises the queue share (``SharedState.observe_draft_queue``),
+        elsewhere D (``CostModel.observe_draft_timeout``). The plan then drafts less, or not at all,
+        before more deadlines trip (each failure drops the session, and its re-open prefills again)."""
         if self.timing_free or not self.gamma or self._planned_spec is None or not waited_s:
             return
         # the steps it would have run: as many as the last tree it drafted, else the plan's g (the
@@ -390,11 +393,10 @@ class CostAwareControl:
         heads = list(self._planned_spec.top_head[:steps])
         if self.shared.queue_learns():
             self.shared.observe_draft_queue(waited_s * 1000, self.shared.cost.draft_ms(heads), lower_bound=True)
-        elif self.shared.shared_compute and self.shared.load >= 1.5:
-            # LoadedCost already prices a shared step at D * load: the wait held the other requests' share
-            self.shared.cost.observe_draft_timeout(heads, waited_s / self.shared.load)
-        else:
-            self.shared.cost.observe_draft_timeout(heads, waited_s)
+            return
+        # shared compute under load: LoadedCost already prices a step at D * load, the wait held the others' share
+        per_request = self.shared.load if self.shared.shared_compute and self.shared.load >= LOADED else 1.0
+        self.shared.cost.observe_draft_timeout(heads, waited_s / per_request)
 
     def set_draft_context_limit(self, limit: int | None) -> None:
         self.fallback.set_draft_context_limit(limit)

@@ -7,6 +7,7 @@ far above float32 noise (with the default 0.02 they loop on 2-3 tokens and near-
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import string
 from dataclasses import dataclass
@@ -238,6 +239,29 @@ class RecordingDraft:
 
     def release(self, session_id):
         self.inner.release(session_id)
+
+
+class SlowPropose:
+    """An async in-process draft worker (orchestrator.controller.sync_worker over a DraftRuntime of
+    ``model``) whose proposes take ``delay_s`` seconds more: every one, or only the ``only``-th
+    (1-based). ``proposes`` counts them. A draft whose replies queue behind other sessions' work,
+    or miss a deadline."""
+
+    def __init__(self, model, delay_s: float, only: int | None = None):
+        from draft_service.runtime import DraftRuntime  # noqa: PLC0415
+        from orchestrator.controller import sync_worker  # noqa: PLC0415
+
+        self.inner = sync_worker(DraftRuntime(model))
+        self.delay_s, self.only, self.proposes = delay_s, only, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def propose(self, session_id, spec, max_depth):
+        self.proposes += 1
+        if self.only is None or self.proposes == self.only:
+            await asyncio.sleep(self.delay_s)
+        return await self.inner.propose(session_id, spec, max_depth)
 
 
 class OracleDraft:

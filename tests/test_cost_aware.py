@@ -23,8 +23,8 @@ from orchestrator.shaping import ngram_continuation
 from specdec.tree_spec import TreeSpec
 from target_service.runtime import TargetRuntime
 from tests.conftest import (
-    VOCAB, OracleDraft, RecordingDraft, RecordingTarget, assert_kv_equal, cache_kv, hf_greedy, perturbed_copy,
-    prefill_kv, random_prompt, tiny_model,
+    VOCAB, OracleDraft, RecordingDraft, RecordingTarget, SlowPropose, assert_kv_equal, cache_kv, hf_greedy,
+    perturbed_copy, prefill_kv, random_prompt, tiny_model,
 )
 
 N_NEW = 16
@@ -430,25 +430,6 @@ def test_the_draft_queue_prices_a_step_under_load_on_its_own_device_only():
     assert LoadedCost(cost, 4, shared_compute=True, draft_queue=5.0).draft_step_ms(1) == 80.0  # D * load
 
 
-class SlowDraft:
-    """An async draft worker whose proposes take ``delay_s`` (a draft whose replies queue behind
-    other sessions' work); counts them."""
-
-    def __init__(self, model, delay_s: float):
-        from orchestrator.controller import sync_worker
-
-        self.inner = sync_worker(DraftRuntime(model))
-        self.delay_s, self.proposes = delay_s, 0
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    async def propose(self, session_id, spec, max_depth):
-        self.proposes += 1
-        await asyncio.sleep(self.delay_s)
-        return await self.inner.propose(session_id, spec, max_depth)
-
-
 @pytest.mark.parametrize("delay_s", [0.0, 0.5], ids=["answers-in-time", "past-its-deadline"])
 def test_a_draft_past_its_deadline_under_load_prices_itself_out(delay_s, monkeypatch):
     """Load 4 (sessions open at the target), verification memory-bound (V(4) 58 ms, V(8) 60 ms, the
@@ -475,7 +456,7 @@ def test_a_draft_past_its_deadline_under_load_prices_itself_out(delay_s, monkeyp
     shared = SharedState(cost=cost)
     factory = lambda s, *_: CostAwareControl(s, shared, FallbackConfig(reconnect_s=0.01),  # noqa: E731
                                              ngram_tokens=0, probe_every=1000)
-    draft = SlowDraft(model, delay_s)
+    draft = SlowPropose(model, delay_s)
     ctl = RoundController(sync_worker(ReportsBatch(TargetRuntime(model), 4, open_only=True)), draft, [], CONTEXT,
                           control_factory=factory, draft_deadline_s=0.2)
     records = []

@@ -21,7 +21,7 @@ from specdec.sampling import GREEDY, SamplingParams, derive_seed
 from specdec.telemetry import setup_tracing
 from specdec.tree_spec import TreeSpec
 from target_service.runtime import TargetRuntime
-from tests.conftest import hf_greedy, perturbed_copy, random_prompt, tiny_model
+from tests.conftest import SlowPropose, hf_greedy, perturbed_copy, random_prompt, tiny_model
 
 SPEC = TreeSpec(gamma=3, topKSpec=[[2], [1, 1], [1, 1]], topHead=[1, 2, 2])
 
@@ -243,23 +243,6 @@ def test_an_open_after_full_after_tokens_takes_the_whole_context_at_once(draft_l
         assert draft.started == [committed]  # no windowed session first
 
 
-class SlowPropose:
-    """An async draft worker whose ``slow``-th propose (1-based) takes 0.3 s."""
-
-    def __init__(self, model, slow: int):
-        self.inner = sync_worker(DraftRuntime(model))
-        self.slow, self.calls = slow, 0
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    async def propose(self, session_id, spec, max_depth):
-        self.calls += 1
-        if self.calls == self.slow:
-            await asyncio.sleep(0.3)
-        return await self.inner.propose(session_id, spec, max_depth)
-
-
 @pytest.mark.parametrize("slow, dropped", [(1, False), (2, True)])
 def test_the_first_propose_of_a_session_gets_time_for_its_prefill(slow, dropped, monkeypatch):
     """Deadline 0.1 s: the first propose of a session opened with 30 tokens may take 0.1 + 30 * 0.1
@@ -267,7 +250,7 @@ def test_the_first_propose_of_a_session_gets_time_for_its_prefill(slow, dropped,
     monkeypatch.setattr(controller_module, "FRESH_DRAFT_S_PER_TOKEN", 0.1)
     model = tiny_model("qwen2", seed=0)
     prompt = random_prompt(seed=84, length=30)
-    ctl = RoundController(sync_worker(TargetRuntime(model)), SlowPropose(model, slow), [], 512, draft_deadline_s=0.1)
+    ctl = RoundController(sync_worker(TargetRuntime(model)), SlowPropose(model, 0.3, only=slow), [], 512, draft_deadline_s=0.1)
     result = asyncio.run(ctl.generate(GenerationRequest(prompt, 12, spec=SPEC)))
     assert result.tokens == hf_greedy(model, prompt, 12)
     assert (result.stats.fallback_rounds > 0) == dropped
