@@ -447,6 +447,16 @@ def target_batched_forwards(address: str) -> int:
         return target_pb2_grpc.TargetServiceStub(channel).Info(target_pb2.InfoRequest(), timeout=30).batched_forwards
 
 
+def draft_batched_forwards(address: str | None) -> int | None:
+    """The draft service's propose calls that merged sessions so far (None = no draft address)."""
+    if address is None:
+        return None
+    from specdec.v1 import draft_pb2, draft_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        return draft_pb2_grpc.DraftServiceStub(channel).Info(draft_pb2.DraftInfoRequest(), timeout=30).batched_forwards
+
+
 def run_level(address: str, prompts: list[list[int]], clients: int, max_new: int, no_spec: bool, tag: str) -> dict:
     """``clients`` closed-loop clients started together, sharing the prompts; wall time and per-request rows."""
     from specdec.v1 import generation_pb2_grpc
@@ -679,10 +689,11 @@ def section_grpc(args, pipe, prompts, fronts: dict, collector, mem_exporter) -> 
             "rows": rows}
 
 
-def section_concurrency(args, prompts, configs: dict, collector: SpanCollector | None = None) -> dict:
+def section_concurrency(args, prompts, configs: dict, collector: SpanCollector | None = None,
+                        draft: str | None = None) -> dict:
     """configs: name -> (front address, target address, no_spec); collector: the services' spans
     (rows with ahead hits get ``pipeline_trace``, see pipeline_overlap; ``complete``: every round span
-    of their requests arrived)."""
+    of their requests arrived); draft: the draft service's address (rows count its merged proposals)."""
     ids = [p["ids"] for p in prompts]
     for name, (front, _, no_spec) in configs.items():  # warm-up
         grpc_one(front, f"warm-conc-{name}", ids[0], 4, no_spec)
@@ -693,9 +704,10 @@ def section_concurrency(args, prompts, configs: dict, collector: SpanCollector |
         order = names[li % len(names):] + names[: li % len(names)]
         for name in order:
             front, target, no_spec = configs[name]
-            before = target_batched_forwards(target)
+            before, draft_before = target_batched_forwards(target), draft_batched_forwards(draft)
             out = run_level(front, ids, level, args.max_new_tokens, no_spec, f"conc-{name}-{level}")
             merged = target_batched_forwards(target) - before
+            draft_merged = None if draft is None else draft_batched_forwards(draft) - draft_before
             reqs = out["requests"]
             lat = [r["wall_s"] for r in reqs]
             tokens = sum(r["new_tokens"] for r in reqs)
@@ -708,6 +720,7 @@ def section_concurrency(args, prompts, configs: dict, collector: SpanCollector |
                    "latency_p95_s": percentile(lat, 95), "ttft_p50_s": percentile([r["ttft_s"] for r in reqs], 50),
                    "ttft_p95_s": percentile([r["ttft_s"] for r in reqs], 95),
                    "mean_accepted_length": tokens / rounds if rounds else 0.0, "merged_verify_forwards": merged,
+                   "merged_draft_calls": draft_merged,
                    "mean_tree_rows": rows_verified / rounds if rounds else 0.0,
                    "cost_plain_round_share": sum(r["cost_plain_rounds"] for r in reqs) / rounds if rounds else 0.0,
                    "fallback_round_share": sum(r["fallback_rounds"] for r in reqs) / rounds if rounds else 0.0,
@@ -995,7 +1008,8 @@ def markdown(result: dict) -> str:
                      f"{meta['max_batch']}, `batch_wait_ms` {meta['batch_wait_ms']}; one_at_a_time: `max_batch` 1; "
                      f"target_only: `no_spec` requests on the batched target. Throughput = generated tokens / wall "
                      f"time of the level; latency per request from send to its final message. merged = target verify "
-                     f"forwards that held more than one request; tree rows / round = verified rows (tree nodes + 1) per "
+                     f"forwards that held more than one request; draft merged = the draft service's propose calls whose "
+                     f"forwards held more than one request (the draft is shared by every config); tree rows / round = verified rows (tree nodes + 1) per "
                      f"round; plain rounds (cost) = rounds the cost-aware control ran without the draft because no "
                      f"draft step paid (under load: the batch's goodput); fallback rounds = rounds without the draft "
                      f"because it failed, was past its deadline or was full. Once speculative requests overlap, the draft service "
@@ -1003,7 +1017,7 @@ def markdown(result: dict) -> str:
                      f"the same time on {meta['cpu_count']} CPUs.\n")
         head = ["config", "clients", "tok/s", "vs target only", "p50 latency s", "p95 latency s",
                 "p95 latency vs target only", "p50 TTFT s", "p95 TTFT s", "mean acc len", "tree rows / round",
-                "plain rounds (cost)", "fallback rounds", "merged", "ahead hits", "ahead misses"]
+                "plain rounds (cost)", "fallback rounds", "merged", "draft merged", "ahead hits", "ahead misses"]
         rows = []
         for r in sorted(c["rows"], key=lambda r: (c["configs"].index(r["config"]), r["clients"])):
             sp, lat = r.get("speedup_vs_target_only"), r.get("latency_p95_vs_target_only")
@@ -1012,7 +1026,7 @@ def markdown(result: dict) -> str:
                          _f(r["ttft_p50_s"]), _f(r.get("ttft_p95_s")),
                          _f(r["mean_accepted_length"]), _f(r.get("mean_tree_rows")),
                          f"{r.get('cost_plain_round_share', 0):.0%}", f"{r.get('fallback_round_share', 0):.0%}",
-                         r["merged_verify_forwards"],
+                         r["merged_verify_forwards"], _or_dash(r.get("merged_draft_calls")),
                          _or_dash(r.get("pipeline_ahead_hits")), _or_dash(r.get("pipeline_ahead_misses"))])
         parts.append(md_table(head, rows))
         parts.append("p95 latency vs target only: the row's p95 latency / target_only's at the same clients (<= 1: "
@@ -1303,7 +1317,7 @@ def main(argv=None) -> int:
                     configs["speculative_pipelined"] = (services.wait(front_pipelined).address, batched.address, False)
                 configs["target_only"] = (front_batched.address, batched.address, True)
                 log(f"concurrency section: levels {args.levels} x {len(conc_prompts)} requests x {len(configs)} configs")
-                result["concurrency"] = section_concurrency(args, conc_prompts, configs, collector)
+                result["concurrency"] = section_concurrency(args, conc_prompts, configs, collector, draft.address)
             if want_long:
                 for service in [s for s in services.running if s is not draft]:  # one target service at a time
                     services.stop(service)

@@ -117,7 +117,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if hasattr(runtime, "propose_batch"):
             batch_call = lambda pairs: runtime.propose_batch([(key, *args) for key, args in pairs])  # noqa: E731
         self.batcher = _ProposeBatcher(self.worker, batch_call, self._propose_solo,
-                                       config.max_batch, config.batch_wait_ms, what="propose")
+                                       config.max_batch, config.batch_wait_ms, what="propose",
+                                       gather=config.batch_gather)
         self.streams: dict[str, _Stream] = {}
         self._keys = itertools.count()
         self._tracer = tracer("draft_service")
@@ -171,13 +172,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     async def Info(self, request, context) -> draft_pb2.DraftInfoResponse:
         """Open streams, the sessions whose KV the runtime holds and their cached KV positions, read
         on the worker thread behind the jobs queued before this call (a release submitted by an ended
-        stream is counted); the draft's context limit."""
+        stream is counted); the draft's context limit; the propose calls that merged sessions so far."""
         held = await self.worker.run(lambda: list(getattr(self.runtime, "sessions", {}).values()))
         return draft_pb2.DraftInfoResponse(sessions=len(self.streams), cached_sessions=len(held),
                                            context_limit=self.context_limit,
                                            cached_tokens=sum(getattr(s, "cached_len", 0) for s in held),
                                            host=self.placement.host, device=self.placement.device,
-                                           cpus=list(self.placement.cpus))
+                                           cpus=list(self.placement.cpus),
+                                           batched_forwards=self.batcher.batched_forwards)
 
     async def _next(self, context):
         """The next request, or None at the end of the stream; aborts UNAVAILABLE when draining."""

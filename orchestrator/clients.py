@@ -129,6 +129,7 @@ class DraftClient:
         self.max_tree_nodes = max_tree_nodes
         self.streams: dict[str, grpc.aio.StreamStreamCall] = {}
         self.rounds: dict[str, int] = {}
+        self.reply_batch: dict[str, int] = {}  # session -> sessions that shared its last proposal's draft forwards
 
     async def info(self, timeout: float = 5.0) -> draft_pb2.DraftInfoResponse:
         """The draft service's Info (grpc errors raised as they are: the caller decides)."""
@@ -184,12 +185,18 @@ class DraftClient:
             raise DraftUnavailableError("draft service answered out of order")
         return self._tree(session_id, response.tree)
 
+    def last_batch_size(self, session_id: str) -> int:
+        """Sessions whose tree steps shared the draft forwards of this session's last proposal (its
+        reply's batch_size; 1 = alone or not reported)."""
+        return self.reply_batch.get(session_id, 1)
+
     def _tree(self, session_id: str, reply: draft_pb2.DraftTreeReply) -> DraftTree:
         """The reply's tree, checked like any untrusted message (a malformed one is a draft failure)."""
         span = trace.get_current_span()
         span.set_attribute("tree.bytes", reply.tree.ByteSize())
         span.set_attribute("draft.draft_ms", reply.draft_ms)
         span.set_attribute("draft.batch_size", reply.batch_size)
+        self.reply_batch[session_id] = max(reply.batch_size, 1)
         try:
             return tree_from_proto(reply.tree, self.vocab_size, self.max_tree_nodes)
         except ValueError as exc:  # a malformed tree from the draft is a draft failure
@@ -223,6 +230,7 @@ class DraftClient:
         """Close the stream (the draft frees the session's KV when it ends)."""
         call = self.streams.pop(session_id, None)
         self.rounds.pop(session_id, None)
+        self.reply_batch.pop(session_id, None)
         if call is None:
             return
         try:

@@ -51,7 +51,8 @@ LOW_ACCEPTANCE = "low_acceptance"  # windowed acceptance below front.fallback.mi
 DRAFT_UNAVAILABLE = "draft_unavailable"  # the draft failed, is unreachable or slower than its deadline
 DRAFT_CONTEXT_LIMIT = "draft_context_limit"  # the draft's context cannot hold the next tree
 COST = COST_REASON  # "cost": the cost model says no draft step pays this round (CostAwareControl)
-FALLBACK_REASONS = (LOW_ACCEPTANCE, DRAFT_UNAVAILABLE, DRAFT_CONTEXT_LIMIT, COST)
+DRAFT_OPENING = "draft_opening"  # the draft session was just opened: its service prefills it beside this plain round
+FALLBACK_REASONS = (LOW_ACCEPTANCE, DRAFT_UNAVAILABLE, DRAFT_CONTEXT_LIMIT, COST, DRAFT_OPENING)
 
 
 # --------------------------------------------------------------------------- the controller's interface
@@ -105,7 +106,9 @@ class Control(Protocol):
         Optional hooks, called only where a control has them: ``defer_draft_open(others)`` (at the
         request's start, others = the controller's other requests in flight: True = open the draft
         at the first drafted round) and ``draft_timed_out(waited_s)`` (a proposal, in line or
-        ahead, got no reply within the draft deadline of waited_s seconds; before draft_failed)."""
+        ahead, got no reply within the draft deadline of waited_s seconds; before draft_failed) and
+        ``draft_merged(batch_size)`` (after an in-line proposal whose reply says how many sessions'
+        tree steps shared its draft forwards: the draft service's batch_size, 1 = alone)."""
 
 
 class PassThroughShaping:

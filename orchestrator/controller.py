@@ -50,7 +50,7 @@ from typing import Any, Awaitable, Callable
 
 from opentelemetry import trace
 
-from orchestrator.control import DRAFT_UNAVAILABLE, ControlFactory, FixedControl
+from orchestrator.control import DRAFT_OPENING, DRAFT_UNAVAILABLE, ControlFactory, FixedControl
 from orchestrator.shaping import ShapedTree
 from orchestrator.stops import StopChecker
 from specdec.config import DraftWindowConfig
@@ -401,7 +401,12 @@ class _Request:
         if self.draft_sid is not None and self._widen_due(committed_len, max_depth):
             await self._widen_draft()
         if self.draft_sid is None:
-            await self._open_draft()  # deferred at open, or a retry after a failure; on failure the round runs plain
+            # deferred at open, or a retry after a failure; on failure the round runs plain
+            if await self._open_draft() and not getattr(self.controller.draft, "in_process", False):
+                # a draft service prefills on Start, queued behind its other work: this round runs plain
+                # beside that prefill instead of waiting for it (under load the prefills of requests
+                # that open together would hold each one's first proposal past its deadline)
+                return _Drafted(fallback=DRAFT_OPENING)
         if self.draft_sid is None:
             return _Drafted(fallback=DRAFT_UNAVAILABLE)
         tree = await self._propose(max_depth)
@@ -440,11 +445,16 @@ class _Request:
         with _tracer.start_as_current_span("draft", attributes={"gamma": spec.gamma, "max_depth": max_depth}):
             extra_s, self.draft_fresh = min(FRESH_DRAFT_S_PER_TOKEN * self.draft_fresh, FRESH_DRAFT_MAX_S), 0
             try:
-                return await self._draft_call(self.controller.draft.propose(self.draft_sid, spec, max_depth), extra_s)
+                tree = await self._draft_call(self.controller.draft.propose(self.draft_sid, spec, max_depth), extra_s)
             except DraftUnavailableError as exc:
                 self._timed_out(exc)
                 await self._drop_draft(exc)
                 return _EMPTY_TREE
+        merged, batch_size = (getattr(self.control, "draft_merged", None),
+                              getattr(self.controller.draft, "last_batch_size", None))
+        if merged is not None and batch_size is not None:  # gRPC: how many sessions' steps shared its forwards
+            merged(await _maybe_await(batch_size(self.draft_sid)))
+        return tree
 
     def _timed_out(self, exc: BaseException) -> None:
         """Tell the control when a draft proposal (in line or ahead) failed by its deadline: the

@@ -50,6 +50,9 @@ class SharedState:
     load: float = 1.0  # sessions a verify forward holds or could hold, moving average over every request's rounds
     shared_compute: bool = False  # draft and target on the same hardware (specdec.placement; set at connect)
     draft_queue: float = 0.0  # the draft's queueing under load on its own device (LoadedCost.queue_factor)
+    # under load on shared compute: the share of the other requests whose tree steps share a request's
+    # draft forwards (LoadedCost.merged_sessions); starts at 0 (each step alone), learnt from replies
+    draft_merge: float = 0.0
 
     def queue_learns(self) -> bool:
         """Whether a draft reply's wall time now teaches ``draft_queue`` rather than D: the draft has its
@@ -69,6 +72,22 @@ class SharedState:
         if lower_bound and share <= self.draft_queue:
             return
         self.draft_queue += alpha * (share - self.draft_queue)
+
+    def lockstep(self) -> bool:
+        """Whether the draft's replies teach ``draft_merge``: the draft shares the target's compute and
+        other requests run (load >= 1.5), so merged draft steps take that compute once."""
+        return self.shared_compute and self.load >= LOADED
+
+    def observe_draft_merge(self, batch_size: int, alpha: float = 0.3) -> None:
+        """One in-line draft reply on shared compute under load (load >= 1.5): its forwards held
+        ``batch_size`` sessions, a share (batch_size - 1) / (load - 1) of the other requests, clamped
+        to [0, 1] and folded into ``draft_merge`` as a moving average. Requests whose rounds keep
+        in step (merged verifies, then proposals that arrive together) share every draft step; rounds
+        that drift apart draft alone, each step then taking the compute every request's verify needs."""
+        if not self.lockstep():
+            return
+        share = min(max((batch_size - 1) / (self.load - 1.0), 0.0), 1.0)
+        self.draft_merge += alpha * (share - self.draft_merge)
 
     def observe_load(self, batch_size: int, alpha: float = 0.3) -> None:
         """One round's load: the sessions its verify forward held, or the target's open sessions
@@ -98,7 +117,7 @@ class SharedState:
         if self.load < 1.1:
             return self.cost
         queue = self.draft_queue if self.queue_learns() else 0.0  # learnt and priced at the same loads
-        return LoadedCost(self.cost, self.load, self.shared_compute, queue)
+        return LoadedCost(self.cost, self.load, self.shared_compute, queue, self.draft_merge)
 
 
 @dataclass
@@ -212,6 +231,8 @@ class CostAwareControl:
         self.rounds_without_draft = 0
         self.draft_warm = False  # the draft session has prefilled (its first tree is done)
         self.drafted_depth = 0  # steps of the last tree the draft returned (0: none yet)
+        self.draft_batch = 1  # sessions that shared the last in-line proposal's draft forwards (draft_merged)
+        self.probing = False  # this round drafts as a probe (one request alone: its reply says nothing of merging)
         self._planned_spec: TreeSpec | None = None
 
     def bind_request(self, sampling) -> None:
@@ -242,6 +263,9 @@ class CostAwareControl:
         elif g == 0 and self.shared.rounds_without_draft >= self.shared.probe_interval(self.probe_every) and max_steps >= 1:
             g = 1  # probe: has the draft become worth it? (counted across requests: short ones probe too)
             self.shared.rounds_without_draft = 0
+            self.probing = True
+        else:
+            self.probing = False
         self.gamma, self.reason = g, (None if g else COST)
         if g:
             # g decides whether to draft; how deep is the draft's own early stop on its confidence
@@ -330,6 +354,9 @@ class CostAwareControl:
                 self.depths.update(d, sum(shaped.values[i] for i in kept), len(kept))
             if self.draft_warm:  # the first drafted round also prefilled the draft: not a step's cost
                 parents_per_step = _parents_per_step(drafted_tree, drafted_depths)
+                if self.draft_batch > 1 and draft_s:  # its forwards held b sessions: D(b p) per step
+                    parents_per_step = [p * self.draft_batch for p in parents_per_step]
+            self.draft_batch = 1
             self.draft_warm = True
             self._learn_raw_ratio(drafted_tree, shaped)
         else:
@@ -360,9 +387,10 @@ class CostAwareControl:
 
     def cost_snapshot(self) -> dict:
         """The shared cost model's figures (CostModel.snapshot) and the shared load and draft queue
-        (``SharedState``), as they stand after this round's ``observe``, for round records and metrics."""
+        and merge share (``SharedState``), as they stand after this round's ``observe``, for round records
+        and metrics."""
         return {**self.shared.cost.snapshot(), "load": round(self.shared.load, 2),
-                "draft_queue": round(self.shared.draft_queue, 3)}
+                "draft_queue": round(self.shared.draft_queue, 3), "draft_merge": round(self.shared.draft_merge, 3)}
 
     # ----------------------------------------------------------------- the rest of the interface
 
@@ -378,6 +406,16 @@ class CostAwareControl:
 
     def draft_failed(self, now: float | None = None) -> None:
         self.fallback.draft_failed(now)
+
+    def draft_merged(self, batch_size: int) -> None:
+        """An in-line proposal's reply: its draft forwards held ``batch_size`` sessions (the draft
+        service merged concurrent proposals). On shared compute under load it teaches the merge share
+        (``SharedState.observe_draft_merge``; not the session's first proposal, which also waited for
+        its prefill, nor a probe, which drafts alone by design), and this round's draft time is then
+        D(batch_size p) per step, not D(p)."""
+        self.draft_batch = max(int(batch_size), 1)
+        if not self.timing_free and self.draft_warm and not self.probing:  # a first proposal waited for its prefill
+            self.shared.observe_draft_merge(self.draft_batch)
 
     def draft_timed_out(self, waited_s: float) -> None:
         """The round's proposal got no reply within ``waited_s`` seconds (the draft deadline; the round

@@ -186,19 +186,25 @@ class LoadedCost:
     draft_ms, round_ms, round_overhead_ms).
 
     shared_compute: the draft and the target compute on the same hardware (``specdec.placement``):
-    then each of the ``load`` requests' draft steps takes the target's compute for its time, and
-    concurrent requests' rounds drift apart so their steps rarely merge: a step costs D(p) * load.
+    then each of the ``load`` requests' draft steps takes the target's compute for its time. Steps
+    that share one draft forward (the draft service merges concurrent proposals) take it once:
+    with m = 1 + draft_merge * (load - 1) sessions per draft forward, a step costs
+    D(m p) * load / m of the batch's time (``merged_sessions``); draft_merge 0 (rounds drifted
+    apart, every step alone) gives D(p) * load, 1 (every request drafts in the same forwards, in
+    lockstep) gives D(load p).
     On its own device the draft's steps run beside other requests' verifies, but one draft serves
     every request: a step costs D(p) * (1 + draft_queue * (load - 1)) (``queue_factor``), with
     draft_queue learnt from the replies' wall times under load (issue 12: a one-core draft serving
     16 sessions answered in 3.7 s, past its 2 s deadline, while D alone priced a step at ~45 ms).
     """
 
-    def __init__(self, cost: CostModel, load: float, shared_compute: bool = False, draft_queue: float = 0.0):
+    def __init__(self, cost: CostModel, load: float, shared_compute: bool = False, draft_queue: float = 0.0,
+                 draft_merge: float = 0.0):
         self.cost = cost
         self.load = max(float(load), 1.0)
         self.shared_compute = shared_compute
         self.draft_queue = max(float(draft_queue), 0.0)
+        self.draft_merge = min(max(float(draft_merge), 0.0), 1.0)
 
     @property
     def round_overhead_ms(self) -> float:
@@ -216,9 +222,15 @@ class LoadedCost:
         sessions' prefills queue there too."""
         return 1.0 + self.draft_queue * (self.load - 1.0)
 
+    def merged_sessions(self) -> float:
+        """Sessions per draft forward on shared compute: 1 + draft_merge * (load - 1)."""
+        return 1.0 + self.draft_merge * (self.load - 1.0)
+
     def draft_step_ms(self, parents: int) -> float:
-        step = self.cost.draft_step_ms(parents)
-        return step * self.load if self.shared_compute else step * self.queue_factor()
+        if self.shared_compute:
+            m = self.merged_sessions()
+            return self.cost.draft_step_ms(parents * m) * self.load / m
+        return self.cost.draft_step_ms(parents) * self.queue_factor()
 
     def draft_ms(self, parents_per_step: Iterable[int]) -> float:
         return sum(self.draft_step_ms(p) for p in parents_per_step)

@@ -71,6 +71,10 @@ class DraftServerConfig(_Section):
     prefill_chunk_tokens: int = Field(default=256, ge=1)  # prompt tokens per prefill job: others' proposes get in between
     max_batch: int = Field(default=8, ge=1)               # sessions whose tree steps share one draft forward
     batch_wait_ms: float = Field(default=1.0, ge=0)       # how long a propose waits for company
+    # the longest wait for sessions expected back from their last proposal (specdec.batching), as a
+    # fraction of the mean propose time; requests whose verifies merged then draft in the same
+    # forwards too (0 = only batch_wait_ms)
+    batch_gather: float = Field(default=0.25, ge=0, le=1)
 
 
 class TargetServerConfig(_Section):

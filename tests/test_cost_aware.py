@@ -405,6 +405,129 @@ def test_a_deferred_draft_opens_at_the_first_drafted_round_and_the_output_is_exa
     assert sum(1 for r in records[first:] if r.drafted) >= 3
 
 
+def test_merged_draft_steps_on_shared_compute_take_the_compute_once():
+    """LoadedCost with draft_merge, by the numbers (D(1) = 45, D(4) = 60 ms, linear between): at load
+    4 on shared compute m = 1 + merge * 3 sessions share each draft forward, and a step costs
+    D(m p) * 4 / m: 180 ms alone (merge 0, D(1) * 4), 60 ms in lockstep (merge 1, D(4)), and at merge
+    0.5 (m = 2.5) D(2.5) * 4 / 2.5 = 52.5 * 1.6 = 84 ms. On the draft's own device the merge share
+    prices nothing (its queue does)."""
+    from orchestrator.cost_model import LoadedCost
+
+    cost = CostModel(dict(BOUND_AT_8), {1: 45.0, 4: 60.0}, alpha=0.0, source="measured")
+    assert LoadedCost(cost, 4, shared_compute=True, draft_merge=0.0).draft_step_ms(1) == pytest.approx(180.0)
+    assert LoadedCost(cost, 4, shared_compute=True, draft_merge=1.0).draft_step_ms(1) == pytest.approx(60.0)
+    assert LoadedCost(cost, 4, shared_compute=True, draft_merge=0.5).draft_step_ms(1) == pytest.approx(84.0)
+    assert LoadedCost(cost, 4, shared_compute=True, draft_merge=1.0).draft_ms([1, 1]) == pytest.approx(120.0)
+    assert LoadedCost(cost, 4, draft_merge=1.0).draft_step_ms(1) == pytest.approx(45.0)  # own device
+
+
+def test_the_merge_share_is_learnt_from_reply_batch_sizes_on_shared_compute_under_load():
+    """SharedState.observe_draft_merge: at load 4 a reply whose forwards held all 4 sessions is a share
+    of 1 of the 3 others, one that held 1 a share of 0, 2 a share of 1/3; each moves draft_merge 0.3
+    of the way from its prior of 0 (every step alone: D(p) * load, the pricing before merges were
+    seen). Nothing is learnt below load 1.5 or on the draft's own device."""
+    shared = SharedState(shared_compute=True, load=4.0)
+    assert shared.draft_merge == 0.0 and shared.lockstep()
+    shared.observe_draft_merge(4)
+    assert shared.draft_merge == pytest.approx(0.3)
+    shared.observe_draft_merge(1)
+    assert shared.draft_merge == pytest.approx(0.21)
+    shared.observe_draft_merge(2)
+    assert shared.draft_merge == pytest.approx(0.21 + 0.3 * (1 / 3 - 0.21))
+    assert shared.planning_cost().draft_merge == pytest.approx(shared.draft_merge)
+    for state in (SharedState(shared_compute=True, load=1.2), SharedState(load=4.0)):
+        state.observe_draft_merge(4)
+        assert state.draft_merge == 0.0 and not state.lockstep()
+
+
+class ReportsDraftBatch(OracleDraft):
+    """The oracle draft, its replies reporting ``batch_size`` sessions per draft forward (what the
+    draft service's reply says: DraftClient.last_batch_size)."""
+
+    def __init__(self, *args, batch_size: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batch_size = batch_size
+
+    def start(self, session_id, prompt_ids, sampling=None):  # deferred (shared compute, load): opened later
+        assert list(prompt_ids[:len(self.prompt)]) == self.prompt
+        self.tokens = list(prompt_ids)
+
+    def last_batch_size(self, session_id: str) -> int:
+        return self.batch_size
+
+
+@pytest.mark.parametrize("batch_size", [4, 1], ids=["lockstep", "alone"])
+def test_shared_compute_drafts_under_load_while_its_steps_merge_and_stops_when_they_do_not(batch_size):
+    """4 sessions per verify forward (V(4) = 291, V(8) = 300, V(12) = 700 ms: one kept draft node per
+    round pays), a perfect draft on the target's hardware whose step costs nearly the same for 4
+    sessions as for one (D(1) = 120, D(4) = 125 ms). While the draft's replies say its forwards held
+    all 4 requests' steps (the share starts at 1 here, as if earlier rounds had merged), a step costs
+    the batch D(4) = 125 ms: 1 + v tokens (v ~ 0.7, the
+    calibrated value of the kept node) in 125 + V(8) = 425 ms beat 1 token in V(4) = 291 ms, so the
+    rounds draft. When every reply says it ran alone, the merge share falls 0.3 of the way per reply
+    (1, 0.7, 0.49, ...) and with it m, the sessions per draft forward, until a step's D(m) * 4 / m
+    (159 ms at 0.7, 198 at 0.49, 240 at 0.34) costs more than the node brings, and the rounds stop
+    drafting (reason "cost"). The session's first proposal (it waited for the draft's prefill) teaches
+    nothing. Output stays the target's own either way."""
+    model = tiny_model("qwen2", seed=0)
+    prompt = random_prompt(seed=97)
+    n = 60
+    reference = hf_greedy(model, prompt, n + 8)
+    shared = SharedState(cost=CostModel(dict(BOUND_AT_8), {1: 120.0, 4: 125.0, 8: 250.0}, alpha=0.0),
+                         shared_compute=True, load=4.0, draft_merge=1.0)  # as if earlier rounds merged
+    factory = lambda s: CostAwareControl(s, shared, ngram_tokens=0, probe_every=1000)  # noqa: E731
+    engine = SpeculativeEngine(ReportsBatch(TargetRuntime(model), 4),
+                               ReportsDraftBatch(prompt, reference, agree=8, batch_size=batch_size),
+                               eos_token_ids=[], context_limit=CONTEXT, control_factory=factory)
+    records, merge = [], []
+
+    def on_round(record):
+        records.append(record)
+        merge.append(shared.draft_merge)
+
+    result = asyncio.run(engine.controller.generate(GenerationRequest(prompt, max_new_tokens=n, spec=CHAIN4),
+                                                    on_round=on_round))
+    assert result.tokens == reference[:n]
+    assert records[1].drafted and merge[1] == 1.0 and shared.lockstep()  # the first proposal teaches nothing
+    late = records[10:-1]
+    drafted = sum(1 for r in late if r.drafted)
+    if batch_size == 4:
+        assert shared.draft_merge == 1.0 and drafted == len(late) and len(late) >= 4, [r.fallback for r in records]
+    else:
+        assert shared.draft_merge < 0.75 and drafted == 0 and len(late) >= 10, [r.fallback for r in records]
+        assert {r.fallback for r in late} == {"cost"}
+
+
+def test_a_draft_service_opened_by_a_round_prefills_beside_that_round_run_plain():
+    """A draft that is not in-process (a draft service: Start queues its prefill and answers at
+    once) opened by a round, deferred there by the load on shared compute: that round runs plain
+    (reason "draft_opening") instead of waiting in its first proposal for the prefill, which
+    under load queues behind the other requests' (past the deadline: the session dropped, then
+    re-opened, prefilling again). The next round drafts; greedy output equals the target alone."""
+    from orchestrator.controller import RoundController, sync_worker
+
+    model = tiny_model("qwen2", seed=0)
+    prompt = random_prompt(seed=95)
+    reference = hf_greedy(model, prompt, 24)
+
+    class DraftService(SlowPropose):
+        in_process = False  # its calls run beside the target's (a service)
+
+    draft = DraftService(model, 0.0)
+    shared = SharedState(cost=CostModel(dict(BOUND_AT_8), {1: 45.0}, alpha=0.0), shared_compute=True, load=4.0)
+    factory = lambda s: CostAwareControl(s, shared, ngram_tokens=0, probe_every=1000)  # noqa: E731
+    ctl = RoundController(sync_worker(TargetRuntime(model)), draft, [], CONTEXT, control_factory=factory)
+    records = []
+    result = asyncio.run(ctl.generate(GenerationRequest(prompt, max_new_tokens=24, spec=CHAIN4),
+                                      on_round=records.append))
+    assert result.tokens == reference
+    opening = [i for i, r in enumerate(records) if r.fallback == "draft_opening"]
+    assert len(opening) == 1 and opening[0] >= 1 and not records[opening[0]].drafted  # the deferred open's round
+    assert records[opening[0] + 1].drafted and draft.proposes >= 1
+    assert all(not r.drafted for r in records[:opening[0]])
+    assert result.stats.fallback_rounds >= 1
+
+
 def test_the_draft_queue_prices_a_step_under_load_on_its_own_device_only():
     """SharedState.observe_draft_queue and LoadedCost.queue_factor, by the numbers: at load 4 a reply
     of 300 ms for steps D prices at 60 ms is a queue share of (300 / 60 - 1) / 3 = 4/3; one

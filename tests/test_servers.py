@@ -1033,6 +1033,29 @@ def test_concurrent_draft_streams_share_forwards_and_get_their_solo_trees():
     assert merged > 0 and max(reply.batch_size for replies in rounds for reply in replies) > 1
 
 
+def test_the_draft_service_gathers_proposals_of_sessions_expected_back():
+    """draft.batch_gather reaches the draft's propose batcher (specdec.batching gathering, as the
+    target's verifies): requests whose verifies merged come back to propose together and share the
+    draft's forwards. Default 0.25 of the mean propose time; 0 turns it off; outside [0, 1] the config
+    names the field."""
+    from draft_service.server import DraftServicer
+    from specdec.config import DraftServerConfig
+
+    model = tiny_model("qwen2", seed=4)
+
+    async def gathers(config):
+        servicer = DraftServicer(DraftRuntime(model), context_limit=256, config=config)
+        try:
+            return servicer.batcher.gather
+        finally:
+            servicer.close()
+
+    assert asyncio.run(gathers(DraftServerConfig())) == 0.25
+    assert asyncio.run(gathers(DraftServerConfig(batch_gather=0.0))) == 0.0
+    with pytest.raises(ValueError, match="batch_gather"):
+        DraftServerConfig(batch_gather=1.5)
+
+
 # ----------------------------------------------------------------------------------------------
 # Chunked prefill mixed into other sessions' verify forwards
 # ----------------------------------------------------------------------------------------------

@@ -104,7 +104,7 @@ class DraftInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftInfoResponse(_message.Message):
-    __slots__ = ("sessions", "cached_sessions", "context_limit", "cached_tokens", "host", "device", "cpus")
+    __slots__ = ("sessions", "cached_sessions", "context_limit", "cached_tokens", "host", "device", "cpus", "batched_forwards")
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CACHED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LIMIT_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,7 @@ class DraftInfoResponse(_message.Message):
     HOST_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     CPUS_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_FORWARDS_FIELD_NUMBER: _ClassVar[int]
     sessions: int
     cached_sessions: int
     context_limit: int
@@ -119,4 +120,5 @@ class DraftInfoResponse(_message.Message):
     host: str
     device: str
     cpus: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, sessions: _Optional[int] = ..., cached_sessions: _Optional[int] = ..., context_limit: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., cpus: _Optional[_Iterable[int]] = ...) -> None: ...
+    batched_forwards: int
+    def __init__(self, sessions: _Optional[int] = ..., cached_sessions: _Optional[int] = ..., context_limit: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., cpus: _Optional[_Iterable[int]] = ..., batched_forwards: _Optional[int] = ...) -> None: ...
