@@ -1008,11 +1008,11 @@ def markdown(result: dict) -> str:
                      f"{meta['max_batch']}, `batch_wait_ms` {meta['batch_wait_ms']}; one_at_a_time: `max_batch` 1; "
                      f"target_only: `no_spec` requests on the batched target. Throughput = generated tokens / wall "
                      f"time of the level; latency per request from send to its final message. merged = target verify "
-                     f"forwards that held more than one request; draft merged = the draft service's propose calls whose "
-                     f"forwards held more than one request (the draft is shared by every config); tree rows / round = verified rows (tree nodes + 1) per "
+                     f"forwards that held more than one request; draft merged = the draft service's propose calls (aheads "
+                     f"included) whose forwards held more than one request (the draft is shared by every config); tree rows / round = verified rows (tree nodes + 1) per "
                      f"round; plain rounds (cost) = rounds the cost-aware control ran without the draft because no "
                      f"draft step paid (under load: the batch's goodput); fallback rounds = rounds without the draft "
-                     f"because it failed, was past its deadline or was full. Once speculative requests overlap, the draft service "
+                     f"because it failed, was past its deadline, was full or was being opened. Once speculative requests overlap, the draft service "
                      f"({meta['draft_threads']} thread(s)) and the target service ({meta['target_threads']}) compute at "
                      f"the same time on {meta['cpu_count']} CPUs.\n")
         head = ["config", "clients", "tok/s", "vs target only", "p50 latency s", "p95 latency s",

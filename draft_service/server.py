@@ -97,7 +97,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     """gRPC DraftService over a ``DraftRuntime`` (or anything with start/propose/commit/release).
 
     context_limit: the draft's max positions (tokens); config: the ``draft`` section (max_sessions,
-    prefill_chunk_tokens, max_batch, batch_wait_ms);
+    prefill_chunk_tokens, max_batch, batch_wait_ms, batch_gather);
     draining: set when the server shuts down (open streams then end with UNAVAILABLE). The runtime is
     only ever called from this servicer's worker thread. Create inside the running event loop;
     ``close()`` at the end.
@@ -166,6 +166,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         finally:
             if stream is not None:
                 self.streams.pop(stream.key, None)
+                self.batcher.forget(stream.key)  # not waited for by gathering any more
                 self.worker.submit(self.runtime.release, stream.key)
 
     @rpc_errors()

@@ -67,8 +67,9 @@ _session_ids = itertools.count()
 
 
 # The first propose of a draft session may still wait for the session's prefill (the draft service
-# prefills on Start, beside the target's prefill; a whole-context re-open has no prefill beside it):
-# it gets this much more time per token the session opened with (the int8 default draft prefills
+# prefills on Start, beside the target's prefill, or beside the plain round that opened it mid-request:
+# ``DRAFT_OPENING``; a seeded sampled request's re-open drafts in that same round): it gets this much
+# more time per token the session opened with (the int8 default draft prefills
 # ~0.0043 s a token on the 2-core CPU).
 FRESH_DRAFT_S_PER_TOKEN = 0.02
 FRESH_DRAFT_MAX_S = 120.0  # at most this much more (a hung draft must not hold a request for long)
@@ -402,11 +403,13 @@ class _Request:
             await self._widen_draft()
         if self.draft_sid is None:
             # deferred at open, or a retry after a failure; on failure the round runs plain
-            if await self._open_draft() and not getattr(self.controller.draft, "in_process", False):
+            sampling = self.request.sampling
+            seeded = not sampling.greedy and sampling.seed is not None  # its trees must not follow timings
+            if await self._open_draft() and not getattr(self.controller.draft, "in_process", False) and not seeded:
                 # a draft service prefills on Start, queued behind its other work: this round runs plain
                 # beside that prefill instead of waiting for it (under load the prefills of requests
                 # that open together would hold each one's first proposal past its deadline)
-                return _Drafted(fallback=DRAFT_OPENING)
+                return _Drafted(fallback=DRAFT_OPENING, draft_s=time.perf_counter() - t0)
         if self.draft_sid is None:
             return _Drafted(fallback=DRAFT_UNAVAILABLE)
         tree = await self._propose(max_depth)

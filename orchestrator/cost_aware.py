@@ -246,6 +246,7 @@ class CostAwareControl:
 
     def speculate(self, now: float | None, committed_len: int, depth: int) -> bool:
         """Plan this round (``plan_depth``) under ``depth`` levels; False = no draft this round."""
+        self.probing = False
         if self.timing_free:
             self.gamma = min(depth, self.base.gamma)
             speculate = self.fallback.speculate(now, committed_len, self.gamma)
@@ -354,7 +355,7 @@ class CostAwareControl:
                 self.depths.update(d, sum(shaped.values[i] for i in kept), len(kept))
             if self.draft_warm:  # the first drafted round also prefilled the draft: not a step's cost
                 parents_per_step = _parents_per_step(drafted_tree, drafted_depths)
-                if self.draft_batch > 1 and draft_s:  # its forwards held b sessions: D(b p) per step
+                if self.draft_batch > 1 and draft_s and not self.shared.queue_learns():  # D(b p) per step
                     parents_per_step = [p * self.draft_batch for p in parents_per_step]
             self.draft_batch = 1
             self.draft_warm = True
@@ -362,6 +363,9 @@ class CostAwareControl:
         else:
             self.rounds_without_draft += 1
             self.shared.rounds_without_draft += 1
+            if self.probing:  # a probe that drafted nothing (its round opened the draft, or it failed): probe again
+                self.shared.rounds_without_draft = max(self.shared.rounds_without_draft,
+                                                       math.ceil(self.shared.probe_interval(self.probe_every)))
         if no_forward and mergeable:  # the open sessions are known even when no forward ran (the first round)
             self.shared.observe_load(mergeable)
         if not no_forward:

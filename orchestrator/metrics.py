@@ -14,7 +14,7 @@ Exported series (prometheus_client appends ``_total`` to counters):
 | ``specdec_proposed_tokens_total`` | counter | | draft tokens (tree nodes) sent to the target |
 | ``specdec_accepted_tokens_total`` | counter | | draft tokens accepted (bonus tokens excluded) |
 | ``specdec_committed_tokens_total`` | counter | | tokens committed (bonus included) |
-| ``specdec_fallback_rounds_total`` | counter | ``reason`` = low_acceptance, draft_unavailable, draft_context_limit, cost, draft_opening | plain rounds forced by the fallback policy |
+| ``specdec_fallback_rounds_total`` | counter | ``reason`` = low_acceptance, draft_unavailable, draft_context_limit, cost, draft_opening | plain rounds without the draft (the fallback policy, the cost model, a draft being opened) |
 | ``specdec_acceptance_alerts_total`` | counter | ``scope`` = request, global | low-acceptance alerts raised |
 | ``specdec_acceptance_rate`` | gauge | | global windowed acceptance rate (accepted / proposed draft tokens, 0..1) |
 | ``specdec_gamma`` | histogram | | speculation depth gamma of each speculative round |
@@ -88,7 +88,7 @@ class SpecMetrics:
                                        namespace=ns, registry=r)
         self.committed_tokens = Counter("committed_tokens", "Tokens committed (bonus included)",
                                         namespace=ns, registry=r)
-        self.fallback_rounds = Counter("fallback_rounds", "Plain rounds forced by the fallback policy, by reason",
+        self.fallback_rounds = Counter("fallback_rounds", "Plain rounds without the draft, by reason",
                                        ["reason"], namespace=ns, registry=r)
         self.acceptance_alerts = Counter("acceptance_alerts", "Low-acceptance alerts raised, by scope",
                                          ["scope"], namespace=ns, registry=r)

@@ -105,7 +105,8 @@ def test_fallback_always_wrong_engages_after_full_window_and_probes():
     policy = FallbackPolicy(FallbackConfig(window=4, min_acceptance=0.1, probe_every=3))
     T, F = True, False
     assert drive(policy, [0] * 15) == [T, T, T, T, F, F, F, T, T, T, T, F, F, F, T]
-    assert policy.fallback_rounds == {"low_acceptance": 6, "draft_unavailable": 0, "draft_context_limit": 0, "cost": 0}
+    assert policy.fallback_rounds == {"low_acceptance": 6, "draft_unavailable": 0, "draft_context_limit": 0, "cost": 0,
+                                     "draft_opening": 0}
     assert policy.probes == 2
     assert policy.reason is None  # the last round was a probe
 
@@ -181,7 +182,8 @@ def test_fallback_reason_precedence_and_probe_counts_only_low_rounds():
     assert policy.speculate(1.0, 10) is False and policy.reason == "low_acceptance"
     assert policy.speculate(1.1, 10) is False and policy.reason == "low_acceptance"
     assert policy.speculate(1.2, 10) is True and policy.probes == 1
-    assert policy.fallback_rounds == {"low_acceptance": 2, "draft_unavailable": 1, "draft_context_limit": 1, "cost": 0}
+    assert policy.fallback_rounds == {"low_acceptance": 2, "draft_unavailable": 1, "draft_context_limit": 1, "cost": 0,
+                                     "draft_opening": 0}
 
 
 def test_fallback_metrics_and_bad_input():

@@ -527,6 +527,15 @@ def test_a_draft_service_opened_by_a_round_prefills_beside_that_round_run_plain(
     assert all(not r.drafted for r in records[:opening[0]])
     assert result.stats.fallback_rounds >= 1
 
+    # a seeded sampled request: its trees must not depend on timings (the load), so no such round
+    from specdec.sampling import SamplingParams
+
+    seeded = SamplingParams(0.8, seed=3)
+    records = []
+    asyncio.run(ctl.generate(GenerationRequest(prompt, max_new_tokens=24, spec=CHAIN4, sampling=seeded),
+                             on_round=records.append))
+    assert "draft_opening" not in {r.fallback for r in records} and sum(1 for r in records if r.drafted) >= 3
+
 
 def test_the_draft_queue_prices_a_step_under_load_on_its_own_device_only():
     """SharedState.observe_draft_queue and LoadedCost.queue_factor, by the numbers: at load 4 a reply
