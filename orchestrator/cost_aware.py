@@ -363,9 +363,6 @@ class CostAwareControl:
         else:
             self.rounds_without_draft += 1
             self.shared.rounds_without_draft += 1
-            if self.probing:  # a probe that drafted nothing (its round opened the draft, or it failed): probe again
-                self.shared.rounds_without_draft = max(self.shared.rounds_without_draft,
-                                                       math.ceil(self.shared.probe_interval(self.probe_every)))
         if no_forward and mergeable:  # the open sessions are known even when no forward ran (the first round)
             self.shared.observe_load(mergeable)
         if not no_forward:
