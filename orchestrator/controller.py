@@ -403,9 +403,8 @@ class _Request:
             await self._widen_draft()
         if self.draft_sid is None:
             # deferred at open, or a retry after a failure; on failure the round runs plain
-            sampling = self.request.sampling
-            seeded = not sampling.greedy and sampling.seed is not None  # its trees must not follow timings
-            if await self._open_draft() and not getattr(self.controller.draft, "in_process", False) and not seeded:
+            beside = not getattr(self.controller.draft, "in_process", False) and not self.request.sampling.seeded
+            if await self._open_draft() and beside:
                 # a draft service prefills on Start, queued behind its other work: this round runs plain
                 # beside that prefill instead of waiting for it (under load the prefills of requests
                 # that open together would hold each one's first proposal past its deadline)

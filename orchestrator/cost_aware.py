@@ -73,18 +73,19 @@ class SharedState:
             return
         self.draft_queue += alpha * (share - self.draft_queue)
 
-    def lockstep(self) -> bool:
+    def merge_learns(self) -> bool:
         """Whether the draft's replies teach ``draft_merge``: the draft shares the target's compute and
         other requests run (load >= 1.5), so merged draft steps take that compute once."""
         return self.shared_compute and self.load >= LOADED
 
     def observe_draft_merge(self, batch_size: int, alpha: float = 0.3) -> None:
-        """One in-line draft reply on shared compute under load (load >= 1.5): its forwards held
+        """One in-line draft reply on shared compute under load (``merge_learns``): its forwards held
         ``batch_size`` sessions, a share (batch_size - 1) / (load - 1) of the other requests, clamped
         to [0, 1] and folded into ``draft_merge`` as a moving average. Requests whose rounds keep
         in step (merged verifies, then proposals that arrive together) share every draft step; rounds
-        that drift apart draft alone, each step then taking the compute every request's verify needs."""
-        if not self.lockstep():
+        that drift apart draft alone, each step then taking the compute every request's verify needs.
+        The priced step is ``LoadedCost.draft_step_ms`` (goodput, Liu et al. 2024, SmartSpec section 4)."""
+        if not self.merge_learns():
             return
         share = min(max((batch_size - 1) / (self.load - 1.0), 0.0), 1.0)
         self.draft_merge += alpha * (share - self.draft_merge)
@@ -240,7 +241,7 @@ class CostAwareControl:
         with a seed must give the same tokens every run, and its random draws follow the tree's
         shape, so its trees must not depend on timings: it gets the request's TreeSpec every round,
         verified as drafted (the fixed control's behaviour), with the draft-failure rules kept."""
-        self.timing_free = not sampling.greedy and sampling.seed is not None
+        self.timing_free = sampling.seeded
 
     # ----------------------------------------------------------------- before drafting
 
@@ -265,8 +266,6 @@ class CostAwareControl:
             g = 1  # probe: has the draft become worth it? (counted across requests: short ones probe too)
             self.shared.rounds_without_draft = 0
             self.probing = True
-        else:
-            self.probing = False
         self.gamma, self.reason = g, (None if g else COST)
         if g:
             # g decides whether to draft; how deep is the draft's own early stop on its confidence

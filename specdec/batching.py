@@ -6,8 +6,8 @@ its own outcome (or exception) back. While that call runs, new items queue for t
 Example with wait_ms = 2, max_batch = 8: sessions a, b, c call at t = 0.0, 0.5 and 1.2 ms -> one
 batch call with a, b and c at t = 2.0 ms, batch size 3.
 
-Gathering (``gather`` > 0; the target's verifies and the draft's proposals): after each call, the sessions it answered are
-expected back. A session's next item follows its answer by a gap that is about the same every
+Gathering (``gather`` > 0; the target's verifies and the draft's proposals): after each call, the
+sessions it answered are expected back. A session's next item follows its answer by a gap that is about the same every
 round (the orchestrator's round overhead; its draft's time when it drafts), so the batcher keeps a
 moving average of each session's gap, and before a call waits, at most ``gather`` x the mean call
 time, for the sessions predicted back within that window. Without it, concurrent requests whose

@@ -77,6 +77,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def seeded(self) -> bool:
+        """Sampled with a seed: the same request must give the same tokens every run, so nothing that
+        shapes its trees may depend on timings or load."""
+        return not self.greedy and self.seed is not None
+
     def describe(self) -> str:
         """One line for logs and tables, e.g. ``temperature 0.7, top-p 0.9, top-k 0, seed 3``."""
         if self.greedy:

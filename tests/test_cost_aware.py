@@ -427,7 +427,7 @@ def test_the_merge_share_is_learnt_from_reply_batch_sizes_on_shared_compute_unde
     of the way from its prior of 0 (every step alone: D(p) * load, the pricing before merges were
     seen). Nothing is learnt below load 1.5 or on the draft's own device."""
     shared = SharedState(shared_compute=True, load=4.0)
-    assert shared.draft_merge == 0.0 and shared.lockstep()
+    assert shared.draft_merge == 0.0 and shared.merge_learns()
     shared.observe_draft_merge(4)
     assert shared.draft_merge == pytest.approx(0.3)
     shared.observe_draft_merge(1)
@@ -437,7 +437,7 @@ def test_the_merge_share_is_learnt_from_reply_batch_sizes_on_shared_compute_unde
     assert shared.planning_cost().draft_merge == pytest.approx(shared.draft_merge)
     for state in (SharedState(shared_compute=True, load=1.2), SharedState(load=4.0)):
         state.observe_draft_merge(4)
-        assert state.draft_merge == 0.0 and not state.lockstep()
+        assert state.draft_merge == 0.0 and not state.merge_learns()
 
 
 class ReportsDraftBatch(OracleDraft):
@@ -488,7 +488,7 @@ def test_shared_compute_drafts_under_load_while_its_steps_merge_and_stops_when_t
     result = asyncio.run(engine.controller.generate(GenerationRequest(prompt, max_new_tokens=n, spec=CHAIN4),
                                                     on_round=on_round))
     assert result.tokens == reference[:n]
-    assert records[1].drafted and merge[1] == 1.0 and shared.lockstep()  # the first proposal teaches nothing
+    assert records[1].drafted and merge[1] == 1.0 and shared.merge_learns()  # the first proposal teaches nothing
     late = records[10:-1]
     drafted = sum(1 for r in late if r.drafted)
     if batch_size == 4:
