@@ -85,6 +85,7 @@ class DraftRuntime:
         self.vocab_size = vocab_size
         self.sessions: dict[str, DraftSession] = {}
         self.packed = packed_layout(model, packed)
+        self.scale_per_call = activation_scale_per_call(model)
 
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams = GREEDY) -> None:
         """Open a session; sampling: the request's parameters, used by every propose of the session."""
@@ -212,7 +213,12 @@ class DraftRuntime:
         ``MAX_BATCHED_ROWS`` rows at once (a long pending prefix, which would hold up the other
         sessions' step), runs that session's own forward. Numerics: a row's log-probs equal its
         solo forward's up to float32 round-off of the differently shaped computation (as the
-        target's ``verify_batch``); a tree can differ only at a near-tie within that noise.
+        target's ``verify_batch``); a tree can differ only at a near-tie within that noise. Not so
+        for a dynamically quantized draft (``scale_per_call``: the int8 CPU default): each linear
+        quantizes its input with one scale for all the rows of the call, so a merged step's
+        log-probs move with the other sessions' rows (up to 0.2 nats on the default draft; 3 of 4
+        trees differed), which only moves acceptance; a seeded sampled session's steps then run
+        alone, so its tree, and the random draws that follow it, never depend on other requests.
         """
         results: list[DraftTree | Exception | None] = [None] * len(items)
         running: dict[int, tuple[DraftSession, Generator, Step]] = {}
@@ -307,7 +313,8 @@ class DraftRuntime:
     def _forward_rows(self, rows: dict[int, _StepRows]) -> dict[int, torch.Tensor]:
         """Log-probs of each session's step rows ([1, V] after R at step 0, [P, V] after that):
         sessions batched together where there are two or more (``propose_batch``)."""
-        together = [i for i, r in rows.items() if len(r.ids) <= MAX_BATCHED_ROWS]
+        together = [i for i, r in rows.items()
+                    if len(r.ids) <= MAX_BATCHED_ROWS and not (self.scale_per_call and r.session.sampling.seeded)]
         alone = [i for i in rows if i not in together or len(together) < 2]
         out = {i: self._forward_one(rows[i]) for i in alone}
         together = [i for i in together if i not in out]
@@ -398,6 +405,15 @@ class _StepRows:
     positions: torch.Tensor
     visible: torch.Tensor
     root: bool
+
+
+def activation_scale_per_call(model) -> bool:
+    """Whether the model holds dynamically quantized linears (torch.ao ``quantize_dynamic``,
+    ``specdec.model_setup.quantize_draft``), whose int8 activation scale is taken over all the rows
+    of one call: a row's output then depends on the rows it is computed with."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    return any(isinstance(m, DynamicLinear) for m in model.modules())
 
 
 def batched_step_inputs(rows: Sequence[_StepRows], cache_lens: Sequence[int], dtype: torch.dtype = torch.float32):

@@ -132,3 +132,51 @@ def test_batched_proposals_report_per_item_errors():
     assert out[0].size == out[2].size == 7
     assert isinstance(out[1], UnknownSessionError) and "nope" in str(out[1])
     assert isinstance(out[3], SessionStateError) and "item 0" in str(out[3])
+
+
+def _seeded_and_greedy_rounds(runtime: DraftRuntime, merged: bool) -> list:
+    """Three rounds of three sessions (two greedy, one seeded sampled, treeType 1): proposed
+    together (``propose_batch``) when ``merged``, else one ``propose`` each; partial acceptance."""
+    from specdec.sampling import GREEDY, SamplingParams
+
+    seeded = SamplingParams(0.9, seed=11)
+    for i, (length, sampling) in enumerate(zip((12, 30, 7), (GREEDY, seeded, GREEDY))):
+        runtime.start(f"q{i}", random_prompt(seed=300 + i, length=length), sampling)
+    specs = [SPEC, TreeSpec(gamma=3, topKSpec=[[2], [2, 1], [1, 1]], topHead=[1, 2, 2], treeType=1), TreeSpec.chain(3)]
+    trees = []
+    for round_ in range(3):
+        items = [(f"q{i}", specs[i], 3) for i in range(3)]
+        out = runtime.propose_batch(items) if merged else [runtime.propose(*item) for item in items]
+        for i, tree in enumerate(out):
+            _commit_first_path(runtime, f"q{i}", tree, (round_ + i) % 3)
+        trees.append(out)
+    return trees
+
+
+def test_a_seeded_session_of_an_int8_draft_never_shares_a_forward(monkeypatch):
+    """A dynamically quantized draft (the int8 CPU default) quantizes each linear's input with one
+    scale for all the rows of a call, so a merged step moves a session's log-probs with the other
+    sessions' rows. A seeded sampled session's steps then run alone: its trees equal its solo trees
+    exactly, while the greedy sessions still share forwards. Without the rule (``scale_per_call``
+    off) its log-probs differ, so the comparison has teeth."""
+    import copy
+
+    import draft_service.runtime as module
+    from specdec.model_setup import quantize_draft
+
+    model = quantize_draft(copy.deepcopy(tiny_model("qwen2", seed=4)))  # in place: not the memoised model
+    assert DraftRuntime(model).scale_per_call and not DraftRuntime(tiny_model("qwen2", seed=4)).scale_per_call
+    shared = []
+    real = module.model_forward_packed
+    monkeypatch.setattr(module, "model_forward_packed",
+                        lambda model_, caches, ids, *rest: shared.append(len(ids)) or real(model_, caches, ids, *rest))
+    solo = _seeded_and_greedy_rounds(DraftRuntime(model), merged=False)
+    merged = _seeded_and_greedy_rounds(DraftRuntime(model), merged=True)
+    assert shared and set(shared) == {2}, shared  # the two greedy sessions, never the seeded one
+    for round_ in range(3):
+        a, b = merged[round_][1], solo[round_][1]
+        assert (a.tokens, a.parents, a.draft_logprobs) == (b.tokens, b.parents, b.draft_logprobs), round_
+    unruled = DraftRuntime(model)
+    unruled.scale_per_call = False
+    together = _seeded_and_greedy_rounds(unruled, merged=True)
+    assert any(together[r][1].draft_logprobs != solo[r][1].draft_logprobs for r in range(3))
