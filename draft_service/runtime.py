@@ -53,6 +53,7 @@ class DraftSession:
     round_start: int | None = None  # cached_len before an uncommitted proposal (for a retry)
     last_tree: DraftTree | None = None  # the last proposed tree (ahead paths are checked against it)
     ahead: "_AheadSnapshot | None" = None  # set while an ahead proposal is unresolved
+    prefill_chunk: int | None = None  # tokens per call of a started ``prefill`` (None = none started)
 
 
 @dataclass(frozen=True)
@@ -96,14 +97,17 @@ class DraftRuntime:
         """Feed the committed tokens but the last into the cache now, at most ``max_tokens`` of them
         (None = all) (the draft service calls this right after ``start``, chunk by chunk, so the
         draft's prefill overlaps the target's and other sessions' proposes get in between chunks);
-        the first ``propose`` then feeds only what is left. Without it, the first propose feeds them
-        all. Returns True when tokens are left to prefill."""
+        the first ``propose`` then feeds only what is left, in calls of the same ``max_tokens`` and
+        the root alone, so the calls (and a dynamically quantized draft's activation scales, see
+        ``activation_scale_per_call``) never depend on how far the prefill got before it. Without
+        it, the first propose feeds them all in one call. Returns True when tokens are left to prefill."""
         s = self.sessions.get(session_id)
         if s is None:  # released before its queued prefill ran
             return False
         pending = s.tokens[s.cached_len : -1][:max_tokens]
         if not pending or s.round_start is not None or max(pending) >= self.model.config.vocab_size:
             return False
+        s.prefill_chunk = max_tokens
         positions = torch.arange(s.cached_len, s.cached_len + len(pending))
         model_forward(self.model, s.cache, pending, positions, mask=None, logits_rows=1)
         s.cached_len += len(pending)
@@ -283,6 +287,10 @@ class DraftRuntime:
         if s.round_start is not None:
             s.cached_len = s.round_start
             truncate_kv(s.cache, s.cached_len)
+            s.round_start = None
+        if s.prefill_chunk is not None and s.last_tree is None and not ahead:
+            while self.prefill(session_id, s.prefill_chunk):  # a started prefill ends in its own chunks (``prefill``)
+                pass
         s.round_start = s.cached_len
         s.slot_of_node = {}
         if max(s.tokens[s.cached_len :]) >= self.model.config.vocab_size:

@@ -180,3 +180,39 @@ def test_a_seeded_session_of_an_int8_draft_never_shares_a_forward(monkeypatch):
     unruled.scale_per_call = False
     together = _seeded_and_greedy_rounds(unruled, merged=True)
     assert any(together[r][1].draft_logprobs != solo[r][1].draft_logprobs for r in range(3))
+
+
+def test_a_started_prefill_ends_in_its_own_chunks_whenever_the_first_propose_comes():
+    """The draft service queues a session's prefill chunk by chunk, and its first propose may come
+    before the last chunk ran. That propose feeds what is left in chunks of the same size, then the
+    root alone, so the calls are those of a finished prefill: an int8 draft's trees (whose
+    activation scales follow the rows of each call) and its cache are the same either way. Feeding
+    the rest in one call (the old path, ``prefill_chunk`` cleared) gives other log-probs."""
+    import copy
+
+    from specdec.model_setup import quantize_draft
+    from specdec.sampling import SamplingParams
+
+    model = quantize_draft(copy.deepcopy(tiny_model("qwen2", seed=4)))
+    prompt = random_prompt(seed=21, length=40)
+    spec = TreeSpec(gamma=3, topKSpec=[[2], [2, 1], [1, 1]], topHead=[1, 2, 2], treeType=1)
+    sampling = SamplingParams(0.9, seed=2)
+
+    def first_tree(prefill_calls: int | None, old_path: bool = False):
+        runtime = DraftRuntime(model)
+        runtime.start("a", prompt, sampling)
+        calls = 0
+        while runtime.prefill("a", 8) and (prefill_calls is None or calls + 1 < prefill_calls):
+            calls += 1
+        if old_path:
+            runtime.sessions["a"].prefill_chunk = None
+        tree = runtime.propose("a", spec, 3)
+        return tree, cache_kv(runtime.sessions["a"].cache)
+
+    finished, finished_kv = first_tree(None)
+    for early in (1, 3):
+        tree, kv = first_tree(early)
+        assert (tree.tokens, tree.parents, tree.draft_logprobs) == (finished.tokens, finished.parents, finished.draft_logprobs)
+        assert_kv_equal(kv, finished_kv, what=f"cache after {early} prefill chunks")
+    old, _ = first_tree(1, old_path=True)
+    assert old.draft_logprobs != finished.draft_logprobs
