@@ -53,7 +53,7 @@ class DraftSession:
     round_start: int | None = None  # cached_len before an uncommitted proposal (for a retry)
     last_tree: DraftTree | None = None  # the last proposed tree (ahead paths are checked against it)
     ahead: "_AheadSnapshot | None" = None  # set while an ahead proposal is unresolved
-    prefill_chunk: int | None = None  # tokens per call of a started ``prefill`` (None = none started)
+    prefill_chunk: int | None = None  # tokens per call of a started chunked ``prefill`` (None: none, or all in one call)
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,8 @@ class DraftRuntime:
         the first ``propose`` then feeds only what is left, in calls of the same ``max_tokens`` and
         the root alone, so the calls (and a dynamically quantized draft's activation scales, see
         ``activation_scale_per_call``) never depend on how far the prefill got before it. Without
-        it, the first propose feeds them all in one call. Returns True when tokens are left to prefill."""
+        it, the first propose feeds them all in one call. A forward that fails leaves the cache at
+        ``cached_len`` (the error is raised). Returns True when tokens are left to prefill."""
         s = self.sessions.get(session_id)
         if s is None:  # released before its queued prefill ran
             return False
@@ -109,7 +110,11 @@ class DraftRuntime:
             return False
         s.prefill_chunk = max_tokens
         positions = torch.arange(s.cached_len, s.cached_len + len(pending))
-        model_forward(self.model, s.cache, pending, positions, mask=None, logits_rows=1)
+        try:
+            model_forward(self.model, s.cache, pending, positions, mask=None, logits_rows=1)
+        except BaseException:
+            truncate_kv(s.cache, s.cached_len)  # layers the failed forward reached hold part of the chunk
+            raise
         s.cached_len += len(pending)
         return s.cached_len < len(s.tokens) - 1
 

@@ -5,6 +5,7 @@ DraftRuntime.propose_batch: several sessions' trees in shared forwards equal the
 from __future__ import annotations
 
 import pytest
+import torch
 
 from draft_service.runtime import DraftRuntime
 from specdec.tree_spec import TreeSpec
@@ -153,6 +154,11 @@ def _seeded_and_greedy_rounds(runtime: DraftRuntime, merged: bool) -> list:
     return trees
 
 
+needs_int8_kernels = pytest.mark.skipif(not {"fbgemm", "x86"} & set(torch.backends.quantized.supported_engines),
+                                        reason="the int8 draft (quantize_draft) needs fbgemm / x86 kernels")
+
+
+@needs_int8_kernels
 def test_a_seeded_session_of_an_int8_draft_never_shares_a_forward(monkeypatch):
     """A dynamically quantized draft (the int8 CPU default) quantizes each linear's input with one
     scale for all the rows of a call, so a merged step moves a session's log-probs with the other
@@ -182,6 +188,7 @@ def test_a_seeded_session_of_an_int8_draft_never_shares_a_forward(monkeypatch):
     assert any(together[r][1].draft_logprobs != solo[r][1].draft_logprobs for r in range(3))
 
 
+@needs_int8_kernels
 def test_a_started_prefill_ends_in_its_own_chunks_whenever_the_first_propose_comes():
     """The draft service queues a session's prefill chunk by chunk, and its first propose may come
     before the last chunk ran. That propose feeds what is left in chunks of the same size, then the
@@ -216,3 +223,34 @@ def test_a_started_prefill_ends_in_its_own_chunks_whenever_the_first_propose_com
         assert_kv_equal(kv, finished_kv, what=f"cache after {early} prefill chunks")
     old, _ = first_tree(1, old_path=True)
     assert old.draft_logprobs != finished.draft_logprobs
+
+
+def test_a_failed_prefill_forward_leaves_the_cache_at_its_prefilled_prefix(monkeypatch):
+    """A chunk whose forward fails (here after the cache grew, as a forward failing in its last
+    layer leaves it) is dropped from the cache: the next propose, which ends the prefill itself,
+    gives the tree of a clean run."""
+    import draft_service.runtime as module
+
+    model = tiny_model("qwen2", seed=4)
+    prompt = random_prompt(seed=22, length=30)
+    runtime = DraftRuntime(model)
+    runtime.start("a", prompt)
+    assert runtime.prefill("a", 8)
+    real = module.model_forward
+
+    def fails_after_writing(*args, **kwargs):
+        real(*args, **kwargs)
+        raise RuntimeError("injected forward failure")
+
+    monkeypatch.setattr(module, "model_forward", fails_after_writing)
+    with pytest.raises(RuntimeError, match="injected"):
+        runtime.prefill("a", 8)
+    monkeypatch.setattr(module, "model_forward", real)
+    s = runtime.sessions["a"]
+    assert s.cached_len == 8
+    assert_kv_equal(cache_kv(s.cache), prefill_kv(model, prompt[:8]), what="cache after the failed chunk")
+    clean = DraftRuntime(model)
+    clean.start("a", prompt)
+    clean.prefill("a", 8)
+    assert runtime.propose("a", SPEC, 3).tokens == clean.propose("a", SPEC, 3).tokens
+    assert_kv_equal(cache_kv(s.cache), cache_kv(clean.sessions["a"].cache), what="cache after the first propose")
