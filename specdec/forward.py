@@ -30,12 +30,16 @@ def model_forward(
     position_ids: torch.Tensor,
     mask: torch.Tensor | None,
     logits_rows: int | None = None,
+    argmax_head=None,
 ) -> torch.Tensor:
     """Run ``model`` on Q new tokens after the cached ones; returns float32 logits.
 
     input_ids: Q token ids; position_ids: [Q] int64; mask: [1, 1, Q, S + Q] additive in the
     model's dtype, or None for plain causal attention; logits_rows: keep only the last that many
     rows (None = all). Returns [logits_rows or Q, V] float32. The cache grows by Q slots.
+    argmax_head: a ``specdec.argmax_head.ArgmaxHead`` of the model's LM head: then the kept rows'
+    argmax ids [logits_rows or Q] int64 are returned instead of their logits (greedy rows; the
+    model's own head is not run).
     """
     device = model.device
     ids = torch.tensor([input_ids], dtype=torch.long, device=device)  # (1, Q)
@@ -47,8 +51,26 @@ def model_forward(
     }
     if mask is not None:
         kwargs["attention_mask"] = mask.to(device=device, dtype=model.dtype)
+    if argmax_head is not None:
+        hidden = _decoder_hidden(model, ids, kwargs)[0]  # (Q', H)
+        return argmax_head.argmax(hidden)  # (Q',)
     out = model(ids, **kwargs)
     return out.logits[0].float()  # (Q', V)
+
+
+def _decoder_hidden(model, ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """The causal LM's decoder output (the LM head's input) for the rows ``kwargs["logits_to_keep"]``
+    keeps (an int: the last that many, 0 = all; or a [K] index tensor): [B, K, H]. The same call
+    the transformers model class makes before its head, so the cache and attention are unchanged."""
+    keep = kwargs.pop("logits_to_keep")
+    decoder = model.get_decoder()
+    cache_key = _cache_kwarg(model)
+    call = dict(kwargs)
+    call[_cache_kwarg(decoder)] = call.pop(cache_key)
+    hidden = decoder(ids, **call).last_hidden_state  # (B, Q, H)
+    if isinstance(keep, int):
+        return hidden[:, -keep:] if keep else hidden
+    return hidden[:, keep]
 
 
 @torch.inference_mode()
@@ -177,6 +199,8 @@ def model_forward_packed(
     position_ids: Sequence[torch.Tensor],
     masks: Sequence[torch.Tensor],
     logits_rows: Sequence[int | None] | None = None,
+    argmax_head=None,
+    argmax_rows: Sequence[bool] | None = None,
 ) -> list[torch.Tensor]:
     """Run ``model`` once on the new rows of B sessions, packed into one sequence (no padding).
 
@@ -190,6 +214,10 @@ def model_forward_packed(
     cross-contamination (Krell et al. 2021, "Efficient Sequence Packing without
     Cross-contamination", section 3: block-diagonal attention, per-sequence positions), with each
     sequence's own KV cache behind its block, as vLLM's varlen attention batches requests.
+
+    argmax_head, argmax_rows: with an ``ArgmaxHead`` of the model's LM head, session b with
+    argmax_rows[b] True gets its kept rows' argmax ids [k_b] int64 instead of logits (greedy
+    sessions); the model's own head runs only over the other sessions' rows.
 
     Numerics: each session's attention is its solo forward's; the GEMMs see T rows instead of n_b,
     so logits equal the solo forward's up to float32 round-off (same order as a batched forward).
@@ -227,9 +255,35 @@ def model_forward_packed(
         "packed_rows": PackedRows(tuple(segments)),
         "logits_to_keep": rows,
     }
-    logits = model(ids, **kwargs).logits[0].float()  # (K, V)
-    out, at = [], 0
+    wants_argmax = [bool(flag) for flag in argmax_rows] if argmax_head is not None and argmax_rows is not None else []
+    if not any(wants_argmax):
+        logits = model(ids, **kwargs).logits[0].float()  # (K, V)
+        out, at = [], 0
+        for span in kept:
+            out.append(logits[at : at + len(span)])
+            at += len(span)
+        return out
+    if len(wants_argmax) != len(kept):
+        raise ValueError(f"argmax_rows: {len(wants_argmax)} flags for {len(kept)} sessions")
+    hidden = _decoder_hidden(model, ids, kwargs)[0]  # (K, H)
+    spans, at = [], 0
     for span in kept:
-        out.append(logits[at : at + len(span)])
+        spans.append(slice(at, at + len(span)))
         at += len(span)
+    greedy = [i for i, flag in enumerate(wants_argmax) if flag]
+    other = [i for i, flag in enumerate(wants_argmax) if not flag]
+    out: list = [None] * len(kept)
+    ids_out = argmax_head.argmax(torch.cat([hidden[spans[i]] for i in greedy]))  # (K_greedy,)
+    at = 0
+    for i in greedy:
+        n = spans[i].stop - spans[i].start
+        out[i] = ids_out[at : at + n]
+        at += n
+    if other:
+        logits = model.get_output_embeddings()(torch.cat([hidden[spans[i]] for i in other])).float()  # (K_other, V)
+        at = 0
+        for i in other:
+            n = spans[i].stop - spans[i].start
+            out[i] = logits[at : at + n]
+            at += n
     return out

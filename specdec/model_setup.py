@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+from specdec.argmax_head import attach_argmax_head
 from specdec.checkpoint_memory import own_weights
 from specdec.config import ModelsConfig
 from specdec.cpu_linear import default_cpu_dtype, prepack_linears
@@ -134,6 +135,8 @@ def load_target(models: ModelsConfig, label: str = "--target") -> LoadedTarget:
     model_dir = resolve_model_dir(models.target, DEFAULT_TARGET, label)
     model, tokenizer = load_model(model_dir, dtype, models.device)
     check_supported(model, label)
+    if models.argmax_screen and dtype == "float32" and models.device == "cpu":
+        attach_argmax_head(model)  # before prepacking: it copies the head's plain weight
     prepack_linears(model)
     own_weights(model)  # what is left (embedding, norms) stops holding the mapped checkpoint
     return LoadedTarget(model, tokenizer, context_limit(model, models.max_context),

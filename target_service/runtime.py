@@ -21,6 +21,11 @@ session attending to its own cache (``specdec.forward.model_forward_packed``), o
 padded into a batch (``batched_tree_inputs``).
 A batch may also carry the next chunk of a session's prompt (``PrefillChunk``): chunked prefill
 mixed into the other sessions' verify forward, as ``extend`` would feed it alone.
+
+Greedy sessions need only each row's argmax: where the model has an ``ArgmaxHead``
+(``specdec.argmax_head``, attached by ``load_target`` on a float32 CPU target), their verify rows
+skip the full LM head and take the screened exact argmax; sampled sessions and prefill rows keep
+the full float32 logits.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from specdec.argmax_head import argmax_head_of
 from specdec.forward import model_forward, model_forward_batch, model_forward_packed, packed_layout
 from specdec.interfaces import SessionStateError, UnknownSessionError, VerifyResult
 from specdec.kv_cache import append_kv_row, compact_kv, new_cache, stack_kv, truncate_kv
@@ -45,7 +51,7 @@ from specdec.tree import (
     tree_visibility,
     validate_tree,
 )
-from target_service.verifier import verify_greedy, verify_sampled
+from target_service.verifier import verify_greedy_ids, verify_sampled
 
 
 @dataclass
@@ -109,6 +115,8 @@ class TargetRuntime:
         self.max_tree_nodes = max_tree_nodes
         self.sessions: dict[str, TargetSession] = {}
         self.packed = packed_layout(model, packed)
+        # greedy rows' argmax without the full LM head, where the model has one attached (load_target)
+        self.argmax_head = argmax_head_of(model)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -163,45 +171,58 @@ class TargetRuntime:
         except KeyError:
             raise UnknownSessionError(f"session_id: unknown target session {session_id!r}") from None
 
-    def tree_logits(self, session_id: str, tree: DraftTree) -> torch.Tensor:
-        """One forward over [R, nodes]: [N + 1, V] float32. The cache grows by N + 1 slots."""
+    def tree_logits(self, session_id: str, tree: DraftTree, argmax: bool = False) -> torch.Tensor:
+        """One forward over [R, nodes]: [N + 1, V] float32. The cache grows by N + 1 slots.
+        argmax: return the rows' argmax ids [N + 1] int64 instead (through ``self.argmax_head``
+        when there is one: the full LM head is then not run)."""
         s = self._session(session_id)
         validate_tree(tree.tokens, tree.parents, self.vocab_size, self.max_tree_nodes)
         if s.root_logits is not None:
-            return self._first_tree_logits(s, tree)
+            return self._first_tree_logits(s, tree, argmax)
         truncate_kv(s.cache, s.cache_len)  # drop the slots of an earlier verify that failed mid-way
         positions = tree_position_ids(tree.parents, s.cache_len)  # (N + 1,)
         mask = tree_attention_mask(tree.parents, s.cache_len, self.model.dtype)  # (1, 1, N+1, L+N+1)
-        return model_forward(self.model, s.cache, [s.root, *tree.tokens], positions, mask)
+        return self._rows(model_forward(self.model, s.cache, [s.root, *tree.tokens], positions, mask,
+                                        argmax_head=self.argmax_head if argmax else None), argmax)
 
-    def _first_tree_logits(self, s: TargetSession, tree: DraftTree) -> torch.Tensor:
+    def _first_tree_logits(self, s: TargetSession, tree: DraftTree, argmax: bool = False) -> torch.Tensor:
         """The first verify after ``start``: R's KV and logits are there; feed the nodes alone.
 
         Worked example: a 7-token prompt gives L = 6 and R at slot 6; nodes of depths [1, 1, 2] go
         to slots 7..9 at positions [7, 7, 8], each seeing slots 0..6 plus its ancestors and itself
-        (rows 1..N of ``tree_attention_mask``). Returns [N + 1, V] with row 0 = R's logits.
+        (rows 1..N of ``tree_attention_mask``). Returns [N + 1, V] with row 0 = R's logits
+        (argmax: [N + 1] ids, as ``tree_logits``).
         """
         truncate_kv(s.cache, s.cache_len + 1)  # keep R; drop the slots of an earlier verify that failed mid-way
+        root = s.root_logits.argmax(dim=-1, keepdim=True) if argmax else s.root_logits[None]  # (1,) or (1, V)
         if not tree.size:
-            return s.root_logits[None]  # (1, V): no forward
+            return root  # no forward
         positions = tree_position_ids(tree.parents, s.cache_len)[1:]  # (N,)
         mask = tree_attention_mask(tree.parents, s.cache_len, self.model.dtype)[:, :, 1:]  # (1, 1, N, L+1+N)
-        logits = model_forward(self.model, s.cache, list(tree.tokens), positions, mask)  # (N, V)
-        return torch.cat([s.root_logits[None], logits])
+        rows = model_forward(self.model, s.cache, list(tree.tokens), positions, mask,
+                             argmax_head=self.argmax_head if argmax else None)  # (N, V) or (N,)
+        return torch.cat([root, self._rows(rows, argmax)])
+
+    @staticmethod
+    def _rows(rows: torch.Tensor, argmax: bool) -> torch.Tensor:
+        """A forward's output as asked: logits [K, V] as they are, or argmax ids [K]."""
+        return rows.argmax(dim=-1) if argmax and rows.dim() == 2 else rows
 
     def verify(self, session_id: str, tree: DraftTree) -> VerifyResult:
         """Verify a tree (an empty tree is one plain decoding step); the result waits for commit."""
         s = self._session(session_id)
         if s.pending is not None:
             raise SessionStateError(f"session_id: {session_id!r} has an uncommitted verify")
-        logits = self.tree_logits(session_id, tree)  # (N + 1, V)
-        return self._accept(s, tree, logits)
+        rows = self.tree_logits(session_id, tree, argmax=s.sampling.greedy)  # (N + 1, V); greedy: (N + 1,)
+        return self._accept(s, tree, rows)
 
     @staticmethod
     def _accept(s: TargetSession, tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
-        """Walk the tree on its target logits [N + 1, V] and store the result as pending."""
+        """Walk the tree on its target logits [N + 1, V] (a greedy session: or their argmax ids
+        [N + 1] int64) and store the result as pending."""
         if s.sampling.greedy:
-            s.pending = verify_greedy(tree.tokens, tree.parents, logits)
+            argmax = logits.tolist() if logits.dim() == 1 else logits.argmax(dim=-1).tolist()
+            s.pending = verify_greedy_ids(tree.tokens, tree.parents, argmax)
         else:
             def row_probs(row: int):  # processed only for the rows the walk visits
                 return processed_probs(logits[row], s.sampling)
@@ -369,7 +390,9 @@ class TargetRuntime:
                 [tree_position_ids(tree.parents, s.cache_len) for s, tree in zip(sessions, trees)],
                 [tree_attention_mask(tree.parents, s.cache_len, self.model.dtype) for s, tree in zip(sessions, trees)],
                 [1 if isinstance(item[3], PrefillChunk) else None for item in batch],  # a chunk: its last row only
-            )  # B x (N_b + 1, V); (1, V) for a chunk
+                argmax_head=self.argmax_head,
+                argmax_rows=[s.sampling.greedy and not isinstance(item[3], PrefillChunk) for s, item in zip(sessions, batch)],
+            )  # B x (N_b + 1, V); greedy sessions: (N_b + 1,) argmax ids; (1, V) for a chunk
         except BaseException:
             for s in sessions:  # some layers of some caches may hold the new rows already
                 truncate_kv(s.cache, s.cache_len)

@@ -47,7 +47,13 @@ def verify_greedy(tokens, parents, target_logits: torch.Tensor) -> VerifyResult:
     matches on other branches do not count (SpecInfer, Miao et al. ASPLOS'24, §4.1 greedy case).
     """
     assert target_logits.shape[0] == len(tokens) + 1, "target_logits: need one row per node plus the root"
-    argmax = target_logits.argmax(dim=-1).tolist()  # (N + 1,)
+    return verify_greedy_ids(tokens, parents, target_logits.argmax(dim=-1).tolist())
+
+
+def verify_greedy_ids(tokens, parents, argmax: list[int]) -> VerifyResult:
+    """``verify_greedy`` given each row's target argmax instead of the logits: argmax [N + 1] token
+    ids (row 0 = the root's), e.g. from ``specdec.argmax_head.ArgmaxHead``."""
+    assert len(argmax) == len(tokens) + 1, "argmax: need one id per node plus the root"
     kids = children(parents)
     node, path = ROOT, []
     while True:
