@@ -39,6 +39,7 @@ def build_pipeline(
     measure_costs: bool = True,
     pipeline: bool = False,
     draft_window: DraftWindowConfig | None = FrontConfig().draft_window,
+    argmax_screen: bool = True,
 ) -> EmbeddedPipeline:
     """Load the pair (defaults: the real Qwen2.5-Coder pair), check it, wire the engine.
 
@@ -47,14 +48,15 @@ def build_pipeline(
     policy; None = the fixed TreeSpec every round); measure_costs: the cost-aware control starts
     from V(n) and D(p) measured on these models (a few seconds), else from prior figures;
     pipeline: RoundController's pipelining (in-process: correct, but the calls take turns);
-    draft_window: the context a draft session opens with (the service default; None = all tokens).
+    draft_window: the context a draft session opens with (the service default; None = all tokens);
+    argmax_screen: greedy rows through the int8-screened argmax head (models.argmax_screen).
     Raises ModelError for unknown paths, bad values or an incompatible pair.
     """
     if max_context is not None and max_context < 2:
         raise ModelError(f"--max-context: must be >= 2, got {max_context}")
     try:
         models = ModelsConfig(target=target, draft=draft, dtype=dtype, device=device, max_context=max_context,
-                              draft_quant=draft_quant)
+                              draft_quant=draft_quant, argmax_screen=argmax_screen)
     except ValidationError as exc:
         err = exc.errors()[0]
         raise ModelError(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}") from None

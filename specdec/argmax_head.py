@@ -19,8 +19,9 @@ per-channel scale, E_i = W_i - s_i Q_i, all exact):
     sx = max|x| / 63, sd = max|x - sx k| / 63, r the exact remainder);
     A_i = sx (k . s_i Q_i) + sd (k2 . s_i Q_i), both products from one int8 GEMM over 2M rows;
     |x . W_i - A_i| <= ||x|| ||E_i|| + ||r|| ||s_i Q_i|| (Cauchy-Schwarz)
-    plus 1e-4 ||x|| ||W_i|| + 1e-3 for float32 rounding of A and of the reference float32 GEMM
-    (a float32 dot product of H = 1536 terms errs by at most ~H * 2^-24 = 9e-5 of ||x|| ||W_i||).
+    plus c ||x|| ||W_i|| + 1e-3 for float32 rounding of A and of the reference float32 GEMM
+    (a float32 dot product of H terms errs by at most ~H * 2^-24 of ||x|| ||W_i||: c =
+    max(1e-4, 1.1 (H + 8) 2^-24), ``rounding_slack``; 1e-4 for the default target's H = 1536).
 The second level is what makes the bound small: with one 7-bit level, ||r|| ||Q_i|| is ~8 logits
 (hidden-state outliers near 140 set sx) and the screen keeps ~40000 tokens a row.
 
@@ -49,11 +50,18 @@ log = logging.getLogger(__name__)
 
 LEVEL = 63  # 7-bit symmetric integer inputs: k in [-63, 63]
 PIN = (-64.0, 63.0)  # extra input columns: fbgemm's dynamic qparams become scale 1, zero point 64
-ROUNDING = 1e-4  # relative slack for float32 rounding (of A and of the reference GEMM)
+ROUNDING = 1e-4  # least relative slack for float32 rounding (of A and of the reference GEMM); grows with H
 FLOOR = 1e-3  # absolute slack (logits)
 MAX_CANDIDATES = 4096  # more survivors than this in a row: that row takes the full float32 head
 CHUNK_ROWS = 8192  # weight rows per step while building
+SCREEN_ROWS = 32  # hidden rows per screen call: bounds the [rows, V] temporaries (~16 bytes per row and token)
 SLOPE_SLACK = 1.001  # rounds the bound's float32 norms up
+
+
+def rounding_slack(hidden_size: int) -> float:
+    """Relative slack for the float32 rounding of an H-term dot product, of ||x|| ||W_i||: the
+    worst case is about H * 2^-24 (Higham 2002, section 3.1), plus room for the rounding of A."""
+    return max(ROUNDING, 1.1 * (hidden_size + 8) * 2.0**-24)
 
 
 def fbgemm_available() -> bool:
@@ -66,9 +74,10 @@ class ArgmaxHead:
     """Exact row-wise argmax of ``hidden @ weight.T`` (module docstring).
 
     weight: [V, H] float32 (copied; the caller may free or pack its own). ``argmax(hidden)``:
-    hidden [M, H] float32 -> [M] int64, the index of each row's largest float32 logit (the first on
-    an exact tie, as ``torch.argmax``). Memory: the float32 copy plus an int8 copy (1.25 bytes per
-    weight more than the head alone). Use ``build``, which checks the kernel first.
+    hidden [M, H] float32 -> [M] int64, the index of each row's largest logit (the first on an exact
+    tie, as ``torch.argmax``; module docstring for near-ties). Memory: a float32 copy plus an int8
+    copy of the weight (5 bytes per weight; 1.16 GB for the default target's head). Use ``build``,
+    which checks the kernel first.
     """
 
     def __init__(self, weight: torch.Tensor):
@@ -78,6 +87,7 @@ class ArgmaxHead:
             self.weight = weight.detach().clone().contiguous()  # (V, H)
             v, h = self.weight.shape
             self.vocab_size, self.hidden_size = v, h
+            rounding = rounding_slack(h)
             scale = (self.weight.abs().amax(dim=1) / 127).clamp_min(1e-12)  # (V,) float32
             q = torch.empty(v, h + len(PIN), dtype=torch.int8)  # pin columns weigh 0
             q[:, h:] = 0
@@ -88,9 +98,9 @@ class ArgmaxHead:
                 qi = torch.round(w / s).clamp_(-127, 127)  # integers
                 q[lo : lo + CHUNK_ROWS, :h] = qi.to(torch.int8)
                 approx = qi.mul_(s)  # s_i Q_i (float32: each element within 2^-24 of its own size)
-                # the bound's slopes in ||x|| and ||r||: ||E_i|| + ROUNDING ||W_i|| and ||s_i Q_i||; the
+                # the bound's slopes in ||x|| and ||r||: ||E_i|| + rounding ||W_i|| and ||s_i Q_i||; the
                 # float32 rounding here is below 1e-4 of each norm, SLOPE_SLACK covers it
-                x_slope[lo : lo + CHUNK_ROWS] = ((w - approx).norm(dim=1) + ROUNDING * w.norm(dim=1)) * SLOPE_SLACK
+                x_slope[lo : lo + CHUNK_ROWS] = ((w - approx).norm(dim=1) + rounding * w.norm(dim=1)) * SLOPE_SLACK
                 r_slope[lo : lo + CHUNK_ROWS] = approx.norm(dim=1) * SLOPE_SLACK
             self._x_slope, self._r_slope = x_slope, r_slope
             gen = torch.Generator().manual_seed(0)
@@ -109,7 +119,9 @@ class ArgmaxHead:
         if not fbgemm_available():
             return None
         head = cls(weight)
-        if not head._kernel_is_exact():
+        exact = head._kernel_is_exact()
+        del head._probe
+        if not exact:
             log.warning("int8 argmax screen: fbgemm's dynamic linear does not match its float64 reference here; "
                         "greedy rows use the full float32 head")
             return None
@@ -123,19 +135,19 @@ class ArgmaxHead:
     def _kernel_is_exact(self) -> bool:
         gen = torch.Generator().manual_seed(0)
         tokens, q, scale = self._probe  # (T,), (T, H) float64, (T,) float64
-        for m in (1, 2, 5, 33):  # the kernel may take other paths for other row counts
+        for m in (1, 2, 5, 33, 2 * SCREEN_ROWS):  # the kernel may take other paths for other row counts
             rows = torch.randint(-LEVEL, LEVEL + 1, (m, self.hidden_size), generator=gen).float()
             rows[0] = LEVEL if m % 2 else -LEVEL  # the extremes, where 16-bit pair sums would saturate first
             got = self._screen(rows)[:, tokens].double()
-            want = (rows.double() @ q.t()) * scale[None]
-            if not bool(((got - want).abs() <= 1e-5 * want.abs() + 1e-6).all()):
+            want = (rows.double() @ q.t()) * scale[None]  # exact: integer sums times the scale
+            if not bool(((got - want).abs() <= 2.0**-22 * want.abs() + 1e-30).all()):  # one float32 rounding
                 return False
         return True
 
     @torch.inference_mode()
-    def survivors(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [M, H] float32 -> [M, V] bool: the tokens whose float32 logit could still be the
-        row's largest (A + B >= max(A - B), module docstring); the argmax is always among them."""
+    def scores(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [M, H] float32 -> (A, B), both [M, V] float32: the int8 estimate of each logit and
+        a bound on |float32 logit - A| (module docstring). Needs finite rows."""
         x = hidden.detach().reshape(-1, self.hidden_size).float()  # (M, H)
         m = x.shape[0]
         x64 = x.double()
@@ -150,25 +162,40 @@ class ArgmaxHead:
         approx = y[:m].mul_(sx).add_(y[m:].mul_(sd))  # (M, V) A
         bound = torch.addcmul(torch.addcmul(torch.full_like(approx, FLOOR), x_norm * SLOPE_SLACK, self._x_slope[None]),
                               r_norm * SLOPE_SLACK, self._r_slope[None])  # (M, V) B
+        return approx, bound
+
+    @torch.inference_mode()
+    def survivors(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [M, H] float32 -> [M, V] bool: the tokens whose float32 logit could still be the
+        row's largest (A + B >= max(A - B), module docstring); the argmax is always among them.
+        Needs finite rows (a non-finite row keeps nothing)."""
+        approx, bound = self.scores(hidden)
         floor = (approx - bound).amax(dim=1, keepdim=True)  # (M, 1): some token's logit is at least this
         return approx.add_(bound).ge_(floor).bool()  # (M, V)
 
     @torch.inference_mode()
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [M, H] float32 -> [M] int64: each row's argmax of hidden @ weight.T (float32).
-        Rows whose screen keeps more than MAX_CANDIDATES tokens take the full float32 product."""
+        """hidden [M, H] float32 -> [M] int64: each row's argmax of hidden @ weight.T. Rows go to the
+        screen SCREEN_ROWS at a time; a row whose screen keeps more than MAX_CANDIDATES tokens, or
+        with NaN / inf, takes the full float32 product."""
         x = hidden.detach().reshape(-1, self.hidden_size).float()  # (M, H)
-        keep = self.survivors(x)  # (M, V)
         out = torch.empty(x.shape[0], dtype=torch.long)
-        for row in range(x.shape[0]):
-            cands = keep[row].nonzero().flatten()  # ascending: ties resolve to the first, as argmax
-            if len(cands) > MAX_CANDIDATES:
-                out[row] = (x[row : row + 1] @ self.weight.t()).argmax()
-                continue
-            # float64 per-token sums: the same summation for every candidate (identical weight rows
-            # give identical logits, so a tie goes to the first token, as torch.argmax does)
-            out[row] = cands[(self.weight[cands].double() * x[row].double()).sum(dim=1).argmax()]
+        finite = torch.isfinite(x).all(dim=1).tolist()
+        for lo in range(0, x.shape[0], SCREEN_ROWS):
+            keep = self.survivors(x[lo : lo + SCREEN_ROWS].nan_to_num(0.0, 0.0, 0.0))  # (<= SCREEN_ROWS, V)
+            for i in range(keep.shape[0]):
+                out[lo + i] = self._decide(x[lo + i], keep[i] if finite[lo + i] else None)
         return out
+
+    def _decide(self, x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        """One row's argmax from its survivors keep [V] bool (None: the full product)."""
+        if keep is not None:
+            cands = keep.nonzero().flatten()  # ascending: ties resolve to the first, as argmax
+            if 0 < len(cands) <= MAX_CANDIDATES:
+                # float64 per-token sums: the same summation for every candidate (identical weight rows
+                # give identical logits, so a tie goes to the first token, as torch.argmax does)
+                return cands[(self.weight[cands].double() * x.double()).sum(dim=1).argmax()]
+        return (x[None] @ self.weight.t()).argmax()  # too many survivors, or a non-finite row
 
 
 _ATTR = "specdec_argmax_head"

@@ -36,9 +36,10 @@ class ModelsConfig(_Section):
     device: str = "cpu"
     max_context: int | None = Field(default=None, ge=2)
     threads: int | None = Field(default=None, ge=1)
-    # float32 CPU target: greedy rows take their argmax from an int8 screen plus a float32 re-check
-    # of the tokens that could still win (specdec.argmax_head; exact; ~+1.25 GB for the default
-    # target's head copies). False = always the full float32 LM head.
+    # float32 CPU target: greedy rows take their argmax from an int8 screen plus a float64 re-check
+    # of the tokens that could still win (specdec.argmax_head: the float32 argmax but at near-ties
+    # within float32 rounding; ~+1.2 GB for the default target's head copies). False = always the
+    # full float32 LM head.
     argmax_screen: bool = True
 
 

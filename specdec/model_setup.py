@@ -15,6 +15,7 @@ unknown paths, unsupported models or an incompatible pair.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -29,6 +30,8 @@ from specdec.cpu_linear import default_cpu_dtype, prepack_linears
 from specdec.models import (
     DEFAULT_DRAFT, DEFAULT_TARGET, DTYPES, ModelError, check_pair, check_supported, load_model, resolve_model_dir,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -136,7 +139,9 @@ def load_target(models: ModelsConfig, label: str = "--target") -> LoadedTarget:
     model, tokenizer = load_model(model_dir, dtype, models.device)
     check_supported(model, label)
     if models.argmax_screen and dtype == "float32" and models.device == "cpu":
-        attach_argmax_head(model)  # before prepacking: it copies the head's plain weight
+        if not attach_argmax_head(model):  # before prepacking: it copies the head's plain weight
+            log.info("%s: no greedy argmax screen (the LM head is not a plain float32 linear, or no fbgemm kernels); "
+                     "greedy rows use the full head", label)
     prepack_linears(model)
     own_weights(model)  # what is left (embedding, norms) stops holding the mapped checkpoint
     return LoadedTarget(model, tokenizer, context_limit(model, models.max_context),

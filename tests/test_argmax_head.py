@@ -25,7 +25,8 @@ from orchestrator.engine import SpeculativeEngine
 from specdec.argmax_head import ArgmaxHead, argmax_head_of, attach_argmax_head, fbgemm_available
 from specdec.sampling import GREEDY, SamplingParams
 from specdec.tree_spec import SEED_SPEC, TreeSpec
-from target_service.runtime import TargetRuntime
+from specdec.tree import DraftTree
+from target_service.runtime import CHUNK_FED, PrefillChunk, TargetRuntime
 from tests.conftest import OracleDraft, hf_greedy, perturbed_copy, random_prompt, tiny_model
 
 pytestmark = pytest.mark.skipif(not fbgemm_available(), reason="torch has no fbgemm/x86 quantized kernels here")
@@ -63,30 +64,6 @@ def test_screened_argmax_equals_float32_argmax(head_and_weight, rows):
     assert torch.equal(head.argmax(x), (x @ w.t()).argmax(dim=-1))
 
 
-def test_near_ties_resolve_as_float32(head_and_weight):
-    """Tokens whose logits differ by 1e-5 of their size (far inside the int8 error, ~100 float32
-    ulps): the exact re-check decides. Each winner gets its own rival (no exact ties)."""
-    _, w = head_and_weight
-    w = w.clone()
-    x = _hidden(24, seed=7)
-    top = (x @ w.t()).argmax(dim=-1).tolist()
-    gen = torch.Generator().manual_seed(3)
-    used, rivals = set(top), {}
-    for row in range(24):
-        if top[row] in rivals.values() or len(rivals) == 8:
-            continue
-        rival = next(int(t) for t in torch.randperm(V, generator=gen) if int(t) not in used)
-        used.add(rival)
-        rivals[rival] = top[row]
-        sign = 1 if len(rivals) % 2 else -1  # beats or trails the winner by a hair
-        w[rival] = w[top[row]] * (1 + sign * 1e-5)
-    head = ArgmaxHead.build(w)
-    want = (x @ w.t()).argmax(dim=-1)
-    assert torch.equal(head.argmax(x), want)
-    moved = sum(int(want[r]) != top[r] for r in range(24))
-    assert moved > 0 and len(rivals) >= 4, "no rival won: the near-ties were not exercised"
-
-
 def _rivals(w: torch.Tensor, x: torch.Tensor, gap: float, seed: int) -> torch.Tensor:
     """A copy of w where each row's winner gets a rival token whose weight row differs from the
     winner's by a random perturbation (other int8 rounding) but whose logit on that row is the
@@ -110,6 +87,43 @@ def _rivals(w: torch.Tensor, x: torch.Tensor, gap: float, seed: int) -> torch.Te
     return w
 
 
+def test_near_ties_resolve_as_float32(head_and_weight):
+    """Each winner gets a rival with another int8 rounding whose logit is 1e-3 above or below its own
+    (far inside the int8 error, ~500 float32 ulps): the re-check decides, as the float32 GEMM does."""
+    _, w = head_and_weight
+    x = _hidden(24, seed=7)
+    top = (x @ w.t()).argmax(dim=-1)
+    w = _rivals(w, x, gap=1e-3, seed=3)
+    head = ArgmaxHead.build(w)
+    want = (x @ w.t()).argmax(dim=-1)
+    assert torch.equal(head.argmax(x), want)
+    assert (want != top).any() and (want == top).any(), "the rivals never (or always) won: near-ties not exercised"
+
+
+def test_bound_holds_and_the_weight_term_is_needed(monkeypatch):
+    """|logit - A| <= B for every token of rows with outliers and rivals, against the float64 logits
+    and the float32 GEMM's, including tokens whose int8 rounding errors all point along a row's x
+    (the worst case of the ||x|| ||E_i|| term); without that term the bound fails for them."""
+    x = _hidden(32, seed=13)
+    w = _rivals(_weight(2), x, gap=0.02, seed=9)
+    gen = torch.Generator().manual_seed(4)
+    for token, row in ((11, 0), (12, 5), (13, 9)):  # weights 0.49 of a step off the int8 grid, toward x
+        s = 0.001
+        grid = torch.randint(-100, 101, (H,), generator=gen).double()
+        w_row = (grid + 0.49 * torch.sign(x[row].double())) * s
+        w_row[0] = 127 * s  # the row's max: its int8 scale is s
+        w[token] = w_row.float()
+    head = ArgmaxHead.build(w)
+    exact = x.double() @ w.double().t()  # (32, V)
+    approx, bound = head.scores(x)
+    assert ((exact - approx.double()).abs() <= bound.double()).all()
+    assert ((x @ w.t() - approx).abs() <= bound).all()
+    monkeypatch.setattr(head, "_x_slope", torch.zeros(V))
+    approx, bound = head.scores(x)
+    missed = (exact - approx.double()).abs() > bound.double()
+    assert missed[0, 11] and missed[5, 12] and missed[9, 13]
+
+
 def test_screen_prunes_and_its_bound_matters(monkeypatch):
     x = _hidden(48, seed=11)
     w = _rivals(_weight(), x, gap=0.02, seed=5)
@@ -124,6 +138,19 @@ def test_screen_prunes_and_its_bound_matters(monkeypatch):
     monkeypatch.setattr(argmax_head_module, "FLOOR", 0.0)
     wrong = int((head.argmax(x) != want).sum())
     assert wrong > 0, "this data cannot tell a bounded screen from a bare one"
+
+
+def test_rows_with_too_many_survivors_take_the_full_product(head_and_weight, monkeypatch):
+    head, w = head_and_weight
+    x = _hidden(9, seed=17)
+    x[4] *= 1e-4  # a flat row: many tokens survive
+    decided = []
+    full = ArgmaxHead._decide
+    monkeypatch.setattr(argmax_head_module, "MAX_CANDIDATES", 2)
+    monkeypatch.setattr(ArgmaxHead, "_decide", lambda self, row, keep: decided.append(
+        keep is not None and 0 < int(keep.sum()) <= 2) or full(self, row, keep))
+    assert torch.equal(head.argmax(x), (x @ w.t()).argmax(dim=-1))
+    assert not all(decided), "no row took the full product"
 
 
 def test_kernel_check_refuses_an_inexact_kernel(monkeypatch):
@@ -144,6 +171,16 @@ def test_attach_only_where_logits_are_the_plain_head():
     assert argmax_head_of(biased) is None
     bf16 = copy.deepcopy(tiny_model("qwen2", seed=0)).to(torch.bfloat16)
     assert not attach_argmax_head(bf16)
+    scaled = copy.deepcopy(tiny_model("qwen2", seed=0))  # a model class that scales its logits
+    plain_forward = scaled.forward
+
+    def scaled_forward(*args, **kwargs):
+        out = plain_forward(*args, **kwargs)
+        out.logits = out.logits * 0.5
+        return out
+
+    scaled.forward = scaled_forward
+    assert not attach_argmax_head(scaled)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -208,6 +245,27 @@ def test_packed_batch_mixing_greedy_and_sampled_sessions_equals_full_head():
         prompt = random_prompt(seed=5200 + length, length=length)
         for worker in (full, screened, draft):
             worker.start(sid, prompt, sampling)
+    # a greedy session still prefilling: its chunk rides in the first batch; its first verify is empty
+    long = random_prompt(seed=5300, length=30)
+    for worker in (full, screened):
+        worker.start("p", long[:10])
+    draft.start("p", long)
+    chunk = PrefillChunk(tuple(long[10:]))
+    first = [(sid, DraftTree((), ())) for sid in sids] + [("p", chunk)]
+    got, want = screened.verify_batch(first), full.verify_batch(first)
+    assert got[:-1] == want[:-1] and got[-1] is CHUNK_FED and want[-1] is CHUNK_FED
+    for sid, result in zip(sids, got):
+        for worker in (full, screened):
+            worker.commit(sid, len(result.tokens))
+        draft.commit(sid, list(result.tokens), [])
+    got, want = screened.verify_batch([("p", DraftTree((), ())), (sids[1], DraftTree((), ()))]), \
+        full.verify_batch([("p", DraftTree((), ())), (sids[1], DraftTree((), ()))])
+    assert got == want
+    assert got[0].tokens == tuple(hf_greedy(model, long, 1))
+    for sid, result in zip(["p", sids[1]], got):
+        for worker in (full, screened):
+            worker.commit(sid, len(result.tokens))
+        draft.commit(sid, list(result.tokens), [])
     accepted_depths = set()
     for _ in range(10):
         trees = [draft.propose(sid, spec, spec.gamma) for sid, (_, spec, _) in zip(sids, configs)]
@@ -224,3 +282,16 @@ def test_packed_batch_mixing_greedy_and_sampled_sessions_equals_full_head():
             assert screened.sessions[sid].rng.bit_generator.state == full.sessions[sid].rng.bit_generator.state
     assert counter.rows > 0
     assert len(accepted_depths) >= 2, f"acceptance never varied: {accepted_depths}"
+
+
+def test_degenerate_rows_take_the_full_product(head_and_weight):
+    """A zero row (every logit 0: the first token, as torch.argmax) and a non-finite row (the
+    screen keeps nothing) fall back to the full product instead of failing."""
+    head, w = head_and_weight
+    x = _hidden(3, seed=2)
+    x[1] = 0.0
+    x[2, 5] = float("nan")
+    got = head.argmax(x)
+    assert int(got[0]) == int((x[0] @ w.t()).argmax())
+    assert int(got[1]) == 0
+    assert int(got[2]) == int((x[2:3] @ w.t()).argmax())
