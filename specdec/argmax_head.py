@@ -55,6 +55,10 @@ FLOOR = 1e-3  # absolute slack (logits)
 MAX_CANDIDATES = 4096  # more survivors than this in a row: that row takes the full float32 head
 CHUNK_ROWS = 8192  # weight rows per step while building
 SCREEN_ROWS = 32  # hidden rows per screen call: bounds the [rows, V] temporaries (~16 bytes per row and token)
+# Rows past which the full float32 head is faster (the screen's int8 GEMM runs 2 rows per hidden row):
+# default target head on the 2-core CPU, screen vs packed head: 16 rows 107-131 vs 161-167 ms, 24 rows
+# 176-181 vs 176-210 ms (the callers in specdec.forward switch to the full head above it).
+MAX_ROWS = 20
 SLOPE_SLACK = 1.001  # rounds the bound's float32 norms up
 
 
@@ -87,6 +91,7 @@ class ArgmaxHead:
             self.weight = weight.detach().clone().contiguous()  # (V, H)
             v, h = self.weight.shape
             self.vocab_size, self.hidden_size = v, h
+            self.max_rows = MAX_ROWS  # forwards with more greedy rows use the full head (specdec.forward)
             rounding = rounding_slack(h)
             scale = (self.weight.abs().amax(dim=1) / 127).clamp_min(1e-12)  # (V,) float32
             q = torch.empty(v, h + len(PIN), dtype=torch.int8)  # pin columns weigh 0

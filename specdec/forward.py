@@ -39,7 +39,8 @@ def model_forward(
     rows (None = all). Returns [logits_rows or Q, V] float32. The cache grows by Q slots.
     argmax_head: a ``specdec.argmax_head.ArgmaxHead`` of the model's LM head: then the kept rows'
     argmax ids [logits_rows or Q] int64 are returned instead of their logits (greedy rows; the
-    model's own head is not run).
+    model's own head is not run), for up to ``argmax_head.max_rows`` kept rows (more: logits, the
+    full head being the faster there).
     """
     device = model.device
     ids = torch.tensor([input_ids], dtype=torch.long, device=device)  # (1, Q)
@@ -51,7 +52,7 @@ def model_forward(
     }
     if mask is not None:
         kwargs["attention_mask"] = mask.to(device=device, dtype=model.dtype)
-    if argmax_head is not None:
+    if argmax_head is not None and min(logits_rows or len(input_ids), len(input_ids)) <= argmax_head.max_rows:
         hidden = _decoder_hidden(model, ids, kwargs)[0]  # (Q', H)
         return argmax_head.argmax(hidden)  # (Q',)
     out = model(ids, **kwargs)
@@ -217,7 +218,8 @@ def model_forward_packed(
 
     argmax_head, argmax_rows: with an ``ArgmaxHead`` of the model's LM head, session b with
     argmax_rows[b] True gets its kept rows' argmax ids [k_b] int64 instead of logits (greedy
-    sessions); the model's own head runs only over the other sessions' rows.
+    sessions, while their rows number at most ``argmax_head.max_rows``); the model's own head runs
+    only over the other sessions' rows.
 
     Numerics: each session's attention is its solo forward's; the GEMMs see T rows instead of n_b,
     so logits equal the solo forward's up to float32 round-off (same order as a batched forward).
@@ -256,6 +258,10 @@ def model_forward_packed(
         "logits_to_keep": rows,
     }
     wants_argmax = [bool(flag) for flag in argmax_rows] if argmax_head is not None and argmax_rows is not None else []
+    if wants_argmax and len(wants_argmax) != len(kept):
+        raise ValueError(f"argmax_rows: {len(wants_argmax)} flags for {len(kept)} sessions")
+    if sum(len(span) for span, flag in zip(kept, wants_argmax) if flag) > getattr(argmax_head, "max_rows", 0):
+        wants_argmax = []  # more greedy rows than the screen pays for: the full head for all
     if not any(wants_argmax):
         logits = model(ids, **kwargs).logits[0].float()  # (K, V)
         out, at = [], 0
@@ -263,8 +269,6 @@ def model_forward_packed(
             out.append(logits[at : at + len(span)])
             at += len(span)
         return out
-    if len(wants_argmax) != len(kept):
-        raise ValueError(f"argmax_rows: {len(wants_argmax)} flags for {len(kept)} sessions")
     hidden = _decoder_hidden(model, ids, kwargs)[0]  # (K, H)
     spans, at = [], 0
     for span in kept:

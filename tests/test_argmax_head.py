@@ -199,6 +199,7 @@ class CountingHead:
 
     def __init__(self, head):
         self.head, self.rows = head, 0
+        self.max_rows, self.hidden_size = head.max_rows, head.hidden_size
 
     def argmax(self, hidden):
         self.rows += hidden.reshape(-1, self.head.hidden_size).shape[0]
@@ -295,3 +296,27 @@ def test_degenerate_rows_take_the_full_product(head_and_weight):
     assert int(got[0]) == int((x[0] @ w.t()).argmax())
     assert int(got[1]) == 0
     assert int(got[2]) == int((x[2:3] @ w.t()).argmax())
+
+
+def test_forwards_past_max_rows_use_the_full_head():
+    """A verify with more rows than ``max_rows`` skips the screen (the full head is faster there) and
+    gives the same result; one within it goes through the screen."""
+    model = tiny_model("qwen2", seed=0)
+    full, screened = TargetRuntime(model), TargetRuntime(_screened(model))
+    counter = screened.argmax_head = CountingHead(screened.argmax_head)
+    counter.max_rows = 2
+    prompt = random_prompt(seed=5400, length=9)
+    for worker in (full, screened):
+        worker.start("s", prompt)
+        worker.verify("s", DraftTree((), ()))
+    tokens = tuple(hf_greedy(model, prompt, 4))
+    for worker in (full, screened):
+        worker.commit("s", 1)
+    wide = DraftTree(tokens[1:4], (-1, 0, 1))  # 4 rows with the root: past max_rows
+    assert screened.verify("s", wide) == full.verify("s", wide)
+    assert counter.rows == 0
+    for worker in (full, screened):
+        worker.commit("s", 1)
+    narrow = DraftTree((tokens[2],), (-1,))  # 2 rows
+    assert screened.verify("s", narrow) == full.verify("s", narrow)
+    assert counter.rows == 2
