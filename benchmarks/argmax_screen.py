@@ -18,7 +18,6 @@ Outputs are compared with target-only (``same``): they must be equal (float32).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
@@ -35,7 +34,6 @@ from orchestrator.bench import _hf_generate, _spec_row, load_questions  # noqa: 
 from orchestrator.controller import GenerationRequest  # noqa: E402
 from orchestrator.embedded import build_pipeline, encode_prompt  # noqa: E402
 from specdec.tree_spec import DEFAULT_SPEC  # noqa: E402
-from target_service.runtime import TargetRuntime  # noqa: E402
 
 METHODS = ["target", "hf_assisted", "spec_screen", "spec_full"]
 
@@ -60,9 +58,11 @@ def totals(rows: list[dict]) -> dict:
 
 
 def head_timings(model, head, hidden: torch.Tensor, reps: int = 7) -> list[dict]:
-    """Median ms of the model's own head + argmax and of the screen, for 1 / 4 / 8 / 16 rows."""
+    """Median ms of the model's own head + argmax and of the screen, for 1 / 4 / 8 / 16 rows (as many as hidden has)."""
     out = []
     for m in (1, 4, 8, 16):
+        if m > hidden.shape[0]:  # a short last prompt
+            break
         x = hidden[:m]
         row = {"rows": m}
         for name, fn in (("full_head_ms", lambda: model.get_output_embeddings()(x).argmax(-1)),
@@ -116,10 +116,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--per-category", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--out", type=Path, default=Path("bench_out/argmax_screen"))
+    ap.add_argument("--target", default=None, help="target model (default: the real pair's)")
+    ap.add_argument("--draft", default=None, help="draft model (default: the real pair's)")
     args = ap.parse_args(argv)
     questions = load_questions(args.questions, args.per_category, args.offset, args.category)
-    pipe = build_pipeline(None, None, dtype="float32")
-    runtime = next(o for o in gc.get_objects() if isinstance(o, TargetRuntime))
+    pipe = build_pipeline(args.target, args.draft, dtype="float32")
+    runtime = pipe.engine.target  # the in-process TargetRuntime
     head = runtime.argmax_head
     if head is None:
         raise SystemExit("the target has no argmax screen here (not float32 CPU, or no fbgemm kernels)")
@@ -153,12 +155,16 @@ def main(argv: list[str] | None = None) -> dict:
             row[m] = {**figures, "same": list(tokens) == list(base)}
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items()}, default=str)[:400], flush=True)
+    if last_ids is None:
+        raise SystemExit(f"--max-new-tokens {args.max_new_tokens}: no selected question fits in the context "
+                         f"({pipe.engine.context_limit} tokens)")
     with torch.inference_mode():
         ids = torch.tensor([last_ids[:64]])
         hidden = pipe.target_model.get_decoder()(ids, use_cache=False).last_hidden_state[0, -16:]
     heads = head_timings(pipe.target_model, head, hidden)
     summary = totals(rows)
     meta = {"questions": "built-in" if args.questions is None else str(args.questions), "offset": args.offset,
+            "target": args.target, "draft": args.draft,
             "per_category": args.per_category, "categories": args.category, "max_new_tokens": args.max_new_tokens,
             "machine": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__}
     args.out.mkdir(parents=True, exist_ok=True)

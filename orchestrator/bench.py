@@ -290,7 +290,8 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
               draft_quant: str, out_dir: Path, hf_assisted: bool = True, threads: int | None = None,
               sampling: SamplingParams = GREEDY, control: str = "cost-aware", *, offset: int = 0,
               prompt_lookup: bool = True, target: str | None = None, draft: str | None = None,
-              draft_window: DraftWindowConfig | None = FrontConfig().draft_window, categories: Sequence[str] = ()) -> dict:
+              draft_window: DraftWindowConfig | None = FrontConfig().draft_window, categories: Sequence[str] = (),
+              argmax_screen: bool = True) -> dict:
     """Run the benchmark and write results.json + results.md under out_dir; returns the summary.
 
     questions_path: a Spec-Bench question.jsonl (None = the built-in prompt set); offset skips the
@@ -299,11 +300,14 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
     control: the speculative passes' per-request control (specdec.config.CONTROLS: cost-aware,
     the default, shapes each tree from measured costs; dynamic-gamma; fixed = the TreeSpec every round). target / draft: model paths (None = the default pair).
     draft_window: the context a draft session opens with (None = all tokens); categories: only these.
+    argmax_screen: the speculative passes' greedy rows through the int8-screened argmax head where
+    the target takes one (float32 CPU; meta.argmax_screen says whether it was attached).
     Questions whose prompt plus max_new_tokens exceed the target's context are skipped (meta.skipped).
     """
     questions = load_questions(questions_path, per_category, offset, categories)  # bad files fail before the models load
     set_threads(threads)
-    pipe = build_pipeline(target, draft, dtype=dtype, draft_quant=draft_quant, control=control, draft_window=draft_window)
+    pipe = build_pipeline(target, draft, dtype=dtype, draft_quant=draft_quant, control=control, draft_window=draft_window,
+                          argmax_screen=argmax_screen)
     warm = encode_prompt(pipe.tokenizer, "Say hi.", raw=False)
     run_question(pipe, warm, spec, 8, hf_assisted, sampling, prompt_lookup)  # warm-up, not recorded
     rows, skipped = [], []
@@ -330,6 +334,7 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
             "prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS, "target": target, "draft": draft,
             "spec": json.loads(spec.to_json()), "control": control, "categories": list(categories),
             "draft_window": draft_window.model_dump() if draft_window is not None else None,
+            "argmax_screen": pipe.engine.target.argmax_head is not None, "argmax_screen_requested": argmax_screen,
             "cost_model": pipe.shared.cost.snapshot() if pipe.shared else None, "dtype": str(pipe.target_model.dtype),
             "draft_quant": draft_quant, "max_new_tokens": max_new_tokens, "sampling": asdict(sampling),
             "threads": torch.get_num_threads(), "machine": platform.platform(), "cpu_count": os.cpu_count(),
@@ -345,8 +350,10 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
 def _report(meta: dict, spec: TreeSpec, dtype: str, sampling: SamplingParams, max_new_tokens: int, table: str) -> str:
     passes = "greedy" if sampling.greedy else f"greedy + sampled: {sampling.describe()} (+ question index)"
     source = "built-in prompt set" if meta["questions"] == "built-in" else meta["questions"]
+    screen = "on" if meta["argmax_screen"] else (
+        "off (requested; it needs a float32 CPU target and fbgemm kernels)" if meta["argmax_screen_requested"] else "off")
     return (f"# specdec bench ({source}, offset {meta['offset']}, {dtype}, {passes}, {max_new_tokens} new tokens)\n\n"
-            f"TreeSpec: `{spec.to_json()}`\n\n"
+            f"TreeSpec: `{spec.to_json()}`; greedy argmax screen: {screen}\n\n"
             "Speedups are against target-only in the same run: end to end (new tokens / total time) and "
             "decode only ((new tokens - 1) / (total time - TTFT)). Efficiency = speedup / mean accepted "
             f"length. HF prompt lookup: `prompt_lookup_num_tokens={PROMPT_LOOKUP_NUM_TOKENS}`. "

@@ -187,6 +187,8 @@ def generate(
     if server is not None:
         if draft_window is not None:
             fail("--draft-window: an in-process option; a front's draft window is its front.draft_window")
+        if not argmax_screen:
+            fail("--no-argmax-screen: an in-process option; a front's target decides (models.argmax_screen)")
         return _generate_remote(server, prompt, prompt_file, tree, max_new_tokens, temperature, top_p, top_k, seed,
                                 stop, no_spec, raw, tls_ca, auth_token_file)
     try:
@@ -230,6 +232,7 @@ def bench(
     control: str = typer.Option("cost-aware", help=_CONTROL_HELP),
     draft_window: Optional[int] = typer.Option(None, help=_DRAFT_WINDOW_HELP),
     category: list[str] = typer.Option([], help="Only this category (repeatable; default: every category)."),
+    argmax_screen: bool = typer.Option(True, help="Greedy rows of a float32 CPU target take their argmax from an int8 screen of the LM head (speculative passes only; the HF methods run the model's own head)."),
 ) -> None:
     """Benchmark on one pair, side by side: target-only, speculative, HF assisted generation and HF
     prompt-lookup decoding (greedy: TTFT, decode and end-to-end tokens/s, speedups), plus a sampled
@@ -245,7 +248,8 @@ def bench(
         spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
         run_bench(spec, questions, per_category, max_new_tokens, dtype, draft_quant, out, hf_assisted, threads, sampling,
                   control, offset=offset, prompt_lookup=prompt_lookup, target=target, draft=draft,
-                  draft_window=draft_window_option(draft_window), categories=tuple(category))
+                  draft_window=draft_window_option(draft_window), categories=tuple(category),
+                  argmax_screen=argmax_screen)
     except (UsageError, TreeSpecError, ModelError, ValueError) as exc:
         fail(str(exc))
 

@@ -11,9 +11,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from orchestrator.bench import BUILTIN_QUESTIONS, QuestionsError, load_questions, markdown_table, parse_questions, summarize
-from specdec.config import DraftWindowConfig, FrontConfig
+from specdec.argmax_head import argmax_head_of, fbgemm_available
+from specdec.config import DraftWindowConfig, FrontConfig, ModelsConfig
+from specdec.model_setup import load_target
 from tests.tiny_pair import save_tiny_pair
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
@@ -251,15 +254,22 @@ def test_bench_questions_file_offset_and_skipped_methods(long_pair, tmp_path):
     assert [r["question_id"] for r in result["questions"]] == [3, 5]
     assert result["meta"]["methods"] == ["target_only", "speculative"] and result["meta"]["offset"] == 1
     assert result["meta"]["draft_window"] == FrontConfig().draft_window.model_dump()  # the service default
+    screen = fbgemm_available()  # float32 CPU target: greedy rows through the screen where torch has the kernels
+    assert result["meta"]["argmax_screen"] is screen and result["meta"]["argmax_screen_requested"] is True
+    assert f"greedy argmax screen: {'on' if screen else 'off (requested'}" in (out / "results.md").read_text()
+    assert all(r["speculative"]["matches_target"] for r in result["questions"])
     out2 = tmp_path / "out2"
     proc = run_bench_cli(tmp_path, "--questions", str(path), "--category", "math", "--per-category", "2",
                          "--max-new-tokens", "4", "--target", str(long_pair.target), "--draft", str(long_pair.draft),
                          "--dtype", "float32", "--draft-quant", "none", "--threads", "1", "--temperature", "0",
-                         "--no-hf-assisted", "--no-prompt-lookup", "--draft-window", "0", "--out", str(out2))
+                         "--no-hf-assisted", "--no-prompt-lookup", "--draft-window", "0", "--no-argmax-screen",
+                         "--out", str(out2))
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads((out2 / "results.json").read_text())
     assert [r["question_id"] for r in result["questions"]] == [2, 5]
     assert result["meta"]["categories"] == ["math"] and result["meta"]["draft_window"] is None
+    assert result["meta"]["argmax_screen"] is False and "greedy argmax screen: off" in (out2 / "results.md").read_text()
+    assert all(r["speculative"]["matches_target"] for r in result["questions"])
     assert all("hf_assisted" not in r and "prompt_lookup" not in r and "sampled" not in r for r in result["questions"])
 
 
@@ -306,3 +316,51 @@ def test_draft_window_benchmark_on_tiny_models(long_pair, tmp_path):
     assert set(summary) == {"target", "wnone", "w40", "w40f2"} and summary["target"]["speedup"] == 1.0
     assert result["meta"]["windows"]["w40"]["max_tokens"] == 40 and result["meta"]["windows"]["wnone"] is None
     assert "| w40f2 |" in (out / "results.md").read_text()
+
+
+@pytest.mark.skipif(not fbgemm_available(), reason="torch has no fbgemm/x86 quantized kernels here")
+def test_argmax_screen_benchmark_on_tiny_models(long_pair, tmp_path):
+    """benchmarks/argmax_screen.py: the screen on and off side by side, outputs equal to target-only."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import argmax_screen
+
+    path = tmp_path / "q.jsonl"
+    long_prompt = " ".join(f"word{i}" for i in range(30))  # >= 16 tokens: the head timings get 16 rows
+    path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
+                            for i, c, t in [(1, "qa", "hello world"), (2, "rag", long_prompt)]))
+    out = tmp_path / "out"
+    summary = argmax_screen.main(["--questions", str(path), "--per-category", "1", "--max-new-tokens", "6",
+                                  "--target", str(long_pair.target), "--draft", str(long_pair.draft), "--out", str(out)])
+    result = json.loads((out / "results.json").read_text())
+    rows = result["questions"]
+    assert [r["question_id"] for r in rows] == [1, 2]
+    assert all(r[m]["same"] for r in rows for m in argmax_screen.METHODS)
+    assert all(r[m]["verify_ms"] for r in rows for m in ("spec_screen", "spec_full"))  # rounds were recorded
+    assert [h["rows"] for h in result["head"]] == [1, 4, 8, 16] and all(h["equal"] for h in result["head"])
+    assert summary["target"]["speedup_vs_target"] == 1.0 and summary["spec_screen"]["new_tokens"] == summary["target"]["new_tokens"]
+    assert "| spec_full |" in (out / "results.md").read_text()
+    # a last prompt shorter than 16 tokens: only the row counts it can supply are timed
+    model = load_target(ModelsConfig(target=str(long_pair.target), dtype="float32")).model
+    short = argmax_screen.head_timings(model, argmax_head_of(model), torch.randn(5, model.config.hidden_size), reps=1)
+    assert [h["rows"] for h in short] == [1, 4] and all(h["equal"] for h in short)
+
+
+@pytest.mark.skipif(not fbgemm_available(), reason="torch has no fbgemm/x86 quantized kernels here")
+def test_draft_agreement_benchmark_on_tiny_models(long_pair, tmp_path):
+    """benchmarks/draft_agreement.py: the target as its own float32 draft agrees on every answer token,
+    stepwise and in one call (a row or position off by one would not); int8 figures are rates."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import draft_agreement
+
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
+                            for i, c, t in [(1, "qa", "hello world"), (2, "rag", "one two three four five")]))
+    out = tmp_path / "out"
+    summary = draft_agreement.main(["--questions", str(path), "--max-new-tokens", "6", "--target", str(long_pair.target),
+                                    "--draft", str(long_pair.target), "--out", str(out)])
+    result = json.loads((out / "results.json").read_text())
+    assert [a["question_id"] for a in result["answers"]] == [1, 2]
+    assert summary["float32"]["tokens"] == sum(len(a["answer"]) for a in result["answers"]) > 0
+    assert summary["float32"]["stepwise"] == 1.0 and summary["float32"]["one_call"] == 1.0
+    assert 0.0 <= summary["int8"]["stepwise"] <= 1.0 and 0.0 <= summary["int8"]["one_call"] <= 1.0
+    assert summary["int8"]["step_ms"] > 0 and "| int8 |" in (out / "results.md").read_text()

@@ -85,6 +85,14 @@ def test_unreachable_server_exits_2():
     assert result.returncode == 2 and "UNAVAILABLE" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("flag, needle", [(["--no-argmax-screen"], "--no-argmax-screen: an in-process option"),
+                                          (["--draft-window", "0"], "--draft-window: an in-process option")])
+def test_in_process_flags_with_server_exit_2(flag, needle):
+    # refused before any connection (nothing listens on port 9: a connection attempt would fail with UNAVAILABLE)
+    result = cli("generate", "--server", "127.0.0.1:9", *flag, "hi", timeout=60)
+    assert result.returncode == 2 and needle in result.stderr and "UNAVAILABLE" not in result.stderr, result.stderr
+
+
 def test_sigterm_stops_all_services(served):
     _, _, proc, _ = served
     proc.send_signal(signal.SIGTERM)
