@@ -101,10 +101,10 @@ def resolve_draft_quant(draft_quant: str, device: str) -> str:
 
     Measured on a 2-core AMD EPYC (AVX2), Qwen2.5-Coder-0.5B after 300 tokens: a draft step of 1-4
     rows takes ~45 ms in int8 vs ~120-150 ms in packed float32. Top-1 agreement with the 1.5B
-    target's greedy output, drafted one token per call as in generation (13 held-out Spec-Bench
-    questions, 563 tokens): 0.790 int8 per-channel vs 0.806 float32. (Teacher-forcing a whole text
-    in one call reads much lower for int8, 0.65 vs 0.77: the dynamic activation scale is shared by
-    every row of a call, prompt outliers included.)
+    target's greedy answers (13 held-out Spec-Bench questions, 563 tokens), drafted one token a call
+    as in generation: 0.790 int8 per-channel vs 0.806 float32; teacher-forced in one call, where all
+    rows of a call share int8's activation scale: 0.741 vs 0.806
+    (benchmarks/draft_agreement_cpu_2core_2026-12-02.md).
     """
     if draft_quant != "auto":
         return draft_quant
