@@ -7,8 +7,9 @@ First the target's greedy answers (the speculative engine: the same tokens as th
 float32). Then, per draft variant (``int8``: the product's ``quantize_draft``; ``float32``), two
 agreement figures over those answer tokens:
 
-- ``stepwise``: the draft fed one token per call after its prompt prefill, as it drafts in
-  generation (the figure that matters for acceptance);
+- ``stepwise``: the draft fed one token per call after its prompt prefill, close to how it drafts
+  in generation (the figure that matters for acceptance; the product's draft opens with its context
+  window and runs tree levels of a few rows a call);
 - ``one_call``: the whole prompt + answer in one forward (teacher forcing). A dynamically quantized
   draft computes each call with one activation scale over all its rows, so this reads int8 low.
 

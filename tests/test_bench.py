@@ -361,6 +361,8 @@ def test_draft_agreement_benchmark_on_tiny_models(long_pair, tmp_path):
     result = json.loads((out / "results.json").read_text())
     assert [a["question_id"] for a in result["answers"]] == [1, 2]
     assert summary["float32"]["tokens"] == sum(len(a["answer"]) for a in result["answers"]) > 0
+    # answers whose neighbouring tokens differ: a row or position shifted by one would then miss
+    assert sum(x != y for a in result["answers"] for x, y in zip(a["answer"], a["answer"][1:])) >= 2
     assert summary["float32"]["stepwise"] == 1.0 and summary["float32"]["one_call"] == 1.0
     assert 0.0 <= summary["int8"]["stepwise"] <= 1.0 and 0.0 <= summary["int8"]["one_call"] <= 1.0
     assert summary["int8"]["step_ms"] > 0 and "| int8 |" in (out / "results.md").read_text()
