@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -30,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from orchestrator.bench import _hf_generate, _spec_row, load_questions  # noqa: E402
+from orchestrator.bench import _hf_generate, _spec_row, add_question_args, fitting_prompts, load_questions, question_meta  # noqa: E402
 from orchestrator.controller import GenerationRequest  # noqa: E402
 from orchestrator.embedded import build_pipeline, encode_prompt  # noqa: E402
 from specdec.tree_spec import DEFAULT_SPEC  # noqa: E402
@@ -110,14 +108,7 @@ def markdown(rows: list[dict], summary: dict, heads: list[dict], meta: dict) -> 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--questions", type=Path, default=None, help="Spec-Bench question.jsonl (default: built-in set)")
-    ap.add_argument("--category", action="append", default=[], help="only this category (repeatable)")
-    ap.add_argument("--offset", type=int, default=0)
-    ap.add_argument("--per-category", type=int, default=1)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--out", type=Path, default=Path("bench_out/argmax_screen"))
-    ap.add_argument("--target", default=None, help="target model (default: the real pair's)")
-    ap.add_argument("--draft", default=None, help="draft model (default: the real pair's)")
+    add_question_args(ap, per_category=1, max_new_tokens=64, out="bench_out/argmax_screen")
     args = ap.parse_args(argv)
     questions = load_questions(args.questions, args.per_category, args.offset, args.category)
     pipe = build_pipeline(args.target, args.draft, dtype="float32")
@@ -130,10 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     warm = encode_prompt(pipe.tokenizer, "Say hi.", raw=False)
     pipe.engine.generate(GenerationRequest(warm, 8, spec=DEFAULT_SPEC))
     rows, last_ids = [], None
-    for i, q in enumerate(questions):
-        ids = encode_prompt(pipe.tokenizer, q["turns"][0], raw=False)
-        if len(ids) + args.max_new_tokens > pipe.engine.context_limit:
-            continue
+    for i, q, ids in fitting_prompts(questions, pipe.tokenizer, args.max_new_tokens, pipe.engine.context_limit):
         last_ids = ids
         k = i % len(METHODS)
         order = METHODS[k:] + METHODS[:k]
@@ -163,10 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
         hidden = pipe.target_model.get_decoder()(ids, use_cache=False).last_hidden_state[0, -16:]
     heads = head_timings(pipe.target_model, head, hidden)
     summary = totals(rows)
-    meta = {"questions": "built-in" if args.questions is None else str(args.questions), "offset": args.offset,
-            "target": args.target, "draft": args.draft,
-            "per_category": args.per_category, "categories": args.category, "max_new_tokens": args.max_new_tokens,
-            "machine": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__}
+    meta = question_meta(args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "head": heads, "questions": rows}, indent=2))
     (args.out / "results.md").write_text(markdown(rows, summary, heads, meta))

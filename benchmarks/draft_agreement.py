@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -31,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from orchestrator.bench import load_questions  # noqa: E402
+from orchestrator.bench import add_question_args, fitting_prompts, load_questions, question_meta  # noqa: E402
 from orchestrator.controller import GenerationRequest  # noqa: E402
-from orchestrator.embedded import build_pipeline, encode_prompt  # noqa: E402
+from orchestrator.embedded import build_pipeline  # noqa: E402
 from specdec.forward import model_forward  # noqa: E402
 from specdec.kv_cache import new_cache  # noqa: E402
 from specdec.model_setup import quantize_draft  # noqa: E402
@@ -48,10 +46,7 @@ def target_answers(args) -> tuple[list[dict], object]:
     questions = load_questions(args.questions, args.per_category, args.offset, args.category)
     pipe = build_pipeline(args.target, args.draft, dtype="float32")
     out = []
-    for q in questions:
-        ids = encode_prompt(pipe.tokenizer, q["turns"][0], raw=False)
-        if len(ids) + args.max_new_tokens > pipe.engine.context_limit:
-            continue
+    for _, q, ids in fitting_prompts(questions, pipe.tokenizer, args.max_new_tokens, pipe.engine.context_limit):
         result = pipe.engine.generate(GenerationRequest(ids, args.max_new_tokens, spec=DEFAULT_SPEC))
         out.append({"question_id": q["question_id"], "category": q["category"], "prompt": ids, "answer": list(result.tokens)})
     return out, pipe
@@ -96,14 +91,7 @@ def markdown(summary: dict, meta: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--questions", type=Path, default=None, help="Spec-Bench question.jsonl (default: built-in set)")
-    ap.add_argument("--category", action="append", default=[], help="only this category (repeatable)")
-    ap.add_argument("--offset", type=int, default=0)
-    ap.add_argument("--per-category", type=int, default=1)
-    ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--target", default=None, help="target model (default: the real pair's)")
-    ap.add_argument("--draft", default=None, help="draft model (default: the real pair's)")
-    ap.add_argument("--out", type=Path, default=Path("bench_out/draft_agreement"))
+    add_question_args(ap, per_category=1, max_new_tokens=48, out="bench_out/draft_agreement")
     args = ap.parse_args(argv)
     answers, pipe = target_answers(args)
     del pipe  # the target's memory before the draft variants load
@@ -118,10 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
         summary[variant] = agreement(model, answers)
         print(variant, summary[variant], flush=True)
         del model
-    meta = {"questions": "built-in" if args.questions is None else str(args.questions), "offset": args.offset,
-            "per_category": args.per_category, "categories": args.category, "max_new_tokens": args.max_new_tokens,
-            "target": args.target, "draft": args.draft, "answers": len(answers), "threads": torch.get_num_threads(),
-            "machine": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__}
+    meta = {**question_meta(args), "answers": len(answers), "threads": torch.get_num_threads()}
     args.out.mkdir(parents=True, exist_ok=True)
     rows = [{k: a[k] for k in ("question_id", "category")} | {"prompt_tokens": len(a["prompt"]), "answer": a["answer"]}
             for a in answers]

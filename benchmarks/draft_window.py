@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orchestrator.bench import _hf_generate, _spec_row, load_questions  # noqa: E402
+from orchestrator.bench import _hf_generate, _spec_row, add_question_args, fitting_prompts, load_questions, question_meta  # noqa: E402
 from orchestrator.controller import GenerationRequest  # noqa: E402
 from orchestrator.embedded import build_pipeline, encode_prompt  # noqa: E402
 from specdec.config import DraftWindowConfig  # noqa: E402
@@ -81,16 +79,9 @@ def markdown(rows: list[dict], methods: list[str], summary: dict, meta: dict) ->
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--questions", type=Path, default=None, help="Spec-Bench question.jsonl (default: built-in set)")
-    ap.add_argument("--category", action="append", default=[], help="only this category (repeatable)")
-    ap.add_argument("--offset", type=int, default=0)
-    ap.add_argument("--per-category", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    add_question_args(ap, per_category=2, max_new_tokens=128, out="bench_out/draft_window")
     ap.add_argument("--windows", default="none,256", help="comma-separated: none, N or NfK")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--target", default=None)
-    ap.add_argument("--draft", default=None)
-    ap.add_argument("--out", type=Path, default=Path("bench_out/draft_window"))
     args = ap.parse_args(argv)
     names = args.windows.split(",")
     windows = {f"w{name}": window_of(name) for name in names}
@@ -100,10 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     pipe.engine.generate(GenerationRequest(warm, 8, spec=DEFAULT_SPEC))
     methods = ["target", *windows]
     rows = []
-    for i, q in enumerate(questions):
-        ids = encode_prompt(pipe.tokenizer, q["turns"][0], raw=False)
-        if len(ids) + args.max_new_tokens > pipe.engine.context_limit:
-            continue
+    for i, q, ids in fitting_prompts(questions, pipe.tokenizer, args.max_new_tokens, pipe.engine.context_limit):
         k = i % len(methods)
         order = methods[k:] + methods[:k]
         outputs = {}
@@ -122,10 +110,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(row)
         print(json.dumps(row), flush=True)
     summary = totals(rows, methods)
-    meta = {"questions": "built-in" if args.questions is None else str(args.questions), "offset": args.offset,
-            "per_category": args.per_category, "categories": args.category, "max_new_tokens": args.max_new_tokens,
-            "windows": {m: (w.model_dump() if w is not None else None) for m, w in windows.items()},
-            "dtype": args.dtype, "machine": platform.platform(), "cpu_count": os.cpu_count()}
+    meta = {**question_meta(args), "windows": {m: (w.model_dump() if w is not None else None) for m, w in windows.items()},
+            "dtype": args.dtype}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "questions": rows}, indent=2))
     (args.out / "results.md").write_text(markdown(rows, methods, summary, meta))

@@ -113,6 +113,36 @@ def load_questions(path: Path | None, per_category: int, offset: int = 0, catego
     return select_questions(questions, per_category, offset)
 
 
+def add_question_args(parser, per_category: int, max_new_tokens: int, out: str) -> None:
+    """The options every benchmark script shares (argparse): --questions, --category, --offset,
+    --per-category, --max-new-tokens, --target, --draft and --out, with the script's defaults."""
+    parser.add_argument("--questions", type=Path, default=None, help="Spec-Bench question.jsonl (default: built-in set)")
+    parser.add_argument("--category", action="append", default=[], help="only this category (repeatable)")
+    parser.add_argument("--offset", type=int, default=0, help="skip the first N questions of each category")
+    parser.add_argument("--per-category", type=int, default=per_category)
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--target", default=None, help="target model (default: the real pair's)")
+    parser.add_argument("--draft", default=None, help="draft model (default: the real pair's)")
+    parser.add_argument("--out", type=Path, default=Path(out))
+
+
+def question_meta(args) -> dict:
+    """The record's account of what ``add_question_args`` selected, plus the machine."""
+    return {"questions": "built-in" if args.questions is None else str(args.questions), "offset": args.offset,
+            "per_category": args.per_category, "categories": args.category, "max_new_tokens": args.max_new_tokens,
+            "target": args.target, "draft": args.draft, "machine": platform.platform(), "cpu_count": os.cpu_count(),
+            "torch": torch.__version__}
+
+
+def fitting_prompts(questions: Sequence[dict], tokenizer, max_new_tokens: int, context_limit: int):
+    """(index, question, prompt ids) of each question whose chat-templated prompt plus
+    ``max_new_tokens`` fits in ``context_limit`` tokens; the others are skipped."""
+    for i, q in enumerate(questions):
+        ids = encode_prompt(tokenizer, q["turns"][0], raw=False)
+        if len(ids) + max_new_tokens <= context_limit:
+            yield i, q, ids
+
+
 # ----------------------------------------------------------------------------------------- one question
 
 class FirstTokenTimer(BaseStreamer):

@@ -189,6 +189,10 @@ def generate(
             fail("--draft-window: an in-process option; a front's draft window is its front.draft_window")
         if not argmax_screen:
             fail("--no-argmax-screen: an in-process option; a front's target decides (models.argmax_screen)")
+        if pipeline:
+            fail("--pipeline: an in-process option; a front pipelines when its front.pipeline is on")
+        if control != "cost-aware":
+            fail(f"--control {control}: an in-process option; a front's control is its front.cost_aware and front.dynamic_gamma")
         return _generate_remote(server, prompt, prompt_file, tree, max_new_tokens, temperature, top_p, top_k, seed,
                                 stop, no_spec, raw, tls_ca, auth_token_file)
     try:

@@ -13,7 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.bench import BUILTIN_QUESTIONS, QuestionsError, load_questions, markdown_table, parse_questions, summarize
+from orchestrator.bench import (
+    BUILTIN_QUESTIONS, QuestionsError, add_question_args, fitting_prompts, load_questions, markdown_table, parse_questions,
+    question_meta, summarize,
+)
+from orchestrator.embedded import encode_prompt
 from specdec.argmax_head import argmax_head_of, fbgemm_available
 from specdec.config import DraftWindowConfig, FrontConfig, ModelsConfig
 from specdec.model_setup import load_target
@@ -290,6 +294,31 @@ def test_bench_bad_flags_exit_with_message(tmp_path, args, needle):
     proc = run_bench_cli(tmp_path, *args, "--target", nowhere, "--draft", nowhere, timeout=120)
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
     assert needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_benchmark_scripts_share_question_options(long_pair):
+    """add_question_args / question_meta / fitting_prompts: the scripts' common options keep their
+    defaults, and a prompt that would overflow the context is skipped, not truncated."""
+    import argparse
+
+    from transformers import AutoTokenizer
+
+    ap = argparse.ArgumentParser()
+    add_question_args(ap, per_category=3, max_new_tokens=40, out="bench_out/x")
+    args = ap.parse_args(["--offset", "6", "--category", "rag", "--category", "qa"])
+    assert (args.per_category, args.max_new_tokens, args.out, args.questions) == (3, 40, Path("bench_out/x"), None)
+    meta = question_meta(args)
+    assert meta["questions"] == "built-in" and meta["offset"] == 6 and meta["categories"] == ["rag", "qa"]
+    tokenizer = AutoTokenizer.from_pretrained(str(long_pair.target))
+    questions = [{"question_id": 1, "turns": ["hi"]}, {"question_id": 2, "turns": [" ".join(["word"] * 200)]},
+                 {"question_id": 3, "turns": ["bye"]}]
+    lengths = [len(encode_prompt(tokenizer, q["turns"][0], raw=False)) for q in questions]
+    limit = max(lengths[0], lengths[2]) + 8  # the short ones fit with 8 new tokens, the long one does not
+    assert lengths[1] + 8 > limit
+    picked = list(fitting_prompts(questions, tokenizer, 8, limit))
+    assert [(i, q["question_id"]) for i, q, _ in picked] == [(0, 1), (2, 3)]
+    assert [len(ids) for _, _, ids in picked] == [lengths[0], lengths[2]]
+    assert list(fitting_prompts(questions[:1], tokenizer, 9, lengths[0] + 8)) == []  # one token over: skipped
 
 
 def test_draft_window_benchmark_on_tiny_models(long_pair, tmp_path):
