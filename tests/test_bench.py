@@ -395,3 +395,34 @@ def test_draft_agreement_benchmark_on_tiny_models(long_pair, tmp_path):
     assert summary["float32"]["stepwise"] == 1.0 and summary["float32"]["one_call"] == 1.0
     assert 0.0 <= summary["int8"]["stepwise"] <= 1.0 and 0.0 <= summary["int8"]["one_call"] <= 1.0
     assert summary["int8"]["step_ms"] > 0 and "| int8 |" in (out / "results.md").read_text()
+
+
+def test_context_branches_benchmark_tallies_by_match_length(long_pair, tmp_path):
+    """benchmarks/context_branches.py: per match length, how many branches, how many start right and
+    their runs; checked on a hand-made answer, then end to end on tiny models."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import context_branches
+
+    # prompt [9, 1, 2, 3, 4, 5]; the answer copies [1, 2, 3], then departs (8), then 5. Per position:
+    # 0: the context ends with 5, which has no earlier occurrence: no branch;
+    # 1: ends with 1 (index 1, match 1): branch [2, 3, 4, 5] against [2, 3, 8, 5], run 2;
+    # 2: ends with 1, 2 (match 2): branch [3, 4, 5, 1] against [3, 8, 5], run 1;
+    # 3: ends with 1, 2, 3 (match 3): branch [4, 5, 1, 2] against [8, 5], run 0;
+    # 4: ends with 8, never seen before: no branch
+    answers = [{"prompt": [9, 1, 2, 3, 4, 5], "answer": [1, 2, 3, 8, 5]}]
+    rows = context_branches.tally(answers, branch_tokens=4)
+    assert rows == {1: {"branches": 1, "first_right": 1, "accepted": 2},
+                    2: {"branches": 1, "first_right": 1, "accepted": 1},
+                    3: {"branches": 1, "first_right": 0, "accepted": 0}}
+    assert context_branches.tally(answers, branch_tokens=1)[1]["accepted"] == 1  # runs are capped by the branch
+    assert context_branches.by_bucket({4: rows[1], 5: rows[2], 7: rows[3]}) == {
+        4: {"branches": 2, "first_right": 2, "accepted": 3}, 5: {"branches": 1, "first_right": 0, "accepted": 0}}
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["hello hello hello world"]}) + "\n")
+    out = tmp_path / "out"
+    buckets = context_branches.main(["--questions", str(path), "--max-new-tokens", "12", "--target", str(long_pair.target),
+                                     "--draft", str(long_pair.draft), "--out", str(out)])
+    result = json.loads((out / "results.json").read_text())
+    assert result["meta"]["answer_tokens"] == 12 and result["meta"]["answers"] == 1
+    assert sum(r["branches"] for r in buckets.values()) == sum(r["branches"] for r in result["match_lengths"].values()) > 0
+    assert "| match-length bucket |" in (out / "results.md").read_text()

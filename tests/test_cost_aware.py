@@ -19,7 +19,7 @@ from orchestrator.cost_aware import CostAwareControl, SharedState
 from orchestrator.cost_model import PRIOR_DRAFT_STEP_MS, PRIOR_VERIFY_MS, CostModel
 from orchestrator.controller import GenerationRequest
 from orchestrator.engine import SpeculativeEngine
-from orchestrator.shaping import ngram_continuation
+from orchestrator.shaping import match_bucket, ngram_continuation
 from specdec.tree_spec import TreeSpec
 from target_service.runtime import TargetRuntime
 from tests.conftest import (
@@ -185,6 +185,11 @@ def test_always_wrong_draft_stops_drafting_without_a_fallback_rule():
 def test_lookup_is_the_ngram_continuation():
     assert ngram_continuation([5, 7, 9, 2, 5, 7], 3) == ([9, 2, 5], 2)
     assert ngram_continuation([1, 2, 3], 3) == ([], 0)
+    # the key is the match-length bucket: a copied run of 6+ tokens is bucket 5, of 4-5 bucket 4
+    source = [9, 1, 2, 3, 4, 5, 6, 7, 8]
+    assert ngram_continuation(source + [0, 0, 1, 2, 3, 4, 5, 6], 2) == ([7, 8], 5)
+    assert ngram_continuation(source + [0, 0, 3, 4, 5, 6], 2) == ([7, 8], 4)
+    assert [match_bucket(m) for m in range(1, 9)] == [1, 2, 3, 4, 4, 5, 5, 5]
 
 
 def test_seeded_sampled_requests_do_not_depend_on_timings():

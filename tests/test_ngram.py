@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specdec.ngram import lookup_continuation
+from specdec.ngram import lookup_continuation, match_continuation
 from specdec.tree import SOURCE_CONTEXT, SOURCE_DRAFT, DraftTree, MalformedTreeError, Proposal, merge_chain, select_nodes
 
 
@@ -26,6 +26,23 @@ def test_most_recent_match_and_caps():
     assert lookup_continuation(ctx, 0) == []
     assert lookup_continuation([1, 2, 3], 5) == []  # nothing repeats
     assert lookup_continuation([4], 5) == []
+
+
+def test_match_length_counts_how_far_back_the_occurrence_matches():
+    # [5, 7] occurs at index 5 (preceded by 4, where the context has 1: match 2) and at index 1 (preceded
+    # by 1, as the context's end is: match 3). With 2-grams the most recent wins, its match is 2; with
+    # 3-grams only the older one matches
+    ctx = [1, 5, 7, 0, 4, 5, 7, 3, 1, 5, 7]
+    assert match_continuation(ctx, 3, max_ngram=2) == ([3, 1, 5], 2)
+    assert match_continuation(ctx, 3, max_ngram=3) == ([0, 4, 5], 3)
+    # a copied run: the context's last 6 tokens repeat an earlier stretch exactly, then it continues
+    source = [9, 1, 2, 3, 4, 5, 6, 7, 8]
+    copy = [0, 0, 1, 2, 3, 4, 5, 6]
+    assert match_continuation(source + copy, 2) == ([7, 8], 6)  # 6 tokens match, though max_ngram is 3
+    assert match_continuation(source + copy, 2, max_match=4) == ([7, 8], 4)  # counted up to max_match
+    assert match_continuation(source + copy, 2, max_ngram=1, max_match=1) == ([7, 8], 1)
+    assert match_continuation([1, 2, 3], 4) == ([], 0)
+    assert match_continuation([3, 3, 3, 3], 4) == ([3], 3)  # overlapping occurrence: ends at index 2, matches 3
 
 
 def test_bad_ngram_bounds():

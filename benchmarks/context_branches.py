@@ -1,0 +1,107 @@
+"""How much of a context (n-gram) branch the target accepts, by the branch's match length.
+
+    python benchmarks/context_branches.py --questions question.jsonl --offset 6 --per-category 1 \
+        --max-new-tokens 128 --out bench_out/context_branches
+
+First the target's greedy answers (the speculative engine: the same tokens as the target alone,
+float32; ``draft_agreement.target_answers``). Then, at every answer position, the context branch the
+cost-aware control would merge into that round's tree (``specdec.ngram.match_continuation`` on the
+prompt and the answer so far, ``--branch-tokens`` long) is compared with the answer's next tokens:
+per match length L (how many tokens before the continuation equal the context's end), the share
+of branches whose first token is right and the mean run of right tokens. The shaping keys its
+context calibration by L's bucket (``orchestrator.shaping.match_bucket``). Writes results.json and
+results.md. Needs no draft model past the answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from draft_agreement import target_answers  # noqa: E402
+
+from orchestrator.bench import add_question_args, question_meta  # noqa: E402
+from orchestrator.shaping import match_bucket  # noqa: E402
+from specdec.ngram import match_continuation  # noqa: E402
+
+
+def tally(answers: list[dict], branch_tokens: int = 16, max_ngram: int = 3, max_match: int = 32) -> dict[int, dict]:
+    """{L: {branches, first_right, accepted}} over every answer position that has a context branch:
+    branches = positions whose context (prompt + answer so far) has a match of length L; first_right
+    = those whose branch's first token is the answer's next; accepted = the summed runs of right
+    tokens from the branch's start (at most branch_tokens each)."""
+    out: dict[int, dict] = {}
+    for a in answers:
+        prompt, answer = list(a["prompt"]), list(a["answer"])
+        for p in range(len(answer)):
+            chain, match = match_continuation(prompt + answer[:p], branch_tokens, max_ngram, max_match=max_match)
+            if not chain:
+                continue
+            run = 0
+            for proposed, actual in zip(chain, answer[p:]):
+                if proposed != actual:
+                    break
+                run += 1
+            row = out.setdefault(match, {"branches": 0, "first_right": 0, "accepted": 0})
+            row["branches"] += 1
+            row["first_right"] += run > 0
+            row["accepted"] += run
+    return dict(sorted(out.items()))
+
+
+def by_bucket(rows: dict[int, dict]) -> dict[int, dict]:
+    """``tally``'s rows summed per ``match_bucket``."""
+    out: dict[int, dict] = {}
+    for match, row in rows.items():
+        b = out.setdefault(match_bucket(match), {"branches": 0, "first_right": 0, "accepted": 0})
+        for k in b:
+            b[k] += row[k]
+    return dict(sorted(out.items()))
+
+
+def markdown(rows: dict[int, dict], buckets: dict[int, dict], meta: dict) -> str:
+    lines = [f"# Context branches by match length ({meta['questions']}, offset {meta['offset']}, "
+             f"{meta['max_new_tokens']} new tokens, {meta['branch_tokens']}-token branches)", "",
+             f"{meta['answers']} target answers, {meta['answer_tokens']} answer positions. first right = the branch's "
+             "first token is the target's next token; mean run = right tokens from the branch's start.", "",
+             "| match-length bucket | match lengths | branches | first right | mean run |", "|---|---|---|---|---|"]
+    spans = {1: "1", 2: "2", 3: "3", 4: "4-5", 5: "6+"}
+    for b, r in buckets.items():
+        lines.append(f"| {b} | {spans[b]} | {r['branches']} | {r['first_right'] / r['branches']:.2f} | "
+                     f"{r['accepted'] / r['branches']:.2f} |")
+    lines += ["", "| match length | branches | first right | mean run |", "|---|---|---|---|"]
+    for m, r in rows.items():
+        lines.append(f"| {m} | {r['branches']} | {r['first_right'] / r['branches']:.2f} | {r['accepted'] / r['branches']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_question_args(ap, per_category=1, max_new_tokens=128, out="bench_out/context_branches")
+    ap.add_argument("--branch-tokens", type=int, default=16, help="longest branch compared")
+    args = ap.parse_args(argv)
+    answers, pipe = target_answers(args)
+    del pipe
+    if not answers:
+        raise SystemExit(f"--max-new-tokens {args.max_new_tokens}: no selected question fits in the context")
+    rows = tally(answers, args.branch_tokens)
+    buckets = by_bucket(rows)
+    meta = {**question_meta(args), "branch_tokens": args.branch_tokens, "answers": len(answers),
+            "answer_tokens": sum(len(a["answer"]) for a in answers)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps({"meta": meta, "buckets": buckets, "match_lengths": rows,
+                                                       "answers": [{k: a[k] for k in ("question_id", "category")}
+                                                                   | {"prompt_tokens": len(a["prompt"])} for a in answers]},
+                                                      indent=2))
+    (args.out / "results.md").write_text(markdown(rows, buckets, meta))
+    print(markdown(rows, buckets, meta))
+    return buckets
+
+
+if __name__ == "__main__":
+    main()
