@@ -234,8 +234,9 @@ def shape_tree(tree: DraftTree, context: Sequence[int], calib: AcceptanceCalibra
 def match_bucket(match: int) -> int:
     """The calibration key of a context branch whose occurrence matches the context's last ``match``
     tokens: 1, 2, 3, 4 (4-5 tokens) or 5 (6 or more). The match length predicts acceptance: on the
-    target's greedy answers to 13 held-out Spec-Bench questions, the first token of a 16-token branch
-    was right 26% of the time at match 1, 42% at 3, 70-75% at 4-5 and 83-100% from 6 on."""
+    target's greedy answers to 13 Spec-Bench questions, a branch's first token was right 26% of the
+    time at match 1, 60% at 2, 42% at 3, 73% at 4-5 and 93% at 6 or more
+    (``benchmarks/context_branches_cpu_2core_2026-12-02.md``)."""
     return match if match <= 3 else 4 if match <= 5 else 5
 
 
