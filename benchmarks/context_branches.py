@@ -4,9 +4,11 @@
         --max-new-tokens 128 --out bench_out/context_branches
 
 First the target's greedy answers (the speculative engine: the same tokens as the target alone,
-float32; ``draft_agreement.target_answers``). Then, at every answer position, the context branch the
-cost-aware control would merge into that round's tree (``specdec.ngram.match_continuation`` on the
-prompt and the answer so far, ``--branch-tokens`` long) is compared with the answer's next tokens:
+float32; ``draft_agreement.target_answers``). Then at every answer position (not only where a
+round would start) the context branch the cost-aware control would look up there
+(``specdec.ngram.match_continuation`` on the prompt and the answer so far) is compared with the
+answer's next tokens. Branches are ``--branch-tokens`` long (16 by default, against the control's
+8-token branches, ``CostAwareConfig.ngram_tokens``, so the mean run shows how far copies go on):
 per match length L (how many tokens before the continuation equal the context's end), the share
 of branches whose first token is right and the mean run of right tokens. The shaping keys its
 context calibration by L's bucket (``orchestrator.shaping.match_bucket``). Writes results.json and
@@ -26,8 +28,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from draft_agreement import target_answers  # noqa: E402
 
 from orchestrator.bench import add_question_args, question_meta  # noqa: E402
-from orchestrator.shaping import match_bucket  # noqa: E402
+from orchestrator.shaping import MATCH_BUCKET_LABELS, match_bucket  # noqa: E402
 from specdec.ngram import match_continuation  # noqa: E402
+
+
+def _empty() -> dict:
+    return {"branches": 0, "first_right": 0, "accepted": 0}
+
+
+def _cells(row: dict) -> str:
+    return f"{row['branches']} | {row['first_right'] / row['branches']:.2f} | {row['accepted'] / row['branches']:.2f}"
 
 
 def tally(answers: list[dict], branch_tokens: int = 16, max_ngram: int = 3, max_match: int = 32) -> dict[int, dict]:
@@ -47,7 +57,7 @@ def tally(answers: list[dict], branch_tokens: int = 16, max_ngram: int = 3, max_
                 if proposed != actual:
                     break
                 run += 1
-            row = out.setdefault(match, {"branches": 0, "first_right": 0, "accepted": 0})
+            row = out.setdefault(match, _empty())
             row["branches"] += 1
             row["first_right"] += run > 0
             row["accepted"] += run
@@ -58,7 +68,7 @@ def by_bucket(rows: dict[int, dict]) -> dict[int, dict]:
     """``tally``'s rows summed per ``match_bucket``."""
     out: dict[int, dict] = {}
     for match, row in rows.items():
-        b = out.setdefault(match_bucket(match), {"branches": 0, "first_right": 0, "accepted": 0})
+        b = out.setdefault(match_bucket(match), _empty())
         for k in b:
             b[k] += row[k]
     return dict(sorted(out.items()))
@@ -70,13 +80,11 @@ def markdown(rows: dict[int, dict], buckets: dict[int, dict], meta: dict) -> str
              f"{meta['answers']} target answers, {meta['answer_tokens']} answer positions. first right = the branch's "
              "first token is the target's next token; mean run = right tokens from the branch's start.", "",
              "| match-length bucket | match lengths | branches | first right | mean run |", "|---|---|---|---|---|"]
-    spans = {1: "1", 2: "2", 3: "3", 4: "4-5", 5: "6+"}
     for b, r in buckets.items():
-        lines.append(f"| {b} | {spans[b]} | {r['branches']} | {r['first_right'] / r['branches']:.2f} | "
-                     f"{r['accepted'] / r['branches']:.2f} |")
+        lines.append(f"| {b} | {MATCH_BUCKET_LABELS[b]} | {_cells(r)} |")
     lines += ["", "| match length | branches | first right | mean run |", "|---|---|---|---|"]
     for m, r in rows.items():
-        lines.append(f"| {m} | {r['branches']} | {r['first_right'] / r['branches']:.2f} | {r['accepted'] / r['branches']:.2f} |")
+        lines.append(f"| {m} | {_cells(r)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -24,7 +24,7 @@ from collections import defaultdict
 from dataclasses import asdict, replace
 from importlib import resources
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from rich.console import Console
@@ -115,7 +115,8 @@ def load_questions(path: Path | None, per_category: int, offset: int = 0, catego
 
 def add_question_args(parser, per_category: int, max_new_tokens: int, out: str) -> None:
     """The options every benchmark script shares (argparse): --questions, --category, --offset,
-    --per-category, --max-new-tokens, --target, --draft and --out, with the script's defaults."""
+    --per-category, --max-new-tokens, --target, --draft and --out, with the script's defaults.
+    Raises argparse.ArgumentError when ``parser`` already has one of them."""
     parser.add_argument("--questions", type=Path, default=None, help="Spec-Bench question.jsonl (default: built-in set)")
     parser.add_argument("--category", action="append", default=[], help="only this category (repeatable)")
     parser.add_argument("--offset", type=int, default=0, help="skip the first N questions of each category")
@@ -127,16 +128,19 @@ def add_question_args(parser, per_category: int, max_new_tokens: int, out: str) 
 
 
 def question_meta(args) -> dict:
-    """The record's account of what ``add_question_args`` selected, plus the machine."""
+    """The record's account of what ``add_question_args`` selected (questions, offset, per_category,
+    categories, max_new_tokens, target, draft) and where it ran (machine, cpu_count, torch)."""
     return {"questions": "built-in" if args.questions is None else str(args.questions), "offset": args.offset,
             "per_category": args.per_category, "categories": args.category, "max_new_tokens": args.max_new_tokens,
             "target": args.target, "draft": args.draft, "machine": platform.platform(), "cpu_count": os.cpu_count(),
             "torch": torch.__version__}
 
 
-def fitting_prompts(questions: Sequence[dict], tokenizer, max_new_tokens: int, context_limit: int):
+def fitting_prompts(questions: Sequence[dict], tokenizer, max_new_tokens: int,
+                    context_limit: int) -> Iterator[tuple[int, dict, list[int]]]:
     """(index, question, prompt ids) of each question whose chat-templated prompt plus
-    ``max_new_tokens`` fits in ``context_limit`` tokens; the others are skipped."""
+    ``max_new_tokens`` fits in ``context_limit`` tokens; the others are skipped. index is the
+    question's place in ``questions``, skipped ones counted (the scripts rotate method order by it)."""
     for i, q in enumerate(questions):
         ids = encode_prompt(tokenizer, q["turns"][0], raw=False)
         if len(ids) + max_new_tokens <= context_limit:

@@ -176,7 +176,7 @@ def generate(
     pipeline: bool = typer.Option(False, "--pipeline", help="Draft round r+1 from round r's likely outcome while the target verifies round r (output unchanged; in-process the two take turns, so it pays with the services)."),
     draft_window: Optional[int] = typer.Option(None, help=_DRAFT_WINDOW_HELP),
     argmax_screen: bool = typer.Option(True, help="Greedy rows of a float32 CPU target take their argmax from an int8 screen of the LM head (same tokens; ~1.2 GB more for the default target)."),
-    server: Optional[str] = typer.Option(None, help="host:port of a generation front (specdec serve): run the request there instead of in-process (the request flags apply; model, dtype, gamma and thread flags are the server's)."),
+    server: Optional[str] = typer.Option(None, help="host:port of a generation front (specdec serve): run the request there instead of in-process (the request flags apply; model, dtype, draft-quant and thread flags are the server's, and the in-process options --pipeline, --control, --draft-window, --no-argmax-screen and --max-context are refused)."),
     tls_ca: Optional[str] = typer.Option(None, help="With --server: PEM CA bundle that verifies a TLS front."),
     auth_token_file: Optional[str] = typer.Option(None, help="With --server: bearer token file (first line); $SPECDEC_TOKEN takes precedence."),
 ) -> None:
@@ -191,8 +191,14 @@ def generate(
             fail("--no-argmax-screen: an in-process option; a front's target decides (models.argmax_screen)")
         if pipeline:
             fail("--pipeline: an in-process option; a front pipelines when its front.pipeline is on")
+        if control not in CONTROLS:
+            fail(f"--control: expected {', '.join(CONTROLS)}, got {control!r}")
         if control != "cost-aware":
-            fail(f"--control {control}: an in-process option; a front's control is its front.cost_aware and front.dynamic_gamma")
+            fail(f"--control {control}: an in-process option; a front's control is set by "
+                 "front.cost_aware.enabled and front.dynamic_gamma.enabled")
+        if max_context is not None:
+            fail("--max-context: an in-process option; a front's limits are its own (front.max_prompt_tokens, "
+                 "the target's context)")
         return _generate_remote(server, prompt, prompt_file, tree, max_new_tokens, temperature, top_p, top_k, seed,
                                 stop, no_spec, raw, tls_ca, auth_token_file)
     try:

@@ -24,8 +24,8 @@ Three decisions per round, all from the same rate:
 Values: a draft node's value is its parent's value times a(q), the calibrated chance that the target
 agrees with a child of draft probability q given that its parent was accepted
 (``AcceptanceCalibration``, binned by q, learned from this request's verified trees on top of the
-front-wide table); a context node's value uses the chance for its place in the n-gram branch and
-the branch's match length (``ContextCalibration``, ``match_bucket``). Sources: EAGLE-2 (Li et al. 2024, §4: dynamic draft trees ranked by
+front-wide table); a context node's value uses the chance for its place in the n-gram branch
+and the branch's match length (``ContextCalibration``, ``match_bucket``). Sources: EAGLE-2 (Li et al. 2024, §4: dynamic draft trees ranked by
 draft confidence, which is well calibrated with acceptance), Sequoia (Chen et al. 2024, §3:
 hardware-aware tree size from measured forward times), SpecDec++ (Huang et al. 2024) and DISCO
 (Mamou et al. 2024) on when to stop drafting. Unlike them, the costs here are the running
@@ -95,7 +95,8 @@ class AcceptanceCalibration:
 class ContextCalibration:
     """P(a context node is accepted | its parent is), by (n, k): n the branch's match-length bucket
     (``match_bucket``), k the node's place in the branch, capped at 4; prior 0.4 worth 2
-    observations, or another calibration's estimates."""
+    observations, or another calibration's estimates. The prior is the same for every bucket, so
+    the buckets part only as rounds are observed (front-wide, ``SharedState.ctx_calib``)."""
 
     def __init__(self, prior: "ContextCalibration | None" = None, prior_weight: float = 4.0):
         self.prior = prior
@@ -122,7 +123,7 @@ class ShapedTree:
 
     tree: the verified tree; draft_index: [N] the node's index in the draft's own tree (None for
     context nodes), for the draft's commit; values: [N] estimated acceptance chances;
-    context: {node: (n, k)} calibration keys of context nodes; drafted: nodes the draft proposed
+    context: {node: (n, k)} calibration keys of context nodes (n the match bucket, k the place); drafted: nodes the draft proposed
     (before selection); expected_accepted: sum of values (tokens, bonus excluded).
     """
 
@@ -233,18 +234,22 @@ def shape_tree(tree: DraftTree, context: Sequence[int], calib: AcceptanceCalibra
 
 def match_bucket(match: int) -> int:
     """The calibration key of a context branch whose occurrence matches the context's last ``match``
-    tokens: 1, 2, 3, 4 (4-5 tokens) or 5 (6 or more). The match length predicts acceptance: on the
-    target's greedy answers to 13 Spec-Bench questions, a branch's first token was right 26% of the
-    time at match 1, 60% at 2, 42% at 3, 73% at 4-5 and 93% at 6 or more
+    tokens: 1, 2, 3, 4 (4-5 tokens) or 5 (6 or more); ``match`` < 1 (no branch) is returned as it
+    is. The match length predicts acceptance: at the 563 positions of the target's greedy answers
+    to 13 Spec-Bench questions, a branch's first token was right 26% of the time at match 1 (145
+    branches), 60% at 2 (43), 42% at 3 (36), 73% at 4-5 (22) and 93% at 6 or more (87)
     (``benchmarks/context_branches_cpu_2core_2026-12-02.md``)."""
     return match if match <= 3 else 4 if match <= 5 else 5
+
+
+MATCH_BUCKET_LABELS = {1: "1", 2: "2", 3: "3", 4: "4-5", 5: "6+"}  # match_bucket -> the match lengths it holds
 
 
 def ngram_continuation(context: Sequence[int], max_tokens: int, max_ngram: int = 3) -> tuple[list[int], int]:
     """(n-gram continuation of at most max_tokens tokens, its ``match_bucket``); ([], 0) when none
     (``specdec.ngram.match_continuation``: the most recent occurrence of the longest suffix up to
     max_ngram tokens)."""
-    chain, match = match_continuation(context, max_tokens, max_ngram=max_ngram)
+    chain, match = match_continuation(context, max_tokens, max_ngram=max_ngram, max_match=6)  # 6+: one bucket
     return (chain, match_bucket(match)) if chain else ([], 0)
 
 

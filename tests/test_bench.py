@@ -297,8 +297,9 @@ def test_bench_bad_flags_exit_with_message(tmp_path, args, needle):
 
 
 def test_benchmark_scripts_share_question_options(long_pair):
-    """add_question_args / question_meta / fitting_prompts: the scripts' common options keep their
-    defaults, and a prompt that would overflow the context is skipped, not truncated."""
+    """add_question_args / question_meta / fitting_prompts: the shared options take the defaults a
+    script passes, the meta records the selection and the machine, and a prompt that would overflow
+    the context is skipped, not truncated."""
     import argparse
 
     from transformers import AutoTokenizer
@@ -309,6 +310,7 @@ def test_benchmark_scripts_share_question_options(long_pair):
     assert (args.per_category, args.max_new_tokens, args.out, args.questions) == (3, 40, Path("bench_out/x"), None)
     meta = question_meta(args)
     assert meta["questions"] == "built-in" and meta["offset"] == 6 and meta["categories"] == ["rag", "qa"]
+    assert {"per_category", "max_new_tokens", "target", "draft", "machine", "cpu_count", "torch"} <= set(meta)
     tokenizer = AutoTokenizer.from_pretrained(str(long_pair.target))
     questions = [{"question_id": 1, "turns": ["hi"]}, {"question_id": 2, "turns": [" ".join(["word"] * 200)]},
                  {"question_id": 3, "turns": ["bye"]}]
@@ -415,6 +417,10 @@ def test_context_branches_benchmark_tallies_by_match_length(long_pair, tmp_path)
                     2: {"branches": 1, "first_right": 1, "accepted": 1},
                     3: {"branches": 1, "first_right": 0, "accepted": 0}}
     assert context_branches.tally(answers, branch_tokens=1)[1]["accepted"] == 1  # runs are capped by the branch
+    # a copy longer than the 3-token n-gram: at position 4 the context ends with 1, 2, 3, 4, which matches
+    # 4 tokens back (the key is the match length, not the n-gram size): branch [5, 6] against [5, 6], run 2
+    copied = context_branches.tally([{"prompt": [9, 1, 2, 3, 4, 5, 6], "answer": [1, 2, 3, 4, 5, 6]}], branch_tokens=2)
+    assert copied[4] == {"branches": 1, "first_right": 1, "accepted": 2} and max(copied) == 5
     assert context_branches.by_bucket({4: rows[1], 5: rows[2], 7: rows[3]}) == {
         4: {"branches": 2, "first_right": 2, "accepted": 3}, 5: {"branches": 1, "first_right": 0, "accepted": 0}}
     path = tmp_path / "q.jsonl"

@@ -45,6 +45,36 @@ def test_match_length_counts_how_far_back_the_occurrence_matches():
     assert match_continuation([3, 3, 3, 3], 4) == ([3], 3)  # overlapping occurrence: ends at index 2, matches 3
 
 
+def _reference(context, max_tokens, max_ngram, min_ngram, max_match):
+    """The pre-match-length lookup (longest n first, then its most recent occurrence), written out
+    plainly, plus the match length counted token by token from the occurrence it picks."""
+    t = len(context)
+    if max_tokens < 1 or t < 2:
+        return [], 0
+    for n in range(min(max_ngram, t - 1), min_ngram - 1, -1):
+        for i in range(t - n - 1, -1, -1):  # occurrence context[i:i+n], most recent first, ending before t - 1
+            if context[i:i + n] == context[t - n:]:
+                e, length = i + n - 1, 0
+                while length < max(max_ngram, max_match) and e - length >= 0 and context[e - length] == context[t - 1 - length]:
+                    length += 1
+                return context[e + 1:e + 1 + max_tokens], length
+    return [], 0
+
+
+def test_match_continuation_agrees_with_a_plain_reference():
+    # small vocabularies make many overlapping and repeated occurrences; every bound and edge is drawn
+    rng = np.random.default_rng(7)
+    for _ in range(3000):
+        vocab = int(rng.integers(1, 5))
+        context = rng.integers(0, vocab, size=int(rng.integers(0, 25))).tolist()
+        max_ngram = int(rng.integers(1, 6))
+        min_ngram = int(rng.integers(1, max_ngram + 1))
+        max_tokens, max_match = int(rng.integers(0, 6)), int(rng.integers(0, 12))
+        got = match_continuation(context, max_tokens, max_ngram, min_ngram, max_match)
+        assert got == _reference(context, max_tokens, max_ngram, min_ngram, max_match), (context, max_tokens, max_ngram, min_ngram, max_match)
+        assert lookup_continuation(context, max_tokens, max_ngram, min_ngram) == got[0]
+
+
 def test_bad_ngram_bounds():
     with pytest.raises(ValueError, match="min_ngram"):
         lookup_continuation([1, 2, 1], 2, max_ngram=1, min_ngram=2)

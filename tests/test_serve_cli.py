@@ -88,7 +88,9 @@ def test_unreachable_server_exits_2():
 @pytest.mark.parametrize("flag, needle", [(["--no-argmax-screen"], "--no-argmax-screen: an in-process option"),
                                           (["--draft-window", "0"], "--draft-window: an in-process option"),
                                           (["--pipeline"], "--pipeline: an in-process option"),
-                                          (["--control", "fixed"], "--control fixed: an in-process option")])
+                                          (["--control", "fixed"], "--control fixed: an in-process option"),
+                                          (["--control", "bogus"], "--control: expected cost-aware"),
+                                          (["--max-context", "64"], "--max-context: an in-process option")])
 def test_in_process_flags_with_server_exit_2(flag, needle):
     # refused before any connection (nothing listens on port 9: a connection attempt would fail with UNAVAILABLE)
     result = cli("generate", "--server", "127.0.0.1:9", *flag, "hi", timeout=60)
