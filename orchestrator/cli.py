@@ -43,9 +43,13 @@ def check_positive(**options) -> None:
             raise UsageError(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
 
 
-def check_choices(dtype: str, draft_quant: str, control: str = "cost-aware") -> None:
+def check_control(control: str) -> None:
     if control not in CONTROLS:
         raise UsageError(f"--control: expected {', '.join(CONTROLS)}, got {control!r}")
+
+
+def check_choices(dtype: str, draft_quant: str, control: str = "cost-aware") -> None:
+    check_control(control)
     if dtype not in ("auto", "bfloat16", "float32", "float16"):
         raise UsageError(f"--dtype: expected auto, bfloat16, float32 or float16, got {dtype!r}")
     if draft_quant not in ("auto", "none", "int8"):
@@ -176,7 +180,7 @@ def generate(
     pipeline: bool = typer.Option(False, "--pipeline", help="Draft round r+1 from round r's likely outcome while the target verifies round r (output unchanged; in-process the two take turns, so it pays with the services)."),
     draft_window: Optional[int] = typer.Option(None, help=_DRAFT_WINDOW_HELP),
     argmax_screen: bool = typer.Option(True, help="Greedy rows of a float32 CPU target take their argmax from an int8 screen of the LM head (same tokens; ~1.2 GB more for the default target)."),
-    server: Optional[str] = typer.Option(None, help="host:port of a generation front (specdec serve): run the request there instead of in-process (the request flags apply; model, dtype, draft-quant and thread flags are the server's, and the in-process options --pipeline, --control, --draft-window, --no-argmax-screen and --max-context are refused)."),
+    server: Optional[str] = typer.Option(None, help="host:port of a generation front (specdec serve): run the request there instead of in-process (the request flags apply; model, dtype, draft-quant and thread flags are the server's, and the in-process options --pipeline, a --control other than cost-aware, --draft-window, --no-argmax-screen and --max-context are refused)."),
     tls_ca: Optional[str] = typer.Option(None, help="With --server: PEM CA bundle that verifies a TLS front."),
     auth_token_file: Optional[str] = typer.Option(None, help="With --server: bearer token file (first line); $SPECDEC_TOKEN takes precedence."),
 ) -> None:
@@ -191,8 +195,10 @@ def generate(
             fail("--no-argmax-screen: an in-process option; a front's target decides (models.argmax_screen)")
         if pipeline:
             fail("--pipeline: an in-process option; a front pipelines when its front.pipeline is on")
-        if control not in CONTROLS:
-            fail(f"--control: expected {', '.join(CONTROLS)}, got {control!r}")
+        try:
+            check_control(control)
+        except UsageError as exc:
+            fail(str(exc))
         if control != "cost-aware":
             fail(f"--control {control}: an in-process option; a front's control is set by "
                  "front.cost_aware.enabled and front.dynamic_gamma.enabled")

@@ -25,8 +25,9 @@ Values: a draft node's value is its parent's value times a(q), the calibrated ch
 agrees with a child of draft probability q given that its parent was accepted
 (``AcceptanceCalibration``, binned by q, learned from this request's verified trees on top of the
 front-wide table); a context node's value uses the chance for its place in the n-gram branch
-and the branch's match length (``ContextCalibration``, ``match_bucket``). Sources: EAGLE-2 (Li et al. 2024, §4: dynamic draft trees ranked by
-draft confidence, which is well calibrated with acceptance), Sequoia (Chen et al. 2024, §3:
+and the branch's match length (``ContextCalibration``, ``match_bucket``). Sources: EAGLE-2 (Li
+et al. 2024, §4: dynamic draft trees ranked by draft confidence, which is well calibrated with
+acceptance), Sequoia (Chen et al. 2024, §3:
 hardware-aware tree size from measured forward times), SpecDec++ (Huang et al. 2024) and DISCO
 (Mamou et al. 2024) on when to stop drafting. Unlike them, the costs here are the running
 deployment's measured V(n) and D(p), kept current from the rounds' own timings.
@@ -123,8 +124,8 @@ class ShapedTree:
 
     tree: the verified tree; draft_index: [N] the node's index in the draft's own tree (None for
     context nodes), for the draft's commit; values: [N] estimated acceptance chances;
-    context: {node: (n, k)} calibration keys of context nodes (n the match bucket, k the place); drafted: nodes the draft proposed
-    (before selection); expected_accepted: sum of values (tokens, bonus excluded).
+    context: {node: (n, k)} calibration keys of context nodes (n the match bucket, k the place);
+    drafted: nodes the draft proposed (before selection); expected_accepted: sum of values (tokens, bonus excluded).
     """
 
     tree: DraftTree

@@ -12,8 +12,8 @@ orchestrator merges these continuations into the draft's tree as extra branches
 
 Worked example: context [5, 7, 9, 2, 5, 7], max_ngram 3, max_tokens 3. The last 3 tokens
 [2, 5, 7] occur nowhere earlier; the last 2, [5, 7], occur at index 0, followed by [9, 2, 5, 7]:
-the continuation is [9, 2, 5], with match length 2 (nothing precedes index 0 to compare with the
-context's 2 before its final [5, 7]).
+the continuation is [9, 2, 5], with match length 2 (index 0 has no token before it to compare
+with the 2 that precedes the context's final [5, 7]).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ def match_continuation(context: Sequence[int], max_tokens: int, max_ngram: int =
     Returns ([K'] ids, L): K' <= max_tokens; L, the match length, counts the tokens before the
     continuation that equal the context's last L tokens, n <= L <= max(max_ngram, max_match). L
     predicts acceptance far better than n: a summary copying a sentence of its source matches it
-    for many tokens, a common phrase elsewhere for few (``benchmarks/context_branches_cpu_2core_
-    2026-12-02.md``; REST, He et al. NAACL'24 §3, retrieves by the longest matching context
-    suffix). ([], 0) when nothing matches.
+    for many tokens, a common phrase elsewhere for few
+    (``benchmarks/context_branches_cpu_2core_2026-12-02.md``; REST, He et al. NAACL'24 §3,
+    retrieves by the longest matching context suffix). ([], 0) when nothing matches.
     Raises ValueError for min_ngram < 1 or max_ngram < min_ngram.
     """
     if min_ngram < 1 or max_ngram < min_ngram:

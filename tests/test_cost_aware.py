@@ -19,7 +19,7 @@ from orchestrator.cost_aware import CostAwareControl, SharedState
 from orchestrator.cost_model import PRIOR_DRAFT_STEP_MS, PRIOR_VERIFY_MS, CostModel
 from orchestrator.controller import GenerationRequest
 from orchestrator.engine import SpeculativeEngine
-from orchestrator.shaping import match_bucket, ngram_continuation
+from orchestrator.shaping import MATCH_BUCKET_LABELS, match_bucket, ngram_continuation
 from specdec.tree_spec import TreeSpec
 from target_service.runtime import TargetRuntime
 from tests.conftest import (
@@ -190,6 +190,9 @@ def test_lookup_is_the_ngram_continuation():
     assert ngram_continuation(source + [0, 0, 1, 2, 3, 4, 5, 6], 2) == ([7, 8], 5)
     assert ngram_continuation(source + [0, 0, 3, 4, 5, 6], 2) == ([7, 8], 4)
     assert [match_bucket(m) for m in range(1, 9)] == [1, 2, 3, 4, 4, 5, 5, 5]
+    long_source = [9, *range(10, 20), 7]  # a 10-token run, then 7
+    assert ngram_continuation(long_source + [0, *range(10, 20)], 1) == ([7], 5)  # counted up to 6, still bucket 5
+    assert {match_bucket(m) for m in range(1, 40)} == set(MATCH_BUCKET_LABELS)
 
 
 def test_seeded_sampled_requests_do_not_depend_on_timings():

@@ -45,23 +45,32 @@ def test_match_length_counts_how_far_back_the_occurrence_matches():
     assert match_continuation([3, 3, 3, 3], 4) == ([3], 3)  # overlapping occurrence: ends at index 2, matches 3
 
 
-def _reference(context, max_tokens, max_ngram, min_ngram, max_match):
-    """The pre-match-length lookup (longest n first, then its most recent occurrence), written out
-    plainly, plus the match length counted token by token from the occurrence it picks."""
-    t = len(context)
+def _old_lookup(context, max_tokens, max_ngram=3, min_ngram=1):
+    """specdec.ngram.lookup_continuation as it was before match lengths (commit 1e71d72), verbatim
+    but for this docstring and the returned start of the continuation: the selection
+    match_continuation must keep. Returns (chain, index of the chain's first token; -1 for none)."""
+    ids = np.asarray(context, dtype=np.int64)  # (T,)
+    t = len(ids)
     if max_tokens < 1 or t < 2:
-        return [], 0
+        return [], -1
     for n in range(min(max_ngram, t - 1), min_ngram - 1, -1):
-        for i in range(t - n - 1, -1, -1):  # occurrence context[i:i+n], most recent first, ending before t - 1
-            if context[i:i + n] == context[t - n:]:
-                e, length = i + n - 1, 0
-                while length < max(max_ngram, max_match) and e - length >= 0 and context[e - length] == context[t - 1 - length]:
-                    length += 1
-                return context[e + 1:e + 1 + max_tokens], length
-    return [], 0
+        tail = ids[t - n:]  # (n,)
+        starts = np.nonzero(ids[: t - n] == tail[0])[0]  # occurrence i must end before the tail starts
+        for i in starts[::-1]:  # most recent first
+            if np.array_equal(ids[i:i + n], tail):
+                return ids[i + n: i + n + max_tokens].tolist(), int(i + n)
+    return [], -1
 
 
-def test_match_continuation_agrees_with_a_plain_reference():
+def _match_length(context, chain_start, cap):
+    """Tokens before ``chain_start`` that equal the context's last tokens, counted one by one up to cap."""
+    length = 0
+    while length < cap and chain_start - 1 - length >= 0 and context[chain_start - 1 - length] == context[-1 - length]:
+        length += 1
+    return length
+
+
+def test_match_continuation_keeps_the_old_selection_and_counts_the_match():
     # small vocabularies make many overlapping and repeated occurrences; every bound and edge is drawn
     rng = np.random.default_rng(7)
     for _ in range(3000):
@@ -70,9 +79,13 @@ def test_match_continuation_agrees_with_a_plain_reference():
         max_ngram = int(rng.integers(1, 6))
         min_ngram = int(rng.integers(1, max_ngram + 1))
         max_tokens, max_match = int(rng.integers(0, 6)), int(rng.integers(0, 12))
-        got = match_continuation(context, max_tokens, max_ngram, min_ngram, max_match)
-        assert got == _reference(context, max_tokens, max_ngram, min_ngram, max_match), (context, max_tokens, max_ngram, min_ngram, max_match)
-        assert lookup_continuation(context, max_tokens, max_ngram, min_ngram) == got[0]
+        case = (context, max_tokens, max_ngram, min_ngram, max_match)
+        chain, length = match_continuation(context, max_tokens, max_ngram, min_ngram, max_match)
+        old_chain, start = _old_lookup(context, max_tokens, max_ngram, min_ngram)
+        assert chain == old_chain, case
+        cap = max(max_ngram, max_match)
+        assert length == (_match_length(context, start, cap) if chain else 0), case
+        assert not chain or min_ngram <= length <= cap, case
 
 
 def test_bad_ngram_bounds():
