@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from orchestrator.bench import _hf_generate, _spec_row, add_question_args, fitting_prompts, load_questions, question_meta  # noqa: E402
+from orchestrator.bench import _hf_generate, _spec_row, add_question_args, fitting_prompts, load_questions, question_meta, write_record  # noqa: E402
 from orchestrator.controller import GenerationRequest  # noqa: E402
 from orchestrator.embedded import build_pipeline, encode_prompt  # noqa: E402
 from specdec.tree_spec import DEFAULT_SPEC  # noqa: E402
@@ -152,10 +152,8 @@ def main(argv: list[str] | None = None) -> dict:
     heads = head_timings(pipe.target_model, head, hidden)
     summary = totals(rows)
     meta = question_meta(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "head": heads, "questions": rows}, indent=2))
-    (args.out / "results.md").write_text(markdown(rows, summary, heads, meta))
-    print(markdown(rows, summary, heads, meta))
+    write_record(args.out, {"meta": meta, "summary": summary, "head": heads, "questions": rows},
+                 markdown(rows, summary, heads, meta))
     return summary
 
 

@@ -18,7 +18,6 @@ results.md. Needs no draft model past the answers.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draft_agreement import target_answers  # noqa: E402
 
-from orchestrator.bench import add_question_args, question_meta  # noqa: E402
+from orchestrator.bench import add_question_args, question_meta, write_record  # noqa: E402
 from orchestrator.shaping import MATCH_BUCKET_LABELS, match_bucket  # noqa: E402
 from specdec.ngram import match_continuation  # noqa: E402
 
@@ -93,21 +92,14 @@ def main(argv: list[str] | None = None) -> dict:
     add_question_args(ap, per_category=1, max_new_tokens=128, out="bench_out/context_branches")
     ap.add_argument("--branch-tokens", type=int, default=16, help="longest branch compared")
     args = ap.parse_args(argv)
-    answers, pipe = target_answers(args)
-    del pipe
-    if not answers:
-        raise SystemExit(f"--max-new-tokens {args.max_new_tokens}: no selected question fits in the context")
+    answers = target_answers(args)
     rows = tally(answers, args.branch_tokens)
     buckets = by_bucket(rows)
     meta = {**question_meta(args), "branch_tokens": args.branch_tokens, "answers": len(answers),
             "answer_tokens": sum(len(a["answer"]) for a in answers)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "buckets": buckets, "match_lengths": rows,
-                                                       "answers": [{k: a[k] for k in ("question_id", "category")}
-                                                                   | {"prompt_tokens": len(a["prompt"])} for a in answers]},
-                                                      indent=2))
-    (args.out / "results.md").write_text(markdown(rows, buckets, meta))
-    print(markdown(rows, buckets, meta))
+    answers_meta = [{k: a[k] for k in ("question_id", "category")} | {"prompt_tokens": len(a["prompt"])} for a in answers]
+    write_record(args.out, {"meta": meta, "buckets": buckets, "match_lengths": rows, "answers": answers_meta},
+                 markdown(rows, buckets, meta))
     return buckets
 
 

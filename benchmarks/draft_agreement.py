@@ -19,7 +19,6 @@ Also the median ms of a one-token step. Writes results.json and results.md.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from orchestrator.bench import add_question_args, fitting_prompts, load_questions, question_meta  # noqa: E402
+from orchestrator.bench import add_question_args, fitting_prompts, load_questions, question_meta, write_record  # noqa: E402
 from orchestrator.controller import GenerationRequest  # noqa: E402
 from orchestrator.embedded import build_pipeline  # noqa: E402
 from specdec.forward import model_forward  # noqa: E402
@@ -41,15 +40,19 @@ from specdec.tree_spec import DEFAULT_SPEC  # noqa: E402
 VARIANTS = ("int8", "float32")
 
 
-def target_answers(args) -> tuple[list[dict], object]:
-    """The target's greedy answer to each question that fits: [{question_id, category, prompt, answer}]."""
+def target_answers(args) -> list[dict]:
+    """The target's greedy answer to each question that fits: [{question_id, category, prompt, answer}].
+    The pipeline is released on return (the target's memory, before a caller loads other models).
+    Raises SystemExit with a message when no selected question fits in the context."""
     questions = load_questions(args.questions, args.per_category, args.offset, args.category)
     pipe = build_pipeline(args.target, args.draft, dtype="float32")
     out = []
     for _, q, ids in fitting_prompts(questions, pipe.tokenizer, args.max_new_tokens, pipe.engine.context_limit):
         result = pipe.engine.generate(GenerationRequest(ids, args.max_new_tokens, spec=DEFAULT_SPEC))
         out.append({"question_id": q["question_id"], "category": q["category"], "prompt": ids, "answer": list(result.tokens)})
-    return out, pipe
+    if not out:
+        raise SystemExit(f"--max-new-tokens {args.max_new_tokens}: no selected question fits in the context")
+    return out
 
 
 @torch.inference_mode()
@@ -93,10 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_question_args(ap, per_category=1, max_new_tokens=48, out="bench_out/draft_agreement")
     args = ap.parse_args(argv)
-    answers, pipe = target_answers(args)
-    del pipe  # the target's memory before the draft variants load
-    if not answers:
-        raise SystemExit(f"--max-new-tokens {args.max_new_tokens}: no selected question fits in the context")
+    answers = target_answers(args)
     draft_dir = resolve_model_dir(args.draft, DEFAULT_DRAFT, "--draft")
     summary = {}
     for variant in VARIANTS:
@@ -107,12 +107,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(variant, summary[variant], flush=True)
         del model
     meta = {**question_meta(args), "answers": len(answers), "threads": torch.get_num_threads()}
-    args.out.mkdir(parents=True, exist_ok=True)
     rows = [{k: a[k] for k in ("question_id", "category")} | {"prompt_tokens": len(a["prompt"]), "answer": a["answer"]}
             for a in answers]
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "answers": rows}, indent=2))
-    (args.out / "results.md").write_text(markdown(summary, meta))
-    print(markdown(summary, meta))
+    write_record(args.out, {"meta": meta, "summary": summary, "answers": rows}, markdown(summary, meta))
     return summary
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orchestrator.bench import _hf_generate, _spec_row, add_question_args, fitting_prompts, load_questions, question_meta  # noqa: E402
+from orchestrator.bench import _hf_generate, _spec_row, add_question_args, fitting_prompts, load_questions, question_meta, write_record  # noqa: E402
 from orchestrator.controller import GenerationRequest  # noqa: E402
 from orchestrator.embedded import build_pipeline, encode_prompt  # noqa: E402
 from specdec.config import DraftWindowConfig  # noqa: E402
@@ -112,10 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = totals(rows, methods)
     meta = {**question_meta(args), "windows": {m: (w.model_dump() if w is not None else None) for m, w in windows.items()},
             "dtype": args.dtype}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "questions": rows}, indent=2))
-    (args.out / "results.md").write_text(markdown(rows, methods, summary, meta))
-    print(markdown(rows, methods, summary, meta))
+    write_record(args.out, {"meta": meta, "summary": summary, "questions": rows}, markdown(rows, methods, summary, meta))
     return summary
 
 

@@ -136,6 +136,15 @@ def question_meta(args) -> dict:
             "torch": torch.__version__}
 
 
+def write_record(out: Path, record: dict, markdown: str) -> None:
+    """A benchmark's record: ``out``/results.json (``record``, indented JSON) and ``out``/results.md
+    (``markdown``, also printed); ``out`` is created if missing. Raises OSError when it cannot be written."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(record, indent=2))
+    (out / "results.md").write_text(markdown)
+    print(markdown)
+
+
 def fitting_prompts(questions: Sequence[dict], tokenizer, max_new_tokens: int,
                     context_limit: int) -> Iterator[tuple[int, dict, list[int]]]:
     """(index, question, prompt ids) of each question whose chat-templated prompt plus

@@ -251,7 +251,7 @@ def ngram_continuation(context: Sequence[int], max_tokens: int, max_ngram: int =
     (``specdec.ngram.match_continuation``: the most recent occurrence of the longest suffix up to
     max_ngram tokens)."""
     chain, match = match_continuation(context, max_tokens, max_ngram=max_ngram, max_match=6)  # 6+: one bucket
-    return (chain, match_bucket(match)) if chain else ([], 0)
+    return chain, match_bucket(match)  # ([], 0) when nothing matches
 
 
 def observe_verified(shaped: ShapedTree, accepted_nodes: Sequence[int], calib: AcceptanceCalibration,

@@ -66,9 +66,3 @@ def match_continuation(context: Sequence[int], max_tokens: int, max_ngram: int =
             return ids[e + 1: e + 1 + max_tokens].tolist(), int(match[best])
     return [], 0
 
-
-def lookup_continuation(context: Sequence[int], max_tokens: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
-    """Tokens that followed the most recent earlier occurrence of the context's last n tokens
-    (``match_continuation`` without the match length): [K'] ids, K' <= max_tokens, empty when
-    nothing matches. Raises ValueError for min_ngram < 1 or max_ngram < min_ngram."""
-    return match_continuation(context, max_tokens, max_ngram, min_ngram)[0]
