@@ -397,6 +397,8 @@ class _Request:
             return _Drafted()
         t0 = time.perf_counter()
         committed_len = len(self.request.prompt_ids) + len(self.stops.generated)
+        if hasattr(self.control, "round_context"):  # optional hook (orchestrator.control.Control)
+            self.control.round_context(self.committed_tokens)
         if not self.control.speculate(time.monotonic(), committed_len, max_depth):
             return _Drafted(fallback=self.control.reason)
         if self.draft_sid is not None and self._widen_due(committed_len, max_depth):

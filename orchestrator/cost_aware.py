@@ -25,11 +25,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from orchestrator.cost_model import CostModel, LoadedCost
 from orchestrator.control import COST, FallbackPolicy
 from orchestrator.shaping import (
-    AcceptanceCalibration, ContextCalibration, Lookup, ShapedTree, observe_verified, shape_tree,
+    AcceptanceCalibration, ContextCalibration, Lookup, ShapedTree, context_path, observe_verified, shape_tree,
 )
 from specdec.config import CostAwareConfig, FallbackConfig
 from specdec.tree import DraftTree, ancestors, node_depths
@@ -154,19 +155,32 @@ class DepthEstimates:
 
 
 def plan_depth(est: DepthEstimates, cost: CostModel | LoadedCost, heads: list[int], max_steps: int,
-               context_value: float = 0.0, context_rows: float = 0.0) -> tuple[int, float]:
+               context_value: float = 0.0, context_rows: float = 0.0,
+               context_path: Sequence[float] | None = None) -> tuple[int, float]:
     """The number of draft steps g in [0, max_steps] with the best predicted rate, and that rate.
 
     heads: [max_steps] parents expanded by each step (the TreeSpec's topHead); context_*: expected
     value and rows of the free context branch, present whatever g is. Rate(g) = (1 + context_value +
     sum of value(d), d <= g) / (D(heads[0]) + ... + D(heads[g-1]) + V(1 + context_rows + sum of
     rows(d)) + overhead), in tokens per ms.
+
+    context_path: [m] this round's own branch (``orchestrator.shaping.context_path``: value k = the
+    chance its first k tokens are accepted); when given it replaces context_value / context_rows
+    (its sum and length), and the draft's value at depth d <= m counts only where the branch fails
+    by depth d, value(d) * (1 - context_path[d-1]): where the branch holds, the accepted token at d is
+    the branch's, which a draft node either repeats (the same node, merged) or misses. Drafting thus
+    stops paying where the context already gives a long, likely run (copying a prompt's passage).
     """
+    if context_path is not None:
+        context_value, context_rows = sum(context_path), len(context_path)
+    path = list(context_path or ())
     tokens, rows = 1.0 + context_value, 1.0 + context_rows
     best_g, best_rate = 0, tokens / cost.round_ms(round(rows))
     draft_ms = 0.0
     for g in range(1, max_steps + 1):
         v, r = est.at(g)
+        if g <= len(path):
+            v *= 1.0 - path[g - 1]
         tokens += v
         rows += r
         draft_ms += cost.draft_step_ms(heads[g - 1])
@@ -235,6 +249,7 @@ class CostAwareControl:
         self.draft_batch = 1  # sessions that shared the last in-line proposal's draft forwards (draft_merged)
         self.probing = False  # this round drafts as a probe (one request alone: its reply says nothing of merging)
         self._planned_spec: TreeSpec | None = None
+        self._context: Sequence[int] | None = None  # this round's committed tokens (round_context), until speculate
 
     def bind_request(self, sampling) -> None:
         """The request's SamplingParams (the round controller calls this once). A sampled request
@@ -245,9 +260,16 @@ class CostAwareControl:
 
     # ----------------------------------------------------------------- before drafting
 
+    def round_context(self, context: Sequence[int]) -> None:
+        """This round's committed tokens [T] (prompt + generated), given before ``speculate``: the
+        plan then values this round's own context branch (``context_path``: its match length and
+        calibrated chances) instead of the average branch of past rounds."""
+        self._context = context
+
     def speculate(self, now: float | None, committed_len: int, depth: int) -> bool:
         """Plan this round (``plan_depth``) under ``depth`` levels; False = no draft this round."""
         self.probing = False
+        context, self._context = self._context, None
         if self.timing_free:
             self.gamma = min(depth, self.base.gamma)
             speculate = self.fallback.speculate(now, committed_len, self.gamma)
@@ -259,7 +281,11 @@ class CostAwareControl:
             return False
         heads = list(spec_at_depth(self.base, max(max_steps, 1), self.max_nodes).top_head)
         cost = self.shared.planning_cost()  # under load: the batch's goodput (LoadedCost)
-        g, rate = plan_depth(self.depths, cost, heads, max_steps, self.context_value, self.context_rows)
+        path = None
+        if context is not None and not (self.first_round_plain and self.rounds == 0):
+            path = context_path(context, self.ctx_calib, cost, cost.round_overhead_ms, self.ngram_tokens,
+                                self.max_ngram, depth, self.lookup)
+        g, rate = plan_depth(self.depths, cost, heads, max_steps, self.context_value, self.context_rows, path)
         if self.first_round_plain and self.rounds == 0:
             g = 0
         elif g == 0 and self.shared.rounds_without_draft >= self.shared.probe_interval(self.probe_every) and max_steps >= 1:

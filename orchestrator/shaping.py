@@ -10,7 +10,8 @@ Three decisions per round, all from the same rate:
 
 1. Before drafting (``plan_depth``): how many draft steps g to run (0 = no draft: a plain round,
    still carrying the free context branches). Expected values per depth come from this request's
-   past trees; the rate of every g in 0..max is compared. While drafting, the draft stops deepening
+   past trees, this round's context branch is valued as the shaping will value it (``context_path``),
+   and a draft node counts only where that branch fails; the rate of every g in 0..max is compared. While drafting, the draft stops deepening
    by itself once the best path is too unlikely to pay for one more step (the TreeSpec's
    ``gammaThreshold``, set per round from the costs: ``stop_threshold``).
 2. After drafting (``shape_tree``): which of the drafted nodes to verify. Nodes are taken best value
@@ -212,8 +213,7 @@ def shape_tree(tree: DraftTree, context: Sequence[int], calib: AcceptanceCalibra
     values = node_values(tree, calib)
     drafted = tree.size
     ctx_keys: dict[int, tuple[int, int]] = {}
-    limit = ngram_tokens if max_depth is None else min(ngram_tokens, max_depth)
-    chain, n = (lookup or partial(ngram_continuation, max_ngram=max_ngram))(context, limit) if limit > 0 else ([], 0)
+    chain, n = context_chain(context, ngram_tokens, max_ngram, max_depth, lookup)
     if chain:
         tree, path = merge_chain(tree, ROOT, chain)
         parent_value = 1.0
@@ -231,6 +231,38 @@ def shape_tree(tree: DraftTree, context: Sequence[int], calib: AcceptanceCalibra
     context_keys = {j: ctx_keys[o] for j, o in enumerate(old) if o in ctx_keys}
     kept_values = tuple(values[o] for o in old)
     return ShapedTree(sub, draft_index, kept_values, context_keys, drafted, sum(kept_values))
+
+
+def context_chain(context: Sequence[int], ngram_tokens: int, max_ngram: int, max_depth: int | None,
+                  lookup: Lookup | None = None) -> tuple[list[int], int]:
+    """This round's context branch: (continuation of at most min(ngram_tokens, max_depth) tokens, its
+    calibration key), ([], 0) when there is none; ``lookup`` replaces ``ngram_continuation``."""
+    limit = ngram_tokens if max_depth is None else min(ngram_tokens, max_depth)
+    if limit <= 0:
+        return [], 0
+    return (lookup or partial(ngram_continuation, max_ngram=max_ngram))(context, limit)
+
+
+def context_path(context: Sequence[int], ctx_calib: ContextCalibration, cost: CostModel, sunk_ms: float,
+                 ngram_tokens: int = 8, max_ngram: int = 3, max_depth: int | None = None,
+                 lookup: Lookup | None = None) -> list[float]:
+    """[m] values of the context branch's nodes that ``shape_tree`` would keep with no draft tree:
+    value k is the chance that the branch's first k tokens are all accepted (the product of
+    ``ctx_calib`` along it). Selection as ``select_by_rate`` on that chain alone: the prefix with the
+    best rate (1 + sum of values) / (sunk_ms + V(1 + m)). [] when the context has no branch. The plan
+    (``orchestrator.cost_aware.plan_depth``) values this round's own branch with it before drafting."""
+    chain, n = context_chain(context, ngram_tokens, max_ngram, max_depth, lookup)
+    values, v = [], 1.0
+    for k in range(1, len(chain) + 1):
+        v *= ctx_calib(n, k)
+        values.append(v)
+    best_m, best_rate, total = 0, 1.0 / (sunk_ms + cost.verify(1)), 1.0
+    for m, value in enumerate(values, start=1):
+        total += value
+        rate = total / (sunk_ms + cost.verify(1 + m))
+        if rate > best_rate:
+            best_m, best_rate = m, rate
+    return values[:best_m]
 
 
 def match_bucket(match: int) -> int:

@@ -432,3 +432,35 @@ def test_context_branches_benchmark_tallies_by_match_length(long_pair, tmp_path)
     assert result["meta"]["answer_tokens"] == 12 and result["meta"]["answers"] == 1
     assert sum(r["branches"] for r in buckets.values()) == sum(r["branches"] for r in result["match_lengths"].values()) > 0
     assert "| match-length bucket |" in (out / "results.md").read_text()
+
+
+def test_context_plan_benchmark_on_tiny_models(long_pair, tmp_path):
+    """benchmarks/context_plan.py: the plan with this round's branch and with the average side by side,
+    each on its own cost model copy; the average variant's controls ignore the round's context."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import context_plan
+
+    from orchestrator.cost_model import CostModel
+    from specdec.tree_spec import DEFAULT_SPEC
+
+    cost = CostModel()
+    variants = context_plan.factories(cost)
+    assert set(variants) == {"round", "average"} and variants["round"].shared.cost is not cost
+    assert variants["round"].shared is not variants["average"].shared
+    for name, make in variants.items():
+        control = make(DEFAULT_SPEC)
+        control.round_context([1, 2, 3])
+        assert (control._context is None) == (name == "average")
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
+                            for i, c, t in [(1, "rag", "one two three one two three one two"), (2, "qa", "hello world")]))
+    out = tmp_path / "out"
+    tot = context_plan.main(["--questions", str(path), "--max-new-tokens", "10", "--target", str(long_pair.target),
+                             "--draft", str(long_pair.draft), "--out", str(out)])
+    result = json.loads((out / "results.json").read_text())
+    rows = result["questions"]
+    assert [r["question_id"] for r in rows] == [1, 2] and all(r["equal"] for r in rows)
+    assert [r["order"] for r in rows] == [["round", "average"], ["average", "round"]]
+    assert tot["round"]["new_tokens"] == sum(r["round"]["new_tokens"] for r in rows) == 20
+    assert set(result["meta"]["cost_model"]) == {"round", "average"}
+    assert "average / round" in (out / "results.md").read_text()

@@ -182,6 +182,43 @@ def test_always_wrong_draft_stops_drafting_without_a_fallback_rule():
     assert result.stats.accepted_tokens == 0
 
 
+class AverageBranchControl(CostAwareControl):
+    """The plan before it saw each round's branch: the moving average of past rounds' branches."""
+
+    def round_context(self, context):
+        pass
+
+
+@pytest.mark.parametrize("cls", [CostAwareControl, AverageBranchControl])
+def test_a_likely_context_branch_replaces_the_draft_in_its_round(cls):
+    """Every round's context branch is the target's next 8 tokens, matched 6+ tokens back (bucket 5),
+    and the draft is always right too. Once the branch's chances are learnt, the control that values
+    each round's own branch stops drafting (the draft would only repeat the branch's nodes); the
+    one that plans from the average of past branches counts the draft's value on top and drafts every
+    round. Both give the target's tokens; every round past the learning commits the whole branch."""
+    model = tiny_model("qwen2", seed=0)
+    prompt = random_prompt(seed=91)
+    n = 60
+    reference = hf_greedy(model, prompt, n + 10)
+    draft = OracleDraft(prompt, reference, agree=CHAIN4.gamma, seed=3)
+
+    def lookup(context, max_tokens):
+        done = len(context) - len(prompt)
+        return reference[done:done + max_tokens], 5
+
+    cost = CostModel({1: 300.0, 64: 300.0 + 63 * 10.0}, {1: 40.0}, alpha=0.0)  # 10 ms a row, 40 ms a step
+    shared = SharedState(cost=cost)
+    factory = lambda s: cls(s, shared, lookup=lookup)  # noqa: E731
+    _, result, records = generate(model, draft, prompt, CHAIN4, factory, n=n)
+    assert result.tokens == reference[:n]
+    late = records[3:-1]  # past the first rounds (the calibration's prior is 0.4) and the budget's last round
+    assert len(late) >= 4 and all(len(r.tokens) == 9 for r in late)  # 8 branch tokens + the bonus
+    if cls is CostAwareControl:
+        assert not any(r.drafted for r in late) and all(r.fallback == "cost" for r in late)
+    else:
+        assert all(r.drafted for r in late)
+
+
 def test_lookup_is_the_ngram_continuation():
     assert ngram_continuation([5, 7, 9, 2, 5, 7], 3) == ([9, 2, 5], 2)
     assert ngram_continuation([1, 2, 3], 3) == ([], 0)

@@ -10,7 +10,8 @@ import pytest
 from orchestrator.cost_aware import DepthEstimates, plan_depth, stop_threshold
 from orchestrator.cost_model import CostModel
 from orchestrator.shaping import (
-    AcceptanceCalibration, ContextCalibration, node_values, observe_verified, select_by_rate, shape_tree,
+    AcceptanceCalibration, ContextCalibration, context_path, ngram_continuation, node_values, observe_verified,
+    select_by_rate, shape_tree,
 )
 from specdec.tree import SOURCE_CONTEXT, DraftTree, Proposal
 
@@ -70,6 +71,55 @@ def test_plan_depth_follows_costs_and_values():
     assert g_cheap == 8 and g_dear < 3
     hopeless = DepthEstimates(value=[0.01, 0.0001], rows=[1.0, 1.0])
     assert plan_depth(hopeless, cheap_draft, heads, 8)[0] == 0  # a draft that is always wrong: no draft
+
+
+def test_plan_depth_values_this_rounds_context_branch():
+    """With this round's branch given (context_path), a likely long branch leaves the draft nothing to
+    add (its value at depth d counts only where the branch fails by d): no draft. A short unlikely
+    branch leaves drafting worth it, and an empty one replaces the average of past rounds' branches."""
+    est = DepthEstimates(value=[0.8, 0.64, 0.51, 0.41], rows=[1.0, 1.0, 1.0, 1.0])
+    heads = [1] * 8
+    cost = CostModel({1: 300.0, 64: 300.0 + 63 * 10.0}, {1: 40.0})  # 10 ms a row, 40 ms a draft step
+    g_none, rate_none = plan_depth(est, cost, heads, 8)
+    assert g_none >= 3
+    likely = [0.95 ** k for k in range(1, 9)]  # a copied passage: 8 tokens, 95% each
+    g_likely, rate_likely = plan_depth(est, cost, heads, 8, context_path=likely)
+    assert g_likely == 0 and rate_likely > rate_none
+    assert plan_depth(est, cost, heads, 8, context_path=[0.3, 0.09])[0] >= 3
+    # the past rounds' average branch (value 5, 8 rows) is not this round's when this round has none
+    assert plan_depth(est, cost, heads, 8, 5.0, 8.0, context_path=[]) == (g_none, rate_none)
+    assert plan_depth(est, cost, heads, 8, 5.0, 8.0)[1] > rate_none  # without a path: the average counts
+    # the discount itself: where the branch is certain to depth 2, drafting 2 steps adds no token
+    sure = [1.0, 1.0]
+    _, rate_sure = plan_depth(est, cost, heads, 2, context_path=sure)
+    assert rate_sure == pytest.approx((1 + 2) / cost.round_ms(3))
+
+
+def test_context_path_is_what_shape_tree_keeps_without_a_draft():
+    """The plan's branch (context_path) is the one the shaping verifies when the draft adds nothing:
+    the values of the context nodes ``shape_tree`` keeps from an empty draft tree, in depth order.
+    200 random contexts, calibrations, costs and budgets; some keep the whole branch, some a part."""
+    whole = part = 0
+    for seed in range(200):
+        rng = np.random.default_rng(seed)
+        passage = [int(t) for t in rng.integers(0, 6, size=12)]
+        filler = [int(t) for t in rng.integers(0, 6, size=int(rng.integers(0, 6)))]
+        context = passage + filler + passage[: int(rng.integers(1, 9))]
+        ctx = ContextCalibration()
+        for _ in range(int(rng.integers(0, 60))):
+            ctx.observe(int(rng.integers(1, 6)), int(rng.integers(1, 6)), bool(rng.random() < 0.7))
+        per_row = float(rng.choice([1.0, 20.0, 80.0, 400.0]))
+        cost = CostModel({1: 300.0, 64: 300.0 + 63 * per_row}, {1: 40.0})
+        sunk, limit = float(rng.choice([0.0, 150.0])), int(rng.integers(1, 9))
+        shaped = shape_tree(DraftTree((), ()), context, AcceptanceCalibration(), ctx, cost, sunk, ngram_tokens=8,
+                            max_depth=limit)
+        assert shaped.draft_index == (None,) * shaped.tree.size
+        path = context_path(context, ctx, cost, sunk, ngram_tokens=8, max_depth=limit)
+        assert path == pytest.approx(list(shaped.values))
+        chain = ngram_continuation(context, limit)[0]
+        whole += bool(path) and len(path) == len(chain)
+        part += 0 < len(path) < len(chain)
+    assert whole >= 20 and part >= 5
 
 
 def test_stop_threshold_grows_with_cost():

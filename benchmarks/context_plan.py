@@ -1,0 +1,130 @@
+"""The plan's context branch, side by side: this round's own branch against the average of past rounds'.
+
+    python benchmarks/context_plan.py --questions question.jsonl --offset 3 --per-category 2 \
+        --category summarization --category rag --category extraction --out bench_out/context_plan
+
+Before drafting, the cost-aware control decides how many draft steps pay (``plan_depth``). With
+``round`` (today's control) it values the context branch this round will verify (its match length,
+its calibrated chances, ``orchestrator.shaping.context_path``) and counts a draft node only where
+that branch fails; with ``average`` (the control before that change: its ``round_context`` hook switched off) it
+adds the moving average of past rounds' branches to every plan and counts the draft in full. Both
+run the default real pair in one process on the same model objects, greedy, each with its own
+SharedState whose cost model is a copy of one start-up measurement; the variants' order alternates
+per question. Per question: seconds, TTFT, decode seconds (total - TTFT), rounds, accepted draft and
+context tokens, rounds without the draft, and whether the two outputs are equal (float32 greedy: they
+must be). Writes results.json and results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from orchestrator.bench import add_question_args, fitting_prompts, load_questions, question_meta, write_record  # noqa: E402
+from orchestrator.controller import GenerationRequest  # noqa: E402
+from orchestrator.cost_aware import SharedState, cost_aware_factory  # noqa: E402
+from orchestrator.embedded import build_pipeline, encode_prompt  # noqa: E402
+from specdec.config import FrontConfig  # noqa: E402
+from specdec.tree_spec import DEFAULT_SPEC, MAX_TREE_NODES  # noqa: E402
+
+VARIANTS = ("round", "average")
+
+
+def factories(cost) -> dict:
+    """{variant: control factory} with the front's settings (``cost_aware_factory``), each over its own
+    SharedState holding a copy of ``cost``; ``average`` controls ignore each round's context (the
+    ``round_context`` hook does nothing), so their plans use the average of past rounds' branches."""
+    front = FrontConfig()
+    out = {}
+    for name in VARIANTS:
+        base = cost_aware_factory(front.cost_aware, front.fallback, SharedState(cost=copy.deepcopy(cost)))
+
+        def make(spec, max_nodes=MAX_TREE_NODES, base=base, name=name):
+            control = base(spec, max_nodes)
+            if name == "average":
+                control.round_context = lambda context: None
+            return control
+
+        make.shared = base.shared
+        out[name] = make
+    return out
+
+
+def row_of(result) -> dict:
+    s = result.stats
+    return {"new_tokens": s.new_tokens, "s": s.total_s, "ttft_ms": s.ttft_ms, "decode_s": s.total_s - s.ttft_ms / 1000,
+            "rounds": s.rounds, "accepted": s.accepted_tokens, "context_accepted": s.context_accepted_tokens,
+            "context_proposed": s.context_proposed_tokens, "cost_plain_rounds": s.cost_plain_rounds,
+            "drafted": s.drafted_tokens}
+
+
+def totals(rows: list[dict]) -> dict:
+    out = {}
+    for v in VARIANTS:
+        out[v] = {k: sum(r[v][k] for r in rows) for k in ("new_tokens", "s", "decode_s", "rounds", "cost_plain_rounds")}
+    out["average_over_round"] = {k: out["average"][k] / out["round"][k] for k in ("s", "decode_s") if out["round"][k]}
+    return out
+
+
+def markdown(meta: dict, rows: list[dict], tot: dict) -> str:
+    lines = ["# Context branch in the plan: this round's vs the average (side by side)", "",
+             f"Questions: {meta['questions']}, offset {meta['offset']}, {meta['per_category']} per category "
+             f"{', '.join(meta['categories']) or '(all)'}, {meta['max_new_tokens']} new tokens, greedy. "
+             f"Machine: {meta['machine']}, {meta['cpu_count']} CPUs, torch {meta['torch']}.", "",
+             "| question | category | prompt | variant | s | TTFT s | decode s | rounds | accepted | context acc/prop "
+             "| rounds without draft | equal |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for v in VARIANTS:
+            x = r[v]
+            lines.append(f"| {r['question_id']} | {r['category']} | {r['prompt_tokens']} | {v} | {x['s']:.1f} | "
+                         f"{x['ttft_ms'] / 1000:.1f} | {x['decode_s']:.1f} | {x['rounds']} | {x['accepted']} | "
+                         f"{x['context_accepted']}/{x['context_proposed']} | {x['cost_plain_rounds']} | "
+                         f"{'yes' if r['equal'] else 'NO'} |")
+    ratio = tot["average_over_round"]
+    lines += ["", f"Totals: round {tot['round']['s']:.1f} s ({tot['round']['decode_s']:.1f} s decode), average "
+              f"{tot['average']['s']:.1f} s ({tot['average']['decode_s']:.1f} s decode); average / round = "
+              f"{ratio.get('s', float('nan')):.3f} end to end, {ratio.get('decode_s', float('nan')):.3f} decode "
+              f"(> 1: this round's branch is faster). Outputs equal on {sum(r['equal'] for r in rows)}/{len(rows)}.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the comparison and write the record; returns its totals (``totals``)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_question_args(parser, per_category=2, max_new_tokens=128, out="bench_out/context_plan")
+    args = parser.parse_args(argv)
+    questions = load_questions(args.questions, args.per_category, args.offset, args.category)
+    pipe = build_pipeline(args.target, args.draft)
+    controller = pipe.engine.controller
+    variants = factories(pipe.shared.cost)
+    warm = encode_prompt(pipe.tokenizer, "Say hi.", raw=False)
+    for make in variants.values():  # warm-up, not recorded
+        controller.control_factory = make
+        pipe.engine.generate(GenerationRequest(warm, 8, spec=DEFAULT_SPEC))
+    rows = []
+    for i, q, ids in fitting_prompts(questions, pipe.tokenizer, args.max_new_tokens, pipe.engine.context_limit):
+        order = VARIANTS if i % 2 == 0 else VARIANTS[::-1]
+        tokens, row = {}, {"question_id": q["question_id"], "category": q["category"], "prompt_tokens": len(ids),
+                           "order": list(order)}
+        for v in order:
+            controller.control_factory = variants[v]
+            result = pipe.engine.generate(GenerationRequest(ids, args.max_new_tokens, spec=DEFAULT_SPEC))
+            tokens[v], row[v] = result.tokens, row_of(result)
+            print(q["question_id"], q["category"], v, {k: round(x, 2) for k, x in row[v].items()}, flush=True)
+        row["equal"] = tokens["round"] == tokens["average"]
+        rows.append(row)
+    if not rows:
+        raise SystemExit("no selected question fits in the context")
+    meta = {**question_meta(args), "spec": DEFAULT_SPEC.to_json(),
+            "cost_model": {v: make.shared.cost.snapshot() for v, make in variants.items()}}
+    tot = totals(rows)
+    write_record(args.out, {"meta": meta, "totals": tot, "questions": rows}, markdown(meta, rows, tot))
+    return tot
+
+
+if __name__ == "__main__":
+    main()
