@@ -109,7 +109,7 @@ class Control(Protocol):
         ahead, got no reply within the draft deadline of waited_s seconds; before draft_failed) and
         ``draft_merged(batch_size)`` (after an in-line proposal whose reply says how many sessions'
         tree steps shared its draft forwards: the draft service's batch_size, 1 = alone) and
-        ``round_context(context)`` (each round before ``speculate``: the committed tokens [T], prompt
+        ``round_context(context)`` (right before each ``speculate``: the committed tokens [T], prompt
         + generated, so the plan can value this round's context branch)."""
 
 

@@ -10,10 +10,11 @@ Three decisions per round, all from the same rate:
 
 1. Before drafting (``plan_depth``): how many draft steps g to run (0 = no draft: a plain round,
    still carrying the free context branches). Expected values per depth come from this request's
-   past trees, this round's context branch is valued as the shaping will value it (``context_path``),
-   and a draft node counts only where that branch fails; the rate of every g in 0..max is compared. While drafting, the draft stops deepening
-   by itself once the best path is too unlikely to pay for one more step (the TreeSpec's
-   ``gammaThreshold``, set per round from the costs: ``stop_threshold``).
+   past trees; this round's context branch is valued as the shaping would keep it without a
+   draft (``context_path``), and a draft node counts only where that branch fails; the rate of
+   every g in 0..max is compared. While drafting, the draft stops deepening by itself once the
+   best path is too unlikely to pay for one more step (the TreeSpec's ``gammaThreshold``, set per
+   round from the costs: ``stop_threshold``).
 2. After drafting (``shape_tree``): which of the drafted nodes to verify. Nodes are taken best value
    first (keeping the tree ancestor-closed, and for sampled treeType-1 children a draw-order prefix
    of each sibling set) while the round's rate keeps rising: one more verify row costs V(n + 1) -
@@ -125,7 +126,8 @@ class ShapedTree:
 
     tree: the verified tree; draft_index: [N] the node's index in the draft's own tree (None for
     context nodes), for the draft's commit; values: [N] estimated acceptance chances;
-    context: {node: (n, k)} calibration keys of context nodes (n the match bucket, k the place);
+    context: {node: (n, k)} calibration keys of the context branch's nodes, draft nodes it shares
+    included (n the match bucket, k the place);
     drafted: nodes the draft proposed (before selection); expected_accepted: sum of values (tokens, bonus excluded).
     """
 
@@ -221,9 +223,9 @@ def shape_tree(tree: DraftTree, context: Sequence[int], calib: AcceptanceCalibra
             v = parent_value * ctx_calib(n, k)
             if node >= len(values):
                 values.append(v)
-                ctx_keys[node] = (n, k)
             else:
                 values[node] = max(values[node], v)  # a draft node the n-gram also proposes
+            ctx_keys[node] = (n, k)  # shared nodes too: the branch's chances are learnt where the draft agrees
             parent_value = values[node]
     keep = select_by_rate(tree, values, cost, sunk_ms)
     sub, old = select_nodes(tree, keep)
@@ -250,7 +252,9 @@ def context_path(context: Sequence[int], ctx_calib: ContextCalibration, cost: Co
     value k is the chance that the branch's first k tokens are all accepted (the product of
     ``ctx_calib`` along it). Selection as ``select_by_rate`` on that chain alone: the prefix with the
     best rate (1 + sum of values) / (sunk_ms + V(1 + m)). [] when the context has no branch. The plan
-    (``orchestrator.cost_aware.plan_depth``) values this round's own branch with it before drafting."""
+    (``orchestrator.cost_aware.plan_depth``) values this round's own branch with it before drafting,
+    for every number of draft steps alike (after drafting, the drafting time adds to sunk_ms, so the
+    shaping may keep a longer branch than this)."""
     chain, n = context_chain(context, ngram_tokens, max_ngram, max_depth, lookup)
     values, v = [], 1.0
     for k in range(1, len(chain) + 1):

@@ -461,6 +461,6 @@ def test_context_plan_benchmark_on_tiny_models(long_pair, tmp_path):
     rows = result["questions"]
     assert [r["question_id"] for r in rows] == [1, 2] and all(r["equal"] for r in rows)
     assert [r["order"] for r in rows] == [["round", "average"], ["average", "round"]]
-    assert tot["round"]["new_tokens"] == sum(r["round"]["new_tokens"] for r in rows) == 20
+    assert tot["round"]["new_tokens"] == sum(r["round"]["new_tokens"] for r in rows) == tot["average"]["new_tokens"] > 0
     assert set(result["meta"]["cost_model"]) == {"round", "average"}
     assert "average / round" in (out / "results.md").read_text()

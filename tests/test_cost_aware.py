@@ -198,7 +198,7 @@ def test_a_likely_context_branch_replaces_the_draft_in_its_round(cls):
     round. Both give the target's tokens; every round past the learning commits the whole branch."""
     model = tiny_model("qwen2", seed=0)
     prompt = random_prompt(seed=91)
-    n = 60
+    n = 90
     reference = hf_greedy(model, prompt, n + 10)
     draft = OracleDraft(prompt, reference, agree=CHAIN4.gamma, seed=3)
 
@@ -211,7 +211,7 @@ def test_a_likely_context_branch_replaces_the_draft_in_its_round(cls):
     factory = lambda s: cls(s, shared, lookup=lookup)  # noqa: E731
     _, result, records = generate(model, draft, prompt, CHAIN4, factory, n=n)
     assert result.tokens == reference[:n]
-    late = records[3:-1]  # past the first rounds (the calibration's prior is 0.4) and the budget's last round
+    late = records[4:-1]  # past the first rounds (the calibration's prior is 0.4) and the budget's last round
     assert len(late) >= 4 and all(len(r.tokens) == 9 for r in late)  # 8 branch tokens + the bonus
     if cls is CostAwareControl:
         assert not any(r.drafted for r in late) and all(r.fallback == "cost" for r in late)

@@ -139,7 +139,7 @@ def test_shape_tree_merges_the_context_branch():
     assert [shaped.tree.tokens[i] for i in new] == [11, 6]
     assert all(shaped.tree.sources[i] == SOURCE_CONTEXT for i in new)
     assert shaped.tree.parents[new[0]] == 0 and shaped.tree.parents[new[1]] == new[0]
-    assert shaped.context == {new[0]: (1, 2), new[1]: (1, 3)}
+    assert shaped.context == {0: (1, 1), new[0]: (1, 2), new[1]: (1, 3)}  # the shared node is the branch's too
     assert shaped.expected_accepted == pytest.approx(sum(shaped.values))
 
 
