@@ -18,7 +18,6 @@ must be). Writes results.json and results.md.
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from orchestrator.bench import add_question_args, fitting_prompts, load_questions, question_meta, write_record  # noqa: E402
 from orchestrator.controller import GenerationRequest  # noqa: E402
 from orchestrator.cost_aware import SharedState, cost_aware_factory  # noqa: E402
+from orchestrator.cost_model import CostModel  # noqa: E402
 from orchestrator.embedded import build_pipeline, encode_prompt  # noqa: E402
 from specdec.config import FrontConfig  # noqa: E402
 from specdec.tree_spec import DEFAULT_SPEC, MAX_TREE_NODES  # noqa: E402
@@ -41,7 +41,9 @@ def factories(cost) -> dict:
     front = FrontConfig()
     out = {}
     for name in VARIANTS:
-        base = cost_aware_factory(front.cost_aware, front.fallback, SharedState(cost=copy.deepcopy(cost)))
+        snap = cost.snapshot()  # a copy: the same start-up figures, learnt on from there by each variant alone
+        copied = CostModel(snap["verify_ms"], snap["draft_step_ms"], source=cost.source)
+        base = cost_aware_factory(front.cost_aware, front.fallback, SharedState(cost=copied))
 
         def make(spec, max_nodes=MAX_TREE_NODES, base=base, name=name):
             control = base(spec, max_nodes)

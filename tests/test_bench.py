@@ -446,6 +446,7 @@ def test_context_plan_benchmark_on_tiny_models(long_pair, tmp_path):
     cost = CostModel()
     variants = context_plan.factories(cost)
     assert set(variants) == {"round", "average"} and variants["round"].shared.cost is not cost
+    assert variants["average"].shared.cost.snapshot()["verify_ms"] == cost.snapshot()["verify_ms"]
     assert variants["round"].shared is not variants["average"].shared
     for name, make in variants.items():
         control = make(DEFAULT_SPEC)
