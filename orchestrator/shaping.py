@@ -256,17 +256,14 @@ def context_path(context: Sequence[int], ctx_calib: ContextCalibration, cost: Co
     for every number of draft steps alike (after drafting, the drafting time adds to sunk_ms, so the
     shaping may keep a longer branch than this)."""
     chain, n = context_chain(context, ngram_tokens, max_ngram, max_depth, lookup)
+    if not chain:
+        return []
     values, v = [], 1.0
     for k in range(1, len(chain) + 1):
         v *= ctx_calib(n, k)
         values.append(v)
-    best_m, best_rate, total = 0, 1.0 / (sunk_ms + cost.verify(1)), 1.0
-    for m, value in enumerate(values, start=1):
-        total += value
-        rate = total / (sunk_ms + cost.verify(1 + m))
-        if rate > best_rate:
-            best_m, best_rate = m, rate
-    return values[:best_m]
+    tree, _ = merge_chain(DraftTree((), ()), ROOT, chain)
+    return values[:len(select_by_rate(tree, values, cost, sunk_ms))]  # falling values: the kept nodes are a prefix
 
 
 def match_bucket(match: int) -> int:
