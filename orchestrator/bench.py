@@ -196,7 +196,22 @@ def _spec_row(stats: GenerationStats) -> dict:
     return {"new_tokens": stats.new_tokens, "s": stats.total_s, "ttft_ms": stats.ttft_ms, "rounds": stats.rounds,
             "proposed": stats.proposed_tokens, "accepted": stats.accepted_tokens, "drafted": stats.drafted_tokens,
             "context_proposed": stats.context_proposed_tokens, "context_accepted": stats.context_accepted_tokens,
-            "expected_accepted": round(stats.expected_accepted_tokens, 2), "cost_plain_rounds": stats.cost_plain_rounds}
+            "expected_accepted": round(stats.expected_accepted_tokens, 2), "cost_plain_rounds": stats.cost_plain_rounds,
+            "position_proposed": list(stats.position_proposed), "position_accepted": list(stats.position_accepted)}
+
+
+def position_sums(runs: list[dict]) -> tuple[list[int], list[int]]:
+    """Element-wise sums of the runs' position_proposed and position_accepted (GenerationStats;
+    rows written before they existed count as none)."""
+    proposed: list[int] = []
+    accepted: list[int] = []
+    for r in runs:
+        for sums, key in ((proposed, "position_proposed"), (accepted, "position_accepted")):
+            counts = r.get(key, [])
+            sums.extend([0] * (len(counts) - len(sums)))
+            for d, n in enumerate(counts):
+                sums[d] += n
+    return proposed, accepted
 
 
 def greedy_methods(hf_assisted: bool = True, prompt_lookup: bool = True) -> list[str]:
@@ -271,6 +286,9 @@ def summarize(rows: list[dict]) -> dict:
     out["mean_accepted_length"] = _ratio(sum(s["new_tokens"] for s in spec), sum(s["rounds"] for s in spec))
     out["acceptance_rate"] = _ratio(sum(s["accepted"] for s in spec), sum(s["proposed"] for s in spec))
     out["efficiency"] = _ratio(out["speculative_speedup"], out["mean_accepted_length"])
+    proposed, accepted = position_sums(spec)
+    out["position_proposed"] = proposed
+    out["acceptance_by_position"] = [_ratio(a, p) for a, p in zip(accepted, proposed)]
     if "sampled" in rows[0]:
         sampled = [r["sampled"] for r in rows]
         out["sampled_tokens_per_s"] = method_figures(sampled)["tokens_per_s"]
@@ -322,9 +340,26 @@ def latency_table(summary: dict[str, dict]) -> str:
     return _table(head, rows)
 
 
+def position_table(summary: dict[str, dict]) -> str:
+    """One row per category: ours' (greedy) acceptance at each tree position, with the number of
+    rounds whose tree reached it in parentheses; empty when no round drafted."""
+    depth = max((len(s.get("position_proposed", [])) for s in summary.values()), default=0)
+    if depth == 0:
+        return ""
+    rows = []
+    for cat, s in summary.items():
+        proposed, rates = s.get("position_proposed", []), s.get("acceptance_by_position", [])
+        rows.append([cat] + [f"{rates[d]:.2f} ({proposed[d]})" if d < len(proposed) and proposed[d] else "-"
+                             for d in range(depth)])
+    return _table(["acceptance at position"] + [str(d + 1) for d in range(depth)], rows)
+
+
 def markdown_table(summary: dict[str, dict], temperature: float | None = None) -> str:
-    """The speedup table, then the TTFT / tokens/s table (blank line between)."""
-    return speedup_table(summary, temperature) + "\n" + latency_table(summary)
+    """The speedup table, the TTFT / tokens/s table, then ours' acceptance per tree position (blank
+    lines between)."""
+    positions = position_table(summary)
+    return (speedup_table(summary, temperature) + "\n" + latency_table(summary)
+            + ("\n" + positions if positions else ""))
 
 
 # ----------------------------------------------------------------------------------------- run
@@ -400,5 +435,8 @@ def _report(meta: dict, spec: TreeSpec, dtype: str, sampling: SamplingParams, ma
             "Speedups are against target-only in the same run: end to end (new tokens / total time) and "
             "decode only ((new tokens - 1) / (total time - TTFT)). Efficiency = speedup / mean accepted "
             f"length. HF prompt lookup: `prompt_lookup_num_tokens={PROMPT_LOOKUP_NUM_TOKENS}`. "
-            "`X = target`: share of questions whose greedy output equals target-only's.\n\n"
+            "`X = target`: share of questions whose greedy output equals target-only's. Acceptance at "
+            "position d: of the rounds whose verified tree (draft and context branches) reached depth d, the "
+            "share whose committed path reached it too (rounds in parentheses; vLLM's per-position "
+            "acceptance).\n\n"
             f"{table}")

@@ -120,6 +120,14 @@ class TextStream:
         self.printed = len(text)
 
 
+def _positions_line(proposed, accepted, shown: int = 8) -> str:
+    """'1: 0.82 (55), 2: ...': per tree position, the share of the rounds whose tree reached it whose
+    committed path reached it too (rounds in parentheses), the first ``shown`` positions."""
+    cells = [f"{d + 1}: {a / p:.2f} ({p})" for d, (p, a) in enumerate(zip(proposed, accepted)) if d < shown and p]
+    more = len(proposed) - shown
+    return ", ".join(cells) + (f", ... ({more} deeper)" if more > 0 else "")
+
+
 def stats_table(stats, speculate: bool, sampling: SamplingParams = SamplingParams(), cost: dict | None = None) -> Table:
     """The end-of-run table; cost: the cost model's snapshot (CostModel.snapshot) when cost-aware."""
     table = Table(title="speculation stats" if speculate else "target-only stats", show_header=False)
@@ -129,6 +137,9 @@ def stats_table(stats, speculate: bool, sampling: SamplingParams = SamplingParam
             ("acceptance rate", f"{stats.acceptance_rate:.3f}  ({stats.accepted_tokens}/{stats.proposed_tokens} draft tokens)"),
             ("mean accepted length", f"{stats.mean_accepted_length:.2f} tokens/round"),
         ]
+        proposed = list(getattr(stats, "position_proposed", ()))  # GenerationStats or FinalStats
+        if proposed:
+            rows.append(("acceptance by position", _positions_line(proposed, list(stats.position_accepted))))
     if speculate and (stats.pipeline_ahead_hits or stats.pipeline_ahead_misses):
         rows.append(("pipelining", f"{stats.pipeline_ahead_hits} ahead trees adopted, {stats.pipeline_ahead_misses} discarded"))
     if speculate and cost is not None:

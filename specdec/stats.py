@@ -12,7 +12,7 @@ nodes); mean accepted length = tokens committed per round, bonus included.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 COST_REASON = "cost"  # orchestrator.control.COST: a planned round without the draft, not a fallback
 
@@ -63,6 +63,10 @@ class GenerationStats:
     failovers: int = 0  # times the request moved to another orchestrator actor after its own failed
     pipeline_ahead_hits: int = 0  # pipelining: aheads adopted (the next round's tree was ready when its verify began)
     pipeline_ahead_misses: int = 0  # pipelining: aheads discarded (a guess or a path missed) or failed
+    # per position (vLLM's per-position acceptance; orchestrator.metrics specdec_position_*): index d - 1
+    # counts the rounds whose verified tree reached depth d / whose committed draft path reached depth d
+    position_proposed: list[int] = field(default_factory=list)
+    position_accepted: list[int] = field(default_factory=list)
 
     def add(self, record: RoundRecord, elapsed_s: float) -> None:
         """Count one round. elapsed_s: seconds from the request's start to the end of this round
@@ -80,6 +84,13 @@ class GenerationStats:
         self.final_gamma = record.gamma
         self.pipeline_ahead_hits += record.ahead == "hit"
         self.pipeline_ahead_misses += record.ahead in ("miss", "failed")
+        grow = record.depth - len(self.position_proposed)
+        if grow > 0:
+            self.position_proposed.extend([0] * grow)
+            self.position_accepted.extend([0] * grow)
+        for d in range(record.depth):
+            self.position_proposed[d] += 1
+            self.position_accepted[d] += d < record.accepted
         if self.rounds == 1:
             self.ttft_ms = elapsed_s * 1000
 
@@ -87,6 +98,13 @@ class GenerationStats:
     def acceptance_rate(self) -> float:
         """Accepted draft tokens / proposed draft tokens."""
         return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """[max tree depth]: at position d (index d - 1), the share of the rounds whose verified tree
+        reached depth d whose committed path reached it too (vLLM's per-position acceptance rate; a
+        round cut by a stop counts the draft tokens it committed)."""
+        return [a / p if p else 0.0 for a, p in zip(self.position_accepted, self.position_proposed)]
 
     @property
     def mean_accepted_length(self) -> float:

@@ -119,4 +119,5 @@ def stats_to_proto(stats: GenerationStats, prompt_tokens: int) -> generation_pb2
         context_proposed_tokens=stats.context_proposed_tokens, context_accepted_tokens=stats.context_accepted_tokens,
         expected_accepted_tokens=stats.expected_accepted_tokens, failovers=stats.failovers,
         pipeline_ahead_hits=stats.pipeline_ahead_hits, pipeline_ahead_misses=stats.pipeline_ahead_misses,
+        position_proposed=stats.position_proposed, position_accepted=stats.position_accepted,
     )

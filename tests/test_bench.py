@@ -121,6 +121,21 @@ def test_tables_show_every_method():
     assert cell["spec decode tok/s"] == f"{12 / 1.1:.2f}" and cell["target tok/s"] == "4.67"
 
 
+def test_acceptance_by_position_sums_the_questions():
+    rows = _method_rows()
+    rows[0]["speculative"].update(position_proposed=[3, 2, 1], position_accepted=[2, 1, 0])
+    rows[1]["speculative"].update(position_proposed=[2, 2, 2, 1], position_accepted=[2, 1, 1, 1])
+    s = summarize(rows)
+    assert s["position_proposed"] == [5, 4, 3, 1]
+    assert s["acceptance_by_position"] == pytest.approx([4 / 5, 2 / 4, 1 / 3, 1.0])
+    lines = markdown_table({"qa": s, "math": summarize(rows[:1])}).splitlines()
+    head = lines.index("| acceptance at position | 1 | 2 | 3 | 4 |")
+    assert lines[head + 2] == "| qa | 0.80 (5) | 0.50 (4) | 0.33 (3) | 1.00 (1) |"
+    assert lines[head + 3] == "| math | 0.67 (3) | 0.50 (2) | 0.00 (1) | - |"  # its tree never reached depth 4
+    old = summarize(_method_rows())  # rows written before the counts existed: no position table
+    assert old["position_proposed"] == [] and "acceptance at position" not in markdown_table({"qa": old})
+
+
 def test_table_without_hf_methods():
     rows = _method_rows()
     for r in rows:
@@ -240,6 +255,15 @@ def test_bench_builtin_set_end_to_end(long_pair, tmp_path):
         for m in METHODS[1:]:
             assert s[f"{m}_speedup"] > 0 and s[f"{m}_decode_speedup"] > 0
         assert s["mean_accepted_length"] >= 1 and s["efficiency"] > 0
+    spec_rows = [r["speculative"] for r in rows]
+    for r in spec_rows:  # each accepted draft token sits at one position of its round's accepted path
+        proposed, accepted = r["position_proposed"], r["position_accepted"]
+        assert sum(accepted) == r["accepted"] and len(accepted) == len(proposed)
+        assert all(a <= p for a, p in zip(accepted, proposed)) and proposed == sorted(proposed, reverse=True)
+    deepest = max(len(r["position_proposed"]) for r in spec_rows)
+    assert deepest >= 1 and "| acceptance at position | 1 |" in (out / "results.md").read_text()
+    assert summary["overall"]["position_proposed"] == [sum(r["position_proposed"][d] for r in spec_rows
+                                                           if d < len(r["position_proposed"])) for d in range(deepest)]
     md = (out / "results.md").read_text()
     assert "built-in prompt set" in md and "HF prompt lookup decode speedup" in md and "spec TTFT ms" in md
 

@@ -141,3 +141,31 @@ def test_sampling_option_names_in_messages():
                          ((1, 1.0, -2, None), "--top-k"), ((1, 1.0, 0, -5), "--seed")]:
         with pytest.raises(UsageError, match=f"^{option}: "):
             sampling_params(*args)
+
+
+def test_stats_table_shows_acceptance_by_position_for_local_and_remote_stats():
+    """The end-of-run table reads the per-position counts from GenerationStats (in-process) and from
+    FinalStats (generate --server) alike; positions past the eighth are summarized."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from orchestrator.cli import stats_table
+    from specdec.stats import GenerationStats
+    from specdec.wire import stats_to_proto
+
+    local = GenerationStats(new_tokens=12, rounds=4, proposed_tokens=20, accepted_tokens=8,
+                            position_proposed=[4, 3, 3, 1, 1, 1, 1, 1, 1, 1], position_accepted=[3, 2, 1, 1, 1, 0, 0, 0, 0, 0])
+    msg = stats_to_proto(local, prompt_tokens=5)
+    remote = SimpleNamespace(**{f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}, tokens_per_s=0.0)  # as orchestrator.remote
+    for stats in (local, remote):
+        console = Console(record=True, width=400)
+        console.print(stats_table(stats, True))
+        text = console.export_text()
+        row = next(line for line in text.splitlines() if "acceptance by position" in line)
+        assert row.split("│")[2].strip() == ("1: 0.75 (4), 2: 0.67 (3), 3: 0.33 (3), 4: 1.00 (1), 5: 1.00 (1), "
+                                             "6: 0.00 (1), 7: 0.00 (1), 8: 0.00 (1), ... (2 deeper)"), text
+        assert "... (2 deeper)" in text and "9:" not in text
+    console = Console(record=True, width=400)
+    console.print(stats_table(GenerationStats(new_tokens=3, rounds=3), True))  # no tree verified: no row
+    assert "acceptance by position" not in console.export_text()

@@ -192,6 +192,32 @@ def test_acceptance_per_position_from_round_records():
     assert sample(m, "specdec_position_proposed_tokens_total", position="4") is None
 
 
+def test_request_stats_count_positions_as_the_metrics_do():
+    """GenerationStats (the CLI's, the bench's and FinalStats' per-position counts) and the Prometheus
+    series agree round by round; rounds of different depths, partial acceptance at depths 1-3, a round
+    accepting its whole depth-4 tree, a plain round, and a round cut by a stop."""
+    from specdec.stats import GenerationStats
+    from specdec.wire import stats_to_proto
+
+    times = dict(draft_s=0.01, verify_s=0.1, commit_s=0.01)
+    outcomes = [(3, 1), (4, 4), (2, 0), (0, 0), (5, 3), (1, 1), (6, 2)]  # (tree depth, accepted draft tokens)
+    m, stats = SpecMetrics(CollectorRegistry()), GenerationStats()
+    for i, (depth, accepted) in enumerate(outcomes):
+        record = RoundRecord(tuple(range(accepted + 1)), proposed=depth * 2, accepted=accepted, depth=depth,
+                             fallback=None, gamma=depth, **times)
+        m.observe_round(record)
+        stats.add(record, 0.1 * (i + 1))
+    assert stats.position_proposed == [6, 5, 4, 3, 2, 1]
+    assert stats.position_accepted == [5, 3, 2, 1, 0, 0]
+    assert stats.acceptance_by_position == [5 / 6, 3 / 5, 2 / 4, 1 / 3, 0.0, 0.0]
+    for d in range(1, 7):
+        assert sample(m, "specdec_position_proposed_tokens_total", position=str(d)) == stats.position_proposed[d - 1]
+        assert sample(m, "specdec_position_accepted_tokens_total", position=str(d)) == stats.position_accepted[d - 1]
+    msg = stats_to_proto(stats, prompt_tokens=3)  # what a gRPC (and HTTP) client's FinalStats carries
+    assert list(msg.position_proposed) == [6, 5, 4, 3, 2, 1] and list(msg.position_accepted) == [5, 3, 2, 1, 0, 0]
+    assert GenerationStats().acceptance_by_position == []
+
+
 def test_track_stream_request_latency_ttft_itl_and_gauges():
     """A scripted stream (first chunk of 1 token at t=0.5 s, then 3 tokens at 1.1 s, final stats at
     1.2 s) under a scripted clock; the gauges are read while the stream is inside each stage."""
