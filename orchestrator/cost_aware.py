@@ -16,7 +16,10 @@ controller calls around verification. What it decides, per round:
 A draft that is always wrong drives the calibrated values to zero, so g = 0 wins the comparison and
 the request decodes without drafting: no separate low-acceptance rule. One draft step is still
 tried after ``probe_every`` rounds without one (counted over all the requests sharing the state),
-since nothing else would show that the draft got better. Draft failures and the draft's context limit keep their rules (``FallbackPolicy``, its
+since nothing else would show that the draft got better; under load on shared compute, where not
+even a draft that is always right could pay at the current costs (``could_pay``: plain batched
+decoding wins whatever the acceptance), four times less often: such a probe only re-times the
+draft, and takes every request's compute and, for a deferred draft, a prefill. Draft failures and the draft's context limit keep their rules (``FallbackPolicy``, its
 low-acceptance cut-off switched off).
 """
 
@@ -37,6 +40,7 @@ from specdec.tree import DraftTree, ancestors, node_depths
 from specdec.tree_spec import MAX_TREE_NODES, TreeSpec, max_depth_for, spec_at_depth
 
 LOADED = 1.5  # sessions (moving average) from which other requests count as running: load-aware rules apply
+UNPAYING_PROBE_FACTOR = 4  # probes come this much less often where no acceptance could make the draft pay
 
 
 @dataclass
@@ -190,6 +194,17 @@ def plan_depth(est: DepthEstimates, cost: CostModel | LoadedCost, heads: list[in
     return best_g, best_rate
 
 
+def could_pay(cost: CostModel | LoadedCost, heads: list[int], max_steps: int) -> bool:
+    """Whether some number of draft steps beats a round without the draft when every drafted token
+    is accepted (value 1 and one row per depth: the most any draft can bring, ``plan_depth``'s
+    rate); False where plain decoding wins whatever the acceptance, as under load on shared compute
+    once the batch's verify is compute-bound (SmartSpec's goodput, Liu et al. 2024, section 4).
+
+    heads: [max_steps] parents expanded by each step (the TreeSpec's topHead)."""
+    perfect = DepthEstimates(value=[1.0] * max_steps, rows=[1.0] * max_steps)
+    return max_steps >= 1 and plan_depth(perfect, cost, heads, max_steps)[0] > 0
+
+
 def stop_threshold(cost: CostModel | LoadedCost, rate: float, heads: int, width: int, decay: float, raw_per_value: float,
                    lookahead: int = 3) -> float:
     """The draft's gammaThreshold for this round: deepening stops when the best path probability
@@ -288,7 +303,7 @@ class CostAwareControl:
         g, rate = plan_depth(self.depths, cost, heads, max_steps, self.context_value, self.context_rows, path)
         if self.first_round_plain and self.rounds == 0:
             g = 0
-        elif g == 0 and self.shared.rounds_without_draft >= self.shared.probe_interval(self.probe_every) and max_steps >= 1:
+        elif g == 0 and max_steps >= 1 and self.shared.rounds_without_draft >= self._probe_interval(cost, heads, max_steps):
             g = 1  # probe: has the draft become worth it? (counted across requests: short ones probe too)
             self.shared.rounds_without_draft = 0
             self.probing = True
@@ -303,6 +318,17 @@ class CostAwareControl:
             spec = spec_at_depth(self.base, max_steps, self.max_nodes)
             self._planned_spec = spec.model_copy(update={"gamma_threshold": max(threshold, spec.gamma_threshold)})
         return g > 0
+
+    def _probe_interval(self, cost: CostModel | LoadedCost, heads: list[int], max_steps: int) -> float:
+        """Rounds without the draft (over all requests) before a probe: ``SharedState.probe_interval``,
+        times UNPAYING_PROBE_FACTOR under load on shared compute where not even an always-right draft
+        could pay at the current costs (``could_pay``). There a probe can change no plan through the
+        acceptance it measures, only through the draft costs it re-times (which only drafted rounds
+        teach), and it takes every request's compute plus, for a deferred draft, a prefill."""
+        interval = self.shared.probe_interval(self.probe_every)
+        if self.shared.shared_compute and self.shared.load >= LOADED and not could_pay(cost, heads, max_steps):
+            interval *= UNPAYING_PROBE_FACTOR
+        return interval
 
     def defer_draft_open(self, others: int = 0) -> bool:
         """Whether the round loop should open the draft at the first drafted round instead of at the

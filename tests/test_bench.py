@@ -122,16 +122,16 @@ def test_tables_show_every_method():
 
 
 def test_acceptance_by_position_sums_the_questions():
-    rows = _method_rows()
-    rows[0]["speculative"].update(position_proposed=[3, 2, 1], position_accepted=[2, 1, 0])
-    rows[1]["speculative"].update(position_proposed=[2, 2, 2, 1], position_accepted=[2, 1, 1, 1])
+    rows = _method_rows()  # 3 rounds, 6 accepted draft tokens; 2 rounds, 3 accepted
+    rows[0]["speculative"].update(position_proposed=[3, 3, 2, 1], position_accepted=[3, 2, 1, 0])  # trees 4, 3, 2 deep; 3, 2, 1 accepted
+    rows[1]["speculative"].update(position_proposed=[2, 2, 1], position_accepted=[2, 1, 0])  # trees 3, 2 deep; 2, 1 accepted
     s = summarize(rows)
-    assert s["position_proposed"] == [5, 4, 3, 1]
-    assert s["acceptance_by_position"] == pytest.approx([4 / 5, 2 / 4, 1 / 3, 1.0])
-    lines = markdown_table({"qa": s, "math": summarize(rows[:1])}).splitlines()
+    assert s["position_proposed"] == [5, 5, 3, 1]
+    assert s["acceptance_by_position"] == pytest.approx([1.0, 3 / 5, 1 / 3, 0.0])
+    lines = markdown_table({"qa": s, "math": summarize(rows[1:])}).splitlines()
     head = lines.index("| acceptance at position | 1 | 2 | 3 | 4 |")
-    assert lines[head + 2] == "| qa | 0.80 (5) | 0.50 (4) | 0.33 (3) | 1.00 (1) |"
-    assert lines[head + 3] == "| math | 0.67 (3) | 0.50 (2) | 0.00 (1) | - |"  # its tree never reached depth 4
+    assert lines[head + 2] == "| qa | 1.00 (5) | 0.60 (5) | 0.33 (3) | 0.00 (1) |"
+    assert lines[head + 3] == "| math | 1.00 (2) | 0.50 (2) | 0.00 (1) | - |"  # its trees never reached depth 4
     old = summarize(_method_rows())  # rows written before the counts existed: no position table
     assert old["position_proposed"] == [] and "acceptance at position" not in markdown_table({"qa": old})
 
@@ -260,10 +260,8 @@ def test_bench_builtin_set_end_to_end(long_pair, tmp_path):
         proposed, accepted = r["position_proposed"], r["position_accepted"]
         assert sum(accepted) == r["accepted"] and len(accepted) == len(proposed)
         assert all(a <= p for a, p in zip(accepted, proposed)) and proposed == sorted(proposed, reverse=True)
-    deepest = max(len(r["position_proposed"]) for r in spec_rows)
-    assert deepest >= 1 and "| acceptance at position | 1 |" in (out / "results.md").read_text()
-    assert summary["overall"]["position_proposed"] == [sum(r["position_proposed"][d] for r in spec_rows
-                                                           if d < len(r["position_proposed"])) for d in range(deepest)]
+    assert max(len(r["position_proposed"]) for r in spec_rows) >= 1  # some round verified a tree
+    assert "| acceptance at position | 1 |" in (out / "results.md").read_text()
     md = (out / "results.md").read_text()
     assert "built-in prompt set" in md and "HF prompt lookup decode speedup" in md and "spec TTFT ms" in md
 

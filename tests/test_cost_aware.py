@@ -15,7 +15,7 @@ import asyncio
 import pytest
 
 from draft_service.runtime import DraftRuntime
-from orchestrator.cost_aware import CostAwareControl, SharedState
+from orchestrator.cost_aware import CostAwareControl, DepthEstimates, SharedState, could_pay
 from orchestrator.cost_model import PRIOR_DRAFT_STEP_MS, PRIOR_VERIFY_MS, CostModel
 from orchestrator.controller import GenerationRequest
 from orchestrator.engine import SpeculativeEngine
@@ -422,6 +422,35 @@ def test_shared_compute_load_rises_at_once_scales_probes_and_defers_the_draft():
         shared.observe_load(1)
     assert shared.load < 1.5 and not shared.defer_draft()
     assert shared.defer_draft(others=1) and not own.defer_draft(others=1)  # requests in flight, no load seen yet
+
+
+def test_probes_thin_out_where_not_even_an_always_right_draft_could_pay():
+    """Shared compute, this machine's measured costs (ms; V(1..32), D(1..8)): at load 8 every draft
+    step is priced for the whole batch (8 x D(1) = 496 ms) and the batch's verify is compute-bound,
+    so no depth beats a plain round even when every drafted token is accepted (by hand: g = 1 gives
+    2 / (496 + V(16)) = 1 / 633 tokens per ms against 1 / V(8) = 1 / 547); the probe interval (16 x
+    load rounds) is then four times longer. At load 4 an always-right chain pays (2 / (248 + V(8)) =
+    1 / 398 against 1 / V(4) = 1 / 453), and alone it does too: the usual interval. On the draft's
+    own device the load does not price the draft's steps this way: the usual interval."""
+    cost = CostModel({1: 376.0, 4: 453.0, 8: 547.0, 16: 770.0, 32: 1160.0}, {1: 62.0, 2: 73.0, 4: 81.0, 8: 120.0},
+                     alpha=0.0)
+
+    def probes_after(load: float, rounds_without: int, shared_compute: bool = True) -> tuple:
+        shared = SharedState(cost=cost, shared_compute=shared_compute)
+        shared.observe_load(load)
+        control = CostAwareControl(CHAIN4, shared, ngram_tokens=0, probe_every=16)
+        control.rounds = 3  # past the first (plain) round
+        control.depths = DepthEstimates(value=[0.02], rows=[1.0])  # a draft that has been wrong: g = 0 planned
+        shared.rounds_without_draft = rounds_without
+        drafts = control.speculate(0.0, 100, 8)
+        return drafts, control.probing, shared.rounds_without_draft, could_pay(shared.planning_cost(), [1] * 8, 8)
+
+    assert probes_after(8.0, 16 * 8) == (False, False, 16 * 8, False)  # no probe at the usual interval
+    assert probes_after(8.0, 4 * 16 * 8 - 1) == (False, False, 4 * 16 * 8 - 1, False)
+    assert probes_after(8.0, 4 * 16 * 8) == (True, True, 0, False)  # four times later it still re-times the draft
+    assert probes_after(4.0, 16 * 4) == (True, True, 0, True)
+    assert probes_after(1.0, 16) == (True, True, 0, True)
+    assert probes_after(8.0, 16, shared_compute=False)[:3] == (True, True, 0)
 
 
 def test_a_deferred_draft_opens_at_the_first_drafted_round_and_the_output_is_exact():

@@ -194,8 +194,8 @@ def test_acceptance_per_position_from_round_records():
 
 def test_request_stats_count_positions_as_the_metrics_do():
     """GenerationStats (the CLI's, the bench's and FinalStats' per-position counts) and the Prometheus
-    series agree round by round; rounds of different depths, partial acceptance at depths 1-3, a round
-    accepting its whole depth-4 tree, a plain round, and a round cut by a stop."""
+    series agree round by round; rounds of different depths, partial acceptance at depths 1-3, rounds
+    accepting their whole tree (depth 4, depth 1), one accepting nothing, and a plain round."""
     from specdec.stats import GenerationStats
     from specdec.wire import stats_to_proto
 
