@@ -35,7 +35,7 @@ from orchestrator.embedded import build_pipeline, encode_prompt, set_threads
 from orchestrator.controller import GenerationRequest
 from specdec.config import DraftWindowConfig, FrontConfig
 from specdec.sampling import GREEDY, SamplingParams
-from specdec.stats import GenerationStats
+from specdec.stats import GenerationStats, position_rates
 from specdec.tree_spec import TreeSpec
 
 console = Console(stderr=True)
@@ -288,7 +288,7 @@ def summarize(rows: list[dict]) -> dict:
     out["efficiency"] = _ratio(out["speculative_speedup"], out["mean_accepted_length"])
     proposed, accepted = position_sums(spec)
     out["position_proposed"] = proposed
-    out["acceptance_by_position"] = [_ratio(a, p) for a, p in zip(accepted, proposed)]
+    out["acceptance_by_position"] = position_rates(proposed, accepted)
     if "sampled" in rows[0]:
         sampled = [r["sampled"] for r in rows]
         out["sampled_tokens_per_s"] = method_figures(sampled)["tokens_per_s"]
@@ -349,7 +349,7 @@ def position_table(summary: dict[str, dict]) -> str:
     rows = []
     for cat, s in summary.items():
         proposed, rates = s.get("position_proposed", []), s.get("acceptance_by_position", [])
-        rows.append([cat] + [f"{rates[d]:.2f} ({proposed[d]})" if d < len(proposed) and proposed[d] else "-"
+        rows.append([cat] + [f"{rates[d]:.2f} ({proposed[d]})" if d < len(proposed) else "-"
                              for d in range(depth)])
     return _table(["acceptance at position"] + [str(d + 1) for d in range(depth)], rows)
 

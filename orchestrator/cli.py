@@ -18,6 +18,7 @@ from specdec.process_entry import (
     AUTH_TOKEN_FILE_HELP, CONFIG_HELP, HEALTH_PORT_HELP, TLS_CA_HELP, TLS_CERT_HELP, TLS_KEY_HELP, tls_flags, tls_overrides,
 )
 from specdec.sampling import SamplingParams, SamplingParamsError
+from specdec.stats import position_rates
 from specdec.tree_spec import DEFAULT_SPEC, TreeSpecError, parse_tree_spec
 from target_service.cli import target_server
 
@@ -123,7 +124,7 @@ class TextStream:
 def _positions_line(proposed, accepted, shown: int = 8) -> str:
     """'1: 0.82 (55), 2: ...': per tree position, the share of the rounds whose tree reached it whose
     committed path reached it too (rounds in parentheses), the first ``shown`` positions."""
-    cells = [f"{d + 1}: {a / p:.2f} ({p})" for d, (p, a) in enumerate(zip(proposed, accepted)) if d < shown and p]
+    cells = [f"{d + 1}: {rate:.2f} ({p})" for d, (p, rate) in enumerate(zip(proposed[:shown], position_rates(proposed, accepted)))]
     more = len(proposed) - shown
     return ", ".join(cells) + (f", ... ({more} deeper)" if more > 0 else "")
 

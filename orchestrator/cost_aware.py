@@ -19,8 +19,9 @@ tried after ``probe_every`` rounds without one (counted over all the requests sh
 since nothing else would show that the draft got better; under load on shared compute, where not
 even a draft that is always right could pay at the current costs (``could_pay``: plain batched
 decoding wins whatever the acceptance), four times less often: such a probe only re-times the
-draft, and takes every request's compute and, for a deferred draft, a prefill. Draft failures and the draft's context limit keep their rules (``FallbackPolicy``, its
-low-acceptance cut-off switched off).
+draft, and takes every request's compute and, for a deferred draft, a prefill. Draft failures and
+the draft's context limit keep their rules (``FallbackPolicy``, its low-acceptance cut-off switched
+off).
 """
 
 from __future__ import annotations
@@ -303,7 +304,7 @@ class CostAwareControl:
         g, rate = plan_depth(self.depths, cost, heads, max_steps, self.context_value, self.context_rows, path)
         if self.first_round_plain and self.rounds == 0:
             g = 0
-        elif g == 0 and max_steps >= 1 and self.shared.rounds_without_draft >= self._probe_interval(cost, heads, max_steps):
+        elif g == 0 and max_steps >= 1 and self._probe_due(cost, heads, max_steps):
             g = 1  # probe: has the draft become worth it? (counted across requests: short ones probe too)
             self.shared.rounds_without_draft = 0
             self.probing = True
@@ -319,16 +320,18 @@ class CostAwareControl:
             self._planned_spec = spec.model_copy(update={"gamma_threshold": max(threshold, spec.gamma_threshold)})
         return g > 0
 
-    def _probe_interval(self, cost: CostModel | LoadedCost, heads: list[int], max_steps: int) -> float:
-        """Rounds without the draft (over all requests) before a probe: ``SharedState.probe_interval``,
-        times UNPAYING_PROBE_FACTOR under load on shared compute where not even an always-right draft
-        could pay at the current costs (``could_pay``). There a probe can change no plan through the
-        acceptance it measures, only through the draft costs it re-times (which only drafted rounds
-        teach), and it takes every request's compute plus, for a deferred draft, a prefill."""
-        interval = self.shared.probe_interval(self.probe_every)
-        if self.shared.shared_compute and self.shared.load >= LOADED and not could_pay(cost, heads, max_steps):
-            interval *= UNPAYING_PROBE_FACTOR
-        return interval
+    def _probe_due(self, cost: CostModel | LoadedCost, heads: list[int], max_steps: int) -> bool:
+        """Whether enough rounds ran without the draft (over all requests) for a probe:
+        ``SharedState.probe_interval``, times UNPAYING_PROBE_FACTOR under load on shared compute where
+        not even an always-right draft could pay at the current costs (``could_pay``). There a probe
+        can change no plan through the acceptance it measures, only through the draft costs it
+        re-times (which only drafted rounds teach), and it takes every request's compute plus, for a
+        deferred draft, a prefill."""
+        interval, waited = self.shared.probe_interval(self.probe_every), self.shared.rounds_without_draft
+        if waited < interval:
+            return False
+        loaded = self.shared.shared_compute and self.shared.load >= LOADED
+        return not loaded or waited >= interval * UNPAYING_PROBE_FACTOR or could_pay(cost, heads, max_steps)
 
     def defer_draft_open(self, others: int = 0) -> bool:
         """Whether the round loop should open the draft at the first drafted round instead of at the

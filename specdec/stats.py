@@ -17,6 +17,12 @@ from dataclasses import dataclass, field
 COST_REASON = "cost"  # orchestrator.control.COST: a planned round without the draft, not a fallback
 
 
+def position_rates(proposed: list[int], accepted: list[int]) -> list[float]:
+    """Per-position acceptance (vLLM's): [D] accepted[d] / proposed[d], 0 where proposed[d] is 0;
+    proposed / accepted: [D] rounds whose verified tree / committed path reached depth d + 1."""
+    return [a / p if p else 0.0 for a, p in zip(accepted, proposed)]
+
+
 @dataclass(frozen=True)
 class RoundRecord:
     """What one round did."""
@@ -104,7 +110,7 @@ class GenerationStats:
         """[max tree depth]: at position d (index d - 1), the share of the rounds whose verified tree
         reached depth d whose committed path reached it too (vLLM's per-position acceptance rate; a
         round cut by a stop counts the draft tokens it committed)."""
-        return [a / p if p else 0.0 for a, p in zip(self.position_accepted, self.position_proposed)]
+        return position_rates(self.position_proposed, self.position_accepted)
 
     @property
     def mean_accepted_length(self) -> float:
