@@ -133,6 +133,10 @@ class CostModel:
         """Predicted ms of a draft proposal that expands these parents per step (one entry per step)."""
         return sum(self.draft_step_ms(p) for p in parents_per_step)
 
+    def drafted_verify(self, rows: float) -> float:
+        """V(rows) of a drafted round: alone, the same as a plain round's (``LoadedCost`` differs)."""
+        return self.verify(rows)
+
     def round_ms(self, rows: int, parents_per_step: Iterable[int] = ()) -> float:
         """Predicted ms of one round: drafting, then a verify of ``rows`` rows, plus the overhead."""
         return self.draft_ms(parents_per_step) + self.verify(rows) + self.round_overhead_ms
@@ -199,12 +203,13 @@ class LoadedCost:
     """
 
     def __init__(self, cost: CostModel, load: float, shared_compute: bool = False, draft_queue: float = 0.0,
-                 draft_merge: float = 0.0):
+                 draft_merge: float = 0.0, verify_merge: float = 1.0):
         self.cost = cost
         self.load = max(float(load), 1.0)
         self.shared_compute = shared_compute
         self.draft_queue = max(float(draft_queue), 0.0)
         self.draft_merge = min(max(float(draft_merge), 0.0), 1.0)
+        self.verify_merge = min(max(float(verify_merge), 0.0), 1.0)
 
     @property
     def round_overhead_ms(self) -> float:
@@ -213,6 +218,20 @@ class LoadedCost:
     def verify(self, rows: float) -> float:
         """ms of a forward holding ``load`` trees of ``rows`` rows each."""
         return self.cost.verify(self.load * rows)
+
+    def verify_sessions(self) -> float:
+        """Sessions per verify forward of a drafted round: 1 + verify_merge * (load - 1)."""
+        return 1.0 + self.verify_merge * (self.load - 1.0)
+
+    def drafted_verify(self, rows: float) -> float:
+        """ms of the batch's verifies for a drafted round of ``rows`` rows per request: with m =
+        ``verify_sessions()`` sessions per forward the batch's rounds take load / m forwards of
+        V(m rows). verify_merge 1 (drafted rounds keep in step: every request drafts alike, and
+        their verifies merge) gives V(load rows), ``verify``; 0 (each drafted round misses the
+        others' forward: a draft's time late) gives V(rows) * load, as a draft step alone on shared
+        compute is priced (``draft_step_ms``)."""
+        m = self.verify_sessions()
+        return self.cost.verify(m * rows) * self.load / m
 
     def queue_factor(self) -> float:
         """How much longer than D a draft step takes as a request sees it, on the draft's own device:

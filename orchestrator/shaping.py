@@ -174,16 +174,19 @@ def _selectable(tree: DraftTree, parent: int, kids: list[list[int]], taken: set[
     return out
 
 
-def select_by_rate(tree: DraftTree, values: Sequence[float], cost: CostModel, sunk_ms: float) -> list[int]:
+def select_by_rate(tree: DraftTree, values: Sequence[float], cost: CostModel, sunk_ms: float,
+                   drafted: bool = False) -> list[int]:
     """Nodes to verify: best value first, while the round's rate (1 + sum of values) / (sunk_ms +
-    V(1 + n)) is highest. sunk_ms: time already spent this round (drafting, overhead). Returns the
-    kept node indices (ancestor-closed), possibly empty."""
+    V(1 + n)) is highest. sunk_ms: time already spent this round (drafting, overhead); drafted: the
+    round drafted, so its verify is priced as ``cost.drafted_verify`` (under load it may miss the
+    other requests' forward). Returns the kept node indices (ancestor-closed), possibly empty."""
+    verify = cost.drafted_verify if drafted else cost.verify
     kids = children(tree.parents)
     taken: set[int] = set()
     order: list[int] = []
     heap = [(-values[c], c) for c in _selectable(tree, ROOT, kids, taken)]
     heapq.heapify(heap)
-    total, best_rate, best_n = 1.0, 1.0 / (sunk_ms + cost.verify(1)), 0
+    total, best_rate, best_n = 1.0, 1.0 / (sunk_ms + verify(1)), 0
     while heap:
         neg, node = heapq.heappop(heap)
         if node in taken:
@@ -191,7 +194,7 @@ def select_by_rate(tree: DraftTree, values: Sequence[float], cost: CostModel, su
         taken.add(node)
         order.append(node)
         total += -neg
-        rate = total / (sunk_ms + cost.verify(1 + len(order)))
+        rate = total / (sunk_ms + verify(1 + len(order)))
         if rate > best_rate:
             best_rate, best_n = rate, len(order)
         for c in _selectable(tree, node, kids, taken) + _selectable(tree, tree.parents[node], kids, taken):
@@ -227,7 +230,7 @@ def shape_tree(tree: DraftTree, context: Sequence[int], calib: AcceptanceCalibra
                 values[node] = max(values[node], v)  # a draft node the n-gram also proposes
             ctx_keys[node] = (n, k)  # shared nodes too: the branch's chances are learnt where the draft agrees
             parent_value = values[node]
-    keep = select_by_rate(tree, values, cost, sunk_ms)
+    keep = select_by_rate(tree, values, cost, sunk_ms, drafted=drafted > 0)
     sub, old = select_nodes(tree, keep)
     draft_index = tuple(o if o < drafted else None for o in old)
     context_keys = {j: ctx_keys[o] for j, o in enumerate(old) if o in ctx_keys}

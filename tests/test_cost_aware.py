@@ -290,7 +290,8 @@ class ReportsBatch:
         result = self.runtime.verify(session_id, tree)
         if self.open_only:
             return dataclasses.replace(result, batch_size=1, batch_rows=tree.size + 1, mergeable=self.sessions)
-        return dataclasses.replace(result, batch_size=self.sessions, batch_rows=self.sessions * (tree.size + 1))
+        return dataclasses.replace(result, batch_size=self.sessions, batch_rows=self.sessions * (tree.size + 1),
+                                   mergeable=self.sessions)
 
 
 @pytest.mark.parametrize("open_only", [False, True], ids=["8-per-forward", "8-open-sessions"])
@@ -358,31 +359,96 @@ def test_loaded_cost_prices_rows_at_the_batch_and_observes_the_whole_forward():
 
 @pytest.mark.parametrize("shared_compute", [False, True], ids=["own-device", "shared-compute"])
 def test_a_draft_on_the_targets_hardware_is_priced_for_the_whole_batch(shared_compute):
-    """4 sessions open at the target, verification memory-bound (V(4) ~ V(8) ~ 300 ms), a perfect
-    draft at 150 ms a step. On its own device one step pays: 2 tokens in 150 + V(8) = 450 ms beats
-    1 token in V(4) = 292 ms, so every round drafts. On the target's hardware the 4 requests' steps
-    take the target's compute in turn (LoadedCost: 4 x 150 ms): 2 tokens in 900 ms lose to plain
-    rounds, so no round drafts (reason "cost"). Output stays the target's own either way."""
+    """4 sessions per verify forward (the requests' rounds in step), verification memory-bound
+    (V(4) ~ V(8) ~ 300 ms), a perfect draft at 150 ms a step. On its own device one step pays: 2
+    tokens in 150 + V(8) = 450 ms beat 1 token in V(4) = 292 ms, so every round drafts. On the
+    target's hardware the 4 requests' steps take the target's compute in turn (LoadedCost: 4 x 150
+    ms): 2 tokens in 900 ms lose to plain rounds, so no round drafts (reason "cost"). Output stays
+    the target's own either way."""
     model = tiny_model("qwen2", seed=0)
     prompt = random_prompt(seed=93)
     n = 80
     reference = hf_greedy(model, prompt, n + 8)
     shared = SharedState(cost=CostModel(dict(BOUND_AT_8), {1: 150.0}, alpha=0.0), shared_compute=shared_compute)
     factory = lambda s: CostAwareControl(s, shared, ngram_tokens=0, probe_every=1000)  # noqa: E731
-    engine = SpeculativeEngine(ReportsBatch(TargetRuntime(model), 4, open_only=True),
+    engine = SpeculativeEngine(ReportsBatch(TargetRuntime(model), 4),
                                OracleDraft(prompt, reference, agree=8), eos_token_ids=[],
                                context_limit=CONTEXT, control_factory=factory)
     records = []
     result = asyncio.run(engine.controller.generate(GenerationRequest(prompt, max_new_tokens=n, spec=CHAIN4),
                                                     on_round=records.append))
     assert result.tokens == reference[:n]
-    assert shared.load > 3.5
+    assert shared.load > 3.5 and shared.verify_merge == 1.0  # every forward held all 4
     late = records[8:-1]  # once the load estimate (a moving average) is near 4
     drafted = sum(1 for r in late if r.drafted)
     if shared_compute:
         assert drafted == 0 and len(late) >= 8 and {r.fallback for r in late} == {"cost"}, [r.fallback for r in late]
     else:
         assert drafted == len(late) and len(late) >= 4, [r.fallback for r in late]
+
+
+def test_drafted_rounds_that_miss_the_others_forward_stop_drafting_under_load():
+    """The previous test's draft on its own device, but each drafted round's verify runs in a forward
+    of its own while 4 sessions are open (a draft's time late, it missed the others' merged
+    forward). Such a round teaches ``verify_merge`` a share of 0, 0.3 of the way from 1 (the
+    session's first drafted round, which also waited for the draft's prefill, teaches nothing): 0.7
+    after the second drafted round. LoadedCost then prices a drafted round's verify as 4 / m
+    forwards of V(m rows), m = 1 + verify_merge * 3: at 0.7 (m = 3.1), V(6.2) * 4 / 3.1 = 382 ms,
+    so 1 + v tokens in 150 + 382 ms beat 1 token in V(4) = 291 ms only if the kept node's
+    calibrated value v passes 0.83, which two rounds have not taught; the rounds stop drafting
+    (reason "cost"), and nothing drafted teaches the share again: plain rounds of the 4 sessions
+    would share one forward. Output stays the target's own."""
+    model = tiny_model("qwen2", seed=0)
+    prompt = random_prompt(seed=93)
+    n = 80
+    reference = hf_greedy(model, prompt, n + 8)
+    shared = SharedState(cost=CostModel(dict(BOUND_AT_8), {1: 150.0}, alpha=0.0))
+    factory = lambda s: CostAwareControl(s, shared, ngram_tokens=0, probe_every=1000)  # noqa: E731
+    engine = SpeculativeEngine(ReportsBatch(TargetRuntime(model), 4, open_only=True),
+                               OracleDraft(prompt, reference, agree=8), eos_token_ids=[],
+                               context_limit=CONTEXT, control_factory=factory)
+    records, merge = [], []
+
+    def on_round(record):
+        records.append(record)
+        merge.append(shared.verify_merge)
+
+    result = asyncio.run(engine.controller.generate(GenerationRequest(prompt, max_new_tokens=n, spec=CHAIN4),
+                                                    on_round=on_round))
+    assert result.tokens == reference[:n]
+    drafted = [i for i, r in enumerate(records) if r.drafted]
+    assert drafted == [1, 2], [r.fallback for r in records]  # the first round is plain (TTFT)
+    assert merge[1] == 1.0 and merge[2] == pytest.approx(0.7) and merge[-1] == pytest.approx(0.7)
+    late = records[3:-1]
+    assert len(late) >= 40 and {r.fallback for r in late} == {"cost"}, [r.fallback for r in records]
+    assert records[2].cost["verify_merge"] == pytest.approx(0.7)  # the round's cost record
+
+
+def test_verify_merge_is_learnt_under_load_only_and_starts_over_when_rounds_run_alone():
+    """SharedState.observe_verify_merge at load 4: a drafted round's forward holding all 4 sessions
+    is a share of 1, one holding 2 a share of 1/3; nothing is learnt below load 1.5. LoadedCost's
+    drafted_verify by the numbers (V linear from 285 ms at 1 row to 300 at 8): merge 1 gives V(4 x 2)
+    = 300 ms, as a plain round's pricing of the same rows; merge 0 gives 4 x V(2) = 1148.6 ms. Once the
+    load falls under 1.1 the share is back at 1."""
+    from orchestrator.cost_model import LoadedCost
+
+    shared = SharedState(load=4.0)
+    shared.observe_verify_merge(2)
+    assert shared.verify_merge == pytest.approx(1.0 + 0.3 * (1 / 3 - 1.0))
+    shared.observe_verify_merge(4)
+    assert shared.verify_merge == pytest.approx(0.8 + 0.3 * 0.2)
+    cost = CostModel(dict(BOUND_AT_8), {1: 150.0}, alpha=0.0, source="measured")
+    assert LoadedCost(cost, 4).drafted_verify(2) == pytest.approx(300.0) == LoadedCost(cost, 4).verify(2)
+    assert LoadedCost(cost, 4, verify_merge=0.0).drafted_verify(2) == pytest.approx(4 * (285 + 15 / 7))
+    assert LoadedCost(cost, 4, verify_merge=0.0).verify(2) == pytest.approx(300.0)  # plain rounds keep in step
+    assert cost.drafted_verify(2) == cost.verify(2)
+    for _ in range(12):
+        shared.observe_load(1)
+        assert (shared.verify_merge == 1.0) == (shared.load < 1.1)
+    assert shared.load < 1.1
+    alone = SharedState(load=1.2)
+    alone.observe_verify_merge(1)
+    assert alone.verify_merge == 1.0
 
 
 def test_loaded_cost_prices_a_shared_draft_step_for_the_batch():
@@ -638,7 +704,7 @@ def test_the_draft_queue_prices_a_step_under_load_on_its_own_device_only():
 
 @pytest.mark.parametrize("delay_s", [0.0, 0.5], ids=["answers-in-time", "past-its-deadline"])
 def test_a_draft_past_its_deadline_under_load_prices_itself_out(delay_s, monkeypatch):
-    """Load 4 (sessions open at the target), verification memory-bound (V(4) 58 ms, V(8) 60 ms, the
+    """Load 4 (sessions per verify forward), verification memory-bound (V(4) 58 ms, V(8) 60 ms, the
     figures of BOUND_AT_8 / 5), a draft on its own device that D prices at 5 ms a step, deadline
     0.2 s, re-open after 0.01 s. A draft that answers in time drafts most rounds. One whose replies
     take 0.5 s times out; the timeout is a lower bound on the queue share of the step the plan paid
@@ -663,7 +729,7 @@ def test_a_draft_past_its_deadline_under_load_prices_itself_out(delay_s, monkeyp
     factory = lambda s, *_: CostAwareControl(s, shared, FallbackConfig(reconnect_s=0.01),  # noqa: E731
                                              ngram_tokens=0, probe_every=1000)
     draft = SlowPropose(model, delay_s)
-    ctl = RoundController(sync_worker(ReportsBatch(TargetRuntime(model), 4, open_only=True)), draft, [], CONTEXT,
+    ctl = RoundController(sync_worker(ReportsBatch(TargetRuntime(model), 4)), draft, [], CONTEXT,
                           control_factory=factory, draft_deadline_s=0.2)
     records = []
     result = asyncio.run(ctl.generate(GenerationRequest(prompt, max_new_tokens=n, spec=CHAIN4),
