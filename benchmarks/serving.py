@@ -457,6 +457,10 @@ def draft_batched_forwards(address: str | None) -> int | None:
         return draft_pb2_grpc.DraftServiceStub(channel).Info(draft_pb2.DraftInfoRequest(), timeout=30).batched_forwards
 
 
+PER_REQUEST = ("client", "started_s", "prompt_tokens", "wall_s", "ttft_s", "new_tokens", "rounds", "proposed_tokens",
+               "cost_plain_rounds", "fallback_rounds")  # each request's row in a level's JSON (per_request)
+
+
 def run_level(address: str, prompts: list[list[int]], clients: int, max_new: int, no_spec: bool, tag: str) -> dict:
     """``clients`` closed-loop clients started together, sharing the prompts; wall time and per-request rows."""
     from specdec.v1 import generation_pb2_grpc
@@ -468,13 +472,15 @@ def run_level(address: str, prompts: list[list[int]], clients: int, max_new: int
             queue = list(enumerate(prompts))
             results: list = [None] * len(prompts)
 
-            async def client():
+            async def client(c: int):
                 while queue:
                     i, ids = queue.pop(0)
+                    began = time.perf_counter() - start
                     results[i] = await grpc_generate(stub, f"{tag}-{i}", ids, max_new, no_spec)
+                    results[i].update(client=c, started_s=began, prompt_tokens=len(ids))
 
             start = time.perf_counter()
-            await asyncio.gather(*(client() for _ in range(clients)))
+            await asyncio.gather(*(client(c) for c in range(clients)))
             return time.perf_counter() - start, results
 
     wall, results = asyncio.run(run())
@@ -724,7 +730,8 @@ def section_concurrency(args, prompts, configs: dict, collector: SpanCollector |
                    "mean_tree_rows": rows_verified / rounds if rounds else 0.0,
                    "cost_plain_round_share": sum(r["cost_plain_rounds"] for r in reqs) / rounds if rounds else 0.0,
                    "fallback_round_share": sum(r["fallback_rounds"] for r in reqs) / rounds if rounds else 0.0,
-                   "run_order": order.index(name)}
+                   "run_order": order.index(name),
+                   "per_request": [{key: r[key] for key in PER_REQUEST} for r in reqs]}
             for key in PIPELINE_STATS:  # None: the front's final stats have no such field
                 values = [r[key] for r in reqs if r[key] is not None]
                 row[key] = sum(values) if values else None
