@@ -106,7 +106,7 @@ class SharedState:
         clamped to [0, 1] and folded into ``verify_merge`` as a moving average. A drafted round
         reaches the target a draft's time after the plain rounds of the others, so it misses their
         merged forward and runs one of its own unless the others drafted alike (issue 12's runs at 4
-        clients: 63 merged forwards where speculation drafted 18-28% of the rounds, against 97
+        clients: 63 merged forwards where speculation drafted 18-23% of the rounds, against 97
         target-only, and 11-17% less throughput). Not a probe's round (it drafts alone by design)
         nor a session's first drafted round (it also waited for the draft's prefill)."""
         if self.load < LOADED:
