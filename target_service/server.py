@@ -64,6 +64,7 @@ from specdec.tree import DraftTree, MalformedTreeError
 from specdec.v1 import target_pb2, target_pb2_grpc
 from specdec.wire import sampling_from_proto, tree_from_proto
 from target_service.batcher import BatchedVerify, VerifyBatcher
+from target_service.commits import DeferredCommits
 from target_service.kv_budget import free_memory_bytes, resolve_max_kv_tokens
 from target_service.runtime import TargetRuntime
 from target_service.sessions import SessionExistsError, SessionSlots, TargetSessions
@@ -121,7 +122,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def __init__(self, runtime, *, context_limit: int, eos_token_ids=(), model_name: str = "",
                  config: TargetServerConfig = TargetServerConfig(), health=None):
-        self.runtime = runtime
+        self.runtime = DeferredCommits(runtime)  # a commit does not wait behind other sessions' forwards
         self.vocab_size: int = runtime.vocab_size
         self.context_limit = context_limit
         self.eos_token_ids = sorted(eos_token_ids)
@@ -131,7 +132,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.sessions = TargetSessions(self.max_kv_tokens, context_limit, config.session_idle_s)
         self._warn_small_budget()
         self.worker = ModelWorker("target-runtime")
-        self.batcher = VerifyBatcher(runtime, self.worker, config.max_batch, config.batch_wait_ms, self.sessions.verified,
+        self.batcher = VerifyBatcher(self.runtime, self.worker, config.max_batch, config.batch_wait_ms, self.sessions.verified,
                                      gather=config.batch_gather)
         self.health = health
         self.placement = placement(getattr(runtime, "device", "cpu"))
@@ -319,9 +320,18 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     @_rpc
     async def Commit(self, request, context):
         deadline_of(context)
+        if self.failure is not None:  # the ranks are gone: a model call, UNAVAILABLE as every other
+            raise self.failure
         s = self.sessions.begin_commit(request.session_id)
         try:
-            await self.worker.run(self.runtime.commit, request.session_id, request.num_tokens)
+            # checked here as TargetRuntime.commit checks it; the rollback itself runs on the worker
+            # thread before the session's next call (target_service.commits: not behind other
+            # sessions' forwards)
+            if s.pending is None:
+                raise SessionStateError(f"session_id: {request.session_id!r} has no verify to commit")
+            if not 1 <= request.num_tokens <= len(s.pending.tokens):
+                raise ValueError(f"num_tokens: {request.num_tokens} outside [1, {len(s.pending.tokens)}]")
+            self.runtime.defer(request.session_id, request.num_tokens)
         finally:
             s.set_busy(False)
         s.committed(request.num_tokens)

@@ -37,7 +37,7 @@ from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc, t
 from specdec.wire import sampling_to_proto, spec_to_proto
 from target_service.batcher import VerifyBatcher
 from target_service.runtime import TargetRuntime
-from tests.conftest import causal_logits, perturbed_copy, random_prompt, tiny_model
+from tests.conftest import causal_logits, hf_greedy, perturbed_copy, random_prompt, tiny_model
 from tests.tiny_pair import save_tiny_pair, write_config
 
 TARGET_SERVICE = "specdec.v1.TargetService"
@@ -942,6 +942,135 @@ def test_a_verify_completes_while_a_long_prompt_prefills():
     assert tokens == [int(causal_logits(model, prompt)[-1].argmax())]
     assert verify_s < 2.0, f"the verify waited {verify_s:.2f} s behind the long prefill"
     assert chunks.count("long") == 40 and during < 30, (during, chunks.count("long"))
+
+
+def test_deferred_commits_apply_in_order_before_the_sessions_next_call():
+    """target_service.commits.DeferredCommits over a scripted runtime: recorded commits run in order
+    right before the session's next verify (or verify_batch item), never for other sessions; a
+    commit that raises stays recorded with the ones after it (the session's later calls raise too)
+    and fails only its own item of a batch; release and a new start under the same id drop them."""
+    from target_service.commits import DeferredCommits
+
+    class Scripted:
+        def __init__(self):
+            self.calls, self.fail = [], set()
+
+        def start(self, sid, prompt):
+            self.calls.append(("start", sid))
+
+        def commit(self, sid, n):
+            if (sid, n) in self.fail:
+                raise SessionStateError(f"session_id: {sid!r} has no verify to commit")
+            self.calls.append(("commit", sid, n))
+
+        def verify(self, sid, tree):
+            self.calls.append(("verify", sid))
+            return sid
+
+        def verify_batch(self, items):
+            self.calls.append(("batch", [sid for sid, _ in items]))
+            return [sid for sid, _ in items]
+
+        def release(self, sid):
+            self.calls.append(("release", sid))
+
+    inner = Scripted()
+    runtime = DeferredCommits(inner)
+    runtime.defer("a", 2)
+    runtime.defer("a", 3)
+    runtime.defer("b", 1)
+    assert inner.calls == []  # nothing ran at commit time
+    assert runtime.verify("a", None) == "a"
+    assert inner.calls == [("commit", "a", 2), ("commit", "a", 3), ("verify", "a")]
+    inner.calls.clear()
+    inner.fail.add(("c", 4))
+    runtime.defer("c", 4)
+    runtime.defer("c", 5)
+    out = runtime.verify_batch([("b", None), ("c", None)])
+    assert out[0] == "b" and isinstance(out[1], SessionStateError)
+    assert inner.calls == [("commit", "b", 1), ("batch", ["b"])]
+    assert runtime.deferred == {"c": [4, 5]}  # still recorded: c's KV was never rolled back
+    with pytest.raises(SessionStateError):
+        runtime.verify("c", None)
+    runtime.release("c")
+    runtime.defer("d", 1)
+    runtime.start("d", [1, 2])  # an id reused (its Release never reached the worker)
+    assert runtime.deferred == {}
+    assert not hasattr(DeferredCommits(object()), "verify_batch")  # batching only where the runtime has it
+
+
+class _SlowVerifies(TargetRuntime):
+    """Verify forwards of the sessions in ``slow`` take 1.5 s more, on the worker thread; ``calls``
+    logs (method, session ids) in the order the worker ran them."""
+
+    def __init__(self, model, slow: set[str]):
+        super().__init__(model)
+        self.slow, self.calls = slow, []
+
+    def verify_batch(self, items):
+        self.calls.append(("verify", [sid for sid, _ in items]))
+        if self.slow & {sid for sid, _ in items}:
+            time.sleep(1.5)
+        return super().verify_batch(items)
+
+    def commit(self, session_id, num_tokens):
+        self.calls.append(("commit", [session_id]))
+        super().commit(session_id, num_tokens)
+
+
+def test_a_commit_does_not_wait_behind_another_sessions_forward():
+    """target_service.commits (issue 12): session a's Commit, sent while session b's verify forward
+    (1.5 s) runs on the worker thread, is answered at once (it used to queue behind that forward);
+    the rollback runs on the worker before a's next verify, so a's tokens over three rounds of
+    trees that are partly accepted equal the target's greedy continuation, and a second Commit
+    without a verify is still FAILED_PRECONDITION, a num_tokens past the result INVALID_ARGUMENT."""
+    model = tiny_model("qwen2", seed=0)
+    prompt_a, prompt_b = random_prompt(61, 8), random_prompt(62, 8)
+    expected = hf_greedy(model, prompt_a, 12)
+    runtime = _SlowVerifies(model, {"b"})
+
+    async def body(stub, servicer):
+        for sid, prompt in (("a", prompt_a), ("b", prompt_b)):
+            await stub.Prefill(target_pb2.PrefillRequest(session_id=sid, prompt_ids=prompt), timeout=10)
+        out, commit_s = [], []
+        for round_ in range(3):
+            # a chain whose first node is the target's next token and whose second is wrong:
+            # 2 tokens committed of 3 proposed (partial acceptance, rollback of the rest)
+            k = len(out)
+            tree = tree_pb2.TokenTree(tokens=[expected[k], (expected[k + 1] + 1) % 64, 5], parents=[-1, 0, 1])
+            reply = await stub.Verify(target_pb2.VerifyRequest(session_id="a", tree=tree), timeout=10)
+            assert list(reply.tokens) == expected[k:k + 2], (round_, list(reply.tokens))
+            slow = asyncio.ensure_future(stub.Verify(target_pb2.VerifyRequest(session_id="b"), timeout=10))
+            await asyncio.sleep(0.3)  # b's forward is running on the worker thread
+            started = time.monotonic()
+            await stub.Commit(target_pb2.CommitRequest(session_id="a", num_tokens=2), timeout=10)
+            commit_s.append(time.monotonic() - started)
+            out += list(reply.tokens)
+            await slow
+            await stub.Commit(target_pb2.CommitRequest(session_id="b", num_tokens=1), timeout=10)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Commit(target_pb2.CommitRequest(session_id="a", num_tokens=1), timeout=10)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        reply = await stub.Verify(target_pb2.VerifyRequest(session_id="a"), timeout=10)
+        assert list(reply.tokens) == expected[6:7]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Commit(target_pb2.CommitRequest(session_id="a", num_tokens=2), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_tokens" in err.value.details()
+        from target_service.tp import RankFailureError
+
+        servicer.failure = RankFailureError("rank 1 exited")  # a lost tensor-parallel rank: every model call
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Commit(target_pb2.CommitRequest(session_id="a", num_tokens=1), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        return out, commit_s
+
+    from target_service.server import TargetServicer
+
+    out, commit_s = asyncio.run(_serve_target(lambda: TargetServicer(runtime, context_limit=512), body))
+    assert out == expected[:6]
+    assert max(commit_s) < 0.75, f"a commit waited {max(commit_s):.2f} s behind the other session's forward"
+    # each commit ran on the worker right before a's next verify
+    assert [kind for kind, sids in runtime.calls if "a" in sids] == ["verify", "commit"] * 3 + ["verify"]
 
 
 def test_a_release_during_prefill_stops_it_between_chunks():
