@@ -63,6 +63,37 @@ class SharedState:
     # (LoadedCost.verify_sessions); starts at 1 (rounds in step: the symmetric goodput case), learnt
     # from drafted rounds, back to 1 when rounds run alone again
     verify_merge: float = 1.0
+    # under load on shared compute: the requests draft or decode plain together, each round, from the
+    # front-wide estimates (``in_step_applies``); False (the default, CostAwareConfig.in_step): each
+    # request plans alone with the learnt shares
+    in_step: bool = False
+    depths: "DepthEstimates" = field(default_factory=lambda: DepthEstimates())  # every request's drafted rounds
+
+    def in_step_applies(self) -> bool:
+        """Whether this round's plan is the batch's (``CostAwareControl.speculate``): ``in_step`` is on,
+        the draft shares the target's compute and other requests run (load >= 1.5).
+
+        Requests whose rounds keep in step share every draft step (the draft service merges
+        proposals that arrive together) and every verify forward (the target's batcher), so a drafted
+        round costs D(load p) per step and V(load rows) (``in_step_cost``); but a request that drafts
+        while the others decode plain reaches the target a draft's time after them and verifies
+        alone, and a mix of the two drifts apart for good (issue 12's runs at 2 and 4 clients: 80-97%
+        of the rounds plain, 2 and 1 merged draft forwards a level, 1.06x and 0.81x). So under load
+        the choice whether to draft is made from front-wide figures (``depths``, the same for every
+        request) and every request follows it: all draft (at least one step) or none does.
+
+        Measured (benchmarks/serving_cpu_2core_2026-12-03_in_step.md, 2-core CPU, real pair): slower
+        than each request planning alone at 4 and 8 clients (0.78-0.80x against 0.89-0.98x of
+        target-only at 4). The requests did draft in most rounds, but their rounds did not keep in
+        step: two requests alternated, each drafting beside the other's verify forward (73% of the
+        verify forwards at 2 clients held one session, 92% of the draft calls), so the symmetric
+        pricing was wrong. Off by default; kept for the A/B (``benchmarks/serving.py --in-step``)."""
+        return self.in_step and self.shared_compute and self.load >= LOADED
+
+    def in_step_cost(self) -> LoadedCost:
+        """The batch's costs when every request drafts alike (goodput's symmetric case, Liu et al.
+        2024, SmartSpec section 4): draft steps and verifies merged across the ``load`` requests."""
+        return LoadedCost(self.cost, self.load, self.shared_compute, 0.0, draft_merge=1.0, verify_merge=1.0)
 
     def queue_learns(self) -> bool:
         """Whether a draft reply's wall time now teaches ``draft_queue`` rather than D: the draft has its
@@ -287,6 +318,7 @@ class CostAwareControl:
         self.drafted_depth = 0  # steps of the last tree the draft returned (0: none yet)
         self.draft_batch = 1  # sessions that shared the last in-line proposal's draft forwards (draft_merged)
         self.probing = False  # this round drafts as a probe (one request alone: its reply says nothing of merging)
+        self.in_step = False  # this round's plan was the batch's (SharedState.in_step_applies)
         self._planned_spec: TreeSpec | None = None
         self._context: Sequence[int] | None = None  # this round's committed tokens (round_context), until speculate
 
@@ -307,7 +339,7 @@ class CostAwareControl:
 
     def speculate(self, now: float | None, committed_len: int, depth: int) -> bool:
         """Plan this round (``plan_depth``) under ``depth`` levels; False = no draft this round."""
-        self.probing = False
+        self.probing = self.in_step = False
         context, self._context = self._context, None
         if self.timing_free:
             self.gamma = min(depth, self.base.gamma)
@@ -319,12 +351,23 @@ class CostAwareControl:
             self.reason, self.gamma = self.fallback.reason, 0
             return False
         heads = list(spec_at_depth(self.base, max(max_steps, 1), self.max_nodes).top_head)
-        cost = self.shared.planning_cost()  # under load: the batch's goodput (LoadedCost)
+        in_step = self.in_step = self.shared.in_step_applies()
+        # under load: the batch's goodput (LoadedCost), in step the symmetric case
+        cost = self.shared.in_step_cost() if in_step else self.shared.planning_cost()
         path = None
         if context is not None and not (self.first_round_plain and self.rounds == 0):
             path = context_path(context, self.ctx_calib, cost, cost.round_overhead_ms, self.ngram_tokens,
                                 self.max_ngram, depth, self.lookup)
         g, rate = plan_depth(self.depths, cost, heads, max_steps, self.context_value, self.context_rows, path)
+        if in_step:
+            # the batch's plan, the same for every request; each drafting request at least one step
+            # and at most one past the batch's best depth (the others' verifies wait for the deepest)
+            batch_g, batch_rate = plan_depth(self.shared.depths, cost, heads, max_steps)
+            if batch_g:
+                max_steps = min(max_steps, batch_g + 1)
+                g, rate = min(max(g, 1), max_steps), batch_rate
+            else:
+                g = 0
         if self.first_round_plain and self.rounds == 0:
             g = 0
         elif g == 0 and max_steps >= 1 and self._probe_due(cost, heads, max_steps):
@@ -386,8 +429,9 @@ class CostAwareControl:
     # ----------------------------------------------------------------- after drafting
 
     def shape(self, tree: DraftTree, context: list[int], max_depth: int, sunk_ms: float) -> ShapedTree:
-        """The tree to verify: drafted nodes that pay plus the context branch (``shape_tree``)."""
-        cost = self.shared.planning_cost()
+        """The tree to verify: drafted nodes that pay plus the context branch (``shape_tree``), priced
+        as this round was planned (in step: ``SharedState.in_step_cost``)."""
+        cost = self.shared.in_step_cost() if self.in_step else self.shared.planning_cost()
         if self.timing_free or (self.first_round_plain and self.rounds == 0):  # TTFT: the first token from the prefill
             return ShapedTree.of(tree)
         return shape_tree(tree, context, self.calib, self.ctx_calib, cost, sunk_ms + cost.round_overhead_ms,
@@ -432,6 +476,7 @@ class CostAwareControl:
             for d in range(1, self._planned_spec.gamma + 1):  # depths the draft stopped short of count as 0
                 kept = [i for i, dd in enumerate(depths) if dd == d and shaped.draft_index[i] is not None]
                 self.depths.update(d, sum(shaped.values[i] for i in kept), len(kept))
+                self.shared.depths.update(d, sum(shaped.values[i] for i in kept), len(kept))
             if self.draft_warm:  # the first drafted round also prefilled the draft: not a step's cost
                 parents_per_step = _parents_per_step(drafted_tree, drafted_depths)
                 if self.draft_batch > 1 and draft_s and not self.shared.queue_learns():  # D(b p) per step
@@ -469,11 +514,11 @@ class CostAwareControl:
 
     def cost_snapshot(self) -> dict:
         """The shared cost model's figures (CostModel.snapshot) and the shared load, draft queue and
-        draft and verify merge shares (``SharedState``), as they stand after this round's ``observe``, for round records
-        and metrics."""
+        draft and verify merge shares (``SharedState``), as they stand after this round's ``observe``, and whether
+        this round's plan was the batch's (``in_step``), for round records and metrics."""
         return {**self.shared.cost.snapshot(), "load": round(self.shared.load, 2),
                 "draft_queue": round(self.shared.draft_queue, 3), "draft_merge": round(self.shared.draft_merge, 3),
-                "verify_merge": round(self.shared.verify_merge, 3)}
+                "verify_merge": round(self.shared.verify_merge, 3), "in_step": self.in_step}
 
     # ----------------------------------------------------------------- the rest of the interface
 
@@ -540,6 +585,7 @@ def cost_aware_factory(config: CostAwareConfig, fallback: FallbackConfig, shared
                                 max_ngram=config.max_ngram, probe_every=config.probe_every,
                                 first_round_plain=config.first_round_plain, max_nodes=max_nodes)
 
+    shared.in_step = config.in_step
     factory.shared = shared  # the Orchestrator sets shared.shared_compute once it knows both services
     factory.shared_compute = config.shared_compute
     return factory

@@ -140,6 +140,10 @@ class CostAwareConfig(_Section):
     # draft and target compute on the same hardware: under load a draft step is priced for the whole
     # batch (orchestrator.cost_model.LoadedCost); "auto" = compare the two services' Info placements
     shared_compute: Literal["auto"] | bool = "auto"
+    # under load on shared compute the requests draft or decode plain together, from front-wide
+    # figures (orchestrator.cost_aware.SharedState.in_step_applies); off by default: measured slower
+    # (benchmarks/serving_cpu_2core_2026-12-03_in_step.md: their rounds alternate instead of merging)
+    in_step: bool = False
 
 
 class DraftWindowConfig(_Section):
