@@ -72,6 +72,14 @@ Flags of issue 12:
   the front's ``pipeline_ahead_hits`` / ``pipeline_ahead_misses`` where its final stats carry them
   ("-" otherwise). The key is only set with the flag; a ``specdec.config.FrontConfig`` without a
   ``pipeline`` field makes the flag an error.
+- ``--in-step``: the concurrency section gains a configuration ``batched_in_step``: a Ray front with
+  ``front.cost_aware.in_step: true`` (under load on shared compute every request follows the batch's
+  plan, drafting or not together, instead of planning from its own estimates and the learnt merge
+  shares) on the batched target: the A/B of the in-step rule in one run.
+- ``--round-log``: each speculative concurrency row gets ``round_split`` (mean ms per phase) and
+  ``round_log`` (every round: start, wall, draft and verify ms, the services' own ms and batch sizes,
+  gamma, nodes, accepted length, fallback) from the traces, in the JSON.
+- ``--batch-gather F``: ``draft.batch_gather`` and ``target.batch_gather`` of every service.
 - ``--levels 1,4,8,16``: ``--concurrency-prompts`` defaults to the larger of ``--prompts`` and the
   largest level (so every client has a request), and the fronts' ``limits.max_running`` is set to
   admit every level's and the longprompt section's streams at once.
@@ -226,6 +234,30 @@ def round_children(spans: list[Span], request_ids: set[str], names: tuple[str, .
         if s.parent_id in ids and s.name in names:
             children[s.parent_id][s.name] = s
     return [(r, children[r.span_id]) for r in rounds]
+
+
+def round_log(spans: list[Span], request_ids: set[str]) -> list[dict]:
+    """One compact row per round of these requests, in start order (the concurrency rows'
+    ``round_log``): request, start (s, from the first round's), round / draft / verify wall ms, the
+    services' own ms and batch sizes (``draft.*`` / ``target.*`` attributes), gamma, verified nodes,
+    drafted nodes, accepted length and fallback reason."""
+    rounds = sorted(round_children(spans, request_ids, ("draft", "verify")), key=lambda rk: rk[0].start_ns)
+    t0 = rounds[0][0].start_ns if rounds else 0
+    out = []
+    for r, kids in rounds:
+        draft, verify = kids.get("draft"), kids.get("verify")
+        out.append({"request": str(r.attributes.get("request.id", "")).split("/")[0],
+                    "t_s": round((r.start_ns - t0) / 1e9, 3), "round_ms": round(r.ms, 1),
+                    "draft_ms": round(draft.ms, 1) if draft else None,
+                    "draft_server_ms": draft.attributes.get("draft.draft_ms") if draft else None,
+                    "draft_batch": draft.attributes.get("draft.batch_size") if draft else None,
+                    "verify_ms": round(verify.ms, 1) if verify else None,
+                    "verify_server_ms": verify.attributes.get("target.verify_ms") if verify else None,
+                    "verify_batch": verify.attributes.get("target.batch_size") if verify else None,
+                    "gamma": r.attributes.get("gamma"), "nodes": r.attributes.get("tree.nodes"),
+                    "drafted": r.attributes.get("tree.drafted"), "accepted": r.attributes.get("accepted_length"),
+                    "fallback": r.attributes.get("fallback.reason")})
+    return out
 
 
 def round_split(spans: list[Span], request_ids: set[str]) -> dict:
@@ -570,6 +602,8 @@ def service_config(args, threads: int | None = None, target: dict | None = None,
         "draft": {"port": 0},
         "target": {"port": 0, **(target or {})},
     }
+    if getattr(args, "batch_gather", None) is not None:  # both services' batchers
+        data["draft"]["batch_gather"] = data["target"]["batch_gather"] = args.batch_gather
     if threads:
         data["models"]["threads"] = threads
     if front is not None:
@@ -743,6 +777,15 @@ def section_concurrency(args, prompts, configs: dict, collector: SpanCollector |
     for i, expected in traced.items():
         complete = wait_for_rounds(collector, expected)
         rows[i]["pipeline_trace"] = {**pipeline_overlap(collector.spans(), set(expected)), "complete": complete}
+    if collector is not None and args.round_log:
+        for row in rows:
+            if row["config"] == "target_only":
+                continue
+            expected = {f"conc-{row['config']}-{row['clients']}-{i}": r["rounds"] for i, r in enumerate(row["per_request"])}
+            wait_for_rounds(collector, expected)
+            ids = set(expected)  # a level repeated (--levels 4,4) reuses its ids: its rows log every repeat's rounds
+            row["round_split"] = round_split(collector.spans(), ids)
+            row["round_log"] = round_log(collector.spans(), ids)
     base = {r["clients"]: r for r in rows if r["config"] == "target_only"}
     for r in rows:
         ref = base.get(r["clients"])
@@ -1142,6 +1185,13 @@ def parse_args(argv=None):
                         "service instead of two, for machines where two copies do not fit)")
     p.add_argument("--pin", action="store_true",
                    help="run the target service under taskset -c 0 and the draft under taskset -c 1, 1 torch thread each")
+    p.add_argument("--batch-gather", type=float, default=None,
+                   help="draft.batch_gather and target.batch_gather of every service (default: the config's)")
+    p.add_argument("--round-log", action="store_true",
+                   help="concurrency section: each speculative row gets round_split and round_log (every round's "
+                        "timings, batch sizes and tree from the traces) in the JSON")
+    p.add_argument("--in-step", action="store_true",
+                   help="concurrency section: add batched_in_step (a front with front.cost_aware.in_step: true)")
     p.add_argument("--pipeline", action="store_true",
                    help="concurrency section: add speculative_pipelined (a front with front.pipeline: true)")
     p.add_argument("--long-prompt-tokens", type=int, default=2000, help="longprompt section: the long prompt's length")
@@ -1316,8 +1366,16 @@ def main(argv=None) -> int:
                     front_pipelined = services.launch("front", "bench-front-ray-pipelined",
                                                       service_config(args, front={"use_ray": True, "pipeline": True}),
                                                       draft_address=draft.address, target_address=batched.address)
+                front_in_step = None
+                if args.in_step:
+                    front_in_step = services.launch("front", "bench-front-ray-in-step",
+                                                    service_config(args, front={"use_ray": True,
+                                                                                "cost_aware": {"in_step": True}}),
+                                                    draft_address=draft.address, target_address=batched.address)
                 services.wait(front_batched)
                 configs = {"batched": (front_batched.address, batched.address, False)}
+                if front_in_step is not None:
+                    configs["batched_in_step"] = (services.wait(front_in_step).address, batched.address, False)
                 if front_ray_one is not None:
                     configs["one_at_a_time"] = (services.wait(front_ray_one).address, one.address, False)
                 if front_pipelined is not None:
@@ -1342,7 +1400,8 @@ def main(argv=None) -> int:
         "draft_quant": dq, "bf16_note": BF16_NOTE if args.dtype == "auto" and dtype == "float32" else None,
         "target_threads": args.target_threads, "draft_threads": args.draft_threads,
         "tree": DEFAULT_SPEC.to_json(), "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
-        "max_batch": args.max_batch, "batch_wait_ms": args.batch_wait_ms, "workers": args.workers,
+        "max_batch": args.max_batch, "batch_wait_ms": args.batch_wait_ms, "batch_gather": args.batch_gather,
+        "workers": args.workers,
         "sections": args.sections, "levels": args.levels, "questions": str(args.questions or "built-in"),
         "machine": platform.platform(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
         "python": platform.python_version(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
