@@ -203,9 +203,11 @@ class TargetSessions:
 
     def verified(self, session_id: str, outcome: VerifyResult | Exception | None) -> None:
         """Once per queued verify (the batcher's on_done): a result stays pending until commit (even
-        when its caller has gone); a failed or unrun verify frees its tree slots."""
+        when its caller has gone); a failed or unrun verify frees its tree slots. The outcome of a
+        verify whose session was released meanwhile is dropped, also when the id was opened again
+        (a new session is busy with its prefill, with no tree claimed, until its own verify)."""
         s = self.sessions.get(session_id)
-        if s is None or not s.busy:
+        if s is None or not s.busy or s.tree_key is None:
             return
         s.set_busy(False)
         if isinstance(outcome, VerifyResult):

@@ -146,6 +146,27 @@ def test_release_wakes_a_waiting_retry():
     run(body())
 
 
+def test_a_released_sessions_verify_outcome_does_not_reach_a_new_session_under_its_id():
+    """Release of a session whose verify is still running, then a Prefill under the same id: when the
+    old verify's outcome arrives (the batcher's on_done, by session id), the new session stays busy
+    with its prefill, with no result pending and no tree slots (the old result is not its own)."""
+    async def body():
+        book = TargetSessions(max_kv_tokens=100, context_limit=64)
+        book.open("a", prompt_len=4).set_busy(False)
+        book.begin_verify("a", FAN_4, b"t1")  # holds 3 + 5
+        old = book.release("a")
+        new = book.open("a", prompt_len=6)  # busy until its prefill ran; holds 5
+        book.verified("a", RESULT)  # the old verify ends on the worker thread
+        assert new is not old
+        assert (new.busy, new.pending, new.tree_slots, new.tree_key, book.kv_held()) == (True, None, 0, None, 5)
+        new.set_busy(False)  # the prefill ran
+        assert book.begin_verify("a", CHAIN_4, b"t2") is CHAIN_4  # no stale result to commit first
+        book.verified("a", RESULT)
+        assert (new.busy, new.pending, book.kv_held()) == (False, RESULT, 10)
+
+    run(body())
+
+
 def test_the_reaper_releases_idle_sessions_only():
     async def body():
         book = TargetSessions(max_kv_tokens=100, context_limit=64, idle_s=10.0)
