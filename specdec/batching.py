@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from specdec.interfaces import UnknownSessionError
 from specdec.model_worker import ModelWorker
 from specdec.service_errors import DeadlineExpiredError
 
@@ -159,11 +160,26 @@ class SessionBatcher:
 
     def forget(self, session_id: str) -> None:
         """The session has ended (released): no longer expect it back (also when its item is in the
-        running call: that call's answer does not put it back)."""
-        self._answered.pop(session_id, None)
-        self._gap.pop(session_id, None)
+        running call: that call's answer does not put it back), and fail its items still queued with
+        UnknownSessionError (``on_done`` hears None: unrun). They must not run later on the state
+        of a new session opened under the same id. Call it after the session is gone from the
+        caller's own books, so ``on_done`` finds none."""
+        self._unexpect(session_id)
         if session_id in self._in_call:
             self._forgotten.add(session_id)
+        dropped = [item for item in self._queue if item.session_id == session_id]
+        if not dropped:
+            return
+        self._queue = [item for item in self._queue if item.session_id != session_id]
+        for item in dropped:
+            self._done(item, None)
+            if not item.future.done():
+                item.future.set_exception(UnknownSessionError(
+                    f"session_id: {session_id!r} was released while its {self.what} was queued"))
+
+    def _unexpect(self, session_id: str) -> None:
+        self._answered.pop(session_id, None)
+        self._gap.pop(session_id, None)
 
     def enqueue(self, items: Sequence[tuple[str, Any]], deadline: float | None) -> list[asyncio.Future]:
         loop = asyncio.get_running_loop()
@@ -256,7 +272,7 @@ class SessionBatcher:
             self._call_s += 0.3 * (call_ms / 1000 - self._call_s) if self._call_s else call_ms / 1000
         answered = time.monotonic()
         for sid in [sid for sid, at in self._answered.items() if answered - at > 60.0]:
-            self.forget(sid)  # gone without a release (nothing waits this long for it anyway)
+            self._unexpect(sid)  # gone without a release (nothing waits this long for it anyway)
         outcomes = {id(item): k for k, item in enumerate(ran)}
         for item in batch:
             if id(item) in outcomes and not self.rider(item) and item.session_id not in self._forgotten:

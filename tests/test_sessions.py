@@ -4,6 +4,7 @@ KV accounting, the verify-pending/commit state machine and the idle reaper."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -163,6 +164,55 @@ def test_a_released_sessions_verify_outcome_does_not_reach_a_new_session_under_i
         assert book.begin_verify("a", CHAIN_4, b"t2") is CHAIN_4  # no stale result to commit first
         book.verified("a", RESULT)
         assert (new.busy, new.pending, book.kv_held()) == (False, RESULT, 10)
+
+    run(body())
+
+
+def test_a_verify_queued_when_its_session_is_released_never_runs_on_a_new_session_under_its_id():
+    """A Verify still queued in the batcher (the worker busy with another session's forward) when its
+    session is released and opened again under the same id: the queued verify fails with
+    UnknownSessionError and never runs; the new session's own verify runs and its result is the one
+    pending (the old tree's outcome, 9 as bonus, would otherwise be stored under the new tree's key)."""
+    from specdec.batching import SessionBatcher
+    from specdec.model_worker import ModelWorker
+
+    hold = threading.Event()
+    ran: list[tuple[str, bytes]] = []
+
+    def batch_call(pairs):
+        hold.wait(5.0)  # session b's forward keeps the worker busy while a is released and reopened
+        ran.extend(pairs)
+        return [VerifyResult((0,), (5, 9 if key == b"t1" else 6)) for _, key in pairs]
+
+    async def body():
+        worker = ModelWorker("test-forget")
+        book = TargetSessions(max_kv_tokens=100, context_limit=64)
+        batcher = SessionBatcher(worker, batch_call, lambda sid, key: batch_call([(sid, key)])[0],
+                                 wait_ms=0.0, on_done=book.verified, what="verify")
+        try:
+            for sid in ("a", "b"):
+                book.open(sid, prompt_len=4).set_busy(False)
+            book.begin_verify("b", FAN_4, b"tb")
+            first = asyncio.ensure_future(batcher.submit("b", b"tb"))
+            await asyncio.sleep(0.05)  # b's call is running (blocked on hold)
+            book.begin_verify("a", FAN_4, b"t1")
+            old = asyncio.ensure_future(batcher.submit("a", b"t1"))
+            await asyncio.sleep(0.01)
+            book.release("a")
+            batcher.forget("a")
+            new = book.open("a", prompt_len=6)
+            new.set_busy(False)  # its prefill ran
+            book.begin_verify("a", CHAIN_4, b"t2")
+            mine = asyncio.ensure_future(batcher.submit("a", b"t2"))
+            hold.set()
+            with pytest.raises(UnknownSessionError, match="released while its verify was queued"):
+                await old
+            assert (await mine).tokens == (5, 6) and (await first).tokens == (5, 6)
+            assert ran == [("b", b"tb"), ("a", b"t2")]  # the old tree never ran
+            assert (new.busy, new.pending.tokens, new.tree_key) == (False, (5, 6), b"t2")
+        finally:
+            hold.set()
+            worker.close()
 
     run(body())
 
