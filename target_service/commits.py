@@ -9,7 +9,8 @@ a rollback that takes a millisecond), and A's next round starts only then.
 ``DeferredCommits`` wraps the runtime: ``defer(session_id, num_tokens)`` records the commit (the
 server has already checked it against the pending result), and the session's next call on the
 worker thread (verify, verify_batch, commit) applies it first; release and a new start under the
-same id drop it. Each session's operations
+same id drop it. A rollback that raises is not retried: the session's later calls fail
+(``apply``) until it is released. Each session's operations
 stay in their order, so every forward sees the same KV as with the commit run at once; the
 commit's reply no longer waits for other sessions' forwards. The record is touched from the event
 loop (``defer``) and the worker thread (the calls) for one session at a time: the server's session
@@ -19,6 +20,8 @@ states let no verify of a session be queued or running while its commit is taken
 from __future__ import annotations
 
 from typing import Sequence
+
+from specdec.interfaces import SessionStateError
 
 
 class DeferredCommits:
@@ -31,6 +34,7 @@ class DeferredCommits:
     def __init__(self, runtime):
         self.runtime = runtime
         self.deferred: dict[str, list[int]] = {}  # session id -> num_tokens of each commit not yet applied
+        self.failed: dict[str, str] = {}  # session id -> the error of its rollback that raised
         if hasattr(runtime, "verify_batch"):
             self.verify_batch = self._verify_batch
 
@@ -42,20 +46,27 @@ class DeferredCommits:
         self.deferred.setdefault(session_id, []).append(num_tokens)
 
     def apply(self, session_id: str) -> None:
-        """Run the session's recorded commits, in order (on the worker thread). A commit that
-        raises stays recorded with the ones after it, so every later call of the session raises too
-        (its KV was not rolled back: nothing may run on it)."""
-        queue = self.deferred.pop(session_id, None)
-        for k, num_tokens in enumerate(queue or ()):
+        """Run the session's recorded commits, in order (on the worker thread).
+
+        A commit that raises may have left the session's KV half rolled back: it is never run
+        again, and this call and every later call of the session (until release, or a new start
+        under its id) raise SessionStateError naming the session and the first error (a client
+        sees FAILED_PRECONDITION: release the session and start again)."""
+        broken = self.failed.get(session_id)
+        if broken is not None:
+            raise SessionStateError(f"session_id: {session_id!r}: its KV rollback failed ({broken}); release it")
+        for num_tokens in self.deferred.pop(session_id, ()):
             try:
                 self.runtime.commit(session_id, num_tokens)
-            except BaseException:
-                self.deferred[session_id] = queue[k:]
-                raise
+            except Exception as exc:
+                self.failed[session_id] = f"commit of {num_tokens} tokens: {type(exc).__name__}: {exc}"
+                raise SessionStateError(
+                    f"session_id: {session_id!r}: its KV rollback failed ({self.failed[session_id]}); release it") from exc
 
     def start(self, session_id: str, *args, **kwargs):
         """A new session under this id (one released by a cancelled Release may have left a record)."""
         self.deferred.pop(session_id, None)
+        self.failed.pop(session_id, None)
         return self.runtime.start(session_id, *args, **kwargs)
 
     def commit(self, session_id: str, num_tokens: int) -> None:
@@ -90,4 +101,5 @@ class DeferredCommits:
 
     def release(self, session_id: str):
         self.deferred.pop(session_id, None)
+        self.failed.pop(session_id, None)
         return self.runtime.release(session_id)

@@ -947,8 +947,8 @@ def test_a_verify_completes_while_a_long_prompt_prefills():
 def test_deferred_commits_apply_in_order_before_the_sessions_next_call():
     """target_service.commits.DeferredCommits over a scripted runtime: recorded commits run in order
     right before the session's next verify (or verify_batch item), never for other sessions; a
-    commit that raises stays recorded with the ones after it (the session's later calls raise too)
-    and fails only its own item of a batch; release and a new start under the same id drop them."""
+    commit that raises is never run again (the session's KV may be half rolled back), the session's
+    later calls raise, and it fails only its own item of a batch; release and a new start under the same id drop them."""
     from target_service.commits import DeferredCommits
 
     class Scripted:
@@ -987,12 +987,15 @@ def test_deferred_commits_apply_in_order_before_the_sessions_next_call():
     runtime.defer("c", 4)
     runtime.defer("c", 5)
     out = runtime.verify_batch([("b", None), ("c", None)])
-    assert out[0] == "b" and isinstance(out[1], SessionStateError)
+    assert out[0] == "b" and isinstance(out[1], SessionStateError) and "KV rollback failed" in str(out[1])
     assert inner.calls == [("commit", "b", 1), ("batch", ["b"])]
-    assert runtime.deferred == {"c": [4, 5]}  # still recorded: c's KV was never rolled back
-    with pytest.raises(SessionStateError):
+    inner.fail.clear()  # the next try would succeed, but c's KV may be half rolled back: never retried
+    out = runtime.verify_batch([("c", None)])  # e.g. the batcher's one-by-one retry of a failed batch
+    with pytest.raises(SessionStateError, match="'c': its KV rollback failed .commit of 4 tokens"):
         runtime.verify("c", None)
+    assert isinstance(out[0], SessionStateError) and inner.calls == [("commit", "b", 1), ("batch", ["b"])]
     runtime.release("c")
+    assert runtime.failed == {}
     runtime.defer("d", 1)
     runtime.start("d", [1, 2])  # an id reused (its Release never reached the worker)
     assert runtime.deferred == {}
