@@ -45,6 +45,7 @@ class SessionSlots:
 
     cached: int  # L: committed slots
     tree_slots: int = 0  # N + 1 from the start of a verify until its commit
+    stale: int = 0  # rows of a committed tree not yet rolled back (the rollback runs before the next verify)
     busy: bool = False  # a prefill, a verify or a commit is queued or running
     tree_key: bytes | None = None  # serialized tree of the verify in flight / pending
     pending: VerifyResult | None = None
@@ -61,15 +62,18 @@ class SessionSlots:
 
     @property
     def held(self) -> int:
-        return self.cached + self.tree_slots
+        return self.cached + self.tree_slots + self.stale
 
     def drop_tree(self) -> None:
         """Free the tree slots of a verify that failed, was not run or was undone."""
         self.tree_slots, self.tree_key = 0, None
 
     def committed(self, num_tokens: int) -> None:
-        """The pending verify's first ``num_tokens`` tokens are committed: L grows, the tree slots go."""
+        """The pending verify's first ``num_tokens`` tokens are committed: L grows; the tree's other
+        rows stay held (``stale``) until the session's next verify, before whose forward the target's
+        worker thread rolls them back (``target_service.commits``)."""
         self.cached += num_tokens
+        self.stale = max(self.tree_slots - num_tokens, 0)
         self.tree_slots, self.tree_key, self.pending = 0, None, None
 
 
@@ -171,9 +175,9 @@ class TargetSessions:
         if s.cached + depth >= self.context_limit:
             raise ValueError(f"{field}tree: depth {depth} after {s.cached + 1} committed tokens passes the context "
                              f"limit of {self.context_limit} tokens")
-        self.reserve(tree.size + 1)
+        self.reserve(tree.size + 1, freed=s.stale)  # the last commit's rollback runs before this forward
         s.set_busy(True)  # until ``verified``
-        s.tree_key, s.tree_slots = key, tree.size + 1
+        s.tree_key, s.tree_slots, s.stale = key, tree.size + 1, 0
         return tree
 
     async def claim_verify(self, session_id: str, tree: DraftTree, key: bytes, field: str = "",

@@ -38,7 +38,30 @@ def test_kv_accounting_follows_the_worked_example():
         assert commit is s and s.busy
         s.set_busy(False)
         s.committed(3)
-        assert (s.cached, s.tree_slots, s.pending, s.tree_key, book.kv_held()) == (12, 0, None, None, 12)
+        # the 2 rejected rows stay in the target's cache until the rollback runs (before the next verify)
+        assert (s.cached, s.tree_slots, s.stale, s.pending, s.tree_key, book.kv_held()) == (12, 0, 2, None, None, 14)
+
+    run(body())
+
+
+def test_the_rows_a_commit_rejects_count_until_the_next_verify_rolls_them_back():
+    """A commit's rollback is deferred to the session's next verify (target_service.commits): until
+    then its rejected rows are still held (a new session is refused when only they would make room),
+    and the next verify may count them as freed (its forward runs after the rollback)."""
+    async def body():
+        book = TargetSessions(max_kv_tokens=20, context_limit=64)
+        s = book.open("a", prompt_len=10)
+        s.set_busy(False)
+        book.begin_verify("a", FAN_4, b"t1")  # 9 + 5
+        book.verified("a", RESULT)
+        book.begin_commit("a").set_busy(False)
+        s.committed(1)  # the bonus only: 4 of the 5 rows go at the next verify
+        assert (s.cached, s.stale, book.kv_held()) == (10, 4, 14)
+        with pytest.raises(CapacityError, match=r"max_kv_tokens: 7 more KV slots .* \(14 held by 1 sessions\)"):
+            book.open("b", prompt_len=8)  # 14 + 7 > 20, though 10 + 7 would fit
+        big = DraftTree(tuple(range(9)), (-1,) * 9)  # 10 rows: 10 + 10 = 20 once the 4 stale rows are gone
+        assert book.begin_verify("a", big, b"t2") is big
+        assert (s.stale, s.tree_slots, book.kv_held()) == (0, 10, 20)
 
     run(body())
 
