@@ -764,7 +764,7 @@ def section_concurrency(args, prompts, configs: dict, collector: SpanCollector |
                    "mean_tree_rows": rows_verified / rounds if rounds else 0.0,
                    "cost_plain_round_share": sum(r["cost_plain_rounds"] for r in reqs) / rounds if rounds else 0.0,
                    "fallback_round_share": sum(r["fallback_rounds"] for r in reqs) / rounds if rounds else 0.0,
-                   "run_order": order.index(name),
+                   "run_order": order.index(name), "level_run": li,
                    "per_request": [{key: r[key] for key in PER_REQUEST} for r in reqs]}
             for key in PIPELINE_STATS:  # None: the front's final stats have no such field
                 values = [r[key] for r in reqs if r[key] is not None]
@@ -786,9 +786,9 @@ def section_concurrency(args, prompts, configs: dict, collector: SpanCollector |
             ids = set(expected)  # a level repeated (--levels 4,4) reuses its ids: its rows log every repeat's rounds
             row["round_split"] = round_split(collector.spans(), ids)
             row["round_log"] = round_log(collector.spans(), ids)
-    base = {r["clients"]: r for r in rows if r["config"] == "target_only"}
-    for r in rows:
-        ref = base.get(r["clients"])
+    base = {r["level_run"]: r for r in rows if r["config"] == "target_only"}
+    for r in rows:  # against the target_only row of the same level run (--levels 16,16: each repeat its own pair)
+        ref = base.get(r["level_run"])
         r["speedup_vs_target_only"] = r["tokens_per_s"] / ref["tokens_per_s"] if ref and ref["tokens_per_s"] else None
         r["latency_p95_vs_target_only"] = (r["latency_p95_s"] / ref["latency_p95_s"]
                                            if ref and ref["latency_p95_s"] else None)
@@ -1079,7 +1079,7 @@ def markdown(result: dict) -> str:
                          r["merged_verify_forwards"], _or_dash(r.get("merged_draft_calls")),
                          _or_dash(r.get("pipeline_ahead_hits")), _or_dash(r.get("pipeline_ahead_misses"))])
         parts.append(md_table(head, rows))
-        parts.append("p95 latency vs target only: the row's p95 latency / target_only's at the same clients (<= 1: "
+        parts.append("p95 latency vs target only: the row's p95 latency / target_only's in the same level run (a repeated level pairs each repeat with its own target_only row; <= 1: "
                      "never worse). ahead hits / misses: the front's `pipeline_ahead_hits` / `pipeline_ahead_misses` "
                      "(draft rounds started ahead of the verify outcome that were used / discarded), '-' where its "
                      "final stats have no such field.\n")
