@@ -62,7 +62,7 @@ class SessionBatcher:
     wait_ms: how long the first waiting item waits for company (>= 0); on_done(session_id, outcome):
     called on the event loop exactly once for every queued item, even when its caller has gone,
     with the outcome (result or exception), or None when the item was dropped unrun (caller
-    cancelled); what: the calls' name in logs ("verify"). Subclasses shape each caller's answer
+    cancelled, deadline passed, or its session forgotten while queued); what: the calls' name in logs ("verify"). Subclasses shape each caller's answer
     (``answer(outcome, company, ms)``: company = the items that shared its call, itself alone when
     the items ran one by one - no batch call, or the shared one failed - with its own time).
     gather: the longest wait for sessions expected back, as a fraction of the mean call time (0 =

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from specdec.interfaces import SessionStateError
+from target_service.tp import RankFailureError
 
 
 class DeferredCommits:
@@ -51,13 +52,16 @@ class DeferredCommits:
         A commit that raises may have left the session's KV half rolled back: it is never run
         again, and this call and every later call of the session (until release, or a new start
         under its id) raise SessionStateError naming the session and the first error (a client
-        sees FAILED_PRECONDITION: release the session and start again)."""
+        sees FAILED_PRECONDITION: release the session and start again). A RankFailureError (a
+        tensor-parallel rank died) propagates as itself: the server fails every call then."""
         broken = self.failed.get(session_id)
         if broken is not None:
             raise SessionStateError(f"session_id: {session_id!r}: its KV rollback failed ({broken}); release it")
         for num_tokens in self.deferred.pop(session_id, ()):
             try:
                 self.runtime.commit(session_id, num_tokens)
+            except RankFailureError:
+                raise  # the ranks are gone: the server fails every call (UNAVAILABLE), not this session alone
             except Exception as exc:
                 self.failed[session_id] = f"commit of {num_tokens} tokens: {type(exc).__name__}: {exc}"
                 raise SessionStateError(
@@ -70,8 +74,9 @@ class DeferredCommits:
         return self.runtime.start(session_id, *args, **kwargs)
 
     def commit(self, session_id: str, num_tokens: int) -> None:
+        """A commit run now (after the recorded ones); one that raises fails the session as in ``apply``."""
+        self.defer(session_id, num_tokens)
         self.apply(session_id)
-        self.runtime.commit(session_id, num_tokens)
 
     def verify(self, session_id: str, tree):
         self.apply(session_id)

@@ -295,9 +295,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         except BaseException:
             self.sessions.undo_begin(begun)
             raise
-        to_run = [(k, items[k].session_id, tree) for k, (_, tree) in enumerate(begun) if tree is not None]
+        # A session claimed before an await of a later item's claim may have been released (and its id
+        # opened again) meanwhile: its claim is void, and its tree must not run on the new session.
+        gone = {k for k, (s, tree) in enumerate(begun) if tree is not None and self.sessions.sessions.get(ids[k]) is not s}
+        to_run = [(k, ids[k], tree) for k, (_, tree) in enumerate(begun) if tree is not None and k not in gone]
         outcomes = await self.batcher.verify_many([(sid, tree) for _, sid, tree in to_run], deadline)
         results = {k: outcome for (k, _, _), outcome in zip(to_run, outcomes)}
+        for k in gone:
+            results[k] = UnknownSessionError(f"items[{k}].session_id: {ids[k]!r} was released during this call")
         await self._abort_on_failed_item(results, context)
         response = target_pb2.VerifyBatchResponse()
         for k, (s, _) in enumerate(begun):

@@ -3,8 +3,11 @@ the idle reaper. Plain asyncio, no gRPC and no model: tests drive it directly.
 
 KV accounting (``max_kv_tokens``, CapacityError past it): a session holds its committed slots L
 (prompt length - 1 after Prefill, + num_tokens per Commit) plus N + 1 tree slots from the start of
-a verify of an N-node tree until its commit. Example: Prefill of 10 tokens holds 9; a verify of a
-4-node tree holds 9 + 5 = 14; Commit(num_tokens=3) leaves 12.
+a verify of an N-node tree until its commit, plus, after the commit, the tree's rejected rows
+(``stale``) until the session's next verify: the rollback runs on the worker thread right before
+that verify's forward (``target_service.commits``). Example: Prefill of 10 tokens holds 9; a verify
+of a 4-node tree holds 9 + 5 = 14; Commit(num_tokens=3) makes L = 12 and still holds 14 (2 rows to
+roll back); the next verify counts them as freed (back if that verify never runs).
 
 Verify states of one session (``SessionSlots``):
 
@@ -46,6 +49,7 @@ class SessionSlots:
     cached: int  # L: committed slots
     tree_slots: int = 0  # N + 1 from the start of a verify until its commit
     stale: int = 0  # rows of a committed tree not yet rolled back (the rollback runs before the next verify)
+    rolling_back: int = 0  # those rows, from the claim of that verify until it ran (or did not: back to stale)
     busy: bool = False  # a prefill, a verify or a commit is queued or running
     tree_key: bytes | None = None  # serialized tree of the verify in flight / pending
     pending: VerifyResult | None = None
@@ -67,6 +71,10 @@ class SessionSlots:
     def drop_tree(self) -> None:
         """Free the tree slots of a verify that failed, was not run or was undone."""
         self.tree_slots, self.tree_key = 0, None
+
+    def unrun(self) -> None:
+        """A claimed verify that never reached the model: its commit's stale rows are still there."""
+        self.stale, self.rolling_back = self.stale + self.rolling_back, 0
 
     def committed(self, num_tokens: int) -> None:
         """The pending verify's first ``num_tokens`` tokens are committed: L grows; the tree's other
@@ -99,7 +107,7 @@ class TargetSessions:
         return len(self.sessions)
 
     def kv_held(self) -> int:
-        """KV slots held over all sessions (committed + trees awaiting commit)."""
+        """KV slots held over all sessions (committed + trees awaiting commit + rows awaiting rollback)."""
         return sum(s.held for s in self.sessions.values())
 
     def reserve(self, slots: int, freed: int = 0) -> None:
@@ -177,7 +185,8 @@ class TargetSessions:
                              f"limit of {self.context_limit} tokens")
         self.reserve(tree.size + 1, freed=s.stale)  # the last commit's rollback runs before this forward
         s.set_busy(True)  # until ``verified``
-        s.tree_key, s.tree_slots, s.stale = key, tree.size + 1, 0
+        s.tree_key, s.tree_slots = key, tree.size + 1
+        s.rolling_back, s.stale = s.stale, 0  # back to stale if this verify never runs
         return tree
 
     async def claim_verify(self, session_id: str, tree: DraftTree, key: bytes, field: str = "",
@@ -204,6 +213,7 @@ class TargetSessions:
             if tree is not None:
                 s.set_busy(False)
                 s.drop_tree()
+                s.unrun()
 
     def verified(self, session_id: str, outcome: VerifyResult | Exception | None) -> None:
         """Once per queued verify (the batcher's on_done): a result stays pending until commit (even
@@ -214,6 +224,10 @@ class TargetSessions:
         if s is None or not s.busy or s.tree_key is None:
             return
         s.set_busy(False)
+        if outcome is None:
+            s.unrun()  # never reached the model: the last commit's rollback has not run either
+        else:
+            s.rolling_back = 0
         if isinstance(outcome, VerifyResult):
             s.pending = outcome
         else:

@@ -769,6 +769,69 @@ def test_host_answers_health_during_a_forward_and_refuses_calls_while_draining()
     assert drained == health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+def test_a_verify_batch_item_whose_session_is_released_during_the_call_never_runs():
+    """VerifyBatch claims its items one by one, and a claim may wait (for a verify of the same tree in
+    flight). A session claimed before such a wait, released and opened again under its id meanwhile:
+    its old tree must not run on the new session. That item fails the call (FAILED_PRECONDITION naming
+    it), the other item's result stays pending, and the new session verifies as a fresh one."""
+    from specdec.config import GrpcConfig
+    from specdec.grpc_host import ServiceHost
+    from target_service.server import SERVICE_NAME, TargetServicer
+
+    ran: list[str] = []
+
+    class Recording(TargetRuntime):
+        def verify(self, session_id, tree):
+            ran.append(session_id)
+            return super().verify(session_id, tree)
+
+        def verify_batch(self, items):
+            ran.extend(sid for sid, _ in items)
+            return super().verify_batch(items)
+
+    model = tiny_model("qwen2", seed=0)
+    chain = tree_pb2.TokenTree(tokens=[5, 6], parents=[-1, 0])
+
+    async def main():
+        host = ServiceHost("test-target", GrpcConfig(shutdown_grace_s=1.0))
+        servicer = TargetServicer(Recording(model), context_limit=512)
+        target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, host.server)
+        port = await host.start("127.0.0.1", 0, [SERVICE_NAME])
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = target_pb2_grpc.TargetServiceStub(channel)
+                for sid, prompt in (("a", [1, 2, 3]), ("b", [4, 5, 6]), ("fresh", [7, 8, 9, 10])):
+                    await stub.Prefill(target_pb2.PrefillRequest(session_id=sid, prompt_ids=prompt), timeout=10)
+                claim = servicer._claim_verify
+
+                async def claim_then_reopen(session_id, tree_msg, field, deadline):
+                    if session_id == "b":  # a is claimed; before the batch is queued, a is released and reopened
+                        await stub.Release(target_pb2.ReleaseRequest(session_id="a"), timeout=10)
+                        await stub.Prefill(target_pb2.PrefillRequest(session_id="a", prompt_ids=[7, 8, 9, 10]), timeout=10)
+                    return await claim(session_id, tree_msg, field, deadline)
+
+                servicer._claim_verify = claim_then_reopen
+                with pytest.raises(grpc.aio.AioRpcError) as failed:
+                    await stub.VerifyBatch(target_pb2.VerifyBatchRequest(items=[
+                        target_pb2.VerifyRequest(session_id=sid, tree=chain) for sid in ("a", "b")]), timeout=10)
+                servicer._claim_verify = claim
+                old_ran = list(ran)
+                b = await stub.Verify(target_pb2.VerifyRequest(session_id="b", tree=chain), timeout=10)  # replayed
+                mine = await stub.Verify(target_pb2.VerifyRequest(session_id="a", tree=chain), timeout=10)
+                fresh = await stub.Verify(target_pb2.VerifyRequest(session_id="fresh", tree=chain), timeout=10)
+        finally:
+            await host.server.stop(None)
+            servicer.close()
+        return failed.value, old_ran, b, mine, fresh
+
+    failed, old_ran, b, mine, fresh = asyncio.run(main())
+    assert failed.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "items[0].session_id: 'a' was released during this call" in failed.details()
+    assert "a" not in old_ran and "b" in old_ran  # a's old tree never ran
+    assert b.batch_size == 0  # b's result was pending: replayed, not run again
+    assert (list(mine.accepted_nodes), list(mine.tokens)) == (list(fresh.accepted_nodes), list(fresh.tokens))
+
+
 def test_idle_sessions_are_released_after_session_idle_s(tmp_path):
     """A session whose client died without Release (e.g. a killed orchestrator actor) is released
     after target.session_idle_s; its KV slots return to the pool."""
@@ -950,6 +1013,7 @@ def test_deferred_commits_apply_in_order_before_the_sessions_next_call():
     commit that raises is never run again (the session's KV may be half rolled back), the session's
     later calls raise, and it fails only its own item of a batch; release and a new start under the same id drop them."""
     from target_service.commits import DeferredCommits
+    from target_service.tp import RankFailureError
 
     class Scripted:
         def __init__(self):
@@ -959,6 +1023,8 @@ def test_deferred_commits_apply_in_order_before_the_sessions_next_call():
             self.calls.append(("start", sid))
 
         def commit(self, sid, n):
+            if (sid, n) == ("e", 7):
+                raise RankFailureError("rank 1 exited")
             if (sid, n) in self.fail:
                 raise SessionStateError(f"session_id: {sid!r} has no verify to commit")
             self.calls.append(("commit", sid, n))
@@ -995,6 +1061,10 @@ def test_deferred_commits_apply_in_order_before_the_sessions_next_call():
         runtime.verify("c", None)
     assert isinstance(out[0], SessionStateError) and inner.calls == [("commit", "b", 1), ("batch", ["b"])]
     runtime.release("c")
+    assert runtime.failed == {}
+    runtime.defer("e", 7)
+    with pytest.raises(RankFailureError, match="rank 1 exited"):  # UNAVAILABLE for every call, as itself
+        runtime.verify("e", None)
     assert runtime.failed == {}
     runtime.defer("d", 1)
     runtime.start("d", [1, 2])  # an id reused (its Release never reached the worker)

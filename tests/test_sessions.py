@@ -47,7 +47,8 @@ def test_kv_accounting_follows_the_worked_example():
 def test_the_rows_a_commit_rejects_count_until_the_next_verify_rolls_them_back():
     """A commit's rollback is deferred to the session's next verify (target_service.commits): until
     then its rejected rows are still held (a new session is refused when only they would make room),
-    and the next verify may count them as freed (its forward runs after the rollback)."""
+    and the next verify may count them as freed (its forward runs after the rollback), unless that
+    verify never reaches the model."""
     async def body():
         book = TargetSessions(max_kv_tokens=20, context_limit=64)
         s = book.open("a", prompt_len=10)
@@ -62,6 +63,13 @@ def test_the_rows_a_commit_rejects_count_until_the_next_verify_rolls_them_back()
         big = DraftTree(tuple(range(9)), (-1,) * 9)  # 10 rows: 10 + 10 = 20 once the 4 stale rows are gone
         assert book.begin_verify("a", big, b"t2") is big
         assert (s.stale, s.tree_slots, book.kv_held()) == (0, 10, 20)
+        book.verified("a", None)  # dropped unrun (deadline, cancel): the rollback did not run either
+        assert (s.busy, s.stale, s.tree_slots, book.kv_held()) == (False, 4, 0, 14)
+        book.undo_begin([(s, book.begin_verify("a", big, b"t2"))])  # claimed in a VerifyBatch, never queued
+        assert (s.busy, s.stale, s.tree_slots, book.kv_held()) == (False, 4, 0, 14)
+        book.begin_verify("a", FAN_4, b"t3")
+        book.verified("a", DeadlineExpiredError("deadline"))  # it ran (and failed): the rollback ran before it
+        assert (s.stale, s.tree_slots, book.kv_held()) == (0, 0, 10)
 
     run(body())
 
