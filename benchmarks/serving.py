@@ -1176,7 +1176,7 @@ def parse_args(argv=None):
     p.add_argument("--max-prompt-tokens", type=int, default=200, help="skip questions whose prompt is longer")
     p.add_argument("--target-threads", type=int, default=2)
     p.add_argument("--draft-threads", type=int, default=1)
-    p.add_argument("--max-batch", type=int, default=8, help="batched configuration's target.max_batch")
+    p.add_argument("--max-batch", type=int, default=16, help="batched configuration's target.max_batch (16: the config's default)")
     p.add_argument("--batch-wait-ms", type=float, default=5.0)
     p.add_argument("--workers", type=int, default=1, help="front.workers (orchestrator actors) of the Ray fronts")
     p.add_argument("--no-ray-grpc", action="store_true", help="grpc section: skip the Ray front mode")

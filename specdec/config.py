@@ -86,7 +86,10 @@ class TargetServerConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=50062, ge=0, le=65535)
     tp: int = Field(default=1, ge=1)                      # tensor-parallel ranks
-    max_batch: int = Field(default=8, ge=1)               # sessions merged into one verify forward
+    # sessions merged into one verify forward. 16 clients of plain decoding on the 2-core CPU: 15.6-16.7
+    # tok/s at 16 against 6.2-11.1 at 8 (two forwards of 8 rows per token cost more than one of 16:
+    # V(8) = 418 ms, V(16) = 517 ms; benchmarks/serving_cpu_2core_2026-12-04_max_batch16.md)
+    max_batch: int = Field(default=16, ge=1)
     batch_wait_ms: float = Field(default=2.0, ge=0)       # how long a verify waits for company
     # the longest wait for sessions expected back from their last verify (specdec.batching), as a
     # fraction of the mean verify forward time; 0 = only batch_wait_ms
