@@ -385,8 +385,10 @@ def test_concurrent_verifies_are_batched_and_equal_solo(servers, target, referen
         assert list(replies[sid].tokens) == greedy_reference(reference, prompt, 1)
         target.Release(target_pb2.ReleaseRequest(session_id=sid), timeout=10)
     assert max(r.batch_size for r in replies.values()) > 1
-    # the three sessions were open when each answered (others' sessions may add to it), up to max_batch 8
-    assert all(3 <= r.mergeable_sessions <= 8 for r in replies.values()), [r.mergeable_sessions for r in replies.values()]
+    # the three sessions were open when each answered (others' sessions may add to it), up to target.max_batch
+    from specdec.config import TargetServerConfig
+    cap = TargetServerConfig().max_batch
+    assert all(3 <= r.mergeable_sessions <= cap for r in replies.values()), [r.mergeable_sessions for r in replies.values()]
     assert after > before
     assert "verify batch of" in servers["target"].stderr
 
