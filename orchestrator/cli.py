@@ -175,7 +175,7 @@ def generate(
     prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", "-f", help="Read the prompt from a file."),
     target: Optional[str] = typer.Option(None, help="Target model: transformers directory or .gguf file (default: Qwen2.5-Coder-1.5B-Instruct)."),
     draft: Optional[str] = typer.Option(None, help="Draft model: transformers directory or .gguf file (default: Qwen2.5-Coder-0.5B-Instruct)."),
-    dtype: str = typer.Option("auto", help="auto (bfloat16 where the CPU has native bf16 GEMM, else float32), bfloat16, float32 (exact greedy equality) or float16."),
+    dtype: str = typer.Option("auto", help="auto (float32 on CPU, bfloat16 on GPU), bfloat16, float32 (exact greedy equality) or float16."),
     draft_quant: str = typer.Option("auto", help="auto (int8 on CPU), none or int8: a dynamic-int8 draft drafts cheaper; output unchanged."),
     tree: Optional[str] = typer.Option(None, help="TreeSpec as inline JSON or a JSON file (default: top-3 at the root, then a chain of 3)."),
     max_new_tokens: int = typer.Option(128, help="Maximum new tokens."),

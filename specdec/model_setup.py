@@ -90,7 +90,7 @@ def eos_token_ids(model, tokenizer) -> set[int]:
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    """``auto``: bfloat16 where the CPU has native bf16 GEMM (or on a GPU), else float32."""
+    """``auto``: float32 on the CPU (``specdec.cpu_linear.default_cpu_dtype``), bfloat16 on a GPU."""
     if dtype != "auto":
         return dtype
     return default_cpu_dtype() if device == "cpu" else "bfloat16"
