@@ -48,8 +48,9 @@ class SessionSlots:
 
     cached: int  # L: committed slots
     tree_slots: int = 0  # N + 1 from the start of a verify until its commit
-    stale: int = 0  # rows of a committed tree not yet rolled back (the rollback runs before the next verify)
-    rolling_back: int = 0  # those rows, from the claim of that verify until it ran (or did not: back to stale)
+    # rows of a committed tree not yet rolled back (the rollback runs before the next verify's forward;
+    # not counted while a verify is claimed, counted again if that verify never runs)
+    stale: int = 0
     busy: bool = False  # a prefill, a verify or a commit is queued or running
     tree_key: bytes | None = None  # serialized tree of the verify in flight / pending
     pending: VerifyResult | None = None
@@ -66,15 +67,11 @@ class SessionSlots:
 
     @property
     def held(self) -> int:
-        return self.cached + self.tree_slots + self.stale
+        return self.cached + self.tree_slots + (self.stale if self.tree_key is None else 0)
 
     def drop_tree(self) -> None:
         """Free the tree slots of a verify that failed, was not run or was undone."""
         self.tree_slots, self.tree_key = 0, None
-
-    def unrun(self) -> None:
-        """A claimed verify that never reached the model: its commit's stale rows are still there."""
-        self.stale, self.rolling_back = self.stale + self.rolling_back, 0
 
     def committed(self, num_tokens: int) -> None:
         """The pending verify's first ``num_tokens`` tokens are committed: L grows; the tree's other
@@ -186,7 +183,6 @@ class TargetSessions:
         self.reserve(tree.size + 1, freed=s.stale)  # the last commit's rollback runs before this forward
         s.set_busy(True)  # until ``verified``
         s.tree_key, s.tree_slots = key, tree.size + 1
-        s.rolling_back, s.stale = s.stale, 0  # back to stale if this verify never runs
         return tree
 
     async def claim_verify(self, session_id: str, tree: DraftTree, key: bytes, field: str = "",
@@ -213,7 +209,6 @@ class TargetSessions:
             if tree is not None:
                 s.set_busy(False)
                 s.drop_tree()
-                s.unrun()
 
     def verified(self, session_id: str, outcome: VerifyResult | Exception | None) -> None:
         """Once per queued verify (the batcher's on_done): a result stays pending until commit (even
@@ -224,10 +219,8 @@ class TargetSessions:
         if s is None or not s.busy or s.tree_key is None:
             return
         s.set_busy(False)
-        if outcome is None:
-            s.unrun()  # never reached the model: the last commit's rollback has not run either
-        else:
-            s.rolling_back = 0
+        if outcome is not None:  # it reached the model: the last commit's rollback ran before it
+            s.stale = 0
         if isinstance(outcome, VerifyResult):
             s.pending = outcome
         else:

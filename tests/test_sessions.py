@@ -62,7 +62,7 @@ def test_the_rows_a_commit_rejects_count_until_the_next_verify_rolls_them_back()
             book.open("b", prompt_len=8)  # 14 + 7 > 20, though 10 + 7 would fit
         big = DraftTree(tuple(range(9)), (-1,) * 9)  # 10 rows: 10 + 10 = 20 once the 4 stale rows are gone
         assert book.begin_verify("a", big, b"t2") is big
-        assert (s.stale, s.tree_slots, book.kv_held()) == (0, 10, 20)
+        assert (s.stale, s.tree_slots, book.kv_held()) == (4, 10, 20)  # recorded, not counted beside the new tree
         book.verified("a", None)  # dropped unrun (deadline, cancel): the rollback did not run either
         assert (s.busy, s.stale, s.tree_slots, book.kv_held()) == (False, 4, 0, 14)
         book.undo_begin([(s, book.begin_verify("a", big, b"t2"))])  # claimed in a VerifyBatch, never queued
