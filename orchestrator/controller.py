@@ -51,6 +51,7 @@ from typing import Any, Awaitable, Callable
 from opentelemetry import trace
 
 from orchestrator.control import DRAFT_OPENING, DRAFT_UNAVAILABLE, ControlFactory, FixedControl
+from orchestrator.lockstep import START, VERIFY, RoundClock
 from orchestrator.shaping import ShapedTree
 from orchestrator.stops import StopChecker
 from specdec.config import DraftWindowConfig
@@ -137,13 +138,15 @@ class RoundController:
     each round's RoundRecord (metrics); pipeline: draft round r+1 while round r verifies (module
     docstring), where the draft worker has ``propose_ahead`` / ``resolve_ahead``; draft_window: the
     committed tokens a draft session opens with (specdec.config.DraftWindowConfig: attention sinks
-    plus the most recent tokens; None = all of them).
+    plus the most recent tokens; None = all of them); clock: lock-step rounds, every request's
+    verify sent together (orchestrator.lockstep; None = each request verifies when it is ready).
     """
 
     def __init__(self, target, draft, eos_token_ids, context_limit: int, decode=None,
                  control_factory: ControlFactory | None = None, draft_deadline_s: float | None = None,
                  draft_context_limit: int | None = None, on_round: Callable[[RoundRecord], None] | None = None,
-                 pipeline: bool = False, draft_window: DraftWindowConfig | None = None):
+                 pipeline: bool = False, draft_window: DraftWindowConfig | None = None,
+                 clock: RoundClock | None = None):
         self.target = target
         self.draft = draft
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -155,6 +158,7 @@ class RoundController:
         self.on_round = on_round
         self.pipeline = pipeline
         self.draft_window = draft_window
+        self.clock = clock
         self.running = 0  # requests in generate now (a new one's control may defer its draft's open)
 
     def check(self, request: GenerationRequest) -> None:
@@ -190,12 +194,16 @@ class RoundController:
         self.running += 1
         try:
             await run.open()
+            if self.clock is not None:
+                self.clock.join(run.sid)
             while run.stops.reason is None:
                 committed = await run.round()
                 if on_tokens is not None:
                     await _maybe_await(on_tokens(committed))
         finally:
             self.running -= 1
+            if self.clock is not None:
+                self.clock.leave(run.sid)
             await asyncio.shield(run.close())
         return GenerationResult(list(run.stops.generated), run.stats)
 
@@ -363,6 +371,8 @@ class _Request:
         statistics and the round's RoundRecord).
         """
         max_depth = self.stops.budget() - 1  # the accepted path plus the bonus must fit the budget
+        if self.controller.clock is not None:  # in step with the other requests (their rounds start together)
+            await self.controller.clock.turn(self.sid, START)
         t0 = time.perf_counter()
         with _tracer.start_as_current_span("round", attributes={"request.id": self.sid, "round": self.stats.rounds}) as span:
             drafted, self.adopted = self.adopted or await self._draft(max_depth), None
@@ -371,6 +381,8 @@ class _Request:
             beside = not getattr(self.controller.draft, "in_process", False)
             ahead = self._start_ahead(drafted, shaped, max_depth) if beside else None  # round r+1 beside this verify
             try:
+                if self.controller.clock is not None:
+                    await self.controller.clock.turn(self.sid, VERIFY)
                 result = await self._verify(shaped.tree)
                 t2 = time.perf_counter()
                 if not beside:  # in-process the calls take turns: after the verify, so its time stays its own

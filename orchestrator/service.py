@@ -28,6 +28,7 @@ from orchestrator.clients import DraftClient, TargetClient, channel_options, req
 from orchestrator.control import RequestControl
 from orchestrator.cost_aware import SharedState, cost_aware_factory
 from orchestrator.controller import GenerationRequest, GenerationResult, RoundController
+from orchestrator.lockstep import RoundClock
 from specdec.config import ServeConfig
 from specdec.models import DEFAULT_TARGET, resolve_model_dir
 from specdec.placement import Placement, shares_compute
@@ -87,6 +88,7 @@ class Orchestrator:
             target, draft, list(self.info.eos_token_ids), self.info.context_limit, self.decode,
             control_factory=factory, draft_deadline_s=self.front.fallback.draft_deadline_ms / 1000,
             on_round=self.on_round, pipeline=self.front.pipeline, draft_window=window,
+            clock=RoundClock(self.front.cost_aware.in_step_wait_ms / 1000) if shared and self.front.cost_aware.in_step else None,
         )
 
     async def _shared_compute(self, draft: DraftClient) -> bool:

@@ -144,9 +144,13 @@ class CostAwareConfig(_Section):
     # batch (orchestrator.cost_model.LoadedCost); "auto" = compare the two services' Info placements
     shared_compute: Literal["auto"] | bool = "auto"
     # under load on shared compute the requests draft or decode plain together, from front-wide
-    # figures (orchestrator.cost_aware.SharedState.in_step_applies); off by default: measured slower
-    # (benchmarks/serving_cpu_2core_2026-12-03_in_step.md: their rounds alternate instead of merging)
+    # figures (orchestrator.cost_aware.SharedState.in_step_applies), their rounds kept in step by a
+    # round clock (orchestrator.lockstep); off by default: not faster on the 2-core CPU
+    # (benchmarks/serving_cpu_2core_2026-12-04_lockstep.md)
     in_step: bool = False
+    # in step: a request ready to verify waits for the others' verifies at most this long
+    # (orchestrator.lockstep.RoundClock; the barrier that keeps their rounds in step)
+    in_step_wait_ms: float = Field(default=1000.0, gt=0)
 
 
 class DraftWindowConfig(_Section):

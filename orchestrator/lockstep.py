@@ -1,0 +1,103 @@
+"""Lock-step rounds: the requests of one front send their verifies together (``RoundClock``).
+
+Where the draft shares the target's compute (two services on one machine's cores), a round of
+speculation pays under load only when every request's draft steps share one draft forward and every
+request's verify shares one target forward: the goodput case of Liu et al. 2024 ("Optimizing
+Speculative Decoding for Serving LLMs Using Goodput", SmartSpec, section 4), which vLLM's and
+SGLang's schedulers get by running all requests' draft and verify steps as one batch step. Requests
+that run their rounds independently drift apart instead: one drafts while the other verifies, on
+the same cores, and their verifies stop merging (issue 12's runs: 73% of the verify forwards at 2
+clients held one session). The clock keeps them in step with a barrier before each verify: a request
+that is ready to verify waits until every other request in its decode rounds is ready too (or
+``max_wait_s`` has passed: a straggler is not waited for longer), then all of them send their
+verifies at once, which the target's batcher merges into one forward. The merged answers come back
+together, so the next round's proposals also reach the draft service together and share its
+forwards (its batcher merges them).
+
+The most it can bring, measured in one process on the 2-core CPU (real pair, 48 new tokens, every
+request drafting the same chain of 1-3 steps, merged, then verifying merged, against plain batched
+decoding; benchmarks/lockstep_cpu_2core_2026-12-04.md): 1.83x at 1 request, 1.38x at 4, 1.14x at 8,
+none at 16. Through the services it gains nothing there yet (cost_aware.in_step, which turns the
+clock on, stays off by default: benchmarks/serving_cpu_2core_2026-12-04_lockstep.md).
+
+Plain asyncio; the round controller (orchestrator.controller) joins a request after its prefill,
+calls ``verify_turn`` before each verify and ``leave`` when the request ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+
+START, VERIFY = "start", "verify"  # the two turns of a round
+
+
+class RoundClock:
+    """Two barriers per round for the requests in their decode rounds (module docstring): ``turn(sid,
+    START)`` before a round drafts, ``turn(sid, VERIFY)`` before it verifies.
+
+    A VERIFY turn ends when every member is waiting (at either turn): members that wait at START
+    (a request that has just joined, mid-round of the others) let the others verify and join them
+    at the next START. A START turn ends when every member waits at START. Either ends for a waiter
+    after ``max_wait_s`` (a straggler is not waited for longer; the others go). Raises ValueError
+    for max_wait_s <= 0.
+    """
+
+    def __init__(self, max_wait_s: float = 1.0):
+        if max_wait_s <= 0:
+            raise ValueError(f"max_wait_s: must be > 0, got {max_wait_s}")
+        self.max_wait_s = max_wait_s
+        self.members: set[str] = set()
+        self._waiting: dict[str, dict[str, asyncio.Event]] = {START: {}, VERIFY: {}}
+        self.ticks = 0  # turns ended with every member there (each one a set of calls sent together)
+        self.timeouts = 0  # turns ended by max_wait_s with a member missing
+        self.waited_s = 0.0  # total time requests spent waiting at turns
+
+    def join(self, session_id: str) -> None:
+        """The request has prefilled and starts its decode rounds."""
+        self.members.add(session_id)
+
+    def leave(self, session_id: str) -> None:
+        """The request has ended (any way): no one waits for it any more."""
+        self.members.discard(session_id)
+        for waiting in self._waiting.values():
+            waiting.pop(session_id, None)
+        self._settle()
+
+    def _settle(self) -> None:
+        """End the turns whose members are all there (VERIFY first: see the class docstring)."""
+        start, verify = self._waiting[START], self._waiting[VERIFY]
+        if verify and set(start) | set(verify) >= self.members:
+            self._end(VERIFY)
+        if start and set(start) >= self.members:
+            self._end(START)
+
+    def _end(self, phase: str) -> None:
+        self.ticks += 1
+        waiting, self._waiting[phase] = self._waiting[phase], {}
+        for event in waiting.values():
+            event.set()
+
+    async def turn(self, session_id: str, phase: str) -> None:
+        """Wait for the others at ``phase`` (START or VERIFY), at most ``max_wait_s``. A request that
+        is not a member (never joined), or is alone, does not wait."""
+        if session_id not in self.members or len(self.members) < 2:
+            return
+        event = asyncio.Event()
+        self._waiting[phase][session_id] = event
+        self._settle()
+        if event.is_set():
+            return
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(event.wait(), self.max_wait_s)
+        except asyncio.TimeoutError:
+            if self._waiting[phase].get(session_id) is event:  # nobody ended the turn meanwhile: go without the stragglers
+                self.timeouts += 1
+                self._end(phase)
+        finally:
+            if self._waiting[phase].get(session_id) is event:  # cancelled while waiting
+                del self._waiting[phase][session_id]
+                self._settle()
+            self.waited_s += time.monotonic() - started

@@ -1,0 +1,242 @@
+"""RoundClock (orchestrator.lockstep): the barriers that keep concurrent requests' rounds in step."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from orchestrator.lockstep import START, VERIFY, RoundClock
+
+
+async def _rounds(clock: RoundClock, sid: str, draft_s: float, rounds: int, log: list, join_after_s: float = 0.0):
+    """A request: joins (unless it already has), then per round START turn, 'drafts' draft_s, VERIFY
+    turn (logged), 'commits'."""
+    await asyncio.sleep(join_after_s)
+    clock.join(sid)  # a set: joining twice is once
+    try:
+        for r in range(rounds):
+            await clock.turn(sid, START)
+            await asyncio.sleep(draft_s)
+            await clock.turn(sid, VERIFY)
+            log.append((asyncio.get_running_loop().time(), sid, r))
+            await asyncio.sleep(0.01)
+    finally:
+        clock.leave(sid)
+
+
+def _verify_groups(log: list, tolerance: float = 0.005) -> list[set[str]]:
+    """The requests whose verifies went out together (within tolerance seconds), in time order."""
+    groups: list[tuple[float, set[str]]] = []
+    for at, sid, _ in sorted(log):
+        if groups and at - groups[-1][0] <= tolerance:
+            groups[-1][1].add(sid)
+        else:
+            groups.append((at, {sid}))
+    return [g for _, g in groups]
+
+
+def test_requests_with_different_draft_times_verify_together_every_round():
+    async def main():
+        clock, log = RoundClock(max_wait_s=2.0), []
+        clock.join("a"), clock.join("b"), clock.join("c")  # all in their rounds before the first turn
+        tasks = [_rounds(clock, sid, d, 4, log) for sid, d in (("a", 0.0), ("b", 0.03), ("c", 0.08))]
+        await asyncio.gather(*tasks)
+        return clock, log
+
+    clock, log = asyncio.run(main())
+    # without the clock "a" (no draft) would verify 30 and 80 ms before the others, every round
+    assert _verify_groups(log) == [{"a", "b", "c"}] * 4
+    assert clock.timeouts == 0 and clock.members == set()
+
+
+def test_a_request_that_joins_mid_round_lets_the_others_verify_then_keeps_step_with_them():
+    async def main():
+        clock, log = RoundClock(max_wait_s=2.0), []
+        clock.join("a"), clock.join("b")
+        await asyncio.gather(_rounds(clock, "a", 0.05, 4, log), _rounds(clock, "b", 0.05, 4, log),
+                             _rounds(clock, "x", 0.0, 3, log, join_after_s=0.08))
+        return clock, log
+
+    clock, log = asyncio.run(main())
+    groups = _verify_groups(log)
+    # x joins while a and b are mid-round (their second, at the planned timing): it waits at START
+    # while they verify without it, then verifies with them in every round they have left (its
+    # first two or three), and alone after they are done; nobody waits out max_wait_s
+    joined = next(i for i, g in enumerate(groups) if "x" in g)
+    assert joined >= 1 and groups[:joined] == [{"a", "b"}] * joined
+    together = 4 - joined  # a and b verify 4 times in all
+    assert groups[joined:joined + together] == [{"a", "b", "x"}] * together
+    assert groups[joined + together:] == [{"x"}] * (3 - together)
+    assert clock.timeouts == 0
+
+
+def test_a_straggler_is_not_waited_for_past_max_wait():
+    async def main():
+        clock = RoundClock(max_wait_s=0.05)
+        clock.join("a"), clock.join("slow")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await clock.turn("a", VERIFY)  # "slow" never arrives
+        return clock, loop.time() - t0
+
+    clock, waited = asyncio.run(main())
+    assert 0.05 <= waited < 0.5
+    assert clock.timeouts == 1
+
+
+def test_leaving_ends_the_turn_the_others_wait_at():
+    async def main():
+        clock = RoundClock(max_wait_s=5.0)
+        clock.join("a"), clock.join("b")
+        waiter = asyncio.create_task(clock.turn("a", START))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()  # b is still mid-round
+        clock.leave("b")  # b finished its request
+        await asyncio.wait_for(waiter, 0.5)
+        return clock
+
+    clock = asyncio.run(main())
+    assert clock.timeouts == 0 and clock.members == {"a"}
+
+
+def test_a_cancelled_waiter_no_longer_counts_as_there():
+    async def main():
+        clock = RoundClock(max_wait_s=5.0)
+        for sid in ("a", "b", "c"):
+            clock.join(sid)
+        a = asyncio.create_task(clock.turn("a", VERIFY))
+        await asyncio.sleep(0.01)
+        a.cancel()
+        await asyncio.gather(a, return_exceptions=True)
+        b = asyncio.create_task(clock.turn("b", VERIFY))
+        await asyncio.sleep(0.01)
+        # a is a member again not waiting (its request goes on or leaves): b must still wait for it
+        # and for c; with a's cancelled wait counted, c's arrival alone would end b's turn
+        c = asyncio.create_task(clock.turn("c", VERIFY))
+        await asyncio.sleep(0.01)
+        stuck = not b.done() and not c.done()
+        clock.leave("a")
+        await asyncio.wait_for(asyncio.gather(b, c), 0.5)
+        return stuck
+
+    assert asyncio.run(main())
+
+
+def test_a_request_alone_or_not_joined_never_waits():
+    async def main():
+        clock = RoundClock(max_wait_s=5.0)
+        clock.join("a")
+        await asyncio.wait_for(clock.turn("a", VERIFY), 0.1)  # alone
+        await asyncio.wait_for(clock.turn("stranger", START), 0.1)  # not a member
+        return clock
+
+    assert asyncio.run(main()).ticks == 0
+
+
+def test_max_wait_must_be_positive():
+    with pytest.raises(ValueError, match="max_wait_s"):
+        RoundClock(max_wait_s=0)
+
+
+# ------------------------------------------------------------------ in the round controller
+
+def _run_pair(clock: RoundClock | None):
+    """Two requests on one RoundController over in-process tiny models: "slow" drafts a chain (each
+    proposal 30 ms late), "fast" decodes plain (no TreeSpec). Returns (outputs, verify order)."""
+    from draft_service.runtime import DraftRuntime
+    from orchestrator.controller import GenerationRequest, RoundController, sync_worker
+    from specdec.tree_spec import TreeSpec
+    from target_service.runtime import TargetRuntime
+    from tests.conftest import perturbed_copy, random_prompt, tiny_model
+
+    target_model = tiny_model("qwen2", seed=5, init_std=0.2)
+    draft_model = perturbed_copy(target_model, seed=1, scale=0.05)  # partial acceptance
+    target, draft, order = TargetRuntime(target_model), DraftRuntime(draft_model), []
+
+    class Target:
+        def __getattr__(self, name):
+            return getattr(sync_worker(target), name)
+
+        async def verify(self, sid, tree):
+            order.append(sid.split("/")[0])
+            return await sync_worker(target).verify(sid, tree)
+
+    class SlowDraft:
+        def __getattr__(self, name):
+            return getattr(sync_worker(draft), name)
+
+        async def propose(self, sid, spec, max_depth):
+            await asyncio.sleep(0.03)
+            return await sync_worker(draft).propose(sid, spec, max_depth)
+
+    controller = RoundController(Target(), SlowDraft(), eos_token_ids=[], context_limit=256, clock=clock)
+    prompts = {"slow": random_prompt(seed=3, length=8), "fast": random_prompt(seed=4, length=8)}
+    specs = {"slow": TreeSpec.chain(3), "fast": None}
+
+    async def main():
+        return await asyncio.gather(*[
+            controller.generate(GenerationRequest(prompts[k], max_new_tokens=24, spec=specs[k]), session_id=f"{k}/0")
+            for k in ("slow", "fast")])
+
+    results = asyncio.run(main())
+    return {k: r.tokens for k, r in zip(("slow", "fast"), results)}, order, target_model, prompts
+
+
+def test_the_controller_with_a_clock_sends_the_requests_verifies_in_step_and_output_is_unchanged():
+    from tests.conftest import hf_greedy
+
+    free, free_order, model, prompts = _run_pair(None)
+    stepped, order, _, _ = _run_pair(RoundClock(max_wait_s=2.0))
+    expected = {k: hf_greedy(model, p, 24) for k, p in prompts.items()}
+    assert free == expected and stepped == expected  # float32 greedy: the clock changes timing only
+    # while both run, "fast" verifies once per "slow" round with the clock (it waits for "slow"'s
+    # draft, then both verify together), several times per "slow" round without it
+    assert _fast_between_slow(order) == {1}, order
+    first, last = free_order.index("fast"), len(free_order) - 1 - free_order[::-1].index("fast")
+    window = free_order[first:last + 1]
+    assert window.count("fast") >= 2 * (window.count("slow") + 1), free_order
+
+
+def _fast_between_slow(order: list[str]) -> set[int]:
+    """How many "fast" verifies fall between two consecutive "slow" verifies, once both run (from
+    the first "fast") and while "fast" still does (up to its last verify)."""
+    first, last = order.index("fast"), len(order) - 1 - order[::-1].index("fast")
+    slow = [i for i, who in enumerate(order) if who == "slow" and first <= i <= last]
+    return {sum(order[i] == "fast" for i in range(a + 1, b)) for a, b in zip(slow, slow[1:])}
+
+
+def test_lockstep_benchmark_runs_on_a_tiny_pair_and_every_mode_equals_plain(tmp_path):
+    """benchmarks/lockstep.py end to end on tiny models: one row per level and mode, the chains'
+    output equal to plain batched decoding's (float32 greedy), each request's tokens all counted."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from tests.tiny_pair import save_tiny_pair
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import lockstep
+
+    pair = save_tiny_pair(tmp_path / "models", noise=0.03)
+    out = tmp_path / "out"
+    assert lockstep.main(["--target", str(pair.target), "--draft", str(pair.draft), "--levels", "1,2",
+                          "--modes", "plain,chain2", "--max-new-tokens", "6", "--out", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [(r["requests"], r["mode"]) for r in rows] == [(1, "plain"), (1, "chain2"), (2, "plain"), (2, "chain2")]
+    assert all(r["same_as_plain"] and r["tokens"] == 6 * r["requests"] for r in rows)
+    assert rows[1]["rounds"] < rows[0]["rounds"] == 6  # the chains committed more than one token in some round
+
+
+def test_lockstep_benchmark_refuses_a_bad_mode_naming_the_flag(capsys):
+    import sys
+    from pathlib import Path
+
+    import pytest as _pytest
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import lockstep
+
+    with _pytest.raises(SystemExit) as exit_info:
+        lockstep.main(["--modes", "plain,tree3"])
+    assert exit_info.value.code == 2 and "--modes" in capsys.readouterr().err
