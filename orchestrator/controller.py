@@ -194,10 +194,10 @@ class RoundController:
         self.running += 1
         try:
             await run.open()
-            if self.clock is not None:
-                self.clock.join(run.sid)
             while run.stops.reason is None:
                 committed = await run.round()
+                if self.clock is not None:  # after its first round, which needs no forward of its own
+                    self.clock.join(run.sid)
                 if on_tokens is not None:
                     await _maybe_await(on_tokens(committed))
         finally:
@@ -371,8 +371,9 @@ class _Request:
         statistics and the round's RoundRecord).
         """
         max_depth = self.stops.budget() - 1  # the accepted path plus the bonus must fit the budget
-        if self.controller.clock is not None:  # in step with the other requests (their rounds start together)
-            await self.controller.clock.turn(self.sid, START)
+        clock = self.controller.clock
+        if clock is not None:  # in step with the other requests (their rounds start together); not timed
+            await clock.turn(self.sid, START)
         t0 = time.perf_counter()
         with _tracer.start_as_current_span("round", attributes={"request.id": self.sid, "round": self.stats.rounds}) as span:
             drafted, self.adopted = self.adopted or await self._draft(max_depth), None
@@ -381,8 +382,10 @@ class _Request:
             beside = not getattr(self.controller.draft, "in_process", False)
             ahead = self._start_ahead(drafted, shaped, max_depth) if beside else None  # round r+1 beside this verify
             try:
-                if self.controller.clock is not None:
-                    await self.controller.clock.turn(self.sid, VERIFY)
+                waited = await clock.turn(self.sid, VERIFY) if clock is not None else 0.0
+                if waited:  # for the others' drafts: not the verify's time, nor the round's
+                    span.set_attribute("lockstep.wait_ms", round(waited * 1000, 1))
+                    t0, t1 = t0 + waited, t1 + waited
                 result = await self._verify(shaped.tree)
                 t2 = time.perf_counter()
                 if not beside:  # in-process the calls take turns: after the verify, so its time stays its own

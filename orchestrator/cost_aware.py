@@ -88,13 +88,12 @@ class SharedState:
         step: two requests alternated, each drafting beside the other's verify forward (73% of the
         verify forwards at 2 clients held one session, 92% of the draft calls), so the symmetric
         pricing was wrong. Since 2026-12-04 the front's round clock (orchestrator.lockstep, on with
-        ``in_step``) keeps their rounds in step: every verify forward then held all 4 or 8 sessions,
-        but the plan still ran 93-97% of the rounds plain, 1.00x and 0.83-0.86x of target-only at 4
-        and 8 clients (benchmarks/serving_cpu_2core_2026-12-04_lockstep.md): the draft's replies,
-        which the cost model learns D from, took 150-400 ms for one step of up to 8 merged sessions
-        (one draft thread, its catch-up of the plain rounds' tokens, the front's own work on the
-        same two cores), against 53-95 ms for the same merged step in one process
-        (benchmarks/lockstep_cpu_2core_2026-12-04.md). Off by default; kept for the A/B (``benchmarks/serving.py --in-step``)."""
+        ``in_step``) keeps their rounds in step, but the plan still ran 95-97% of the rounds plain:
+        1.00x and 0.86x of target-only at 4 and 8 clients (benchmarks/serving_cpu_2core_2026-12-04_lockstep.md).
+        Rounds forced to draft were slower still there: through the services a merged draft step and
+        verify forward cost about twice what the same calls cost in one process
+        (benchmarks/lockstep_cpu_2core_2026-12-04.md). Off by default; kept for the A/B
+        (``benchmarks/serving.py --in-step``)."""
         return self.in_step and self.shared_compute and self.load >= LOADED
 
     def in_step_cost(self) -> LoadedCost:

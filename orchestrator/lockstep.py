@@ -20,8 +20,11 @@ decoding; benchmarks/lockstep_cpu_2core_2026-12-04.md): 1.83x at 1 request, 1.38
 none at 16. Through the services it gains nothing there yet (cost_aware.in_step, which turns the
 clock on, stays off by default: benchmarks/serving_cpu_2core_2026-12-04_lockstep.md).
 
-Plain asyncio; the round controller (orchestrator.controller) joins a request after its prefill,
-calls ``verify_turn`` before each verify and ``leave`` when the request ends.
+Plain asyncio; the round controller (orchestrator.controller) joins a request after its first round
+(which needs no forward of its own: the prefill gave its token), calls ``turn(sid, START)`` before
+each round and ``turn(sid, VERIFY)`` before each verify, and ``leave`` when the request ends. One
+clock per RoundController, so per orchestrator actor (``front.workers``); requests without a draft
+(``no_spec``) keep step too.
 """
 
 from __future__ import annotations
@@ -40,8 +43,10 @@ class RoundClock:
     A VERIFY turn ends when every member is waiting (at either turn): members that wait at START
     (a request that has just joined, mid-round of the others) let the others verify and join them
     at the next START. A START turn ends when every member waits at START. Either ends for a waiter
-    after ``max_wait_s`` (a straggler is not waited for longer; the others go). Raises ValueError
-    for max_wait_s <= 0.
+    after ``max_wait_s``: the others go without the members missing then, and no turn waits for
+    those again until they come to a turn themselves (a request whose draft is slow for a while,
+    e.g. the first proposal of a new draft session, costs the others one ``max_wait_s``, not one a
+    turn). Raises ValueError for max_wait_s <= 0.
     """
 
     def __init__(self, max_wait_s: float = 1.0):
@@ -50,6 +55,7 @@ class RoundClock:
         self.max_wait_s = max_wait_s
         self.members: set[str] = set()
         self._waiting: dict[str, dict[str, asyncio.Event]] = {START: {}, VERIFY: {}}
+        self._late: set[str] = set()  # members missing when a turn timed out: not waited for until their next turn
         self.ticks = 0  # turns ended with every member there (each one a set of calls sent together)
         self.timeouts = 0  # turns ended by max_wait_s with a member missing
         self.waited_s = 0.0  # total time requests spent waiting at turns
@@ -61,6 +67,7 @@ class RoundClock:
     def leave(self, session_id: str) -> None:
         """The request has ended (any way): no one waits for it any more."""
         self.members.discard(session_id)
+        self._late.discard(session_id)
         for waiting in self._waiting.values():
             waiting.pop(session_id, None)
         self._settle()
@@ -68,36 +75,43 @@ class RoundClock:
     def _settle(self) -> None:
         """End the turns whose members are all there (VERIFY first: see the class docstring)."""
         start, verify = self._waiting[START], self._waiting[VERIFY]
-        if verify and set(start) | set(verify) >= self.members:
+        if verify and set(start) | set(verify) | self._late >= self.members:
             self._end(VERIFY)
-        if start and set(start) >= self.members:
+        if start and set(start) | self._late >= self.members:
             self._end(START)
 
-    def _end(self, phase: str) -> None:
-        self.ticks += 1
+    def _end(self, phase: str, timed_out: bool = False) -> None:
+        if timed_out:
+            self.timeouts += 1
+            there = set(self._waiting[START]) | (set(self._waiting[VERIFY]) if phase == VERIFY else set())
+            self._late |= self.members - there
+        else:
+            self.ticks += 1
         waiting, self._waiting[phase] = self._waiting[phase], {}
         for event in waiting.values():
             event.set()
 
-    async def turn(self, session_id: str, phase: str) -> None:
-        """Wait for the others at ``phase`` (START or VERIFY), at most ``max_wait_s``. A request that
-        is not a member (never joined), or is alone, does not wait."""
+    async def turn(self, session_id: str, phase: str) -> float:
+        """Wait for the others at ``phase`` (START or VERIFY), at most ``max_wait_s``; returns the
+        seconds waited. A request that is not a member (never joined), or is alone, does not wait."""
+        self._late.discard(session_id)
         if session_id not in self.members or len(self.members) < 2:
-            return
+            return 0.0
         event = asyncio.Event()
         self._waiting[phase][session_id] = event
         self._settle()
         if event.is_set():
-            return
+            return 0.0
         started = time.monotonic()
         try:
             await asyncio.wait_for(event.wait(), self.max_wait_s)
         except asyncio.TimeoutError:
             if self._waiting[phase].get(session_id) is event:  # nobody ended the turn meanwhile: go without the stragglers
-                self.timeouts += 1
-                self._end(phase)
+                self._end(phase, timed_out=True)
         finally:
             if self._waiting[phase].get(session_id) is event:  # cancelled while waiting
                 del self._waiting[phase][session_id]
                 self._settle()
-            self.waited_s += time.monotonic() - started
+            waited = time.monotonic() - started
+            self.waited_s += waited
+        return waited

@@ -88,8 +88,17 @@ class Orchestrator:
             target, draft, list(self.info.eos_token_ids), self.info.context_limit, self.decode,
             control_factory=factory, draft_deadline_s=self.front.fallback.draft_deadline_ms / 1000,
             on_round=self.on_round, pipeline=self.front.pipeline, draft_window=window,
-            clock=RoundClock(self.front.cost_aware.in_step_wait_ms / 1000) if shared and self.front.cost_aware.in_step else None,
+            clock=self._clock(shared),
         )
+
+    def _clock(self, shared: bool) -> RoundClock | None:
+        """The round clock of in-step rounds (orchestrator.lockstep): with ``cost_aware.in_step`` on
+        the cost-aware control, the draft on the target's compute, and no pipelining (an ahead drafts
+        beside the verify, which the clock's VERIFY turn would hold back); else None."""
+        aware = self.front.cost_aware
+        if not (shared and aware.enabled and aware.in_step) or self.front.pipeline:
+            return None
+        return RoundClock(aware.in_step_wait_ms / 1000)
 
     async def _shared_compute(self, draft: DraftClient) -> bool:
         """Whether the draft computes on the target's hardware (front.cost_aware.shared_compute, or the

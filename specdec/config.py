@@ -148,8 +148,8 @@ class CostAwareConfig(_Section):
     # round clock (orchestrator.lockstep); off by default: not faster on the 2-core CPU
     # (benchmarks/serving_cpu_2core_2026-12-04_lockstep.md)
     in_step: bool = False
-    # in step: a request ready to verify waits for the others' verifies at most this long
-    # (orchestrator.lockstep.RoundClock; the barrier that keeps their rounds in step)
+    # in step: at each of a round's two turns (start, verify) a request waits for the others at most
+    # this long; the ones missing then are not waited for until they come back (orchestrator.lockstep)
     in_step_wait_ms: float = Field(default=1000.0, gt=0)
 
 

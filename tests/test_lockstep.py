@@ -85,6 +85,29 @@ def test_a_straggler_is_not_waited_for_past_max_wait():
     assert clock.timeouts == 1
 
 
+def test_a_straggler_costs_the_others_one_max_wait_not_one_a_turn():
+    async def main():
+        clock = RoundClock(max_wait_s=0.05)
+        clock.join("a"), clock.join("slow")
+        await clock.turn("slow", START)  # alone at START? no: a is a member too; it times out first
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        for _ in range(10):  # "slow" is drafting for a long while: ten rounds of "a" meanwhile
+            await clock.turn("a", START)
+            await clock.turn("a", VERIFY)
+        a_rounds = loop.time() - t0
+        await clock.turn("slow", VERIFY)  # "slow" is back: from now on the turns wait for it again
+        waiter = asyncio.create_task(clock.turn("a", START))
+        await asyncio.sleep(0.02)
+        waits_again = not waiter.done()
+        await waiter
+        return clock, a_rounds, waits_again
+
+    clock, a_rounds, waits_again = asyncio.run(main())
+    assert a_rounds < 0.3  # one max_wait at most (20 turns x 0.05 s = 1 s without forgetting the straggler)
+    assert waits_again
+
+
 def test_leaving_ends_the_turn_the_others_wait_at():
     async def main():
         clock = RoundClock(max_wait_s=5.0)
@@ -141,9 +164,12 @@ def test_max_wait_must_be_positive():
 
 # ------------------------------------------------------------------ in the round controller
 
-def _run_pair(clock: RoundClock | None):
+def _run_pair(clock: RoundClock | None, third_fails_after: int | None = None):
     """Two requests on one RoundController over in-process tiny models: "slow" drafts a chain (each
-    proposal 30 ms late), "fast" decodes plain (no TreeSpec). Returns (outputs, verify order)."""
+    proposal after its first 30 ms late), "fast" decodes plain (no TreeSpec); third_fails_after: a third request,
+    "fail", whose verify raises after that many. Returns (outputs, verify order, target model,
+    prompts); a failed request's output is its exception."""
+    fail_after = third_fails_after
     from draft_service.runtime import DraftRuntime
     from orchestrator.controller import GenerationRequest, RoundController, sync_worker
     from specdec.tree_spec import TreeSpec
@@ -152,7 +178,7 @@ def _run_pair(clock: RoundClock | None):
 
     target_model = tiny_model("qwen2", seed=5, init_std=0.2)
     draft_model = perturbed_copy(target_model, seed=1, scale=0.05)  # partial acceptance
-    target, draft, order = TargetRuntime(target_model), DraftRuntime(draft_model), []
+    target, draft, order, proposed = TargetRuntime(target_model), DraftRuntime(draft_model), [], []
 
     class Target:
         def __getattr__(self, name):
@@ -167,35 +193,63 @@ def _run_pair(clock: RoundClock | None):
             return getattr(sync_worker(draft), name)
 
         async def propose(self, sid, spec, max_depth):
-            await asyncio.sleep(0.03)
+            proposed.append(sid)
+            if proposed.count(sid) > 1:  # the first round stays quick (the cost-aware control's is plain)
+                await asyncio.sleep(0.03)
             return await sync_worker(draft).propose(sid, spec, max_depth)
 
-    controller = RoundController(Target(), SlowDraft(), eos_token_ids=[], context_limit=256, clock=clock)
+    class FailingTarget(Target):
+        async def verify(self, sid, tree):
+            if sid.startswith("fail/") and order.count("fail") >= fail_after:
+                raise RuntimeError("target: verify failed")
+            return await super().verify(sid, tree)
+
+    controller = RoundController(FailingTarget(), SlowDraft(), eos_token_ids=[], context_limit=256, clock=clock)
     prompts = {"slow": random_prompt(seed=3, length=8), "fast": random_prompt(seed=4, length=8)}
     specs = {"slow": TreeSpec.chain(3), "fast": None}
+
+    names = ("slow", "fast") + (("fail",) if fail_after is not None else ())
+    prompts["fail"], specs["fail"] = random_prompt(seed=5, length=8), TreeSpec.chain(2)
 
     async def main():
         return await asyncio.gather(*[
             controller.generate(GenerationRequest(prompts[k], max_new_tokens=24, spec=specs[k]), session_id=f"{k}/0")
-            for k in ("slow", "fast")])
+            for k in names], return_exceptions=True)
 
     results = asyncio.run(main())
-    return {k: r.tokens for k, r in zip(("slow", "fast"), results)}, order, target_model, prompts
+    outputs = {k: r if isinstance(r, Exception) else r.tokens for k, r in zip(names, results)}
+    return outputs, order, target_model, prompts
 
 
 def test_the_controller_with_a_clock_sends_the_requests_verifies_in_step_and_output_is_unchanged():
     from tests.conftest import hf_greedy
 
     free, free_order, model, prompts = _run_pair(None)
-    stepped, order, _, _ = _run_pair(RoundClock(max_wait_s=2.0))
-    expected = {k: hf_greedy(model, p, 24) for k, p in prompts.items()}
+    clock = RoundClock(max_wait_s=2.0)
+    stepped, order, _, _ = _run_pair(clock)
+    expected = {k: hf_greedy(model, prompts[k], 24) for k in ("slow", "fast")}
     assert free == expected and stepped == expected  # float32 greedy: the clock changes timing only
     # while both run, "fast" verifies once per "slow" round with the clock (it waits for "slow"'s
     # draft, then both verify together), several times per "slow" round without it
     assert _fast_between_slow(order) == {1}, order
+    assert clock.ticks > 0 and clock.timeouts == 0 and clock.members == set()  # both left at their end
     first, last = free_order.index("fast"), len(free_order) - 1 - free_order[::-1].index("fast")
     window = free_order[first:last + 1]
     assert window.count("fast") >= 2 * (window.count("slow") + 1), free_order
+
+
+def test_a_request_that_fails_mid_round_leaves_the_clock_and_the_others_finish_without_waiting():
+    import time
+
+    from tests.conftest import hf_greedy
+
+    clock = RoundClock(max_wait_s=30.0)  # a failed request still counted would hold each turn 30 s
+    started = time.monotonic()
+    out, order, model, prompts = _run_pair(clock, third_fails_after=3)
+    assert time.monotonic() - started < 20
+    assert isinstance(out["fail"], RuntimeError)
+    assert out["slow"] == hf_greedy(model, prompts["slow"], 24) and out["fast"] == hf_greedy(model, prompts["fast"], 24)
+    assert clock.timeouts == 0 and clock.members == set()
 
 
 def _fast_between_slow(order: list[str]) -> set[int]:
@@ -240,3 +294,22 @@ def test_lockstep_benchmark_refuses_a_bad_mode_naming_the_flag(capsys):
     with _pytest.raises(SystemExit) as exit_info:
         lockstep.main(["--modes", "plain,tree3"])
     assert exit_info.value.code == 2 and "--modes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change, clocked", [
+    ({}, True),
+    ({"cost_aware": {"in_step": False}}, False),  # the default: no clock
+    ({"cost_aware": {"in_step": True, "enabled": False}}, False),  # no cost-aware plan to keep in step
+    ({"cost_aware": {"in_step": True}, "pipeline": True}, False),  # an ahead drafts beside the verify
+], ids=["in_step", "default", "not_cost_aware", "pipelined"])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "separate"])
+def test_the_front_runs_a_clock_only_for_in_step_rounds_on_shared_compute(change, clocked, shared):
+    from orchestrator.service import Orchestrator
+    from specdec.config import FrontConfig, GrpcConfig
+
+    settings = {"cost_aware": {"in_step": True, "in_step_wait_ms": 250.0}}
+    settings.update(change)
+    clock = Orchestrator(FrontConfig.model_validate(settings), GrpcConfig())._clock(shared)
+    assert (clock is not None) == (clocked and shared)
+    if clock is not None:
+        assert clock.max_wait_s == 0.25
