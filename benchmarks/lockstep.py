@@ -38,6 +38,7 @@ from orchestrator.bench import write_record  # noqa: E402
 from serving import load_prompts, spread  # noqa: E402
 from specdec.config import ModelsConfig  # noqa: E402
 from specdec.model_setup import load_draft, load_target  # noqa: E402
+from specdec.models import ModelError  # noqa: E402
 from specdec.tree import DraftTree  # noqa: E402
 from specdec.tree_spec import TreeSpec  # noqa: E402
 from target_service.runtime import TargetRuntime  # noqa: E402
@@ -56,7 +57,10 @@ def parse_mode(mode: str) -> int:
 
 def run_level(target: TargetRuntime, draft: DraftRuntime, prompts: list[list[int]], steps: int,
               new_tokens: int, tag: str) -> dict:
-    """One level and mode: every request prefilled, then lock-step rounds until each has ``new_tokens``."""
+    """One level and mode: every request prefilled (prompts: [N] lists of token ids), then lock-step
+    rounds of ``steps`` draft tokens each (0 = plain) until each request has ``new_tokens``. Returns
+    tokens, wall_s and tokens_per_s (decode rounds only), rounds, draft_ms_per_round,
+    verify_ms_per_round (ms) and outputs ([N] token lists). Raises a verify's exception."""
     sids = [f"{tag}-{i}" for i in range(len(prompts))]
     out: dict[str, list[int]] = {s: [] for s in sids}
     for sid, ids in zip(sids, prompts):
@@ -131,8 +135,11 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     models = ModelsConfig(dtype="float32", target=args.target, draft=args.draft)
-    loaded_target = load_target(models)
-    loaded_draft = load_draft(models, loaded_target)
+    try:
+        loaded_target = load_target(models)
+        loaded_draft = load_draft(models, loaded_target)
+    except ModelError as exc:  # names --target or --draft
+        p.error(str(exc))
     target = TargetRuntime(loaded_target.model)
     draft = DraftRuntime(loaded_draft.model, vocab_size=loaded_draft.vocab_size)
     prompts = [q["ids"] for q in spread(load_prompts(None, loaded_target.tokenizer, args.max_prompt_tokens), max(levels))]

@@ -7,12 +7,11 @@ Speculative Decoding for Serving LLMs Using Goodput", SmartSpec, section 4), whi
 SGLang's schedulers get by running all requests' draft and verify steps as one batch step. Requests
 that run their rounds independently drift apart instead: one drafts while the other verifies, on
 the same cores, and their verifies stop merging (issue 12's runs: 73% of the verify forwards at 2
-clients held one session). The clock keeps them in step with a barrier before each verify: a request
-that is ready to verify waits until every other request in its decode rounds is ready too (or
-``max_wait_s`` has passed: a straggler is not waited for longer), then all of them send their
-verifies at once, which the target's batcher merges into one forward. The merged answers come back
-together, so the next round's proposals also reach the draft service together and share its
-forwards (its batcher merges them).
+clients held one session). The clock keeps them in step with two barriers a round: a round starts
+when every request in its decode rounds has committed the last (so their proposals reach the draft
+service together, and its batcher merges them), and a request that is ready to verify waits until
+every other one is ready too (or ``max_wait_s`` has passed: a straggler is not waited for longer),
+then all of them send their verifies at once, which the target's batcher merges into one forward.
 
 The most it can bring, measured in one process on the 2-core CPU (real pair, 48 new tokens, every
 request drafting the same chain of 1-3 steps, merged, then verifying merged, against plain batched
@@ -61,7 +60,8 @@ class RoundClock:
         self.waited_s = 0.0  # total time requests spent waiting at turns
 
     def join(self, session_id: str) -> None:
-        """The request has prefilled and starts its decode rounds."""
+        """The request is in its decode rounds (the controller joins it after its first round; joining
+        again is a no-op)."""
         self.members.add(session_id)
 
     def leave(self, session_id: str) -> None:
@@ -83,8 +83,7 @@ class RoundClock:
     def _end(self, phase: str, timed_out: bool = False) -> None:
         if timed_out:
             self.timeouts += 1
-            there = set(self._waiting[START]) | (set(self._waiting[VERIFY]) if phase == VERIFY else set())
-            self._late |= self.members - there
+            self._late |= self.members - set(self._waiting[START]) - set(self._waiting[VERIFY])
         else:
             self.ticks += 1
         waiting, self._waiting[phase] = self._waiting[phase], {}
