@@ -104,12 +104,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     """
 
     def __init__(self, runtime, *, context_limit: int, config: DraftServerConfig = DraftServerConfig(),
-                 draining: asyncio.Event | None = None):
+                 draining: asyncio.Event | None = None, worker: ModelWorker | None = None):
         self.runtime = runtime
         self.context_limit = context_limit
         self.config = config
         self.draining = draining or asyncio.Event()
-        self.worker = ModelWorker("draft-runtime")
+        self.worker = worker or ModelWorker("draft-runtime")
         model = getattr(runtime, "model", None)
         self.placement = placement(str(getattr(model, "device", "cpu")))
         # concurrent streams' proposes share draft forwards (runtime.propose_batch: one per tree depth)
@@ -341,10 +341,12 @@ def _check_root_path(path: list[int], parents: tuple[int, ...]) -> None:
 # Process entry point
 # ----------------------------------------------------------------------------------------------
 
-async def serve_runtime(config: ServeConfig, runtime, *, context_limit: int) -> int:
-    """Serve ``runtime`` until SIGTERM/SIGINT, then drain. Returns the bound port."""
+async def serve_runtime(config: ServeConfig, runtime, *, context_limit: int, worker: ModelWorker | None = None) -> int:
+    """Serve ``runtime`` until SIGTERM/SIGINT, then drain. Returns the bound port. worker: the thread
+    that loaded ``runtime`` (None = a new one; see ``specdec.model_worker``), closed at the end."""
     host = ServiceHost("draft-service", config.grpc, client_auth=True)  # mutual TLS when grpc.tls_ca is set
-    servicer = DraftServicer(runtime, context_limit=context_limit, config=config.draft, draining=host.draining)
+    servicer = DraftServicer(runtime, context_limit=context_limit, config=config.draft, draining=host.draining,
+                             worker=worker)
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, host.server)
     try:
         return await host.serve(config.draft.host, config.draft.port, [SERVICE_NAME])
@@ -357,20 +359,28 @@ def serve(config: ServeConfig) -> int:
     without the target's weights) and serve it; returns the exit code (0, or 2 with a message on
     stderr naming the field for a bad model or an unusable address)."""
     configure_logging()
-    if config.models.threads:
-        torch.set_num_threads(config.models.threads)
     setup_tracing("draft-service")
+    # the model's whole life (threads, load, every forward) on one thread: specdec.model_worker
+    worker = ModelWorker("draft-runtime")
     try:
-        loaded = load_draft(config.models, target_info(config.models, label="models.target"), label="models.draft")
-        runtime = DraftRuntime(loaded.model, vocab_size=loaded.vocab_size)
-        asyncio.run(serve_runtime(config, runtime, context_limit=loaded.context_limit))
+        if config.models.threads:
+            worker.call(torch.set_num_threads, config.models.threads)
+        runtime, context_limit = worker.call(_load_draft, config)
+        asyncio.run(serve_runtime(config, runtime, context_limit=context_limit, worker=worker))
     except ModelError as exc:
         return fail(str(exc))
     except OSError as exc:
         return fail(f"draft.host / draft.port: {exc}")
     finally:
+        worker.close(wait=False)  # the servicer has closed it after serving; else the process is exiting
         shutdown_tracing()
     return 0
+
+
+def _load_draft(config: ServeConfig) -> tuple[DraftRuntime, int]:
+    """(runtime, context limit) for ``config.models``' draft; raises ModelError naming the field."""
+    loaded = load_draft(config.models, target_info(config.models, label="models.target"), label="models.draft")
+    return DraftRuntime(loaded.model, vocab_size=loaded.vocab_size), loaded.context_limit
 
 
 def run(config_path: str | None = None, overrides: Mapping[str, object] | None = None) -> int:

@@ -2,13 +2,24 @@
 
 Health checks and other calls keep answering during a forward, and the runtime is never entered
 twice (calls run one at a time, in submission order). Plain asyncio, no gRPC.
+
+A service runs its model's whole life on that thread, the load included (``call``): torch's CPU
+kernels run on OpenMP (libgomp), and every thread that starts a parallel region keeps a team of
+its own. Once two threads have teams, the process manages more OpenMP threads than there are CPUs
+and libgomp stops spinning between parallel regions (its throttled spin count, 100): each of the
+hundreds of regions of a forward then wakes its team from a futex. Measured on the 2-core Intel
+Xeon VM, the real float32 target, 8 sessions, one plain step each (one process, nothing else
+running): 380 ms at 198% CPU with one thread doing all the torch work, 410-436 ms at 161% after a
+second thread had run one forward.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
 from typing import Callable
 
 from specdec.service_errors import ShuttingDownError
@@ -21,17 +32,47 @@ class ModelWorker:
 
     ``await worker.run(fn, *args)`` runs ``fn(*args)`` on that thread; the event loop stays free
     (health checks answer during a forward), and the runtime never sees two calls at once.
+    ``worker.call(fn, *args)`` does the same from a thread without an event loop (the model's load,
+    before serving: see the module docstring). The thread is a daemon: a process told to stop while
+    a call runs (a SIGTERM during the load) exits without waiting for it.
     """
 
     def __init__(self, name: str):
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self.name = name
         self.closed = False
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
 
-    async def run(self, fn: Callable, *args):
-        """Raises ShuttingDownError after ``close``."""
+    def _serve(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if self.closed:  # queued before close: dropped, never run
+                future.cancel()
+            elif future.set_running_or_notify_cancel():  # False: its caller has gone
+                try:
+                    result = fn(*args)
+                except BaseException as exc:  # noqa: BLE001 - the caller gets it
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+
+    def _submit(self, fn: Callable, args: tuple) -> concurrent.futures.Future:
         if self.closed:
             raise ShuttingDownError("the server is shutting down")
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    async def run(self, fn: Callable, *args):
+        """Raises ShuttingDownError after ``close``; cancelling the awaiting task drops the call if it
+        has not started."""
+        return await asyncio.wrap_future(self._submit(fn, args))
+
+    def call(self, fn: Callable, *args):
+        """``fn(*args)`` on the worker's thread, waiting for it here (no event loop needed); raises
+        what ``fn`` raises, or ShuttingDownError after ``close``."""
+        return self._submit(fn, args).result()
 
     def submit(self, fn: Callable, *args) -> None:
         """Fire and forget (e.g. a release from a cancelled stream); errors are logged."""
@@ -40,9 +81,14 @@ class ModelWorker:
                 log.error("%s failed: %s", getattr(fn, "__name__", fn), future.exception())
 
         if not self.closed:  # after close the process is exiting: nothing left to free
-            self.executor.submit(fn, *args).add_done_callback(report)
+            self._submit(fn, args).add_done_callback(report)
 
-    def close(self) -> None:
-        """Finish the call in progress, drop queued ones; later calls raise ShuttingDownError."""
-        self.closed = True
-        self.executor.shutdown(wait=True, cancel_futures=True)
+    def close(self, wait: bool = True) -> None:
+        """Drop queued calls; later calls raise ShuttingDownError. wait: return once the call in
+        progress has finished (False: at once; the process is exiting, e.g. a SIGTERM during the
+        load). Idempotent."""
+        if not self.closed:
+            self.closed = True
+            self._queue.put(None)
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()

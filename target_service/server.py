@@ -121,7 +121,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     """
 
     def __init__(self, runtime, *, context_limit: int, eos_token_ids=(), model_name: str = "",
-                 config: TargetServerConfig = TargetServerConfig(), health=None):
+                 config: TargetServerConfig = TargetServerConfig(), health=None, worker: ModelWorker | None = None):
         self.runtime = DeferredCommits(runtime)  # a commit does not wait behind other sessions' forwards
         self.vocab_size: int = runtime.vocab_size
         self.context_limit = context_limit
@@ -131,7 +131,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.max_kv_tokens = self._kv_budget(runtime, config)
         self.sessions = TargetSessions(self.max_kv_tokens, context_limit, config.session_idle_s)
         self._warn_small_budget()
-        self.worker = ModelWorker("target-runtime")
+        self.worker = worker or ModelWorker("target-runtime")
         self.batcher = VerifyBatcher(self.runtime, self.worker, config.max_batch, config.batch_wait_ms, self.sessions.verified,
                                      gather=config.batch_gather)
         self.health = health
@@ -365,11 +365,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 # Process entry point
 # ----------------------------------------------------------------------------------------------
 
-async def serve_runtime(config: ServeConfig, runtime, *, context_limit: int, eos_token_ids=(), model_name: str = "") -> int:
-    """Serve ``runtime`` until SIGTERM/SIGINT, then drain. Returns the bound port."""
+async def serve_runtime(config: ServeConfig, runtime, *, context_limit: int, eos_token_ids=(), model_name: str = "",
+                        worker: ModelWorker | None = None) -> int:
+    """Serve ``runtime`` until SIGTERM/SIGINT, then drain. Returns the bound port. worker: the thread
+    that loaded ``runtime`` (None = a new one; see ``specdec.model_worker``), closed at the end."""
     host = ServiceHost("target-service", config.grpc, client_auth=True)  # mutual TLS when grpc.tls_ca is set
     servicer = TargetServicer(runtime, context_limit=context_limit, eos_token_ids=eos_token_ids,
-                              model_name=model_name, config=config.target, health=host.health)
+                              model_name=model_name, config=config.target, health=host.health, worker=worker)
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, host.server)
     reaper = asyncio.create_task(servicer.reap_idle())
     try:
@@ -403,14 +405,17 @@ def serve(config: ServeConfig) -> int:
         check_device(config.models.device)
     except ValueError as exc:
         return fail(str(exc))
-    if config.models.threads:
-        torch.set_num_threads(config.models.threads)
     setup_tracing("target-service")
     previous = signal.signal(signal.SIGTERM, _terminate)
     runtime = None
+    # the model's whole life (threads, load, every forward) on one thread: specdec.model_worker
+    worker = ModelWorker("target-runtime")
     try:
-        runtime, context_limit, eos, name = _load_target(config)
-        asyncio.run(serve_runtime(config, runtime, context_limit=context_limit, eos_token_ids=eos, model_name=name))
+        if config.models.threads:
+            worker.call(torch.set_num_threads, config.models.threads)
+        runtime, context_limit, eos, name = worker.call(_load_target, config)
+        asyncio.run(serve_runtime(config, runtime, context_limit=context_limit, eos_token_ids=eos, model_name=name,
+                                  worker=worker))
     except (ModelError, _StartError) as exc:
         return fail(str(exc))
     except OSError as exc:
@@ -419,6 +424,7 @@ def serve(config: ServeConfig) -> int:
         log.info("target-service: SIGTERM while loading; stopped")
     finally:
         signal.signal(signal.SIGTERM, previous)
+        worker.close(wait=False)  # the servicer has closed it after serving; else the process is exiting
         if isinstance(runtime, TensorParallelTarget):
             runtime.close()  # stop the ranks (after the drain; after a rank failure they are already gone)
         shutdown_tracing()
