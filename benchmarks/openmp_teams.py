@@ -4,7 +4,7 @@ libgomp keeps one OpenMP team per thread that starts a parallel region; with mor
 threads than CPUs it stops spinning between regions (``specdec.model_worker``). This measures what
 that costs a target forward, side by side in one run: each mode runs in a fresh process (the state
 cannot be undone in a process), one process at a time (never two targets at once), alternating
-``--repeats`` times:
+``--repeats`` times (one then two in odd repeats, two then one in even ones):
 
 - ``one``: the target is loaded, and every step runs, on one ModelWorker thread (the services since
   this benchmark's commit);
@@ -89,11 +89,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--target", default=None, help="target model directory or .gguf (default: the real pair's)")
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="the most one mode's process may take")
     p.add_argument("--out", type=Path, default=Path("bench_out/openmp_teams"))
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # internal: one measurement, JSON on stdout
     args = p.parse_args(argv)
-    if args.sessions < 1 or args.steps < 1 or args.repeats < 1:
-        p.error("--sessions / --steps / --repeats: need >= 1")
+    if args.sessions < 1 or args.steps < 1 or args.repeats < 1 or args.timeout_s <= 0:
+        p.error("--sessions / --steps / --repeats / --timeout-s: need >= 1 / >= 1 / >= 1 / > 0")
     if args.mode:
         print(json.dumps(measure(args.mode, args.sessions, args.steps, args.target)))
         return 0
@@ -102,22 +103,31 @@ def main(argv=None) -> int:
     rows = []
     for repeat in range(1, args.repeats + 1):
         by_mode = {}
-        for mode in MODES:
+        for mode in MODES if repeat % 2 else MODES[::-1]:
             argv_ = [sys.executable, __file__, "--mode", mode, "--sessions", str(args.sessions), "--steps", str(args.steps)]
             if args.target:
                 argv_ += ["--target", args.target]
-            done = subprocess.run(argv_, capture_output=True, text=True)
-            if done.returncode != 0:
+            try:
+                done = subprocess.run(argv_, capture_output=True, text=True, timeout=args.timeout_s)
+            except subprocess.TimeoutExpired:
+                print(f"--timeout-s: mode {mode} took over {args.timeout_s} s", file=sys.stderr)
+                return 1
+            lines = done.stdout.strip().splitlines()
+            if done.returncode != 0 or not lines:
                 print(done.stderr[-3000:], file=sys.stderr)
-                return done.returncode
-            by_mode[mode] = {**json.loads(done.stdout.strip().splitlines()[-1]), "mode": mode, "repeat": repeat}
+                return done.returncode or 1
+            by_mode[mode] = {**json.loads(lines[-1]), "mode": mode, "repeat": repeat}
             print(f"repeat {repeat}, {mode}: {by_mode[mode]['median_step_ms']:.0f} ms, "
                   f"CPU {by_mode[mode]['cpu_per_wall']:.2f}", flush=True)
         for row in by_mode.values():
             row["vs_one"] = row["median_step_ms"] / by_mode["one"]["median_step_ms"]
-        rows += by_mode.values()
+        rows += [by_mode[mode] for mode in MODES]
+    import torch
+
     meta = {"machine": f"{platform.processor() or platform.machine()}, {platform.platform()}",
-            "sessions": args.sessions, "steps": args.steps, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+            "sessions": args.sessions, "steps": args.steps, "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "openmp": torch.__config__.parallel_info().splitlines()[3].strip(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     write_record(args.out, {"meta": meta, "rows": rows}, markdown(rows, meta))
     return 0
 

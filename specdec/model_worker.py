@@ -8,9 +8,10 @@ kernels run on OpenMP (libgomp), and every thread that starts a parallel region 
 its own. Once two threads have teams, the process manages more OpenMP threads than there are CPUs
 and libgomp stops spinning between parallel regions (its throttled spin count, 100): each of the
 hundreds of regions of a forward then wakes its team from a futex. Measured on the 2-core Intel
-Xeon VM, the real float32 target, 8 sessions, one plain step each (one process, nothing else
-running): 380 ms at 198% CPU with one thread doing all the torch work, 410-436 ms at 161% after a
-second thread had run one forward.
+Xeon VM, the real float32 target, 8 sessions, one plain step each, one process at a time
+(benchmarks/openmp_teams_cpu_2core_2026-12-04.md): 366-378 ms at 1.98 CPUs busy with the load and
+every step on one thread, 463-614 ms at 1.19-1.60 with the load on the main thread and the steps on
+another.
 """
 
 from __future__ import annotations
@@ -33,35 +34,40 @@ class ModelWorker:
     ``await worker.run(fn, *args)`` runs ``fn(*args)`` on that thread; the event loop stays free
     (health checks answer during a forward), and the runtime never sees two calls at once.
     ``worker.call(fn, *args)`` does the same from a thread without an event loop (the model's load,
-    before serving: see the module docstring). The thread is a daemon: a process told to stop while
-    a call runs (a SIGTERM during the load) exits without waiting for it.
+    before serving: see the module docstring). The thread is a daemon, so a process need not wait for
+    a call in progress to exit (the target service ends a SIGTERM during the load with os._exit).
     """
 
     def __init__(self, name: str):
         self.name = name
         self.closed = False
+        self._lock = threading.Lock()  # closed + the queue's end marker, against a submit racing close
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
         while (item := self._queue.get()) is not None:
-            future, fn, args = item
-            if self.closed:  # queued before close: dropped, never run
-                future.cancel()
-            elif future.set_running_or_notify_cancel():  # False: its caller has gone
-                try:
-                    result = fn(*args)
-                except BaseException as exc:  # noqa: BLE001 - the caller gets it
-                    future.set_exception(exc)
-                else:
-                    future.set_result(result)
+            self._run_one(*item)
+            del item  # keep no call's arguments or outcome alive while idle
+
+    def _run_one(self, future: concurrent.futures.Future, fn: Callable, args: tuple) -> None:
+        if self.closed:  # queued before close: dropped, never run
+            future.cancel()
+        elif future.set_running_or_notify_cancel():  # False: its caller has gone
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - the caller gets it
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
 
     def _submit(self, fn: Callable, args: tuple) -> concurrent.futures.Future:
-        if self.closed:
-            raise ShuttingDownError("the server is shutting down")
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((future, fn, args))
+        with self._lock:
+            if self.closed:
+                raise ShuttingDownError("the server is shutting down")
+            self._queue.put((future, fn, args))
         return future
 
     async def run(self, fn: Callable, *args):
@@ -71,7 +77,10 @@ class ModelWorker:
 
     def call(self, fn: Callable, *args):
         """``fn(*args)`` on the worker's thread, waiting for it here (no event loop needed); raises
-        what ``fn`` raises, or ShuttingDownError after ``close``."""
+        what ``fn`` raises, ShuttingDownError after ``close``, or RuntimeError on the worker's own
+        thread (it would wait for itself)."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(f"{self.name}: call() from its own thread would wait for itself")
         return self._submit(fn, args).result()
 
     def submit(self, fn: Callable, *args) -> None:
@@ -80,15 +89,23 @@ class ModelWorker:
             if not future.cancelled() and future.exception() is not None:
                 log.error("%s failed: %s", getattr(fn, "__name__", fn), future.exception())
 
-        if not self.closed:  # after close the process is exiting: nothing left to free
+        try:
             self._submit(fn, args).add_done_callback(report)
+        except ShuttingDownError:  # after close the process is exiting: nothing left to free
+            pass
+
+    def busy(self) -> bool:
+        """Whether the thread is still running (a call in progress, or calls or the end of ``close``
+        still queued)."""
+        return self._thread.is_alive()
 
     def close(self, wait: bool = True) -> None:
         """Drop queued calls; later calls raise ShuttingDownError. wait: return once the call in
         progress has finished (False: at once; the process is exiting, e.g. a SIGTERM during the
         load). Idempotent."""
-        if not self.closed:
-            self.closed = True
-            self._queue.put(None)
+        with self._lock:
+            if not self.closed:
+                self.closed = True
+                self._queue.put(None)
         if wait and threading.current_thread() is not self._thread:
             self._thread.join()

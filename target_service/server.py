@@ -42,7 +42,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import signal
+import sys
 import time
 from typing import Mapping
 
@@ -407,7 +409,7 @@ def serve(config: ServeConfig) -> int:
         return fail(str(exc))
     setup_tracing("target-service")
     previous = signal.signal(signal.SIGTERM, _terminate)
-    runtime = None
+    runtime, stopped_loading = None, False
     # the model's whole life (threads, load, every forward) on one thread: specdec.model_worker
     worker = ModelWorker("target-runtime")
     try:
@@ -422,12 +424,20 @@ def serve(config: ServeConfig) -> int:
         return fail(f"target.host / target.port: {exc}")
     except _Terminated:
         log.info("target-service: SIGTERM while loading; stopped")
+        stopped_loading = True
     finally:
         signal.signal(signal.SIGTERM, previous)
         worker.close(wait=False)  # the servicer has closed it after serving; else the process is exiting
         if isinstance(runtime, TensorParallelTarget):
             runtime.close()  # stop the ranks (after the drain; after a rank failure they are already gone)
         shutdown_tracing()
+    if stopped_loading and worker.busy():
+        # SIGTERM during the load, which goes on in native code on the worker's thread: end the
+        # process here (an interpreter shutdown would kill that thread mid-call and may abort)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

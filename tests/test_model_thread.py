@@ -48,8 +48,13 @@ def test_call_and_run_share_one_daemon_thread_in_submission_order():
         with pytest.raises(ZeroDivisionError):
             worker.call(lambda: 1 / 0)
         assert worker.call(threading.get_ident) == first  # an error does not cost the thread
+        with pytest.raises(RuntimeError, match="its own thread"):  # it would wait for itself
+            worker.call(lambda: worker.call(int))
+        assert worker.busy()
     finally:
         worker.close()
+    assert not worker.busy()
+    worker.submit(int)  # after close: nothing to run, no error
 
 
 def test_close_finishes_the_running_call_drops_queued_ones_and_refuses_later_ones():
@@ -88,6 +93,7 @@ def test_a_cancelled_run_that_has_not_started_never_runs():
         victim = asyncio.ensure_future(worker.run(ran.append, "victim"))
         await asyncio.sleep(0.05)
         victim.cancel()
+        await asyncio.sleep(0.05)  # the loop passes the cancel on to the worker's future before the gate opens
         gate.set()
         await blocker
         await worker.run(ran.append, "after")
@@ -121,6 +127,15 @@ RECORDER = textwrap.dedent("""
         setattr(owner, name, wrapped)
 
     wrap(torch, "set_num_threads", "set_num_threads")
+    if len(sys.argv) > 4:  # slow load: say so on stderr, then load for a long time
+        import time
+        import specdec.model_setup as setup
+        def slow(*args, **kwargs):  # native torch work, the GIL released, as a real load's
+            print("LOADING", file=sys.stderr, flush=True)
+            a, end = torch.randn(256, 256), time.monotonic() + float(sys.argv[4])
+            while time.monotonic() < end:
+                a = torch.tanh(a @ a)
+        setup.load_target = slow
     if kind == "target":
         import target_service.server as server
         from target_service.runtime import TargetRuntime as Runtime
@@ -130,7 +145,7 @@ RECORDER = textwrap.dedent("""
         import draft_service.server as server
         from draft_service.runtime import DraftRuntime as Runtime
         wrap(server, "load_draft", "load")
-        servicer, calls = server.DraftServicer, ()
+        servicer, calls = server.DraftServicer, ("start", "prefill", "propose", "propose_batch")
     for name in calls:
         wrap(Runtime, name, "runtime")
     init = servicer.__init__
@@ -159,6 +174,8 @@ def test_a_service_loads_and_computes_on_its_model_worker_thread_only(kind, tmp_
                 stub = target_pb2_grpc.TargetServiceStub(channel)
                 stub.Prefill(target_pb2.PrefillRequest(session_id="s", prompt_ids=[5, 6, 7]), timeout=30)
                 stub.Verify(target_pb2.VerifyRequest(session_id="s"), timeout=30)
+        else:
+            asyncio.run(_draft_round(service.address, pair))
     finally:
         code = stop_service(service)
     assert code == 0, service.stderr[-3000:]
@@ -167,8 +184,48 @@ def test_a_service_loads_and_computes_on_its_model_worker_thread_only(kind, tmp_
     assert worker != seen["main"]
     assert seen["set_num_threads"] and set(seen["set_num_threads"]) == {worker}
     assert seen["load"] and set(seen["load"]) == {worker}
-    if kind == "target":  # the Prefill and Verify forwards
-        assert len(seen["runtime"]) >= 2 and set(seen["runtime"]) == {worker}
+    # the target's Prefill and Verify; the draft's start, prefill and proposal
+    assert len(seen["runtime"]) >= 2 and set(seen["runtime"]) == {worker}
+
+
+async def _draft_round(address: str, pair) -> None:
+    """Open a draft session and take one proposal from it over gRPC."""
+    from transformers import AutoConfig
+
+    from orchestrator.clients import DraftClient
+    from specdec.sampling import GREEDY
+    from specdec.tree_spec import TreeSpec
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        draft = DraftClient(channel, AutoConfig.from_pretrained(pair.draft).vocab_size)
+        await draft.start("s", [5, 6, 7], GREEDY)
+        tree = await draft.propose("s", TreeSpec.chain(2), 2)
+        assert tree.size == 2
+        await draft.release("s")
+
+
+def test_a_sigterm_while_the_target_loads_exits_zero_at_once(tmp_path):
+    """The load runs on the worker's thread; a SIGTERM meanwhile ends the process with exit 0 without
+    waiting for the load (here a 120 s one) and without an abort."""
+    pair = save_tiny_pair(tmp_path / "models")
+    config = write_config(tmp_path / "serve.yaml", pair)
+    script, out = tmp_path / "recorder.py", tmp_path / "seen.json"
+    script.write_text(RECORDER)
+    service = launch_command("target", [sys.executable, str(script), "target", str(config), str(out), "120"])
+    try:
+        deadline = time.monotonic() + 60
+        while "LOADING" not in service.stderr and service.returncode is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "LOADING" in service.stderr, service.stderr[-3000:]
+        started = time.monotonic()
+        code = stop_service(service, timeout_s=20)
+        took = time.monotonic() - started
+    finally:
+        if service.returncode is None:
+            service.proc.kill()
+    assert code == 0 and took < 15, (code, took, service.stderr[-3000:])
+    assert "SIGTERM while loading" in service.stderr
+    assert "terminate called" not in service.stderr and "Fatal Python error" not in service.stderr
 
 
 def test_openmp_teams_benchmark_runs_both_modes_on_a_tiny_target(tmp_path):
@@ -181,12 +238,14 @@ def test_openmp_teams_benchmark_runs_both_modes_on_a_tiny_target(tmp_path):
 
     pair = save_tiny_pair(tmp_path / "models")
     out = tmp_path / "out"
-    assert openmp_teams.main(["--target", str(pair.target), "--sessions", "2", "--steps", "2", "--repeats", "1",
+    assert openmp_teams.main(["--target", str(pair.target), "--sessions", "2", "--steps", "2", "--repeats", "2",
                               "--out", str(out)]) == 0
     rows = json.loads((out / "results.json").read_text())["rows"]
-    assert [(r["repeat"], r["mode"], r["sessions"]) for r in rows] == [(1, "one", 2), (1, "two", 2)]
-    assert rows[0]["vs_one"] == 1.0 and all(r["median_step_ms"] > 0 and r["cpu_per_wall"] > 0 for r in rows)
-    assert "| 1 | two |" in (out / "results.md").read_text()
+    assert [(r["repeat"], r["mode"], r["sessions"]) for r in rows] == [(1, "one", 2), (1, "two", 2), (2, "one", 2),
+                                                                        (2, "two", 2)]
+    assert rows[0]["vs_one"] == rows[2]["vs_one"] == 1.0
+    assert all(r["median_step_ms"] > 0 and r["cpu_per_wall"] > 0 for r in rows)
+    assert "| 2 | two |" in (out / "results.md").read_text()
     with pytest.raises(SystemExit) as exit_info:
         openmp_teams.main(["--steps", "0"])
     assert exit_info.value.code == 2
