@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from draft_service.runtime import DraftRuntime  # noqa: E402
-from orchestrator.bench import write_record  # noqa: E402
+from orchestrator.bench import _table, write_record  # noqa: E402
 from serving import load_prompts, spread  # noqa: E402
 from specdec.config import ModelsConfig  # noqa: E402
 from specdec.model_setup import load_draft, load_target  # noqa: E402
@@ -101,13 +101,13 @@ def run_level(target: TargetRuntime, draft: DraftRuntime, prompts: list[list[int
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
-    head = "| requests | mode | tok/s | vs plain (same level, mean of its plain rows) | rounds | draft ms / round | verify ms / round | output = plain |"
-    lines = [f"# Lock-step speculation in one process ({meta['machine']}, {meta['dtype']} target, int8 draft, "
-             f"{meta['max_new_tokens']} new tokens, greedy)", "", head, "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['requests']} | {r['mode']} | {r['tokens_per_s']:.2f} | {r['vs_plain']:.2f}x | {r['rounds']} | "
-                     f"{r['draft_ms_per_round']:.0f} | {r['verify_ms_per_round']:.0f} | {r['same_as_plain']} |")
-    return "\n".join(lines) + "\n"
+    """The record's markdown: a heading with the set-up and a row per level and mode (rows from ``main``)."""
+    head = ["requests", "mode", "tok/s", "vs plain (same level, mean of its plain rows)", "rounds",
+            "draft ms / round", "verify ms / round", "output = plain"]
+    cells = [[str(r["requests"]), r["mode"], f"{r['tokens_per_s']:.2f}", f"{r['vs_plain']:.2f}x", str(r["rounds"]),
+              f"{r['draft_ms_per_round']:.0f}", f"{r['verify_ms_per_round']:.0f}", str(r["same_as_plain"])] for r in rows]
+    return "\n".join([f"# Lock-step speculation in one process ({meta['machine']}, {meta['dtype']} target, int8 draft, "
+                      f"{meta['max_new_tokens']} new tokens, greedy)", "", _table(head, cells)])
 
 
 def main(argv=None) -> int:

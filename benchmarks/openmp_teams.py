@@ -72,15 +72,16 @@ def measure(mode: str, sessions: int, steps: int, target: str | None) -> dict:
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
-    lines = [f"# Target plain steps with one or two torch threads ({meta['machine']})", "",
-             f"{meta['sessions']} sessions, one plain step each per forward (verify_batch of empty trees), float32 "
-             f"target, {meta['steps']} timed steps per process, modes alternating in fresh processes.", "",
-             "| run | mode | median step ms | mean step ms | CPU time / wall | vs one (same repeat) |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['repeat']} | {r['mode']} | {r['median_step_ms']:.0f} | {r['mean_step_ms']:.0f} | "
-                     f"{r['cpu_per_wall']:.2f} | {r['vs_one']:.2f}x |")
-    return "\n".join(lines) + "\n"
+    """The record's markdown: a heading, the set-up, and a row per process (rows from ``main``)."""
+    from orchestrator.bench import _table
+
+    head = ["run", "mode", "median step ms", "mean step ms", "CPU time / wall", "vs one (same repeat)"]
+    cells = [[str(r["repeat"]), r["mode"], f"{r['median_step_ms']:.0f}", f"{r['mean_step_ms']:.0f}",
+              f"{r['cpu_per_wall']:.2f}", f"{r['vs_one']:.2f}x"] for r in rows]
+    return "\n".join([f"# Target plain steps with one or two torch threads ({meta['machine']})", "",
+                      f"{meta['sessions']} sessions, one plain step each per forward (verify_batch of empty trees), "
+                      f"float32 target, {meta['steps']} timed steps per process, modes alternating in fresh processes.",
+                      "", _table(head, cells)])
 
 
 def main(argv=None) -> int:
@@ -96,7 +97,12 @@ def main(argv=None) -> int:
     if args.sessions < 1 or args.steps < 1 or args.repeats < 1 or args.timeout_s <= 0:
         p.error("--sessions / --steps / --repeats / --timeout-s: need >= 1 / >= 1 / >= 1 / > 0")
     if args.mode:
-        print(json.dumps(measure(args.mode, args.sessions, args.steps, args.target)))
+        from specdec.models import ModelError
+
+        try:
+            print(json.dumps(measure(args.mode, args.sessions, args.steps, args.target)))
+        except ModelError as exc:  # names the target: a usage error, no traceback
+            p.error(str(exc))
         return 0
     from orchestrator.bench import write_record
 

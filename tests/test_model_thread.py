@@ -228,9 +228,10 @@ def test_a_sigterm_while_the_target_loads_exits_zero_at_once(tmp_path):
     assert "terminate called" not in service.stderr and "Fatal Python error" not in service.stderr
 
 
-def test_openmp_teams_benchmark_runs_both_modes_on_a_tiny_target(tmp_path):
+def test_openmp_teams_benchmark_runs_both_modes_on_a_tiny_target(tmp_path, capsys):
     """benchmarks/openmp_teams.py end to end on a tiny target: a row per mode and repeat, each from
-    its own process, timed over the steps asked; a bad count is a usage error naming the flags."""
+    its own process, timed over the steps asked; a bad count or target is a usage error naming the
+    flag, without a traceback."""
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -249,3 +250,7 @@ def test_openmp_teams_benchmark_runs_both_modes_on_a_tiny_target(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         openmp_teams.main(["--steps", "0"])
     assert exit_info.value.code == 2
+    capsys.readouterr()
+    assert openmp_teams.main(["--target", str(tmp_path / "missing"), "--repeats", "1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--target" in err and "Traceback" not in err
