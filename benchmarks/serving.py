@@ -76,7 +76,10 @@ Flags of issue 12:
   ``front.cost_aware.in_step: true`` (under load on shared compute every request follows the batch's
   plan, drafting or not together, instead of planning from its own estimates and the learnt merge
   shares) on the batched target: the A/B of the in-step rule in one run.
-- ``--round-log``: each speculative concurrency row gets ``round_split`` (mean ms per phase) and
+- ``--front-variant NAME=JSON`` (repeatable): the concurrency section gains a configuration NAME: a
+  Ray front on the batched target whose ``front`` config has JSON merged in (an A/B of a front
+  setting in one run, e.g. ``no_ctx={"cost_aware": {"ngram_tokens": 0}}``).
+- ``--round-log``: each concurrency row (target_only too) gets ``round_split`` (mean ms per phase) and
   ``round_log`` (every round: start, wall, draft and verify ms, the services' own ms and batch sizes,
   gamma, nodes, accepted length, fallback) from the traces, in the JSON.
 - ``--batch-gather F``: ``draft.batch_gather`` and ``target.batch_gather`` of every service.
@@ -595,6 +598,26 @@ class Services:
                 pass
 
 
+RESERVED_CONFIGS = ("batched", "batched_in_step", "one_at_a_time", "speculative_pipelined", "target_only")
+
+
+def front_variant(text: str) -> tuple[str, dict]:
+    """``--front-variant NAME=JSON`` -> (NAME, the JSON object). Raises argparse.ArgumentTypeError
+    (a usage error naming the flag) for a missing '=', a bad or reserved name, or JSON that is not
+    an object."""
+    name, sep, body = text.partition("=")
+    if not sep or not name.isidentifier() or name in RESERVED_CONFIGS:
+        raise argparse.ArgumentTypeError(f"--front-variant: need NAME=JSON with NAME an identifier other than "
+                                         f"{', '.join(RESERVED_CONFIGS)}, got {text!r}")
+    try:
+        front = json.loads(body)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--front-variant {name}: not JSON ({exc})") from exc
+    if not isinstance(front, dict):
+        raise argparse.ArgumentTypeError(f"--front-variant {name}: need a JSON object, got {body!r}")
+    return name, front
+
+
 def service_config(args, threads: int | None = None, target: dict | None = None, front: dict | None = None) -> dict:
     data: dict = {
         "models": {"target": str(args.target), "draft": str(args.draft), "dtype": args.dtype, "draft_quant": args.draft_quant},
@@ -778,9 +801,7 @@ def section_concurrency(args, prompts, configs: dict, collector: SpanCollector |
         complete = wait_for_rounds(collector, expected)
         rows[i]["pipeline_trace"] = {**pipeline_overlap(collector.spans(), set(expected)), "complete": complete}
     if collector is not None and args.round_log:
-        for row in rows:
-            if row["config"] == "target_only":
-                continue
+        for row in rows:  # target_only too: its batch sizes and verify times are the reference
             expected = {f"conc-{row['config']}-{row['clients']}-{i}": r["rounds"] for i, r in enumerate(row["per_request"])}
             wait_for_rounds(collector, expected)
             ids = set(expected)  # a level repeated (--levels 4,4) reuses its ids: its rows log every repeat's rounds
@@ -1188,10 +1209,13 @@ def parse_args(argv=None):
     p.add_argument("--batch-gather", type=float, default=None,
                    help="draft.batch_gather and target.batch_gather of every service (default: the config's)")
     p.add_argument("--round-log", action="store_true",
-                   help="concurrency section: each speculative row gets round_split and round_log (every round's "
+                   help="concurrency section: each row (target_only too) gets round_split and round_log (every round's "
                         "timings, batch sizes and tree from the traces) in the JSON")
     p.add_argument("--in-step", action="store_true",
                    help="concurrency section: add batched_in_step (a front with front.cost_aware.in_step: true)")
+    p.add_argument("--front-variant", action="append", default=[], type=front_variant, metavar="NAME=JSON",
+                   help="concurrency section: add configuration NAME, a Ray front whose front config has JSON "
+                        "merged in (e.g. 'no_ctx={\"cost_aware\": {\"ngram_tokens\": 0}}'); repeatable")
     p.add_argument("--pipeline", action="store_true",
                    help="concurrency section: add speculative_pipelined (a front with front.pipeline: true)")
     p.add_argument("--long-prompt-tokens", type=int, default=2000, help="longprompt section: the long prompt's length")
@@ -1372,8 +1396,14 @@ def main(argv=None) -> int:
                                                     service_config(args, front={"use_ray": True,
                                                                                 "cost_aware": {"in_step": True}}),
                                                     draft_address=draft.address, target_address=batched.address)
+                variants = {name: services.launch("front", f"bench-front-ray-{name}",
+                                                  service_config(args, front={"use_ray": True, **front}),
+                                                  draft_address=draft.address, target_address=batched.address)
+                            for name, front in args.front_variant}
                 services.wait(front_batched)
                 configs = {"batched": (front_batched.address, batched.address, False)}
+                for name, front in variants.items():
+                    configs[name] = (services.wait(front).address, batched.address, False)
                 if front_in_step is not None:
                     configs["batched_in_step"] = (services.wait(front_in_step).address, batched.address, False)
                 if front_ray_one is not None:

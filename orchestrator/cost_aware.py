@@ -168,13 +168,18 @@ class SharedState:
         compute, and the shared count grows with the number of requests)."""
         return probe_every * (self.load if self.shared_compute else 1.0)
 
-    def defer_draft(self, others: int = 0) -> bool:
+    def defer_draft(self) -> bool:
         """Whether a new request should not prefill the draft until a round decides to draft: the
-        draft shares the target's compute and other requests are running (``load`` >= 1.5, or
-        ``others`` >= 1: the round controller's other requests in flight, known before any round has
-        reported a load; requests that arrive together would otherwise all prefill the draft at once,
-        on the compute their target prefills need)."""
-        return self.shared_compute and (self.load >= LOADED or others >= 1)
+        draft shares the target's compute. A draft service prefills on Start, which the round loop
+        would send beside the target's Prefill: on shared compute the two prefills take each other's
+        CPU and the first token comes later than target-only's; under load, requests arriving
+        together would all prefill the draft at once, on the compute their target prefills need.
+        Deferred, the draft prefills beside the request's first plain round that runs a forward (the
+        first round reuses the prefill's logits). Measured (2-core CPU, real pair, one client, issue
+        12's serving benchmark, two runs each, alternating): speculative TTFT p50 1.21x and 1.42x
+        target-only's when opened at the start, 0.95x and 1.01x deferred; throughput the same within
+        the runs' noise (benchmarks/serving_cpu_2core_2026-12-04_ttft.md)."""
+        return self.shared_compute
 
     def planning_cost(self) -> CostModel | LoadedCost:
         """The cost model the planning uses: ``LoadedCost`` at the current load (goodput), the model
@@ -407,12 +412,12 @@ class CostAwareControl:
 
     def defer_draft_open(self, others: int = 0) -> bool:
         """Whether the round loop should open the draft at the first drafted round instead of at the
-        request's start: ``SharedState.defer_draft`` (shared compute and other requests running;
-        others: the front's other requests in flight), or on the draft's own device other requests
+        request's start: ``SharedState.defer_draft`` (the draft shares the target's compute), or on
+        the draft's own device other requests (others: the front's other requests in flight)
         are running (load >= 1.5) and, at the current costs, a new request's plan would not draft
         (a draft whose replies queue behind other sessions' steps and prefills prices itself out:
         ``draft_timed_out``); opening it anyway would add one more prefill to that queue."""
-        if self.shared.defer_draft(others):
+        if self.shared.defer_draft():
             return True
         if self.timing_free or self.shared.load < LOADED or others == 0:  # alone now: a past burst's load is stale
             return False

@@ -487,8 +487,8 @@ def test_shared_compute_load_rises_at_once_scales_probes_and_defers_the_draft():
     assert shared.load == pytest.approx(4 + 0.3 * (1 - 4))  # a fall as a moving average
     for _ in range(10):
         shared.observe_load(1)
-    assert shared.load < 1.5 and not shared.defer_draft()
-    assert shared.defer_draft(others=1) and not own.defer_draft(others=1)  # requests in flight, no load seen yet
+    # alone too: a draft service prefills on Start, beside the target's Prefill, on the same CPU
+    assert shared.load < 1.5 and shared.defer_draft() and not own.defer_draft()
 
 
 def test_probes_thin_out_where_not_even_an_always_right_draft_could_pay():
@@ -846,11 +846,13 @@ def test_a_congested_draft_is_not_opened_at_a_new_requests_start():
     assert not control.defer_draft_open(others=3)
 
 
-def test_requests_arriving_together_on_shared_compute_prefill_the_draft_once():
+def test_on_shared_compute_every_request_opens_its_draft_at_its_first_drafted_round():
     """Draft on the target's hardware, no load reported yet (the first rounds): of three requests
-    started together on one controller, the first opens its draft at its start and the two that find
-    it running defer theirs (no draft prefill on the compute the target prefills need). Each request's
-    output is the target's own greedy tokens."""
+    started together on one controller, none opens its draft at its start, the first one (alone in
+    flight when it opened) included: a draft service prefills on Start, beside the target's Prefill,
+    and on shared compute that delays the first token (no draft prefill on the compute the target
+    prefills need). Each opens at its first drafted round (round 2: the first round is plain), with
+    the prompt and round 1's token. Each request's output is the target's own greedy tokens."""
     from orchestrator.controller import RoundController, sync_worker
 
     model = tiny_model("qwen2", seed=0)
@@ -877,8 +879,7 @@ def test_requests_arriving_together_on_shared_compute_prefill_the_draft_once():
     results = asyncio.run(run())
     for prompt, result in zip(prompts, results):
         assert result.tokens == hf_greedy(model, prompt, 6)
-    # the others opened at their first drafted round (round 2), with the prompt and round 1's token
-    assert draft.starts == [len(prompts[0]), len(prompts[1]) + 1, len(prompts[2]) + 1]
+    assert draft.starts == [len(p) + 1 for p in prompts]  # the first at its start before 2026-12-04: len(prompts[0])
     assert ctl.running == 0
 
 

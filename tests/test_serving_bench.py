@@ -171,6 +171,34 @@ def test_pipeline_configuration(tmp_path, tiny_long_pair):
     assert not any("pipeline_trace" in r for r in conc["rows"] if r["config"] != "speculative_pipelined")
 
 
+def test_front_variant_adds_a_configuration_and_round_logs_cover_target_only(tmp_path, tiny_long_pair):
+    """--front-variant NAME=JSON: a Ray front on the batched target with JSON merged into its front
+    config (here no context branches: every verified row is then the bonus row, one per round);
+    --round-log: every row, target_only too, gets its rounds' log (target-only: plain rounds)."""
+    result, md = _run_bench(tmp_path / "out", tiny_long_pair, "--sections", "concurrency", "--levels", "2",
+                            "--round-log", "--front-variant", 'no_ctx={"cost_aware": {"ngram_tokens": 0}}')
+    conc = result["concurrency"]
+    assert conc["configs"] == ["batched", "no_ctx", "target_only"] and conc["identical_outputs"] is True
+    assert "| no_ctx | 2 |" in md
+    rows = {r["config"]: r for r in conc["rows"]}
+    for name in ("batched", "no_ctx", "target_only"):
+        log = rows[name]["round_log"]
+        assert log and len(log) == sum(r["rounds"] for r in rows[name]["per_request"])  # every round of the row
+    assert all(r["nodes"] == 0 for r in rows["target_only"]["round_log"])
+    assert all(r["nodes"] == 0 for r in rows["no_ctx"]["round_log"] if r["gamma"] == 0)
+    assert all(r["draft_ms"] is None for r in rows["target_only"]["round_log"])
+
+
+def test_front_variant_flag_errors(capsys):
+    from benchmarks.serving import parse_args
+
+    for text in ("no_ctx", "target_only={}", "1x={}", "v=[1]", "v={bad"):
+        with pytest.raises(SystemExit):
+            parse_args(["--front-variant", text])
+        assert "--front-variant" in capsys.readouterr().err
+    assert parse_args(["--front-variant", 'v={"pipeline": true}']).front_variant == [("v", {"pipeline": True})]
+
+
 def test_pipeline_flag_needs_the_front_key(monkeypatch):
     from benchmarks.serving import parse_args
     from specdec.config import FrontConfig
