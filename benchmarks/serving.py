@@ -618,6 +618,34 @@ def front_variant(text: str) -> tuple[str, dict]:
     return name, front
 
 
+def deep_merge(base: dict, over: dict) -> dict:
+    """base with over's keys set, nested mappings merged key by key (a new dict; neither is changed)."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def check_front_variants(p: argparse.ArgumentParser, args) -> None:
+    """--front-variant: distinct names, the concurrency section selected, and each front config valid
+    (specdec.config.FrontConfig, unknown keys refused) before any model loads."""
+    from specdec.config import FrontConfig
+
+    if not args.front_variant:
+        return
+    names = [name for name, _ in args.front_variant]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        p.error(f"--front-variant: {', '.join(twice)} given more than once")
+    if "concurrency" not in args.sections:
+        p.error("--front-variant: adds concurrency configurations; --sections has no concurrency")
+    for name, front in args.front_variant:
+        try:
+            FrontConfig.model_validate(deep_merge({"use_ray": True}, front))
+        except ValueError as exc:
+            p.error(f"--front-variant {name}: not a valid front config ({exc})")
+
+
 def service_config(args, threads: int | None = None, target: dict | None = None, front: dict | None = None) -> dict:
     data: dict = {
         "models": {"target": str(args.target), "draft": str(args.draft), "dtype": args.dtype, "draft_quant": args.draft_quant},
@@ -634,8 +662,8 @@ def service_config(args, threads: int | None = None, target: dict | None = None,
 
         # admit every stream the run opens at once (the largest level; longprompt: running + long request)
         streams = max([*args.levels, args.long_running + 1, ClientLimitsConfig().max_running])
-        data["front"] = {"port": 0, "max_new_tokens": args.max_new_tokens, "dynamic_gamma": {"enabled": False},
-                         "workers": args.workers, "ray_num_cpus": 2, "limits": {"max_running": streams}, **front}
+        data["front"] = deep_merge({"port": 0, "max_new_tokens": args.max_new_tokens, "dynamic_gamma": {"enabled": False},
+                                    "workers": args.workers, "ray_num_cpus": 2, "limits": {"max_running": streams}}, front)
     return data
 
 
@@ -1075,6 +1103,9 @@ def markdown(result: dict) -> str:
     c = result.get("concurrency")
     if c:
         parts.append(f"## Concurrency (issue 5): {c['prompts']} requests per level, Ray front\n")
+        for name, front in (meta.get("front_variants") or {}).items():
+            parts.append(f"Configuration `{name}` (`--front-variant`): a Ray front on the batched target with "
+                         f"`{json.dumps(front)}` merged into its front config.\n")
         parts.append(f"Closed-loop clients started together over one grpc.aio channel. batched: target `max_batch` "
                      f"{meta['max_batch']}, `batch_wait_ms` {meta['batch_wait_ms']}; one_at_a_time: `max_batch` 1; "
                      f"target_only: `no_spec` requests on the batched target. Throughput = generated tokens / wall "
@@ -1248,6 +1279,7 @@ def parse_args(argv=None):
     if bool(args.target) != bool(args.draft):
         p.error("--target and --draft go together")
     check_longprompt_args(p, args)
+    check_front_variants(p, args)
     if args.pin:  # one torch thread per pinned core
         args.target_threads = args.draft_threads = 1
     return args
@@ -1396,7 +1428,7 @@ def main(argv=None) -> int:
                                                     service_config(args, front={"use_ray": True,
                                                                                 "cost_aware": {"in_step": True}}),
                                                     draft_address=draft.address, target_address=batched.address)
-                variants = {name: services.launch("front", f"bench-front-ray-{name}",
+                variants = {name: services.launch("front", f"bench-front-variant-{name}",
                                                   service_config(args, front={"use_ray": True, **front}),
                                                   draft_address=draft.address, target_address=batched.address)
                             for name, front in args.front_variant}
@@ -1436,7 +1468,7 @@ def main(argv=None) -> int:
         "machine": platform.platform(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
         "python": platform.python_version(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "concurrency_services_started_early": early, "wall_s": time.perf_counter() - started,
-        "peak_rss_mb": services.peak_rss_mb, "pipeline": args.pipeline,
+        "peak_rss_mb": services.peak_rss_mb, "pipeline": args.pipeline, "front_variants": dict(args.front_variant),
         "pinning": {"pinned": pin is not None, "cores": {**pin, "front": "unpinned"} if pin else None,
                     "affinity": services.affinity},
     }

@@ -110,7 +110,9 @@ class Control(Protocol):
         ``draft_merged(batch_size)`` (after an in-line proposal whose reply says how many sessions'
         tree steps shared its draft forwards: the draft service's batch_size, 1 = alone) and
         ``round_context(context)`` (right before each ``speculate``: the committed tokens [T], prompt
-        + generated, so the plan can value this round's context branch)."""
+        + generated, so the plan can value this round's context branch) and ``prefill_beside()``
+        (this round runs plain while a draft service prefills the session it just opened: its
+        verify may have shared the CPU with that prefill)."""
 
 
 class PassThroughShaping:

@@ -425,6 +425,9 @@ class _Request:
                 # a draft service prefills on Start, queued behind its other work: this round runs plain
                 # beside that prefill instead of waiting for it (under load the prefills of requests
                 # that open together would hold each one's first proposal past its deadline)
+                beside_prefill = getattr(self.control, "prefill_beside", None)
+                if beside_prefill is not None:
+                    beside_prefill()
                 return _Drafted(fallback=DRAFT_OPENING, draft_s=time.perf_counter() - t0)
         if self.draft_sid is None:
             return _Drafted(fallback=DRAFT_UNAVAILABLE)

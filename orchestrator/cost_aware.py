@@ -174,8 +174,9 @@ class SharedState:
         would send beside the target's Prefill: on shared compute the two prefills take each other's
         CPU and the first token comes later than target-only's; under load, requests arriving
         together would all prefill the draft at once, on the compute their target prefills need.
-        Deferred, the draft prefills beside the request's first plain round that runs a forward (the
-        first round reuses the prefill's logits). Measured (2-core CPU, real pair, one client, issue
+        Deferred, a draft service prefills beside the round that opens it, run plain (the request's
+        second: the first reuses the prefill's logits); a seeded sampled request's round waits for
+        that prefill and drafts (its trees must not depend on timings). Measured (2-core CPU, real pair, one client, issue
         12's serving benchmark, two runs each, alternating): speculative TTFT p50 1.21x and 1.42x
         target-only's when opened at the start, 0.95x and 1.01x deferred; throughput the same within
         the runs' noise (benchmarks/serving_cpu_2core_2026-12-04_ttft.md)."""
@@ -332,6 +333,7 @@ class CostAwareControl:
         self.in_step = False  # this round's plan was the batch's (SharedState.in_step_applies)
         self._planned_spec: TreeSpec | None = None
         self._context: Sequence[int] | None = None  # this round's committed tokens (round_context), until speculate
+        self._beside_prefill = False  # this round's forward ran beside a draft prefill (prefill_beside), until observe
 
     def bind_request(self, sampling) -> None:
         """The request's SamplingParams (the round controller calls this once). A sampled request
@@ -412,13 +414,15 @@ class CostAwareControl:
 
     def defer_draft_open(self, others: int = 0) -> bool:
         """Whether the round loop should open the draft at the first drafted round instead of at the
-        request's start: ``SharedState.defer_draft`` (the draft shares the target's compute), or on
+        request's start: ``SharedState.defer_draft`` (the draft shares the target's compute; with
+        ``first_round_plain`` off only while other requests run, as a lone request may then draft its
+        first round), or on
         the draft's own device other requests (others: the front's other requests in flight)
         are running (load >= 1.5) and, at the current costs, a new request's plan would not draft
         (a draft whose replies queue behind other sessions' steps and prefills prices itself out:
         ``draft_timed_out``); opening it anyway would add one more prefill to that queue."""
-        if self.shared.defer_draft():
-            return True
+        if self.shared.defer_draft() and (self.first_round_plain or others >= 1 or self.shared.load >= LOADED):
+            return True  # first_round_plain off: a lone request may draft round 1, its draft opened at the start
         if self.timing_free or self.shared.load < LOADED or others == 0:  # alone now: a past burst's load is stale
             return False
         max_steps = min(self.max_gamma, self._deepest())
@@ -470,6 +474,7 @@ class CostAwareControl:
         # the first round's empty verify reuses the prefill's logits: no forward ran, its ~1 ms says
         # nothing about V(1) (taken as a figure, it made drafting look 1000x dearer than verifying)
         no_forward = (self.rounds == 1 and not shaped.tree.size) or batch_size == 0  # 0: a replayed result
+        beside_prefill, self._beside_prefill = self._beside_prefill, False
         observe_verified(shaped, accepted_nodes, self.calib, self.ctx_calib)
         observe_verified(shaped, accepted_nodes, self.shared.calib, self.shared.ctx_calib)
         depths = node_depths(shaped.tree.parents)
@@ -509,7 +514,8 @@ class CostAwareControl:
             if parents_per_step and reply and self.shared.queue_learns():
                 self.shared.observe_draft_queue(reply * 1000, self.shared.cost.draft_ms(parents_per_step))
                 parents_per_step = []  # the reply's time beyond D was the queue's, not D's
-            self.shared.cost.observe_round(rows, forward_s or verify_s, parents_per_step, draft_s, overhead_s)
+            if not beside_prefill:  # a forward slowed by a draft prefill beside it is not V's
+                self.shared.cost.observe_round(rows, forward_s or verify_s, parents_per_step, draft_s, overhead_s)
 
     def _learn_raw_ratio(self, drafted: DraftTree, shaped: ShapedTree) -> None:
         """raw best path probability / calibrated value of the deepest kept draft node."""
@@ -537,6 +543,15 @@ class CostAwareControl:
                draft_s: float | None = None) -> None:
         """After a speculative round (the controller's common hook): draft deadline accounting."""
         self.fallback.record(proposed, accepted, now, draft_s)
+
+    def prefill_beside(self) -> None:
+        """This round runs plain beside the draft service's prefill of the session it opened
+        (``draft_opening``): on shared compute its verify forward shared the CPU with that prefill,
+        so its time says nothing of V(rows) nor of the round overhead, and ``observe`` does not
+        teach the cost model from it (with the draft opened at every request's second round, such
+        forwards would otherwise be one V sample per request, the first on a fresh front, slowed
+        by the prefill, making plain rounds look dearer)."""
+        self._beside_prefill = True
 
     def draft_opened(self) -> None:
         """A draft session (re-)opened: its first drafted round also prefills it, so that round's

@@ -489,6 +489,11 @@ def test_shared_compute_load_rises_at_once_scales_probes_and_defers_the_draft():
         shared.observe_load(1)
     # alone too: a draft service prefills on Start, beside the target's Prefill, on the same CPU
     assert shared.load < 1.5 and shared.defer_draft() and not own.defer_draft()
+    # the control: deferred for a lone request too, unless its first round may draft (first_round_plain off)
+    assert CostAwareControl(CHAIN4, shared).defer_draft_open(others=0)
+    drafts_round_1 = CostAwareControl(CHAIN4, shared, first_round_plain=False)
+    assert not drafts_round_1.defer_draft_open(others=0) and drafts_round_1.defer_draft_open(others=1)
+    assert not CostAwareControl(CHAIN4, own).defer_draft_open(others=0)
 
 
 def test_probes_thin_out_where_not_even_an_always_right_draft_could_pay():
@@ -761,6 +766,45 @@ def test_a_draft_service_opened_by_a_round_prefills_beside_that_round_run_plain(
     asyncio.run(ctl.generate(GenerationRequest(prompt, max_new_tokens=24, spec=CHAIN4, sampling=seeded),
                              on_round=records.append))
     assert "draft_opening" not in {r.fallback for r in records} and sum(1 for r in records if r.drafted) >= 3
+
+
+def test_a_lone_request_on_shared_compute_opens_a_draft_service_at_round_2_and_learns_no_v_from_it():
+    """One request, no load, the draft a service on the target's hardware: the draft is not opened
+    at the start (its prefill would share the CPU with the target's Prefill: a later first token),
+    round 1 reuses the prefill's logits, round 2 opens the draft and runs plain beside its prefill
+    ("draft_opening"), round 3 drafts. Round 2's verify shared the CPU with that prefill, so it
+    teaches the cost model nothing: V's observations are the rounds with a forward of their own,
+    less that one (a forward slowed by the prefill would make plain rounds look dearer). Greedy
+    output equals the target alone."""
+    from orchestrator.controller import RoundController, sync_worker
+
+    model = tiny_model("qwen2", seed=0)
+    prompt = random_prompt(seed=96)
+    reference = hf_greedy(model, prompt, 16)
+
+    class DraftService(SlowPropose):
+        in_process = False  # its calls run beside the target's (a service)
+
+        def __init__(self, model):
+            super().__init__(model, 0.0)
+            self.starts: list[int] = []
+
+        async def start(self, session_id, prompt_ids, *args, **kwargs):
+            self.starts.append(len(prompt_ids))
+            return await self.inner.start(session_id, prompt_ids, *args, **kwargs)
+
+    draft = DraftService(model)
+    cost = CostModel(dict(BOUND_AT_8), {1: 45.0}, alpha=0.2, source="measured")
+    shared = SharedState(cost=cost, shared_compute=True)
+    factory = lambda s: CostAwareControl(s, shared, ngram_tokens=0, probe_every=1000)  # noqa: E731
+    ctl = RoundController(sync_worker(TargetRuntime(model)), draft, [], CONTEXT, control_factory=factory)
+    records = []
+    result = asyncio.run(ctl.generate(GenerationRequest(prompt, max_new_tokens=16, spec=CHAIN4),
+                                      on_round=records.append))
+    assert result.tokens == reference
+    assert draft.starts == [len(prompt) + 1]  # opened by round 2, with round 1's token
+    assert [r.fallback for r in records[:2]] == ["cost", "draft_opening"] and records[2].drafted
+    assert cost.verify.observations == len(records) - 2  # round 1: no forward; round 2: beside the prefill
 
 
 def test_the_draft_queue_prices_a_step_under_load_on_its_own_device_only():

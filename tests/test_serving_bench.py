@@ -179,7 +179,8 @@ def test_front_variant_adds_a_configuration_and_round_logs_cover_target_only(tmp
                             "--round-log", "--front-variant", 'no_ctx={"cost_aware": {"ngram_tokens": 0}}')
     conc = result["concurrency"]
     assert conc["configs"] == ["batched", "no_ctx", "target_only"] and conc["identical_outputs"] is True
-    assert "| no_ctx | 2 |" in md
+    assert "| no_ctx | 2 |" in md and result["meta"]["front_variants"] == {"no_ctx": {"cost_aware": {"ngram_tokens": 0}}}
+    assert 'Configuration `no_ctx` (`--front-variant`)' in md and '{"cost_aware": {"ngram_tokens": 0}}' in md
     rows = {r["config"]: r for r in conc["rows"]}
     for name in ("batched", "no_ctx", "target_only"):
         log = rows[name]["round_log"]
@@ -192,9 +193,12 @@ def test_front_variant_adds_a_configuration_and_round_logs_cover_target_only(tmp
 def test_front_variant_flag_errors(capsys):
     from benchmarks.serving import parse_args
 
-    for text in ("no_ctx", "target_only={}", "1x={}", "v=[1]", "v={bad"):
+    for argv in (["no_ctx"], ["target_only={}"], ["1x={}"], ["v=[1]"], ["v={bad"],
+                 ["v={}", "--front-variant", "v={}"],  # the same name twice
+                 ['v={"cost_aware": {"ngram_tokns": 0}}'],  # a front config key that does not exist
+                 ["v={}", "--sections", "grpc"]):  # no concurrency section to add it to
         with pytest.raises(SystemExit):
-            parse_args(["--front-variant", text])
+            parse_args(["--front-variant", *argv])
         assert "--front-variant" in capsys.readouterr().err
     assert parse_args(["--front-variant", 'v={"pipeline": true}']).front_variant == [("v", {"pipeline": True})]
 
