@@ -176,10 +176,10 @@ class SharedState:
         together would all prefill the draft at once, on the compute their target prefills need.
         Deferred, a draft service prefills beside the round that opens it, run plain (the request's
         second: the first reuses the prefill's logits); a seeded sampled request's round waits for
-        that prefill and drafts (its trees must not depend on timings). Measured (2-core CPU, real pair, one client, issue
-        12's serving benchmark, two runs each, alternating): speculative TTFT p50 1.21x and 1.42x
-        target-only's when opened at the start, 0.95x and 1.01x deferred; throughput the same within
-        the runs' noise (benchmarks/serving_cpu_2core_2026-12-04_ttft.md)."""
+        that prefill and drafts (its trees must not depend on timings). Measured (2-core CPU, real
+        pair, one client, issue 12's serving benchmark, two runs each, alternating): speculative
+        TTFT p50 1.21x and 1.42x target-only's when opened at the start, 0.95x and 1.01x deferred;
+        throughput the same within the runs' noise (benchmarks/serving_cpu_2core_2026-12-04_ttft.md)."""
         return self.shared_compute
 
     def planning_cost(self) -> CostModel | LoadedCost:
@@ -416,9 +416,8 @@ class CostAwareControl:
         """Whether the round loop should open the draft at the first drafted round instead of at the
         request's start: ``SharedState.defer_draft`` (the draft shares the target's compute; with
         ``first_round_plain`` off only while other requests run, as a lone request may then draft its
-        first round), or on
-        the draft's own device other requests (others: the front's other requests in flight)
-        are running (load >= 1.5) and, at the current costs, a new request's plan would not draft
+        first round), or on the draft's own device other requests are running (load >= 1.5; others:
+        the front's other requests in flight) and, at the current costs, a new request's plan would not draft
         (a draft whose replies queue behind other sessions' steps and prefills prices itself out:
         ``draft_timed_out``); opening it anyway would add one more prefill to that queue."""
         if self.shared.defer_draft() and (self.first_round_plain or others >= 1 or self.shared.load >= LOADED):
@@ -546,8 +545,9 @@ class CostAwareControl:
 
     def prefill_beside(self) -> None:
         """This round runs plain beside the draft service's prefill of the session it opened
-        (``draft_opening``): on shared compute its verify forward shared the CPU with that prefill,
-        so its time says nothing of V(rows) nor of the round overhead, and ``observe`` does not
+        (``draft_opening``): on shared compute its verify forward shared the CPU with that prefill
+        (on the draft's own device it did not: one sample fewer there), so its time says nothing of
+        V(rows) nor of the round overhead, and ``observe`` does not
         teach the cost model from it (with the draft opened at every request's second round, such
         forwards would otherwise be one V sample per request, the first on a fresh front, slowed
         by the prefill, making plain rounds look dearer)."""
