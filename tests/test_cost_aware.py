@@ -729,6 +729,21 @@ def test_in_step_every_request_follows_the_batchs_plan():
     assert plan(1.0, own=0.95, batch=0.02)[0]
 
 
+class DraftService(SlowPropose):
+    """An in-process draft that the round loop treats as a draft service (its calls run beside the
+    target's); ``starts`` records the length of each context it was opened with."""
+
+    in_process = False
+
+    def __init__(self, model):
+        super().__init__(model, 0.0)
+        self.starts: list[int] = []
+
+    async def start(self, session_id, prompt_ids, *args, **kwargs):
+        self.starts.append(len(prompt_ids))
+        return await self.inner.start(session_id, prompt_ids, *args, **kwargs)
+
+
 def test_a_draft_service_opened_by_a_round_prefills_beside_that_round_run_plain():
     """A draft that is not in-process (a draft service: Start queues its prefill and answers at
     once) opened by a round, deferred there by the load on shared compute: that round runs plain
@@ -741,10 +756,7 @@ def test_a_draft_service_opened_by_a_round_prefills_beside_that_round_run_plain(
     prompt = random_prompt(seed=95)
     reference = hf_greedy(model, prompt, 24)
 
-    class DraftService(SlowPropose):
-        in_process = False  # its calls run beside the target's (a service)
-
-    draft = DraftService(model, 0.0)
+    draft = DraftService(model)
     shared = SharedState(cost=CostModel(dict(BOUND_AT_8), {1: 45.0}, alpha=0.0), shared_compute=True, load=4.0)
     factory = lambda s: CostAwareControl(s, shared, ngram_tokens=0, probe_every=1000)  # noqa: E731
     ctl = RoundController(sync_worker(TargetRuntime(model)), draft, [], CONTEXT, control_factory=factory)
@@ -781,17 +793,6 @@ def test_a_lone_request_on_shared_compute_opens_a_draft_service_at_round_2_and_l
     model = tiny_model("qwen2", seed=0)
     prompt = random_prompt(seed=96)
     reference = hf_greedy(model, prompt, 16)
-
-    class DraftService(SlowPropose):
-        in_process = False  # its calls run beside the target's (a service)
-
-        def __init__(self, model):
-            super().__init__(model, 0.0)
-            self.starts: list[int] = []
-
-        async def start(self, session_id, prompt_ids, *args, **kwargs):
-            self.starts.append(len(prompt_ids))
-            return await self.inner.start(session_id, prompt_ids, *args, **kwargs)
 
     draft = DraftService(model)
     cost = CostModel(dict(BOUND_AT_8), {1: 45.0}, alpha=0.2, source="measured")
