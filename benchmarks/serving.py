@@ -73,9 +73,10 @@ Flags of issue 12:
   ("-" otherwise). The key is only set with the flag; a ``specdec.config.FrontConfig`` without a
   ``pipeline`` field makes the flag an error.
 - ``--in-step``: the concurrency section gains a configuration ``batched_in_step``: a Ray front with
-  ``front.cost_aware.in_step: true`` (under load on shared compute every request follows the batch's
+  the in-step rule at every load (``front.cost_aware.in_step_max_load: 64``; the default applies it
+  below 2.5 sessions per verify forward only: on shared compute every request follows the batch's
   plan, drafting or not together, instead of planning from its own estimates and the learnt merge
-  shares) on the batched target: the A/B of the in-step rule in one run.
+  shares) on the batched target: the A/B of the load cap in one run.
 - ``--front-variant NAME=JSON`` (repeatable): the concurrency section gains a configuration NAME: a
   Ray front on the batched target whose ``front`` config has JSON merged in (an A/B of a front
   setting in one run, e.g. ``no_ctx={"cost_aware": {"ngram_tokens": 0}}``).
@@ -1243,7 +1244,8 @@ def parse_args(argv=None):
                    help="concurrency section: each row (target_only too) gets round_split and round_log (every round's "
                         "timings, batch sizes and tree from the traces) in the JSON")
     p.add_argument("--in-step", action="store_true",
-                   help="concurrency section: add batched_in_step (a front with front.cost_aware.in_step: true)")
+                   help="concurrency section: add batched_in_step (a front in step at every load: "
+                        "front.cost_aware.in_step_max_load 64)")
     p.add_argument("--front-variant", action="append", default=[], type=front_variant, metavar="NAME=JSON",
                    help="concurrency section: add configuration NAME, a Ray front whose front config has JSON "
                         "merged in (e.g. 'no_ctx={\"cost_aware\": {\"ngram_tokens\": 0}}'); repeatable")
@@ -1426,7 +1428,8 @@ def main(argv=None) -> int:
                 if args.in_step:
                     front_in_step = services.launch("front", "bench-front-ray-in-step",
                                                     service_config(args, front={"use_ray": True,
-                                                                                "cost_aware": {"in_step": True}}),
+                                                                                "cost_aware": {"in_step": True,
+                                                                                               "in_step_max_load": 64.0}}),
                                                     draft_address=draft.address, target_address=batched.address)
                 variants = {name: services.launch("front", f"bench-front-variant-{name}",
                                                   service_config(args, front={"use_ray": True, **front}),

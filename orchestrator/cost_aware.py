@@ -63,15 +63,17 @@ class SharedState:
     # (LoadedCost.verify_sessions); starts at 1 (rounds in step: the symmetric goodput case), learnt
     # from drafted rounds, back to 1 when rounds run alone again
     verify_merge: float = 1.0
-    # under load on shared compute: the requests draft or decode plain together, each round, from the
-    # front-wide estimates (``in_step_applies``); False (the default, CostAwareConfig.in_step): each
-    # request plans alone with the learnt shares
+    # under light load on shared compute: the requests draft or decode plain together, each round,
+    # from the front-wide estimates (``in_step_applies``); False (a bare state; fronts take
+    # CostAwareConfig.in_step, on by default): each request plans alone with the learnt shares
     in_step: bool = False
+    in_step_max_load: float = 2.5  # in step below this load only (CostAwareConfig.in_step_max_load)
     depths: "DepthEstimates" = field(default_factory=lambda: DepthEstimates())  # every request's drafted rounds
 
     def in_step_applies(self) -> bool:
         """Whether this round's plan is the batch's (``CostAwareControl.speculate``): ``in_step`` is on,
-        the draft shares the target's compute and other requests run (load >= 1.5).
+        the draft shares the target's compute and other requests run, fewer than ``in_step_max_load``
+        sessions per verify forward (1.5 <= load < in_step_max_load, default 2.5: two requests).
 
         Requests whose rounds keep in step share every draft step (the draft service merges
         proposals that arrive together) and every verify forward (the target's batcher), so a drafted
@@ -92,9 +94,14 @@ class SharedState:
         1.00x and 0.86x of target-only at 4 and 8 clients (benchmarks/serving_cpu_2core_2026-12-04_lockstep.md).
         Rounds forced to draft were slower still there: through the services a merged draft step and
         verify forward cost about twice what the same calls cost in one process
-        (benchmarks/lockstep_cpu_2core_2026-12-04.md). Off by default; kept for the A/B
-        (``benchmarks/serving.py --in-step``)."""
-        return self.in_step and self.shared_compute and self.load >= LOADED
+        (benchmarks/lockstep_cpu_2core_2026-12-04.md). After the services' forwards stopped being
+        slowed by libgomp (one model thread per service), two runs at 2 clients: in step 1.25x and
+        1.51x of target-only, each request alone 1.02x and 1.10x (95% of its rounds plain: a request
+        drafting alone misses the other's verify forward, and the shares it learns from that keep
+        both from drafting); at 4 and 8 clients in step was no faster (0.92x and 0.90x against
+        0.94x and 0.91x; benchmarks/serving_cpu_2core_2026-12-04_in_step_2clients.md). Hence on by
+        default below a load of 2.5 only."""
+        return self.in_step and self.shared_compute and LOADED <= self.load < self.in_step_max_load
 
     def in_step_cost(self) -> LoadedCost:
         """The batch's costs when every request drafts alike (goodput's symmetric case, Liu et al.
@@ -611,7 +618,7 @@ def cost_aware_factory(config: CostAwareConfig, fallback: FallbackConfig, shared
                                 max_ngram=config.max_ngram, probe_every=config.probe_every,
                                 first_round_plain=config.first_round_plain, max_nodes=max_nodes)
 
-    shared.in_step = config.in_step
+    shared.in_step, shared.in_step_max_load = config.in_step, config.in_step_max_load
     factory.shared = shared  # the Orchestrator sets shared.shared_compute once it knows both services
     factory.shared_compute = config.shared_compute
     return factory

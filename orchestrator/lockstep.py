@@ -16,8 +16,10 @@ then all of them send their verifies at once, which the target's batcher merges 
 The most it can bring, measured in one process on the 2-core CPU (real pair, 48 new tokens, every
 request drafting the same chain of 1-3 steps, merged, then verifying merged, against plain batched
 decoding; benchmarks/lockstep_cpu_2core_2026-12-04.md): 1.83x at 1 request, 1.38x at 4, 1.14x at 8,
-none at 16. Through the services it gains nothing there yet (cost_aware.in_step, which turns the
-clock on, stays off by default: benchmarks/serving_cpu_2core_2026-12-04_lockstep.md).
+none at 16. Through the services it pays at 2 clients (1.25x and 1.51x of target-only in two runs,
+against 1.02x and 1.10x without; benchmarks/serving_cpu_2core_2026-12-04_in_step_2clients.md) and
+not at 4 or 8, so the front's clock (cost_aware.in_step, on by default) holds its turns only while
+the in-step plan applies, below cost_aware.in_step_max_load (``active``).
 
 Plain asyncio; the round controller (orchestrator.controller) joins a request after its first round
 (which needs no forward of its own: the prefill gave its token), calls ``turn(sid, START)`` before
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Callable
 
 
 START, VERIFY = "start", "verify"  # the two turns of a round
@@ -45,13 +48,16 @@ class RoundClock:
     after ``max_wait_s``: the others go without the members missing then, and no turn waits for
     those again until they come to a turn themselves (a request whose draft is slow for a while,
     e.g. the first proposal of a new draft session, costs the others one ``max_wait_s``, not one a
-    turn). Raises ValueError for max_wait_s <= 0.
+    turn). active: whether the turns hold anyone now (None = always; the front's: while the in-step
+    plan applies, ``SharedState.in_step_applies``); a turn taken while it is False returns at once
+    and lets go the requests still waiting from before. Raises ValueError for max_wait_s <= 0.
     """
 
-    def __init__(self, max_wait_s: float = 1.0):
+    def __init__(self, max_wait_s: float = 1.0, active: Callable[[], bool] | None = None):
         if max_wait_s <= 0:
             raise ValueError(f"max_wait_s: must be > 0, got {max_wait_s}")
         self.max_wait_s = max_wait_s
+        self.active = active
         self.members: set[str] = set()
         self._waiting: dict[str, dict[str, asyncio.Event]] = {START: {}, VERIFY: {}}
         self._late: set[str] = set()  # members missing when a turn timed out: not waited for until their next turn
@@ -90,10 +96,20 @@ class RoundClock:
         for event in waiting.values():
             event.set()
 
+    def _let_go(self) -> None:
+        """The clock is not active: every request waiting at a turn goes on now (not a tick)."""
+        for phase in (VERIFY, START):
+            waiting, self._waiting[phase] = self._waiting[phase], {}
+            for event in waiting.values():
+                event.set()
+
     async def turn(self, session_id: str, phase: str) -> float:
         """Wait for the others at ``phase`` (START or VERIFY), at most ``max_wait_s``; returns the
         seconds waited. A request that is not a member (never joined), or is alone, does not wait."""
         self._late.discard(session_id)
+        if self.active is not None and not self.active():
+            self._let_go()
+            return 0.0
         if session_id not in self.members or len(self.members) < 2:
             return 0.0
         event = asyncio.Event()

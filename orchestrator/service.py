@@ -93,12 +93,15 @@ class Orchestrator:
 
     def _clock(self, shared: bool) -> RoundClock | None:
         """The round clock of in-step rounds (orchestrator.lockstep): with ``cost_aware.in_step`` on
-        the cost-aware control, the draft on the target's compute, and no pipelining (an ahead drafts
-        beside the verify, which the clock's VERIFY turn would hold back); else None."""
+        the cost-aware control (its factory's SharedState), the draft on the target's compute, and no
+        pipelining (an ahead drafts beside the verify, which the clock's VERIFY turn would hold
+        back); else None. Its turns hold only while the in-step plan applies
+        (``SharedState.in_step_applies``: under light load)."""
         aware = self.front.cost_aware
-        if not (shared and aware.enabled and aware.in_step) or self.front.pipeline:
+        state = getattr(self.control_factory, "shared", None)
+        if not (shared and aware.enabled and aware.in_step and state is not None) or self.front.pipeline:
             return None
-        return RoundClock(aware.in_step_wait_ms / 1000)
+        return RoundClock(aware.in_step_wait_ms / 1000, active=state.in_step_applies)
 
     async def _shared_compute(self, draft: DraftClient) -> bool:
         """Whether the draft computes on the target's hardware (front.cost_aware.shared_compute, or the

@@ -143,14 +143,19 @@ class CostAwareConfig(_Section):
     # draft and target compute on the same hardware: under load a draft step is priced for the whole
     # batch (orchestrator.cost_model.LoadedCost); "auto" = compare the two services' Info placements
     shared_compute: Literal["auto"] | bool = "auto"
-    # under load on shared compute the requests draft or decode plain together, from front-wide
-    # figures (orchestrator.cost_aware.SharedState.in_step_applies), their rounds kept in step by a
-    # round clock (orchestrator.lockstep); off by default: not faster on the 2-core CPU
-    # (benchmarks/serving_cpu_2core_2026-12-04_lockstep.md)
-    in_step: bool = False
+    # under light load on shared compute (other requests run, fewer than in_step_max_load sessions per
+    # verify forward) the requests draft or decode plain together, from front-wide figures
+    # (orchestrator.cost_aware.SharedState.in_step_applies), their rounds kept in step by a round
+    # clock (orchestrator.lockstep): at 2 clients on the 2-core CPU 1.25x and 1.51x of target-only
+    # against 1.02x and 1.10x each request alone; at 4 and 8 clients not faster, hence the cap
+    # (benchmarks/serving_cpu_2core_2026-12-04_in_step_2clients.md)
+    in_step: bool = True
     # in step: at each of a round's two turns (start, verify) a request waits for the others at most
     # this long; the ones missing then are not waited for until they come back (orchestrator.lockstep)
     in_step_wait_ms: float = Field(default=1000.0, gt=0)
+    # in step only below this load (sessions per verify forward, a moving average): at or above it
+    # each request plans alone and the round clock lets every turn pass
+    in_step_max_load: float = Field(default=2.5, gt=1.5)
 
 
 class DraftWindowConfig(_Section):

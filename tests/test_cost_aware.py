@@ -661,7 +661,8 @@ def test_in_step_requests_draft_together_where_each_alone_would_not(in_step):
     n = 60
     reference = hf_greedy(model, prompt, n + 8)
     shared = SharedState(cost=CostModel(dict(BOUND_AT_8), {1: 120.0, 4: 125.0, 8: 250.0}, alpha=0.0),
-                         shared_compute=True, load=4.0, draft_merge=0.0, verify_merge=0.3, in_step=in_step)
+                         shared_compute=True, load=4.0, draft_merge=0.0, verify_merge=0.3, in_step=in_step,
+                         in_step_max_load=8.0)  # the rule at load 4 (the default applies it below 2.5 only)
     factory = lambda s: CostAwareControl(s, shared, ngram_tokens=0, probe_every=1000)  # noqa: E731
     engine = SpeculativeEngine(ReportsBatch(TargetRuntime(model), 4),
                                ReportsDraftBatch(prompt, reference, agree=8, batch_size=1),
@@ -681,20 +682,37 @@ def test_in_step_requests_draft_together_where_each_alone_would_not(in_step):
         assert not any(r.cost["in_step"] for r in late)
 
 
-def test_in_step_is_off_by_default_and_set_from_the_front_config():
-    """front.cost_aware.in_step (default false: measured slower, SharedState.in_step_applies) reaches
-    the requests' shared state through the factory; only on shared compute under load does it apply."""
+def test_in_step_is_on_by_default_and_set_from_the_front_config():
+    """front.cost_aware.in_step (default true; a bare SharedState false) reaches the requests' shared
+    state through the factory; only on shared compute under light load does it apply."""
     from orchestrator.cost_aware import cost_aware_factory
     from specdec.config import CostAwareConfig, FallbackConfig
 
-    assert CostAwareConfig().in_step is False and SharedState().in_step is False
-    shared = SharedState(shared_compute=True, load=4.0)
-    cost_aware_factory(CostAwareConfig(in_step=True), FallbackConfig(), shared)
-    assert shared.in_step and shared.in_step_applies()
-    assert not SharedState(shared_compute=False, load=4.0, in_step=True).in_step_applies()
-    assert not SharedState(shared_compute=True, load=1.2, in_step=True).in_step_applies()
+    assert CostAwareConfig().in_step is True and SharedState().in_step is False
+    shared = SharedState(shared_compute=True, load=2.0)
     cost_aware_factory(CostAwareConfig(), FallbackConfig(), shared)
+    assert shared.in_step and shared.in_step_applies()
+    assert not SharedState(shared_compute=False, load=2.0, in_step=True).in_step_applies()
+    assert not SharedState(shared_compute=True, load=1.2, in_step=True).in_step_applies()
+    cost_aware_factory(CostAwareConfig(in_step=False), FallbackConfig(), shared)
     assert not shared.in_step_applies()
+
+
+@pytest.mark.parametrize("load, cap, applies", [
+    (2.0, 2.5, True), (2.4, 2.5, True), (2.5, 2.5, False), (4.0, 2.5, False), (8.0, 2.5, False),
+    (4.0, 4.5, True), (1.4, 2.5, False),
+])
+def test_in_step_applies_only_below_its_load_cap(load, cap, applies):
+    """front.cost_aware.in_step_max_load (default 2.5, set through the factory): the in-step plan
+    applies from load 1.5 (other requests run) up to, not including, the cap; above it each request
+    plans alone (the front's round clock then lets every turn pass: RoundClock.active)."""
+    from orchestrator.cost_aware import cost_aware_factory
+    from specdec.config import CostAwareConfig, FallbackConfig
+
+    assert CostAwareConfig().in_step_max_load == 2.5
+    shared = SharedState(shared_compute=True, load=load)
+    cost_aware_factory(CostAwareConfig(in_step=True, in_step_max_load=cap), FallbackConfig(), shared)
+    assert shared.in_step_max_load == cap and shared.in_step_applies() is applies
 
 
 def test_in_step_every_request_follows_the_batchs_plan():
@@ -708,7 +726,7 @@ def test_in_step_every_request_follows_the_batchs_plan():
                      alpha=0.0)
 
     def plan(load: float, own: float, batch: float) -> tuple:
-        shared = SharedState(cost=cost, shared_compute=True, in_step=True,
+        shared = SharedState(cost=cost, shared_compute=True, in_step=True, in_step_max_load=8.0,
                              depths=DepthEstimates(value=[batch, batch * 0.8], rows=[1.0, 1.0]))
         shared.observe_load(load)
         control = CostAwareControl(CHAIN4, shared, ngram_tokens=0, probe_every=1000)

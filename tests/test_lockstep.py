@@ -157,6 +157,33 @@ def test_a_request_alone_or_not_joined_never_waits():
     assert asyncio.run(main()).ticks == 0
 
 
+def test_an_inactive_clock_holds_no_one_and_lets_go_the_requests_waiting_from_before():
+    """RoundClock.active: while it answers False every turn returns at once (verifies go out at
+    each request's own pace, the drafts' 30 and 80 ms apart), and the first such turn releases a
+    request that was already waiting (it does not sit out max_wait_s)."""
+    async def main():
+        on = {"v": False}
+        clock, log = RoundClock(max_wait_s=5.0, active=lambda: on["v"]), []
+        clock.join("a"), clock.join("b"), clock.join("c")
+        await asyncio.gather(*[_rounds(clock, sid, d, 3, log) for sid, d in (("a", 0.0), ("b", 0.03), ("c", 0.08))])
+        inactive_groups = _verify_groups(log)
+        on["v"] = True
+        clock.join("a"), clock.join("b")
+        loop = asyncio.get_running_loop()
+        waiter = asyncio.ensure_future(clock.turn("a", START))  # b never comes while the clock is on
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        on["v"] = False
+        t0 = loop.time()
+        assert await clock.turn("b", START) == 0.0
+        waited = await waiter
+        return inactive_groups, loop.time() - t0, waited
+
+    groups, release_s, waited = asyncio.run(main())
+    assert all(len(g) == 1 for g in groups) and len(groups) == 9  # nobody waited for anybody
+    assert release_s < 0.5 and 0.04 < waited < 0.5  # let go at b's turn, not after max_wait_s (5 s)
+
+
 def test_max_wait_must_be_positive():
     with pytest.raises(ValueError, match="max_wait_s"):
         RoundClock(max_wait_s=0)
@@ -298,18 +325,27 @@ def test_lockstep_benchmark_refuses_a_bad_mode_naming_the_flag(capsys):
 
 @pytest.mark.parametrize("change, clocked", [
     ({}, True),
-    ({"cost_aware": {"in_step": False}}, False),  # the default: no clock
+    ({"cost_aware": {"in_step": False}}, False),  # off: no clock
     ({"cost_aware": {"in_step": True, "enabled": False}}, False),  # no cost-aware plan to keep in step
     ({"cost_aware": {"in_step": True}, "pipeline": True}, False),  # an ahead drafts beside the verify
 ], ids=["in_step", "default", "not_cost_aware", "pipelined"])
 @pytest.mark.parametrize("shared", [True, False], ids=["shared", "separate"])
 def test_the_front_runs_a_clock_only_for_in_step_rounds_on_shared_compute(change, clocked, shared):
-    from orchestrator.service import Orchestrator
-    from specdec.config import FrontConfig, GrpcConfig
+    from orchestrator.service import Orchestrator, control_factory
+    from specdec.config import FrontConfig, GrpcConfig, ServeConfig
 
-    settings = {"cost_aware": {"in_step": True, "in_step_wait_ms": 250.0}}
+    settings = {"cost_aware": {"in_step_wait_ms": 250.0}}  # in_step: on by default
     settings.update(change)
-    clock = Orchestrator(FrontConfig.model_validate(settings), GrpcConfig())._clock(shared)
+    config = FrontConfig.model_validate(settings)
+    front = Orchestrator(config, GrpcConfig(), control_factory=control_factory(ServeConfig(front=config)))
+    clock = front._clock(shared)
     assert (clock is not None) == (clocked and shared)
+    if clock is not None:  # its turns hold only while the in-step plan applies (below in_step_max_load)
+        state = front.control_factory.shared
+        state.shared_compute, state.load = True, 2.0
+        assert clock.active() is True
+        state.load = 4.0
+        assert clock.active() is False
+    assert Orchestrator(config, GrpcConfig())._clock(shared) is None  # no cost-aware factory: no in-step plan
     if clock is not None:
         assert clock.max_wait_s == 0.25
