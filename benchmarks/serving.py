@@ -73,10 +73,10 @@ Flags of issue 12:
   ("-" otherwise). The key is only set with the flag; a ``specdec.config.FrontConfig`` without a
   ``pipeline`` field makes the flag an error.
 - ``--in-step``: the concurrency section gains a configuration ``batched_in_step``: a Ray front with
-  the in-step rule at every load (``front.cost_aware.in_step_max_load: 64``; the default applies it
-  below 2.5 sessions per verify forward only: on shared compute every request follows the batch's
-  plan, drafting or not together, instead of planning from its own estimates and the learnt merge
-  shares) on the batched target: the A/B of the load cap in one run.
+  the in-step rule (on shared compute every request follows the batch's plan, drafting or not
+  together) at every load (``front.cost_aware.in_step_max_load: 64``) on the batched target, where
+  the default applies it below 2.5 sessions per verify forward only: the A/B of the load cap in one
+  run.
 - ``--front-variant NAME=JSON`` (repeatable): the concurrency section gains a configuration NAME: a
   Ray front on the batched target whose ``front`` config has JSON merged in (an A/B of a front
   setting in one run, e.g. ``no_ctx={"cost_aware": {"ngram_tokens": 0}}``).

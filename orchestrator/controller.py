@@ -196,7 +196,9 @@ class RoundController:
             await run.open()
             while run.stops.reason is None:
                 committed = await run.round()
-                if self.clock is not None:  # after its first round, which needs no forward of its own
+                if self.clock is not None and run.control is not None:
+                    # after its first round, which needs no forward of its own; a request without a
+                    # draft (no_spec) has no plan to keep in step: the target's batcher merges its verifies
                     self.clock.join(run.sid)
                 if on_tokens is not None:
                     await _maybe_await(on_tokens(committed))

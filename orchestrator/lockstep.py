@@ -25,7 +25,7 @@ Plain asyncio; the round controller (orchestrator.controller) joins a request af
 (which needs no forward of its own: the prefill gave its token), calls ``turn(sid, START)`` before
 each round and ``turn(sid, VERIFY)`` before each verify, and ``leave`` when the request ends. One
 clock per RoundController, so per orchestrator actor (``front.workers``); requests without a draft
-(``no_spec``) keep step too.
+(``no_spec``) do not join (no plan to keep in step: the target's batcher merges their verifies).
 """
 
 from __future__ import annotations
@@ -121,8 +121,11 @@ class RoundClock:
         try:
             await asyncio.wait_for(event.wait(), self.max_wait_s)
         except asyncio.TimeoutError:
-            if self._waiting[phase].get(session_id) is event:  # nobody ended the turn meanwhile: go without the stragglers
-                self._end(phase, timed_out=True)
+            if self._waiting[phase].get(session_id) is event:  # nobody ended the turn meanwhile
+                if self.active is not None and not self.active():
+                    self._let_go()  # the clock went inactive while it waited: no straggler to mark
+                else:
+                    self._end(phase, timed_out=True)  # go without the stragglers
         finally:
             if self._waiting[phase].get(session_id) is event:  # cancelled while waiting
                 del self._waiting[phase][session_id]

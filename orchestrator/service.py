@@ -96,12 +96,17 @@ class Orchestrator:
         the cost-aware control (its factory's SharedState), the draft on the target's compute, and no
         pipelining (an ahead drafts beside the verify, which the clock's VERIFY turn would hold
         back); else None. Its turns hold only while the in-step plan applies
-        (``SharedState.in_step_applies``: under light load)."""
+        (``SharedState.in_step_applies``: under light load) and fewer requests than
+        ``in_step_max_load`` are its members."""
         aware = self.front.cost_aware
         state = getattr(self.control_factory, "shared", None)
         if not (shared and aware.enabled and aware.in_step and state is not None) or self.front.pipeline:
             return None
-        return RoundClock(aware.in_step_wait_ms / 1000, active=state.in_step_applies)
+        clock = RoundClock(aware.in_step_wait_ms / 1000)
+        # the load is learnt from the rounds of requests that plan (seeded sampled ones do not):
+        # the clock's own members bound it too, so a stale load cannot hold a larger crowd in step
+        clock.active = lambda: state.in_step_applies() and len(clock.members) < state.in_step_max_load
+        return clock
 
     async def _shared_compute(self, draft: DraftClient) -> bool:
         """Whether the draft computes on the target's hardware (front.cost_aware.shared_compute, or the

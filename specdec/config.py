@@ -147,7 +147,8 @@ class CostAwareConfig(_Section):
     # verify forward) the requests draft or decode plain together, from front-wide figures
     # (orchestrator.cost_aware.SharedState.in_step_applies), their rounds kept in step by a round
     # clock (orchestrator.lockstep): at 2 clients on the 2-core CPU 1.25x and 1.51x of target-only
-    # against 1.02x and 1.10x each request alone; at 4 and 8 clients not faster, hence the cap
+    # against 1.02x and 1.10x each request alone; at 4 and 8 clients in step at every load was not
+    # faster (0.92x, 0.90x against 0.94x, 0.91x), hence the cap (capped: 0.85x, 1.00x in that run)
     # (benchmarks/serving_cpu_2core_2026-12-04_in_step_2clients.md)
     in_step: bool = True
     # in step: at each of a round's two turns (start, verify) a request waits for the others at most
