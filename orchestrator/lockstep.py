@@ -92,23 +92,26 @@ class RoundClock:
             self._late |= self.members - set(self._waiting[START]) - set(self._waiting[VERIFY])
         else:
             self.ticks += 1
+        self._release(phase)
+
+    def _release(self, phase: str) -> None:
         waiting, self._waiting[phase] = self._waiting[phase], {}
         for event in waiting.values():
             event.set()
 
-    def _let_go(self) -> None:
-        """The clock is not active: every request waiting at a turn goes on now (not a tick)."""
-        for phase in (VERIFY, START):
-            waiting, self._waiting[phase] = self._waiting[phase], {}
-            for event in waiting.values():
-                event.set()
+    def _inactive(self) -> bool:
+        """``active`` says the turns hold no one now: every request waiting at one goes on (not a tick)."""
+        if self.active is None or self.active():
+            return False
+        self._release(VERIFY)
+        self._release(START)
+        return True
 
     async def turn(self, session_id: str, phase: str) -> float:
         """Wait for the others at ``phase`` (START or VERIFY), at most ``max_wait_s``; returns the
         seconds waited. A request that is not a member (never joined), or is alone, does not wait."""
         self._late.discard(session_id)
-        if self.active is not None and not self.active():
-            self._let_go()
+        if self._inactive():
             return 0.0
         if session_id not in self.members or len(self.members) < 2:
             return 0.0
@@ -122,9 +125,7 @@ class RoundClock:
             await asyncio.wait_for(event.wait(), self.max_wait_s)
         except asyncio.TimeoutError:
             if self._waiting[phase].get(session_id) is event:  # nobody ended the turn meanwhile
-                if self.active is not None and not self.active():
-                    self._let_go()  # the clock went inactive while it waited: no straggler to mark
-                else:
+                if not self._inactive():  # inactive meanwhile: no straggler to mark
                     self._end(phase, timed_out=True)  # go without the stragglers
         finally:
             if self._waiting[phase].get(session_id) is event:  # cancelled while waiting

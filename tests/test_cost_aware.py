@@ -762,25 +762,31 @@ class DraftService(SlowPropose):
         return await self.inner.start(session_id, prompt_ids, *args, **kwargs)
 
 
+def _on_draft_service(shared: SharedState, prompt, n: int):
+    """One request of n new tokens (CHAIN4) on the tiny model as target and as a DraftService, with
+    the cost-aware control on ``shared`` (no context branches, no probes). Returns (result, the
+    rounds' RoundRecords, the draft, the controller: more requests may run on it)."""
+    from orchestrator.controller import RoundController, sync_worker
+
+    model = tiny_model("qwen2", seed=0)
+    draft = DraftService(model)
+    factory = lambda s: CostAwareControl(s, shared, ngram_tokens=0, probe_every=1000)  # noqa: E731
+    ctl = RoundController(sync_worker(TargetRuntime(model)), draft, [], CONTEXT, control_factory=factory)
+    records = []
+    result = asyncio.run(ctl.generate(GenerationRequest(prompt, max_new_tokens=n, spec=CHAIN4), on_round=records.append))
+    return result, records, draft, ctl
+
+
 def test_a_draft_service_opened_by_a_round_prefills_beside_that_round_run_plain():
     """A draft that is not in-process (a draft service: Start queues its prefill and answers at
     once) opened by a round, deferred there by the load on shared compute: that round runs plain
     (reason "draft_opening") instead of waiting in its first proposal for the prefill, which
     under load queues behind the other requests' (past the deadline: the session dropped, then
     re-opened, prefilling again). The next round drafts; greedy output equals the target alone."""
-    from orchestrator.controller import RoundController, sync_worker
-
-    model = tiny_model("qwen2", seed=0)
     prompt = random_prompt(seed=95)
-    reference = hf_greedy(model, prompt, 24)
-
-    draft = DraftService(model)
+    reference = hf_greedy(tiny_model("qwen2", seed=0), prompt, 24)
     shared = SharedState(cost=CostModel(dict(BOUND_AT_8), {1: 45.0}, alpha=0.0), shared_compute=True, load=4.0)
-    factory = lambda s: CostAwareControl(s, shared, ngram_tokens=0, probe_every=1000)  # noqa: E731
-    ctl = RoundController(sync_worker(TargetRuntime(model)), draft, [], CONTEXT, control_factory=factory)
-    records = []
-    result = asyncio.run(ctl.generate(GenerationRequest(prompt, max_new_tokens=24, spec=CHAIN4),
-                                      on_round=records.append))
+    result, records, draft, ctl = _on_draft_service(shared, prompt, 24)
     assert result.tokens == reference
     opening = [i for i, r in enumerate(records) if r.fallback == "draft_opening"]
     assert len(opening) == 1 and opening[0] >= 1 and not records[opening[0]].drafted  # the deferred open's round
@@ -806,20 +812,10 @@ def test_a_lone_request_on_shared_compute_opens_a_draft_service_at_round_2_and_l
     teaches the cost model nothing: V's observations are the rounds with a forward of their own,
     less that one (a forward slowed by the prefill would make plain rounds look dearer). Greedy
     output equals the target alone."""
-    from orchestrator.controller import RoundController, sync_worker
-
-    model = tiny_model("qwen2", seed=0)
     prompt = random_prompt(seed=96)
-    reference = hf_greedy(model, prompt, 16)
-
-    draft = DraftService(model)
+    reference = hf_greedy(tiny_model("qwen2", seed=0), prompt, 16)
     cost = CostModel(dict(BOUND_AT_8), {1: 45.0}, alpha=0.2, source="measured")
-    shared = SharedState(cost=cost, shared_compute=True)
-    factory = lambda s: CostAwareControl(s, shared, ngram_tokens=0, probe_every=1000)  # noqa: E731
-    ctl = RoundController(sync_worker(TargetRuntime(model)), draft, [], CONTEXT, control_factory=factory)
-    records = []
-    result = asyncio.run(ctl.generate(GenerationRequest(prompt, max_new_tokens=16, spec=CHAIN4),
-                                      on_round=records.append))
+    result, records, draft, _ = _on_draft_service(SharedState(cost=cost, shared_compute=True), prompt, 16)
     assert result.tokens == reference
     assert draft.starts == [len(prompt) + 1]  # opened by round 2, with round 1's token
     assert [r.fallback for r in records[:2]] == ["cost", "draft_opening"] and records[2].drafted
