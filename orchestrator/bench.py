@@ -221,10 +221,19 @@ def greedy_methods(hf_assisted: bool = True, prompt_lookup: bool = True) -> list
 
 
 def run_question(pipe, prompt_ids, spec, max_new_tokens, hf_assisted: bool = True, sampling: SamplingParams = GREEDY,
-                 prompt_lookup: bool = True, rotate: int = 0) -> dict:
+                 prompt_lookup: bool = True, rotate: int = 0, repeats: int = 1) -> dict:
     """One question: every greedy method back to back (base order rotated left by ``rotate``), each
     row with new_tokens, s, ttft_ms (and matches_target: same tokens as target-only); then, unless
-    ``sampling`` is greedy, a speculative pass with those sampling parameters ("sampled")."""
+    ``sampling`` is greedy, a speculative pass with those sampling parameters ("sampled").
+
+    repeats: R >= 1 passes over the methods, pass j in the order rotated by ``rotate + j``; each
+    method's row is its median pass by total time (the lower middle for even R), whole (its TTFT
+    and round counts are that pass's), with ``repeat_s`` [R] every pass's total seconds in run
+    order. A disturbance of the machine during one pass then moves no figure. matches_target
+    holds only if every pass's tokens equal the first target-only pass's (target-only's own
+    ``repeats_agree`` says whether its passes agreed). Raises ValueError for repeats < 1."""
+    if repeats < 1:
+        raise ValueError(f"--repeats: must be >= 1, got {repeats}")
     eos = pipe.engine.eos_token_ids
 
     def run(method: str) -> tuple[list[int], dict]:
@@ -236,14 +245,30 @@ def run_question(pipe, prompt_ids, spec, max_new_tokens, hf_assisted: bool = Tru
         return _hf_generate(pipe.target_model, prompt_ids, max_new_tokens, eos, **extra)
 
     methods = greedy_methods(hf_assisted, prompt_lookup)
-    k = rotate % len(methods)
-    order = methods[k:] + methods[:k]
-    outputs = {m: run(m) for m in order}
-    base_tokens = outputs["target_only"][0]
-    row = {"prompt_tokens": len(prompt_ids), "order": order}
+    passes: dict[str, list[tuple[list[int], dict]]] = {m: [] for m in methods}
+    orders = []
+    for j in range(repeats):
+        k = (rotate + j) % len(methods)
+        order = methods[k:] + methods[:k]
+        orders.append(order)
+        for m in order:
+            passes[m].append(run(m))
+    base_tokens = passes["target_only"][0][0]
+    row = {"prompt_tokens": len(prompt_ids), "order": orders[0]}
+    if repeats > 1:
+        row["orders"] = orders
     for m in methods:
-        tokens, figures = outputs[m]
-        row[m] = figures if m == "target_only" else {**figures, "matches_target": tokens == base_tokens}
+        runs = passes[m]
+        _, figures = sorted(runs, key=lambda run: run[1]["s"])[(len(runs) - 1) // 2]
+        figures = dict(figures)
+        if repeats > 1:
+            figures["repeat_s"] = [run[1]["s"] for run in runs]
+        same = all(tokens == base_tokens for tokens, _ in runs)
+        if m != "target_only":
+            figures["matches_target"] = same
+        elif repeats > 1:
+            figures["repeats_agree"] = same  # False: the target itself is not deterministic here
+        row[m] = figures
     if not sampling.greedy:
         sampled = pipe.engine.generate(GenerationRequest(prompt_ids, max_new_tokens, spec=spec, sampling=sampling))
         row["sampled"] = _spec_row(sampled.stats)
@@ -369,7 +394,7 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
               sampling: SamplingParams = GREEDY, control: str = "cost-aware", *, offset: int = 0,
               prompt_lookup: bool = True, target: str | None = None, draft: str | None = None,
               draft_window: DraftWindowConfig | None = FrontConfig().draft_window, categories: Sequence[str] = (),
-              argmax_screen: bool = True) -> dict:
+              argmax_screen: bool = True, repeats: int = 1) -> dict:
     """Run the benchmark and write results.json + results.md under out_dir; returns the summary.
 
     questions_path: a Spec-Bench question.jsonl (None = the built-in prompt set); offset skips the
@@ -380,8 +405,12 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
     draft_window: the context a draft session opens with (None = all tokens); categories: only these.
     argmax_screen: the speculative passes' greedy rows through the int8-screened argmax head where
     the target takes one (float32 CPU; meta.argmax_screen says whether it was attached).
+    repeats: passes of the greedy methods per question, each method's median pass recorded
+    (``run_question``); ValueError for repeats < 1 before the models load.
     Questions whose prompt plus max_new_tokens exceed the target's context are skipped (meta.skipped).
     """
+    if repeats < 1:
+        raise ValueError(f"--repeats: must be >= 1, got {repeats}")
     questions = load_questions(questions_path, per_category, offset, categories)  # bad files fail before the models load
     set_threads(threads)
     pipe = build_pipeline(target, draft, dtype=dtype, draft_quant=draft_quant, control=control, draft_window=draft_window,
@@ -397,7 +426,8 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
             skipped.append(q["question_id"])
             continue
         seeded = replace(sampling, seed=None if sampling.seed is None else sampling.seed + i)
-        row = run_question(pipe, prompt_ids, spec, max_new_tokens, hf_assisted, seeded, prompt_lookup, rotate=i)
+        row = run_question(pipe, prompt_ids, spec, max_new_tokens, hf_assisted, seeded, prompt_lookup, rotate=i,
+                           repeats=repeats)
         rows.append({"question_id": q["question_id"], "category": q["category"], **row})
     if not rows:
         raise ValueError(f"--max-new-tokens {max_new_tokens}: no selected question fits in the context "
@@ -408,7 +438,7 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
     summary = {cat: summarize(rs) for cat, rs in by_cat.items()}
     summary["overall"] = summarize(rows)
     meta = {"questions": "built-in" if questions_path is None else str(questions_path), "offset": offset,
-            "per_category": per_category, "skipped": skipped, "methods": greedy_methods(hf_assisted, prompt_lookup),
+            "per_category": per_category, "repeats": repeats, "skipped": skipped, "methods": greedy_methods(hf_assisted, prompt_lookup),
             "prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS, "target": target, "draft": draft,
             "spec": json.loads(spec.to_json()), "control": control, "categories": list(categories),
             "draft_window": draft_window.model_dump() if draft_window is not None else None,
@@ -430,8 +460,11 @@ def _report(meta: dict, spec: TreeSpec, dtype: str, sampling: SamplingParams, ma
     source = "built-in prompt set" if meta["questions"] == "built-in" else meta["questions"]
     screen = "on" if meta["argmax_screen"] else (
         "off (requested; it needs a float32 CPU target and fbgemm kernels)" if meta["argmax_screen_requested"] else "off")
+    repeats = meta.get("repeats", 1)
+    median = (f"; every greedy method {repeats} times per question, its median pass by total time recorded"
+              if repeats > 1 else "")
     return (f"# specdec bench ({source}, offset {meta['offset']}, {dtype}, {passes}, {max_new_tokens} new tokens)\n\n"
-            f"TreeSpec: `{spec.to_json()}`; greedy argmax screen: {screen}\n\n"
+            f"TreeSpec: `{spec.to_json()}`; greedy argmax screen: {screen}{median}\n\n"
             "Speedups are against target-only in the same run: end to end (new tokens / total time) and "
             "decode only ((new tokens - 1) / (total time - TTFT)). Efficiency = speedup / mean accepted "
             f"length. HF prompt lookup: `prompt_lookup_num_tokens={PROMPT_LOOKUP_NUM_TOKENS}`. "

@@ -261,6 +261,7 @@ def bench(
     draft_window: Optional[int] = typer.Option(None, help=_DRAFT_WINDOW_HELP),
     category: list[str] = typer.Option([], help="Only this category (repeatable; default: every category)."),
     argmax_screen: bool = typer.Option(True, help="Greedy rows of a float32 CPU target take their argmax from an int8 screen of the LM head (speculative passes only; the HF methods run the model's own head)."),
+    repeats: int = typer.Option(1, help="Run every greedy method this many times per question (order rotated each pass) and record each method's median pass: one disturbed pass on a noisy machine then moves no figure."),
 ) -> None:
     """Benchmark on one pair, side by side: target-only, speculative, HF assisted generation and HF
     prompt-lookup decoding (greedy: TTFT, decode and end-to-end tokens/s, speedups), plus a sampled
@@ -269,7 +270,7 @@ def bench(
 
     try:
         check_choices(dtype, draft_quant, control)
-        check_positive(per_category=per_category, max_new_tokens=max_new_tokens, threads=threads)
+        check_positive(per_category=per_category, max_new_tokens=max_new_tokens, threads=threads, repeats=repeats)
         if offset < 0:
             raise UsageError(f"--offset: must be >= 0, got {offset}")
         sampling = sampling_params(temperature, top_p, top_k, seed)
@@ -277,7 +278,7 @@ def bench(
         run_bench(spec, questions, per_category, max_new_tokens, dtype, draft_quant, out, hf_assisted, threads, sampling,
                   control, offset=offset, prompt_lookup=prompt_lookup, target=target, draft=draft,
                   draft_window=draft_window_option(draft_window), categories=tuple(category),
-                  argmax_screen=argmax_screen)
+                  argmax_screen=argmax_screen, repeats=repeats)
     except (UsageError, TreeSpecError, ModelError, ValueError) as exc:
         fail(str(exc))
 

@@ -13,10 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+import orchestrator.bench as bench_module
 from orchestrator.bench import (
     BUILTIN_QUESTIONS, QuestionsError, add_question_args, fitting_prompts, load_questions, markdown_table, parse_questions,
-    question_meta, summarize,
+    question_meta, run_question, summarize,
 )
+from orchestrator.controller import GenerationResult
+from specdec.stats import GenerationStats
 from orchestrator.embedded import encode_prompt
 from specdec.argmax_head import argmax_head_of, fbgemm_available
 from specdec.config import DraftWindowConfig, FrontConfig, ModelsConfig
@@ -224,6 +227,65 @@ def run_bench_cli(tmp_path, *args, timeout=600):
                           cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+class _ScriptedPipe:
+    """run_question's view of an EmbeddedPipeline (unit test fake): each method's passes return the
+    scripted (tokens, total seconds) in turn; HF methods through a patched ``_hf_generate``."""
+
+    def __init__(self, script: dict[str, list[tuple[list[int], float]]]):
+        self.script = {m: list(passes) for m, passes in script.items()}
+        self.calls: list[str] = []
+        self.target_model, self.draft_model = "target", "draft"
+        self.engine = self
+
+    eos_token_ids = frozenset({0})
+
+    def next(self, method: str) -> tuple[list[int], float]:
+        self.calls.append(method)
+        return self.script[method].pop(0)
+
+    def generate(self, request):  # the engine's
+        tokens, s = self.next("speculative")
+        return GenerationResult(tokens, GenerationStats(new_tokens=len(tokens), total_s=s, ttft_ms=s * 100, rounds=len(tokens)))
+
+    def hf_generate(self, model, prompt_ids, max_new_tokens, eos, **extra):
+        method = ("hf_assisted" if "assistant_model" in extra else "prompt_lookup" if "prompt_lookup_num_tokens" in extra
+                  else "target_only")
+        tokens, s = self.next(method)
+        return tokens, {"new_tokens": len(tokens), "s": s, "ttft_ms": s * 100}
+
+
+def test_repeats_record_each_methods_median_pass(monkeypatch):
+    """--repeats 3: a pass disturbed by the machine (8 s against ~2 s) moves no figure; each method's
+    row is its median pass whole (its own TTFT), passes run in rotated orders, and one pass with other
+    tokens makes matches_target False."""
+    same, other = [5, 6, 7], [5, 6, 8]
+    pipe = _ScriptedPipe({
+        "target_only": [(same, 4.0), (same, 4.4), (same, 3.9)],
+        "speculative": [(same, 8.0), (same, 2.1), (same, 2.3)],  # pass 1 disturbed: the median is 2.3 s
+        "hf_assisted": [(same, 2.5), (other, 2.6), (same, 2.4)],
+    })
+    monkeypatch.setattr(bench_module, "_hf_generate", pipe.hf_generate)
+    row = run_question(pipe, [1, 2], spec=None, max_new_tokens=3, prompt_lookup=False, rotate=1, repeats=3)
+    methods = ["target_only", "speculative", "hf_assisted"]
+    assert row["orders"] == [methods[1:] + methods[:1], methods[2:] + methods[:2], methods]
+    assert pipe.calls == [m for order in row["orders"] for m in order]
+    assert row["target_only"]["s"] == 4.0 and row["target_only"]["repeat_s"] == [4.0, 4.4, 3.9]
+    assert row["target_only"]["repeats_agree"] is True
+    assert row["speculative"]["s"] == 2.3 and row["speculative"]["ttft_ms"] == pytest.approx(230.0)
+    assert row["speculative"]["repeat_s"] == [8.0, 2.1, 2.3] and row["speculative"]["matches_target"] is True
+    assert row["hf_assisted"]["s"] == 2.5 and row["hf_assisted"]["matches_target"] is False
+    pipe = _ScriptedPipe({"target_only": [(same, 4.0), (same, 3.0)], "speculative": [(same, 2.0), (same, 1.0)]})
+    monkeypatch.setattr(bench_module, "_hf_generate", pipe.hf_generate)
+    row = run_question(pipe, [1, 2], None, 3, hf_assisted=False, prompt_lookup=False, repeats=2)
+    assert row["speculative"]["s"] == 1.0 and row["target_only"]["s"] == 3.0  # even R: the lower middle
+    pipe = _ScriptedPipe({"target_only": [(same, 4.0)], "speculative": [(same, 2.0)]})
+    monkeypatch.setattr(bench_module, "_hf_generate", pipe.hf_generate)
+    row = run_question(pipe, [1, 2], None, 3, hf_assisted=False, prompt_lookup=False)
+    assert "orders" not in row and "repeat_s" not in row["speculative"] and "repeats_agree" not in row["target_only"]
+    with pytest.raises(ValueError, match="--repeats"):
+        run_question(pipe, [1, 2], None, 3, repeats=0)
+
+
 @pytest.fixture(scope="module")
 def long_pair(tmp_path_factory):
     """Tiny pair with a 4096-token context: the long summarization and rag prompts fit."""
@@ -289,9 +351,15 @@ def test_bench_questions_file_offset_and_skipped_methods(long_pair, tmp_path):
                          "--max-new-tokens", "4", "--target", str(long_pair.target), "--draft", str(long_pair.draft),
                          "--dtype", "float32", "--draft-quant", "none", "--threads", "1", "--temperature", "0",
                          "--no-hf-assisted", "--no-prompt-lookup", "--draft-window", "0", "--no-argmax-screen",
-                         "--out", str(out2))
+                         "--repeats", "2", "--out", str(out2))
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads((out2 / "results.json").read_text())
+    assert result["meta"]["repeats"] == 2 and "median pass by total time" in (out2 / "results.md").read_text()
+    for r in result["questions"]:
+        assert len(r["orders"]) == 2 and r["orders"][0] != r["orders"][1]
+        for m in ("target_only", "speculative"):
+            assert len(r[m]["repeat_s"]) == 2 and r[m]["s"] == min(r[m]["repeat_s"])  # R = 2: the lower middle
+        assert r["target_only"]["repeats_agree"] is True
     assert [r["question_id"] for r in result["questions"]] == [2, 5]
     assert result["meta"]["categories"] == ["math"] and result["meta"]["draft_window"] is None
     assert result["meta"]["argmax_screen"] is False and "greedy argmax screen: off" in (out2 / "results.md").read_text()
@@ -307,6 +375,7 @@ def test_bench_questions_file_offset_and_skipped_methods(long_pair, tmp_path):
     (["--category", "poetry"], "--category: poetry not in built-in"),
     (["--draft-window", "32"], "--draft-window: must be 0"),
     (["--draft-window", "-5"], "--draft-window: must be 0"),
+    (["--repeats", "0"], "--repeats: must be >= 1"),
 ])
 def test_bench_bad_flags_exit_with_message(tmp_path, args, needle):
     (tmp_path / "work").mkdir()
