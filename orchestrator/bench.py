@@ -11,6 +11,8 @@ Per method and question: TTFT (ms from the call to the first new token), end-to-
 (new tokens / total s) and decode-only tokens/s ((new tokens - 1) / (total s - TTFT s): prefill
 excluded). Each question runs every greedy method back to back (order rotated per question) so
 they share the machine's noise; speedups are ratios against target-only from the same run.
+``repeats`` R > 1 runs the methods R times per question (the order rotated again each pass) and
+keeps each method's median pass (``run_question``): no figure then comes from a single disturbed pass.
 Writes ``results.json`` (per question rows, per category and overall summaries) and ``results.md``.
 """
 
@@ -227,11 +229,14 @@ def run_question(pipe, prompt_ids, spec, max_new_tokens, hf_assisted: bool = Tru
     ``sampling`` is greedy, a speculative pass with those sampling parameters ("sampled").
 
     repeats: R >= 1 passes over the methods, pass j in the order rotated by ``rotate + j``; each
-    method's row is its median pass by total time (the lower middle for even R), whole (its TTFT
-    and round counts are that pass's), with ``repeat_s`` [R] every pass's total seconds in run
-    order. A disturbance of the machine during one pass then moves no figure. matches_target
-    holds only if every pass's tokens equal the first target-only pass's (target-only's own
-    ``repeats_agree`` says whether its passes agreed). Raises ValueError for repeats < 1."""
+    method's row is its median pass by total time (the lower middle for even R: for 2 passes the
+    faster, so use an odd R to compare records), whole (its TTFT and round counts are that pass's),
+    with ``repeat_s`` [R] every pass's total seconds in run order: no figure comes from a single
+    disturbed pass. The speculative passes are not independent: the cost-aware control's
+    front-wide calibrations keep learning from pass to pass, as in a server answering the same
+    question again (the HF methods learn nothing). matches_target holds only if every pass's tokens
+    equal the first target-only pass's (target-only's own ``repeats_agree``, with R > 1, says
+    whether its passes agreed). Raises ValueError for repeats < 1."""
     if repeats < 1:
         raise ValueError(f"--repeats: must be >= 1, got {repeats}")
     eos = pipe.engine.eos_token_ids
@@ -259,10 +264,10 @@ def run_question(pipe, prompt_ids, spec, max_new_tokens, hf_assisted: bool = Tru
         row["orders"] = orders
     for m in methods:
         runs = passes[m]
-        _, figures = sorted(runs, key=lambda run: run[1]["s"])[(len(runs) - 1) // 2]
+        _, figures = sorted(runs, key=lambda pass_: pass_[1]["s"])[(len(runs) - 1) // 2]
         figures = dict(figures)
         if repeats > 1:
-            figures["repeat_s"] = [run[1]["s"] for run in runs]
+            figures["repeat_s"] = [pass_figures["s"] for _, pass_figures in runs]
         same = all(tokens == base_tokens for tokens, _ in runs)
         if m != "target_only":
             figures["matches_target"] = same
@@ -435,10 +440,11 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
     by_cat: dict[str, list] = defaultdict(list)
     for r in rows:
         by_cat[r["category"]].append(r)
+    target_agreed = sum(r["target_only"].get("repeats_agree", True) for r in rows)
     summary = {cat: summarize(rs) for cat, rs in by_cat.items()}
     summary["overall"] = summarize(rows)
     meta = {"questions": "built-in" if questions_path is None else str(questions_path), "offset": offset,
-            "per_category": per_category, "repeats": repeats, "skipped": skipped, "methods": greedy_methods(hf_assisted, prompt_lookup),
+            "per_category": per_category, "repeats": repeats, "target_repeats_agreed": target_agreed, "questions_run": len(rows), "skipped": skipped, "methods": greedy_methods(hf_assisted, prompt_lookup),
             "prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS, "target": target, "draft": draft,
             "spec": json.loads(spec.to_json()), "control": control, "categories": list(categories),
             "draft_window": draft_window.model_dump() if draft_window is not None else None,
@@ -461,8 +467,12 @@ def _report(meta: dict, spec: TreeSpec, dtype: str, sampling: SamplingParams, ma
     screen = "on" if meta["argmax_screen"] else (
         "off (requested; it needs a float32 CPU target and fbgemm kernels)" if meta["argmax_screen_requested"] else "off")
     repeats = meta.get("repeats", 1)
-    median = (f"; every greedy method {repeats} times per question, its median pass by total time recorded"
-              if repeats > 1 else "")
+    median = ""
+    if repeats > 1:
+        median = (f"; every greedy method {repeats} times per question, its median pass by total time recorded"
+                  f"{' (the faster of 2)' if repeats == 2 else ''}; `X = target` requires every pass of X to equal "
+                  f"target-only's first; target-only's own passes agreed on {meta['target_repeats_agreed']} of "
+                  f"{meta['questions_run']} questions")
     return (f"# specdec bench ({source}, offset {meta['offset']}, {dtype}, {passes}, {max_new_tokens} new tokens)\n\n"
             f"TreeSpec: `{spec.to_json()}`; greedy argmax screen: {screen}{median}\n\n"
             "Speedups are against target-only in the same run: end to end (new tokens / total time) and "

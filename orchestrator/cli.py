@@ -261,7 +261,7 @@ def bench(
     draft_window: Optional[int] = typer.Option(None, help=_DRAFT_WINDOW_HELP),
     category: list[str] = typer.Option([], help="Only this category (repeatable; default: every category)."),
     argmax_screen: bool = typer.Option(True, help="Greedy rows of a float32 CPU target take their argmax from an int8 screen of the LM head (speculative passes only; the HF methods run the model's own head)."),
-    repeats: int = typer.Option(1, help="Run every greedy method this many times per question (order rotated each pass) and record each method's median pass: one disturbed pass on a noisy machine then moves no figure."),
+    repeats: int = typer.Option(1, help="Run every greedy method this many times per question (order rotated each pass) and record each method's median pass (odd values: for 2, the faster pass), so that no figure comes from a single disturbed pass on a noisy machine."),
 ) -> None:
     """Benchmark on one pair, side by side: target-only, speculative, HF assisted generation and HF
     prompt-lookup decoding (greedy: TTFT, decode and end-to-end tokens/s, speedups), plus a sampled

@@ -274,6 +274,13 @@ def test_repeats_record_each_methods_median_pass(monkeypatch):
     assert row["speculative"]["s"] == 2.3 and row["speculative"]["ttft_ms"] == pytest.approx(230.0)
     assert row["speculative"]["repeat_s"] == [8.0, 2.1, 2.3] and row["speculative"]["matches_target"] is True
     assert row["hf_assisted"]["s"] == 2.5 and row["hf_assisted"]["matches_target"] is False
+    # a target whose passes disagree: flagged, and the others compare with its first pass, not its median one
+    pipe = _ScriptedPipe({"target_only": [(same, 4.0), (other, 3.0), (other, 3.5)],
+                          "speculative": [(same, 2.0), (same, 2.1), (same, 2.2)]})
+    monkeypatch.setattr(bench_module, "_hf_generate", pipe.hf_generate)
+    row = run_question(pipe, [1, 2], None, 3, hf_assisted=False, prompt_lookup=False, repeats=3)
+    assert row["target_only"]["repeats_agree"] is False and row["target_only"]["s"] == 3.5
+    assert row["speculative"]["matches_target"] is True
     pipe = _ScriptedPipe({"target_only": [(same, 4.0), (same, 3.0)], "speculative": [(same, 2.0), (same, 1.0)]})
     monkeypatch.setattr(bench_module, "_hf_generate", pipe.hf_generate)
     row = run_question(pipe, [1, 2], None, 3, hf_assisted=False, prompt_lookup=False, repeats=2)
@@ -354,9 +361,11 @@ def test_bench_questions_file_offset_and_skipped_methods(long_pair, tmp_path):
                          "--repeats", "2", "--out", str(out2))
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads((out2 / "results.json").read_text())
-    assert result["meta"]["repeats"] == 2 and "median pass by total time" in (out2 / "results.md").read_text()
+    assert result["meta"]["repeats"] == 2 and result["meta"]["target_repeats_agreed"] == 2
+    md = (out2 / "results.md").read_text()
+    assert "median pass by total time recorded (the faster of 2)" in md and "agreed on 2 of 2 questions" in md
     for r in result["questions"]:
-        assert len(r["orders"]) == 2 and r["orders"][0] != r["orders"][1]
+        assert len(r["orders"]) == 2 and r["orders"][1] == r["orders"][0][1:] + r["orders"][0][:1]
         for m in ("target_only", "speculative"):
             assert len(r[m]["repeat_s"]) == 2 and r[m]["s"] == min(r[m]["repeat_s"])  # R = 2: the lower middle
         assert r["target_only"]["repeats_agree"] is True
@@ -376,6 +385,7 @@ def test_bench_questions_file_offset_and_skipped_methods(long_pair, tmp_path):
     (["--draft-window", "32"], "--draft-window: must be 0"),
     (["--draft-window", "-5"], "--draft-window: must be 0"),
     (["--repeats", "0"], "--repeats: must be >= 1"),
+    (["--repeats", "-1"], "--repeats: must be >= 1"),
 ])
 def test_bench_bad_flags_exit_with_message(tmp_path, args, needle):
     (tmp_path / "work").mkdir()
