@@ -444,7 +444,8 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
     summary = {cat: summarize(rs) for cat, rs in by_cat.items()}
     summary["overall"] = summarize(rows)
     meta = {"questions": "built-in" if questions_path is None else str(questions_path), "offset": offset,
-            "per_category": per_category, "repeats": repeats, "target_repeats_agreed": target_agreed, "questions_run": len(rows), "skipped": skipped, "methods": greedy_methods(hf_assisted, prompt_lookup),
+            "per_category": per_category, "repeats": repeats, "target_repeats_agreed": target_agreed,
+            "questions_run": len(rows), "skipped": skipped, "methods": greedy_methods(hf_assisted, prompt_lookup),
             "prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS, "target": target, "draft": draft,
             "spec": json.loads(spec.to_json()), "control": control, "categories": list(categories),
             "draft_window": draft_window.model_dump() if draft_window is not None else None,

@@ -19,11 +19,11 @@ from orchestrator.bench import (
     question_meta, run_question, summarize,
 )
 from orchestrator.controller import GenerationResult
-from specdec.stats import GenerationStats
 from orchestrator.embedded import encode_prompt
 from specdec.argmax_head import argmax_head_of, fbgemm_available
 from specdec.config import DraftWindowConfig, FrontConfig, ModelsConfig
 from specdec.model_setup import load_target
+from specdec.stats import GenerationStats
 from tests.tiny_pair import save_tiny_pair
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
@@ -255,7 +255,7 @@ class _ScriptedPipe:
 
 
 def test_repeats_record_each_methods_median_pass(monkeypatch):
-    """--repeats 3: a pass disturbed by the machine (8 s against ~2 s) moves no figure; each method's
+    """--repeats 3: no figure comes from a pass disturbed by the machine (8 s against ~2 s); each method's
     row is its median pass whole (its own TTFT), passes run in rotated orders, and one pass with other
     tokens makes matches_target False."""
     same, other = [5, 6, 7], [5, 6, 8]
