@@ -123,6 +123,7 @@ import grpc  # noqa: E402
 import yaml  # noqa: E402
 
 from specdec.harness.otlp import OtlpReceiver, attribute_value  # noqa: E402
+from specdec.placement import cpu_model  # noqa: E402
 from specdec.harness.servers import (Service, launch_command, launch_service, server_command,  # noqa: E402
                                      stop_service)
 from orchestrator.eval_report import peak_rss_mb  # noqa: E402
@@ -671,16 +672,6 @@ def service_config(args, threads: int | None = None, target: dict | None = None,
 def weights_bytes(model_dir: Path) -> int:
     files = list(Path(model_dir).glob("*.safetensors")) or list(Path(model_dir).glob("*.bin"))
     return sum(f.stat().st_size for f in files)
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def mem_available() -> int:

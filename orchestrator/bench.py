@@ -36,6 +36,7 @@ from transformers.generation.streamers import BaseStreamer
 from orchestrator.embedded import build_pipeline, encode_prompt, set_threads
 from orchestrator.controller import GenerationRequest
 from specdec.config import DraftWindowConfig, FrontConfig
+from specdec.placement import cpu_model
 from specdec.sampling import GREEDY, SamplingParams
 from specdec.stats import GenerationStats, position_rates
 from specdec.tree_spec import TreeSpec
@@ -131,10 +132,10 @@ def add_question_args(parser, per_category: int, max_new_tokens: int, out: str) 
 
 def question_meta(args) -> dict:
     """The record's account of what ``add_question_args`` selected (questions, offset, per_category,
-    categories, max_new_tokens, target, draft) and where it ran (machine, cpu_count, torch)."""
+    categories, max_new_tokens, target, draft) and where it ran (machine, cpu, cpu_count, torch)."""
     return {"questions": "built-in" if args.questions is None else str(args.questions), "offset": args.offset,
             "per_category": args.per_category, "categories": args.category, "max_new_tokens": args.max_new_tokens,
-            "target": args.target, "draft": args.draft, "machine": platform.platform(), "cpu_count": os.cpu_count(),
+            "target": args.target, "draft": args.draft, "machine": platform.platform(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
             "torch": torch.__version__}
 
 
@@ -452,8 +453,8 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
             "argmax_screen": pipe.engine.target.argmax_head is not None, "argmax_screen_requested": argmax_screen,
             "cost_model": pipe.shared.cost.snapshot() if pipe.shared else None, "dtype": str(pipe.target_model.dtype),
             "draft_quant": draft_quant, "max_new_tokens": max_new_tokens, "sampling": asdict(sampling),
-            "threads": torch.get_num_threads(), "machine": platform.platform(), "cpu_count": os.cpu_count(),
-            "transformers": __import__("transformers").__version__}
+            "threads": torch.get_num_threads(), "machine": platform.platform(), "cpu": cpu_model(),
+            "cpu_count": os.cpu_count(), "transformers": __import__("transformers").__version__}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "questions": rows}, indent=2))
     table = markdown_table(summary, None if sampling.greedy else sampling.temperature)
@@ -475,7 +476,8 @@ def _report(meta: dict, spec: TreeSpec, dtype: str, sampling: SamplingParams, ma
                   f"target-only's first; target-only's own passes agreed on {meta['target_repeats_agreed']} of "
                   f"{meta['questions_run']} questions")
     return (f"# specdec bench ({source}, offset {meta['offset']}, {dtype}, {passes}, {max_new_tokens} new tokens)\n\n"
-            f"TreeSpec: `{spec.to_json()}`; greedy argmax screen: {screen}{median}\n\n"
+            f"Machine: {meta.get('cpu') or 'CPU model unknown'}, {meta['cpu_count']} CPUs, {meta['threads']} torch "
+            f"threads, torch {torch.__version__}. TreeSpec: `{spec.to_json()}`; greedy argmax screen: {screen}{median}\n\n"
             "Speedups are against target-only in the same run: end to end (new tokens / total time) and "
             "decode only ((new tokens - 1) / (total time - TTFT)). Efficiency = speedup / mean accepted "
             f"length. HF prompt lookup: `prompt_lookup_num_tokens={PROMPT_LOOKUP_NUM_TOKENS}`. "

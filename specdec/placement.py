@@ -16,8 +16,10 @@ GPUs) and counts as separate from any draft.
 from __future__ import annotations
 
 import os
+import platform
 import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -59,3 +61,16 @@ def shares_compute(a: Placement, b: Placement) -> bool:
     if a.device.startswith("cpu") and a.cpus and b.cpus:
         return bool(set(a.cpus) & set(b.cpus))
     return True
+
+
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it ("AMD EPYC", "Intel(R) Xeon(R) ..."), else
+    ``platform.processor()`` (other systems; may be ""). Benchmark records carry it: speed figures
+    belong to the CPU they were measured on."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()

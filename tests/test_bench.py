@@ -5,6 +5,7 @@ tokens/s, speedups; the sampled pass), the built-in prompt set, question selecti
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -23,6 +24,7 @@ from orchestrator.embedded import encode_prompt
 from specdec.argmax_head import argmax_head_of, fbgemm_available
 from specdec.config import DraftWindowConfig, FrontConfig, ModelsConfig
 from specdec.model_setup import load_target
+from specdec.placement import cpu_model
 from specdec.stats import GenerationStats
 from tests.tiny_pair import save_tiny_pair
 
@@ -352,6 +354,9 @@ def test_bench_questions_file_offset_and_skipped_methods(long_pair, tmp_path):
     screen = fbgemm_available()  # float32 CPU target: greedy rows through the screen where torch has the kernels
     assert result["meta"]["argmax_screen"] is screen and result["meta"]["argmax_screen_requested"] is True
     assert f"greedy argmax screen: {'on' if screen else 'off (requested'}" in (out / "results.md").read_text()
+    # the record names the CPU it was measured on, and the torch threads (--threads 1)
+    assert result["meta"]["cpu"] == cpu_model() and result["meta"]["threads"] == 1
+    assert f"Machine: {cpu_model() or 'CPU model unknown'}, {os.cpu_count()} CPUs, 1 torch threads" in (out / "results.md").read_text()
     assert all(r["speculative"]["matches_target"] for r in result["questions"])
     out2 = tmp_path / "out2"
     proc = run_bench_cli(tmp_path, "--questions", str(path), "--category", "math", "--per-category", "2",
@@ -411,7 +416,7 @@ def test_benchmark_scripts_share_question_options(long_pair):
     assert (args.per_category, args.max_new_tokens, args.out, args.questions) == (3, 40, Path("bench_out/x"), None)
     meta = question_meta(args)
     assert meta["questions"] == "built-in" and meta["offset"] == 6 and meta["categories"] == ["rag", "qa"]
-    assert {"per_category", "max_new_tokens", "target", "draft", "machine", "cpu_count", "torch"} <= set(meta)
+    assert {"per_category", "max_new_tokens", "target", "draft", "machine", "cpu", "cpu_count", "torch"} <= set(meta)
     tokenizer = AutoTokenizer.from_pretrained(str(long_pair.target))
     questions = [{"question_id": 1, "turns": ["hi"]}, {"question_id": 2, "turns": [" ".join(["word"] * 200)]},
                  {"question_id": 3, "turns": ["bye"]}]
