@@ -135,8 +135,8 @@ def question_meta(args) -> dict:
     categories, max_new_tokens, target, draft) and where it ran (machine, cpu, cpu_count, torch)."""
     return {"questions": "built-in" if args.questions is None else str(args.questions), "offset": args.offset,
             "per_category": args.per_category, "categories": args.category, "max_new_tokens": args.max_new_tokens,
-            "target": args.target, "draft": args.draft, "machine": platform.platform(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
-            "torch": torch.__version__}
+            "target": args.target, "draft": args.draft, "machine": platform.platform(), "cpu": cpu_model(),
+            "cpu_count": os.cpu_count(), "torch": torch.__version__}
 
 
 def write_record(out: Path, record: dict, markdown: str) -> None:
