@@ -183,15 +183,21 @@ class FailingWhole(StartLog):
         super().__init__(model)
         self.window = window
         self.opened_with: dict[str, int] = {}
+        self.opened: list[str] = []  # session ids in the order they were opened
+        self.drafted_nodes: dict[str, int] = {}  # session id -> tree nodes it proposed in all
 
     def start(self, session_id, prompt_ids, sampling=GREEDY):
         self.opened_with[session_id] = len(prompt_ids)
+        self.opened.append(session_id)
         return super().start(session_id, prompt_ids, sampling)
 
     def propose_batch(self, items):
         if any(self.opened_with[item[0]] > self.window for item in items):
             raise DraftUnavailableError("scripted: the whole-context session is too slow")
-        return super().propose_batch(items)
+        trees = super().propose_batch(items)
+        for item, tree in zip(items, trees):
+            self.drafted_nodes[item[0]] = self.drafted_nodes.get(item[0], 0) + getattr(tree, "size", 0)
+        return trees
 
 
 def test_a_failed_whole_context_session_goes_back_to_the_window_for_good():
@@ -208,7 +214,12 @@ def test_a_failed_whole_context_session_goes_back_to_the_window_for_good():
     lengths = [len(tokens) for tokens in draft.started]
     assert lengths[0] == 10 and lengths[1] > 30  # windowed, then the whole context once 4 tokens are out
     assert len(lengths) >= 3 and all(length == 10 for length in lengths[2:])  # after its failure: the window only
-    assert out.stats.accepted_tokens > 0  # the windowed retries drafted again
+    # the windowed retries drafted again: trees from the sessions opened after the failed one, verified
+    # (whether the target accepts any of them is up to this random model and the CPU's round-off: on an
+    # AMD EPYC none was, on an Intel Xeon some)
+    retried = draft.opened[2:]
+    assert sum(draft.drafted_nodes.get(sid, 0) for sid in retried) > 0
+    assert out.stats.proposed_tokens == sum(draft.drafted_nodes.values())  # every tree drafted was verified
 
 
 class LateDraft(FixedControl):
