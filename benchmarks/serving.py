@@ -123,9 +123,9 @@ import grpc  # noqa: E402
 import yaml  # noqa: E402
 
 from specdec.harness.otlp import OtlpReceiver, attribute_value  # noqa: E402
-from specdec.placement import cpu_model  # noqa: E402
 from specdec.harness.servers import (Service, launch_command, launch_service, server_command,  # noqa: E402
                                      stop_service)
+from specdec.placement import cpu_model  # noqa: E402
 from orchestrator.eval_report import peak_rss_mb  # noqa: E402
 
 SECTIONS = ("grpc", "concurrency", "gamma", "longprompt")
