@@ -75,8 +75,8 @@ Flags of issue 12:
 - ``--in-step``: the concurrency section gains a configuration ``batched_in_step``: a Ray front with
   the in-step rule (on shared compute every request follows the batch's plan, drafting or not
   together) at every load (``front.cost_aware.in_step_max_load: 64``) on the batched target, where
-  the default applies it below 2.5 sessions per verify forward only: the A/B of the load cap in one
-  run.
+  the default applies it below 8.5 sessions per verify forward only (2.5 until 2026-12-05): the A/B of
+  the load cap in one run, which now differs from the default above 8 clients only.
 - ``--front-variant NAME=JSON`` (repeatable): the concurrency section gains a configuration NAME: a
   Ray front on the batched target whose ``front`` config has JSON merged in (an A/B of a front
   setting in one run, e.g. ``no_ctx={"cost_aware": {"ngram_tokens": 0}}``).

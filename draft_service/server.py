@@ -87,10 +87,10 @@ class _Stream:
 
 class _ProposeBatcher(SessionBatcher):
     """Concurrent streams' proposes, merged into ``runtime.propose_batch`` calls; each caller gets
-    (its tree, the sessions that shared the call)."""
+    (its tree, the sessions that shared the call, the call's ms)."""
 
     def answer(self, tree, ran, call_ms):
-        return tree, len(ran)
+        return tree, len(ran), call_ms
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -261,13 +261,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         with self._tracer.start_as_current_span("draft.propose") as span:
             span.set_attribute("specdec.session_id", stream.session_id)
             started = time.perf_counter()
-            tree, batch_size = await self.batcher.submit(stream.key, (spec, depth))
+            tree, batch_size, forward_ms = await self.batcher.submit(stream.key, (spec, depth))
             draft_ms = (time.perf_counter() - started) * 1000
             span.set_attribute("specdec.tree_nodes", tree.size)
             span.set_attribute("specdec.batch_size", batch_size)
         stream.tree_size, stream.parents = tree.size, tuple(tree.parents)
         return draft_pb2.DraftTreeReply(round=request.round, tree=tree_to_proto(tree), draft_ms=draft_ms,
-                                        batch_size=batch_size)
+                                        batch_size=batch_size, forward_ms=forward_ms)
 
     async def _ahead(self, stream: _Stream, request) -> draft_pb2.DraftTreeReply:
         """An AheadRequest: checked here (path against the last tree, room under the context limit),
@@ -282,13 +282,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         with self._tracer.start_as_current_span("draft.propose_ahead") as span:
             span.set_attribute("specdec.session_id", stream.session_id)
             started = time.perf_counter()
-            (guess, tree), batch_size = await self.batcher.submit(stream.key, (spec, depth, path))
+            (guess, tree), batch_size, forward_ms = await self.batcher.submit(stream.key, (spec, depth, path))
             draft_ms = (time.perf_counter() - started) * 1000
             span.set_attribute("specdec.tree_nodes", tree.size)
             span.set_attribute("specdec.batch_size", batch_size)
         stream.ahead = (len(path) + 1, tuple(tree.parents))
         return draft_pb2.DraftTreeReply(round=request.round, tree=tree_to_proto(tree), draft_ms=draft_ms,
-                                        batch_size=batch_size, ahead=True, guess_token=guess)
+                                        batch_size=batch_size, forward_ms=forward_ms, ahead=True, guess_token=guess)
 
     async def _resolve(self, stream: _Stream, request) -> None:
         if stream.ahead is None:

@@ -130,6 +130,7 @@ class DraftClient:
         self.streams: dict[str, grpc.aio.StreamStreamCall] = {}
         self.rounds: dict[str, int] = {}
         self.reply_batch: dict[str, int] = {}  # session -> sessions that shared its last proposal's draft forwards
+        self.reply_forward: dict[str, float] = {}  # session -> ms of the draft call that grew its last tree (0: unknown)
 
     async def info(self, timeout: float = 5.0) -> draft_pb2.DraftInfoResponse:
         """The draft service's Info (grpc errors raised as they are: the caller decides)."""
@@ -190,6 +191,11 @@ class DraftClient:
         reply's batch_size; 1 = alone or not reported)."""
         return self.reply_batch.get(session_id, 1)
 
+    def last_forward_ms(self, session_id: str) -> float:
+        """ms of the draft call that grew this session's last tree, every session's steps it held and
+        no queue or transport (its reply's forward_ms; 0 = not reported)."""
+        return self.reply_forward.get(session_id, 0.0)
+
     def _tree(self, session_id: str, reply: draft_pb2.DraftTreeReply) -> DraftTree:
         """The reply's tree, checked like any untrusted message (a malformed one is a draft failure)."""
         span = trace.get_current_span()
@@ -197,6 +203,7 @@ class DraftClient:
         span.set_attribute("draft.draft_ms", reply.draft_ms)
         span.set_attribute("draft.batch_size", reply.batch_size)
         self.reply_batch[session_id] = max(reply.batch_size, 1)
+        self.reply_forward[session_id] = max(reply.forward_ms, 0.0)
         try:
             return tree_from_proto(reply.tree, self.vocab_size, self.max_tree_nodes)
         except ValueError as exc:  # a malformed tree from the draft is a draft failure
@@ -231,6 +238,7 @@ class DraftClient:
         call = self.streams.pop(session_id, None)
         self.rounds.pop(session_id, None)
         self.reply_batch.pop(session_id, None)
+        self.reply_forward.pop(session_id, None)
         if call is None:
             return
         try:

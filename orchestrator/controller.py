@@ -478,6 +478,10 @@ class _Request:
                               getattr(self.controller.draft, "last_batch_size", None))
         if merged is not None and batch_size is not None:  # gRPC: how many sessions' steps shared its forwards
             merged(await _maybe_await(batch_size(self.draft_sid)))
+        forward, forward_ms = (getattr(self.control, "draft_forward", None),
+                               getattr(self.controller.draft, "last_forward_ms", None))
+        if forward is not None and forward_ms is not None:  # gRPC: the draft call's own time, without the queue
+            forward(await _maybe_await(forward_ms(self.draft_sid)) / 1000)
         return tree
 
     def _timed_out(self, exc: BaseException) -> None:

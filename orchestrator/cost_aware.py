@@ -67,13 +67,16 @@ class SharedState:
     # from the front-wide estimates (``in_step_applies``); False (a bare state; fronts take
     # CostAwareConfig.in_step, on by default): each request plans alone with the learnt shares
     in_step: bool = False
-    in_step_max_load: float = 2.5  # in step below this load only (CostAwareConfig.in_step_max_load)
+    in_step_max_load: float = 8.5  # in step below this load only (CostAwareConfig.in_step_max_load)
+    # D learns from the draft call's own time where its reply reports it (CostAwareConfig.draft_cost_from
+    # "forward"); False: from the reply's wall time
+    draft_cost_from_forward: bool = False
     depths: "DepthEstimates" = field(default_factory=lambda: DepthEstimates())  # every request's drafted rounds
 
     def in_step_applies(self) -> bool:
         """Whether this round's plan is the batch's (``CostAwareControl.speculate``): ``in_step`` is on,
         the draft shares the target's compute and other requests run, fewer than ``in_step_max_load``
-        sessions per verify forward (1.5 <= load < in_step_max_load, default 2.5: two requests).
+        sessions per verify forward (1.5 <= load < in_step_max_load, default 8.5: up to eight requests).
 
         Requests whose rounds keep in step share every draft step (the draft service merges
         proposals that arrive together) and every verify forward (the target's batcher), so a drafted
@@ -99,8 +102,11 @@ class SharedState:
         1.51x of target-only, each request alone 1.02x and 1.10x (95% of its rounds plain: a request
         drafting alone misses the other's verify forward, and the shares it learns from that keep
         both from drafting); at 4 and 8 clients in step was no faster (0.92x and 0.90x against
-        0.94x and 0.91x; benchmarks/serving_cpu_2core_2026-12-04_in_step_2clients.md). Hence on by
-        default below a load of 2.5 only."""
+        0.94x and 0.91x; benchmarks/serving_cpu_2core_2026-12-04_in_step_2clients.md), hence a cap of
+        2.5 until 2026-12-05. On a 2-core AMD EPYC the cap of 8.5 was ahead of 2.5 in every one of 5
+        side-by-side runs at 4 clients (mean 1.10x of target-only against 1.00x), mostly with plain
+        rounds that the clock kept in step, and no different at 8 (2 of 4, 1.03x against 1.00x;
+        benchmarks/serving_cpu_2core_2026-12-05_amd_in_step_cap_confirm.md); hence 8.5."""
         return self.in_step and self.shared_compute and LOADED <= self.load < self.in_step_max_load
 
     def in_step_cost(self) -> LoadedCost:
@@ -336,6 +342,7 @@ class CostAwareControl:
         self.draft_warm = False  # the draft session has prefilled (its first tree is done)
         self.drafted_depth = 0  # steps of the last tree the draft returned (0: none yet)
         self.draft_batch = 1  # sessions that shared the last in-line proposal's draft forwards (draft_merged)
+        self.draft_call_s: float | None = None  # the last in-line proposal's draft call, no queue (draft_forward)
         self.probing = False  # this round drafts as a probe (one request alone: its reply says nothing of merging)
         self.in_step = False  # this round's plan was the batch's (SharedState.in_step_applies)
         self._planned_spec: TreeSpec | None = None
@@ -520,8 +527,17 @@ class CostAwareControl:
             if parents_per_step and reply and self.shared.queue_learns():
                 self.shared.observe_draft_queue(reply * 1000, self.shared.cost.draft_ms(parents_per_step))
                 parents_per_step = []  # the reply's time beyond D was the queue's, not D's
+            # D from the draft call's own time (its reply's forward_ms) only with draft_cost_from
+            # "forward": by default from the reply's wall time, which also holds transport and the wait
+            # behind other sessions' proposals and prefills (at 4 clients in step D(1) learnt 53-70 ms,
+            # the call 20-35 ms). Learnt from the call, the plan drafted more under load and was no
+            # faster (benchmarks/serving_cpu_2core_2026-12-05_amd_in_step_cap_ab.md): that wait is a
+            # drafted round's cost too.
+            call_s = self.draft_call_s if self.shared.draft_cost_from_forward else None
             if not beside_prefill:  # a forward slowed by a draft prefill beside it is not V's
-                self.shared.cost.observe_round(rows, forward_s or verify_s, parents_per_step, draft_s, overhead_s)
+                self.shared.cost.observe_round(rows, forward_s or verify_s, parents_per_step, call_s or draft_s,
+                                               overhead_s)
+        self.draft_call_s = None
 
     def _learn_raw_ratio(self, drafted: DraftTree, shaped: ShapedTree) -> None:
         """raw best path probability / calibrated value of the deepest kept draft node."""
@@ -578,6 +594,12 @@ class CostAwareControl:
         if not self.timing_free and self.draft_warm and not self.probing:  # a first proposal waited for its prefill
             self.shared.observe_draft_merge(self.draft_batch)
 
+    def draft_forward(self, call_s: float) -> None:
+        """An in-line proposal's reply: the draft call that grew the tree took ``call_s`` seconds (every
+        session's steps it held; 0 = not reported). Where ``SharedState.draft_cost_from_forward`` (config
+        ``draft_cost_from: forward``), ``observe`` teaches D from it instead of the reply's wall time."""
+        self.draft_call_s = call_s if call_s > 0 else None
+
     def draft_timed_out(self, waited_s: float) -> None:
         """The round's proposal got no reply within ``waited_s`` seconds (the draft deadline; the round
         loop calls this before ``draft_failed``), a lower bound on that proposal's latency: on the
@@ -619,6 +641,7 @@ def cost_aware_factory(config: CostAwareConfig, fallback: FallbackConfig, shared
                                 first_round_plain=config.first_round_plain, max_nodes=max_nodes)
 
     shared.in_step, shared.in_step_max_load = config.in_step, config.in_step_max_load
+    shared.draft_cost_from_forward = config.draft_cost_from == "forward"
     factory.shared = shared  # the Orchestrator sets shared.shared_compute once it knows both services
     factory.shared_compute = config.shared_compute
     return factory

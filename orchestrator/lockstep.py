@@ -17,9 +17,12 @@ The most it can bring, measured in one process on the 2-core CPU (real pair, 48 
 request drafting the same chain of 1-3 steps, merged, then verifying merged, against plain batched
 decoding; benchmarks/lockstep_cpu_2core_2026-12-04.md): 1.83x at 1 request, 1.38x at 4, 1.14x at 8,
 none at 16. Through the services it pays at 2 clients (1.25x and 1.51x of target-only in two runs,
-against 1.02x and 1.10x without; benchmarks/serving_cpu_2core_2026-12-04_in_step_2clients.md) and
-not at 4 or 8, so the front's clock (cost_aware.in_step, on by default) holds its turns only while
-the in-step plan applies, below cost_aware.in_step_max_load (``active``).
+against 1.02x and 1.10x without; benchmarks/serving_cpu_2core_2026-12-04_in_step_2clients.md); at 4
+clients on a 2-core AMD EPYC it was ahead of each request planning alone in 5 of 5 side-by-side runs
+(1.10x of target-only against 1.00x, mostly plain rounds kept in step), at 8 no different
+(benchmarks/serving_cpu_2core_2026-12-05_amd_in_step_cap_confirm.md). The front's clock
+(cost_aware.in_step, on by default) holds its turns only while the in-step plan applies, below
+cost_aware.in_step_max_load (``active``; 8.5 by default: up to 8 clients).
 
 Plain asyncio; the round controller (orchestrator.controller) joins a request after its first round
 (which needs no forward of its own: the prefill gave its token), calls ``turn(sid, START)`` before

@@ -147,16 +147,26 @@ class CostAwareConfig(_Section):
     # verify forward) the requests draft or decode plain together, from front-wide figures
     # (orchestrator.cost_aware.SharedState.in_step_applies), their rounds kept in step by a round
     # clock (orchestrator.lockstep): at 2 clients on the 2-core CPU 1.25x and 1.51x of target-only
-    # against 1.02x and 1.10x each request alone; at 4 and 8 clients in step at every load was not
-    # faster (0.92x, 0.90x against 0.94x, 0.91x), hence the cap (capped: 0.85x, 1.00x in that run)
-    # (benchmarks/serving_cpu_2core_2026-12-04_in_step_2clients.md)
+    # against 1.02x and 1.10x each request alone (benchmarks/serving_cpu_2core_2026-12-04_in_step_2clients.md)
     in_step: bool = True
     # in step: at each of a round's two turns (start, verify) a request waits for the others at most
     # this long; the ones missing then are not waited for until they come back (orchestrator.lockstep)
     in_step_wait_ms: float = Field(default=1000.0, gt=0)
     # in step only below this load (sessions per verify forward, a moving average): at or above it
-    # each request plans alone and the round clock lets every turn pass
-    in_step_max_load: float = Field(default=2.5, gt=1.5)
+    # each request plans alone and the round clock lets every turn pass. 8.5: in step up to 8
+    # clients; on the 2-core AMD EPYC ahead of 2.5 (the cap until 2026-12-05, chosen on an Intel Xeon
+    # where in step at 4 and 8 clients was no faster) in 5 of 5 side-by-side runs at 4 clients (mean
+    # 1.10x of target-only against 1.00x), mostly plain rounds kept in step; no different at 8 (2 of
+    # 4, 1.03x against 1.00x) (benchmarks/serving_cpu_2core_2026-12-05_amd_in_step_cap_confirm.md)
+    in_step_max_load: float = Field(default=8.5, gt=1.5)
+    # what a draft step's cost D is learnt from where the draft is a service: "reply", the reply's wall
+    # time, transport and the wait behind other sessions' proposals and prefills included; "forward",
+    # the draft call's own time its reply reports (as V learns the target forward's): it drafted more
+    # under load and was no faster at 4 clients, slower at 8, than "reply" (the wait is a drafted
+    # round's cost too; benchmarks/serving_cpu_2core_2026-12-05_amd_in_step_cap_ab.md). Only where
+    # replies teach D: not on the draft's own device under load (they teach its queue share there),
+    # nor for an in-process draft (the draft phase's time is the call's)
+    draft_cost_from: Literal["forward", "reply"] = "reply"
 
 
 class DraftWindowConfig(_Section):

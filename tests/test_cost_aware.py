@@ -11,6 +11,7 @@ cache after context tokens were accepted.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -662,7 +663,7 @@ def test_in_step_requests_draft_together_where_each_alone_would_not(in_step):
     reference = hf_greedy(model, prompt, n + 8)
     shared = SharedState(cost=CostModel(dict(BOUND_AT_8), {1: 120.0, 4: 125.0, 8: 250.0}, alpha=0.0),
                          shared_compute=True, load=4.0, draft_merge=0.0, verify_merge=0.3, in_step=in_step,
-                         in_step_max_load=8.0)  # the rule at load 4 (the default applies it below 2.5 only)
+                         in_step_max_load=8.0)  # the rule at load 4 (below the default cap, 8.5, too)
     factory = lambda s: CostAwareControl(s, shared, ngram_tokens=0, probe_every=1000)  # noqa: E731
     engine = SpeculativeEngine(ReportsBatch(TargetRuntime(model), 4),
                                ReportsDraftBatch(prompt, reference, agree=8, batch_size=1),
@@ -700,16 +701,16 @@ def test_in_step_is_on_by_default_and_set_from_the_front_config():
 
 @pytest.mark.parametrize("load, cap, applies", [
     (2.0, 2.5, True), (2.4, 2.5, True), (2.5, 2.5, False), (4.0, 2.5, False), (8.0, 2.5, False),
-    (4.0, 4.5, True), (1.4, 2.5, False),
+    (4.0, 4.5, True), (1.4, 2.5, False), (8.0, 8.5, True), (8.5, 8.5, False), (16.0, 8.5, False),
 ])
 def test_in_step_applies_only_below_its_load_cap(load, cap, applies):
-    """front.cost_aware.in_step_max_load (default 2.5, set through the factory): the in-step plan
+    """front.cost_aware.in_step_max_load (default 8.5, set through the factory): the in-step plan
     applies from load 1.5 (other requests run) up to, not including, the cap; above it each request
     plans alone (the front's round clock then lets every turn pass: RoundClock.active)."""
     from orchestrator.cost_aware import cost_aware_factory
     from specdec.config import CostAwareConfig, FallbackConfig
 
-    assert CostAwareConfig().in_step_max_load == 2.5
+    assert CostAwareConfig().in_step_max_load == 8.5 and SharedState().in_step_max_load == 8.5
     shared = SharedState(shared_compute=True, load=load)
     cost_aware_factory(CostAwareConfig(in_step=True, in_step_max_load=cap), FallbackConfig(), shared)
     assert shared.in_step_max_load == cap and shared.in_step_applies() is applies
@@ -977,3 +978,52 @@ def test_an_adopted_aheads_reply_time_teaches_the_queue_not_d():
                         reply_s=0.6)
         assert shared.draft_queue == pytest.approx(queue)
         assert cost.draft_step.observations == 0  # D learns from in-line replies only
+
+
+class ReportsDraftCall(OracleDraft):
+    """The oracle draft, each proposal's reply taking ``wall_s`` seconds while reporting a draft call
+    of ``call_ms`` (what the draft service's reply says: DraftClient.last_forward_ms): the rest is
+    the wait a reply spends behind other sessions' proposals and prefills, and transport."""
+
+    def __init__(self, *args, wall_s: float, call_ms: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.wall_s, self.call_ms = wall_s, call_ms
+
+    def propose(self, session_id, spec, max_depth):
+        time.sleep(self.wall_s)
+        return super().propose(session_id, spec, max_depth)
+
+    def last_forward_ms(self, session_id: str) -> float:
+        return self.call_ms
+
+
+@pytest.mark.parametrize("source", ["forward", "reply"])
+def test_draft_steps_are_priced_from_the_draft_call_not_the_reply_wait(source):
+    """CostAwareConfig.draft_cost_from: with "forward" D learns from the draft call's own time that the
+    reply reports (as V learns the target forward's), with "reply" (the default) from the reply's
+    wall time, the wait behind other sessions' proposals and prefills and transport included. A
+    perfect draft whose 4-step proposals are answered after 200 ms of wall time (50 ms a step) but
+    report a 4 ms call (1 ms a step): from D(1) = 30 ms the learnt step cost falls below 20 ms with
+    "forward" and rises above 40 ms with "reply". Output is the target's own either way."""
+    model = tiny_model("qwen2", seed=0)
+    prompt = random_prompt(seed=131)
+    n = 40
+    reference = hf_greedy(model, prompt, n + 8)
+    from orchestrator.cost_aware import cost_aware_factory
+    from specdec.config import CostAwareConfig, FallbackConfig
+
+    assert CostAwareConfig().draft_cost_from == "reply" and not SharedState().draft_cost_from_forward
+    shared = SharedState(cost=CostModel({1: 100.0, 64: 100.001}, {1: 30.0}, alpha=0.2, source="measured"))
+    shared.cost.verify.alpha = 0.0  # V scripted (the tiny model's forwards take ~1 ms); D learns
+    cost_aware_factory(CostAwareConfig(draft_cost_from=source), FallbackConfig(), shared)
+    assert shared.draft_cost_from_forward is (source == "forward")
+    factory = lambda s: CostAwareControl(s, shared, max_gamma=4, ngram_tokens=0, probe_every=1000)  # noqa: E731
+    draft = ReportsDraftCall(prompt, reference, agree=8, wall_s=0.2, call_ms=4.0)
+    _, result, records = generate(model, draft, prompt, CHAIN4, factory, n=n)
+    assert result.tokens == reference[:n]
+    assert sum(1 for r in records if r.drafted) >= 7  # the first drafted round (the draft's prefill) teaches nothing
+    step = shared.cost.draft_step_ms(1)
+    if source == "forward":
+        assert step < 20.0, step
+    else:
+        assert step > 40.0, step

@@ -370,10 +370,12 @@ def test_the_front_runs_a_clock_only_for_in_step_rounds_on_shared_compute(change
         state = front.control_factory.shared
         state.shared_compute, state.load = True, 2.0
         assert clock.active() is True
-        state.load = 4.0
+        state.load = 4.0  # under the default cap, 8.5
+        assert clock.active() is True
+        state.load = 9.0
         assert clock.active() is False
         state.load = 2.0  # a stale load (learnt only from the rounds of requests that plan) ...
-        clock.members |= {"a", "b", "c"}  # ... holds no more than in_step_max_load members in step
+        clock.members |= {f"r{i}" for i in range(9)}  # ... holds no more than in_step_max_load members in step
         assert clock.active() is False
     assert Orchestrator(config, GrpcConfig())._clock(shared) is None  # no cost-aware factory: no in-step plan
     if clock is not None:

@@ -1235,6 +1235,8 @@ def test_concurrent_draft_streams_share_forwards_and_get_their_solo_trees():
             accepted = [0] if (round_ + i) % 2 and alone.tokens else []
             solo.commit(f"d{i}", [alone.tokens[n] for n in accepted] + [11 + i], accepted)
     assert merged > 0 and max(reply.batch_size for replies in rounds for reply in replies) > 1
+    # each reply reports its draft call's own time (forward_ms), within its time from arrival (draft_ms)
+    assert all(0 < reply.forward_ms <= reply.draft_ms for replies in rounds for reply in replies)
 
 
 def test_the_draft_service_gathers_proposals_of_sessions_expected_back():

@@ -84,20 +84,22 @@ class DraftStarted(_message.Message):
     def __init__(self, cached_tokens: _Optional[int] = ..., context_limit: _Optional[int] = ...) -> None: ...
 
 class DraftTreeReply(_message.Message):
-    __slots__ = ("round", "tree", "draft_ms", "batch_size", "ahead", "guess_token")
+    __slots__ = ("round", "tree", "draft_ms", "batch_size", "ahead", "guess_token", "forward_ms")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FIELD_NUMBER: _ClassVar[int]
     GUESS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     round: int
     tree: _tree_pb2.TokenTree
     draft_ms: float
     batch_size: int
     ahead: bool
     guess_token: int
-    def __init__(self, round: _Optional[int] = ..., tree: _Optional[_Union[_tree_pb2.TokenTree, _Mapping]] = ..., draft_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., ahead: _Optional[bool] = ..., guess_token: _Optional[int] = ...) -> None: ...
+    forward_ms: float
+    def __init__(self, round: _Optional[int] = ..., tree: _Optional[_Union[_tree_pb2.TokenTree, _Mapping]] = ..., draft_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., ahead: _Optional[bool] = ..., guess_token: _Optional[int] = ..., forward_ms: _Optional[float] = ...) -> None: ...
 
 class DraftInfoRequest(_message.Message):
     __slots__ = ()
