@@ -202,6 +202,7 @@ class DraftClient:
         span.set_attribute("tree.bytes", reply.tree.ByteSize())
         span.set_attribute("draft.draft_ms", reply.draft_ms)
         span.set_attribute("draft.batch_size", reply.batch_size)
+        span.set_attribute("draft.forward_ms", reply.forward_ms)
         self.reply_batch[session_id] = max(reply.batch_size, 1)
         self.reply_forward[session_id] = max(reply.forward_ms, 0.0)
         try:
