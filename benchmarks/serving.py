@@ -80,6 +80,8 @@ Flags of issue 12:
 - ``--front-variant NAME=JSON`` (repeatable): the concurrency section gains a configuration NAME: a
   Ray front on the batched target whose ``front`` config has JSON merged in (an A/B of a front
   setting in one run, e.g. ``no_ctx={"cost_aware": {"ngram_tokens": 0}}``).
+- ``--target-only-variant NAME=JSON`` (repeatable): the same for ``no_spec`` requests (as
+  ``target_only``, whose front has the defaults): an A/B of a front setting for plain decoding.
 - ``--round-log``: each concurrency row (target_only too) gets ``round_split`` (mean ms per phase) and
   ``round_log`` (every round: start, wall, draft and verify ms, the services' own ms and batch sizes,
   gamma, nodes, accepted length, fallback) from the traces, in the JSON.
@@ -633,15 +635,16 @@ def check_front_variants(p: argparse.ArgumentParser, args) -> None:
     (specdec.config.FrontConfig, unknown keys refused) before any model loads."""
     from specdec.config import FrontConfig
 
-    if not args.front_variant:
+    variants = args.front_variant + args.target_only_variant
+    if not variants:
         return
-    names = [name for name, _ in args.front_variant]
+    names = [name for name, _ in variants]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         p.error(f"--front-variant: {', '.join(twice)} given more than once")
     if "concurrency" not in args.sections:
         p.error("--front-variant: adds concurrency configurations; --sections has no concurrency")
-    for name, front in args.front_variant:
+    for name, front in variants:
         try:
             FrontConfig.model_validate(deep_merge({"use_ray": True}, front))
         except ValueError as exc:
@@ -1098,6 +1101,9 @@ def markdown(result: dict) -> str:
         for name, front in (meta.get("front_variants") or {}).items():
             parts.append(f"Configuration `{name}` (`--front-variant`): a Ray front on the batched target with "
                          f"`{json.dumps(front)}` merged into its front config.\n")
+        for name, front in (meta.get("target_only_variants") or {}).items():
+            parts.append(f"Configuration `{name}` (`--target-only-variant`): `no_spec` requests (as target_only) on a "
+                         f"Ray front on the batched target with `{json.dumps(front)}` merged into its front config.\n")
         parts.append(f"Closed-loop clients started together over one grpc.aio channel. batched: target `max_batch` "
                      f"{meta['max_batch']}, `batch_wait_ms` {meta['batch_wait_ms']}; one_at_a_time: `max_batch` 1; "
                      f"target_only: `no_spec` requests on the batched target. Throughput = generated tokens / wall "
@@ -1240,6 +1246,9 @@ def parse_args(argv=None):
     p.add_argument("--front-variant", action="append", default=[], type=front_variant, metavar="NAME=JSON",
                    help="concurrency section: add configuration NAME, a Ray front whose front config has JSON "
                         "merged in (e.g. 'no_ctx={\"cost_aware\": {\"ngram_tokens\": 0}}'); repeatable")
+    p.add_argument("--target-only-variant", action="append", default=[], type=front_variant, metavar="NAME=JSON",
+                   help="concurrency section: add configuration NAME, no_spec requests (as target_only) on a Ray "
+                        "front whose front config has JSON merged in; repeatable")
     p.add_argument("--pipeline", action="store_true",
                    help="concurrency section: add speculative_pipelined (a front with front.pipeline: true)")
     p.add_argument("--long-prompt-tokens", type=int, default=2000, help="longprompt section: the long prompt's length")
@@ -1425,11 +1434,12 @@ def main(argv=None) -> int:
                 variants = {name: services.launch("front", f"bench-front-variant-{name}",
                                                   service_config(args, front={"use_ray": True, **front}),
                                                   draft_address=draft.address, target_address=batched.address)
-                            for name, front in args.front_variant}
+                            for name, front in args.front_variant + args.target_only_variant}
+                plain_variants = {name for name, _ in args.target_only_variant}
                 services.wait(front_batched)
                 configs = {"batched": (front_batched.address, batched.address, False)}
                 for name, front in variants.items():
-                    configs[name] = (services.wait(front).address, batched.address, False)
+                    configs[name] = (services.wait(front).address, batched.address, name in plain_variants)
                 if front_in_step is not None:
                     configs["batched_in_step"] = (services.wait(front_in_step).address, batched.address, False)
                 if front_ray_one is not None:
@@ -1463,6 +1473,7 @@ def main(argv=None) -> int:
         "python": platform.python_version(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "concurrency_services_started_early": early, "wall_s": time.perf_counter() - started,
         "peak_rss_mb": services.peak_rss_mb, "pipeline": args.pipeline, "front_variants": dict(args.front_variant),
+        "target_only_variants": dict(args.target_only_variant),
         "pinning": {"pinned": pin is not None, "cores": {**pin, "front": "unpinned"} if pin else None,
                     "affinity": services.affinity},
     }

@@ -146,7 +146,7 @@ class RoundController:
                  control_factory: ControlFactory | None = None, draft_deadline_s: float | None = None,
                  draft_context_limit: int | None = None, on_round: Callable[[RoundRecord], None] | None = None,
                  pipeline: bool = False, draft_window: DraftWindowConfig | None = None,
-                 clock: RoundClock | None = None):
+                 clock: RoundClock | None = None, plain_load: Callable[[int], None] | None = None):
         self.target = target
         self.draft = draft
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -159,6 +159,7 @@ class RoundController:
         self.pipeline = pipeline
         self.draft_window = draft_window
         self.clock = clock
+        self.plain_load = plain_load
         self.running = 0  # requests in generate now (a new one's control may defer its draft's open)
 
     def check(self, request: GenerationRequest) -> None:
@@ -196,7 +197,7 @@ class RoundController:
             await run.open()
             while run.stops.reason is None:
                 committed = await run.round()
-                if self.clock is not None and run.control is not None:
+                if self.clock is not None and (run.control is not None or self.plain_load is not None):
                     # after its first round, which needs no forward of its own; a request without a
                     # draft (no_spec) has no plan to keep in step: the target's batcher merges its verifies
                     self.clock.join(run.sid)
@@ -597,6 +598,9 @@ class _Request:
         accepted_path = result.accepted_nodes
         if drafted.tree.size:
             self.control.record(drafted.depth, drafted.tree.size, len(_draft_nodes(shaped, accepted_path)))
+        if self.control is None and self.controller.plain_load is not None and result.batch_size and self.stats.rounds:
+            # no_spec in step: its forward's sessions (not the first round's: it reuses the prefill's logits)
+            self.controller.plain_load(max(result.batch_size, result.mergeable))
         if self.control is not None:
             draft_s = None if drafted.pipelined else drafted.draft_s
             overhead_s = timing.round_s - timing.verify_s - (draft_s or 0.0) - (ahead.wait_s if ahead else 0.0)

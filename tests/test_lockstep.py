@@ -210,11 +210,11 @@ def test_max_wait_must_be_positive():
 # ------------------------------------------------------------------ in the round controller
 
 def _run_pair(clock: RoundClock | None, third_fails_after: int | None = None, fast_spec: TreeSpec | None = TreeSpec.chain(1),
-              slow_spec: TreeSpec | None = TreeSpec.chain(3)):
+              slow_spec: TreeSpec | None = TreeSpec.chain(3), plain_load=None):
     """Two requests on one RoundController over in-process tiny models: "slow" drafts a chain (each
     proposal after its first 30 ms late), "fast" a chain of one step with no delay (fast_spec None:
     decodes plain, no_spec); third_fails_after: a third request, "fail", whose verify raises after
-    that many. Returns (outputs, verify order, target model, prompts); a failed request's output is
+    that many; plain_load: the controller's (no_spec requests in step). Returns (outputs, verify order, target model, prompts); a failed request's output is
     its exception."""
     fail_after = third_fails_after
     from draft_service.runtime import DraftRuntime
@@ -251,7 +251,8 @@ def _run_pair(clock: RoundClock | None, third_fails_after: int | None = None, fa
                 raise RuntimeError("target: verify failed")
             return await super().verify(sid, tree)
 
-    controller = RoundController(FailingTarget(), SlowDraft(), eos_token_ids=[], context_limit=256, clock=clock)
+    controller = RoundController(FailingTarget(), SlowDraft(), eos_token_ids=[], context_limit=256, clock=clock,
+                                 plain_load=plain_load)
     prompts = {"slow": random_prompt(seed=3, length=8), "fast": random_prompt(seed=4, length=8)}
     specs = {"slow": slow_spec, "fast": fast_spec}
 
@@ -301,9 +302,9 @@ def test_a_request_that_fails_mid_round_leaves_the_clock_and_the_others_finish_w
     assert clock.timeouts == 0 and clock.members == set()
 
 
-def test_requests_without_a_draft_do_not_join_the_clock():
-    """no_spec requests have no plan to keep in step: they never join, so no turn holds them (two of
-    them together: no tick, no wait) and their output is the target's own."""
+def test_requests_without_a_draft_do_not_join_a_clock_without_plain_load():
+    """Without the controller's plain_load (cost_aware.in_step_no_spec false) no_spec requests never
+    join, so no turn holds them (two of them together: no tick, no wait); output the target's own."""
     from tests.conftest import hf_greedy
 
     clock = RoundClock(max_wait_s=2.0)
@@ -378,5 +379,39 @@ def test_the_front_runs_a_clock_only_for_in_step_rounds_on_shared_compute(change
         clock.members |= {f"r{i}" for i in range(9)}  # ... holds no more than in_step_max_load members in step
         assert clock.active() is False
     assert Orchestrator(config, GrpcConfig())._clock(shared) is None  # no cost-aware factory: no in-step plan
+    # no_spec requests keep in step where the clock runs (cost_aware.in_step_no_spec, on by default)
+    plain_load = front._plain_load(clock)
+    assert (plain_load is not None) == (clock is not None)
+    if plain_load is not None:
+        state.load = 1.0
+        plain_load(4)  # their verifies teach the load the clock holds its turns by
+        assert state.load == 4.0
+        off = FrontConfig.model_validate({**settings, "cost_aware": {**settings["cost_aware"], "in_step_no_spec": False}})
+        assert Orchestrator(off, GrpcConfig(), control_factory=control_factory(ServeConfig(front=off)))._plain_load(clock) is None
     if clock is not None:
         assert clock.max_wait_s == 0.25
+
+
+def test_requests_without_a_draft_keep_in_step_with_plain_load_and_teach_it_each_verify():
+    """With plain_load (cost_aware.in_step_no_spec, the default) no_spec requests join the clock: a
+    no_spec request beside one that drafts with a 30 ms late draft verifies once per round of it (it
+    waits for the other's draft at the VERIFY turn), where alone it would verify several times per
+    such round; each of its verifies reports its forward's sessions to plain_load; output unchanged."""
+    from tests.conftest import hf_greedy
+
+    loads: list[int] = []
+    clock = RoundClock(max_wait_s=2.0)
+    out, order, model, prompts = _run_pair(clock, fast_spec=None, plain_load=loads.append)
+    assert out == {k: hf_greedy(model, prompts[k], 24) for k in ("slow", "fast")}  # float32 greedy
+    first, last = order.index("slow"), len(order) - 1 - order[::-1].index("slow")
+    window = order[first:last + 1]  # while both run
+    assert abs(window.count("fast") - window.count("slow")) <= 1, order
+    assert clock.ticks > 0 and clock.timeouts == 0 and clock.members == set()
+    # one report per verify of "fast" (its first round reuses the prefill: no forward, no report),
+    # in-process each forward holds one session
+    assert len(loads) == order.count("fast") - 1 and set(loads) == {1}, (loads, order)
+
+    free, free_order, _, _ = _run_pair(RoundClock(max_wait_s=2.0), fast_spec=None)  # no plain_load: not in step
+    first, last = free_order.index("fast"), len(free_order) - 1 - free_order[::-1].index("fast")
+    window = free_order[first:last + 1]  # "fast" is done within a few of "slow"'s rounds
+    assert free == out and window.count("fast") >= 2 * (window.count("slow") + 1), free_order
