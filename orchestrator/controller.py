@@ -139,7 +139,10 @@ class RoundController:
     docstring), where the draft worker has ``propose_ahead`` / ``resolve_ahead``; draft_window: the
     committed tokens a draft session opens with (specdec.config.DraftWindowConfig: attention sinks
     plus the most recent tokens; None = all of them); clock: lock-step rounds, every request's
-    verify sent together (orchestrator.lockstep; None = each request verifies when it is ready).
+    verify sent together (orchestrator.lockstep; None = each request verifies when it is ready);
+    plain_load: with a clock, requests without a draft (no_spec) join it too and report each verify
+    forward's sessions here (SharedState.observe_load, which the clock's turns hold by; None: they
+    verify when ready).
     """
 
     def __init__(self, target, draft, eos_token_ids, context_limit: int, decode=None,
@@ -199,7 +202,7 @@ class RoundController:
                 committed = await run.round()
                 if self.clock is not None and (run.control is not None or self.plain_load is not None):
                     # after its first round, which needs no forward of its own; a request without a
-                    # draft (no_spec) has no plan to keep in step: the target's batcher merges its verifies
+                    # draft (no_spec) only with plain_load (its verifies then teach the load)
                     self.clock.join(run.sid)
                 if on_tokens is not None:
                     await _maybe_await(on_tokens(committed))
