@@ -104,7 +104,8 @@ class Orchestrator:
         if not (shared and aware.enabled and aware.in_step and state is not None) or self.front.pipeline:
             return None
         clock = RoundClock(aware.in_step_wait_ms / 1000)
-        # the load is learnt from the rounds of requests that plan (seeded sampled ones do not):
+        # the load is learnt from the rounds of requests that plan and of no_spec ones in step (seeded
+        # sampled ones teach none):
         # the clock's own members bound it too, so a stale load cannot hold a larger crowd in step
         clock.active = lambda: state.in_step_applies() and len(clock.members) < state.in_step_max_load
         return clock
