@@ -605,20 +605,20 @@ class Services:
 RESERVED_CONFIGS = ("batched", "batched_in_step", "one_at_a_time", "speculative_pipelined", "target_only")
 
 
-def front_variant(text: str) -> tuple[str, dict]:
-    """``--front-variant NAME=JSON`` -> (NAME, the JSON object). Raises argparse.ArgumentTypeError
-    (a usage error naming the flag) for a missing '=', a bad or reserved name, or JSON that is not
-    an object."""
+def front_variant(text: str, flag: str = "--front-variant") -> tuple[str, dict]:
+    """``--front-variant NAME=JSON`` (or ``flag``'s) -> (NAME, the JSON object). Raises
+    argparse.ArgumentTypeError (a usage error naming the flag) for a missing '=', a bad or reserved
+    name, or JSON that is not an object."""
     name, sep, body = text.partition("=")
     if not sep or not name.isidentifier() or name in RESERVED_CONFIGS:
-        raise argparse.ArgumentTypeError(f"--front-variant: need NAME=JSON with NAME an identifier other than "
+        raise argparse.ArgumentTypeError(f"{flag}: need NAME=JSON with NAME an identifier other than "
                                          f"{', '.join(RESERVED_CONFIGS)}, got {text!r}")
     try:
         front = json.loads(body)
     except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"--front-variant {name}: not JSON ({exc})") from exc
+        raise argparse.ArgumentTypeError(f"{flag} {name}: not JSON ({exc})") from exc
     if not isinstance(front, dict):
-        raise argparse.ArgumentTypeError(f"--front-variant {name}: need a JSON object, got {body!r}")
+        raise argparse.ArgumentTypeError(f"{flag} {name}: need a JSON object, got {body!r}")
     return name, front
 
 
@@ -630,25 +630,32 @@ def deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
+def target_only_variant(text: str) -> tuple[str, dict]:
+    """``--target-only-variant NAME=JSON`` -> (NAME, the JSON object); errors as ``front_variant``'s."""
+    return front_variant(text, "--target-only-variant")
+
+
 def check_front_variants(p: argparse.ArgumentParser, args) -> None:
-    """--front-variant: distinct names, the concurrency section selected, and each front config valid
+    """--front-variant, --target-only-variant: distinct names (over both), the concurrency section selected, and each front config valid
     (specdec.config.FrontConfig, unknown keys refused) before any model loads."""
     from specdec.config import FrontConfig
 
+    flags = {name: "--front-variant" for name, _ in args.front_variant}
+    flags.update({name: "--target-only-variant" for name, _ in args.target_only_variant})
     variants = args.front_variant + args.target_only_variant
     if not variants:
         return
     names = [name for name, _ in variants]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        p.error(f"--front-variant: {', '.join(twice)} given more than once")
+        p.error(f"--front-variant/--target-only-variant: {', '.join(twice)} given more than once")
     if "concurrency" not in args.sections:
-        p.error("--front-variant: adds concurrency configurations; --sections has no concurrency")
+        p.error(f"{flags[names[0]]}: adds concurrency configurations; --sections has no concurrency")
     for name, front in variants:
         try:
             FrontConfig.model_validate(deep_merge({"use_ray": True}, front))
         except ValueError as exc:
-            p.error(f"--front-variant {name}: not a valid front config ({exc})")
+            p.error(f"{flags[name]} {name}: not a valid front config ({exc})")
 
 
 def service_config(args, threads: int | None = None, target: dict | None = None, front: dict | None = None) -> dict:
@@ -1246,7 +1253,7 @@ def parse_args(argv=None):
     p.add_argument("--front-variant", action="append", default=[], type=front_variant, metavar="NAME=JSON",
                    help="concurrency section: add configuration NAME, a Ray front whose front config has JSON "
                         "merged in (e.g. 'no_ctx={\"cost_aware\": {\"ngram_tokens\": 0}}'); repeatable")
-    p.add_argument("--target-only-variant", action="append", default=[], type=front_variant, metavar="NAME=JSON",
+    p.add_argument("--target-only-variant", action="append", default=[], type=target_only_variant, metavar="NAME=JSON",
                    help="concurrency section: add configuration NAME, no_spec requests (as target_only) on a Ray "
                         "front whose front config has JSON merged in; repeatable")
     p.add_argument("--pipeline", action="store_true",

@@ -174,20 +174,25 @@ def test_pipeline_configuration(tmp_path, tiny_long_pair):
 def test_front_variant_adds_a_configuration_and_round_logs_cover_target_only(tmp_path, tiny_long_pair):
     """--front-variant NAME=JSON: a Ray front on the batched target with JSON merged into its front
     config (here no context branches: every verified row is then the bonus row, one per round);
-    --round-log: every row, target_only too, gets its rounds' log (target-only: plain rounds)."""
+    --round-log: every row, target_only too, gets its rounds' log (target-only: plain rounds);
+    --target-only-variant NAME=JSON: no_spec requests on such a front (plain rounds, no draft)."""
     result, md = _run_bench(tmp_path / "out", tiny_long_pair, "--sections", "concurrency", "--levels", "2",
-                            "--round-log", "--front-variant", 'no_ctx={"cost_aware": {"ngram_tokens": 0}}')
+                            "--round-log", "--front-variant", 'no_ctx={"cost_aware": {"ngram_tokens": 0}}',
+                            "--target-only-variant", 'plain_free={"cost_aware": {"in_step_no_spec": false}}')
     conc = result["concurrency"]
-    assert conc["configs"] == ["batched", "no_ctx", "target_only"] and conc["identical_outputs"] is True
+    assert conc["configs"] == ["batched", "no_ctx", "plain_free", "target_only"] and conc["identical_outputs"] is True
+    assert result["meta"]["target_only_variants"] == {"plain_free": {"cost_aware": {"in_step_no_spec": False}}}
+    assert "Configuration `plain_free` (`--target-only-variant`)" in md
     assert "| no_ctx | 2 |" in md and result["meta"]["front_variants"] == {"no_ctx": {"cost_aware": {"ngram_tokens": 0}}}
     assert 'Configuration `no_ctx` (`--front-variant`)' in md and '{"cost_aware": {"ngram_tokens": 0}}' in md
     rows = {r["config"]: r for r in conc["rows"]}
-    for name in ("batched", "no_ctx", "target_only"):
+    for name in ("batched", "no_ctx", "plain_free", "target_only"):
         log = rows[name]["round_log"]
         assert log and len(log) == sum(r["rounds"] for r in rows[name]["per_request"])  # every round of the row
     assert all(r["nodes"] == 0 for r in rows["target_only"]["round_log"])
     assert all(r["nodes"] == 0 for r in rows["no_ctx"]["round_log"] if r["gamma"] == 0)
     assert all(r["draft_ms"] is None for r in rows["target_only"]["round_log"])
+    assert all(r["nodes"] == 0 and r["draft_ms"] is None for r in rows["plain_free"]["round_log"])  # no_spec
 
 
 def test_front_variant_flag_errors(capsys):
@@ -201,6 +206,11 @@ def test_front_variant_flag_errors(capsys):
             parse_args(["--front-variant", *argv])
         assert "--front-variant" in capsys.readouterr().err
     assert parse_args(["--front-variant", 'v={"pipeline": true}']).front_variant == [("v", {"pipeline": True})]
+    for argv in (["target_only={}"], ["v={bad"], ['v={"cost_aware": {"in_step_no_spc": false}}'],
+                 ["v={}", "--front-variant", "v={}"]):  # a name taken by either flag
+        with pytest.raises(SystemExit):
+            parse_args(["--target-only-variant", *argv])
+        assert "--target-only-variant" in capsys.readouterr().err
 
 
 def test_pipeline_flag_needs_the_front_key(monkeypatch):
