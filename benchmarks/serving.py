@@ -650,7 +650,7 @@ def check_front_variants(p: argparse.ArgumentParser, args) -> None:
     if twice:
         p.error(f"--front-variant/--target-only-variant: {', '.join(twice)} given more than once")
     if "concurrency" not in args.sections:
-        p.error(f"{flags[names[0]]}: adds concurrency configurations; --sections has no concurrency")
+        p.error(f"{'/'.join(sorted(set(flags.values())))}: adds concurrency configurations; --sections has no concurrency")
     for name, front in variants:
         try:
             FrontConfig.model_validate(deep_merge({"use_ray": True}, front))
@@ -1113,7 +1113,8 @@ def markdown(result: dict) -> str:
                          f"Ray front on the batched target with `{json.dumps(front)}` merged into its front config.\n")
         parts.append(f"Closed-loop clients started together over one grpc.aio channel. batched: target `max_batch` "
                      f"{meta['max_batch']}, `batch_wait_ms` {meta['batch_wait_ms']}; one_at_a_time: `max_batch` 1; "
-                     f"target_only: `no_spec` requests on the batched target. Throughput = generated tokens / wall "
+                     f"target_only: `no_spec` requests on the batched target (kept in step by the front's round clock "
+                     f"since 2026-12-05, `cost_aware.in_step_no_spec`). Throughput = generated tokens / wall "
                      f"time of the level; latency per request from send to its final message. merged = target verify "
                      f"forwards that held more than one request; draft merged = the draft service's propose calls "
                      f"(aheads included) whose forwards held more than one request (the draft is shared by every "

@@ -141,8 +141,9 @@ class RoundController:
     plus the most recent tokens; None = all of them); clock: lock-step rounds, every request's
     verify sent together (orchestrator.lockstep; None = each request verifies when it is ready);
     plain_load: with a clock, requests without a draft (no_spec) join it too and report each verify
-    forward's sessions here (SharedState.observe_load, which the clock's turns hold by; None: they
-    verify when ready).
+    forward's load here, max(its sessions, the target's open sessions), from their second round on
+    (the first reuses the prefill) (SharedState.observe_load, which the clock's turns hold by; None:
+    they verify when ready).
     """
 
     def __init__(self, target, draft, eos_token_ids, context_limit: int, decode=None,
@@ -601,7 +602,8 @@ class _Request:
         accepted_path = result.accepted_nodes
         if drafted.tree.size:
             self.control.record(drafted.depth, drafted.tree.size, len(_draft_nodes(shaped, accepted_path)))
-        if self.control is None and self.controller.plain_load is not None and result.batch_size and self.stats.rounds:
+        if (self.control is None and self.controller.plain_load is not None and self.controller.clock is not None
+                and result.batch_size and self.stats.rounds):
             # no_spec in step: its forward's sessions (not the first round's: it reuses the prefill's logits)
             self.controller.plain_load(max(result.batch_size, result.mergeable))
         if self.control is not None:

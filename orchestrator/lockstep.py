@@ -29,8 +29,8 @@ Plain asyncio; the round controller (orchestrator.controller) joins a request af
 each round and ``turn(sid, VERIFY)`` before each verify, and ``leave`` when the request ends. One
 clock per RoundController, so per orchestrator actor (``front.workers``); requests without a draft
 (``no_spec``) join too with ``cost_aware.in_step_no_spec`` (on by default: plain decoding in step was
-1.03-1.22x of plain decoding verifying when ready at 4 clients on a 2-core AMD EPYC, the target's
-gather window missing some verifies; benchmarks/serving_cpu_2core_2026-12-05_amd_plain_in_step.md).
+1.02-1.22x of plain decoding verifying when ready at 4 clients on a 2-core AMD EPYC over two runs, the
+target's gather window missing some verifies; benchmarks/serving_cpu_2core_2026-12-05_amd_plain_in_step*.md).
 """
 
 from __future__ import annotations

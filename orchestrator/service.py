@@ -105,7 +105,7 @@ class Orchestrator:
             return None
         clock = RoundClock(aware.in_step_wait_ms / 1000)
         # the load is learnt from the rounds of requests that plan and of no_spec ones in step (seeded
-        # sampled ones teach none):
+        # sampled requests that speculate teach none):
         # the clock's own members bound it too, so a stale load cannot hold a larger crowd in step
         clock.active = lambda: state.in_step_applies() and len(clock.members) < state.in_step_max_load
         return clock
@@ -114,9 +114,10 @@ class Orchestrator:
         """Where no_spec requests keep in step too (``cost_aware.in_step_no_spec``, on by default, and
         a clock): the SharedState's ``observe_load``, which their verifies teach (the clock holds its
         turns by that load), for RoundController's ``plain_load``; else None. Measured on the 2-core
-        AMD EPYC (benchmarks/serving_cpu_2core_2026-12-05_amd_plain_in_step.md): target-only in step
-        1.03x and 1.22x of target-only verifying when ready at 4 clients, 1.04x and 1.03x at 8, p95
-        latency 0.69-0.99x: the target's 5 ms gather window misses verifies the clock sends together."""
+        AMD EPYC over two runs (benchmarks/serving_cpu_2core_2026-12-05_amd_plain_in_step.md,
+        ..._plain_in_step_confirm.md): target-only in step 1.02-1.22x of target-only verifying when
+        ready at 4 clients, 1.01-1.11x at 8, p95 latency lower in 8 of 8 pairs: verifies that arrive
+        apart miss the target's 5 ms gather window; the clock sends them together."""
         state = getattr(self.control_factory, "shared", None)
         if clock is None or state is None or not self.front.cost_aware.in_step_no_spec:
             return None

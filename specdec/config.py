@@ -159,7 +159,8 @@ class CostAwareConfig(_Section):
     # 1.10x of target-only against 1.00x), mostly plain rounds kept in step; no different at 8 (2 of
     # 4, 1.03x against 1.00x) (benchmarks/serving_cpu_2core_2026-12-05_amd_in_step_cap_confirm.md)
     in_step_max_load: float = Field(default=8.5, gt=1.5)
-    # requests without speculation (no_spec) keep in step too where the clock runs: they join it and
+    # requests without speculation (no_spec) keep in step too where the clock runs (beside speculating
+    # ones they wait at each verify turn for those requests' drafts): they join it and
     # their verifies teach the load (false: they verify when ready, merged by the target's gather
     # window only). On the 2-core AMD EPYC target-only in step was 1.03x and 1.22x of that at 4
     # clients, 1.04x and 1.03x at 8 (benchmarks/serving_cpu_2core_2026-12-05_amd_plain_in_step.md); again
