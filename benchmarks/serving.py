@@ -636,8 +636,9 @@ def target_only_variant(text: str) -> tuple[str, dict]:
 
 
 def check_front_variants(p: argparse.ArgumentParser, args) -> None:
-    """--front-variant, --target-only-variant: distinct names (over both), the concurrency section selected, and each front config valid
-    (specdec.config.FrontConfig, unknown keys refused) before any model loads."""
+    """--front-variant, --target-only-variant: distinct names (over both), the concurrency section
+    selected, and each front config valid (specdec.config.FrontConfig, unknown keys refused) before
+    any model loads."""
     from specdec.config import FrontConfig
 
     flags = {name: "--front-variant" for name, _ in args.front_variant}

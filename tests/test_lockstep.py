@@ -214,8 +214,8 @@ def _run_pair(clock: RoundClock | None, third_fails_after: int | None = None, fa
     """Two requests on one RoundController over in-process tiny models: "slow" drafts a chain (each
     proposal after its first 30 ms late), "fast" a chain of one step with no delay (fast_spec None:
     decodes plain, no_spec); third_fails_after: a third request, "fail", whose verify raises after
-    that many; plain_load: the controller's (no_spec requests in step). Returns (outputs, verify order, target model, prompts); a failed request's output is
-    its exception."""
+    that many; plain_load: the controller's (no_spec requests in step). Returns (outputs, verify
+    order, target model, prompts); a failed request's output is its exception."""
     fail_after = third_fails_after
     from draft_service.runtime import DraftRuntime
     from orchestrator.controller import GenerationRequest, RoundController, sync_worker
