@@ -82,6 +82,11 @@ Flags of issue 12:
   setting in one run, e.g. ``no_ctx={"cost_aware": {"ngram_tokens": 0}}``).
 - ``--target-only-variant NAME=JSON`` (repeatable): the same for ``no_spec`` requests (as
   ``target_only``, whose front has the defaults): an A/B of a front setting for plain decoding.
+- ``--mixed-variant NAME=JSON`` (repeatable): mixed traffic on such a front: of each level's
+  requests, the even-numbered are ``no_spec`` and the others speculate, side by side on one front.
+  Its rows add each kind's p50 / p95 latency (``no_spec_latency_*``, ``spec_latency_*``) and the
+  ``no_spec`` requests' p95 against target_only's (all requests ``no_spec``) in the same level run:
+  what plain requests pay for sharing rounds with speculating ones (``mixed={}``: the defaults).
 - ``--round-log``: each concurrency row (target_only too) gets ``round_split`` (mean ms per phase) and
   ``round_log`` (every round: start, wall, draft and verify ms, the services' own ms and batch sizes,
   gamma, nodes, accepted length, fallback) from the traces, in the JSON.
@@ -497,11 +502,18 @@ def draft_batched_forwards(address: str | None) -> int | None:
 
 
 PER_REQUEST = ("client", "started_s", "prompt_tokens", "wall_s", "ttft_s", "new_tokens", "rounds", "proposed_tokens",
-               "cost_plain_rounds", "fallback_rounds")  # each request's row in a level's JSON (per_request)
+               "cost_plain_rounds", "fallback_rounds", "no_spec")  # each request's row in a level's JSON (per_request)
+MIXED = "mixed"  # a configuration's no_spec value for mixed traffic: even-numbered requests no_spec, the others speculate
 
 
-def run_level(address: str, prompts: list[list[int]], clients: int, max_new: int, no_spec: bool, tag: str) -> dict:
-    """``clients`` closed-loop clients started together, sharing the prompts; wall time and per-request rows."""
+def request_no_spec(no_spec: bool | str, i: int) -> bool:
+    """Whether request i of a level is ``no_spec``: ``no_spec`` itself, or for MIXED traffic i even."""
+    return i % 2 == 0 if no_spec == MIXED else bool(no_spec)
+
+
+def run_level(address: str, prompts: list[list[int]], clients: int, max_new: int, no_spec: bool | str, tag: str) -> dict:
+    """``clients`` closed-loop clients started together, sharing the prompts; wall time and per-request rows.
+    no_spec: every request's flag, or MIXED (see request_no_spec)."""
     from specdec.v1 import generation_pb2_grpc
 
     async def run():
@@ -515,8 +527,9 @@ def run_level(address: str, prompts: list[list[int]], clients: int, max_new: int
                 while queue:
                     i, ids = queue.pop(0)
                     began = time.perf_counter() - start
-                    results[i] = await grpc_generate(stub, f"{tag}-{i}", ids, max_new, no_spec)
-                    results[i].update(client=c, started_s=began, prompt_tokens=len(ids))
+                    plain = request_no_spec(no_spec, i)
+                    results[i] = await grpc_generate(stub, f"{tag}-{i}", ids, max_new, plain)
+                    results[i].update(client=c, started_s=began, prompt_tokens=len(ids), no_spec=plain)
 
             start = time.perf_counter()
             await asyncio.gather(*(client(c) for c in range(clients)))
@@ -635,21 +648,27 @@ def target_only_variant(text: str) -> tuple[str, dict]:
     return front_variant(text, "--target-only-variant")
 
 
+def mixed_variant(text: str) -> tuple[str, dict]:
+    """``--mixed-variant NAME=JSON`` -> (NAME, the JSON object); errors as ``front_variant``'s."""
+    return front_variant(text, "--mixed-variant")
+
+
 def check_front_variants(p: argparse.ArgumentParser, args) -> None:
-    """--front-variant, --target-only-variant: distinct names (over both), the concurrency section
+    """--front-variant, --target-only-variant, --mixed-variant: distinct names (over all three), the concurrency section
     selected, and each front config valid (specdec.config.FrontConfig, unknown keys refused) before
     any model loads."""
     from specdec.config import FrontConfig
 
     flags = {name: "--front-variant" for name, _ in args.front_variant}
     flags.update({name: "--target-only-variant" for name, _ in args.target_only_variant})
-    variants = args.front_variant + args.target_only_variant
+    flags.update({name: "--mixed-variant" for name, _ in args.mixed_variant})
+    variants = args.front_variant + args.target_only_variant + args.mixed_variant
     if not variants:
         return
     names = [name for name, _ in variants]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        p.error(f"--front-variant/--target-only-variant: {', '.join(twice)} given more than once")
+        p.error(f"--front-variant/--target-only-variant/--mixed-variant: {', '.join(twice)} given more than once")
     if "concurrency" not in args.sections:
         p.error(f"{'/'.join(sorted(set(flags.values())))}: adds concurrency configurations; --sections has no concurrency")
     for name, front in variants:
@@ -785,12 +804,12 @@ def section_grpc(args, pipe, prompts, fronts: dict, collector, mem_exporter) -> 
 
 def section_concurrency(args, prompts, configs: dict, collector: SpanCollector | None = None,
                         draft: str | None = None) -> dict:
-    """configs: name -> (front address, target address, no_spec); collector: the services' spans
+    """configs: name -> (front address, target address, no_spec: a bool or MIXED); collector: the services' spans
     (rows with ahead hits get ``pipeline_trace``, see pipeline_overlap; ``complete``: every round span
     of their requests arrived); draft: the draft service's address (rows count its merged proposals)."""
     ids = [p["ids"] for p in prompts]
     for name, (front, _, no_spec) in configs.items():  # warm-up
-        grpc_one(front, f"warm-conc-{name}", ids[0], 4, no_spec)
+        grpc_one(front, f"warm-conc-{name}", ids[0], 4, no_spec is True)
     names = list(configs)
     rows, outputs = [], defaultdict(dict)
     traced: dict[int, dict[str, int]] = {}  # row index -> {request id: rounds} of the rows with ahead hits
@@ -820,6 +839,11 @@ def section_concurrency(args, prompts, configs: dict, collector: SpanCollector |
                    "fallback_round_share": sum(r["fallback_rounds"] for r in reqs) / rounds if rounds else 0.0,
                    "run_order": order.index(name), "level_run": li,
                    "per_request": [{key: r[key] for key in PER_REQUEST} for r in reqs]}
+            if no_spec == MIXED:
+                for kind, plain in (("no_spec", True), ("spec", False)):
+                    kind_lat = [r["wall_s"] for r in reqs if r["no_spec"] is plain]
+                    row[f"{kind}_latency_p50_s"] = percentile(kind_lat, 50) if kind_lat else None
+                    row[f"{kind}_latency_p95_s"] = percentile(kind_lat, 95) if kind_lat else None
             for key in PIPELINE_STATS:  # None: the front's final stats have no such field
                 values = [r[key] for r in reqs if r[key] is not None]
                 row[key] = sum(values) if values else None
@@ -844,6 +868,9 @@ def section_concurrency(args, prompts, configs: dict, collector: SpanCollector |
         r["speedup_vs_target_only"] = r["tokens_per_s"] / ref["tokens_per_s"] if ref and ref["tokens_per_s"] else None
         r["latency_p95_vs_target_only"] = (r["latency_p95_s"] / ref["latency_p95_s"]
                                            if ref and ref["latency_p95_s"] else None)
+        if r.get("no_spec_latency_p95_s") is not None:  # mixed traffic: what its plain requests paid
+            r["no_spec_latency_p95_vs_target_only"] = (r["no_spec_latency_p95_s"] / ref["latency_p95_s"]
+                                                       if ref and ref["latency_p95_s"] else None)
     ref_key = ("target_only", args.levels[0]) if "target_only" in names else (names[0], args.levels[0])
     same = [all(v == out[ref_key] for v in out.values()) for out in outputs.values()]
     return {"levels": args.levels, "configs": names, "rows": rows, "identical_outputs": all(same),
@@ -1112,6 +1139,10 @@ def markdown(result: dict) -> str:
         for name, front in (meta.get("target_only_variants") or {}).items():
             parts.append(f"Configuration `{name}` (`--target-only-variant`): `no_spec` requests (as target_only) on a "
                          f"Ray front on the batched target with `{json.dumps(front)}` merged into its front config.\n")
+        for name, front in (meta.get("mixed_variants") or {}).items():
+            parts.append(f"Configuration `{name}` (`--mixed-variant`): mixed traffic, the even-numbered requests "
+                         f"`no_spec` and the others speculating, on a Ray front on the batched target with "
+                         f"`{json.dumps(front)}` merged into its front config.\n")
         parts.append(f"Closed-loop clients started together over one grpc.aio channel. batched: target `max_batch` "
                      f"{meta['max_batch']}, `batch_wait_ms` {meta['batch_wait_ms']}; one_at_a_time: `max_batch` 1; "
                      f"target_only: `no_spec` requests on the batched target (kept in step by the front's round clock "
@@ -1142,6 +1173,20 @@ def markdown(result: dict) -> str:
                      "never worse). ahead hits / misses: the front's `pipeline_ahead_hits` / `pipeline_ahead_misses` "
                      "(draft rounds started ahead of the verify outcome that were used / discarded), '-' where its "
                      "final stats have no such field.\n")
+        mixed = [r for r in c["rows"] if "no_spec_latency_p95_s" in r]
+        if mixed:
+            parts.append("Mixed traffic (`--mixed-variant`): latency per kind of request in the same rows; no_spec p95 "
+                         "vs target only: the no_spec requests' p95 / target_only's p95 (every request no_spec) in the "
+                         "same level run.\n")
+            head = ["config", "clients", "tok/s", "no_spec p50 s", "no_spec p95 s", "no_spec p95 vs target only",
+                    "speculating p50 s", "speculating p95 s"]
+            rows = []
+            for r in sorted(mixed, key=lambda r: (c["configs"].index(r["config"]), r["level_run"])):
+                ratio = r.get("no_spec_latency_p95_vs_target_only")
+                rows.append([r["config"], r["clients"], _f(r["tokens_per_s"]), _or_dash(r["no_spec_latency_p50_s"]),
+                             _or_dash(r["no_spec_latency_p95_s"]), f"{ratio:.2f}x" if ratio else "-",
+                             _or_dash(r["spec_latency_p50_s"]), _or_dash(r["spec_latency_p95_s"])])
+            parts.append(md_table(head, rows))
         traced = [r for r in c["rows"] if r.get("pipeline_trace")]
         if traced:
             parts.append("Pipelining from the traces (rows with ahead hits): aheads = `draft.ahead` spans (failed ones "
@@ -1258,6 +1303,9 @@ def parse_args(argv=None):
     p.add_argument("--target-only-variant", action="append", default=[], type=target_only_variant, metavar="NAME=JSON",
                    help="concurrency section: add configuration NAME, no_spec requests (as target_only) on a Ray "
                         "front whose front config has JSON merged in; repeatable")
+    p.add_argument("--mixed-variant", action="append", default=[], type=mixed_variant, metavar="NAME=JSON",
+                   help="concurrency section: add configuration NAME, mixed traffic (even-numbered requests no_spec, "
+                        "the others speculating) on a Ray front whose front config has JSON merged in; repeatable")
     p.add_argument("--pipeline", action="store_true",
                    help="concurrency section: add speculative_pipelined (a front with front.pipeline: true)")
     p.add_argument("--long-prompt-tokens", type=int, default=2000, help="longprompt section: the long prompt's length")
@@ -1443,12 +1491,13 @@ def main(argv=None) -> int:
                 variants = {name: services.launch("front", f"bench-front-variant-{name}",
                                                   service_config(args, front={"use_ray": True, **front}),
                                                   draft_address=draft.address, target_address=batched.address)
-                            for name, front in args.front_variant + args.target_only_variant}
-                plain_variants = {name for name, _ in args.target_only_variant}
+                            for name, front in args.front_variant + args.target_only_variant + args.mixed_variant}
+                kinds = {**{name: True for name, _ in args.target_only_variant},
+                         **{name: MIXED for name, _ in args.mixed_variant}}
                 services.wait(front_batched)
                 configs = {"batched": (front_batched.address, batched.address, False)}
                 for name, front in variants.items():
-                    configs[name] = (services.wait(front).address, batched.address, name in plain_variants)
+                    configs[name] = (services.wait(front).address, batched.address, kinds.get(name, False))
                 if front_in_step is not None:
                     configs["batched_in_step"] = (services.wait(front_in_step).address, batched.address, False)
                 if front_ray_one is not None:
@@ -1482,7 +1531,7 @@ def main(argv=None) -> int:
         "python": platform.python_version(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "concurrency_services_started_early": early, "wall_s": time.perf_counter() - started,
         "peak_rss_mb": services.peak_rss_mb, "pipeline": args.pipeline, "front_variants": dict(args.front_variant),
-        "target_only_variants": dict(args.target_only_variant),
+        "target_only_variants": dict(args.target_only_variant), "mixed_variants": dict(args.mixed_variant),
         "pinning": {"pinned": pin is not None, "cores": {**pin, "front": "unpinned"} if pin else None,
                     "affinity": services.affinity},
     }

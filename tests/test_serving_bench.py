@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -175,12 +176,16 @@ def test_front_variant_adds_a_configuration_and_round_logs_cover_target_only(tmp
     """--front-variant NAME=JSON: a Ray front on the batched target with JSON merged into its front
     config (here no context branches: every verified row is then the bonus row, one per round);
     --round-log: every row, target_only too, gets its rounds' log (target-only: plain rounds);
-    --target-only-variant NAME=JSON: no_spec requests on such a front (plain rounds, no draft)."""
+    --target-only-variant NAME=JSON: no_spec requests on such a front (plain rounds, no draft);
+    --mixed-variant NAME=JSON: the even-numbered requests no_spec, the others speculating, on one front."""
     result, md = _run_bench(tmp_path / "out", tiny_long_pair, "--sections", "concurrency", "--levels", "2",
                             "--round-log", "--front-variant", 'no_ctx={"cost_aware": {"ngram_tokens": 0}}',
-                            "--target-only-variant", 'plain_free={"cost_aware": {"in_step_no_spec": false}}')
+                            "--target-only-variant", 'plain_free={"cost_aware": {"in_step_no_spec": false}}',
+                            "--mixed-variant", "mixed={}")
     conc = result["concurrency"]
-    assert conc["configs"] == ["batched", "no_ctx", "plain_free", "target_only"] and conc["identical_outputs"] is True
+    assert conc["configs"] == ["batched", "no_ctx", "plain_free", "mixed", "target_only"]
+    assert conc["identical_outputs"] is True
+    assert result["meta"]["mixed_variants"] == {"mixed": {}} and "Configuration `mixed` (`--mixed-variant`)" in md
     assert result["meta"]["target_only_variants"] == {"plain_free": {"cost_aware": {"in_step_no_spec": False}}}
     assert "Configuration `plain_free` (`--target-only-variant`)" in md
     assert "| no_ctx | 2 |" in md and result["meta"]["front_variants"] == {"no_ctx": {"cost_aware": {"ngram_tokens": 0}}}
@@ -193,6 +198,19 @@ def test_front_variant_adds_a_configuration_and_round_logs_cover_target_only(tmp
     assert all(r["nodes"] == 0 for r in rows["no_ctx"]["round_log"] if r["gamma"] == 0)
     assert all(r["draft_ms"] is None for r in rows["target_only"]["round_log"])
     assert all(r["nodes"] == 0 and r["draft_ms"] is None for r in rows["plain_free"]["round_log"])  # no_spec
+    mixed = rows["mixed"]  # each kind's latency from its own requests; the no_spec ones ran no draft round
+    plain = [r for r in mixed["per_request"] if r["no_spec"]]
+    spec = [r for r in mixed["per_request"] if not r["no_spec"]]
+    assert len(plain) == len(spec) == len(mixed["per_request"]) // 2 > 0
+    for kind, reqs in (("no_spec", plain), ("spec", spec)):
+        lat = sorted(r["wall_s"] for r in reqs)
+        assert mixed[f"{kind}_latency_p50_s"] == pytest.approx(statistics.median(lat))
+        assert lat[max(len(lat) - 2, 0)] <= mixed[f"{kind}_latency_p95_s"] <= lat[-1]  # interpolated near the slowest of its kind
+    assert mixed["no_spec_latency_p95_vs_target_only"] == pytest.approx(
+        mixed["no_spec_latency_p95_s"] / rows["target_only"]["latency_p95_s"])
+    assert all(r["proposed_tokens"] == 0 for r in plain) and any(r["proposed_tokens"] > 0 for r in spec)
+    assert "Mixed traffic (`--mixed-variant`)" in md and "| mixed | 2 |" in md
+    assert all("no_spec_latency_p95_s" not in r for r in conc["rows"] if r["config"] != "mixed")
 
 
 def test_front_variant_flag_errors(capsys):
@@ -211,6 +229,9 @@ def test_front_variant_flag_errors(capsys):
         with pytest.raises(SystemExit):
             parse_args(["--target-only-variant", *argv])
         assert "--target-only-variant" in capsys.readouterr().err
+        with pytest.raises(SystemExit):
+            parse_args(["--mixed-variant", *argv])
+        assert "--mixed-variant" in capsys.readouterr().err
 
 
 def test_pipeline_flag_needs_the_front_key(monkeypatch):
