@@ -164,7 +164,8 @@ class CostAwareConfig(_Section):
     # their verifies teach the load (false: they verify when ready, merged by the target's gather
     # window only). On the 2-core AMD EPYC target-only in step was 1.03x and 1.22x of that at 4
     # clients, 1.04x and 1.03x at 8 (benchmarks/serving_cpu_2core_2026-12-05_amd_plain_in_step.md); again
-    # 1.02x/1.03x and 1.11x/1.01x, p95 latency lower in 4 of 4 (..._amd_plain_in_step_confirm.md)
+    # 1.02x/1.03x and 1.11x/1.01x, p95 latency lower in 4 of 4 (..._amd_plain_in_step_confirm.md); in
+    # mixed traffic (half no_spec) 1.02-1.16x the throughput, their p95 0.97-1.22x (..._amd_mixed.md)
     in_step_no_spec: bool = True
     # what a draft step's cost D is learnt from where the draft is a service: "reply", the reply's wall
     # time, transport and the wait behind other sessions' proposals and prefills included; "forward",
