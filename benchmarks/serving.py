@@ -87,6 +87,12 @@ Flags of issue 12:
   Its rows add each kind's p50 / p95 latency (``no_spec_latency_*``, ``spec_latency_*``) and the
   ``no_spec`` requests' p95 against target_only's (all requests ``no_spec``) in the same level run:
   what plain requests pay for sharing rounds with speculating ones (``mixed={}``: the defaults).
+- ``--open-loop``: the concurrency section's ``--levels`` are request rates (requests per second,
+  e.g. ``0.5,1``) instead of clients: request i is sent at i / rate seconds whether or not the
+  earlier ones have finished (vLLM's ``benchmark_serving`` with a fixed, not Poisson, schedule), so
+  a level's requests do not start in waves and finish in waves as closed-loop clients with fixed
+  output lengths make them; throughput = generated tokens / (last finish - first send). The rows'
+  ``clients`` field holds the rate.
 - ``--round-log``: each concurrency row (target_only too) gets ``round_split`` (mean ms per phase) and
   ``round_log`` (every round: start, wall, draft and verify ms, the services' own ms and batch sizes,
   gamma, nodes, accepted length, fallback) from the traces, in the JSON.
@@ -511,9 +517,11 @@ def request_no_spec(no_spec: bool | str, i: int) -> bool:
     return i % 2 == 0 if no_spec == MIXED else bool(no_spec)
 
 
-def run_level(address: str, prompts: list[list[int]], clients: int, max_new: int, no_spec: bool | str, tag: str) -> dict:
+def run_level(address: str, prompts: list[list[int]], clients: int, max_new: int, no_spec: bool | str, tag: str,
+              rate: float | None = None) -> dict:
     """``clients`` closed-loop clients started together, sharing the prompts; wall time and per-request rows.
-    no_spec: every request's flag, or MIXED (see request_no_spec)."""
+    no_spec: every request's flag, or MIXED (see request_no_spec). rate: open loop instead (requests per
+    second): request i is sent at i / rate s, ``clients`` unused."""
     from specdec.v1 import generation_pb2_grpc
 
     async def run():
@@ -531,8 +539,18 @@ def run_level(address: str, prompts: list[list[int]], clients: int, max_new: int
                     results[i] = await grpc_generate(stub, f"{tag}-{i}", ids, max_new, plain)
                     results[i].update(client=c, started_s=began, prompt_tokens=len(ids), no_spec=plain)
 
+            async def scheduled(i: int, ids: list[int]):
+                await asyncio.sleep(max(start + i / rate - time.perf_counter(), 0.0))
+                began = time.perf_counter() - start
+                plain = request_no_spec(no_spec, i)
+                results[i] = await grpc_generate(stub, f"{tag}-{i}", ids, max_new, plain)
+                results[i].update(client=i, started_s=began, prompt_tokens=len(ids), no_spec=plain)
+
             start = time.perf_counter()
-            await asyncio.gather(*(client(c) for c in range(clients)))
+            if rate is None:
+                await asyncio.gather(*(client(c) for c in range(clients)))
+            else:
+                await asyncio.gather(*(scheduled(i, ids) for i, ids in queue))
             return time.perf_counter() - start, results
 
     wall, results = asyncio.run(run())
@@ -693,7 +711,8 @@ def service_config(args, threads: int | None = None, target: dict | None = None,
         from specdec.config import ClientLimitsConfig
 
         # admit every stream the run opens at once (the largest level; longprompt: running + long request)
-        streams = max([*args.levels, args.long_running + 1, ClientLimitsConfig().max_running])
+        open_loop = args.concurrency_prompts if args.open_loop else 0  # every request of a level may be running
+        streams = max([*(int(x) for x in args.levels), open_loop, args.long_running + 1, ClientLimitsConfig().max_running])
         data["front"] = deep_merge({"port": 0, "max_new_tokens": args.max_new_tokens, "dynamic_gamma": {"enabled": False},
                                     "workers": args.workers, "ray_num_cpus": 2, "limits": {"max_running": streams}}, front)
     return data
@@ -818,7 +837,8 @@ def section_concurrency(args, prompts, configs: dict, collector: SpanCollector |
         for name in order:
             front, target, no_spec = configs[name]
             before, draft_before = target_batched_forwards(target), draft_batched_forwards(draft)
-            out = run_level(front, ids, level, args.max_new_tokens, no_spec, f"conc-{name}-{level}")
+            out = run_level(front, ids, int(level), args.max_new_tokens, no_spec, f"conc-{name}-{level}",
+                            rate=level if args.open_loop else None)
             merged = target_batched_forwards(target) - before
             draft_merged = None if draft is None else draft_batched_forwards(draft) - draft_before
             reqs = out["requests"]
@@ -1155,6 +1175,9 @@ def markdown(result: dict) -> str:
                      f"because it failed, was past its deadline, was full or was being opened. Once speculative requests overlap, the draft service "
                      f"({meta['draft_threads']} thread(s)) and the target service ({meta['target_threads']}) compute at "
                      f"the same time on {meta['cpu_count']} CPUs.\n")
+        if meta.get("open_loop"):
+            parts.append("Open loop (`--open-loop`): the clients column is the request rate (requests per second); "
+                         "request i is sent at i / rate s whether or not the earlier ones have finished.\n")
         head = ["config", "clients", "tok/s", "vs target only", "p50 latency s", "p95 latency s",
                 "p95 latency vs target only", "p50 TTFT s", "p95 TTFT s", "mean acc len", "tree rows / round",
                 "plain rounds (cost)", "fallback rounds", "merged", "draft merged", "ahead hits", "ahead misses"]
@@ -1306,6 +1329,9 @@ def parse_args(argv=None):
     p.add_argument("--mixed-variant", action="append", default=[], type=mixed_variant, metavar="NAME=JSON",
                    help="concurrency section: add configuration NAME, mixed traffic (even-numbered requests no_spec, "
                         "the others speculating) on a Ray front whose front config has JSON merged in; repeatable")
+    p.add_argument("--open-loop", action="store_true",
+                   help="concurrency section: --levels are request rates (requests per second): request i is sent at "
+                        "i / rate s, not when a client is free")
     p.add_argument("--pipeline", action="store_true",
                    help="concurrency section: add speculative_pipelined (a front with front.pipeline: true)")
     p.add_argument("--long-prompt-tokens", type=int, default=2000, help="longprompt section: the long prompt's length")
@@ -1329,12 +1355,22 @@ def parse_args(argv=None):
     bad = [s for s in args.sections if s not in SECTIONS]
     if bad:
         p.error(f"--sections: unknown {bad} (choose from {', '.join(SECTIONS)})")
-    args.levels = [int(x) for x in args.levels.split(",") if x.strip()]
+    if args.open_loop:  # request rates (requests per second)
+        try:
+            args.levels = [float(x) for x in args.levels.split(",") if x.strip()]
+        except ValueError:
+            p.error(f"--levels: with --open-loop, request rates (requests per second), got {args.levels!r}")
+        if not args.levels or min(args.levels) <= 0:
+            p.error(f"--levels: with --open-loop, rates > 0, got {args.levels}")
+        if "concurrency" not in args.sections:
+            p.error("--open-loop: sets the concurrency section's request rates; --sections has no concurrency")
+    else:
+        args.levels = [int(x) for x in args.levels.split(",") if x.strip()]
+        if args.concurrency_prompts is not None and args.concurrency_prompts < max(args.levels):
+            p.error(f"--concurrency-prompts: {args.concurrency_prompts} requests leave clients of level "
+                    f"{max(args.levels)} idle (give at least the largest of --levels)")
     args.gamma_categories = [c.strip() for c in args.gamma_categories.split(",") if c.strip()]
-    if args.concurrency_prompts is not None and args.concurrency_prompts < max(args.levels):
-        p.error(f"--concurrency-prompts: {args.concurrency_prompts} requests leave clients of level "
-                f"{max(args.levels)} idle (give at least the largest of --levels)")
-    args.concurrency_prompts = args.concurrency_prompts or max(args.prompts, *args.levels)
+    args.concurrency_prompts = args.concurrency_prompts or (args.prompts if args.open_loop else max(args.prompts, *args.levels))
     if bool(args.target) != bool(args.draft):
         p.error("--target and --draft go together")
     check_longprompt_args(p, args)
@@ -1532,6 +1568,7 @@ def main(argv=None) -> int:
         "concurrency_services_started_early": early, "wall_s": time.perf_counter() - started,
         "peak_rss_mb": services.peak_rss_mb, "pipeline": args.pipeline, "front_variants": dict(args.front_variant),
         "target_only_variants": dict(args.target_only_variant), "mixed_variants": dict(args.mixed_variant),
+        "open_loop": args.open_loop,
         "pinning": {"pinned": pin is not None, "cores": {**pin, "front": "unpinned"} if pin else None,
                     "affinity": services.affinity},
     }

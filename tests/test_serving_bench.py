@@ -336,3 +336,31 @@ def test_pipeline_overlap_from_spans():
     assert out["drafted_draft_ms_mean"] == pytest.approx(50.0)
     empty = pipeline_overlap(spans, {"nobody"})
     assert empty["rounds"] == 0 and empty["hidden_share"] is None and empty["wait_ms_mean"] is None
+
+
+def test_open_loop_sends_requests_on_a_schedule(tmp_path, tiny_long_pair):
+    """--open-loop: --levels are request rates; request i is sent at i / rate s, not when a client
+    is free (at 2 requests per second the 4 requests go out at 0, 0.5, 1 and 1.5 s, whatever their
+    lengths), and the markdown says what the column holds."""
+    result, md = _run_bench(tmp_path / "out", tiny_long_pair, "--sections", "concurrency", "--open-loop",
+                            "--levels", "2", "--concurrency-prompts", "4")
+    conc = result["concurrency"]
+    assert result["meta"]["open_loop"] is True and conc["levels"] == [2.0] and conc["identical_outputs"] is True
+    for row in conc["rows"]:
+        assert row["clients"] == 2.0 and row["requests"] == 4
+        for i, r in enumerate(sorted(row["per_request"], key=lambda r: r["started_s"])):
+            assert i * 0.5 <= r["started_s"] < i * 0.5 + 0.25, (row["config"], i, r["started_s"])
+        assert row["wall_s"] >= max(r["started_s"] + r["wall_s"] for r in row["per_request"]) - 1e-6
+    assert "Open loop (`--open-loop`)" in md
+
+
+def test_open_loop_flag_errors(capsys):
+    from benchmarks.serving import parse_args
+
+    for argv in (["--levels", "0"], ["--levels", "x"], ["--levels", "1", "--sections", "grpc"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--open-loop", *argv])
+        err = capsys.readouterr().err
+        assert "--levels" in err or "--open-loop" in err
+    args = parse_args(["--open-loop", "--levels", "0.5,1", "--prompts", "6"])
+    assert args.levels == [0.5, 1.0] and args.concurrency_prompts == 6
