@@ -531,20 +531,19 @@ def run_level(address: str, prompts: list[list[int]], clients: int, max_new: int
             queue = list(enumerate(prompts))
             results: list = [None] * len(prompts)
 
-            async def client(c: int):
-                while queue:
-                    i, ids = queue.pop(0)
-                    began = time.perf_counter() - start
-                    plain = request_no_spec(no_spec, i)
-                    results[i] = await grpc_generate(stub, f"{tag}-{i}", ids, max_new, plain)
-                    results[i].update(client=c, started_s=began, prompt_tokens=len(ids), no_spec=plain)
-
-            async def scheduled(i: int, ids: list[int]):
-                await asyncio.sleep(max(start + i / rate - time.perf_counter(), 0.0))
+            async def send(i: int, ids: list[int], c: int):
                 began = time.perf_counter() - start
                 plain = request_no_spec(no_spec, i)
                 results[i] = await grpc_generate(stub, f"{tag}-{i}", ids, max_new, plain)
-                results[i].update(client=i, started_s=began, prompt_tokens=len(ids), no_spec=plain)
+                results[i].update(client=c, started_s=began, prompt_tokens=len(ids), no_spec=plain)
+
+            async def client(c: int):  # closed loop: the next request when this one has finished
+                while queue:
+                    await send(*queue.pop(0), c)
+
+            async def scheduled(i: int, ids: list[int]):  # open loop: request i at i / rate s (its own "client")
+                await asyncio.sleep(max(start + i / rate - time.perf_counter(), 0.0))
+                await send(i, ids, i)
 
             start = time.perf_counter()
             if rate is None:
@@ -711,8 +710,9 @@ def service_config(args, threads: int | None = None, target: dict | None = None,
         from specdec.config import ClientLimitsConfig
 
         # admit every stream the run opens at once (the largest level; longprompt: running + long request)
-        open_loop = args.concurrency_prompts if args.open_loop else 0  # every request of a level may be running
-        streams = max([*(int(x) for x in args.levels), open_loop, args.long_running + 1, ClientLimitsConfig().max_running])
+        # (open loop: every request of a level may be running at once)
+        level = args.concurrency_prompts if args.open_loop else max(args.levels)
+        streams = max(level, args.long_running + 1, ClientLimitsConfig().max_running)
         data["front"] = deep_merge({"port": 0, "max_new_tokens": args.max_new_tokens, "dynamic_gamma": {"enabled": False},
                                     "workers": args.workers, "ray_num_cpus": 2, "limits": {"max_running": streams}}, front)
     return data
