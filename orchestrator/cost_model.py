@@ -4,7 +4,9 @@ Units: milliseconds. n = rows of one verify forward ([R, nodes], so n = tree nod
 parents expanded by one draft step (rows of that draft forward).
 
 Both curves are piecewise linear through measured points, extrapolated linearly past the last
-one, and never decreasing (a point below its left neighbour is raised to it). They start from a
+one, and never decreasing (a point above its right neighbour is lowered to it: timing noise only
+slows a forward down, so of two sizes measured out of order the smaller size's figure is the one a
+disturbance inflated). They start from a
 start-up measurement (a few forwards, ``measure_curve``) or from prior figures, and follow the
 running deployment: every round's own timing moves one scale factor of the whole curve (the
 first observation sets it, as prior figures may come from another machine; later ones move it by
@@ -57,11 +59,11 @@ class LatencyCurve:
             raise ValueError("points: a latency curve needs at least one measured point")
         if any(x < 1 or ms <= 0 for x, ms in self.points.items()):
             raise ValueError(f"points: need x >= 1 and ms > 0, got {self.points}")
-        monotone, top = {}, 0.0
-        for x, ms in sorted(self.points.items()):
-            top = max(top, float(ms))
-            monotone[int(x)] = top
-        self.points = monotone
+        monotone, low = {}, float("inf")
+        for x, ms in sorted(self.points.items(), reverse=True):  # suffix minimum (module docstring)
+            low = min(low, float(ms))
+            monotone[int(x)] = low
+        self.points = dict(sorted(monotone.items()))
 
     def base(self, x: float) -> float:
         """The measured shape at x (>= 1), linear between points and past the ends, before scaling."""
@@ -258,22 +260,27 @@ class LoadedCost:
         return self.draft_ms(parents_per_step) + self.verify(rows) + self.round_overhead_ms
 
 
-def measure_curve(run: Callable[[int], None], xs: Iterable[int], repeats: int = 3) -> dict[int, float]:
+def measure_curve(run: Callable[[int], None], xs: Iterable[int], repeats: int = 3,
+                  clock: Callable[[], float] = time.perf_counter) -> dict[int, float]:
     """Time ``run(x)`` for each x; the median of ``repeats`` runs (ms) per x after one warm-up.
 
-    run: performs one forward of size x (rows or parents) and returns when it is done.
+    run: performs one forward of size x (rows or parents) and returns when it is done; clock:
+    seconds. The sizes take turns (x1, x2, ..., then x1, x2, ... again), so a disturbance of a
+    second or two (the machine busy just after start-up) costs each size at most one of its runs,
+    which the median drops; measured one size after the other, all three runs of the first size
+    fell in it: a 2-core AMD EPYC's start-up once gave V(1) 132 ms (82-88 ms in every later
+    measurement), raised V(4) and V(8) to it, and the flat V(1..8) it left made tree rows look free
+    for a whole Spec-Bench run (the curve's shape is kept; only its scale learns).
     """
     xs = list(xs)
     run(xs[0])  # warm-up: first calls pay allocation and kernel selection
-    out = {}
-    for x in xs:
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
+    times: dict[int, list[float]] = {x: [] for x in xs}
+    for _ in range(repeats):
+        for x in xs:
+            t0 = clock()
             run(x)
-            times.append((time.perf_counter() - t0) * 1000)
-        out[x] = sorted(times)[len(times) // 2]
-    return out
+            times[x].append((clock() - t0) * 1000)
+    return {x: sorted(ts)[len(ts) // 2] for x, ts in times.items()}
 
 
 def measure_worker_costs(target, draft, vocab_size: int, context_tokens: int = 128,
