@@ -106,6 +106,13 @@ every mode (services via ``models.threads``; embedded mode switches torch's thre
 each draft call), so that the processes do not oversubscribe a 2-core CPU. Tracing is on in every
 mode (the services export OTLP spans; the Ray actors export each span as it ends).
 
+CPU: each concurrency row's ``cpu_s`` holds the CPU seconds every process on the machine spent over
+the level (psutil; user + system), by role: the target and draft services, the row's own front
+process and its local Ray (raylet, GCS, the orchestrator actors), the other fronts (idle, their Ray
+daemons), this benchmark process (clients, OTLP receiver) and the rest; ``cpu_busy_share`` is their
+sum over wall time x CPUs. On shared cores it shows what the services' plumbing takes from the
+forwards.
+
 Memory: with the real pair (float32 target ~6 GB, int8 draft) the grpc/gamma phase holds the
 embedded pair plus a target and a draft service; the concurrency phase two target services. The
 concurrency services start early (overlapping start-up) only when they all fit in MemAvailable.
@@ -133,6 +140,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
+import psutil  # noqa: E402
 import yaml  # noqa: E402
 
 from specdec.harness.otlp import OtlpReceiver, attribute_value  # noqa: E402
@@ -743,6 +751,59 @@ def percentile(values: list[float], q: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
+CPU_ROLES = ("target", "draft", "front", "front_ray", "other_fronts", "benchmark", "other")
+
+
+def cpu_snapshot(services: dict[int, tuple[str, str]]) -> dict[int, tuple[str, str, float]]:
+    """Every process's CPU time so far: pid -> (owner, part, seconds of user + system time of its own
+    threads, children not included; psutil). services: pid -> (name, kind) of the benchmark's server
+    processes. owner: the service whose process tree holds the process (its Ray processes are the
+    front's: a front's local Ray runs under it), "benchmark" (this process: the clients and the OTLP
+    receiver) or "other"; part: "process" (the service's own), "ray" (a descendant: raylet, GCS,
+    actor workers) or "" (no service). Processes that vanish while read are skipped."""
+    me, out = os.getpid(), {}
+    for proc in psutil.process_iter():
+        try:
+            times = proc.cpu_times()
+            owner, part = "other", ""
+            if proc.pid == me:
+                owner = "benchmark"
+            elif proc.pid in services:
+                owner, part = services[proc.pid][0], "process"
+            else:
+                for parent in proc.parents():
+                    if parent.pid in services:
+                        owner, part = services[parent.pid][0], "ray"
+                        break
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        out[proc.pid] = (owner, part, times.user + times.system)
+    return out
+
+
+def cpu_split(before: dict, after: dict, kinds: dict[str, str], front: str | None) -> dict[str, float]:
+    """CPU seconds spent between two ``cpu_snapshot`` calls, by role (CPU_ROLES): target and draft
+    (every target / draft service), front (the row's own front process, ``front``: its service
+    name) and front_ray (the processes of its local Ray), other_fronts (every other front's tree:
+    idle fronts still run Ray's daemons), benchmark, other (the rest of the machine). kinds: service
+    name -> kind. A process started in between counts whole; one that ended is lost."""
+    split = dict.fromkeys(CPU_ROLES, 0.0)
+    for pid, (owner, part, seconds) in after.items():
+        old = before.get(pid)
+        spent = seconds - old[2] if old is not None and old[:2] == (owner, part) else seconds
+        kind = kinds.get(owner)
+        if owner == front:
+            role = "front" if part == "process" else "front_ray"
+        elif kind == "front":
+            role = "other_fronts"
+        elif kind in ("target", "draft"):
+            role = kind
+        else:
+            role = owner if owner == "benchmark" else "other"
+        split[role] += max(spent, 0.0)
+    return split
+
+
 def throughput(rows: list[dict]) -> dict:
     tokens = sum(r["new_tokens"] for r in rows)
     wall = sum(r["wall_s"] for r in rows)
@@ -822,11 +883,17 @@ def section_grpc(args, pipe, prompts, fronts: dict, collector, mem_exporter) -> 
 
 
 def section_concurrency(args, prompts, configs: dict, collector: SpanCollector | None = None,
-                        draft: str | None = None) -> dict:
+                        draft: str | None = None, services: Services | None = None) -> dict:
     """configs: name -> (front address, target address, no_spec: a bool or MIXED); collector: the services' spans
     (rows with ahead hits get ``pipeline_trace``, see pipeline_overlap; ``complete``: every round span
-    of their requests arrived); draft: the draft service's address (rows count its merged proposals)."""
+    of their requests arrived); draft: the draft service's address (rows count its merged proposals);
+    services: the running servers (rows get ``cpu_s``, CPU seconds by role over the level, see
+    cpu_split, and ``cpu_busy_share``, their sum over wall time x CPUs)."""
     ids = [p["ids"] for p in prompts]
+    running = list(services.running) if services is not None else []
+    pids = {svc.proc.pid: (svc.name, svc.kind) for svc in running}
+    kinds = {svc.name: svc.kind for svc in running}
+    front_names = {svc.address: svc.name for svc in running if svc.kind == "front"}
     for name, (front, _, no_spec) in configs.items():  # warm-up
         grpc_one(front, f"warm-conc-{name}", ids[0], 4, no_spec is True)
     names = list(configs)
@@ -837,8 +904,10 @@ def section_concurrency(args, prompts, configs: dict, collector: SpanCollector |
         for name in order:
             front, target, no_spec = configs[name]
             before, draft_before = target_batched_forwards(target), draft_batched_forwards(draft)
+            cpu_before = cpu_snapshot(pids) if pids else None
             out = run_level(front, ids, int(level), args.max_new_tokens, no_spec, f"conc-{name}-{level}",
                             rate=level if args.open_loop else None)
+            cpu = cpu_split(cpu_before, cpu_snapshot(pids), kinds, front_names.get(front)) if pids else None
             merged = target_batched_forwards(target) - before
             draft_merged = None if draft is None else draft_batched_forwards(draft) - draft_before
             reqs = out["requests"]
@@ -858,6 +927,8 @@ def section_concurrency(args, prompts, configs: dict, collector: SpanCollector |
                    "cost_plain_round_share": sum(r["cost_plain_rounds"] for r in reqs) / rounds if rounds else 0.0,
                    "fallback_round_share": sum(r["fallback_rounds"] for r in reqs) / rounds if rounds else 0.0,
                    "run_order": order.index(name), "level_run": li,
+                   "cpu_s": cpu, "cpu_busy_share": (sum(cpu.values()) / (out["wall_s"] * (os.cpu_count() or 1))
+                                                    if cpu is not None else None),
                    "per_request": [{key: r[key] for key in PER_REQUEST} for r in reqs]}
             if no_spec == MIXED:
                 for kind, plain in (("no_spec", True), ("spec", False)):
@@ -1229,6 +1300,21 @@ def markdown(result: dict) -> str:
                              t["drafted_rounds"], _or_dash(t["drafted_round_ms_mean"], 1),
                              _or_dash(t["drafted_draft_ms_mean"], 1), "yes" if t.get("complete", True) else "no"])
             parts.append(md_table(head, rows))
+        timed = [r for r in c["rows"] if r.get("cpu_s")]
+        if timed:
+            parts.append("CPU by process over each level (psutil: user + system time of every process on the "
+                         "machine, % of one CPU over the level's wall time): target and draft services; the row's "
+                         "front process and its local Ray (raylet, GCS, the orchestrator actors); the other fronts "
+                         "(idle, their Ray daemons); this benchmark process (the clients and the OTLP receiver); the "
+                         "rest of the machine. busy: the sum over wall time x CPUs.\n")
+            head = ["config", "clients", "target %", "draft %", "front %", "front's Ray %", "other fronts %",
+                    "benchmark %", "other %", "busy"]
+            rows = []
+            for r in sorted(timed, key=lambda r: (c["configs"].index(r["config"]), r["level_run"])):
+                pct = {role: 100 * sec / r["wall_s"] for role, sec in r["cpu_s"].items()}
+                rows.append([r["config"], r["clients"], *(_f(pct[role], 1) for role in CPU_ROLES),
+                             f"{r['cpu_busy_share']:.0%}"])
+            parts.append(md_table(head, rows))
         parts.append(f"Outputs identical across configurations and levels: **{c['identical_outputs']}** "
                      f"({c['identical_prompts']}/{c['prompts']} prompts)\n")
     d = result.get("gamma")
@@ -1542,7 +1628,8 @@ def main(argv=None) -> int:
                     configs["speculative_pipelined"] = (services.wait(front_pipelined).address, batched.address, False)
                 configs["target_only"] = (front_batched.address, batched.address, True)
                 log(f"concurrency section: levels {args.levels} x {len(conc_prompts)} requests x {len(configs)} configs")
-                result["concurrency"] = section_concurrency(args, conc_prompts, configs, collector, draft.address)
+                result["concurrency"] = section_concurrency(args, conc_prompts, configs, collector, draft.address,
+                                                                    services)
             if want_long:
                 for service in [s for s in services.running if s is not draft]:  # one target service at a time
                     services.stop(service)

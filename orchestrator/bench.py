@@ -421,6 +421,7 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
     set_threads(threads)
     pipe = build_pipeline(target, draft, dtype=dtype, draft_quant=draft_quant, control=control, draft_window=draft_window,
                           argmax_screen=argmax_screen)
+    cost_start = pipe.shared.cost.snapshot() if pipe.shared else None  # the start-up measurement's shape
     warm = encode_prompt(pipe.tokenizer, "Say hi.", raw=False)
     run_question(pipe, warm, spec, 8, hf_assisted, sampling, prompt_lookup)  # warm-up, not recorded
     rows, skipped = [], []
@@ -451,6 +452,7 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
             "spec": json.loads(spec.to_json()), "control": control, "categories": list(categories),
             "draft_window": draft_window.model_dump() if draft_window is not None else None,
             "argmax_screen": pipe.engine.target.argmax_head is not None, "argmax_screen_requested": argmax_screen,
+            "cost_model_start": cost_start,
             "cost_model": pipe.shared.cost.snapshot() if pipe.shared else None, "dtype": str(pipe.target_model.dtype),
             "draft_quant": draft_quant, "max_new_tokens": max_new_tokens, "sampling": asdict(sampling),
             "threads": torch.get_num_threads(), "machine": platform.platform(), "cpu": cpu_model(),
@@ -461,6 +463,21 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
     (out_dir / "results.md").write_text(_report(meta, spec, dtype, sampling, max_new_tokens, table))
     print(table)
     return summary
+
+
+def _cost_line(meta: dict) -> str:
+    """The cost model's V(n) and D(p) at start-up (its shape: only the scale learns) and at the end of
+    the run; empty without the cost-aware control."""
+    start, end = meta.get("cost_model_start"), meta.get("cost_model")
+    if not start or not end:
+        return ""
+
+    def figures(snap: dict) -> str:
+        v, d = snap["verify_ms"], snap["draft_step_ms"]
+        return (f"V({', '.join(map(str, v))}) = {', '.join(f'{ms:.0f}' for ms in v.values())} ms, "
+                f"D({', '.join(map(str, d))}) = {', '.join(f'{ms:.0f}' for ms in d.values())} ms")
+
+    return f"Cost model at start-up: {figures(start)}; at the end of the run: {figures(end)}.\n\n"
 
 
 def _report(meta: dict, spec: TreeSpec, dtype: str, sampling: SamplingParams, max_new_tokens: int, table: str) -> str:
@@ -478,6 +495,7 @@ def _report(meta: dict, spec: TreeSpec, dtype: str, sampling: SamplingParams, ma
     return (f"# specdec bench ({source}, offset {meta['offset']}, {dtype}, {passes}, {max_new_tokens} new tokens)\n\n"
             f"Machine: {meta.get('cpu') or 'CPU model unknown'}, {meta['cpu_count']} CPUs, {meta['threads']} torch "
             f"threads, torch {torch.__version__}. TreeSpec: `{spec.to_json()}`; greedy argmax screen: {screen}{median}\n\n"
+            f"{_cost_line(meta)}"
             "Speedups are against target-only in the same run: end to end (new tokens / total time) and "
             "decode only ((new tokens - 1) / (total time - TTFT)). Efficiency = speedup / mean accepted "
             f"length. HF prompt lookup: `prompt_lookup_num_tokens={PROMPT_LOOKUP_NUM_TOKENS}`. "

@@ -358,6 +358,11 @@ def test_bench_questions_file_offset_and_skipped_methods(long_pair, tmp_path):
     assert result["meta"]["cpu"] == cpu_model() and result["meta"]["threads"] == 1
     assert f"Machine: {cpu_model() or 'CPU model unknown'}, {os.cpu_count()} CPUs, 1 torch threads" in (out / "results.md").read_text()
     assert all(r["speculative"]["matches_target"] for r in result["questions"])
+    # the cost model's start-up shape and its end-of-run figures, both in the record
+    start, end = result["meta"]["cost_model_start"], result["meta"]["cost_model"]
+    assert set(start["verify_ms"]) == set(end["verify_ms"]) and all(ms > 0 for ms in start["verify_ms"].values())
+    assert list(start["verify_ms"].values()) == sorted(start["verify_ms"].values())  # never decreasing
+    assert "Cost model at start-up: V(1, 4, 8, 16, 32) = " in (out / "results.md").read_text()
     out2 = tmp_path / "out2"
     proc = run_bench_cli(tmp_path, "--questions", str(path), "--category", "math", "--per-category", "2",
                          "--max-new-tokens", "4", "--target", str(long_pair.target), "--draft", str(long_pair.draft),

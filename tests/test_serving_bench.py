@@ -170,6 +170,14 @@ def test_pipeline_configuration(tmp_path, tiny_long_pair):
     else:
         assert "pipeline_trace" not in rows[0]
     assert not any("pipeline_trace" in r for r in conc["rows"] if r["config"] != "speculative_pipelined")
+    # CPU by process: the level's own front and the target computed; the other (idle) front is apart
+    from benchmarks.serving import CPU_ROLES
+
+    for r in conc["rows"]:
+        cpu = r["cpu_s"]
+        assert list(cpu) == list(CPU_ROLES) and cpu["target"] > 0 and cpu["front"] > 0, cpu
+        assert 0 < r["cpu_busy_share"] <= 1.05 and sum(cpu.values()) <= r["wall_s"] * os.cpu_count() * 1.05
+    assert "CPU by process over each level" in md and "| front's Ray % |" in md
 
 
 def test_front_variant_adds_a_configuration_and_round_logs_cover_target_only(tmp_path, tiny_long_pair):
@@ -364,3 +372,51 @@ def test_open_loop_flag_errors(capsys):
         assert flag in capsys.readouterr().err
     args = parse_args(["--open-loop", "--levels", "0.5,1", "--prompts", "6"])
     assert args.levels == [0.5, 1.0] and args.concurrency_prompts == 6
+
+
+def test_cpu_split_by_role():
+    """cpu_split on hand-made snapshots: each role's seconds between the two, the row's own front apart
+    from its Ray and from the other fronts; a process started in between counts whole, one whose
+    owner changed (a reused pid) counts from zero, one that ended is lost."""
+    from benchmarks.serving import CPU_ROLES, cpu_split
+
+    kinds = {"tgt": "target", "drf": "draft", "f1": "front", "f2": "front"}
+    before = {1: ("tgt", "process", 10.0), 2: ("drf", "process", 3.0), 3: ("f1", "process", 1.0),
+              4: ("f1", "ray", 2.0), 5: ("f2", "ray", 5.0), 6: ("benchmark", "", 7.0), 7: ("other", "", 1.0),
+              8: ("other", "", 4.0), 9: ("f2", "process", 2.0)}
+    after = {1: ("tgt", "process", 25.5), 2: ("drf", "process", 4.0), 3: ("f1", "process", 1.5),
+             4: ("f1", "ray", 2.25), 5: ("f2", "ray", 5.5), 6: ("benchmark", "", 7.75), 7: ("other", "", 1.5),
+             10: ("f1", "ray", 0.5),  # an actor worker started during the level: whole
+             9: ("drf", "process", 0.125)}  # pid 9 reused by another owner: from zero
+    split = cpu_split(before, after, kinds, front="f1")
+    assert list(split) == list(CPU_ROLES)
+    assert split == {"target": 15.5, "draft": 1.125, "front": 0.5, "front_ray": 0.75, "other_fronts": 0.5,
+                     "benchmark": 0.75, "other": 0.5}
+    # the same processes seen from the other front's row: f1's tree is now "other fronts"
+    other = cpu_split(before, after, kinds, front="f2")
+    assert other["front"] == 0.0 and other["front_ray"] == 0.5 and other["other_fronts"] == 0.5 + 0.25 + 0.5
+
+
+def test_cpu_snapshot_owns_descendants_of_a_service(tmp_path):
+    """cpu_snapshot: a service process is its own ("process"), a process it started is its "ray" part
+    (a front's local Ray runs under it), this process is "benchmark"; the CPU a busy descendant burns
+    shows up as its seconds."""
+    from benchmarks.serving import cpu_snapshot
+
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nprint('done', flush=True)\n" \
+           "import sys; sys.stdin.read()"
+    script = tmp_path / "busy.py"
+    script.write_text(busy)
+    # the "service": a shell whose child burns 0.3 s of CPU, then waits on stdin (alive for the snapshot)
+    svc = subprocess.Popen(["sh", "-c", f"{sys.executable} {script}; true"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert svc.stdout.readline().strip() == "done"
+        snap = cpu_snapshot({svc.pid: ("svc", "target")})
+        assert snap[svc.pid][:2] == ("svc", "process")
+        children = [pid for pid, (owner, part, _) in snap.items() if (owner, part) == ("svc", "ray")]
+        assert len(children) == 1 and snap[children[0]][2] >= 0.25
+        assert snap[os.getpid()][:2] == ("benchmark", "")
+        assert all(owner in ("svc", "benchmark", "other") for owner, _, _ in snap.values())
+    finally:
+        svc.stdin.close()
+        svc.wait(10)
