@@ -110,7 +110,7 @@ CPU: each concurrency row's ``cpu_s`` holds the CPU seconds every process on the
 the level (psutil; user + system), by role: the target and draft services, the row's own front
 process and its local Ray (raylet, GCS, the orchestrator actors), the other fronts (idle, their Ray
 daemons), this benchmark process (clients, OTLP receiver) and the rest; ``cpu_busy_share`` is their
-sum over wall time x CPUs. On shared cores it shows what the services' plumbing takes from the
+sum over wall time x the CPUs this process may use (its affinity). On shared cores it shows what the services' plumbing takes from the
 forwards.
 
 Memory: with the real pair (float32 target ~6 GB, int8 draft) the grpc/gamma phase holds the
@@ -754,17 +754,18 @@ def percentile(values: list[float], q: float) -> float:
 CPU_ROLES = ("target", "draft", "front", "front_ray", "other_fronts", "benchmark", "other")
 
 
-def cpu_snapshot(services: dict[int, tuple[str, str]]) -> dict[int, tuple[str, str, float]]:
+def cpu_snapshot(services: dict[int, tuple[str, str]]) -> dict[int, tuple[str, str, float, float]]:
     """Every process's CPU time so far: pid -> (owner, part, seconds of user + system time of its own
-    threads, children not included; psutil). services: pid -> (name, kind) of the benchmark's server
-    processes. owner: the service whose process tree holds the process (its Ray processes are the
-    front's: a front's local Ray runs under it), "benchmark" (this process: the clients and the OTLP
-    receiver) or "other"; part: "process" (the service's own), "ray" (a descendant: raylet, GCS,
-    actor workers) or "" (no service). Processes that vanish while read are skipped."""
+    threads, children not included, its start time; psutil). services: pid -> (name, kind) of the
+    benchmark's server processes. owner: the service whose process tree holds the process (its Ray
+    processes are the front's: a front's local Ray runs under it; a Ray cluster started apart, e.g.
+    ``ray start`` or RAY_ADDRESS, would count as "other"), "benchmark" (this process: the clients
+    and the OTLP receiver) or "other"; part: "process" (the service's own), "ray" (a descendant:
+    raylet, GCS, actor workers) or "" (no service). Processes that vanish while read are skipped."""
     me, out = os.getpid(), {}
     for proc in psutil.process_iter():
         try:
-            times = proc.cpu_times()
+            times, started = proc.cpu_times(), proc.create_time()
             owner, part = "other", ""
             if proc.pid == me:
                 owner = "benchmark"
@@ -777,7 +778,7 @@ def cpu_snapshot(services: dict[int, tuple[str, str]]) -> dict[int, tuple[str, s
                         break
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
-        out[proc.pid] = (owner, part, times.user + times.system)
+        out[proc.pid] = (owner, part, times.user + times.system, started)
     return out
 
 
@@ -786,11 +787,13 @@ def cpu_split(before: dict, after: dict, kinds: dict[str, str], front: str | Non
     (every target / draft service), front (the row's own front process, ``front``: its service
     name) and front_ray (the processes of its local Ray), other_fronts (every other front's tree:
     idle fronts still run Ray's daemons), benchmark, other (the rest of the machine). kinds: service
-    name -> kind. A process started in between counts whole; one that ended is lost."""
+    name -> kind. A process started in between counts whole (a pid reused by a new process too: its
+    start time differs); one that ended is lost."""
     split = dict.fromkeys(CPU_ROLES, 0.0)
-    for pid, (owner, part, seconds) in after.items():
+    for pid, (owner, part, seconds, started) in after.items():
         old = before.get(pid)
-        spent = seconds - old[2] if old is not None and old[:2] == (owner, part) else seconds
+        same = old is not None and (old[0], old[1], old[3]) == (owner, part, started)
+        spent = seconds - old[2] if same else seconds
         kind = kinds.get(owner)
         if owner == front:
             role = "front" if part == "process" else "front_ray"
@@ -888,7 +891,8 @@ def section_concurrency(args, prompts, configs: dict, collector: SpanCollector |
     (rows with ahead hits get ``pipeline_trace``, see pipeline_overlap; ``complete``: every round span
     of their requests arrived); draft: the draft service's address (rows count its merged proposals);
     services: the running servers (rows get ``cpu_s``, CPU seconds by role over the level, see
-    cpu_split, and ``cpu_busy_share``, their sum over wall time x CPUs)."""
+    cpu_split, ``cpu_window_s``, the seconds between its two snapshots, and ``cpu_busy_share``, their
+    sum over that window x the CPUs this process may use)."""
     ids = [p["ids"] for p in prompts]
     running = list(services.running) if services is not None else []
     pids = {svc.proc.pid: (svc.name, svc.kind) for svc in running}
@@ -904,9 +908,10 @@ def section_concurrency(args, prompts, configs: dict, collector: SpanCollector |
         for name in order:
             front, target, no_spec = configs[name]
             before, draft_before = target_batched_forwards(target), draft_batched_forwards(draft)
-            cpu_before = cpu_snapshot(pids) if pids else None
+            cpu_before, cpu_began = (cpu_snapshot(pids), time.perf_counter()) if pids else (None, 0.0)
             out = run_level(front, ids, int(level), args.max_new_tokens, no_spec, f"conc-{name}-{level}",
                             rate=level if args.open_loop else None)
+            cpu_window = time.perf_counter() - cpu_began  # the snapshots' own window (wall_s starts later)
             cpu = cpu_split(cpu_before, cpu_snapshot(pids), kinds, front_names.get(front)) if pids else None
             merged = target_batched_forwards(target) - before
             draft_merged = None if draft is None else draft_batched_forwards(draft) - draft_before
@@ -927,8 +932,9 @@ def section_concurrency(args, prompts, configs: dict, collector: SpanCollector |
                    "cost_plain_round_share": sum(r["cost_plain_rounds"] for r in reqs) / rounds if rounds else 0.0,
                    "fallback_round_share": sum(r["fallback_rounds"] for r in reqs) / rounds if rounds else 0.0,
                    "run_order": order.index(name), "level_run": li,
-                   "cpu_s": cpu, "cpu_busy_share": (sum(cpu.values()) / (out["wall_s"] * (os.cpu_count() or 1))
-                                                    if cpu is not None else None),
+                   "cpu_s": cpu, "cpu_window_s": cpu_window if cpu is not None else None,
+                   "cpu_busy_share": (sum(cpu.values()) / (cpu_window * len(os.sched_getaffinity(0)))
+                                      if cpu is not None else None),
                    "per_request": [{key: r[key] for key in PER_REQUEST} for r in reqs]}
             if no_spec == MIXED:
                 for kind, plain in (("no_spec", True), ("spec", False)):
@@ -1306,12 +1312,13 @@ def markdown(result: dict) -> str:
                          "machine, % of one CPU over the level's wall time): target and draft services; the row's "
                          "front process and its local Ray (raylet, GCS, the orchestrator actors); the other fronts "
                          "(idle, their Ray daemons); this benchmark process (the clients and the OTLP receiver); the "
-                         "rest of the machine. busy: the sum over wall time x CPUs.\n")
+                         "rest of the machine. busy: the sum over wall time x the CPUs this benchmark may use.\n")
             head = ["config", "clients", "target %", "draft %", "front %", "front's Ray %", "other fronts %",
                     "benchmark %", "other %", "busy"]
             rows = []
             for r in sorted(timed, key=lambda r: (c["configs"].index(r["config"]), r["level_run"])):
-                pct = {role: 100 * sec / r["wall_s"] for role, sec in r["cpu_s"].items()}
+                window = r.get("cpu_window_s") or r["wall_s"]
+                pct = {role: 100 * sec / window for role, sec in r["cpu_s"].items()}
                 rows.append([r["config"], r["clients"], *(_f(pct[role], 1) for role in CPU_ROLES),
                              f"{r['cpu_busy_share']:.0%}"])
             parts.append(md_table(head, rows))

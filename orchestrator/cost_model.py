@@ -262,18 +262,20 @@ class LoadedCost:
 
 def measure_curve(run: Callable[[int], None], xs: Iterable[int], repeats: int = 3,
                   clock: Callable[[], float] = time.perf_counter) -> dict[int, float]:
-    """Time ``run(x)`` for each x; the median of ``repeats`` runs (ms) per x after one warm-up.
+    """Time ``run(x)`` for each x; the median of ``repeats`` runs (ms) per x after one warm-up run of each.
 
     run: performs one forward of size x (rows or parents) and returns when it is done; clock:
-    seconds. The sizes take turns (x1, x2, ..., then x1, x2, ... again), so a disturbance of a
-    second or two (the machine busy just after start-up) costs each size at most one of its runs,
-    which the median drops; measured one size after the other, all three runs of the first size
-    fell in it: a 2-core AMD EPYC's start-up once gave V(1) 132 ms (82-88 ms in every later
-    measurement), raised V(4) and V(8) to it, and the flat V(1..8) it left made tree rows look free
-    for a whole Spec-Bench run (the curve's shape is kept; only its scale learns).
+    seconds. The sizes take turns (x1, x2, ..., then x1, x2, ... again), so a disturbance shorter
+    than one turn over the sizes (about 0.9 s for V(1..32) on the default pair) costs each size at
+    most one of its runs, which the median drops; measured one size after the other, all runs of
+    the first size could fall in it. Seen on a 2-core AMD EPYC: one start-up left V flat from 1 to
+    8 rows (132 ms each at the end of that run, against V(1) 82-89 ms and V(8) 128-146 ms in every
+    later measurement there), so tree rows looked free for a whole Spec-Bench run (the curve's
+    shape is kept; only its scale learns).
     """
     xs = list(xs)
-    run(xs[0])  # warm-up: first calls pay allocation and kernel selection
+    for x in xs:  # warm-up: first calls pay allocation and kernel selection
+        run(x)
     times: dict[int, list[float]] = {x: [] for x in xs}
     for _ in range(repeats):
         for x in xs:
@@ -313,13 +315,16 @@ def measure_worker_costs(target, draft, vocab_size: int, context_tokens: int = 1
         draft.propose(sid, TreeSpec.chain(1), 1)  # prefill
         draft.commit(sid, [ids[0]], [])
 
-        def steps(p: int) -> None:  # 1 + DRAFT_STEPS steps, the later ones expanding p parents each
+        def steps(p: int) -> None:  # p = 0: one step; else 1 + DRAFT_STEPS steps, the later ones expanding p parents each
+            if p == 0:
+                draft.propose(sid, TreeSpec.chain(1), 1)
+                return
             rows = [[p]] + [[1] * p] * DRAFT_STEPS
             draft.propose(sid, TreeSpec(gamma=1 + DRAFT_STEPS, topKSpec=rows, topHead=[1] + [p] * DRAFT_STEPS),
                           1 + DRAFT_STEPS)
 
-        one = measure_curve(lambda p: draft.propose(sid, TreeSpec.chain(1), 1), [1])[1]
-        many = measure_curve(steps, parents)
+        many = measure_curve(steps, [0, *parents])  # the one-step proposal takes its turns with the others
+        one = many.pop(0)
     finally:
         draft.release(sid)
     draft_ms = {p: max((ms - one) / DRAFT_STEPS, 1.0) for p, ms in many.items()}

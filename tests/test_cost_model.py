@@ -45,7 +45,7 @@ def test_measured_points_never_decrease():
     assert curve(2) >= curve(1)
     flat = LatencyCurve({1: 132.0, 4: 99.0, 8: 128.0, 16: 190.0})  # V(1) measured in a slow second
     assert flat.points == {1: 99.0, 4: 99.0, 8: 128.0, 16: 190.0}
-    assert flat(8) - flat(1) == pytest.approx(29.0)  # rows still cost (raising gave V(1..8) all 132: rows free)
+    assert flat(8) - flat(1) == pytest.approx(29.0)  # rows from 4 on still cost (raising gave V(1..8) all 132: rows free)
 
 
 def test_bad_points_are_refused():
@@ -68,12 +68,12 @@ def test_round_observation_splits_draft_time_by_prediction():
 def test_measure_curve_times_each_size():
     calls = []
     out = measure_curve(calls.append, [1, 4], repeats=3)
-    assert calls == [1, 1, 4, 1, 4, 1, 4]  # one warm-up, then the sizes in turn, three timed runs each
+    assert calls == [1, 4, 1, 4, 1, 4, 1, 4]  # a warm-up of each, then the sizes in turn, three timed runs each
     assert set(out) == {1, 4} and all(ms >= 0 for ms in out.values())
 
 
 def test_measure_curve_survives_a_slow_start():
-    """A disturbance over the first timed runs (here: the warm-up and the next three calls take 500 ms
+    """A disturbance over the first timed turn (here: the warm-ups and the next three calls take 500 ms
     more) costs each size one run of three, which the median drops: every size gets its own cost.
     Measured one size after the other, all three runs of size 1 fell in it (V(1) 586 ms)."""
     now = [0.0]
@@ -81,7 +81,7 @@ def test_measure_curve_survives_a_slow_start():
 
     def run(x):
         calls.append(x)
-        now[0] += (80.0 + 6.0 * x + (500.0 if len(calls) <= 4 else 0.0)) / 1000
+        now[0] += (80.0 + 6.0 * x + (500.0 if len(calls) <= 6 else 0.0)) / 1000
 
     out = measure_curve(run, [1, 4, 8], repeats=3, clock=lambda: now[0])
     assert out == {1: pytest.approx(86.0), 4: pytest.approx(104.0), 8: pytest.approx(128.0)}
