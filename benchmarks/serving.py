@@ -110,8 +110,8 @@ CPU: each concurrency row's ``cpu_s`` holds the CPU seconds every process on the
 the level (psutil; user + system), by role: the target and draft services, the row's own front
 process and its local Ray (raylet, GCS, the orchestrator actors), the other fronts (idle, their Ray
 daemons), this benchmark process (clients, OTLP receiver) and the rest; ``cpu_busy_share`` is their
-sum over wall time x the CPUs this process may use (its affinity). On shared cores it shows what the services' plumbing takes from the
-forwards.
+sum over the level's time x the CPUs this process may use (its affinity). On shared cores it shows
+what the services' plumbing takes from the forwards.
 
 Memory: with the real pair (float32 target ~6 GB, int8 draft) the grpc/gamma phase holds the
 embedded pair plus a target and a draft service; the concurrency phase two target services. The
@@ -908,7 +908,8 @@ def section_concurrency(args, prompts, configs: dict, collector: SpanCollector |
         for name in order:
             front, target, no_spec = configs[name]
             before, draft_before = target_batched_forwards(target), draft_batched_forwards(draft)
-            cpu_before, cpu_began = (cpu_snapshot(pids), time.perf_counter()) if pids else (None, 0.0)
+            cpu_before = cpu_snapshot(pids) if pids else None
+            cpu_began = time.perf_counter()
             out = run_level(front, ids, int(level), args.max_new_tokens, no_spec, f"conc-{name}-{level}",
                             rate=level if args.open_loop else None)
             cpu_window = time.perf_counter() - cpu_began  # the snapshots' own window (wall_s starts later)
@@ -1309,10 +1310,10 @@ def markdown(result: dict) -> str:
         timed = [r for r in c["rows"] if r.get("cpu_s")]
         if timed:
             parts.append("CPU by process over each level (psutil: user + system time of every process on the "
-                         "machine, % of one CPU over the level's wall time): target and draft services; the row's "
+                         "machine, % of one CPU over the level's time between the two snapshots): target and draft services; the row's "
                          "front process and its local Ray (raylet, GCS, the orchestrator actors); the other fronts "
                          "(idle, their Ray daemons); this benchmark process (the clients and the OTLP receiver); the "
-                         "rest of the machine. busy: the sum over wall time x the CPUs this benchmark may use.\n")
+                         "rest of the machine. busy: their sum over that time x the CPUs this benchmark may use.\n")
             head = ["config", "clients", "target %", "draft %", "front %", "front's Ray %", "other fronts %",
                     "benchmark %", "other %", "busy"]
             rows = []
