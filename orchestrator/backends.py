@@ -17,7 +17,7 @@ import grpc
 
 from orchestrator.controller import GenerationRequest
 from orchestrator.failover import Resumption
-from orchestrator.service import Orchestrator, build_orchestrator
+from orchestrator.service import Orchestrator, build_orchestrator, control_factory, with_costs
 from specdec.config import ServeConfig
 from specdec.stats import GenerationStats
 
@@ -89,16 +89,24 @@ class RayBackend:
             ray.init(address=front.ray_address, num_cpus=front.ray_num_cpus if front.ray_address is None else None,
                      include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
                      runtime_env={"env_vars": actor_env()} if actor_env() else None)
-        config_json = self.config.model_dump_json(by_alias=True)
-        self.actors = [OrchestratorActor.remote(config_json, self.tok_dir) for _ in range(front.workers)]
-        self.inflight = {i: 0 for i in range(len(self.actors))}
-        await asyncio.gather(*[actor.ready.remote() for actor in self.actors])
-        # The front needs the target's limits too (prompt checks): one direct Info call.
-        probe = Orchestrator(front, self.config.grpc)
+        # The front needs the target's limits too (prompt checks): one direct Info call. Where the
+        # cost-aware control would start from prior figures, this probe measures the services once
+        # (Orchestrator.connect) and the actors start from its figures (measuring together, they
+        # would disturb each other's timings).
+        factory = control_factory(self.config)
+        probe = Orchestrator(front, self.config.grpc, control_factory=factory)
         await probe.connect()
         self.info = probe.info
         await probe.target_channel.close()
         await probe.draft_channel.close()
+        config = self.config
+        state = getattr(factory, "shared", None)
+        if state is not None and state.cost.source == "measured":
+            config = with_costs(config, state.cost)
+        config_json = config.model_dump_json(by_alias=True)
+        self.actors = [OrchestratorActor.remote(config_json, self.tok_dir) for _ in range(front.workers)]
+        self.inflight = {i: 0 for i in range(len(self.actors))}
+        await asyncio.gather(*[actor.ready.remote() for actor in self.actors])
 
     PROBE_INTERVAL_S = 0.5  # a failed actor is asked for ``ready`` this often until it answers (Ray restarts it)
     RECOVERY_WAIT_S = 30.0  # with every actor failed, a request waits this long at most for one to answer

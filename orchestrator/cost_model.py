@@ -25,7 +25,10 @@ tokens, int8 0.5B draft) are the priors: V(1, 4, 8, 16, 32) = 285, 365, 449, 606
 
 from __future__ import annotations
 
+import asyncio
 import bisect
+import concurrent.futures
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -116,12 +119,14 @@ class CostModel:
 
     def __init__(self, verify_ms: dict[int, float] | None = None, draft_step_ms: dict[int, float] | None = None,
                  alpha: float = 0.2, source: str = "prior"):
-        measured = source == "measured"
+        measured = source in ("measured", "configured")
         self.verify = LatencyCurve(dict(verify_ms or PRIOR_VERIFY_MS), alpha, measured=measured and bool(verify_ms))
         self.draft_step = LatencyCurve(dict(draft_step_ms or PRIOR_DRAFT_STEP_MS), alpha,
                                        measured=measured and bool(draft_step_ms))
         self.round_overhead_ms = 0.0
-        self.source = source  # "prior" | "measured": where the starting points came from
+        # "prior" | "measured" | "configured" (CostAwareConfig's figures): where the starting points
+        # came from; measured and configured points are this deployment's (LatencyCurve.measured)
+        self.source = source
 
     def draft_step_ms(self, parents: int) -> float:
         """D(parents). Until a draft step has been observed, the draft curve follows the verify
@@ -260,12 +265,13 @@ class LoadedCost:
         return self.draft_ms(parents_per_step) + self.verify(rows) + self.round_overhead_ms
 
 
-def measure_curve(run: Callable[[int], None], xs: Iterable[int], repeats: int = 3,
+def measure_curve(run: Callable[[int], float | None], xs: Iterable[int], repeats: int = 3,
                   clock: Callable[[], float] = time.perf_counter) -> dict[int, float]:
     """Time ``run(x)`` for each x; the median of ``repeats`` runs (ms) per x after one warm-up run of each.
 
-    run: performs one forward of size x (rows or parents) and returns when it is done; clock:
-    seconds. The sizes take turns (x1, x2, ..., then x1, x2, ... again), so a disturbance shorter
+    run: performs one forward of size x (rows or parents) and returns when it is done, with None
+    (the run is timed by ``clock``, seconds) or the seconds the forward itself took (a service's
+    own figure, without transport). The sizes take turns (x1, x2, ..., then x1, x2, ... again), so a disturbance shorter
     than one turn over the sizes (about 0.9 s for V(1..32) on the default pair) costs each size at
     most one of its runs, which the median drops; measured one size after the other, all runs of
     the first size could fall in it. Seen on a 2-core AMD EPYC: one start-up left V flat from 1 to
@@ -280,37 +286,48 @@ def measure_curve(run: Callable[[int], None], xs: Iterable[int], repeats: int = 
     for _ in range(repeats):
         for x in xs:
             t0 = clock()
-            run(x)
-            times[x].append((clock() - t0) * 1000)
+            took = run(x)
+            times[x].append((clock() - t0 if took is None else took) * 1000)
     return {x: sorted(ts)[len(ts) // 2] for x, ts in times.items()}
 
 
 def measure_worker_costs(target, draft, vocab_size: int, context_tokens: int = 128,
-                         rows: Iterable[int] = (1, 4, 8, 16, 32), parents: Iterable[int] = (1, 2, 4, 8)) -> CostModel:
-    """A CostModel measured on in-process workers (specdec.interfaces; the draft may be None).
+                         rows: Iterable[int] = (1, 4, 8, 16, 32), parents: Iterable[int] = (1, 2, 4, 8),
+                         clock: Callable[[], float] = time.perf_counter) -> CostModel:
+    """A CostModel measured on workers with blocking calls (specdec.interfaces; the draft may be None):
+    in-process runtimes, or the services' clients through ``measure_service_costs``.
 
     V(n): verifies of chains of n - 1 nodes after ``context_tokens`` cached tokens, the median of
-    three per size after a warm-up. D(p): a draft proposal of one step against one of 1 +
-    DRAFT_STEPS steps whose later steps expand p parents each: D(p) = the difference / DRAFT_STEPS. Token ids are 1, 2, ... (any ids under ``vocab_size`` do: costs do not depend on them).
-    Uses and releases sessions named ``__cost_model__``. Takes seconds on the 2-core CPU.
+    three per size after a warm-up; the forward's own time where the result reports it
+    (``VerifyResult.forward_ms``, the target service's), as the rounds' timings teach V. D(p): a draft proposal of one step against one of 1 +
+    DRAFT_STEPS steps whose later steps expand p parents each: D(p) = the difference / DRAFT_STEPS
+    (what every proposal costs besides its steps, a catch-up row or a reply's transport, cancels).
+    Token ids are 1, 2, ... (any ids under ``vocab_size`` do: costs do not depend on them); greedy
+    sessions with ids of their own (``__cost_model__`` and a random suffix: two fronts measuring one
+    target at once do not share one), released at the end. Takes seconds on the 2-core CPU; clock:
+    seconds (``measure_curve``). Errors of the workers' calls propagate (the sessions released).
     """
-    from specdec.tree import DraftTree  # noqa: PLC0415 - keeps this module free of torch at import
+    from specdec.sampling import GREEDY  # noqa: PLC0415 - keeps this module free of torch at import
+    from specdec.tree import DraftTree  # noqa: PLC0415
     from specdec.tree_spec import TreeSpec  # noqa: PLC0415
 
-    sid = "__cost_model__"
+    sid = f"__cost_model__{secrets.token_hex(4)}"
     ids = [1 + i % (vocab_size - 1) for i in range(context_tokens)]
-    target.start(sid, ids)
+    target.start(sid, ids, GREEDY)
     try:
-        def verify(n: int) -> None:
-            target.verify(sid, DraftTree(tuple(ids[:n - 1]), tuple(range(-1, n - 2))))
+        def verify(n: int) -> float | None:
+            result = target.verify(sid, DraftTree(tuple(ids[:n - 1]), tuple(range(-1, n - 2))))
             target.commit(sid, 1)
+            # a service's own forward time where it reports one: what the rounds teach V (CostAwareControl.observe)
+            forward_ms = getattr(result, "forward_ms", 0.0)
+            return forward_ms / 1000 if forward_ms > 0 else None
 
-        verify_ms = measure_curve(verify, rows)
+        verify_ms = measure_curve(verify, rows, clock=clock)
     finally:
         target.release(sid)
     if draft is None:
         return CostModel(verify_ms, source="measured")
-    draft.start(sid, ids)
+    draft.start(sid, ids, GREEDY)
     try:
         draft.propose(sid, TreeSpec.chain(1), 1)  # prefill
         draft.commit(sid, [ids[0]], [])
@@ -323,9 +340,38 @@ def measure_worker_costs(target, draft, vocab_size: int, context_tokens: int = 1
             draft.propose(sid, TreeSpec(gamma=1 + DRAFT_STEPS, topKSpec=rows, topHead=[1] + [p] * DRAFT_STEPS),
                           1 + DRAFT_STEPS)
 
-        many = measure_curve(steps, [0, *parents])  # the one-step proposal takes its turns with the others
+        many = measure_curve(steps, [0, *parents], clock=clock)  # the one-step proposal takes its turns with the others
         one = many.pop(0)
     finally:
         draft.release(sid)
     draft_ms = {p: max((ms - one) / DRAFT_STEPS, 1.0) for p, ms in many.items()}
     return CostModel(verify_ms, draft_ms, source="measured")
+
+
+async def measure_service_costs(target, draft, vocab_size: int, call_timeout_s: float = 60.0, **kwargs) -> CostModel:
+    """``measure_worker_costs`` through awaitable workers (the services' gRPC clients,
+    orchestrator.clients), as the front sees them: the reply's transport is in V(n). The
+    measurement runs on a thread whose calls wait on this event loop, so the loop stays free for
+    them; each call may take ``call_timeout_s`` seconds (then TimeoutError, the call cancelled).
+    kwargs: ``measure_worker_costs``'s sizes and clock. Errors of the calls propagate."""
+    loop = asyncio.get_running_loop()
+
+    class _Blocking:
+        def __init__(self, worker):
+            self.worker = worker
+
+        def __getattr__(self, name):
+            method = getattr(self.worker, name)
+
+            def call(*args, **kw):
+                future = asyncio.run_coroutine_threadsafe(method(*args, **kw), loop)
+                try:
+                    return future.result(call_timeout_s)
+                except concurrent.futures.TimeoutError:
+                    future.cancel()
+                    raise TimeoutError(f"{name}: no reply within {call_timeout_s} s") from None
+
+            return call
+
+    return await asyncio.to_thread(measure_worker_costs, _Blocking(target), _Blocking(draft) if draft is not None else None,
+                                   vocab_size, **kwargs)

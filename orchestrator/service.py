@@ -27,6 +27,7 @@ from transformers import AutoTokenizer
 from orchestrator.clients import DraftClient, TargetClient, channel_options, request_deadline
 from orchestrator.control import RequestControl
 from orchestrator.cost_aware import SharedState, cost_aware_factory
+from orchestrator.cost_model import CostModel, measure_service_costs
 from orchestrator.controller import GenerationRequest, GenerationResult, RoundController
 from orchestrator.lockstep import RoundClock
 from specdec.config import ServeConfig
@@ -83,6 +84,7 @@ class Orchestrator:
         shared = await self._shared_compute(draft) if draft is not None else False
         if draft is not None and hasattr(self.control_factory, "shared"):
             self.control_factory.shared.shared_compute = shared
+            await self._measure_costs(target, draft)
         window = self.front.draft_window if self.front.draft_window.applies(shared) else None
         clock = self._clock(shared)
         self.controller = RoundController(
@@ -91,6 +93,26 @@ class Orchestrator:
             on_round=self.on_round, pipeline=self.front.pipeline, draft_window=window,
             clock=clock, plain_load=self._plain_load(clock),
         )
+
+    async def _measure_costs(self, target: TargetClient, draft: DraftClient) -> None:
+        """Start the cost-aware control's cost model from V(n) and D(p) measured through the two
+        services (``orchestrator.cost_model.measure_service_costs``), where it would start from
+        the prior figures (no ``cost_aware.verify_ms`` given) and ``cost_aware.measure_at_start``
+        is on. A failed measurement (a service down or slow) leaves the priors, with a warning."""
+        state = self.control_factory.shared
+        if state.cost.source != "prior" or not self.front.cost_aware.measure_at_start:
+            return
+        try:
+            cost = await measure_service_costs(target, draft, self.info.vocab_size)
+        except Exception as exc:  # noqa: BLE001 - optional: whatever failed, the front starts from the priors
+            code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
+            log.warning("cost model: measuring through the services failed (%s: %s); starting from the prior "
+                        "figures", code, exc)
+            return
+        state.cost = cost
+        figures = cost.snapshot()
+        log.info("cost model measured through the services: V(n) %s ms, D(p) %s ms",
+                 figures["verify_ms"], figures["draft_step_ms"])
 
     def _clock(self, shared: bool) -> RoundClock | None:
         """The round clock of in-step rounds (orchestrator.lockstep): with ``cost_aware.in_step`` on
@@ -264,8 +286,21 @@ def control_factory(config: ServeConfig, shared: SharedState | None = None):
     target's tree limit (no tree grows past it)."""
     front = config.front
     if front.cost_aware.enabled:
-        return cost_aware_factory(front.cost_aware, front.fallback, shared or SharedState())
+        aware = front.cost_aware
+        if shared is None:
+            shared = SharedState()
+            if aware.verify_ms or aware.draft_step_ms:  # given (or a Ray front's probe's, ``with_costs``); the rest prior
+                shared.cost = CostModel(aware.verify_ms, aware.draft_step_ms, source="configured")
+        return cost_aware_factory(aware, front.fallback, shared)
     return lambda spec, max_nodes=MAX_TREE_NODES: RequestControl(spec, front.dynamic_gamma, front.fallback, max_nodes=max_nodes)
+
+
+def with_costs(config: ServeConfig, cost: CostModel) -> ServeConfig:
+    """``config`` with a measured cost model's starting points as ``front.cost_aware.verify_ms`` /
+    ``draft_step_ms`` (a Ray front's probe measures once; its actors start from these)."""
+    aware = config.front.cost_aware.model_copy(update={"verify_ms": dict(cost.verify.points),
+                                                       "draft_step_ms": dict(cost.draft_step.points)})
+    return config.model_copy(update={"front": config.front.model_copy(update={"cost_aware": aware})})
 
 
 def build_orchestrator(config: ServeConfig, tok_dir: str | None) -> Orchestrator:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from orchestrator.cost_model import CostModel, LatencyCurve, measure_curve
+from orchestrator.cost_model import CostModel, LatencyCurve, measure_curve, measure_service_costs
+from specdec.interfaces import VerifyResult
 
 
 def test_worked_example_interpolation_and_extrapolation():
@@ -115,3 +118,80 @@ def test_a_measured_curve_far_off_at_its_first_observation_is_rescaled():
     curve = LatencyCurve({1: 4.5, 4: 6.0}, alpha=0.2, measured=True)
     curve.observe(1, 45.0)
     assert curve(1) == pytest.approx(45.0) and curve(4) == pytest.approx(60.0)
+
+
+class _ScriptedWorkers:
+    """Awaitable target and draft workers (the services' clients' methods) on one scripted clock:
+    a verify of n rows takes 16 + 2n ms, its forward 10 + 2n ms of them (the reply says); a proposal takes 7 ms (its reply and catch-up row) plus
+    its steps, the first 4 ms, each later one 3 + p ms where it expands p parents."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.calls: list[tuple] = []
+        self.open: set[tuple[str, str]] = set()
+        self.target, self.draft = self._Worker(self, "target"), self._Worker(self, "draft")
+
+    class _Worker:
+        def __init__(self, script, kind):
+            self.script, self.kind = script, kind
+
+        async def start(self, sid, ids, sampling):
+            assert sampling.greedy and len(ids) == 128 and max(ids) < 50
+            self.script.open.add((self.kind, sid))
+
+        async def verify(self, sid, tree):
+            forward_ms = 10 + 2 * (len(tree.tokens) + 1)
+            self.script.now += (forward_ms + 6.0) / 1000  # 6 ms transport and gather window
+            return VerifyResult((), (), forward_ms=forward_ms)
+
+        async def propose(self, sid, spec, max_depth):
+            steps = [4.0] + [3.0 + heads for heads in spec.top_head[1:]]
+            self.script.now += (7.0 + sum(steps[:max_depth])) / 1000
+
+        async def commit(self, sid, *args):
+            self.script.calls.append((self.kind, "commit", sid))
+
+        async def release(self, sid):
+            self.script.open.discard((self.kind, sid))
+
+
+def test_measure_service_costs_times_awaitable_workers_and_releases_their_sessions():
+    """Through awaitable workers (as the front measures the services): V(n) is each size's own
+    forward time as the target reports it (not the 6 ms of transport around it: the rounds teach V
+    the same figure), D(p) the per-step difference of proposals (the 7 ms every reply costs cancels)."""
+    script = _ScriptedWorkers()
+
+    async def main():
+        return await measure_service_costs(script.target, script.draft, 50, clock=lambda: script.now)
+
+    cost = asyncio.run(main())
+    assert cost.source == "measured"
+    assert cost.verify.points == {n: pytest.approx(10 + 2 * n) for n in (1, 4, 8, 16, 32)}
+    assert cost.draft_step.points == {p: pytest.approx(3 + p) for p in (1, 2, 4, 8)}
+    assert cost.verify.measured and cost.draft_step.measured
+    assert script.open == set()  # both sessions released
+    sids = {sid for _, _, sid in script.calls}
+    assert len(sids) == 1 and next(iter(sids)).startswith("__cost_model__")
+
+
+def test_measure_service_costs_gives_up_on_a_call_that_never_answers():
+    """A service that never answers a verify: TimeoutError after call_timeout_s, the call cancelled."""
+    script = _ScriptedWorkers()
+    cancelled = []
+
+    async def hang(sid, tree):
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.append(sid)
+            raise
+
+    script.target.verify = hang
+
+    async def main():
+        with pytest.raises(TimeoutError, match="verify"):
+            await measure_service_costs(script.target, script.draft, 50, call_timeout_s=0.2)
+        await asyncio.sleep(0.05)  # the cancellation reaches the hung call
+
+    asyncio.run(main())
+    assert len(cancelled) == 1 and script.open == set()  # the target's session released all the same

@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from draft_service.runtime import DraftRuntime
+from orchestrator.cost_model import PRIOR_DRAFT_STEP_MS, PRIOR_VERIFY_MS, CostModel
 from specdec.grpc_host import MAX_STATUS_CHARS
 from specdec.harness.servers import launch_service, start_service, stop_service, wait_for_exit, wait_ready
 from specdec.interfaces import SessionStateError, UnknownSessionError
@@ -459,6 +460,65 @@ def test_the_orchestrator_finds_the_draft_on_the_targets_cpus(servers, setting, 
             await orchestrator.close()
 
     assert asyncio.run(main()) is expected
+
+
+@pytest.mark.parametrize("cost_aware, source", [({}, "measured"), ({"measure_at_start": False}, "prior"),
+                                                 ({"verify_ms": {1: 50, 8: 90}, "draft_step_ms": {1: 9}}, "configured")])
+def test_the_orchestrator_measures_the_services_costs_when_it_connects(servers, target, cost_aware, source):
+    """The cost-aware control starts from V(n) and D(p) timed through the two services (their
+    sessions released after), unless told not to or given figures (which it keeps as given)."""
+    from orchestrator.service import Orchestrator, control_factory
+    from specdec.config import ServeConfig
+
+    config = ServeConfig.model_validate({"front": {
+        "draft_address": servers["draft"].address, "target_address": servers["target"].address,
+        "cost_aware": cost_aware}})
+    channel = grpc.insecure_channel(servers["draft"].address)
+    draft = draft_pb2_grpc.DraftServiceStub(channel)
+
+    def held():  # (target sessions, draft sessions and their cached tokens)
+        d = draft.Info(draft_pb2.DraftInfoRequest(), timeout=10)
+        return target.Info(target_pb2.InfoRequest(), timeout=10).sessions, d.sessions, d.cached_sessions, d.cached_tokens
+
+    before = held()
+
+    async def main():
+        orchestrator = Orchestrator(config.front, config.grpc, None, control_factory=control_factory(config))
+        await orchestrator.connect()
+        try:
+            return orchestrator.control_factory.shared.cost
+        finally:
+            await orchestrator.close()
+
+    cost = asyncio.run(main())
+    assert cost.source == source
+    if source == "measured":
+        assert set(cost.verify.points) == {1, 4, 8, 16, 32} and set(cost.draft_step.points) == {1, 2, 4, 8}
+        assert all(ms > 0 for ms in [*cost.verify.points.values(), *cost.draft_step.points.values()])
+        assert cost.verify.points != PRIOR_VERIFY_MS and cost.draft_step.points != PRIOR_DRAFT_STEP_MS
+    elif source == "configured":
+        assert cost.verify.points == {1: 50.0, 8: 90.0} and cost.draft_step.points == {1: 9.0}
+    else:
+        assert cost.verify.points == PRIOR_VERIFY_MS
+    deadline = time.monotonic() + 10
+    while (after := held()) != before:  # the draft releases a closed stream's session when it gets to it
+        assert time.monotonic() < deadline, f"sessions left: {after} against {before} before"
+        time.sleep(0.05)
+    channel.close()
+
+
+def test_a_ray_front_measures_once_and_its_actors_start_from_its_figures():
+    """``with_costs``: the probe's measured points travel to the actors in the config."""
+    from orchestrator.service import control_factory, with_costs
+    from specdec.config import ServeConfig
+
+    measured = CostModel({1: 40.0, 8: 70.0}, {1: 6.0, 4: 8.0}, source="measured")
+    measured.verify.observe(1, 80.0)  # learnt scale does not travel: the points do
+    config = with_costs(ServeConfig(), measured)
+    again = ServeConfig.model_validate_json(config.model_dump_json(by_alias=True))  # as an actor gets it
+    cost = control_factory(again).shared.cost
+    assert cost.source == "configured" and cost.verify.points == {1: 40.0, 8: 70.0}
+    assert cost.draft_step.points == {1: 6.0, 4: 8.0} and cost.verify.scale == 1.0
 
 
 # ----------------------------------------------------------------------------------------------
