@@ -121,11 +121,13 @@ concurrency services start early (overlapping start-up) only when they all fit i
 from __future__ import annotations
 
 import argparse
+import ast
 import asyncio
 import gc
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -576,13 +578,22 @@ class Services:
     running: list = field(default_factory=list)
     peak_rss_mb: dict = field(default_factory=dict)  # name -> peak resident MB (VmHWM), read as each stops
     affinity: dict = field(default_factory=dict)  # name -> CPUs its process may run on, read once ready
+    start_costs: dict = field(default_factory=dict)  # front name -> the cost model it started from (front_start_costs)
 
     def note_peak(self, service: Service) -> None:
-        """Record the service's peak resident memory (its own process; a Ray front's actors not included)."""
+        """Record the service's peak resident memory (its own process; a Ray front's actors not
+        included) and, for a front, the cost model it started from (its log)."""
         try:
             self.peak_rss_mb[service.name] = peak_rss_mb(service.proc.pid)
         except (ValueError, OSError):  # already gone, or no /proc here
             pass
+        if service.kind == "front":
+            try:
+                costs = front_start_costs(service.stderr)
+            except OSError:
+                costs = None
+            if costs is not None:
+                self.start_costs[service.name] = costs
 
     def launch(self, kind: str, name: str, config: dict, **flags) -> Service:
         """Start a service from ``config`` (written to the workdir); under ``taskset -c`` when ``pin`` names its kind."""
@@ -638,6 +649,23 @@ class Services:
                 service.stderr_path.unlink()
             except OSError:
                 pass
+
+
+_MEASURED = re.compile(r"cost model measured through the services: V\(n\) (\{[^}]*\}) ms, D\(p\) (\{[^}]*\}) ms")
+
+
+def front_start_costs(log_text: str) -> dict | None:
+    """The cost model a front started from, read from its log (orchestrator.service.Orchestrator
+    ._measure_costs): {"verify_ms": {rows: ms}, "draft_step_ms": {parents: ms}} when it measured
+    the services, {"failed": the warning} when that failed, None when it did not measure (no
+    cost-aware control, ``measure_at_start`` off or figures given: it started from those)."""
+    found = _MEASURED.search(log_text)
+    if found:
+        return {"verify_ms": ast.literal_eval(found.group(1)), "draft_step_ms": ast.literal_eval(found.group(2))}
+    for line in log_text.splitlines():
+        if "cost model: measuring through the services failed" in line:
+            return {"failed": line.split("cost model: ", 1)[1]}
+    return None
 
 
 RESERVED_CONFIGS = ("batched", "batched_in_step", "one_at_a_time", "speculative_pipelined", "target_only")
@@ -1154,9 +1182,9 @@ def section_longprompt(args, services: Services, draft: Service, tokenizer, prom
         for config in args.longprompt_configs:
             key = "pipelined" if config == "speculative_pipelined" else "plain"
             if key not in fronts:
-                fronts[key] = services.launch("front", f"bench-front-long-{key}-{chunk_tokens}",
-                                              service_config(args, front=front_keys[config]),
-                                              draft_address=draft.address, target_address=target.address)
+                fronts[key] = services.wait(services.launch(  # one at a time: each measures the services
+                    "front", f"bench-front-long-{key}-{chunk_tokens}", service_config(args, front=front_keys[config]),
+                    draft_address=draft.address, target_address=target.address))
         for config in args.longprompt_configs:
             front = services.wait(fronts["pipelined" if config == "speculative_pipelined" else "plain"])
             no_spec = config == "target_only"
@@ -1192,6 +1220,18 @@ def markdown(result: dict) -> str:
     if meta.get("peak_rss_mb"):
         parts.append("- peak resident memory per service process (VmHWM, MB; a Ray front's actors not included): "
                      + ", ".join(f"{name} {mb:,.0f}" for name, mb in meta["peak_rss_mb"].items()))
+    if meta.get("front_start_costs"):
+        shown = []
+        for name, costs in meta["front_start_costs"].items():
+            if "failed" in costs:
+                shown.append(f"{name} prior figures ({costs['failed']})")
+            else:
+                v = ", ".join(f"{ms:.0f}" for ms in costs["verify_ms"].values())
+                d = ", ".join(f"{ms:.1f}" for ms in costs["draft_step_ms"].values())
+                shown.append(f"{name} V({', '.join(map(str, costs['verify_ms']))}) = {v} ms, "
+                             f"D({', '.join(map(str, costs['draft_step_ms']))}) = {d} ms")
+        parts.append("- cost model each front started from, measured through the services when it connected "
+                     "(fronts not named started from the prior figures or given ones): " + "; ".join(shown))
     if meta.get("bf16_note"):
         parts.append(f"- {meta['bf16_note']}")
     parts.append(pinning_line(meta.get("pinning")))
@@ -1563,15 +1603,21 @@ def main(argv=None) -> int:
             services.wait(draft) if draft else None
             services.wait(one) if one else None
             if want_grpc:
-                front_local = services.launch("front", "bench-front-local", service_config(args, front={"use_ray": False}),
-                                              draft_address=draft.address, target_address=one.address, no_ray=True)
+                # each front measures the services when it connects (its cost model's start): one at a time
+                front_local = services.wait(services.launch(
+                    "front", "bench-front-local", service_config(args, front={"use_ray": False}),
+                    draft_address=draft.address, target_address=one.address, no_ray=True))
             if ray_grpc or (want_conc and want_one):
-                front_ray_one = services.launch("front", "bench-front-ray-one", service_config(args, front={"use_ray": True}),
-                                                draft_address=draft.address, target_address=one.address)
+                front_ray_one = services.wait(services.launch(
+                    "front", "bench-front-ray-one", service_config(args, front={"use_ray": True}),
+                    draft_address=draft.address, target_address=one.address))
             if early:
                 services.wait(batched)
-                front_batched = services.launch("front", "bench-front-ray-batched", service_config(args, front={"use_ray": True}),
-                                                draft_address=draft.address, target_address=batched.address)
+                # each front measures the services when it connects (its cost model's start): one at a
+                # time, and before this process loads the embedded pair, so nothing else computes then
+                front_batched = services.wait(services.launch(
+                    "front", "bench-front-ray-batched", service_config(args, front={"use_ray": True}),
+                    draft_address=draft.address, target_address=batched.address))
             pipe = mem_exporter = None
             if want_grpc or want_gamma:
                 from orchestrator.embedded import build_pipeline, set_threads
@@ -1603,24 +1649,24 @@ def main(argv=None) -> int:
                 if not early:
                     launch_batched()
                     services.wait(batched)
-                    front_batched = services.launch("front", "bench-front-ray-batched",
-                                                    service_config(args, front={"use_ray": True}),
-                                                    draft_address=draft.address, target_address=batched.address)
+                    front_batched = services.wait(services.launch(  # fronts one at a time: see above
+                        "front", "bench-front-ray-batched", service_config(args, front={"use_ray": True}),
+                        draft_address=draft.address, target_address=batched.address))
                 front_pipelined = None
                 if args.pipeline:
-                    front_pipelined = services.launch("front", "bench-front-ray-pipelined",
-                                                      service_config(args, front={"use_ray": True, "pipeline": True}),
-                                                      draft_address=draft.address, target_address=batched.address)
+                    front_pipelined = services.wait(services.launch(
+                        "front", "bench-front-ray-pipelined", service_config(args, front={"use_ray": True, "pipeline": True}),
+                        draft_address=draft.address, target_address=batched.address))
                 front_in_step = None
                 if args.in_step:
-                    front_in_step = services.launch("front", "bench-front-ray-in-step",
-                                                    service_config(args, front={"use_ray": True,
-                                                                                "cost_aware": {"in_step": True,
-                                                                                               "in_step_max_load": 64.0}}),
-                                                    draft_address=draft.address, target_address=batched.address)
-                variants = {name: services.launch("front", f"bench-front-variant-{name}",
-                                                  service_config(args, front={"use_ray": True, **front}),
-                                                  draft_address=draft.address, target_address=batched.address)
+                    front_in_step = services.wait(services.launch(
+                        "front", "bench-front-ray-in-step",
+                        service_config(args, front={"use_ray": True,
+                                                    "cost_aware": {"in_step": True, "in_step_max_load": 64.0}}),
+                        draft_address=draft.address, target_address=batched.address))
+                variants = {name: services.wait(services.launch(
+                                "front", f"bench-front-variant-{name}", service_config(args, front={"use_ray": True, **front}),
+                                draft_address=draft.address, target_address=batched.address))
                             for name, front in args.front_variant + args.target_only_variant + args.mixed_variant}
                 kinds = {**{name: True for name, _ in args.target_only_variant},
                          **{name: MIXED for name, _ in args.mixed_variant}}
@@ -1661,7 +1707,7 @@ def main(argv=None) -> int:
         "machine": platform.platform(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
         "python": platform.python_version(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "concurrency_services_started_early": early, "wall_s": time.perf_counter() - started,
-        "peak_rss_mb": services.peak_rss_mb, "pipeline": args.pipeline, "front_variants": dict(args.front_variant),
+        "peak_rss_mb": services.peak_rss_mb, "front_start_costs": services.start_costs, "pipeline": args.pipeline, "front_variants": dict(args.front_variant),
         "target_only_variants": dict(args.target_only_variant), "mixed_variants": dict(args.mixed_variant),
         "open_loop": args.open_loop,
         "pinning": {"pinned": pin is not None, "cores": {**pin, "front": "unpinned"} if pin else None,

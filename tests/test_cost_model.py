@@ -174,6 +174,29 @@ def test_measure_service_costs_times_awaitable_workers_and_releases_their_sessio
     assert len(sids) == 1 and next(iter(sids)).startswith("__cost_model__")
 
 
+def test_a_start_up_verify_merged_with_other_sessions_is_run_again():
+    """A target that merges every other verify with another session's (batch_size 2, a forward
+    that takes 100 ms more): only the verifies that ran alone are V(n)'s."""
+    script = _ScriptedWorkers()
+    calls = []
+
+    async def verify(sid, tree):
+        calls.append(len(tree.tokens) + 1)
+        merged = len(calls) % 2 == 1
+        forward_ms = 10 + 2 * (len(tree.tokens) + 1) + (100 if merged else 0)
+        script.now += forward_ms / 1000
+        return VerifyResult((), (), batch_size=2 if merged else 1, forward_ms=forward_ms)
+
+    script.target.verify = verify
+
+    async def main():
+        return await measure_service_costs(script.target, None, 50, rows=(1, 8), clock=lambda: script.now)
+
+    cost = asyncio.run(main())
+    assert cost.verify.points == {1: pytest.approx(12.0), 8: pytest.approx(26.0)}
+    assert calls == [1, 1, 8, 8] * 4  # each run once merged, then again alone
+
+
 def test_measure_service_costs_gives_up_on_a_call_that_never_answers():
     """A service that never answers a verify: TimeoutError after call_timeout_s, the call cancelled."""
     script = _ScriptedWorkers()

@@ -35,6 +35,12 @@ def test_serving_bench_smoke(tmp_path):
     peaks = meta["peak_rss_mb"]
     assert len(peaks) >= 3 and all(mb > 50 for mb in peaks.values()), peaks
     assert "peak resident memory" in md
+    starts = meta["front_start_costs"]  # each front measured the services when it connected (its log says)
+    assert {"bench-front-local", "bench-front-ray-one", "bench-front-ray-batched"} <= starts.keys(), starts
+    for costs in starts.values():
+        assert set(costs["verify_ms"]) == {"1", "4", "8", "16", "32"} and set(costs["draft_step_ms"]) == {"1", "2", "4", "8"}
+        assert all(ms > 0 for ms in [*costs["verify_ms"].values(), *costs["draft_step_ms"].values()]), costs
+    assert "cost model each front started from" in md
 
     grpc_ = result["grpc"]
     assert grpc_["modes"] == ["embedded", "grpc_local", "grpc_ray"] and grpc_["prompts"] == 2
@@ -375,6 +381,19 @@ def test_open_loop_flag_errors(capsys):
         assert flag in capsys.readouterr().err
     args = parse_args(["--open-loop", "--levels", "0.5,1", "--prompts", "6"])
     assert args.levels == [0.5, 1.0] and args.concurrency_prompts == 6
+
+
+def test_front_start_costs_reads_the_fronts_log():
+    from benchmarks.serving import front_start_costs
+
+    log = ("2026-12-05 21:20:01 orchestrator.service INFO cost model measured through the services: "
+           "V(n) {1: 88.5, 4: 104.2, 8: 131.0} ms, D(p) {1: 20.1, 2: 23.9} ms\n")
+    assert front_start_costs("ray started\n" + log) == {"verify_ms": {1: 88.5, 4: 104.2, 8: 131.0},
+                                                          "draft_step_ms": {1: 20.1, 2: 23.9}}
+    failed = ("x orchestrator.service WARNING cost model: measuring through the services failed (TimeoutError: "
+              "verify: no reply within 60.0 s); starting from the prior figures")
+    assert front_start_costs(failed) == {"failed": failed.split("cost model: ", 1)[1]}
+    assert front_start_costs("a front with measure_at_start: false logs neither\n") is None
 
 
 def test_cpu_split_by_role():
