@@ -1602,6 +1602,8 @@ def main(argv=None) -> int:
                 launch_batched()
             services.wait(draft) if draft else None
             services.wait(one) if one else None
+            if early:  # loaded before any front connects: each front times the services then, nothing else computing
+                services.wait(batched)
             if want_grpc:
                 # each front measures the services when it connects (its cost model's start): one at a time
                 front_local = services.wait(services.launch(
@@ -1612,7 +1614,6 @@ def main(argv=None) -> int:
                     "front", "bench-front-ray-one", service_config(args, front={"use_ray": True}),
                     draft_address=draft.address, target_address=one.address))
             if early:
-                services.wait(batched)
                 # each front measures the services when it connects (its cost model's start): one at a
                 # time, and before this process loads the embedded pair, so nothing else computes then
                 front_batched = services.wait(services.launch(

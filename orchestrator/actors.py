@@ -63,3 +63,9 @@ class OrchestratorActor:
 
     async def abort(self, request_id: str) -> bool:
         return await self.orchestrator.abort(request_id)
+
+    async def cost(self) -> dict | None:
+        """The cost-aware control's cost model now (``CostModel.snapshot``: its figures and where they
+        started from), None without that control."""
+        state = getattr(self.orchestrator.control_factory, "shared", None)
+        return state.cost.snapshot() if state is not None else None

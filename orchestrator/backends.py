@@ -101,8 +101,8 @@ class RayBackend:
         await probe.draft_channel.close()
         config = self.config
         state = getattr(factory, "shared", None)
-        if state is not None and state.cost.source == "measured":
-            config = with_costs(config, state.cost)
+        if state is not None and front.speculate and state.cost.source in ("measured", "prior"):
+            config = with_costs(config, state.cost)  # its figures, or no measuring where it failed
         config_json = config.model_dump_json(by_alias=True)
         self.actors = [OrchestratorActor.remote(config_json, self.tok_dir) for _ in range(front.workers)]
         self.inflight = {i: 0 for i in range(len(self.actors))}

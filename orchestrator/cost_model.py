@@ -28,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import bisect
 import concurrent.futures
+import contextlib
+import inspect
 import secrets
 import threading
 import time
@@ -37,7 +39,7 @@ from typing import Callable, Iterable
 PRIOR_VERIFY_MS = {1: 285.0, 4: 365.0, 8: 449.0, 16: 606.0, 32: 894.0}
 PRIOR_DRAFT_STEP_MS = {1: 45.0, 4: 55.0, 8: 70.0, 16: 100.0}
 DRAFT_STEPS = 3  # steps per timed draft proposal at start-up
-MERGED_RETRIES = 3  # a start-up verify that a service merged with other sessions' is run again, this many times at most
+MERGED_RETRIES = 3  # a start-up call that a service merged with other sessions' work is run again, this many times at most
 
 
 @dataclass
@@ -292,75 +294,124 @@ def measure_curve(run: Callable[[int], float | None], xs: Iterable[int], repeats
     return {x: sorted(ts)[len(ts) // 2] for x, ts in times.items()}
 
 
+class MeasurementDisturbed(RuntimeError):
+    """A start-up measurement whose forwards kept sharing the service with other sessions' work."""
+
+
 def measure_worker_costs(target, draft, vocab_size: int, context_tokens: int = 128,
                          rows: Iterable[int] = (1, 4, 8, 16, 32), parents: Iterable[int] = (1, 2, 4, 8),
-                         clock: Callable[[], float] = time.perf_counter) -> CostModel:
+                         clock: Callable[[], float] = time.perf_counter, context_limit: int | None = None) -> CostModel:
     """A CostModel measured on workers with blocking calls (specdec.interfaces; the draft may be None):
     in-process runtimes, or the services' clients through ``measure_service_costs``.
 
     V(n): verifies of chains of n - 1 nodes after ``context_tokens`` cached tokens, the median of
     three per size after a warm-up; the forward's own time where the result reports it
-    (``VerifyResult.forward_ms``, the target service's), as the rounds' timings teach V; a verify
-    the service merged with other sessions' (``batch_size`` > 1: the target serves requests
-    already) is run again, up to MERGED_RETRIES times. D(p): a draft proposal of one step against one of 1 +
-    DRAFT_STEPS steps whose later steps expand p parents each: D(p) = the difference / DRAFT_STEPS
-    (what every proposal costs besides its steps, a catch-up row or a reply's transport, cancels).
+    (``VerifyResult.forward_ms``, the target service's), as the rounds' timings teach V. D(p): a
+    draft proposal of one step against one of 1 + DRAFT_STEPS steps whose later steps expand p
+    parents each: D(p) = the difference / DRAFT_STEPS (what every proposal costs besides its steps,
+    a catch-up row or a reply's transport, cancels). A call that a service merged with other
+    sessions' work (the result's ``batch_size``, or the draft client's ``last_batch_size``, over
+    1: it serves requests already) is run again, up to MERGED_RETRIES times; merged every time, it
+    raises MeasurementDisturbed (a merged forward's time is not this size's).
+
     Token ids are 1, 2, ... (any ids under ``vocab_size`` do: costs do not depend on them); greedy
     sessions with ids of their own (``__cost_model__`` and a random suffix: two fronts measuring one
-    target at once do not share one), released at the end. Takes seconds on the 2-core CPU; clock:
-    seconds (``measure_curve``). Errors of the workers' calls propagate (the sessions released).
+    target at once do not share one), released at the end. The target session grows by at most
+    ``context_tokens`` + 4 * (MERGED_RETRIES + 1) * len(rows) + max(rows) tokens; with
+    ``context_limit`` (the target's max positions) the context shrinks to fit it (ValueError where
+    not even 8 tokens of context fit). Takes seconds on
+    the 2-core CPU; clock: seconds (``measure_curve``). Errors of the workers' calls propagate, the
+    sessions released (a failed release does not hide the error).
     """
     from specdec.sampling import GREEDY  # noqa: PLC0415 - keeps this module free of torch at import
     from specdec.tree import DraftTree  # noqa: PLC0415
     from specdec.tree_spec import TreeSpec  # noqa: PLC0415
 
+    rows = list(rows)
+    if context_limit:
+        context_tokens = min(context_tokens, context_limit - 4 * (MERGED_RETRIES + 1) * len(rows) - max(rows))
+        if context_tokens < 8:
+            raise ValueError(f"context_limit: {context_limit} positions leave no room for the measurement's session")
     sid = f"__cost_model__{secrets.token_hex(4)}"
     ids = [1 + i % (vocab_size - 1) for i in range(context_tokens)]
-    target.start(sid, ids, GREEDY)
-    try:
-        def verify(n: int) -> float | None:
-            for _ in range(MERGED_RETRIES + 1):  # a forward shared with another session's verify is not V(n)'s
-                result = target.verify(sid, DraftTree(tuple(ids[:n - 1]), tuple(range(-1, n - 2))))
-                target.commit(sid, 1)
-                if getattr(result, "batch_size", 1) <= 1:
-                    break
-            # a service's own forward time where it reports one: what the rounds teach V (CostAwareControl.observe)
-            forward_ms = getattr(result, "forward_ms", 0.0)
-            return forward_ms / 1000 if forward_ms > 0 else None
 
+    def alone(what: str, once: Callable[[], object], merged: Callable[[object], bool]) -> tuple[object, float]:
+        """once() until a call that no other session's work shared; (its result, its seconds)."""
+        for _ in range(MERGED_RETRIES + 1):
+            t0 = clock()
+            out = once()
+            took = clock() - t0
+            if not merged(out):
+                return out, took
+        raise MeasurementDisturbed(f"{what}: shared with other sessions' work {MERGED_RETRIES + 1} times in a row "
+                                   "(the service is busy)")
+
+    def verify_once(n: int):
+        result = target.verify(sid, DraftTree(tuple(ids[:n - 1]), tuple(range(-1, n - 2))))
+        target.commit(sid, 1)
+        return result
+
+    def verify(n: int) -> float:
+        result, took = alone(f"verify of {n} rows", lambda: verify_once(n), lambda r: getattr(r, "batch_size", 1) > 1)
+        # a service's own forward time where it reports one: what the rounds teach V (CostAwareControl.observe)
+        forward_ms = getattr(result, "forward_ms", 0.0)
+        return forward_ms / 1000 if forward_ms > 0 else took
+
+    with _session(target, sid, ids, GREEDY):
         verify_ms = measure_curve(verify, rows, clock=clock)
-    finally:
-        target.release(sid)
     if draft is None:
         return CostModel(verify_ms, source="measured")
-    draft.start(sid, ids, GREEDY)
-    try:
+
+    last_batch = getattr(draft, "last_batch_size", None)
+
+    def steps(p: int) -> float:  # p = 0: one step; else 1 + DRAFT_STEPS steps, the later ones expanding p parents each
+        if p == 0:
+            spec, depth = TreeSpec.chain(1), 1
+        else:
+            spec = TreeSpec(gamma=1 + DRAFT_STEPS, topKSpec=[[p]] + [[1] * p] * DRAFT_STEPS,
+                            topHead=[1] + [p] * DRAFT_STEPS)
+            depth = 1 + DRAFT_STEPS
+        _, took = alone(f"draft proposal of {depth} steps", lambda: draft.propose(sid, spec, depth),
+                        lambda _: last_batch is not None and last_batch(sid) > 1)
+        return took
+
+    with _session(draft, sid, ids, GREEDY):
         draft.propose(sid, TreeSpec.chain(1), 1)  # prefill
         draft.commit(sid, [ids[0]], [])
-
-        def steps(p: int) -> None:  # p = 0: one step; else 1 + DRAFT_STEPS steps, the later ones expanding p parents each
-            if p == 0:
-                draft.propose(sid, TreeSpec.chain(1), 1)
-                return
-            rows = [[p]] + [[1] * p] * DRAFT_STEPS
-            draft.propose(sid, TreeSpec(gamma=1 + DRAFT_STEPS, topKSpec=rows, topHead=[1] + [p] * DRAFT_STEPS),
-                          1 + DRAFT_STEPS)
-
         many = measure_curve(steps, [0, *parents], clock=clock)  # the one-step proposal takes its turns with the others
-        one = many.pop(0)
-    finally:
-        draft.release(sid)
+    one = many.pop(0)
     draft_ms = {p: max((ms - one) / DRAFT_STEPS, 1.0) for p, ms in many.items()}
     return CostModel(verify_ms, draft_ms, source="measured")
 
 
-async def measure_service_costs(target, draft, vocab_size: int, call_timeout_s: float = 60.0, **kwargs) -> CostModel:
+@contextlib.contextmanager
+def _session(worker, sid: str, ids: list[int], sampling):
+    """A worker session for the body, released after it even when its start or the body failed
+    (a start that timed out may still have opened it); a failed release hides no error of the body."""
+    try:
+        worker.start(sid, ids, sampling)
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):
+            worker.release(sid)
+        raise
+    else:
+        worker.release(sid)
+
+
+async def measure_service_costs(target, draft, vocab_size: int, call_timeout_s: float = 60.0,
+                                total_timeout_s: float = 300.0, **kwargs) -> CostModel:
     """``measure_worker_costs`` through awaitable workers (the services' gRPC clients,
-    orchestrator.clients), as the front sees them: the reply's transport is in V(n). The
-    measurement runs on a thread whose calls wait on this event loop, so the loop stays free for
-    them; each call may take ``call_timeout_s`` seconds (then TimeoutError, the call cancelled).
-    kwargs: ``measure_worker_costs``'s sizes and clock. Errors of the calls propagate."""
+    orchestrator.clients): V(n) from the target's own forward time (its replies say it), D(p)
+    from the proposals' wall time (transport cancels in the difference). The measurement runs on a
+    thread whose calls wait on this event loop, so the loop stays free for them; each call may take
+    ``call_timeout_s`` seconds and the whole ``total_timeout_s`` (then TimeoutError, the call
+    cancelled). Cancelled, it stops the thread at its next call (the sessions' releases still go
+    out). Sync methods of the workers (``DraftClient.last_batch_size``) are called as they are.
+    kwargs: ``measure_worker_costs``'s sizes, context and clock. Errors of the calls propagate."""
     loop = asyncio.get_running_loop()
+    stop = threading.Event()
+    deadline = time.monotonic() + total_timeout_s
 
     class _Blocking:
         def __init__(self, worker):
@@ -368,8 +419,15 @@ async def measure_service_costs(target, draft, vocab_size: int, call_timeout_s: 
 
         def __getattr__(self, name):
             method = getattr(self.worker, name)
+            if not inspect.iscoroutinefunction(method):
+                return method
 
             def call(*args, **kw):
+                if name != "release":  # a release still goes out: the session must not stay open
+                    if stop.is_set():
+                        raise TimeoutError("cost measurement cancelled")
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"cost measurement: not done within {total_timeout_s} s")
                 future = asyncio.run_coroutine_threadsafe(method(*args, **kw), loop)
                 try:
                     return future.result(call_timeout_s)
@@ -379,5 +437,8 @@ async def measure_service_costs(target, draft, vocab_size: int, call_timeout_s: 
 
             return call
 
-    return await asyncio.to_thread(measure_worker_costs, _Blocking(target), _Blocking(draft) if draft is not None else None,
-                                   vocab_size, **kwargs)
+    try:
+        return await asyncio.to_thread(measure_worker_costs, _Blocking(target),
+                                       _Blocking(draft) if draft is not None else None, vocab_size, **kwargs)
+    finally:
+        stop.set()  # cancelled (or done): the thread's next call, if any, ends it

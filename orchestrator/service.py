@@ -103,7 +103,8 @@ class Orchestrator:
         if state.cost.source != "prior" or not self.front.cost_aware.measure_at_start:
             return
         try:
-            cost = await measure_service_costs(target, draft, self.info.vocab_size)
+            cost = await measure_service_costs(target, draft, self.info.vocab_size,
+                                               context_limit=self.info.context_limit or None)
         except Exception as exc:  # noqa: BLE001 - optional: whatever failed, the front starts from the priors
             code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
             log.warning("cost model: measuring through the services failed (%s: %s); starting from the prior "
@@ -289,17 +290,21 @@ def control_factory(config: ServeConfig, shared: SharedState | None = None):
         aware = front.cost_aware
         if shared is None:
             shared = SharedState()
-            if aware.verify_ms or aware.draft_step_ms:  # given (or a Ray front's probe's, ``with_costs``); the rest prior
+            if aware.verify_ms:  # given, with draft_step_ms (or a Ray front's probe's, ``with_costs``)
                 shared.cost = CostModel(aware.verify_ms, aware.draft_step_ms, source="configured")
         return cost_aware_factory(aware, front.fallback, shared)
     return lambda spec, max_nodes=MAX_TREE_NODES: RequestControl(spec, front.dynamic_gamma, front.fallback, max_nodes=max_nodes)
 
 
 def with_costs(config: ServeConfig, cost: CostModel) -> ServeConfig:
-    """``config`` with a measured cost model's starting points as ``front.cost_aware.verify_ms`` /
-    ``draft_step_ms`` (a Ray front's probe measures once; its actors start from these)."""
-    aware = config.front.cost_aware.model_copy(update={"verify_ms": dict(cost.verify.points),
-                                                       "draft_step_ms": dict(cost.draft_step.points)})
+    """``config`` for a Ray front's actors after its probe connected with ``cost``: a measured
+    model's starting points as ``front.cost_aware.verify_ms`` / ``draft_step_ms`` (the actors start
+    from them, their source "configured"); a model still on the priors (the measurement failed or
+    was off) as ``measure_at_start: false``, so the actors do not measure each on its own, together
+    (and a restarted one in a request's time)."""
+    update = ({"verify_ms": dict(cost.verify.points), "draft_step_ms": dict(cost.draft_step.points)}
+              if cost.source == "measured" else {"measure_at_start": False})
+    aware = config.front.cost_aware.model_copy(update=update)
     return config.model_copy(update={"front": config.front.model_copy(update={"cost_aware": aware})})
 
 

@@ -175,18 +175,26 @@ class CostAwareConfig(_Section):
     # replies teach D: not on the draft's own device under load (they teach its queue share there),
     # nor for an in-process draft (the draft phase's time is the call's)
     draft_cost_from: Literal["forward", "reply"] = "reply"
-    # the cost model's starting shape (orchestrator.cost_model): V(n) in ms by verify rows and D(p) in
-    # ms by parents per draft step, as the front sees them. None: measured through the two services
-    # when the front connects (``measure_at_start``: a few verifies and proposals on a session of its
-    # own, seconds; a front with Ray measures once and hands the figures to its actors), else the
-    # prior figures of the 2-core CPU, whose shape may be far from this deployment's (on a GPU extra
-    # verify rows are nearly free). Given figures are taken as this deployment's: the rounds' timings
-    # then move their scale only
+    # the cost model's starting shape (orchestrator.cost_model): V(n), the target's own forward time
+    # in ms by verify rows, and D(p), ms per draft step by parents expanded, both or neither, 2 points
+    # or more each (between and past them the curves are linear). None: measured through the two
+    # services when the front connects (``measure_at_start``: a few verifies and proposals on a
+    # session of its own, seconds; a front with Ray measures once and hands the figures to its
+    # actors), else the prior figures of the 2-core CPU, whose shape may be far from this
+    # deployment's (on a GPU extra verify rows are nearly free). Given figures are taken as this
+    # deployment's: the rounds' timings then move their scale only
     measure_at_start: bool = True
     verify_ms: dict[Annotated[int, Field(ge=1)], Annotated[float, Field(gt=0, allow_inf_nan=False)]] | None = Field(
-        default=None, min_length=1)
+        default=None, min_length=2)
     draft_step_ms: dict[Annotated[int, Field(ge=1)], Annotated[float, Field(gt=0, allow_inf_nan=False)]] | None = Field(
-        default=None, min_length=1)
+        default=None, min_length=2)
+
+    @model_validator(mode="after")
+    def _costs_together(self):
+        if (self.verify_ms is None) != (self.draft_step_ms is None):
+            given, missing = ("verify_ms", "draft_step_ms") if self.verify_ms is not None else ("draft_step_ms", "verify_ms")
+            raise ValueError(f"{missing}: required with {given} (the cost model starts from both or from neither)")
+        return self
 
 
 class DraftWindowConfig(_Section):

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from orchestrator.cost_model import CostModel, LatencyCurve, measure_curve, measure_service_costs
+from orchestrator.cost_model import CostModel, LatencyCurve, MeasurementDisturbed, measure_curve, measure_service_costs
 from specdec.interfaces import VerifyResult
 
 
@@ -218,3 +218,63 @@ def test_measure_service_costs_gives_up_on_a_call_that_never_answers():
 
     asyncio.run(main())
     assert len(cancelled) == 1 and script.open == set()  # the target's session released all the same
+
+
+def test_a_draft_that_merges_every_proposal_fails_the_measurement_and_releases_both_sessions():
+    """Proposals the draft service always shares with other sessions (its reply's batch_size 3):
+    no D(p) from them: MeasurementDisturbed (the front then starts from the priors)."""
+    script = _ScriptedWorkers()
+    script.draft.last_batch_size = lambda sid: 3  # a sync method, as DraftClient's
+
+    async def main():
+        await measure_service_costs(script.target, script.draft, 50, clock=lambda: script.now)
+
+    with pytest.raises(MeasurementDisturbed, match="draft proposal"):
+        asyncio.run(main())
+    assert script.open == set()
+
+
+def test_a_start_that_fails_still_releases_its_session():
+    """A start that timed out may have opened the session at the service: it is released all the same."""
+    script = _ScriptedWorkers()
+    original = script.draft.start
+
+    async def start_then_fail(sid, ids, sampling):
+        await original(sid, ids, sampling)
+        raise TimeoutError("start: no reply within 60 s")
+
+    script.draft.start = start_then_fail
+
+    async def main():
+        await measure_service_costs(script.target, script.draft, 50, clock=lambda: script.now)
+
+    with pytest.raises(TimeoutError, match="start"):
+        asyncio.run(main())
+    assert script.open == set()
+
+
+def test_a_cancelled_measurement_stops_its_thread_and_releases_the_session():
+    """Cancelled while it runs (a front stopped during connect): the thread makes no call after the
+    one in flight but the release."""
+    script = _ScriptedWorkers()
+    calls = []
+
+    async def slow_verify(sid, tree):
+        calls.append("verify")
+        await asyncio.sleep(0.02)
+
+    script.target.verify = slow_verify
+
+    async def main():
+        task = asyncio.ensure_future(measure_service_costs(script.target, script.draft, 50))
+        await asyncio.sleep(0.15)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        at_cancel = len(calls)
+        await asyncio.sleep(0.3)  # the thread's in-flight call ends, then its next call stops it
+        return at_cancel
+
+    at_cancel = asyncio.run(main())
+    assert 0 < at_cancel < 20  # cancelled mid-way (a full measurement makes 20 verifies)
+    assert len(calls) <= at_cancel + 1 and script.open == set()

@@ -174,6 +174,35 @@ def test_abort_frees_the_requests_kv(stack):
     assert (info.sessions, info.cached_tokens) == (base.sessions, base.cached_tokens)
 
 
+def test_a_ray_front_measures_the_services_once_for_its_actors(stack):
+    """The cost-aware control's start through Ray: the front's probe times the services when it
+    connects and its actors start from those figures ("configured": none measured on its own)."""
+    import ray
+
+    from orchestrator.backends import RayBackend
+    from specdec.config import ServeConfig
+
+    config = ServeConfig.model_validate({"front": {
+        "draft_address": stack["draft"].address, "target_address": stack["target"].address,
+        "workers": 2, "ray_num_cpus": 2}})
+    backend = RayBackend(config, None)
+
+    async def main():
+        await backend.start()
+        try:
+            return await asyncio.gather(*[actor.cost.remote() for actor in backend.actors])
+        finally:
+            await backend.close()
+
+    try:
+        costs = asyncio.run(main())
+    finally:
+        ray.shutdown()
+    assert [c["source"] for c in costs] == ["configured", "configured"]
+    assert set(costs[0]["verify_ms"]) == {1, 4, 8, 16, 32} and set(costs[0]["draft_step_ms"]) == {1, 2, 4, 8}
+    assert costs[0]["verify_ms"] == costs[1]["verify_ms"] and costs[0]["draft_step_ms"] == costs[1]["draft_step_ms"]
+
+
 def test_a_killed_orchestrator_actor_is_restarted_and_serves_again(stack, target_model):
     """SIGKILL one of the 2 actors: requests keep succeeding (one that meets the dead or restarting
     actor before its first token is sent to the other); once Ray has restarted it, the restarted

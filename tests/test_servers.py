@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from draft_service.runtime import DraftRuntime
-from orchestrator.cost_model import PRIOR_DRAFT_STEP_MS, PRIOR_VERIFY_MS, CostModel
+from orchestrator.cost_model import PRIOR_VERIFY_MS, CostModel
 from specdec.grpc_host import MAX_STATUS_CHARS
 from specdec.harness.servers import launch_service, start_service, stop_service, wait_for_exit, wait_ready
 from specdec.interfaces import SessionStateError, UnknownSessionError
@@ -449,7 +449,7 @@ def test_the_orchestrator_finds_the_draft_on_the_targets_cpus(servers, setting, 
 
     config = ServeConfig.model_validate({"front": {
         "draft_address": servers["draft"].address, "target_address": servers["target"].address,
-        "cost_aware": {"shared_compute": setting}}})
+        "cost_aware": {"shared_compute": setting, "measure_at_start": False}}})
 
     async def main():
         orchestrator = Orchestrator(config.front, config.grpc, None, control_factory=control_factory(config))
@@ -463,7 +463,7 @@ def test_the_orchestrator_finds_the_draft_on_the_targets_cpus(servers, setting, 
 
 
 @pytest.mark.parametrize("cost_aware, source", [({}, "measured"), ({"measure_at_start": False}, "prior"),
-                                                 ({"verify_ms": {1: 50, 8: 90}, "draft_step_ms": {1: 9}}, "configured")])
+                                                 ({"verify_ms": {1: 50, 8: 90}, "draft_step_ms": {1: 9, 4: 12}}, "configured")])
 def test_the_orchestrator_measures_the_services_costs_when_it_connects(servers, target, cost_aware, source):
     """The cost-aware control starts from V(n) and D(p) timed through the two services (their
     sessions released after), unless told not to or given figures (which it keeps as given)."""
@@ -495,9 +495,8 @@ def test_the_orchestrator_measures_the_services_costs_when_it_connects(servers, 
     if source == "measured":
         assert set(cost.verify.points) == {1, 4, 8, 16, 32} and set(cost.draft_step.points) == {1, 2, 4, 8}
         assert all(ms > 0 for ms in [*cost.verify.points.values(), *cost.draft_step.points.values()])
-        assert cost.verify.points != PRIOR_VERIFY_MS and cost.draft_step.points != PRIOR_DRAFT_STEP_MS
     elif source == "configured":
-        assert cost.verify.points == {1: 50.0, 8: 90.0} and cost.draft_step.points == {1: 9.0}
+        assert cost.verify.points == {1: 50.0, 8: 90.0} and cost.draft_step.points == {1: 9.0, 4: 12.0}
     else:
         assert cost.verify.points == PRIOR_VERIFY_MS
     deadline = time.monotonic() + 10
@@ -505,6 +504,38 @@ def test_the_orchestrator_measures_the_services_costs_when_it_connects(servers, 
         assert time.monotonic() < deadline, f"sessions left: {after} against {before} before"
         time.sleep(0.05)
     channel.close()
+
+
+def test_a_measurement_that_fails_leaves_the_priors_with_a_warning(servers, caplog):
+    """The draft unreachable when the front connects: the front still starts, from the prior figures,
+    and says why; the target's measurement session is released."""
+    from orchestrator.service import Orchestrator, control_factory
+    from specdec.config import ServeConfig
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    config = ServeConfig.model_validate({"front": {"draft_address": dead, "target_address": servers["target"].address}})
+    before = target_sessions(servers)
+
+    async def main():
+        orchestrator = Orchestrator(config.front, config.grpc, None, control_factory=control_factory(config))
+        await orchestrator.connect()
+        try:
+            return orchestrator.control_factory.shared.cost
+        finally:
+            await orchestrator.close()
+
+    with caplog.at_level("WARNING", logger="orchestrator.service"):
+        cost = asyncio.run(main())
+    assert cost.source == "prior" and cost.verify.points == PRIOR_VERIFY_MS
+    assert "measuring through the services failed" in caplog.text and "prior figures" in caplog.text
+    assert target_sessions(servers) == before
+
+
+def target_sessions(servers) -> int:
+    with grpc.insecure_channel(servers["target"].address) as channel:
+        return target_pb2_grpc.TargetServiceStub(channel).Info(target_pb2.InfoRequest(), timeout=10).sessions
 
 
 def test_a_ray_front_measures_once_and_its_actors_start_from_its_figures():
@@ -519,6 +550,9 @@ def test_a_ray_front_measures_once_and_its_actors_start_from_its_figures():
     cost = control_factory(again).shared.cost
     assert cost.source == "configured" and cost.verify.points == {1: 40.0, 8: 70.0}
     assert cost.draft_step.points == {1: 6.0, 4: 8.0} and cost.verify.scale == 1.0
+    # a probe whose measurement failed: its actors do not measure each on its own
+    failed = ServeConfig.model_validate_json(with_costs(ServeConfig(), CostModel()).model_dump_json(by_alias=True))
+    assert failed.front.cost_aware.measure_at_start is False and failed.front.cost_aware.verify_ms is None
 
 
 # ----------------------------------------------------------------------------------------------
