@@ -46,6 +46,11 @@ class LocalBackend:
     def info(self):
         return self.orchestrator.info
 
+    def cost(self) -> dict | None:
+        """The cost-aware control's cost model (``CostModel.snapshot``), None without that control."""
+        state = getattr(self.orchestrator.control_factory, "shared", None)
+        return state.cost.snapshot() if state is not None else None
+
     async def stream(self, request: GenerationRequest, request_id: str, timeout_s, carrier):
         try:
             async for chunk in self.orchestrator.stream(request, request_id, timeout_s, carrier):
@@ -78,6 +83,7 @@ class RayBackend:
         self.failed: dict[int, asyncio.Task] = {}  # actors that failed a request, until they answer again
         self.aborted: set[str] = set()  # requests aborted while between actors (failing over)
         self.info = None
+        self.start_cost: dict | None = None  # the cost model the actors started from (the probe's snapshot)
 
     async def start(self) -> None:
         import ray
@@ -103,10 +109,16 @@ class RayBackend:
         state = getattr(factory, "shared", None)
         if state is not None and front.speculate and state.cost.source in ("measured", "prior"):
             config = with_costs(config, state.cost)  # its figures, or no measuring where it failed
+        self.start_cost = state.cost.snapshot() if state is not None else None
         config_json = config.model_dump_json(by_alias=True)
         self.actors = [OrchestratorActor.remote(config_json, self.tok_dir) for _ in range(front.workers)]
         self.inflight = {i: 0 for i in range(len(self.actors))}
         await asyncio.gather(*[actor.ready.remote() for actor in self.actors])
+
+    def cost(self) -> dict | None:
+        """The cost model the actors started from (each then learns its own from its rounds; the
+        front's metrics follow every round's), None without the cost-aware control."""
+        return self.start_cost
 
     PROBE_INTERVAL_S = 0.5  # a failed actor is asked for ``ready`` this often until it answers (Ray restarts it)
     RECOVERY_WAIT_S = 30.0  # with every actor failed, a request waits this long at most for one to answer

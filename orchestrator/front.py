@@ -291,6 +291,7 @@ async def serve_front(config: ServeConfig) -> int:
     backend = RayBackend(config, tok_dir) if config.front.use_ray else LocalBackend(config, tok_dir)
     await backend.start()
     metrics = SpecMetrics()
+    metrics.observe_costs(backend.cost())  # what the cost model starts from, before any round
     monitor = AcceptanceMonitor(config.front.monitor, metrics=metrics)
     if config.front.metrics_port is not None:
         start_metrics_server(config.front.metrics_port, metrics)

@@ -176,11 +176,17 @@ class SpecMetrics:
         self.context_tokens.labels(outcome="proposed").inc(record.context_proposed)
         self.context_tokens.labels(outcome="accepted").inc(record.context_accepted)
         self.expected_accepted_tokens.inc(record.expected_accepted)
-        if record.cost is not None:  # the cost-aware control's cost model when it decided this round
-            for rows, ms in record.cost.get("verify_ms", {}).items():
-                self.cost_verify_ms.labels(rows=str(rows)).set(ms)
-            for parents, ms in record.cost.get("draft_step_ms", {}).items():
-                self.cost_draft_step_ms.labels(parents=str(parents)).set(ms)
+        self.observe_costs(record.cost)  # the cost-aware control's cost model when it decided this round
+
+    def observe_costs(self, cost: dict | None) -> None:
+        """Set the cost-model gauges from a ``CostModel.snapshot`` (None: no cost-aware control):
+        every round's, and the front's at start-up (what it connected with)."""
+        if cost is None:
+            return
+        for rows, ms in cost.get("verify_ms", {}).items():
+            self.cost_verify_ms.labels(rows=str(rows)).set(ms)
+        for parents, ms in cost.get("draft_step_ms", {}).items():
+            self.cost_draft_step_ms.labels(parents=str(parents)).set(ms)
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         """Record one phase's wall time in seconds. Raises ValueError for an unknown phase."""

@@ -11,7 +11,9 @@ own tests (test_orchestrator_ray.py).
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -372,14 +374,25 @@ def test_prefill_of_an_open_session_is_already_exists(stack):
 
 def test_cost_aware_front_is_exact(pair, tmp_path, target_model):
     """The default control over gRPC (cost-aware trees, context branches, the first round without the
-    draft): greedy output equals target-only, and FinalStats carries the control's decisions."""
-    config = write_config(tmp_path / "serve.yaml", pair, front={"port": 0})
+    draft): greedy output equals target-only, and FinalStats carries the control's decisions. Before
+    any request the front's metrics show the cost model it measured through the services."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        metrics_port = s.getsockname()[1]
+    config = write_config(tmp_path / "serve.yaml", pair, front={"port": 0, "metrics_port": metrics_port})
     draft, target = launch_service("draft", config), launch_service("target", config)
     try:
         wait_ready(draft), wait_ready(target)
         front = wait_ready(launch_service("front", config, draft_address=draft.address,
                                           target_address=target.address, no_ray=True))
         try:
+            body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+            gauges = {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
+                      if line.startswith("specdec_cost_")}
+            assert set(gauges) == {*(f'specdec_cost_verify_ms{{rows="{n}"}}' for n in (1, 4, 8, 16, 32)),
+                                   *(f'specdec_cost_draft_step_ms{{parents="{p}"}}' for p in (1, 2, 4, 8))}, gauges
+            assert all(ms > 0 for ms in gauges.values())
+            assert "cost model measured through the services" in front.stderr
             drafted = 0
             for seed in range(4):
                 base = prompt_ids(200 + seed, 5)
