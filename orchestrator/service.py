@@ -70,7 +70,8 @@ class Orchestrator:
         self.info = None
 
     async def connect(self, timeout: float = 60.0) -> None:
-        """Open the channels and read the target's vocabulary, EOS ids and context limit."""
+        """Open the channels and read the target's vocabulary, EOS ids and context limit; for the
+        cost-aware control, time the services for its cost model (seconds, ``_measure_costs``)."""
         options = channel_options(self.grpc_cfg.max_message_bytes)
         self.target_channel = aio_channel(self.front.target_address, self.grpc_cfg, options)  # TLS / mTLS when configured
         self.draft_channel = aio_channel(self.front.draft_address, self.grpc_cfg, options)
@@ -282,8 +283,9 @@ def load_tokenizer(path: str):
 
 def control_factory(config: ServeConfig, shared: SharedState | None = None):
     """(TreeSpec, max_nodes) -> per-request control policy: CostAwareControl when front.cost_aware
-    is enabled (its requests share ``shared``: cost model from prior figures, then the rounds'
-    timings), else RequestControl from front.dynamic_gamma / front.fallback; max_nodes: the
+    is enabled (its requests share ``shared``: a cost model from ``cost_aware.verify_ms`` /
+    ``draft_step_ms`` when given, else from prior figures until ``Orchestrator.connect`` measures
+    the services; then the rounds' timings), else RequestControl from front.dynamic_gamma / front.fallback; max_nodes: the
     target's tree limit (no tree grows past it)."""
     front = config.front
     if front.cost_aware.enabled:
