@@ -300,7 +300,8 @@ class MeasurementDisturbed(RuntimeError):
 
 def measure_worker_costs(target, draft, vocab_size: int, context_tokens: int = 128,
                          rows: Iterable[int] = (1, 4, 8, 16, 32), parents: Iterable[int] = (1, 2, 4, 8),
-                         clock: Callable[[], float] = time.perf_counter, context_limit: int | None = None) -> CostModel:
+                         clock: Callable[[], float] = time.perf_counter, context_limit: int | None = None,
+                         max_rows: int | None = None) -> CostModel:
     """A CostModel measured on workers with blocking calls (specdec.interfaces; the draft may be None):
     in-process runtimes, or the services' clients through ``measure_service_costs``.
 
@@ -319,7 +320,8 @@ def measure_worker_costs(target, draft, vocab_size: int, context_tokens: int = 1
     target at once do not share one), released at the end. The target session grows by at most
     ``context_tokens`` + 4 * (MERGED_RETRIES + 1) * len(rows) + max(rows) tokens; with
     ``context_limit`` (the target's max positions) the context shrinks to fit it (ValueError where
-    not even 8 tokens of context fit). Takes seconds on
+    not even 8 tokens of context fit); with ``max_rows`` (the target's tree limit + 1) larger sizes
+    are left out (their V extrapolates). Takes seconds on
     the 2-core CPU; clock: seconds (``measure_curve``). Errors of the workers' calls propagate, the
     sessions released (a failed release does not hide the error).
     """
@@ -327,13 +329,14 @@ def measure_worker_costs(target, draft, vocab_size: int, context_tokens: int = 1
     from specdec.tree import DraftTree  # noqa: PLC0415
     from specdec.tree_spec import TreeSpec  # noqa: PLC0415
 
-    rows = list(rows)
+    rows = [n for n in rows if max_rows is None or n <= max_rows] or [1]
     if context_limit:
         context_tokens = min(context_tokens, context_limit - 4 * (MERGED_RETRIES + 1) * len(rows) - max(rows))
         if context_tokens < 8:
             raise ValueError(f"context_limit: {context_limit} positions leave no room for the measurement's session")
     sid = f"__cost_model__{secrets.token_hex(4)}"
     ids = [1 + i % (vocab_size - 1) for i in range(context_tokens)]
+    chain = [1 + i % (vocab_size - 1) for i in range(max(rows))]  # the verified chains' tokens, whatever the context
 
     def alone(what: str, once: Callable[[], object], merged: Callable[[object], bool]) -> tuple[object, float]:
         """once() until a call that no other session's work shared; (its result, its seconds)."""
@@ -347,7 +350,7 @@ def measure_worker_costs(target, draft, vocab_size: int, context_tokens: int = 1
                                    "(the service is busy)")
 
     def verify_once(n: int):
-        result = target.verify(sid, DraftTree(tuple(ids[:n - 1]), tuple(range(-1, n - 2))))
+        result = target.verify(sid, DraftTree(tuple(chain[:n - 1]), tuple(range(-1, n - 2))))
         target.commit(sid, 1)
         return result
 
@@ -400,13 +403,13 @@ def _session(worker, sid: str, ids: list[int], sampling):
 
 
 async def measure_service_costs(target, draft, vocab_size: int, call_timeout_s: float = 60.0,
-                                total_timeout_s: float = 300.0, **kwargs) -> CostModel:
+                                total_timeout_s: float = 120.0, **kwargs) -> CostModel:
     """``measure_worker_costs`` through awaitable workers (the services' gRPC clients,
     orchestrator.clients): V(n) from the target's own forward time (its replies say it), D(p)
     from the proposals' wall time (transport cancels in the difference). The measurement runs on a
     thread whose calls wait on this event loop, so the loop stays free for them; each call may take
-    ``call_timeout_s`` seconds and the whole ``total_timeout_s`` (then TimeoutError, the call
-    cancelled). Cancelled, it stops the thread at its next call (the sessions' releases still go
+    ``call_timeout_s`` seconds, and none waits past ``total_timeout_s`` from the start (then
+    TimeoutError, the call cancelled; the releases after it get ``call_timeout_s`` each). Cancelled, it stops the thread at its next call (the sessions' releases still go
     out). Sync methods of the workers (``DraftClient.last_batch_size``) are called as they are.
     kwargs: ``measure_worker_costs``'s sizes, context and clock. Errors of the calls propagate."""
     loop = asyncio.get_running_loop()
@@ -428,12 +431,13 @@ async def measure_service_costs(target, draft, vocab_size: int, call_timeout_s: 
                         raise TimeoutError("cost measurement cancelled")
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"cost measurement: not done within {total_timeout_s} s")
+                wait_s = call_timeout_s if name == "release" else min(call_timeout_s, deadline - time.monotonic())
                 future = asyncio.run_coroutine_threadsafe(method(*args, **kw), loop)
                 try:
-                    return future.result(call_timeout_s)
+                    return future.result(max(wait_s, 0.0))
                 except concurrent.futures.TimeoutError:
                     future.cancel()
-                    raise TimeoutError(f"{name}: no reply within {call_timeout_s} s") from None
+                    raise TimeoutError(f"{name}: no reply within {max(wait_s, 0.0):.1f} s") from None
 
             return call
 

@@ -105,7 +105,8 @@ class Orchestrator:
             return
         try:
             cost = await measure_service_costs(target, draft, self.info.vocab_size,
-                                               context_limit=self.info.context_limit or None)
+                                               context_limit=self.info.context_limit or None,
+                                               max_rows=self.info.max_tree_nodes + 1 if self.info.max_tree_nodes else None)
         except Exception as exc:  # noqa: BLE001 - optional: whatever failed, the front starts from the priors
             code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
             log.warning("cost model: measuring through the services failed (%s: %s); starting from the prior "

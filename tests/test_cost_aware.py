@@ -11,9 +11,11 @@ cache after context tokens were accepted.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import pytest
+from pydantic import ValidationError
 
 from draft_service.runtime import DraftRuntime
 from orchestrator.cost_aware import CostAwareControl, DepthEstimates, SharedState, could_pay, plan_depth
@@ -21,6 +23,7 @@ from orchestrator.cost_model import PRIOR_DRAFT_STEP_MS, PRIOR_VERIFY_MS, CostMo
 from orchestrator.controller import GenerationRequest
 from orchestrator.engine import SpeculativeEngine
 from orchestrator.shaping import MATCH_BUCKET_LABELS, match_bucket, ngram_continuation
+from specdec.config import CostAwareConfig
 from specdec.tree_spec import TreeSpec
 from target_service.runtime import TargetRuntime
 from tests.conftest import (
@@ -1027,3 +1030,17 @@ def test_draft_steps_are_priced_from_the_draft_call_not_the_reply_wait(source):
         assert step < 20.0, step
     else:
         assert step > 40.0, step
+
+
+@pytest.mark.parametrize("given, field", [
+    ({"verify_ms": {1: 10, 8: 20}}, "draft_step_ms: required with verify_ms"),
+    ({"draft_step_ms": {1: 3, 4: 5}}, "verify_ms: required with draft_step_ms"),
+    ({"verify_ms": {1: 10}, "draft_step_ms": {1: 3, 4: 5}}, "verify_ms"),
+    ({"verify_ms": {0: 10, 8: 20}, "draft_step_ms": {1: 3, 4: 5}}, "verify_ms.0"),
+    ({"verify_ms": {1: 10, 8: 20}, "draft_step_ms": {1: -3, 4: 5}}, "draft_step_ms.1"),
+])
+def test_given_cost_figures_are_both_or_neither_two_points_positive(given, field):
+    """front.cost_aware.verify_ms / draft_step_ms: refused with the field named."""
+    with pytest.raises(ValidationError, match=re.escape(field)):
+        CostAwareConfig.model_validate(given)
+    assert CostAwareConfig.model_validate({"verify_ms": {1: 10, 8: 20}, "draft_step_ms": {1: 3, 4: 5}}).verify_ms == {1: 10.0, 8: 20.0}

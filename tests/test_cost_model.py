@@ -278,3 +278,33 @@ def test_a_cancelled_measurement_stops_its_thread_and_releases_the_session():
     at_cancel = asyncio.run(main())
     assert 0 < at_cancel < 20  # cancelled mid-way (a full measurement makes 20 verifies)
     assert len(calls) <= at_cancel + 1 and script.open == set()
+
+
+def test_the_session_fits_the_targets_context_and_tree_limits():
+    """A target of 130 positions and 16 tree nodes: the context shrinks so that the session's growth
+    (a token a verify, retries counted, and the largest chain) fits, the chains keep their sizes
+    (their tokens do not come from the context), sizes past the tree limit are left out; a
+    target of 80 positions leaves no room: ValueError (the front keeps the priors)."""
+    script = _ScriptedWorkers()
+    seen = []
+
+    async def start(sid, ids, sampling):
+        seen.append(len(ids))
+        script.open.add(("target", sid))
+
+    async def verify(sid, tree):
+        assert len(tree.tokens) == len(tree.parents) and len(tree.tokens) <= 16
+        script.now += (10 + 2 * (len(tree.tokens) + 1)) / 1000
+
+    script.target.start = start
+    script.target.verify = verify
+
+    async def main(limit):
+        return await measure_service_costs(script.target, None, 50, clock=lambda: script.now,
+                                           context_limit=limit, max_rows=17)
+
+    cost = asyncio.run(main(130))
+    assert seen == [130 - 4 * 4 * 4 - 16] and set(cost.verify.points) == {1, 4, 8, 16}
+    with pytest.raises(ValueError, match="context_limit"):
+        asyncio.run(main(80))
+    assert script.open == set()

@@ -201,6 +201,9 @@ def test_a_ray_front_measures_the_services_once_for_its_actors(stack):
     assert [c["source"] for c in costs] == ["configured", "configured"]
     assert set(costs[0]["verify_ms"]) == {1, 4, 8, 16, 32} and set(costs[0]["draft_step_ms"]) == {1, 2, 4, 8}
     assert costs[0]["verify_ms"] == costs[1]["verify_ms"] and costs[0]["draft_step_ms"] == costs[1]["draft_step_ms"]
+    probe = backend.cost()  # what the probe measured, which the front's metrics show at start-up
+    assert probe["source"] == "measured" and probe["verify_ms"] == costs[0]["verify_ms"]
+    assert probe["draft_step_ms"] == costs[0]["draft_step_ms"]
 
 
 def test_a_killed_orchestrator_actor_is_restarted_and_serves_again(stack, target_model):
