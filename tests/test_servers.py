@@ -440,26 +440,32 @@ def test_info(info, pair, reference):
     assert (info.host, info.device, set(info.cpus)) == (socket.gethostname(), "cpu", os.sched_getaffinity(0))
 
 
+def connected_state(config):
+    """The SharedState of the cost-aware control of an Orchestrator after ``connect`` (closed again)."""
+    from orchestrator.service import Orchestrator, control_factory
+
+    async def main():
+        orchestrator = Orchestrator(config.front, config.grpc, None, control_factory=control_factory(config))
+        await orchestrator.connect()
+        try:
+            return orchestrator.control_factory.shared
+        finally:
+            await orchestrator.close()
+
+    return asyncio.run(main())
+
+
 @pytest.mark.parametrize("setting, expected", [("auto", True), (False, False)])
 def test_the_orchestrator_finds_the_draft_on_the_targets_cpus(servers, setting, expected):
     """Both services report their placement in Info; on one host and CPU set the front prices
     draft steps as shared compute (front.cost_aware.shared_compute "auto"); an explicit setting wins."""
-    from orchestrator.service import Orchestrator, control_factory
     from specdec.config import ServeConfig
 
     config = ServeConfig.model_validate({"front": {
         "draft_address": servers["draft"].address, "target_address": servers["target"].address,
         "cost_aware": {"shared_compute": setting, "measure_at_start": False}}})
 
-    async def main():
-        orchestrator = Orchestrator(config.front, config.grpc, None, control_factory=control_factory(config))
-        await orchestrator.connect()
-        try:
-            return orchestrator.control_factory.shared.shared_compute
-        finally:
-            await orchestrator.close()
-
-    assert asyncio.run(main()) is expected
+    assert connected_state(config).shared_compute is expected
 
 
 @pytest.mark.parametrize("cost_aware, source", [({}, "measured"), ({"measure_at_start": False}, "prior"),
@@ -467,7 +473,6 @@ def test_the_orchestrator_finds_the_draft_on_the_targets_cpus(servers, setting, 
 def test_the_orchestrator_measures_the_services_costs_when_it_connects(servers, target, cost_aware, source):
     """The cost-aware control starts from V(n) and D(p) timed through the two services (their
     sessions released after), unless told not to or given figures (which it keeps as given)."""
-    from orchestrator.service import Orchestrator, control_factory
     from specdec.config import ServeConfig
 
     config = ServeConfig.model_validate({"front": {
@@ -482,15 +487,7 @@ def test_the_orchestrator_measures_the_services_costs_when_it_connects(servers, 
 
     before = held()
 
-    async def main():
-        orchestrator = Orchestrator(config.front, config.grpc, None, control_factory=control_factory(config))
-        await orchestrator.connect()
-        try:
-            return orchestrator.control_factory.shared.cost
-        finally:
-            await orchestrator.close()
-
-    cost = asyncio.run(main())
+    cost = connected_state(config).cost
     assert cost.source == source
     if source == "measured":
         assert set(cost.verify.points) == {1, 4, 8, 16, 32} and set(cost.draft_step.points) == {1, 2, 4, 8}
@@ -509,7 +506,6 @@ def test_the_orchestrator_measures_the_services_costs_when_it_connects(servers, 
 def test_a_measurement_that_fails_leaves_the_priors_with_a_warning(servers, caplog):
     """The draft unreachable when the front connects: the front still starts, from the prior figures,
     and says why; the target's measurement session is released."""
-    from orchestrator.service import Orchestrator, control_factory
     from specdec.config import ServeConfig
 
     with socket.socket() as s:  # a port nobody listens on
@@ -518,16 +514,8 @@ def test_a_measurement_that_fails_leaves_the_priors_with_a_warning(servers, capl
     config = ServeConfig.model_validate({"front": {"draft_address": dead, "target_address": servers["target"].address}})
     before = target_sessions(servers)
 
-    async def main():
-        orchestrator = Orchestrator(config.front, config.grpc, None, control_factory=control_factory(config))
-        await orchestrator.connect()
-        try:
-            return orchestrator.control_factory.shared.cost
-        finally:
-            await orchestrator.close()
-
     with caplog.at_level("WARNING", logger="orchestrator.service"):
-        cost = asyncio.run(main())
+        cost = connected_state(config).cost
     assert cost.source == "prior" and cost.verify.points == PRIOR_VERIFY_MS
     assert "measuring through the services failed" in caplog.text and "prior figures" in caplog.text
     assert target_sessions(servers) == before
