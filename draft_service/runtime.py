@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from draft_service.tree_builder import Step, tree_steps
-from specdec.forward import model_forward, model_forward_batch, model_forward_packed, packed_layout
+from specdec.forward import DirectDecoder, model_forward, model_forward_batch, model_forward_packed, packed_layout
 from specdec.interfaces import SessionStateError, UnknownSessionError
 from specdec.kv_cache import append_kv_row, cache_length, compact_kv, new_cache, stack_kv, truncate_kv
 from specdec.sampling import GREEDY, SamplingParams, session_rng
@@ -77,16 +77,20 @@ class AheadTree(NamedTuple):
 class DraftRuntime:
     """Implements DraftWorker (specdec.interfaces) over a transformers causal LM."""
 
-    def __init__(self, model, vocab_size: int | None = None, packed: bool | None = None):
+    def __init__(self, model, vocab_size: int | None = None, packed: bool | None = None, direct: bool = True):
         """vocab_size: ids both models share (None = the draft's own); packed: how ``propose_batch``
         lays out several sessions' step rows, as in ``TargetRuntime`` (True = one packed sequence,
         each session attending to its own cache; False = padded batch after a stacked cache; None =
-        packed when the model's attention is ``sdpa``)."""
+        packed when the model's attention is ``sdpa``); direct: one session's forwards go through
+        ``specdec.forward.DirectDecoder`` where it knows the model (the same logits and KV, bit for
+        bit, with less per-call overhead), else ``model_forward``."""
         self.model = model
         self.vocab_size = vocab_size
         self.sessions: dict[str, DraftSession] = {}
         self.packed = packed_layout(model, packed)
         self.scale_per_call = activation_scale_per_call(model)
+        decoder = DirectDecoder.of(model) if direct else None
+        self._forward = decoder if decoder is not None else (lambda *args, **kw: model_forward(model, *args, **kw))
 
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams = GREEDY) -> None:
         """Open a session; sampling: the request's parameters, used by every propose of the session."""
@@ -111,7 +115,7 @@ class DraftRuntime:
         s.prefill_chunk = max_tokens
         positions = torch.arange(s.cached_len, s.cached_len + len(pending))
         try:
-            model_forward(self.model, s.cache, pending, positions, mask=None, logits_rows=1)
+            self._forward(s.cache, pending, positions, mask=None, logits_rows=1)
         except BaseException:
             truncate_kv(s.cache, s.cached_len)  # layers the failed forward reached hold part of the chunk
             raise
@@ -192,7 +196,7 @@ class DraftRuntime:
             s.cached_len -= 1
             truncate_kv(s.cache, s.cached_len)
         pending = s.tokens[s.cached_len :]
-        logits = model_forward(self.model, s.cache, pending, torch.arange(s.cached_len, len(s.tokens)),
+        logits = self._forward(s.cache, pending, torch.arange(s.cached_len, len(s.tokens)),
                                mask=None, logits_rows=1)  # (1, V)
         s.cached_len = len(s.tokens)
         guess = int(logits[-1, : self.vocab_size].argmax())
@@ -338,10 +342,10 @@ class DraftRuntime:
     def _forward_one(self, r: _StepRows) -> torch.Tensor:
         """One session's own forward: step 0 plainly causal, later steps with the tree mask."""
         if r.root:
-            logits = model_forward(self.model, r.session.cache, r.ids, r.positions, mask=None, logits_rows=1)
+            logits = self._forward(r.session.cache, r.ids, r.positions, mask=None, logits_rows=1)
             r.session.cached_len = len(r.session.tokens)
         else:
-            logits = model_forward(self.model, r.session.cache, r.ids, r.positions, additive_mask(r.visible, self.model.dtype))
+            logits = self._forward(r.session.cache, r.ids, r.positions, additive_mask(r.visible, self.model.dtype))
         return torch.log_softmax(logits, dim=-1)  # (1 or P, V)
 
     def _forward_together(self, rows: list[_StepRows]) -> list[torch.Tensor]:

@@ -225,27 +225,25 @@ def test_a_started_prefill_ends_in_its_own_chunks_whenever_the_first_propose_com
     assert old.draft_logprobs != finished.draft_logprobs
 
 
-def test_a_failed_prefill_forward_leaves_the_cache_at_its_prefilled_prefix(monkeypatch):
+def test_a_failed_prefill_forward_leaves_the_cache_at_its_prefilled_prefix():
     """A chunk whose forward fails (here after the cache grew, as a forward failing in its last
     layer leaves it) is dropped from the cache: the next propose, which ends the prefill itself,
     gives the tree of a clean run."""
-    import draft_service.runtime as module
-
     model = tiny_model("qwen2", seed=4)
     prompt = random_prompt(seed=22, length=30)
     runtime = DraftRuntime(model)
     runtime.start("a", prompt)
     assert runtime.prefill("a", 8)
-    real = module.model_forward
+    real = runtime._forward  # the session's forward (DirectDecoder for this model)
 
     def fails_after_writing(*args, **kwargs):
         real(*args, **kwargs)
         raise RuntimeError("injected forward failure")
 
-    monkeypatch.setattr(module, "model_forward", fails_after_writing)
+    runtime._forward = fails_after_writing
     with pytest.raises(RuntimeError, match="injected"):
         runtime.prefill("a", 8)
-    monkeypatch.setattr(module, "model_forward", real)
+    runtime._forward = real
     s = runtime.sessions["a"]
     assert s.cached_len == 8
     assert_kv_equal(cache_kv(s.cache), prefill_kv(model, prompt[:8]), what="cache after the failed chunk")
