@@ -50,6 +50,17 @@ class PackedLinear(nn.Module):
         y = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")  # (M, out)
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def direct(self):
+        """``forward`` as a plain function bound to this layer's buffers (no module call; for
+        ``specdec.forward.DirectDecoder``). It reads the buffers as they are now."""
+        weight, bias, n_in, n_out = self.packed_weight, self.bias, self.in_features, self.out_features
+        op = torch.ops.mkldnn._linear_pointwise.default
+
+        def linear(x: torch.Tensor) -> torch.Tensor:
+            return op(x.reshape(-1, n_in), weight, bias, "none", [], "").reshape(*x.shape[:-1], n_out)
+
+        return linear
+
 
 def prepack_linears(model: nn.Module) -> int:
     """Replace every float32 CPU ``nn.Linear`` in ``model`` with a PackedLinear; returns how many.

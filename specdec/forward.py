@@ -27,6 +27,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from specdec.cpu_linear import PackedLinear
+
 
 def _cache_kwarg(model) -> str:
     # transformers renamed `past_key_values` to `cache` in 5.x; take whichever this version has.
@@ -78,20 +80,24 @@ DIRECT_MODEL_TYPES = ("qwen2", "llama")  # decoder layouts ``DirectDecoder`` kno
 def _direct_linear(module) -> Callable[[torch.Tensor], torch.Tensor]:
     """The op a linear layer's forward runs, bound to its weights: a dynamically quantized int8 linear
     (``torch.ao``) calls ``quantized::linear_dynamic`` as its forward does, minus the per-call checks
-    of its packed-parameter object (~0.9 ms a draft step); any other linear is called as is."""
+    of its packed-parameter object (~0.9 ms a draft step); a ``PackedLinear`` runs its oneDNN op
+    (``PackedLinear.direct``); any other linear is called as is."""
     packed = getattr(module, "_packed_params", None)
     if packed is not None and getattr(packed, "dtype", None) == torch.qint8:
         weights, reduce_range = packed._packed_params, not (module.version is None or module.version < 4)
         op = torch.ops.quantized.linear_dynamic.default
         return lambda x: op(x, weights, reduce_range)
+    if type(module) is PackedLinear:  # a float32 linear pre-packed for oneDNN (the CPU target's)
+        return module.direct()
     return module
 
 
 def _direct_norm(module) -> Callable[[torch.Tensor], torch.Tensor]:
     """A Qwen2 / Llama RMSNorm's forward as its ops (float32 activations: its dtype casts are no-ops),
-    bound to its weight; any other norm module is called as is."""
+    bound to its weight; any other norm module, or one whose forward was replaced, is called as is."""
     weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
-    if not type(module).__name__.endswith("RMSNorm") or weight is None or eps is None or weight.dtype != torch.float32:
+    if (not type(module).__name__.endswith("RMSNorm") or weight is None or eps is None or weight.dtype != torch.float32
+            or not _own_forward(module)):
         return module
 
     def norm(x: torch.Tensor) -> torch.Tensor:
@@ -104,7 +110,16 @@ def _direct_norm(module) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def _direct_activation(module) -> Callable[[torch.Tensor], torch.Tensor]:
     """transformers' SiLU activation module as ``F.silu`` (its forward); any other is called as is."""
-    return F.silu if type(module).__name__ == "SiLUActivation" or type(module) is torch.nn.SiLU else module
+    known = (type(module).__name__ == "SiLUActivation" and _own_forward(module)) or type(module) is torch.nn.SiLU
+    return F.silu if known else module
+
+
+def _own_forward(module) -> bool:
+    """Whether ``module`` runs its class's own forward from transformers' modelling code (not one a
+    hub kernel or a patch put in its place, on the instance or the class)."""
+    cls = type(module)
+    return ("forward" not in vars(module) and cls.forward.__module__ == cls.__module__
+            and cls.__module__.startswith("transformers."))
 
 
 class DirectDecoder:
@@ -142,16 +157,19 @@ class DirectDecoder:
 
     @classmethod
     def of(cls, model) -> "DirectDecoder | None":
-        """A DirectDecoder of ``model``, or None where its layout is not one this class knows (model
-        type, extra norms or projections, sliding-window layers, another attention than sdpa)."""
+        """A DirectDecoder of ``model``, or None where its layout is not one this class knows: another
+        model type, extra norms or projections, sliding-window layers, another attention than sdpa,
+        a non-causal config, no LM head, training mode. (Norms and activations whose forward is not
+        their class's own, e.g. hub kernels, are called as modules: ``_direct_norm``.) Its weights and
+        settings are read here: build it after quantizing or switching the model's attention."""
         config = model.config
-        if config.model_type not in DIRECT_MODEL_TYPES or model.training:
+        if config.model_type not in DIRECT_MODEL_TYPES or model.training or getattr(config, "is_causal", True) is False:
+            return None
+        if model.get_output_embeddings() is None:
             return None
         if config._attn_implementation not in ("sdpa", PACKED_ATTENTION):
             return None
         if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
-            return None
-        if getattr(config, "pretraining_tp", 1) != 1:
             return None
         try:
             decoder = model.get_decoder()
@@ -169,12 +187,13 @@ class DirectDecoder:
 
     @torch.inference_mode()
     def __call__(self, cache, input_ids: list[int], position_ids: torch.Tensor, mask: torch.Tensor | None,
-                 logits_rows: int | None = None) -> torch.Tensor:
-        """``model_forward(model, cache, input_ids, position_ids, mask, logits_rows)`` (no argmax
-        head): Q new tokens after the cached ones; returns [logits_rows or Q, V] float32 logits; the
-        cache grows by Q slots. A mask of None with Q > 1 after cached slots is the causal mask the
-        model forward would build. On an error mid-forward some layers may already hold the rows:
-        truncate them, as after ``model_forward``."""
+                 logits_rows: int | None = None, argmax_head=None) -> torch.Tensor:
+        """``model_forward(model, cache, input_ids, position_ids, mask, logits_rows, argmax_head)``:
+        Q new tokens after the cached ones; returns [logits_rows or Q, V] float32 logits, or with an
+        ``ArgmaxHead`` the kept rows' argmax ids [logits_rows or Q] int64 (up to its max_rows kept
+        rows; more: logits); the cache grows by Q slots. A mask of None with Q > 1 after cached slots
+        is the causal mask the model forward would build. On an error mid-forward some layers may
+        already hold the rows: truncate them, as after ``model_forward``."""
         model = self.model
         device, dtype = model.device, model.dtype
         q_len = len(input_ids)
@@ -202,6 +221,8 @@ class DirectDecoder:
             x = norm2(hidden)
             hidden = hidden + down(act(gate(x)) * up(x))
         hidden = self.norm(hidden[:, -logits_rows:] if logits_rows else hidden)  # (1, Q', H)
+        if argmax_head is not None and hidden.shape[1] <= argmax_head.max_rows:
+            return argmax_head.argmax(hidden[0])  # (Q',)
         return self.head(hidden)[0].float()  # (Q', V)
 
 
@@ -290,14 +311,18 @@ def _sdpa_attention(module, query, key, value, attention_mask, native_gqa: bool 
     (``native_gqa``, set by this module's forwards) SDPA's own grouped-query attention: transformers
     copies each key / value head num_key_value_groups times (``repeat_kv``) whenever a mask is given,
     which on a 2-core Intel Xeon cost 7-9% of a Qwen2.5-1.5B verify of 4-8 tree rows after 1000 cached
-    tokens (2026-12-05). Without a mask transformers already asks SDPA for grouped-query attention,
-    and for one row it packs the query heads instead: both are left to it. Same kernel maths: the
-    logits are bit for bit transformers' (tested). query: [B, H, Q, D], key / value: [B, H_kv, S, D],
+    tokens (2026-12-05). Without a mask transformers already asks SDPA for grouped-query attention
+    (head_dim <= 256), and for one row it packs the query heads instead: both are left to it, as are
+    tensors off the CPU (on CUDA transformers keeps masked rows off ``enable_gqa``, whose kernel
+    choice there was not checked). On the CPU the logits are bit for bit transformers' (tested with
+    torch 2.13: tiny models, and attention alone at Qwen2.5 shapes up to 1024 rows). query: [B, H, Q, D], key / value: [B, H_kv, S, D],
     mask: [B, 1, Q, S] additive or boolean, or None. Returns ([B, Q, H, D], None), as transformers'
     does."""
-    if (not native_gqa or attention_mask is None or query.shape[2] == 1 or kwargs.get("softcap") is not None
-            or kwargs.get("position_bias") is not None or getattr(module, "num_key_value_groups", 1) == 1):
-        # without a mask transformers already uses enable_gqa; one row: its own packed-query path
+    if (not native_gqa or attention_mask is None or query.shape[2] == 1 or query.device.type != "cpu"
+            or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
+            or getattr(module, "num_key_value_groups", 1) == 1):
+        # without a mask transformers already picks enable_gqa itself (head_dim <= 256); one row: its own
+        # packed-query path; CUDA: transformers avoids enable_gqa with a mask (the math kernel), not checked here
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=kwargs.get("dropout", 0.0), scale=kwargs.get("scaling"),
@@ -323,10 +348,13 @@ def _packed_attention(module, query, key, value, attention_mask, packed_rows: Pa
     return out, None
 
 
+NATIVE_GQA = True  # False: this module's forwards take transformers' sdpa path too (benchmarks/forward_paths.py)
+
+
 def _gqa_kwargs(model) -> dict:
     """The keyword that turns on ``_sdpa_attention``'s grouped-query path, for a model whose attention
     is ours (``use_packed_attention``); nothing for other models (their attention would not read it)."""
-    return {"native_gqa": True} if model.config._attn_implementation == PACKED_ATTENTION else {}
+    return {"native_gqa": True} if NATIVE_GQA and model.config._attn_implementation == PACKED_ATTENTION else {}
 
 
 def use_packed_attention(model) -> None:

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from specdec.argmax_head import argmax_head_of
-from specdec.forward import model_forward, model_forward_batch, model_forward_packed, packed_layout
+from specdec.forward import DirectDecoder, model_forward, model_forward_batch, model_forward_packed, packed_layout
 from specdec.interfaces import SessionStateError, UnknownSessionError, VerifyResult
 from specdec.kv_cache import append_kv_row, compact_kv, new_cache, stack_kv, truncate_kv
 from specdec.sampling import GREEDY, SamplingParams, processed_probs, session_rng
@@ -101,7 +101,7 @@ class TargetRuntime:
 
     batch_prefill_chunks = True  # verify_batch takes PrefillChunk items
 
-    def __init__(self, model, max_tree_nodes: int = MAX_TREE_NODES, packed: bool | None = None):
+    def __init__(self, model, max_tree_nodes: int = MAX_TREE_NODES, packed: bool | None = None, direct: bool = True):
         """model: a transformers causal LM; max_tree_nodes: the largest tree ``verify`` takes;
         packed: how ``verify_batch`` lays out several sessions' rows. True = packed into one
         sequence, each session attending to its own cache (``model_forward_packed``; switches the
@@ -109,7 +109,9 @@ class TargetRuntime:
         False = a padded [B, Q] batch after a stacked cache (``model_forward_batch``); None = packed
         when the model's attention is ``sdpa`` (the transformers default) and its class takes a
         registered attention function, else padded. Raises ValueError for packed=True where that
-        does not hold (``specdec.forward.packed_layout``)."""
+        does not hold (``specdec.forward.packed_layout``). direct: one session's forwards (prefill,
+        verify) go through ``specdec.forward.DirectDecoder`` where it knows the model (the same
+        logits, argmax ids and KV, bit for bit, with less per-call overhead), else ``model_forward``."""
         self.model = model
         self.vocab_size = model.config.vocab_size
         self.max_tree_nodes = max_tree_nodes
@@ -117,6 +119,8 @@ class TargetRuntime:
         self.packed = packed_layout(model, packed)
         # greedy rows' argmax without the full LM head, where the model has one attached (load_target)
         self.argmax_head = argmax_head_of(model)
+        decoder = DirectDecoder.of(model) if direct else None
+        self._forward = decoder if decoder is not None else (lambda *args, **kw: model_forward(model, *args, **kw))
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -137,7 +141,7 @@ class TargetRuntime:
             raise ValueError("prompt_ids: empty prompt")
         cache = new_cache(self.model.config)
         positions = torch.arange(len(prompt_ids))
-        root_logits = model_forward(self.model, cache, prompt_ids, positions, mask=None, logits_rows=1)  # (1, V)
+        root_logits = self._forward(cache, prompt_ids, positions, mask=None, logits_rows=1)  # (1, V)
         rng = None if sampling.greedy else session_rng(sampling, "target")
         self.sessions[session_id] = TargetSession(cache, len(prompt_ids) - 1, prompt_ids[-1], sampling, rng,
                                                   root_logits=root_logits[-1])
@@ -157,7 +161,7 @@ class TargetRuntime:
             raise ValueError("prompt_ids: empty prefill chunk")
         first = s.cache_len + 1  # R's slot is cached: the chunk follows it
         positions = torch.arange(first, first + len(prompt_ids))
-        logits = model_forward(self.model, s.cache, list(prompt_ids), positions, mask=None, logits_rows=1)  # (1, V)
+        logits = self._forward(s.cache, list(prompt_ids), positions, mask=None, logits_rows=1)  # (1, V)
         s.cache_len += len(prompt_ids)
         s.root = prompt_ids[-1]
         s.root_logits = logits[-1]
@@ -182,7 +186,7 @@ class TargetRuntime:
         truncate_kv(s.cache, s.cache_len)  # drop the slots of an earlier verify that failed mid-way
         positions = tree_position_ids(tree.parents, s.cache_len)  # (N + 1,)
         mask = tree_attention_mask(tree.parents, s.cache_len, self.model.dtype)  # (1, 1, N+1, L+N+1)
-        return self._rows(model_forward(self.model, s.cache, [s.root, *tree.tokens], positions, mask,
+        return self._rows(self._forward(s.cache, [s.root, *tree.tokens], positions, mask,
                                         argmax_head=self.argmax_head if argmax else None), argmax)
 
     def _first_tree_logits(self, s: TargetSession, tree: DraftTree, argmax: bool = False) -> torch.Tensor:
@@ -199,7 +203,7 @@ class TargetRuntime:
             return root  # no forward
         positions = tree_position_ids(tree.parents, s.cache_len)[1:]  # (N,)
         mask = tree_attention_mask(tree.parents, s.cache_len, self.model.dtype)[:, :, 1:]  # (1, 1, N, L+1+N)
-        rows = model_forward(self.model, s.cache, list(tree.tokens), positions, mask,
+        rows = self._forward(s.cache, list(tree.tokens), positions, mask,
                              argmax_head=self.argmax_head if argmax else None)  # (N, V) or (N,)
         return torch.cat([root, self._rows(rows, argmax)])
 

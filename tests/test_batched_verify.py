@@ -43,7 +43,8 @@ MIN = torch.finfo(torch.float32).min
 
 
 class ForwardSpy:
-    """Counts the runtime's solo and batched forwards and keeps the logits they returned."""
+    """Counts the target runtime's solo forwards (``model_forward`` or its DirectDecoder) and batched
+    forwards, and keeps the logits they returned."""
 
     def __init__(self, monkeypatch):
         self.solo: list[torch.Tensor] = []  # [Q, V] per solo forward
@@ -51,8 +52,8 @@ class ForwardSpy:
         solo_fn, batch_fn = runtime_module.model_forward, runtime_module.model_forward_batch
         packed_fn = runtime_module.model_forward_packed
 
-        def solo(*args, **kwargs):
-            self.solo.append(solo_fn(*args, **kwargs))
+        def solo(fn, *args, **kwargs):
+            self.solo.append(fn(*args, **kwargs))
             return self.solo[-1]
 
         def batched(*args, **kwargs):
@@ -63,7 +64,13 @@ class ForwardSpy:
             self.batched.append(packed_fn(*args, **kwargs))
             return self.batched[-1]
 
-        monkeypatch.setattr(runtime_module, "model_forward", solo)
+        class SpiedDecoder(runtime_module.DirectDecoder):  # a runtime's solo forwards where it goes direct
+            def __call__(decoder, *args, **kwargs):
+                return solo(decoder_call, decoder, *args, **kwargs)
+
+        decoder_call = runtime_module.DirectDecoder.__call__
+        monkeypatch.setattr(runtime_module, "model_forward", lambda *args, **kwargs: solo(solo_fn, *args, **kwargs))
+        monkeypatch.setattr(runtime_module, "DirectDecoder", SpiedDecoder)
         monkeypatch.setattr(runtime_module, "model_forward_batch", batched)
         monkeypatch.setattr(runtime_module, "model_forward_packed", packed)
 

@@ -460,6 +460,35 @@ def test_draft_window_benchmark_on_tiny_models(long_pair, tmp_path):
     assert "| w40f2 |" in (out / "results.md").read_text()
 
 
+def test_forward_paths_benchmark_on_tiny_models(long_pair, tmp_path):
+    """benchmarks/forward_paths.py: our plain decoding, transformers' forward paths and ours side by
+    side, each speculative method with its own measured cost model, outputs equal to target-only; the
+    module switches are restored after."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import forward_paths
+
+    import specdec.forward as forward
+    from tests.conftest import tiny_model
+
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
+                            for i, c, t in [(1, "rag", " ".join(f"word{i}" for i in range(30))), (2, "qa", "hello world")]))
+    out = tmp_path / "out"
+    summary = forward_paths.main(["--questions", str(path), "--per-category", "1", "--max-new-tokens", "6",
+                                  "--target", str(long_pair.target), "--draft", str(long_pair.draft), "--out", str(out)])
+    assert forward.NATIVE_GQA is True and forward.DirectDecoder.of(tiny_model("qwen2", seed=7)) is not None
+    result = json.loads((out / "results.json").read_text())
+    rows = result["questions"]
+    assert [r["question_id"] for r in rows] == [1, 2]
+    assert all(r[m]["same"] for r in rows for m in ("plain", "transformers", "ours"))
+    assert [r["order"][0] for r in rows] == ["target", "plain"]  # rotated by the question's index
+    assert all(r["plain"]["proposed"] == 0 and r["plain"]["rounds"] == r["plain"]["new_tokens"] for r in rows)
+    assert summary["target"]["speedup"] == 1.0 and summary["ours_over_transformers"] > 0
+    costs = result["meta"]["cost_model_start"]
+    assert set(costs) == {"transformers", "ours"} and all(c["source"] == "measured" for c in costs.values())
+    assert "Ours over transformers' paths" in (out / "results.md").read_text()
+
+
 @pytest.mark.skipif(not fbgemm_available(), reason="torch has no fbgemm/x86 quantized kernels here")
 def test_argmax_screen_benchmark_on_tiny_models(long_pair, tmp_path):
     """benchmarks/argmax_screen.py: the screen on and off side by side, outputs equal to target-only."""

@@ -28,8 +28,10 @@ from specdec.tree import additive_mask
 from tests.conftest import VOCAB, cache_kv, random_prompt, tiny_model
 
 
-def _variant(kind: str, int8: bool, ours: bool):
+def _variant(kind: str, int8: bool, ours: bool, bf16: bool = False):
     model = copy.deepcopy(tiny_model(kind, seed=7))  # own copy: quantizing and switching attention mutate it
+    if bf16:
+        model = model.to(torch.bfloat16)
     if int8:
         model = quantize_draft(model)
     if ours:
@@ -70,10 +72,12 @@ def _calls(cached: int) -> list[tuple[list[int], torch.Tensor, torch.Tensor | No
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
-@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+@pytest.mark.parametrize("weights", ["float32", "int8", "bfloat16"])
 @pytest.mark.parametrize("ours", [True, False], ids=["our-attention", "sdpa"])
-def test_direct_decoder_equals_the_model_forward_bit_for_bit(kind, int8, ours):
-    model = _variant(kind, int8, ours)
+def test_direct_decoder_equals_the_model_forward_bit_for_bit(kind, weights, ours):
+    """(The masks are float32 additive, as the draft runtime builds them for a float32 draft: a
+    bfloat16 model gets them cast, as the model forward casts them.)"""
+    model = _variant(kind, weights == "int8", ours, bf16=weights == "bfloat16")
     direct = DirectDecoder.of(model)
     assert direct is not None
     prompt = random_prompt(seed=30, length=40)
@@ -118,7 +122,51 @@ def test_direct_decoder_is_none_for_layouts_it_does_not_know():
     extra = copy.deepcopy(tiny_model("qwen2", seed=7))
     extra.get_decoder().layers[1].self_attn.q_norm = torch.nn.LayerNorm(8)  # a Qwen3-style extra norm
     assert DirectDecoder.of(extra) is None
+    not_causal = copy.deepcopy(tiny_model("qwen2", seed=7))
+    not_causal.config.is_causal = False
+    assert DirectDecoder.of(not_causal) is None
+    patched = copy.deepcopy(tiny_model("qwen2", seed=7))  # a replaced norm forward (as a hub kernel does)
+    norm = patched.get_decoder().layers[0].input_layernorm
+    norm.forward = lambda x: x * 2.0
+    assert forward._direct_norm(norm) is norm  # called as the module: the replacement runs
+    assert forward._direct_norm(patched.get_decoder().layers[1].input_layernorm) is not patched.get_decoder().layers[1].input_layernorm
+    decoder = DirectDecoder.of(patched)
+    cache, ref = new_cache(patched.config), new_cache(patched.config)
+    ids = random_prompt(seed=38, length=6)
+    assert torch.equal(decoder(cache, ids, torch.arange(6), None), model_forward(patched, ref, ids, torch.arange(6), None))
     assert DirectDecoder.of(tiny_model("llama", seed=7)) is not None
+
+
+def test_the_draft_runtime_forwards_through_the_direct_decoder_with_the_same_trees():
+    """DraftRuntime's one-session forwards go through DirectDecoder where it knows the model (and not
+    with direct=False, or for eager attention), and its trees, log-probs and cache are the same."""
+    from draft_service.runtime import DraftRuntime
+    from specdec.tree_spec import TreeSpec
+
+    spec = TreeSpec(gamma=3, topKSpec=[[3], [1, 1], [1, 1]], topHead=[1, 2, 2])
+
+    model = _variant("qwen2", int8=True, ours=False)
+    direct, plain = DraftRuntime(model), DraftRuntime(model, direct=False)
+    assert isinstance(direct._forward, DirectDecoder) and not isinstance(plain._forward, DirectDecoder)
+    eager = copy.deepcopy(tiny_model("qwen2", seed=7))
+    eager.set_attn_implementation("eager")
+    assert not isinstance(DraftRuntime(eager, packed=False)._forward, DirectDecoder)
+    prompt = random_prompt(seed=34, length=20)
+    for runtime in (direct, plain):
+        runtime.start("a", prompt)
+        runtime.prefill("a", 8)
+    for accept in (2, 0, 3, 1):  # partial acceptance along the first-child path, then a bonus token
+        trees = [runtime.propose("a", spec, 3) for runtime in (direct, plain)]
+        assert (trees[0].tokens, trees[0].parents) == (trees[1].tokens, trees[1].parents), accept
+        assert trees[0].draft_logprobs == trees[1].draft_logprobs, accept
+        path, node = [], -1
+        while len(path) < accept and node in trees[0].parents:
+            node = trees[0].parents.index(node)
+            path.append(node)
+        for runtime in (direct, plain):
+            runtime.commit("a", [*[trees[0].tokens[n] for n in path], 9], path)
+    for (k, v), (ref_k, ref_v) in zip(cache_kv(direct.sessions["a"].cache), cache_kv(plain.sessions["a"].cache)):
+        assert torch.equal(k, ref_k) and torch.equal(v, ref_v)
 
 
 class _SdpaSpy:
@@ -152,6 +200,9 @@ def test_masked_rows_use_grouped_query_sdpa_with_transformers_logits(kind, monke
     """A tree verify (masked rows) through our attention: SDPA's grouped-query path, logits and KV
     equal to the same forward on plain sdpa (transformers' repeat_kv path); one row keeps transformers'."""
     ours, plain = _variant(kind, int8=False, ours=True), _variant(kind, int8=False, ours=False)
+    for model in (ours, plain):  # a scale that is not SDPA's default: the new path must pass it on
+        for layer in model.get_decoder().layers:
+            layer.self_attn.scaling = 0.3
     prompt = random_prompt(seed=32, length=30)
     caches = {}
     for name, model in (("ours", ours), ("plain", plain)):
@@ -185,3 +236,76 @@ def test_a_plain_model_call_on_our_attention_keeps_transformers_path(monkeypatch
         model(ids[:, 5:], cache=cache, use_cache=True)  # 4 rows after 5 cached: a masked causal forward
     assert spy.native_calls == []
     assert 4 in spy.transformers_calls
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_batched_verify_rows_use_grouped_query_sdpa_with_transformers_logits(layout, monkeypatch):
+    """Several sessions' masked rows in one forward (the target's merged verify, the draft's merged
+    steps), packed or padded: SDPA's grouped-query path, logits equal to plain sdpa's."""
+    from specdec.forward import model_forward_batch, model_forward_packed
+    from specdec.kv_cache import stack_kv
+
+    ours, plain = _variant("qwen2", int8=False, ours=True), _variant("qwen2", int8=False, ours=False)
+    prompts = [random_prompt(seed=35, length=12), random_prompt(seed=36, length=12)]
+    parents = [[-1, 0, 0, 1], [-1, 0, 1, 2]]
+    ids = [[3, 4, 5, 6], [7, 8, 9, 10]]
+    masks = [_tree_mask(12, p) for p in parents]
+    positions = [torch.tensor([12, 13, 13, 14]), torch.tensor([12, 13, 14, 15])]
+    outs = {}
+    for name, model in (("ours", ours), ("plain", plain)):
+        caches = []
+        for prompt in prompts:
+            caches.append(new_cache(model.config))
+            model_forward(model, caches[-1], prompt, torch.arange(12), None, logits_rows=1)
+        spy = _SdpaSpy(monkeypatch)
+        if layout == "packed" and name == "ours":
+            outs[name] = torch.stack(model_forward_packed(model, caches, ids, positions, masks))
+        elif layout == "packed":  # plain sdpa cannot pack: the same rows one session at a time
+            outs[name] = torch.stack([model_forward(model, c, i, p, m) for c, i, p, m in zip(caches, ids, positions, masks)])
+        else:
+            stacked = stack_kv(caches, [12, 12], model.config)
+            outs[name] = model_forward_batch(model, stacked, torch.tensor(ids), torch.stack(positions), torch.cat(masks))
+        expected_native = ([4, 4] * 2 if layout == "packed" else [4, 4]) if name == "ours" else []
+        assert spy.native_calls == expected_native, (name, spy.native_calls)
+        monkeypatch.undo()
+    assert torch.equal(outs["ours"], outs["plain"])
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_direct_decoder_on_a_prepacked_target_with_its_argmax_head(kind):
+    """The CPU target's load path (argmax screen attached, linears pre-packed for oneDNN): logits and
+    the screened argmax ids equal the model forward's, and TargetRuntime forwards through it."""
+    from specdec.argmax_head import argmax_head_of, attach_argmax_head, fbgemm_available
+    from specdec.cpu_linear import PackedLinear, prepack_linears
+    from target_service.runtime import TargetRuntime
+
+    model = copy.deepcopy(tiny_model(kind, seed=7))
+    screened = fbgemm_available() and attach_argmax_head(model)
+    assert screened == fbgemm_available()  # the tiny head is a plain float32 linear: it takes the screen
+    assert prepack_linears(model) > 0
+    assert type(model.get_output_embeddings()) is PackedLinear
+    runtime = TargetRuntime(model)
+    assert isinstance(runtime._forward, DirectDecoder)
+    assert not isinstance(TargetRuntime(model, direct=False)._forward, DirectDecoder)
+    direct, head = runtime._forward, argmax_head_of(model) if screened else None
+    prompt = random_prompt(seed=37, length=30)
+    ref_cache, cache = new_cache(model.config), new_cache(model.config)
+    assert torch.equal(direct(cache, prompt, torch.arange(30), None, logits_rows=1),
+                       model_forward(model, ref_cache, prompt, torch.arange(30), None, logits_rows=1))
+    for i, (ids, positions, mask, keep) in enumerate(_calls(30)):
+        expected = model_forward(model, ref_cache, ids, positions, mask, logits_rows=keep, argmax_head=head)
+        got = direct(cache, ids, positions, mask, logits_rows=keep, argmax_head=head)
+        assert torch.equal(got, expected), i
+        if head is not None:
+            assert got.dtype == torch.int64 and got.shape == ((keep or len(ids)),), i
+    for (k, v), (ref_k, ref_v) in zip(cache_kv(cache), cache_kv(ref_cache)):
+        assert torch.equal(k, ref_k) and torch.equal(v, ref_v)
+
+
+def test_a_packed_linear_runs_its_op_bound_to_its_buffers():
+    from specdec.cpu_linear import PackedLinear
+
+    layer = PackedLinear(torch.nn.Linear(16, 8))
+    x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(1))
+    op = forward._direct_linear(layer)
+    assert op is not layer and torch.equal(op(x), layer(x)) and op(x).shape == (2, 3, 8)
