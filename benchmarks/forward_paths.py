@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     loaded = load_target(models)
     loaded_draft = load_draft(models, loaded)
     pipes, cost_start = {}, {}
-    known = forward.DirectDecoder.of
+    known = vars(forward.DirectDecoder)["of"]  # the classmethod itself (a bound one would pin the class)
     try:
         for method in SPECULATIVE:
             use_paths(method)
