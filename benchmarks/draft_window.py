@@ -40,6 +40,17 @@ def window_of(name: str) -> DraftWindowConfig | None:
     return DraftWindowConfig(max_tokens=int(tokens), full_after_tokens=int(full_after) if full_after else None)
 
 
+def question_row(q: dict, ids: list[int], order: list[str], outputs: dict) -> dict:
+    """One question's record row, printed as a JSON line: each method's figures, with ``same`` (its
+    tokens equal target-only's) for every method but ``target``. outputs: method -> (tokens, figures)."""
+    base = outputs["target"][0]
+    row = {"question_id": q["question_id"], "category": q["category"], "prompt_tokens": len(ids), "order": order}
+    for m, (tokens, figures) in outputs.items():
+        row[m] = figures if m == "target" else {**figures, "same": tokens == base}
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def totals(rows: list[dict], methods: list[str]) -> dict:
     """Per method: tokens, seconds, decode seconds, tokens/s and the speedup over target-only."""
     out = {}
@@ -102,13 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
                 pipe.engine.controller.draft_window = windows[m]
                 result = pipe.engine.generate(GenerationRequest(ids, args.max_new_tokens, spec=DEFAULT_SPEC))
                 outputs[m] = (result.tokens, _spec_row(result.stats))
-        base = outputs["target"][0]
-        row = {"question_id": q["question_id"], "category": q["category"], "prompt_tokens": len(ids), "order": order}
-        for m in methods:
-            tokens, figures = outputs[m]
-            row[m] = figures if m == "target" else {**figures, "same": tokens == base}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        rows.append(question_row(q, ids, order, outputs))
     summary = totals(rows, methods)
     meta = {**question_meta(args), "windows": {m: (w.model_dump() if w is not None else None) for m, w in windows.items()},
             "dtype": args.dtype}

@@ -20,14 +20,13 @@ results.json (per question rows, totals, start-up cost models) and results.md.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import specdec.forward as forward  # noqa: E402
-from draft_window import markdown, totals  # noqa: E402
+from draft_window import markdown, question_row, totals  # noqa: E402
 from orchestrator.bench import _hf_generate, _spec_row, add_question_args, fitting_prompts, load_questions, question_meta, write_record  # noqa: E402
 from orchestrator.controller import GenerationRequest  # noqa: E402
 from orchestrator.embedded import encode_prompt, set_threads, wire_pipeline  # noqa: E402
@@ -93,13 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
                     result = pipe.engine.generate(GenerationRequest(ids, args.max_new_tokens,
                                                                     spec=None if m == "plain" else DEFAULT_SPEC))
                     outputs[m] = (result.tokens, _spec_row(result.stats))
-            base = outputs["target"][0]
-            row = {"question_id": q["question_id"], "category": q["category"], "prompt_tokens": len(ids), "order": order}
-            for m in METHODS:
-                tokens, figures = outputs[m]
-                row[m] = figures if m == "target" else {**figures, "same": tokens == base}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            rows.append(question_row(q, ids, order, outputs))
     finally:
         forward.NATIVE_GQA = True
         forward.DirectDecoder.of = known
