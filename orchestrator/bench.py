@@ -2,6 +2,12 @@
 prompt-lookup decoding, greedy, side by side in one process on the same model objects; plus a sampled
 speculative pass (default temperature 0.7) reporting acceptance under sampling.
 
+Target-only is transformers' own ``generate`` (the target alone, as a user of transformers runs it).
+Our engine's plain decoding (``plain``: the same engine and forwards as speculative, no draft) is a
+column of its own (``--plain``): the speculative speedup over target-only is then split into what our
+forwards gain without speculation (plain over target-only) and what speculation gains over them
+(``speculative_over_plain``).
+
 Questions: the built-in prompt set (``orchestrator/data/prompts.jsonl``, package data: 7 prompts
 written for this project in each of the 13 Spec-Bench categories) or a Spec-Bench ``question.jsonl``
 (``--questions``); same JSONL format (question_id, category, turns; the first turn is the prompt).
@@ -46,8 +52,9 @@ console = Console(stderr=True)
 BUILTIN_QUESTIONS = resources.files("orchestrator") / "data" / "prompts.jsonl"
 PROMPT_LOOKUP_NUM_TOKENS = 10  # HF prompt-lookup decoding: tokens copied from the context per step
 # Greedy methods, in their base order; "target_only" is the baseline of every speedup.
-METHODS = ("target_only", "speculative", "hf_assisted", "prompt_lookup")
-LABELS = {"target_only": "target", "speculative": "spec", "hf_assisted": "HF assisted", "prompt_lookup": "HF prompt lookup"}
+METHODS = ("target_only", "plain", "speculative", "hf_assisted", "prompt_lookup")
+LABELS = {"target_only": "target", "plain": "plain (ours)", "speculative": "spec", "hf_assisted": "HF assisted",
+          "prompt_lookup": "HF prompt lookup"}
 
 
 class QuestionsError(ValueError):
@@ -217,17 +224,19 @@ def position_sums(runs: list[dict]) -> tuple[list[int], list[int]]:
     return proposed, accepted
 
 
-def greedy_methods(hf_assisted: bool = True, prompt_lookup: bool = True) -> list[str]:
+def greedy_methods(hf_assisted: bool = True, prompt_lookup: bool = True, plain: bool = False) -> list[str]:
     """The greedy methods to run, in base order (target-only and speculative always)."""
-    skip = {"hf_assisted": not hf_assisted, "prompt_lookup": not prompt_lookup}
+    skip = {"hf_assisted": not hf_assisted, "prompt_lookup": not prompt_lookup, "plain": not plain}
     return [m for m in METHODS if not skip.get(m, False)]
 
 
 def run_question(pipe, prompt_ids, spec, max_new_tokens, hf_assisted: bool = True, sampling: SamplingParams = GREEDY,
-                 prompt_lookup: bool = True, rotate: int = 0, repeats: int = 1) -> dict:
+                 prompt_lookup: bool = True, rotate: int = 0, repeats: int = 1, plain: bool = False) -> dict:
     """One question: every greedy method back to back (base order rotated left by ``rotate``), each
     row with new_tokens, s, ttft_ms (and matches_target: same tokens as target-only); then, unless
-    ``sampling`` is greedy, a speculative pass with those sampling parameters ("sampled").
+    ``sampling`` is greedy, a speculative pass with those sampling parameters ("sampled"). plain: also
+    our engine without a draft ("plain": ``GenerationRequest.spec`` None, its rows new_tokens, s,
+    ttft_ms).
 
     repeats: R >= 1 passes over the methods, pass j in the order rotated by ``rotate + j``; each
     method's row is its median pass by total time (the lower middle for even R: for 2 passes the
@@ -246,11 +255,15 @@ def run_question(pipe, prompt_ids, spec, max_new_tokens, hf_assisted: bool = Tru
         if method == "speculative":
             result = pipe.engine.generate(GenerationRequest(prompt_ids, max_new_tokens, spec=spec))
             return result.tokens, _spec_row(result.stats)
+        if method == "plain":
+            result = pipe.engine.generate(GenerationRequest(prompt_ids, max_new_tokens, spec=None))
+            return result.tokens, {"new_tokens": result.stats.new_tokens, "s": result.stats.total_s,
+                                   "ttft_ms": result.stats.ttft_ms}
         extra = {"hf_assisted": {"assistant_model": pipe.draft_model},
                  "prompt_lookup": {"prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS}}.get(method, {})
         return _hf_generate(pipe.target_model, prompt_ids, max_new_tokens, eos, **extra)
 
-    methods = greedy_methods(hf_assisted, prompt_lookup)
+    methods = greedy_methods(hf_assisted, prompt_lookup, plain)
     passes: dict[str, list[tuple[list[int], dict]]] = {m: [] for m in methods}
     orders = []
     for j in range(repeats):
@@ -301,9 +314,10 @@ def method_figures(runs: list[dict]) -> dict:
 def summarize(rows: list[dict]) -> dict:
     """Aggregate question rows: per method ``{m}_tokens_per_s``, ``{m}_decode_tokens_per_s``,
     ``{m}_ttft_ms``; against target-only ``{m}_speedup`` (end to end), ``{m}_decode_speedup``,
-    ``{m}_ttft_ratio`` and ``{m}_match_fraction`` (greedy output equal to target-only); ours'
-    mean accepted length, acceptance rate and efficiency (speedup / mean accepted length); the
-    sampled pass's figures if it ran."""
+    ``{m}_ttft_ratio`` and ``{m}_match_fraction`` (greedy output equal to target-only); with the
+    plain column, ``speculative_over_plain`` (speculative end-to-end tokens/s over our plain
+    decoding's: what speculation alone gains); ours' mean accepted length, acceptance rate and
+    efficiency (speedup / mean accepted length); the sampled pass's figures if it ran."""
     out: dict = {"questions": len(rows)}
     for m in (m for m in METHODS if m in rows[0]):
         for key, value in method_figures([r[m] for r in rows]).items():
@@ -313,6 +327,8 @@ def summarize(rows: list[dict]) -> dict:
             out[f"{m}_decode_speedup"] = _ratio(out[f"{m}_decode_tokens_per_s"], out["target_only_decode_tokens_per_s"])
             out[f"{m}_ttft_ratio"] = _ratio(out[f"{m}_ttft_ms"], out["target_only_ttft_ms"])
             out[f"{m}_match_fraction"] = sum(r[m]["matches_target"] for r in rows) / len(rows)
+    if "plain" in rows[0]:
+        out["speculative_over_plain"] = _ratio(out["speculative_tokens_per_s"], out["plain_tokens_per_s"])
     spec = [r["speculative"] for r in rows]
     out["mean_accepted_length"] = _ratio(sum(s["new_tokens"] for s in spec), sum(s["rounds"] for s in spec))
     out["acceptance_rate"] = _ratio(sum(s["accepted"] for s in spec), sum(s["proposed"] for s in spec))
@@ -336,13 +352,16 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
 
 def speedup_table(summary: dict[str, dict], temperature: float | None = None) -> str:
     """One row per category: target-only tokens/s, each method's speedups (end to end, decode only),
-    ours' acceptance figures, which outputs equal target-only; the sampled pass's columns (labelled
-    with its temperature) if it ran."""
+    speculative over our plain decoding (end to end) when that column ran, ours' acceptance figures,
+    which outputs equal target-only; the sampled pass's columns (labelled with its temperature) if it ran."""
     first = next(iter(summary.values()))
     others = [m for m in METHODS[1:] if f"{m}_speedup" in first]
     sampled = "sampled_acceptance_rate" in first
     head = ["category", "n", "target tok/s"]
     head += [f"{LABELS[m]} {kind}" for m in others for kind in ("speedup", "decode speedup")]
+    over_plain = "speculative_over_plain" in first
+    if over_plain:
+        head += ["spec / plain (ours)"]
     head += ["mean acc len", "acc rate", "efficiency"] + [f"{LABELS[m]} = target" for m in others]
     if sampled:
         label = "sampled" if temperature is None else f"T={temperature:g}"
@@ -351,6 +370,8 @@ def speedup_table(summary: dict[str, dict], temperature: float | None = None) ->
     for cat, s in summary.items():
         cells = [cat, str(s["questions"]), f"{s['target_only_tokens_per_s']:.2f}"]
         cells += [f"{s[f'{m}_{kind}']:.2f}x" for m in others for kind in ("speedup", "decode_speedup")]
+        if over_plain:
+            cells += [f"{s['speculative_over_plain']:.2f}x"]
         cells += [f"{s['mean_accepted_length']:.2f}", f"{s['acceptance_rate']:.3f}", f"{s['efficiency']:.2f}"]
         cells += [f"{s[f'{m}_match_fraction']:.0%}" for m in others]
         if sampled:
@@ -400,7 +421,7 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
               sampling: SamplingParams = GREEDY, control: str = "cost-aware", *, offset: int = 0,
               prompt_lookup: bool = True, target: str | None = None, draft: str | None = None,
               draft_window: DraftWindowConfig | None = FrontConfig().draft_window, categories: Sequence[str] = (),
-              argmax_screen: bool = True, repeats: int = 1) -> dict:
+              argmax_screen: bool = True, repeats: int = 1, plain: bool = True) -> dict:
     """Run the benchmark and write results.json + results.md under out_dir; returns the summary.
 
     questions_path: a Spec-Bench question.jsonl (None = the built-in prompt set); offset skips the
@@ -412,7 +433,9 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
     argmax_screen: the speculative passes' greedy rows through the int8-screened argmax head where
     the target takes one (float32 CPU; meta.argmax_screen says whether it was attached).
     repeats: passes of the greedy methods per question, each method's median pass recorded
-    (``run_question``); ValueError for repeats < 1 before the models load.
+    (``run_question``); ValueError for repeats < 1 before the models load. plain: also our engine
+    without a draft (the "plain (ours)" column; the greedy argmax screen applies to it as to the
+    speculative passes).
     Questions whose prompt plus max_new_tokens exceed the target's context are skipped (meta.skipped).
     """
     if repeats < 1:
@@ -423,7 +446,7 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
                           argmax_screen=argmax_screen)
     cost_start = pipe.shared.cost.snapshot() if pipe.shared else None  # the start-up measurement's shape
     warm = encode_prompt(pipe.tokenizer, "Say hi.", raw=False)
-    run_question(pipe, warm, spec, 8, hf_assisted, sampling, prompt_lookup)  # warm-up, not recorded
+    run_question(pipe, warm, spec, 8, hf_assisted, sampling, prompt_lookup, plain=plain)  # warm-up, not recorded
     rows, skipped = [], []
     for i, q in enumerate(track(questions, description="bench", console=console)):
         prompt_ids = encode_prompt(pipe.tokenizer, q["turns"][0], raw=False)
@@ -434,7 +457,7 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
             continue
         seeded = replace(sampling, seed=None if sampling.seed is None else sampling.seed + i)
         row = run_question(pipe, prompt_ids, spec, max_new_tokens, hf_assisted, seeded, prompt_lookup, rotate=i,
-                           repeats=repeats)
+                           repeats=repeats, plain=plain)
         rows.append({"question_id": q["question_id"], "category": q["category"], **row})
     if not rows:
         raise ValueError(f"--max-new-tokens {max_new_tokens}: no selected question fits in the context "
@@ -447,7 +470,7 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
     summary["overall"] = summarize(rows)
     meta = {"questions": "built-in" if questions_path is None else str(questions_path), "offset": offset,
             "per_category": per_category, "repeats": repeats, "target_repeats_agreed": target_agreed,
-            "questions_run": len(rows), "skipped": skipped, "methods": greedy_methods(hf_assisted, prompt_lookup),
+            "questions_run": len(rows), "skipped": skipped, "methods": greedy_methods(hf_assisted, prompt_lookup, plain),
             "prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS, "target": target, "draft": draft,
             "spec": json.loads(spec.to_json()), "control": control, "categories": list(categories),
             "draft_window": draft_window.model_dump() if draft_window is not None else None,
@@ -499,6 +522,8 @@ def _report(meta: dict, spec: TreeSpec, dtype: str, sampling: SamplingParams, ma
             "Speedups are against target-only in the same run: end to end (new tokens / total time) and "
             "decode only ((new tokens - 1) / (total time - TTFT)). Efficiency = speedup / mean accepted "
             f"length. HF prompt lookup: `prompt_lookup_num_tokens={PROMPT_LOOKUP_NUM_TOKENS}`. "
+            "Target-only is transformers' `generate` on the target; plain (ours) is our engine without a draft "
+            "(our forwards and, where on, the argmax screen), so spec / plain (ours) is what speculation alone gains. "
             "`X = target`: share of questions whose greedy output equals target-only's. Acceptance at "
             "position d: of the rounds whose verified tree (draft and context branches) reached depth d, the "
             "share whose committed path reached it too (rounds in parentheses; vLLM's per-position "

@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from draft_service.cli import draft_server
@@ -33,7 +34,7 @@ class UsageError(ValueError):
 
 
 def fail(message: str) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False)  # a message's [text] is not markup
     raise typer.Exit(2)
 
 
@@ -260,12 +261,13 @@ def bench(
     control: str = typer.Option("cost-aware", help=_CONTROL_HELP),
     draft_window: Optional[int] = typer.Option(None, help=_DRAFT_WINDOW_HELP),
     category: list[str] = typer.Option([], help="Only this category (repeatable; default: every category)."),
-    argmax_screen: bool = typer.Option(True, help="Greedy rows of a float32 CPU target take their argmax from an int8 screen of the LM head (speculative passes only; the HF methods run the model's own head)."),
+    argmax_screen: bool = typer.Option(True, help="Greedy rows of a float32 CPU target take their argmax from an int8 screen of the LM head (our engine's passes, speculative and plain; the HF methods run the model's own head)."),
+    plain: bool = typer.Option(True, "--plain/--no-plain", help="Also run our engine without a draft (plain (ours)): spec / plain (ours) is then what speculation alone gains, apart from our forwards' own gain over transformers' generate."),
     repeats: int = typer.Option(1, help="Run every greedy method this many times per question (order rotated each pass) and record each method's median pass (odd values: for 2, the faster pass), so that no figure comes from a single disturbed pass on a noisy machine."),
 ) -> None:
-    """Benchmark on one pair, side by side: target-only, speculative, HF assisted generation and HF
-    prompt-lookup decoding (greedy: TTFT, decode and end-to-end tokens/s, speedups), plus a sampled
-    speculative pass (default temperature 0.7) for acceptance under sampling."""
+    """Benchmark on one pair, side by side: target-only, our plain decoding, speculative, HF assisted
+    generation and HF prompt-lookup decoding (greedy: TTFT, decode and end-to-end tokens/s, speedups),
+    plus a sampled speculative pass (default temperature 0.7) for acceptance under sampling."""
     from orchestrator.bench import run_bench
 
     try:
@@ -278,7 +280,7 @@ def bench(
         run_bench(spec, questions, per_category, max_new_tokens, dtype, draft_quant, out, hf_assisted, threads, sampling,
                   control, offset=offset, prompt_lookup=prompt_lookup, target=target, draft=draft,
                   draft_window=draft_window_option(draft_window), categories=tuple(category),
-                  argmax_screen=argmax_screen, repeats=repeats)
+                  argmax_screen=argmax_screen, repeats=repeats, plain=plain)
     except (UsageError, TreeSpecError, ModelError, ValueError) as exc:
         fail(str(exc))
 
@@ -416,7 +418,7 @@ def eval_(
         fail(str(exc))
     overall = reports[0]
     err.print(f"overall: {overall.speedup:.2f}x speedup, acceptance {overall.acceptance_rate:.3f}, "
-              f"outputs equal on {overall.output_equivalent_fraction:.0%}; report in {out}", highlight=False)
+              f"outputs equal on {overall.output_equivalent_fraction:.0%}; report in {escape(str(out))}", highlight=False)
 
 
 @app.command("trace-report")
@@ -434,7 +436,7 @@ def trace_report(
     except TraceFileError as exc:
         fail(str(exc))
     shares = ", ".join(f"{p} {s['share']:.0%}" for p, s in report["overall"].items())
-    err.print(f"{report['requests_count']} requests, {report['rounds_count']} rounds: {shares}; report in {out}",
+    err.print(f"{report['requests_count']} requests, {report['rounds_count']} rounds: {shares}; report in {escape(str(out))}",
               highlight=False)
 
 

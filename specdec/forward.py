@@ -159,13 +159,15 @@ class DirectDecoder:
     def of(cls, model) -> "DirectDecoder | None":
         """A DirectDecoder of ``model``, or None where its layout is not one this class knows: another
         model type, extra norms or projections, sliding-window layers, another attention than sdpa,
-        a non-causal config, no LM head, training mode. (Norms and activations whose forward is not
+        a non-causal config, no LM head, training mode, forward hooks (a module's, a global one, or
+        accelerate's ``_hf_hook``: the layer-by-layer calls would skip them; hooks added after this
+        call are not seen, so add them first). (Norms and activations whose forward is not
         their class's own, e.g. hub kernels, are called as modules: ``_direct_norm``.) Its weights and
         settings are read here: build it after quantizing or switching the model's attention."""
         config = model.config
         if config.model_type not in DIRECT_MODEL_TYPES or model.training or getattr(config, "is_causal", True) is False:
             return None
-        if model.get_output_embeddings() is None:
+        if model.get_output_embeddings() is None or _hooked(model):
             return None
         if config._attn_implementation not in ("sdpa", PACKED_ATTENTION):
             return None
@@ -223,6 +225,17 @@ class DirectDecoder:
         if argmax_head is not None and hidden.shape[1] <= argmax_head.max_rows:
             return argmax_head.argmax(hidden[0])  # (Q',)
         return self.head(hidden)[0].float()  # (Q', V)
+
+
+def _hooked(model) -> bool:
+    """Whether the model forward would run a hook: a forward (pre-)hook on any of its modules, a
+    global module hook (``torch.nn.modules.module.register_module_forward_hook``), or an accelerate
+    hook (``_hf_hook``: device-map dispatch, offload)."""
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in model.modules())
 
 
 def _decoder_hidden(model, ids: torch.Tensor, kwargs: dict) -> torch.Tensor:

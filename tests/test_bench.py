@@ -31,7 +31,7 @@ from tests.tiny_pair import save_tiny_pair
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
 CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities", "translation",
               "summarization", "qa", "math_reasoning", "rag")
-METHODS = ("target_only", "speculative", "hf_assisted", "prompt_lookup")
+METHODS = ("target_only", "plain", "speculative", "hf_assisted", "prompt_lookup")  # the command's default columns
 
 
 def _row(category: str, accepted: int, sampled_accepted: int) -> dict:
@@ -245,8 +245,8 @@ class _ScriptedPipe:
         self.calls.append(method)
         return self.script[method].pop(0)
 
-    def generate(self, request):  # the engine's
-        tokens, s = self.next("speculative")
+    def generate(self, request):  # the engine's: no spec is plain decoding where the script has a plain column
+        tokens, s = self.next("plain" if request.spec is None and "plain" in self.script else "speculative")
         return GenerationResult(tokens, GenerationStats(new_tokens=len(tokens), total_s=s, ttft_ms=s * 100, rounds=len(tokens)))
 
     def hf_generate(self, model, prompt_ids, max_new_tokens, eos, **extra):
@@ -295,6 +295,34 @@ def test_repeats_record_each_methods_median_pass(monkeypatch):
         run_question(pipe, [1, 2], None, 3, repeats=0)
 
 
+def test_plain_column_splits_the_speedup(monkeypatch):
+    """--plain: our engine without a draft runs beside the others (a request with no spec), is checked
+    against target-only like them, and speculative_over_plain is speculative's end-to-end tokens/s over
+    plain's (here 14/1.5 over 14/2.0 = 1.33x, while speculative is 2.0x over target-only)."""
+    same, other = [5, 6, 7], [5, 6, 8]
+    pipe = _ScriptedPipe({"target_only": [(same, 4.0)], "plain": [(other, 3.0)], "speculative": [(same, 2.0)]})
+    monkeypatch.setattr(bench_module, "_hf_generate", pipe.hf_generate)
+    row = run_question(pipe, [1, 2], spec="tree", max_new_tokens=3, hf_assisted=False, prompt_lookup=False, plain=True)
+    assert row["order"] == ["target_only", "plain", "speculative"] and pipe.calls == row["order"]
+    assert row["plain"] == {"new_tokens": 3, "s": 3.0, "ttft_ms": 300.0, "matches_target": False}
+    assert row["speculative"]["matches_target"] is True
+    pipe = _ScriptedPipe({"target_only": [(same, 4.0)], "speculative": [(same, 2.0)]})
+    monkeypatch.setattr(bench_module, "_hf_generate", pipe.hf_generate)
+    assert "plain" not in run_question(pipe, [1, 2], "tree", 3, hf_assisted=False, prompt_lookup=False)  # off by default here
+    rows = _method_rows()
+    rows[0]["plain"] = {"new_tokens": 9, "s": 1.5, "ttft_ms": 150.0, "matches_target": True}
+    rows[1]["plain"] = {"new_tokens": 5, "s": 0.5, "ttft_ms": 100.0, "matches_target": True}
+    s = summarize(rows)
+    assert s["plain_speedup"] == pytest.approx(3.0 / 2.0) and s["plain_match_fraction"] == 1.0
+    assert s["speculative_over_plain"] == pytest.approx((14 / 1.5) / (14 / 2.0))
+    table = markdown_table({"qa": s}).splitlines()
+    head = [c.strip() for c in table[0].strip("|").split("|")]
+    cells = [c.strip() for c in table[2].strip("|").split("|")]
+    assert cells[head.index("spec / plain (ours)")] == "1.33x" and cells[head.index("plain (ours) speedup")] == "1.50x"
+    assert "speculative_over_plain" not in summarize(_method_rows())
+    assert "spec / plain" not in markdown_table({"qa": summarize(_method_rows())})
+
+
 @pytest.fixture(scope="module")
 def long_pair(tmp_path_factory):
     """Tiny pair with a 4096-token context: the long summarization and rag prompts fit."""
@@ -335,6 +363,10 @@ def test_bench_builtin_set_end_to_end(long_pair, tmp_path):
     assert "| acceptance at position | 1 |" in (out / "results.md").read_text()
     md = (out / "results.md").read_text()
     assert "built-in prompt set" in md and "HF prompt lookup decode speedup" in md and "spec TTFT ms" in md
+    assert all(r["plain"]["matches_target"] is True for r in rows)  # our plain decoding: exact in float32 too
+    assert "spec / plain (ours)" in md and "plain (ours) TTFT ms" in md
+    assert all(s["speculative_over_plain"] == pytest.approx(s["speculative_tokens_per_s"] / s["plain_tokens_per_s"])
+               for s in summary.values())
 
 
 def test_bench_questions_file_offset_and_skipped_methods(long_pair, tmp_path):
@@ -349,7 +381,7 @@ def test_bench_questions_file_offset_and_skipped_methods(long_pair, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads((out / "results.json").read_text())
     assert [r["question_id"] for r in result["questions"]] == [3, 5]
-    assert result["meta"]["methods"] == ["target_only", "speculative"] and result["meta"]["offset"] == 1
+    assert result["meta"]["methods"] == ["target_only", "plain", "speculative"] and result["meta"]["offset"] == 1
     assert result["meta"]["draft_window"] == FrontConfig().draft_window.model_dump()  # the service default
     screen = fbgemm_available()  # float32 CPU target: greedy rows through the screen where torch has the kernels
     assert result["meta"]["argmax_screen"] is screen and result["meta"]["argmax_screen_requested"] is True
@@ -368,7 +400,7 @@ def test_bench_questions_file_offset_and_skipped_methods(long_pair, tmp_path):
                          "--max-new-tokens", "4", "--target", str(long_pair.target), "--draft", str(long_pair.draft),
                          "--dtype", "float32", "--draft-quant", "none", "--threads", "1", "--temperature", "0",
                          "--no-hf-assisted", "--no-prompt-lookup", "--draft-window", "0", "--no-argmax-screen",
-                         "--repeats", "2", "--out", str(out2))
+                         "--repeats", "2", "--no-plain", "--out", str(out2))
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads((out2 / "results.json").read_text())
     assert result["meta"]["repeats"] == 2 and result["meta"]["target_repeats_agreed"] == 2
@@ -383,7 +415,9 @@ def test_bench_questions_file_offset_and_skipped_methods(long_pair, tmp_path):
     assert result["meta"]["categories"] == ["math"] and result["meta"]["draft_window"] is None
     assert result["meta"]["argmax_screen"] is False and "greedy argmax screen: off" in (out2 / "results.md").read_text()
     assert all(r["speculative"]["matches_target"] for r in result["questions"])
-    assert all("hf_assisted" not in r and "prompt_lookup" not in r and "sampled" not in r for r in result["questions"])
+    assert all("hf_assisted" not in r and "prompt_lookup" not in r and "sampled" not in r and "plain" not in r
+               for r in result["questions"])
+    assert result["meta"]["methods"] == ["target_only", "speculative"]
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -391,6 +425,7 @@ def test_bench_questions_file_offset_and_skipped_methods(long_pair, tmp_path):
     (["--offset", "99"], "--offset"),
     (["--questions", "missing.jsonl"], "--questions"),
     (["--questions", "bad.jsonl"], "--questions"),
+    (["--questions", "q[old].jsonl"], "--questions: no such file q[old].jsonl"),  # printed whole, not as markup
     (["--category", "poetry"], "--category: poetry not in built-in"),
     (["--draft-window", "32"], "--draft-window: must be 0"),
     (["--draft-window", "-5"], "--draft-window: must be 0"),

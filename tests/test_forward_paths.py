@@ -135,6 +135,23 @@ def test_direct_decoder_is_none_for_layouts_it_does_not_know():
     ids = random_prompt(seed=38, length=6)
     assert torch.equal(decoder(cache, ids, torch.arange(6), None), model_forward(patched, ref, ids, torch.arange(6), None))
     assert DirectDecoder.of(tiny_model("llama", seed=7)) is not None
+    hooked = copy.deepcopy(tiny_model("qwen2", seed=7))  # a forward hook the layer-by-layer calls would skip
+    handle = hooked.get_decoder().layers[1].mlp.down_proj.register_forward_hook(lambda *_: None)
+    assert DirectDecoder.of(hooked) is None
+    handle.remove()
+    assert DirectDecoder.of(hooked) is not None
+    handle = hooked.get_decoder().layers[0].self_attn.register_forward_pre_hook(lambda *_: None)
+    assert DirectDecoder.of(hooked) is None
+    handle.remove()
+    hooked.get_decoder().layers[0].mlp._hf_hook = object()  # accelerate's dispatch / offload hook
+    assert DirectDecoder.of(hooked) is None
+    del hooked.get_decoder().layers[0].mlp._hf_hook
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *_: None)  # a global hook
+    try:
+        assert DirectDecoder.of(hooked) is None
+    finally:
+        handle.remove()
+    assert DirectDecoder.of(hooked) is not None
 
 
 def test_the_draft_runtime_forwards_through_the_direct_decoder_with_the_same_trees():
