@@ -225,7 +225,9 @@ def position_sums(runs: list[dict]) -> tuple[list[int], list[int]]:
 
 
 def greedy_methods(hf_assisted: bool = True, prompt_lookup: bool = True, plain: bool = False) -> list[str]:
-    """The greedy methods to run, in base order (target-only and speculative always)."""
+    """The greedy methods to run, in base order (target-only and speculative always; plain, our engine
+    without a draft, only when asked: ``run_bench`` and the command ask by default, the scripts that
+    call ``run_question`` directly do not)."""
     skip = {"hf_assisted": not hf_assisted, "prompt_lookup": not prompt_lookup, "plain": not plain}
     return [m for m in METHODS if not skip.get(m, False)]
 
@@ -236,7 +238,7 @@ def run_question(pipe, prompt_ids, spec, max_new_tokens, hf_assisted: bool = Tru
     row with new_tokens, s, ttft_ms (and matches_target: same tokens as target-only); then, unless
     ``sampling`` is greedy, a speculative pass with those sampling parameters ("sampled"). plain: also
     our engine without a draft ("plain": ``GenerationRequest.spec`` None, its rows new_tokens, s,
-    ttft_ms).
+    ttft_ms, rounds and drafted, the last 0).
 
     repeats: R >= 1 passes over the methods, pass j in the order rotated by ``rotate + j``; each
     method's row is its median pass by total time (the lower middle for even R: for 2 passes the
@@ -258,7 +260,8 @@ def run_question(pipe, prompt_ids, spec, max_new_tokens, hf_assisted: bool = Tru
         if method == "plain":
             result = pipe.engine.generate(GenerationRequest(prompt_ids, max_new_tokens, spec=None))
             return result.tokens, {"new_tokens": result.stats.new_tokens, "s": result.stats.total_s,
-                                   "ttft_ms": result.stats.ttft_ms}
+                                   "ttft_ms": result.stats.ttft_ms, "rounds": result.stats.rounds,
+                                   "drafted": result.stats.drafted_tokens}
         extra = {"hf_assisted": {"assistant_model": pipe.draft_model},
                  "prompt_lookup": {"prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS}}.get(method, {})
         return _hf_generate(pipe.target_model, prompt_ids, max_new_tokens, eos, **extra)
@@ -452,7 +455,7 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
         prompt_ids = encode_prompt(pipe.tokenizer, q["turns"][0], raw=False)
         if len(prompt_ids) + max_new_tokens > pipe.engine.context_limit:
             console.print(f"skipped question {q['question_id']}: {len(prompt_ids)} prompt tokens + {max_new_tokens} "
-                          f"new exceed the context ({pipe.engine.context_limit})")
+                          f"new exceed the context ({pipe.engine.context_limit})", markup=False)
             skipped.append(q["question_id"])
             continue
         seeded = replace(sampling, seed=None if sampling.seed is None else sampling.seed + i)
@@ -509,6 +512,9 @@ def _report(meta: dict, spec: TreeSpec, dtype: str, sampling: SamplingParams, ma
     screen = "on" if meta["argmax_screen"] else (
         "off (requested; it needs a float32 CPU target and fbgemm kernels)" if meta["argmax_screen_requested"] else "off")
     repeats = meta.get("repeats", 1)
+    plain_note = ("Target-only is transformers' `generate` on the target; plain (ours) is our engine without a draft "
+                  "(our forwards and, where on, the argmax screen), so spec / plain (ours) is what speculation alone "
+                  "gains. ") if "plain" in meta.get("methods", ()) else ""
     median = ""
     if repeats > 1:
         median = (f"; every greedy method {repeats} times per question, its median pass by total time recorded"
@@ -522,8 +528,7 @@ def _report(meta: dict, spec: TreeSpec, dtype: str, sampling: SamplingParams, ma
             "Speedups are against target-only in the same run: end to end (new tokens / total time) and "
             "decode only ((new tokens - 1) / (total time - TTFT)). Efficiency = speedup / mean accepted "
             f"length. HF prompt lookup: `prompt_lookup_num_tokens={PROMPT_LOOKUP_NUM_TOKENS}`. "
-            "Target-only is transformers' `generate` on the target; plain (ours) is our engine without a draft "
-            "(our forwards and, where on, the argmax screen), so spec / plain (ours) is what speculation alone gains. "
+            f"{plain_note}"
             "`X = target`: share of questions whose greedy output equals target-only's. Acceptance at "
             "position d: of the rounds whose verified tree (draft and context branches) reached depth d, the "
             "share whose committed path reached it too (rounds in parentheses; vLLM's per-position "

@@ -442,7 +442,7 @@ def trace_report(
 
 @app.command("profile-draft")
 def profile_draft(
-    candidate: list[str] = typer.Option(..., help="A draft to profile, PATH[@none|@int8] (PATH: model directory, .gguf file "
+    candidate: list[str] = typer.Option(..., help="A draft to profile, PATH\\[@none|@int8] (PATH: model directory, .gguf file "
                                                   "or 'default'; repeatable), e.g. --candidate default@none --candidate default@int8."),
     out: Path = typer.Option(..., help="Directory for profile.json and profile.md."),
     target: Optional[str] = typer.Option(None, help="Target model: transformers directory or .gguf file (default: Qwen2.5-Coder-1.5B-Instruct)."),
@@ -475,7 +475,7 @@ def profile_draft(
         fail(str(exc))
     for p in profiles:
         err.print(f"{p.name}: " + (f"{p.end_to_end_speedup:.2f}x, acceptance {p.acceptance_rate:.3f}" if p.compatible_tokenizer
-                                   else f"incompatible ({p.tokenizer_reason})"), highlight=False)
+                                   else f"incompatible ({p.tokenizer_reason})"), highlight=False, markup=False)
 
 
 def main() -> None:

@@ -174,7 +174,7 @@ def run_profile(candidates: list[Candidate], out_dir: Path, *, target: str | Non
     loaded_target = load_target(base)
     profiles = []
     for candidate in candidates:
-        console.print(f"profile-draft: {candidate.name}", highlight=False)
+        console.print(f"profile-draft: {candidate.name}", highlight=False, markup=False)
         profiles.append(profile_candidate(candidate, base, loaded_target, questions, spec or DEFAULT_SPEC,
                                           max_new_tokens, control))
     meta = {"target": target, "task_set": "built-in" if questions_path is None else str(questions_path),

@@ -275,7 +275,7 @@ def run_questions(runner: Runner, questions: list[dict], context_limit: int | No
         target, speculative = (first, second) if first_target else (second, first)
         out.append(QuestionRun(q["question_id"], q["category"], detect_language(prompt), runner.prompt_tokens(prompt),
                                target, speculative, runner.peak_memory_mb()))
-        console.print(f"eval {i + 1}/{len(questions)}: {q['category']} #{q['question_id']}", highlight=False)
+        console.print(f"eval {i + 1}/{len(questions)}: {q['category']} #{q['question_id']}", highlight=False, markup=False)
     return out, skipped
 
 

@@ -227,15 +227,23 @@ class DirectDecoder:
         return self.head(hidden)[0].float()  # (Q', V)
 
 
+_OUTPUT_CAPTURING = "transformers.utils.output_capturing"  # hooks that record outputs only inside a capture
+
+
 def _hooked(model) -> bool:
     """Whether the model forward would run a hook: a forward (pre-)hook on any of its modules, a
     global module hook (``torch.nn.modules.module.register_module_forward_hook``), or an accelerate
-    hook (``_hf_hook``: device-map dispatch, offload)."""
+    hook (``_hf_hook``: device-map dispatch, offload). transformers' output-capturing hooks, which
+    stay on the layers after any call with ``output_hidden_states`` or ``output_attentions`` and do
+    nothing outside that call's capture, do not count."""
     from torch.nn.modules import module as nn_module
 
-    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+    def live(hooks) -> bool:
+        return any(getattr(hook, "__module__", None) != _OUTPUT_CAPTURING for hook in hooks.values())
+
+    if live(nn_module._global_forward_hooks) or live(nn_module._global_forward_pre_hooks):
         return True
-    return any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in model.modules())
+    return any(live(m._forward_hooks) or live(m._forward_pre_hooks) or hasattr(m, "_hf_hook") for m in model.modules())
 
 
 def _decoder_hidden(model, ids: torch.Tensor, kwargs: dict) -> torch.Tensor:

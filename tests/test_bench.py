@@ -304,7 +304,7 @@ def test_plain_column_splits_the_speedup(monkeypatch):
     monkeypatch.setattr(bench_module, "_hf_generate", pipe.hf_generate)
     row = run_question(pipe, [1, 2], spec="tree", max_new_tokens=3, hf_assisted=False, prompt_lookup=False, plain=True)
     assert row["order"] == ["target_only", "plain", "speculative"] and pipe.calls == row["order"]
-    assert row["plain"] == {"new_tokens": 3, "s": 3.0, "ttft_ms": 300.0, "matches_target": False}
+    assert row["plain"] == {"new_tokens": 3, "s": 3.0, "ttft_ms": 300.0, "rounds": 3, "drafted": 0, "matches_target": False}
     assert row["speculative"]["matches_target"] is True
     pipe = _ScriptedPipe({"target_only": [(same, 4.0)], "speculative": [(same, 2.0)]})
     monkeypatch.setattr(bench_module, "_hf_generate", pipe.hf_generate)
@@ -364,6 +364,8 @@ def test_bench_builtin_set_end_to_end(long_pair, tmp_path):
     md = (out / "results.md").read_text()
     assert "built-in prompt set" in md and "HF prompt lookup decode speedup" in md and "spec TTFT ms" in md
     assert all(r["plain"]["matches_target"] is True for r in rows)  # our plain decoding: exact in float32 too
+    assert all(r["plain"]["drafted"] == 0 and r["plain"]["rounds"] == r["plain"]["new_tokens"] for r in rows)  # no draft
+    assert sum(r["speculative"]["drafted"] for r in rows) > 0
     assert "spec / plain (ours)" in md and "plain (ours) TTFT ms" in md
     assert all(s["speculative_over_plain"] == pytest.approx(s["speculative_tokens_per_s"] / s["plain_tokens_per_s"])
                for s in summary.values())
@@ -406,6 +408,7 @@ def test_bench_questions_file_offset_and_skipped_methods(long_pair, tmp_path):
     assert result["meta"]["repeats"] == 2 and result["meta"]["target_repeats_agreed"] == 2
     md = (out2 / "results.md").read_text()
     assert "median pass by total time recorded (the faster of 2)" in md and "agreed on 2 of 2 questions" in md
+    assert "plain (ours)" not in md  # --no-plain: neither the column nor its explanation
     for r in result["questions"]:
         assert len(r["orders"]) == 2 and r["orders"][1] == r["orders"][0][1:] + r["orders"][0][:1]
         for m in ("target_only", "speculative"):

@@ -152,6 +152,13 @@ def test_direct_decoder_is_none_for_layouts_it_does_not_know():
     finally:
         handle.remove()
     assert DirectDecoder.of(hooked) is not None
+    with torch.inference_mode():  # leaves transformers' output-capturing hooks on the layers: idle outside a capture
+        hooked(torch.tensor([random_prompt(seed=39, length=4)]), output_hidden_states=True)
+    assert any(m._forward_hooks for m in hooked.modules())
+    decoder = DirectDecoder.of(hooked)
+    cache, ref = new_cache(hooked.config), new_cache(hooked.config)
+    ids = random_prompt(seed=40, length=5)
+    assert torch.equal(decoder(cache, ids, torch.arange(5), None), model_forward(hooked, ref, ids, torch.arange(5), None))
 
 
 def test_the_draft_runtime_forwards_through_the_direct_decoder_with_the_same_trees():
