@@ -52,7 +52,9 @@ class PackedLinear(nn.Module):
 
     def direct(self):
         """``forward`` as a plain function bound to this layer's buffers (no module call; for
-        ``specdec.forward.DirectDecoder``). It reads the buffers as they are now."""
+        ``specdec.forward.DirectDecoder``): x [..., in_features] float32 -> [..., out_features]
+        float32, the same oneDNN op and result as ``forward``. It reads the buffers as they are now
+        (re-pack, then call this again)."""
         weight, bias, n_in, n_out = self.packed_weight, self.bias, self.in_features, self.out_features
         op = torch.ops.mkldnn._linear_pointwise.default
 
