@@ -643,3 +643,37 @@ def test_context_plan_benchmark_on_tiny_models(long_pair, tmp_path):
     assert tot["round"]["new_tokens"] == sum(r["round"]["new_tokens"] for r in rows) == tot["average"]["new_tokens"] > 0
     assert set(result["meta"]["cost_model"]) == {"round", "average"}
     assert "average / round" in (out / "results.md").read_text()
+
+
+def test_context_length_benchmark_on_tiny_models(long_pair, tmp_path):
+    """benchmarks/context_length.py: today's context branches (8 tokens, 6+ bucket) against long ones
+    (16 tokens, a 12+ bucket) side by side, each on its own cost model copy, order alternating."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import context_length
+
+    from orchestrator.cost_model import CostModel
+    from orchestrator.shaping import ngram_continuation
+    from specdec.tree_spec import DEFAULT_SPEC
+
+    copy_of_14 = [9, *range(10, 24), 7, 0, *range(10, 24)]  # a 14-token run seen before, then 7
+    assert ngram_continuation(copy_of_14, 3) == ([7, 0, 10], 5)  # today: counted to 6, bucket 5
+    assert context_length.long_lookup(copy_of_14, 3) == ([7, 0, 10], 6)  # long: 12+ has its own bucket
+    assert context_length.long_lookup(copy_of_14[4:], 3) == ([7, 0, 10], 5)  # 11 back: still bucket 5
+    assert context_length.long_lookup([5, 7, 9, 2, 5, 7], 3) == ngram_continuation([5, 7, 9, 2, 5, 7], 3)
+    variants = context_length.factories(CostModel())
+    assert variants["default"].shared is not variants["long"].shared
+    default, long = variants["default"](DEFAULT_SPEC), variants["long"](DEFAULT_SPEC)
+    assert (default.ngram_tokens, long.ngram_tokens) == (8, 16)
+    assert default.lookup is None and long.lookup is context_length.long_lookup
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
+                            for i, c, t in [(1, "rag", "one two three one two three one two"), (2, "qa", "hello world")]))
+    out = tmp_path / "out"
+    tot = context_length.main(["--questions", str(path), "--max-new-tokens", "10", "--target", str(long_pair.target),
+                               "--draft", str(long_pair.draft), "--passes", "2", "--out", str(out)])
+    result = json.loads((out / "results.json").read_text())
+    rows = result["questions"]
+    assert [(r["question_id"], r["pass"]) for r in rows] == [(1, 1), (2, 1), (1, 2), (2, 2)] and all(r["equal"] for r in rows)
+    assert [r["order"] for r in rows] == [["default", "long"], ["long", "default"], ["long", "default"], ["default", "long"]]
+    assert tot["default"]["new_tokens"] == sum(r["default"]["new_tokens"] for r in rows) == tot["long"]["new_tokens"] > 0
+    assert "default / long" in (out / "results.md").read_text()

@@ -1,0 +1,150 @@
+"""Context branches, side by side: today's (8 tokens, match buckets up to 6+) against long ones (16, up to 12+).
+
+    python benchmarks/context_length.py --questions question.jsonl --offset 5 --per-category 2 \
+        --category summarization --category rag --category extraction --category writing \
+        --passes 2 --out bench_out/context_length
+
+The cost-aware control merges each round's context (n-gram) branch into the verified tree
+(``orchestrator.shaping``). ``default`` is today's control: branches of up to 8 tokens
+(``CostAwareConfig.ngram_tokens``), every match of 6 or more tokens in one calibration bucket
+(``orchestrator.shaping.match_bucket``). ``long`` lets a branch run to 16 tokens and gives matches of
+12 or more (a copy going on for a dozen tokens: a quote, a summary's sentence) their own bucket
+(``long_lookup``), so the shaping may keep long branches there without keeping them after every
+6-token match. Both run the default real pair in one process on the same model objects, greedy,
+each with its own SharedState whose cost model is a copy of one start-up measurement; the variants'
+order alternates per question and pass. Per question and pass: seconds, TTFT, decode seconds (total
+- TTFT), rounds, accepted draft and context tokens, and whether the outputs are equal (float32
+greedy: they must be). Writes results.json and results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from orchestrator.bench import add_question_args, fitting_prompts, load_questions, question_meta, write_record  # noqa: E402
+from orchestrator.controller import GenerationRequest  # noqa: E402
+from orchestrator.cost_aware import SharedState, cost_aware_factory  # noqa: E402
+from orchestrator.cost_model import CostModel  # noqa: E402
+from orchestrator.embedded import build_pipeline, encode_prompt  # noqa: E402
+from specdec.config import FrontConfig  # noqa: E402
+from orchestrator.shaping import match_bucket  # noqa: E402
+from specdec.ngram import match_continuation  # noqa: E402
+from specdec.tree_spec import DEFAULT_SPEC, MAX_TREE_NODES  # noqa: E402
+
+VARIANTS = ("default", "long")
+LONG_TOKENS = 16  # the long variant's branch length (today's: CostAwareConfig.ngram_tokens)
+LONG_MATCH = 12  # the long variant's last bucket holds matches of this many tokens or more
+
+
+def long_lookup(context, max_tokens: int, max_ngram: int = 3) -> tuple[list[int], int]:
+    """The long variant's context branch: as ``orchestrator.shaping.ngram_continuation``, with matches
+    counted up to LONG_MATCH tokens and keyed 1, 2, 3, 4 (4-5), 5 (6 to LONG_MATCH - 1) or 6 (LONG_MATCH+)."""
+    chain, match = match_continuation(context, max_tokens, max_ngram=max_ngram, max_match=LONG_MATCH)
+    return chain, 6 if match >= LONG_MATCH else match_bucket(match)
+
+
+def factories(cost) -> dict:
+    """{variant: control factory} with the front's settings (``cost_aware_factory``), each over its own
+    SharedState holding a copy of ``cost``; ``long`` controls get LONG_TOKENS-token branches and
+    ``long_lookup``."""
+    front = FrontConfig()
+    out = {}
+    for name in VARIANTS:
+        snap = cost.snapshot()  # a copy: the same start-up figures, learnt on from there by each variant alone
+        copied = CostModel(snap["verify_ms"], snap["draft_step_ms"], source=cost.source)
+        config = front.cost_aware
+        if name == "long":
+            config = config.model_copy(update={"ngram_tokens": LONG_TOKENS})
+        base = cost_aware_factory(config, front.fallback, SharedState(cost=copied))
+
+        def make(spec, max_nodes=MAX_TREE_NODES, base=base, name=name):
+            control = base(spec, max_nodes)
+            if name == "long":
+                control.lookup = long_lookup
+            return control
+
+        make.shared = base.shared
+        out[name] = make
+    return out
+
+
+def row_of(result) -> dict:
+    s = result.stats
+    return {"new_tokens": s.new_tokens, "s": s.total_s, "ttft_ms": s.ttft_ms, "decode_s": s.total_s - s.ttft_ms / 1000,
+            "rounds": s.rounds, "accepted": s.accepted_tokens, "context_accepted": s.context_accepted_tokens,
+            "context_proposed": s.context_proposed_tokens}
+
+
+def totals(rows: list[dict]) -> dict:
+    out = {v: {k: sum(r[v][k] for r in rows) for k in ("new_tokens", "s", "decode_s", "rounds", "context_accepted")}
+           for v in VARIANTS}
+    out["default_over_long"] = {k: out["default"][k] / out["long"][k] for k in ("s", "decode_s") if out["long"][k]}
+    return out
+
+
+def markdown(meta: dict, rows: list[dict], tot: dict) -> str:
+    lines = ["# Context branches: today's (8 tokens, 6+ match bucket) vs long ones (16 tokens, 12+), side by side", "",
+             f"Questions: {meta['questions']}, offset {meta['offset']}, {meta['per_category']} per category "
+             f"{', '.join(meta['categories']) or '(all)'}, {meta['max_new_tokens']} new tokens, greedy, "
+             f"{meta['passes']} pass(es). Machine: {meta['cpu']}, {meta['cpu_count']} CPUs, torch {meta['torch']}.", "",
+             "| question | category | pass | variant | s | TTFT s | decode s | rounds | accepted | context acc/prop "
+             "| equal |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for v in VARIANTS:
+            x = r[v]
+            lines.append(f"| {r['question_id']} | {r['category']} | {r['pass']} | {v} | {x['s']:.1f} | "
+                         f"{x['ttft_ms'] / 1000:.1f} | {x['decode_s']:.1f} | {x['rounds']} | {x['accepted']} | "
+                         f"{x['context_accepted']}/{x['context_proposed']} | {'yes' if r['equal'] else 'NO'} |")
+    ratio = tot["default_over_long"]
+    lines += ["", f"Totals: default {tot['default']['s']:.1f} s ({tot['default']['decode_s']:.1f} s decode, "
+              f"{tot['default']['rounds']} rounds), long {tot['long']['s']:.1f} s ({tot['long']['decode_s']:.1f} s "
+              f"decode, {tot['long']['rounds']} rounds); default / long = {ratio.get('s', float('nan')):.3f} end to "
+              f"end, {ratio.get('decode_s', float('nan')):.3f} decode (> 1: long branches are faster). "
+              f"Outputs equal on {sum(r['equal'] for r in rows)}/{len(rows)}.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the comparison and write the record; returns its totals (``totals``)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_question_args(parser, per_category=2, max_new_tokens=128, out="bench_out/context_length")
+    parser.add_argument("--passes", type=int, default=1, help="passes over the questions (order alternates)")
+    args = parser.parse_args(argv)
+    if args.passes < 1:
+        parser.error("--passes: must be >= 1")
+    questions = load_questions(args.questions, args.per_category, args.offset, args.category)
+    pipe = build_pipeline(args.target, args.draft)
+    controller = pipe.engine.controller
+    variants = factories(pipe.shared.cost)
+    warm = encode_prompt(pipe.tokenizer, "Say hi.", raw=False)
+    for make in variants.values():  # warm-up, not recorded
+        controller.control_factory = make
+        pipe.engine.generate(GenerationRequest(warm, 8, spec=DEFAULT_SPEC))
+    rows = []
+    for p in range(args.passes):
+        for i, q, ids in fitting_prompts(questions, pipe.tokenizer, args.max_new_tokens, pipe.engine.context_limit):
+            order = VARIANTS if (i + p) % 2 == 0 else VARIANTS[::-1]
+            tokens, row = {}, {"question_id": q["question_id"], "category": q["category"], "prompt_tokens": len(ids),
+                               "pass": p + 1, "order": list(order)}
+            for v in order:
+                controller.control_factory = variants[v]
+                result = pipe.engine.generate(GenerationRequest(ids, args.max_new_tokens, spec=DEFAULT_SPEC))
+                tokens[v], row[v] = result.tokens, row_of(result)
+                print(q["question_id"], q["category"], p + 1, v, {k: round(x, 2) for k, x in row[v].items()}, flush=True)
+            row["equal"] = tokens["default"] == tokens["long"]
+            rows.append(row)
+    if not rows:
+        raise SystemExit("no selected question fits in the context")
+    meta = {**question_meta(args), "passes": args.passes, "spec": DEFAULT_SPEC.to_json(),
+            "cost_model": {v: make.shared.cost.snapshot() for v, make in variants.items()}}
+    tot = totals(rows)
+    write_record(args.out, {"meta": meta, "totals": tot, "questions": rows}, markdown(meta, rows, tot))
+    return tot
+
+
+if __name__ == "__main__":
+    main()
