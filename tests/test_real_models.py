@@ -1,53 +1,49 @@
-"""The default real pair (Qwen2.5-Coder 1.5B target, 0.5B draft), float32, on Spec-Bench prompts.
+"""The default real pair (Qwen2.5-Coder 1.5B target, 0.5B draft), float32, on the built-in prompt set.
 
 Greedy: speculative output must equal the target alone (transformers ``generate(do_sample=False)``
 on the same model object), token for token, and the draft must get some tokens accepted.
 Temperature 0.7: fluent text, accepted draft tokens, and the benchmark table reports them.
+Both models' ``DirectDecoder`` (the runtimes' one-session forward) gives the transformers forward's
+logits and KV bit for bit at the real shapes (tests/test_forward_paths.py does so on tiny ones).
+The prompts are the first of each category in the package's own set (``orchestrator/data/prompts.jsonl``),
+so these tests run on any clone (before 2026-12-06 they read ../shared's Spec-Bench file and were
+skipped without it).
 """
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
-from orchestrator.bench import markdown_table, run_question, summarize
+from orchestrator.bench import load_questions, markdown_table, run_question, summarize
 from orchestrator.controller import GenerationRequest
 from orchestrator.embedded import build_pipeline, encode_prompt
+from specdec.forward import DirectDecoder, model_forward
+from specdec.kv_cache import new_cache
 from specdec.sampling import SamplingParams
 from specdec.tree_spec import SEED_SPEC, TreeSpec
+from tests.conftest import cache_kv
+from tests.test_forward_paths import _tree_mask
 
-QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 pytestmark = pytest.mark.real_models
 
 
-def spec_bench_prompts(n: int = 3) -> list[str]:
-    """The first question of n different Spec-Bench categories."""
-    seen, prompts = set(), []
-    for line in QUESTIONS.read_text().splitlines():
-        q = json.loads(line)
-        if q["category"] not in seen:
-            seen.add(q["category"])
-            prompts.append(q["turns"][0])
-        if len(prompts) == n:
-            break
-    return prompts
+def builtin_prompts(n: int = 3) -> list[str]:
+    """The first prompt of the first n categories of the built-in set (writing, roleplay, reasoning)."""
+    return [q["turns"][0] for q in load_questions(None, per_category=1)[:n]]
 
 
 @pytest.fixture(scope="module")
 def pipe():
-    if not QUESTIONS.is_file():
-        pytest.skip(f"Spec-Bench questions not found at {QUESTIONS} (../shared is absent)")
     torch.set_num_threads(2)
     return build_pipeline(dtype="float32")
 
 
 @pytest.mark.parametrize("index, spec", [(0, SEED_SPEC), (1, SEED_SPEC), (2, TreeSpec.chain(4))])
 def test_default_pair_greedy_equals_target_only(pipe, index, spec):
-    prompt_ids = encode_prompt(pipe.tokenizer, spec_bench_prompts()[index], raw=False)
+    prompt_ids = encode_prompt(pipe.tokenizer, builtin_prompts()[index], raw=False)
     eos = sorted(pipe.engine.eos_token_ids)
     ids = torch.tensor([prompt_ids])
     with torch.inference_mode():
@@ -73,7 +69,7 @@ def _mean_target_nll(pipe, prompt_ids, tokens) -> float:
 def test_default_pair_sampled_text_is_fluent(pipe, tree_type):
     """Temperature 0.7: readable text (the target finds it likely: a few nats/token at most, where
     random tokens cost ~12) and accepted draft tokens, for both tree types."""
-    prompt_ids = encode_prompt(pipe.tokenizer, spec_bench_prompts()[0], raw=False)
+    prompt_ids = encode_prompt(pipe.tokenizer, builtin_prompts()[0], raw=False)
     spec = SEED_SPEC.model_copy(update={"tree_type": tree_type})
     result = pipe.engine.generate(GenerationRequest(prompt_ids, 32, spec=spec, sampling=SamplingParams(temperature=0.7, seed=0)))
     text = pipe.tokenizer.decode(result.tokens, skip_special_tokens=True)
@@ -87,10 +83,33 @@ def test_default_pair_sampled_text_is_fluent(pipe, tree_type):
 
 
 def test_benchmark_table_reports_sampled_acceptance(pipe):
-    prompt_ids = encode_prompt(pipe.tokenizer, spec_bench_prompts()[1], raw=False)
+    prompt_ids = encode_prompt(pipe.tokenizer, builtin_prompts()[1], raw=False)
     row = run_question(pipe, prompt_ids, SEED_SPEC, 24, hf_assisted=False, sampling=SamplingParams(temperature=0.7, seed=0))
     summary = summarize([row])
     print(markdown_table({"overall": summary}, temperature=0.7))
     assert summary["sampled_acceptance_rate"] > 0 and summary["sampled_mean_accepted_length"] > 1
     table = markdown_table({"overall": summary}, temperature=0.7)
     assert "T=0.7 acc rate" in table.splitlines()[0]
+
+
+@pytest.mark.parametrize("which", ["draft", "target"])
+def test_direct_decoder_equals_the_model_forward_on_the_real_pair(pipe, which):
+    """The int8 draft and the packed float32 target as the pipeline loaded them: a prefill (last row's
+    logits), a tree step (4 rows, tree mask) and a one-row step, logits and KV equal bit for bit."""
+    model = pipe.draft_model if which == "draft" else pipe.target_model
+    direct = DirectDecoder.of(model)
+    assert direct is not None  # the real pair has no forward hooks and a layout DirectDecoder knows
+    ids = encode_prompt(pipe.tokenizer, builtin_prompts()[2], raw=False)
+    cached = len(ids) - 5
+    calls = [(ids[:cached], torch.arange(cached), None, 1),
+             (ids[cached:cached + 4], torch.arange(cached, cached + 4), _tree_mask(cached, [-1, 0, 0, 1]), None),
+             (ids[-1:], torch.tensor([cached + 4]), None, None)]
+    ref_cache, cache = new_cache(model.config), new_cache(model.config)
+    with torch.inference_mode():
+        for i, (step_ids, positions, mask, keep) in enumerate(calls):
+            expected = model_forward(model, ref_cache, step_ids, positions, mask, logits_rows=keep)
+            got = direct(cache, step_ids, positions, mask, logits_rows=keep)
+            assert got.shape == expected.shape == (keep or len(step_ids), model.config.vocab_size), i
+            assert torch.equal(got, expected), (i, (got - expected).abs().max().item())
+            for (k, v), (ref_k, ref_v) in zip(cache_kv(cache), cache_kv(ref_cache)):
+                assert torch.equal(k, ref_k) and torch.equal(v, ref_v), i
