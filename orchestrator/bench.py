@@ -15,9 +15,11 @@ written for this project in each of the 13 Spec-Bench categories) or a Spec-Benc
 
 Per method and question: TTFT (ms from the call to the first new token), end-to-end tokens/s
 (new tokens / total s) and decode-only tokens/s ((new tokens - 1) / (total s - TTFT s): prefill
-excluded). Each question runs every greedy method back to back (order rotated per question) so
-they share the machine's noise; speedups are ratios against target-only from the same run.
-``repeats`` R > 1 runs the methods R times per question (the order rotated again each pass) and
+excluded). Each question runs every greedy method back to back so they share the machine's noise;
+speedups are ratios against target-only from the same run. The order changes per question along a
+balanced Latin square (``method_order``): over a cycle of questions each method runs in every place
+and after every other method equally often.
+``repeats`` R > 1 runs the methods R times per question (the next order of the square each pass) and
 keeps each method's median pass (``run_question``): no figure then comes from a single disturbed pass.
 Writes ``results.json`` (per question rows, per category and overall summaries) and ``results.md``.
 """
@@ -232,15 +234,39 @@ def greedy_methods(hf_assisted: bool = True, prompt_lookup: bool = True, plain: 
     return [m for m in METHODS if not skip.get(m, False)]
 
 
+def method_order(methods: Sequence[str], k: int) -> list[str]:
+    """Order k of a balanced Latin square over ``methods`` (Williams 1949, "Experimental designs
+    balanced for the estimation of residual effects of treatments", Australian J. Sci. Res. 2(3)):
+    across n consecutive orders (2n for an odd count n) every method runs once in every place and
+    right after every other method equally often, so no method always follows the same one (a
+    method that heats the machine or evicts caches would otherwise weigh on one neighbour alone).
+    Order 0 is methods[0], methods[1], methods[n-1], methods[2], methods[n-2], ...; order k adds k
+    (mod n) to each index; for odd n orders n .. 2n-1 are orders 0 .. n-1 reversed. k may be any
+    integer (taken modulo the cycle)."""
+    n = len(methods)
+    if n == 0:
+        return []
+    first, lo, hi = [0], 1, n - 1
+    while lo <= hi:
+        first.append(lo)
+        lo += 1
+        if lo <= hi:
+            first.append(hi)
+            hi -= 1
+    k %= n if n % 2 == 0 else 2 * n
+    order = [methods[(i + k) % n] for i in first]
+    return order[::-1] if k >= n else order
+
+
 def run_question(pipe, prompt_ids, spec, max_new_tokens, hf_assisted: bool = True, sampling: SamplingParams = GREEDY,
                  prompt_lookup: bool = True, rotate: int = 0, repeats: int = 1, plain: bool = False) -> dict:
-    """One question: every greedy method back to back (base order rotated left by ``rotate``), each
+    """One question: every greedy method back to back (in ``method_order(methods, rotate)``), each
     row with new_tokens, s, ttft_ms (and matches_target: same tokens as target-only); then, unless
     ``sampling`` is greedy, a speculative pass with those sampling parameters ("sampled"). plain: also
     our engine without a draft ("plain": ``GenerationRequest.spec`` None, its rows new_tokens, s,
     ttft_ms, rounds and drafted, the last 0).
 
-    repeats: R >= 1 passes over the methods, pass j in the order rotated by ``rotate + j``; each
+    repeats: R >= 1 passes over the methods, pass j in ``method_order(methods, rotate + j)``; each
     method's row is its median pass by total time (the lower middle for even R: for 2 passes the
     faster, so use an odd R to compare records), whole (its TTFT and round counts are that pass's),
     with ``repeat_s`` [R] every pass's total seconds in run order: no figure comes from a single
@@ -270,8 +296,7 @@ def run_question(pipe, prompt_ids, spec, max_new_tokens, hf_assisted: bool = Tru
     passes: dict[str, list[tuple[list[int], dict]]] = {m: [] for m in methods}
     orders = []
     for j in range(repeats):
-        k = (rotate + j) % len(methods)
-        order = methods[k:] + methods[:k]
+        order = method_order(methods, rotate + j)
         orders.append(order)
         for m in order:
             passes[m].append(run(m))

@@ -263,7 +263,7 @@ def bench(
     category: list[str] = typer.Option([], help="Only this category (repeatable; default: every category)."),
     argmax_screen: bool = typer.Option(True, help="Greedy rows of a float32 CPU target take their argmax from an int8 screen of the LM head (our engine's passes, speculative and plain; the HF methods run the model's own head)."),
     plain: bool = typer.Option(True, "--plain/--no-plain", help="Also run our engine without a draft (plain (ours)): spec / plain (ours) is then what speculation alone gains, apart from our forwards' own gain over transformers' generate."),
-    repeats: int = typer.Option(1, help="Run every greedy method this many times per question (order rotated each pass) and record each method's median pass (odd values: for 2, the faster pass), so that no figure comes from a single disturbed pass on a noisy machine."),
+    repeats: int = typer.Option(1, help="Run every greedy method this many times per question (the next order of a balanced Latin square each pass) and record each method's median pass (odd values: for 2, the faster pass), so that no figure comes from a single disturbed pass on a noisy machine."),
 ) -> None:
     """Benchmark on one pair, side by side: target-only, our plain decoding, speculative, HF assisted
     generation and HF prompt-lookup decoding (greedy: TTFT, decode and end-to-end tokens/s, speedups),

@@ -256,9 +256,30 @@ class _ScriptedPipe:
         return tokens, {"new_tokens": len(tokens), "s": s, "ttft_ms": s * 100}
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_method_order_is_a_balanced_latin_square(n):
+    """Over one cycle (n orders, 2n for odd n) every method runs equally often in every place and
+    right after every other method equally often; a plain rotation (the order before 2026-12-06)
+    has each method always after the same one."""
+    methods = [f"m{i}" for i in range(n)]
+    cycle = n if n % 2 == 0 else 2 * n
+    orders = [bench_module.method_order(methods, k) for k in range(cycle)]
+    assert all(sorted(o) == methods for o in orders)
+    assert orders[0][:3] == methods[:2] + [methods[-1]] if n >= 3 else orders[0] == methods
+    places = {(o[i], i) for o in orders for i in range(n)}
+    assert len(places) == n * n  # every method in every place ...
+    assert all(sum(o[i] == m for o in orders) == cycle // n for m in methods for i in range(n))  # ... equally often
+    pairs = [(a, b) for o in orders for a, b in zip(o, o[1:])]
+    assert {p: pairs.count(p) for p in set(pairs)} == {(a, b): cycle // n for a in methods for b in methods if a != b}
+    assert bench_module.method_order(methods, cycle + 1) == orders[1] and bench_module.method_order([], 3) == []
+    rotations = [methods[k:] + methods[:k] for k in range(n)]
+    if n >= 3:
+        assert len({(a, b) for o in rotations for a, b in zip(o, o[1:])}) < n * (n - 1)  # rotation is unbalanced
+
+
 def test_repeats_record_each_methods_median_pass(monkeypatch):
     """--repeats 3: no figure comes from a pass disturbed by the machine (8 s against ~2 s); each method's
-    row is its median pass whole (its own TTFT), passes run in rotated orders, and one pass with other
+    row is its median pass whole (its own TTFT), passes run in the Latin square's orders, and one pass with other
     tokens makes matches_target False."""
     same, other = [5, 6, 7], [5, 6, 8]
     pipe = _ScriptedPipe({
@@ -268,8 +289,8 @@ def test_repeats_record_each_methods_median_pass(monkeypatch):
     })
     monkeypatch.setattr(bench_module, "_hf_generate", pipe.hf_generate)
     row = run_question(pipe, [1, 2], spec=None, max_new_tokens=3, prompt_lookup=False, rotate=1, repeats=3)
-    methods = ["target_only", "speculative", "hf_assisted"]
-    assert row["orders"] == [methods[1:] + methods[:1], methods[2:] + methods[:2], methods]
+    assert row["orders"] == [["speculative", "hf_assisted", "target_only"], ["hf_assisted", "target_only", "speculative"],
+                             ["hf_assisted", "speculative", "target_only"]]  # method_order 1, 2, 3 (3: 0 reversed)
     assert pipe.calls == [m for order in row["orders"] for m in order]
     assert row["target_only"]["s"] == 4.0 and row["target_only"]["repeat_s"] == [4.0, 4.4, 3.9]
     assert row["target_only"]["repeats_agree"] is True
@@ -410,7 +431,7 @@ def test_bench_questions_file_offset_and_skipped_methods(long_pair, tmp_path):
     assert "median pass by total time recorded (the faster of 2)" in md and "agreed on 2 of 2 questions" in md
     assert "plain (ours)" not in md  # --no-plain: neither the column nor its explanation
     for r in result["questions"]:
-        assert len(r["orders"]) == 2 and r["orders"][1] == r["orders"][0][1:] + r["orders"][0][:1]
+        assert len(r["orders"]) == 2 and r["orders"][0] != r["orders"][1] and sorted(r["orders"][1]) == sorted(r["orders"][0])
         for m in ("target_only", "speculative"):
             assert len(r[m]["repeat_s"]) == 2 and r[m]["s"] == min(r[m]["repeat_s"])  # R = 2: the lower middle
         assert r["target_only"]["repeats_agree"] is True
