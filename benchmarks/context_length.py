@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -64,7 +65,7 @@ def factories(cost) -> dict:
         def make(spec, max_nodes=MAX_TREE_NODES, base=base, name=name):
             control = base(spec, max_nodes)
             if name == "long":
-                control.lookup = long_lookup
+                control.lookup = partial(long_lookup, max_ngram=control.max_ngram)
             return control
 
         make.shared = base.shared

@@ -237,8 +237,9 @@ def greedy_methods(hf_assisted: bool = True, prompt_lookup: bool = True, plain: 
 def method_order(methods: Sequence[str], k: int) -> list[str]:
     """Order k of a balanced Latin square over ``methods`` (Williams 1949, "Experimental designs
     balanced for the estimation of residual effects of treatments", Australian J. Sci. Res. 2(3)):
-    across n consecutive orders (2n for an odd count n) every method runs once in every place and
-    right after every other method equally often, so no method always follows the same one (a
+    over orders 0 .. n-1 every method runs once in every place, and over a whole cycle (n orders for
+    an even count n, 2n for an odd one) right after every other method equally often, so no method
+    always follows the same one (a
     method that heats the machine or evicts caches would otherwise weigh on one neighbour alone).
     Order 0 is methods[0], methods[1], methods[n-1], methods[2], methods[n-2], ...; order k adds k
     (mod n) to each index; for odd n orders n .. 2n-1 are orders 0 .. n-1 reversed. k may be any

@@ -9,7 +9,7 @@ Two speed paths, both bit for bit the transformers forward's logits and KV (test
   every key and value head ``num_key_value_groups`` times first (``repeat_kv``) whenever a mask is
   given; one-row attention keeps transformers' own path. Forwards that do not come through this
   module (HF generate on the same model object) keep transformers' path unchanged.
-- ``DirectDecoder``: the draft's one-session forwards call the model's own modules and functions
+- ``DirectDecoder``: the draft's and the target's one-session forwards call the model's own modules and functions
   layer by layer, without the model forward's per-call plumbing (argument decorators, mask
   building, output records), for the decoder classes it knows (Qwen2, Llama).
 """

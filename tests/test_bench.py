@@ -430,8 +430,9 @@ def test_bench_questions_file_offset_and_skipped_methods(long_pair, tmp_path):
     md = (out2 / "results.md").read_text()
     assert "median pass by total time recorded (the faster of 2)" in md and "agreed on 2 of 2 questions" in md
     assert "plain (ours)" not in md  # --no-plain: neither the column nor its explanation
-    for r in result["questions"]:
-        assert len(r["orders"]) == 2 and r["orders"][0] != r["orders"][1] and sorted(r["orders"][1]) == sorted(r["orders"][0])
+    for i, r in enumerate(result["questions"]):  # question i's passes: the square's orders i and i + 1
+        assert r["orders"] == [bench_module.method_order(["target_only", "speculative"], i + j) for j in (0, 1)]
+        assert r["orders"][0] != r["orders"][1]
         for m in ("target_only", "speculative"):
             assert len(r[m]["repeat_s"]) == 2 and r[m]["s"] == min(r[m]["repeat_s"])  # R = 2: the lower middle
         assert r["target_only"]["repeats_agree"] is True
@@ -680,12 +681,14 @@ def test_context_length_benchmark_on_tiny_models(long_pair, tmp_path):
     assert ngram_continuation(copy_of_14, 3) == ([7, 0, 10], 5)  # today: counted to 6, bucket 5
     assert context_length.long_lookup(copy_of_14, 3) == ([7, 0, 10], 6)  # long: 12+ has its own bucket
     assert context_length.long_lookup(copy_of_14[4:], 3) == ([7, 0, 10], 5)  # 11 back: still bucket 5
+    assert context_length.long_lookup(copy_of_14[3:], 3) == ([7, 0, 10], 6)  # exactly 12 back: bucket 6
     assert context_length.long_lookup([5, 7, 9, 2, 5, 7], 3) == ngram_continuation([5, 7, 9, 2, 5, 7], 3)
     variants = context_length.factories(CostModel())
     assert variants["default"].shared is not variants["long"].shared
     default, long = variants["default"](DEFAULT_SPEC), variants["long"](DEFAULT_SPEC)
     assert (default.ngram_tokens, long.ngram_tokens) == (8, 16)
-    assert default.lookup is None and long.lookup is context_length.long_lookup
+    assert default.lookup is None and long.lookup.func is context_length.long_lookup
+    assert long.lookup.keywords == {"max_ngram": long.max_ngram}
     path = tmp_path / "q.jsonl"
     path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
                             for i, c, t in [(1, "rag", "one two three one two three one two"), (2, "qa", "hello world")]))

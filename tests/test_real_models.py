@@ -3,8 +3,9 @@
 Greedy: speculative output must equal the target alone (transformers ``generate(do_sample=False)``
 on the same model object), token for token, and the draft must get some tokens accepted.
 Temperature 0.7: fluent text, accepted draft tokens, and the benchmark table reports them.
-Both models' ``DirectDecoder`` (the runtimes' one-session forward) gives the transformers forward's
-logits and KV bit for bit at the real shapes (tests/test_forward_paths.py does so on tiny ones).
+Both models' ``DirectDecoder`` (the runtimes' one-session forward) gives the model forward's logits
+and KV bit for bit at the real shapes, attention as the runtimes set it (tests/test_forward_paths.py
+also compares with transformers' own attention, on tiny models).
 The prompts are the first of each category in the package's own set (``orchestrator/data/prompts.jsonl``),
 so these tests run on any clone (before 2026-12-06 they read ../shared's Spec-Bench file and were
 skipped without it).
@@ -20,9 +21,11 @@ import torch
 from orchestrator.bench import load_questions, markdown_table, run_question, summarize
 from orchestrator.controller import GenerationRequest
 from orchestrator.embedded import build_pipeline, encode_prompt
+from specdec.argmax_head import argmax_head_of
 from specdec.forward import DirectDecoder, model_forward
 from specdec.kv_cache import new_cache
 from specdec.sampling import SamplingParams
+from specdec.tree import node_depths
 from specdec.tree_spec import SEED_SPEC, TreeSpec
 from tests.conftest import cache_kv
 from tests.test_forward_paths import _tree_mask
@@ -92,24 +95,43 @@ def test_benchmark_table_reports_sampled_acceptance(pipe):
     assert "T=0.7 acc rate" in table.splitlines()[0]
 
 
+def depth_positions(parents: list[int], cached: int) -> torch.Tensor:
+    """[P] position ids of P tree rows after ``cached`` slots: a row at depth d (parents -1 at depth 0) at cached + d."""
+    return torch.tensor([cached + d - 1 for d in node_depths(parents)])  # node_depths: parent -1 is depth 1
+
+
 @pytest.mark.parametrize("which", ["draft", "target"])
 def test_direct_decoder_equals_the_model_forward_on_the_real_pair(pipe, which):
-    """The int8 draft and the packed float32 target as the pipeline loaded them: a prefill (last row's
-    logits), a tree step (4 rows, tree mask) and a one-row step, logits and KV equal bit for bit."""
+    """The int8 draft and the packed float32 target as the pipeline loaded them (attention as the
+    runtimes set it): the call shapes the runtimes make, logits and KV equal bit for bit with the
+    model forward: a prefill (last row's logits), the draft's catch-up of 2 pending tokens (no mask:
+    DirectDecoder builds the causal one), a 4-node tree step (tree mask, tree position ids: a node at
+    depth d sits at cached + d), a one-row step, and for the target a greedy verify through its
+    ArgmaxHead (argmax ids)."""
     model = pipe.draft_model if which == "draft" else pipe.target_model
     direct = DirectDecoder.of(model)
     assert direct is not None  # the real pair has no forward hooks and a layout DirectDecoder knows
     ids = encode_prompt(pipe.tokenizer, builtin_prompts()[2], raw=False)
-    cached = len(ids) - 5
-    calls = [(ids[:cached], torch.arange(cached), None, 1),
-             (ids[cached:cached + 4], torch.arange(cached, cached + 4), _tree_mask(cached, [-1, 0, 0, 1]), None),
-             (ids[-1:], torch.tensor([cached + 4]), None, None)]
+    at = len(ids) - 7
+    parents = [-1, 0, 0, 1]
+    calls = [(ids[:at], torch.arange(at), None, 1, None),
+             (ids[at:at + 2], torch.arange(at, at + 2), None, None, None),
+             (ids[at + 2:at + 6], depth_positions(parents, at + 2), _tree_mask(at + 2, parents), None, None),
+             (ids[-1:], torch.tensor([at + 6]), None, None, None)]
+    if which == "target":
+        head = argmax_head_of(model)
+        assert head is not None
+        calls.append(([ids[0], ids[1], ids[2]], depth_positions([-1, 0, 1], at + 7), _tree_mask(at + 7, [-1, 0, 1]),
+                      None, head))
     ref_cache, cache = new_cache(model.config), new_cache(model.config)
     with torch.inference_mode():
-        for i, (step_ids, positions, mask, keep) in enumerate(calls):
-            expected = model_forward(model, ref_cache, step_ids, positions, mask, logits_rows=keep)
-            got = direct(cache, step_ids, positions, mask, logits_rows=keep)
-            assert got.shape == expected.shape == (keep or len(step_ids), model.config.vocab_size), i
-            assert torch.equal(got, expected), (i, (got - expected).abs().max().item())
+        for i, (step_ids, positions, mask, keep, argmax_head) in enumerate(calls):
+            expected = model_forward(model, ref_cache, step_ids, positions, mask, logits_rows=keep, argmax_head=argmax_head)
+            got = direct(cache, step_ids, positions, mask, logits_rows=keep, argmax_head=argmax_head)
+            if argmax_head is None:
+                assert got.shape == expected.shape == (keep or len(step_ids), model.config.vocab_size), i
+            else:
+                assert got.shape == expected.shape == (len(step_ids),) and got.dtype == torch.int64, i
+            assert torch.equal(got, expected), (i, (got.double() - expected.double()).abs().max().item())
             for (k, v), (ref_k, ref_v) in zip(cache_kv(cache), cache_kv(ref_cache)):
                 assert torch.equal(k, ref_k) and torch.equal(v, ref_v), i
