@@ -31,8 +31,8 @@ from orchestrator.controller import GenerationRequest  # noqa: E402
 from orchestrator.cost_aware import SharedState, cost_aware_factory  # noqa: E402
 from orchestrator.cost_model import CostModel  # noqa: E402
 from orchestrator.embedded import build_pipeline, encode_prompt  # noqa: E402
-from specdec.config import FrontConfig  # noqa: E402
 from orchestrator.shaping import match_bucket  # noqa: E402
+from specdec.config import FrontConfig  # noqa: E402
 from specdec.ngram import match_continuation  # noqa: E402
 from specdec.tree_spec import DEFAULT_SPEC, MAX_TREE_NODES  # noqa: E402
 
