@@ -28,13 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orchestrator.bench import add_question_args, fitting_prompts, load_questions, question_meta, write_record  # noqa: E402
 from orchestrator.controller import GenerationRequest  # noqa: E402
-from orchestrator.cost_aware import SharedState, cost_aware_factory  # noqa: E402
-from orchestrator.cost_model import CostModel  # noqa: E402
 from orchestrator.embedded import build_pipeline, encode_prompt  # noqa: E402
 from orchestrator.shaping import match_bucket  # noqa: E402
 from specdec.config import FrontConfig  # noqa: E402
 from specdec.ngram import match_continuation  # noqa: E402
-from specdec.tree_spec import DEFAULT_SPEC, MAX_TREE_NODES  # noqa: E402
+from specdec.tree_spec import DEFAULT_SPEC  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from context_plan import row_of, variant_factory  # noqa: E402  (the same side-by-side set-up)
 
 VARIANTS = ("default", "long")
 LONG_TOKENS = 16  # the long variant's branch length (today's: CostAwareConfig.ngram_tokens)
@@ -48,36 +49,15 @@ def long_lookup(context, max_tokens: int, max_ngram: int = 3) -> tuple[list[int]
     return chain, 6 if match >= LONG_MATCH else match_bucket(match)
 
 
+def _long_branches(control) -> None:
+    control.lookup = partial(long_lookup, max_ngram=control.max_ngram)
+
+
 def factories(cost) -> dict:
-    """{variant: control factory} with the front's settings (``cost_aware_factory``), each over its own
-    SharedState holding a copy of ``cost``; ``long`` controls get LONG_TOKENS-token branches and
-    ``long_lookup``."""
-    front = FrontConfig()
-    out = {}
-    for name in VARIANTS:
-        snap = cost.snapshot()  # a copy: the same start-up figures, learnt on from there by each variant alone
-        copied = CostModel(snap["verify_ms"], snap["draft_step_ms"], source=cost.source)
-        config = front.cost_aware
-        if name == "long":
-            config = config.model_copy(update={"ngram_tokens": LONG_TOKENS})
-        base = cost_aware_factory(config, front.fallback, SharedState(cost=copied))
-
-        def make(spec, max_nodes=MAX_TREE_NODES, base=base, name=name):
-            control = base(spec, max_nodes)
-            if name == "long":
-                control.lookup = partial(long_lookup, max_ngram=control.max_ngram)
-            return control
-
-        make.shared = base.shared
-        out[name] = make
-    return out
-
-
-def row_of(result) -> dict:
-    s = result.stats
-    return {"new_tokens": s.new_tokens, "s": s.total_s, "ttft_ms": s.ttft_ms, "decode_s": s.total_s - s.ttft_ms / 1000,
-            "rounds": s.rounds, "accepted": s.accepted_tokens, "context_accepted": s.context_accepted_tokens,
-            "context_proposed": s.context_proposed_tokens}
+    """{variant: ``context_plan.variant_factory``}; ``long`` controls get LONG_TOKENS-token branches
+    and ``long_lookup``."""
+    long_config = FrontConfig().cost_aware.model_copy(update={"ngram_tokens": LONG_TOKENS})
+    return {"default": variant_factory(cost), "long": variant_factory(cost, long_config, _long_branches)}
 
 
 def totals(rows: list[dict]) -> dict:

@@ -34,26 +34,34 @@ from specdec.tree_spec import DEFAULT_SPEC, MAX_TREE_NODES  # noqa: E402
 VARIANTS = ("round", "average")
 
 
-def factories(cost) -> dict:
-    """{variant: control factory} with the front's settings (``cost_aware_factory``), each over its own
-    SharedState holding a copy of ``cost``; ``average`` controls ignore each round's context (the
-    ``round_context`` hook does nothing), so their plans use the average of past rounds' branches."""
+def variant_factory(cost, config=None, adjust=None):
+    """A control factory with the front's settings (``cost_aware_factory``; ``config`` replaces its
+    CostAwareConfig) over its own SharedState holding a copy of ``cost`` (the same start-up figures,
+    learnt on from there by this variant alone); ``adjust(control)`` changes each control it makes.
+    The factory's ``shared`` is that SharedState."""
     front = FrontConfig()
-    out = {}
-    for name in VARIANTS:
-        snap = cost.snapshot()  # a copy: the same start-up figures, learnt on from there by each variant alone
-        copied = CostModel(snap["verify_ms"], snap["draft_step_ms"], source=cost.source)
-        base = cost_aware_factory(front.cost_aware, front.fallback, SharedState(cost=copied))
+    snap = cost.snapshot()
+    copied = CostModel(snap["verify_ms"], snap["draft_step_ms"], source=cost.source)
+    base = cost_aware_factory(config or front.cost_aware, front.fallback, SharedState(cost=copied))
 
-        def make(spec, max_nodes=MAX_TREE_NODES, base=base, name=name):
-            control = base(spec, max_nodes)
-            if name == "average":
-                control.round_context = lambda context: None
-            return control
+    def make(spec, max_nodes=MAX_TREE_NODES):
+        control = base(spec, max_nodes)
+        if adjust is not None:
+            adjust(control)
+        return control
 
-        make.shared = base.shared
-        out[name] = make
-    return out
+    make.shared = base.shared
+    return make
+
+
+def _ignore_round_context(control) -> None:
+    control.round_context = lambda context: None
+
+
+def factories(cost) -> dict:
+    """{variant: ``variant_factory``}; ``average`` controls ignore each round's context (the
+    ``round_context`` hook does nothing), so their plans use the average of past rounds' branches."""
+    return {"round": variant_factory(cost), "average": variant_factory(cost, adjust=_ignore_round_context)}
 
 
 def row_of(result) -> dict:
