@@ -20,7 +20,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Confi
 
 from draft_service.tree_builder import build_tree
 from specdec.sampling import GREEDY
-from specdec.tree import DraftTree
+from specdec.tree import DraftTree, additive_mask
 from specdec.tree_spec import TreeSpec
 
 torch.set_num_threads(1)  # tiny models: threads only add overhead on a 2-core machine
@@ -167,6 +167,21 @@ def char_decode(ids) -> str:
 # ----------------------------------------------------------------------------------------------
 # Scripted drafts (DraftWorker protocol of specdec.interfaces)
 # ----------------------------------------------------------------------------------------------
+
+def tree_mask(cached: int, parents: list[int]) -> torch.Tensor:
+    """[1, 1, P, cached + P] additive float32 mask: every row sees the cache, its ancestors among the P
+    rows and itself. Built here, not with ``specdec.tree.tree_attention_mask``, so the forward tests
+    do not take the product's mask on trust."""
+    p = len(parents)
+    visible = torch.zeros(p, cached + p, dtype=torch.bool)
+    visible[:, :cached] = True
+    for row, parent in enumerate(parents):
+        visible[row, cached + row] = True
+        while parent >= 0:
+            visible[row, cached + parent] = True
+            parent = parents[parent]
+    return additive_mask(visible, torch.float32)
+
 
 def path_tokens(tokens, parents, node: int) -> list[int]:
     """Tokens from the root (exclusive) down to ``node`` (inclusive); [] for the root (-1)."""

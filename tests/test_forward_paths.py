@@ -25,7 +25,7 @@ from specdec.forward import DirectDecoder, model_forward, use_packed_attention
 from specdec.kv_cache import new_cache
 from specdec.model_setup import quantize_draft
 from specdec.tree import additive_mask
-from tests.conftest import VOCAB, cache_kv, random_prompt, tiny_model
+from tests.conftest import VOCAB, cache_kv, random_prompt, tiny_model, tree_mask
 
 
 def _variant(kind: str, int8: bool, ours: bool, bf16: bool = False):
@@ -37,19 +37,6 @@ def _variant(kind: str, int8: bool, ours: bool, bf16: bool = False):
     if ours:
         use_packed_attention(model)
     return model
-
-
-def _tree_mask(cached: int, parents: list[int]) -> torch.Tensor:
-    """[1, 1, P, cached + P] additive: every row sees the cache, its ancestors among the P rows and itself."""
-    p = len(parents)
-    visible = torch.zeros(p, cached + p, dtype=torch.bool)
-    visible[:, :cached] = True
-    for row, parent in enumerate(parents):
-        visible[row, cached + row] = True
-        while parent >= 0:
-            visible[row, cached + parent] = True
-            parent = parents[parent]
-    return additive_mask(visible, torch.float32)
 
 
 def _calls(cached: int) -> list[tuple[list[int], torch.Tensor, torch.Tensor | None, int | None]]:
@@ -64,7 +51,7 @@ def _calls(cached: int) -> list[tuple[list[int], torch.Tensor, torch.Tensor | No
         elif mask_kind == "plain":
             mask = additive_mask(torch.ones(1, at + 1, dtype=torch.bool), torch.float32)
         else:
-            mask = _tree_mask(at, [-1, 0, 0, 1, 3, -1][:n])
+            mask = tree_mask(at, [-1, 0, 0, 1, 3, -1][:n])
         out.append((ids[:n], torch.arange(at, at + n), mask, keep))
         at += n
         ids = ids[n:] + ids[:n]
@@ -233,7 +220,7 @@ def test_masked_rows_use_grouped_query_sdpa_with_transformers_logits(kind, monke
         caches[name] = new_cache(model.config)
         model_forward(model, caches[name], prompt, torch.arange(30), None, logits_rows=1)
     spy = _SdpaSpy(monkeypatch)
-    mask = _tree_mask(30, [-1, 0, 0, 1, 3])
+    mask = tree_mask(30, [-1, 0, 0, 1, 3])
     got = model_forward(ours, caches["ours"], [5, 6, 7, 8, 9], torch.tensor([30, 31, 31, 32, 33]), mask)
     assert spy.native_calls == [5, 5] and spy.transformers_calls == []  # both layers, grouped in SDPA
     expected = model_forward(plain, caches["plain"], [5, 6, 7, 8, 9], torch.tensor([30, 31, 31, 32, 33]), mask)
@@ -243,7 +230,7 @@ def test_masked_rows_use_grouped_query_sdpa_with_transformers_logits(kind, monke
         assert torch.equal(k, ref_k) and torch.equal(v, ref_v)
     spy.transformers_calls.clear()
     spy.native_calls.clear()
-    model_forward(ours, caches["ours"], [4], torch.tensor([35]), _tree_mask(35, [-1]))
+    model_forward(ours, caches["ours"], [4], torch.tensor([35]), tree_mask(35, [-1]))
     assert spy.transformers_calls == [1, 1] and spy.native_calls == []  # one row: transformers' packed query
 
 
@@ -273,7 +260,7 @@ def test_batched_verify_rows_use_grouped_query_sdpa_with_transformers_logits(lay
     prompts = [random_prompt(seed=35, length=12), random_prompt(seed=36, length=12)]
     parents = [[-1, 0, 0, 1], [-1, 0, 1, 2]]
     ids = [[3, 4, 5, 6], [7, 8, 9, 10]]
-    masks = [_tree_mask(12, p) for p in parents]
+    masks = [tree_mask(12, p) for p in parents]
     positions = [torch.tensor([12, 13, 13, 14]), torch.tensor([12, 13, 14, 15])]
     outs = {}
     for name, model in (("ours", ours), ("plain", plain)):

@@ -27,8 +27,7 @@ from specdec.kv_cache import new_cache
 from specdec.sampling import SamplingParams
 from specdec.tree import node_depths
 from specdec.tree_spec import SEED_SPEC, TreeSpec
-from tests.conftest import cache_kv
-from tests.test_forward_paths import _tree_mask
+from tests.conftest import cache_kv, tree_mask
 
 pytestmark = pytest.mark.real_models
 
@@ -116,12 +115,12 @@ def test_direct_decoder_equals_the_model_forward_on_the_real_pair(pipe, which):
     parents = [-1, 0, 0, 1]
     calls = [(ids[:at], torch.arange(at), None, 1, None),
              (ids[at:at + 2], torch.arange(at, at + 2), None, None, None),
-             (ids[at + 2:at + 6], depth_positions(parents, at + 2), _tree_mask(at + 2, parents), None, None),
+             (ids[at + 2:at + 6], depth_positions(parents, at + 2), tree_mask(at + 2, parents), None, None),
              (ids[-1:], torch.tensor([at + 6]), None, None, None)]
     if which == "target":
         head = argmax_head_of(model)
         assert head is not None
-        calls.append(([ids[0], ids[1], ids[2]], depth_positions([-1, 0, 1], at + 7), _tree_mask(at + 7, [-1, 0, 1]),
+        calls.append(([ids[0], ids[1], ids[2]], depth_positions([-1, 0, 1], at + 7), tree_mask(at + 7, [-1, 0, 1]),
                       None, head))
     ref_cache, cache = new_cache(model.config), new_cache(model.config)
     with torch.inference_mode():
