@@ -209,7 +209,8 @@ def _spec_row(stats: GenerationStats) -> dict:
             "proposed": stats.proposed_tokens, "accepted": stats.accepted_tokens, "drafted": stats.drafted_tokens,
             "context_proposed": stats.context_proposed_tokens, "context_accepted": stats.context_accepted_tokens,
             "expected_accepted": round(stats.expected_accepted_tokens, 2), "cost_plain_rounds": stats.cost_plain_rounds,
-            "position_proposed": list(stats.position_proposed), "position_accepted": list(stats.position_accepted)}
+            "position_proposed": list(stats.position_proposed), "position_accepted": list(stats.position_accepted),
+            "draft_s": round(stats.draft_s, 3), "verify_s": round(stats.verify_s, 3)}
 
 
 def position_sums(runs: list[dict]) -> tuple[list[int], list[int]]:
@@ -362,6 +363,13 @@ def summarize(rows: list[dict]) -> dict:
     out["mean_accepted_length"] = _ratio(sum(s["new_tokens"] for s in spec), sum(s["rounds"] for s in spec))
     out["acceptance_rate"] = _ratio(sum(s["accepted"] for s in spec), sum(s["proposed"] for s in spec))
     out["efficiency"] = _ratio(out["speculative_speedup"], out["mean_accepted_length"])
+    if all("draft_s" in s for s in spec):  # rows written before the phases were recorded have none
+        total = sum(s["s"] for s in spec)
+        for phase, share in (("ttft", sum(s["ttft_ms"] for s in spec) / 1000), ("draft", sum(s["draft_s"] for s in spec)),
+                             ("verify", sum(s["verify_s"] for s in spec))):
+            out[f"speculative_{phase}_share"] = _ratio(share, total)
+        drafted_rounds = sum(s["rounds"] - s["cost_plain_rounds"] for s in spec)
+        out["speculative_draft_ms_per_drafted_round"] = _ratio(1000 * sum(s["draft_s"] for s in spec), drafted_rounds)
     proposed, accepted = position_sums(spec)
     out["position_proposed"] = proposed
     out["acceptance_by_position"] = position_rates(proposed, accepted)
@@ -435,12 +443,26 @@ def position_table(summary: dict[str, dict]) -> str:
     return _table(["acceptance at position"] + [str(d + 1) for d in range(depth)], rows)
 
 
+def phase_table(summary: dict[str, dict]) -> str:
+    """One row per category: where ours' (greedy speculative) time went, as shares of its total
+    seconds: the first token (TTFT: the target's prefill), the rounds' draft phases (the draft's steps
+    and, on shared compute, its deferred prefill), their verifies, and the rest (commits, control,
+    transport); and the draft phase's mean ms per round that drafted. Empty for rows without phases."""
+    if not all("speculative_draft_share" in s for s in summary.values()):
+        return ""
+    rows = []
+    for cat, s in summary.items():
+        shares = [s[f"speculative_{phase}_share"] for phase in ("ttft", "draft", "verify")]
+        rows.append([cat] + [f"{x:.0%}" for x in shares] + [f"{max(1 - sum(shares), 0.0):.0%}",
+                                                             f"{s['speculative_draft_ms_per_drafted_round']:.0f}"])
+    return _table(["spec time share", "TTFT", "draft", "verify", "other", "draft ms / drafted round"], rows)
+
+
 def markdown_table(summary: dict[str, dict], temperature: float | None = None) -> str:
-    """The speedup table, the TTFT / tokens/s table, then ours' acceptance per tree position (blank
-    lines between)."""
-    positions = position_table(summary)
-    return (speedup_table(summary, temperature) + "\n" + latency_table(summary)
-            + ("\n" + positions if positions else ""))
+    """The speedup table, the TTFT / tokens/s table, ours' acceptance per tree position, then where
+    ours' time went (``phase_table``; blank lines between)."""
+    extra = [t for t in (position_table(summary), phase_table(summary)) if t]
+    return speedup_table(summary, temperature) + "\n" + latency_table(summary) + "".join("\n" + t for t in extra)
 
 
 # ----------------------------------------------------------------------------------------- run

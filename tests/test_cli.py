@@ -169,3 +169,11 @@ def test_stats_table_shows_acceptance_by_position_for_local_and_remote_stats():
     console = Console(record=True, width=400)
     console.print(stats_table(GenerationStats(new_tokens=3, rounds=3), True))  # no tree verified: no row
     assert "acceptance by position" not in console.export_text()
+    timed = GenerationStats(new_tokens=3, rounds=3, total_s=2.0, draft_s=0.5, verify_s=1.2)
+    msg = stats_to_proto(timed, prompt_tokens=5)
+    remote = SimpleNamespace(**{f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}, tokens_per_s=0.0)
+    for stats in (timed, remote):
+        console = Console(record=True, width=400)
+        console.print(stats_table(stats, True))
+        row = next(line for line in console.export_text().splitlines() if "time by phase" in line)
+        assert row.split("│")[2].strip() == "draft 0.50 s (25%), verify 1.20 s (60%) of 2.00 s"

@@ -215,6 +215,12 @@ def test_request_stats_count_positions_as_the_metrics_do():
         assert sample(m, "specdec_position_accepted_tokens_total", position=str(d)) == stats.position_accepted[d - 1]
     msg = stats_to_proto(stats, prompt_tokens=3)  # what a gRPC (and HTTP) client's FinalStats carries
     assert list(msg.position_proposed) == [6, 5, 4, 3, 2, 1] and list(msg.position_accepted) == [5, 3, 2, 1, 0, 0]
+    # the phases' wall time, summed over the rounds (a round that did not ask the draft adds none)
+    stats.add(RoundRecord((7,), proposed=0, accepted=0, depth=0, fallback="cost", gamma=0, draft_s=None, verify_s=0.2,
+                          commit_s=0.01), 0.8)
+    assert stats.draft_s == pytest.approx(0.07) and stats.verify_s == pytest.approx(0.9)
+    msg = stats_to_proto(stats, prompt_tokens=3)
+    assert msg.draft_s == pytest.approx(0.07) and msg.verify_s == pytest.approx(0.9)
     assert GenerationStats().acceptance_by_position == []
 
 
