@@ -210,7 +210,7 @@ def _spec_row(stats: GenerationStats) -> dict:
             "context_proposed": stats.context_proposed_tokens, "context_accepted": stats.context_accepted_tokens,
             "expected_accepted": round(stats.expected_accepted_tokens, 2), "cost_plain_rounds": stats.cost_plain_rounds,
             "position_proposed": list(stats.position_proposed), "position_accepted": list(stats.position_accepted),
-            "draft_s": round(stats.draft_s, 3), "verify_s": round(stats.verify_s, 3)}
+            "draft_s": round(stats.draft_s, 6), "verify_s": round(stats.verify_s, 6), "draft_rounds": stats.draft_rounds}
 
 
 def position_sums(runs: list[dict]) -> tuple[list[int], list[int]]:
@@ -347,7 +347,9 @@ def summarize(rows: list[dict]) -> dict:
     ``{m}_ttft_ratio`` and ``{m}_match_fraction`` (greedy output equal to target-only); with the
     plain column, ``speculative_over_plain`` (speculative end-to-end tokens/s over our plain
     decoding's: what speculation alone gains); ours' mean accepted length, acceptance rate and
-    efficiency (speedup / mean accepted length); the sampled pass's figures if it ran."""
+    efficiency (speedup / mean accepted length); where ours' time went (``speculative_{ttft,draft,verify}_share``
+    of its seconds, ``speculative_draft_rounds`` and ``speculative_draft_ms_per_draft_round``: rows
+    with ``draft_rounds``, ``GenerationStats``' phases); the sampled pass's figures if it ran."""
     out: dict = {"questions": len(rows)}
     for m in (m for m in METHODS if m in rows[0]):
         for key, value in method_figures([r[m] for r in rows]).items():
@@ -363,13 +365,14 @@ def summarize(rows: list[dict]) -> dict:
     out["mean_accepted_length"] = _ratio(sum(s["new_tokens"] for s in spec), sum(s["rounds"] for s in spec))
     out["acceptance_rate"] = _ratio(sum(s["accepted"] for s in spec), sum(s["proposed"] for s in spec))
     out["efficiency"] = _ratio(out["speculative_speedup"], out["mean_accepted_length"])
-    if all("draft_s" in s for s in spec):  # rows written before the phases were recorded have none
+    if all("draft_rounds" in s for s in spec):  # rows written before the phases were recorded have none
         total = sum(s["s"] for s in spec)
         for phase, share in (("ttft", sum(s["ttft_ms"] for s in spec) / 1000), ("draft", sum(s["draft_s"] for s in spec)),
                              ("verify", sum(s["verify_s"] for s in spec))):
             out[f"speculative_{phase}_share"] = _ratio(share, total)
-        drafted_rounds = sum(s["rounds"] - s["cost_plain_rounds"] for s in spec)
-        out["speculative_draft_ms_per_drafted_round"] = _ratio(1000 * sum(s["draft_s"] for s in spec), drafted_rounds)
+        out["speculative_draft_rounds"] = sum(s["draft_rounds"] for s in spec)
+        out["speculative_draft_ms_per_draft_round"] = _ratio(1000 * sum(s["draft_s"] for s in spec),
+                                                             out["speculative_draft_rounds"])
     proposed, accepted = position_sums(spec)
     out["position_proposed"] = proposed
     out["acceptance_by_position"] = position_rates(proposed, accepted)
@@ -445,17 +448,19 @@ def position_table(summary: dict[str, dict]) -> str:
 
 def phase_table(summary: dict[str, dict]) -> str:
     """One row per category: where ours' (greedy speculative) time went, as shares of its total
-    seconds: the first token (TTFT: the target's prefill), the rounds' draft phases (the draft's steps
-    and, on shared compute, its deferred prefill), their verifies, and the rest (commits, control,
-    transport); and the draft phase's mean ms per round that drafted. Empty for rows without phases."""
+    seconds, parts that do not overlap: the first token (TTFT: the sessions' opening and the first
+    round, the target's prefill in it), the later rounds' draft phases (the draft's steps and, on
+    shared compute, its deferred prefill) and their verifies, and the rest (commits, control); then
+    the draft phase's mean ms over the later rounds that asked the draft ("-" where none did).
+    Empty for rows without phases."""
     if not all("speculative_draft_share" in s for s in summary.values()):
         return ""
     rows = []
     for cat, s in summary.items():
         shares = [s[f"speculative_{phase}_share"] for phase in ("ttft", "draft", "verify")]
-        rows.append([cat] + [f"{x:.0%}" for x in shares] + [f"{max(1 - sum(shares), 0.0):.0%}",
-                                                             f"{s['speculative_draft_ms_per_drafted_round']:.0f}"])
-    return _table(["spec time share", "TTFT", "draft", "verify", "other", "draft ms / drafted round"], rows)
+        per_round = f"{s['speculative_draft_ms_per_draft_round']:.0f}" if s["speculative_draft_rounds"] else "-"
+        rows.append([cat] + [f"{x:.0%}" for x in shares] + [f"{1 - sum(shares):.0%}", per_round])
+    return _table(["spec time share", "TTFT", "draft", "verify", "other", "draft ms / draft round"], rows)
 
 
 def markdown_table(summary: dict[str, dict], temperature: float | None = None) -> str:
@@ -580,5 +585,7 @@ def _report(meta: dict, spec: TreeSpec, dtype: str, sampling: SamplingParams, ma
             "`X = target`: share of questions whose greedy output equals target-only's. Acceptance at "
             "position d: of the rounds whose verified tree (draft and context branches) reached depth d, the "
             "share whose committed path reached it too (rounds in parentheses; vLLM's per-position "
-            "acceptance).\n\n"
+            "acceptance). Spec time share: of the speculative runs' seconds, the first token's (TTFT), the "
+            "later rounds' draft phases and verifies, and the rest; draft ms / draft round: the draft phase's "
+            "mean over the later rounds that asked the draft.\n\n"
             f"{table}")

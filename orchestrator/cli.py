@@ -152,9 +152,10 @@ def stats_table(stats, speculate: bool, sampling: SamplingParams = SamplingParam
             ("expected vs accepted", f"{stats.expected_accepted_tokens:.1f} expected, {stats.accepted_tokens} accepted"),
             ("cost model", _cost_line(cost)),
         ]
-    if speculate and stats.total_s > 0:
-        rows.append(("time by phase", f"draft {stats.draft_s:.2f} s ({stats.draft_s / stats.total_s:.0%}), verify "
-                                      f"{stats.verify_s:.2f} s ({stats.verify_s / stats.total_s:.0%}) of {stats.total_s:.2f} s"))
+    if speculate and stats.total_s > 0 and stats.verify_s > 0:  # 0: one round, or a front without the fields
+        phases = [("first token", stats.ttft_ms / 1000), ("draft", stats.draft_s), ("verify", stats.verify_s)]
+        rows.append(("time by phase", ", ".join(f"{name} {s:.2f} s ({s / stats.total_s:.0%})" for name, s in phases)
+                     + f" of {stats.total_s:.2f} s"))
     rows += [("TTFT", f"{stats.ttft_ms:.0f} ms"), ("throughput", f"{stats.tokens_per_s:.2f} tokens/s"),
              ("stop reason", str(stats.stop_reason))]
     for k, v in rows:

@@ -65,8 +65,12 @@ class GenerationStats:
     expected_accepted_tokens: float = 0.0  # the control's expectation of accepted_tokens
     ttft_ms: float = 0.0
     total_s: float = 0.0
-    draft_s: float = 0.0  # wall time of the rounds' draft phases, seconds (RoundRecord.draft_s summed)
-    verify_s: float = 0.0  # wall time of the rounds' verifies, seconds (RoundRecord.verify_s summed)
+    # where the time after the first token went (the first round is inside ttft_ms, so ttft, draft and
+    # verify do not overlap): wall time of the later rounds' draft phases and verifies, seconds, and
+    # the later rounds that asked the draft (a tree adopted from a pipelined ahead did not wait for it)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    draft_rounds: int = 0
     stop_reason: str | None = None
     failovers: int = 0  # times the request moved to another orchestrator actor after its own failed
     pipeline_ahead_hits: int = 0  # pipelining: aheads adopted (the next round's tree was ready when its verify began)
@@ -89,8 +93,10 @@ class GenerationStats:
         self.context_proposed_tokens += record.context_proposed
         self.context_accepted_tokens += record.context_accepted
         self.expected_accepted_tokens += record.expected_accepted
-        self.draft_s += record.draft_s or 0.0
-        self.verify_s += record.verify_s
+        if self.rounds > 1:
+            self.draft_s += record.draft_s or 0.0
+            self.verify_s += record.verify_s
+            self.draft_rounds += record.draft_s is not None and not record.pipelined
         self.final_gamma = record.gamma
         self.pipeline_ahead_hits += record.ahead == "hit"
         self.pipeline_ahead_misses += record.ahead in ("miss", "failed")

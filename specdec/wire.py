@@ -120,5 +120,5 @@ def stats_to_proto(stats: GenerationStats, prompt_tokens: int) -> generation_pb2
         expected_accepted_tokens=stats.expected_accepted_tokens, failovers=stats.failovers,
         pipeline_ahead_hits=stats.pipeline_ahead_hits, pipeline_ahead_misses=stats.pipeline_ahead_misses,
         position_proposed=stats.position_proposed, position_accepted=stats.position_accepted,
-        draft_s=stats.draft_s, verify_s=stats.verify_s,
+        draft_s=stats.draft_s, verify_s=stats.verify_s, draft_rounds=stats.draft_rounds,
     )

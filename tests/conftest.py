@@ -110,6 +110,21 @@ def cache_kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+def tree_mask(cached: int, parents: list[int]) -> torch.Tensor:
+    """[1, 1, P, cached + P] additive float32 mask: every row sees the cache, its ancestors among the P
+    rows and itself. Built here, not with ``specdec.tree.tree_attention_mask``, so the forward tests
+    do not take the product's mask on trust."""
+    p = len(parents)
+    visible = torch.zeros(p, cached + p, dtype=torch.bool)
+    visible[:, :cached] = True
+    for row, parent in enumerate(parents):
+        visible[row, cached + row] = True
+        while parent >= 0:
+            visible[row, cached + parent] = True
+            parent = parents[parent]
+    return additive_mask(visible, torch.float32)
+
+
 def assert_kv_equal(actual, expected, atol: float = 1e-5, rtol: float = 1e-5, what: str = "cache") -> None:
     """Compare per-layer KV lists (lengths included).
 
@@ -167,21 +182,6 @@ def char_decode(ids) -> str:
 # ----------------------------------------------------------------------------------------------
 # Scripted drafts (DraftWorker protocol of specdec.interfaces)
 # ----------------------------------------------------------------------------------------------
-
-def tree_mask(cached: int, parents: list[int]) -> torch.Tensor:
-    """[1, 1, P, cached + P] additive float32 mask: every row sees the cache, its ancestors among the P
-    rows and itself. Built here, not with ``specdec.tree.tree_attention_mask``, so the forward tests
-    do not take the product's mask on trust."""
-    p = len(parents)
-    visible = torch.zeros(p, cached + p, dtype=torch.bool)
-    visible[:, :cached] = True
-    for row, parent in enumerate(parents):
-        visible[row, cached + row] = True
-        while parent >= 0:
-            visible[row, cached + parent] = True
-            parent = parents[parent]
-    return additive_mask(visible, torch.float32)
-
 
 def path_tokens(tokens, parents, node: int) -> list[int]:
     """Tokens from the root (exclusive) down to ``node`` (inclusive); [] for the root (-1)."""

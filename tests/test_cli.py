@@ -169,11 +169,27 @@ def test_stats_table_shows_acceptance_by_position_for_local_and_remote_stats():
     console = Console(record=True, width=400)
     console.print(stats_table(GenerationStats(new_tokens=3, rounds=3), True))  # no tree verified: no row
     assert "acceptance by position" not in console.export_text()
-    timed = GenerationStats(new_tokens=3, rounds=3, total_s=2.0, draft_s=0.5, verify_s=1.2)
+
+
+def test_stats_table_shows_time_by_phase_for_local_and_remote_stats():
+    """The first token, the later rounds' draft phases and verifies, from GenerationStats and from
+    FinalStats alike; no row where nothing was verified after the first token."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from orchestrator.cli import stats_table
+    from specdec.stats import GenerationStats
+    from specdec.wire import stats_to_proto
+
+    timed = GenerationStats(new_tokens=3, rounds=3, total_s=2.0, ttft_ms=200.0, draft_s=0.5, verify_s=1.2, draft_rounds=2)
     msg = stats_to_proto(timed, prompt_tokens=5)
     remote = SimpleNamespace(**{f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}, tokens_per_s=0.0)
     for stats in (timed, remote):
         console = Console(record=True, width=400)
         console.print(stats_table(stats, True))
         row = next(line for line in console.export_text().splitlines() if "time by phase" in line)
-        assert row.split("│")[2].strip() == "draft 0.50 s (25%), verify 1.20 s (60%) of 2.00 s"
+        assert row.split("│")[2].strip() == "first token 0.20 s (10%), draft 0.50 s (25%), verify 1.20 s (60%) of 2.00 s"
+    console = Console(record=True, width=400)
+    console.print(stats_table(GenerationStats(new_tokens=1, rounds=1, total_s=0.3, ttft_ms=300.0), True))
+    assert "time by phase" not in console.export_text()

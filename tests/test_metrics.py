@@ -192,6 +192,28 @@ def test_acceptance_per_position_from_round_records():
     assert sample(m, "specdec_position_proposed_tokens_total", position="4") is None
 
 
+def test_request_stats_time_by_phase_after_the_first_token():
+    """GenerationStats' draft_s / verify_s / draft_rounds sum the rounds after the first (the first is
+    inside ttft_ms, so the parts do not overlap); a round that did not ask the draft (draft_s None)
+    adds its verify only, an adopted pipelined tree (draft_s 0) is no draft round; FinalStats carries them."""
+    from specdec.stats import GenerationStats
+    from specdec.wire import stats_to_proto
+
+    def record(draft_s, verify_s, fallback=None, pipelined=False):
+        return RoundRecord((1, 2), proposed=3, accepted=1, depth=2, fallback=fallback, gamma=2, draft_s=draft_s,
+                           verify_s=verify_s, commit_s=0.01, pipelined=pipelined)
+
+    stats = GenerationStats()
+    rounds = [record(0.5, 0.3), record(0.04, 0.2), record(None, 0.1, fallback="cost"), record(0.0, 0.25, pipelined=True),
+              record(None, 0.15, fallback="draft_unavailable"), record(0.06, 0.2)]
+    for i, r in enumerate(rounds):
+        stats.add(r, 0.4 * (i + 1))
+    assert stats.ttft_ms == pytest.approx(400.0)
+    assert stats.draft_s == pytest.approx(0.10) and stats.verify_s == pytest.approx(0.9) and stats.draft_rounds == 2
+    msg = stats_to_proto(stats, prompt_tokens=3)
+    assert msg.draft_s == pytest.approx(0.10) and msg.verify_s == pytest.approx(0.9) and msg.draft_rounds == 2
+
+
 def test_request_stats_count_positions_as_the_metrics_do():
     """GenerationStats (the CLI's, the bench's and FinalStats' per-position counts) and the Prometheus
     series agree round by round; rounds of different depths, partial acceptance at depths 1-3, rounds
@@ -215,12 +237,6 @@ def test_request_stats_count_positions_as_the_metrics_do():
         assert sample(m, "specdec_position_accepted_tokens_total", position=str(d)) == stats.position_accepted[d - 1]
     msg = stats_to_proto(stats, prompt_tokens=3)  # what a gRPC (and HTTP) client's FinalStats carries
     assert list(msg.position_proposed) == [6, 5, 4, 3, 2, 1] and list(msg.position_accepted) == [5, 3, 2, 1, 0, 0]
-    # the phases' wall time, summed over the rounds (a round that did not ask the draft adds none)
-    stats.add(RoundRecord((7,), proposed=0, accepted=0, depth=0, fallback="cost", gamma=0, draft_s=None, verify_s=0.2,
-                          commit_s=0.01), 0.8)
-    assert stats.draft_s == pytest.approx(0.07) and stats.verify_s == pytest.approx(0.9)
-    msg = stats_to_proto(stats, prompt_tokens=3)
-    assert msg.draft_s == pytest.approx(0.07) and msg.verify_s == pytest.approx(0.9)
     assert GenerationStats().acceptance_by_position == []
 
 
