@@ -450,7 +450,8 @@ def phase_table(summary: dict[str, dict]) -> str:
     """One row per category: where ours' (greedy speculative) time went, as shares of its total
     seconds, parts that do not overlap: the first token (TTFT: the sessions' opening and the first
     round, the target's prefill in it), the later rounds' draft phases (the draft's steps and, on
-    shared compute, its deferred prefill) and their verifies, and the rest (commits, control); then
+    shared compute, its deferred prefill) and their verifies, and the rest (commits with any wait for
+    a pipelined ahead, control, lock-step waits, a draft open that failed); then
     the draft phase's mean ms over the later rounds that asked the draft ("-" where none did).
     Empty for rows without phases."""
     if not all("speculative_draft_share" in s for s in summary.values()):

@@ -67,7 +67,8 @@ class GenerationStats:
     total_s: float = 0.0
     # where the time after the first token went (the first round is inside ttft_ms, so ttft, draft and
     # verify do not overlap): wall time of the later rounds' draft phases and verifies, seconds, and
-    # the later rounds that asked the draft (a tree adopted from a pipelined ahead did not wait for it)
+    # the later rounds that asked the draft (a tree adopted from a pipelined ahead did not wait for it;
+    # a round that only opened a draft session, or whose proposal failed, did ask)
     draft_s: float = 0.0
     verify_s: float = 0.0
     draft_rounds: int = 0

@@ -145,16 +145,16 @@ def test_phase_shares_and_table():
     """The speculative runs' phases as shares of their summed seconds, and the draft phase per drafted
     round; rows recorded before the phases existed give neither figures nor table."""
     rows = _method_rows()
-    rows[0]["speculative"].update(draft_s=0.3, verify_s=0.4, draft_rounds=2)  # s 1.0, TTFT 0.25
-    rows[1]["speculative"].update(draft_s=0.1, verify_s=0.2, draft_rounds=2)  # s 0.5, TTFT 0.15
+    rows[0]["speculative"].update(draft_s=0.3, verify_s=0.4, draft_rounds=2)  # s 1.0, TTFT 0.25, 3 rounds
+    rows[1]["speculative"].update(draft_s=0.1, verify_s=0.2, draft_rounds=1)  # s 0.5, TTFT 0.15, 2 rounds
     s = summarize(rows)
     approx = pytest.approx
     assert s["speculative_ttft_share"] == approx(0.4 / 1.5) and s["speculative_draft_share"] == approx(0.4 / 1.5)
     assert s["speculative_verify_share"] == approx(0.6 / 1.5)
-    assert s["speculative_draft_rounds"] == 4 and s["speculative_draft_ms_per_draft_round"] == approx(400 / 4)
+    assert s["speculative_draft_rounds"] == 3 and s["speculative_draft_ms_per_draft_round"] == approx(400 / 3)
     lines = markdown_table({"qa": s, "overall": s}).splitlines()
     head = lines.index("| spec time share | TTFT | draft | verify | other | draft ms / draft round |")
-    assert lines[head + 2] == "| qa | 27% | 27% | 40% | 7% | 100 |"
+    assert lines[head + 2] == "| qa | 27% | 27% | 40% | 7% | 133 |"
     for r in rows:  # no later round asked the draft: no mean to show
         r["speculative"].update(draft_s=0.0, draft_rounds=0)
     lines = markdown_table({"qa": summarize(rows)}).splitlines()
