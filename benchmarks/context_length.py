@@ -26,16 +26,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orchestrator.bench import add_question_args, fitting_prompts, load_questions, question_meta, write_record  # noqa: E402
-from orchestrator.controller import GenerationRequest  # noqa: E402
-from orchestrator.embedded import build_pipeline, encode_prompt  # noqa: E402
+from orchestrator.bench import add_question_args, question_meta, write_record  # noqa: E402
+from orchestrator.embedded import build_pipeline  # noqa: E402
 from orchestrator.shaping import match_bucket  # noqa: E402
 from specdec.config import FrontConfig  # noqa: E402
 from specdec.ngram import match_continuation  # noqa: E402
 from specdec.tree_spec import DEFAULT_SPEC  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from context_plan import row_of, variant_factory  # noqa: E402  (the same side-by-side set-up)
+from context_plan import run_side_by_side, variant_factory  # noqa: E402  (the same side-by-side set-up)
 
 VARIANTS = ("default", "long")
 LONG_TOKENS = 16  # the long variant's branch length (today's: CostAwareConfig.ngram_tokens)
@@ -97,29 +96,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.passes < 1:
         parser.error("--passes: must be >= 1")
-    questions = load_questions(args.questions, args.per_category, args.offset, args.category)
     pipe = build_pipeline(args.target, args.draft)
-    controller = pipe.engine.controller
     variants = factories(pipe.shared.cost)
-    warm = encode_prompt(pipe.tokenizer, "Say hi.", raw=False)
-    for make in variants.values():  # warm-up, not recorded
-        controller.control_factory = make
-        pipe.engine.generate(GenerationRequest(warm, 8, spec=DEFAULT_SPEC))
-    rows = []
-    for p in range(args.passes):
-        for i, q, ids in fitting_prompts(questions, pipe.tokenizer, args.max_new_tokens, pipe.engine.context_limit):
-            order = VARIANTS if (i + p) % 2 == 0 else VARIANTS[::-1]
-            tokens, row = {}, {"question_id": q["question_id"], "category": q["category"], "prompt_tokens": len(ids),
-                               "pass": p + 1, "order": list(order)}
-            for v in order:
-                controller.control_factory = variants[v]
-                result = pipe.engine.generate(GenerationRequest(ids, args.max_new_tokens, spec=DEFAULT_SPEC))
-                tokens[v], row[v] = result.tokens, row_of(result)
-                print(q["question_id"], q["category"], p + 1, v, {k: round(x, 2) for k, x in row[v].items()}, flush=True)
-            row["equal"] = tokens["default"] == tokens["long"]
-            rows.append(row)
-    if not rows:
-        raise SystemExit("no selected question fits in the context")
+    rows = run_side_by_side(pipe, args, variants, args.passes)
     meta = {**question_meta(args), "passes": args.passes, "spec": DEFAULT_SPEC.to_json(),
             "cost_model": {v: make.shared.cost.snapshot() for v, make in variants.items()}}
     tot = totals(rows)

@@ -72,6 +72,38 @@ def row_of(result) -> dict:
             "drafted": s.drafted_tokens}
 
 
+def run_side_by_side(pipe, args, variants: dict, passes: int = 1) -> list[dict]:
+    """Each selected question (``args``: ``add_question_args``'s options) under every variant
+    ({name: control factory}, ``variant_factory``), one after another on ``pipe``'s model objects,
+    greedy, ``passes`` times; the order of the variants alternates per question and pass. Each
+    variant is warmed up once first (not recorded). Returns one row per question and pass:
+    question_id, category, prompt_tokens, pass, order, {variant: ``row_of``} and equal (every
+    variant's output the same; float32 greedy: it must be). SystemExit where no question fits."""
+    questions = load_questions(args.questions, args.per_category, args.offset, args.category)
+    controller = pipe.engine.controller
+    names = list(variants)
+    warm = encode_prompt(pipe.tokenizer, "Say hi.", raw=False)
+    for make in variants.values():
+        controller.control_factory = make
+        pipe.engine.generate(GenerationRequest(warm, 8, spec=DEFAULT_SPEC))
+    rows = []
+    for p in range(passes):
+        for i, q, ids in fitting_prompts(questions, pipe.tokenizer, args.max_new_tokens, pipe.engine.context_limit):
+            order = names if (i + p) % 2 == 0 else names[::-1]
+            tokens, row = {}, {"question_id": q["question_id"], "category": q["category"], "prompt_tokens": len(ids),
+                               "pass": p + 1, "order": list(order)}
+            for v in order:
+                controller.control_factory = variants[v]
+                result = pipe.engine.generate(GenerationRequest(ids, args.max_new_tokens, spec=DEFAULT_SPEC))
+                tokens[v], row[v] = result.tokens, row_of(result)
+                print(q["question_id"], q["category"], p + 1, v, {k: round(x, 2) for k, x in row[v].items()}, flush=True)
+            row["equal"] = all(tokens[v] == tokens[names[0]] for v in names)
+            rows.append(row)
+    if not rows:
+        raise SystemExit("no selected question fits in the context")
+    return rows
+
+
 def totals(rows: list[dict]) -> dict:
     out = {}
     for v in VARIANTS:
@@ -107,28 +139,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_question_args(parser, per_category=2, max_new_tokens=128, out="bench_out/context_plan")
     args = parser.parse_args(argv)
-    questions = load_questions(args.questions, args.per_category, args.offset, args.category)
     pipe = build_pipeline(args.target, args.draft)
-    controller = pipe.engine.controller
     variants = factories(pipe.shared.cost)
-    warm = encode_prompt(pipe.tokenizer, "Say hi.", raw=False)
-    for make in variants.values():  # warm-up, not recorded
-        controller.control_factory = make
-        pipe.engine.generate(GenerationRequest(warm, 8, spec=DEFAULT_SPEC))
-    rows = []
-    for i, q, ids in fitting_prompts(questions, pipe.tokenizer, args.max_new_tokens, pipe.engine.context_limit):
-        order = VARIANTS if i % 2 == 0 else VARIANTS[::-1]
-        tokens, row = {}, {"question_id": q["question_id"], "category": q["category"], "prompt_tokens": len(ids),
-                           "order": list(order)}
-        for v in order:
-            controller.control_factory = variants[v]
-            result = pipe.engine.generate(GenerationRequest(ids, args.max_new_tokens, spec=DEFAULT_SPEC))
-            tokens[v], row[v] = result.tokens, row_of(result)
-            print(q["question_id"], q["category"], v, {k: round(x, 2) for k, x in row[v].items()}, flush=True)
-        row["equal"] = tokens["round"] == tokens["average"]
-        rows.append(row)
-    if not rows:
-        raise SystemExit("no selected question fits in the context")
+    rows = run_side_by_side(pipe, args, variants)
     meta = {**question_meta(args), "spec": DEFAULT_SPEC.to_json(),
             "cost_model": {v: make.shared.cost.snapshot() for v, make in variants.items()}}
     tot = totals(rows)
