@@ -401,7 +401,7 @@ def tiny_models(workdir: Path, args) -> tuple[Path, Path]:
     """(target dir, draft dir): ``--target-model`` / ``--draft-model``, else a tiny seeded pair."""
     if args.target_model and args.draft_model:
         return Path(args.target_model), Path(args.draft_model)
-    from tests.tiny_pair import save_tiny_pair
+    from specdec.harness.tiny_pair import save_tiny_pair
 
     pair = save_tiny_pair(workdir / "models", max_pos=1024, noise=0.03)
     return pair.target, pair.draft
@@ -640,7 +640,7 @@ def chaos_figures(args, outcomes: list[Outcome], windows: list[Disruption], tabl
     clean = {"completed_equal"}
     ok = ("HUNG" not in verdicts and "completed_different" not in verdicts
           and set(table.get("none", {})) <= clean and set(table.get("draft", {})) <= clean
-          and set(table.get("actor", {})) <= clean  # a killed actor's requests fail over (orchestrator.failover)
+          and set(table.get("actor", {})) <= clean  # a killed actor's requests fail over (orchestrator.serving.failover)
           and set(table.get("target", {})) <= clean | {"UNAVAILABLE"} and recovery["serves_again"])
     return {"clients": args.clients, "deadline_s": args.deadline_s, "down_s": args.down_s, "settle_s": args.settle_s,
             "requests": len(outcomes), "windows": [asdict(w) for w in windows], "outcomes_by_window": table,
@@ -754,7 +754,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def endpoints_from(args) -> Endpoints:
-    from orchestrator.remote import client_token
+    from orchestrator.cli.remote import client_token
 
     credentials = None
     if args.tls_ca:

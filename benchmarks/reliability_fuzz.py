@@ -656,7 +656,7 @@ def spawned_services(root: Path):
     ports; yields (Addresses, {name: Service}) and stops them on exit (each Service's returncode is
     then set). Used by ``fuzz_spawned`` and the short CI version (tests/test_fuzz.py)."""
     from specdec.harness.servers import launch_service, stop_service, wait_ready
-    from tests.tiny_pair import save_tiny_pair, write_config
+    from specdec.harness.tiny_pair import save_tiny_pair, write_config
 
     config = write_config(root / "serve.yaml", save_tiny_pair(root / "models"), draft={"max_sessions": 8},
                           target={"max_tree_nodes": 64, "max_kv_tokens": 20_000}, front={"port": 0})

@@ -149,7 +149,7 @@ from specdec.harness.otlp import OtlpReceiver, attribute_value  # noqa: E402
 from specdec.harness.servers import (Service, launch_command, launch_service, server_command,  # noqa: E402
                                      stop_service)
 from specdec.placement import cpu_model  # noqa: E402
-from orchestrator.eval_report import peak_rss_mb  # noqa: E402
+from orchestrator.measure.eval_report import peak_rss_mb  # noqa: E402
 
 SECTIONS = ("grpc", "concurrency", "gamma", "longprompt")
 LONGPROMPT_CONFIGS = ("speculative", "speculative_pipelined", "target_only")
@@ -167,9 +167,9 @@ def log(msg: str) -> None:
 
 def load_prompts(path: Path | None, tokenizer, max_prompt_tokens: int) -> list[dict]:
     """Every question's first turn with its token ids (chat template), if within max_prompt_tokens.
-    path: a Spec-Bench question.jsonl; None = the built-in prompt set (orchestrator/data/prompts.jsonl)."""
-    from orchestrator.bench import BUILTIN_QUESTIONS
-    from orchestrator.embedded import encode_prompt
+    path: a Spec-Bench question.jsonl; None = the built-in prompt set (orchestrator/measure/data/prompts.jsonl)."""
+    from orchestrator.measure.bench import BUILTIN_QUESTIONS
+    from orchestrator.loop.embedded import encode_prompt
 
     out = []
     for line in (BUILTIN_QUESTIONS if path is None else path).read_text(encoding="utf-8").splitlines():
@@ -418,8 +418,8 @@ class ThreadScoped:
 
 
 def make_engine(pipe, draft_threads: int | None, dynamic: bool, tree_bytes: list | None = None):
-    from orchestrator.engine import SpeculativeEngine
-    from orchestrator.control import RequestControl
+    from orchestrator.loop.engine import SpeculativeEngine
+    from orchestrator.planning.control import RequestControl
     from specdec.config import DynamicGammaConfig, FallbackConfig
     from specdec.wire import tree_to_proto
 
@@ -437,7 +437,7 @@ def make_engine(pipe, draft_threads: int | None, dynamic: bool, tree_bytes: list
 
 
 def run_embedded(engine, ids: list[int], max_new: int, spec, request_id: str) -> dict:
-    from orchestrator.controller import GenerationRequest
+    from orchestrator.loop.controller import GenerationRequest
 
     first = []
     start = time.perf_counter()
@@ -655,7 +655,7 @@ _MEASURED = re.compile(r"cost model measured through the services: V\(n\) (\{[^}
 
 
 def front_start_costs(log_text: str) -> dict | None:
-    """The cost model a front started from, read from its log (orchestrator.service.Orchestrator
+    """The cost model a front started from, read from its log (orchestrator.loop.service.Orchestrator
     ._measure_costs): {"verify_ms": {rows: ms}, "draft_step_ms": {parents: ms}} when it measured
     the services, {"failed": the warning} when that failed, None when it did not measure (no
     cost-aware control, ``measure_at_start`` off or figures given: it started from those)."""
@@ -1040,7 +1040,7 @@ def section_gamma(args, pipe, by_category: dict[str, list[dict]]) -> dict:
         fixed_tps = rows[-2]["tokens_per_s"]
         rows[-1]["ratio_vs_fixed"] = rows[-1]["tokens_per_s"] / fixed_tps if fixed_tps else None
         rows[-2]["ratio_vs_fixed"] = 1.0
-    return {"method": "embedded: SpeculativeEngine with orchestrator.control.RequestControl "
+    return {"method": "embedded: SpeculativeEngine with orchestrator.planning.control.RequestControl "
                       "(front.dynamic_gamma enabled true vs false, default fallback), base tree DEFAULT_SPEC",
             "rows": rows, "identical_outputs": all(q["identical"] for q in questions), "questions": questions}
 
@@ -1050,7 +1050,7 @@ def section_gamma(args, pipe, by_category: dict[str, list[dict]]) -> dict:
 def long_prompt_ids(tokenizer, n_tokens: int) -> list[int]:
     """``n_tokens`` prompt ids: the built-in prompt set's first turns joined by blank lines, tokenized
     without special tokens, repeated until long enough and cut (deterministic for a tokenizer)."""
-    from orchestrator.bench import BUILTIN_QUESTIONS
+    from orchestrator.measure.bench import BUILTIN_QUESTIONS
 
     lines = BUILTIN_QUESTIONS.read_text(encoding="utf-8").splitlines()
     text = "\n\n".join(json.loads(line)["turns"][0] for line in lines if line.strip())
@@ -1427,7 +1427,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--draft-quant", default="auto", choices=["auto", "none", "int8"])
     p.add_argument("--questions", type=Path, default=None,
-                   help="Spec-Bench question.jsonl (default: the built-in prompt set, orchestrator/data/prompts.jsonl)")
+                   help="Spec-Bench question.jsonl (default: the built-in prompt set, orchestrator/measure/data/prompts.jsonl)")
     p.add_argument("--prompts", type=int, default=8, help="grpc section: prompts (spread over categories)")
     p.add_argument("--concurrency-prompts", type=int, default=None, help="requests per level (default --prompts)")
     p.add_argument("--levels", default="1,4,8", help="concurrent clients per level")
@@ -1621,7 +1621,7 @@ def main(argv=None) -> int:
                     draft_address=draft.address, target_address=batched.address))
             pipe = mem_exporter = None
             if want_grpc or want_gamma:
-                from orchestrator.embedded import build_pipeline, set_threads
+                from orchestrator.loop.embedded import build_pipeline, set_threads
 
                 mem_exporter = install_memory_tracing()
                 set_threads(args.target_threads)

@@ -1,7 +1,7 @@
-"""``python -m orchestrator <command> [flags]``: the ``specdec`` command line (orchestrator.cli), e.g.
+"""``python -m orchestrator <command> [flags]``: the ``specdec`` command line (orchestrator.cli.main), e.g.
 ``python -m orchestrator front --config deploy/specdec.yaml``."""
 
-from orchestrator.cli import main
+from orchestrator.cli.main import main
 
 if __name__ == "__main__":
     main()

@@ -88,7 +88,7 @@ class TargetServerConfig(_Section):
     tp: int = Field(default=1, ge=1)                      # tensor-parallel ranks
     # sessions merged into one verify forward. 16 clients of plain decoding on the 2-core CPU: 15.6-16.7
     # tok/s at 16 against 6.2-11.1 at 8 (two forwards of 8 rows per token cost more than one of 16:
-    # V(8) = 418 ms, V(16) = 517 ms; benchmarks/serving_cpu_2core_2026-12-04_max_batch16.md)
+    # V(8) = 418 ms, V(16) = 517 ms; benchmarks/records/serving_cpu_2core_2026-12-04_max_batch16/serving_cpu_2core_2026-12-04_max_batch16.md)
     max_batch: int = Field(default=16, ge=1)
     batch_wait_ms: float = Field(default=2.0, ge=0)       # how long a verify waits for company
     # the longest wait for sessions expected back from their last verify (specdec.batching), as a
@@ -132,7 +132,7 @@ CONTROLS = ("cost-aware", "dynamic-gamma", "fixed")  # per-request controls of e
 
 
 class CostAwareConfig(_Section):
-    """The default per-request control (orchestrator.cost_aware): trees shaped by measured costs."""
+    """The default per-request control (orchestrator.planning.cost_aware): trees shaped by measured costs."""
 
     enabled: bool = True                                  # false: dynamic_gamma (when enabled) or the fixed tree
     max_gamma: int = Field(default=10, ge=1, le=64)       # most draft steps a round may plan
@@ -141,29 +141,29 @@ class CostAwareConfig(_Section):
     probe_every: int = Field(default=16, ge=1)            # rounds without the draft before one draft step is tried
     first_round_plain: bool = True                        # the first round never drafts (TTFT = target-only TTFT)
     # draft and target compute on the same hardware: under load a draft step is priced for the whole
-    # batch (orchestrator.cost_model.LoadedCost); "auto" = compare the two services' Info placements
+    # batch (orchestrator.planning.cost_model.LoadedCost); "auto" = compare the two services' Info placements
     shared_compute: Literal["auto"] | bool = "auto"
     # under light load on shared compute (other requests run, fewer than in_step_max_load sessions per
     # verify forward) the requests draft or decode plain together, from front-wide figures
-    # (orchestrator.cost_aware.SharedState.in_step_applies), their rounds kept in step by a round
-    # clock (orchestrator.lockstep): at 2 clients on the 2-core CPU 1.25x and 1.51x of target-only
-    # against 1.02x and 1.10x each request alone (benchmarks/serving_cpu_2core_2026-12-04_in_step_2clients.md)
+    # (orchestrator.planning.cost_aware.SharedState.in_step_applies), their rounds kept in step by a round
+    # clock (orchestrator.planning.lockstep): at 2 clients on the 2-core CPU 1.25x and 1.51x of target-only
+    # against 1.02x and 1.10x each request alone (benchmarks/records/serving_cpu_2core_2026-12-04_in_step_2clients/serving_cpu_2core_2026-12-04_in_step_2clients.md)
     in_step: bool = True
     # in step: at each of a round's two turns (start, verify) a request waits for the others at most
-    # this long; the ones missing then are not waited for until they come back (orchestrator.lockstep)
+    # this long; the ones missing then are not waited for until they come back (orchestrator.planning.lockstep)
     in_step_wait_ms: float = Field(default=1000.0, gt=0)
     # in step only below this load (sessions per verify forward, a moving average): at or above it
     # each request plans alone and the round clock lets every turn pass. 8.5: in step up to 8
     # clients; on the 2-core AMD EPYC ahead of 2.5 (the cap until 2026-12-05, chosen on an Intel Xeon
     # where in step at 4 and 8 clients was no faster) in 5 of 5 side-by-side runs at 4 clients (mean
     # 1.10x of target-only against 1.00x), mostly plain rounds kept in step; no different at 8 (2 of
-    # 4, 1.03x against 1.00x) (benchmarks/serving_cpu_2core_2026-12-05_amd_in_step_cap_confirm.md)
+    # 4, 1.03x against 1.00x) (benchmarks/records/serving_cpu_2core_2026-12-05_amd_in_step_cap_confirm/serving_cpu_2core_2026-12-05_amd_in_step_cap_confirm.md)
     in_step_max_load: float = Field(default=8.5, gt=1.5)
     # requests without speculation (no_spec) keep in step too where the clock runs (beside speculating
     # ones they wait at each verify turn for those requests' drafts): they join it and
     # their verifies teach the load (false: they verify when ready, merged by the target's gather
     # window only). On the 2-core AMD EPYC target-only in step was 1.03x and 1.22x of that at 4
-    # clients, 1.04x and 1.03x at 8 (benchmarks/serving_cpu_2core_2026-12-05_amd_plain_in_step.md); again
+    # clients, 1.04x and 1.03x at 8 (benchmarks/records/serving_cpu_2core_2026-12-05_amd_plain_in_step/serving_cpu_2core_2026-12-05_amd_plain_in_step.md); again
     # 1.02x/1.03x and 1.11x/1.01x, p95 latency lower in 4 of 4 (..._amd_plain_in_step_confirm.md); in
     # mixed traffic (half no_spec) 1.02-1.16x the throughput, their p95 0.97-1.22x (..._amd_mixed.md)
     in_step_no_spec: bool = True
@@ -171,11 +171,11 @@ class CostAwareConfig(_Section):
     # time, transport and the wait behind other sessions' proposals and prefills included; "forward",
     # the draft call's own time its reply reports (as V learns the target forward's): it drafted more
     # under load and was no faster at 4 clients, slower at 8, than "reply" (the wait is a drafted
-    # round's cost too; benchmarks/serving_cpu_2core_2026-12-05_amd_in_step_cap_ab.md). Only where
+    # round's cost too; benchmarks/records/serving_cpu_2core_2026-12-05_amd_in_step_cap_ab/serving_cpu_2core_2026-12-05_amd_in_step_cap_ab.md). Only where
     # replies teach D: not on the draft's own device under load (they teach its queue share there),
     # nor for an in-process draft (the draft phase's time is the call's)
     draft_cost_from: Literal["forward", "reply"] = "reply"
-    # the cost model's starting shape (orchestrator.cost_model): V(n), the target's own forward time
+    # the cost model's starting shape (orchestrator.planning.cost_model): V(n), the target's own forward time
     # in ms by verify rows, and D(p), ms per draft step by parents expanded, both or neither, 2 points
     # or more each (between and past them the curves are linear). None: measured through the two
     # services when the front connects (``measure_at_start``: a few verifies and proposals on a
@@ -198,7 +198,7 @@ class CostAwareConfig(_Section):
 
 
 class DraftWindowConfig(_Section):
-    """The context the draft session opens with (orchestrator.controller): the first ``sink_tokens``
+    """The context the draft session opens with (orchestrator.loop.controller): the first ``sink_tokens``
     committed tokens and the most recent ones, ``max_tokens`` in all (StreamingLLM's attention sinks
     plus a recent window, Xiao et al. 2024, section 3; MagicDec, Chen et al. 2024, section 4, drafts
     long contexts this way). A long prompt then costs the draft a short prefill; the target still
@@ -209,7 +209,7 @@ class DraftWindowConfig(_Section):
     as in ski rental (rent the window; buy the whole context once the answer has shown it is long;
     the loss is bounded by the window's prefill plus full_after_tokens drafted from the window; 64:
     Spec-Bench's rag and extraction answers, mostly under 64 tokens, keep the window's gain, where a
-    re-open at 32 cost a 39-token rag answer 3.3 s; benchmarks/draft_window_cpu_2core_2026-12-01.md).
+    re-open at 32 cost a 39-token rag answer 3.3 s; benchmarks/records/draft_window_cpu_2core_2026-12-01/draft_window_cpu_2core_2026-12-01.md).
     max_tokens None = every token from the start; full_after_tokens None = the window to the end."""
 
     max_tokens: int | None = Field(default=256, ge=2)
@@ -246,7 +246,7 @@ class MonitorConfig(_Section):
 
 
 class ClientLimitsConfig(_Section):
-    """Admission limits of the front (orchestrator.admission), per client and overall. A client is its
+    """Admission limits of the front (orchestrator.serving.admission), per client and overall. A client is its
     bearer token when ``front.auth_token_file`` is set, else its address (the peer's host)."""
 
     max_running: int = Field(default=256, ge=1)            # requests holding a running slot (prefill or decoding)
@@ -277,7 +277,7 @@ class FrontConfig(_Section):
     ray_num_cpus: int | None = Field(default=None, ge=1)
     workers: int = Field(default=1, ge=1)                 # orchestrator actors
     metrics_port: int | None = Field(default=None, ge=0, le=65535)   # Prometheus /metrics (None = off)
-    # OpenAI-compatible HTTP API (orchestrator.http_api) on front.host: /v1/completions,
+    # OpenAI-compatible HTTP API (orchestrator.serving.http_api) on front.host: /v1/completions,
     # /v1/chat/completions, /v1/models, /health, /metrics. None = off (the gRPC API only); 0 = ephemeral.
     http_port: int | None = Field(default=None, ge=0, le=65535)
     auth_token_file: str | None = None                    # GenerationService and HTTP /v1/*: bearer tokens, one a line (None = no auth)

@@ -57,7 +57,7 @@ class VerifyResult:
 
 class DraftWorker(Protocol):
     """The draft side of a round. In-process: ``draft_service.runtime.DraftRuntime``; over gRPC:
-    ``orchestrator.clients.DraftClient`` (the same methods, awaitable; every failure there raises
+    ``orchestrator.loop.clients.DraftClient`` (the same methods, awaitable; every failure there raises
     ``DraftUnavailableError`` and the request goes on without the draft).
 
     Dims: T prompt tokens, N tree nodes, K tokens committed in a round, A accepted nodes.
@@ -107,13 +107,13 @@ class DraftWorker(Protocol):
     #     guess; the tree's draws come from the session's generator).
     #   resolve_ahead(session_id, adopt): adopt = keep that state (no commit for the guessed round);
     #     else roll back exactly, then ``commit`` as usual. While an ahead is unresolved, propose and
-    #     commit raise SessionStateError. (draft_service.runtime.DraftRuntime; orchestrator.clients.DraftClient)
+    #     commit raise SessionStateError. (draft_service.runtime.DraftRuntime; orchestrator.loop.clients.DraftClient)
 
 
 class TargetWorker(Protocol):
     """The target side of a round. In-process: ``target_service.runtime.TargetRuntime`` (or the
     tensor-parallel ``target_service.tp.TensorParallelTarget``); over gRPC:
-    ``orchestrator.clients.TargetClient`` (the same methods, awaitable; errors arrive as
+    ``orchestrator.loop.clients.TargetClient`` (the same methods, awaitable; errors arrive as
     ``grpc.aio.AioRpcError`` with the status the server maps them to). A runtime may also offer
     ``verify_batch(items)`` (several sessions in one forward), which the target server's batcher uses.
 

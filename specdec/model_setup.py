@@ -104,7 +104,7 @@ def resolve_draft_quant(draft_quant: str, device: str) -> str:
     target's greedy answers (13 held-out Spec-Bench questions, 563 tokens), drafted one token a call
     as in generation: 0.790 int8 per-channel vs 0.806 float32; teacher-forced in one call, where all
     rows of a call share int8's activation scale: 0.741 vs 0.806
-    (benchmarks/draft_agreement_cpu_2core_2026-12-02.md).
+    (benchmarks/records/draft_agreement_cpu_2core_2026-12-02/draft_agreement_cpu_2core_2026-12-02.md).
     """
     if draft_quant != "auto":
         return draft_quant

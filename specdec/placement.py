@@ -6,7 +6,7 @@
 Both services report their placement in Info (``host``, ``device``, ``cpus``). When the draft and
 the target share compute (one CPU, or one GPU), every ms the draft computes is a ms the target's
 verify forwards do not get: the goodput planning then prices a round's draft steps for the whole
-batch (``orchestrator.cost_model.LoadedCost``). Two pods on one Kubernetes node have different host
+batch (``orchestrator.planning.cost_model.LoadedCost``). Two pods on one Kubernetes node have different host
 names and count as separate (their CPU limits keep them apart). A CUDA device is named by its
 UUID ("cuda:GPU-...", so two processes each shown a different GPU as "cuda:0" by
 ``CUDA_VISIBLE_DEVICES`` count as separate); a tensor-parallel target reports "cuda" (several

@@ -2,7 +2,7 @@
 check before any model loads, and the one-line error exit.
 
 The command lines themselves are the typer commands (``draft_service.cli``,
-``target_service.cli``, ``orchestrator.cli``); each server's ``run(config_path, overrides)`` loads the
+``target_service.cli``, ``orchestrator.cli.main``); each server's ``run(config_path, overrides)`` loads the
 config with ``specdec.config.load_config`` and serves.
 """
 

@@ -1,6 +1,6 @@
 """Statistics of a generation request: one ``RoundRecord`` per round, summed in ``GenerationStats``.
 
-The round controller (orchestrator.controller) builds a RoundRecord after every round; the
+The round controller (orchestrator.loop.controller) builds a RoundRecord after every round; the
 orchestrator streams it with the round's tokens, the front feeds it to the Prometheus metrics and
 the acceptance monitor, and ``GenerationStats.add`` sums the records of a request. GenerationStats
 is the in-process side of ``specdec.v1.FinalStats`` (``specdec.wire.stats_to_proto``). Both are
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-COST_REASON = "cost"  # orchestrator.control.COST: a planned round without the draft, not a fallback
+COST_REASON = "cost"  # orchestrator.planning.control.COST: a planned round without the draft, not a fallback
 
 
 def position_rates(proposed: list[int], accepted: list[int]) -> list[float]:
@@ -31,7 +31,7 @@ class RoundRecord:
     proposed: int  # draft tokens proposed: nodes of the tree sent to the target (0 = a plain round)
     accepted: int  # draft tokens committed (bonus excluded)
     depth: int  # tree levels of the proposed tree (0 = no tree)
-    fallback: str | None  # why the round ran without the draft (orchestrator.control reasons); None = it did not
+    fallback: str | None  # why the round ran without the draft (orchestrator.planning.control reasons); None = it did not
     gamma: int  # the request's speculation depth after this round, tree levels (0 = no control policy)
     draft_s: float | None  # wall time of the draft phase, seconds (None = the draft was not asked)
     verify_s: float  # wall time of the target's verify, seconds
@@ -76,7 +76,7 @@ class GenerationStats:
     failovers: int = 0  # times the request moved to another orchestrator actor after its own failed
     pipeline_ahead_hits: int = 0  # pipelining: aheads adopted (the next round's tree was ready when its verify began)
     pipeline_ahead_misses: int = 0  # pipelining: aheads discarded (a guess or a path missed) or failed
-    # per position (vLLM's per-position acceptance; orchestrator.metrics specdec_position_*): index d - 1
+    # per position (vLLM's per-position acceptance; orchestrator.loop.metrics specdec_position_*): index d - 1
     # counts the rounds whose verified tree reached depth d / whose committed draft path reached depth d
     position_proposed: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)

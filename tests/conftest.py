@@ -257,14 +257,14 @@ class RecordingDraft:
 
 
 class SlowPropose:
-    """An async in-process draft worker (orchestrator.controller.sync_worker over a DraftRuntime of
+    """An async in-process draft worker (orchestrator.loop.controller.sync_worker over a DraftRuntime of
     ``model``) whose proposes take ``delay_s`` seconds more: every one, or only the ``only``-th
     (1-based). ``proposes`` counts them. A draft whose replies queue behind other sessions' work,
     or miss a deadline."""
 
     def __init__(self, model, delay_s: float, only: int | None = None):
         from draft_service.runtime import DraftRuntime  # noqa: PLC0415
-        from orchestrator.controller import sync_worker  # noqa: PLC0415
+        from orchestrator.loop.controller import sync_worker  # noqa: PLC0415
 
         self.inner = sync_worker(DraftRuntime(model))
         self.delay_s, self.only, self.proposes = delay_s, only, 0

@@ -20,8 +20,8 @@ import torch
 
 import specdec.argmax_head as argmax_head_module
 from draft_service.runtime import DraftRuntime
-from orchestrator.controller import GenerationRequest
-from orchestrator.engine import SpeculativeEngine
+from orchestrator.loop.controller import GenerationRequest
+from orchestrator.loop.engine import SpeculativeEngine
 from specdec.argmax_head import ArgmaxHead, argmax_head_of, attach_argmax_head, fbgemm_available
 from specdec.sampling import GREEDY, SamplingParams
 from specdec.tree_spec import SEED_SPEC, TreeSpec

@@ -12,21 +12,18 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 
-import orchestrator.bench as bench_module
-from orchestrator.bench import (
-    BUILTIN_QUESTIONS, QuestionsError, add_question_args, fitting_prompts, load_questions, markdown_table, parse_questions,
-    question_meta, run_question, summarize,
+import orchestrator.measure.bench as bench_module
+from orchestrator.measure.bench import (
+    BUILTIN_QUESTIONS, QuestionsError, load_questions, markdown_table, parse_questions,
+    run_question, summarize,
 )
-from orchestrator.controller import GenerationResult
-from orchestrator.embedded import encode_prompt
-from specdec.argmax_head import argmax_head_of, fbgemm_available
-from specdec.config import DraftWindowConfig, FrontConfig, ModelsConfig
-from specdec.model_setup import load_target
+from orchestrator.loop.controller import GenerationResult
+from specdec.argmax_head import fbgemm_available
+from specdec.config import FrontConfig
 from specdec.placement import cpu_model
 from specdec.stats import GenerationStats
-from tests.tiny_pair import save_tiny_pair
+from specdec.harness.tiny_pair import save_tiny_pair
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
 CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities", "translation",
@@ -236,7 +233,7 @@ def hook(event, args):
             sys.stderr.write("opened " + path + "\\n")
             os._exit(97)
 sys.addaudithook(hook)
-from orchestrator.cli import main
+from orchestrator.cli.main import main
 sys.argv[0] = "specdec"
 main()
 """
@@ -496,238 +493,3 @@ def test_bench_bad_flags_exit_with_message(tmp_path, args, needle):
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
     assert needle in proc.stderr and "Traceback" not in proc.stderr
 
-
-def test_benchmark_scripts_share_question_options(long_pair):
-    """add_question_args / question_meta / fitting_prompts: the shared options take the defaults a
-    script passes, the meta records the selection and the machine, and a prompt that would overflow
-    the context is skipped, not truncated."""
-    import argparse
-
-    from transformers import AutoTokenizer
-
-    ap = argparse.ArgumentParser()
-    add_question_args(ap, per_category=3, max_new_tokens=40, out="bench_out/x")
-    args = ap.parse_args(["--offset", "6", "--category", "rag", "--category", "qa"])
-    assert (args.per_category, args.max_new_tokens, args.out, args.questions) == (3, 40, Path("bench_out/x"), None)
-    meta = question_meta(args)
-    assert meta["questions"] == "built-in" and meta["offset"] == 6 and meta["categories"] == ["rag", "qa"]
-    assert {"per_category", "max_new_tokens", "target", "draft", "machine", "cpu", "cpu_count", "torch"} <= set(meta)
-    tokenizer = AutoTokenizer.from_pretrained(str(long_pair.target))
-    questions = [{"question_id": 1, "turns": ["hi"]}, {"question_id": 2, "turns": [" ".join(["word"] * 200)]},
-                 {"question_id": 3, "turns": ["bye"]}]
-    lengths = [len(encode_prompt(tokenizer, q["turns"][0], raw=False)) for q in questions]
-    limit = max(lengths[0], lengths[2]) + 8  # the short ones fit with 8 new tokens, the long one does not
-    assert lengths[1] + 8 > limit
-    picked = list(fitting_prompts(questions, tokenizer, 8, limit))
-    assert [(i, q["question_id"]) for i, q, _ in picked] == [(0, 1), (2, 3)]
-    assert [len(ids) for _, _, ids in picked] == [lengths[0], lengths[2]]
-    assert list(fitting_prompts(questions[:1], tokenizer, 9, lengths[0] + 8)) == []  # one token over: skipped
-
-
-def test_draft_window_benchmark_on_tiny_models(long_pair, tmp_path):
-    """benchmarks/draft_window.py: windows side by side, outputs equal to target-only, JSON + markdown."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import draft_window
-
-    assert draft_window.window_of("none") is None
-    assert draft_window.window_of("64") == DraftWindowConfig(max_tokens=64, sink_tokens=32, full_after_tokens=None)
-    assert draft_window.window_of("64f8").full_after_tokens == 8
-    path = tmp_path / "q.jsonl"
-    long_prompt = " ".join(f"word{i}" for i in range(60))  # > 40 tokens: the window applies
-    path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
-                            for i, c, t in [(1, "rag", long_prompt), (2, "qa", "hello world")]))
-    out = tmp_path / "out"
-    summary = draft_window.main(["--questions", str(path), "--per-category", "1", "--max-new-tokens", "6",
-                                 "--windows", "none,40,40f2", "--target", str(long_pair.target),
-                                 "--draft", str(long_pair.draft), "--out", str(out)])
-    result = json.loads((out / "results.json").read_text())
-    rows = result["questions"]
-    assert [r["question_id"] for r in rows] == [1, 2]
-    assert all(r[m]["same"] for r in rows for m in ("wnone", "w40", "w40f2"))
-    assert rows[0]["prompt_tokens"] > 40 and sorted(rows[1]["order"]) == sorted(["target", "wnone", "w40", "w40f2"])
-    assert set(summary) == {"target", "wnone", "w40", "w40f2"} and summary["target"]["speedup"] == 1.0
-    assert result["meta"]["windows"]["w40"]["max_tokens"] == 40 and result["meta"]["windows"]["wnone"] is None
-    assert "| w40f2 |" in (out / "results.md").read_text()
-
-
-def test_forward_paths_benchmark_on_tiny_models(long_pair, tmp_path):
-    """benchmarks/forward_paths.py: our plain decoding, transformers' forward paths and ours side by
-    side, each speculative method with its own measured cost model, outputs equal to target-only; the
-    module switches are restored after."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import forward_paths
-
-    import specdec.forward as forward
-    from tests.conftest import tiny_model
-
-    path = tmp_path / "q.jsonl"
-    path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
-                            for i, c, t in [(1, "rag", " ".join(f"word{i}" for i in range(30))), (2, "qa", "hello world")]))
-    out = tmp_path / "out"
-    summary = forward_paths.main(["--questions", str(path), "--per-category", "1", "--max-new-tokens", "6",
-                                  "--target", str(long_pair.target), "--draft", str(long_pair.draft), "--out", str(out)])
-    assert forward.NATIVE_GQA is True and forward.DirectDecoder.of(tiny_model("qwen2", seed=7)) is not None
-    result = json.loads((out / "results.json").read_text())
-    rows = result["questions"]
-    assert [r["question_id"] for r in rows] == [1, 2]
-    assert all(r[m]["same"] for r in rows for m in ("plain", "transformers", "ours"))
-    assert [r["order"][0] for r in rows] == ["target", "plain"]  # rotated by the question's index
-    assert all(r["plain"]["proposed"] == 0 and r["plain"]["rounds"] == r["plain"]["new_tokens"] for r in rows)
-    assert summary["target"]["speedup"] == 1.0 and summary["ours_over_transformers"] > 0
-    costs = result["meta"]["cost_model_start"]
-    assert set(costs) == {"transformers", "ours"} and all(c["source"] == "measured" for c in costs.values())
-    assert "Ours over transformers' paths" in (out / "results.md").read_text()
-
-
-@pytest.mark.skipif(not fbgemm_available(), reason="torch has no fbgemm/x86 quantized kernels here")
-def test_argmax_screen_benchmark_on_tiny_models(long_pair, tmp_path):
-    """benchmarks/argmax_screen.py: the screen on and off side by side, outputs equal to target-only."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import argmax_screen
-
-    path = tmp_path / "q.jsonl"
-    long_prompt = " ".join(f"word{i}" for i in range(30))  # >= 16 tokens: the head timings get 16 rows
-    path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
-                            for i, c, t in [(1, "qa", "hello world"), (2, "rag", long_prompt)]))
-    out = tmp_path / "out"
-    summary = argmax_screen.main(["--questions", str(path), "--per-category", "1", "--max-new-tokens", "6",
-                                  "--target", str(long_pair.target), "--draft", str(long_pair.draft), "--out", str(out)])
-    result = json.loads((out / "results.json").read_text())
-    rows = result["questions"]
-    assert [r["question_id"] for r in rows] == [1, 2]
-    assert all(r[m]["same"] for r in rows for m in argmax_screen.METHODS)
-    assert all(r[m]["verify_ms"] for r in rows for m in ("spec_screen", "spec_full"))  # rounds were recorded
-    assert [h["rows"] for h in result["head"]] == [1, 4, 8, 16] and all(h["equal"] for h in result["head"])
-    assert summary["target"]["speedup_vs_target"] == 1.0 and summary["spec_screen"]["new_tokens"] == summary["target"]["new_tokens"]
-    assert "| spec_full |" in (out / "results.md").read_text()
-    # a last prompt shorter than 16 tokens: only the row counts it can supply are timed
-    model = load_target(ModelsConfig(target=str(long_pair.target), dtype="float32")).model
-    short = argmax_screen.head_timings(model, argmax_head_of(model), torch.randn(5, model.config.hidden_size), reps=1)
-    assert [h["rows"] for h in short] == [1, 4] and all(h["equal"] for h in short)
-
-
-@pytest.mark.skipif(not fbgemm_available(), reason="torch has no fbgemm/x86 quantized kernels here")
-def test_draft_agreement_benchmark_on_tiny_models(long_pair, tmp_path):
-    """benchmarks/draft_agreement.py: the target as its own float32 draft agrees on every answer token,
-    stepwise and in one call (a row or position off by one would not); int8 figures are rates."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import draft_agreement
-
-    path = tmp_path / "q.jsonl"
-    path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
-                            for i, c, t in [(1, "qa", "hello world"), (2, "rag", "one two three four five")]))
-    out = tmp_path / "out"
-    summary = draft_agreement.main(["--questions", str(path), "--max-new-tokens", "6", "--target", str(long_pair.target),
-                                    "--draft", str(long_pair.target), "--out", str(out)])
-    result = json.loads((out / "results.json").read_text())
-    assert [a["question_id"] for a in result["answers"]] == [1, 2]
-    assert summary["float32"]["tokens"] == sum(len(a["answer"]) for a in result["answers"]) > 0
-    # answers whose neighbouring tokens differ: a row or position shifted by one would then miss
-    assert sum(x != y for a in result["answers"] for x, y in zip(a["answer"], a["answer"][1:])) >= 2
-    assert summary["float32"]["stepwise"] == 1.0 and summary["float32"]["one_call"] == 1.0
-    assert 0.0 <= summary["int8"]["stepwise"] <= 1.0 and 0.0 <= summary["int8"]["one_call"] <= 1.0
-    assert summary["int8"]["step_ms"] > 0 and "| int8 |" in (out / "results.md").read_text()
-
-
-def test_context_branches_benchmark_tallies_by_match_length(long_pair, tmp_path):
-    """benchmarks/context_branches.py: per match length, how many branches, how many start right and
-    their runs; checked on a hand-made answer, then end to end on tiny models."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import context_branches
-
-    # prompt [9, 1, 2, 3, 4, 5]; the answer copies [1, 2, 3], then departs (8), then 5. Per position:
-    # 0: the context ends with 5, which has no earlier occurrence: no branch;
-    # 1: ends with 1 (index 1, match 1): branch [2, 3, 4, 5] against [2, 3, 8, 5], run 2;
-    # 2: ends with 1, 2 (match 2): branch [3, 4, 5, 1] against [3, 8, 5], run 1;
-    # 3: ends with 1, 2, 3 (match 3): branch [4, 5, 1, 2] against [8, 5], run 0;
-    # 4: ends with 8, never seen before: no branch
-    answers = [{"prompt": [9, 1, 2, 3, 4, 5], "answer": [1, 2, 3, 8, 5]}]
-    rows = context_branches.tally(answers, branch_tokens=4)
-    assert rows == {1: {"branches": 1, "first_right": 1, "accepted": 2},
-                    2: {"branches": 1, "first_right": 1, "accepted": 1},
-                    3: {"branches": 1, "first_right": 0, "accepted": 0}}
-    assert context_branches.tally(answers, branch_tokens=1)[1]["accepted"] == 1  # runs are capped by the branch
-    # a copy longer than the 3-token n-gram: at position 4 the context ends with 1, 2, 3, 4, which matches
-    # 4 tokens back (the key is the match length, not the n-gram size): branch [5, 6] against [5, 6], run 2
-    copied = context_branches.tally([{"prompt": [9, 1, 2, 3, 4, 5, 6], "answer": [1, 2, 3, 4, 5, 6]}], branch_tokens=2)
-    assert copied[4] == {"branches": 1, "first_right": 1, "accepted": 2} and max(copied) == 5
-    assert context_branches.by_bucket({4: rows[1], 5: rows[2], 7: rows[3]}) == {
-        4: {"branches": 2, "first_right": 2, "accepted": 3}, 5: {"branches": 1, "first_right": 0, "accepted": 0}}
-    path = tmp_path / "q.jsonl"
-    path.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["hello hello hello world"]}) + "\n")
-    out = tmp_path / "out"
-    buckets = context_branches.main(["--questions", str(path), "--max-new-tokens", "12", "--target", str(long_pair.target),
-                                     "--draft", str(long_pair.draft), "--out", str(out)])
-    result = json.loads((out / "results.json").read_text())
-    assert result["meta"]["answer_tokens"] == 12 and result["meta"]["answers"] == 1
-    assert sum(r["branches"] for r in buckets.values()) == sum(r["branches"] for r in result["match_lengths"].values()) > 0
-    assert "| match-length bucket |" in (out / "results.md").read_text()
-
-
-def test_context_plan_benchmark_on_tiny_models(long_pair, tmp_path):
-    """benchmarks/context_plan.py: the plan with this round's branch and with the average side by side,
-    each on its own cost model copy; the average variant's controls ignore the round's context."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import context_plan
-
-    from orchestrator.cost_model import CostModel
-    from specdec.tree_spec import DEFAULT_SPEC
-
-    cost = CostModel()
-    variants = context_plan.factories(cost)
-    assert set(variants) == {"round", "average"} and variants["round"].shared.cost is not cost
-    assert variants["average"].shared.cost.snapshot()["verify_ms"] == cost.snapshot()["verify_ms"]
-    assert variants["round"].shared is not variants["average"].shared
-    for name, make in variants.items():
-        control = make(DEFAULT_SPEC)
-        control.round_context([1, 2, 3])
-        assert (control._context is None) == (name == "average")
-    path = tmp_path / "q.jsonl"
-    path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
-                            for i, c, t in [(1, "rag", "one two three one two three one two"), (2, "qa", "hello world")]))
-    out = tmp_path / "out"
-    tot = context_plan.main(["--questions", str(path), "--max-new-tokens", "10", "--target", str(long_pair.target),
-                             "--draft", str(long_pair.draft), "--out", str(out)])
-    result = json.loads((out / "results.json").read_text())
-    rows = result["questions"]
-    assert [r["question_id"] for r in rows] == [1, 2] and all(r["equal"] for r in rows)
-    assert [r["order"] for r in rows] == [["round", "average"], ["average", "round"]]
-    assert tot["round"]["new_tokens"] == sum(r["round"]["new_tokens"] for r in rows) == tot["average"]["new_tokens"] > 0
-    assert set(result["meta"]["cost_model"]) == {"round", "average"}
-    assert "average / round" in (out / "results.md").read_text()
-
-
-def test_context_length_benchmark_on_tiny_models(long_pair, tmp_path):
-    """benchmarks/context_length.py: today's context branches (8 tokens, 6+ bucket) against long ones
-    (16 tokens, a 12+ bucket) side by side, each on its own cost model copy, order alternating."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import context_length
-
-    from orchestrator.cost_model import CostModel
-    from orchestrator.shaping import ngram_continuation
-    from specdec.tree_spec import DEFAULT_SPEC
-
-    copy_of_14 = [9, *range(10, 24), 7, 0, *range(10, 24)]  # a 14-token run seen before, then 7
-    assert ngram_continuation(copy_of_14, 3) == ([7, 0, 10], 5)  # today: counted to 6, bucket 5
-    assert context_length.long_lookup(copy_of_14, 3) == ([7, 0, 10], 6)  # long: 12+ has its own bucket
-    assert context_length.long_lookup(copy_of_14[4:], 3) == ([7, 0, 10], 5)  # 11 back: still bucket 5
-    assert context_length.long_lookup(copy_of_14[3:], 3) == ([7, 0, 10], 6)  # exactly 12 back: bucket 6
-    assert context_length.long_lookup([5, 7, 9, 2, 5, 7], 3) == ngram_continuation([5, 7, 9, 2, 5, 7], 3)
-    variants = context_length.factories(CostModel())
-    assert variants["default"].shared is not variants["long"].shared
-    default, long = variants["default"](DEFAULT_SPEC), variants["long"](DEFAULT_SPEC)
-    assert (default.ngram_tokens, long.ngram_tokens) == (8, 16)
-    assert default.lookup is None and long.lookup.func is context_length.long_lookup
-    assert long.lookup.keywords == {"max_ngram": long.max_ngram}
-    path = tmp_path / "q.jsonl"
-    path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
-                            for i, c, t in [(1, "rag", "one two three one two three one two"), (2, "qa", "hello world")]))
-    out = tmp_path / "out"
-    tot = context_length.main(["--questions", str(path), "--max-new-tokens", "10", "--target", str(long_pair.target),
-                               "--draft", str(long_pair.draft), "--passes", "2", "--out", str(out)])
-    result = json.loads((out / "results.json").read_text())
-    rows = result["questions"]
-    assert [(r["question_id"], r["pass"]) for r in rows] == [(1, 1), (2, 1), (1, 2), (2, 2)] and all(r["equal"] for r in rows)
-    assert [r["order"] for r in rows] == [["default", "long"], ["long", "default"], ["long", "default"], ["default", "long"]]
-    assert tot["default"]["new_tokens"] == sum(r["default"]["new_tokens"] for r in rows) == tot["long"]["new_tokens"] > 0
-    assert "default / long" in (out / "results.md").read_text()

@@ -10,8 +10,8 @@ import torch
 from transformers import DynamicCache
 
 from draft_service.runtime import DraftRuntime
-from orchestrator.controller import GenerationRequest
-from orchestrator.engine import SpeculativeEngine
+from orchestrator.loop.controller import GenerationRequest
+from orchestrator.loop.engine import SpeculativeEngine
 from specdec.kv_cache import cache_length, compact_kv, truncate_kv
 from specdec.tree import ancestors, node_depths
 from specdec.tree_spec import SEED_SPEC, TreeSpec

@@ -19,7 +19,7 @@ from specdec.checkpoint_memory import checkpoint_ranges, drop_checkpoint_pages, 
 from specdec.config import ModelsConfig
 from specdec.model_setup import load_draft, load_target
 from specdec.models import load_model
-from tests.tiny_pair import save_tiny_pair
+from specdec.harness.tiny_pair import save_tiny_pair
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
 

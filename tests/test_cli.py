@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
 
-from tests.tiny_pair import save_tiny
+from specdec.harness.tiny_pair import save_tiny
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +133,7 @@ def test_bench_bad_sampling_value():
 
 
 def test_sampling_option_names_in_messages():
-    from orchestrator.cli import UsageError, sampling_params
+    from orchestrator.cli.main import UsageError, sampling_params
 
     assert sampling_params(0.7, 0.9, 5, 1).temperature == 0.7
     for args, option in [((-1, 1.0, 0, None), "--temperature"), ((1, 2.0, 0, None), "--top-p"),
@@ -150,14 +149,14 @@ def test_stats_table_shows_acceptance_by_position_for_local_and_remote_stats():
 
     from rich.console import Console
 
-    from orchestrator.cli import stats_table
+    from orchestrator.cli.main import stats_table
     from specdec.stats import GenerationStats
     from specdec.wire import stats_to_proto
 
     local = GenerationStats(new_tokens=12, rounds=4, proposed_tokens=20, accepted_tokens=8,
                             position_proposed=[4, 3, 3, 1, 1, 1, 1, 1, 1, 1], position_accepted=[3, 2, 1, 1, 1, 0, 0, 0, 0, 0])
     msg = stats_to_proto(local, prompt_tokens=5)
-    remote = SimpleNamespace(**{f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}, tokens_per_s=0.0)  # as orchestrator.remote
+    remote = SimpleNamespace(**{f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}, tokens_per_s=0.0)  # as orchestrator.cli.remote
     for stats in (local, remote):
         console = Console(record=True, width=400)
         console.print(stats_table(stats, True))
@@ -178,7 +177,7 @@ def test_stats_table_shows_time_by_phase_for_local_and_remote_stats():
 
     from rich.console import Console
 
-    from orchestrator.cli import stats_table
+    from orchestrator.cli.main import stats_table
     from specdec.stats import GenerationStats
     from specdec.wire import stats_to_proto
 

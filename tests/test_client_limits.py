@@ -1,4 +1,4 @@
-"""Issue 14, item 2: per-client limits of the front (``front.limits``, orchestrator/admission.py).
+"""Issue 14, item 2: per-client limits of the front (``front.limits``, orchestrator/serving/admission.py).
 
 The admission controller alone (asyncio, no servers): running caps per client and overall, the
 FIFO queue and its bounds, abort and cancel of waiting requests, slots freed on every exit path,
@@ -25,18 +25,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from orchestrator.admission import Admission, AdmissionRefused, client_key, peer_host
+from orchestrator.serving.admission import Admission, AdmissionRefused, client_key, peer_host
 from specdec.config import ClientLimitsConfig, ConfigError, load_config
 from specdec.harness.servers import launch_service, stop_service, wait_address, wait_ready
 from specdec.v1 import generation_pb2, generation_pb2_grpc
 from tests.conftest import hf_greedy
-from tests.tiny_pair import save_tiny_pair, write_config
+from specdec.harness.tiny_pair import save_tiny_pair, write_config
 
 TOKENS = ("alpha-tok-5f1c9e", "beta-tok-77c2d0", "gamma-tok-90ad3b")
 KV_CAP = 3500
 HOLD_TOKENS = 3000
 HOLD_PROMPT = [5, 6, 7, 8]
-EOS = 0  # the tiny models' EOS id (tests/tiny_pair.py)
+EOS = 0  # the tiny models' EOS id (specdec/harness/tiny_pair.py)
 
 
 # --------------------------------------------------------------------------- the controller alone

@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import pytest
 
-from orchestrator.clients import TargetClient
+from orchestrator.loop.clients import TargetClient
 from specdec.tree import DraftTree
 from specdec.v1 import target_pb2
 
@@ -66,7 +66,7 @@ class SwallowsOneCancel:
         pass
 
     async def generate(self, request, session_id=None, on_round=None):
-        from orchestrator.controller import GenerationResult
+        from orchestrator.loop.controller import GenerationResult
         from specdec.stats import GenerationStats, RoundRecord
 
         swallowed = False
@@ -89,11 +89,11 @@ def test_abort_ends_a_request_whose_cancel_was_swallowed():
     """Orchestrator.abort: a request whose task lost the cancel still ends at its next round with
     stop reason "aborted" and its sessions closed (before: it ran all 1000 rounds while abort
     waited, then reported max_new_tokens)."""
-    from orchestrator.controller import GenerationRequest
-    from orchestrator.service import Orchestrator
+    from orchestrator.loop.controller import GenerationRequest
+    from orchestrator.loop.service import Orchestrator
 
     orchestrator = Orchestrator(front=None, grpc_cfg=None)
-    orchestrator.controller = fake = SwallowsOneCancel()
+    orchestrator.loop.controller = fake = SwallowsOneCancel()
 
     async def main():
         stream = orchestrator.stream(GenerationRequest([1, 2], 1000), "r1")

@@ -1,4 +1,4 @@
-"""Per-request control policies (orchestrator/control.py): DynamicGamma, FallbackPolicy, RequestControl.
+"""Per-request control policies (orchestrator/planning/control.py): DynamicGamma, FallbackPolicy, RequestControl.
 
 Pure unit tests: scripted round outcomes, an injected clock, fresh Prometheus registries.
 """
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from orchestrator.control import DynamicGamma, FallbackPolicy, RequestControl
-from orchestrator.metrics import SpecMetrics
+from orchestrator.planning.control import DynamicGamma, FallbackPolicy, RequestControl
+from orchestrator.loop.metrics import SpecMetrics
 from specdec.config import DynamicGammaConfig, FallbackConfig
 from specdec.tree_spec import DEFAULT_SPEC, SEED_SPEC, TreeSpec
 

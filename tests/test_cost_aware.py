@@ -1,4 +1,4 @@
-"""The cost-aware control in the real round loop (orchestrator.cost_aware with SpeculativeEngine).
+"""The cost-aware control in the real round loop (orchestrator.planning.cost_aware with SpeculativeEngine).
 
 Greedy output equals the target alone (float32, tiny models) with context (n-gram) branches merged
 into the draft's trees: a scripted draft agrees with the target for exactly i tokens per round and a
@@ -18,11 +18,11 @@ import pytest
 from pydantic import ValidationError
 
 from draft_service.runtime import DraftRuntime
-from orchestrator.cost_aware import CostAwareControl, DepthEstimates, SharedState, could_pay, plan_depth
-from orchestrator.cost_model import PRIOR_DRAFT_STEP_MS, PRIOR_VERIFY_MS, CostModel
-from orchestrator.controller import GenerationRequest
-from orchestrator.engine import SpeculativeEngine
-from orchestrator.shaping import MATCH_BUCKET_LABELS, match_bucket, ngram_continuation
+from orchestrator.planning.cost_aware import CostAwareControl, DepthEstimates, SharedState, could_pay, plan_depth
+from orchestrator.planning.cost_model import PRIOR_DRAFT_STEP_MS, PRIOR_VERIFY_MS, CostModel
+from orchestrator.loop.controller import GenerationRequest
+from orchestrator.loop.engine import SpeculativeEngine
+from orchestrator.planning.shaping import MATCH_BUCKET_LABELS, match_bucket, ngram_continuation
 from specdec.config import CostAwareConfig
 from specdec.tree_spec import TreeSpec
 from target_service.runtime import TargetRuntime
@@ -336,8 +336,8 @@ def test_load_aware_control_turns_speculation_off_at_8_sessions_per_forward_and_
 def test_loaded_cost_prices_rows_at_the_batch_and_observes_the_whole_forward():
     """LoadedCost: verify(r) = V(load * r); a round of a merged forward teaches V at the forward's
     rows (batch_rows), not at the request's own tree."""
-    from orchestrator.cost_model import LoadedCost
-    from orchestrator.shaping import ShapedTree
+    from orchestrator.planning.cost_model import LoadedCost
+    from orchestrator.planning.shaping import ShapedTree
     from specdec.tree import DraftTree
 
     cost = CostModel(dict(BOUND_AT_8), {1: 45.0}, alpha=1.0, source="measured")
@@ -435,7 +435,7 @@ def test_verify_merge_is_learnt_under_load_only_and_starts_over_when_rounds_run_
     drafted_verify by the numbers (V linear from 285 ms at 1 row to 300 at 8): merge 1 gives V(4 x 2)
     = 300 ms, as a plain round's pricing of the same rows; merge 0 gives 4 x V(2) = 1148.6 ms. Once the
     load falls under 1.1 the share is back at 1."""
-    from orchestrator.cost_model import LoadedCost
+    from orchestrator.planning.cost_model import LoadedCost
 
     shared = SharedState(load=4.0)
     shared.observe_verify_merge(2)
@@ -457,7 +457,7 @@ def test_verify_merge_is_learnt_under_load_only_and_starts_over_when_rounds_run_
 
 
 def test_loaded_cost_prices_a_shared_draft_step_for_the_batch():
-    from orchestrator.cost_model import LoadedCost
+    from orchestrator.planning.cost_model import LoadedCost
 
     cost = CostModel(dict(BOUND_AT_8), {1: 45.0, 4: 60.0}, alpha=0.0, source="measured")
     assert LoadedCost(cost, 4).draft_step_ms(1) == 45.0  # own device: the step's own time
@@ -561,7 +561,7 @@ def test_merged_draft_steps_on_shared_compute_take_the_compute_once():
     D(m p) * 4 / m: 180 ms alone (merge 0, D(1) * 4), 60 ms in lockstep (merge 1, D(4)), and at merge
     0.5 (m = 2.5) D(2.5) * 4 / 2.5 = 52.5 * 1.6 = 84 ms. On the draft's own device the merge share
     prices nothing (its queue does)."""
-    from orchestrator.cost_model import LoadedCost
+    from orchestrator.planning.cost_model import LoadedCost
 
     cost = CostModel(dict(BOUND_AT_8), {1: 45.0, 4: 60.0}, alpha=0.0, source="measured")
     assert LoadedCost(cost, 4, shared_compute=True, draft_merge=0.0).draft_step_ms(1) == pytest.approx(180.0)
@@ -689,7 +689,7 @@ def test_in_step_requests_draft_together_where_each_alone_would_not(in_step):
 def test_in_step_is_on_by_default_and_set_from_the_front_config():
     """front.cost_aware.in_step (default true; a bare SharedState false) reaches the requests' shared
     state through the factory; only on shared compute under light load does it apply."""
-    from orchestrator.cost_aware import cost_aware_factory
+    from orchestrator.planning.cost_aware import cost_aware_factory
     from specdec.config import CostAwareConfig, FallbackConfig
 
     assert CostAwareConfig().in_step is True and SharedState().in_step is False
@@ -710,7 +710,7 @@ def test_in_step_applies_only_below_its_load_cap(load, cap, applies):
     """front.cost_aware.in_step_max_load (default 8.5, set through the factory): the in-step plan
     applies from load 1.5 (other requests run) up to, not including, the cap; above it each request
     plans alone (the front's round clock then lets every turn pass: RoundClock.active)."""
-    from orchestrator.cost_aware import cost_aware_factory
+    from orchestrator.planning.cost_aware import cost_aware_factory
     from specdec.config import CostAwareConfig, FallbackConfig
 
     assert CostAwareConfig().in_step_max_load == 8.5 and SharedState().in_step_max_load == 8.5
@@ -770,7 +770,7 @@ def _on_draft_service(shared: SharedState, prompt, n: int):
     """One request of n new tokens (CHAIN4) on the tiny model as target and as a DraftService, with
     the cost-aware control on ``shared`` (no context branches, no probes). Returns (result, the
     rounds' RoundRecords, the draft, the controller: more requests may run on it)."""
-    from orchestrator.controller import RoundController, sync_worker
+    from orchestrator.loop.controller import RoundController, sync_worker
 
     model = tiny_model("qwen2", seed=0)
     draft = DraftService(model)
@@ -832,7 +832,7 @@ def test_the_draft_queue_prices_a_step_under_load_on_its_own_device_only():
     observation moves draft_queue 0.3 of the way (0.4), so a step costs D * (1 + 0.4 * 3) = 2.2 D.
     A timeout is a lower bound: one under the current share changes nothing. At load 1 nothing is
     learnt and planning uses D itself; a draft sharing the target's compute keeps its D * load."""
-    from orchestrator.cost_model import LoadedCost
+    from orchestrator.planning.cost_model import LoadedCost
 
     cost = CostModel(dict(BOUND_AT_8), {1: 20.0}, alpha=0.0, source="measured")
     shared = SharedState(cost=cost, load=4.0)
@@ -862,8 +862,8 @@ def test_a_draft_past_its_deadline_under_load_prices_itself_out(delay_s, monkeyp
     on the rounds run plain for "cost", not a timeout every other round that re-opens the draft
     each time. Either way D itself learns nothing under load (its alpha is 0.2 here): the replies'
     time beyond D is the queue's. Output = target alone."""
-    import orchestrator.controller as controller_module
-    from orchestrator.controller import RoundController, sync_worker
+    import orchestrator.loop.controller as controller_module
+    from orchestrator.loop.controller import RoundController, sync_worker
     from specdec.config import FallbackConfig
 
     monkeypatch.setattr(controller_module, "FRESH_DRAFT_S_PER_TOKEN", 0.0)  # no prefill allowance: 0.2 s each
@@ -916,7 +916,7 @@ def test_on_shared_compute_every_request_opens_its_draft_at_its_first_drafted_ro
     and on shared compute that delays the first token (no draft prefill on the compute the target
     prefills need). Each opens at its first drafted round (round 2: the first round is plain), with
     the prompt and round 1's token. Each request's output is the target's own greedy tokens."""
-    from orchestrator.controller import RoundController, sync_worker
+    from orchestrator.loop.controller import RoundController, sync_worker
 
     model = tiny_model("qwen2", seed=0)
     prompts = [random_prompt(seed=s, length=12 + s) for s in (1, 2, 3)]
@@ -968,7 +968,7 @@ def test_an_adopted_aheads_reply_time_teaches_the_queue_not_d():
     in-line draft time, but the ahead's wall time (reply_s) shows the queue: 0.6 s for 2 steps D
     prices at 100 ms (load 4) is a share of (600 / 100 - 1) / 3 = 5/3, draft_queue 0.5 after one.
     Alone (load 1) the same round teaches neither (an ahead is off the critical path)."""
-    from orchestrator.shaping import ShapedTree
+    from orchestrator.planning.shaping import ShapedTree
     from specdec.tree import DraftTree
 
     for load, queue in [(4.0, 0.5), (1.0, 0.0)]:
@@ -1012,7 +1012,7 @@ def test_draft_steps_are_priced_from_the_draft_call_not_the_reply_wait(source):
     prompt = random_prompt(seed=131)
     n = 40
     reference = hf_greedy(model, prompt, n + 8)
-    from orchestrator.cost_aware import cost_aware_factory
+    from orchestrator.planning.cost_aware import cost_aware_factory
     from specdec.config import CostAwareConfig, FallbackConfig
 
     assert CostAwareConfig().draft_cost_from == "reply" and not SharedState().draft_cost_from_forward

@@ -1,4 +1,4 @@
-"""The measured cost model: piecewise-linear V(n) / D(p) with online correction (orchestrator.cost_model)."""
+"""The measured cost model: piecewise-linear V(n) / D(p) with online correction (orchestrator.planning.cost_model)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from orchestrator.cost_model import CostModel, LatencyCurve, MeasurementDisturbed, measure_curve, measure_service_costs
+from orchestrator.planning.cost_model import CostModel, LatencyCurve, MeasurementDisturbed, measure_curve, measure_service_costs
 from specdec.interfaces import VerifyResult
 
 

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from draft_service.runtime import DraftRuntime
-from orchestrator.controller import GenerationRequest
-from orchestrator.engine import SpeculativeEngine
+from orchestrator.loop.controller import GenerationRequest
+from orchestrator.loop.engine import SpeculativeEngine
 from specdec.cpu_linear import PackedLinear, prepack_linears
 from specdec.tree_spec import SEED_SPEC
 from target_service.runtime import TargetRuntime

@@ -1035,7 +1035,7 @@ def test_dockerfile_builds_what_the_manifests_run(resources, config):
     facts = dockerfile_facts((DEPLOY / "Dockerfile").read_text())
     project = pyproject()
     # The package (and with it the `specdec` console script) is installed from the copied sources.
-    assert project["project"]["scripts"]["specdec"] == "orchestrator.cli:main"
+    assert project["project"]["scripts"]["specdec"] == "orchestrator.cli.main:main"
     packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
     copied = {PurePosixPath(src).parts[0] for src in facts["copied"]}
     assert {"pyproject.toml", "README.md"} | packages <= copied, copied
@@ -1122,7 +1122,7 @@ def test_ray_pod_scripts_start_ray_then_the_front(resources, tmp_path):
 def cli_options() -> dict[str, set[str]]:
     import typer
 
-    from orchestrator.cli import app
+    from orchestrator.cli.main import app
 
     group = typer.main.get_command(app)
     return {name: {opt for param in cmd.params for opt in [*param.opts, *param.secondary_opts]}
@@ -1134,7 +1134,7 @@ def test_cli_takes_the_manifest_flags(resources, subcommand):
     options = cli_options()
     used = {flag for _, _, launch in launches(resources) if launch.subcommand == subcommand for flag in launch.flags}
     if subcommand not in options:
-        pytest.skip(f"specdec {subcommand} not available yet (orchestrator/cli.py); the manifests run it with {sorted(used)}")
+        pytest.skip(f"specdec {subcommand} not available yet (orchestrator/cli/main.py); the manifests run it with {sorted(used)}")
     assert used <= options[subcommand], f"specdec {subcommand} lacks {sorted(used - options[subcommand])}"
 
 
@@ -1230,7 +1230,7 @@ def test_local_rehearsal_greedy_equals_target_only(tmp_path):
     float32 (the real pair takes minutes and GBs) and free ports (this machine is shared)."""
     if "front" not in cli_options():
         pytest.skip("specdec front not available")
-    from tests.tiny_pair import save_tiny
+    from specdec.harness.tiny_pair import save_tiny
 
     target, draft = save_tiny(tmp_path / "target", 0), save_tiny(tmp_path / "draft", 1)
     raw = yaml.safe_load(CONFIG_FILE.read_text())
@@ -1245,7 +1245,7 @@ def test_local_rehearsal_greedy_equals_target_only(tmp_path):
     load_config(config_path)
 
     log = open(tmp_path / "local.log", "w")
-    env = {**os.environ, "SPECDEC": f"{sys.executable} -m orchestrator.cli", "OTEL_SDK_DISABLED": "true"}
+    env = {**os.environ, "SPECDEC": f"{sys.executable} -m orchestrator.cli.main", "OTEL_SDK_DISABLED": "true"}
     proc = subprocess.Popen(["bash", str(DEPLOY / "local.sh"), str(config_path)], cwd=REPO, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:

@@ -1,4 +1,4 @@
-"""``specdec profile-draft`` (orchestrator.draft_profile) on tiny models: a close draft in float32
+"""``specdec profile-draft`` (orchestrator.measure.draft_profile) on tiny models: a close draft in float32
 and int8 and a draft with another tokenizer (refused with the reason), one shared target."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.draft_profile import Candidate, count_parameters, parse_candidate
-from tests.tiny_pair import save_tiny, save_tiny_pair
+from orchestrator.measure.draft_profile import Candidate, count_parameters, parse_candidate
+from specdec.harness.tiny_pair import save_tiny, save_tiny_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = [{"question_id": 1, "category": "writing", "turns": ["the quick brown fox"]},

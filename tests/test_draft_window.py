@@ -11,11 +11,11 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from draft_service.runtime import DraftRuntime
-import orchestrator.controller as controller_module
-from orchestrator.control import FixedControl, RequestControl
-from orchestrator.controller import DraftUnavailableError, GenerationRequest, RoundController, sync_worker
-from orchestrator.embedded import make_control
-from orchestrator.engine import SpeculativeEngine
+import orchestrator.loop.controller as controller_module
+from orchestrator.planning.control import FixedControl, RequestControl
+from orchestrator.loop.controller import DraftUnavailableError, GenerationRequest, RoundController, sync_worker
+from orchestrator.loop.embedded import make_control
+from orchestrator.loop.engine import SpeculativeEngine
 from specdec.config import ConfigError, DraftWindowConfig, DynamicGammaConfig, FallbackConfig, load_config
 from specdec.sampling import GREEDY, SamplingParams, derive_seed
 from specdec.telemetry import setup_tracing

@@ -14,8 +14,8 @@ import asyncio
 import pytest
 
 from draft_service.runtime import DraftRuntime
-from orchestrator.control import RequestControl
-from orchestrator.controller import DraftUnavailableError, GenerationRequest, RoundController, sync_worker
+from orchestrator.planning.control import RequestControl
+from orchestrator.loop.controller import DraftUnavailableError, GenerationRequest, RoundController, sync_worker
 from specdec.config import DynamicGammaConfig, FallbackConfig
 from specdec.tree_spec import DEFAULT_SPEC, TreeSpec
 from target_service.runtime import TargetRuntime

@@ -1,4 +1,4 @@
-"""``specdec eval`` (orchestrator.eval_report, orchestrator.eval_figures): the SpeculativeReport per
+"""``specdec eval`` (orchestrator.measure.eval_report, orchestrator.measure.eval_figures): the SpeculativeReport per
 slice on tiny models (names and types, greedy equivalence, figures), a broken engine caught in its
 slice only, measured peak memory, the language slice; the per-depth acceptance and buckets by hand."""
 
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.eval_report import (
+from orchestrator.measure.eval_report import (
     DIMENSIONS, EmbeddedRunner, Run, acceptance_per_depth, length_bucket, peak_rss_mb, run_eval,
 )
 from specdec.tree_spec import DEFAULT_SPEC
-from tests.tiny_pair import save_tiny_pair
+from specdec.harness.tiny_pair import save_tiny_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 # The seed's SpeculativeReport (design note 004): field -> JSON type (None allowed for peakMemoryMb only remotely)
@@ -118,7 +118,7 @@ def test_broken_engine_fails_equivalence_in_its_slices_only(pair, questions_file
 _ALLOCATOR = """
 import sys
 import psutil
-from orchestrator.eval_report import peak_rss_mb
+from orchestrator.measure.eval_report import peak_rss_mb
 sys.stdin.readline()
 print(psutil.Process().memory_info().rss / 1e6, flush=True)  # resident MB now, just before the block
 block = b"\\x01" * (200 << 20)  # 200 MiB = 209.7 MB, every page written
@@ -168,7 +168,7 @@ def test_acceptance_per_depth_and_buckets_by_hand():
 def stack(pair, tmp_path_factory):
     """Draft, target and front processes on the tiny pair (front without Ray, the draft every round)."""
     from specdec.harness.servers import launch_service, stop_service, wait_ready
-    from tests.tiny_pair import write_config
+    from specdec.harness.tiny_pair import write_config
 
     config = write_config(tmp_path_factory.mktemp("eval_cfg") / "serve.yaml", pair,
                           front={"port": 0, "cost_aware": {"enabled": False}})

@@ -1,4 +1,4 @@
-"""Fail-over of a request whose orchestrator actor dies mid-stream (orchestrator.failover, RayBackend).
+"""Fail-over of a request whose orchestrator actor dies mid-stream (orchestrator.serving.failover, RayBackend).
 
 Unit tests (in-process models, scripted fake actors): the continuation request (prompt + streamed
 tokens, the rest of max_new_tokens and of the deadline, a derived seed, resumed_tokens) for an actor
@@ -24,11 +24,11 @@ from ray.exceptions import ActorDiedError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draft_service.runtime import DraftRuntime
-from orchestrator.backends import RayBackend, UpstreamError
-from orchestrator.controller import GenerationRequest
-from orchestrator.engine import SpeculativeEngine
-from orchestrator.failover import Resumption
-from orchestrator.stops import StopChecker
+from orchestrator.serving.backends import RayBackend, UpstreamError
+from orchestrator.loop.controller import GenerationRequest
+from orchestrator.loop.engine import SpeculativeEngine
+from orchestrator.serving.failover import Resumption
+from orchestrator.loop.stops import StopChecker
 from specdec.sampling import SamplingParams, derive_seed
 from specdec.stats import GenerationStats, RoundRecord
 from specdec.tree_spec import DEFAULT_SPEC, TreeSpec
@@ -319,11 +319,11 @@ N = 400  # long enough that the kill (asynchronous) lands while the request stil
 def ray_front(tmp_path_factory):
     """Draft and target services (subprocesses) and, in this process, a Ray backend (2 actors) under the
     front's servicer; yields (servicer, target model, tokenizer, event loop)."""
-    from orchestrator.front import GenerationServicer
-    from orchestrator.metrics import SpecMetrics
+    from orchestrator.serving.front import GenerationServicer
+    from orchestrator.loop.metrics import SpecMetrics
     from specdec.config import load_config
     from specdec.harness.servers import launch_service, stop_service, wait_ready
-    from tests.tiny_pair import save_tiny_pair, write_config
+    from specdec.harness.tiny_pair import save_tiny_pair, write_config
 
     pair = save_tiny_pair(tmp_path_factory.mktemp("models"), max_pos=1024, noise=0.03)
     path = write_config(tmp_path_factory.mktemp("cfg") / "serve.yaml", pair,
@@ -380,7 +380,7 @@ def failover_point(caplog, request_id: str) -> int:
 
 def test_greedy_request_whose_actor_is_killed_mid_stream_is_unchanged(ray_front, caplog):
     servicer, model, tokenizer, loop = ray_front
-    caplog.set_level(logging.WARNING, logger="orchestrator.backends")
+    caplog.set_level(logging.WARNING, logger="orchestrator.serving.backends")
     prompt = random_prompt(seed=77, length=9, vocab=250)
     reference = hf_greedy(model, prompt, N)
     tokens, stats = run_killing(servicer, loop, GenerationRequest(prompt, N, spec=DEFAULT_SPEC, ignore_eos=True),
@@ -396,7 +396,7 @@ def test_stop_string_spanning_the_kill_point_is_honoured(ray_front, caplog):
     """Stop string = the text of greedy tokens 1..99: any kill point in (1, 99) lies inside it; the
     killed request stops where the uninterrupted one does."""
     servicer, model, tokenizer, loop = ray_front
-    caplog.set_level(logging.WARNING, logger="orchestrator.backends")
+    caplog.set_level(logging.WARNING, logger="orchestrator.serving.backends")
     prompt = random_prompt(seed=78, length=7, vocab=250)
     reference = hf_greedy(model, prompt, N)
     stop = tokenizer.decode(reference[1:100], skip_special_tokens=False)

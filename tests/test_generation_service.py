@@ -20,15 +20,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from orchestrator.controller import GenerationRequest
-from orchestrator.embedded import build_pipeline
+from orchestrator.loop.controller import GenerationRequest
+from orchestrator.loop.embedded import build_pipeline
 from specdec.harness.otlp import OtlpReceiver
 from specdec.harness.servers import launch_service, stop_service, wait_ready
 from specdec.tree_spec import DEFAULT_SPEC, SEED_SPEC, TreeSpec
 from specdec.v1 import generation_pb2, generation_pb2_grpc, target_pb2, target_pb2_grpc, tree_pb2
 from specdec.wire import spec_to_proto
 from tests.conftest import hf_greedy
-from tests.tiny_pair import save_tiny_pair, write_config
+from specdec.harness.tiny_pair import save_tiny_pair, write_config
 
 SPECS = [DEFAULT_SPEC, SEED_SPEC, TreeSpec.chain(4),
          TreeSpec(gamma=2, topKSpec=[[2], [2, 1]], topHead=[1, 2])]

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from draft_service.runtime import DraftRuntime
-from orchestrator.controller import GenerationRequest
-from orchestrator.engine import SpeculativeEngine
+from orchestrator.loop.controller import GenerationRequest
+from orchestrator.loop.engine import SpeculativeEngine
 from specdec.tree import node_depths
 from specdec.tree_spec import SEED_SPEC, TreeSpec
 from target_service.runtime import TargetRuntime

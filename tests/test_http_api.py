@@ -31,12 +31,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from specdec.harness.servers import launch_service, stop_service, wait_address, wait_for_exit, wait_ready
 from tests.conftest import hf_greedy
 from tests.test_generation_service import assert_draft_session_free, prompt_ids, target_info, wait_sessions
-from tests.tiny_pair import save_tiny_pair, write_config
+from specdec.harness.tiny_pair import save_tiny_pair, write_config
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}{% if m.name %} ({{ m.name }}){% endif %}: "
                  "{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
-EOS = 0  # the tiny models' EOS id (tests/tiny_pair.py)
+EOS = 0  # the tiny models' EOS id (specdec/harness/tiny_pair.py)
 TOKEN_IDS = {"specdec": {"return_token_ids": True}}
 
 
@@ -170,7 +170,7 @@ def long_prompt(target_model) -> list[int]:
     (["xx s", "to"], ("stop",), ["x", "x sto"]),                      # ended without one: the rest flushed
 ])
 def test_stop_trim_never_sends_the_stop_string(deltas, stop, sent):
-    from orchestrator.http_api import StopTrim
+    from orchestrator.serving.http_api import StopTrim
 
     trim = StopTrim(stop)
     assert [trim.push(d) for d in deltas[:-1]] + [trim.final(deltas[-1])] == sent
@@ -179,7 +179,7 @@ def test_stop_trim_never_sends_the_stop_string(deltas, stop, sent):
 def test_unknown_paths_and_internal_errors_use_the_error_object():
     """Starlette's 404 / 405 and an unexpected exception (here from a broken servicer) answer in
     OpenAI's error format, not plain text."""
-    from orchestrator.http_api import HttpApi
+    from orchestrator.serving.http_api import HttpApi
 
     class Broken:
         tokenizer = None
@@ -215,7 +215,7 @@ def test_unknown_paths_and_internal_errors_use_the_error_object():
 
 
 def test_http_config_fields_and_their_errors(pair, capsys):
-    from orchestrator.front import run
+    from orchestrator.serving.front import run
     from specdec.config import ConfigError, load_config
 
     assert load_config().front.http_port is None  # HTTP is off unless asked for

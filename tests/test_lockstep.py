@@ -1,4 +1,4 @@
-"""RoundClock (orchestrator.lockstep): the barriers that keep concurrent requests' rounds in step."""
+"""RoundClock (orchestrator.planning.lockstep): the barriers that keep concurrent requests' rounds in step."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from orchestrator.lockstep import START, VERIFY, RoundClock
+from orchestrator.planning.lockstep import START, VERIFY, RoundClock
 from specdec.tree_spec import TreeSpec
 
 
@@ -218,7 +218,7 @@ def _run_pair(clock: RoundClock | None, third_fails_after: int | None = None, fa
     order, target model, prompts); a failed request's output is its exception."""
     fail_after = third_fails_after
     from draft_service.runtime import DraftRuntime
-    from orchestrator.controller import GenerationRequest, RoundController, sync_worker
+    from orchestrator.loop.controller import GenerationRequest, RoundController, sync_worker
     from specdec.tree_spec import TreeSpec
     from target_service.runtime import TargetRuntime
     from tests.conftest import perturbed_copy, random_prompt, tiny_model
@@ -314,42 +314,6 @@ def test_requests_without_a_draft_do_not_join_a_clock_without_plain_load():
     assert order.count("slow") == order.count("fast") >= 23  # plain: a verify per token after the first
 
 
-def test_lockstep_benchmark_runs_on_a_tiny_pair_and_every_mode_equals_plain(tmp_path):
-    """benchmarks/lockstep.py end to end on tiny models: one row per level and mode, the chains'
-    output equal to plain batched decoding's (float32 greedy), each request's tokens all counted."""
-    import json
-    import sys
-    from pathlib import Path
-
-    from tests.tiny_pair import save_tiny_pair
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import lockstep
-
-    pair = save_tiny_pair(tmp_path / "models", noise=0.03)
-    out = tmp_path / "out"
-    assert lockstep.main(["--target", str(pair.target), "--draft", str(pair.draft), "--levels", "1,2",
-                          "--modes", "plain,chain2", "--max-new-tokens", "6", "--out", str(out)]) == 0
-    rows = json.loads((out / "results.json").read_text())["rows"]
-    assert [(r["requests"], r["mode"]) for r in rows] == [(1, "plain"), (1, "chain2"), (2, "plain"), (2, "chain2")]
-    assert all(r["same_as_plain"] and r["tokens"] == 6 * r["requests"] for r in rows)
-    assert rows[1]["rounds"] < rows[0]["rounds"] == 6  # the chains committed more than one token in some round
-
-
-def test_lockstep_benchmark_refuses_a_bad_mode_naming_the_flag(capsys):
-    import sys
-    from pathlib import Path
-
-    import pytest as _pytest
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import lockstep
-
-    with _pytest.raises(SystemExit) as exit_info:
-        lockstep.main(["--modes", "plain,tree3"])
-    assert exit_info.value.code == 2 and "--modes" in capsys.readouterr().err
-
-
 @pytest.mark.parametrize("change, clocked", [
     ({}, True),
     ({"cost_aware": {"in_step": False}}, False),  # off: no clock
@@ -358,7 +322,7 @@ def test_lockstep_benchmark_refuses_a_bad_mode_naming_the_flag(capsys):
 ], ids=["default", "off", "not_cost_aware", "pipelined"])
 @pytest.mark.parametrize("shared", [True, False], ids=["shared", "separate"])
 def test_the_front_runs_a_clock_only_for_in_step_rounds_on_shared_compute(change, clocked, shared):
-    from orchestrator.service import Orchestrator, control_factory
+    from orchestrator.loop.service import Orchestrator, control_factory
     from specdec.config import FrontConfig, GrpcConfig, ServeConfig
 
     settings = {"cost_aware": {"in_step_wait_ms": 250.0}}  # in_step: on by default

@@ -1,4 +1,4 @@
-"""The orchestrator's Prometheus metrics and the front-wide acceptance monitor (orchestrator/metrics.py).
+"""The orchestrator's Prometheus metrics and the front-wide acceptance monitor (orchestrator/loop/metrics.py).
 
 Pure unit tests: scripted round outcomes, fresh Prometheus registries.
 """
@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry
 
-from orchestrator.metrics import AcceptanceMonitor, SpecMetrics, start_metrics_server
+from orchestrator.loop.metrics import AcceptanceMonitor, SpecMetrics, start_metrics_server
 from specdec.config import MonitorConfig
 from specdec.stats import RoundRecord
 
@@ -26,7 +26,7 @@ def sample(metrics: SpecMetrics, name: str, **labels) -> float | None:
 def test_monitor_alert_fires_once_after_n_low_windows_and_clears(caplog):
     metrics = SpecMetrics(CollectorRegistry())
     mon = AcceptanceMonitor(MonitorConfig(window=2, alert_threshold=0.5, alert_windows=3), metrics=metrics)
-    caplog.set_level(logging.INFO, logger="orchestrator.metrics")
+    caplog.set_level(logging.INFO, logger="orchestrator.loop.metrics")
     for i in range(5):                 # 2.5 low windows: no alert yet
         mon.record("r1", 5, 1)
     assert not mon.alerting("r1") and mon.alerts("r1") == 0

@@ -23,7 +23,7 @@ from specdec.harness.servers import launch_command, stop_service, wait_ready
 from specdec.model_worker import ModelWorker
 from specdec.service_errors import ShuttingDownError
 from specdec.v1 import target_pb2, target_pb2_grpc
-from tests.tiny_pair import save_tiny_pair, write_config
+from specdec.harness.tiny_pair import save_tiny_pair, write_config
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,7 +192,7 @@ async def _draft_round(address: str, pair) -> None:
     """Open a draft session and take one proposal from it over gRPC."""
     from transformers import AutoConfig
 
-    from orchestrator.clients import DraftClient
+    from orchestrator.loop.clients import DraftClient
     from specdec.sampling import GREEDY
     from specdec.tree_spec import TreeSpec
 
@@ -227,30 +227,3 @@ def test_a_sigterm_while_the_target_loads_exits_zero_at_once(tmp_path):
     assert "SIGTERM while loading" in service.stderr
     assert "terminate called" not in service.stderr and "Fatal Python error" not in service.stderr
 
-
-def test_openmp_teams_benchmark_runs_both_modes_on_a_tiny_target(tmp_path, capsys):
-    """benchmarks/openmp_teams.py end to end on a tiny target: a row per mode and repeat, each from
-    its own process, timed over the steps asked; a bad count or target is a usage error naming the
-    flag, without a traceback."""
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import openmp_teams
-
-    pair = save_tiny_pair(tmp_path / "models")
-    out = tmp_path / "out"
-    assert openmp_teams.main(["--target", str(pair.target), "--sessions", "2", "--steps", "2", "--repeats", "2",
-                              "--out", str(out)]) == 0
-    rows = json.loads((out / "results.json").read_text())["rows"]
-    assert [(r["repeat"], r["mode"], r["sessions"]) for r in rows] == [(1, "one", 2), (1, "two", 2), (2, "one", 2),
-                                                                        (2, "two", 2)]
-    assert rows[0]["vs_one"] == rows[2]["vs_one"] == 1.0
-    assert all(r["median_step_ms"] > 0 and r["cpu_per_wall"] > 0 for r in rows)
-    assert "| 2 | two |" in (out / "results.md").read_text()
-    with pytest.raises(SystemExit) as exit_info:
-        openmp_teams.main(["--steps", "0"])
-    assert exit_info.value.code == 2
-    capsys.readouterr()
-    assert openmp_teams.main(["--target", str(tmp_path / "missing"), "--repeats", "1", "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert "--target" in err and "Traceback" not in err

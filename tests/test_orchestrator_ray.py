@@ -27,7 +27,7 @@ from specdec.tree_spec import DEFAULT_SPEC, SEED_SPEC, TreeSpec
 from specdec.v1 import generation_pb2, generation_pb2_grpc, target_pb2, target_pb2_grpc, tree_pb2
 from specdec.wire import spec_to_proto
 from tests.conftest import hf_greedy
-from tests.tiny_pair import save_tiny_pair, write_config
+from specdec.harness.tiny_pair import save_tiny_pair, write_config
 
 EOS = 0  # the tiny models' eos_token_id
 SPECS = [DEFAULT_SPEC, SEED_SPEC, TreeSpec.chain(2), TreeSpec(gamma=2, topKSpec=[[2], [2, 1]], topHead=[1, 2])]
@@ -179,7 +179,7 @@ def test_a_ray_front_measures_the_services_once_for_its_actors(stack):
     connects and its actors start from those figures ("configured": none measured on its own)."""
     import ray
 
-    from orchestrator.backends import RayBackend
+    from orchestrator.serving.backends import RayBackend
     from specdec.config import ServeConfig
 
     config = ServeConfig.model_validate({"front": {

@@ -212,8 +212,8 @@ def test_failed_shared_forward_rolls_the_ahead_back_so_a_retry_alone_succeeds(mo
 # The round loop (embedded: real tiny runtimes, in-process)
 # ------------------------------------------------------------------------------------------------
 
-from orchestrator.controller import GenerationRequest  # noqa: E402
-from orchestrator.engine import SpeculativeEngine  # noqa: E402
+from orchestrator.loop.controller import GenerationRequest  # noqa: E402
+from orchestrator.loop.engine import SpeculativeEngine  # noqa: E402
 from specdec.kv_cache import cache_length  # noqa: E402
 from target_service.runtime import TargetRuntime  # noqa: E402
 from tests.conftest import RecordingTarget, hf_greedy, perturbed_copy  # noqa: E402
@@ -367,8 +367,8 @@ def test_an_ahead_past_its_deadline_tells_the_control_the_deadline(failure):
     ahead. An ahead that crashes says nothing about the draft's speed: no call. Output unchanged."""
     import asyncio
 
-    from orchestrator.control import FixedControl
-    from orchestrator.controller import RoundController, sync_worker
+    from orchestrator.planning.control import FixedControl
+    from orchestrator.loop.controller import RoundController, sync_worker
 
     model = tiny_model("qwen2", seed=5, init_std=STD)
     prompt = random_prompt(seed=26, length=8)
@@ -413,13 +413,13 @@ import asyncio  # noqa: E402
 import grpc  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 
-from orchestrator.clients import DraftClient, TargetClient  # noqa: E402
-from orchestrator.controller import RoundController  # noqa: E402
+from orchestrator.loop.clients import DraftClient, TargetClient  # noqa: E402
+from orchestrator.loop.controller import RoundController  # noqa: E402
 from specdec.harness.servers import launch_service, stop_service, wait_ready  # noqa: E402
 from specdec.telemetry import setup_tracing  # noqa: E402
 from specdec.v1 import draft_pb2, draft_pb2_grpc  # noqa: E402
 from specdec.wire import spec_to_proto  # noqa: E402
-from tests.tiny_pair import save_tiny_pair, write_config  # noqa: E402
+from specdec.harness.tiny_pair import save_tiny_pair, write_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -575,7 +575,7 @@ def test_front_pipeline_config_and_final_stats():
 def test_cost_aware_control_pipelined_is_exact_and_learns_no_draft_cost_from_aheads():
     """The default (cost-aware) control with pipelining: greedy = target alone, and the rounds whose
     tree came from an ahead reach ``observe`` with draft_s None (no D(p) sample)."""
-    from orchestrator.embedded import make_control
+    from orchestrator.loop.embedded import make_control
 
     model = tiny_model("qwen2", seed=6, init_std=STD)
     draft_model = perturbed_copy(model, seed=2, scale=0.01)

@@ -6,7 +6,7 @@ Temperature 0.7: fluent text, accepted draft tokens, and the benchmark table rep
 Both models' ``DirectDecoder`` (the runtimes' one-session forward) gives the model forward's logits
 and KV bit for bit at the real shapes, attention as the runtimes set it (tests/test_forward_paths.py
 also compares with transformers' own attention, on tiny models).
-The prompts are the first of each category in the package's own set (``orchestrator/data/prompts.jsonl``),
+The prompts are the first of each category in the package's own set (``orchestrator/measure/data/prompts.jsonl``),
 so these tests run on any clone (before 2026-12-06 they read ../shared's Spec-Bench file and were
 skipped without it).
 """
@@ -18,9 +18,9 @@ import re
 import pytest
 import torch
 
-from orchestrator.bench import load_questions, markdown_table, run_question, summarize
-from orchestrator.controller import GenerationRequest
-from orchestrator.embedded import build_pipeline, encode_prompt
+from orchestrator.measure.bench import load_questions, markdown_table, run_question, summarize
+from orchestrator.loop.controller import GenerationRequest
+from orchestrator.loop.embedded import build_pipeline, encode_prompt
 from specdec.argmax_head import argmax_head_of
 from specdec.forward import DirectDecoder, model_forward
 from specdec.kv_cache import new_cache

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from draft_service.runtime import DraftRuntime
-from orchestrator.controller import GenerationRequest
-from orchestrator.engine import SpeculativeEngine
-from orchestrator.stops import StopChecker
+from orchestrator.loop.controller import GenerationRequest
+from orchestrator.loop.engine import SpeculativeEngine
+from orchestrator.loop.stops import StopChecker
 from specdec.models import ModelError, check_supported
 from specdec.sampling import SamplingParams, SamplingParamsError
 from specdec.tree import DraftTree

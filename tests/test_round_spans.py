@@ -10,7 +10,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from draft_service.runtime import DraftRuntime
-from orchestrator.controller import GenerationRequest, RoundController, sync_worker
+from orchestrator.loop.controller import GenerationRequest, RoundController, sync_worker
 from specdec.telemetry import setup_tracing
 from specdec.tree_spec import DEFAULT_SPEC
 from target_service.runtime import TargetRuntime

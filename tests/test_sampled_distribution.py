@@ -38,8 +38,8 @@ import torch
 
 from draft_service.runtime import DraftRuntime
 from draft_service.tree_builder import build_tree
-from orchestrator.controller import GenerationRequest
-from orchestrator.engine import SpeculativeEngine
+from orchestrator.loop.controller import GenerationRequest
+from orchestrator.loop.engine import SpeculativeEngine
 from specdec.config import DraftWindowConfig
 from specdec.sampling import SamplingParams, processed_probs
 from specdec.tree import ROOT, SOURCE_CONTEXT, DraftTree, children, merge_chain

@@ -20,7 +20,7 @@ from specdec.harness.servers import launch_service, stop_service, wait_address, 
 from specdec.security import BearerAuth, is_loopback, token_accepted, warn_plaintext
 from specdec.config import ConfigError, GrpcConfig, load_config
 from specdec.v1 import generation_pb2, generation_pb2_grpc, target_pb2, target_pb2_grpc
-from tests.tiny_pair import save_tiny_pair, write_config
+from specdec.harness.tiny_pair import save_tiny_pair, write_config
 
 TOKEN = "s3cret-token-for-tests"
 

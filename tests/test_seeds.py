@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from draft_service.runtime import DraftRuntime
-from orchestrator.controller import GenerationRequest
-from orchestrator.engine import SpeculativeEngine
+from orchestrator.loop.controller import GenerationRequest
+from orchestrator.loop.engine import SpeculativeEngine
 from specdec.sampling import SamplingParams
 from specdec.tree_spec import SEED_SPEC, TreeSpec
 from target_service.runtime import TargetRuntime

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny_pair import save_tiny_pair, write_config
+from specdec.harness.tiny_pair import save_tiny_pair, write_config
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
 READY = re.compile(r"^(\S+) ready on (\S+:\d+)$")

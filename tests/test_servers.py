@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from draft_service.runtime import DraftRuntime
-from orchestrator.cost_model import PRIOR_VERIFY_MS, CostModel
+from orchestrator.planning.cost_model import PRIOR_VERIFY_MS, CostModel
 from specdec.grpc_host import MAX_STATUS_CHARS
 from specdec.harness.servers import launch_service, start_service, stop_service, wait_for_exit, wait_ready
 from specdec.interfaces import SessionStateError, UnknownSessionError
@@ -39,7 +39,7 @@ from specdec.wire import sampling_to_proto, spec_to_proto
 from target_service.batcher import VerifyBatcher
 from target_service.runtime import TargetRuntime
 from tests.conftest import causal_logits, hf_greedy, perturbed_copy, random_prompt, tiny_model
-from tests.tiny_pair import save_tiny_pair, write_config
+from specdec.harness.tiny_pair import save_tiny_pair, write_config
 
 TARGET_SERVICE = "specdec.v1.TargetService"
 DRAFT_SERVICE = "specdec.v1.DraftService"
@@ -361,8 +361,8 @@ def test_greedy_generation_over_grpc_equals_target_alone(servers, target, refere
 
 
 def test_sampled_generation_over_grpc_equals_embedded_mode(servers, target, pair, info):
-    from orchestrator.controller import GenerationRequest
-    from orchestrator.embedded import build_pipeline
+    from orchestrator.loop.controller import GenerationRequest
+    from orchestrator.loop.embedded import build_pipeline
 
     spec = TreeSpec(gamma=2, topKSpec=[[2], [1, 1]], topHead=[1, 2], treeType=1)
     sampling = SamplingParams(temperature=0.8, top_k=40, seed=11)
@@ -442,7 +442,7 @@ def test_info(info, pair, reference):
 
 def connected_state(config):
     """The SharedState of the cost-aware control of an Orchestrator after ``connect`` (closed again)."""
-    from orchestrator.service import Orchestrator, control_factory
+    from orchestrator.loop.service import Orchestrator, control_factory
 
     async def main():
         orchestrator = Orchestrator(config.front, config.grpc, None, control_factory=control_factory(config))
@@ -514,7 +514,7 @@ def test_a_measurement_that_fails_leaves_the_priors_with_a_warning(servers, capl
     config = ServeConfig.model_validate({"front": {"draft_address": dead, "target_address": servers["target"].address}})
     before = target_sessions(servers)
 
-    with caplog.at_level("WARNING", logger="orchestrator.service"):
+    with caplog.at_level("WARNING", logger="orchestrator.loop.service"):
         cost = connected_state(config).cost
     assert cost.source == "prior" and cost.verify.points == PRIOR_VERIFY_MS
     assert "measuring through the services failed" in caplog.text and "prior figures" in caplog.text
@@ -528,7 +528,7 @@ def target_sessions(servers) -> int:
 
 def test_a_ray_front_measures_once_and_its_actors_start_from_its_figures():
     """``with_costs``: the probe's measured points travel to the actors in the config."""
-    from orchestrator.service import control_factory, with_costs
+    from orchestrator.loop.service import control_factory, with_costs
     from specdec.config import ServeConfig
 
     measured = CostModel({1: 40.0, 8: 70.0}, {1: 6.0, 4: 8.0}, source="measured")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny_pair import save_tiny_pair
+from specdec.harness.tiny_pair import save_tiny_pair
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
 
@@ -386,11 +386,11 @@ def test_open_loop_flag_errors(capsys):
 def test_front_start_costs_reads_the_fronts_log():
     from benchmarks.serving import front_start_costs
 
-    log = ("2026-12-05 21:20:01 orchestrator.service INFO cost model measured through the services: "
+    log = ("2026-12-05 21:20:01 orchestrator.loop.service INFO cost model measured through the services: "
            "V(n) {1: 88.5, 4: 104.2, 8: 131.0} ms, D(p) {1: 20.1, 2: 23.9} ms\n")
     assert front_start_costs("ray started\n" + log) == {"verify_ms": {1: 88.5, 4: 104.2, 8: 131.0},
                                                           "draft_step_ms": {1: 20.1, 2: 23.9}}
-    failed = ("x orchestrator.service WARNING cost model: measuring through the services failed (TimeoutError: "
+    failed = ("x orchestrator.loop.service WARNING cost model: measuring through the services failed (TimeoutError: "
               "verify: no reply within 60.0 s); starting from the prior figures")
     assert front_start_costs(failed) == {"failed": failed.split("cost model: ", 1)[1]}
     assert front_start_costs("a front with measure_at_start: false logs neither\n") is None

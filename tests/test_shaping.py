@@ -1,4 +1,4 @@
-"""Cost-aware tree shaping (orchestrator.shaping, orchestrator.cost_aware): the rules on scripted costs."""
+"""Cost-aware tree shaping (orchestrator.planning.shaping, orchestrator.planning.cost_aware): the rules on scripted costs."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from orchestrator.cost_aware import DepthEstimates, plan_depth, stop_threshold
-from orchestrator.cost_model import CostModel
-from orchestrator.shaping import (
+from orchestrator.planning.cost_aware import DepthEstimates, plan_depth, stop_threshold
+from orchestrator.planning.cost_model import CostModel
+from orchestrator.planning.shaping import (
     AcceptanceCalibration, ContextCalibration, context_path, ngram_continuation, node_values, observe_verified,
     select_by_rate, shape_tree,
 )

@@ -14,9 +14,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from draft_service.runtime import DraftRuntime
-from orchestrator.controller import GenerationRequest
-from orchestrator.engine import SpeculativeEngine
-from orchestrator.stops import StopChecker
+from orchestrator.loop.controller import GenerationRequest
+from orchestrator.loop.engine import SpeculativeEngine
+from orchestrator.loop.stops import StopChecker
 from specdec.tree_spec import SEED_SPEC, TreeSpec
 from target_service.runtime import TargetRuntime
 from tests.conftest import (

@@ -17,7 +17,7 @@
 Each TensorParallelTarget spawns its ranks (~10 s on the 2-core machine): one shared target for the
 equality tests, one for the killed rank, one for pre-packed shards followed by the stuck rank.
 
-The target service with ``--tp 2`` (real subprocesses, tiny saved pair of tests/tiny_pair.py; both
+The target service with ``--tp 2`` (real subprocesses, tiny saved pair of specdec/harness/tiny_pair.py; both
 entry points, started together, ~15 s): ``python -m target_service`` serves a greedy
 speculative generation over gRPC equal to the target alone, Info reports tensor_parallel 2, then a
 SIGKILLed rank makes the next Verify UNAVAILABLE within a deadline, health turns NOT_SERVING and
@@ -41,8 +41,8 @@ import pytest
 import torch
 
 from draft_service.runtime import DraftRuntime
-from orchestrator.controller import GenerationRequest
-from orchestrator.engine import SpeculativeEngine
+from orchestrator.loop.controller import GenerationRequest
+from orchestrator.loop.engine import SpeculativeEngine
 from specdec.harness.servers import Service, launch_command, stop_service, wait_for_exit, wait_ready
 from specdec.interfaces import UnknownSessionError
 from specdec.sampling import SamplingParams
@@ -53,7 +53,7 @@ from target_service.tp import RankFailureError, TensorParallelTarget, check_tp_c
 from tests.conftest import (
     assert_kv_equal, causal_logits, hf_greedy, perturbed_copy, prefill_kv, random_prompt, tiny_model,
 )
-from tests.tiny_pair import save_tiny_pair, write_config
+from specdec.harness.tiny_pair import save_tiny_pair, write_config
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
 TP = 2

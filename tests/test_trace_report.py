@@ -1,4 +1,4 @@
-"""``specdec trace-report`` (orchestrator.trace_report) on spans that a real three-process run (draft,
+"""``specdec trace-report`` (orchestrator.measure.trace_report) on spans that a real three-process run (draft,
 target and front, tiny models) wrote with the otlp_json_file exporter (specdec.telemetry); the
 reader's errors; the exporter's OTLP JSON encoding."""
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from orchestrator.trace_report import PHASES, TraceFileError, parse_otlp_json
+from orchestrator.measure.trace_report import PHASES, TraceFileError, parse_otlp_json
 from specdec.harness.servers import launch_service, stop_service, wait_ready
 from specdec.v1 import generation_pb2, generation_pb2_grpc
-from tests.tiny_pair import save_tiny_pair, write_config
+from specdec.harness.tiny_pair import save_tiny_pair, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

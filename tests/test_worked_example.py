@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from draft_service.tree_builder import build_tree
-from orchestrator.controller import GenerationRequest
-from orchestrator.engine import SpeculativeEngine
+from orchestrator.loop.controller import GenerationRequest
+from orchestrator.loop.engine import SpeculativeEngine
 from specdec.interfaces import VerifyResult
 from specdec.tree import DraftTree, node_depths
 from specdec.tree_spec import SEED_SPEC

@@ -3,6 +3,8 @@
 - ``servers``: launch the project's own services (``python -m draft_service``, ``target_service``,
   ``orchestrator front``) as subprocesses on loopback ports, wait for their ready line, stop them.
 - ``otlp``: an in-memory OTLP/gRPC trace receiver that those processes export their spans to.
+- ``tiny_pair``: tiny seeded random-weight model pairs saved to disk with a tokenizer, and service
+  config files for them (the tests' and the reliability benchmarks' deployments; no downloads).
 
-Helpers that only tests use (tiny saved models, test configs) stay in tests/.
+In-memory tiny models and test-only fixtures stay in tests/conftest.py.
 """

@@ -1,0 +1,249 @@
+"""gRPC clients of the draft and target services, with the worker methods the round loop awaits.
+
+``DraftClient`` keeps one bidirectional ``DraftService.Session`` stream per request (start, then
+tree requests answered in order and unanswered commits; closing the stream frees the draft's KV).
+Any failure of the draft (status error, broken stream, unreachable server) raises
+``DraftUnavailableError`` so the round loop falls back to plain decoding. ``TargetClient`` makes
+unary calls; its errors propagate as ``grpc.aio.AioRpcError`` (the request fails with that status).
+
+Deadlines: ``request_deadline`` (a context variable, absolute ``time.monotonic()`` seconds) is set
+by the front from the client's deadline; every downstream call gets the time left as its timeout,
+so a request past its deadline stops at the next call with DEADLINE_EXCEEDED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import time
+
+import grpc
+from opentelemetry import trace
+
+from orchestrator.loop.controller import DraftUnavailableError
+from specdec.interfaces import VerifyResult
+from specdec.sampling import SamplingParams
+from specdec.tree import DraftTree
+from specdec.tree_spec import TreeSpec
+from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdec.wire import sampling_to_proto, spec_to_proto, tree_from_proto, tree_to_proto
+
+request_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("request_deadline", default=None)
+
+DEFAULT_CALL_TIMEOUT_S = 120.0
+VERIFY_RETRIES = 2  # Verify calls retried on UNAVAILABLE  # a single target call (prefill of a long prompt on a CPU included)
+
+
+PREFILL_S_PER_TOKEN = 0.1  # the Prefill call's timeout over DEFAULT_CALL_TIMEOUT_S, per prompt token
+
+
+def prefill_timeout_s(prompt_tokens: int) -> float:
+    """A Prefill call's timeout, seconds: DEFAULT_CALL_TIMEOUT_S + 0.1 s per prompt token (a 2,000-token
+    prompt riding in 16-token chunks beside 4 decoding requests took ~2 min on the 2-core CPU)."""
+    return DEFAULT_CALL_TIMEOUT_S + PREFILL_S_PER_TOKEN * prompt_tokens
+
+
+def time_left(default: float | None = DEFAULT_CALL_TIMEOUT_S) -> float | None:
+    """Timeout for the next downstream call: the request's time left, at most ``default`` seconds.
+
+    Raises grpc-style DeadlineExceeded (an AioRpcError) when the request's deadline has passed.
+    """
+    deadline = request_deadline.get()
+    if deadline is None:
+        return default
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded()
+    return left if default is None else min(default, left)
+
+
+class DeadlineExceeded(grpc.aio.AioRpcError):
+    def __init__(self):
+        super().__init__(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                         details="request deadline exceeded")
+
+
+def channel_options(max_message_bytes: int, max_reconnect_backoff_ms: int = 1000) -> list[tuple[str, int]]:
+    """Message size limits, and a short reconnect backoff (gRPC's default grows to 120 s): a
+    restarted draft or target is used again within about a second."""
+    return [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", max_reconnect_backoff_ms)]
+
+
+class TargetClient:
+    """TargetWorker over gRPC (unary calls). ``info()`` returns the target's InfoResponse."""
+
+    def __init__(self, channel: grpc.aio.Channel):
+        self.stub = target_pb2_grpc.TargetServiceStub(channel)
+
+    async def info(self, timeout: float = 10.0) -> target_pb2.InfoResponse:
+        return await self.stub.Info(target_pb2.InfoRequest(), timeout=timeout, wait_for_ready=True)
+
+    async def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        """Prefill. Its timeout grows with the prompt (``prefill_timeout_s``): under load the target
+        feeds a long prompt in small chunks inside other sessions' verify forwards."""
+        await self.stub.Prefill(target_pb2.PrefillRequest(
+            session_id=session_id, prompt_ids=prompt_ids, sampling=sampling_to_proto(sampling)),
+            timeout=time_left(prefill_timeout_s(len(prompt_ids))))
+
+    async def verify(self, session_id: str, tree: DraftTree) -> VerifyResult:
+        msg = tree_to_proto(tree)
+        span = trace.get_current_span()
+        span.set_attribute("tree.bytes", msg.ByteSize())
+        request = target_pb2.VerifyRequest(session_id=session_id, tree=msg)
+        for attempt in range(VERIFY_RETRIES + 1):
+            try:
+                reply = await self.stub.Verify(request, timeout=time_left())
+                break
+            except grpc.aio.AioRpcError as exc:
+                # A lost reply or a dropped connection: Verify is idempotent until Commit (the target
+                # returns the pending result of the same tree), so one more try is safe.
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == VERIFY_RETRIES:
+                    raise
+                await asyncio.sleep(0.2 * (attempt + 1))
+        span.set_attribute("target.verify_ms", reply.verify_ms)
+        span.set_attribute("target.batch_size", reply.batch_size)
+        span.set_attribute("target.batch_rows", reply.batch_rows)
+        # batch_size 0: a replayed pending result (no forward ran); the control then learns no cost from it
+        return VerifyResult(tuple(reply.accepted_nodes), tuple(reply.tokens), reply.batch_size, reply.batch_rows,
+                            reply.mergeable_sessions, reply.verify_ms)
+
+    async def commit(self, session_id: str, num_tokens: int) -> None:
+        await self.stub.Commit(target_pb2.CommitRequest(session_id=session_id, num_tokens=num_tokens), timeout=time_left())
+
+    async def release(self, session_id: str) -> None:
+        await self.stub.Release(target_pb2.ReleaseRequest(session_id=session_id), timeout=10.0)
+
+
+class DraftClient:
+    """DraftWorker over gRPC: one bidirectional Session stream per session id.
+
+    vocab_size: ids the target accepts (trees are checked on receipt like any untrusted message).
+    All failures raise DraftUnavailableError.
+    """
+
+    def __init__(self, channel: grpc.aio.Channel, vocab_size: int, max_tree_nodes: int = 512):
+        self.stub = draft_pb2_grpc.DraftServiceStub(channel)
+        self.vocab_size = vocab_size
+        self.max_tree_nodes = max_tree_nodes
+        self.streams: dict[str, grpc.aio.StreamStreamCall] = {}
+        self.rounds: dict[str, int] = {}
+        self.reply_batch: dict[str, int] = {}  # session -> sessions that shared its last proposal's draft forwards
+        self.reply_forward: dict[str, float] = {}  # session -> ms of the draft call that grew its last tree (0: unknown)
+
+    async def info(self, timeout: float = 5.0) -> draft_pb2.DraftInfoResponse:
+        """The draft service's Info (grpc errors raised as they are: the caller decides)."""
+        return await self.stub.Info(draft_pb2.DraftInfoRequest(), timeout=timeout)
+
+    async def _exchange(self, session_id: str, request: draft_pb2.DraftRequest, reply: bool):
+        call = self.streams.get(session_id)
+        if call is None:
+            raise DraftUnavailableError(f"no open draft stream for session {session_id!r}")
+        try:
+            await call.write(request)
+            if not reply:
+                return None
+            response = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            self._drop(session_id)
+            raise DraftUnavailableError(f"draft service: {exc.code().name}: {exc.details()}") from exc
+        except Exception as exc:  # noqa: BLE001 - a stream that already ended (UsageError, InvalidStateError, ...)
+            self._drop(session_id)
+            raise DraftUnavailableError(f"draft stream closed: {type(exc).__name__}: {exc}") from exc
+        if response is grpc.aio.EOF:
+            self._drop(session_id)
+            code = await call.code()
+            raise DraftUnavailableError(f"draft stream ended ({code.name}: {await call.details()})")
+        return response
+
+    def _drop(self, session_id: str) -> None:
+        """Forget a broken stream and cancel it (the draft frees the session's KV when it ends)."""
+        call = self.streams.pop(session_id, None)
+        if call is not None:
+            call.cancel()
+
+    async def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> int | None:
+        """Open the session's stream; returns the draft's context limit (max positions) if it reports one."""
+        try:
+            # the stream lives for the whole request: it gets the request's time left as its deadline
+            self.streams[session_id] = self.stub.Session(timeout=time_left(None) if request_deadline.get() else None)
+        except Exception as exc:  # noqa: BLE001 - any failure to open the stream is a draft failure
+            raise DraftUnavailableError(f"draft service: cannot open a session stream: {exc}") from exc
+        self.rounds[session_id] = 0
+        start = draft_pb2.DraftStart(session_id=session_id, prompt_ids=prompt_ids, sampling=sampling_to_proto(sampling))
+        response = await self._exchange(session_id, draft_pb2.DraftRequest(start=start), reply=True)
+        if not response.HasField("started"):
+            raise DraftUnavailableError("draft service answered start with something else")
+        return response.started.context_limit or None
+
+    async def propose(self, session_id: str, spec: TreeSpec, max_depth: int) -> DraftTree:
+        self.rounds[session_id] = self.rounds.get(session_id, 0) + 1
+        request = draft_pb2.TreeRequest(spec=spec_to_proto(spec), max_depth=max_depth, round=self.rounds[session_id])
+        response = await self._exchange(session_id, draft_pb2.DraftRequest(propose=request), reply=True)
+        if not response.HasField("tree") or response.tree.round != self.rounds[session_id]:
+            self._drop(session_id)
+            raise DraftUnavailableError("draft service answered out of order")
+        return self._tree(session_id, response.tree)
+
+    def last_batch_size(self, session_id: str) -> int:
+        """Sessions whose tree steps shared the draft forwards of this session's last proposal (its
+        reply's batch_size; 1 = alone or not reported)."""
+        return self.reply_batch.get(session_id, 1)
+
+    def last_forward_ms(self, session_id: str) -> float:
+        """ms of the draft call that grew this session's last tree, every session's steps it held and
+        no queue or transport (its reply's forward_ms; 0 = not reported)."""
+        return self.reply_forward.get(session_id, 0.0)
+
+    def _tree(self, session_id: str, reply: draft_pb2.DraftTreeReply) -> DraftTree:
+        """The reply's tree, checked like any untrusted message (a malformed one is a draft failure)."""
+        span = trace.get_current_span()
+        span.set_attribute("tree.bytes", reply.tree.ByteSize())
+        span.set_attribute("draft.draft_ms", reply.draft_ms)
+        span.set_attribute("draft.batch_size", reply.batch_size)
+        span.set_attribute("draft.forward_ms", reply.forward_ms)
+        self.reply_batch[session_id] = max(reply.batch_size, 1)
+        self.reply_forward[session_id] = max(reply.forward_ms, 0.0)
+        try:
+            return tree_from_proto(reply.tree, self.vocab_size, self.max_tree_nodes)
+        except ValueError as exc:  # a malformed tree from the draft is a draft failure
+            self._drop(session_id)
+            raise DraftUnavailableError(f"draft sent a malformed tree: {exc}") from exc
+
+    async def propose_ahead(self, session_id: str, path_nodes: list[int], spec: TreeSpec,
+                            max_depth: int) -> tuple[int, DraftTree]:
+        """The next round's tree drafted ahead (DraftRuntime.propose_ahead): returns (guess token, tree)."""
+        self.rounds[session_id] = self.rounds.get(session_id, 0) + 1
+        request = draft_pb2.AheadRequest(path_nodes=path_nodes, spec=spec_to_proto(spec), max_depth=max_depth,
+                                         round=self.rounds[session_id])
+        response = await self._exchange(session_id, draft_pb2.DraftRequest(ahead=request), reply=True)
+        if not response.HasField("tree") or not response.tree.ahead or response.tree.round != self.rounds[session_id]:
+            self._drop(session_id)
+            raise DraftUnavailableError("draft service answered an ahead out of order")
+        tree = self._tree(session_id, response.tree)
+        if not 0 <= response.tree.guess_token < self.vocab_size:
+            self._drop(session_id)
+            raise DraftUnavailableError(f"draft sent guess_token {response.tree.guess_token} outside the vocabulary")
+        return response.tree.guess_token, tree
+
+    async def resolve_ahead(self, session_id: str, adopt: bool) -> None:
+        await self._exchange(session_id, draft_pb2.DraftRequest(resolve=draft_pb2.AheadResolve(adopt=adopt)), reply=False)
+
+    async def commit(self, session_id: str, tokens: list[int], accepted_nodes: list[int]) -> None:
+        commit = draft_pb2.DraftCommit(tokens=tokens, accepted_nodes=accepted_nodes)
+        await self._exchange(session_id, draft_pb2.DraftRequest(commit=commit), reply=False)
+
+    async def release(self, session_id: str) -> None:
+        """Close the stream (the draft frees the session's KV when it ends)."""
+        call = self.streams.pop(session_id, None)
+        self.rounds.pop(session_id, None)
+        self.reply_batch.pop(session_id, None)
+        self.reply_forward.pop(session_id, None)
+        if call is None:
+            return
+        try:
+            await call.done_writing()
+        except Exception:  # noqa: BLE001 - already broken; cancel below frees it
+            pass
+        call.cancel()

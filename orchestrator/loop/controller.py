@@ -1,0 +1,716 @@
+"""Round control of one request (DESIGN.md "Control"), asynchronous, for every mode.
+
+A round: the draft grows a token tree (``propose``), the target verifies it in one forward
+(``verify``: accepted path + bonus token), the tokens pass the stop checks one at a time, and both
+workers commit exactly the tokens that passed (KV cache rollback of the rest). Around that loop:
+
+- dynamic gamma: the speculation depth of the next tree follows the request's own acceptance
+  (``orchestrator.planning.control.DynamicGamma``); rows past the TreeSpec repeat its last row;
+- fallback: a round without the draft (an empty tree = one plain target step) when acceptance says
+  speculation does not pay, when the draft fails, is unreachable or slower than its deadline, or
+  when the draft's context limit is reached (``orchestrator.planning.control.FallbackPolicy``). A failed
+  draft session is re-opened on the committed tokens (or their draft window) when the policy retries it. Plain rounds commit
+  the same tokens a speculative round would, so no token is lost, repeated or changed;
+- draft window (``draft_window``, specdec.config.DraftWindowConfig): the draft session opens with the
+  first and the most recent committed tokens only, so a long prompt costs the draft a short prefill;
+  the target sees every token, so only acceptance can change. With ``full_after_tokens`` the draft
+  re-opens with every committed token once the request has generated that many (once: a failure of
+  that session goes back to the window). The draft's context limit counts in the draft's positions;
+  the controller adds the tokens the window left out;
+- traces: one ``round`` span per round with ``draft``, ``verify`` and ``commit`` children;
+- pipelining (``pipeline=True``, DESIGN.md "Pipelining"; PEARL, Liu et al. 2024): while the target
+  verifies round r, the draft drafts round r+1 (``propose_ahead``, a ``draft.ahead`` span under round
+  r's span, beside its ``verify``) from round r's best path (the chain of most likely draft children
+  among the nodes the shaping kept) taken as fully accepted plus the draft's argmax guess of the
+  bonus token. When the committed tokens are exactly that path + guess (no stop): ``resolve_ahead
+  (adopt=True)`` and round r+1 verifies the ahead tree (asked with round r+1's depth budget; still
+  shaped, so context branches join) without drafting; otherwise ``resolve_ahead(adopt=False)`` and
+  the normal draft commit. An ahead failure is a draft failure (the draft is dropped, as above); the
+  output never depends on the ahead. Learning: a round whose tree came from an ahead has draft_s 0
+  (nothing on its critical path) and teaches the cost model no D(p) (the ahead ran beside a verify,
+  on other hardware in services mode: its time is not a step's cost on the critical path); the
+  ahead's own time is the RoundRecord's ahead_s. Time spent waiting for an ahead after its verify
+  returned is not counted as round overhead. In-process (``sync_worker``: the calls take turns)
+  the ahead starts once the verify has returned, so the verify's time, which V(n) learns from, holds no draft work.
+
+Workers are awaitables with the DraftWorker / TargetWorker methods (specdec.interfaces): gRPC
+clients (orchestrator.loop.clients) or in-process runtimes wrapped by ``sync_worker``. The controller
+keeps no model state; many requests run concurrently on one event loop, each at its own pace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Awaitable, Callable
+
+from opentelemetry import trace
+
+from orchestrator.planning.control import DRAFT_OPENING, DRAFT_UNAVAILABLE, ControlFactory, FixedControl
+from orchestrator.planning.lockstep import START, VERIFY, RoundClock
+from orchestrator.planning.shaping import ShapedTree
+from orchestrator.loop.stops import StopChecker
+from specdec.config import DraftWindowConfig
+from specdec.interfaces import VerifyResult
+from specdec.sampling import GREEDY, SamplingParams, derive_seed
+from specdec.stats import GenerationStats, RoundRecord
+from specdec.tree import ROOT, DraftTree, node_depths
+from specdec.tree_spec import TreeSpec
+
+log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("specdec.orchestrator")
+_EMPTY_TREE = DraftTree((), ())
+_session_ids = itertools.count()
+
+
+# The first propose of a draft session may still wait for the session's prefill (the draft service
+# prefills on Start, beside the target's prefill, or beside the plain round that opened it mid-request:
+# ``DRAFT_OPENING``; a seeded sampled request's re-open drafts in that same round): it gets this much
+# more time per token the session opened with (the int8 default draft prefills
+# ~0.0043 s a token on the 2-core CPU).
+FRESH_DRAFT_S_PER_TOKEN = 0.02
+FRESH_DRAFT_MAX_S = 120.0  # at most this much more (a hung draft must not hold a request for long)
+
+
+class DraftUnavailableError(RuntimeError):
+    """The draft worker failed, is unreachable, or broke its session; the request goes on without it."""
+
+
+@dataclass
+class GenerationRequest:
+    """What to generate. prompt_ids: [T] token ids, T >= 1."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int = 128
+    stop_strings: tuple[str, ...] = ()
+    spec: TreeSpec | None = None  # None = plain target decoding (no draft)
+    sampling: SamplingParams = GREEDY  # temperature 0 = greedy; applied identically by draft and target
+    ignore_eos: bool = False  # EOS tokens do not end generation (vLLM's ignore_eos): fixed-length runs
+    resumed_tokens: int = 0  # trailing prompt_ids an earlier part of this request generated (fail-over): stop strings see them
+
+    def __post_init__(self):
+        if isinstance(self.stop_strings, str):  # one stop string, not one per character
+            self.stop_strings = (self.stop_strings,)
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+def sync_worker(worker) -> Any:
+    """Wrap an in-process worker (sync methods) as an awaitable one; each call yields to the loop
+    afterwards, so concurrent requests interleave round by round."""
+
+    class _Async:
+        in_process = True  # calls take turns with the event loop: nothing runs beside them
+        def __getattr__(self, name):
+            method = getattr(worker, name)
+
+            async def call(*args, **kwargs):
+                out = method(*args, **kwargs)
+                await asyncio.sleep(0)
+                return out
+
+            return call
+
+    return _Async()
+
+
+async def _maybe_await(value):
+    if inspect.isawaitable(value):
+        return await value
+    return value
+
+
+class RoundController:
+    """Runs requests round by round over an (async) draft and target worker.
+
+    eos_token_ids: ids that end generation; context_limit: max total tokens (prompt + generated);
+    decode: ids -> text, for stop strings; control_factory: TreeSpec -> per-request control policy
+    (orchestrator.planning.control; default FixedControl); draft_deadline_s: a draft reply slower than this
+    is a draft failure; draft_context_limit: the draft's max positions (None = unlimited); on_round: called with
+    each round's RoundRecord (metrics); pipeline: draft round r+1 while round r verifies (module
+    docstring), where the draft worker has ``propose_ahead`` / ``resolve_ahead``; draft_window: the
+    committed tokens a draft session opens with (specdec.config.DraftWindowConfig: attention sinks
+    plus the most recent tokens; None = all of them); clock: lock-step rounds, every request's
+    verify sent together (orchestrator.planning.lockstep; None = each request verifies when it is ready);
+    plain_load: with a clock, requests without a draft (no_spec) join it too and report each verify
+    forward's load here, max(its sessions, the target's open sessions), from their second round on
+    (the first reuses the prefill) (SharedState.observe_load, which the clock's turns hold by; None:
+    they verify when ready).
+    """
+
+    def __init__(self, target, draft, eos_token_ids, context_limit: int, decode=None,
+                 control_factory: ControlFactory | None = None, draft_deadline_s: float | None = None,
+                 draft_context_limit: int | None = None, on_round: Callable[[RoundRecord], None] | None = None,
+                 pipeline: bool = False, draft_window: DraftWindowConfig | None = None,
+                 clock: RoundClock | None = None, plain_load: Callable[[int], None] | None = None):
+        self.target = target
+        self.draft = draft
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.context_limit = context_limit
+        self.decode = decode
+        self.control_factory = control_factory or FixedControl
+        self.draft_deadline_s = draft_deadline_s
+        self.draft_context_limit = draft_context_limit
+        self.on_round = on_round
+        self.pipeline = pipeline
+        self.draft_window = draft_window
+        self.clock = clock
+        self.plain_load = plain_load
+        self.running = 0  # requests in generate now (a new one's control may defer its draft's open)
+
+    def check(self, request: GenerationRequest) -> None:
+        """Raises ValueError naming the field for a request that cannot run."""
+        if not request.prompt_ids:
+            raise ValueError("prompt: empty prompt (no tokens)")
+        if len(request.prompt_ids) >= self.context_limit:
+            raise ValueError(
+                f"prompt: {len(request.prompt_ids)} tokens leave no room under the context limit "
+                f"of {self.context_limit} tokens"
+            )
+        if any(not s for s in request.stop_strings):
+            raise ValueError("stop_strings: an empty stop string would stop after the first token")
+        if request.stop_strings and self.decode is None:
+            raise ValueError("stop_strings: this engine has no decode function (tokenizer) to match text")
+        if request.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1, got {request.max_new_tokens}")
+        if not 0 <= request.resumed_tokens < len(request.prompt_ids):
+            raise ValueError(f"resumed_tokens: must be in [0, {len(request.prompt_ids)}) (the prompt's length), "
+                             f"got {request.resumed_tokens}")
+
+    async def generate(self, request: GenerationRequest,
+                       on_tokens: Callable[[list[int]], Awaitable[None] | None] | None = None,
+                       session_id: str | None = None, on_round: Callable[[RoundRecord], None] | None = None) -> GenerationResult:
+        """Generate until a stop; ``on_tokens`` receives each round's committed tokens as they land,
+        ``on_round`` the round's RoundRecord (specdec.stats).
+
+        Raises ValueError (naming the field) for a bad request; errors of the target propagate.
+        Cancellation (client gone, Abort) releases the sessions on both workers.
+        """
+        self.check(request)
+        run = _Request(self, request, session_id or f"req-{next(_session_ids)}", on_round)
+        self.running += 1
+        try:
+            await run.open()
+            while run.stops.reason is None:
+                committed = await run.round()
+                if self.clock is not None and (run.control is not None or self.plain_load is not None):
+                    # after its first round, which needs no forward of its own; a request without a
+                    # draft (no_spec) only with plain_load (its verifies then teach the load)
+                    self.clock.join(run.sid)
+                if on_tokens is not None:
+                    await _maybe_await(on_tokens(committed))
+        finally:
+            self.running -= 1
+            if self.clock is not None:
+                self.clock.leave(run.sid)
+            await asyncio.shield(run.close())
+        return GenerationResult(list(run.stops.generated), run.stats)
+
+
+@dataclass(frozen=True)
+class _Drafted:
+    """What the draft phase of a round produced."""
+
+    tree: DraftTree = _EMPTY_TREE  # the tree to verify (empty = a plain target step)
+    depth: int = 0  # tree levels of ``tree``
+    fallback: str | None = None  # why the round runs without the draft (orchestrator.planning.control reasons)
+    draft_s: float | None = None  # wall time of the draft phase, seconds (None = the draft was not asked)
+    pipelined: bool = False  # the tree came from an adopted ahead (drafted during the previous verify)
+    ahead_s: float | None = None  # pipelined: wall time of that ahead, seconds (off the critical path)
+
+
+@dataclass(frozen=True)
+class _Ahead:
+    """An ahead proposal: the next round drafted from this round's best path + the draft's guess."""
+
+    path_tokens: tuple[int, ...]  # tokens of the best path (draft nodes), root side first
+    guess: int  # the draft's guess of the bonus token
+    tree: DraftTree  # the next round's tree, after path + guess
+    draft_s: float  # wall time of the ahead, seconds
+
+
+@dataclass(frozen=True)
+class _AheadOutcome:
+    """How a round's ahead ended: "hit" (adopted), "miss" (discarded) or "failed" (a draft failure)."""
+
+    kind: str
+    ahead_s: float | None  # wall time of the ahead, seconds (None when it failed)
+    wait_s: float  # time the round waited for it after the verify returned, seconds
+
+
+class _Request:
+    """One request in flight: sessions, stop checker, control policy, statistics."""
+
+    def __init__(self, controller: RoundController, request: GenerationRequest, sid: str, on_round=None):
+        self.controller = controller
+        self.on_round = on_round
+        self.request = request
+        self.sid = sid
+        self.spec = request.spec if controller.draft is not None else None
+        self.control = controller.control_factory(self.spec) if self.spec is not None else None  # per-request policy
+        if hasattr(self.control, "bind_request"):  # a control that needs the request's sampling parameters
+            self.control.bind_request(request.sampling)
+        self.stops = StopChecker(len(request.prompt_ids), request.max_new_tokens, controller.context_limit,
+                                 frozenset() if request.ignore_eos else controller.eos_token_ids,
+                                 tuple(request.stop_strings), controller.decode,
+                                 streamed=tuple(request.prompt_ids[len(request.prompt_ids) - request.resumed_tokens:]))
+        self.stats = GenerationStats()
+        self.started = time.perf_counter()
+        self.draft_sid: str | None = None  # open draft session
+        self.draft_opens = 0
+        self.target_open = False
+        self.pipeline = (controller.pipeline and self.spec is not None
+                         and hasattr(controller.draft, "propose_ahead") and hasattr(controller.draft, "resolve_ahead"))
+        self.adopted: _Drafted | None = None  # the next round's tree, from an adopted ahead
+        self.draft_limit = controller.draft_context_limit  # the draft's max positions (None = unknown)
+        self.draft_skipped = 0  # committed tokens the open draft session left out (DraftWindowConfig)
+        self.draft_widened = False  # the draft session was re-opened with the whole context (full_after_tokens)
+        self.draft_positions: int | None = None  # the draft's max positions, as its start reported (None = unknown)
+        self.draft_widen_failed = False  # a whole-context draft session failed: the window for the rest
+        self.draft_fresh = 0  # tokens of the open draft session not known to be prefilled (until its first propose)
+
+    @property
+    def committed_tokens(self) -> list[int]:
+        return [*self.request.prompt_ids, *self.stops.generated]
+
+    async def open(self) -> None:
+        """Open both sessions at once: in services mode the draft's prefill (its service starts it
+        on Start) runs beside the target's, on another process or machine."""
+        self.target_open = True  # before the call: a cancel during Prefill must still release (harmless if unknown)
+        starts = [asyncio.ensure_future(self.controller.target.start(self.sid, self.request.prompt_ids, self.request.sampling))]
+        defer = getattr(self.control, "defer_draft_open", None)
+        others = self.controller.running - 1  # other requests of this controller running now
+        if self.spec is not None and not (defer is not None and defer(others)):  # deferred: opened by the first drafted round
+            starts.append(asyncio.ensure_future(self._open_draft()))
+        try:
+            await asyncio.gather(*starts)
+        except BaseException:
+            for task in starts:
+                task.cancel()
+            await asyncio.gather(*starts, return_exceptions=True)
+            raise
+
+    async def _open_draft(self) -> bool:
+        sid = self.sid if self.draft_opens == 0 else f"{self.sid}#{self.draft_opens}"
+        self.draft_opens += 1
+        self.draft_sid = sid  # before the call: a cancel during start must still close (release) the session
+        tokens = self.committed_tokens
+        window = self.controller.draft_window
+        if window is not None and not self.draft_widened and self._full_context_due(len(tokens) + self.stops.budget() - 1):
+            self.draft_widened = True  # a retry or deferred open after full_after_tokens: no windowed detour
+        if self.draft_widened:
+            window = None
+        context = window.context(tokens) if window is not None else tokens
+        self.draft_skipped = len(tokens) - len(context)
+        self.draft_fresh = len(context)  # tokens its first propose may still be prefilling (a longer deadline)
+        sampling = self.request.sampling
+        if self.draft_opens > 1 and sampling.seed is not None:
+            # a re-opened session must not replay the draws of the stream it had: given the rounds
+            # already committed, replayed draws would not follow q (a fresh stream of the same seed)
+            sampling = replace(sampling, seed=derive_seed(sampling.seed, f"draft-reopen/{self.draft_opens - 1}"))
+        try:
+            limit = await self._draft_call(self.controller.draft.start(sid, context, sampling))
+            limit = limit or self.controller.draft_context_limit  # gRPC clients report the draft's, in-process the engine's
+            opened = getattr(self.control, "draft_opened", None)
+            if opened is not None:
+                opened()
+            if limit:
+                self.draft_positions = limit
+                limit += self.draft_skipped  # in committed tokens: the draft's positions start after the skipped ones
+                self.control.set_draft_context_limit(limit)
+                self.draft_limit = limit
+        except DraftUnavailableError as exc:
+            log.warning("request %s: draft unavailable at start (%s); decoding without it", self.sid, exc)
+            self._whole_context_failed()
+            self.draft_sid = None
+            self.control.draft_failed(time.monotonic())
+            await self._release_quietly(sid)
+            return False
+        return True
+
+    async def _release_quietly(self, sid: str) -> None:
+        try:
+            await asyncio.wait_for(self.controller.draft.release(sid), 1.0)
+        except Exception:  # noqa: BLE001 - the draft is already gone; its stream end frees the KV
+            pass
+
+    async def _draft_call(self, awaitable, extra_s: float = 0.0):
+        """A draft call under the draft deadline (plus ``extra_s`` seconds); every failure becomes
+        DraftUnavailableError."""
+        base = self.controller.draft_deadline_s
+        deadline = None if base is None else base + extra_s
+        try:
+            return await asyncio.wait_for(awaitable, deadline)  # None: no deadline
+        except DraftUnavailableError:
+            raise
+        except asyncio.TimeoutError as exc:
+            raise DraftUnavailableError(f"draft slower than its deadline of {deadline:g} s") from exc
+
+    def _whole_context_failed(self) -> None:
+        """A failing whole-context session (full_after_tokens; e.g. past a deadline during its long
+        prefill) is not tried again: retries open the window."""
+        if self.draft_widened:
+            self.draft_widened, self.draft_widen_failed = False, True
+
+    async def _drop_draft(self, exc: Exception) -> None:
+        log.warning("request %s: draft failed (%s); decoding without it", self.sid, exc)
+        self._whole_context_failed()
+        self.control.draft_failed(time.monotonic())
+        sid, self.draft_sid = self.draft_sid, None
+        await self._release_quietly(sid)
+
+    async def round(self) -> list[int]:
+        """One round: draft, shape, verify, stop checks, commit, record; returns the tokens it committed.
+
+        The phases of gpt-fast's ``speculative_decode``, each its own method: ``_draft`` (the
+        control decides; the draft grows a tree of at most max_depth levels, or none), ``_shape``
+        (the control keeps the nodes worth verifying and adds the free context branches),
+        ``_verify`` (the target's accepted path + bonus token), ``_stop_checks`` (the tokens up to
+        the first stop), ``_commit`` (both workers keep exactly those), ``_record`` (control,
+        statistics and the round's RoundRecord).
+        """
+        max_depth = self.stops.budget() - 1  # the accepted path plus the bonus must fit the budget
+        clock = self.controller.clock
+        if clock is not None:  # in step with the other requests (their rounds start together); not timed
+            await clock.turn(self.sid, START)
+        t0 = time.perf_counter()
+        with _tracer.start_as_current_span("round", attributes={"request.id": self.sid, "round": self.stats.rounds}) as span:
+            drafted, self.adopted = self.adopted or await self._draft(max_depth), None
+            shaped = self._shape(drafted, max_depth)
+            t1 = time.perf_counter()
+            beside = not getattr(self.controller.draft, "in_process", False)
+            ahead = self._start_ahead(drafted, shaped, max_depth) if beside else None  # round r+1 beside this verify
+            try:
+                waited = await clock.turn(self.sid, VERIFY) if clock is not None else 0.0
+                if waited:  # for the others' drafts: not the verify's time, nor the round's
+                    span.set_attribute("lockstep.wait_ms", round(waited * 1000, 1))
+                    t0, t1 = t0 + waited, t1 + waited
+                result = await self._verify(shaped.tree)
+                t2 = time.perf_counter()
+                if not beside:  # in-process the calls take turns: after the verify, so its time stays its own
+                    ahead = self._start_ahead(drafted, shaped, max_depth)
+                committed = self._stop_checks(result.tokens)
+                accepted = list(result.accepted_nodes[: len(committed)])  # node indices of the committed draft tokens
+                outcome = await self._commit(committed, _draft_nodes(shaped, accepted), ahead)
+            except BaseException:
+                await _cancel(ahead)  # a failed round (target error, cancel) leaves no ahead running
+                raise
+            t3 = time.perf_counter()
+            _round_attributes(span, drafted, shaped, self._gamma(), result, committed, outcome)
+        timing = _Timing(draft_s=drafted.draft_s, verify_s=t2 - t1, commit_s=t3 - t2, round_s=t3 - t0)
+        await self._record(drafted, shaped, result, committed, accepted, timing, outcome)
+        return committed
+
+    def _gamma(self) -> int:
+        """The request's speculation depth, tree levels (0 without a control policy)."""
+        return self.control.gamma if self.control is not None else 0
+
+    async def _draft(self, max_depth: int) -> _Drafted:
+        """Phase 1: speculate or not (the control decides); a tree of at most max_depth levels, or none."""
+        if self.control is None or max_depth < 1:
+            return _Drafted()
+        t0 = time.perf_counter()
+        committed_len = len(self.request.prompt_ids) + len(self.stops.generated)
+        if hasattr(self.control, "round_context"):  # optional hook (orchestrator.planning.control.Control)
+            self.control.round_context(self.committed_tokens)
+        if not self.control.speculate(time.monotonic(), committed_len, max_depth):
+            return _Drafted(fallback=self.control.reason)
+        if self.draft_sid is not None and self._widen_due(committed_len, max_depth):
+            await self._widen_draft()
+        if self.draft_sid is None:
+            # deferred at open, or a retry after a failure; on failure the round runs plain
+            beside = not getattr(self.controller.draft, "in_process", False) and not self.request.sampling.seeded
+            if await self._open_draft() and beside:
+                # a draft service prefills on Start, queued behind its other work: this round runs plain
+                # beside that prefill instead of waiting for it (under load the prefills of requests
+                # that open together would hold each one's first proposal past its deadline)
+                beside_prefill = getattr(self.control, "prefill_beside", None)
+                if beside_prefill is not None:
+                    beside_prefill()
+                return _Drafted(fallback=DRAFT_OPENING, draft_s=time.perf_counter() - t0)
+        if self.draft_sid is None:
+            return _Drafted(fallback=DRAFT_UNAVAILABLE)
+        tree = await self._propose(max_depth)
+        return _Drafted(tree, depth=max(node_depths(tree.parents), default=0),
+                        fallback=DRAFT_UNAVAILABLE if self.draft_sid is None else None,
+                        draft_s=time.perf_counter() - t0)
+
+    def _widen_due(self, committed_len: int, max_depth: int) -> bool:
+        """Whether the open windowed draft session should now give way to one holding every committed
+        token (``_full_context_due``); max_depth: the request's remaining budget, which must fit too."""
+        return bool(self.draft_skipped) and self._full_context_due(committed_len + max_depth)
+
+    def _full_context_due(self, positions: int) -> bool:
+        """full_after_tokens generated, no whole-context session failed before, and ``positions``
+        (tokens) fit the draft's context (when known)."""
+        window = self.controller.draft_window
+        if window is None or window.full_after_tokens is None or self.draft_widen_failed:
+            return False
+        if len(self.stops.generated) < window.full_after_tokens:
+            return False
+        limit = self.draft_positions or self.controller.draft_context_limit
+        return limit is None or positions <= limit
+
+    async def _widen_draft(self) -> None:
+        """Release the windowed draft session; the caller opens the next with every committed token."""
+        log.info("request %s: %d tokens generated; the draft re-opens with the whole context (%d tokens)",
+                 self.sid, len(self.stops.generated), len(self.committed_tokens))
+        trace.get_current_span().add_event("draft.widen", {"generated": len(self.stops.generated),
+                                                           "skipped": self.draft_skipped})
+        sid, self.draft_sid, self.draft_widened = self.draft_sid, None, True
+        await self._release_quietly(sid)
+
+    async def _propose(self, max_depth: int) -> DraftTree:
+        """The draft's tree at the control's shape; an empty tree (and the draft dropped) when it fails."""
+        spec = self.control.spec(self.spec)
+        with _tracer.start_as_current_span("draft", attributes={"gamma": spec.gamma, "max_depth": max_depth}):
+            extra_s, self.draft_fresh = min(FRESH_DRAFT_S_PER_TOKEN * self.draft_fresh, FRESH_DRAFT_MAX_S), 0
+            try:
+                tree = await self._draft_call(self.controller.draft.propose(self.draft_sid, spec, max_depth), extra_s)
+            except DraftUnavailableError as exc:
+                self._timed_out(exc)
+                await self._drop_draft(exc)
+                return _EMPTY_TREE
+        merged, batch_size = (getattr(self.control, "draft_merged", None),
+                              getattr(self.controller.draft, "last_batch_size", None))
+        if merged is not None and batch_size is not None:  # gRPC: how many sessions' steps shared its forwards
+            merged(await _maybe_await(batch_size(self.draft_sid)))
+        forward, forward_ms = (getattr(self.control, "draft_forward", None),
+                               getattr(self.controller.draft, "last_forward_ms", None))
+        if forward is not None and forward_ms is not None:  # gRPC: the draft call's own time, without the queue
+            forward(await _maybe_await(forward_ms(self.draft_sid)) / 1000)
+        return tree
+
+    def _timed_out(self, exc: BaseException) -> None:
+        """Tell the control when a draft proposal (in line or ahead) failed by its deadline: the
+        base deadline is a lower bound on the draft's reply time (the extra a fresh session's first
+        propose gets was for its prefill). Other failures (an unreachable draft) say nothing of it."""
+        timed_out = getattr(self.control, "draft_timed_out", None)
+        if timed_out is not None and isinstance(exc.__cause__, asyncio.TimeoutError):
+            timed_out(self.controller.draft_deadline_s)
+
+    async def _verify(self, tree: DraftTree):
+        """Phase 2: the target verifies the tree in one forward (an empty tree = one plain step)."""
+        with _tracer.start_as_current_span("verify", attributes={"tree.nodes": tree.size}):
+            return await self.controller.target.verify(self.sid, tree)
+
+    def _stop_checks(self, tokens) -> list[int]:
+        """Phase 3: the verified tokens up to and including the first that stops the request."""
+        committed: list[int] = []
+        for token in tokens:
+            committed.append(token)
+            if self.stops.push(token):
+                break
+        return committed
+
+    async def _commit(self, committed: list[int], accepted: list[int],
+                      ahead: "asyncio.Future | None" = None) -> _AheadOutcome | None:
+        """Phase 4: both workers keep exactly the committed tokens (KV rollback of the rest);
+        accepted: tree node indices of the committed draft tokens; ahead: the round's ahead task
+        (pipelining), resolved here: adopted (the draft needs no commit) or discarded first."""
+        with _tracer.start_as_current_span("commit", attributes={"tokens": len(committed)}):
+            await self.controller.target.commit(self.sid, len(committed))
+            outcome = await self._resolve_ahead(ahead, committed) if ahead is not None else None
+            if outcome is not None and outcome.kind == "hit":
+                return outcome
+            if self.draft_sid is not None:
+                try:
+                    await self._draft_call(self.controller.draft.commit(self.draft_sid, committed, accepted))
+                except DraftUnavailableError as exc:
+                    await self._drop_draft(exc)
+        return outcome
+
+    def _start_ahead(self, drafted: _Drafted, shaped: ShapedTree, max_depth: int) -> "asyncio.Future | None":
+        """Pipelining: start drafting round r+1 from this round's best path + the draft's guess, as a
+        task beside the verify; None when not pipelining, no draft tree was kept, or round r+1 would
+        have no depth budget (max_depth - path - bonus < 1) or no room in the draft's context."""
+        if not self.pipeline or self.draft_sid is None or not drafted.tree.size:
+            return None
+        path = _best_path(drafted.tree, shaped)
+        next_depth = max_depth - len(path) - 1  # round r+1's max_depth when path + guess are committed
+        next_committed = len(self.committed_tokens) + len(path) + 1
+        if not path or next_depth < 1 or (self.draft_limit and next_committed >= self.draft_limit):
+            return None
+        spec = self.control.spec(self.spec)
+        tokens = tuple(drafted.tree.tokens[n] for n in path)
+        return asyncio.ensure_future(self._ahead(path, tokens, spec, next_depth))  # copies the context: under round r's span
+
+    async def _ahead(self, path: list[int], path_tokens: tuple[int, ...], spec: TreeSpec,
+                     max_depth: int) -> _Ahead | Exception:
+        """The ahead proposal (its own ``draft.ahead`` span); any failure is returned, not raised."""
+        t0 = time.perf_counter()
+        with _tracer.start_as_current_span("draft.ahead", attributes={"gamma": spec.gamma, "max_depth": max_depth,
+                                                                      "ahead.path_length": len(path)}) as span:
+            try:
+                guess, tree = await self._draft_call(
+                    self.controller.draft.propose_ahead(self.draft_sid, path, spec, max_depth))
+            except Exception as exc:  # noqa: BLE001 - any ahead failure is a draft failure; the output never depends on it
+                span.set_attribute("ahead.failed", True)
+                return exc
+            span.set_attribute("ahead.guess", guess)
+            span.set_attribute("tree.nodes", tree.size)
+        return _Ahead(path_tokens, guess, tree, time.perf_counter() - t0)
+
+    async def _resolve_ahead(self, task: asyncio.Future, committed: list[int]) -> _AheadOutcome:
+        """Adopt the ahead when the committed tokens are its path + guess and nothing stopped (the
+        next round then verifies its tree), else discard it (the draft rolls back)."""
+        t0 = time.perf_counter()
+        ahead = await task
+        wait_s = time.perf_counter() - t0
+        hit = False
+        proposal_failed = isinstance(ahead, Exception)  # the ahead proposal itself (not its resolve)
+        if not proposal_failed:
+            hit = self.stops.reason is None and tuple(committed) == (*ahead.path_tokens, ahead.guess)
+            try:
+                await self._draft_call(self.controller.draft.resolve_ahead(self.draft_sid, hit))
+            except Exception as exc:  # noqa: BLE001 - as in _ahead: any failure here is a draft failure
+                ahead = exc
+        if isinstance(ahead, Exception):
+            if self.draft_sid is not None:
+                if proposal_failed:  # a resolve runs no draft steps: its timeout prices none
+                    self._timed_out(ahead)
+                await self._drop_draft(ahead)
+            return _AheadOutcome("failed", None, wait_s)
+        if hit:
+            self.adopted = _Drafted(ahead.tree, depth=max(node_depths(ahead.tree.parents), default=0), draft_s=0.0,
+                                    pipelined=True, ahead_s=ahead.draft_s)
+        return _AheadOutcome("hit" if hit else "miss", ahead.draft_s, wait_s)
+
+    def _shape(self, drafted: _Drafted, max_depth: int) -> ShapedTree:
+        """Phase 2: the tree to verify, as the control shapes it (the drafted tree as it is, unless
+        the control keeps fewer nodes or adds context branches: orchestrator.planning.shaping)."""
+        if self.control is None or max_depth < 1:
+            return ShapedTree.of(drafted.tree)
+        sunk_ms = (drafted.draft_s or 0.0) * 1000
+        return self.control.shape(drafted.tree, self.committed_tokens, max_depth, sunk_ms)
+
+    async def _record(self, drafted: _Drafted, shaped: ShapedTree, result: VerifyResult, committed: list[int],
+                      accepted: list[int], timing: "_Timing", ahead: _AheadOutcome | None = None) -> None:
+        """Phase 6: the control learns the outcome (the verify result: the accepted path before the
+        stop checks, and the target forward's batch), the statistics count the round, the callbacks
+        get its RoundRecord. A tree from an ahead teaches no draft cost (module docstring); the wait
+        for this round's ahead is not overhead."""
+        tree = shaped.tree
+        accepted_path = result.accepted_nodes
+        if drafted.tree.size:
+            self.control.record(drafted.depth, drafted.tree.size, len(_draft_nodes(shaped, accepted_path)))
+        if (self.control is None and self.controller.plain_load is not None and self.controller.clock is not None
+                and result.batch_size and self.stats.rounds):
+            # no_spec in step: its forward's sessions (not the first round's: it reuses the prefill's logits)
+            self.controller.plain_load(max(result.batch_size, result.mergeable))
+        if self.control is not None:
+            draft_s = None if drafted.pipelined else drafted.draft_s
+            overhead_s = timing.round_s - timing.verify_s - (draft_s or 0.0) - (ahead.wait_s if ahead else 0.0)
+            self.control.observe(shaped, accepted_path, timing.verify_s, draft_s, overhead_s, drafted.tree,
+                                 batch_size=result.batch_size, batch_rows=result.batch_rows,
+                                 mergeable=result.mergeable, forward_s=result.forward_ms / 1000,
+                                 reply_s=drafted.ahead_s if drafted.pipelined else None)
+        context_nodes = sum(1 for d in shaped.draft_index if d is None)
+        record = RoundRecord(tuple(committed), proposed=tree.size, accepted=len(accepted), depth=shaped.depth,
+                             fallback=drafted.fallback, gamma=self._gamma(), draft_s=drafted.draft_s,
+                             verify_s=timing.verify_s, commit_s=timing.commit_s, drafted=drafted.tree.size,
+                             context_proposed=context_nodes,
+                             context_accepted=sum(1 for n in accepted if shaped.draft_index[n] is None),
+                             expected_accepted=shaped.expected_accepted, stop_reason=self.stops.reason,
+                             pipelined=drafted.pipelined, ahead=ahead.kind if ahead else None,
+                             ahead_s=ahead.ahead_s if ahead else None,
+                             cost=getattr(self.control, "cost_snapshot", lambda: None)())
+        self.stats.add(record, time.perf_counter() - self.started)
+        if self.stops.reason is not None:
+            self.stats.total_s = time.perf_counter() - self.started
+            self.stats.new_tokens = len(self.stops.generated)
+            self.stats.stop_reason = self.stops.reason
+        for callback in (self.on_round, self.controller.on_round):
+            if callback is not None:
+                await _maybe_await(callback(record))
+
+    async def close(self) -> None:
+        """Release both sessions (KV freed); errors here are logged, never raised."""
+        if self.stats.stop_reason is None:
+            self.stats.total_s = time.perf_counter() - self.started
+            self.stats.new_tokens = len(self.stops.generated)
+        if self.draft_sid is not None:
+            try:
+                await asyncio.wait_for(self.controller.draft.release(self.draft_sid), 5.0)
+            except Exception as exc:  # noqa: BLE001
+                log.debug("request %s: draft release failed: %s", self.sid, exc)
+        if self.target_open:
+            try:
+                await asyncio.wait_for(self.controller.target.release(self.sid), 5.0)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("request %s: target release failed: %s", self.sid, exc)
+
+
+@dataclass(frozen=True)
+class _Timing:
+    """Wall times of one round's phases, seconds."""
+
+    draft_s: float | None
+    verify_s: float
+    commit_s: float
+    round_s: float
+
+
+async def _cancel(task: "asyncio.Future | None") -> None:
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def _best_path(tree: DraftTree, shaped: ShapedTree) -> list[int]:
+    """The round's most likely root path among the draft nodes the shaping kept, in the draft's
+    numbering: from the root, the kept child with the highest draft log-prob (the first on ties), until
+    a node has no kept child. Example: kept children of the root 0 (-0.1), 1 (-2.3); of 0: 3 (-0.7)
+    -> [0, 3]."""
+    kept = {d for d in shaped.draft_index if d is not None}
+    logprobs = tree.draft_logprobs or (0.0,) * tree.size
+    path, node = [], ROOT
+    while True:
+        kids = [i for i in sorted(kept) if tree.parents[i] == node]
+        if not kids:
+            return path
+        node = max(kids, key=lambda i: logprobs[i])  # max() keeps the first of equals
+        path.append(node)
+
+
+def _draft_nodes(shaped: ShapedTree, accepted: list[int]) -> list[int]:
+    """The accepted nodes as the draft numbered them: the path's draft nodes up to its first context
+    node (below a context node everything is context)."""
+    out = []
+    for node in accepted:
+        index = shaped.draft_index[node]
+        if index is None:
+            break
+        out.append(index)
+    return out
+
+
+def _round_attributes(span, drafted: _Drafted, shaped: ShapedTree, gamma: int, result, committed,
+                      ahead: _AheadOutcome | None = None) -> None:
+    """The round span's attributes: the control's decision (nodes, depth, expected accepted) and
+    what happened (accepted length, committed tokens; pipelining: whether the tree came from an
+    ahead, and how this round's ahead ended)."""
+    span.set_attribute("pipelined", drafted.pipelined)
+    if drafted.ahead_s is not None:
+        span.set_attribute("ahead.draft_s", drafted.ahead_s)
+    if ahead is not None:
+        span.set_attribute("ahead.outcome", ahead.kind)
+        span.set_attribute("ahead.hit", ahead.kind == "hit")
+    if drafted.fallback:
+        span.set_attribute("fallback.reason", drafted.fallback)
+    span.set_attribute("gamma", gamma)
+    span.set_attribute("tree.nodes", shaped.tree.size)
+    span.set_attribute("tree.depth", shaped.depth)
+    span.set_attribute("tree.drafted", drafted.tree.size)
+    span.set_attribute("tree.context_nodes", sum(1 for d in shaped.draft_index if d is None))
+    span.set_attribute("expected_accepted", float(shaped.expected_accepted))
+    span.set_attribute("accepted_length", len(result.accepted_nodes))
+    span.set_attribute("committed", len(committed))

@@ -1,0 +1,132 @@
+"""Embedded mode: draft and target as in-process workers on one machine, same round loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from pydantic import ValidationError
+
+from draft_service.runtime import DraftRuntime
+from orchestrator.planning.control import ControlFactory, RequestControl
+from orchestrator.planning.cost_aware import SharedState, cost_aware_factory
+from orchestrator.planning.cost_model import CostModel, measure_worker_costs
+from orchestrator.loop.engine import SpeculativeEngine
+from specdec.config import CONTROLS, DraftWindowConfig, FrontConfig, ModelsConfig
+from specdec.model_setup import LoadedDraft, LoadedTarget, load_draft, load_target
+from specdec.models import ModelError
+from target_service.runtime import TargetRuntime
+
+
+@dataclass
+class EmbeddedPipeline:
+    engine: SpeculativeEngine
+    tokenizer: object
+    target_model: object
+    draft_model: object | None
+    shared: SharedState | None = None  # cost model and calibrations of the cost-aware control
+
+
+def build_pipeline(
+    target: str | None = None,
+    draft: str | None = None,
+    dtype: str = "auto",
+    device: str = "cpu",
+    speculate: bool = True,
+    max_context: int | None = None,
+    draft_quant: str = "auto",
+    control: str | ControlFactory | None = "cost-aware",
+    measure_costs: bool = True,
+    pipeline: bool = False,
+    draft_window: DraftWindowConfig | None = FrontConfig().draft_window,
+    argmax_screen: bool = True,
+) -> EmbeddedPipeline:
+    """Load the pair (defaults: the real Qwen2.5-Coder pair), check it, wire the engine.
+
+    dtype: auto | bfloat16 | float32 | float16; draft_quant: auto | none | int8 (CPU only);
+    control: one of CONTROLS (``make_control``) or a per-request control factory (TreeSpec ->
+    policy; None = the fixed TreeSpec every round); measure_costs: the cost-aware control starts
+    from V(n) and D(p) measured on these models (a few seconds), else from prior figures;
+    pipeline: RoundController's pipelining (in-process: correct, but the calls take turns);
+    draft_window: the context a draft session opens with (the service default; None = all tokens);
+    argmax_screen: greedy rows through the int8-screened argmax head (models.argmax_screen).
+    Raises ModelError for unknown paths, bad values or an incompatible pair.
+    """
+    if max_context is not None and max_context < 2:
+        raise ModelError(f"--max-context: must be >= 2, got {max_context}")
+    try:
+        models = ModelsConfig(target=target, draft=draft, dtype=dtype, device=device, max_context=max_context,
+                              draft_quant=draft_quant, argmax_screen=argmax_screen)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise ModelError(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}") from None
+    loaded = load_target(models)
+    return wire_pipeline(loaded, load_draft(models, loaded) if speculate else None, control, measure_costs, pipeline,
+                         draft_window)
+
+
+def wire_pipeline(loaded: LoadedTarget, loaded_draft: LoadedDraft | None, control: str | ControlFactory | None = "cost-aware",
+                  measure_costs: bool = True, pipeline: bool = False,
+                  draft_window: DraftWindowConfig | None = FrontConfig().draft_window) -> EmbeddedPipeline:
+    """The engine over loaded models (``build_pipeline`` without the loading: several drafts can
+    share one loaded target, as ``specdec profile-draft`` does). loaded_draft None = target only.
+    Raises ModelError for an unknown control mode."""
+    draft_model = draft_runtime = draft_limit = None
+    if loaded_draft is not None:
+        draft_model, draft_limit = loaded_draft.model, loaded_draft.context_limit
+        draft_runtime = DraftRuntime(draft_model, vocab_size=loaded_draft.vocab_size)
+    tokenizer = loaded.tokenizer
+    target_runtime = TargetRuntime(loaded.model)
+    factory, shared = make_control(control, target_runtime, draft_runtime, measure_costs)
+    engine = SpeculativeEngine(
+        target_runtime, draft_runtime, loaded.eos_token_ids, loaded.context_limit,
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False), control_factory=factory,
+        draft_context_limit=draft_limit, pipeline=pipeline, draft_window=draft_window,
+    )
+    return EmbeddedPipeline(engine, tokenizer, loaded.model, draft_model, shared)
+
+
+def make_control(control: str | ControlFactory | None, target, draft, measure_costs: bool = True,
+                 front: FrontConfig = FrontConfig()) -> tuple[ControlFactory | None, SharedState | None]:
+    """The control factory for a mode of CONTROLS, with the service defaults (specdec.config.FrontConfig):
+
+    - ``cost-aware``: CostAwareControl, sharing one SharedState whose cost model is measured on
+      the in-process workers (``measure_worker_costs``) unless measure_costs is False;
+    - ``dynamic-gamma``: RequestControl (+1/-1 depth, windowed-acceptance fallback);
+    - ``fixed``: None, the request's TreeSpec every round.
+    A factory (callable) or None is returned as it is. Raises ModelError for an unknown mode.
+    """
+    if control is None or callable(control):
+        return control, None
+    if control == "fixed":
+        return None, None
+    if control == "dynamic-gamma":
+        return (lambda spec: RequestControl(spec, front.dynamic_gamma, front.fallback)), None
+    if control != "cost-aware":
+        raise ModelError(f"--control: one of {', '.join(CONTROLS)}, got {control!r}")
+    cost = CostModel()
+    if measure_costs:
+        cost = measure_worker_costs(target, draft, target.vocab_size)
+    shared = SharedState(cost=cost)
+    return cost_aware_factory(front.cost_aware, front.fallback, shared), shared
+
+
+def encode_prompt(tokenizer, prompt: str, raw: bool) -> list[int]:
+    """Token ids of a prompt; instruct models get their chat template unless ``raw``."""
+    if not raw and getattr(tokenizer, "chat_template", None):
+        return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
+    return tokenizer(prompt)["input_ids"]
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation (``[{"role": ..., "content": ...}, ...]``) through the tokenizer's
+    chat template, ending with the assistant's turn. Raises ValueError when it has no chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("messages: the model's tokenizer has no chat template (send a raw prompt instead)")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def set_threads(threads: int | None) -> None:
+    if threads:
+        torch.set_num_threads(threads)

@@ -1,0 +1,81 @@
+"""Synchronous entry to the round loop for embedded mode and tests.
+
+``SpeculativeEngine`` runs ``orchestrator.loop.controller.RoundController`` (the one round loop of every
+mode) over in-process workers: each call drives an event loop to completion. ``generate_batch``
+runs requests concurrently, one round of each in turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable, Sequence
+
+from orchestrator.loop.controller import GenerationRequest, GenerationResult, RoundController, sync_worker
+from specdec.config import DraftWindowConfig
+from specdec.interfaces import DraftWorker, TargetWorker
+
+
+class SpeculativeEngine:
+    """Runs requests round by round over a draft worker and a target worker (in-process, sync).
+
+    eos_token_ids: ids that end generation; context_limit: max total tokens (prompt + generated);
+    decode: ids -> text, used for stop strings; control_factory: TreeSpec -> per-request control
+    policy (orchestrator.planning.control; default FixedControl, the fixed TreeSpec); pipeline: draft round
+    r+1 while round r verifies (RoundController; in-process the two calls take turns, no overlap);
+    draft_window: the context the draft session opens with (None = every committed token).
+    """
+
+    def __init__(self, target: TargetWorker, draft: DraftWorker | None, eos_token_ids, context_limit: int,
+                 decode=None, control_factory=None, draft_context_limit: int | None = None, pipeline: bool = False,
+                 draft_window: DraftWindowConfig | None = None):
+        self.target = target
+        self.draft = draft
+        self.controller = RoundController(
+            sync_worker(target), sync_worker(draft) if draft is not None else None, eos_token_ids, context_limit,
+            decode, control_factory=control_factory, draft_context_limit=draft_context_limit, pipeline=pipeline,
+            draft_window=draft_window,
+        )
+
+    @property
+    def eos_token_ids(self):
+        return self.controller.eos_token_ids
+
+    @property
+    def context_limit(self) -> int:
+        return self.controller.context_limit
+
+    @property
+    def decode(self):
+        return self.controller.decode
+
+    def generate(self, request: GenerationRequest, on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+        """Generate until a stop; ``on_tokens`` receives each round's committed tokens as they land.
+
+        Raises ValueError (naming the field) for an empty prompt, a prompt at or over the context
+        limit, or max_new_tokens < 1.
+        """
+        return self.generate_batch([request], [on_tokens])[0]
+
+    def generate_batch(self, requests: Sequence[GenerationRequest],
+                       on_tokens: Sequence[Callable[[list[int]], None] | None] | None = None) -> list[GenerationResult]:
+        """Run requests side by side, one round of each in turn, until all stop.
+
+        Every request keeps its own sessions (and, when sampling, its own random streams), so its
+        tokens are those of its solo run. on_tokens: one callback (or None) per request.
+        Raises ValueError (naming the field) before anything runs if any request is invalid.
+        """
+        for request in requests:
+            self.controller.check(request)
+        callbacks = list(on_tokens) if on_tokens is not None else [None] * len(requests)
+
+        async def run_all():
+            tasks = [asyncio.ensure_future(self.controller.generate(r, cb)) for r, cb in zip(requests, callbacks, strict=True)]
+            try:
+                return await asyncio.gather(*tasks)
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+
+        return asyncio.run(run_all())

@@ -1,0 +1,370 @@
+"""Prometheus metrics of the orchestrator's speculation rounds (prometheus-client), and the
+front-wide acceptance monitor (``AcceptanceMonitor``: windowed acceptance with low-acceptance alerts).
+
+All metrics of one process live in one ``SpecMetrics`` object bound to one ``CollectorRegistry``:
+pass a fresh registry (tests, several engines side by side) or use ``default_metrics()``, which
+registers once on prometheus_client's process-wide ``REGISTRY`` (the one ``start_metrics_server``
+serves by default, next to the process and platform collectors).
+
+Exported series (prometheus_client appends ``_total`` to counters):
+
+| name | type | labels | unit / meaning |
+|---|---|---|---|
+| ``specdec_rounds_total`` | counter | ``mode`` = speculative, plain | rounds run |
+| ``specdec_proposed_tokens_total`` | counter | | draft tokens (tree nodes) sent to the target |
+| ``specdec_accepted_tokens_total`` | counter | | draft tokens accepted (bonus tokens excluded) |
+| ``specdec_committed_tokens_total`` | counter | | tokens committed (bonus included) |
+| ``specdec_fallback_rounds_total`` | counter | ``reason`` = low_acceptance, draft_unavailable, draft_context_limit, cost, draft_opening | plain rounds without the draft (the fallback policy, the cost model, a draft being opened) |
+| ``specdec_acceptance_alerts_total`` | counter | ``scope`` = request, global | low-acceptance alerts raised |
+| ``specdec_acceptance_rate`` | gauge | | global windowed acceptance rate (accepted / proposed draft tokens, 0..1) |
+| ``specdec_gamma`` | histogram | | speculation depth gamma of each speculative round |
+| ``specdec_round_phase_seconds`` | histogram | ``phase`` = draft, verify, commit | wall time of one phase of one round, seconds |
+| ``specdec_position_proposed_tokens_total`` | counter | ``position`` = 1, 2, ... | rounds whose verified tree reached this depth |
+| ``specdec_position_accepted_tokens_total`` | counter | ``position`` | rounds whose accepted path reached this depth |
+| ``specdec_request_latency_seconds`` | histogram | | a request's time from arrival to the end of its stream |
+| ``specdec_time_to_first_token_seconds`` | histogram | | a request's time from arrival to its first token (TTFT) |
+| ``specdec_inter_token_latency_seconds`` | histogram | | gap between streamed rounds / tokens in the later one, once per token |
+| ``specdec_requests_running`` | gauge | | requests streaming tokens (first token sent, not finished) |
+| ``specdec_pipeline_ahead_total`` | counter | ``outcome`` = hit, miss, failed | pipelining: trees drafted ahead during a verify, adopted (hit), discarded (miss) or failed |
+| ``specdec_requests_waiting`` | gauge | | requests received without a first token yet (queued or in prefill) |
+
+Acceptance rate = accepted / proposed draft tokens; mean accepted length = committed / rounds
+(bonus included): both derivable from the counters with ``rate()`` in PromQL (README "Metrics").
+Acceptance at position d (vLLM's per-position acceptance) = position_accepted{d} / position_proposed{d}.
+The request series are fed by ``SpecMetrics.track_stream`` around a request's stream of rounds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator, Iterator
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from orchestrator.planning.control import FALLBACK_REASONS, AcceptanceWindow, check_counts
+from specdec.config import MonitorConfig
+from specdec.stats import RoundRecord
+
+log = logging.getLogger(__name__)
+
+PHASES = ("draft", "verify", "commit")
+ALERT_SCOPES = ("request", "global")
+AHEAD_OUTCOMES = ("hit", "miss", "failed")  # RoundRecord.ahead
+ROUND_MODES = ("speculative", "plain")
+
+# gamma is an integer in [1, 64] (TreeSpec); one bucket per small depth, coarser beyond.
+GAMMA_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64)
+# A CPU round phase takes 10 ms .. seconds; a GPU one 1 ms .. 100 ms.
+PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+# Request latency and TTFT: vLLM's buckets (vllm/v1/metrics/loggers.py), seconds
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class SpecMetrics:
+    """The orchestrator's metrics, registered on ``registry`` (default: a fresh CollectorRegistry).
+
+    namespace prefixes every name (``specdec`` -> ``specdec_rounds_total``). Raises ValueError
+    (from prometheus_client) when the registry already holds metrics of these names.
+    All label values are created up front, so every series reads 0 before its first event.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, namespace: str = "specdec"):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r, ns = self.registry, namespace
+        self.rounds = Counter("rounds", "Rounds run, by mode (speculative or plain target step)",
+                              ["mode"], namespace=ns, registry=r)
+        self.proposed_tokens = Counter("proposed_tokens", "Draft tokens (tree nodes) sent to the target",
+                                       namespace=ns, registry=r)
+        self.accepted_tokens = Counter("accepted_tokens", "Draft tokens accepted by the target (bonus excluded)",
+                                       namespace=ns, registry=r)
+        self.committed_tokens = Counter("committed_tokens", "Tokens committed (bonus included)",
+                                        namespace=ns, registry=r)
+        self.fallback_rounds = Counter("fallback_rounds", "Plain rounds without the draft, by reason",
+                                       ["reason"], namespace=ns, registry=r)
+        self.acceptance_alerts = Counter("acceptance_alerts", "Low-acceptance alerts raised, by scope",
+                                         ["scope"], namespace=ns, registry=r)
+        self.acceptance_rate = Gauge("acceptance_rate",
+                                     "Global windowed acceptance rate (accepted / proposed draft tokens)",
+                                     namespace=ns, registry=r)
+        self.gamma = Histogram("gamma", "Speculation depth gamma of each speculative round",
+                               namespace=ns, registry=r, buckets=GAMMA_BUCKETS)
+        self.round_phase_seconds = Histogram("round_phase_seconds", "Wall time of one round phase, seconds",
+                                             ["phase"], namespace=ns, registry=r, buckets=PHASE_BUCKETS)
+        self.cost_verify_ms = Gauge("cost_verify_ms", "Cost model: predicted target verify latency for a tree "
+                                    "of rows - 1 nodes, ms (cost-aware control)", ["rows"], namespace=ns, registry=r)
+        self.cost_draft_step_ms = Gauge("cost_draft_step_ms", "Cost model: predicted draft step latency for "
+                                        "parents expanded nodes, ms", ["parents"], namespace=ns, registry=r)
+        self.context_tokens = Counter("context_tokens", "Context (n-gram) tree nodes, by outcome",
+                                      ["outcome"], namespace=ns, registry=r)
+        self.expected_accepted_tokens = Counter("expected_accepted_tokens", "Draft tokens the cost-aware control "
+                                                "expected to be accepted (compare with accepted_tokens)",
+                                                namespace=ns, registry=r)
+        self.position_proposed = Counter("position_proposed_tokens", "Rounds whose verified tree reached "
+                                         "this depth (position)", ["position"], namespace=ns, registry=r)
+        self.position_accepted = Counter("position_accepted_tokens", "Rounds whose accepted path reached "
+                                         "this depth (position)", ["position"], namespace=ns, registry=r)
+        self.request_latency = Histogram("request_latency_seconds", "Request time from arrival to the end of its stream, "
+                                         "seconds", namespace=ns, registry=r, buckets=REQUEST_LATENCY_BUCKETS)
+        self.ttft = Histogram("time_to_first_token_seconds", "Request time from arrival to its first token, seconds",
+                              namespace=ns, registry=r, buckets=TTFT_BUCKETS)
+        self.inter_token_latency = Histogram("inter_token_latency_seconds", "Gap between streamed rounds divided by "
+                                             "the tokens of the later one, observed once per token, seconds",
+                                             namespace=ns, registry=r, buckets=ITL_BUCKETS)
+        self.failovers = Counter("failovers", "Requests moved to another orchestrator actor after theirs failed "
+                                 "(Ray front, orchestrator.serving.failover), one per move", namespace=ns, registry=r)
+        self.requests_running = Gauge("requests_running", "Requests streaming tokens (first token sent)",
+                                      namespace=ns, registry=r)
+        self.requests_waiting = Gauge("requests_waiting", "Requests received without a first token yet "
+                                      "(queued or in prefill)", namespace=ns, registry=r)
+        self.pipeline_ahead = Counter("pipeline_ahead", "Pipelining: trees drafted ahead during a verify, by "
+                                      "outcome (hit = adopted, miss = discarded, failed)", ["outcome"],
+                                      namespace=ns, registry=r)
+        for outcome in AHEAD_OUTCOMES:
+            self.pipeline_ahead.labels(outcome=outcome)
+        for mode in ROUND_MODES:
+            self.rounds.labels(mode=mode)
+        for reason in FALLBACK_REASONS:
+            self.fallback_rounds.labels(reason=reason)
+        for scope in ALERT_SCOPES:
+            self.acceptance_alerts.labels(scope=scope)
+        for phase in PHASES:
+            self.round_phase_seconds.labels(phase=phase)
+
+    def record_round(self, proposed: int, accepted: int, committed: int, gamma: int | None = None) -> None:
+        """Count one round: proposed / accepted draft tokens, committed tokens (bonus included).
+
+        A round with proposed == 0 counts as plain; gamma (the depth asked of the draft) is
+        observed for speculative rounds only. Raises ValueError for negative counts or
+        accepted > proposed.
+        """
+        if proposed < 0 or accepted < 0 or committed < 0:
+            raise ValueError(f"record_round: counts must be >= 0 (proposed={proposed}, accepted={accepted}, "
+                             f"committed={committed})")
+        if accepted > proposed:
+            raise ValueError(f"record_round: accepted {accepted} > proposed {proposed}")
+        speculative = proposed > 0
+        self.rounds.labels(mode="speculative" if speculative else "plain").inc()
+        self.proposed_tokens.inc(proposed)
+        self.accepted_tokens.inc(accepted)
+        self.committed_tokens.inc(committed)
+        if speculative and gamma is not None:
+            self.gamma.observe(gamma)
+
+    def observe_round(self, record: RoundRecord) -> None:
+        """Count one round from the round controller's record (orchestrator/loop/controller.py).
+
+        Counts as ``record_round`` (gamma 0, no control policy, is not observed) and, when
+        ``record.fallback`` is set, fallback_rounds{reason=record.fallback}.
+        """
+        self.record_round(record.proposed, record.accepted, len(record.tokens), record.gamma or None)
+        for position in range(1, record.depth + 1):  # both series exist from a position's first tree on
+            self.position_proposed.labels(position=str(position)).inc()
+            self.position_accepted.labels(position=str(position)).inc(1 if position <= record.accepted else 0)
+        if record.fallback:
+            self.fallback_rounds.labels(reason=record.fallback).inc()
+        if record.ahead is not None:
+            self.pipeline_ahead.labels(outcome=record.ahead).inc()
+        self.context_tokens.labels(outcome="proposed").inc(record.context_proposed)
+        self.context_tokens.labels(outcome="accepted").inc(record.context_accepted)
+        self.expected_accepted_tokens.inc(record.expected_accepted)
+        self.observe_costs(record.cost)  # the cost-aware control's cost model when it decided this round
+
+    def observe_costs(self, cost: dict | None) -> None:
+        """Set the cost-model gauges from a ``CostModel.snapshot`` (None: no cost-aware control):
+        every round's, and the front's at start-up (what it connected with)."""
+        if cost is None:
+            return
+        for rows, ms in cost.get("verify_ms", {}).items():
+            self.cost_verify_ms.labels(rows=str(rows)).set(ms)
+        for parents, ms in cost.get("draft_step_ms", {}).items():
+            self.cost_draft_step_ms.labels(parents=str(parents)).set(ms)
+
+    def observe_phase(self, phase: str, seconds: float) -> None:
+        """Record one phase's wall time in seconds. Raises ValueError for an unknown phase."""
+        if phase not in PHASES:
+            raise ValueError(f"phase: {phase!r} is not one of {PHASES}")
+        self.round_phase_seconds.labels(phase=phase).observe(seconds)
+
+    @contextmanager
+    def time_phase(self, phase: str) -> Iterator[None]:
+        """Context manager timing a phase (draft / verify / commit) into round_phase_seconds."""
+        if phase not in PHASES:
+            raise ValueError(f"phase: {phase!r} is not one of {PHASES}")
+        with self.round_phase_seconds.labels(phase=phase).time():
+            yield
+
+
+    async def track_stream(self, stream: AsyncIterator, clock=time.perf_counter) -> AsyncIterator:
+        """Pass a request's stream through, feeding the request series: ``stream`` yields
+        (tokens, record, stats) as the backends do (orchestrator.serving.backends), tokens: list[int].
+
+        From arrival (this call) the request counts as waiting; its first tokens observe the TTFT and
+        move it to running; every later chunk of n tokens observes n inter-token latencies of
+        gap / n seconds; the end (any way: finished, cancelled, failed) observes the request latency
+        and leaves the gauges. clock: seconds (tests pass a scripted one).
+        """
+        started = last = clock()
+        first = False
+        self.requests_waiting.inc()
+        try:
+            async for tokens, record, stats in stream:
+                if tokens:
+                    now = clock()
+                    if not first:
+                        first = True
+                        self.ttft.observe(now - started)
+                        self.requests_waiting.dec()
+                        self.requests_running.inc()
+                    else:
+                        for _ in tokens:
+                            self.inter_token_latency.observe((now - last) / len(tokens))
+                    last = now
+                yield tokens, record, stats
+        finally:
+            (self.requests_running if first else self.requests_waiting).dec()
+            self.request_latency.observe(clock() - started)
+            if hasattr(stream, "aclose"):  # closed early (client gone): the backend's stream ends too, freeing its KV
+                await stream.aclose()
+
+
+_default: SpecMetrics | None = None
+_default_lock = threading.Lock()
+
+
+def default_metrics() -> SpecMetrics:
+    """The process-wide SpecMetrics on prometheus_client.REGISTRY (created on first call)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = SpecMetrics(prometheus_client.REGISTRY)
+        return _default
+
+
+def start_metrics_server(port: int, source: "SpecMetrics | CollectorRegistry | None" = None, addr: str = "0.0.0.0"):
+    """Serve a registry at http://addr:port/metrics (prometheus_client.start_http_server).
+
+    source: a SpecMetrics (its registry), a CollectorRegistry, or None for prometheus_client.REGISTRY.
+    port 0 picks a free port; read it from ``server.server_port``. Returns (server, thread) as
+    prometheus_client.start_http_server does; ``server.shutdown()`` stops it. Raises OSError when
+    the port is taken.
+    """
+    if isinstance(source, SpecMetrics):
+        registry = source.registry
+    else:
+        registry = source if source is not None else prometheus_client.REGISTRY
+    return prometheus_client.start_http_server(port, addr=addr, registry=registry)
+
+
+# --------------------------------------------------------------------------- acceptance monitor
+
+
+@dataclass
+class _Track:
+    """Acceptance window and alert state of one scope (a request, or global)."""
+
+    window: AcceptanceWindow
+    rounds: int = 0            # rounds recorded (proposed > 0)
+    low_windows: int = 0       # consecutive full windows below the threshold
+    alerting: bool = False
+    last_window_rate: float | None = None
+    alerts: int = 0
+
+
+class AcceptanceMonitor:
+    """Windowed acceptance rate (accepted / proposed draft tokens) per request and globally, with alerts.
+
+    Each scope (every request id, and the global one over all requests' rounds in record order)
+    keeps a sliding window of its last ``window`` rounds (``rate``). Every ``window`` rounds, i.e.
+    at the end of each full, non-overlapping window, the window's rate is judged: below
+    ``alert_threshold`` it extends a run of low windows, otherwise it ends the run. When the run
+    reaches ``alert_windows`` the scope raises one alert (a WARNING log with the numbers and
+    acceptance_alerts{scope} + 1 on ``metrics``); no further alert until it clears, which happens
+    at the first judged window at or above the threshold (an INFO log).
+    Rounds with proposed == 0 (plain rounds) are not recorded. With metrics, the global sliding
+    rate is written to the acceptance_rate gauge after each round. Thread-safe.
+
+    Source: this project's rule (DESIGN.md "Terms" for the acceptance rate, MonitorConfig for the
+    window, threshold and run length); no paper prescribes it.
+    """
+
+    def __init__(self, config: MonitorConfig = MonitorConfig(), metrics: SpecMetrics | None = None,
+                 logger: logging.Logger | None = None):
+        self.config = config
+        self.metrics = metrics
+        self.log = logger or log
+        self._global = _Track(AcceptanceWindow(config.window))
+        self._requests: dict[str, _Track] = {}
+        self._lock = threading.Lock()
+
+    def record(self, request_id: str, proposed: int, accepted: int) -> None:
+        """Record one round of a request. Raises ValueError for negative counts or accepted > proposed."""
+        check_counts(proposed, accepted)
+        if proposed == 0:
+            return
+        with self._lock:
+            track = self._requests.get(request_id)
+            if track is None:
+                track = self._requests[request_id] = _Track(AcceptanceWindow(self.config.window))
+            self._add(track, "request", request_id, proposed, accepted)
+            self._add(self._global, "global", None, proposed, accepted)
+            if self.metrics is not None and self._global.window.rate is not None:
+                self.metrics.acceptance_rate.set(self._global.window.rate)
+
+    def rate(self, request_id: str | None = None) -> float | None:
+        """Sliding-window acceptance rate of a request (None = global); None before any round."""
+        track = self._track(request_id)
+        return track.window.rate if track else None
+
+    def alerting(self, request_id: str | None = None) -> bool:
+        """Whether the scope's low-acceptance alert is raised and not yet cleared."""
+        track = self._track(request_id)
+        return bool(track and track.alerting)
+
+    def alerts(self, request_id: str | None = None) -> int:
+        """Alerts raised so far by a request (None = global)."""
+        track = self._track(request_id)
+        return track.alerts if track else 0
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (its window and alert state); unknown ids are ignored."""
+        with self._lock:
+            self._requests.pop(request_id, None)
+
+    def _track(self, request_id: str | None) -> _Track | None:
+        return self._global if request_id is None else self._requests.get(request_id)
+
+    def _add(self, track: _Track, scope: str, request_id: str | None, proposed: int, accepted: int) -> None:
+        track.window.add(proposed, accepted)
+        track.rounds += 1
+        if track.rounds % self.config.window:
+            return
+        rate = track.window.rate  # the window now covers exactly the last `window` rounds
+        track.last_window_rate = rate
+        who = "global" if request_id is None else f"request {request_id}"
+        if rate < self.config.alert_threshold:
+            track.low_windows += 1
+            if track.low_windows >= self.config.alert_windows and not track.alerting:
+                track.alerting = True
+                track.alerts += 1
+                self.log.warning(
+                    "acceptance alert (%s): acceptance rate %.3f (%d/%d draft tokens over the last %d rounds) "
+                    "below %.3f for %d consecutive windows of %d rounds",
+                    who, rate, track.window.accepted, track.window.proposed, self.config.window,
+                    self.config.alert_threshold, track.low_windows, self.config.window)
+                if self.metrics is not None:
+                    self.metrics.acceptance_alerts.labels(scope=scope).inc()
+        else:
+            if track.alerting:
+                self.log.info("acceptance alert cleared (%s): acceptance rate %.3f >= %.3f",
+                              who, rate, self.config.alert_threshold)
+            track.alerting = False
+            track.low_windows = 0

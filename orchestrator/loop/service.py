@@ -1,0 +1,318 @@
+"""The orchestrator proper: requests over the draft and target services, one asyncio task each.
+
+``Orchestrator`` owns the gRPC channels and clients and a ``RoundController``; ``stream`` runs one
+request and yields its committed tokens round by round, then its final statistics. It is a plain
+class: the front runs it in-process (``front.use_ray: false``) or inside Ray actors
+(``orchestrator.serving.actors``), where each actor serves many requests at once and no request's rounds
+wait for another's.
+
+The wiring of a served orchestrator (``build_orchestrator``: tokenizer for stop strings, control
+policies from the config) lives here too, so the front and the Ray actors build it the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+from opentelemetry import propagate, trace
+from transformers import AutoTokenizer
+
+from orchestrator.loop.clients import DraftClient, TargetClient, channel_options, request_deadline
+from orchestrator.planning.control import RequestControl
+from orchestrator.planning.cost_aware import SharedState, cost_aware_factory
+from orchestrator.planning.cost_model import CostModel, measure_service_costs
+from orchestrator.loop.controller import GenerationRequest, GenerationResult, RoundController
+from orchestrator.planning.lockstep import RoundClock
+from specdec.config import ServeConfig
+from specdec.models import DEFAULT_TARGET, resolve_model_dir
+from specdec.placement import Placement, shares_compute
+from specdec.security import aio_channel
+from specdec.stats import GenerationStats, RoundRecord
+from specdec.tree_spec import MAX_TREE_NODES
+
+log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("specdec.orchestrator")
+
+
+@dataclass
+class Chunk:
+    """One message of a request's stream: tokens committed by a round, or the end (stats set)."""
+
+    tokens: list[int]
+    stats: GenerationStats | None = None
+    round: RoundRecord | None = None  # the round's record (controller on_round)
+
+
+class Orchestrator:
+    """Runs generation requests over a draft service and a target service.
+
+    front: specdec.config.FrontConfig; grpc_cfg: specdec.config.GrpcConfig; decode: ids -> text
+    for stop strings (None = stop strings refused); control_factory: (TreeSpec, max_nodes) ->
+    per-request control policy (None = fixed TreeSpec); on_round: per-round record callback (metrics).
+    """
+
+    def __init__(self, front, grpc_cfg, decode=None, control_factory=None, on_round=None):
+        self.front = front
+        self.grpc_cfg = grpc_cfg
+        self.decode = decode
+        self.control_factory = control_factory
+        self.on_round = on_round
+        self.controller: RoundController | None = None
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.stopping: set[str] = set()  # requests being aborted or cancelled (``_stop``)
+        self.info = None
+
+    async def connect(self, timeout: float = 60.0) -> None:
+        """Open the channels and read the target's vocabulary, EOS ids and context limit; for the
+        cost-aware control, time the services for its cost model (seconds, ``_measure_costs``)."""
+        options = channel_options(self.grpc_cfg.max_message_bytes)
+        self.target_channel = aio_channel(self.front.target_address, self.grpc_cfg, options)  # TLS / mTLS when configured
+        self.draft_channel = aio_channel(self.front.draft_address, self.grpc_cfg, options)
+        target = TargetClient(self.target_channel)
+        self.info = await target.info(timeout=timeout)
+        max_nodes = self.info.max_tree_nodes or 512
+        draft = DraftClient(self.draft_channel, self.info.vocab_size, max_nodes) if self.front.speculate else None
+        factory = self.control_factory
+        if factory is not None:
+            factory = functools.partial(factory, max_nodes=max_nodes)
+        shared = await self._shared_compute(draft) if draft is not None else False
+        if draft is not None and hasattr(self.control_factory, "shared"):
+            self.control_factory.shared.shared_compute = shared
+            await self._measure_costs(target, draft)
+        window = self.front.draft_window if self.front.draft_window.applies(shared) else None
+        clock = self._clock(shared)
+        self.controller = RoundController(
+            target, draft, list(self.info.eos_token_ids), self.info.context_limit, self.decode,
+            control_factory=factory, draft_deadline_s=self.front.fallback.draft_deadline_ms / 1000,
+            on_round=self.on_round, pipeline=self.front.pipeline, draft_window=window,
+            clock=clock, plain_load=self._plain_load(clock),
+        )
+
+    async def _measure_costs(self, target: TargetClient, draft: DraftClient) -> None:
+        """Start the cost-aware control's cost model from V(n) and D(p) measured through the two
+        services (``orchestrator.planning.cost_model.measure_service_costs``), where it would start from
+        the prior figures (no ``cost_aware.verify_ms`` given) and ``cost_aware.measure_at_start``
+        is on. A failed measurement (a service down or slow) leaves the priors, with a warning."""
+        state = self.control_factory.shared
+        if state.cost.source != "prior" or not self.front.cost_aware.measure_at_start:
+            return
+        try:
+            cost = await measure_service_costs(target, draft, self.info.vocab_size,
+                                               context_limit=self.info.context_limit or None,
+                                               max_rows=self.info.max_tree_nodes + 1 if self.info.max_tree_nodes else None)
+        except Exception as exc:  # noqa: BLE001 - optional: whatever failed, the front starts from the priors
+            code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
+            log.warning("cost model: measuring through the services failed (%s: %s); starting from the prior "
+                        "figures", code, exc)
+            return
+        state.cost = cost
+        figures = cost.snapshot()
+        log.info("cost model measured through the services: V(n) %s ms, D(p) %s ms",
+                 figures["verify_ms"], figures["draft_step_ms"])
+
+    def _clock(self, shared: bool) -> RoundClock | None:
+        """The round clock of in-step rounds (orchestrator.planning.lockstep): with ``cost_aware.in_step`` on
+        the cost-aware control (its factory's SharedState), the draft on the target's compute, and no
+        pipelining (an ahead drafts beside the verify, which the clock's VERIFY turn would hold
+        back); else None. Its turns hold only while the in-step plan applies
+        (``SharedState.in_step_applies``: under light load) and fewer requests than
+        ``in_step_max_load`` are its members."""
+        aware = self.front.cost_aware
+        state = getattr(self.control_factory, "shared", None)
+        if not (shared and aware.enabled and aware.in_step and state is not None) or self.front.pipeline:
+            return None
+        clock = RoundClock(aware.in_step_wait_ms / 1000)
+        # the load is learnt from the rounds of requests that plan and of no_spec ones in step (seeded
+        # sampled requests that speculate teach none):
+        # the clock's own members bound it too, so a stale load cannot hold a larger crowd in step
+        clock.active = lambda: state.in_step_applies() and len(clock.members) < state.in_step_max_load
+        return clock
+
+    def _plain_load(self, clock: RoundClock | None):
+        """Where no_spec requests keep in step too (``cost_aware.in_step_no_spec``, on by default, and
+        a clock): the SharedState's ``observe_load``, which their verifies teach (the clock holds its
+        turns by that load), for RoundController's ``plain_load``; else None. Measured on the 2-core
+        AMD EPYC over two runs (benchmarks/records/serving_cpu_2core_2026-12-05_amd_plain_in_step/serving_cpu_2core_2026-12-05_amd_plain_in_step.md,
+        ..._plain_in_step_confirm.md): target-only in step 1.02-1.22x of target-only verifying when
+        ready at 4 clients, 1.01-1.11x at 8, p95 latency lower in 8 of 8 pairs: verifies that arrive
+        apart miss the target's 5 ms gather window; the clock sends them together."""
+        state = getattr(self.control_factory, "shared", None)
+        if clock is None or state is None or not self.front.cost_aware.in_step_no_spec:
+            return None
+        return state.observe_load
+
+    async def _shared_compute(self, draft: DraftClient) -> bool:
+        """Whether the draft computes on the target's hardware (front.cost_aware.shared_compute, or the
+        cost-aware factory's; "auto": the two Info placements, ``specdec.placement.shares_compute``;
+        an unreachable draft counts as separate, and the next connect asks again)."""
+        setting = getattr(self.control_factory, "shared_compute", self.front.cost_aware.shared_compute)
+        if setting != "auto":
+            return bool(setting)
+        try:
+            info = await draft.info()
+        except grpc.aio.AioRpcError as exc:
+            log.warning("draft Info failed (%s): taking the draft as on its own hardware", exc.code())
+            return False
+        shared = shares_compute(Placement(info.host, info.device, tuple(info.cpus)),
+                                Placement(self.info.host, self.info.device, tuple(self.info.cpus)))
+        log.info("draft on %s %s cpus %s, target on %s %s cpus %s: %s compute", info.host, info.device, list(info.cpus),
+                 self.info.host, self.info.device, list(self.info.cpus), "shared" if shared else "separate")
+        return shared
+
+    async def close(self) -> None:
+        for task in list(self.tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await self.target_channel.close()
+        await self.draft_channel.close()
+
+    def active(self) -> int:
+        return len(self.tasks)
+
+    async def stream(self, request: GenerationRequest, request_id: str, timeout_s: float | None = None,
+                     carrier: dict | None = None) -> AsyncIterator[Chunk]:
+        """Run one request; yields a Chunk per round, then a final Chunk with stats.
+
+        timeout_s: the client's time left (downstream calls get what remains); carrier: W3C trace
+        context of the caller. Raises ValueError (naming the field) for a bad request and the target's
+        grpc errors. Closing the iterator early (client gone) cancels the request and frees its KV;
+        ``abort`` ends it with stop reason "aborted".
+        """
+        if request_id in self.tasks:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        self.controller.check(request)
+        queue: asyncio.Queue = asyncio.Queue()
+        partial = GenerationStats()  # what the rounds streamed so far reported (for an aborted request)
+        started = time.perf_counter()
+
+        task = asyncio.create_task(self._run(request, request_id, timeout_s, carrier, self._round_sink(request_id, queue)))
+        self.tasks[request_id] = task
+        getter = None
+        try:
+            while True:
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    record = getter.result()
+                    partial.add(record, time.perf_counter() - started)
+                    yield Chunk(list(record.tokens), round=record)
+                    continue
+                getter.cancel()
+                while not queue.empty():
+                    record = queue.get_nowait()
+                    partial.add(record, time.perf_counter() - started)
+                    yield Chunk(list(record.tokens), round=record)
+                if task.cancelled():
+                    partial.stop_reason = "aborted"
+                    partial.total_s = time.perf_counter() - started
+                    yield Chunk([], partial)
+                else:
+                    yield Chunk([], task.result().stats)
+                return
+        finally:
+            if getter is not None and not getter.done():
+                getter.cancel()
+            if not task.done():
+                await self._stop(request_id, task)
+            self.tasks.pop(request_id, None)
+
+    def _round_sink(self, request_id: str, queue: asyncio.Queue):
+        """The request's on_round: queue the round's record; once the request is being stopped, end
+        it at this round (the cancel itself can be lost: Python 3.11's ``asyncio.wait_for``, which
+        the draft deadline uses, swallows a cancel that arrives as its call completes, gh-86296)."""
+        def on_round(record) -> None:
+            queue.put_nowait(record)
+            if request_id in self.stopping:
+                raise asyncio.CancelledError(f"request {request_id!r} stopped")
+        return on_round
+
+    async def _stop(self, request_id: str, task: asyncio.Task) -> None:
+        """Cancel the request's task and wait for its end (its sessions released); a swallowed
+        cancel still ends it after its current round (``_round_sink``)."""
+        self.stopping.add(request_id)
+        try:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        finally:
+            self.stopping.discard(request_id)
+
+    async def _run(self, request: GenerationRequest, request_id: str, timeout_s: float | None,
+                   carrier: dict | None, on_round) -> GenerationResult:
+        """The request's task: deadline and trace context of the caller, one ``generate`` span."""
+        ctx = propagate.extract(carrier or {})
+        if timeout_s is not None:
+            request_deadline.set(time.monotonic() + timeout_s)
+        with _tracer.start_as_current_span("generate", context=ctx, attributes={
+                "request.id": request_id, "prompt.tokens": len(request.prompt_ids),
+                "max_new_tokens": request.max_new_tokens}) as span:
+            # service-side session ids are unique per run, whatever ids clients choose
+            session_id = f"{request_id}/{uuid.uuid4().hex[:8]}"
+            result = await self.controller.generate(request, session_id=session_id, on_round=on_round)
+            span.set_attribute("new_tokens", result.stats.new_tokens)
+            span.set_attribute("acceptance_rate", result.stats.acceptance_rate)
+            return result
+
+    async def abort(self, request_id: str) -> bool:
+        """Cancel a running request (its KV is freed on both services). False if unknown."""
+        task = self.tasks.get(request_id)
+        if task is None or task.done():
+            return False
+        await self._stop(request_id, task)
+        return True
+
+
+# --------------------------------------------------------------------------- wiring from the config
+
+
+def tokenizer_dir(config: ServeConfig) -> str:
+    """Where the front's tokenizer comes from: front.tokenizer, else models.target, else the default target."""
+    if config.front.tokenizer:
+        return config.front.tokenizer
+    return str(resolve_model_dir(config.models.target, DEFAULT_TARGET, "models.target"))
+
+
+def load_tokenizer(path: str):
+    return AutoTokenizer.from_pretrained(path)
+
+
+def control_factory(config: ServeConfig, shared: SharedState | None = None):
+    """(TreeSpec, max_nodes) -> per-request control policy: CostAwareControl when front.cost_aware
+    is enabled (its requests share ``shared``: a cost model from ``cost_aware.verify_ms`` /
+    ``draft_step_ms`` when given, else from prior figures until ``Orchestrator.connect`` measures
+    the services; then the rounds' timings), else RequestControl from front.dynamic_gamma / front.fallback; max_nodes: the
+    target's tree limit (no tree grows past it)."""
+    front = config.front
+    if front.cost_aware.enabled:
+        aware = front.cost_aware
+        if shared is None:
+            shared = SharedState()
+            if aware.verify_ms:  # given, with draft_step_ms (or a Ray front's probe's, ``with_costs``)
+                shared.cost = CostModel(aware.verify_ms, aware.draft_step_ms, source="configured")
+        return cost_aware_factory(aware, front.fallback, shared)
+    return lambda spec, max_nodes=MAX_TREE_NODES: RequestControl(spec, front.dynamic_gamma, front.fallback, max_nodes=max_nodes)
+
+
+def with_costs(config: ServeConfig, cost: CostModel) -> ServeConfig:
+    """``config`` for a Ray front's actors after its probe connected with ``cost``: a measured
+    model's starting points as ``front.cost_aware.verify_ms`` / ``draft_step_ms`` (the actors start
+    from them, their source "configured"); a model still on the priors (the measurement failed or
+    was off) as ``measure_at_start: false``, so the actors do not measure each on its own, together
+    (and a restarted one in a request's time)."""
+    update = ({"verify_ms": dict(cost.verify.points), "draft_step_ms": dict(cost.draft_step.points)}
+              if cost.source == "measured" else {"measure_at_start": False})
+    aware = config.front.cost_aware.model_copy(update=update)
+    return config.model_copy(update={"front": config.front.model_copy(update={"cost_aware": aware})})
+
+
+def build_orchestrator(config: ServeConfig, tok_dir: str | None) -> Orchestrator:
+    """An Orchestrator for this config (tokenizer for stop strings, control policies)."""
+    tokenizer = load_tokenizer(tok_dir) if tok_dir else None
+    decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer is not None else None
+    return Orchestrator(config.front, config.grpc, decode, control_factory=control_factory(config))

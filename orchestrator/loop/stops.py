@@ -1,0 +1,69 @@
+"""Stop conditions, applied to committed tokens one at a time (DESIGN.md "Commit and rollback").
+
+Semantics follow transformers ``generate``: the token that triggers a stop (EOS, or the token that
+completes a stop string) is kept; nothing after it is emitted, counted or cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StopChecker:
+    """Feed generated tokens with ``push``; it says when to stop and why (``reason``).
+
+    eos_token_ids: ids that end generation; stop_strings: texts that end generation once the
+    decoded output contains them; max_new_tokens: generated-token budget; context_limit: the
+    maximum total length, prompt included; decode: ids -> text (needed only for stop strings);
+    streamed: tokens an earlier part of this request already generated (a fail-over continuation,
+    orchestrator.serving.failover), now the prompt's tail: stop strings see them before ``generated``, so a
+    stop string spanning the hand-over stops where it would have without one; they count toward
+    neither budget (prompt_len already holds them).
+    """
+
+    prompt_len: int
+    max_new_tokens: int
+    context_limit: int
+    eos_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    decode: object = None
+    streamed: tuple[int, ...] = ()
+    generated: list[int] = field(default_factory=list)
+    reason: str | None = None
+    _text: str = ""
+
+    def __post_init__(self):
+        if self.stop_strings and self.streamed:
+            self._text = self.decode(list(self.streamed))  # already checked by the earlier part
+
+    def push(self, token: int) -> bool:
+        """Record one committed token; True if generation stops after it."""
+        assert self.reason is None, "push after stop"
+        self.generated.append(token)
+        if token in self.eos_token_ids:
+            self.reason = "eos"
+        elif self._hits_stop_string():
+            self.reason = "stop_string"
+        elif len(self.generated) >= self.max_new_tokens:
+            self.reason = "max_new_tokens"
+        elif self.prompt_len + len(self.generated) >= self.context_limit:
+            self.reason = "context_limit"
+        return self.reason is not None
+
+    def _hits_stop_string(self) -> bool:
+        if not self.stop_strings:
+            return False
+        text = self.decode([*self.streamed, *self.generated])
+        # Only a match that ends inside the changed part is new (it may span tokens). The changed
+        # part starts where old and new text first differ: a multi-byte character split across
+        # tokens decodes as U+FFFD first and changes in place once complete.
+        same = next((i for i, (a, b) in enumerate(zip(self._text, text)) if a != b), min(len(self._text), len(text)))
+        hit = any(text.find(s, max(0, same - len(s) + 1)) >= 0 for s in self.stop_strings)
+        self._text = text
+        return hit
+
+    def budget(self) -> int:
+        """How many more tokens may still be committed (>= 1 while not stopped)."""
+        total = self.prompt_len + len(self.generated)
+        return min(self.max_new_tokens - len(self.generated), self.context_limit - total)

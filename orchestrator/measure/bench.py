@@ -1,0 +1,557 @@
+"""``specdec bench``: target-only vs tree speculative (ours) vs HF assisted generation vs HF
+prompt-lookup decoding, greedy, side by side in one process on the same model objects; plus a sampled
+speculative pass (default temperature 0.7) reporting acceptance under sampling.
+
+Target-only is transformers' own ``generate`` (the target alone, as a user of transformers runs it).
+Our engine's plain decoding (``plain``: the same engine and forwards as speculative, no draft) is a
+column of its own (``--plain``): the speculative speedup over target-only is then split into what our
+forwards gain without speculation (plain over target-only) and what speculation gains over them
+(``speculative_over_plain``).
+
+Questions: the built-in prompt set (``orchestrator/measure/data/prompts.jsonl``, package data: 7 prompts
+written for this project in each of the 13 Spec-Bench categories) or a Spec-Bench ``question.jsonl``
+(``--questions``); same JSONL format (question_id, category, turns; the first turn is the prompt).
+``offset`` skips the first questions of each category (held-out runs).
+
+Per method and question: TTFT (ms from the call to the first new token), end-to-end tokens/s
+(new tokens / total s) and decode-only tokens/s ((new tokens - 1) / (total s - TTFT s): prefill
+excluded). Each question runs every greedy method back to back so they share the machine's noise;
+speedups are ratios against target-only from the same run. The order changes per question along a
+balanced Latin square (``method_order``): over a cycle of questions each method runs in every place
+and after every other method equally often.
+``repeats`` R > 1 runs the methods R times per question (the next order of the square each pass) and
+keeps each method's median pass (``run_question``): no figure then comes from a single disturbed pass.
+Writes ``results.json`` (per question rows, per category and overall summaries) and ``results.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections import defaultdict
+from dataclasses import asdict, replace
+from importlib import resources
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from rich.console import Console
+from rich.progress import track
+from transformers.generation.streamers import BaseStreamer
+
+from orchestrator.loop.embedded import build_pipeline, encode_prompt, set_threads
+from orchestrator.loop.controller import GenerationRequest
+from specdec.config import DraftWindowConfig, FrontConfig
+from specdec.placement import cpu_model
+from specdec.sampling import GREEDY, SamplingParams
+from specdec.stats import GenerationStats, position_rates
+from specdec.tree_spec import TreeSpec
+
+console = Console(stderr=True)
+
+BUILTIN_QUESTIONS = resources.files("orchestrator.measure") / "data" / "prompts.jsonl"
+PROMPT_LOOKUP_NUM_TOKENS = 10  # HF prompt-lookup decoding: tokens copied from the context per step
+# Greedy methods, in their base order; "target_only" is the baseline of every speedup.
+METHODS = ("target_only", "plain", "speculative", "hf_assisted", "prompt_lookup")
+LABELS = {"target_only": "target", "plain": "plain (ours)", "speculative": "spec", "hf_assisted": "HF assisted",
+          "prompt_lookup": "HF prompt lookup"}
+
+
+class QuestionsError(ValueError):
+    """Unreadable or malformed question file, or a bad selection; the message names the option."""
+
+
+# ----------------------------------------------------------------------------------------- questions
+
+def parse_questions(text: str, source: str) -> list[dict]:
+    """Questions of a JSONL text (one object per non-blank line: question_id, category, turns)."""
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            q = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise QuestionsError(f"--questions {source}: line {n} is not JSON ({exc.msg})") from None
+        turns = q.get("turns") if isinstance(q, dict) else None
+        if not (isinstance(q, dict) and "question_id" in q and isinstance(q.get("category"), str)
+                and isinstance(turns, list) and turns and isinstance(turns[0], str)):
+            raise QuestionsError(f"--questions {source}: line {n}: expected an object with question_id, category "
+                                 "and turns (a list of strings)")
+        out.append(q)
+    if not out:
+        raise QuestionsError(f"--questions {source}: no questions")
+    return out
+
+
+def select_questions(questions: list[dict], per_category: int, offset: int = 0) -> list[dict]:
+    """Questions offset .. offset + per_category - 1 of each category (counted in file order)."""
+    if offset < 0:
+        raise QuestionsError(f"--offset: must be >= 0, got {offset}")
+    seen: dict[str, int] = defaultdict(int)
+    out = []
+    for q in questions:
+        index = seen[q["category"]]
+        seen[q["category"]] += 1
+        if offset <= index < offset + per_category:
+            out.append(q)
+    if not out:
+        raise QuestionsError(f"--offset {offset}: no category has more than {offset} questions")
+    return out
+
+
+def load_questions(path: Path | None, per_category: int, offset: int = 0, categories: Sequence[str] = ()) -> list[dict]:
+    """The selected questions of ``path`` (None = the built-in prompt set), of ``categories`` only when
+    given; QuestionsError names the option (--questions, --offset, --category) on a missing,
+    unreadable or malformed file, an unknown category or an empty selection."""
+    if path is None:
+        text, source = BUILTIN_QUESTIONS.read_text(encoding="utf-8"), "built-in"
+    else:
+        if not path.is_file():
+            raise QuestionsError(f"--questions: no such file {path}")
+        try:
+            text, source = path.read_text(encoding="utf-8"), str(path)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise QuestionsError(f"--questions: cannot read {path}: {exc}") from None
+    questions = parse_questions(text, source)
+    known = sorted({q["category"] for q in questions})
+    unknown = [c for c in categories if c not in known]
+    if unknown:
+        raise QuestionsError(f"--category: {', '.join(unknown)} not in {source} (its categories: {', '.join(known)})")
+    if categories:
+        questions = [q for q in questions if q["category"] in categories]
+    return select_questions(questions, per_category, offset)
+
+
+
+
+
+
+
+
+
+
+# ----------------------------------------------------------------------------------------- one question
+
+class FirstTokenTimer(BaseStreamer):
+    """A transformers streamer that records when generate() emits its first new tokens: the first
+    put() after the prompt's (generate puts the prompt first, then each step's committed tokens; the
+    same for plain, assisted and prompt-lookup decoding)."""
+
+    def __init__(self):
+        self.puts = 0
+        self.first_token_at: float | None = None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def _hf_generate(model, prompt_ids, max_new_tokens, eos_ids, **extra) -> tuple[list[int], dict]:
+    """Greedy HF generate (extra: assistant_model=..., prompt_lookup_num_tokens=...): tokens and
+    {new_tokens, s, ttft_ms}."""
+    ids = torch.tensor([prompt_ids])  # (1, T)
+    timer = FirstTokenTimer()
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                  eos_token_id=sorted(eos_ids), pad_token_id=sorted(eos_ids)[0], streamer=timer, **extra)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, **kwargs)
+    total_s = time.perf_counter() - start
+    tokens = out[0, len(prompt_ids):].tolist()
+    first = timer.first_token_at if timer.first_token_at is not None else start + total_s
+    return tokens, {"new_tokens": len(tokens), "s": total_s, "ttft_ms": (first - start) * 1000}
+
+
+def _spec_row(stats: GenerationStats) -> dict:
+    return {"new_tokens": stats.new_tokens, "s": stats.total_s, "ttft_ms": stats.ttft_ms, "rounds": stats.rounds,
+            "proposed": stats.proposed_tokens, "accepted": stats.accepted_tokens, "drafted": stats.drafted_tokens,
+            "context_proposed": stats.context_proposed_tokens, "context_accepted": stats.context_accepted_tokens,
+            "expected_accepted": round(stats.expected_accepted_tokens, 2), "cost_plain_rounds": stats.cost_plain_rounds,
+            "position_proposed": list(stats.position_proposed), "position_accepted": list(stats.position_accepted),
+            "draft_s": round(stats.draft_s, 6), "verify_s": round(stats.verify_s, 6), "draft_rounds": stats.draft_rounds}
+
+
+def position_sums(runs: list[dict]) -> tuple[list[int], list[int]]:
+    """Element-wise sums of the runs' position_proposed and position_accepted (GenerationStats;
+    rows written before they existed count as none)."""
+    proposed: list[int] = []
+    accepted: list[int] = []
+    for r in runs:
+        for sums, key in ((proposed, "position_proposed"), (accepted, "position_accepted")):
+            counts = r.get(key, [])
+            sums.extend([0] * (len(counts) - len(sums)))
+            for d, n in enumerate(counts):
+                sums[d] += n
+    return proposed, accepted
+
+
+def greedy_methods(hf_assisted: bool = True, prompt_lookup: bool = True, plain: bool = False) -> list[str]:
+    """The greedy methods to run, in base order (target-only and speculative always; plain, our engine
+    without a draft, only when asked: ``run_bench`` and the command ask by default, the scripts that
+    call ``run_question`` directly do not)."""
+    skip = {"hf_assisted": not hf_assisted, "prompt_lookup": not prompt_lookup, "plain": not plain}
+    return [m for m in METHODS if not skip.get(m, False)]
+
+
+def method_order(methods: Sequence[str], k: int) -> list[str]:
+    """Order k of a balanced Latin square over ``methods`` (Williams 1949, "Experimental designs
+    balanced for the estimation of residual effects of treatments", Australian J. Sci. Res. 2(3)):
+    over orders 0 .. n-1 every method runs once in every place, and over a whole cycle (n orders for
+    an even count n, 2n for an odd one) right after every other method equally often, so no method
+    always follows the same one (a
+    method that heats the machine or evicts caches would otherwise weigh on one neighbour alone).
+    Order 0 is methods[0], methods[1], methods[n-1], methods[2], methods[n-2], ...; order k adds k
+    (mod n) to each index; for odd n orders n .. 2n-1 are orders 0 .. n-1 reversed. k may be any
+    integer (taken modulo the cycle)."""
+    n = len(methods)
+    if n == 0:
+        return []
+    first, lo, hi = [0], 1, n - 1
+    while lo <= hi:
+        first.append(lo)
+        lo += 1
+        if lo <= hi:
+            first.append(hi)
+            hi -= 1
+    k %= n if n % 2 == 0 else 2 * n
+    order = [methods[(i + k) % n] for i in first]
+    return order[::-1] if k >= n else order
+
+
+def run_question(pipe, prompt_ids, spec, max_new_tokens, hf_assisted: bool = True, sampling: SamplingParams = GREEDY,
+                 prompt_lookup: bool = True, rotate: int = 0, repeats: int = 1, plain: bool = False) -> dict:
+    """One question: every greedy method back to back (in ``method_order(methods, rotate)``), each
+    row with new_tokens, s, ttft_ms (and matches_target: same tokens as target-only); then, unless
+    ``sampling`` is greedy, a speculative pass with those sampling parameters ("sampled"). plain: also
+    our engine without a draft ("plain": ``GenerationRequest.spec`` None, its rows new_tokens, s,
+    ttft_ms, rounds and drafted, the last 0).
+
+    repeats: R >= 1 passes over the methods, pass j in ``method_order(methods, rotate + j)``; each
+    method's row is its median pass by total time (the lower middle for even R: for 2 passes the
+    faster, so use an odd R to compare records), whole (its TTFT and round counts are that pass's),
+    with ``repeat_s`` [R] every pass's total seconds in run order: no figure comes from a single
+    disturbed pass. The speculative passes are not independent: the cost-aware control's
+    front-wide calibrations keep learning from pass to pass, as in a server answering the same
+    question again (the HF methods learn nothing). matches_target holds only if every pass's tokens
+    equal the first target-only pass's (target-only's own ``repeats_agree``, with R > 1, says
+    whether its passes agreed). Raises ValueError for repeats < 1."""
+    if repeats < 1:
+        raise ValueError(f"--repeats: must be >= 1, got {repeats}")
+    eos = pipe.engine.eos_token_ids
+
+    def run(method: str) -> tuple[list[int], dict]:
+        if method == "speculative":
+            result = pipe.engine.generate(GenerationRequest(prompt_ids, max_new_tokens, spec=spec))
+            return result.tokens, _spec_row(result.stats)
+        if method == "plain":
+            result = pipe.engine.generate(GenerationRequest(prompt_ids, max_new_tokens, spec=None))
+            return result.tokens, {"new_tokens": result.stats.new_tokens, "s": result.stats.total_s,
+                                   "ttft_ms": result.stats.ttft_ms, "rounds": result.stats.rounds,
+                                   "drafted": result.stats.drafted_tokens}
+        extra = {"hf_assisted": {"assistant_model": pipe.draft_model},
+                 "prompt_lookup": {"prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS}}.get(method, {})
+        return _hf_generate(pipe.target_model, prompt_ids, max_new_tokens, eos, **extra)
+
+    methods = greedy_methods(hf_assisted, prompt_lookup, plain)
+    passes: dict[str, list[tuple[list[int], dict]]] = {m: [] for m in methods}
+    orders = []
+    for j in range(repeats):
+        order = method_order(methods, rotate + j)
+        orders.append(order)
+        for m in order:
+            passes[m].append(run(m))
+    base_tokens = passes["target_only"][0][0]
+    row = {"prompt_tokens": len(prompt_ids), "order": orders[0]}
+    if repeats > 1:
+        row["orders"] = orders
+    for m in methods:
+        runs = passes[m]
+        _, figures = sorted(runs, key=lambda pass_: pass_[1]["s"])[(len(runs) - 1) // 2]
+        figures = dict(figures)
+        if repeats > 1:
+            figures["repeat_s"] = [pass_figures["s"] for _, pass_figures in runs]
+        same = all(tokens == base_tokens for tokens, _ in runs)
+        if m != "target_only":
+            figures["matches_target"] = same
+        elif repeats > 1:
+            figures["repeats_agree"] = same  # False: the target itself is not deterministic here
+        row[m] = figures
+    if not sampling.greedy:
+        sampled = pipe.engine.generate(GenerationRequest(prompt_ids, max_new_tokens, spec=spec, sampling=sampling))
+        row["sampled"] = _spec_row(sampled.stats)
+    return row
+
+
+# ----------------------------------------------------------------------------------------- aggregation
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else 0.0
+
+
+def method_figures(runs: list[dict]) -> dict:
+    """Aggregate one method's runs: end-to-end tokens/s and decode-only tokens/s as ratios of sums
+    (long answers weigh more), TTFT as the mean over questions."""
+    return {
+        "tokens_per_s": _ratio(sum(r["new_tokens"] for r in runs), sum(r["s"] for r in runs)),
+        "decode_tokens_per_s": _ratio(sum(max(0, r["new_tokens"] - 1) for r in runs),
+                                      sum(r["s"] - r["ttft_ms"] / 1000 for r in runs)),
+        "ttft_ms": sum(r["ttft_ms"] for r in runs) / len(runs),
+    }
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Aggregate question rows: per method ``{m}_tokens_per_s``, ``{m}_decode_tokens_per_s``,
+    ``{m}_ttft_ms``; against target-only ``{m}_speedup`` (end to end), ``{m}_decode_speedup``,
+    ``{m}_ttft_ratio`` and ``{m}_match_fraction`` (greedy output equal to target-only); with the
+    plain column, ``speculative_over_plain`` (speculative end-to-end tokens/s over our plain
+    decoding's: what speculation alone gains); ours' mean accepted length, acceptance rate and
+    efficiency (speedup / mean accepted length); where ours' time went (``speculative_{ttft,draft,verify}_share``
+    of its seconds, ``speculative_draft_rounds`` and ``speculative_draft_ms_per_draft_round``: rows
+    with ``draft_rounds``, ``GenerationStats``' phases); the sampled pass's figures if it ran."""
+    out: dict = {"questions": len(rows)}
+    for m in (m for m in METHODS if m in rows[0]):
+        for key, value in method_figures([r[m] for r in rows]).items():
+            out[f"{m}_{key}"] = value
+        if m != "target_only":
+            out[f"{m}_speedup"] = _ratio(out[f"{m}_tokens_per_s"], out["target_only_tokens_per_s"])
+            out[f"{m}_decode_speedup"] = _ratio(out[f"{m}_decode_tokens_per_s"], out["target_only_decode_tokens_per_s"])
+            out[f"{m}_ttft_ratio"] = _ratio(out[f"{m}_ttft_ms"], out["target_only_ttft_ms"])
+            out[f"{m}_match_fraction"] = sum(r[m]["matches_target"] for r in rows) / len(rows)
+    if "plain" in rows[0]:
+        out["speculative_over_plain"] = _ratio(out["speculative_tokens_per_s"], out["plain_tokens_per_s"])
+    spec = [r["speculative"] for r in rows]
+    out["mean_accepted_length"] = _ratio(sum(s["new_tokens"] for s in spec), sum(s["rounds"] for s in spec))
+    out["acceptance_rate"] = _ratio(sum(s["accepted"] for s in spec), sum(s["proposed"] for s in spec))
+    out["efficiency"] = _ratio(out["speculative_speedup"], out["mean_accepted_length"])
+    if all("draft_rounds" in s for s in spec):  # rows written before the phases were recorded have none
+        total = sum(s["s"] for s in spec)
+        for phase, share in (("ttft", sum(s["ttft_ms"] for s in spec) / 1000), ("draft", sum(s["draft_s"] for s in spec)),
+                             ("verify", sum(s["verify_s"] for s in spec))):
+            out[f"speculative_{phase}_share"] = _ratio(share, total)
+        out["speculative_draft_rounds"] = sum(s["draft_rounds"] for s in spec)
+        out["speculative_draft_ms_per_draft_round"] = _ratio(1000 * sum(s["draft_s"] for s in spec),
+                                                             out["speculative_draft_rounds"])
+    proposed, accepted = position_sums(spec)
+    out["position_proposed"] = proposed
+    out["acceptance_by_position"] = position_rates(proposed, accepted)
+    if "sampled" in rows[0]:
+        sampled = [r["sampled"] for r in rows]
+        out["sampled_tokens_per_s"] = method_figures(sampled)["tokens_per_s"]
+        out["sampled_mean_accepted_length"] = _ratio(sum(s["new_tokens"] for s in sampled), sum(s["rounds"] for s in sampled))
+        out["sampled_acceptance_rate"] = _ratio(sum(s["accepted"] for s in sampled), sum(s["proposed"] for s in sampled))
+    return out
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return "\n".join(lines) + "\n"
+
+
+def speedup_table(summary: dict[str, dict], temperature: float | None = None) -> str:
+    """One row per category: target-only tokens/s, each method's speedups (end to end, decode only),
+    speculative over our plain decoding (end to end) when that column ran, ours' acceptance figures,
+    which outputs equal target-only; the sampled pass's columns (labelled with its temperature) if it ran."""
+    first = next(iter(summary.values()))
+    others = [m for m in METHODS[1:] if f"{m}_speedup" in first]
+    sampled = "sampled_acceptance_rate" in first
+    head = ["category", "n", "target tok/s"]
+    head += [f"{LABELS[m]} {kind}" for m in others for kind in ("speedup", "decode speedup")]
+    over_plain = "speculative_over_plain" in first
+    if over_plain:
+        head += ["spec / plain (ours)"]
+    head += ["mean acc len", "acc rate", "efficiency"] + [f"{LABELS[m]} = target" for m in others]
+    if sampled:
+        label = "sampled" if temperature is None else f"T={temperature:g}"
+        head += [f"{label} tok/s", f"{label} mean acc len", f"{label} acc rate"]
+    rows = []
+    for cat, s in summary.items():
+        cells = [cat, str(s["questions"]), f"{s['target_only_tokens_per_s']:.2f}"]
+        cells += [f"{s[f'{m}_{kind}']:.2f}x" for m in others for kind in ("speedup", "decode_speedup")]
+        if over_plain:
+            cells += [f"{s['speculative_over_plain']:.2f}x"]
+        cells += [f"{s['mean_accepted_length']:.2f}", f"{s['acceptance_rate']:.3f}", f"{s['efficiency']:.2f}"]
+        cells += [f"{s[f'{m}_match_fraction']:.0%}" for m in others]
+        if sampled:
+            cells += [f"{s['sampled_tokens_per_s']:.2f}", f"{s['sampled_mean_accepted_length']:.2f}",
+                      f"{s['sampled_acceptance_rate']:.3f}"]
+        rows.append(cells)
+    return _table(head, rows)
+
+
+def latency_table(summary: dict[str, dict]) -> str:
+    """One row per category: each method's TTFT (ms), decode-only and end-to-end tokens/s."""
+    first = next(iter(summary.values()))
+    methods = [m for m in METHODS if f"{m}_tokens_per_s" in first]
+    head = ["category"] + [f"{LABELS[m]} {kind}" for m in methods for kind in ("TTFT ms", "decode tok/s", "tok/s")]
+    rows = [[cat] + [f"{s[f'{m}_{key}']:.{digits}f}" for m in methods
+                     for key, digits in (("ttft_ms", 0), ("decode_tokens_per_s", 2), ("tokens_per_s", 2))]
+            for cat, s in summary.items()]
+    return _table(head, rows)
+
+
+def position_table(summary: dict[str, dict]) -> str:
+    """One row per category: ours' (greedy) acceptance at each tree position, with the number of
+    rounds whose tree reached it in parentheses; empty when no round drafted."""
+    depth = max((len(s.get("position_proposed", [])) for s in summary.values()), default=0)
+    if depth == 0:
+        return ""
+    rows = []
+    for cat, s in summary.items():
+        proposed, rates = s.get("position_proposed", []), s.get("acceptance_by_position", [])
+        rows.append([cat] + [f"{rates[d]:.2f} ({proposed[d]})" if d < len(proposed) else "-"
+                             for d in range(depth)])
+    return _table(["acceptance at position"] + [str(d + 1) for d in range(depth)], rows)
+
+
+def phase_table(summary: dict[str, dict]) -> str:
+    """One row per category: where ours' (greedy speculative) time went, as shares of its total
+    seconds, parts that do not overlap: the first token (TTFT: the sessions' opening and the first
+    round, the target's prefill in it), the later rounds' draft phases (the draft's steps and, on
+    shared compute, its deferred prefill) and their verifies, and the rest (commits with any wait for
+    a pipelined ahead, control, lock-step waits, a draft open that failed); then
+    the draft phase's mean ms over the later rounds that asked the draft ("-" where none did).
+    Empty for rows without phases."""
+    if not all("speculative_draft_share" in s for s in summary.values()):
+        return ""
+    rows = []
+    for cat, s in summary.items():
+        shares = [s[f"speculative_{phase}_share"] for phase in ("ttft", "draft", "verify")]
+        per_round = f"{s['speculative_draft_ms_per_draft_round']:.0f}" if s["speculative_draft_rounds"] else "-"
+        rows.append([cat] + [f"{x:.0%}" for x in shares] + [f"{1 - sum(shares):.0%}", per_round])
+    return _table(["spec time share", "TTFT", "draft", "verify", "other", "draft ms / draft round"], rows)
+
+
+def markdown_table(summary: dict[str, dict], temperature: float | None = None) -> str:
+    """The speedup table, the TTFT / tokens/s table, ours' acceptance per tree position, then where
+    ours' time went (``phase_table``; blank lines between)."""
+    extra = [t for t in (position_table(summary), phase_table(summary)) if t]
+    return speedup_table(summary, temperature) + "\n" + latency_table(summary) + "".join("\n" + t for t in extra)
+
+
+# ----------------------------------------------------------------------------------------- run
+
+def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, max_new_tokens: int, dtype: str,
+              draft_quant: str, out_dir: Path, hf_assisted: bool = True, threads: int | None = None,
+              sampling: SamplingParams = GREEDY, control: str = "cost-aware", *, offset: int = 0,
+              prompt_lookup: bool = True, target: str | None = None, draft: str | None = None,
+              draft_window: DraftWindowConfig | None = FrontConfig().draft_window, categories: Sequence[str] = (),
+              argmax_screen: bool = True, repeats: int = 1, plain: bool = True) -> dict:
+    """Run the benchmark and write results.json + results.md under out_dir; returns the summary.
+
+    questions_path: a Spec-Bench question.jsonl (None = the built-in prompt set); offset skips the
+    first questions of each category. sampling: parameters of the sampled speculative pass (greedy =
+    no such pass); question i uses seed + i, so the pass is reproducible when a seed is given.
+    control: the speculative passes' per-request control (specdec.config.CONTROLS: cost-aware,
+    the default, shapes each tree from measured costs; dynamic-gamma; fixed = the TreeSpec every round). target / draft: model paths (None = the default pair).
+    draft_window: the context a draft session opens with (None = all tokens); categories: only these.
+    argmax_screen: the speculative passes' greedy rows through the int8-screened argmax head where
+    the target takes one (float32 CPU; meta.argmax_screen says whether it was attached).
+    repeats: passes of the greedy methods per question, each method's median pass recorded
+    (``run_question``); ValueError for repeats < 1 before the models load. plain: also our engine
+    without a draft (the "plain (ours)" column; the greedy argmax screen applies to it as to the
+    speculative passes).
+    Questions whose prompt plus max_new_tokens exceed the target's context are skipped (meta.skipped).
+    """
+    if repeats < 1:
+        raise ValueError(f"--repeats: must be >= 1, got {repeats}")
+    questions = load_questions(questions_path, per_category, offset, categories)  # bad files fail before the models load
+    set_threads(threads)
+    pipe = build_pipeline(target, draft, dtype=dtype, draft_quant=draft_quant, control=control, draft_window=draft_window,
+                          argmax_screen=argmax_screen)
+    cost_start = pipe.shared.cost.snapshot() if pipe.shared else None  # the start-up measurement's shape
+    warm = encode_prompt(pipe.tokenizer, "Say hi.", raw=False)
+    run_question(pipe, warm, spec, 8, hf_assisted, sampling, prompt_lookup, plain=plain)  # warm-up, not recorded
+    rows, skipped = [], []
+    for i, q in enumerate(track(questions, description="bench", console=console)):
+        prompt_ids = encode_prompt(pipe.tokenizer, q["turns"][0], raw=False)
+        if len(prompt_ids) + max_new_tokens > pipe.engine.context_limit:
+            console.print(f"skipped question {q['question_id']}: {len(prompt_ids)} prompt tokens + {max_new_tokens} "
+                          f"new exceed the context ({pipe.engine.context_limit})", markup=False)
+            skipped.append(q["question_id"])
+            continue
+        seeded = replace(sampling, seed=None if sampling.seed is None else sampling.seed + i)
+        row = run_question(pipe, prompt_ids, spec, max_new_tokens, hf_assisted, seeded, prompt_lookup, rotate=i,
+                           repeats=repeats, plain=plain)
+        rows.append({"question_id": q["question_id"], "category": q["category"], **row})
+    if not rows:
+        raise ValueError(f"--max-new-tokens {max_new_tokens}: no selected question fits in the context "
+                         f"({pipe.engine.context_limit} tokens)")
+    by_cat: dict[str, list] = defaultdict(list)
+    for r in rows:
+        by_cat[r["category"]].append(r)
+    target_agreed = sum(r["target_only"].get("repeats_agree", True) for r in rows)
+    summary = {cat: summarize(rs) for cat, rs in by_cat.items()}
+    summary["overall"] = summarize(rows)
+    meta = {"questions": "built-in" if questions_path is None else str(questions_path), "offset": offset,
+            "per_category": per_category, "repeats": repeats, "target_repeats_agreed": target_agreed,
+            "questions_run": len(rows), "skipped": skipped, "methods": greedy_methods(hf_assisted, prompt_lookup, plain),
+            "prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS, "target": target, "draft": draft,
+            "spec": json.loads(spec.to_json()), "control": control, "categories": list(categories),
+            "draft_window": draft_window.model_dump() if draft_window is not None else None,
+            "argmax_screen": pipe.engine.target.argmax_head is not None, "argmax_screen_requested": argmax_screen,
+            "cost_model_start": cost_start,
+            "cost_model": pipe.shared.cost.snapshot() if pipe.shared else None, "dtype": str(pipe.target_model.dtype),
+            "draft_quant": draft_quant, "max_new_tokens": max_new_tokens, "sampling": asdict(sampling),
+            "threads": torch.get_num_threads(), "machine": platform.platform(), "cpu": cpu_model(),
+            "cpu_count": os.cpu_count(), "transformers": __import__("transformers").__version__}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "questions": rows}, indent=2))
+    table = markdown_table(summary, None if sampling.greedy else sampling.temperature)
+    (out_dir / "results.md").write_text(_report(meta, spec, dtype, sampling, max_new_tokens, table))
+    print(table)
+    return summary
+
+
+def _cost_line(meta: dict) -> str:
+    """The cost model's V(n) and D(p) at start-up (its shape: only the scale learns) and at the end of
+    the run; empty without the cost-aware control."""
+    start, end = meta.get("cost_model_start"), meta.get("cost_model")
+    if not start or not end:
+        return ""
+
+    def figures(snap: dict) -> str:
+        v, d = snap["verify_ms"], snap["draft_step_ms"]
+        return (f"V({', '.join(map(str, v))}) = {', '.join(f'{ms:.0f}' for ms in v.values())} ms, "
+                f"D({', '.join(map(str, d))}) = {', '.join(f'{ms:.0f}' for ms in d.values())} ms")
+
+    return f"Cost model at start-up: {figures(start)}; at the end of the run: {figures(end)}.\n\n"
+
+
+def _report(meta: dict, spec: TreeSpec, dtype: str, sampling: SamplingParams, max_new_tokens: int, table: str) -> str:
+    passes = "greedy" if sampling.greedy else f"greedy + sampled: {sampling.describe()} (+ question index)"
+    source = "built-in prompt set" if meta["questions"] == "built-in" else meta["questions"]
+    screen = "on" if meta["argmax_screen"] else (
+        "off (requested; it needs a float32 CPU target and fbgemm kernels)" if meta["argmax_screen_requested"] else "off")
+    repeats = meta.get("repeats", 1)
+    plain_note = ("Target-only is transformers' `generate` on the target; plain (ours) is our engine without a draft "
+                  "(our forwards and, where on, the argmax screen), so spec / plain (ours) is what speculation alone "
+                  "gains. ") if "plain" in meta.get("methods", ()) else ""
+    median = ""
+    if repeats > 1:
+        median = (f"; every greedy method {repeats} times per question, its median pass by total time recorded"
+                  f"{' (the faster of 2)' if repeats == 2 else ''}; `X = target` requires every pass of X to equal "
+                  f"target-only's first; target-only's own passes agreed on {meta['target_repeats_agreed']} of "
+                  f"{meta['questions_run']} questions")
+    return (f"# specdec bench ({source}, offset {meta['offset']}, {dtype}, {passes}, {max_new_tokens} new tokens)\n\n"
+            f"Machine: {meta.get('cpu') or 'CPU model unknown'}, {meta['cpu_count']} CPUs, {meta['threads']} torch "
+            f"threads, torch {torch.__version__}. TreeSpec: `{spec.to_json()}`; greedy argmax screen: {screen}{median}\n\n"
+            f"{_cost_line(meta)}"
+            "Speedups are against target-only in the same run: end to end (new tokens / total time) and "
+            "decode only ((new tokens - 1) / (total time - TTFT)). Efficiency = speedup / mean accepted "
+            f"length. HF prompt lookup: `prompt_lookup_num_tokens={PROMPT_LOOKUP_NUM_TOKENS}`. "
+            f"{plain_note}"
+            "`X = target`: share of questions whose greedy output equals target-only's. Acceptance at "
+            "position d: of the rounds whose verified tree (draft and context branches) reached depth d, the "
+            "share whose committed path reached it too (rounds in parentheses; vLLM's per-position "
+            "acceptance). Spec time share: of the speculative runs' seconds, the first token's (TTFT), the "
+            "later rounds' draft phases and verifies, and the rest; draft ms / draft round: the draft phase's "
+            "mean over the later rounds that asked the draft.\n\n"
+            f"{table}")

@@ -1,0 +1,496 @@
+"""Per-request control of the round loop (DESIGN.md "Control"): plain classes, no Ray, no gRPC.
+
+The round controller (orchestrator.loop.controller) asks one ``Control`` per request, every round,
+whether to speculate and how deep. Implementations:
+
+- ``FixedControl``: the request's TreeSpec every round, the draft always used while it works.
+- ``CostAwareControl`` (orchestrator.planning.cost_aware, the default): each round's tree from measured
+  costs and calibrated acceptance, context branches included (orchestrator.planning.shaping).
+- ``RequestControl``: ``DynamicGamma`` (speculation depth +1 after a fully accepted path, -1 after
+  an early rejection) and ``FallbackPolicy`` (a plain target step instead of a speculative round
+  when acceptance is low, the draft is unavailable or its context is full).
+
+Terms: acceptance rate = accepted draft tokens / proposed draft tokens (tree nodes); accepted
+length = accepted draft tokens on the path (bonus excluded); mean accepted length = tokens
+committed per round (bonus included). Times are seconds from any monotonic clock
+(``time.monotonic`` by default).
+
+One round as the controller drives a control (orchestrator/loop/controller.py)::
+
+    tree = empty
+    if control.speculate(now, committed_len, depth=max_depth):   # at most min(gamma, max_depth) levels
+        tree = draft.propose(sid, control.spec(base_spec), max_depth)
+    # else: no draft this round, control.reason says why
+    shaped = control.shape(tree, committed_tokens, max_depth, sunk_ms)
+    result = target.verify(sid, shaped.tree)
+    if tree.size:
+        control.record(tree_depth, tree.size, accepted_length)
+    control.observe(shaped, result.accepted_nodes, verify_s, draft_s, overhead_s, tree)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Callable, Protocol
+
+from specdec.config import DynamicGammaConfig, FallbackConfig
+from orchestrator.planning.shaping import ShapedTree
+from specdec.stats import COST_REASON
+from specdec.tree import DraftTree
+from specdec.tree_spec import MAX_TREE_NODES, TreeSpec, max_depth_for, spec_at_depth
+
+log = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------- fallback reasons
+
+# Why a round runs without the draft (a plain target step). The values are the label values of
+# specdec_fallback_rounds_total{reason} and the ``fallback.reason`` attribute of round spans.
+LOW_ACCEPTANCE = "low_acceptance"  # windowed acceptance below front.fallback.min_acceptance
+DRAFT_UNAVAILABLE = "draft_unavailable"  # the draft failed, is unreachable or slower than its deadline
+DRAFT_CONTEXT_LIMIT = "draft_context_limit"  # the draft's context cannot hold the next tree
+COST = COST_REASON  # "cost": the cost model says no draft step pays this round (CostAwareControl)
+DRAFT_OPENING = "draft_opening"  # the draft session was just opened: its service prefills it beside this plain round
+FALLBACK_REASONS = (LOW_ACCEPTANCE, DRAFT_UNAVAILABLE, DRAFT_CONTEXT_LIMIT, COST, DRAFT_OPENING)
+
+
+# --------------------------------------------------------------------------- the controller's interface
+
+
+class Control(Protocol):
+    """What the round controller asks of one request's control policy, every round.
+
+    Order within a round: ``speculate`` once; when it says yes, ``spec`` gives the tree shape
+    and, after the target verified a non-empty tree, ``record`` the outcome. ``draft_failed``
+    whenever a draft call fails (error, unreachable, past its deadline); ``set_draft_context_limit``
+    once the draft session opens. ``gamma`` (tree levels) and ``reason`` are read after each call.
+    """
+
+    gamma: int  # speculation depth of the next tree, tree levels
+    reason: str | None  # why the last ``speculate`` said no (one of FALLBACK_REASONS), None when it said yes
+
+    def spec(self, base: TreeSpec) -> TreeSpec:
+        """The tree shape of this round, from the request's TreeSpec."""
+
+    def speculate(self, now: float, committed_len: int, depth: int) -> bool:
+        """True = speculate with a tree of up to ``depth`` levels; False = a plain target step.
+        now: seconds (monotonic clock); committed_len: prompt + committed tokens."""
+
+    def record(self, depth: int, proposed: int, accepted: int) -> None:
+        """After a speculative round: tree levels reached, draft tokens proposed (tree nodes) and
+        accepted (the accepted path, bonus excluded)."""
+
+    def draft_failed(self, now: float) -> None:
+        """A draft call failed at ``now`` (seconds)."""
+
+    def set_draft_context_limit(self, limit: int | None) -> None:
+        """The draft's max positions, tokens (None = unlimited)."""
+
+    def shape(self, tree: DraftTree, context: list[int], max_depth: int, sunk_ms: float) -> ShapedTree:
+        """The tree to verify this round, from the drafted one (possibly empty): ``ShapedTree.of(tree)``
+        keeps it as it is; a cost-aware control keeps the nodes that pay and adds context
+        branches (orchestrator.planning.shaping). context: [T] committed tokens; max_depth: tree levels the
+        token budget allows; sunk_ms: time this round already spent drafting."""
+
+    def observe(self, shaped: ShapedTree, accepted_nodes, verify_s: float, draft_s: float | None,
+                overhead_s: float, drafted: DraftTree, batch_size: int = 1, batch_rows: int = 0,
+                mergeable: int = 0, forward_s: float = 0.0, reply_s: float | None = None) -> None:
+        """After every round (speculative or not): the verified tree, its accepted path (node
+        indices of ``shaped.tree``), the round's timings in seconds, the sessions and rows of
+        the target forward that verified it (0 rows = not reported), the sessions open at the
+        target up to its max_batch (``VerifyResult.mergeable``, 0 = not reported), that
+        forward's own time in seconds (``VerifyResult.forward_ms`` / 1000, 0 = not reported), and
+        for a tree drafted ahead (pipelining; draft_s is then None) the ahead's wall time in seconds.
+
+        Optional hooks, called only where a control has them: ``defer_draft_open(others)`` (at the
+        request's start, others = the controller's other requests in flight: True = open the draft
+        at the first drafted round) and ``draft_timed_out(waited_s)`` (a proposal, in line or
+        ahead, got no reply within the draft deadline of waited_s seconds; before draft_failed) and
+        ``draft_merged(batch_size)`` (after an in-line proposal whose reply says how many sessions'
+        tree steps shared its draft forwards: the draft service's batch_size, 1 = alone) and
+        ``round_context(context)`` (right before each ``speculate``: the committed tokens [T], prompt
+        + generated, so the plan can value this round's context branch) and ``prefill_beside()``
+        (this round runs plain while a draft service prefills the session it just opened: its
+        verify may have shared the CPU with that prefill)."""
+
+
+class PassThroughShaping:
+    """``shape`` / ``observe`` of controls that verify the drafted tree as it is."""
+
+    def shape(self, tree: DraftTree, context: list[int], max_depth: int, sunk_ms: float) -> ShapedTree:
+        return ShapedTree.of(tree)
+
+    def observe(self, shaped: ShapedTree, accepted_nodes, verify_s: float, draft_s: float | None,
+                overhead_s: float, drafted: DraftTree, batch_size: int = 1, batch_rows: int = 0,
+                mergeable: int = 0, forward_s: float = 0.0, reply_s: float | None = None) -> None:
+        pass
+
+
+ControlFactory = Callable[[TreeSpec], Control]
+
+
+class FixedControl(PassThroughShaping):
+    """No adaptation: the request's TreeSpec every round, the draft always used while it works.
+
+    A failed draft is not retried. ``RequestControl`` implements the adaptive control.
+    """
+
+    def __init__(self, spec: TreeSpec):
+        self.gamma = spec.gamma
+        self._failed = False
+        self.reason: str | None = None
+
+    def spec(self, base: TreeSpec) -> TreeSpec:
+        return base
+
+    def speculate(self, now: float, committed_len: int, depth: int) -> bool:
+        self.reason = DRAFT_UNAVAILABLE if self._failed else None
+        return not self._failed
+
+    def record(self, depth: int, proposed: int, accepted: int) -> None:
+        pass
+
+    def draft_failed(self, now: float) -> None:
+        self._failed = True
+
+    def set_draft_context_limit(self, limit: int | None) -> None:
+        pass  # a fixed policy never stops for the draft's context (the draft runtime falls back itself)
+
+
+# --------------------------------------------------------------------------- dynamic gamma
+
+
+class DynamicGamma:
+    """Speculation depth gamma of one request, adapted after every speculative round.
+
+    Start: spec.gamma clamped to [min_gamma, max_gamma]. Rule after a round whose tree reached
+    depth ``proposed_depth`` and whose accepted path holds ``accepted_length`` draft tokens:
+
+    - whole path accepted (accepted_length == proposed_depth) and the tree was as deep as asked
+      (proposed_depth >= gamma): gamma + 1;
+    - whole path accepted but the tree was shallower than gamma (cut by the token budget, the
+      draft's context or gammaThreshold): unchanged, since the round says nothing about depth gamma + 1;
+    - early rejection (accepted_length < proposed_depth): gamma - 1;
+    - no tree (proposed_depth == 0, a plain round): unchanged;
+    always within [min_gamma, max_gamma], where max_gamma is further capped so that
+    ``spec_at_depth(spec, gamma)`` stays within max_nodes nodes.
+
+    Sources: the "heuristic" schedule of HF transformers' assisted generation
+    (``num_assistant_tokens_schedule="heuristic"``, ``AssistedCandidateGenerator.update_candidate_strategy``
+    in transformers/generation/candidate_generator.py: +2 when every candidate token matched, else
+    max(1, n - 1)); llama.cpp's speculative example heuristic (ggml-org/llama.cpp PR #3006: grow only
+    when the full draft length was drafted and accepted, no change when a shorter draft was fully
+    accepted, -1 on a rejection), which is where the "tree as deep as asked" condition comes from.
+    Papers on a learned, per-token stopping rule instead of a schedule: DISCO, Mamou et al. 2024,
+    "Dynamic Speculation Lookahead Accelerates Speculative Decoding of Large Language Models"
+    (arXiv:2405.04304; a classifier decides after each draft token whether to keep drafting), and
+    SpecDec++, Huang, Guo & Wang 2024, "Boosting Speculative Decoding via Adaptive Candidate Lengths"
+    (arXiv:2405.19715; an MDP whose optimal policy is a threshold: stop when the predicted probability
+    of at least one rejection exceeds a threshold, via a trained acceptance head). Neither is used
+    here: both need per-token draft features or a trained head; the schedule needs only counts.
+
+    Why +1 rather than HF's +2: on the 2-core CPU each level costs a draft step (~45 ms) plus
+    ~20 ms of verify per extra node, ~0.2 of a plain target step (~300 ms), whereas HF's setting
+    (GPU, flat verify) makes depth nearly free. A simulation with i.i.d. per-token acceptance a and
+    round cost 300 ms + 65 ms * gamma (chain, gamma in [1, 8]) gave tokens/s for +1/-1 vs +2/-1 vs
+    +1/to-accepted+1: a=0.5: 4.05 / 3.86 / 4.04; a=0.7: 4.96 / 4.81 / 4.96; a=0.9: 7.45 / 7.48 / 7.05;
+    +1/-1 was best or within 0.5% for a in 0.3..0.95, and within 3.5% of the best static gamma
+    (which would need a known in advance).
+
+    enabled=False (DynamicGammaConfig): gamma stays spec.gamma and ``update`` changes nothing.
+    Raises ValueError when min_gamma exceeds the deepest tree allowed by max_nodes.
+    """
+
+    def __init__(self, spec: TreeSpec, config: DynamicGammaConfig = DynamicGammaConfig(),
+                 max_nodes: int = MAX_TREE_NODES):
+        self.base_spec = spec
+        self.enabled = config.enabled
+        self.max_nodes = max_nodes
+        deepest = max_depth_for(spec, max_nodes)
+        if self.enabled:
+            if config.min_gamma > deepest:
+                raise ValueError(
+                    f"dynamic_gamma.min_gamma: {config.min_gamma} exceeds the deepest tree of this spec "
+                    f"within {max_nodes} nodes ({deepest})"
+                )
+            self.min_gamma = config.min_gamma
+            self.max_gamma = min(config.max_gamma, deepest)
+            self._gamma = min(max(spec.gamma, self.min_gamma), self.max_gamma)
+        else:
+            self.min_gamma = self.max_gamma = self._gamma = spec.gamma
+        self._specs: dict[int, TreeSpec] = {}
+
+    @property
+    def gamma(self) -> int:
+        """The current speculation depth (draft steps of the next round)."""
+        return self._gamma
+
+    @property
+    def spec(self) -> TreeSpec:
+        """The TreeSpec at the current gamma (``spec_at_depth``, cached per gamma)."""
+        if self._gamma not in self._specs:
+            self._specs[self._gamma] = spec_at_depth(self.base_spec, self._gamma, self.max_nodes)
+        return self._specs[self._gamma]
+
+    def update(self, proposed_depth: int, accepted_length: int) -> int:
+        """Apply the rule (class docstring) after one round; returns the new gamma.
+
+        proposed_depth: depth of the tree actually proposed (the deepest of ``specdec.tree.node_depths(tree.parents)``), 0 for
+        none; accepted_length: draft tokens on the accepted path, bonus excluded. Raises ValueError
+        when either is negative or accepted_length > proposed_depth.
+        """
+        if proposed_depth < 0 or accepted_length < 0 or accepted_length > proposed_depth:
+            raise ValueError(f"update: need 0 <= accepted_length <= proposed_depth, got accepted_length="
+                             f"{accepted_length}, proposed_depth={proposed_depth}")
+        if not self.enabled or proposed_depth == 0:
+            return self._gamma
+        if accepted_length == proposed_depth:
+            if proposed_depth >= self._gamma:
+                self._gamma = min(self._gamma + 1, self.max_gamma)
+        else:
+            self._gamma = max(self._gamma - 1, self.min_gamma)
+        return self._gamma
+
+
+# --------------------------------------------------------------------------- fallback
+
+
+class AcceptanceWindow:
+    """Sliding window over the last n rounds of (proposed, accepted) draft tokens (also the
+    acceptance monitor's, orchestrator.loop.metrics)."""
+
+    def __init__(self, n: int):
+        self.rounds: deque[tuple[int, int]] = deque(maxlen=n)
+        self.proposed = 0
+        self.accepted = 0
+
+    def add(self, proposed: int, accepted: int) -> None:
+        if len(self.rounds) == self.rounds.maxlen:
+            p, a = self.rounds[0]
+            self.proposed -= p
+            self.accepted -= a
+        self.rounds.append((proposed, accepted))
+        self.proposed += proposed
+        self.accepted += accepted
+
+    @property
+    def full(self) -> bool:
+        return len(self.rounds) == self.rounds.maxlen
+
+    @property
+    def rate(self) -> float | None:
+        return self.accepted / self.proposed if self.proposed else None
+
+    def clear(self) -> None:
+        self.rounds.clear()
+        self.proposed = self.accepted = 0
+
+
+def check_counts(proposed: int, accepted: int) -> None:
+    """Raises ValueError unless 0 <= accepted <= proposed (draft tokens of one round)."""
+    if proposed < 0 or accepted < 0 or accepted > proposed:
+        raise ValueError(f"need 0 <= accepted <= proposed, got accepted={accepted}, proposed={proposed}")
+
+
+class FallbackPolicy:
+    """Whether one request speculates this round or runs a plain target step (DESIGN.md "Control", Fallback).
+
+    Call ``speculate`` exactly once per round (it counts plain rounds); after a speculative round
+    call ``record``; when a draft call fails (unreachable, error, deadline) call ``draft_failed``.
+    Speculation is off, checked in this order (the first that holds is ``reason``):
+
+    1. ``"draft_context_limit"``: committed_len + depth > draft_context_limit (the draft must hold
+       the committed tokens plus one position per tree level). Lasts as long as it holds
+       (for the rest of the request, as committed_len only grows); ``context_room`` tells the
+       caller how deep a tree still fits, so it can shrink gamma instead.
+    2. ``"draft_unavailable"``: for reconnect_s seconds after ``draft_failed(now)``; the first
+       round at or after now + reconnect_s speculates again (a retry; another failure re-arms it).
+       ``record(..., draft_s=...)`` with draft_s above draft_deadline_ms counts as a failure.
+    3. ``"low_acceptance"``: the acceptance rate (accepted / proposed draft tokens) over the last
+       ``window`` speculative rounds is below min_acceptance, judged on a full window only. Then
+       ``probe_every`` plain rounds run (only rounds whose reason is low_acceptance count), and the
+       next round speculates again as a probe with an emptied window: speculation stays on until
+       the window is full again and is judged afresh.
+
+    Sources: DESIGN.md "Control" (fallback when acceptance says speculation does not pay, when the
+    draft is unreachable or slow, or at the draft's context limit). The windowed-acceptance cut-off
+    with periodic probing is this project's rule: speculation pays when the expected tokens per
+    round, 1 + accepted length, exceed the round's cost in plain steps (Leviathan et al. 2023,
+    "Fast Inference from Transformers via Speculative Decoding", ICML, section 3 "Analysis",
+    Theorem 3.8: walltime improvement factor (1 - a^(gamma+1)) / ((1 - a)(gamma*c + 1)) for a chain
+    with per-token acceptance a and draft/target cost ratio c); min_acceptance is a cheap proxy of that.
+    A rate per proposed node depends on the tree's width: with DEFAULT_SPEC (5 nodes, depth 3)
+    it is at most 3/5 = 0.6, with SEED_SPEC (12 nodes) at most 3/12 = 0.25; set min_acceptance
+    for the tree in use.
+
+    now: seconds of the injected clock (``clock``, default time.monotonic) or None to read it.
+    ``fallback_rounds``: plain rounds so far by reason; ``probes``: probes started. metrics: a
+    SpecMetrics (orchestrator.loop.metrics, not imported here: it imports this module's vocabulary)
+    whose fallback_rounds{reason} counter is incremented with every plain round.
+    """
+
+    def __init__(self, config: FallbackConfig = FallbackConfig(), draft_context_limit: int | None = None,
+                 metrics=None, clock: Callable[[], float] = time.monotonic):
+        if draft_context_limit is not None and draft_context_limit < 1:
+            raise ValueError(f"draft_context_limit: must be >= 1 tokens, got {draft_context_limit}")
+        self.config = config
+        self.draft_context_limit = draft_context_limit
+        self.metrics = metrics
+        self.clock = clock
+        self.window = AcceptanceWindow(config.window)
+        self.reason: str | None = None
+        self.fallback_rounds: dict[str, int] = {r: 0 for r in FALLBACK_REASONS}
+        self.probes = 0
+        self.draft_failures = 0
+        self._unavailable_until: float | None = None
+        self._low = False
+        self._plain_since_low = 0
+
+    @property
+    def deadline_s(self) -> float:
+        """The draft reply deadline in seconds (draft_deadline_ms / 1000), e.g. for an RPC timeout."""
+        return self.config.draft_deadline_ms / 1000.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Acceptance rate over the current window (None when it holds no proposed token)."""
+        return self.window.rate
+
+    def context_room(self, committed_len: int) -> int | None:
+        """Tree levels the draft's context still holds (limit - committed_len), None when unlimited."""
+        if self.draft_context_limit is None:
+            return None
+        return self.draft_context_limit - committed_len
+
+    def speculate(self, now: float | None, committed_len: int, depth: int = 1) -> bool:
+        """Decide this round: True = speculate with a tree of up to ``depth`` levels, False = plain step.
+
+        committed_len: tokens in the request's context (prompt + committed); depth: the tree depth
+        the caller means to ask for (>= 1). Sets ``reason`` (None when True) and counts the plain
+        round. Raises ValueError for committed_len < 0 or depth < 1.
+        """
+        if committed_len < 0 or depth < 1:
+            raise ValueError(f"speculate: need committed_len >= 0 and depth >= 1, got {committed_len}, {depth}")
+        now = self.clock() if now is None else now
+        reason = None
+        if self.draft_context_limit is not None and committed_len + depth > self.draft_context_limit:
+            reason = DRAFT_CONTEXT_LIMIT
+        elif self._unavailable_until is not None and now < self._unavailable_until:
+            reason = DRAFT_UNAVAILABLE
+        elif self._low:
+            if self._plain_since_low >= self.config.probe_every:
+                self._low = False
+                self._plain_since_low = 0
+                self.window.clear()
+                self.probes += 1
+                log.info("fallback: probing speculation again after %d plain rounds", self.config.probe_every)
+            else:
+                self._plain_since_low += 1
+                reason = LOW_ACCEPTANCE
+        if reason is None and self._unavailable_until is not None:
+            self._unavailable_until = None  # the retry
+        self.reason = reason
+        if reason is not None:
+            self.fallback_rounds[reason] += 1
+            if self.metrics is not None:
+                self.metrics.fallback_rounds.labels(reason=reason).inc()
+        return reason is None
+
+    def record(self, proposed: int, accepted: int, now: float | None = None, draft_s: float | None = None) -> None:
+        """Record a speculative round: proposed / accepted draft tokens, draft_s the draft's reply time (s).
+
+        A round with proposed == 0 is ignored by the window. draft_s > draft_deadline_ms / 1000
+        marks the draft unavailable (as ``draft_failed(now)``). Raises ValueError for negative
+        counts or accepted > proposed.
+        """
+        check_counts(proposed, accepted)
+        if draft_s is not None and draft_s > self.deadline_s:
+            log.warning("fallback: draft reply took %.3f s, over the %.3f s deadline", draft_s, self.deadline_s)
+            self.draft_failed(now)
+        if proposed == 0:
+            return
+        self.window.add(proposed, accepted)
+        rate = self.window.rate
+        if self.window.full and rate is not None and rate < self.config.min_acceptance and not self._low:
+            self._low = True
+            self._plain_since_low = 0
+            log.info("fallback: acceptance %.3f (%d/%d draft tokens over %d rounds) < %.3f; plain decoding "
+                     "for %d rounds", rate, self.window.accepted, self.window.proposed, len(self.window.rounds),
+                     self.config.min_acceptance, self.config.probe_every)
+
+    def set_draft_context_limit(self, limit: int | None) -> None:
+        """The draft's max positions, learnt when its session opens (None = unlimited).
+        Raises ValueError for a limit < 1."""
+        if limit is not None and limit < 1:
+            raise ValueError(f"draft_context_limit: must be >= 1 tokens, got {limit}")
+        self.draft_context_limit = limit
+
+    def draft_failed(self, now: float | None = None) -> None:
+        """Mark the draft unavailable (unreachable, error or too slow) until now + reconnect_s."""
+        now = self.clock() if now is None else now
+        self.draft_failures += 1
+        self._unavailable_until = now + self.config.reconnect_s
+
+
+# --------------------------------------------------------------------------- both
+
+
+class RequestControl(PassThroughShaping):
+    """DynamicGamma + FallbackPolicy of one request, behind the round controller's control interface.
+
+    Implements ``Control`` (with optional arguments beyond it). Rules and sources: DynamicGamma
+    and FallbackPolicy.
+    Raises ValueError as DynamicGamma does (min_gamma beyond the node limit).
+    """
+
+    def __init__(self, spec: TreeSpec, dynamic_gamma: DynamicGammaConfig = DynamicGammaConfig(),
+                 fallback: FallbackConfig = FallbackConfig(), draft_context_limit: int | None = None,
+                 metrics=None, clock: Callable[[], float] = time.monotonic,
+                 max_nodes: int = MAX_TREE_NODES):
+        self.dynamic = DynamicGamma(spec, dynamic_gamma, max_nodes)
+        self.fallback = FallbackPolicy(fallback, draft_context_limit, metrics, clock)
+
+    @property
+    def gamma(self) -> int:
+        """Current speculation depth (DynamicGamma.gamma)."""
+        return self.dynamic.gamma
+
+    @property
+    def reason(self) -> str | None:
+        """Why the last ``speculate`` said no (FallbackPolicy.reason), None when it said yes."""
+        return self.fallback.reason
+
+    @property
+    def fallback_rounds(self) -> dict[str, int]:
+        """Plain rounds so far by reason."""
+        return self.fallback.fallback_rounds
+
+    def spec(self, base: TreeSpec | None = None) -> TreeSpec:
+        """The tree shape at the current gamma: ``spec_at_depth(base, gamma)`` (base defaults to the request's spec)."""
+        if base is None or base == self.dynamic.base_spec:
+            return self.dynamic.spec
+        return spec_at_depth(base, self.dynamic.gamma, self.dynamic.max_nodes)
+
+    def speculate(self, now: float | None, committed_len: int, depth: int | None = None) -> bool:
+        """FallbackPolicy.speculate for a tree of min(gamma, depth) levels (depth: what the token
+        budget allows; None = no cap)."""
+        gamma = self.dynamic.gamma
+        return self.fallback.speculate(now, committed_len, gamma if depth is None else min(gamma, depth))
+
+    def record(self, depth: int, proposed: int, accepted: int, now: float | None = None,
+               draft_s: float | None = None) -> None:
+        """After a speculative round: tree depth reached, proposed draft tokens (tree nodes), accepted
+        draft tokens (the accepted path, bonus excluded). Updates gamma, then the fallback window.
+        Raises ValueError for impossible counts (accepted > depth or > proposed, negatives)."""
+        check_counts(proposed, accepted)
+        self.dynamic.update(depth, accepted)
+        self.fallback.record(proposed, accepted, now, draft_s)
+
+    def draft_failed(self, now: float | None = None) -> None:
+        """FallbackPolicy.draft_failed: no speculation for reconnect_s seconds."""
+        self.fallback.draft_failed(now)
+
+    def set_draft_context_limit(self, limit: int | None) -> None:
+        """FallbackPolicy.set_draft_context_limit."""
+        self.fallback.set_draft_context_limit(limit)

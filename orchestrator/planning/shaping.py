@@ -1,0 +1,306 @@
+"""Cost-aware token trees: each round's tree maximizes expected committed tokens per millisecond.
+
+Terms: a node's *value* is its estimated chance of lying on the accepted path; the expected tokens of
+a round are 1 (the bonus) + the sum of its nodes' values (linearity of expectation: each accepted
+node is one committed token). A round's *rate* is expected tokens / predicted round ms, from the
+measured costs of this deployment (``orchestrator.planning.cost_model``: target verify V(rows), draft step
+D(parents)).
+
+Three decisions per round, all from the same rate:
+
+1. Before drafting (``plan_depth``): how many draft steps g to run (0 = no draft: a plain round,
+   still carrying the free context branches). Expected values per depth come from this request's
+   past trees; this round's context branch is valued as the shaping would keep it without a
+   draft (``context_path``), and a draft node counts only where that branch fails; the rate of
+   every g in 0..max is compared. While drafting, the draft stops deepening by itself once the
+   best path is too unlikely to pay for one more step (the TreeSpec's ``gammaThreshold``, set per
+   round from the costs: ``stop_threshold``).
+2. After drafting (``shape_tree``): which of the drafted nodes to verify. Nodes are taken best value
+   first (keeping the tree ancestor-closed, and for sampled treeType-1 children a draw-order prefix
+   of each sibling set) while the round's rate keeps rising: one more verify row costs V(n + 1) -
+   V(n) ms and brings its value in tokens.
+3. Free branches: the continuation of the context's last n-gram (``specdec.ngram``) is merged into
+   the tree (``specdec.tree.merge_chain``) as context nodes, valued by their own calibration, and
+   selected by the same rule; they cost verify rows but no draft step.
+
+Values: a draft node's value is its parent's value times a(q), the calibrated chance that the target
+agrees with a child of draft probability q given that its parent was accepted
+(``AcceptanceCalibration``, binned by q, learned from this request's verified trees on top of the
+front-wide table); a context node's value uses the chance for its place in the n-gram branch
+and the branch's match length (``ContextCalibration``, ``match_bucket``). Sources: EAGLE-2 (Li
+et al. 2024, §4: dynamic draft trees ranked by draft confidence, which is well calibrated with
+acceptance), Sequoia (Chen et al. 2024, §3:
+hardware-aware tree size from measured forward times), SpecDec++ (Huang et al. 2024) and DISCO
+(Mamou et al. 2024) on when to stop drafting. Unlike them, the costs here are the running
+deployment's measured V(n) and D(p), kept current from the rounds' own timings.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import threading
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Sequence
+
+from orchestrator.planning.cost_model import CostModel
+from specdec.ngram import match_continuation
+from specdec.tree import ROOT, DraftTree, children, merge_chain, node_depths, select_nodes
+
+_EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85, 0.95, 1.0)
+
+
+def _bin(q: float) -> int:
+    for i in range(len(_EDGES) - 2, -1, -1):
+        if q >= _EDGES[i]:
+            return i
+    return 0
+
+
+class AcceptanceCalibration:
+    """a(q): P(a draft child is accepted | its parent is), binned by the child's draft probability q.
+
+    Counts (accepted, seen) per bin over the nodes whose parent was on the accepted path (the root
+    included): for those, acceptance is an unbiased sample. ``prior``: another calibration (the
+    front-wide one) whose estimates count as ``prior_weight`` observations per bin; without one,
+    a(q) starts at 0.8 q (drafts are a little over-confident), worth 2 observations.
+    """
+
+    def __init__(self, prior: "AcceptanceCalibration | None" = None, prior_weight: float = 4.0):
+        self.prior = prior
+        self.prior_weight = prior_weight
+        self.hits = [0.0] * (len(_EDGES) - 1)
+        self.seen = [0.0] * (len(_EDGES) - 1)
+        self._lock = threading.Lock()
+
+    def _prior(self, b: int) -> tuple[float, float]:
+        if self.prior is not None:
+            return self.prior.a_bin(b), self.prior_weight
+        mid = (_EDGES[b] + _EDGES[b + 1]) / 2
+        return 0.8 * mid, 2.0
+
+    def a_bin(self, b: int) -> float:
+        p, w = self._prior(b)
+        return (self.hits[b] + p * w) / (self.seen[b] + w)
+
+    def __call__(self, q: float) -> float:
+        """Calibrated acceptance chance of a child with draft probability q in [0, 1]."""
+        return self.a_bin(_bin(q))
+
+    def observe(self, q: float, accepted: bool) -> None:
+        b = _bin(q)
+        with self._lock:
+            self.hits[b] += accepted
+            self.seen[b] += 1
+
+
+class ContextCalibration:
+    """P(a context node is accepted | its parent is), by (n, k): n the branch's match-length bucket
+    (``match_bucket``), k the node's place in the branch, capped at 4; prior 0.4 worth 2
+    observations, or another calibration's estimates. The prior is the same for every bucket, so
+    the buckets part only as rounds are observed (front-wide, ``SharedState.ctx_calib``)."""
+
+    def __init__(self, prior: "ContextCalibration | None" = None, prior_weight: float = 4.0):
+        self.prior = prior
+        self.prior_weight = prior_weight
+        self.hits: dict[tuple[int, int], float] = {}
+        self.seen: dict[tuple[int, int], float] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, n: int, k: int) -> float:
+        key = (n, min(k, 4))
+        p, w = (self.prior(n, k), self.prior_weight) if self.prior is not None else (0.4, 2.0)
+        return (self.hits.get(key, 0.0) + p * w) / (self.seen.get(key, 0.0) + w)
+
+    def observe(self, n: int, k: int, accepted: bool) -> None:
+        key = (n, min(k, 4))
+        with self._lock:
+            self.hits[key] = self.hits.get(key, 0.0) + accepted
+            self.seen[key] = self.seen.get(key, 0.0) + 1
+
+
+@dataclass(frozen=True)
+class ShapedTree:
+    """The tree a round verifies, with what the shaping decided.
+
+    tree: the verified tree; draft_index: [N] the node's index in the draft's own tree (None for
+    context nodes), for the draft's commit; values: [N] estimated acceptance chances;
+    context: {node: (n, k)} calibration keys of the context branch's nodes, draft nodes it shares
+    included (n the match bucket, k the place);
+    drafted: nodes the draft proposed (before selection); expected_accepted: sum of values (tokens, bonus excluded).
+    """
+
+    tree: DraftTree
+    draft_index: tuple[int | None, ...]
+    values: tuple[float, ...]
+    context: dict
+    drafted: int
+    expected_accepted: float
+
+    @property
+    def depth(self) -> int:
+        return max(node_depths(self.tree.parents), default=0)
+
+    @classmethod
+    def of(cls, tree: DraftTree) -> "ShapedTree":
+        """The drafted tree verified as it is (controls that do not shape trees)."""
+        return cls(tree, tuple(range(tree.size)), (0.0,) * tree.size, {}, tree.size, 0.0)
+
+
+def node_values(tree: DraftTree, calib: AcceptanceCalibration) -> list[float]:
+    """[N] value of each draft node: product of a(q) along its path (q = exp(draft log-prob))."""
+    values: list[float] = []
+    for i, p in enumerate(tree.parents):
+        q = math.exp(tree.draft_logprobs[i]) if tree.draft_logprobs else 0.5
+        values.append((1.0 if p == ROOT else values[p]) * calib(q))
+    return values
+
+
+def _selectable(tree: DraftTree, parent: int, kids: list[list[int]], taken: set[int]) -> list[int]:
+    """Children of ``parent`` that may be taken next: every context child, and for a parent with a
+    proposal (sampled treeType 1) only the first drawn child not yet taken (draw-order prefix)."""
+    has_q = any(q.parent == parent for q in tree.proposals)
+    out, first_drawn = [], True
+    for c in kids[parent + 1]:
+        if c in taken:
+            continue
+        if has_q and tree.drawn(c):
+            if first_drawn:
+                out.append(c)
+            first_drawn = False
+        else:
+            out.append(c)
+    return out
+
+
+def select_by_rate(tree: DraftTree, values: Sequence[float], cost: CostModel, sunk_ms: float,
+                   drafted: bool = False) -> list[int]:
+    """Nodes to verify: best value first, while the round's rate (1 + sum of values) / (sunk_ms +
+    V(1 + n)) is highest. sunk_ms: time already spent this round (drafting, overhead); drafted: the
+    round drafted, so its verify is priced as ``cost.drafted_verify`` (under load it may miss the
+    other requests' forward). Returns the kept node indices (ancestor-closed), possibly empty."""
+    verify = cost.drafted_verify if drafted else cost.verify
+    kids = children(tree.parents)
+    taken: set[int] = set()
+    order: list[int] = []
+    heap = [(-values[c], c) for c in _selectable(tree, ROOT, kids, taken)]
+    heapq.heapify(heap)
+    total, best_rate, best_n = 1.0, 1.0 / (sunk_ms + verify(1)), 0
+    while heap:
+        neg, node = heapq.heappop(heap)
+        if node in taken:
+            continue
+        taken.add(node)
+        order.append(node)
+        total += -neg
+        rate = total / (sunk_ms + verify(1 + len(order)))
+        if rate > best_rate:
+            best_rate, best_n = rate, len(order)
+        for c in _selectable(tree, node, kids, taken) + _selectable(tree, tree.parents[node], kids, taken):
+            heapq.heappush(heap, (-values[c], c))
+    return order[:best_n]
+
+
+Lookup = Callable[[Sequence[int], int], tuple[list[int], int]]  # (context, max tokens) -> (chain, calibration key n)
+
+
+def shape_tree(tree: DraftTree, context: Sequence[int], calib: AcceptanceCalibration, ctx_calib: ContextCalibration,
+               cost: CostModel, sunk_ms: float, ngram_tokens: int = 8, max_ngram: int = 3,
+               max_depth: int | None = None, lookup: Lookup | None = None) -> ShapedTree:
+    """Merge the context's n-gram continuation into the drafted tree, then keep the nodes that pay.
+
+    tree: the draft's tree (may be empty); context: [T] committed tokens (prompt + generated; the
+    continuation's ids are committed ids, so valid for the target); max_depth: the deepest node
+    allowed (token budget); lookup: replaces ``ngram_continuation`` (tests script it).
+    Returns a ShapedTree (see there).
+    """
+    values = node_values(tree, calib)
+    drafted = tree.size
+    ctx_keys: dict[int, tuple[int, int]] = {}
+    chain, n = context_chain(context, ngram_tokens, max_ngram, max_depth, lookup)
+    if chain:
+        tree, path = merge_chain(tree, ROOT, chain)
+        parent_value = 1.0
+        for k, node in enumerate(path, start=1):
+            v = parent_value * ctx_calib(n, k)
+            if node >= len(values):
+                values.append(v)
+            else:
+                values[node] = max(values[node], v)  # a draft node the n-gram also proposes
+            ctx_keys[node] = (n, k)  # shared nodes too: the branch's chances are learnt where the draft agrees
+            parent_value = values[node]
+    keep = select_by_rate(tree, values, cost, sunk_ms, drafted=drafted > 0)
+    sub, old = select_nodes(tree, keep)
+    draft_index = tuple(o if o < drafted else None for o in old)
+    context_keys = {j: ctx_keys[o] for j, o in enumerate(old) if o in ctx_keys}
+    kept_values = tuple(values[o] for o in old)
+    return ShapedTree(sub, draft_index, kept_values, context_keys, drafted, sum(kept_values))
+
+
+def context_chain(context: Sequence[int], ngram_tokens: int, max_ngram: int, max_depth: int | None,
+                  lookup: Lookup | None = None) -> tuple[list[int], int]:
+    """This round's context branch: (continuation of at most min(ngram_tokens, max_depth) tokens, its
+    calibration key), ([], 0) when there is none; ``lookup`` replaces ``ngram_continuation``."""
+    limit = ngram_tokens if max_depth is None else min(ngram_tokens, max_depth)
+    if limit <= 0:
+        return [], 0
+    return (lookup or partial(ngram_continuation, max_ngram=max_ngram))(context, limit)
+
+
+def context_path(context: Sequence[int], ctx_calib: ContextCalibration, cost: CostModel, sunk_ms: float,
+                 ngram_tokens: int = 8, max_ngram: int = 3, max_depth: int | None = None,
+                 lookup: Lookup | None = None) -> list[float]:
+    """[m] values of the context branch's nodes that ``shape_tree`` would keep with no draft tree:
+    value k is the chance that the branch's first k tokens are all accepted (the product of
+    ``ctx_calib`` along it). Selection as ``select_by_rate`` on that chain alone: the prefix with the
+    best rate (1 + sum of values) / (sunk_ms + V(1 + m)). [] when the context has no branch. The plan
+    (``orchestrator.planning.cost_aware.plan_depth``) values this round's own branch with it before drafting,
+    for every number of draft steps alike (after drafting, the drafting time adds to sunk_ms, so the
+    shaping may keep a longer branch than this)."""
+    chain, n = context_chain(context, ngram_tokens, max_ngram, max_depth, lookup)
+    if not chain:
+        return []
+    values, v = [], 1.0
+    for k in range(1, len(chain) + 1):
+        v *= ctx_calib(n, k)
+        values.append(v)
+    tree, _ = merge_chain(DraftTree((), ()), ROOT, chain)
+    return values[:len(select_by_rate(tree, values, cost, sunk_ms))]  # falling values: the kept nodes are a prefix
+
+
+def match_bucket(match: int) -> int:
+    """The calibration key of a context branch whose occurrence matches the context's last ``match``
+    tokens: 1, 2, 3, 4 (4-5 tokens) or 5 (6 or more); ``match`` < 1 (no branch) is returned as it
+    is. The match length predicts acceptance: at the 563 positions of the target's greedy answers
+    to 13 Spec-Bench questions, a branch's first token was right 26% of the time at match 1 (145
+    branches), 60% at 2 (43), 42% at 3 (36), 73% at 4-5 (22) and 93% at 6 or more (87)
+    (``benchmarks/records/context_branches_cpu_2core_2026-12-02/context_branches_cpu_2core_2026-12-02.md``)."""
+    return match if match <= 3 else 4 if match <= 5 else 5
+
+
+MATCH_BUCKET_LABELS = {1: "1", 2: "2", 3: "3", 4: "4-5", 5: "6+"}  # match_bucket -> the match lengths it holds
+
+
+def ngram_continuation(context: Sequence[int], max_tokens: int, max_ngram: int = 3) -> tuple[list[int], int]:
+    """(n-gram continuation of at most max_tokens tokens, its ``match_bucket``); ([], 0) when none
+    (``specdec.ngram.match_continuation``: the most recent occurrence of the longest suffix up to
+    max_ngram tokens)."""
+    chain, match = match_continuation(context, max_tokens, max_ngram=max_ngram, max_match=6)  # 6+: one bucket
+    return chain, match_bucket(match)  # ([], 0) when nothing matches
+
+
+def observe_verified(shaped: ShapedTree, accepted_nodes: Sequence[int], calib: AcceptanceCalibration,
+                     ctx_calib: ContextCalibration) -> None:
+    """Teach both calibrations from one verified tree: every node whose parent was accepted (or is
+    the root) is one sample, accepted or not."""
+    tree = shaped.tree
+    on_path = set(accepted_nodes)
+    for i, p in enumerate(tree.parents):
+        if p != ROOT and p not in on_path:
+            continue
+        hit = i in on_path
+        if i in shaped.context:
+            ctx_calib.observe(*shaped.context[i], hit)
+        if shaped.draft_index[i] is not None and tree.draft_logprobs:
+            calib.observe(math.exp(tree.draft_logprobs[i]), hit)

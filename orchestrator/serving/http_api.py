@@ -1,0 +1,695 @@
+"""OpenAI-compatible HTTP API of the front: FastAPI on uvicorn, in the front's own event loop.
+
+Served beside the gRPC GenerationService when ``front.http_port`` is set (``--http-port``), over the
+same servicer: every request is parsed by ``GenerationServicer.parse`` and runs through
+``GenerationServicer.run`` (the same round loop, speculation, batching, fallback, traces, metrics).
+
+    POST /v1/completions        prompt (text, or token ids), raw: no chat template
+    POST /v1/chat/completions   messages, through the chat template of the target's tokenizer
+    GET  /v1/models             the one served model (id: front.served_model_name, else the tokenizer dir's name)
+    GET  /health                200 while serving, 503 while draining
+    GET  /metrics               Prometheus text of the front's registry (the one front.metrics_port serves)
+
+Parameters: ``model``, ``prompt`` / ``messages`` (a message's ``name`` goes to the chat template),
+``max_tokens`` (chat also ``max_completion_tokens``; unset = front.max_new_tokens), ``temperature`` (default 1, as OpenAI's), ``top_p``, ``top_k``
+(extension, 0 = off), ``seed``, ``stop`` (a string or a list; the text ends before it, OpenAI's rule;
+the tokens and ``usage`` include the token that completed it), ``n`` (1 only), ``stream``,
+``stream_options.include_usage``, ``user`` (accepted, unused), and our extension object ``specdec``:
+``{"tree": TreeSpec JSON, "no_spec": bool, "ignore_eos": bool, "return_token_ids": bool}`` (``return_token_ids``: each
+choice and chunk also carries the committed ``token_ids``). A null parameter takes its default
+(OpenAI's are nullable). Any other parameter is refused with 400
+naming it, never ignored; so is an unsupported OpenAI one (``logprobs``, ``tools``, penalties,
+``logit_bias``, ``response_format`` ...) unless it holds its no-op value (null, false, 0, {}, []).
+
+Responses: OpenAI's objects; ``finish_reason`` "stop" (EOS or a stop string) or "length"
+(max_tokens or the context limit); ``usage`` counts the committed tokens; the final chunk / response
+carries the request's speculation statistics in ``specdec`` (the fields of gRPC FinalStats).
+Streams are server-sent events in OpenAI's chunk format ending with ``data: [DONE]``; the headers
+are sent with the first committed tokens, so an error before them gets its status: 400 bad
+parameter, 401 missing or wrong bearer token (``front.auth_token_file``; /health and /metrics stay
+open), 404 unknown model, 429 over the front's admission limits (``front.limits``: running and
+waiting requests, per client - the bearer token, else the client host - and overall) or the
+target's (RESOURCE_EXHAUSTED), 503 draining or a
+service down, 504 deadline; later an ``{"error": ...}`` event ends the stream. Errors use OpenAI's
+object ``{"error": {"message", "type", "param", "code"}}`` (unknown paths and internal errors too).
+A client that disconnects cancels its request, which frees its KV on the draft and the target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import Literal
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from google.protobuf.json_format import MessageToDict
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from orchestrator.serving.admission import AdmissionRefused
+from orchestrator.serving.backends import UpstreamError
+from orchestrator.loop.embedded import encode_chat
+from orchestrator.serving.front import GenerationServicer, RequestIdInUse, StreamEvent
+from specdec.sampling import SamplingParamsError
+from specdec.security import load_auth_tokens, token_accepted
+from specdec.tree_spec import TreeSpecError, parse_tree_spec
+from specdec.v1 import generation_pb2, tree_pb2
+from specdec.wire import spec_to_proto, stats_to_proto
+
+log = logging.getLogger(__name__)
+
+INT32 = 2**31
+INT64 = 2**63
+
+# OpenAI parameters this server does not implement, with the values that ask for nothing (accepted).
+UNSUPPORTED: dict[str, tuple] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,), "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+}
+
+# our stop reasons (specdec.stats / orchestrator.loop.stops) -> OpenAI's finish_reason
+FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "context_limit": "length",
+                  "aborted": "abort"}
+
+
+def _is_noop(value, noops: tuple) -> bool:
+    """value is one of noops, type included (False is not 0 here)."""
+    return any(value is n or (type(value) is type(n) and value == n) for n in noops)
+
+
+# --------------------------------------------------------------------------- request models
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data):
+        """A null field takes its default (OpenAI's parameters are nullable: "temperature": null = 1);
+        a null required one is then missing."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in cls.model_fields)}
+        return data
+
+
+class SpecdecOptions(_Strict):
+    """The ``specdec`` extension field of a request."""
+
+    tree: dict | None = None          # TreeSpec JSON (DESIGN.md "TreeSpec"); None = the server's
+    no_spec: bool = False             # plain target decoding
+    ignore_eos: bool = False          # EOS does not end generation (vLLM's ignore_eos): fixed-length runs
+    return_token_ids: bool = False    # choices and chunks also carry the committed token ids
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False       # one more chunk, with empty choices and the usage, before [DONE]
+
+
+class _GenerationParams(_Strict):
+    """The parameters completions and chat completions share."""
+
+    model: str | None = None          # None = the served model
+    max_tokens: int | None = Field(default=None, ge=1, lt=INT32)
+    temperature: float = 1.0          # OpenAI's default; 0 = greedy
+    top_p: float = Field(default=1.0, gt=0)   # the rest of the range is checked by SamplingParams
+    top_k: int = Field(default=0, ge=-INT32, lt=INT32)   # extension; 0 = off
+    seed: int | None = Field(default=None, ge=-INT64, lt=INT64)
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None           # an end-user id (accepted, unused)
+    specdec: SpecdecOptions = SpecdecOptions()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_noop_unsupported(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (k in UNSUPPORTED and _is_noop(v, UNSUPPORTED[k]))}
+        return data
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"only n = 1 is supported, got {n}")
+        return n
+
+    def max_new_tokens(self) -> int:
+        return self.max_tokens or 0  # 0 = front.max_new_tokens
+
+
+class CompletionRequest(_GenerationParams):
+    """POST /v1/completions: one prompt, text (no chat template) or token ids."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None           # the participant's name: passed to the chat template (as vLLM does)
+
+    def as_template_input(self) -> dict:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": self.role, "content": text} | ({"name": self.name} if self.name is not None else {})
+
+
+class ChatCompletionRequest(_GenerationParams):
+    """POST /v1/chat/completions: a conversation through the target's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, lt=INT32)
+
+    def max_new_tokens(self) -> int:
+        if self.max_tokens and self.max_completion_tokens and self.max_tokens != self.max_completion_tokens:
+            raise ApiError(400, f"max_completion_tokens: {self.max_completion_tokens} differs from max_tokens "
+                                f"{self.max_tokens} (give one)", "max_completion_tokens")
+        return self.max_completion_tokens or self.max_tokens or 0
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class ApiError(Exception):
+    """An HTTP error in OpenAI's error object format."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected; its request was cancelled."""
+
+
+UPSTREAM_STATUS = {  # a downstream gRPC status -> (HTTP status, OpenAI error type)
+    "INVALID_ARGUMENT": (400, "invalid_request_error"), "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
+    "UNAVAILABLE": (503, "server_error"), "DEADLINE_EXCEEDED": (504, "server_error"),
+}
+
+
+def field_error(exc: Exception, prompt_param: str) -> ApiError:
+    """400 for a parse error of the servicer (message ``field: detail``), the field renamed to the
+    request's parameter: prompt / prompt_ids -> ``prompt_param``, max_new_tokens -> max_tokens,
+    a tree error -> specdec.tree."""
+    field, _, detail = str(exc).partition(": ")
+    if isinstance(exc, TreeSpecError) or field == "tree":
+        param, detail = "specdec.tree", str(exc)
+    elif isinstance(exc, SamplingParamsError):
+        param, detail = exc.field, exc.detail
+    else:
+        param = {"prompt": prompt_param, "prompt_ids": prompt_param, "max_new_tokens": "max_tokens",
+                 "stop_strings": "stop"}.get(field, field)
+    return ApiError(400, f"{param}: {detail}", param)
+
+
+def run_error(exc: BaseException, prompt_param: str) -> ApiError:
+    """The ApiError for an exception of a running request."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, ClientGone):
+        return ApiError(499, str(exc), type="client_closed_request")
+    if isinstance(exc, UpstreamError):
+        status, kind = UPSTREAM_STATUS.get(exc.code_name, (500, "server_error"))
+        return ApiError(status, exc.details or exc.code_name, type=kind, code=exc.code_name.lower())
+    if isinstance(exc, RequestIdInUse):
+        return ApiError(409, str(exc), code="request_id_in_use")
+    if isinstance(exc, AdmissionRefused):  # over front.limits: OpenAI's rate-limit error
+        return ApiError(429, str(exc), type="rate_limit_error", code="rate_limit_exceeded")
+    if isinstance(exc, ValueError):
+        return field_error(exc, prompt_param)
+    log.exception("HTTP request failed", exc_info=exc)
+    return ApiError(500, f"internal error: {type(exc).__name__}", type="server_error")
+
+
+def validation_error(exc: RequestValidationError) -> ApiError:
+    """400 naming the first bad parameter (``messages[0].content``); unknown and unsupported parameters
+    are told apart."""
+    messages, first = [], None
+    for err in exc.errors():
+        loc = [x for x in err["loc"] if x != "body"]
+        param = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".") or None
+        if err["type"] == "extra_forbidden":
+            what = "not supported by this server" if len(loc) == 1 and loc[0] in UNSUPPORTED else "unknown parameter"
+        elif err["type"] == "json_invalid":
+            param, what = None, f"request body is not valid JSON ({err.get('ctx', {}).get('error', '')})"
+        else:
+            what = err["msg"].removeprefix("Value error, ")
+        first = first or param
+        messages.append(f"{param}: {what}" if param else what)
+    return ApiError(400, "; ".join(messages), first)
+
+
+# --------------------------------------------------------------------------- one request's output
+
+
+class StopTrim:
+    """Text deltas that end before the first stop string (OpenAI's rule; our tokens keep it, HF's).
+
+    A stop string may span deltas, so the last ``max(len(stop)) - 1`` characters are held back until
+    more text shows they start no stop string, or the request ends (``final``); nothing from the
+    first complete stop string on is ever sent (the delta of the round that completes it may hold it
+    whole, before the end is known).
+    """
+
+    def __init__(self, stop: tuple[str, ...]):
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        self.sent = 0
+
+    def push(self, delta: str) -> str:
+        self.text += delta
+        return self._send(min(len(self.text) - self.hold, self._first_stop()))
+
+    def final(self, delta: str) -> str:
+        self.text += delta
+        return self._send(self._first_stop())
+
+    def _first_stop(self) -> int:
+        """Where the first stop string starts in the text (its length when there is none)."""
+        return min((i for i in (self.text.find(s, max(0, self.sent - len(s) + 1)) for s in self.stop) if i >= 0),
+                   default=len(self.text))
+
+    def _send(self, end: int) -> str:
+        out = self.text[self.sent:max(end, self.sent)]
+        self.sent += len(out)
+        return out
+
+
+class Output:
+    """OpenAI objects (chunks, responses) of one request; chat: chat.completion, else text_completion."""
+
+    def __init__(self, chat: bool, model: str, body: _GenerationParams, stop: tuple[str, ...], prompt_tokens: int):
+        self.chat = chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.model = model
+        self.created = int(time.time())
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.token_ids = body.specdec.return_token_ids
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.trim = StopTrim(stop)
+
+    def chunks(self, event: StreamEvent) -> list[dict]:
+        """The chunks of one event: text (when there is any, or token ids asked for), then at the end
+        the finish chunk with the statistics and, with include_usage, the usage chunk."""
+        self.completion_tokens += len(event.tokens)
+        if event.stats is None:
+            text = self.trim.push(event.text_delta)
+            return [self._chunk(text, event.tokens)] if text or (self.token_ids and event.tokens) else []
+        text = self.trim.final(event.text_delta)
+        final = self._chunk(text, [], FINISH_REASONS.get(event.stats.stop_reason, "stop"))
+        final["specdec"] = self._stats(event.stats)
+        if not self.include_usage:
+            return [final]
+        final["usage"] = None
+        return [final, {**self._head(chunk=True), "choices": [], "usage": self._usage()}]
+
+    def first_chunk(self) -> dict | None:
+        """Chat streams open with the assistant's role."""
+        if not self.chat:
+            return None
+        return {**self._head(chunk=True), "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                       "logprobs": None, "finish_reason": None}]}
+
+    def response(self, events: list[StreamEvent]) -> dict:
+        """The non-streaming response: the text and tokens the chunks of the same events carry."""
+        for event in events:
+            self.chunks(event)
+        stats = events[-1].stats
+        text = self.trim.text[:self.trim.sent]
+        choice: dict = {"index": 0}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice.update(logprobs=None, finish_reason=FINISH_REASONS.get(stats.stop_reason, "stop"))
+        if self.token_ids:
+            choice["token_ids"] = [t for e in events for t in e.tokens]
+        return {**self._head(chunk=False), "choices": [choice], "usage": self._usage(), "specdec": self._stats(stats)}
+
+    def _head(self, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def _chunk(self, text: str, tokens: list[int], finish_reason: str | None = None) -> dict:
+        choice: dict = {"index": 0}
+        if self.chat:
+            choice["delta"] = {"content": text} if text or finish_reason is None else {}
+        else:
+            choice["text"] = text
+        choice.update(logprobs=None, finish_reason=finish_reason)
+        if self.token_ids:
+            choice["token_ids"] = tokens
+        chunk = {**self._head(chunk=True), "choices": [choice]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    def _stats(self, stats) -> dict:
+        return MessageToDict(stats_to_proto(stats, self.prompt_tokens), preserving_proto_field_name=True,
+                             always_print_fields_with_no_presence=True)
+
+
+def sse(data: dict) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+# --------------------------------------------------------------------------- running a request
+
+
+_END = object()
+
+
+class Run:
+    """One request's StreamEvents, from ``servicer.run`` in a task of its own: a client that
+    disconnects (an ``http.disconnect`` message) or ``close`` cancels that task, and with it the
+    request, which frees its KV on both services. Iterate it once."""
+
+    def __init__(self, events, request: Request, active: set[str], request_id: str):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.producer = asyncio.create_task(self._pump(events))
+        self.watcher = asyncio.create_task(_disconnect(request))
+        self.watcher.add_done_callback(lambda _: self.producer.cancel())
+        active.add(request_id)
+        self.producer.add_done_callback(lambda _: (self.watcher.cancel(), active.discard(request_id)))
+
+    async def _pump(self, events) -> None:
+        try:
+            async for event in events:
+                self.queue.put_nowait(event)
+            self.queue.put_nowait(_END)
+        except asyncio.CancelledError:
+            self.queue.put_nowait(ClientGone("the client closed the connection"))
+            raise
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which maps it to a status
+            self.queue.put_nowait(exc)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        item = await self.queue.get()
+        if item is _END:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self.producer.cancel()
+
+
+def _unicode(text: str, param: str) -> str:
+    """text, when it is valid Unicode (JSON's \\ud800 escapes give lone surrogates, which UTF-8 and
+    protobuf strings cannot hold); else ApiError 400 naming param."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, f"{param}: not valid Unicode text (a lone surrogate at character {exc.start})",
+                       param) from None
+    return text
+
+
+async def _disconnect(request: Request) -> None:
+    """Return once the client has gone (after the body, the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _trace_carrier(request: Request) -> dict:
+    """The caller's W3C trace context (traceparent / tracestate headers), for the request's spans."""
+    return {k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k))}
+
+
+# --------------------------------------------------------------------------- the app
+
+
+async def _api_error_response(_request: Request, exc: ApiError) -> JSONResponse:
+    return exc.response()
+
+
+async def _validation_error_response(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    return validation_error(exc).response()
+
+
+async def _http_error_response(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors (404 unknown path, 405 wrong method) in OpenAI's error format."""
+    body = ApiError(exc.status_code, str(exc.detail), type="invalid_request_error").body()
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+async def _internal_error_response(_request: Request, exc: Exception) -> JSONResponse:
+    """Any other exception: 500 in OpenAI's error format (uvicorn logs the traceback)."""
+    return ApiError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
+
+
+class HttpApi:
+    """The FastAPI app over a GenerationServicer (see the module docstring for the endpoints).
+
+    model_name: the ``model`` id served; registry: the Prometheus registry /metrics serves;
+    draining: set when the front shuts down (new requests get 503); auth_tokens: accepted bearer
+    tokens (empty = no auth).
+    """
+
+    def __init__(self, servicer: GenerationServicer, model_name: str, registry, draining: asyncio.Event,
+                 auth_tokens: tuple[str, ...] = ()):
+        self.servicer = servicer
+        self.model_name = model_name
+        self.registry = registry
+        self.draining = draining
+        self.auth_tokens = tuple(t.encode() for t in auth_tokens)
+        self.active: set[str] = set()  # ids of the HTTP requests running
+        self.created = int(time.time())
+        self.app = self._build()
+
+    def _build(self) -> FastAPI:
+        app = FastAPI(title="specdec", summary="OpenAI-compatible API of the speculative-decoding front",
+                      docs_url=None, redoc_url=None)
+        app.add_exception_handler(ApiError, _api_error_response)
+        app.add_exception_handler(RequestValidationError, _validation_error_response)
+        app.add_exception_handler(StarletteHTTPException, _http_error_response)
+        app.add_exception_handler(Exception, _internal_error_response)
+        admit = [Depends(self._admit)]
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"], dependencies=admit)
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"], dependencies=admit)
+        app.add_api_route("/v1/models", self.models, methods=["GET"], dependencies=admit)
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        return app
+
+    async def _admit(self, request: Request) -> None:
+        """401 without an accepted bearer token (when tokens are configured); 503 while draining."""
+        if self.auth_tokens and not token_accepted(self.auth_tokens, request.headers.get("authorization", "")):
+                raise ApiError(401, "missing or invalid bearer token (Authorization: Bearer ...)",
+                               type="authentication_error", code="invalid_api_key")
+        if self.draining.is_set():
+            raise ApiError(503, "the server is shutting down", type="server_error", code="draining")
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise ApiError(400, f"prompt: one prompt per request, got {len(prompt)}", "prompt")
+            prompt = prompt[0]
+        msg = self._generate_request(body, "prompt")
+        if isinstance(prompt, str):
+            msg.prompt = _unicode(prompt, "prompt")
+        else:
+            vocab = self.servicer.backend.info.vocab_size
+            if (bad := next((t for t in prompt if not 0 <= t < vocab), None)) is not None:  # before int32 protobuf
+                raise ApiError(400, f"prompt: {bad} outside the vocabulary [0, {vocab})", "prompt")
+            msg.prompt_ids.extend(prompt)
+        return await self._respond(request, body, msg, chat=False, prompt_param="prompt")
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        msg = self._generate_request(body, "messages")
+        for i, message in enumerate(body.messages):
+            for field, text in message.as_template_input().items():
+                _unicode(text, f"messages[{i}].{field}")
+        try:
+            # tokenized off the event loop (the tokenizer releases the GIL): a huge prompt stalls no other request
+            msg.prompt_ids.extend(await asyncio.to_thread(encode_chat, self.servicer.tokenizer,
+                                                          [m.as_template_input() for m in body.messages]))
+        except ValueError as exc:
+            raise field_error(exc, "messages") from None
+        except Exception as exc:  # noqa: BLE001 - a template's own error (e.g. raise_exception on the roles)
+            raise ApiError(400, f"messages: the chat template refused them: {exc}", "messages") from None
+        return await self._respond(request, body, msg, chat=True, prompt_param="messages")
+
+    def _generate_request(self, body: _GenerationParams, prompt_param: str) -> generation_pb2.GenerateRequest:
+        """The gRPC GenerateRequest of the parameters (the prompt is added by the caller)."""
+        if body.model is not None and body.model != self.model_name:
+            raise ApiError(404, f"model: {body.model!r} is not served here (GET /v1/models lists {self.model_name!r})",
+                           "model", code="model_not_found")
+        msg = generation_pb2.GenerateRequest(raw=True, max_new_tokens=body.max_new_tokens(), no_spec=body.specdec.no_spec,
+                                         ignore_eos=body.specdec.ignore_eos)
+        msg.stop.extend(_unicode(s, "stop") for s in ([body.stop] if isinstance(body.stop, str) else body.stop or []))
+        msg.sampling.CopyFrom(tree_pb2.SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                                      seed=body.seed))
+        if body.specdec.tree is not None:
+            try:
+                msg.tree.CopyFrom(spec_to_proto(parse_tree_spec(body.specdec.tree)))
+            except TreeSpecError as exc:
+                raise field_error(exc, prompt_param) from None
+        return msg
+
+    async def _respond(self, request: Request, body: _GenerationParams, msg: generation_pb2.GenerateRequest,
+                       chat: bool, prompt_param: str) -> Response:
+        """Parse and run; the first event is awaited here, so errors before any token get their status."""
+        try:
+            req = await asyncio.to_thread(self.servicer.parse, msg)  # it tokenizes: off the event loop
+        except (ValueError, SamplingParamsError, TreeSpecError) as exc:
+            raise field_error(exc, prompt_param) from None
+        out = Output(chat, self.model_name, body, tuple(msg.stop), len(req.prompt_ids))
+        client = self.servicer.client_of(request.headers.get("authorization", ""),
+                                         request.client.host if request.client else "unknown")
+        run = Run(self.servicer.run(req, out.id, None, _trace_carrier(request), client), request, self.active, out.id)
+        try:
+            first = await anext(run)
+        except BaseException as exc:
+            run.close()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise run_error(exc, prompt_param) from None
+        if body.stream:
+            return StreamingResponse(self._sse(out, first, run, prompt_param), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            events = [first]
+            async for event in run:
+                events.append(event)
+        except Exception as exc:  # noqa: BLE001 - mapped to its status
+            raise run_error(exc, prompt_param) from None
+        finally:
+            run.close()
+        return JSONResponse(out.response(events))
+
+    async def _sse(self, out: Output, first: StreamEvent, run: Run, prompt_param: str):
+        """The event stream: chunks of each event, an error event if the request fails, then [DONE]."""
+        try:
+            if (opening := out.first_chunk()) is not None:
+                yield sse(opening)
+            for chunk in out.chunks(first):
+                yield sse(chunk)
+            async for event in run:
+                for chunk in out.chunks(event):
+                    yield sse(chunk)
+        except ClientGone:
+            return
+        except Exception as exc:  # noqa: BLE001 - after the headers an error is an event
+            yield sse(run_error(exc, prompt_param).body())
+        finally:
+            run.close()
+        yield "data: [DONE]\n\n"
+
+    async def models(self) -> dict:
+        info = self.servicer.backend.info
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "specdec", "max_model_len": info.context_limit}]}
+
+    async def health(self) -> Response:
+        if self.draining.is_set():
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+# --------------------------------------------------------------------------- the server
+
+
+class _LoopServer(uvicorn.Server):
+    """uvicorn in the front's event loop: the front's own SIGTERM handling drains it, so it captures
+    no signals itself."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class HttpServer:
+    """The HTTP API on host:port, served by uvicorn as a task of the running loop."""
+
+    def __init__(self, api: HttpApi, sock: socket.socket, host: str, grace_s: float,
+                 tls_cert: str | None = None, tls_key: str | None = None):
+        self.api = api
+        self.sock = sock
+        self.host = host
+        self.port = sock.getsockname()[1]
+        self.server = _LoopServer(uvicorn.Config(api.app, log_config=None, access_log=False, lifespan="off",
+                                                 timeout_graceful_shutdown=max(grace_s, 0.1),
+                                                 ssl_certfile=tls_cert, ssl_keyfile=tls_key))  # HTTPS with grpc.tls_cert
+        self.task: asyncio.Task | None = None
+
+    @classmethod
+    async def start(cls, api: HttpApi, host: str, port: int, grace_s: float = 10.0,
+                    tls_cert: str | None = None, tls_key: str | None = None) -> "HttpServer":
+        """Bind host:port (0 = ephemeral), serve, print ``http ready on HOST:PORT``. Raises OSError
+        naming front.http_port when the address cannot be bound."""
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+            sock = socket.create_server((host, port), family=family)
+        except OSError as exc:
+            raise OSError(f"front.http_port: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        server = cls(api, sock, host, grace_s, tls_cert, tls_key)
+        server.task = asyncio.create_task(server.server.serve(sockets=[server.sock]))
+        while not server.server.started:
+            if server.task.done():
+                server.task.result()  # raises what stopped it
+                raise OSError(f"http server on {host}:{port} stopped while starting")
+            await asyncio.sleep(0.01)
+        print(f"http ready on {host}:{server.port}", flush=True)
+        return server
+
+    async def drain(self, grace_s: float) -> None:
+        """Called once the front drains (``draining`` set: new requests get 503): give running
+        requests up to ``grace_s`` to finish, then stop serving."""
+        deadline = time.monotonic() + grace_s
+        while self.api.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.server.should_exit = True
+        await self.task
+        self.sock.close()
+
+
+async def start_http(config, servicer: GenerationServicer, tok_dir: str, registry, draining: asyncio.Event) -> HttpServer:
+    """The HTTP API of a front (front.http_port set) on front.host; see HttpApi."""
+    front = config.front
+    model_name = front.served_model_name or Path(tok_dir).name
+    api = HttpApi(servicer, model_name, registry, draining, load_auth_tokens(front.auth_token_file))
+    return await HttpServer.start(api, front.host, front.http_port, config.grpc.shutdown_grace_s,
+                                  config.grpc.tls_cert, config.grpc.tls_key)
