@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.modules import module as nn_module
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -80,7 +81,7 @@ DIRECT_MODEL_TYPES = ("qwen2", "llama")  # decoder layouts ``DirectDecoder`` kno
 def _direct_linear(module) -> Callable[[torch.Tensor], torch.Tensor]:
     """The op a linear layer's forward runs, bound to its weights: a dynamically quantized int8 linear
     (``torch.ao``) calls ``quantized::linear_dynamic`` as its forward does, minus the per-call checks
-    of its packed-parameter object (~0.9 ms a draft step); a ``PackedLinear`` runs its oneDNN op
+    of its packed-parameter object; a ``PackedLinear`` runs its oneDNN op
     (``PackedLinear.direct``); any other linear is called as is."""
     packed = getattr(module, "_packed_params", None)
     if packed is not None and getattr(packed, "dtype", None) == torch.qint8:
@@ -126,9 +127,7 @@ class DirectDecoder:
     """A causal LM's one-session forward over the model's own modules and functions, layer by layer.
 
     The transformers model forward spends a share of a small model's step in per-call plumbing:
-    argument decorators on every layer, mask building, output records (a draft step of
-    Qwen2.5-Coder-0.5B int8 after 300 cached tokens, 1 row, 2 threads, 2-core Intel Xeon: 41 ms
-    against 33 ms here; the kernels take ~28 ms). This calls the same embedding, rotary, norm,
+    argument decorators on every layer, mask building, output records. This calls the same embedding, rotary, norm,
     linear and activation modules, transformers' ``apply_rotary_pos_emb`` of the model's own modelling
     module, ``DynamicCache.update`` and ``_sdpa_attention``, in the model forward's order, so logits
     and KV are bit for bit the model forward's (tests/test_forward_paths.py).
@@ -236,7 +235,6 @@ def _hooked(model) -> bool:
     hook (``_hf_hook``: device-map dispatch, offload). transformers' output-capturing hooks, which
     stay on the layers after any call with ``output_hidden_states`` or ``output_attentions`` and do
     nothing outside that call's capture, do not count."""
-    from torch.nn.modules import module as nn_module
 
     def live(hooks) -> bool:
         return any(getattr(hook, "__module__", None) != _OUTPUT_CAPTURING for hook in hooks.values())
@@ -329,14 +327,11 @@ class PackedRows:
 def _sdpa_attention(module, query, key, value, attention_mask, native_gqa: bool = False, **kwargs):
     """transformers' ``sdpa_attention_forward``, but for several query rows of a grouped-query model
     (``native_gqa``, set by this module's forwards; grouped-query attention: Ainslie et al. 2023, "GQA",
-    section 2.2) SDPA's own grouped-query attention: transformers
-    copies each key / value head num_key_value_groups times (``repeat_kv``) whenever a mask is given,
-    which on a 2-core Intel Xeon cost 7-9% of a Qwen2.5-1.5B verify of 4-8 tree rows after 1000 cached
-    tokens (2026-12-05). Without a mask transformers already asks SDPA for grouped-query attention
-    (head_dim <= 256), and for one row it packs the query heads instead: both are left to it, as are
-    tensors off the CPU (on CUDA transformers keeps masked rows off ``enable_gqa``, whose kernel
-    choice there was not checked). On the CPU the logits are bit for bit transformers' (tested with
-    torch 2.13: tiny models, and attention alone at Qwen2.5 shapes up to 1024 rows). query: [B, H, Q, D], key / value: [B, H_kv, S, D],
+    section 2.2) SDPA's own grouped-query attention, where transformers copies each key / value head
+    num_key_value_groups times (``repeat_kv``) whenever a mask is given. Without a mask transformers
+    already asks SDPA for grouped-query attention, and for one row it packs the query heads instead:
+    both are left to it, as are tensors off the CPU. On the CPU the logits are bit for bit
+    transformers' (tests/test_forward_paths.py). query: [B, H, Q, D], key / value: [B, H_kv, S, D],
     mask: [B, 1, Q, S] additive or boolean, or None. Returns ([B, Q, H, D], None), as transformers'
     does."""
     if (not native_gqa or attention_mask is None or query.shape[2] == 1 or query.device.type != "cpu"
@@ -369,13 +364,10 @@ def _packed_attention(module, query, key, value, attention_mask, packed_rows: Pa
     return out, None
 
 
-NATIVE_GQA = True  # False: this module's forwards take transformers' sdpa path too (benchmarks/forward_paths.py)
-
-
 def _gqa_kwargs(model) -> dict:
     """The keyword that turns on ``_sdpa_attention``'s grouped-query path, for a model whose attention
     is ours (``use_packed_attention``); nothing for other models (their attention would not read it)."""
-    return {"native_gqa": True} if NATIVE_GQA and model.config._attn_implementation == PACKED_ATTENTION else {}
+    return {"native_gqa": True} if model.config._attn_implementation == PACKED_ATTENTION else {}
 
 
 def use_packed_attention(model) -> None:
@@ -457,6 +449,22 @@ def model_forward_packed(
     if not (len(caches) == len(input_ids) == len(position_ids) == len(masks) == len(keep)) or not caches:
         raise ValueError(f"caches / input_ids / position_ids / masks / logits_rows: lengths {len(caches)} / "
                          f"{len(input_ids)} / {len(position_ids)} / {len(masks)} / {len(keep)} must be equal and >= 1")
+    segments, kept = _pack_segments(model, caches, input_ids, masks, keep)
+    kwargs = _packed_kwargs(model, input_ids, position_ids, segments, kept)
+    ids = torch.tensor([[t for row in input_ids for t in row]], dtype=torch.long, device=model.device)  # (1, T)
+    greedy = _argmax_sessions(argmax_head, argmax_rows, kept)
+    if not any(greedy):
+        logits = model(ids, **kwargs).logits[0].float()  # (K, V)
+        return _split_rows(logits, [len(span) for span in kept])
+    hidden = _decoder_hidden(model, ids, kwargs)[0]  # (K, H)
+    return _heads_by_session(model, hidden, kept, greedy, argmax_head)
+
+
+def _pack_segments(model, caches, input_ids, masks, keep) -> tuple[list[PackedSegment], list[range]]:
+    """Each session's PackedSegment, and the packed row indices whose head output it keeps.
+
+    Example: sessions of 3 and 2 new rows keeping 1 and all rows -> segments at starts 0 and 3, kept
+    rows [range(2, 3), range(3, 5)]. Raises ValueError for an empty row or a mask of the wrong shape."""
     device = model.device
     segments, kept, start = [], [], 0
     for b, (cache, ids, mask, k) in enumerate(zip(caches, input_ids, masks, keep)):
@@ -467,10 +475,16 @@ def model_forward_packed(
         segments.append(PackedSegment(start, n, cache, mask.to(device=device, dtype=model.dtype)))
         kept.append(range(start + n - min(k or n, n), start + n))
         start += n
-    ids = torch.tensor([[t for row in input_ids for t in row]], dtype=torch.long, device=device)  # (1, T)
+    return segments, kept
+
+
+def _packed_kwargs(model, input_ids, position_ids, segments, kept) -> dict:
+    """The model call's keyword arguments for a packed forward: positions (1, T), the PackedRows plan,
+    the kept rows (K,) as ``logits_to_keep``, and no cache (each segment writes its own)."""
+    device = model.device
     positions = torch.cat([p.to(torch.long) for p in position_ids]).to(device)[None]  # (1, T)
     rows = torch.tensor([r for span in kept for r in span], dtype=torch.long, device=device)  # (K,)
-    kwargs = {
+    return {
         _cache_kwarg(model): None,
         "position_ids": positions,
         # any 4-D mask makes transformers skip building its own (the packed attention does not read it)
@@ -480,37 +494,40 @@ def model_forward_packed(
         "logits_to_keep": rows,
         **_gqa_kwargs(model),
     }
-    wants_argmax = [bool(flag) for flag in argmax_rows] if argmax_head is not None and argmax_rows is not None else []
-    if wants_argmax and len(wants_argmax) != len(kept):
-        raise ValueError(f"argmax_rows: {len(wants_argmax)} flags for {len(kept)} sessions")
-    if sum(len(span) for span, flag in zip(kept, wants_argmax) if flag) > getattr(argmax_head, "max_rows", 0):
-        wants_argmax = []  # more greedy rows than the screen pays for: the full head for all
-    if not any(wants_argmax):
-        logits = model(ids, **kwargs).logits[0].float()  # (K, V)
-        out, at = [], 0
-        for span in kept:
-            out.append(logits[at : at + len(span)])
-            at += len(span)
-        return out
-    hidden = _decoder_hidden(model, ids, kwargs)[0]  # (K, H)
-    spans, at = [], 0
-    for span in kept:
-        spans.append(slice(at, at + len(span)))
-        at += len(span)
-    greedy = [i for i, flag in enumerate(wants_argmax) if flag]
-    other = [i for i, flag in enumerate(wants_argmax) if not flag]
-    out: list = [None] * len(kept)
-    ids_out = argmax_head.argmax(torch.cat([hidden[spans[i]] for i in greedy]))  # (K_greedy,)
-    at = 0
-    for i in greedy:
-        n = spans[i].stop - spans[i].start
-        out[i] = ids_out[at : at + n]
+
+
+def _argmax_sessions(argmax_head, argmax_rows, kept) -> list[bool]:
+    """Per session, whether its kept rows go through the argmax head; [] (none) without a head or when
+    the greedy rows outnumber ``argmax_head.max_rows`` (the full head is then the faster for all)."""
+    flags = [bool(flag) for flag in argmax_rows] if argmax_head is not None and argmax_rows is not None else []
+    if flags and len(flags) != len(kept):
+        raise ValueError(f"argmax_rows: {len(flags)} flags for {len(kept)} sessions")
+    if sum(len(span) for span, flag in zip(kept, flags) if flag) > getattr(argmax_head, "max_rows", 0):
+        return []
+    return flags
+
+
+def _split_rows(rows: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
+    """[sum(counts), ...] -> consecutive views of counts[i] rows each."""
+    out, at = [], 0
+    for n in counts:
+        out.append(rows[at : at + n])
         at += n
+    return out
+
+
+def _heads_by_session(model, hidden: torch.Tensor, kept, greedy: list[bool], argmax_head) -> list[torch.Tensor]:
+    """hidden [K, H] (the kept rows, session by session) -> per session the argmax ids [k_b] int64
+    (greedy[b]) or the LM head's logits [k_b, V] float32, each head run once over its sessions' rows."""
+    per_session = _split_rows(hidden, [len(span) for span in kept])
+    chosen = [i for i, flag in enumerate(greedy) if flag]
+    other = [i for i, flag in enumerate(greedy) if not flag]
+    out: list = [None] * len(kept)
+    ids_out = argmax_head.argmax(torch.cat([per_session[i] for i in chosen]))  # (K_greedy,)
+    for i, ids in zip(chosen, _split_rows(ids_out, [len(kept[i]) for i in chosen])):
+        out[i] = ids
     if other:
-        logits = model.get_output_embeddings()(torch.cat([hidden[spans[i]] for i in other])).float()  # (K_other, V)
-        at = 0
-        for i in other:
-            n = spans[i].stop - spans[i].start
-            out[i] = logits[at : at + n]
-            at += n
+        logits = model.get_output_embeddings()(torch.cat([per_session[i] for i in other])).float()  # (K_other, V)
+        for i, rows in zip(other, _split_rows(logits, [len(kept[i]) for i in other])):
+            out[i] = rows
     return out
