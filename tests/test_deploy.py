@@ -90,7 +90,7 @@ OVERRIDES = {
               "--auth-token-file": "front.auth_token_file", **SECURITY_FLAGS},
 }
 # Flags naming files the pod must hold (each in a mounted Secret, check_secrets), and the keys the
-# manifests' Secrets hold (README "Security"; created by hand or cert-manager, not by kustomize).
+# manifests' Secrets hold (docs/deploy.md; created by hand or cert-manager, not by kustomize).
 TLS_FLAGS = ("--tls-cert", "--tls-key", "--tls-ca")
 FILE_FLAGS = (*TLS_FLAGS, "--auth-token-file")
 SECRET_KEYS = {"specdec-tls": {"tls.crt", "tls.key", "ca.crt"}, "specdec-auth": {"tokens"}}
