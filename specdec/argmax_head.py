@@ -2,13 +2,10 @@
 
 Greedy verification needs only the argmax of each row's logits, not the logits. On a float32 CPU
 target the LM head is a large share of every forward: Qwen2.5-1.5B's [151936, 1536] head is 0.93 GB
-of float32 weights read per forward, 85 / 129 / 150 ms for 1 / 8 / 16 rows with oneDNN packed
-weights on the project's 2-core AMD EPYC, against 285 / 449 / 606 ms for the whole forward.
-``ArgmaxHead`` reads an int8 copy (0.23 GB, fbgemm, 18 / 26 / 37 ms for 2 / 16 / 32 rows) to get
+of float32 weights read per forward. ``ArgmaxHead`` reads an int8 copy (0.23 GB, fbgemm) to get
 approximate logits A with a rigorous per-token error bound B, keeps the tokens that could still be
-the argmax (A + B >= max(A - B): 2 per row at the median, 20 at the 99th percentile and 71 at most
-on 1656 rows of Spec-Bench prompts with the default target) and computes their logits from the
-original float32 weights, summed in float64. A token dropped by the screen has a float32 logit below
+the argmax (A + B >= max(A - B); a handful per row) and computes their logits from the original
+float32 weights, summed in float64. A token dropped by the screen has a float32 logit below
 another token's, whatever the rounding, so the result is the float32 logits' argmax except where two
 logits lie within that GEMM's own rounding (~1e-6 of their size), where a float32 GEMM of another
 shape may also decide differently (the caveat batched rows already carry, target_service.runtime).
@@ -55,9 +52,8 @@ FLOOR = 1e-3  # absolute slack (logits)
 MAX_CANDIDATES = 4096  # more survivors than this in a row: that row takes the full float32 head
 CHUNK_ROWS = 8192  # weight rows per step while building
 SCREEN_ROWS = 32  # hidden rows per screen call: bounds the [rows, V] temporaries (~16 bytes per row and token)
-# Rows past which the full float32 head is faster (the screen's int8 GEMM runs 2 rows per hidden row):
-# default target head on the 2-core CPU, screen vs packed head: 16 rows 107-131 vs 161-167 ms, 24 rows
-# 176-181 vs 176-210 ms (the callers in specdec.forward switch to the full head above it).
+# Rows past which the full float32 head is faster (the screen's int8 GEMM runs 2 rows per hidden row;
+# the callers in specdec.forward switch to the full head above it).
 MAX_ROWS = 20
 SLOPE_SLACK = 1.001  # rounds the bound's float32 norms up
 

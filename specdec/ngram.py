@@ -35,9 +35,8 @@ def match_continuation(context: Sequence[int], max_tokens: int, max_ngram: int =
     Returns ([K'] ids, L): K' <= max_tokens; L, the match length, counts the tokens before the
     continuation that equal the context's last L tokens, n <= L <= max(max_ngram, max_match). L
     predicts acceptance far better than n: a summary copying a sentence of its source matches it
-    for many tokens, a common phrase elsewhere for few
-    (``benchmarks/records/context_branches_cpu_2core_2026-12-02/context_branches_cpu_2core_2026-12-02.md``; REST, He et al. NAACL'24 §3,
-    retrieves by the longest matching context suffix). ([], 0) when nothing matches.
+    for many tokens, a common phrase elsewhere for few (REST, He et al. NAACL'24 §3, retrieves by
+    the longest matching context suffix). ([], 0) when nothing matches.
     Raises ValueError for min_ngram < 1 or max_ngram < min_ngram.
     """
     if min_ngram < 1 or max_ngram < min_ngram:

@@ -4,7 +4,7 @@
     shares_compute(draft_p, target_p)    # True: same host and device (CPU: overlapping CPU sets)
 
 Both services report their placement in Info (``host``, ``device``, ``cpus``). When the draft and
-the target share compute (one CPU, or one GPU), every ms the draft computes is a ms the target's
+the target share compute (one CPU, or one GPU), every second the draft computes is one the target's
 verify forwards do not get: the goodput planning then prices a round's draft steps for the whole
 batch (``orchestrator.planning.cost_model.LoadedCost``). Two pods on one Kubernetes node have different host
 names and count as separate (their CPU limits keep them apart). A CUDA device is named by its

@@ -123,7 +123,7 @@ def _nucleus(scores: np.ndarray, top_p: float, candidates: int = 1024) -> np.nda
     than top_p of the mass (the most likely always), -inf elsewhere. This is transformers' rule
     (sort ascending, drop where the cumulative mass <= 1 - top_p) read from the top, so only the
     most likely ``candidates`` tokens need sorting when they hold >= top_p (O(V) instead of a full
-    sort of 150k logits, ~10 ms a row); otherwise the whole row is sorted.
+    sort of the vocabulary); otherwise the whole row is sorted.
     """
     probs = _softmax(scores)  # (V,)
     vocab = len(scores)

@@ -78,10 +78,8 @@ class TreeSpec(BaseModel):
 
 SEED_SPEC = TreeSpec(gamma=3, topKSpec=[[6], [2, 2], [1, 1]], topHead=[1, 2, 2], treeType=0, gammaThreshold=0)
 
-# The CLI default: top-3 at the root, then a chain. On a 2-core AVX2 CPU (float32 target, int8
-# draft, 7 Spec-Bench questions x 40 tokens, one run) it gave 1.56x over target-only with mean
-# accepted length 2.65, vs 1.39x / 2.91 for SEED_SPEC (12 nodes) and 1.56x / 2.51 for a chain of 3:
-# there a verify row costs ~20 ms more, so a narrow tree wins. Wider trees pay where verify is flat (GPU).
+# The CLI default: top-3 at the root, then a chain. Narrow, because on a CPU every verify row costs
+# more; wider trees pay where verify time is flat in the rows (GPU).
 DEFAULT_SPEC = TreeSpec(gamma=3, topKSpec=[[3], [1], [1]], topHead=[1, 1, 1], treeType=0, gammaThreshold=0)
 
 

@@ -3,8 +3,8 @@
 A Commit keeps the accepted nodes' KV and drops the rest (``TargetRuntime.commit``: KV rollback).
 Run as a job on the target's one model-worker thread, it waits behind whatever forward is running
 there: with two requests whose rounds drifted apart, request A's commit waits for the whole verify
-forward of request B that started the moment A's ended (a forward of ~0.6 s on the 2-core CPU, for
-a rollback that takes a millisecond), and A's next round starts only then.
+forward of request B that started the moment A's ended (a whole forward, for a rollback that takes
+a millisecond), and A's next round starts only then.
 
 ``DeferredCommits`` wraps the runtime: ``defer(session_id, num_tokens)`` records the commit (the
 server has already checked it against the pending result), and the session's next call on the

@@ -9,17 +9,16 @@ et al. 2019, section 3): q/k/v/gate/up column-parallel, o/down row-parallel foll
 all-reduce each, norms replicated, so every rank holds num_attention_heads / P query heads and
 num_key_value_heads / P kv heads. transformers also splits the embedding and lm_head along the
 vocabulary (embedding lookups all-reduced, lm_head outputs all-gathered: full [N + 1, V] logits on
-every rank), which saves memory for large vocabularies. Checked on transformers 5.24 with torch
-2.13, CPU and gloo, Qwen2 and Llama: the weights become DTensors but the inference forward runs on
-local shards, so the KV cache is an ordinary DynamicCache holding this rank's H / P heads,
+every rank), which saves memory for large vocabularies. The weights become DTensors but the
+inference forward runs on local shards, so the KV cache is an ordinary DynamicCache holding this rank's H / P heads,
 (1, H / P, S, D) per layer; our 4-D tree mask and position ids go through unchanged, and
 ``compact_kv`` / ``truncate_kv`` work per shard with no change (every rank moves the same slots of
 its own heads). Logits match the unsharded model within ~2e-5 (float32).
 
 Processes: the caller (the target service) spawns P rank processes (torch.multiprocessing, start
 method ``spawn``; process group on 127.0.0.1 and a free port; backend ``nccl`` when CUDA is
-available, else ``gloo``; with CUDA, rank r uses cuda:r, as transformers binds LOCAL_RANK: the NCCL
-path is written but untested here, no multi-GPU machine). The caller itself is not a rank: it holds one pipe per rank and sends
+available, else ``gloo``; with CUDA, rank r uses cuda:r, as transformers binds LOCAL_RANK; the NCCL
+path has no multi-GPU test). The caller itself is not a rank: it holds one pipe per rank and sends
 every call, (method name, args, kwargs), to all ranks; each rank runs that TargetRuntime method on
 its own runtime (the collectives inside the forward pair up because every rank runs the same call
 sequence), then answers on its pipe. Rank 0's answer is the call's result. Why a coordinator
@@ -29,7 +28,7 @@ service never times out; (2) the serving process never blocks in a collective: i
 pipes *and* the rank processes' sentinels, so a rank that dies is noticed at once
 (RankFailureError within milliseconds, not after a collective timeout) and a rank that hangs is
 noticed when a peer's collective times out; (3) ranks whose parent dies read EOF and exit.
-The cost is one pipe round trip per call (~0.1 ms; a verify of the real target takes 100s of ms).
+The cost is one pipe round trip per call, small beside a verify forward.
 
 Decisions (acceptance): every rank runs the same ``verify``. Logits are all-reduced, so they are
 the same on every rank up to the reduction's round-off, and sampled sessions use the same seed on
@@ -51,8 +50,7 @@ Spawning re-imports the caller's ``__main__`` module in every rank (start method
 script that builds a TensorParallelTarget needs an ``if __name__ == "__main__":`` guard.
 
 Generic mirroring: every public TargetRuntime method is available here under the same name
-(``__getattr__``), so methods added to TargetRuntime later (e.g. ``verify_batch``) are mirrored
-without changes here. Calls are serialised by a lock (the ranks must see one call order).
+(``__getattr__``). Calls are serialised by a lock (the ranks must see one call order).
 """
 
 from __future__ import annotations
@@ -68,13 +66,26 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.tensor import DTensor
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.distributed import DistributedConfig
+from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
+from transformers.utils import logging as hf_logging
 
+from specdec.checkpoint_memory import own_weights
+from specdec.cpu_linear import PackedLinear, prepack_linears
+from specdec.models import DTYPES, check_supported, load_model
 from specdec.sampling import GREEDY, SamplingParams
 from specdec.tree import DraftTree
 from specdec.tree_spec import MAX_TREE_NODES
+from target_service.kv_budget import kv_bytes_per_token
 from target_service.runtime import TargetRuntime
 
 # TargetRuntime methods that never set a session's pending result or advance its generator: no
@@ -210,21 +221,14 @@ def _load_shard(spec: _RankSpec, rank: int):
     """Load this rank's shard of the model (transformers TP) and wrap it in a TargetRuntime.
 
     Returns (runtime, number of linears pre-packed)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.distributed import DistributedConfig
-    from transformers.utils import logging as hf_logging
-
-    from specdec.models import DTYPES, check_supported
-
     hf_logging.disable_progress_bar()
 
     kwargs = {"dtype": DTYPES[spec.dtype]}
     if spec.world > 1:
         kwargs["distributed_config"] = DistributedConfig(tp_size=spec.world)
     model = AutoModelForCausalLM.from_pretrained(spec.model_dir, **kwargs)
-    if spec.backend == "nccl":
-        if spec.world == 1:
-            model = model.to(f"cuda:{rank}")
+    if spec.backend == "nccl" and spec.world == 1:
+        model = model.to(f"cuda:{rank}")
     model = model.eval()
     check_supported(model, "--target")
     packed = prepack_tp_linears(model) if spec.prepack else 0
@@ -233,8 +237,6 @@ def _load_shard(spec: _RankSpec, rank: int):
 
 def _rank_main(rank: int, spec: _RankSpec, conn) -> None:
     """Entry point of one rank process: init the process group, load the shard, serve calls."""
-    import torch.distributed as dist
-
     torch.set_num_threads(spec.threads)
     os.environ.update(  # what transformers reads to bind a rank to its accelerator (cuda:LOCAL_RANK)
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(spec.world),
@@ -308,8 +310,6 @@ def _mirror_decisions(runtime: TargetRuntime, rank: int) -> int:
 
     A collective: all ranks call it after the same command. Raises on a broken process group.
     """
-    import torch.distributed as dist
-
     state = None
     if rank == 0:
         state = {
@@ -354,15 +354,11 @@ def prepack_tp_linears(model) -> int:
     output features (and local bias); ``rowwise`` all-reduces the partial sums over the TP group and
     adds the replicated bias once; ``colwise_gather_output`` (lm_head) all-gathers the output
     features. This replaces each such module's forward by the same maths with the local weight
-    pre-packed (the few-row GEMM ~2.5x cheaper than MKL, measured in ``specdec.cpu_linear``), and
+    pre-packed (the few-row GEMM cheaper than MKL's, ``specdec.cpu_linear``), and
     frees the original shard unless it is tied to another parameter (so memory does not double).
     Modules of other styles, or with unequal shards, keep transformers' forward. Returns the number
     of linears changed; 0 when oneDNN is unavailable or the weights are not float32 on the CPU.
     """
-    from torch import nn
-    from torch.distributed.tensor import DTensor
-    from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
-
     if not torch.backends.mkldnn.is_available():
         return 0
     plan = dict(getattr(model, "tp_plan", None) or {})
@@ -392,12 +388,6 @@ def prepack_tp_linears(model) -> int:
 def _packed_forward(module, weight_local: torch.Tensor, style: str | None):
     """The forward of one sharded linear with its local weight pre-packed, by TP style (see
     ``prepack_tp_linears``); None for a style or shard layout it does not handle."""
-    import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.tensor import DTensor
-
-    from specdec.cpu_linear import PackedLinear
-
     bias = module.bias
     bias_local = None if bias is None else (bias.to_local() if isinstance(bias, DTensor) else bias).detach().clone()
     group = module.weight.device_mesh.get_group()
@@ -470,9 +460,6 @@ class TensorParallelTarget:
         prepack: bool = False,
         backend: str | None = None,
     ):
-        import torch.multiprocessing as mp
-        from transformers import AutoConfig
-
         self.config = AutoConfig.from_pretrained(model_dir)
         check_tp_compatible(self.config, tp)
         self.tp = tp
@@ -507,9 +494,6 @@ class TensorParallelTarget:
                 raise reply[1]
         self.vocab_size = replies[0][1]["vocab_size"]
         self.pids = [proc.pid for proc in self._procs]
-        from specdec.models import DTYPES
-        from target_service.kv_budget import kv_bytes_per_token
-
         self.kv_bytes_per_token = kv_bytes_per_token(self.config, DTYPES[dtype].itemsize)  # all ranks together
         self.device = "cuda" if self.backend == "nccl" else "cpu"
         self.prepacked = [reply[1]["prepacked"] for reply in replies]
@@ -730,12 +714,6 @@ def build_target(model_dir, tp: int = 1, dtype: str = "float32", device: str = "
     method); only the TensorParallelTarget raises RankFailureError and needs ``close()``.
     """
     if tp == 1:
-        from pathlib import Path
-
-        from specdec.checkpoint_memory import own_weights
-        from specdec.cpu_linear import prepack_linears
-        from specdec.models import check_supported, load_model
-
         model, _ = load_model(Path(model_dir), dtype, device)
         check_supported(model, "--target")
         prepack_linears(model)
