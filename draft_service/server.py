@@ -6,8 +6,6 @@ The command line is ``draft_service.cli``; ``run(config_path, overrides)`` is it
 
 Prints ``draft-service ready on <host>:<port>`` once serving; SIGTERM/SIGINT drain and exit 0.
 
-``Info`` gives the open streams and the sessions whose KV the draft holds (monitoring, leak checks).
-
 A stream: ``start`` first (else INVALID_ARGUMENT), answered by DraftStarted; then any number of
 ``propose`` (each answered by one DraftTreeReply, in order) and ``commit`` (not answered); between a
 propose and its commit, an ``ahead`` (answered by a DraftTreeReply with ``ahead`` and the guess; the

@@ -3,10 +3,8 @@
 transformers memory-maps ``*.safetensors`` files and leaves CPU parameters as views of the map.
 Every page a load reads (the embedding rows used, each linear weight read once to pre-pack or
 quantize it) then stays resident in the process, counted in its RSS and its container's memory,
-for as long as one tensor still views the file, e.g. the embedding that is never replaced. Measured
-with the default float32 target (Qwen2.5-Coder-1.5B-Instruct, 6.8 GB of weights) on Linux:
-12.3 GB resident after pre-packing its linears, of which 6.0 GB were pages of the mapped checkpoint
-read once and never again; 7.5 GB once the remaining views are copied and the map is gone.
+for as long as one tensor still views the file, e.g. the embedding that is never replaced: for a
+pre-packed float32 target, close to a second copy of its weights.
 
     drop_checkpoint_pages([linear.weight])   # after packing it: its pages leave this process
     own_weights(model)                       # after pre-packing / quantizing: nothing views the file
@@ -16,8 +14,8 @@ Dropping is ``madvise(MADV_DONTNEED)`` on the checkpoint's file mapping only (fo
 was only read is re-read from the file when used again, so its values never change; a page written
 in place would go back to the file's bytes. So only the pages of tensors being discarded
 (``drop_checkpoint_pages``: whole pages inside them) or already copied out (``own_weights``: the
-mappings the model itself viewed) are dropped; nothing here writes to a mapped tensor. Elsewhere than Linux both functions do nothing; so do
-they for tensor-parallel shards (DTensor), which transformers loads as slices of the file.
+mappings the model itself viewed) are dropped; nothing here writes to a mapped tensor. Elsewhere
+than Linux both functions do nothing; so do they for tensor-parallel shards (DTensor), which transformers loads as slices of the file.
 """
 
 from __future__ import annotations

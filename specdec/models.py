@@ -82,7 +82,7 @@ def assemble_gguf(pack: PartPack, out_path: Path) -> Path:
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """Dequantize a GGUF file with transformers and save it as float32 safetensors + tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # here: specdec.config imports this module
 
     with tqdm(total=3, desc=f"converting {gguf_path.name}") as bar:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)

@@ -46,7 +46,7 @@ def _device_name(device: str) -> str:
     if not device.startswith("cuda:"):
         return device
     try:
-        import torch
+        import torch  # here: the orchestrator imports this module without torch
 
         return f"cuda:{torch.cuda.get_device_properties(int(device.split(':')[1])).uuid}"
     except Exception:  # noqa: BLE001 - no CUDA here, or an old torch: the index is the best name left

@@ -4,9 +4,7 @@ Dims: V vocabulary, S support of a sparse distribution, K siblings.
 
 Both sides turn logits into a distribution with ``processed_probs``: temperature, then top-k, then
 top-p, then softmax (the order of transformers' warpers). The draft's q and the target's p must come
-from this one function with the same SamplingParams, or verification is no longer lossless (past
-bugs elsewhere: q taken before top-k/top-p while the token was drawn after; p built with default
-parameters).
+from this one function with the same SamplingParams, or verification is no longer lossless.
 
 Rejection sampling (DESIGN.md "Verification"): a draft token x ~ q is accepted with probability
 min(1, p(x) / q(x)); on rejection the output is drawn from the residual distribution
@@ -14,7 +12,7 @@ norm(max(0, p - q)) (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023). Over
 token tree the rule is applied recursively (``target_service.verifier``).
 
 Processing, draws and the rejection-sampling arithmetic run in float64 NumPy on the CPU, on the few
-rows a round needs (a handful of [V] rows, where NumPy costs ~1 us a call and torch ~5-20 us), with a
+rows a round needs (a handful of [V] rows, where NumPy's per-call overhead is the smaller), with a
 per-session generator (``session_rng``), so a request's tokens depend only on its own seed, never on
 other requests or on the device.
 """

@@ -1,18 +1,18 @@
-"""Commits that do not wait for the model worker (DESIGN.md "Batching"; issue 12).
+"""Commits that do not wait for the model worker (DESIGN.md "Batching").
 
 A Commit keeps the accepted nodes' KV and drops the rest (``TargetRuntime.commit``: KV rollback).
 Run as a job on the target's one model-worker thread, it waits behind whatever forward is running
-there: with two requests whose rounds drifted apart, request A's commit waits for the whole verify
-forward of request B that started the moment A's ended (a whole forward, for a rollback that takes
-a millisecond), and A's next round starts only then.
+there: with two requests whose rounds drifted apart, request A's commit (a quick rollback) waits for
+the whole verify forward of request B that started the moment A's ended, and A's next round starts
+only then.
 
 ``DeferredCommits`` wraps the runtime: ``defer(session_id, num_tokens)`` records the commit (the
 server has already checked it against the pending result), and the session's next call on the
 worker thread (verify, verify_batch, commit) applies it first; release and a new start under the
 same id drop it. A rollback that raises is not retried: the session's later calls fail
-(``apply``) until it is released. Each session's operations
-stay in their order, so every forward sees the same KV as with the commit run at once; the
-commit's reply no longer waits for other sessions' forwards. The record is touched from the event
+(``apply``) until it is released. Each session's operations stay in their order, so every forward
+sees the same KV as with the commit run at once; the commit's reply does not wait for other
+sessions' forwards. The record is touched from the event
 loop (``defer``) and the worker thread (the calls) for one session at a time: the server's session
 states let no verify of a session be queued or running while its commit is taken.
 """

@@ -24,6 +24,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger(__name__)
 
 FALLBACK_KV_TOKENS = 1 << 20  # the former fixed default
@@ -106,8 +108,6 @@ def host_available_bytes() -> int | None:
 def free_memory_bytes(device: str, ranks: int = 1) -> int | None:
     """Memory the KV cache may grow into on ``device`` ("cpu" or "cuda[:N]"), or None if unknown."""
     if device.startswith("cuda"):
-        import torch
-
         free, _ = torch.cuda.mem_get_info(torch.device(device if ":" in device else "cuda:0"))
         return free * ranks
     known = [b for b in (host_available_bytes(), cgroup_free_bytes()) if b is not None]

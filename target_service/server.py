@@ -20,13 +20,8 @@ Transport only: every message is checked (trees with ``specdec.wire.tree_from_pr
 INVALID_ARGUMENT naming the field and leaves the session untouched), then handed to the runtime on
 its worker thread. Concurrent Verify calls of different sessions are merged by ``VerifyBatcher``
 into one ``runtime.verify_batch`` call; VerifyBatch goes through the same batcher. Session
-bookkeeping is ``target_service.sessions.TargetSessions``:
-
-KV accounting (``target.max_kv_tokens``, RESOURCE_EXHAUSTED past it): a session holds its committed
-slots L (prompt length - 1 after Prefill, + num_tokens per Commit) plus N + 1 tree slots from the
-start of a verify of an N-node tree until its commit. Example: Prefill of 10 tokens holds 9; a
-verify of a 4-node tree holds 9 + 5 = 14; Commit(num_tokens=3) leaves 12. A session untouched for
-``target.session_idle_s`` is released (its client died).
+bookkeeping (KV accounting against ``target.max_kv_tokens``, RESOURCE_EXHAUSTED past it; the
+release of sessions untouched for ``target.session_idle_s``) is ``target_service.sessions``.
 
 Verify is idempotent until Commit: the same tree sent again (a retry after a lost reply or an
 expired client deadline) gets the pending result back (batch_size 0, verify_ms 0) instead of a
