@@ -24,10 +24,12 @@ from ray.exceptions import ActorDiedError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draft_service.runtime import DraftRuntime
-from orchestrator.serving.backends import RayBackend, UpstreamError
+from orchestrator.serving.actors import RayBackend
+from orchestrator.serving.backends import UpstreamError
 from orchestrator.loop.controller import GenerationRequest
 from orchestrator.loop.engine import SpeculativeEngine
 from orchestrator.serving.failover import Resumption
+from orchestrator.serving.requests import GenerateCall
 from orchestrator.loop.stops import StopChecker
 from specdec.sampling import SamplingParams, derive_seed
 from specdec.stats import GenerationStats, RoundRecord
@@ -318,8 +320,8 @@ N = 400  # long enough that the kill (asynchronous) lands while the request stil
 @pytest.fixture(scope="module")
 def ray_front(tmp_path_factory):
     """Draft and target services (subprocesses) and, in this process, a Ray backend (2 actors) under the
-    front's servicer; yields (servicer, target model, tokenizer, event loop)."""
-    from orchestrator.serving.front import GenerationServicer
+    front's runner; yields (runner, target model, tokenizer, event loop)."""
+    from orchestrator.serving.runner import RequestRunner
     from orchestrator.loop.metrics import SpecMetrics
     from specdec.config import load_config
     from specdec.harness.servers import launch_service, stop_service, wait_ready
@@ -339,7 +341,7 @@ def ray_front(tmp_path_factory):
         loop.run_until_complete(backend.start())
         tokenizer = AutoTokenizer.from_pretrained(pair.target)
         model = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).eval()
-        yield GenerationServicer(config, backend, tokenizer, metrics=SpecMetrics()), model, tokenizer, loop
+        yield RequestRunner(config, backend, tokenizer, metrics=SpecMetrics()), model, tokenizer, loop
     finally:
         if backend is not None and backend.actors:
             loop.run_until_complete(backend.close())
@@ -360,7 +362,9 @@ def run_killing(servicer, loop, request: GenerationRequest, request_id: str, kil
         # somewhere to go at once
         await asyncio.gather(*(actor.ready.remote() for actor in servicer.backend.actors))
         tokens, stats = [], None
-        async for event in servicer.run(request, request_id):
+        call = GenerateCall(request_id, prompt_ids=tuple(request.prompt_ids), max_new_tokens=request.max_new_tokens,
+                            stop=request.stop_strings, tree=request.spec, ignore_eos=request.ignore_eos)
+        async for event in servicer.run(call):
             tokens += event.tokens
             if kill_after is not None and len(tokens) >= kill_after:
                 ray.kill(servicer.backend.owner[request_id], no_restart=False)
@@ -380,7 +384,7 @@ def failover_point(caplog, request_id: str) -> int:
 
 def test_greedy_request_whose_actor_is_killed_mid_stream_is_unchanged(ray_front, caplog):
     servicer, model, tokenizer, loop = ray_front
-    caplog.set_level(logging.WARNING, logger="orchestrator.serving.backends")
+    caplog.set_level(logging.WARNING, logger="orchestrator.serving.actors")
     prompt = random_prompt(seed=77, length=9, vocab=250)
     reference = hf_greedy(model, prompt, N)
     tokens, stats = run_killing(servicer, loop, GenerationRequest(prompt, N, spec=DEFAULT_SPEC, ignore_eos=True),
@@ -396,7 +400,7 @@ def test_stop_string_spanning_the_kill_point_is_honoured(ray_front, caplog):
     """Stop string = the text of greedy tokens 1..99: any kill point in (1, 99) lies inside it; the
     killed request stops where the uninterrupted one does."""
     servicer, model, tokenizer, loop = ray_front
-    caplog.set_level(logging.WARNING, logger="orchestrator.serving.backends")
+    caplog.set_level(logging.WARNING, logger="orchestrator.serving.actors")
     prompt = random_prompt(seed=78, length=7, vocab=250)
     reference = hf_greedy(model, prompt, N)
     stop = tokenizer.decode(reference[1:100], skip_special_tokens=False)

@@ -177,15 +177,19 @@ def test_stop_trim_never_sends_the_stop_string(deltas, stop, sent):
 
 
 def test_unknown_paths_and_internal_errors_use_the_error_object():
-    """Starlette's 404 / 405 and an unexpected exception (here from a broken servicer) answer in
+    """Starlette's 404 / 405 and an unexpected exception (here from a broken runner) answer in
     OpenAI's error format, not plain text."""
     from orchestrator.serving.http_api import HttpApi
 
     class Broken:
         tokenizer = None
 
-        def parse(self, msg):
+        def client_of(self, authorization, host):
+            return "local"
+
+        async def run(self, call):
             raise RuntimeError("broken")
+            yield
 
     app = HttpApi(Broken(), "m", None, asyncio.Event()).app
 

@@ -179,7 +179,7 @@ def test_a_ray_front_measures_the_services_once_for_its_actors(stack):
     connects and its actors start from those figures ("configured": none measured on its own)."""
     import ray
 
-    from orchestrator.serving.backends import RayBackend
+    from orchestrator.serving.actors import RayBackend
     from specdec.config import ServeConfig
 
     config = ServeConfig.model_validate({"front": {

@@ -1,44 +1,19 @@
 """OpenAI-compatible HTTP API of the front: FastAPI on uvicorn, in the front's own event loop.
 
-Served beside the gRPC GenerationService when ``front.http_port`` is set (``--http-port``), over the
-same servicer: every request is parsed by ``GenerationServicer.parse`` and runs through
-``GenerationServicer.run`` (the same round loop, speculation, batching, fallback, traces, metrics).
-
-    POST /v1/completions        prompt (text, or token ids), raw: no chat template
-    POST /v1/chat/completions   messages, through the chat template of the target's tokenizer
-    GET  /v1/models             the one served model (id: front.served_model_name, else the tokenizer dir's name)
-    GET  /health                200 while serving, 503 while draining
-    GET  /metrics               Prometheus text of the front's registry (the one front.metrics_port serves)
-
-Parameters: ``model``, ``prompt`` / ``messages`` (a message's ``name`` goes to the chat template),
-``max_tokens`` (chat also ``max_completion_tokens``; unset = front.max_new_tokens), ``temperature`` (default 1, as OpenAI's), ``top_p``, ``top_k``
-(extension, 0 = off), ``seed``, ``stop`` (a string or a list; the text ends before it, OpenAI's rule;
-the tokens and ``usage`` include the token that completed it), ``n`` (1 only), ``stream``,
-``stream_options.include_usage``, ``user`` (accepted, unused), and our extension object ``specdec``:
-``{"tree": TreeSpec JSON, "no_spec": bool, "ignore_eos": bool, "return_token_ids": bool}`` (``return_token_ids``: each
-choice and chunk also carries the committed ``token_ids``). A null parameter takes its default
-(OpenAI's are nullable). Any other parameter is refused with 400
-naming it, never ignored; so is an unsupported OpenAI one (``logprobs``, ``tools``, penalties,
-``logit_bias``, ``response_format`` ...) unless it holds its no-op value (null, false, 0, {}, []).
-
-Responses: OpenAI's objects; ``finish_reason`` "stop" (EOS or a stop string) or "length"
-(max_tokens or the context limit); ``usage`` counts the committed tokens; the final chunk / response
-carries the request's speculation statistics in ``specdec`` (the fields of gRPC FinalStats).
-Streams are server-sent events in OpenAI's chunk format ending with ``data: [DONE]``; the headers
-are sent with the first committed tokens, so an error before them gets its status: 400 bad
-parameter, 401 missing or wrong bearer token (``front.auth_token_file``; /health and /metrics stay
-open), 404 unknown model, 429 over the front's admission limits (``front.limits``: running and
-waiting requests, per client - the bearer token, else the client host - and overall) or the
-target's (RESOURCE_EXHAUSTED), 503 draining or a
-service down, 504 deadline; later an ``{"error": ...}`` event ends the stream. Errors use OpenAI's
-object ``{"error": {"message", "type", "param", "code"}}`` (unknown paths and internal errors too).
-A client that disconnects cancels its request, which frees its KV on the draft and the target.
+Served beside the gRPC GenerationService when ``front.http_port`` is set, over the same
+RequestRunner (orchestrator.serving.runner): a request's JSON becomes a ``GenerateCall`` and its
+``StreamEvent``s become OpenAI's objects. Endpoints, parameters (OpenAI's, plus the ``specdec``
+extension object), responses and error statuses: docs/http-api.md. Unknown and unsupported
+parameters are refused with 400 naming them, never ignored; a stream's headers go out with its
+first tokens, so an error before them gets its status, a later one an ``{"error": ...}`` event. A
+client that disconnects cancels its request, which frees its KV on the draft and the target.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import socket
@@ -56,15 +31,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from orchestrator.loop.embedded import encode_chat
 from orchestrator.serving.admission import AdmissionRefused
 from orchestrator.serving.backends import UpstreamError
-from orchestrator.loop.embedded import encode_chat
-from orchestrator.serving.front import GenerationServicer, RequestIdInUse, StreamEvent
-from specdec.sampling import SamplingParamsError
+from orchestrator.serving.requests import GenerateCall, RequestIdInUse, StreamEvent
+from orchestrator.serving.runner import RequestRunner
+from specdec.sampling import SamplingParams, SamplingParamsError
 from specdec.security import load_auth_tokens, token_accepted
 from specdec.tree_spec import TreeSpecError, parse_tree_spec
-from specdec.v1 import generation_pb2, tree_pb2
-from specdec.wire import spec_to_proto, stats_to_proto
+from specdec.wire import stats_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +191,7 @@ UPSTREAM_STATUS = {  # a downstream gRPC status -> (HTTP status, OpenAI error ty
 
 
 def field_error(exc: Exception, prompt_param: str) -> ApiError:
-    """400 for a parse error of the servicer (message ``field: detail``), the field renamed to the
+    """400 for a validation error of a call (message ``field: detail``), the field renamed to the
     request's parameter: prompt / prompt_ids -> ``prompt_param``, max_new_tokens -> max_tokens,
     a tree error -> specdec.tree."""
     field, _, detail = str(exc).partition(": ")
@@ -307,16 +282,16 @@ class StopTrim:
 class Output:
     """OpenAI objects (chunks, responses) of one request; chat: chat.completion, else text_completion."""
 
-    def __init__(self, chat: bool, model: str, body: _GenerationParams, stop: tuple[str, ...], prompt_tokens: int):
+    def __init__(self, chat: bool, model: str, body: _GenerationParams, call: GenerateCall):
         self.chat = chat
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.id = call.request_id
         self.model = model
         self.created = int(time.time())
-        self.prompt_tokens = prompt_tokens
+        self.prompt_tokens = 0  # known at the final event
         self.completion_tokens = 0
         self.token_ids = body.specdec.return_token_ids
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        self.trim = StopTrim(stop)
+        self.trim = StopTrim(call.stop)
 
     def chunks(self, event: StreamEvent) -> list[dict]:
         """The chunks of one event: text (when there is any, or token ids asked for), then at the end
@@ -326,6 +301,7 @@ class Output:
             text = self.trim.push(event.text_delta)
             return [self._chunk(text, event.tokens)] if text or (self.token_ids and event.tokens) else []
         text = self.trim.final(event.text_delta)
+        self.prompt_tokens = event.prompt_tokens
         final = self._chunk(text, [], FINISH_REASONS.get(event.stats.stop_reason, "stop"))
         final["specdec"] = self._stats(event.stats)
         if not self.include_usage:
@@ -394,7 +370,7 @@ _END = object()
 
 
 class Run:
-    """One request's StreamEvents, from ``servicer.run`` in a task of its own: a client that
+    """One request's StreamEvents, from ``RequestRunner.run`` in a task of its own: a client that
     disconnects (an ``http.disconnect`` message) or ``close`` cancels that task, and with it the
     request, which frees its KV on both services. Iterate it once."""
 
@@ -477,16 +453,16 @@ async def _internal_error_response(_request: Request, exc: Exception) -> JSONRes
 
 
 class HttpApi:
-    """The FastAPI app over a GenerationServicer (see the module docstring for the endpoints).
+    """The FastAPI app over a RequestRunner (see the module docstring for the endpoints).
 
     model_name: the ``model`` id served; registry: the Prometheus registry /metrics serves;
     draining: set when the front shuts down (new requests get 503); auth_tokens: accepted bearer
     tokens (empty = no auth).
     """
 
-    def __init__(self, servicer: GenerationServicer, model_name: str, registry, draining: asyncio.Event,
+    def __init__(self, runner: RequestRunner, model_name: str, registry, draining: asyncio.Event,
                  auth_tokens: tuple[str, ...] = ()):
-        self.servicer = servicer
+        self.runner = runner
         self.model_name = model_name
         self.registry = registry
         self.draining = draining
@@ -524,59 +500,50 @@ class HttpApi:
             if len(prompt) != 1:
                 raise ApiError(400, f"prompt: one prompt per request, got {len(prompt)}", "prompt")
             prompt = prompt[0]
-        msg = self._generate_request(body, "prompt")
+        call = self._call(body, request, "prompt", chat=False)
         if isinstance(prompt, str):
-            msg.prompt = _unicode(prompt, "prompt")
+            call = dataclasses.replace(call, prompt=_unicode(prompt, "prompt"))
         else:
-            vocab = self.servicer.backend.info.vocab_size
-            if (bad := next((t for t in prompt if not 0 <= t < vocab), None)) is not None:  # before int32 protobuf
-                raise ApiError(400, f"prompt: {bad} outside the vocabulary [0, {vocab})", "prompt")
-            msg.prompt_ids.extend(prompt)
-        return await self._respond(request, body, msg, chat=False, prompt_param="prompt")
+            call = dataclasses.replace(call, prompt_ids=tuple(prompt))
+        return await self._respond(request, body, call, chat=False, prompt_param="prompt")
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
-        msg = self._generate_request(body, "messages")
+        call = self._call(body, request, "messages", chat=True)
         for i, message in enumerate(body.messages):
             for field, text in message.as_template_input().items():
                 _unicode(text, f"messages[{i}].{field}")
         try:
             # tokenized off the event loop (the tokenizer releases the GIL): a huge prompt stalls no other request
-            msg.prompt_ids.extend(await asyncio.to_thread(encode_chat, self.servicer.tokenizer,
-                                                          [m.as_template_input() for m in body.messages]))
+            ids = await asyncio.to_thread(encode_chat, self.runner.tokenizer, [m.as_template_input() for m in body.messages])
         except ValueError as exc:
             raise field_error(exc, "messages") from None
         except Exception as exc:  # noqa: BLE001 - a template's own error (e.g. raise_exception on the roles)
             raise ApiError(400, f"messages: the chat template refused them: {exc}", "messages") from None
-        return await self._respond(request, body, msg, chat=True, prompt_param="messages")
+        return await self._respond(request, body, dataclasses.replace(call, prompt_ids=tuple(ids)), chat=True,
+                                   prompt_param="messages")
 
-    def _generate_request(self, body: _GenerationParams, prompt_param: str) -> generation_pb2.GenerateRequest:
-        """The gRPC GenerateRequest of the parameters (the prompt is added by the caller)."""
+    def _call(self, body: _GenerationParams, request: Request, prompt_param: str, chat: bool) -> GenerateCall:
+        """The GenerateCall of a request's parameters but its prompt; ApiError 404 for another model, 400 naming a bad parameter."""
         if body.model is not None and body.model != self.model_name:
             raise ApiError(404, f"model: {body.model!r} is not served here (GET /v1/models lists {self.model_name!r})",
                            "model", code="model_not_found")
-        msg = generation_pb2.GenerateRequest(raw=True, max_new_tokens=body.max_new_tokens(), no_spec=body.specdec.no_spec,
-                                         ignore_eos=body.specdec.ignore_eos)
-        msg.stop.extend(_unicode(s, "stop") for s in ([body.stop] if isinstance(body.stop, str) else body.stop or []))
-        msg.sampling.CopyFrom(tree_pb2.SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                                                      seed=body.seed))
-        if body.specdec.tree is not None:
-            try:
-                msg.tree.CopyFrom(spec_to_proto(parse_tree_spec(body.specdec.tree)))
-            except TreeSpecError as exc:
-                raise field_error(exc, prompt_param) from None
-        return msg
-
-    async def _respond(self, request: Request, body: _GenerationParams, msg: generation_pb2.GenerateRequest,
-                       chat: bool, prompt_param: str) -> Response:
-        """Parse and run; the first event is awaited here, so errors before any token get their status."""
+        stop = tuple(_unicode(s, "stop") for s in ([body.stop] if isinstance(body.stop, str) else body.stop or []))
         try:
-            req = await asyncio.to_thread(self.servicer.parse, msg)  # it tokenizes: off the event loop
-        except (ValueError, SamplingParamsError, TreeSpecError) as exc:
+            tree = parse_tree_spec(body.specdec.tree) if body.specdec.tree is not None else None
+            sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
+        except ValueError as exc:  # TreeSpecError, SamplingParamsError
             raise field_error(exc, prompt_param) from None
-        out = Output(chat, self.model_name, body, tuple(msg.stop), len(req.prompt_ids))
-        client = self.servicer.client_of(request.headers.get("authorization", ""),
-                                         request.client.host if request.client else "unknown")
-        run = Run(self.servicer.run(req, out.id, None, _trace_carrier(request), client), request, self.active, out.id)
+        return GenerateCall(
+            request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", raw=True, max_new_tokens=body.max_new_tokens(), stop=stop, sampling=sampling, tree=tree,
+            no_spec=body.specdec.no_spec, ignore_eos=body.specdec.ignore_eos, carrier=_trace_carrier(request),
+            client=self.runner.client_of(request.headers.get("authorization", ""),
+                                         request.client.host if request.client else "unknown"))
+
+    async def _respond(self, request: Request, body: _GenerationParams, call: GenerateCall, chat: bool,
+                       prompt_param: str) -> Response:
+        """Run the call; the first event is awaited here, so errors before any token get their status."""
+        out = Output(chat, self.model_name, body, call)
+        run = Run(self.runner.run(call), request, self.active, call.request_id)
         try:
             first = await anext(run)
         except BaseException as exc:
@@ -616,7 +583,7 @@ class HttpApi:
         yield "data: [DONE]\n\n"
 
     async def models(self) -> dict:
-        info = self.servicer.backend.info
+        info = self.runner.backend.info
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "specdec", "max_model_len": info.context_limit}]}
 
@@ -686,10 +653,10 @@ class HttpServer:
         self.sock.close()
 
 
-async def start_http(config, servicer: GenerationServicer, tok_dir: str, registry, draining: asyncio.Event) -> HttpServer:
+async def start_http(config, runner: RequestRunner, tok_dir: str, registry, draining: asyncio.Event) -> HttpServer:
     """The HTTP API of a front (front.http_port set) on front.host; see HttpApi."""
     front = config.front
     model_name = front.served_model_name or Path(tok_dir).name
-    api = HttpApi(servicer, model_name, registry, draining, load_auth_tokens(front.auth_token_file))
+    api = HttpApi(runner, model_name, registry, draining, load_auth_tokens(front.auth_token_file))
     return await HttpServer.start(api, front.host, front.http_port, config.grpc.shutdown_grace_s,
                                   config.grpc.tls_cert, config.grpc.tls_key)

@@ -1,0 +1,119 @@
+"""The front's requests, transport-neutral: what both APIs parse into, and what comes back.
+
+The gRPC servicer (orchestrator.serving.front) and the HTTP API (orchestrator.serving.http_api)
+each translate their wire format into a ``GenerateCall`` and ``StreamEvent``s back; nothing else
+of the front sees protobuf or JSON. ``to_generation`` holds the checks both share, against the
+front's limits and the target's: errors are ValueErrors whose message starts with the field
+(``prompt: ...``), which gRPC returns as INVALID_ARGUMENT and HTTP as 400 naming its parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator.loop.controller import GenerationRequest
+from orchestrator.loop.embedded import encode_prompt
+from specdec.config import FrontConfig
+from specdec.sampling import GREEDY, SamplingParams
+from specdec.stats import GenerationStats
+from specdec.tree_spec import TreeSpec
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+class RequestIdInUse(Exception):
+    """A request with this id is already running on this front."""
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """One generation request as a client sent it, sampling and tree already validated.
+
+    prompt: text (the chat template applied unless ``raw``), or prompt_ids; max_new_tokens: 0 = the
+    server default; tree: None = front.tree; timeout_s: the client's time left (None = no deadline);
+    carrier: its W3C trace context (None = the current context); client: its admission key
+    (``RequestRunner.client_of``).
+    """
+
+    request_id: str
+    prompt: str = ""
+    prompt_ids: tuple[int, ...] = ()
+    raw: bool = False
+    max_new_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    sampling: SamplingParams = GREEDY
+    tree: TreeSpec | None = None
+    no_spec: bool = False
+    ignore_eos: bool = False
+    timeout_s: float | None = None
+    carrier: dict | None = None
+    client: str = "local"
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One step of a request's stream: the tokens a round committed and their text delta, or the
+    end, with the request's statistics and its prompt's length (``stats`` set, ``tokens`` empty)."""
+
+    tokens: list[int]
+    text_delta: str
+    stats: GenerationStats | None = None
+    prompt_tokens: int = 0
+
+
+def to_generation(call: GenerateCall, tokenizer, front: FrontConfig, info) -> GenerationRequest:
+    """The round loop's request of a call; info: the target's Info (vocabulary, context and tree
+    limits). Raises ValueError naming the field. A text prompt is tokenized here (seconds for
+    megabytes): async callers run it in a thread."""
+    ids = prompt_tokens(call, tokenizer, info.vocab_size)
+    limit = min(front.max_prompt_tokens, info.context_limit - 1)
+    if len(ids) > limit:
+        raise ValueError(f"prompt: {len(ids)} tokens exceed the limit of {limit} tokens")
+    if call.max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens: must be >= 0 (0 = server default), got {call.max_new_tokens}")
+    if any(not s for s in call.stop):
+        raise ValueError("stop: an empty stop string would stop after the first token")
+    if len(call.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in call.stop):
+        raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
+    spec = None
+    if not call.no_spec and front.speculate:
+        spec = call.tree if call.tree is not None else front.tree
+        limit = info.max_tree_nodes or spec.num_nodes
+        if spec.num_nodes > limit:
+            raise ValueError(f"tree: {spec.num_nodes} nodes exceed the target's limit of {limit} (target.max_tree_nodes)")
+    max_new = max_new_tokens(front, call.max_new_tokens, len(ids))
+    return GenerationRequest(ids, max_new, call.stop, spec, call.sampling, ignore_eos=call.ignore_eos)
+
+
+def prompt_tokens(call: GenerateCall, tokenizer, vocab_size: int) -> list[int]:
+    """The prompt's token ids: prompt_ids, each inside the vocabulary, or the tokenized text."""
+    if call.prompt and call.prompt_ids:
+        raise ValueError("prompt: give either prompt (text) or prompt_ids, not both")
+    if call.prompt_ids:
+        bad = [t for t in call.prompt_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt_ids: {bad[0]} outside the vocabulary [0, {vocab_size})")
+        return list(call.prompt_ids)
+    if call.prompt:
+        return encode_prompt(tokenizer, call.prompt, call.raw)
+    raise ValueError("prompt: empty prompt (set prompt or prompt_ids)")
+
+
+def max_new_tokens(front: FrontConfig, asked: int, prompt_tokens: int) -> int:
+    """The request's max_new_tokens (asked: 0 = front.max_new_tokens) under
+    front.limits.max_kv_tokens_per_request: prompt + max_new_tokens target KV slots at most (a
+    round's tree nodes come on top until its verify). The server default shrinks to fit; an
+    explicit value that does not fit raises ValueError naming max_new_tokens (the prompt, when
+    it alone fills the cap)."""
+    max_new = asked or front.max_new_tokens
+    cap = front.limits.max_kv_tokens_per_request
+    if cap is None or prompt_tokens + max_new <= cap:
+        return max_new
+    if prompt_tokens >= cap:
+        raise ValueError(f"prompt: {prompt_tokens} tokens leave no room for new tokens under "
+                         f"front.limits.max_kv_tokens_per_request ({cap} tokens)")
+    if not asked:
+        return cap - prompt_tokens
+    raise ValueError(f"max_new_tokens: {prompt_tokens} prompt tokens + {max_new} new tokens exceed "
+                     f"front.limits.max_kv_tokens_per_request ({cap} tokens)")

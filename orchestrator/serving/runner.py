@@ -1,0 +1,156 @@
+"""The one path of every request of the front, from the gRPC servicer (front.py) and the HTTP API
+(http_api.py) alike: validate a GenerateCall, admit it under ``front.limits`` (admission.py), stream
+it from the backend as StreamEvents, and feed each round to the metrics and the acceptance monitor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import AsyncIterator, Sequence
+
+from opentelemetry import propagate
+
+from orchestrator.loop.controller import GenerationRequest
+from orchestrator.serving.admission import Admission, Ticket, client_key
+from orchestrator.serving.backends import Backend
+from orchestrator.serving.requests import GenerateCall, RequestIdInUse, StreamEvent, to_generation
+from specdec.config import ServeConfig
+from specdec.stats import GenerationStats, RoundRecord
+
+
+class TextDeltas:
+    """Text of a growing token list as deltas that concatenate to the final decode.
+
+    Holds back text while it ends in an incomplete UTF-8 sequence (U+FFFD); ``final`` flushes.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def push(self, tokens: list[int]) -> str:
+        self.ids.extend(tokens)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        return self._delta(text)
+
+    def final(self) -> str:
+        return self._delta(self.tokenizer.decode(self.ids, skip_special_tokens=True))
+
+    def _delta(self, text: str) -> str:
+        """New text since the last delta. If decoding changed text already sent (tokenizers that
+        clean up spaces), sent text cannot be taken back; the deltas then differ from the final decode
+        where it changed (never for byte-level BPE tokenizers such as Qwen's)."""
+        delta = text[len(self.sent):]  # on a divergence: best effort, the text past what was sent
+        self.sent = text
+        return delta
+
+
+class RequestRunner:
+    """Runs the front's requests on a backend (LocalBackend or RayBackend).
+
+    auth_tokens: the accepted bearer tokens (``front.auth_token_file``; empty = no auth), which name
+    the clients of the admission limits (``client_of``).
+    """
+
+    def __init__(self, config: ServeConfig, backend: Backend, tokenizer, metrics=None, monitor=None,
+                 auth_tokens: Sequence[str] = ()):
+        self.config = config
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.monitor = monitor
+        self.auth_tokens = tuple(t.encode() for t in auth_tokens)
+        self.admission = Admission(config.front.limits)
+        self.running: set[str] = set()  # request ids with a stream open (waiting for a slot or running)
+
+    def client_of(self, authorization: str, host: str) -> str:
+        """The admission key of a caller (orchestrator.serving.admission.client_key): its bearer token's line
+        when auth is on, else its host. authorization: the header's value ("" when absent)."""
+        return client_key(self.auth_tokens, authorization, host)
+
+    async def run(self, call: GenerateCall) -> AsyncIterator[StreamEvent]:
+        """Validate a call and run it on the backend: a StreamEvent per round with tokens, then the final one.
+
+        The request first waits for a running slot (``front.limits``); aborted meanwhile, it ends at
+        once with stop reason "aborted". Raises ValueError naming the field (before any event),
+        RequestIdInUse, AdmissionRefused (over front.limits) or UpstreamError (a downstream
+        service's status). Closing the iterator early (client gone) cancels the request and frees
+        its KV and its slot or queue place.
+        """
+        arrived = time.monotonic()  # the deadline left to the backend is what tokenizing and waiting did not use
+        # it tokenizes: off the event loop (the tokenizer releases the GIL)
+        req = await asyncio.to_thread(to_generation, call, self.tokenizer, self.config.front, self.backend.info)
+        request_id = call.request_id
+        if request_id in self.running:
+            raise RequestIdInUse(f"request_id: {request_id!r} is already running")
+        carrier = call.carrier
+        if carrier is None:
+            carrier = {}
+            propagate.inject(carrier)
+        deltas = TextDeltas(self.tokenizer)
+        started = time.perf_counter()
+        ticket = self.admission.enter(call.client, request_id)  # raises AdmissionRefused
+        self.running.add(request_id)
+        stream = self._admitted(ticket, req, request_id, call.timeout_s, arrived, carrier)
+        if self.metrics is not None:  # request latency, TTFT, inter-token latency, running / waiting (queued too)
+            stream = self.metrics.track_stream(stream)
+        try:
+            async for tokens, record, stats in stream:
+                if record is not None:
+                    self._observe(request_id, record)
+                if tokens:
+                    yield StreamEvent(tokens, deltas.push(tokens))
+                if stats is not None:
+                    yield StreamEvent([], deltas.final(), self._final_stats(stats, started), len(req.prompt_ids))
+        finally:
+            try:
+                await stream.aclose()  # ended early: the backend's stream ends first (its KV freed), then the slot
+            finally:  # a second cancel or an error while closing must not keep the slot or the id
+                self.admission.leave(ticket)
+                self.running.discard(request_id)
+                if self.monitor is not None:
+                    self.monitor.release(request_id)
+
+    async def _admitted(self, ticket: Ticket, req: GenerationRequest, request_id: str, timeout_s: float | None,
+                        arrived: float, carrier: dict):
+        """The backend's stream of (tokens, record, stats) once the request holds a running slot;
+        aborted while waiting, one final chunk with stop reason "aborted". timeout_s: the client's
+        time left at ``arrived`` (monotonic seconds)."""
+        if not await ticket.granted:
+            yield [], None, GenerationStats(stop_reason="aborted")
+            return
+        if timeout_s is not None:
+            timeout_s = max(timeout_s - (time.monotonic() - arrived), 0.0)
+        stream = self.backend.stream(req, request_id, timeout_s, carrier)
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            await stream.aclose()
+
+    def _final_stats(self, stats: GenerationStats, started: float) -> GenerationStats:
+        """The request's statistics, its fail-overs counted in the metrics; total_s from ``started``
+        (perf_counter seconds) when the backend left it unset."""
+        if self.metrics is not None and stats.failovers:
+            self.metrics.failovers.inc(stats.failovers)
+        if not stats.total_s:
+            stats = dataclasses.replace(stats, total_s=time.perf_counter() - started)
+        return stats
+
+    def _observe(self, request_id: str, record: RoundRecord) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_round(record)
+            for phase, seconds in (("draft", record.draft_s), ("verify", record.verify_s), ("commit", record.commit_s)):
+                if seconds is not None:
+                    self.metrics.observe_phase(phase, seconds)
+        if self.monitor is not None and record.proposed:
+            self.monitor.record(request_id, record.proposed, record.accepted)
+
+    async def abort(self, request_id: str) -> bool:
+        """End a request by id, waiting or running; whether one had this id."""
+        return self.admission.abort(request_id) or await self.backend.abort(request_id)
