@@ -66,7 +66,6 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import wait
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -79,9 +78,8 @@ from transformers.distributed import DistributedConfig
 from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
 from transformers.utils import logging as hf_logging
 
-from specdec.checkpoint_memory import own_weights
-from specdec.cpu_linear import PackedLinear, prepack_linears
-from specdec.models import DTYPES, check_supported, load_model
+from specdec.cpu_linear import PackedLinear
+from specdec.models import DTYPES, check_supported
 from specdec.sampling import GREEDY, SamplingParams
 from specdec.tree import DraftTree
 from specdec.tree_spec import MAX_TREE_NODES
@@ -702,23 +700,13 @@ class TensorParallelTarget:
             conn.close()
 
 
-def build_target(model_dir, tp: int = 1, dtype: str = "float32", device: str = "cpu",
-                 max_tree_nodes: int = MAX_TREE_NODES, **tp_options):
-    """The target worker for a service: TargetRuntime in this process for ``tp == 1``, else a
-    TensorParallelTarget over ``tp`` rank processes (``tp_options``: its keyword arguments, e.g.
-    collective_timeout_s). Float32 CPU weights are pre-packed for oneDNN either way, as in embedded
-    mode. Raises ValueError naming ``tp`` for a model that cannot be split so, specdec.models.ModelError
-    for a directory that does not load (tp == 1) or the rank's loading error (tp > 1).
-
-    Both results have start / verify / commit / release / tree_logits (and any other TargetRuntime
-    method); only the TensorParallelTarget raises RankFailureError and needs ``close()``.
+def build_target(model_dir, tp: int, dtype: str = "float32", device: str = "cpu",
+                 max_tree_nodes: int = MAX_TREE_NODES, **tp_options) -> TensorParallelTarget:
+    """The target service's TensorParallelTarget over ``tp`` rank processes (``tp_options``: its
+    keyword arguments, e.g. collective_timeout_s). Float32 CPU weight shards are pre-packed for oneDNN
+    unless ``prepack`` says otherwise. Raises ValueError naming ``tp`` for a model that cannot be
+    split so, or naming ``device`` for one that is neither cpu nor cuda, and the rank's loading error.
     """
-    if tp == 1:
-        model, _ = load_model(Path(model_dir), dtype, device)
-        check_supported(model, "--target")
-        prepack_linears(model)
-        own_weights(model)
-        return TargetRuntime(model, max_tree_nodes=max_tree_nodes)
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"device: tensor parallelism runs on cpu (gloo) or cuda (nccl), got {device!r}")
     tp_options.setdefault("prepack", device == "cpu" and dtype == "float32")

@@ -1,8 +1,8 @@
 """The project's own servers as subprocesses on loopback ports, for tests and benchmarks.
 
-    with running_service("target", "serve.yaml") as target:  # python -m target_service --config serve.yaml --port 0
-        channel = grpc.aio.insecure_channel(target.address)   # e.g. "127.0.0.1:43817"
-    # leaving the block sends SIGTERM and waits for the exit (target.returncode)
+    target = start_service("target", "serve.yaml")           # python -m target_service --config serve.yaml --port 0
+    channel = grpc.aio.insecure_channel(target.address)     # e.g. "127.0.0.1:43817"
+    stop_service(target)                                     # SIGTERM, wait; returns the exit code
 
     draft, target = launch_service("draft", config), launch_service("target", config)
     wait_ready(draft), wait_ready(target)                      # start-ups overlap
@@ -23,7 +23,6 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -146,16 +145,6 @@ def stop_service(service: Service, timeout_s: float = 30.0) -> int:
     except subprocess.TimeoutExpired:
         service.proc.kill()
         return service.proc.wait()
-
-
-@contextmanager
-def running_service(kind: str, config_path, timeout_s: float = 120.0, env: dict | None = None, **flags):
-    """Context manager: a ready server subprocess (Service); SIGTERM and wait on exit."""
-    service = start_service(kind, config_path, timeout_s, env, **flags)
-    try:
-        yield service
-    finally:
-        stop_service(service)
 
 
 def wait_for_exit(service: Service, timeout_s: float) -> tuple[int | None, float]:

@@ -2,8 +2,7 @@
 
     pair = save_tiny_pair(tmp_path)                        # target + draft dirs (seeded, tokenizer included)
     config = write_config(tmp_path / "serve.yaml", pair, target={"max_batch": 4})
-    with running_service("target", config) as target:      # specdec.harness.servers
-        ...
+    target = start_service("target", config)                # specdec.harness.servers
 
 In-memory tiny models (no files) are in conftest.py.
 """
