@@ -19,6 +19,7 @@ import logging
 import socket
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -608,39 +609,14 @@ class _LoopServer(uvicorn.Server):
         yield
 
 
+@dataclass
 class HttpServer:
-    """The HTTP API on host:port, served by uvicorn as a task of the running loop."""
+    """The HTTP API on ``sock``, served by uvicorn as a task of the running loop."""
 
-    def __init__(self, api: HttpApi, sock: socket.socket, host: str, grace_s: float,
-                 tls_cert: str | None = None, tls_key: str | None = None):
-        self.api = api
-        self.sock = sock
-        self.host = host
-        self.port = sock.getsockname()[1]
-        self.server = _LoopServer(uvicorn.Config(api.app, log_config=None, access_log=False, lifespan="off",
-                                                 timeout_graceful_shutdown=max(grace_s, 0.1),
-                                                 ssl_certfile=tls_cert, ssl_keyfile=tls_key))  # HTTPS with grpc.tls_cert
-        self.task: asyncio.Task | None = None
-
-    @classmethod
-    async def start(cls, api: HttpApi, host: str, port: int, grace_s: float = 10.0,
-                    tls_cert: str | None = None, tls_key: str | None = None) -> "HttpServer":
-        """Bind host:port (0 = ephemeral), serve, print ``http ready on HOST:PORT``. Raises OSError
-        naming front.http_port when the address cannot be bound."""
-        try:
-            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-            sock = socket.create_server((host, port), family=family)
-        except OSError as exc:
-            raise OSError(f"front.http_port: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-        server = cls(api, sock, host, grace_s, tls_cert, tls_key)
-        server.task = asyncio.create_task(server.server.serve(sockets=[server.sock]))
-        while not server.server.started:
-            if server.task.done():
-                server.task.result()  # raises what stopped it
-                raise OSError(f"http server on {host}:{port} stopped while starting")
-            await asyncio.sleep(0.01)
-        print(f"http ready on {host}:{server.port}", flush=True)
-        return server
+    api: HttpApi
+    sock: socket.socket
+    server: _LoopServer
+    task: asyncio.Task
 
     async def drain(self, grace_s: float) -> None:
         """Called once the front drains (``draining`` set: new requests get 503): give running
@@ -653,10 +629,30 @@ class HttpServer:
         self.sock.close()
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on host:port (0 = ephemeral); OSError naming front.http_port when it cannot bind."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        return socket.create_server((host, port), family=family)
+    except OSError as exc:
+        raise OSError(f"front.http_port: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
 async def start_http(config, runner: RequestRunner, tok_dir: str, registry, draining: asyncio.Event) -> HttpServer:
-    """The HTTP API of a front (front.http_port set) on front.host; see HttpApi."""
-    front = config.front
-    model_name = front.served_model_name or Path(tok_dir).name
-    api = HttpApi(runner, model_name, registry, draining, load_auth_tokens(front.auth_token_file))
-    return await HttpServer.start(api, front.host, front.http_port, config.grpc.shutdown_grace_s,
-                                  config.grpc.tls_cert, config.grpc.tls_key)
+    """Serve the HTTP API of a front (front.http_port set; see HttpApi) on front.host, HTTPS with
+    grpc.tls_cert; prints ``http ready on HOST:PORT`` once it serves."""
+    front, grpc_cfg = config.front, config.grpc
+    api = HttpApi(runner, front.served_model_name or Path(tok_dir).name, registry, draining,
+                  load_auth_tokens(front.auth_token_file))
+    sock = listen(front.host, front.http_port)
+    server = _LoopServer(uvicorn.Config(api.app, log_config=None, access_log=False, lifespan="off",
+                                        timeout_graceful_shutdown=max(grpc_cfg.shutdown_grace_s, 0.1),
+                                        ssl_certfile=grpc_cfg.tls_cert, ssl_keyfile=grpc_cfg.tls_key))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()  # raises what stopped it
+            raise OSError(f"http server on {front.host}:{front.http_port} stopped while starting")
+        await asyncio.sleep(0.01)
+    print(f"http ready on {front.host}:{sock.getsockname()[1]}", flush=True)
+    return HttpServer(api, sock, server, task)
