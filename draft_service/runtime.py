@@ -32,7 +32,7 @@ import torch
 
 from draft_service.tree_builder import Step, tree_steps
 from specdec.forward import DirectDecoder, model_forward, model_forward_batch, model_forward_packed, packed_layout
-from specdec.interfaces import SessionStateError, UnknownSessionError
+from specdec.interfaces import DraftWorker, SessionStateError, UnknownSessionError
 from specdec.kv_cache import append_kv_row, cache_length, compact_kv, new_cache, stack_kv, truncate_kv
 from specdec.sampling import GREEDY, SamplingParams, session_rng
 from specdec.tree import ROOT, DraftTree, additive_mask, ancestors, node_depths
@@ -74,8 +74,10 @@ class AheadTree(NamedTuple):
     tree: DraftTree
 
 
-class DraftRuntime:
+class DraftRuntime(DraftWorker):
     """Implements DraftWorker (specdec.interfaces) over a transformers causal LM."""
+
+    drafts_ahead = True
 
     def __init__(self, model, vocab_size: int | None = None, packed: bool | None = None, direct: bool = True):
         """vocab_size: ids both models share (None = the draft's own); packed: how ``propose_batch``

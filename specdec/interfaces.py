@@ -55,13 +55,17 @@ class VerifyResult:
         return self.tokens[-1]
 
 
-class DraftWorker(Protocol):
-    """The draft side of a round. In-process: ``draft_service.runtime.DraftRuntime``; over gRPC:
+class DraftWorker:
+    """The draft side of a round, and the one place its optional parts are declared (with defaults,
+    so the round loop never probes). In-process: ``draft_service.runtime.DraftRuntime``; over gRPC:
     ``orchestrator.loop.clients.DraftClient`` (the same methods, awaitable; every failure there raises
     ``DraftUnavailableError`` and the request goes on without the draft).
 
     Dims: T prompt tokens, N tree nodes, K tokens committed in a round, A accepted nodes.
     """
+
+    in_process = False  # True: its calls take turns with the event loop, nothing runs beside them
+    drafts_ahead = False  # True: propose_ahead / resolve_ahead work (pipelining, ``RoundController(pipeline=True)``)
 
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> int | None:
         """Open a session whose committed tokens are ``prompt_ids`` [T], T >= 1: the request's committed
@@ -74,7 +78,7 @@ class DraftWorker(Protocol):
         client: the server's DraftStarted.context_limit), else None: the caller then uses the limit
         it was given (``RoundController(draft_context_limit=...)``; the in-process runtime returns None).
         """
-        ...
+        raise NotImplementedError
 
     def propose(self, session_id: str, spec: TreeSpec, max_depth: int) -> DraftTree:
         """Grow a tree after the session's committed tokens, as ``spec`` says, at most
@@ -86,7 +90,7 @@ class DraftWorker(Protocol):
         outside its vocabulary). A second propose before ``commit`` replaces the first (a retry).
         Raises UnknownSessionError.
         """
-        ...
+        raise NotImplementedError
 
     def commit(self, session_id: str, tokens: list[int], accepted_nodes: list[int]) -> None:
         """Append the round's committed tokens [K], K >= 1 (the accepted path's tokens and the bonus
@@ -94,20 +98,78 @@ class DraftWorker(Protocol):
         of the last proposed tree, root side first). The draft keeps the KV of the accepted nodes it
         fed and drops the rest of the tree. Raises UnknownSessionError.
         """
-        ...
+        raise NotImplementedError
 
     def release(self, session_id: str) -> None:
         """Free the session and its KV; an unknown id is a no-op."""
-        ...
+        raise NotImplementedError
 
-    # Optional (pipelining, ``RoundController(pipeline=True)``; used only where a worker has both):
-    #   propose_ahead(session_id, path_nodes [A], spec, max_depth) -> (guess, DraftTree): after a
-    #     propose, before its commit: take the root path ``path_nodes`` of that tree and the draft's
-    #     argmax guess of the bonus token as committed and grow the next tree (no random draw for the
-    #     guess; the tree's draws come from the session's generator).
-    #   resolve_ahead(session_id, adopt): adopt = keep that state (no commit for the guessed round);
-    #     else roll back exactly, then ``commit`` as usual. While an ahead is unresolved, propose and
-    #     commit raise SessionStateError. (draft_service.runtime.DraftRuntime; orchestrator.loop.clients.DraftClient)
+    def propose_ahead(self, session_id: str, path_nodes: list[int], spec: TreeSpec,
+                      max_depth: int) -> tuple[int, DraftTree]:
+        """Pipelining (where ``drafts_ahead``): after a propose, before its commit, take the root path
+        ``path_nodes`` [A] of that tree and the draft's argmax guess of the bonus token as committed
+        and grow the next tree (no random draw for the guess; the tree's draws come from the
+        session's generator). Returns (guess, tree)."""
+        raise NotImplementedError(f"{type(self).__name__} does not draft ahead")
+
+    def resolve_ahead(self, session_id: str, adopt: bool) -> None:
+        """adopt = keep the ahead's state (no commit for the guessed round); else roll back exactly,
+        then ``commit`` as usual. While an ahead is unresolved, propose and commit raise SessionStateError."""
+        raise NotImplementedError(f"{type(self).__name__} does not draft ahead")
+
+    def last_batch_size(self, session_id: str) -> int | None:
+        """Sessions whose tree steps shared the draft forwards of this session's last proposal
+        (a draft service's reply says; None = not reported)."""
+        return None
+
+    def last_forward_ms(self, session_id: str) -> float | None:
+        """ms of the draft call that grew this session's last tree, without queue or transport
+        (a draft service's reply says; None = not reported)."""
+        return None
+
+
+class WorkerAdapter(DraftWorker):
+    """Another worker (a draft or a target) whose calls each go through ``call``: awaitable for an
+    in-process worker (``orchestrator.loop.controller.InProcessWorker``), blocking for an awaitable
+    one (``orchestrator.planning.cost_model.measure_service_costs``). Reports pass through as they are."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    @property
+    def drafts_ahead(self) -> bool:
+        return self.worker.drafts_ahead
+
+    def call(self, name: str, method, *args, **kwargs):
+        """The worker's ``method`` (its ``name``) called with the arguments."""
+        raise NotImplementedError
+
+    def start(self, *args, **kwargs):
+        return self.call("start", self.worker.start, *args, **kwargs)
+
+    def propose(self, *args, **kwargs):
+        return self.call("propose", self.worker.propose, *args, **kwargs)
+
+    def verify(self, *args, **kwargs):
+        return self.call("verify", self.worker.verify, *args, **kwargs)
+
+    def commit(self, *args, **kwargs):
+        return self.call("commit", self.worker.commit, *args, **kwargs)
+
+    def release(self, *args, **kwargs):
+        return self.call("release", self.worker.release, *args, **kwargs)
+
+    def propose_ahead(self, *args, **kwargs):
+        return self.call("propose_ahead", self.worker.propose_ahead, *args, **kwargs)
+
+    def resolve_ahead(self, *args, **kwargs):
+        return self.call("resolve_ahead", self.worker.resolve_ahead, *args, **kwargs)
+
+    def last_batch_size(self, session_id: str) -> int | None:
+        return self.worker.last_batch_size(session_id)
+
+    def last_forward_ms(self, session_id: str) -> float | None:
+        return self.worker.last_forward_ms(session_id)
 
 
 class TargetWorker(Protocol):

@@ -19,6 +19,7 @@ from scipy import stats
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from draft_service.tree_builder import build_tree
+from specdec.interfaces import DraftWorker
 from specdec.sampling import GREEDY
 from specdec.tree import DraftTree, additive_mask
 from specdec.tree_spec import TreeSpec
@@ -230,7 +231,7 @@ class RoundLog:
         self._tree = self._max_depth = None
 
 
-class RecordingDraft:
+class RecordingDraft(DraftWorker):
     """Wraps a DraftWorker and logs its rounds; ``check_after_commit(inner, session_id)`` optional."""
 
     def __init__(self, inner, check_after_commit=None):
@@ -279,7 +280,7 @@ class SlowPropose:
         return await self.inner.propose(session_id, spec, max_depth)
 
 
-class OracleDraft:
+class OracleDraft(DraftWorker):
     """A draft that knows the target's greedy continuation and agrees with it for exactly ``agree``
     tokens per round, then proposes only wrong tokens (DraftWorker protocol).
 

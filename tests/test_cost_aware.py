@@ -18,7 +18,10 @@ import pytest
 from pydantic import ValidationError
 
 from draft_service.runtime import DraftRuntime
-from orchestrator.planning.cost_aware import CostAwareControl, DepthEstimates, SharedState, could_pay, plan_depth
+from orchestrator.planning.control import RoundObservation
+from orchestrator.planning.cost_aware import (
+    CostAwareControl, DepthEstimates, Estimates, SharedState, could_pay, plan_depth,
+)
 from orchestrator.planning.cost_model import PRIOR_DRAFT_STEP_MS, PRIOR_VERIFY_MS, CostModel
 from orchestrator.loop.controller import GenerationRequest
 from orchestrator.loop.engine import SpeculativeEngine
@@ -347,17 +350,17 @@ def test_loaded_cost_prices_rows_at_the_batch_and_observes_the_whole_forward():
     assert LoadedCost(cost, 0.3).verify(2) == cost.verify(2)  # load under 1 counts as 1
     shared = SharedState(cost=cost)
     control = CostAwareControl(CHAIN4, shared, ngram_tokens=0)
-    control.observe(ShapedTree.of(DraftTree((), ())), [], 0.001, None, 0.0, None, batch_size=8, batch_rows=8)
+    control.observe(RoundObservation(ShapedTree.of(DraftTree((), ())), [], 0.001, batch_size=8, batch_rows=8))
     assert shared.load == 1.0 and cost.verify.observations == 0  # the first round: no forward ran
     first = CostAwareControl(CHAIN4, SharedState(cost=cost), ngram_tokens=0)
-    first.observe(ShapedTree.of(DraftTree((), ())), [], 0.001, None, 0.0, None, batch_size=1, mergeable=5)
+    first.observe(RoundObservation(ShapedTree.of(DraftTree((), ())), [], 0.001, batch_size=1, mergeable=5))
     assert first.shared.load == 5.0  # ... but the sessions open at the target are known: round 2 plans with them
     tree = ShapedTree.of(DraftTree((5,), (-1,)))
-    control.observe(tree, [], 2.2, None, 0.0, None, batch_size=8, batch_rows=16)  # V(16) observed at 2x
+    control.observe(RoundObservation(tree, [], 2.2, batch_size=8, batch_rows=16))  # V(16) observed at 2x
     assert cost.verify(16) == pytest.approx(2200.0) and shared.load == 8  # a rise is taken at once
     assert shared.planning_cost().verify(2) == pytest.approx(cost.verify(2 * shared.load))
     load = shared.load
-    control.observe(tree, [], 0.001, None, 0.0, None, batch_size=0, batch_rows=0)  # a replayed result: no forward
+    control.observe(RoundObservation(tree, [], 0.001, batch_size=0, batch_rows=0))  # a replayed result: no forward
     assert cost.verify(16) == pytest.approx(2200.0) and shared.load == load
 
 
@@ -515,11 +518,11 @@ def test_probes_thin_out_where_not_even_an_always_right_draft_could_pay():
         shared = SharedState(cost=cost, shared_compute=shared_compute, in_step=False)  # each request alone
         shared.observe_load(load)
         control = CostAwareControl(CHAIN4, shared, ngram_tokens=0, probe_every=16)
-        control.rounds = 3  # past the first (plain) round
-        control.depths = DepthEstimates(value=[0.02], rows=[1.0])  # a draft that has been wrong: g = 0 planned
+        control.state.rounds = 3  # past the first (plain) round
+        control.state.estimates.depths = DepthEstimates(value=[0.02], rows=[1.0])  # a draft that has been wrong: g = 0 planned
         shared.rounds_without_draft = rounds_without
         drafts = control.speculate(0.0, 100, 8)
-        return drafts, control.probing, shared.rounds_without_draft, could_pay(shared.planning_cost(), [1] * 8, 8)
+        return drafts, control.state.probing, shared.rounds_without_draft, could_pay(shared.planning_cost(), [1] * 8, 8)
 
     assert probes_after(8.0, 16 * 8) == (False, False, 16 * 8, False)  # no probe at the usual interval
     assert probes_after(8.0, 4 * 16 * 8 - 1) == (False, False, 4 * 16 * 8 - 1, False)
@@ -689,16 +692,16 @@ def test_in_step_requests_draft_together_where_each_alone_would_not(in_step):
 def test_in_step_is_on_by_default_and_set_from_the_front_config():
     """front.cost_aware.in_step (default true; a bare SharedState false) reaches the requests' shared
     state through the factory; only on shared compute under light load does it apply."""
-    from orchestrator.planning.cost_aware import cost_aware_factory
+    from orchestrator.planning.cost_aware import CostAwareFactory
     from specdec.config import CostAwareConfig, FallbackConfig
 
     assert CostAwareConfig().in_step is True and SharedState().in_step is False
     shared = SharedState(shared_compute=True, load=2.0)
-    cost_aware_factory(CostAwareConfig(), FallbackConfig(), shared)
+    CostAwareFactory(CostAwareConfig(), FallbackConfig(), shared)
     assert shared.in_step and shared.in_step_applies()
     assert not SharedState(shared_compute=False, load=2.0, in_step=True).in_step_applies()
     assert not SharedState(shared_compute=True, load=1.2, in_step=True).in_step_applies()
-    cost_aware_factory(CostAwareConfig(in_step=False), FallbackConfig(), shared)
+    CostAwareFactory(CostAwareConfig(in_step=False), FallbackConfig(), shared)
     assert not shared.in_step_applies()
 
 
@@ -710,17 +713,17 @@ def test_in_step_applies_only_below_its_load_cap(load, cap, applies):
     """front.cost_aware.in_step_max_load (default 8.5, set through the factory): the in-step plan
     applies from load 1.5 (other requests run) up to, not including, the cap; above it each request
     plans alone (the front's round clock then lets every turn pass: RoundClock.active)."""
-    from orchestrator.planning.cost_aware import cost_aware_factory
+    from orchestrator.planning.cost_aware import CostAwareFactory
     from specdec.config import CostAwareConfig, FallbackConfig
 
     assert CostAwareConfig().in_step_max_load == 8.5 and SharedState().in_step_max_load == 8.5
     shared = SharedState(shared_compute=True, load=load)
-    cost_aware_factory(CostAwareConfig(in_step=True, in_step_max_load=cap), FallbackConfig(), shared)
+    CostAwareFactory(CostAwareConfig(in_step=True, in_step_max_load=cap), FallbackConfig(), shared)
     assert shared.in_step_max_load == cap and shared.in_step_applies() is applies
 
 
 def test_in_step_every_request_follows_the_batchs_plan():
-    """Under load on shared compute the batch's plan (the front-wide estimates, SharedState.depths)
+    """Under load on shared compute the batch's plan (the front-wide estimates, SharedState.estimates.depths)
     decides whether a request drafts, not its own: a request whose draft has been wrong (own value
     0.02 per depth) drafts at least one step when the batch's estimates pay, with its budget one step
     past the batch's best depth; a request whose draft has been right (own value 0.95) decodes plain
@@ -731,13 +734,13 @@ def test_in_step_every_request_follows_the_batchs_plan():
 
     def plan(load: float, own: float, batch: float) -> tuple:
         shared = SharedState(cost=cost, shared_compute=True, in_step=True, in_step_max_load=8.0,
-                             depths=DepthEstimates(value=[batch, batch * 0.8], rows=[1.0, 1.0]))
+                             estimates=Estimates(depths=DepthEstimates(value=[batch, batch * 0.8], rows=[1.0, 1.0])))
         shared.observe_load(load)
         control = CostAwareControl(CHAIN4, shared, ngram_tokens=0, probe_every=1000)
-        control.rounds = 3  # past the first (plain) round
-        control.depths = DepthEstimates(value=[own, own * 0.8], rows=[1.0, 1.0])
+        control.state.rounds = 3  # past the first (plain) round
+        control.state.estimates.depths = DepthEstimates(value=[own, own * 0.8], rows=[1.0, 1.0])
         drafts = control.speculate(0.0, 100, 8)
-        return drafts, control.gamma, control.spec().gamma, control.reason, control.in_step
+        return drafts, control.gamma, control.spec().gamma, control.reason, control.state.in_step
 
     drafts, g, budget, reason, in_step = plan(4.0, own=0.02, batch=0.9)
     assert drafts and in_step and g >= 1 and reason is None
@@ -957,7 +960,7 @@ def test_a_timeout_is_a_bounded_lower_bound_on_d():
         cost = CostModel(dict(BOUND_AT_8), {1: 45.0}, alpha=0.2, source="measured")
         shared = SharedState(cost=cost, shared_compute=shared_compute, load=load)
         control = CostAwareControl(CHAIN4, shared, ngram_tokens=0)
-        control.gamma, control._planned_spec, control.drafted_depth = 4, CHAIN4, 4  # it planned 4 steps
+        control.gamma, control.state.planned_spec, control.state.drafted_depth = 4, CHAIN4, 4  # it planned 4 steps
         control.draft_timed_out(waited_s)
         assert cost.draft_step.scale == pytest.approx(scale), (shared_compute, load, waited_s)
         assert shared.draft_queue == 0.0
@@ -975,10 +978,10 @@ def test_an_adopted_aheads_reply_time_teaches_the_queue_not_d():
         cost = CostModel(dict(BOUND_AT_8), {1: 50.0}, alpha=0.2, source="measured")
         shared = SharedState(cost=cost, load=load)
         control = CostAwareControl(CHAIN4, shared, ngram_tokens=0)
-        control.gamma, control._planned_spec, control.draft_warm, control.rounds = 2, TreeSpec.chain(2), True, 3
+        control.gamma, control.state.planned_spec, control.state.draft_warm, control.state.rounds = 2, TreeSpec.chain(2), True, 3
         tree = DraftTree((5, 6), (-1, 0))
-        control.observe(ShapedTree.of(tree), [0, 1], 0.3, None, 0.0, tree, batch_size=int(load), batch_rows=3 * int(load),
-                        reply_s=0.6)
+        control.observe(RoundObservation(ShapedTree.of(tree), [0, 1], 0.3, None, 0.0, tree, batch_size=int(load),
+                                         batch_rows=3 * int(load), reply_s=0.6))
         assert shared.draft_queue == pytest.approx(queue)
         assert cost.draft_step.observations == 0  # D learns from in-line replies only
 
@@ -1012,13 +1015,13 @@ def test_draft_steps_are_priced_from_the_draft_call_not_the_reply_wait(source):
     prompt = random_prompt(seed=131)
     n = 40
     reference = hf_greedy(model, prompt, n + 8)
-    from orchestrator.planning.cost_aware import cost_aware_factory
+    from orchestrator.planning.cost_aware import CostAwareFactory
     from specdec.config import CostAwareConfig, FallbackConfig
 
     assert CostAwareConfig().draft_cost_from == "reply" and not SharedState().draft_cost_from_forward
     shared = SharedState(cost=CostModel({1: 100.0, 64: 100.001}, {1: 30.0}, alpha=0.2, source="measured"))
     shared.cost.verify.alpha = 0.0  # V scripted (the tiny model's forwards take ~1 ms); D learns
-    cost_aware_factory(CostAwareConfig(draft_cost_from=source), FallbackConfig(), shared)
+    CostAwareFactory(CostAwareConfig(draft_cost_from=source), FallbackConfig(), shared)
     assert shared.draft_cost_from_forward is (source == "forward")
     factory = lambda s: CostAwareControl(s, shared, max_gamma=4, ngram_tokens=0, probe_every=1000)  # noqa: E731
     draft = ReportsDraftCall(prompt, reference, agree=8, wall_s=0.2, call_ms=4.0)

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from orchestrator.planning.cost_model import CostModel, LatencyCurve, MeasurementDisturbed, measure_curve, measure_service_costs
-from specdec.interfaces import VerifyResult
+from specdec.interfaces import DraftWorker, VerifyResult
 
 
 def test_worked_example_interpolation_and_extrapolation():
@@ -131,7 +131,7 @@ class _ScriptedWorkers:
         self.open: set[tuple[str, str]] = set()
         self.target, self.draft = self._Worker(self, "target"), self._Worker(self, "draft")
 
-    class _Worker:
+    class _Worker(DraftWorker):
         def __init__(self, script, kind):
             self.script, self.kind = script, kind
 
@@ -262,6 +262,7 @@ def test_a_cancelled_measurement_stops_its_thread_and_releases_the_session():
     async def slow_verify(sid, tree):
         calls.append("verify")
         await asyncio.sleep(0.02)
+        return VerifyResult((), ())
 
     script.target.verify = slow_verify
 
@@ -295,6 +296,7 @@ def test_the_session_fits_the_targets_context_and_tree_limits():
     async def verify(sid, tree):
         assert len(tree.tokens) == len(tree.parents) and len(tree.tokens) <= 16
         script.now += (10 + 2 * (len(tree.tokens) + 1)) / 1000
+        return VerifyResult((), ())
 
     script.target.start = start
     script.target.verify = verify

@@ -17,6 +17,7 @@ from draft_service.runtime import DraftRuntime
 from orchestrator.planning.control import RequestControl
 from orchestrator.loop.controller import DraftUnavailableError, GenerationRequest, RoundController, sync_worker
 from specdec.config import DynamicGammaConfig, FallbackConfig
+from specdec.interfaces import DraftWorker
 from specdec.tree_spec import DEFAULT_SPEC, TreeSpec
 from target_service.runtime import TargetRuntime
 from tests.conftest import OracleDraft, hf_greedy, perturbed_copy, random_prompt, tiny_model
@@ -79,7 +80,7 @@ def test_partial_agreement_keeps_gamma_inside_the_bounds_and_output_exact(target
         assert spec_rounds[-1].gamma in (agree, agree + 1)
 
 
-class FlakyDraft:
+class FlakyDraft(DraftWorker):
     """A real DraftRuntime that fails (DraftUnavailableError) on the proposals numbered in ``fail_on``."""
 
     def __init__(self, inner, fail_on):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from draft_service.runtime import DraftRuntime
-from specdec.interfaces import SessionStateError
+from specdec.interfaces import DraftWorker, SessionStateError
 from specdec.sampling import GREEDY, SamplingParams
 from specdec.tree import ROOT
 from specdec.tree_spec import TreeSpec
@@ -221,7 +221,7 @@ from tests.conftest import RecordingTarget, hf_greedy, perturbed_copy  # noqa: E
 CHAIN_SPEC = TreeSpec(gamma=3, topKSpec=[[2], [1, 1], [1, 1]], topHead=[1, 2, 2])
 
 
-class AheadDraft:
+class AheadDraft(DraftWorker):
     """A DraftRuntime with the pipelining methods, a script for the guesses it reports, and cache
     checks after every commit and every resolve.
 
@@ -229,6 +229,8 @@ class AheadDraft:
     token, so the round loop sees a bonus token that differs from the guess (the runtime's tentative
     state is then discarded like any miss). Each resolve is logged in ``resolved`` (True = adopted).
     """
+
+    drafts_ahead = True
 
     def __init__(self, runtime: DraftRuntime, model, script=lambda i: "real"):
         self.runtime = runtime
@@ -588,9 +590,9 @@ def test_cost_aware_control_pipelined_is_exact_and_learns_no_draft_cost_from_ahe
         control = factory(spec)
         observe = control.observe
 
-        def spy(shaped, accepted, verify_s, draft_s, *args, **kwargs):
-            observed.append(draft_s)
-            return observe(shaped, accepted, verify_s, draft_s, *args, **kwargs)
+        def spy(obs):
+            observed.append(obs.draft_s)
+            return observe(obs)
         control.observe = spy
         return control
 

@@ -18,7 +18,7 @@ import torch
 from draft_service.tree_builder import build_tree
 from orchestrator.loop.controller import GenerationRequest
 from orchestrator.loop.engine import SpeculativeEngine
-from specdec.interfaces import VerifyResult
+from specdec.interfaces import DraftWorker, VerifyResult
 from specdec.tree import DraftTree, node_depths
 from specdec.tree_spec import SEED_SPEC
 from target_service.verifier import verify_greedy
@@ -218,7 +218,7 @@ def test_verify_greedy_walks_one_path():
 # The same round through the engine, with scripted workers.
 # ------------------------------------------------------------------------------------------------
 
-class ScriptedDraft:
+class ScriptedDraft(DraftWorker):
     """DraftWorker building the dump's tree every round."""
 
     def __init__(self):

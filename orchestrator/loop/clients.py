@@ -21,7 +21,7 @@ import grpc
 from opentelemetry import trace
 
 from orchestrator.loop.controller import DraftUnavailableError
-from specdec.interfaces import VerifyResult
+from specdec.interfaces import DraftWorker, VerifyResult
 from specdec.sampling import SamplingParams
 from specdec.tree import DraftTree
 from specdec.tree_spec import TreeSpec
@@ -38,8 +38,8 @@ PREFILL_S_PER_TOKEN = 0.1  # the Prefill call's timeout over DEFAULT_CALL_TIMEOU
 
 
 def prefill_timeout_s(prompt_tokens: int) -> float:
-    """A Prefill call's timeout, seconds: DEFAULT_CALL_TIMEOUT_S + 0.1 s per prompt token (a 2,000-token
-    prompt riding in 16-token chunks beside 4 decoding requests took ~2 min on the 2-core CPU)."""
+    """A Prefill call's timeout, seconds: DEFAULT_CALL_TIMEOUT_S + 0.1 s per prompt token (a long
+    prompt rides in small chunks beside decoding requests, which takes minutes on a CPU)."""
     return DEFAULT_CALL_TIMEOUT_S + PREFILL_S_PER_TOKEN * prompt_tokens
 
 
@@ -116,12 +116,14 @@ class TargetClient:
         await self.stub.Release(target_pb2.ReleaseRequest(session_id=session_id), timeout=10.0)
 
 
-class DraftClient:
+class DraftClient(DraftWorker):
     """DraftWorker over gRPC: one bidirectional Session stream per session id.
 
     vocab_size: ids the target accepts (trees are checked on receipt like any untrusted message).
     All failures raise DraftUnavailableError.
     """
+
+    drafts_ahead = True
 
     def __init__(self, channel: grpc.aio.Channel, vocab_size: int, max_tree_nodes: int = 512):
         self.stub = draft_pb2_grpc.DraftServiceStub(channel)

@@ -4,13 +4,11 @@ A round: the draft grows a token tree (``propose``), the target verifies it in o
 (``verify``: accepted path + bonus token), the tokens pass the stop checks one at a time, and both
 workers commit exactly the tokens that passed (KV cache rollback of the rest). Around that loop:
 
-- dynamic gamma: the speculation depth of the next tree follows the request's own acceptance
-  (``orchestrator.planning.control.DynamicGamma``); rows past the TreeSpec repeat its last row;
-- fallback: a round without the draft (an empty tree = one plain target step) when acceptance says
-  speculation does not pay, when the draft fails, is unreachable or slower than its deadline, or
-  when the draft's context limit is reached (``orchestrator.planning.control.FallbackPolicy``). A failed
-  draft session is re-opened on the committed tokens (or their draft window) when the policy retries it. Plain rounds commit
-  the same tokens a speculative round would, so no token is lost, repeated or changed;
+- control (orchestrator.planning.control.Control, one per request, whose hooks it declares): whether
+  and how deep to draft each round and which nodes to verify. A round without the draft (an empty
+  tree = one plain target step) commits the same tokens a speculative round would, so no token is
+  lost, repeated or changed; a failed draft session is re-opened on the committed tokens (or their
+  draft window) when the control retries it;
 - draft window (``draft_window``, specdec.config.DraftWindowConfig): the draft session opens with the
   first and the most recent committed tokens only, so a long prompt costs the draft a short prefill;
   the target sees every token, so only acceptance can change. With ``full_after_tokens`` the draft
@@ -19,23 +17,20 @@ workers commit exactly the tokens that passed (KV cache rollback of the rest). A
   the controller adds the tokens the window left out;
 - traces: one ``round`` span per round with ``draft``, ``verify`` and ``commit`` children;
 - pipelining (``pipeline=True``, DESIGN.md "Pipelining"; PEARL, Liu et al. 2024): while the target
-  verifies round r, the draft drafts round r+1 (``propose_ahead``, a ``draft.ahead`` span under round
-  r's span, beside its ``verify``) from round r's best path (the chain of most likely draft children
-  among the nodes the shaping kept) taken as fully accepted plus the draft's argmax guess of the
-  bonus token. When the committed tokens are exactly that path + guess (no stop): ``resolve_ahead
-  (adopt=True)`` and round r+1 verifies the ahead tree (asked with round r+1's depth budget; still
-  shaped, so context branches join) without drafting; otherwise ``resolve_ahead(adopt=False)`` and
-  the normal draft commit. An ahead failure is a draft failure (the draft is dropped, as above); the
-  output never depends on the ahead. Learning: a round whose tree came from an ahead has draft_s 0
-  (nothing on its critical path) and teaches the cost model no D(p) (the ahead ran beside a verify,
-  on other hardware in services mode: its time is not a step's cost on the critical path); the
-  ahead's own time is the RoundRecord's ahead_s. Time spent waiting for an ahead after its verify
-  returned is not counted as round overhead. In-process (``sync_worker``: the calls take turns)
-  the ahead starts once the verify has returned, so the verify's time, which V(n) learns from, holds no draft work.
+  verifies round r, the draft drafts round r+1 (``propose_ahead``, a ``draft.ahead`` span) from round
+  r's best path (the most likely kept draft children) taken as accepted plus the draft's argmax guess
+  of the bonus token. When the committed tokens are exactly that path + guess (no stop), round r+1
+  adopts the ahead tree (``resolve_ahead(adopt=True)``; still shaped, so context branches join),
+  else discards it before the normal draft commit. An ahead failure is a draft failure; the output
+  never depends on the ahead. A round whose tree came from an ahead has draft_s 0 and teaches the
+  cost model no D(p) (its time was off the critical path: the RoundRecord's ahead_s); waiting for an
+  ahead after the verify is not round overhead. In-process (``sync_worker``: the calls take turns)
+  the ahead starts after the verify, so the verify's time, which V(n) learns from, holds no draft work.
 
-Workers are awaitables with the DraftWorker / TargetWorker methods (specdec.interfaces): gRPC
-clients (orchestrator.loop.clients) or in-process runtimes wrapped by ``sync_worker``. The controller
-keeps no model state; many requests run concurrently on one event loop, each at its own pace.
+Workers are awaitables with the DraftWorker / TargetWorker methods (specdec.interfaces, where the
+draft's optional parts are declared): gRPC clients (orchestrator.loop.clients) or in-process runtimes
+wrapped by ``sync_worker``. The controller keeps no model state; many requests run concurrently on
+one event loop, each at its own pace.
 """
 
 from __future__ import annotations
@@ -46,16 +41,18 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
 from opentelemetry import trace
 
-from orchestrator.planning.control import DRAFT_OPENING, DRAFT_UNAVAILABLE, ControlFactory, FixedControl
+from orchestrator.planning.control import (
+    DRAFT_OPENING, DRAFT_UNAVAILABLE, EMPTY_TREE, ControlFactory, FixedControl, RoundObservation,
+)
 from orchestrator.planning.lockstep import START, VERIFY, RoundClock
 from orchestrator.planning.shaping import ShapedTree
 from orchestrator.loop.stops import StopChecker
 from specdec.config import DraftWindowConfig
-from specdec.interfaces import VerifyResult
+from specdec.interfaces import VerifyResult, WorkerAdapter
 from specdec.sampling import GREEDY, SamplingParams, derive_seed
 from specdec.stats import GenerationStats, RoundRecord
 from specdec.tree import ROOT, DraftTree, node_depths
@@ -63,15 +60,13 @@ from specdec.tree_spec import TreeSpec
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("specdec.orchestrator")
-_EMPTY_TREE = DraftTree((), ())
 _session_ids = itertools.count()
 
 
 # The first propose of a draft session may still wait for the session's prefill (the draft service
 # prefills on Start, beside the target's prefill, or beside the plain round that opened it mid-request:
 # ``DRAFT_OPENING``; a seeded sampled request's re-open drafts in that same round): it gets this much
-# more time per token the session opened with (the int8 default draft prefills
-# ~0.0043 s a token on the 2-core CPU).
+# more time per token the session opened with (several times what the default draft's prefill takes).
 FRESH_DRAFT_S_PER_TOKEN = 0.02
 FRESH_DRAFT_MAX_S = 120.0  # at most this much more (a hung draft must not hold a request for long)
 
@@ -103,23 +98,26 @@ class GenerationResult:
     stats: GenerationStats = field(default_factory=GenerationStats)
 
 
-def sync_worker(worker) -> Any:
-    """Wrap an in-process worker (sync methods) as an awaitable one; each call yields to the loop
-    afterwards, so concurrent requests interleave round by round."""
+async def _turn(method, *args, **kwargs):
+    """An in-process call, then one turn of the event loop, so concurrent requests interleave round by round."""
+    out = method(*args, **kwargs)
+    await asyncio.sleep(0)
+    return out
 
-    class _Async:
-        in_process = True  # calls take turns with the event loop: nothing runs beside them
-        def __getattr__(self, name):
-            method = getattr(worker, name)
 
-            async def call(*args, **kwargs):
-                out = method(*args, **kwargs)
-                await asyncio.sleep(0)
-                return out
+class InProcessWorker(WorkerAdapter):
+    """An in-process worker (sync methods: a draft or a target runtime) as an awaitable one; its
+    calls take turns with the event loop (``in_process``), nothing runs beside them."""
 
-            return call
+    in_process = True
 
-    return _Async()
+    def call(self, name: str, method, *args, **kwargs):
+        return _turn(method, *args, **kwargs)
+
+
+def sync_worker(worker) -> InProcessWorker:
+    """An in-process worker (sync methods) as an awaitable one (``InProcessWorker``)."""
+    return InProcessWorker(worker)
 
 
 async def _maybe_await(value):
@@ -132,18 +130,16 @@ class RoundController:
     """Runs requests round by round over an (async) draft and target worker.
 
     eos_token_ids: ids that end generation; context_limit: max total tokens (prompt + generated);
-    decode: ids -> text, for stop strings; control_factory: TreeSpec -> per-request control policy
-    (orchestrator.planning.control; default FixedControl); draft_deadline_s: a draft reply slower than this
-    is a draft failure; draft_context_limit: the draft's max positions (None = unlimited); on_round: called with
-    each round's RoundRecord (metrics); pipeline: draft round r+1 while round r verifies (module
-    docstring), where the draft worker has ``propose_ahead`` / ``resolve_ahead``; draft_window: the
-    committed tokens a draft session opens with (specdec.config.DraftWindowConfig: attention sinks
-    plus the most recent tokens; None = all of them); clock: lock-step rounds, every request's
-    verify sent together (orchestrator.planning.lockstep; None = each request verifies when it is ready);
+    decode: ids -> text, for stop strings; control_factory: TreeSpec -> per-request Control
+    (orchestrator.planning.control; default FixedControl); draft_deadline_s: a draft reply slower
+    than this is a draft failure; draft_context_limit: the draft's max positions (None = unlimited);
+    on_round: called with each round's RoundRecord (metrics); pipeline: draft round r+1 while round r
+    verifies (module docstring), where the draft ``drafts_ahead``; draft_window: the committed tokens
+    a draft session opens with (specdec.config.DraftWindowConfig; None = all of them); clock:
+    lock-step rounds (orchestrator.planning.lockstep; None = each request verifies when ready);
     plain_load: with a clock, requests without a draft (no_spec) join it too and report each verify
-    forward's load here, max(its sessions, the target's open sessions), from their second round on
-    (the first reuses the prefill) (SharedState.observe_load, which the clock's turns hold by; None:
-    they verify when ready).
+    forward's load here from their second round on, max(its sessions, the target's open sessions)
+    (SharedState.observe_load, which the clock's turns hold by; None: they verify when ready).
     """
 
     def __init__(self, target, draft, eos_token_ids, context_limit: int, decode=None,
@@ -219,7 +215,7 @@ class RoundController:
 class _Drafted:
     """What the draft phase of a round produced."""
 
-    tree: DraftTree = _EMPTY_TREE  # the tree to verify (empty = a plain target step)
+    tree: DraftTree = EMPTY_TREE  # the tree to verify (empty = a plain target step)
     depth: int = 0  # tree levels of ``tree``
     fallback: str | None = None  # why the round runs without the draft (orchestrator.planning.control reasons)
     draft_s: float | None = None  # wall time of the draft phase, seconds (None = the draft was not asked)
@@ -256,7 +252,7 @@ class _Request:
         self.sid = sid
         self.spec = request.spec if controller.draft is not None else None
         self.control = controller.control_factory(self.spec) if self.spec is not None else None  # per-request policy
-        if hasattr(self.control, "bind_request"):  # a control that needs the request's sampling parameters
+        if self.control is not None:
             self.control.bind_request(request.sampling)
         self.stops = StopChecker(len(request.prompt_ids), request.max_new_tokens, controller.context_limit,
                                  frozenset() if request.ignore_eos else controller.eos_token_ids,
@@ -267,8 +263,9 @@ class _Request:
         self.draft_sid: str | None = None  # open draft session
         self.draft_opens = 0
         self.target_open = False
-        self.pipeline = (controller.pipeline and self.spec is not None
-                         and hasattr(controller.draft, "propose_ahead") and hasattr(controller.draft, "resolve_ahead"))
+        self.pipeline = controller.pipeline and self.spec is not None and controller.draft.drafts_ahead
+        # a draft beside this process (a service): its calls run while the loop waits on others
+        self.draft_beside = controller.draft is None or not controller.draft.in_process
         self.adopted: _Drafted | None = None  # the next round's tree, from an adopted ahead
         self.draft_limit = controller.draft_context_limit  # the draft's max positions (None = unknown)
         self.draft_skipped = 0  # committed tokens the open draft session left out (DraftWindowConfig)
@@ -286,9 +283,8 @@ class _Request:
         on Start) runs beside the target's, on another process or machine."""
         self.target_open = True  # before the call: a cancel during Prefill must still release (harmless if unknown)
         starts = [asyncio.ensure_future(self.controller.target.start(self.sid, self.request.prompt_ids, self.request.sampling))]
-        defer = getattr(self.control, "defer_draft_open", None)
         others = self.controller.running - 1  # other requests of this controller running now
-        if self.spec is not None and not (defer is not None and defer(others)):  # deferred: opened by the first drafted round
+        if self.spec is not None and not self.control.defer_draft_open(others):  # deferred: opened by the first drafted round
             starts.append(asyncio.ensure_future(self._open_draft()))
         try:
             await asyncio.gather(*starts)
@@ -319,9 +315,7 @@ class _Request:
         try:
             limit = await self._draft_call(self.controller.draft.start(sid, context, sampling))
             limit = limit or self.controller.draft_context_limit  # gRPC clients report the draft's, in-process the engine's
-            opened = getattr(self.control, "draft_opened", None)
-            if opened is not None:
-                opened()
+            self.control.draft_opened()
             if limit:
                 self.draft_positions = limit
                 limit += self.draft_skipped  # in committed tokens: the draft's positions start after the skipped ones
@@ -386,7 +380,7 @@ class _Request:
             drafted, self.adopted = self.adopted or await self._draft(max_depth), None
             shaped = self._shape(drafted, max_depth)
             t1 = time.perf_counter()
-            beside = not getattr(self.controller.draft, "in_process", False)
+            beside = self.draft_beside
             ahead = self._start_ahead(drafted, shaped, max_depth) if beside else None  # round r+1 beside this verify
             try:
                 waited = await clock.turn(self.sid, VERIFY) if clock is not None else 0.0
@@ -405,7 +399,7 @@ class _Request:
                 raise
             t3 = time.perf_counter()
             _round_attributes(span, drafted, shaped, self._gamma(), result, committed, outcome)
-        timing = _Timing(draft_s=drafted.draft_s, verify_s=t2 - t1, commit_s=t3 - t2, round_s=t3 - t0)
+        timing = _Timing(verify_s=t2 - t1, commit_s=t3 - t2, round_s=t3 - t0)
         await self._record(drafted, shaped, result, committed, accepted, timing, outcome)
         return committed
 
@@ -419,22 +413,19 @@ class _Request:
             return _Drafted()
         t0 = time.perf_counter()
         committed_len = len(self.request.prompt_ids) + len(self.stops.generated)
-        if hasattr(self.control, "round_context"):  # optional hook (orchestrator.planning.control.Control)
-            self.control.round_context(self.committed_tokens)
+        self.control.round_context(self.committed_tokens)
         if not self.control.speculate(time.monotonic(), committed_len, max_depth):
             return _Drafted(fallback=self.control.reason)
         if self.draft_sid is not None and self._widen_due(committed_len, max_depth):
             await self._widen_draft()
         if self.draft_sid is None:
             # deferred at open, or a retry after a failure; on failure the round runs plain
-            beside = not getattr(self.controller.draft, "in_process", False) and not self.request.sampling.seeded
+            beside = self.draft_beside and not self.request.sampling.seeded
             if await self._open_draft() and beside:
                 # a draft service prefills on Start, queued behind its other work: this round runs plain
                 # beside that prefill instead of waiting for it (under load the prefills of requests
                 # that open together would hold each one's first proposal past its deadline)
-                beside_prefill = getattr(self.control, "prefill_beside", None)
-                if beside_prefill is not None:
-                    beside_prefill()
+                self.control.prefill_beside()
                 return _Drafted(fallback=DRAFT_OPENING, draft_s=time.perf_counter() - t0)
         if self.draft_sid is None:
             return _Drafted(fallback=DRAFT_UNAVAILABLE)
@@ -478,24 +469,21 @@ class _Request:
             except DraftUnavailableError as exc:
                 self._timed_out(exc)
                 await self._drop_draft(exc)
-                return _EMPTY_TREE
-        merged, batch_size = (getattr(self.control, "draft_merged", None),
-                              getattr(self.controller.draft, "last_batch_size", None))
-        if merged is not None and batch_size is not None:  # gRPC: how many sessions' steps shared its forwards
-            merged(await _maybe_await(batch_size(self.draft_sid)))
-        forward, forward_ms = (getattr(self.control, "draft_forward", None),
-                               getattr(self.controller.draft, "last_forward_ms", None))
-        if forward is not None and forward_ms is not None:  # gRPC: the draft call's own time, without the queue
-            forward(await _maybe_await(forward_ms(self.draft_sid)) / 1000)
+                return EMPTY_TREE
+        batch_size = self.controller.draft.last_batch_size(self.draft_sid)
+        if batch_size is not None:  # a draft service's reply: how many sessions' steps shared its forwards
+            self.control.draft_merged(batch_size)
+        forward_ms = self.controller.draft.last_forward_ms(self.draft_sid)
+        if forward_ms is not None:  # a draft service's reply: the draft call's own time, without the queue
+            self.control.draft_forward(forward_ms / 1000)
         return tree
 
     def _timed_out(self, exc: BaseException) -> None:
         """Tell the control when a draft proposal (in line or ahead) failed by its deadline: the
         base deadline is a lower bound on the draft's reply time (the extra a fresh session's first
         propose gets was for its prefill). Other failures (an unreachable draft) say nothing of it."""
-        timed_out = getattr(self.control, "draft_timed_out", None)
-        if timed_out is not None and isinstance(exc.__cause__, asyncio.TimeoutError):
-            timed_out(self.controller.draft_deadline_s)
+        if isinstance(exc.__cause__, asyncio.TimeoutError):
+            self.control.draft_timed_out(self.controller.draft_deadline_s)
 
     async def _verify(self, tree: DraftTree):
         """Phase 2: the target verifies the tree in one forward (an empty tree = one plain step)."""
@@ -609,10 +597,10 @@ class _Request:
         if self.control is not None:
             draft_s = None if drafted.pipelined else drafted.draft_s
             overhead_s = timing.round_s - timing.verify_s - (draft_s or 0.0) - (ahead.wait_s if ahead else 0.0)
-            self.control.observe(shaped, accepted_path, timing.verify_s, draft_s, overhead_s, drafted.tree,
-                                 batch_size=result.batch_size, batch_rows=result.batch_rows,
-                                 mergeable=result.mergeable, forward_s=result.forward_ms / 1000,
-                                 reply_s=drafted.ahead_s if drafted.pipelined else None)
+            self.control.observe(RoundObservation(
+                shaped, accepted_path, timing.verify_s, draft_s, overhead_s, drafted.tree, result.batch_size,
+                result.batch_rows, result.mergeable, result.forward_ms / 1000,
+                reply_s=drafted.ahead_s if drafted.pipelined else None))
         context_nodes = sum(1 for d in shaped.draft_index if d is None)
         record = RoundRecord(tuple(committed), proposed=tree.size, accepted=len(accepted), depth=shaped.depth,
                              fallback=drafted.fallback, gamma=self._gamma(), draft_s=drafted.draft_s,
@@ -622,7 +610,7 @@ class _Request:
                              expected_accepted=shaped.expected_accepted, stop_reason=self.stops.reason,
                              pipelined=drafted.pipelined, ahead=ahead.kind if ahead else None,
                              ahead_s=ahead.ahead_s if ahead else None,
-                             cost=getattr(self.control, "cost_snapshot", lambda: None)())
+                             cost=self.control.cost_snapshot() if self.control is not None else None)
         self.stats.add(record, time.perf_counter() - self.started)
         if self.stops.reason is not None:
             self.stats.total_s = time.perf_counter() - self.started
@@ -653,7 +641,6 @@ class _Request:
 class _Timing:
     """Wall times of one round's phases, seconds."""
 
-    draft_s: float | None
     verify_s: float
     commit_s: float
     round_s: float
@@ -698,19 +685,15 @@ def _round_attributes(span, drafted: _Drafted, shaped: ShapedTree, gamma: int, r
     """The round span's attributes: the control's decision (nodes, depth, expected accepted) and
     what happened (accepted length, committed tokens; pipelining: whether the tree came from an
     ahead, and how this round's ahead ended)."""
-    span.set_attribute("pipelined", drafted.pipelined)
+    attributes = {"pipelined": drafted.pipelined, "gamma": gamma, "tree.nodes": shaped.tree.size,
+                  "tree.depth": shaped.depth, "tree.drafted": drafted.tree.size,
+                  "tree.context_nodes": sum(1 for d in shaped.draft_index if d is None),
+                  "expected_accepted": float(shaped.expected_accepted),
+                  "accepted_length": len(result.accepted_nodes), "committed": len(committed)}
     if drafted.ahead_s is not None:
-        span.set_attribute("ahead.draft_s", drafted.ahead_s)
+        attributes["ahead.draft_s"] = drafted.ahead_s
     if ahead is not None:
-        span.set_attribute("ahead.outcome", ahead.kind)
-        span.set_attribute("ahead.hit", ahead.kind == "hit")
+        attributes.update({"ahead.outcome": ahead.kind, "ahead.hit": ahead.kind == "hit"})
     if drafted.fallback:
-        span.set_attribute("fallback.reason", drafted.fallback)
-    span.set_attribute("gamma", gamma)
-    span.set_attribute("tree.nodes", shaped.tree.size)
-    span.set_attribute("tree.depth", shaped.depth)
-    span.set_attribute("tree.drafted", drafted.tree.size)
-    span.set_attribute("tree.context_nodes", sum(1 for d in shaped.draft_index if d is None))
-    span.set_attribute("expected_accepted", float(shaped.expected_accepted))
-    span.set_attribute("accepted_length", len(result.accepted_nodes))
-    span.set_attribute("committed", len(committed))
+        attributes["fallback.reason"] = drafted.fallback
+    span.set_attributes(attributes)

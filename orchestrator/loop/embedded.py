@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from draft_service.runtime import DraftRuntime
 from orchestrator.planning.control import ControlFactory, RequestControl
-from orchestrator.planning.cost_aware import SharedState, cost_aware_factory
+from orchestrator.planning.cost_aware import CostAwareFactory, SharedState
 from orchestrator.planning.cost_model import CostModel, measure_worker_costs
 from orchestrator.loop.engine import SpeculativeEngine
 from specdec.config import CONTROLS, DraftWindowConfig, FrontConfig, ModelsConfig
@@ -108,12 +108,12 @@ def make_control(control: str | ControlFactory | None, target, draft, measure_co
     if measure_costs:
         cost = measure_worker_costs(target, draft, target.vocab_size)
     shared = SharedState(cost=cost)
-    return cost_aware_factory(front.cost_aware, front.fallback, shared), shared
+    return CostAwareFactory(front.cost_aware, front.fallback, shared), shared
 
 
 def encode_prompt(tokenizer, prompt: str, raw: bool) -> list[int]:
     """Token ids of a prompt; instruct models get their chat template unless ``raw``."""
-    if not raw and getattr(tokenizer, "chat_template", None):
+    if not raw and tokenizer.chat_template:
         return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
     return tokenizer(prompt)["input_ids"]
 
@@ -121,7 +121,7 @@ def encode_prompt(tokenizer, prompt: str, raw: bool) -> list[int]:
 def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of a conversation (``[{"role": ..., "content": ...}, ...]``) through the tokenizer's
     chat template, ending with the assistant's turn. Raises ValueError when it has no chat template."""
-    if not getattr(tokenizer, "chat_template", None):
+    if not tokenizer.chat_template:
         raise ValueError("messages: the model's tokenizer has no chat template (send a raw prompt instead)")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -6,31 +6,10 @@ pass a fresh registry (tests, several engines side by side) or use ``default_met
 registers once on prometheus_client's process-wide ``REGISTRY`` (the one ``start_metrics_server``
 serves by default, next to the process and platform collectors).
 
-Exported series (prometheus_client appends ``_total`` to counters):
-
-| name | type | labels | unit / meaning |
-|---|---|---|---|
-| ``specdec_rounds_total`` | counter | ``mode`` = speculative, plain | rounds run |
-| ``specdec_proposed_tokens_total`` | counter | | draft tokens (tree nodes) sent to the target |
-| ``specdec_accepted_tokens_total`` | counter | | draft tokens accepted (bonus tokens excluded) |
-| ``specdec_committed_tokens_total`` | counter | | tokens committed (bonus included) |
-| ``specdec_fallback_rounds_total`` | counter | ``reason`` = low_acceptance, draft_unavailable, draft_context_limit, cost, draft_opening | plain rounds without the draft (the fallback policy, the cost model, a draft being opened) |
-| ``specdec_acceptance_alerts_total`` | counter | ``scope`` = request, global | low-acceptance alerts raised |
-| ``specdec_acceptance_rate`` | gauge | | global windowed acceptance rate (accepted / proposed draft tokens, 0..1) |
-| ``specdec_gamma`` | histogram | | speculation depth gamma of each speculative round |
-| ``specdec_round_phase_seconds`` | histogram | ``phase`` = draft, verify, commit | wall time of one phase of one round, seconds |
-| ``specdec_position_proposed_tokens_total`` | counter | ``position`` = 1, 2, ... | rounds whose verified tree reached this depth |
-| ``specdec_position_accepted_tokens_total`` | counter | ``position`` | rounds whose accepted path reached this depth |
-| ``specdec_request_latency_seconds`` | histogram | | a request's time from arrival to the end of its stream |
-| ``specdec_time_to_first_token_seconds`` | histogram | | a request's time from arrival to its first token (TTFT) |
-| ``specdec_inter_token_latency_seconds`` | histogram | | gap between streamed rounds / tokens in the later one, once per token |
-| ``specdec_requests_running`` | gauge | | requests streaming tokens (first token sent, not finished) |
-| ``specdec_pipeline_ahead_total`` | counter | ``outcome`` = hit, miss, failed | pipelining: trees drafted ahead during a verify, adopted (hit), discarded (miss) or failed |
-| ``specdec_requests_waiting`` | gauge | | requests received without a first token yet (queued or in prefill) |
-
-Acceptance rate = accepted / proposed draft tokens; mean accepted length = committed / rounds
-(bonus included): both derivable from the counters with ``rate()`` in PromQL (README "Metrics").
-Acceptance at position d (vLLM's per-position acceptance) = position_accepted{d} / position_proposed{d}.
+Exported series: one attribute of ``SpecMetrics`` each, with its help text (the table with labels
+and units is docs/observability.md; prometheus_client appends ``_total`` to counters). Acceptance
+rate = accepted / proposed draft tokens; mean accepted length = committed / rounds (bonus
+included); acceptance at position d = position_accepted{d} / position_proposed{d}.
 The request series are fed by ``SpecMetrics.track_stream`` around a request's stream of rounds.
 """
 
@@ -41,7 +20,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterator
+from typing import AsyncGenerator, AsyncIterator, Iterator
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -128,6 +107,10 @@ class SpecMetrics:
         self.pipeline_ahead = Counter("pipeline_ahead", "Pipelining: trees drafted ahead during a verify, by "
                                       "outcome (hit = adopted, miss = discarded, failed)", ["outcome"],
                                       namespace=ns, registry=r)
+        self._create_series()
+
+    def _create_series(self) -> None:
+        """Every labelled series, so each reads 0 before its first event."""
         for outcome in AHEAD_OUTCOMES:
             self.pipeline_ahead.labels(outcome=outcome)
         for mode in ROUND_MODES:
@@ -203,7 +186,7 @@ class SpecMetrics:
             yield
 
 
-    async def track_stream(self, stream: AsyncIterator, clock=time.perf_counter) -> AsyncIterator:
+    async def track_stream(self, stream: AsyncGenerator, clock=time.perf_counter) -> AsyncIterator:
         """Pass a request's stream through, feeding the request series: ``stream`` yields
         (tokens, record, stats) as the backends do (orchestrator.serving.backends), tokens: list[int].
 
@@ -232,8 +215,7 @@ class SpecMetrics:
         finally:
             (self.requests_running if first else self.requests_waiting).dec()
             self.request_latency.observe(clock() - started)
-            if hasattr(stream, "aclose"):  # closed early (client gone): the backend's stream ends too, freeing its KV
-                await stream.aclose()
+            await stream.aclose()  # closed early (client gone): the backend's stream ends too, freeing its KV
 
 
 _default: SpecMetrics | None = None

@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 
 from orchestrator.loop.clients import DraftClient, TargetClient, channel_options, request_deadline
 from orchestrator.planning.control import RequestControl
-from orchestrator.planning.cost_aware import SharedState, cost_aware_factory
+from orchestrator.planning.cost_aware import CostAwareFactory, SharedState
 from orchestrator.planning.cost_model import CostModel, measure_service_costs
 from orchestrator.loop.controller import GenerationRequest, GenerationResult, RoundController
 from orchestrator.planning.lockstep import RoundClock
@@ -63,6 +63,8 @@ class Orchestrator:
         self.grpc_cfg = grpc_cfg
         self.decode = decode
         self.control_factory = control_factory
+        # the cost-aware controls' front-wide state (None: another control, which learns nothing together)
+        self.shared: SharedState | None = control_factory.shared if isinstance(control_factory, CostAwareFactory) else None
         self.on_round = on_round
         self.controller: RoundController | None = None
         self.tasks: dict[str, asyncio.Task] = {}
@@ -83,8 +85,8 @@ class Orchestrator:
         if factory is not None:
             factory = functools.partial(factory, max_nodes=max_nodes)
         shared = await self._shared_compute(draft) if draft is not None else False
-        if draft is not None and hasattr(self.control_factory, "shared"):
-            self.control_factory.shared.shared_compute = shared
+        if draft is not None and self.shared is not None:
+            self.shared.shared_compute = shared
             await self._measure_costs(target, draft)
         window = self.front.draft_window if self.front.draft_window.applies(shared) else None
         clock = self._clock(shared)
@@ -100,7 +102,7 @@ class Orchestrator:
         services (``orchestrator.planning.cost_model.measure_service_costs``), where it would start from
         the prior figures (no ``cost_aware.verify_ms`` given) and ``cost_aware.measure_at_start``
         is on. A failed measurement (a service down or slow) leaves the priors, with a warning."""
-        state = self.control_factory.shared
+        state = self.shared
         if state.cost.source != "prior" or not self.front.cost_aware.measure_at_start:
             return
         try:
@@ -124,8 +126,7 @@ class Orchestrator:
         back); else None. Its turns hold only while the in-step plan applies
         (``SharedState.in_step_applies``: under light load) and fewer requests than
         ``in_step_max_load`` are its members."""
-        aware = self.front.cost_aware
-        state = getattr(self.control_factory, "shared", None)
+        aware, state = self.front.cost_aware, self.shared
         if not (shared and aware.enabled and aware.in_step and state is not None) or self.front.pipeline:
             return None
         clock = RoundClock(aware.in_step_wait_ms / 1000)
@@ -138,21 +139,17 @@ class Orchestrator:
     def _plain_load(self, clock: RoundClock | None):
         """Where no_spec requests keep in step too (``cost_aware.in_step_no_spec``, on by default, and
         a clock): the SharedState's ``observe_load``, which their verifies teach (the clock holds its
-        turns by that load), for RoundController's ``plain_load``; else None. Measured on the 2-core
-        AMD EPYC over two runs (benchmarks/records/serving_cpu_2core_2026-12-05_amd_plain_in_step/serving_cpu_2core_2026-12-05_amd_plain_in_step.md,
-        ..._plain_in_step_confirm.md): target-only in step 1.02-1.22x of target-only verifying when
-        ready at 4 clients, 1.01-1.11x at 8, p95 latency lower in 8 of 8 pairs: verifies that arrive
-        apart miss the target's 5 ms gather window; the clock sends them together."""
-        state = getattr(self.control_factory, "shared", None)
-        if clock is None or state is None or not self.front.cost_aware.in_step_no_spec:
+        turns by that load), for RoundController's ``plain_load``; else None. Plain verifies that
+        arrive apart miss the target's gather window; the clock sends them together."""
+        if clock is None or self.shared is None or not self.front.cost_aware.in_step_no_spec:
             return None
-        return state.observe_load
+        return self.shared.observe_load
 
     async def _shared_compute(self, draft: DraftClient) -> bool:
         """Whether the draft computes on the target's hardware (front.cost_aware.shared_compute, or the
         cost-aware factory's; "auto": the two Info placements, ``specdec.placement.shares_compute``;
         an unreachable draft counts as separate, and the next connect asks again)."""
-        setting = getattr(self.control_factory, "shared_compute", self.front.cost_aware.shared_compute)
+        setting = self.front.cost_aware.shared_compute if self.shared is None else self.control_factory.shared_compute
         if setting != "auto":
             return bool(setting)
         try:
@@ -282,20 +279,19 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def control_factory(config: ServeConfig, shared: SharedState | None = None):
-    """(TreeSpec, max_nodes) -> per-request control policy: CostAwareControl when front.cost_aware
-    is enabled (its requests share ``shared``: a cost model from ``cost_aware.verify_ms`` /
-    ``draft_step_ms`` when given, else from prior figures until ``Orchestrator.connect`` measures
-    the services; then the rounds' timings), else RequestControl from front.dynamic_gamma / front.fallback; max_nodes: the
-    target's tree limit (no tree grows past it)."""
+def control_factory(config: ServeConfig):
+    """(TreeSpec, max_nodes) -> per-request control: CostAwareControl when front.cost_aware is enabled
+    (its requests share one SharedState: a cost model from ``cost_aware.verify_ms`` / ``draft_step_ms``
+    when given, else from prior figures until ``Orchestrator.connect`` measures the services; then
+    the rounds' timings), else RequestControl from front.dynamic_gamma / front.fallback; max_nodes:
+    the target's tree limit (no tree grows past it)."""
     front = config.front
     if front.cost_aware.enabled:
         aware = front.cost_aware
-        if shared is None:
-            shared = SharedState()
-            if aware.verify_ms:  # given, with draft_step_ms (or a Ray front's probe's, ``with_costs``)
-                shared.cost = CostModel(aware.verify_ms, aware.draft_step_ms, source="configured")
-        return cost_aware_factory(aware, front.fallback, shared)
+        shared = SharedState()
+        if aware.verify_ms:  # given, with draft_step_ms (or a Ray front's probe's, ``with_costs``)
+            shared.cost = CostModel(aware.verify_ms, aware.draft_step_ms, source="configured")
+        return CostAwareFactory(aware, front.fallback, shared)
     return lambda spec, max_nodes=MAX_TREE_NODES: RequestControl(spec, front.dynamic_gamma, front.fallback, max_nodes=max_nodes)
 
 

@@ -18,6 +18,7 @@ committed per round (bonus included). Times are seconds from any monotonic clock
 One round as the controller drives a control (orchestrator/loop/controller.py)::
 
     tree = empty
+    control.round_context(committed_tokens)
     if control.speculate(now, committed_len, depth=max_depth):   # at most min(gamma, max_depth) levels
         tree = draft.propose(sid, control.spec(base_spec), max_depth)
     # else: no draft this round, control.reason says why
@@ -25,7 +26,7 @@ One round as the controller drives a control (orchestrator/loop/controller.py)::
     result = target.verify(sid, shaped.tree)
     if tree.size:
         control.record(tree_depth, tree.size, accepted_length)
-    control.observe(shaped, result.accepted_nodes, verify_s, draft_s, overhead_s, tree)
+    control.observe(RoundObservation(shaped, result.accepted_nodes, verify_s, ...))
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Callable, Protocol
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 from specdec.config import DynamicGammaConfig, FallbackConfig
 from orchestrator.planning.shaping import ShapedTree
+from specdec.sampling import SamplingParams
 from specdec.stats import COST_REASON
 from specdec.tree import DraftTree
 from specdec.tree_spec import MAX_TREE_NODES, TreeSpec, max_depth_for, spec_at_depth
@@ -54,17 +57,39 @@ COST = COST_REASON  # "cost": the cost model says no draft step pays this round 
 DRAFT_OPENING = "draft_opening"  # the draft session was just opened: its service prefills it beside this plain round
 FALLBACK_REASONS = (LOW_ACCEPTANCE, DRAFT_UNAVAILABLE, DRAFT_CONTEXT_LIMIT, COST, DRAFT_OPENING)
 
+EMPTY_TREE = DraftTree((), ())  # a round without the draft verifies this: one plain target step
+
 
 # --------------------------------------------------------------------------- the controller's interface
 
 
-class Control(Protocol):
-    """What the round controller asks of one request's control policy, every round.
+@dataclass(frozen=True)
+class RoundObservation:
+    """What one verified round (speculative or not) tells its control (``Control.observe``); seconds."""
 
-    Order within a round: ``speculate`` once; when it says yes, ``spec`` gives the tree shape
-    and, after the target verified a non-empty tree, ``record`` the outcome. ``draft_failed``
-    whenever a draft call fails (error, unreachable, past its deadline); ``set_draft_context_limit``
-    once the draft session opens. ``gamma`` (tree levels) and ``reason`` are read after each call.
+    shaped: ShapedTree  # the verified tree
+    accepted_nodes: Sequence[int]  # the accepted path, node indices of ``shaped.tree`` (before the stop checks)
+    verify_s: float  # the verify call's wall time
+    draft_s: float | None = None  # the draft phase's wall time (None: the draft was not asked, or drafted ahead)
+    overhead_s: float = 0.0  # the rest of the round: stop checks, commits, transport
+    drafted: DraftTree = EMPTY_TREE  # the tree the draft proposed (empty: none)
+    batch_size: int = 1  # sessions of the target forward that verified it (VerifyResult; 0 = no forward ran)
+    batch_rows: int = 0  # rows of that forward (0 = not reported: the tree's own)
+    mergeable: int = 0  # sessions open at the target, up to its max_batch (VerifyResult.mergeable; 0 = not reported)
+    forward_s: float = 0.0  # that forward's own time (VerifyResult.forward_ms / 1000; 0 = not reported)
+    reply_s: float | None = None  # a tree drafted ahead (pipelining; draft_s then None): the ahead's wall time
+
+
+class Control:
+    """What the round controller asks of one request's control, every round: every hook it calls is
+    declared here, the optional ones with defaults that do nothing.
+
+    Order within a round: ``round_context`` then ``speculate`` once; when it says yes, ``spec``
+    gives the tree shape; ``shape`` picks the tree to verify; after the target verified a non-empty
+    drafted tree, ``record``; after every round, ``observe``. ``draft_failed`` whenever a draft call
+    fails (error, unreachable, past its deadline; ``draft_timed_out`` first when the deadline
+    tripped); ``set_draft_context_limit`` and ``draft_opened`` once a draft session opens.
+    ``gamma`` (tree levels) and ``reason`` are read after each call.
     """
 
     gamma: int  # speculation depth of the next tree, tree levels
@@ -72,68 +97,73 @@ class Control(Protocol):
 
     def spec(self, base: TreeSpec) -> TreeSpec:
         """The tree shape of this round, from the request's TreeSpec."""
+        raise NotImplementedError
 
     def speculate(self, now: float, committed_len: int, depth: int) -> bool:
         """True = speculate with a tree of up to ``depth`` levels; False = a plain target step.
         now: seconds (monotonic clock); committed_len: prompt + committed tokens."""
+        raise NotImplementedError
+
+    def draft_failed(self, now: float) -> None:
+        """A draft call failed at ``now`` (seconds)."""
+        raise NotImplementedError
 
     def record(self, depth: int, proposed: int, accepted: int) -> None:
         """After a speculative round: tree levels reached, draft tokens proposed (tree nodes) and
         accepted (the accepted path, bonus excluded)."""
 
-    def draft_failed(self, now: float) -> None:
-        """A draft call failed at ``now`` (seconds)."""
-
     def set_draft_context_limit(self, limit: int | None) -> None:
         """The draft's max positions, tokens (None = unlimited)."""
 
     def shape(self, tree: DraftTree, context: list[int], max_depth: int, sunk_ms: float) -> ShapedTree:
-        """The tree to verify this round, from the drafted one (possibly empty): ``ShapedTree.of(tree)``
-        keeps it as it is; a cost-aware control keeps the nodes that pay and adds context
-        branches (orchestrator.planning.shaping). context: [T] committed tokens; max_depth: tree levels the
+        """The tree to verify this round, from the drafted one (possibly empty); by default as it is.
+        A cost-aware control keeps the nodes that pay and adds context branches
+        (orchestrator.planning.shaping). context: [T] committed tokens; max_depth: tree levels the
         token budget allows; sunk_ms: time this round already spent drafting."""
-
-    def observe(self, shaped: ShapedTree, accepted_nodes, verify_s: float, draft_s: float | None,
-                overhead_s: float, drafted: DraftTree, batch_size: int = 1, batch_rows: int = 0,
-                mergeable: int = 0, forward_s: float = 0.0, reply_s: float | None = None) -> None:
-        """After every round (speculative or not): the verified tree, its accepted path (node
-        indices of ``shaped.tree``), the round's timings in seconds, the sessions and rows of
-        the target forward that verified it (0 rows = not reported), the sessions open at the
-        target up to its max_batch (``VerifyResult.mergeable``, 0 = not reported), that
-        forward's own time in seconds (``VerifyResult.forward_ms`` / 1000, 0 = not reported), and
-        for a tree drafted ahead (pipelining; draft_s is then None) the ahead's wall time in seconds.
-
-        Optional hooks, called only where a control has them: ``defer_draft_open(others)`` (at the
-        request's start, others = the controller's other requests in flight: True = open the draft
-        at the first drafted round) and ``draft_timed_out(waited_s)`` (a proposal, in line or
-        ahead, got no reply within the draft deadline of waited_s seconds; before draft_failed) and
-        ``draft_merged(batch_size)`` (after an in-line proposal whose reply says how many sessions'
-        tree steps shared its draft forwards: the draft service's batch_size, 1 = alone) and
-        ``round_context(context)`` (right before each ``speculate``: the committed tokens [T], prompt
-        + generated, so the plan can value this round's context branch) and ``prefill_beside()``
-        (this round runs plain while a draft service prefills the session it just opened: its
-        verify may have shared the CPU with that prefill)."""
-
-
-class PassThroughShaping:
-    """``shape`` / ``observe`` of controls that verify the drafted tree as it is."""
-
-    def shape(self, tree: DraftTree, context: list[int], max_depth: int, sunk_ms: float) -> ShapedTree:
         return ShapedTree.of(tree)
 
-    def observe(self, shaped: ShapedTree, accepted_nodes, verify_s: float, draft_s: float | None,
-                overhead_s: float, drafted: DraftTree, batch_size: int = 1, batch_rows: int = 0,
-                mergeable: int = 0, forward_s: float = 0.0, reply_s: float | None = None) -> None:
-        pass
+    def observe(self, obs: RoundObservation) -> None:
+        """After every round, speculative or not: what it verified, accepted and cost."""
+
+    def bind_request(self, sampling: SamplingParams) -> None:
+        """Once, at the request's start: its sampling parameters."""
+
+    def defer_draft_open(self, others: int) -> bool:
+        """At the request's start (others: the controller's other requests in flight): True = open
+        the draft at the first drafted round instead."""
+        return False
+
+    def draft_opened(self) -> None:
+        """A draft session (re-)opened."""
+
+    def round_context(self, context: Sequence[int]) -> None:
+        """Right before each ``speculate``: the committed tokens [T], prompt + generated."""
+
+    def prefill_beside(self) -> None:
+        """This round runs plain while a draft service prefills the session it just opened."""
+
+    def draft_merged(self, batch_size: int) -> None:
+        """An in-line proposal's reply: ``batch_size`` sessions' tree steps shared its forwards (1 = alone)."""
+
+    def draft_forward(self, call_s: float) -> None:
+        """An in-line proposal's reply: the draft call itself took ``call_s`` seconds."""
+
+    def draft_timed_out(self, waited_s: float) -> None:
+        """A proposal (in line or ahead) got no reply within the draft deadline, ``waited_s`` seconds."""
+
+    def cost_snapshot(self) -> dict | None:
+        """The cost figures this round was planned with, for round records and metrics (None: none)."""
+        return None
 
 
 ControlFactory = Callable[[TreeSpec], Control]
 
 
-class FixedControl(PassThroughShaping):
+class FixedControl(Control):
     """No adaptation: the request's TreeSpec every round, the draft always used while it works.
 
-    A failed draft is not retried. ``RequestControl`` implements the adaptive control.
+    A failed draft is not retried; the draft's context limit is not checked (the draft runtime
+    falls back itself). ``RequestControl`` implements the adaptive control.
     """
 
     def __init__(self, spec: TreeSpec):
@@ -148,14 +178,8 @@ class FixedControl(PassThroughShaping):
         self.reason = DRAFT_UNAVAILABLE if self._failed else None
         return not self._failed
 
-    def record(self, depth: int, proposed: int, accepted: int) -> None:
-        pass
-
     def draft_failed(self, now: float) -> None:
         self._failed = True
-
-    def set_draft_context_limit(self, limit: int | None) -> None:
-        pass  # a fixed policy never stops for the draft's context (the draft runtime falls back itself)
 
 
 # --------------------------------------------------------------------------- dynamic gamma
@@ -182,21 +206,14 @@ class DynamicGamma:
     max(1, n - 1)); llama.cpp's speculative example heuristic (ggml-org/llama.cpp PR #3006: grow only
     when the full draft length was drafted and accepted, no change when a shorter draft was fully
     accepted, -1 on a rejection), which is where the "tree as deep as asked" condition comes from.
-    Papers on a learned, per-token stopping rule instead of a schedule: DISCO, Mamou et al. 2024,
-    "Dynamic Speculation Lookahead Accelerates Speculative Decoding of Large Language Models"
-    (arXiv:2405.04304; a classifier decides after each draft token whether to keep drafting), and
-    SpecDec++, Huang, Guo & Wang 2024, "Boosting Speculative Decoding via Adaptive Candidate Lengths"
-    (arXiv:2405.19715; an MDP whose optimal policy is a threshold: stop when the predicted probability
-    of at least one rejection exceeds a threshold, via a trained acceptance head). Neither is used
-    here: both need per-token draft features or a trained head; the schedule needs only counts.
+    Learned per-token stopping rules (DISCO, Mamou et al. 2024, arXiv:2405.04304; SpecDec++, Huang
+    et al. 2024, arXiv:2405.19715) need per-token draft features or a trained head; this needs counts.
 
-    Why +1 rather than HF's +2: on the 2-core CPU each level costs a draft step (~45 ms) plus
-    ~20 ms of verify per extra node, ~0.2 of a plain target step (~300 ms), whereas HF's setting
-    (GPU, flat verify) makes depth nearly free. A simulation with i.i.d. per-token acceptance a and
-    round cost 300 ms + 65 ms * gamma (chain, gamma in [1, 8]) gave tokens/s for +1/-1 vs +2/-1 vs
-    +1/to-accepted+1: a=0.5: 4.05 / 3.86 / 4.04; a=0.7: 4.96 / 4.81 / 4.96; a=0.9: 7.45 / 7.48 / 7.05;
-    +1/-1 was best or within 0.5% for a in 0.3..0.95, and within 3.5% of the best static gamma
-    (which would need a known in advance).
+    Why +1 rather than HF's +2: on a CPU each level costs a draft step plus verify rows, about a
+    fifth of a plain target step, where HF's GPU setting makes depth nearly free. In a simulation
+    with i.i.d. per-token acceptance a (a in 0.3..0.95, round cost growing linearly with gamma),
+    +1/-1 was best or within 0.5% of +2/-1 and of +1/to-accepted+1, and within 3.5% of the best
+    static gamma (which would need a known in advance).
 
     enabled=False (DynamicGammaConfig): gamma stays spec.gamma and ``update`` changes nothing.
     Raises ValueError when min_gamma exceeds the deepest tree allowed by max_nodes.
@@ -313,9 +330,8 @@ class FallbackPolicy:
        next round speculates again as a probe with an emptied window: speculation stays on until
        the window is full again and is judged afresh.
 
-    Sources: DESIGN.md "Control" (fallback when acceptance says speculation does not pay, when the
-    draft is unreachable or slow, or at the draft's context limit). The windowed-acceptance cut-off
-    with periodic probing is this project's rule: speculation pays when the expected tokens per
+    Sources: DESIGN.md "Control". The windowed-acceptance cut-off with periodic probing is this
+    project's rule: speculation pays when the expected tokens per
     round, 1 + accepted length, exceed the round's cost in plain steps (Leviathan et al. 2023,
     "Fast Inference from Transformers via Speculative Decoding", ICML, section 3 "Analysis",
     Theorem 3.8: walltime improvement factor (1 - a^(gamma+1)) / ((1 - a)(gamma*c + 1)) for a chain
@@ -436,11 +452,10 @@ class FallbackPolicy:
 # --------------------------------------------------------------------------- both
 
 
-class RequestControl(PassThroughShaping):
+class RequestControl(Control):
     """DynamicGamma + FallbackPolicy of one request, behind the round controller's control interface.
 
-    Implements ``Control`` (with optional arguments beyond it). Rules and sources: DynamicGamma
-    and FallbackPolicy.
+    Rules and sources: DynamicGamma and FallbackPolicy.
     Raises ValueError as DynamicGamma does (min_gamma beyond the node limit).
     """
 
@@ -492,5 +507,4 @@ class RequestControl(PassThroughShaping):
         self.fallback.draft_failed(now)
 
     def set_draft_context_limit(self, limit: int | None) -> None:
-        """FallbackPolicy.set_draft_context_limit."""
         self.fallback.set_draft_context_limit(limit)

@@ -1,15 +1,14 @@
 """The default per-request control: cost-aware tree shaping (``orchestrator.planning.shaping``) each round.
 
-``CostAwareControl`` speaks the round controller's control interface (gamma, spec, speculate,
-record, draft_failed, set_draft_context_limit, reason) plus ``shape`` / ``observe``, which the
-controller calls around verification. What it decides, per round:
+``CostAwareControl`` implements the round loop's ``Control`` (orchestrator.planning.control). What it
+decides, per round:
 
 - ``speculate`` / ``spec``: whether to draft at all (``plan_depth``: the best number of steps g,
   g = 0 being a round without the draft, reason ``"cost"``, which still verifies the free context
   branches), and the draft's early-stop threshold (``stop_threshold``), which sets the depth: the
-  draft goes on while its best path is likely enough to pay for a step, up to the budget. The first round of a request never drafts: the target's
-  prefill then gives the first token as soon as target-only decoding would (TTFT), and the draft's
-  prefill moves to the second round;
+  draft goes on while its best path is likely enough to pay for a step, up to the budget. The first
+  round of a request never drafts: the target's prefill then gives the first token as soon as
+  target-only decoding would (TTFT), and the draft's prefill moves to the second round;
 - ``shape``: the nodes to verify, context branches merged (``shape_tree``);
 - ``observe``: calibrations, per-depth value estimates and the shared cost model learn from the round.
 
@@ -32,11 +31,12 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from orchestrator.planning.cost_model import CostModel, LoadedCost
-from orchestrator.planning.control import COST, FallbackPolicy
+from orchestrator.planning.control import COST, Control, FallbackPolicy, RoundObservation
 from orchestrator.planning.shaping import (
     AcceptanceCalibration, ContextCalibration, Lookup, ShapedTree, context_path, observe_verified, shape_tree,
 )
 from specdec.config import CostAwareConfig, FallbackConfig
+from specdec.sampling import SamplingParams
 from specdec.tree import DraftTree, ancestors, node_depths
 from specdec.tree_spec import MAX_TREE_NODES, TreeSpec, max_depth_for, spec_at_depth
 
@@ -46,12 +46,11 @@ UNPAYING_PROBE_FACTOR = 4  # probes come this much less often where no acceptanc
 
 @dataclass
 class SharedState:
-    """What the requests of one front (or one embedded engine) learn together: the cost model and
-    the front-wide calibrations that seed each request's own."""
+    """What the requests of one front (or one embedded engine) learn together: the cost model, the
+    load and merge shares, and the front-wide estimates that seed each request's own."""
 
     cost: CostModel = field(default_factory=CostModel)
-    calib: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
-    ctx_calib: ContextCalibration = field(default_factory=ContextCalibration)
+    estimates: Estimates = field(default_factory=lambda: Estimates())  # every request's verified rounds
     rounds_without_draft: int = 0  # across requests, since any request last drafted (the probe counts these)
     load: float = 1.0  # sessions a verify forward holds or could hold, moving average over every request's rounds
     shared_compute: bool = False  # draft and target on the same hardware (specdec.placement; set at connect)
@@ -63,15 +62,11 @@ class SharedState:
     # (LoadedCost.verify_sessions); starts at 1 (rounds in step: the symmetric goodput case), learnt
     # from drafted rounds, back to 1 when rounds run alone again
     verify_merge: float = 1.0
-    # under light load on shared compute: the requests draft or decode plain together, each round,
-    # from the front-wide estimates (``in_step_applies``); False (a bare state; fronts take
-    # CostAwareConfig.in_step, on by default): each request plans alone with the learnt shares
+    # under light load on shared compute the requests draft or decode plain together (``in_step_applies``);
+    # False: each request plans alone with the learnt shares (fronts take CostAwareConfig.in_step)
     in_step: bool = False
     in_step_max_load: float = 8.5  # in step below this load only (CostAwareConfig.in_step_max_load)
-    # D learns from the draft call's own time where its reply reports it (CostAwareConfig.draft_cost_from
-    # "forward"); False: from the reply's wall time
-    draft_cost_from_forward: bool = False
-    depths: "DepthEstimates" = field(default_factory=lambda: DepthEstimates())  # every request's drafted rounds
+    draft_cost_from_forward: bool = False  # D from the draft call's own time (CostAwareConfig.draft_cost_from)
 
     def in_step_applies(self) -> bool:
         """Whether this round's plan is the batch's (``CostAwareControl.speculate``): ``in_step`` is on,
@@ -79,34 +74,13 @@ class SharedState:
         sessions per verify forward (1.5 <= load < in_step_max_load, default 8.5: up to eight requests).
 
         Requests whose rounds keep in step share every draft step (the draft service merges
-        proposals that arrive together) and every verify forward (the target's batcher), so a drafted
-        round costs D(load p) per step and V(load rows) (``in_step_cost``); but a request that drafts
-        while the others decode plain reaches the target a draft's time after them and verifies
-        alone, and a mix of the two drifts apart for good (issue 12's runs at 2 and 4 clients: 80-97%
-        of the rounds plain, 2 and 1 merged draft forwards a level, 1.06x and 0.81x). So under load
-        the choice whether to draft is made from front-wide figures (``depths``, the same for every
-        request) and every request follows it: all draft (at least one step) or none does.
-
-        Measured (benchmarks/records/serving_cpu_2core_2026-12-03_in_step/serving_cpu_2core_2026-12-03_in_step.md, 2-core CPU, real pair): slower
-        than each request planning alone at 4 and 8 clients (0.78-0.80x against 0.89-0.98x of
-        target-only at 4). The requests did draft in most rounds, but their rounds did not keep in
-        step: two requests alternated, each drafting beside the other's verify forward (73% of the
-        verify forwards at 2 clients held one session, 92% of the draft calls), so the symmetric
-        pricing was wrong. Since 2026-12-04 the front's round clock (orchestrator.planning.lockstep, on with
-        ``in_step``) keeps their rounds in step, but the plan still ran 95-97% of the rounds plain:
-        1.00x and 0.86x of target-only at 4 and 8 clients (benchmarks/records/serving_cpu_2core_2026-12-04_lockstep/serving_cpu_2core_2026-12-04_lockstep.md).
-        Rounds forced to draft were slower still there: through the services a merged draft step and
-        verify forward cost about twice what the same calls cost in one process
-        (benchmarks/records/lockstep_cpu_2core_2026-12-04/lockstep_cpu_2core_2026-12-04.md). After the services' forwards stopped being
-        slowed by libgomp (one model thread per service), two runs at 2 clients: in step 1.25x and
-        1.51x of target-only, each request alone 1.02x and 1.10x (95% of its rounds plain: a request
-        drafting alone misses the other's verify forward, and the shares it learns from that keep
-        both from drafting); at 4 and 8 clients in step was no faster (0.92x and 0.90x against
-        0.94x and 0.91x; benchmarks/records/serving_cpu_2core_2026-12-04_in_step_2clients/serving_cpu_2core_2026-12-04_in_step_2clients.md), hence a cap of
-        2.5 until 2026-12-05. On a 2-core AMD EPYC the cap of 8.5 was ahead of 2.5 in every one of 5
-        side-by-side runs at 4 clients (mean 1.10x of target-only against 1.00x), mostly with plain
-        rounds that the clock kept in step, and no different at 8 (2 of 4, 1.03x against 1.00x;
-        benchmarks/records/serving_cpu_2core_2026-12-05_amd_in_step_cap_confirm/serving_cpu_2core_2026-12-05_amd_in_step_cap_confirm.md); hence 8.5."""
+        proposals that arrive together) and every verify forward (the target's batcher): a drafted
+        round costs D(load p) per step and V(load rows) (``in_step_cost``). A request that drafts while
+        the others decode plain reaches the target a draft's time after them and verifies alone, and
+        such a mix drifts apart for good; so under load whether to draft is decided from the
+        front-wide ``estimates.depths`` and every request follows it. The front's round clock
+        (orchestrator.planning.lockstep) keeps the rounds in step; beyond ``in_step_max_load`` in step
+        brought nothing."""
         return self.in_step and self.shared_compute and LOADED <= self.load < self.in_step_max_load
 
     def in_step_cost(self) -> LoadedCost:
@@ -140,29 +114,27 @@ class SharedState:
 
     def observe_draft_merge(self, batch_size: int, alpha: float = 0.3) -> None:
         """One in-line draft reply on shared compute under load (``merge_learns``): its forwards held
-        ``batch_size`` sessions, a share (batch_size - 1) / (load - 1) of the other requests, clamped
-        to [0, 1] and folded into ``draft_merge`` as a moving average. Requests whose rounds keep
+        ``batch_size`` sessions (``_share`` of the other requests), folded into ``draft_merge`` as a
+        moving average. Requests whose rounds keep
         in step (merged verifies, then proposals that arrive together) share every draft step; rounds
         that drift apart draft alone, each step then taking the compute every request's verify needs.
         The priced step is ``LoadedCost.draft_step_ms`` (goodput, Liu et al. 2024, SmartSpec section 4)."""
-        if not self.merge_learns():
-            return
-        share = min(max((batch_size - 1) / (self.load - 1.0), 0.0), 1.0)
-        self.draft_merge += alpha * (share - self.draft_merge)
+        if self.merge_learns():
+            self.draft_merge += alpha * (self._share(batch_size) - self.draft_merge)
 
     def observe_verify_merge(self, batch_size: int, alpha: float = 0.3) -> None:
         """One drafted round's verify forward under load (1.5 sessions or more), on any placement: it
-        held ``batch_size`` sessions, a share (batch_size - 1) / (load - 1) of the other requests,
-        clamped to [0, 1] and folded into ``verify_merge`` as a moving average. A drafted round
-        reaches the target a draft's time after the plain rounds of the others, so it misses their
-        merged forward and runs one of its own unless the others drafted alike (issue 12's runs at 4
-        clients: 63 merged forwards where speculation drafted 18-23% of the rounds, against 97
-        target-only, and 11-17% less throughput). Not a probe's round (it drafts alone by design)
-        nor a session's first drafted round (it also waited for the draft's prefill)."""
-        if self.load < LOADED:
-            return
-        share = min(max((batch_size - 1) / (self.load - 1.0), 0.0), 1.0)
-        self.verify_merge += alpha * (share - self.verify_merge)
+        held ``batch_size`` sessions (``_share`` of the other requests), folded into ``verify_merge`` as
+        a moving average. A drafted round reaches the target a draft's time after the plain rounds of
+        the others, so it misses their merged forward unless the others drafted alike. Not a probe's
+        round (it drafts alone by design) nor a session's first drafted round (it also waited for the
+        draft's prefill)."""
+        if self.load >= LOADED:
+            self.verify_merge += alpha * (self._share(batch_size) - self.verify_merge)
+
+    def _share(self, batch_size: int) -> float:
+        """The other requests a forward of ``batch_size`` sessions held: (batch_size - 1) / (load - 1) in [0, 1]."""
+        return min(max((batch_size - 1) / (self.load - 1.0), 0.0), 1.0)
 
     def observe_load(self, batch_size: int, alpha: float = 0.3) -> None:
         """One round's load: the sessions its verify forward held, or the target's open sessions
@@ -183,16 +155,10 @@ class SharedState:
 
     def defer_draft(self) -> bool:
         """Whether a new request should not prefill the draft until a round decides to draft: the
-        draft shares the target's compute. A draft service prefills on Start, which the round loop
-        would send beside the target's Prefill: on shared compute the two prefills take each other's
-        CPU and the first token comes later than target-only's; under load, requests arriving
-        together would all prefill the draft at once, on the compute their target prefills need.
-        Deferred, a draft service prefills beside the round that opens it, run plain (the request's
-        second: the first reuses the prefill's logits); a seeded sampled request's round waits for
-        that prefill and drafts (its trees must not depend on timings). Measured (2-core CPU, real
-        pair, one client, issue 12's serving benchmark, two runs each, alternating): speculative
-        TTFT p50 1.21x and 1.42x target-only's when opened at the start, 0.95x and 1.01x deferred;
-        throughput the same within the runs' noise (benchmarks/records/serving_cpu_2core_2026-12-04_ttft/serving_cpu_2core_2026-12-04_ttft.md)."""
+        draft shares the target's compute, where its prefill beside the target's would delay the first
+        token (and under load every arriving request's would take the compute at once). Deferred, a
+        draft service prefills beside the round that opens it, run plain; a seeded sampled request's
+        round waits for that prefill and drafts (its trees must not depend on timings)."""
         return self.shared_compute
 
     def planning_cost(self) -> CostModel | LoadedCost:
@@ -206,7 +172,7 @@ class SharedState:
 
 @dataclass
 class DepthEstimates:
-    """Per-depth expectations of this request, exponential moving averages over drafted rounds.
+    """Per-depth expectations of one request (or of a front), exponential moving averages over drafted rounds.
 
     value[d-1]: expected sum of kept node values at depth d; rows[d-1]: expected kept nodes at
     depth d. Depths not seen yet extrapolate geometrically (ratio of the last two, in [0.3, 0.9]).
@@ -234,6 +200,54 @@ class DepthEstimates:
             self.rows.append(r)
         self.value[d - 1] += self.alpha * (value - self.value[d - 1])
         self.rows[d - 1] += self.alpha * (rows - self.rows[d - 1])
+
+
+@dataclass
+class Estimates:
+    """What verified rounds teach about acceptance: the calibrations (orchestrator.planning.shaping)
+    and the per-depth values. A request's (``for_request``) start from the front's and feed them:
+    each ``observe_*`` updates the request's, then its ``front``'s."""
+
+    calib: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
+    ctx_calib: ContextCalibration = field(default_factory=ContextCalibration)
+    depths: DepthEstimates = field(default_factory=DepthEstimates)
+    front: Estimates | None = None
+
+    @classmethod
+    def for_request(cls, front: Estimates) -> Estimates:
+        """A request's: calibrations with the front's as their prior, per-depth values of its own."""
+        return cls(AcceptanceCalibration(front.calib), ContextCalibration(front.ctx_calib), DepthEstimates(), front)
+
+    def _scopes(self) -> tuple[Estimates, ...]:
+        return (self,) if self.front is None else (self, self.front)
+
+    def observe_verified(self, shaped: ShapedTree, accepted_nodes: Sequence[int]) -> None:
+        for scope in self._scopes():
+            observe_verified(shaped, accepted_nodes, scope.calib, scope.ctx_calib)
+
+    def observe_depth(self, d: int, value: float, rows: float) -> None:
+        for scope in self._scopes():
+            scope.depths.update(d, value, rows)
+
+
+@dataclass
+class RequestState:
+    """One request's planning state between rounds (the front's is ``SharedState``)."""
+
+    estimates: Estimates  # its own, feeding the front's (``Estimates.for_request``)
+    context_value: float = 0.0  # EMA of the kept context nodes' values per round
+    context_rows: float = 0.0  # EMA of the kept context nodes per round
+    raw_per_value: float = 1.0  # EMA of raw best path probability / its calibrated value
+    rounds: int = 0  # rounds observed
+    draft_warm: bool = False  # the draft session has prefilled (its first tree is done)
+    drafted_depth: int = 0  # steps of the last tree the draft returned (0: none yet)
+    draft_batch: int = 1  # sessions that shared the last in-line proposal's draft forwards (draft_merged)
+    draft_call_s: float | None = None  # the last in-line proposal's draft call, no queue (draft_forward)
+    probing: bool = False  # this round drafts as a probe (one request alone: its reply says nothing of merging)
+    in_step: bool = False  # this round's plan was the batch's (SharedState.in_step_applies)
+    planned_spec: TreeSpec | None = None  # the tree shape the last drafting plan chose
+    context: Sequence[int] | None = None  # this round's committed tokens (round_context), until speculate
+    beside_prefill: bool = False  # this round's forward ran beside a draft prefill (prefill_beside), until observe
 
 
 def plan_depth(est: DepthEstimates, cost: CostModel | LoadedCost, heads: list[int], max_steps: int,
@@ -305,14 +319,15 @@ def stop_threshold(cost: CostModel | LoadedCost, rate: float, heads: int, width:
     return min(max(threshold, 0.0), 0.95)
 
 
-class CostAwareControl:
+class CostAwareControl(Control):
     """Cost-aware control of one request (module docstring).
 
     spec: the request's TreeSpec, an upper bound on widths (rows past its gamma repeat its last
     row, up to max_gamma steps); shared: the front-wide SharedState; fallback: draft failure and
     context-limit rules (FallbackConfig; its min_acceptance is ignored); ngram_tokens / max_ngram:
     the context branch (0 tokens = off); first_round_plain: the TTFT rule; lookup: replaces the n-gram
-    lookup (tests script the context branch).
+    lookup (tests script the context branch). What the request learns between rounds is ``state``
+    (RequestState), what the front learns ``shared``.
     """
 
     def __init__(self, spec: TreeSpec, shared: SharedState | None = None, fallback: FallbackConfig = FallbackConfig(),
@@ -329,27 +344,11 @@ class CostAwareControl:
         self.first_round_plain = first_round_plain
         self.lookup = lookup  # None = the n-gram lookup (orchestrator.planning.shaping.ngram_continuation)
         self.timing_free = False  # a seeded sampled request (bind_request): no timing-dependent decisions
-        self.calib = AcceptanceCalibration(self.shared.calib)
-        self.ctx_calib = ContextCalibration(self.shared.ctx_calib)
-        self.depths = DepthEstimates()
-        self.context_value = 0.0  # EMA of the kept context nodes' values per round
-        self.context_rows = 0.0
-        self.raw_per_value = 1.0  # EMA of raw best path probability / its calibrated value
+        self.state = RequestState(Estimates.for_request(self.shared.estimates))
         self.gamma = 0  # draft steps planned for this round
         self.reason: str | None = None
-        self.rounds = 0
-        self.rounds_without_draft = 0
-        self.draft_warm = False  # the draft session has prefilled (its first tree is done)
-        self.drafted_depth = 0  # steps of the last tree the draft returned (0: none yet)
-        self.draft_batch = 1  # sessions that shared the last in-line proposal's draft forwards (draft_merged)
-        self.draft_call_s: float | None = None  # the last in-line proposal's draft call, no queue (draft_forward)
-        self.probing = False  # this round drafts as a probe (one request alone: its reply says nothing of merging)
-        self.in_step = False  # this round's plan was the batch's (SharedState.in_step_applies)
-        self._planned_spec: TreeSpec | None = None
-        self._context: Sequence[int] | None = None  # this round's committed tokens (round_context), until speculate
-        self._beside_prefill = False  # this round's forward ran beside a draft prefill (prefill_beside), until observe
 
-    def bind_request(self, sampling) -> None:
+    def bind_request(self, sampling: SamplingParams) -> None:
         """The request's SamplingParams (the round controller calls this once). A sampled request
         with a seed must give the same tokens every run, and its random draws follow the tree's
         shape, so its trees must not depend on timings: it gets the request's TreeSpec every round,
@@ -362,45 +361,37 @@ class CostAwareControl:
         """This round's committed tokens [T] (prompt + generated), given before ``speculate``: the
         plan then values this round's own context branch (``context_path``: its match length and
         calibrated chances) instead of the average branch of past rounds."""
-        self._context = context
+        self.state.context = context
+
+    def _first_round(self) -> bool:
+        """The TTFT rule holds this round: the first token comes from the target's prefill alone."""
+        return self.first_round_plain and self.state.rounds == 0
 
     def speculate(self, now: float | None, committed_len: int, depth: int) -> bool:
         """Plan this round (``plan_depth``) under ``depth`` levels; False = no draft this round."""
-        self.probing = self.in_step = False
-        context, self._context = self._context, None
+        st = self.state
+        st.probing = st.in_step = False
+        context, st.context = st.context, None
         if self.timing_free:
             self.gamma = min(depth, self.base.gamma)
             speculate = self.fallback.speculate(now, committed_len, self.gamma)
-            self.reason, self._planned_spec = self.fallback.reason, self.base
+            self.reason, st.planned_spec = self.fallback.reason, self.base
             return speculate
         max_steps = min(depth, self.max_gamma, self._deepest())
         if not self.fallback.speculate(now, committed_len, 1):
             self.reason, self.gamma = self.fallback.reason, 0
             return False
         heads = list(spec_at_depth(self.base, max(max_steps, 1), self.max_nodes).top_head)
-        in_step = self.in_step = self.shared.in_step_applies()
+        st.in_step = self.shared.in_step_applies()
         # under load: the batch's goodput (LoadedCost), in step the symmetric case
-        cost = self.shared.in_step_cost() if in_step else self.shared.planning_cost()
-        path = None
-        if context is not None and not (self.first_round_plain and self.rounds == 0):
-            path = context_path(context, self.ctx_calib, cost, cost.round_overhead_ms, self.ngram_tokens,
-                                self.max_ngram, depth, self.lookup)
-        g, rate = plan_depth(self.depths, cost, heads, max_steps, self.context_value, self.context_rows, path)
-        if in_step:
-            # the batch's plan, the same for every request; each drafting request at least one step
-            # and at most one past the batch's best depth (the others' verifies wait for the deepest)
-            batch_g, batch_rate = plan_depth(self.shared.depths, cost, heads, max_steps)
-            if batch_g:
-                max_steps = min(max_steps, batch_g + 1)
-                g, rate = min(max(g, 1), max_steps), batch_rate
-            else:
-                g = 0
-        if self.first_round_plain and self.rounds == 0:
+        cost = self.shared.in_step_cost() if st.in_step else self.shared.planning_cost()
+        g, rate, max_steps = self._plan(context, cost, heads, max_steps, depth)
+        if self._first_round():
             g = 0
         elif g == 0 and max_steps >= 1 and self._probe_due(cost, heads, max_steps):
             g = 1  # probe: has the draft become worth it? (counted across requests: short ones probe too)
             self.shared.rounds_without_draft = 0
-            self.probing = True
+            st.probing = True
         self.gamma, self.reason = g, (None if g else COST)
         if g:
             # g decides whether to draft; how deep is the draft's own early stop on its confidence
@@ -408,10 +399,30 @@ class CostAwareControl:
             # are still reached when the draft is sure, so the estimates keep learning them.
             width = sum(self.base.top_k_spec[-1])
             threshold = stop_threshold(cost, rate, heads[max_steps - 1], width,
-                                       self.depths.ratio(), self.raw_per_value)
+                                       st.estimates.depths.ratio(), st.raw_per_value)
             spec = spec_at_depth(self.base, max_steps, self.max_nodes)
-            self._planned_spec = spec.model_copy(update={"gamma_threshold": max(threshold, spec.gamma_threshold)})
+            st.planned_spec = spec.model_copy(update={"gamma_threshold": max(threshold, spec.gamma_threshold)})
         return g > 0
+
+    def _plan(self, context: Sequence[int] | None, cost: CostModel | LoadedCost, heads: list[int], max_steps: int,
+              depth: int) -> tuple[int, float, int]:
+        """(draft steps g, predicted rate, max steps) of this round: the request's own ``plan_depth``,
+        valuing this round's context branch; in step, the batch's plan over the front's estimates."""
+        st = self.state
+        path = None
+        if context is not None and not self._first_round():
+            path = context_path(context, st.estimates.ctx_calib, cost, cost.round_overhead_ms, self.ngram_tokens,
+                                self.max_ngram, depth, self.lookup)
+        g, rate = plan_depth(st.estimates.depths, cost, heads, max_steps, st.context_value, st.context_rows, path)
+        if st.in_step:
+            # the batch's plan, the same for every request; each drafting request at least one step
+            # and at most one past the batch's best depth (the others' verifies wait for the deepest)
+            batch_g, batch_rate = plan_depth(self.shared.estimates.depths, cost, heads, max_steps)
+            if not batch_g:
+                return 0, rate, max_steps
+            max_steps = min(max_steps, batch_g + 1)
+            g, rate = min(max(g, 1), max_steps), batch_rate
+        return g, rate, max_steps
 
     def _probe_due(self, cost: CostModel | LoadedCost, heads: list[int], max_steps: int) -> bool:
         """Whether enough rounds ran without the draft (over all requests) for a probe:
@@ -438,10 +449,11 @@ class CostAwareControl:
             return True  # first_round_plain off: a lone request may draft round 1, its draft opened at the start
         if self.timing_free or self.shared.load < LOADED or others == 0:  # alone now: a past burst's load is stale
             return False
+        st = self.state
         max_steps = min(self.max_gamma, self._deepest())
         heads = list(spec_at_depth(self.base, max_steps, self.max_nodes).top_head)
-        g, _ = plan_depth(self.depths, self.shared.planning_cost(), heads, max_steps,
-                          self.context_value, self.context_rows)
+        g, _ = plan_depth(st.estimates.depths, self.shared.planning_cost(), heads, max_steps,
+                          st.context_value, st.context_rows)
         return g == 0
 
     def _deepest(self) -> int:
@@ -452,92 +464,100 @@ class CostAwareControl:
 
     def spec(self, base: TreeSpec | None = None) -> TreeSpec:
         """The tree shape planned by the last ``speculate`` (the request's spec before any plan)."""
-        return self._planned_spec or self.base
+        return self.state.planned_spec or self.base
 
     # ----------------------------------------------------------------- after drafting
 
     def shape(self, tree: DraftTree, context: list[int], max_depth: int, sunk_ms: float) -> ShapedTree:
         """The tree to verify: drafted nodes that pay plus the context branch (``shape_tree``), priced
         as this round was planned (in step: ``SharedState.in_step_cost``)."""
-        cost = self.shared.in_step_cost() if self.in_step else self.shared.planning_cost()
-        if self.timing_free or (self.first_round_plain and self.rounds == 0):  # TTFT: the first token from the prefill
+        cost = self.shared.in_step_cost() if self.state.in_step else self.shared.planning_cost()
+        if self.timing_free or self._first_round():  # TTFT: the first token from the prefill
             return ShapedTree.of(tree)
-        return shape_tree(tree, context, self.calib, self.ctx_calib, cost, sunk_ms + cost.round_overhead_ms,
+        estimates = self.state.estimates
+        return shape_tree(tree, context, estimates.calib, estimates.ctx_calib, cost, sunk_ms + cost.round_overhead_ms,
                           self.ngram_tokens, self.max_ngram, max_depth, self.lookup)
 
-    def observe(self, shaped: ShapedTree, accepted_nodes, verify_s: float, draft_s: float | None,
-                overhead_s: float, drafted_tree: DraftTree | None, batch_size: int = 1, batch_rows: int = 0,
-                mergeable: int = 0, forward_s: float = 0.0, reply_s: float | None = None) -> None:
-        """Learn from a verified round: calibrations, per-depth estimates, the shared cost model and
-        load. batch_size, batch_rows: sessions and rows of the target forward that verified the tree
-        (VerifyResult; 0 rows = not reported, the tree's own; batch_size 0 = no forward ran);
-        mergeable: sessions open at the target up to its max_batch (0 = not reported). The load is
-        the larger of the two session counts: speculative rounds of concurrent requests drift apart
-        and share few forwards, yet each row they verify still takes the batch's time from the
-        others, and plain decoding would merge every open session. forward_s: the target's own time
-        for that forward (0 = not reported: ``verify_s``, which also holds transport and, under load,
-        the wait behind other sessions' forwards, a wait that V(rows) must not learn: it does not
-        grow with this tree's rows, and learnt as V it makes every row look cheap). reply_s: the
-        wall time of the ahead that drafted this tree (pipelining; draft_s is then None): off the
-        critical path, so it teaches D nothing, but under load it shows the draft's queue as an
-        in-line reply does (else a high hit rate would leave ``draft_queue`` where timeouts put it)."""
-        self.rounds += 1
+    def observe(self, obs: RoundObservation) -> None:
+        """Learn from a verified round: the estimates (the request's and the front's), the shared cost
+        model and load (``_learn_costs``)."""
+        st, shaped = self.state, obs.shaped
+        st.rounds += 1
         if self.timing_free:
             return
         # the first round's empty verify reuses the prefill's logits: no forward ran, its ~1 ms says
         # nothing about V(1) (taken as a figure, it made drafting look 1000x dearer than verifying)
-        no_forward = (self.rounds == 1 and not shaped.tree.size) or batch_size == 0  # 0: a replayed result
-        beside_prefill, self._beside_prefill = self._beside_prefill, False
-        observe_verified(shaped, accepted_nodes, self.calib, self.ctx_calib)
-        observe_verified(shaped, accepted_nodes, self.shared.calib, self.shared.ctx_calib)
-        depths = node_depths(shaped.tree.parents)
+        no_forward = (st.rounds == 1 and not shaped.tree.size) or obs.batch_size == 0  # 0: a replayed result
+        beside_prefill, st.beside_prefill = st.beside_prefill, False
+        st.estimates.observe_verified(shaped, obs.accepted_nodes)
         ctx = [i for i, d in enumerate(shaped.draft_index) if d is None]
-        self.context_value += 0.3 * (sum(shaped.values[i] for i in ctx) - self.context_value)
-        self.context_rows += 0.3 * (len(ctx) - self.context_rows)
-        parents_per_step: list[int] = []
-        drafted = bool(self.gamma and drafted_tree is not None and drafted_tree.size)
-        warm = self.draft_warm  # False: this drafted round also waited for the draft's prefill
+        st.context_value += 0.3 * (sum(shaped.values[i] for i in ctx) - st.context_value)
+        st.context_rows += 0.3 * (len(ctx) - st.context_rows)
+        drafted = bool(self.gamma and obs.drafted.size)
+        warm = st.draft_warm  # False: this drafted round also waited for the draft's prefill
         if drafted:
-            self.rounds_without_draft = 0
-            self.shared.rounds_without_draft = 0
-            drafted_depths = node_depths(drafted_tree.parents)
-            self.drafted_depth = max(drafted_depths, default=0)
-            for d in range(1, self._planned_spec.gamma + 1):  # depths the draft stopped short of count as 0
-                kept = [i for i, dd in enumerate(depths) if dd == d and shaped.draft_index[i] is not None]
-                self.depths.update(d, sum(shaped.values[i] for i in kept), len(kept))
-                self.shared.depths.update(d, sum(shaped.values[i] for i in kept), len(kept))
-            if self.draft_warm:  # the first drafted round also prefilled the draft: not a step's cost
-                parents_per_step = _parents_per_step(drafted_tree, drafted_depths)
-                if self.draft_batch > 1 and draft_s and not self.shared.queue_learns():  # D(b p) per step
-                    parents_per_step = [p * self.draft_batch for p in parents_per_step]
-            self.draft_batch = 1
-            self.draft_warm = True
-            self._learn_raw_ratio(drafted_tree, shaped)
+            parents_per_step = self._learn_drafted(obs)
         else:
-            self.rounds_without_draft += 1
+            parents_per_step = []
             self.shared.rounds_without_draft += 1
-        if no_forward and mergeable:  # the open sessions are known even when no forward ran (the first round)
-            self.shared.observe_load(mergeable)
-        if not no_forward:
-            if drafted and warm and not self.probing:  # before the load moves: the share is of this load
-                self.shared.observe_verify_merge(batch_size)
-            self.shared.observe_load(max(batch_size, mergeable))
-            rows = batch_rows or shaped.tree.size + 1  # the forward's rows decide its latency
-            reply = draft_s or reply_s
-            if parents_per_step and reply and self.shared.queue_learns():
-                self.shared.observe_draft_queue(reply * 1000, self.shared.cost.draft_ms(parents_per_step))
-                parents_per_step = []  # the reply's time beyond D was the queue's, not D's
-            # D from the draft call's own time (its reply's forward_ms) only with draft_cost_from
-            # "forward": by default from the reply's wall time, which also holds transport and the wait
-            # behind other sessions' proposals and prefills (at 4 clients in step D(1) learnt 53-70 ms,
-            # the call 20-35 ms). Learnt from the call, the plan drafted more under load and was no
-            # faster (benchmarks/records/serving_cpu_2core_2026-12-05_amd_in_step_cap_ab/serving_cpu_2core_2026-12-05_amd_in_step_cap_ab.md): that wait is a
-            # drafted round's cost too.
-            call_s = self.draft_call_s if self.shared.draft_cost_from_forward else None
-            if not beside_prefill:  # a forward slowed by a draft prefill beside it is not V's
-                self.shared.cost.observe_round(rows, forward_s or verify_s, parents_per_step, call_s or draft_s,
-                                               overhead_s)
-        self.draft_call_s = None
+        self._learn_costs(obs, no_forward, drafted and warm, parents_per_step, beside_prefill)
+        st.draft_call_s = None
+
+    def _learn_drafted(self, obs: RoundObservation) -> list[int]:
+        """A drafted round: per-depth values and the raw/value ratio; returns the parents the draft
+        expanded per step where its time was a step's cost (not the session's first tree, which also
+        prefilled the draft), else []."""
+        st, shaped = self.state, obs.shaped
+        self.shared.rounds_without_draft = 0
+        depths = node_depths(shaped.tree.parents)
+        drafted_depths = node_depths(obs.drafted.parents)
+        st.drafted_depth = max(drafted_depths, default=0)
+        for d in range(1, st.planned_spec.gamma + 1):  # depths the draft stopped short of count as 0
+            kept = [i for i, dd in enumerate(depths) if dd == d and shaped.draft_index[i] is not None]
+            st.estimates.observe_depth(d, sum(shaped.values[i] for i in kept), len(kept))
+        parents_per_step: list[int] = []
+        if st.draft_warm:
+            parents_per_step = _parents_per_step(obs.drafted, drafted_depths)
+            if st.draft_batch > 1 and obs.draft_s and not self.shared.queue_learns():  # D(b p) per step
+                parents_per_step = [p * st.draft_batch for p in parents_per_step]
+        st.draft_batch = 1
+        st.draft_warm = True
+        self._learn_raw_ratio(obs.drafted, shaped)
+        return parents_per_step
+
+    def _learn_costs(self, obs: RoundObservation, no_forward: bool, drafted_warm: bool, parents_per_step: list[int],
+                     beside_prefill: bool) -> None:
+        """The shared load, merge and queue shares and cost model from the round's timings.
+
+        The load is the larger of the forward's sessions (``batch_size``) and the target's open ones
+        (``mergeable``): speculative rounds of concurrent requests drift apart and share few
+        forwards, yet each row they verify still takes the batch's time from the others, and plain
+        decoding would merge every open session. V(rows) learns from the target's own forward time
+        where reported (``forward_s``): ``verify_s`` also holds transport and, under load, the wait
+        behind other sessions' forwards, which does not grow with this tree's rows. A tree drafted
+        ahead teaches D nothing (off the critical path), but under load its ``reply_s`` shows the
+        draft's queue as an in-line reply does. A forward beside a draft prefill teaches no cost."""
+        shared = self.shared
+        if no_forward:  # the open sessions are known even when no forward ran (the first round)
+            if obs.mergeable:
+                shared.observe_load(obs.mergeable)
+            return
+        if drafted_warm and not self.state.probing:  # before the load moves: the share is of this load
+            shared.observe_verify_merge(obs.batch_size)
+        shared.observe_load(max(obs.batch_size, obs.mergeable))
+        rows = obs.batch_rows or obs.shaped.tree.size + 1  # the forward's rows decide its latency
+        reply = obs.draft_s or obs.reply_s
+        if parents_per_step and reply and shared.queue_learns():
+            shared.observe_draft_queue(reply * 1000, shared.cost.draft_ms(parents_per_step))
+            parents_per_step = []  # the reply's time beyond D was the queue's, not D's
+        # D from the draft call's own time only with draft_cost_from "forward": by default from the
+        # reply's wall time, which also holds transport and the wait behind other sessions' proposals
+        # and prefills, a drafted round's cost too (learnt from the call, the plan drafted more under
+        # load and was no faster)
+        call_s = self.state.draft_call_s if shared.draft_cost_from_forward else None
+        if not beside_prefill:  # a forward slowed by a draft prefill beside it is not V's
+            shared.cost.observe_round(rows, obs.forward_s or obs.verify_s, parents_per_step, call_s or obs.draft_s,
+                                      obs.overhead_s)
 
     def _learn_raw_ratio(self, drafted: DraftTree, shaped: ShapedTree) -> None:
         """raw best path probability / calibrated value of the deepest kept draft node."""
@@ -549,7 +569,7 @@ class CostAwareControl:
         raw = math.exp(sum(drafted.draft_logprobs[n] for n in ancestors(drafted.parents, j)))
         value = shaped.values[best]
         if value > 1e-6:
-            self.raw_per_value += 0.2 * (min(raw / value, 5.0) - self.raw_per_value)
+            self.state.raw_per_value += 0.2 * (min(raw / value, 5.0) - self.state.raw_per_value)
 
     def cost_snapshot(self) -> dict:
         """The shared cost model's figures (CostModel.snapshot) and the shared load, draft queue and
@@ -557,7 +577,7 @@ class CostAwareControl:
         this round's plan was the batch's (``in_step``), for round records and metrics."""
         return {**self.shared.cost.snapshot(), "load": round(self.shared.load, 2),
                 "draft_queue": round(self.shared.draft_queue, 3), "draft_merge": round(self.shared.draft_merge, 3),
-                "verify_merge": round(self.shared.verify_merge, 3), "in_step": self.in_step}
+                "verify_merge": round(self.shared.verify_merge, 3), "in_step": self.state.in_step}
 
     # ----------------------------------------------------------------- the rest of the interface
 
@@ -568,18 +588,15 @@ class CostAwareControl:
 
     def prefill_beside(self) -> None:
         """This round runs plain beside the draft service's prefill of the session it opened
-        (``draft_opening``): on shared compute its verify forward shared the CPU with that prefill
-        (on the draft's own device it did not: one sample fewer there), so its time says nothing of
-        V(rows) nor of the round overhead, and ``observe`` does not
-        teach the cost model from it (with the draft opened at every request's second round, such
-        forwards would otherwise be one V sample per request, the first on a fresh front, slowed
-        by the prefill, making plain rounds look dearer)."""
-        self._beside_prefill = True
+        (``draft_opening``): its verify forward may have shared the compute with that prefill, so
+        ``observe`` does not teach V(rows) nor the round overhead from it (one slowed V sample per
+        request would make plain rounds look dearer)."""
+        self.state.beside_prefill = True
 
     def draft_opened(self) -> None:
         """A draft session (re-)opened: its first drafted round also prefills it, so that round's
         draft time is not a step's cost (the round loop calls this after each draft start)."""
-        self.draft_warm = False
+        self.state.draft_warm = False
 
     def draft_failed(self, now: float | None = None) -> None:
         self.fallback.draft_failed(now)
@@ -590,15 +607,16 @@ class CostAwareControl:
         (``SharedState.observe_draft_merge``; not the session's first proposal, which also waited for
         its prefill, nor a probe, which drafts alone by design), and this round's draft time is then
         D(batch_size p) per step, not D(p)."""
-        self.draft_batch = max(int(batch_size), 1)
-        if not self.timing_free and self.draft_warm and not self.probing:  # a first proposal waited for its prefill
-            self.shared.observe_draft_merge(self.draft_batch)
+        st = self.state
+        st.draft_batch = max(int(batch_size), 1)
+        if not self.timing_free and st.draft_warm and not st.probing:  # a first proposal waited for its prefill
+            self.shared.observe_draft_merge(st.draft_batch)
 
     def draft_forward(self, call_s: float) -> None:
         """An in-line proposal's reply: the draft call that grew the tree took ``call_s`` seconds (every
         session's steps it held; 0 = not reported). Where ``SharedState.draft_cost_from_forward`` (config
         ``draft_cost_from: forward``), ``observe`` teaches D from it instead of the reply's wall time."""
-        self.draft_call_s = call_s if call_s > 0 else None
+        self.state.draft_call_s = call_s if call_s > 0 else None
 
     def draft_timed_out(self, waited_s: float) -> None:
         """The round's proposal got no reply within ``waited_s`` seconds (the draft deadline; the round
@@ -606,12 +624,13 @@ class CostAwareControl:
         draft's own device under load it raises the queue share (``SharedState.observe_draft_queue``),
         elsewhere D (``CostModel.observe_draft_timeout``). The plan then drafts less, or not at all,
         before more deadlines trip (each failure drops the session, and its re-open prefills again)."""
-        if self.timing_free or not self.gamma or self._planned_spec is None or not waited_s:
+        planned = self.state.planned_spec
+        if self.timing_free or not self.gamma or planned is None or not waited_s:
             return
         # the steps it would have run: as many as the last tree it drafted, else the plan's g (the
         # planned spec's gamma is only the budget the draft's early stop may use)
-        steps = min(self.drafted_depth or self.gamma, self._planned_spec.gamma)
-        heads = list(self._planned_spec.top_head[:steps])
+        steps = min(self.state.drafted_depth or self.gamma, planned.gamma)
+        heads = list(planned.top_head[:steps])
         if self.shared.queue_learns():
             self.shared.observe_draft_queue(waited_s * 1000, self.shared.cost.draft_ms(heads), lower_bound=True)
             return
@@ -631,17 +650,20 @@ def _parents_per_step(tree: DraftTree, depths: list[int]) -> list[int]:
     return steps if tree.size else []
 
 
-def cost_aware_factory(config: CostAwareConfig, fallback: FallbackConfig, shared: SharedState):
+class CostAwareFactory:
     """(TreeSpec, max_nodes) -> CostAwareControl with the front's settings; all the requests of the
-    factory share ``shared`` (the cost model and the front-wide calibrations)."""
+    factory share ``shared`` (the cost model and the front-wide estimates). ``shared_compute``: the
+    configured placement setting (True, False or "auto"), which the Orchestrator resolves into
+    ``shared.shared_compute`` once it knows both services."""
 
-    def factory(spec: TreeSpec, max_nodes: int = MAX_TREE_NODES) -> CostAwareControl:
-        return CostAwareControl(spec, shared, fallback, max_gamma=config.max_gamma, ngram_tokens=config.ngram_tokens,
-                                max_ngram=config.max_ngram, probe_every=config.probe_every,
-                                first_round_plain=config.first_round_plain, max_nodes=max_nodes)
+    def __init__(self, config: CostAwareConfig, fallback: FallbackConfig, shared: SharedState):
+        self.config, self.fallback, self.shared = config, fallback, shared
+        self.shared_compute = config.shared_compute
+        shared.in_step, shared.in_step_max_load = config.in_step, config.in_step_max_load
+        shared.draft_cost_from_forward = config.draft_cost_from == "forward"
 
-    shared.in_step, shared.in_step_max_load = config.in_step, config.in_step_max_load
-    shared.draft_cost_from_forward = config.draft_cost_from == "forward"
-    factory.shared = shared  # the Orchestrator sets shared.shared_compute once it knows both services
-    factory.shared_compute = config.shared_compute
-    return factory
+    def __call__(self, spec: TreeSpec, max_nodes: int = MAX_TREE_NODES) -> CostAwareControl:
+        c = self.config
+        return CostAwareControl(spec, self.shared, self.fallback, max_gamma=c.max_gamma, ngram_tokens=c.ngram_tokens,
+                                max_ngram=c.max_ngram, probe_every=c.probe_every,
+                                first_round_plain=c.first_round_plain, max_nodes=max_nodes)

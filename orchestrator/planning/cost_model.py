@@ -19,8 +19,8 @@ Worked example: points {1: 285, 8: 449} give V(4) = 285 + (449 - 285) * 3/7 = 35
 observed V(4) of 426.3 ms (ratio 1.2) with alpha 0.5 moves the scale from 1 to 1.1, so V(4) is
 then 390.8 ms and V(1) 313.5 ms.
 
-The per-row figures the 2-core CPU gave for the default pair (float32 1.5B target after 300 cached
-tokens, int8 0.5B draft) are the priors: V(1, 4, 8, 16, 32) = 285, 365, 449, 606, 894 ms; D(1) ~45 ms.
+The priors are CPU figures of the default pair (float32 1.5B target after 300 cached tokens, int8
+0.5B draft): only their shape matters, as the first observation sets the scale.
 """
 
 from __future__ import annotations
@@ -29,12 +29,16 @@ import asyncio
 import bisect
 import concurrent.futures
 import contextlib
-import inspect
 import secrets
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
+
+from specdec.interfaces import DraftWorker, VerifyResult, WorkerAdapter
+from specdec.sampling import GREEDY
+from specdec.tree import DraftTree
+from specdec.tree_spec import TreeSpec
 
 PRIOR_VERIFY_MS = {1: 285.0, 4: 365.0, 8: 449.0, 16: 606.0, 32: 894.0}
 PRIOR_DRAFT_STEP_MS = {1: 45.0, 4: 55.0, 8: 70.0, 16: 100.0}
@@ -188,28 +192,19 @@ class LoadedCost:
     """The cost model as each of ``load`` requests whose rounds share one verify forward sees it.
 
     Goodput planning (Liu et al. 2024, "Optimizing Speculative Decoding for Serving Large Language
-    Models Using Goodput", SmartSpec, section 4): with B requests merged into each forward and each
-    verifying r rows, a round takes D + V(B r) + overhead and yields B times one request's expected
-    tokens, so the choice that maximises the batch's tokens per ms is the one that maximises one
-    request's tokens / (D + V(B r) + overhead) (the symmetric case: every request plans alike, so the
-    forward holds B r rows, packed or padded). ``verify(rows)`` is therefore V(load * rows): once
-    V turns compute-bound (linear), every row a request adds costs B rows' time, trees shrink as
-    load grows, and a plain round (1 row) beats drafting where batched decoding has the higher
-    throughput. load: sessions per verify forward (>= 1, fractional: a moving average); load 1 is
-    the cost model itself. Same methods as CostModel's planning side (verify, draft_step_ms,
-    draft_ms, round_ms, round_overhead_ms).
+    Models Using Goodput", SmartSpec, section 4): with B requests merged into each forward, each
+    verifying r rows, a round takes D + V(B r) + overhead and yields B times one request's tokens, so
+    the batch's best choice maximises one request's tokens / (D + V(B r) + overhead) (the symmetric
+    case). ``verify(rows)`` is therefore V(load * rows): once V turns compute-bound, trees shrink as
+    load grows, and a plain round beats drafting where batched decoding has the higher throughput.
+    load: sessions per verify forward (>= 1, a moving average); load 1 is the cost model itself.
 
-    shared_compute: the draft and the target compute on the same hardware (``specdec.placement``):
-    then each of the ``load`` requests' draft steps takes the target's compute for its time. Steps
-    that share one draft forward (the draft service merges concurrent proposals) take it once:
-    with m = 1 + draft_merge * (load - 1) sessions per draft forward, a step costs
-    D(m p) * load / m of the batch's time (``merged_sessions``); draft_merge 0 (rounds drifted
-    apart, every step alone) gives D(p) * load, 1 (every request drafts in the same forwards, in
-    lockstep) gives D(load p).
-    On its own device the draft's steps run beside other requests' verifies, but one draft serves
-    every request: a step costs D(p) * (1 + draft_queue * (load - 1)) (``queue_factor``), with
-    draft_queue learnt from the replies' wall times under load (issue 12: a one-core draft serving
-    16 sessions answered in 3.7 s, past its 2 s deadline, while D alone priced a step at ~45 ms).
+    shared_compute (``specdec.placement``): each request's draft steps take the target's compute;
+    with m = 1 + draft_merge * (load - 1) sessions per draft forward (the draft service merges
+    concurrent proposals) a step costs D(m p) * load / m of the batch's time: D(p) * load when every
+    step runs alone, D(load p) in lockstep. On its own device one draft serves every request: a step
+    costs D(p) * (1 + draft_queue * (load - 1)) (``queue_factor``), draft_queue learnt from the
+    replies' wall times under load.
     """
 
     def __init__(self, cost: CostModel, load: float, shared_compute: bool = False, draft_queue: float = 0.0,
@@ -261,11 +256,8 @@ class LoadedCost:
             return self.cost.draft_step_ms(parents * m) * self.load / m
         return self.cost.draft_step_ms(parents) * self.queue_factor()
 
-    def draft_ms(self, parents_per_step: Iterable[int]) -> float:
-        return sum(self.draft_step_ms(p) for p in parents_per_step)
-
-    def round_ms(self, rows: int, parents_per_step: Iterable[int] = ()) -> float:
-        return self.draft_ms(parents_per_step) + self.verify(rows) + self.round_overhead_ms
+    draft_ms = CostModel.draft_ms  # over this class's draft_step_ms
+    round_ms = CostModel.round_ms  # over this class's verify, draft_step_ms and round_overhead_ms
 
 
 def measure_curve(run: Callable[[int], float | None], xs: Iterable[int], repeats: int = 3,
@@ -277,10 +269,8 @@ def measure_curve(run: Callable[[int], float | None], xs: Iterable[int], repeats
     own figure, without transport). The sizes take turns (x1, x2, ..., then x1, x2, ... again), so a disturbance shorter
     than one turn over the sizes (about 0.9 s for V(1..32) on the default pair) costs each size at
     most one of its runs, which the median drops; measured one size after the other, all runs of
-    the first size could fall in it. Seen on a 2-core AMD EPYC: one start-up left V flat from 1 to
-    8 rows (132 ms each at the end of that run, against V(1) 82-89 ms and V(8) 128-146 ms in every
-    later measurement there), so tree rows looked free for a whole Spec-Bench run (the curve's
-    shape is kept; only its scale learns).
+    the first size could fall in it, leaving the curve flat (tree rows would look free for as long
+    as the front runs: the curve's shape is kept, only its scale learns).
     """
     xs = list(xs)
     for x in xs:  # warm-up: first calls pay allocation and kernel selection
@@ -305,30 +295,20 @@ def measure_worker_costs(target, draft, vocab_size: int, context_tokens: int = 1
     """A CostModel measured on workers with blocking calls (specdec.interfaces; the draft may be None):
     in-process runtimes, or the services' clients through ``measure_service_costs``.
 
-    V(n): verifies of chains of n - 1 nodes after ``context_tokens`` cached tokens, the median of
-    three per size after a warm-up; the forward's own time where the result reports it
-    (``VerifyResult.forward_ms``, the target service's), as the rounds' timings teach V. D(p): a
-    draft proposal of one step against one of 1 + DRAFT_STEPS steps whose later steps expand p
-    parents each: D(p) = the difference / DRAFT_STEPS (what every proposal costs besides its steps,
-    a catch-up row or a reply's transport, cancels). A call that a service merged with other
-    sessions' work (the result's ``batch_size``, or the draft client's ``last_batch_size``, over
-    1: it serves requests already) is run again, up to MERGED_RETRIES times; merged every time, it
-    raises MeasurementDisturbed (a merged forward's time is not this size's).
+    V(n): verifies of chains of n - 1 nodes after ``context_tokens`` cached tokens (``measure_curve``),
+    timed by the forward's own time where the result reports it (``VerifyResult.forward_ms``), as the
+    rounds teach V. D(p): a proposal of one step against one of 1 + DRAFT_STEPS steps whose later
+    steps expand p parents each, the difference / DRAFT_STEPS (what every proposal costs besides its
+    steps cancels). A call that a service merged with other sessions' work (``batch_size`` or
+    ``last_batch_size`` over 1) is run again, up to MERGED_RETRIES times, then MeasurementDisturbed.
 
-    Token ids are 1, 2, ... (any ids under ``vocab_size`` do: costs do not depend on them); greedy
-    sessions with ids of their own (``__cost_model__`` and a random suffix: two fronts measuring one
-    target at once do not share one), released at the end. The target session grows by at most
-    ``context_tokens`` + 4 * (MERGED_RETRIES + 1) * len(rows) + max(rows) tokens; with
-    ``context_limit`` (the target's max positions) the context shrinks to fit it (ValueError where
-    not even 8 tokens of context fit); with ``max_rows`` (the target's tree limit + 1) larger sizes
-    are left out (their V extrapolates). Takes seconds on
-    the 2-core CPU; clock: seconds (``measure_curve``). Errors of the workers' calls propagate, the
-    sessions released (a failed release does not hide the error).
+    Greedy sessions of ids 1, 2, ... (costs do not depend on them), named ``__cost_model__`` and a
+    random suffix (two fronts measuring one target at once do not share one), released at the end
+    even on errors, which propagate. The target session grows by at most ``context_tokens`` + 4 *
+    (MERGED_RETRIES + 1) * len(rows) + max(rows) tokens; ``context_limit`` (the target's max
+    positions) shrinks the context to fit (ValueError under 8 tokens); sizes over ``max_rows`` (the
+    target's tree limit + 1) are left out (their V extrapolates). clock: seconds.
     """
-    from specdec.sampling import GREEDY  # noqa: PLC0415 - keeps this module free of torch at import
-    from specdec.tree import DraftTree  # noqa: PLC0415
-    from specdec.tree_spec import TreeSpec  # noqa: PLC0415
-
     rows = [n for n in rows if max_rows is None or n <= max_rows] or [1]
     if context_limit:
         context_tokens = min(context_tokens, context_limit - 4 * (MERGED_RETRIES + 1) * len(rows) - max(rows))
@@ -337,35 +317,46 @@ def measure_worker_costs(target, draft, vocab_size: int, context_tokens: int = 1
     sid = f"__cost_model__{secrets.token_hex(4)}"
     ids = [1 + i % (vocab_size - 1) for i in range(context_tokens)]
     chain = [1 + i % (vocab_size - 1) for i in range(max(rows))]  # the verified chains' tokens, whatever the context
+    verify_ms = _measure_verify(target, sid, ids, chain, rows, clock)
+    if draft is None:
+        return CostModel(verify_ms, source="measured")
+    return CostModel(verify_ms, _measure_draft(draft, sid, ids, parents, clock), source="measured")
 
-    def alone(what: str, once: Callable[[], object], merged: Callable[[object], bool]) -> tuple[object, float]:
-        """once() until a call that no other session's work shared; (its result, its seconds)."""
-        for _ in range(MERGED_RETRIES + 1):
-            t0 = clock()
-            out = once()
-            took = clock() - t0
-            if not merged(out):
-                return out, took
-        raise MeasurementDisturbed(f"{what}: shared with other sessions' work {MERGED_RETRIES + 1} times in a row "
-                                   "(the service is busy)")
 
-    def verify_once(n: int):
+def _alone(what: str, once: Callable[[], object], merged: Callable[[object], bool],
+           clock: Callable[[], float]) -> tuple[object, float]:
+    """once() until a call that no other session's work shared; (its result, its seconds)."""
+    for _ in range(MERGED_RETRIES + 1):
+        t0 = clock()
+        out = once()
+        took = clock() - t0
+        if not merged(out):
+            return out, took
+    raise MeasurementDisturbed(f"{what}: shared with other sessions' work {MERGED_RETRIES + 1} times in a row "
+                               "(the service is busy)")
+
+
+def _measure_verify(target, sid: str, ids: list[int], chain: list[int], rows: list[int],
+                    clock: Callable[[], float]) -> dict[int, float]:
+    """{rows: ms} of verifies of chains of rows - 1 nodes (``measure_worker_costs``)."""
+
+    def verify_once(n: int) -> VerifyResult:
         result = target.verify(sid, DraftTree(tuple(chain[:n - 1]), tuple(range(-1, n - 2))))
         target.commit(sid, 1)
         return result
 
     def verify(n: int) -> float:
-        result, took = alone(f"verify of {n} rows", lambda: verify_once(n), lambda r: getattr(r, "batch_size", 1) > 1)
+        result, took = _alone(f"verify of {n} rows", lambda: verify_once(n), lambda r: r.batch_size > 1, clock)
         # a service's own forward time where it reports one: what the rounds teach V (CostAwareControl.observe)
-        forward_ms = getattr(result, "forward_ms", 0.0)
-        return forward_ms / 1000 if forward_ms > 0 else took
+        return result.forward_ms / 1000 if result.forward_ms > 0 else took
 
     with _session(target, sid, ids, GREEDY):
-        verify_ms = measure_curve(verify, rows, clock=clock)
-    if draft is None:
-        return CostModel(verify_ms, source="measured")
+        return measure_curve(verify, rows, clock=clock)
 
-    last_batch = getattr(draft, "last_batch_size", None)
+
+def _measure_draft(draft: DraftWorker, sid: str, ids: list[int], parents: Iterable[int],
+                   clock: Callable[[], float]) -> dict[int, float]:
+    """{parents: ms} of one draft step expanding that many parents (``measure_worker_costs``)."""
 
     def steps(p: int) -> float:  # p = 0: one step; else 1 + DRAFT_STEPS steps, the later ones expanding p parents each
         if p == 0:
@@ -374,8 +365,8 @@ def measure_worker_costs(target, draft, vocab_size: int, context_tokens: int = 1
             spec = TreeSpec(gamma=1 + DRAFT_STEPS, topKSpec=[[p]] + [[1] * p] * DRAFT_STEPS,
                             topHead=[1] + [p] * DRAFT_STEPS)
             depth = 1 + DRAFT_STEPS
-        _, took = alone(f"draft proposal of {depth} steps", lambda: draft.propose(sid, spec, depth),
-                        lambda _: last_batch is not None and last_batch(sid) > 1)
+        _, took = _alone(f"draft proposal of {depth} steps", lambda: draft.propose(sid, spec, depth),
+                         lambda _: (draft.last_batch_size(sid) or 1) > 1, clock)
         return took
 
     with _session(draft, sid, ids, GREEDY):
@@ -383,8 +374,7 @@ def measure_worker_costs(target, draft, vocab_size: int, context_tokens: int = 1
         draft.commit(sid, [ids[0]], [])
         many = measure_curve(steps, [0, *parents], clock=clock)  # the one-step proposal takes its turns with the others
     one = many.pop(0)
-    draft_ms = {p: max((ms - one) / DRAFT_STEPS, 1.0) for p, ms in many.items()}
-    return CostModel(verify_ms, draft_ms, source="measured")
+    return {p: max((ms - one) / DRAFT_STEPS, 1.0) for p, ms in many.items()}
 
 
 @contextlib.contextmanager
@@ -410,39 +400,41 @@ async def measure_service_costs(target, draft, vocab_size: int, call_timeout_s: 
     thread whose calls wait on this event loop, so the loop stays free for them; each call may take
     ``call_timeout_s`` seconds, and none waits past ``total_timeout_s`` from the start (then
     TimeoutError, the call cancelled; the releases after it get ``call_timeout_s`` each). Cancelled, it stops the thread at its next call (the sessions' releases still go
-    out). Sync methods of the workers (``DraftClient.last_batch_size``) are called as they are.
+    out). ``last_batch_size`` (sync in DraftClient) is called as it is.
     kwargs: ``measure_worker_costs``'s sizes, context and clock. Errors of the calls propagate."""
     loop = asyncio.get_running_loop()
     stop = threading.Event()
     deadline = time.monotonic() + total_timeout_s
 
-    class _Blocking:
-        def __init__(self, worker):
-            self.worker = worker
-
-        def __getattr__(self, name):
-            method = getattr(self.worker, name)
-            if not inspect.iscoroutinefunction(method):
-                return method
-
-            def call(*args, **kw):
-                if name != "release":  # a release still goes out: the session must not stay open
-                    if stop.is_set():
-                        raise TimeoutError("cost measurement cancelled")
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"cost measurement: not done within {total_timeout_s} s")
-                wait_s = call_timeout_s if name == "release" else min(call_timeout_s, deadline - time.monotonic())
-                future = asyncio.run_coroutine_threadsafe(method(*args, **kw), loop)
-                try:
-                    return future.result(max(wait_s, 0.0))
-                except concurrent.futures.TimeoutError:
-                    future.cancel()
-                    raise TimeoutError(f"{name}: no reply within {max(wait_s, 0.0):.1f} s") from None
-
-            return call
+    def call(name: str, method, *args):
+        """``method(*args)`` (the worker's ``name``) on the event loop, waited for on the measurement's thread."""
+        release = name == "release"  # a release still goes out: the session must not stay open
+        if not release:
+            if stop.is_set():
+                raise TimeoutError("cost measurement cancelled")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cost measurement: not done within {total_timeout_s} s")
+        wait_s = max(call_timeout_s if release else min(call_timeout_s, deadline - time.monotonic()), 0.0)
+        future = asyncio.run_coroutine_threadsafe(method(*args), loop)
+        try:
+            return future.result(wait_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"{name}: no reply within {wait_s:.1f} s") from None
 
     try:
-        return await asyncio.to_thread(measure_worker_costs, _Blocking(target),
-                                       _Blocking(draft) if draft is not None else None, vocab_size, **kwargs)
+        return await asyncio.to_thread(measure_worker_costs, _Blocking(target, call),
+                                       _Blocking(draft, call) if draft is not None else None, vocab_size, **kwargs)
     finally:
         stop.set()  # cancelled (or done): the thread's next call, if any, ends it
+
+
+class _Blocking(WorkerAdapter):
+    """An awaitable worker's calls as blocking ones, through ``blocking`` (``measure_service_costs``)."""
+
+    def __init__(self, worker, blocking: Callable):
+        super().__init__(worker)
+        self.blocking = blocking
+
+    def call(self, name: str, method, *args, **kwargs):
+        return self.blocking(name, method, *args)

@@ -6,21 +6,15 @@ request's verify shares one target forward: the goodput case of Liu et al. 2024 
 Speculative Decoding for Serving LLMs Using Goodput", SmartSpec, section 4), which vLLM's and
 SGLang's schedulers get by running all requests' draft and verify steps as one batch step. Requests
 that run their rounds independently drift apart instead: one drafts while the other verifies, on
-the same cores, and their verifies stop merging (issue 12's runs: 73% of the verify forwards at 2
-clients held one session). The clock keeps them in step with two barriers a round: a round starts
+the same cores, and their verifies stop merging. The clock keeps them in step with two barriers a round: a round starts
 when every request in its decode rounds has committed the last (so their proposals reach the draft
 service together, and its batcher merges them), and a request that is ready to verify waits until
 every other one is ready too (or ``max_wait_s`` has passed: a straggler is not waited for longer),
 then all of them send their verifies at once, which the target's batcher merges into one forward.
 
-The most it can bring, measured in one process on the 2-core CPU (real pair, 48 new tokens, every
-request drafting the same chain of 1-3 steps, merged, then verifying merged, against plain batched
-decoding; benchmarks/records/lockstep_cpu_2core_2026-12-04/lockstep_cpu_2core_2026-12-04.md): 1.83x at 1 request, 1.38x at 4, 1.14x at 8,
-none at 16. Through the services it pays at 2 clients (1.25x and 1.51x of target-only in two runs,
-against 1.02x and 1.10x without; benchmarks/records/serving_cpu_2core_2026-12-04_in_step_2clients/serving_cpu_2core_2026-12-04_in_step_2clients.md); at 4
-clients on a 2-core AMD EPYC it was ahead of each request planning alone in 5 of 5 side-by-side runs
-(1.10x of target-only against 1.00x, mostly plain rounds kept in step), at 8 no different
-(benchmarks/records/serving_cpu_2core_2026-12-05_amd_in_step_cap_confirm/serving_cpu_2core_2026-12-05_amd_in_step_cap_confirm.md). The front's clock
+What it brings shrinks as requests grow in number (every request drafting merged, then verifying
+merged, beats plain batched decoding by less at each load, and not at all at 16); through the
+services it pays at a few clients and is no different at 8. The front's clock
 (cost_aware.in_step, on by default) holds its turns only while the in-step plan applies, below
 cost_aware.in_step_max_load (``active``; 8.5 by default: up to 8 clients).
 
@@ -28,9 +22,8 @@ Plain asyncio; the round controller (orchestrator.loop.controller) joins a reque
 (which needs no forward of its own: the prefill gave its token), calls ``turn(sid, START)`` before
 each round and ``turn(sid, VERIFY)`` before each verify, and ``leave`` when the request ends. One
 clock per RoundController, so per orchestrator actor (``front.workers``); requests without a draft
-(``no_spec``) join too with ``cost_aware.in_step_no_spec`` (on by default: plain decoding in step was
-1.02-1.22x of plain decoding verifying when ready at 4 clients on a 2-core AMD EPYC over two runs, the
-target's gather window missing some verifies; benchmarks/records/serving_cpu_2core_2026-12-05_amd_plain_in_step*).
+(``no_spec``) join too with ``cost_aware.in_step_no_spec`` (on by default: plain verifies that
+arrive apart miss the target's gather window).
 """
 
 from __future__ import annotations

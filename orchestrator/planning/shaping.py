@@ -99,7 +99,7 @@ class ContextCalibration:
     """P(a context node is accepted | its parent is), by (n, k): n the branch's match-length bucket
     (``match_bucket``), k the node's place in the branch, capped at 4; prior 0.4 worth 2
     observations, or another calibration's estimates. The prior is the same for every bucket, so
-    the buckets part only as rounds are observed (front-wide, ``SharedState.ctx_calib``)."""
+    the buckets part only as rounds are observed (front-wide, ``SharedState.estimates``)."""
 
     def __init__(self, prior: "ContextCalibration | None" = None, prior_weight: float = 4.0):
         self.prior = prior
@@ -272,10 +272,8 @@ def context_path(context: Sequence[int], ctx_calib: ContextCalibration, cost: Co
 def match_bucket(match: int) -> int:
     """The calibration key of a context branch whose occurrence matches the context's last ``match``
     tokens: 1, 2, 3, 4 (4-5 tokens) or 5 (6 or more); ``match`` < 1 (no branch) is returned as it
-    is. The match length predicts acceptance: at the 563 positions of the target's greedy answers
-    to 13 Spec-Bench questions, a branch's first token was right 26% of the time at match 1 (145
-    branches), 60% at 2 (43), 42% at 3 (36), 73% at 4-5 (22) and 93% at 6 or more (87)
-    (``benchmarks/records/context_branches_cpu_2core_2026-12-02/context_branches_cpu_2core_2026-12-02.md``)."""
+    is. The match length predicts acceptance: on Spec-Bench answers a branch's first token was
+    right about a quarter of the time at match 1 and nine times in ten at 6 or more."""
     return match if match <= 3 else 4 if match <= 5 else 5
 
 
