@@ -1,4 +1,4 @@
-"""Reliability harness (issue 14 item 3): load, soak and chaos runs against a specdec deployment.
+"""Reliability harness: load, soak and chaos runs against a specdec deployment.
 
     python benchmarks/reliability.py load  --clients 64 --out bench_out/reliability      # tiny models, own deployment
     python benchmarks/reliability.py soak  --requests 1000 --concurrency 4 --abort-rate 0.2 --deadline-rate 0.2
@@ -7,42 +7,18 @@
     python benchmarks/reliability.py load  --front HOST:PORT [--target HOST:PORT --draft HOST:PORT] \\
         [--tls-ca ca.pem --tls-cert client.pem --tls-key client.key --auth-token-file tokens]   # your deployment
 
-By default each run starts its own deployment on loopback ports: tiny random-weight models (a
-seeded target and a draft close to it, made under a temporary folder; ``--target-model`` /
-``--draft-model`` DIR use others) served by a draft service, a target service and a front on a local
-Ray (``--workers`` orchestrator actors; ``--no-ray`` runs requests in the front process). With
-``--front`` it drives a running deployment instead; ``--target`` / ``--draft`` then name the
-services whose Info RPCs give open sessions and cached KV tokens (soak), and RSS is not measured.
-``chaos`` kills processes, so it only runs on its own deployment.
+By default each run starts its own deployment on loopback ports (tiny seeded models, a draft
+service, a target service and a front on a local Ray); ``--front`` drives a running one instead
+(``chaos`` kills processes, so it only runs on its own). Requests go through the public
+GenerationService; greedy output must equal the prompt's solo run with speculation off. Each part
+writes ``reliability_<part>.json`` and ``.md`` under ``--out``:
 
-Requests go through the public GenerationService (``Generate`` streams, ``Abort``). Prompts are
-random token ids (seeded, ``--prompt-lengths``); greedy requests alternate with seeded sampled ones
-(``--sampled-share``). The greedy reference of each distinct greedy prompt is its solo run with
-speculation off (``no_spec``: the target alone), taken before the part starts; speculative greedy
-output must equal it token for token.
-
-Parts (each writes ``reliability_<part>.json`` and ``reliability_<part>.md`` under ``--out``):
-
-- ``load``: ``--clients`` streaming requests at once. Figures: failures (any non-OK status),
-  latency p50/p95 (send to final message), TTFT p50/p95, greedy outputs equal to their solo run.
-- ``soak``: ``--requests`` requests back to back, ``--concurrency`` at a time; ``--abort-rate`` of
-  them are stopped after a random delay (half by the Abort RPC, half by cancelling the call), and
-  ``--deadline-rate`` get a short deadline (``--short-deadline-s``). After a warm-up, RSS of each
-  process (front, its Ray actor workers, draft, target) is the baseline; at the end, once the
-  services are idle, target sessions / cached tokens and draft streams / runtime sessions / cached
-  tokens must be back to 0, and the RSS growth is reported. Greedy requests that completed must
-  equal their solo run, and the tokens a stopped greedy request got must be a prefix of it.
-- ``chaos``: ``--clients`` closed-loop clients (each request with deadline ``--deadline-s``) while
-  this script SIGKILLs and restarts the draft service, SIGKILLs one orchestrator Ray actor worker
-  (Ray restarts it), then SIGKILLs the target service and restarts it on the same port, with
-  ``--settle-s`` of load before each kill and after the last. Each request is classified by the
-  disruption window it overlapped (draft / actor / target / none; a window runs from the kill until
-  the part is back, plus 1.5 s for the front's channels to reconnect) and its outcome is
-  counted (completed equal to its solo run, completed different, UNAVAILABLE, other status, hung:
-  no end by deadline + ``--hang-grace-s``). Properties: none hung, no wrong output, requests that
-  overlapped no disruption or only the draft's completed, requests on the killed target completed
-  or ended UNAVAILABLE, and after the restarts a fresh request succeeds with no manual step (the
-  time it took is reported).
+- ``load``: ``--clients`` streaming requests at once: failures, latency and TTFT p50/p95, equal outputs.
+- ``soak``: ``--requests`` back to back, some aborted or with a short deadline; afterwards every
+  session and cached token must be released, and RSS growth per process is reported.
+- ``chaos``: closed-loop clients while the draft service, an orchestrator actor and the target
+  service are killed and restarted in turn; no request may hang or return wrong output, and a
+  fresh request must succeed afterwards with no manual step.
 """
 
 from __future__ import annotations
@@ -401,7 +377,7 @@ def tiny_models(workdir: Path, args) -> tuple[Path, Path]:
     """(target dir, draft dir): ``--target-model`` / ``--draft-model``, else a tiny seeded pair."""
     if args.target_model and args.draft_model:
         return Path(args.target_model), Path(args.draft_model)
-    from specdec.harness.tiny_pair import save_tiny_pair
+    from specdec.harness.tiny_pair import save_tiny_pair  # torch and transformers: only for an own deployment
 
     pair = save_tiny_pair(workdir / "models", max_pos=1024, noise=0.03)
     return pair.target, pair.draft
@@ -754,7 +730,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def endpoints_from(args) -> Endpoints:
-    from orchestrator.cli.remote import client_token
+    from orchestrator.cli.remote import client_token  # imports torch (specdec.sampling): only with --front
 
     credentials = None
     if args.tls_ca:

@@ -1,36 +1,19 @@
-"""Fuzz every RPC of the three services with random and mutated messages (issue 14, item 3).
+"""Fuzz every RPC of the three services with random and mutated messages.
 
     python benchmarks/reliability_fuzz.py --messages 10000 --out DIR          # tiny random models, spawned here
     python benchmarks/reliability_fuzz.py --front H:P --draft H:P --target H:P --messages 2000 --out DIR
 
-A *message* here is one call: a unary request (target Prefill / Verify / VerifyBatch / Commit / Release /
-Info, draft Info, front Abort), one DraftService.Session stream of 1-6 requests, or one
-GenerationService.Generate stream (read up to a few replies, then cancelled by the client when it has not
-ended). Half the messages are built field by field from the proto descriptors (``message_strategy``:
-integers at their extremes, NaN / inf floats, huge and unicode strings, huge repeated fields, nested
-messages, oneofs); the other half are well-formed messages with one field broken (``mutations``: trees
-with bad parents / cycles / ids outside the vocabulary / depths past the limit / NaN log-probs / huge
-repeats, bad sampling parameters and tree specs, unknown or reused session ids, calls out of order:
-Verify before Prefill, Commit without a Verify, Release twice, Prefill of an open session). Target
-calls share a small pool of session ids, so the sessions' states evolve across the run.
+A message is one call: a unary request, one DraftService.Session stream or one Generate stream
+(cancelled after a few replies). Half are built field by field from the proto descriptors
+(``message_strategy``: extreme integers, NaN / inf, huge strings and repeats, nested messages), half
+are well-formed messages with one field broken (``mutations``: bad trees, sampling parameters and
+specs, unknown session ids, calls out of order). Generation is hypothesis with a fixed seed (the
+``test`` extra).
 
-Generation is hypothesis (``@given(st.data())`` run once per message with ``max_examples``, only the
-generate phase, a fixed seed, no example database), so users running this module need ``hypothesis``
-(in the ``test`` extra) as well as the ``models`` extra for spawned servers.
-
-Properties checked (``run_fuzz`` returns them, ``write_report`` writes fuzz.json + fuzz.md):
-- every status is OK or one of ALLOWED (INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED,
-  NOT_FOUND, ALREADY_EXISTS); CANCELLED only for the fuzzer's own cancel of an unfinished Generate
-  stream. OUT_OF_RANGE is not allowed (no handler uses it). Anything else (UNKNOWN, INTERNAL,
-  UNAVAILABLE, DEADLINE_EXCEEDED: a hang past the 30 s client deadline), and an allowed code that the
-  client's transport made ("Stream removed ...": trailers past its metadata limit), is a fault, kept
-  with its input;
-- the servers never exit (spawned servers: the process; every server: Info / health answer after the
-  run) and log no Python traceback (spawned servers);
-- no session leaks: once the fuzzer releases the session ids it used, the target's Info reports 0
-  sessions and 0 cached tokens and the draft's Info 0 open streams and 0 cached sessions;
-- a well-formed greedy request gets the same tokens after the run as before (through the front, and on
-  the target alone with plain decoding steps).
+Properties (``run_fuzz`` returns them, ``write_report`` writes fuzz.json + fuzz.md): every status is
+OK or one of ALLOWED (CANCELLED only for the fuzzer's own cancel), anything else is a fault kept with
+its input; the servers never exit or log a traceback; no session leaks once the fuzzer releases its
+ids; a well-formed greedy request gets the same tokens after the run as before.
 """
 
 from __future__ import annotations
@@ -48,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from google.protobuf import message_factory
 from google.protobuf.descriptor import FieldDescriptor
 from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, settings, strategies as st
 
@@ -55,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
+from specdec.harness.servers import launch_service, stop_service, wait_ready  # noqa: E402
 from specdec.v1 import (draft_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc,  # noqa: E402
                         target_pb2, target_pb2_grpc, tree_pb2)
 
@@ -184,8 +169,6 @@ _CLASSES: dict[str, type] = {}
 
 
 def _message_class(descriptor) -> type:
-    from google.protobuf import message_factory
-
     if descriptor.full_name not in _CLASSES:
         _CLASSES[descriptor.full_name] = message_factory.GetMessageClass(descriptor)
     return _CLASSES[descriptor.full_name]
@@ -655,8 +638,7 @@ def spawned_services(root: Path):
     """Draft, target and front (no Ray) on tiny random-weight models saved under ``root``, on loopback
     ports; yields (Addresses, {name: Service}) and stops them on exit (each Service's returncode is
     then set). Used by ``fuzz_spawned`` and the short CI version (tests/test_fuzz.py)."""
-    from specdec.harness.servers import launch_service, stop_service, wait_ready
-    from specdec.harness.tiny_pair import save_tiny_pair, write_config
+    from specdec.harness.tiny_pair import save_tiny_pair, write_config  # torch and transformers: spawned servers only
 
     config = write_config(root / "serve.yaml", save_tiny_pair(root / "models"), draft={"max_sessions": 8},
                           target={"max_tree_nodes": 64, "max_kv_tokens": 20_000}, front={"port": 0})

@@ -1,27 +1,14 @@
-"""``specdec bench``: target-only vs tree speculative (ours) vs HF assisted generation vs HF
-prompt-lookup decoding, greedy, side by side in one process on the same model objects; plus a sampled
-speculative pass (default temperature 0.7) reporting acceptance under sampling.
+"""``specdec bench``: target-only (transformers' ``generate``) vs tree speculative (ours) vs HF
+assisted generation vs HF prompt-lookup decoding, greedy, side by side in one process on the same model
+objects; our engine without a draft (``plain``) splits the speedup into what our forwards gain and
+what speculation gains; a sampled speculative pass reports acceptance under sampling.
 
-Target-only is transformers' own ``generate`` (the target alone, as a user of transformers runs it).
-Our engine's plain decoding (``plain``: the same engine and forwards as speculative, no draft) is a
-column of its own (``--plain``): the speculative speedup over target-only is then split into what our
-forwards gain without speculation (plain over target-only) and what speculation gains over them
-(``speculative_over_plain``).
-
-Questions: the built-in prompt set (``orchestrator/measure/data/prompts.jsonl``, package data: 7 prompts
-written for this project in each of the 13 Spec-Bench categories) or a Spec-Bench ``question.jsonl``
-(``--questions``); same JSONL format (question_id, category, turns; the first turn is the prompt).
-``offset`` skips the first questions of each category (held-out runs).
-
-Per method and question: TTFT (ms from the call to the first new token), end-to-end tokens/s
-(new tokens / total s) and decode-only tokens/s ((new tokens - 1) / (total s - TTFT s): prefill
-excluded). Each question runs every greedy method back to back so they share the machine's noise;
-speedups are ratios against target-only from the same run. The order changes per question along a
-balanced Latin square (``method_order``): over a cycle of questions each method runs in every place
-and after every other method equally often.
-``repeats`` R > 1 runs the methods R times per question (the next order of the square each pass) and
-keeps each method's median pass (``run_question``): no figure then comes from a single disturbed pass.
-Writes ``results.json`` (per question rows, per category and overall summaries) and ``results.md``.
+Questions: the built-in prompt set (``data/prompts.jsonl``: 7 prompts in each of the 13 Spec-Bench
+categories) or a Spec-Bench ``question.jsonl``; the first turn is the prompt. Per method and question:
+TTFT, end-to-end tokens/s and decode-only tokens/s. The methods of a question run back to back in the
+order of a balanced Latin square (``method_order``), so they share the machine's noise and no method
+always follows the same one; speedups are ratios against target-only from the same run; ``repeats``
+keeps each method's median pass. Writes ``results.json`` and ``results.md``.
 """
 
 from __future__ import annotations
@@ -37,6 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+import transformers
 from rich.console import Console
 from rich.progress import track
 from transformers.generation.streamers import BaseStreamer
@@ -225,64 +213,61 @@ def method_order(methods: Sequence[str], k: int) -> list[str]:
     return order[::-1] if k >= n else order
 
 
+def run_method(pipe, method: str, prompt_ids, spec, max_new_tokens) -> tuple[list[int], dict]:
+    """One greedy pass of one method: its tokens and its row (new_tokens, s, ttft_ms, ...)."""
+    if method == "speculative":
+        result = pipe.engine.generate(GenerationRequest(prompt_ids, max_new_tokens, spec=spec))
+        return result.tokens, _spec_row(result.stats)
+    if method == "plain":
+        result = pipe.engine.generate(GenerationRequest(prompt_ids, max_new_tokens, spec=None))
+        return result.tokens, {"new_tokens": result.stats.new_tokens, "s": result.stats.total_s,
+                               "ttft_ms": result.stats.ttft_ms, "rounds": result.stats.rounds,
+                               "drafted": result.stats.drafted_tokens}
+    extra = {"hf_assisted": {"assistant_model": pipe.draft_model},
+             "prompt_lookup": {"prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS}}.get(method, {})
+    return _hf_generate(pipe.target_model, prompt_ids, max_new_tokens, pipe.engine.eos_token_ids, **extra)
+
+
+def median_pass(method: str, runs: list[tuple[list[int], dict]], base_tokens: list[int]) -> dict:
+    """A method's row from its passes: the median pass by total time, whole; with several passes
+    ``repeat_s`` (every pass's seconds); whether every pass's tokens equal ``base_tokens``."""
+    _, figures = sorted(runs, key=lambda pass_: pass_[1]["s"])[(len(runs) - 1) // 2]
+    figures = dict(figures)
+    if len(runs) > 1:
+        figures["repeat_s"] = [pass_figures["s"] for _, pass_figures in runs]
+    same = all(tokens == base_tokens for tokens, _ in runs)
+    if method != "target_only":
+        figures["matches_target"] = same
+    elif len(runs) > 1:
+        figures["repeats_agree"] = same  # False: the target itself is not deterministic here
+    return figures
+
+
 def run_question(pipe, prompt_ids, spec, max_new_tokens, hf_assisted: bool = True, sampling: SamplingParams = GREEDY,
                  prompt_lookup: bool = True, rotate: int = 0, repeats: int = 1, plain: bool = False) -> dict:
     """One question: every greedy method back to back (in ``method_order(methods, rotate)``), each
-    row with new_tokens, s, ttft_ms (and matches_target: same tokens as target-only); then, unless
-    ``sampling`` is greedy, a speculative pass with those sampling parameters ("sampled"). plain: also
-    our engine without a draft ("plain": ``GenerationRequest.spec`` None, its rows new_tokens, s,
-    ttft_ms, rounds and drafted, the last 0).
+    row with new_tokens, s, ttft_ms and matches_target (same tokens as target-only); then, unless
+    ``sampling`` is greedy, a speculative pass with those parameters ("sampled"). plain: also our
+    engine without a draft.
 
-    repeats: R >= 1 passes over the methods, pass j in ``method_order(methods, rotate + j)``; each
-    method's row is its median pass by total time (the lower middle for even R: for 2 passes the
-    faster, so use an odd R to compare records), whole (its TTFT and round counts are that pass's),
-    with ``repeat_s`` [R] every pass's total seconds in run order: no figure comes from a single
-    disturbed pass. The speculative passes are not independent: the cost-aware control's
-    front-wide calibrations keep learning from pass to pass, as in a server answering the same
-    question again (the HF methods learn nothing). matches_target holds only if every pass's tokens
-    equal the first target-only pass's (target-only's own ``repeats_agree``, with R > 1, says
-    whether its passes agreed). Raises ValueError for repeats < 1."""
+    repeats: R >= 1 passes, pass j in ``method_order(methods, rotate + j)``; each method's row is its
+    median pass by total time (the lower middle for even R) with ``repeat_s`` every pass's seconds.
+    The cost-aware control keeps learning from pass to pass, as a server answering the same question
+    again would. matches_target holds only if every pass equals target-only's first (target-only's
+    ``repeats_agree`` says whether its own passes agreed). Raises ValueError for repeats < 1."""
     if repeats < 1:
         raise ValueError(f"--repeats: must be >= 1, got {repeats}")
-    eos = pipe.engine.eos_token_ids
-
-    def run(method: str) -> tuple[list[int], dict]:
-        if method == "speculative":
-            result = pipe.engine.generate(GenerationRequest(prompt_ids, max_new_tokens, spec=spec))
-            return result.tokens, _spec_row(result.stats)
-        if method == "plain":
-            result = pipe.engine.generate(GenerationRequest(prompt_ids, max_new_tokens, spec=None))
-            return result.tokens, {"new_tokens": result.stats.new_tokens, "s": result.stats.total_s,
-                                   "ttft_ms": result.stats.ttft_ms, "rounds": result.stats.rounds,
-                                   "drafted": result.stats.drafted_tokens}
-        extra = {"hf_assisted": {"assistant_model": pipe.draft_model},
-                 "prompt_lookup": {"prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS}}.get(method, {})
-        return _hf_generate(pipe.target_model, prompt_ids, max_new_tokens, eos, **extra)
-
     methods = greedy_methods(hf_assisted, prompt_lookup, plain)
     passes: dict[str, list[tuple[list[int], dict]]] = {m: [] for m in methods}
-    orders = []
-    for j in range(repeats):
-        order = method_order(methods, rotate + j)
-        orders.append(order)
+    orders = [method_order(methods, rotate + j) for j in range(repeats)]
+    for order in orders:
         for m in order:
-            passes[m].append(run(m))
-    base_tokens = passes["target_only"][0][0]
+            passes[m].append(run_method(pipe, m, prompt_ids, spec, max_new_tokens))
     row = {"prompt_tokens": len(prompt_ids), "order": orders[0]}
     if repeats > 1:
         row["orders"] = orders
     for m in methods:
-        runs = passes[m]
-        _, figures = sorted(runs, key=lambda pass_: pass_[1]["s"])[(len(runs) - 1) // 2]
-        figures = dict(figures)
-        if repeats > 1:
-            figures["repeat_s"] = [pass_figures["s"] for _, pass_figures in runs]
-        same = all(tokens == base_tokens for tokens, _ in runs)
-        if m != "target_only":
-            figures["matches_target"] = same
-        elif repeats > 1:
-            figures["repeats_agree"] = same  # False: the target itself is not deterministic here
-        row[m] = figures
+        row[m] = median_pass(m, passes[m], passes["target_only"][0][0])
     if not sampling.greedy:
         sampled = pipe.engine.generate(GenerationRequest(prompt_ids, max_new_tokens, spec=spec, sampling=sampling))
         row["sampled"] = _spec_row(sampled.stats)
@@ -438,6 +423,28 @@ def markdown_table(summary: dict[str, dict], temperature: float | None = None) -
 
 # ----------------------------------------------------------------------------------------- run
 
+def run_questions(pipe, questions: list[dict], spec, max_new_tokens: int, sampling: SamplingParams,
+                  **options) -> tuple[list[dict], list]:
+    """``run_question`` on each question (question i rotates the method order by i and samples with
+    seed + i); questions whose prompt plus max_new_tokens exceed the context are skipped. Returns the
+    rows and the skipped question ids; ValueError when none fits."""
+    rows, skipped = [], []
+    for i, q in enumerate(track(questions, description="bench", console=console)):
+        prompt_ids = encode_prompt(pipe.tokenizer, q["turns"][0], raw=False)
+        if len(prompt_ids) + max_new_tokens > pipe.engine.context_limit:
+            console.print(f"skipped question {q['question_id']}: {len(prompt_ids)} prompt tokens + {max_new_tokens} "
+                          f"new exceed the context ({pipe.engine.context_limit})", markup=False)
+            skipped.append(q["question_id"])
+            continue
+        seeded = replace(sampling, seed=None if sampling.seed is None else sampling.seed + i)
+        row = run_question(pipe, prompt_ids, spec, max_new_tokens, sampling=seeded, rotate=i, **options)
+        rows.append({"question_id": q["question_id"], "category": q["category"], **row})
+    if not rows:
+        raise ValueError(f"--max-new-tokens {max_new_tokens}: no selected question fits in the context "
+                         f"({pipe.engine.context_limit} tokens)")
+    return rows, skipped
+
+
 def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, max_new_tokens: int, dtype: str,
               draft_quant: str, out_dir: Path, hf_assisted: bool = True, threads: int | None = None,
               sampling: SamplingParams = GREEDY, control: str = "cost-aware", *, offset: int = 0,
@@ -447,18 +454,12 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
     """Run the benchmark and write results.json + results.md under out_dir; returns the summary.
 
     questions_path: a Spec-Bench question.jsonl (None = the built-in prompt set); offset skips the
-    first questions of each category. sampling: parameters of the sampled speculative pass (greedy =
-    no such pass); question i uses seed + i, so the pass is reproducible when a seed is given.
-    control: the speculative passes' per-request control (specdec.config.CONTROLS: cost-aware,
-    the default, shapes each tree from measured costs; dynamic-gamma; fixed = the TreeSpec every round). target / draft: model paths (None = the default pair).
-    draft_window: the context a draft session opens with (None = all tokens); categories: only these.
-    argmax_screen: the speculative passes' greedy rows through the int8-screened argmax head where
-    the target takes one (float32 CPU; meta.argmax_screen says whether it was attached).
-    repeats: passes of the greedy methods per question, each method's median pass recorded
-    (``run_question``); ValueError for repeats < 1 before the models load. plain: also our engine
-    without a draft (the "plain (ours)" column; the greedy argmax screen applies to it as to the
-    speculative passes).
-    Questions whose prompt plus max_new_tokens exceed the target's context are skipped (meta.skipped).
+    first questions of each category; categories: only these. sampling: the sampled speculative
+    pass's parameters (greedy = no such pass; question i uses seed + i). control: one of
+    specdec.config.CONTROLS. target / draft: model paths (None = the default pair). draft_window: the
+    context a draft session opens with (None = all tokens). argmax_screen: greedy rows of our engine
+    through the int8-screened argmax head where the target takes one. repeats: see ``run_question``
+    (ValueError for repeats < 1 before the models load). plain: the "plain (ours)" column.
     """
     if repeats < 1:
         raise ValueError(f"--repeats: must be >= 1, got {repeats}")
@@ -469,39 +470,32 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
     cost_start = pipe.shared.cost.snapshot() if pipe.shared else None  # the start-up measurement's shape
     warm = encode_prompt(pipe.tokenizer, "Say hi.", raw=False)
     run_question(pipe, warm, spec, 8, hf_assisted, sampling, prompt_lookup, plain=plain)  # warm-up, not recorded
-    rows, skipped = [], []
-    for i, q in enumerate(track(questions, description="bench", console=console)):
-        prompt_ids = encode_prompt(pipe.tokenizer, q["turns"][0], raw=False)
-        if len(prompt_ids) + max_new_tokens > pipe.engine.context_limit:
-            console.print(f"skipped question {q['question_id']}: {len(prompt_ids)} prompt tokens + {max_new_tokens} "
-                          f"new exceed the context ({pipe.engine.context_limit})", markup=False)
-            skipped.append(q["question_id"])
-            continue
-        seeded = replace(sampling, seed=None if sampling.seed is None else sampling.seed + i)
-        row = run_question(pipe, prompt_ids, spec, max_new_tokens, hf_assisted, seeded, prompt_lookup, rotate=i,
-                           repeats=repeats, plain=plain)
-        rows.append({"question_id": q["question_id"], "category": q["category"], **row})
-    if not rows:
-        raise ValueError(f"--max-new-tokens {max_new_tokens}: no selected question fits in the context "
-                         f"({pipe.engine.context_limit} tokens)")
-    by_cat: dict[str, list] = defaultdict(list)
-    for r in rows:
-        by_cat[r["category"]].append(r)
-    target_agreed = sum(r["target_only"].get("repeats_agree", True) for r in rows)
-    summary = {cat: summarize(rs) for cat, rs in by_cat.items()}
-    summary["overall"] = summarize(rows)
+    rows, skipped = run_questions(pipe, questions, spec, max_new_tokens, sampling, hf_assisted=hf_assisted,
+                                  prompt_lookup=prompt_lookup, repeats=repeats, plain=plain)
     meta = {"questions": "built-in" if questions_path is None else str(questions_path), "offset": offset,
-            "per_category": per_category, "repeats": repeats, "target_repeats_agreed": target_agreed,
+            "per_category": per_category, "repeats": repeats,
+            "target_repeats_agreed": sum(r["target_only"].get("repeats_agree", True) for r in rows),
             "questions_run": len(rows), "skipped": skipped, "methods": greedy_methods(hf_assisted, prompt_lookup, plain),
             "prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS, "target": target, "draft": draft,
             "spec": json.loads(spec.to_json()), "control": control, "categories": list(categories),
             "draft_window": draft_window.model_dump() if draft_window is not None else None,
             "argmax_screen": pipe.engine.target.argmax_head is not None, "argmax_screen_requested": argmax_screen,
-            "cost_model_start": cost_start,
-            "cost_model": pipe.shared.cost.snapshot() if pipe.shared else None, "dtype": str(pipe.target_model.dtype),
-            "draft_quant": draft_quant, "max_new_tokens": max_new_tokens, "sampling": asdict(sampling),
-            "threads": torch.get_num_threads(), "machine": platform.platform(), "cpu": cpu_model(),
-            "cpu_count": os.cpu_count(), "transformers": __import__("transformers").__version__}
+            "cost_model_start": cost_start, "cost_model": pipe.shared.cost.snapshot() if pipe.shared else None,
+            "dtype": str(pipe.target_model.dtype), "draft_quant": draft_quant, "max_new_tokens": max_new_tokens,
+            "sampling": asdict(sampling), "threads": torch.get_num_threads(), "machine": platform.platform(),
+            "cpu": cpu_model(), "cpu_count": os.cpu_count(), "transformers": transformers.__version__}
+    return write_results(out_dir, rows, meta, spec, dtype, sampling, max_new_tokens)
+
+
+def write_results(out_dir: Path, rows: list[dict], meta: dict, spec: TreeSpec, dtype: str, sampling: SamplingParams,
+                  max_new_tokens: int) -> dict:
+    """results.json (meta, summaries per category and overall, question rows) and results.md under
+    out_dir; prints the tables and returns the summaries."""
+    by_cat: dict[str, list] = defaultdict(list)
+    for r in rows:
+        by_cat[r["category"]].append(r)
+    summary = {cat: summarize(rs) for cat, rs in by_cat.items()}
+    summary["overall"] = summarize(rows)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "questions": rows}, indent=2))
     table = markdown_table(summary, None if sampling.greedy else sampling.temperature)

@@ -23,9 +23,16 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
+from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
 
+from orchestrator.loop.embedded import encode_prompt, wire_pipeline
 from orchestrator.measure.bench import _hf_generate, console, load_questions, method_figures
-from specdec.config import FrontConfig
+from orchestrator.measure.eval_report import EmbeddedRunner, run_questions, summarize_slice
+from specdec.config import FrontConfig, ModelsConfig
+from specdec.cpu_linear import PackedLinear
+from specdec.model_setup import load_draft, load_target, resolve_dtype
+from specdec.models import DEFAULT_DRAFT, ModelError, check_pair, load_model, resolve_model_dir
+from specdec.tree_spec import DEFAULT_SPEC
 
 QUANTS = ("none", "int8")
 
@@ -74,10 +81,6 @@ def count_parameters(model) -> int:
     """Weights and biases of the model. Linears packed for the CPU hold theirs outside parameters():
     dynamic-int8 linears (specdec.model_setup.quantize_draft) and oneDNN-packed float linears
     (specdec.cpu_linear.PackedLinear, a buffer in the blocked layout): those count in * out + bias."""
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
-
-    from specdec.cpu_linear import PackedLinear
-
     n = sum(p.numel() for p in model.parameters())
     for module in model.modules():
         if isinstance(module, DynamicInt8Linear):
@@ -97,9 +100,6 @@ def draft_tokens_per_second(draft_model, prompts: list[list[int]], max_new_token
 
 def _incompatible(candidate: Candidate, models, loaded_target) -> DraftProfile:
     """The profile of a draft whose tokenizer does not match: its size and the reason only."""
-    from specdec.model_setup import resolve_dtype
-    from specdec.models import DEFAULT_DRAFT, ModelError, check_pair, load_model, resolve_model_dir
-
     model, tokenizer = load_model(resolve_model_dir(candidate.path, DEFAULT_DRAFT, "--candidate"),
                                   resolve_dtype(models.dtype, models.device), models.device)
     try:
@@ -116,11 +116,6 @@ def _incompatible(candidate: Candidate, models, loaded_target) -> DraftProfile:
 def profile_candidate(candidate: Candidate, base_models, loaded_target, questions, spec, max_new_tokens: int,
                       control: str) -> DraftProfile:
     """Load one candidate against the loaded target and measure its DraftProfile."""
-    from orchestrator.loop.embedded import encode_prompt, wire_pipeline
-    from orchestrator.measure.eval_report import EmbeddedRunner, run_questions, summarize_slice
-    from specdec.model_setup import load_draft
-    from specdec.models import ModelError
-
     models = base_models.model_copy(update={"draft": candidate.path, "draft_quant": candidate.quant})
     try:
         loaded_draft = load_draft(models, loaded_target, label="--candidate")
@@ -165,10 +160,6 @@ def run_profile(candidates: list[Candidate], out_dir: Path, *, target: str | Non
                 spec=None) -> list[DraftProfile]:
     """Profile every candidate against the target; writes profile.json and profile.md under out_dir.
     Raises QuestionsError / ModelError / ValueError naming the option."""
-    from specdec.config import ModelsConfig
-    from specdec.model_setup import load_target
-    from specdec.tree_spec import DEFAULT_SPEC
-
     questions = load_questions(questions_path, per_category)
     base = ModelsConfig(target=target, dtype=dtype)
     loaded_target = load_target(base)

@@ -29,11 +29,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
+import grpc
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
+from orchestrator.loop.controller import GenerationRequest
+from orchestrator.loop.embedded import build_pipeline, encode_prompt
 from orchestrator.measure.bench import console, load_questions, method_figures
+from specdec.config import FrontConfig
+from specdec.v1 import generation_pb2, generation_pb2_grpc
+from specdec.wire import spec_to_proto
 
 PROMPT_BUCKETS = (128, 512)  # prompt tokens: <128, 128-512, >512
 OUTPUT_BUCKETS = (32, 128)  # target-only new tokens: <32, 32-128, >128
@@ -186,16 +192,12 @@ class EmbeddedRunner:
         self.pipe, self.spec, self.max_new_tokens = pipe, spec, max_new_tokens
 
     def _ids(self, prompt: str) -> list[int]:
-        from orchestrator.loop.embedded import encode_prompt
-
         return encode_prompt(self.pipe.tokenizer, prompt, raw=False)
 
     def prompt_tokens(self, prompt: str) -> int:
         return len(self._ids(prompt))
 
     def run(self, prompt: str, speculate: bool) -> Run:
-        from orchestrator.loop.controller import GenerationRequest
-
         rounds: list[tuple[int, int]] = []
         request = GenerationRequest(self._ids(prompt), self.max_new_tokens, spec=self.spec if speculate else None)
         controller = self.pipe.engine.controller
@@ -225,11 +227,6 @@ class RemoteRunner:
         return self._prompt_tokens[prompt]  # the front's count, from the target-only run (runs first)
 
     def run(self, prompt: str, speculate: bool) -> Run:
-        import grpc
-
-        from specdec.v1 import generation_pb2, generation_pb2_grpc
-        from specdec.wire import spec_to_proto
-
         request = generation_pb2.GenerateRequest(prompt=prompt, max_new_tokens=self.max_new_tokens, no_spec=not speculate)
         if speculate and self.spec is not None:
             request.tree.CopyFrom(spec_to_proto(self.spec))
@@ -336,7 +333,7 @@ def build_reports(runs: list[QuestionRun], task_set: str, draft_model: str) -> l
 
 def write_report(runs: list[QuestionRun], meta: dict, out_dir: Path) -> list[SpeculativeReport]:
     """report.json, report.md and the figures under out_dir; returns the reports (overall first)."""
-    from orchestrator.measure.eval_figures import markdown_report, write_figures
+    from orchestrator.measure.eval_figures import markdown_report, write_figures  # matplotlib: the [eval] extra
 
     if not runs:
         raise ValueError(f"--max-new-tokens {meta.get('max_new_tokens')}: no selected question fits in the context")
@@ -374,8 +371,6 @@ def run_eval(spec, questions_path: Path | None, per_category: int, max_new_token
         runner, context_limit = RemoteRunner(server, spec, max_new_tokens, service_pids=service_pids), None
         draft_model = draft or f"the draft of the front at {server}"
     else:
-        from orchestrator.loop.embedded import build_pipeline
-
         pipe = build_pipeline(target, draft, dtype=dtype, draft_quant=draft_quant, control=control)
         runner, context_limit = EmbeddedRunner(pipe, spec, max_new_tokens), pipe.engine.context_limit
         draft_model = draft or "qwen2.5-coder-0.5b-instruct (default)"
@@ -393,6 +388,4 @@ def run_eval(spec, questions_path: Path | None, per_category: int, max_new_token
 
 def _embedded_window() -> dict:
     """The draft window embedded mode runs with (build_pipeline's default: front.draft_window's)."""
-    from specdec.config import FrontConfig
-
     return FrontConfig().draft_window.model_dump()
