@@ -93,7 +93,7 @@ def test_abort_ends_a_request_whose_cancel_was_swallowed():
     from orchestrator.loop.service import Orchestrator
 
     orchestrator = Orchestrator(front=None, grpc_cfg=None)
-    orchestrator.loop.controller = fake = SwallowsOneCancel()
+    orchestrator.controller = fake = SwallowsOneCancel()
 
     async def main():
         stream = orchestrator.stream(GenerationRequest([1, 2], 1000), "r1")
