@@ -1,4 +1,5 @@
-"""``specdec`` command line (typer + rich). User mistakes end with a one-line message and exit 2."""
+"""``specdec`` command line (typer + rich). User mistakes end with a one-line message and exit 2.
+Commands import what they run (torch, transformers, ray) inside their bodies, so --help starts fast."""
 
 from __future__ import annotations
 
@@ -174,6 +175,27 @@ def _cost_line(cost: dict) -> str:
     return f"verify ms by rows {{{verify}}}; draft step ms by parents {{{draft}}} ({cost['source']})"
 
 
+def check_remote_options(draft_window: Optional[int], argmax_screen: bool, pipeline: bool, control: str,
+                         max_context: Optional[int]) -> None:
+    """With --server the front decides these: refuse the in-process options (exit 2 naming each)."""
+    if draft_window is not None:
+        fail("--draft-window: an in-process option; a front's draft window is its front.draft_window")
+    if not argmax_screen:
+        fail("--no-argmax-screen: an in-process option; a front's target decides (models.argmax_screen)")
+    if pipeline:
+        fail("--pipeline: an in-process option; a front pipelines when its front.pipeline is on")
+    try:
+        check_control(control)
+    except UsageError as exc:
+        fail(str(exc))
+    if control != "cost-aware":
+        fail(f"--control {control}: an in-process option; a front's control is set by "
+             "front.cost_aware.enabled and front.dynamic_gamma.enabled")
+    if max_context is not None:
+        fail("--max-context: an in-process option; a front's limits are its own (front.max_prompt_tokens, "
+             "the target's context)")
+
+
 @app.command()
 def generate(
     prompt: Optional[str] = typer.Argument(None, help="Prompt text; '-' or piped stdin reads stdin; default: a demo prompt."),
@@ -206,22 +228,7 @@ def generate(
     from orchestrator.loop.embedded import build_pipeline, encode_prompt, set_threads
 
     if server is not None:
-        if draft_window is not None:
-            fail("--draft-window: an in-process option; a front's draft window is its front.draft_window")
-        if not argmax_screen:
-            fail("--no-argmax-screen: an in-process option; a front's target decides (models.argmax_screen)")
-        if pipeline:
-            fail("--pipeline: an in-process option; a front pipelines when its front.pipeline is on")
-        try:
-            check_control(control)
-        except UsageError as exc:
-            fail(str(exc))
-        if control != "cost-aware":
-            fail(f"--control {control}: an in-process option; a front's control is set by "
-                 "front.cost_aware.enabled and front.dynamic_gamma.enabled")
-        if max_context is not None:
-            fail("--max-context: an in-process option; a front's limits are its own (front.max_prompt_tokens, "
-                 "the target's context)")
+        check_remote_options(draft_window, argmax_screen, pipeline, control, max_context)
         return _generate_remote(server, prompt, prompt_file, tree, max_new_tokens, temperature, top_p, top_k, seed,
                                 stop, no_spec, raw, tls_ca, auth_token_file)
     try:
