@@ -327,6 +327,36 @@ class ServeConfig(_Section):
         return self
 
 
+# Keys that were removed or renamed: dotted path -> what to do instead. A config that still sets one
+# fails naming it with this text rather than pydantic's generic "extra inputs" message.
+RETIRED_KEYS: dict[str, str] = {}
+
+
+def _section_keys(loc: tuple) -> list[str] | None:
+    """The field names of the section that ``loc`` (a path ending in an unknown key) sits in, None
+    where the path does not lead through sections."""
+    model = ServeConfig
+    for key in loc[:-1]:
+        field = model.model_fields.get(str(key))
+        model = field.annotation if field is not None else None
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return None
+    return list(model.model_fields)
+
+
+def _error_text(err: dict) -> str:
+    """One validation error as ``dotted.key: message``; an unknown key names the retired key's
+    replacement or the section's keys."""
+    loc = ".".join(str(x) for x in err["loc"])
+    if err["type"] == "extra_forbidden":
+        if loc in RETIRED_KEYS:
+            return f"{loc}: no longer a config key: {RETIRED_KEYS[loc]}"
+        keys = _section_keys(err["loc"])
+        return f"{loc}: unknown key" + (f" (known here: {', '.join(keys)})" if keys else "")
+    message = err["msg"].removeprefix("Value error, ")
+    return f"{loc}: {message}" if loc else message  # a check across sections names its field itself
+
+
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> ServeConfig:
     """Read a YAML config (None = defaults) and apply dotted overrides, e.g. {"target.port": 0}.
 
@@ -355,12 +385,7 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
     try:
         return ServeConfig.model_validate(data)
     except ValidationError as exc:
-        parts = []
-        for err in exc.errors():
-            loc = ".".join(str(x) for x in err["loc"])
-            message = err["msg"].removeprefix("Value error, ")
-            parts.append(f"{loc}: {message}" if loc else message)  # a check across sections names its field itself
-        raise ConfigError("invalid config: " + "; ".join(parts)) from exc
+        raise ConfigError("invalid config: " + "; ".join(_error_text(err) for err in exc.errors())) from exc
 
 
 def dump_config(config: ServeConfig) -> str:

@@ -167,7 +167,7 @@ def cancels(request, monkeypatch):
 
 
 def fake_backend(*actors) -> RayBackend:
-    backend = RayBackend(config=None, tok_dir=None)
+    backend = RayBackend(front=None, grpc_cfg=None, tok_dir=None)
     backend.actors = list(actors)
     backend.inflight = {i: 0 for i in range(len(actors))}
     return backend
@@ -337,11 +337,11 @@ def ray_front(tmp_path_factory):
     try:
         wait_ready(draft), wait_ready(target)
         config = load_config(path, {"front.draft_address": draft.address, "front.target_address": target.address})
-        backend = RayBackend(config, str(pair.target))
+        backend = RayBackend(config.front, config.grpc, str(pair.target))
         loop.run_until_complete(backend.start())
         tokenizer = AutoTokenizer.from_pretrained(pair.target)
         model = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).eval()
-        yield RequestRunner(config, backend, tokenizer, metrics=SpecMetrics()), model, tokenizer, loop
+        yield RequestRunner(config.front, backend, tokenizer, metrics=SpecMetrics()), model, tokenizer, loop
     finally:
         if backend is not None and backend.actors:
             loop.run_until_complete(backend.close())

@@ -323,12 +323,12 @@ def test_requests_without_a_draft_do_not_join_a_clock_without_plain_load():
 @pytest.mark.parametrize("shared", [True, False], ids=["shared", "separate"])
 def test_the_front_runs_a_clock_only_for_in_step_rounds_on_shared_compute(change, clocked, shared):
     from orchestrator.loop.service import Orchestrator, control_factory
-    from specdec.config import FrontConfig, GrpcConfig, ServeConfig
+    from specdec.config import FrontConfig, GrpcConfig
 
     settings = {"cost_aware": {"in_step_wait_ms": 250.0}}  # in_step: on by default
     settings.update(change)
     config = FrontConfig.model_validate(settings)
-    front = Orchestrator(config, GrpcConfig(), control_factory=control_factory(ServeConfig(front=config)))
+    front = Orchestrator(config, GrpcConfig(), control_factory=control_factory(config))
     clock = front._clock(shared)
     assert (clock is not None) == (clocked and shared)
     if clock is not None:  # its turns hold only while the in-step plan applies (below in_step_max_load)
@@ -351,7 +351,7 @@ def test_the_front_runs_a_clock_only_for_in_step_rounds_on_shared_compute(change
         plain_load(4)  # their verifies teach the load the clock holds its turns by
         assert state.load == 4.0
         off = FrontConfig.model_validate({**settings, "cost_aware": {**settings["cost_aware"], "in_step_no_spec": False}})
-        assert Orchestrator(off, GrpcConfig(), control_factory=control_factory(ServeConfig(front=off)))._plain_load(clock) is None
+        assert Orchestrator(off, GrpcConfig(), control_factory=control_factory(off))._plain_load(clock) is None
     if clock is not None:
         assert clock.max_wait_s == 0.25
 

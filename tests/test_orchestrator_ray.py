@@ -185,7 +185,7 @@ def test_a_ray_front_measures_the_services_once_for_its_actors(stack):
     config = ServeConfig.model_validate({"front": {
         "draft_address": stack["draft"].address, "target_address": stack["target"].address,
         "workers": 2, "ray_num_cpus": 2}})
-    backend = RayBackend(config, None)
+    backend = RayBackend(config.front, config.grpc, None)
 
     async def main():
         await backend.start()

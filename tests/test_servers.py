@@ -445,7 +445,7 @@ def connected_state(config):
     from orchestrator.loop.service import Orchestrator, control_factory
 
     async def main():
-        orchestrator = Orchestrator(config.front, config.grpc, None, control_factory=control_factory(config))
+        orchestrator = Orchestrator(config.front, config.grpc, None, control_factory=control_factory(config.front))
         await orchestrator.connect()
         try:
             return orchestrator.control_factory.shared
@@ -527,20 +527,25 @@ def target_sessions(servers) -> int:
 
 
 def test_a_ray_front_measures_once_and_its_actors_start_from_its_figures():
-    """``with_costs``: the probe's measured points travel to the actors in the config."""
-    from orchestrator.loop.service import control_factory, with_costs
-    from specdec.config import ServeConfig
+    """``StartCosts``: the probe's measured points travel to the actors as a value."""
+    import pickle
+
+    from orchestrator.loop.service import StartCosts, build_orchestrator, control_factory
+    from specdec.config import FrontConfig, GrpcConfig
 
     measured = CostModel({1: 40.0, 8: 70.0}, {1: 6.0, 4: 8.0}, source="measured")
     measured.verify.observe(1, 80.0)  # learnt scale does not travel: the points do
-    config = with_costs(ServeConfig(), measured)
-    again = ServeConfig.model_validate_json(config.model_dump_json(by_alias=True))  # as an actor gets it
-    cost = control_factory(again).shared.cost
+    start = pickle.loads(pickle.dumps(StartCosts.of(measured)))  # as an actor gets it
+    cost = control_factory(FrontConfig(), start).shared.cost
     assert cost.source == "configured" and cost.verify.points == {1: 40.0, 8: 70.0}
     assert cost.draft_step.points == {1: 6.0, 4: 8.0} and cost.verify.scale == 1.0
-    # a probe whose measurement failed: its actors do not measure each on its own
-    failed = ServeConfig.model_validate_json(with_costs(ServeConfig(), CostModel()).model_dump_json(by_alias=True))
-    assert failed.front.cost_aware.measure_at_start is False and failed.front.cost_aware.verify_ms is None
+    # an actor given starting costs never measures on its own; the front's own orchestrator does
+    assert build_orchestrator(FrontConfig(), GrpcConfig(), None, start).measure_at_start is False
+    assert build_orchestrator(FrontConfig(), GrpcConfig(), None).measure_at_start is True
+    # a probe whose measurement failed: its actors keep the priors and do not measure each on its own
+    failed = StartCosts.of(CostModel())
+    assert failed.verify_ms is None and control_factory(FrontConfig(), failed).shared.cost.source == "prior"
+    assert build_orchestrator(FrontConfig(), GrpcConfig(), None, failed).measure_at_start is False
 
 
 # ----------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from orchestrator.planning.cost_aware import CostAwareFactory, SharedState
 from orchestrator.planning.cost_model import CostModel, measure_service_costs
 from orchestrator.loop.controller import GenerationRequest, GenerationResult, RoundController
 from orchestrator.planning.lockstep import RoundClock
-from specdec.config import ServeConfig
+from specdec.config import FrontConfig, GrpcConfig, ModelsConfig
 from specdec.models import DEFAULT_TARGET, resolve_model_dir
 from specdec.placement import Placement, shares_compute
 from specdec.security import aio_channel
@@ -58,8 +58,11 @@ class Orchestrator:
     per-request control policy (None = fixed TreeSpec); on_round: per-round record callback (metrics).
     """
 
-    def __init__(self, front, grpc_cfg, decode=None, control_factory=None, on_round=None):
+    def __init__(self, front, grpc_cfg, decode=None, control_factory=None, on_round=None,
+                 measure_at_start: bool | None = None):
         self.front = front
+        # time the services at connect (cost-aware control on prior figures); None = front.cost_aware's setting
+        self.measure_at_start = front.cost_aware.measure_at_start if measure_at_start is None else measure_at_start
         self.grpc_cfg = grpc_cfg
         self.decode = decode
         self.control_factory = control_factory
@@ -103,7 +106,7 @@ class Orchestrator:
         the prior figures (no ``cost_aware.verify_ms`` given) and ``cost_aware.measure_at_start``
         is on. A failed measurement (a service down or slow) leaves the priors, with a warning."""
         state = self.shared
-        if state.cost.source != "prior" or not self.front.cost_aware.measure_at_start:
+        if state.cost.source != "prior" or not self.measure_at_start:
             return
         try:
             cost = await measure_service_costs(target, draft, self.info.vocab_size,
@@ -268,47 +271,56 @@ class Orchestrator:
 # --------------------------------------------------------------------------- wiring from the config
 
 
-def tokenizer_dir(config: ServeConfig) -> str:
+def tokenizer_dir(front: FrontConfig, models: ModelsConfig) -> str:
     """Where the front's tokenizer comes from: front.tokenizer, else models.target, else the default target."""
-    if config.front.tokenizer:
-        return config.front.tokenizer
-    return str(resolve_model_dir(config.models.target, DEFAULT_TARGET, "models.target"))
+    if front.tokenizer:
+        return front.tokenizer
+    return str(resolve_model_dir(models.target, DEFAULT_TARGET, "models.target"))
 
 
 def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def control_factory(config: ServeConfig):
+@dataclass(frozen=True)
+class StartCosts:
+    """The cost model a Ray front's probe connected with, as a value its actors start from: the
+    measured points (verify ms by rows, draft step ms by parents; None where the measurement failed
+    or was off: the actors keep the prior or configured figures). An actor given StartCosts never
+    measures on its own (measuring together, the actors would disturb each other's timings)."""
+
+    verify_ms: dict[int, float] | None = None
+    draft_step_ms: dict[int, float] | None = None
+
+    @classmethod
+    def of(cls, cost: CostModel) -> "StartCosts":
+        if cost.source != "measured":
+            return cls()
+        return cls(dict(cost.verify.points), dict(cost.draft_step.points))
+
+
+def control_factory(front: FrontConfig, start: StartCosts | None = None):
     """(TreeSpec, max_nodes) -> per-request control: CostAwareControl when front.cost_aware is enabled
-    (its requests share one SharedState: a cost model from ``cost_aware.verify_ms`` / ``draft_step_ms``
-    when given, else from prior figures until ``Orchestrator.connect`` measures the services; then
-    the rounds' timings), else RequestControl from front.dynamic_gamma / front.fallback; max_nodes:
-    the target's tree limit (no tree grows past it)."""
-    front = config.front
+    (its requests share one SharedState: a cost model from ``start``'s points, else from
+    ``cost_aware.verify_ms`` / ``draft_step_ms`` when given, else from prior figures until
+    ``Orchestrator.connect`` measures the services; then the rounds' timings), else RequestControl from
+    front.dynamic_gamma / front.fallback; max_nodes: the target's tree limit (no tree grows past it)."""
     if front.cost_aware.enabled:
         aware = front.cost_aware
         shared = SharedState()
-        if aware.verify_ms:  # given, with draft_step_ms (or a Ray front's probe's, ``with_costs``)
-            shared.cost = CostModel(aware.verify_ms, aware.draft_step_ms, source="configured")
+        verify_ms, draft_ms = ((start.verify_ms, start.draft_step_ms) if start is not None and start.verify_ms
+                               else (aware.verify_ms, aware.draft_step_ms))
+        if verify_ms:
+            shared.cost = CostModel(verify_ms, draft_ms, source="configured")
         return CostAwareFactory(aware, front.fallback, shared)
     return lambda spec, max_nodes=MAX_TREE_NODES: RequestControl(spec, front.dynamic_gamma, front.fallback, max_nodes=max_nodes)
 
 
-def with_costs(config: ServeConfig, cost: CostModel) -> ServeConfig:
-    """``config`` for a Ray front's actors after its probe connected with ``cost``: a measured
-    model's starting points as ``front.cost_aware.verify_ms`` / ``draft_step_ms`` (the actors start
-    from them, their source "configured"); a model still on the priors (the measurement failed or
-    was off) as ``measure_at_start: false``, so the actors do not measure each on its own, together
-    (and a restarted one in a request's time)."""
-    update = ({"verify_ms": dict(cost.verify.points), "draft_step_ms": dict(cost.draft_step.points)}
-              if cost.source == "measured" else {"measure_at_start": False})
-    aware = config.front.cost_aware.model_copy(update=update)
-    return config.model_copy(update={"front": config.front.model_copy(update={"cost_aware": aware})})
-
-
-def build_orchestrator(config: ServeConfig, tok_dir: str | None) -> Orchestrator:
-    """An Orchestrator for this config (tokenizer for stop strings, control policies)."""
+def build_orchestrator(front: FrontConfig, grpc_cfg: GrpcConfig, tok_dir: str | None,
+                       start: StartCosts | None = None) -> Orchestrator:
+    """An Orchestrator for these sections (tokenizer for stop strings, control policies); ``start``:
+    a Ray front's starting costs (its actors then never measure on their own)."""
     tokenizer = load_tokenizer(tok_dir) if tok_dir else None
     decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer is not None else None
-    return Orchestrator(config.front, config.grpc, decode, control_factory=control_factory(config))
+    return Orchestrator(front, grpc_cfg, decode, control_factory=control_factory(front, start),
+                        measure_at_start=front.cost_aware.measure_at_start and start is None)

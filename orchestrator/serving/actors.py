@@ -20,10 +20,10 @@ import grpc
 import ray
 
 from orchestrator.loop.controller import GenerationRequest
-from orchestrator.loop.service import Orchestrator, build_orchestrator, control_factory, with_costs
+from orchestrator.loop.service import Orchestrator, StartCosts, build_orchestrator, control_factory
 from orchestrator.serving.backends import Backend, UpstreamError
 from orchestrator.serving.failover import Resumption
-from specdec.config import ServeConfig
+from specdec.config import FrontConfig, GrpcConfig
 from specdec.stats import GenerationStats
 from specdec.telemetry import setup_tracing
 
@@ -42,15 +42,15 @@ def actor_env() -> dict[str, str]:
 class OrchestratorActor:
     """Hosts an orchestrator.loop.service.Orchestrator (gRPC clients + round controller)."""
 
-    def __init__(self, config_json: str, tokenizer_dir: str | None):
+    def __init__(self, front_json: str, grpc_json: str, tokenizer_dir: str | None, start: StartCosts | None):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         # batched on the SDK's thread, exported every 200 ms: exporting each span as it ends (a
         # blocking OTLP call on this event loop) held up every request's rounds, so concurrent
         # requests drifted apart and their verifies stopped merging at the target
         setup_tracing("specdec-orchestrator",  # OTEL_BSP_SCHEDULE_DELAY, when set, wins
                       export_delay_ms=None if "OTEL_BSP_SCHEDULE_DELAY" in os.environ else ACTOR_EXPORT_DELAY_MS)
-        self.config = ServeConfig.model_validate_json(config_json)
-        self.orchestrator = build_orchestrator(self.config, tokenizer_dir)
+        front, grpc_cfg = FrontConfig.model_validate_json(front_json), GrpcConfig.model_validate_json(grpc_json)
+        self.orchestrator = build_orchestrator(front, grpc_cfg, tokenizer_dir, start)
 
     async def ready(self) -> int:
         """Connect to the services; returns the target's vocabulary size."""
@@ -71,9 +71,8 @@ class OrchestratorActor:
     async def cost(self) -> dict | None:
         """The cost-aware control's cost model now (``CostModel.snapshot``: its figures and where they
         started from), None without that control."""
-        if not self.config.front.cost_aware.enabled:  # the control factory has no cost model
-            return None
-        return self.orchestrator.control_factory.shared.cost.snapshot()
+        shared = self.orchestrator.shared  # None: not the cost-aware control, which has no cost model
+        return None if shared is None else shared.cost.snapshot()
 
 
 class RayBackend(Backend):
@@ -84,8 +83,8 @@ class RayBackend(Backend):
     address).
     """
 
-    def __init__(self, config: ServeConfig, tok_dir: str | None):
-        self.config = config
+    def __init__(self, front: FrontConfig, grpc_cfg: GrpcConfig, tok_dir: str | None):
+        self.front, self.grpc_cfg = front, grpc_cfg
         self.tok_dir = tok_dir
         self.actors = []
         self.inflight: dict[int, int] = {}
@@ -96,7 +95,7 @@ class RayBackend(Backend):
         self.start_cost: dict | None = None  # the cost model the actors started from (the probe's snapshot)
 
     async def start(self) -> None:
-        front = self.config.front
+        front = self.front
         if not ray.is_initialized():
             ray.init(address=front.ray_address, num_cpus=front.ray_num_cpus if front.ray_address is None else None,
                      include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
@@ -105,20 +104,20 @@ class RayBackend(Backend):
         # cost-aware control would start from prior figures, this probe measures the services once
         # (Orchestrator.connect) and the actors start from its figures (measuring together, they
         # would disturb each other's timings).
-        factory = control_factory(self.config)
-        probe = Orchestrator(front, self.config.grpc, control_factory=factory)
+        factory = control_factory(front)
+        probe = Orchestrator(front, self.grpc_cfg, control_factory=factory)
         await probe.connect()
         self.info = probe.info
         await probe.target_channel.close()
         await probe.draft_channel.close()
-        config = self.config
-        if front.cost_aware.enabled:  # the factory's cost model
-            cost = factory.shared.cost
+        start = None
+        if probe.shared is not None:  # the cost-aware control's cost model
+            cost = probe.shared.cost
             if front.speculate and cost.source in ("measured", "prior"):
-                config = with_costs(config, cost)  # its figures, or no measuring where it failed
+                start = StartCosts.of(cost)  # its figures, or no measuring where it failed
             self.start_cost = cost.snapshot()
-        config_json = config.model_dump_json(by_alias=True)
-        self.actors = [OrchestratorActor.remote(config_json, self.tok_dir) for _ in range(front.workers)]
+        front_json, grpc_json = front.model_dump_json(by_alias=True), self.grpc_cfg.model_dump_json()
+        self.actors = [OrchestratorActor.remote(front_json, grpc_json, self.tok_dir, start) for _ in range(front.workers)]
         self.inflight = {i: 0 for i in range(len(self.actors))}
         await asyncio.gather(*[actor.ready.remote() for actor in self.actors])
 

@@ -15,7 +15,7 @@ import grpc
 
 from orchestrator.loop.controller import GenerationRequest
 from orchestrator.loop.service import build_orchestrator
-from specdec.config import ServeConfig
+from specdec.config import FrontConfig, GrpcConfig
 from specdec.stats import GenerationStats, RoundRecord
 
 
@@ -55,9 +55,8 @@ class Backend(abc.ABC):
 class LocalBackend(Backend):
     """Requests run in this process's event loop (no Ray)."""
 
-    def __init__(self, config: ServeConfig, tok_dir: str | None):
-        self.config = config
-        self.orchestrator = build_orchestrator(config, tok_dir)
+    def __init__(self, front: FrontConfig, grpc_cfg: GrpcConfig, tok_dir: str | None):
+        self.orchestrator = build_orchestrator(front, grpc_cfg, tok_dir)
 
     async def start(self) -> None:
         await self.orchestrator.connect()
@@ -67,9 +66,8 @@ class LocalBackend(Backend):
         return self.orchestrator.info
 
     def cost(self) -> dict | None:
-        if not self.config.front.cost_aware.enabled:  # the control factory has no cost model
-            return None
-        return self.orchestrator.control_factory.shared.cost.snapshot()
+        shared = self.orchestrator.shared  # None: not the cost-aware control, which has no cost model
+        return None if shared is None else shared.cost.snapshot()
 
     async def stream(self, request: GenerationRequest, request_id: str, timeout_s, carrier):
         try:

@@ -48,7 +48,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         """The call of a GenerateRequest; raises ValueError naming the field (sampling, tree). The
         tree is read only where the request speculates."""
         tree = None
-        if msg.HasField("tree") and not msg.no_spec and self.runner.config.front.speculate:
+        if msg.HasField("tree") and not msg.no_spec and self.runner.front.speculate:
             tree = spec_from_proto(msg.tree)
         metadata = dict(context.invocation_metadata() or ())
         return GenerateCall(
@@ -94,32 +94,33 @@ async def serve_front(config: ServeConfig) -> int:
     set, the OpenAI-compatible HTTP API (orchestrator.serving.http_api) over the same runner; both drain
     together. Returns the bound gRPC port."""
     setup_tracing("specdec-front")
-    tok_dir = tokenizer_dir(config)
+    front = config.front
+    tok_dir = tokenizer_dir(front, config.models)
     tokenizer = load_tokenizer(tok_dir)
-    if config.front.use_ray:
+    if front.use_ray:
         from orchestrator.serving.actors import RayBackend  # Ray (a slow import) only where the front uses it
 
-        backend = RayBackend(config, tok_dir)
+        backend = RayBackend(front, config.grpc, tok_dir)
     else:
-        backend = LocalBackend(config, tok_dir)
+        backend = LocalBackend(front, config.grpc, tok_dir)
     await backend.start()
     metrics = SpecMetrics()
     metrics.observe_costs(backend.cost())  # what the cost model starts from, before any round
-    monitor = AcceptanceMonitor(config.front.monitor, metrics=metrics)
-    if config.front.metrics_port is not None:
-        start_metrics_server(config.front.metrics_port, metrics)
-    tokens = load_auth_tokens(config.front.auth_token_file)
+    monitor = AcceptanceMonitor(front.monitor, metrics=metrics)
+    if front.metrics_port is not None:
+        start_metrics_server(front.metrics_port, metrics)
+    tokens = load_auth_tokens(front.auth_token_file)
     host = ServiceHost("generation-front", config.grpc, interceptors=[BearerAuth(tokens)] if tokens else [])
-    runner = RequestRunner(config, backend, tokenizer, metrics, monitor, tokens)
+    runner = RequestRunner(front, backend, tokenizer, metrics, monitor, tokens)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(runner), host.server)
     try:
         host.stop_on_signals()
-        bound = await host.start(config.front.host, config.front.port, [SERVICE_NAME])
+        bound = await host.start(front.host, front.port, [SERVICE_NAME])
         http = None
-        if config.front.http_port is not None:
+        if front.http_port is not None:
             from orchestrator.serving.http_api import start_http  # FastAPI and uvicorn only where HTTP is on
 
-            http = await start_http(config, runner, tok_dir, metrics.registry, host.draining)
+            http = await start_http(front, config.grpc, runner, tok_dir, metrics.registry, host.draining)
         await host.wait_for_stop()
         # host.drain first: it sets host.draining at once, so new HTTP requests get 503 meanwhile
         await asyncio.gather(host.drain(), *([http.drain(config.grpc.shutdown_grace_s)] if http else []))
@@ -140,7 +141,7 @@ def run(config_path: str | None = None, overrides: dict | None = None) -> int:
     front`` (orchestrator.cli.main; also ``python -m orchestrator front``)."""
     try:
         config = load_config(config_path, dict(overrides or {}))
-        tokenizer_dir(config)  # fails early (exit 2) for an unknown model directory
+        tokenizer_dir(config.front, config.models)  # fails early (exit 2) for an unknown model directory
         load_auth_tokens(config.front.auth_token_file)  # likewise for an unreadable token file
     except (ConfigError, ValueError) as exc:
         return fail(str(exc))

@@ -37,6 +37,7 @@ from orchestrator.serving.admission import AdmissionRefused
 from orchestrator.serving.backends import UpstreamError
 from orchestrator.serving.requests import GenerateCall, RequestIdInUse, StreamEvent
 from orchestrator.serving.runner import RequestRunner
+from specdec.config import FrontConfig, GrpcConfig
 from specdec.sampling import SamplingParams, SamplingParamsError
 from specdec.security import load_auth_tokens, token_accepted
 from specdec.tree_spec import TreeSpecError, parse_tree_spec
@@ -638,10 +639,10 @@ def listen(host: str, port: int) -> socket.socket:
         raise OSError(f"front.http_port: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
-async def start_http(config, runner: RequestRunner, tok_dir: str, registry, draining: asyncio.Event) -> HttpServer:
+async def start_http(front: FrontConfig, grpc_cfg: GrpcConfig, runner: RequestRunner, tok_dir: str, registry,
+                     draining: asyncio.Event) -> HttpServer:
     """Serve the HTTP API of a front (front.http_port set; see HttpApi) on front.host, HTTPS with
     grpc.tls_cert; prints ``http ready on HOST:PORT`` once it serves."""
-    front, grpc_cfg = config.front, config.grpc
     api = HttpApi(runner, front.served_model_name or Path(tok_dir).name, registry, draining,
                   load_auth_tokens(front.auth_token_file))
     sock = listen(front.host, front.http_port)

@@ -16,7 +16,7 @@ from orchestrator.loop.controller import GenerationRequest
 from orchestrator.serving.admission import Admission, Ticket, client_key
 from orchestrator.serving.backends import Backend
 from orchestrator.serving.requests import GenerateCall, RequestIdInUse, StreamEvent, to_generation
-from specdec.config import ServeConfig
+from specdec.config import FrontConfig
 from specdec.stats import GenerationStats, RoundRecord
 
 
@@ -57,15 +57,15 @@ class RequestRunner:
     the clients of the admission limits (``client_of``).
     """
 
-    def __init__(self, config: ServeConfig, backend: Backend, tokenizer, metrics=None, monitor=None,
+    def __init__(self, front: FrontConfig, backend: Backend, tokenizer, metrics=None, monitor=None,
                  auth_tokens: Sequence[str] = ()):
-        self.config = config
+        self.front = front
         self.backend = backend
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.monitor = monitor
         self.auth_tokens = tuple(t.encode() for t in auth_tokens)
-        self.admission = Admission(config.front.limits)
+        self.admission = Admission(front.limits)
         self.running: set[str] = set()  # request ids with a stream open (waiting for a slot or running)
 
     def client_of(self, authorization: str, host: str) -> str:
@@ -84,7 +84,7 @@ class RequestRunner:
         """
         arrived = time.monotonic()  # the deadline left to the backend is what tokenizing and waiting did not use
         # it tokenizes: off the event loop (the tokenizer releases the GIL)
-        req = await asyncio.to_thread(to_generation, call, self.tokenizer, self.config.front, self.backend.info)
+        req = await asyncio.to_thread(to_generation, call, self.tokenizer, self.front, self.backend.info)
         request_id = call.request_id
         if request_id in self.running:
             raise RequestIdInUse(f"request_id: {request_id!r} is already running")
