@@ -1,21 +1,11 @@
 """Serving benchmark on one model pair, its services started here as subprocesses; the parts run
 side by side in one run, so the figures are ratios taken under the same noise.
 
-Sections (``--sections``): ``grpc``, the same greedy requests embedded in this process, through a
-front without Ray and through a Ray front (tokens/s, equal outputs, bytes per tree, per-round time
-split from the traces); ``concurrency``, closed-loop clients (or an open-loop request rate) on Ray
-fronts, batched vs one verify at a time vs target only, plus any variants asked for (throughput,
-latency percentiles, merged forwards, CPU by process); ``gamma``, dynamic vs fixed gamma embedded;
-``longprompt``, inter-token latency of running requests before and while a long prompt prefills.
+Sections (``--sections``): grpc, concurrency, gamma, longprompt; docs/benchmarks.md gives each one's method.
 
-    python benchmarks/serving.py                                   # the real pair, all sections
     python benchmarks/serving.py --sections grpc --prompts 4 --max-new-tokens 32
-    python benchmarks/serving.py --target /tmp/tiny/target --draft /tmp/tiny/draft --prompts 2 \\
-        --max-new-tokens 6 --levels 1,2 --out /tmp/serving            # smoke run on tiny models
 
-Writes ``serving.json`` and ``serving.md`` (the same figures) under ``--out`` (default
-bench_out/serving/); copy a run worth keeping into benchmarks/records/<name>/. Every flag is in
-``--help``; docs/benchmarks.md describes the method of each section.
+Writes serving.json and serving.md under ``--out``; flags are in ``--help``.
 """
 
 from __future__ import annotations
@@ -87,8 +77,7 @@ def log(msg: str) -> None:
 # ----------------------------------------------------------------------------------------- prompts
 
 def load_prompts(path: Path | None, tokenizer, max_prompt_tokens: int) -> list[dict]:
-    """Every question's first turn with its token ids (chat template), if within max_prompt_tokens.
-    path: a Spec-Bench question.jsonl; None = the built-in prompt set (orchestrator/measure/data/prompts.jsonl)."""
+    """Each question's first turn with its chat-template ids, if within max_prompt_tokens (path None: built-in set)."""
     out = []
     for line in (BUILTIN_QUESTIONS if path is None else path).read_text(encoding="utf-8").splitlines():
         if not line.strip():
@@ -101,7 +90,7 @@ def load_prompts(path: Path | None, tokenizer, max_prompt_tokens: int) -> list[d
 
 
 def spread(prompts: list[dict], n: int) -> list[dict]:
-    """n prompts round-robin over the categories (file order), so every category is represented."""
+    """n prompts round-robin over the categories."""
     by_cat: dict[str, list] = defaultdict(list)
     for p in prompts:
         by_cat[p["category"]].append(p)
@@ -127,7 +116,7 @@ class Span:
 
 
 class SpanCollector(OtlpReceiver):
-    """specdec.harness.otlp.OtlpReceiver that also keeps each span's duration and start / end times."""
+    """OtlpReceiver that also keeps each span's duration and start / end times."""
 
     def keep(self, service: str, span) -> Span:
         return Span(service, span.name, span.span_id.hex(), span.parent_span_id.hex(),
@@ -151,8 +140,7 @@ def memory_spans(exporter) -> list[Span]:
 
 
 def request_rounds(spans: list[Span], request_ids: set[str]) -> dict[str, list[Span]]:
-    """The ``round`` spans of each request: its ``request.id`` attribute is the request id, or the
-    request id + "/suffix" (session ids derived from it), or its parent is the request's ``generate`` span."""
+    """Each request's ``round`` spans, matched by request.id (or id + "/suffix") or by their ``generate`` parent."""
     generate = {s.span_id: s.attributes.get("request.id") for s in spans if s.name == "generate"}
     out: dict[str, list[Span]] = defaultdict(list)
     for s in spans:
@@ -167,7 +155,7 @@ def request_rounds(spans: list[Span], request_ids: set[str]) -> dict[str, list[S
 
 
 def round_children(spans: list[Span], request_ids: set[str], names: tuple[str, ...]) -> list[tuple[Span, dict[str, Span]]]:
-    """The ``round`` spans of these requests, each with its children named in ``names`` (name -> span)."""
+    """These requests' ``round`` spans, each with its children named in ``names`` (name -> span)."""
     rounds = [s for group in request_rounds(spans, request_ids).values() for s in group]
     ids = {s.span_id for s in rounds}
     children: dict[str, dict[str, Span]] = defaultdict(dict)
@@ -178,9 +166,7 @@ def round_children(spans: list[Span], request_ids: set[str], names: tuple[str, .
 
 
 def round_log(spans: list[Span], request_ids: set[str]) -> list[dict]:
-    """One row per round of these requests, in start order (the concurrency rows' ``round_log``):
-    start s, round / draft / verify ms, the services' own ms and batch sizes, gamma, nodes, accepted
-    length and fallback reason."""
+    """One row per round of these requests, in start order (times in s and ms, batch sizes, gamma, accepted)."""
     rounds = sorted(round_children(spans, request_ids, ("draft", "verify")), key=lambda rk: rk[0].start_ns)
     t0 = rounds[0][0].start_ns if rounds else 0
     out = []
@@ -234,8 +220,7 @@ def round_split(spans: list[Span], request_ids: set[str]) -> dict:
 
 
 def wait_for_rounds(collector: SpanCollector, expected: dict[str, int], timeout_s: float = 30.0) -> bool:
-    """Wait until each request's ``round`` spans (expected: request id -> rounds) have arrived; False
-    (and a warning naming what is missing) after timeout_s."""
+    """Wait for each request's ``round`` spans (request id -> count); False with a warning after timeout_s."""
     deadline = time.monotonic() + timeout_s
     got: dict[str, int] = {}
     while time.monotonic() < deadline:
@@ -251,14 +236,10 @@ def wait_for_rounds(collector: SpanCollector, expected: dict[str, int], timeout_
 
 
 def pipeline_overlap(spans: list[Span], request_ids: set[str]) -> dict:
-    """Draft/verify pipelining read from the traces of these requests: round r's ``draft.ahead``
-    span (round r+1's tree, drafted beside round r's verify) against round r's ``verify`` span.
+    """Draft/verify pipelining from the traces: each round's ``draft.ahead`` span against its ``verify`` span.
 
-    aheads: every ahead; hits: those whose guess was right (``ahead.outcome``). Over the hits: their
-    mean ms, ``hidden_share`` (their time inside their verify span / their time) and ``wait_ms_mean``
-    (how long an ahead ran past its verify: an upper bound on what the round waited). Adopted rounds
-    (``pipelined``) run no draft call (``adopted_with_draft_span`` counts those that did: 0 expected);
-    their mean round ms against rounds that drafted in line (and those rounds' draft ms). All ms.
+    hidden_share: hits' time inside their verify span / their time; wait_ms_mean: how long a hit ran past
+    its verify. docs/observability.md describes the spans.
     """
     rounds = round_children(spans, request_ids, ("draft", "verify", "draft.ahead"))
     aheads = 0
@@ -294,8 +275,7 @@ def pipeline_overlap(spans: list[Span], request_ids: set[str]) -> dict:
 # ----------------------------------------------------------------------------------------- embedded
 
 class ThreadScoped:
-    """An in-process worker whose calls run with ``threads`` torch threads (restored afterwards);
-    ``on_tree`` sees every proposed DraftTree."""
+    """A worker whose calls run with ``threads`` torch threads; ``on_tree`` sees every proposed DraftTree."""
 
     def __init__(self, worker, threads: int | None, on_tree=None):
         self._worker, self._threads, self._on_tree = worker, threads, on_tree
@@ -323,8 +303,7 @@ class ThreadScoped:
 
 
 def make_engine(pipe, draft_threads: int | None, dynamic: bool, tree_bytes: list | None = None):
-    """An engine over the embedded pair's workers with the front's per-request control (dynamic gamma
-    on or off); the draft runs with ``draft_threads`` and each tree's wire size goes to ``tree_bytes``."""
+    """An engine on the embedded pair with the front's control; each tree's wire size goes to ``tree_bytes``."""
     def on_tree(tree):
         if tree_bytes is not None and tree.size:
             tree_bytes.append(tree_to_proto(tree).ByteSize())
@@ -361,9 +340,7 @@ def run_embedded(engine, ids: list[int], max_new: int, spec, request_id: str) ->
 
 async def grpc_generate(stub, request_id: str, ids: list[int], max_new: int, no_spec: bool = False,
                         timeout: float = 1800.0, ignore_eos: bool = False, chunks: list | None = None) -> dict:
-    """One streamed request. chunks: if given, (perf_counter s, tokens) of each message with tokens is
-    appended as it arrives (readable while the request runs). The pipeline_* keys are None where the
-    front's FinalStats has no such field."""
+    """One streamed request; ``chunks`` gets (perf_counter s, tokens) of each message as it arrives."""
     tokens, first, first_tokens, stats = [], None, 0, None
     start = time.perf_counter()
     request = generation_pb2.GenerateRequest(request_id=request_id, prompt_ids=list(ids), max_new_tokens=max_new,
@@ -405,8 +382,7 @@ def grpc_one(address: str, request_id: str, ids: list[int], max_new: int, no_spe
 
 
 def batched_forwards(address: str | None, kind: str = "target") -> int | None:
-    """The target's verify forwards (or the draft's propose calls) that merged sessions so far; None
-    without an address."""
+    """The target's verify forwards (or the draft's proposals) that merged sessions so far; None without address."""
     if address is None:
         return None
     with grpc.insecure_channel(address) as channel:
@@ -427,9 +403,7 @@ def request_no_spec(no_spec: bool | str, i: int) -> bool:
 
 def run_level(address: str, prompts: list[list[int]], clients: int, max_new: int, no_spec: bool | str, tag: str,
               rate: float | None = None) -> dict:
-    """``clients`` closed-loop clients started together, sharing the prompts; wall time and per-request rows.
-    no_spec: every request's flag, or MIXED (see request_no_spec). rate: open loop instead (requests per
-    second): request i is sent at i / rate s, ``clients`` unused."""
+    """``clients`` closed-loop clients sharing the prompts (or, with ``rate`` req/s, open loop); wall and rows."""
     async def run():
         async with generation_stub(address) as stub:
             queue = list(enumerate(prompts))
@@ -475,8 +449,7 @@ class Services:
     start_costs: dict = field(default_factory=dict)  # front name -> the cost model it started from (front_start_costs)
 
     def note_peak(self, service: Service) -> None:
-        """Record the service's peak resident memory (its own process; a Ray front's actors not
-        included) and, for a front, the cost model it started from (its log)."""
+        """Record the service's peak RSS (its own process) and, for a front, its starting cost model."""
         try:
             self.peak_rss_mb[service.name] = peak_rss_mb(service.proc.pid)
         except (ValueError, OSError):  # already gone, or no /proc here
@@ -520,8 +493,7 @@ class Services:
             service.stderr_path.unlink(missing_ok=True)
 
     def stop_all(self, timeout_s: float = 60.0) -> None:
-        """SIGTERM to every service at once, then wait for each (SIGKILL past ``timeout_s``). A Ray
-        front gets the time it needs to shut its local Ray down."""
+        """SIGTERM every service at once, then wait for each (SIGKILL past ``timeout_s``)."""
         services, self.running = list(reversed(self.running)), []
         for service in services:
             self.note_peak(service)
@@ -542,9 +514,7 @@ _MEASURED = re.compile(r"cost model measured through the services: V\(n\) (\{[^}
 
 
 def front_start_costs(log_text: str) -> dict | None:
-    """The cost model a front started from, read from its log: {"verify_ms": {rows: ms},
-    "draft_step_ms": {parents: ms}} when it measured the services, {"failed": the warning} when that
-    failed, None when it did not measure."""
+    """A front's starting cost model from its log; {"failed": warning} if measuring failed, None if not measured."""
     found = _MEASURED.search(log_text)
     if found:
         return {"verify_ms": ast.literal_eval(found.group(1)), "draft_step_ms": ast.literal_eval(found.group(2))}
@@ -558,9 +528,7 @@ RESERVED_CONFIGS = ("batched", "batched_in_step", "one_at_a_time", "speculative_
 
 
 def front_variant(text: str, flag: str = "--front-variant") -> tuple[str, dict]:
-    """``--front-variant NAME=JSON`` (or ``flag``'s) -> (NAME, the JSON object). Raises
-    argparse.ArgumentTypeError (a usage error naming the flag) for a missing '=', a bad or reserved
-    name, or JSON that is not an object."""
+    """``NAME=JSON`` -> (NAME, object). Raises argparse.ArgumentTypeError on a bad name or non-object JSON."""
     name, sep, body = text.partition("=")
     if not sep or not name.isidentifier() or name in RESERVED_CONFIGS:
         raise argparse.ArgumentTypeError(f"{flag}: need NAME=JSON with NAME an identifier other than "
@@ -575,7 +543,7 @@ def front_variant(text: str, flag: str = "--front-variant") -> tuple[str, dict]:
 
 
 def deep_merge(base: dict, over: dict) -> dict:
-    """base with over's keys set, nested mappings merged key by key (a new dict; neither is changed)."""
+    """A new dict: base with over's keys set, nested mappings merged."""
     out = dict(base)
     for key, value in over.items():
         out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
@@ -592,8 +560,7 @@ def variants(args) -> list[tuple[str, str, dict]]:
 
 
 def check_front_variants(p: argparse.ArgumentParser, args) -> None:
-    """The variant flags: distinct names (over all three), the concurrency section selected, and each
-    front config valid (FrontConfig, unknown keys refused) before any model loads."""
+    """Check the variant flags (distinct names, concurrency selected, valid front configs) before any model loads."""
     given = variants(args)
     if not given:
         return
@@ -623,8 +590,7 @@ def service_config(args, threads: int | None = None, target: dict | None = None,
     if threads:
         data["models"]["threads"] = threads
     if front is not None:
-        # admit every stream the run opens at once: the largest level (open loop: all of a level's
-        # requests), or the longprompt section's running requests and its long one
+        # admit every stream the run opens at once
         level = args.concurrency_prompts if args.open_loop else max(args.levels)
         streams = max(level, args.long_running + 1, ClientLimitsConfig().max_running)
         data["front"] = deep_merge({"port": 0, "max_new_tokens": args.max_new_tokens, "dynamic_gamma": {"enabled": False},
@@ -638,8 +604,7 @@ def start_target(services: Services, args, name: str, **target) -> Service:
 
 
 def start_front(services: Services, args, name: str, front: dict, draft: Service, target: Service, **flags) -> Service:
-    """A front on these services, waited for: fronts start one at a time, since each times the
-    services when it connects (the start of its cost model) and nothing else should compute then."""
+    """A front on these services, waited for (one at a time: each times the services as it connects)."""
     config = service_config(args, front=front)
     return services.wait(services.launch("front", name, config, draft_address=draft.address,
                                          target_address=target.address, **flags))
@@ -674,11 +639,7 @@ CPU_ROLES = ("target", "draft", "front", "front_ray", "other_fronts", "benchmark
 
 
 def cpu_snapshot(services: dict[int, tuple[str, str]]) -> dict[int, tuple[str, str, float, float]]:
-    """Every process's CPU time so far (psutil): pid -> (owner, part, user + system seconds of its own
-    threads, start time). services: pid -> (name, kind) of the benchmark's servers. owner: the service
-    whose process tree holds the process (a front's local Ray runs under it), "benchmark" (this
-    process) or "other"; part: "process" (the service itself), "ray" (a descendant) or "". Processes
-    that vanish while read are skipped."""
+    """Every process's CPU time so far: pid -> (owner service, part "process"/"ray"/"", CPU s, start time)."""
     me, out = os.getpid(), {}
     for proc in psutil.process_iter():
         try:
@@ -700,10 +661,7 @@ def cpu_snapshot(services: dict[int, tuple[str, str]]) -> dict[int, tuple[str, s
 
 
 def cpu_split(before: dict, after: dict, kinds: dict[str, str], front: str | None) -> dict[str, float]:
-    """CPU seconds between two ``cpu_snapshot`` calls by role (CPU_ROLES): the target and draft
-    services, the row's own front process (``front``: its name) and its local Ray, every other front's
-    tree, this benchmark, the rest. kinds: service name -> kind. A process started in between (or a
-    reused pid: its start time differs) counts whole; one that ended is lost."""
+    """CPU seconds between two ``cpu_snapshot`` calls by role (CPU_ROLES); a process that ended is lost."""
     split = dict.fromkeys(CPU_ROLES, 0.0)
     for pid, (owner, part, seconds, started) in after.items():
         old = before.get(pid)
@@ -757,14 +715,13 @@ def _f(x, nd=2):
 # ----------------------------------------------------------------------------------------- sections
 
 def rotated(items: list, k: int) -> list:
-    """items started at k (mod len): the run order of the k-th prompt or level, so no mode always goes first."""
+    """items rotated by k, so no mode always goes first."""
     k %= len(items)
     return items[k:] + items[:k]
 
 
 def section_grpc(args, pipe, prompts, fronts: dict, collector, mem_exporter) -> dict:
-    """Each prompt embedded and through every front, the modes in rotated order; throughput, equal
-    outputs and the per-round split of the traces per mode."""
+    """Each prompt embedded and through every front; throughput, equal outputs and round split per mode."""
     tree_bytes: list[int] = []
     engine = make_engine(pipe, args.draft_threads, dynamic=False, tree_bytes=tree_bytes)
     modes = ["embedded", *fronts]
@@ -807,8 +764,7 @@ def section_grpc(args, pipe, prompts, fronts: dict, collector, mem_exporter) -> 
 
 
 class CpuMeter:
-    """CPU seconds by role (``cpu_split``) over a stretch of time, for the services running when made;
-    does nothing without services."""
+    """CPU seconds by role (``cpu_split``) over a stretch of time; does nothing without services."""
 
     def __init__(self, services: Services | None):
         running = list(services.running) if services is not None else []
@@ -825,8 +781,7 @@ class CpuMeter:
 
 def measure_level(args, ids: list[list[int]], name: str, level, config: tuple, draft: str | None,
                   meter: CpuMeter) -> tuple[dict, dict]:
-    """One level of one configuration: ``run_level``'s result and the level's counters (merged
-    forwards of the target and of the draft, CPU seconds by role and their share of the machine)."""
+    """One level of one configuration: ``run_level``'s result plus merged forwards and CPU by role."""
     front, target, no_spec = config
     verify_before, draft_before = batched_forwards(target), batched_forwards(draft, "draft")
     cpu_before, began = meter.snapshot(), time.perf_counter()
@@ -843,8 +798,7 @@ def measure_level(args, ids: list[list[int]], name: str, level, config: tuple, d
 
 
 def level_row(name: str, level, no_spec, out: dict, counters: dict, run_order: int, level_run: int) -> dict:
-    """A concurrency row from a level's requests: throughput, latency and TTFT percentiles, per-round
-    figures, the counters, each request's row; each kind's latency under mixed traffic."""
+    """A concurrency row from a level's requests: throughput, latency and TTFT percentiles, counters."""
     reqs, wall_s = out["requests"], out["wall_s"]
     lat, ttft = [r["wall_s"] for r in reqs], [r["ttft_s"] for r in reqs]
     tokens, rounds = sum(r["new_tokens"] for r in reqs), sum(r["rounds"] for r in reqs)
@@ -869,15 +823,12 @@ def level_row(name: str, level, no_spec, out: dict, counters: dict, run_order: i
 
 
 def row_request_rounds(row: dict) -> dict[str, int]:
-    """A concurrency row's request ids -> their rounds. A level repeated (--levels 4,4) reuses its
-    ids, so the traces of such a row hold every repeat's rounds."""
+    """A concurrency row's request ids -> their rounds (a repeated level reuses its ids)."""
     return {f"conc-{row['config']}-{row['clients']}-{i}": r["rounds"] for i, r in enumerate(row["per_request"])}
 
 
 def add_traces(rows: list[dict], collector: SpanCollector, round_logs: bool) -> None:
-    """``pipeline_trace`` on the rows with ahead hits (``complete``: every round span arrived) and,
-    with ``round_logs``, ``round_split`` and ``round_log`` on every row (target_only's batch sizes
-    and verify times are the reference)."""
+    """Add ``pipeline_trace`` to rows with ahead hits and, with ``round_logs``, round_split/round_log to every row."""
     for row in rows:
         expected = row_request_rounds(row)
         if row["pipeline_ahead_hits"]:
@@ -891,8 +842,7 @@ def add_traces(rows: list[dict], collector: SpanCollector, round_logs: bool) -> 
 
 
 def add_target_only_ratios(rows: list[dict]) -> None:
-    """Each row's throughput and p95 latency against the target_only row of the same level run (a
-    repeated level pairs each repeat with its own); mixed traffic: its plain requests' p95 too."""
+    """Each row's throughput and p95 latency against the target_only row of the same level run."""
     base = {r["level_run"]: r for r in rows if r["config"] == "target_only"}
     for r in rows:
         ref = base.get(r["level_run"]) or {}
@@ -904,10 +854,7 @@ def add_target_only_ratios(rows: list[dict]) -> None:
 
 def section_concurrency(args, prompts, configs: dict, collector: SpanCollector | None = None,
                         draft: str | None = None, services: Services | None = None) -> dict:
-    """Every level of ``--levels`` for each configuration, the configurations' order rotated per level.
-    configs: name -> (front address, target address, no_spec: a bool or MIXED); collector: the
-    services' spans (``add_traces``); draft: the draft service's address (rows count its merged
-    proposals); services: the running servers (rows get CPU by role, ``measure_level``)."""
+    """Every level of ``--levels`` per configuration (name -> (front, target, no_spec)), order rotated per level."""
     ids = [p["ids"] for p in prompts]
     meter = CpuMeter(services)
     for name, (front, _, no_spec) in configs.items():  # warm-up
@@ -971,8 +918,7 @@ def gamma_row(category: str, mode: str, runs: list[dict]) -> dict:
 # ----------------------------------------------------------------------------------------- longprompt
 
 def long_prompt_ids(tokenizer, n_tokens: int) -> list[int]:
-    """``n_tokens`` prompt ids: the built-in prompt set's first turns joined by blank lines, tokenized
-    without special tokens, repeated until long enough and cut (deterministic for a tokenizer)."""
+    """``n_tokens`` prompt ids from the built-in prompts' first turns, repeated and cut (deterministic)."""
     lines = BUILTIN_QUESTIONS.read_text(encoding="utf-8").splitlines()
     text = "\n\n".join(json.loads(line)["turns"][0] for line in lines if line.strip())
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -981,10 +927,10 @@ def long_prompt_ids(tokenizer, n_tokens: int) -> list[int]:
 
 def itl_samples(chunks: list[tuple[float, int]], start_s: float, end_s: float,
                 close_after_end: bool = False) -> tuple[list[float], float]:
-    """Per-token inter-token latencies (s) of one request's streamed chunks ``[(arrival s, tokens)]``
-    whose closing chunk arrives in (start_s, end_s]; ``close_after_end`` also takes the first chunk
-    after end_s (the gap still open at end_s). Each gap counts once per token of its closing chunk,
-    as gap / tokens. Returns (samples, largest gap s).
+    """Per-token inter-token latencies (s) of chunks ``[(arrival s, tokens)]`` closing in (start_s, end_s].
+
+    Each gap counts as gap / tokens once per token of its closing chunk; ``close_after_end`` also takes
+    the first chunk after end_s. Returns (samples, largest gap s).
 
     Example: chunks at 1.0 s (2 tokens) and 1.3 s (3 tokens), window (1.0, 2.0]: [0.1, 0.1, 0.1], 0.3.
     """
@@ -1015,10 +961,7 @@ async def _until(ready, tasks: list, timeout_s: float, what: str) -> None:
 
 async def longprompt_run(address: str, running_ids: list[list[int]], long_ids: list[int], args, no_spec: bool,
                          tag: str) -> dict:
-    """Running requests stream (ignore_eos); after ``args.long_window_s`` of steady decoding the long
-    request is sent; returns every chunk's arrival, the window bounds (perf_counter s) and the long
-    request's result. The running requests are cancelled once each has streamed past the long
-    request's first token (or ended)."""
+    """Send the long request after ``args.long_window_s`` of steady decoding; chunk arrivals, window bounds, result."""
     async with generation_stub(address) as stub:
         chunks: list[list] = [[] for _ in running_ids]
         runs = [asyncio.create_task(grpc_generate(stub, f"{tag}-run-{i}", ids, args.long_running_tokens, no_spec,
@@ -1046,8 +989,7 @@ async def longprompt_run(address: str, running_ids: list[list[int]], long_ids: l
 
 
 def longprompt_row(config: str, chunk_tokens: int, run: dict, args, busy_tokens: int | None = None) -> dict:
-    """One table row: p50 / p95 ITL (ms) of the running requests before vs during the long prefill.
-    busy_tokens: the target's prefill_busy_chunk_tokens (None = chunk_tokens: no riding)."""
+    """One table row: p50 / p95 ITL (ms) of the running requests before vs during the long prefill."""
     busy_tokens = chunk_tokens if busy_tokens is None else busy_tokens
     before, during, gap_before, gap_during = [], [], 0.0, 0.0
     for chunks in run["chunks"]:
@@ -1076,9 +1018,7 @@ def longprompt_row(config: str, chunk_tokens: int, run: dict, args, busy_tokens:
 
 
 def prefill_chunk_settings(args, long_tokens: int) -> list[list[int]]:
-    """[prefill_chunk_tokens, prefill_busy_chunk_tokens] per target of the section: the chunked one
-    (--prefill-busy-chunk-tokens 0: no riding, the busy chunk is the chunk) and, with
-    --longprompt-unchunked, one whose chunks hold the whole long prompt (one forward, riding off)."""
+    """[prefill_chunk_tokens, prefill_busy_chunk_tokens] per target: chunked and (--longprompt-unchunked) whole."""
     chunk = args.prefill_chunk_tokens or TargetServerConfig().prefill_chunk_tokens
     busy_arg = args.prefill_busy_chunk_tokens
     busy = chunk if busy_arg == 0 else min(busy_arg or TargetServerConfig().prefill_busy_chunk_tokens or chunk, chunk)
@@ -1090,8 +1030,7 @@ LONGPROMPT_FRONTS = {"speculative": "plain", "target_only": "plain", "speculativ
 
 
 def section_longprompt(args, services: Services, draft: Service, tokenizer, prompts: list[dict]) -> dict:
-    """For each prefill chunk setting: start a target and the fronts ``--longprompt-configs`` need,
-    run every configuration once (after a short warm-up request), stop them (one target at a time)."""
+    """Per prefill chunk setting: start a target and its fronts, run each configuration once, stop them."""
     long_ids = long_prompt_ids(tokenizer, args.long_prompt_tokens)
     running_ids = [prompts[i % len(prompts)]["ids"] for i in range(args.long_running)]
     settings = prefill_chunk_settings(args, len(long_ids))
@@ -1140,7 +1079,7 @@ DASH1 = functools.partial(_or_dash, nd=1)
 
 
 def col(head: str, key: str, fmt=_or_dash) -> tuple:
-    """A table column: its header and the cell of a row dict (``fmt`` of ``row[key]``, None if absent)."""
+    """A table column: header and cell function (``fmt`` of ``row[key]``)."""
     return head, lambda row: fmt(row.get(key))
 
 
@@ -1270,7 +1209,7 @@ VARIANT_TEXT = {"--front-variant": "a Ray front on the batched target",
 
 
 def concurrency_markdown(c: dict, meta: dict) -> list[str]:
-    """The concurrency table, then where they apply: mixed traffic, pipelining from the traces, CPU by process."""
+    """The concurrency table, then mixed traffic, pipelining and CPU by process where they apply."""
     parts = [f"## Concurrency: {c['prompts']} requests per level, Ray front\n"]
     for flag in VARIANT_FLAGS:
         for name, front in (meta.get(flag[2:].replace("-", "_") + "s") or {}).items():
@@ -1478,8 +1417,7 @@ def check_longprompt_args(p: argparse.ArgumentParser, args) -> None:
 
 
 def pin_plan(enabled: bool) -> dict | None:
-    """--pin: the taskset core list per service kind (PIN_CORES), once taskset and those CPUs are
-    known to be there; None without --pin. Raises SystemExit naming what is missing."""
+    """--pin: taskset core list per service kind, or None; raises SystemExit if taskset or the CPUs are missing."""
     if not enabled:
         return None
     if shutil.which("taskset") is None:
@@ -1494,8 +1432,7 @@ def pin_plan(enabled: bool) -> dict | None:
 # ----------------------------------------------------------------------------------------- main
 
 def prompt_sets(args, tokenizer) -> tuple[dict, int]:
-    """The prompts of each section (grpc and concurrency spread over the categories, gamma per
-    category) and how many questions fit in --max-prompt-tokens."""
+    """The prompts of each section and how many questions fit in --max-prompt-tokens."""
     prompts = load_prompts(args.questions, tokenizer, args.max_prompt_tokens)
     if not prompts:
         raise SystemExit(f"no question of {args.questions or 'the built-in prompt set'} fits in "
@@ -1510,15 +1447,13 @@ def prompt_sets(args, tokenizer) -> tuple[dict, int]:
 
 
 def starts_early(args) -> bool:
-    """Whether the concurrency section's batched target starts with the first services (overlapping
-    start-up): only when the embedded pair and three targets' worth of services fit in memory."""
+    """Whether the batched target starts with the first services: only if three targets fit in memory."""
     need = 3 * weights_bytes(args.target) + 2 * weights_bytes(args.draft) + (4 << 30)
     return "concurrency" in args.sections and need < mem_available() and not args.skip_one_at_a_time
 
 
 class Bench:
-    """One run: the services it starts (draft, the max_batch 1 target, the batched target and their
-    fronts) and the sections run on them, in the order that keeps memory and start-up low."""
+    """One run: the services it starts and the sections run on them, ordered to keep memory and start-up low."""
 
     def __init__(self, args, services: Services, collector: SpanCollector, early: bool):
         self.args, self.services, self.collector, self.early = args, services, collector, early
@@ -1578,8 +1513,7 @@ class Bench:
         return dtype
 
     def concurrency_configs(self) -> dict[str, tuple]:
-        """Stop what the concurrency section does not use, start its fronts; name -> (front address,
-        target address, no_spec) in the table's order."""
+        """Stop what concurrency does not use, start its fronts; name -> (front, target, no_spec)."""
         args, svc, services = self.args, self.svc, self.services
         if svc["local"] is not None:
             services.stop(svc["local"])
