@@ -69,8 +69,7 @@ def percentile(values: list[float], q: float) -> float:
 
 @dataclass
 class Plan:
-    """One request to send. temperature 0 = greedy; abort: None, "rpc" (Abort) or "cancel" (client
-    cancels the call) after ``abort_after_s``; deadline_s: the call's gRPC deadline."""
+    """One request to send (temperature 0 = greedy); abort: None, "rpc" or "cancel" after ``abort_after_s``."""
 
     request_id: str
     prompt_ids: list[int]
@@ -93,8 +92,7 @@ class Plan:
 
 @dataclass
 class Outcome:
-    """How one request ended. status: "OK", a gRPC status code name or HUNG; times in seconds
-    from the part's start (start_s, end_s) and from the send (latency_s, ttft_s)."""
+    """How one request ended (status: OK, a gRPC code name or HUNG); times in s from part start / from send."""
 
     request_id: str
     greedy: bool
@@ -116,8 +114,7 @@ def prompt_pool(rng: random.Random, lengths: list[int], per_length: int, vocab: 
 
 
 def make_plans(rng: random.Random, n: int, pool: list[list[int]], args, tag: str) -> list[Plan]:
-    """n requests over the prompt pool: ``args.sampled_share`` of them sampled (temperature 0.8, own
-    seed), the rest greedy; ``args.abort_rate`` / ``args.deadline_rate`` (soak) stopped or short."""
+    """n requests over the prompt pool, a share sampled and (soak) some aborted or with a short deadline."""
     plans = []
     for i in range(n):
         sampled = rng.random() < args.sampled_share
@@ -139,8 +136,7 @@ def request_message(plan: Plan, no_spec: bool = False) -> generation_pb2.Generat
 
 
 class Client:
-    """GenerationService client over one grpc.aio channel (TLS and bearer token optional).
-    ``t0``: the monotonic time outcomes' start_s / end_s count from."""
+    """GenerationService client over one grpc.aio channel; outcome times count from monotonic ``t0``."""
 
     def __init__(self, address: str, credentials: grpc.ChannelCredentials | None, token: str | None,
                  hang_grace_s: float = 10.0):
@@ -155,8 +151,7 @@ class Client:
         await self.channel.close()
 
     async def run(self, plan: Plan, no_spec: bool = False) -> Outcome:
-        """Send ``plan``; never raises for a failed request (the status goes into the Outcome). A
-        request with no end by its deadline + ``hang_grace_s`` is cancelled and reported HUNG."""
+        """Send ``plan``; never raises (status goes in the Outcome); HUNG past deadline + ``hang_grace_s``."""
         call = self.stub.Generate(request_message(plan, no_spec), timeout=plan.deadline_s, metadata=self.metadata)
         out = Outcome(plan.request_id, plan.greedy, len(plan.prompt_ids), OK, [], time.monotonic() - self.t0, 0.0, 0.0,
                       None, abort=plan.abort, deadline_s=plan.deadline_s)
@@ -199,8 +194,7 @@ class Client:
             log(f"Abort {plan.request_id}: {exc.code().name}: {exc.details()}")
 
     async def references(self, plans: list[Plan]) -> dict[tuple, list[int]]:
-        """The solo target-only (no_spec) output of each distinct greedy prompt, one at a time.
-        Raises RuntimeError when one fails (the deployment does not serve)."""
+        """The solo no_spec output of each distinct greedy prompt; raises RuntimeError when one fails."""
         refs: dict[tuple, list[int]] = {}
         for plan in plans:
             if plan.greedy and plan.key not in refs:
@@ -213,8 +207,7 @@ class Client:
 
 
 def wrong_outputs(plans: list[Plan], outcomes: list[Outcome], refs: dict[tuple, list[int]]) -> list[str]:
-    """Request ids of greedy outputs that contradict their solo run: a completed request (status OK,
-    not stopped) with other tokens, or any request whose tokens are not a prefix of it."""
+    """Request ids of greedy outputs that differ from (or, if cut short, are no prefix of) their solo run."""
     wrong = []
     for plan, out in zip(plans, outcomes):
         if not plan.greedy or out.status == HUNG:
@@ -262,8 +255,7 @@ class Endpoints:
 
 
 async def service_counts(endpoints: Endpoints) -> dict:
-    """Target sessions / cached tokens and draft streams / runtime sessions / cached tokens (the
-    services' Info RPCs); a service not given is left out."""
+    """Session and cached-token counts from the services' Info RPCs; a service not given is left out."""
     counts: dict = {}
     for address, stub_cls, request in ((endpoints.target, target_pb2_grpc.TargetServiceStub, target_pb2.InfoRequest()),
                                        (endpoints.draft, draft_pb2_grpc.DraftServiceStub, draft_pb2.DraftInfoRequest())):
@@ -282,7 +274,7 @@ async def service_counts(endpoints: Endpoints) -> dict:
 
 
 async def counts_back_to_zero(endpoints: Endpoints, timeout_s: float) -> tuple[dict, float]:
-    """Poll ``service_counts`` until every count is 0 or ``timeout_s`` passes: (last counts, seconds waited)."""
+    """Poll ``service_counts`` until all 0 or ``timeout_s``: (last counts, seconds waited)."""
     started = time.monotonic()
     while True:
         counts = await service_counts(endpoints)
@@ -293,8 +285,7 @@ async def counts_back_to_zero(endpoints: Endpoints, timeout_s: float) -> tuple[d
 
 @dataclass
 class LocalDeployment:
-    """Draft, target and front subprocesses on loopback; draft and target on fixed ports so that a
-    restarted one is found again by the front. Stop with ``stop()``."""
+    """Draft, target and front subprocesses on loopback (fixed ports, so a restarted service is found again)."""
 
     config_path: Path
     draft_port: int
@@ -348,7 +339,7 @@ class LocalDeployment:
         return launch_service(kind, self.config_path, port=self.draft_port if kind == "draft" else self.target_port)
 
     def actor_pids(self) -> list[int]:
-        """Pids of the front's orchestrator Ray actor workers (processes titled ray::OrchestratorActor)."""
+        """Pids of the front's ray::OrchestratorActor workers."""
         front = psutil.Process(self.services["front"].proc.pid)
         pids = []
         for proc in front.children(recursive=True):
@@ -458,8 +449,7 @@ async def rss_trace(deployment: LocalDeployment, client: Client, every_s: float,
 
 
 def second_half_growth(samples: list[dict], end: dict | None) -> dict | None:
-    """RSS growth from the sample nearest the run's middle to the end: near 0 where memory levels
-    off (caches warming up), about half the total growth where it leaks steadily."""
+    """RSS growth from the run's middle to its end (near 0 once caches warm; about half the total for a leak)."""
     if not samples or end is None:
         return None
     middle = min(samples, key=lambda s: abs(s["t_s"] - samples[-1]["t_s"] / 2))
@@ -467,7 +457,7 @@ def second_half_growth(samples: list[dict], end: dict | None) -> dict | None:
 
 
 async def run_closed_loop(client: Client, plans: list[Plan], concurrency: int) -> list[Outcome]:
-    """Send ``plans`` in order, ``concurrency`` at a time (each worker sends its next when one ends)."""
+    """Send ``plans`` in order, ``concurrency`` at a time."""
     outcomes: list[Outcome | None] = [None] * len(plans)
     queue = list(enumerate(plans))[::-1]
 
@@ -493,9 +483,8 @@ class Disruption:
 
 
 async def chaos_script(args, dep: LocalDeployment, clock) -> list[Disruption]:
-    """Kill and restart the draft, kill one actor worker, kill and restart the target, in turn, with
-    ``settle_s`` of load before each kill and after the last. A window ends ``RECONNECT_GRACE_S``
-    after the part is back (service ready again; Ray's actor worker count restored)."""
+    """Kill (and restart) the draft, one actor worker, then the target, ``settle_s`` of load apart; windows
+    end ``RECONNECT_GRACE_S`` after the part is back."""
     windows = []
     for kind in ("draft", "actor", "target"):
         if kind == "actor" and args.no_ray:
@@ -545,8 +534,7 @@ def overlapped(out: Outcome, windows: list[Disruption]) -> str:
 
 
 def chaos_verdict(out: Outcome, ref: list[int] | None) -> str:
-    """completed_equal / completed_different / UNAVAILABLE / HUNG / another status name (sampled
-    requests that completed count as completed_equal: only greedy ones have a reference)."""
+    """completed_equal / completed_different / a status name (completed sampled requests count as equal)."""
     if out.status != OK:
         return out.status
     return "completed_equal" if ref is None or out.tokens == ref else "completed_different"
@@ -598,8 +586,7 @@ async def chaos_loop(args, dep: LocalDeployment, client: Client, plans: list[Pla
 
 
 async def serves_again(client: Client, plans: list[Plan], refs: dict, timeout_s: float) -> dict:
-    """A fresh greedy request after the restarts, retried until it completes equal to its solo run
-    (or ``timeout_s``): the tries and seconds it took."""
+    """Retry a fresh greedy request until it equals its solo run (or ``timeout_s``): tries and seconds."""
     plan = next(p for p in plans if p.greedy)
     started, tries = time.monotonic(), 0
     while True:
@@ -662,8 +649,7 @@ def write_report(out_dir: Path, part: str, result: dict) -> None:
 
 # ----------------------------------------------------------------------------------------- CLI
 
-# Parts: name -> runner(args, endpoints, deployment or None) -> figures. The fuzz part is
-# benchmarks/reliability_fuzz.py (``reliability.py fuzz ARGS`` runs it with its own arguments).
+# Parts: name -> runner(args, endpoints, deployment or None) -> figures; ``fuzz`` is reliability_fuzz.py.
 PARTS = {"load": run_load, "soak": run_soak, "chaos": run_chaos}
 
 

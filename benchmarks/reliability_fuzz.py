@@ -50,9 +50,8 @@ CALL_TIMEOUT_S = 30.0
 INT32 = (-2**31, 2**31 - 1)
 INT64 = (-2**63, 2**63 - 1)
 HUGE_REPEAT = 100_000  # elements of a "huge" repeated field (~0.5 MB of int32: under the 4 MiB message limit)
-# Drawn messages past this size are not sent (``Record.unsent_oversize``): huge repeats nested in huge
-# repeats reach hundreds of MB, which the client's transport cannot stream within CALL_TIMEOUT_S; the
-# servers' 4 MiB limit is still met by the drawn messages between 4 and 16 MiB.
+# Drawn messages past this size are not sent (``Record.unsent_oversize``): nested huge repeats reach
+# hundreds of MB, which the client cannot stream within CALL_TIMEOUT_S.
 MAX_SENT_BYTES = 16 << 20
 MAX_FAULTS_KEPT = 50
 GREEDY_PROMPT = [5, 17, 42, 9, 3, 77]  # ids < the tiny models' ~300-token vocabulary
@@ -77,9 +76,7 @@ class Shape:
     max_tree_nodes: int
 
 
-# ----------------------------------------------------------------------------------------------
-# Random messages from the proto descriptors
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------- random messages from the proto descriptors
 
 def _ints(lo: int, hi: int) -> st.SearchStrategy[int]:
     edges = sorted({v for v in (lo, hi, 0, 1, -1, 2, 255, 256, 300, 4096) if lo <= v <= hi})
@@ -118,8 +115,7 @@ def _value(fd: FieldDescriptor, depth: int) -> st.SearchStrategy:
 
 
 def _repeated(fd: FieldDescriptor, depth: int) -> st.SearchStrategy[list]:
-    """Short lists, or one value repeated many times (HUGE_REPEAT scalars or 10,000 messages at the top
-    level; nested lists stay small, so a message stays under ~1 MB)."""
+    """Short lists, or one value repeated many times at the top level (nested lists stay small)."""
     element = _value(fd, depth)
     small = st.lists(element, max_size=8)
     if fd.type == FieldDescriptor.TYPE_MESSAGE:
@@ -152,7 +148,7 @@ def _message(draw, descriptor, depth: int):
 
 
 def _is_repeated(fd: FieldDescriptor) -> bool:
-    """protobuf 6+ has ``is_repeated`` (``label`` is deprecated there); older ones only ``label``."""
+    """protobuf 6+ has ``is_repeated`` (``label`` deprecated); older ones only ``label``."""
     return fd.is_repeated if hasattr(fd, "is_repeated") else fd.label == FieldDescriptor.LABEL_REPEATED
 
 
@@ -175,14 +171,11 @@ def _message_class(descriptor) -> type:
 
 
 def message_strategy(descriptor, depth: int = 0) -> st.SearchStrategy:
-    """Random instances of the message ``descriptor`` (a protobuf Descriptor), field by field; nested
-    messages down to depth 4."""
+    """Random instances of the protobuf message ``descriptor``, nested messages down to depth 4."""
     return _message(descriptor, depth)
 
 
-# ----------------------------------------------------------------------------------------------
-# Well-formed messages and their mutations
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------- well-formed messages and their mutations
 
 @st.composite
 def valid_tree(draw, shape: Shape, max_nodes: int = 12) -> tree_pb2.TokenTree:
@@ -237,8 +230,7 @@ def token_tree(draw, shape: Shape) -> tree_pb2.TokenTree:
 
 @st.composite
 def sampling_params(draw, broken: bool | None = None) -> tree_pb2.SamplingParams:
-    """Well-formed (greedy / sampled, seeded or not) or with one bad value (NaN, inf, negative, huge);
-    broken None: either, drawn."""
+    """Well-formed or with one bad value (NaN, inf, negative, huge); broken None: either, drawn."""
     msg = tree_pb2.SamplingParams(temperature=draw(st.sampled_from([0.0, 0.7, 1.0])), top_p=draw(st.sampled_from([0.0, 0.9, 1.0])),
                                   top_k=draw(st.sampled_from([0, 1, 40])))
     if draw(st.booleans()):
@@ -252,8 +244,7 @@ def sampling_params(draw, broken: bool | None = None) -> tree_pb2.SamplingParams
 
 @st.composite
 def tree_spec(draw, broken: bool | None = None) -> tree_pb2.TreeSpec:
-    """A top-k root over a chain, or one with a bad gamma / rows / heads / type / threshold / k;
-    broken None: either, drawn."""
+    """A top-k root over a chain, or one with a bad field; broken None: either, drawn."""
     gamma = draw(st.integers(1, 4))
     spec = tree_pb2.TreeSpec(gamma=gamma, top_k_spec=[tree_pb2.TopKRow(k=[draw(st.integers(1, 3))])] +
                              [tree_pb2.TopKRow(k=[1]) for _ in range(gamma - 1)], top_head=[1] * gamma)
@@ -278,8 +269,7 @@ def tree_spec(draw, broken: bool | None = None) -> tree_pb2.TreeSpec:
 
 @st.composite
 def prompt_ids(draw, shape: Shape, broken: bool | None = None) -> list[int]:
-    """A prompt inside the vocabulary and context (mostly), or an empty / out-of-vocabulary / too long
-    one; broken None: either, drawn."""
+    """A valid prompt, or an empty / out-of-vocabulary / too long one; broken None: either, drawn."""
     ids = draw(st.lists(st.integers(0, shape.vocab - 1), min_size=1, max_size=min(24, shape.context_limit - 2)))
     bad = ["empty", "bad_id", "long", "huge"]
     kind = draw(st.sampled_from(["ok"] * 4 + bad if broken is None else bad if broken else ["ok"]))
@@ -296,8 +286,7 @@ def prompt_ids(draw, shape: Shape, broken: bool | None = None) -> list[int]:
 
 @dataclass(frozen=True)
 class PlannedCommit:
-    """A draft commit drawn before its stream opens: the path to node ``leaf % N`` of the last tree
-    replied (-1: the root alone) and its tokens plus ``bonus``; or ``broken`` as is."""
+    """A draft commit drawn before its stream opens: path to node ``leaf % N`` of the last tree, or ``broken``."""
 
     leaf: int
     bonus: int
@@ -316,15 +305,12 @@ class PlannedCommit:
 
 
 def session_id(pool: list[str]) -> st.SearchStrategy[str]:
-    """Mostly one of the shared pool (open, released or never opened: calls out of order), else a
-    random, empty or huge id."""
+    """Mostly one of the shared pool (calls out of order), else a random, empty or huge id."""
     return st.one_of(st.sampled_from(pool), st.sampled_from(pool), st.sampled_from(pool),
                      st.sampled_from(["", "never-opened", "x" * 70_000]), st.text(max_size=12))
 
 
-# ----------------------------------------------------------------------------------------------
-# The cases: one message each, recorded as (rpc, status)
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------- the cases: one message each, recorded as (rpc, status)
 
 @dataclass
 class Record:
@@ -342,8 +328,7 @@ class Record:
         self.codes[(rpc, code.name)] += 1
         self.seconds[rpc] += seconds
         self.details.setdefault((rpc, code.name), details[:200])
-        # "Stream removed": the client's transport ended the call (e.g. trailers past its metadata limit),
-        # not the server's status, whatever the code
+        # "Stream removed": the client's transport ended the call, not the server, whatever the code
         if code is OK or (code in allowed and not details.startswith("Stream removed")):
             return
         self.fault_count += 1
@@ -429,9 +414,8 @@ class Fuzzer:
         return table[rpc]
 
     def _session(self, data: st.DataObject, random_message: bool) -> None:
-        """One DraftService.Session stream of 1-6 requests; waits for the reply of each start / propose.
-        The requests are drawn before the stream opens (hypothesis needs draws that do not depend on the
-        replies); a planned commit takes its path from the last tree replied."""
+        """One DraftService.Session stream of 1-6 requests, drawn before it opens (hypothesis needs
+        reply-independent draws); a planned commit takes its path from the last tree replied."""
         one = message_strategy(draft_pb2.DraftRequest.DESCRIPTOR) if random_message else None
         plan = [data.draw(one if one is not None else self._draft_request(i), label="draft request")
                 for i in range(data.draw(st.integers(1, 6), label="stream length"))]
@@ -461,7 +445,7 @@ class Fuzzer:
         self.record.add("Session", code, details, sent, seconds=time.perf_counter() - started)
 
     def _draft_request(self, i: int) -> st.SearchStrategy:
-        """A start first (mostly), then proposes, commits (PlannedCommit) and now and then a second start."""
+        """A start first (mostly), then proposes, commits and now and then a second start."""
         kinds = ["start"] * 6 + ["propose", "commit"] if i == 0 else ["propose", "propose", "commit", "commit", "start"]
         start = st.builds(lambda s, p, q: draft_pb2.DraftRequest(start=draft_pb2.DraftStart(
             session_id=s, prompt_ids=p, sampling=q)), session_id(self.pool), prompt_ids(self.shape), sampling_params())
@@ -518,9 +502,7 @@ class Fuzzer:
             st.tuples(st.booleans(), st.booleans()))
 
 
-# ----------------------------------------------------------------------------------------------
-# The run: greedy reference, the messages, then the checks
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------- the run: greedy reference, messages, checks
 
 def greedy_on_target(stub, vocab: int, session: str = "fz-greedy") -> list[int]:
     """GREEDY_TOKENS plain decoding steps on the target alone (empty trees, temperature 0)."""
@@ -551,9 +533,7 @@ def greedy_outputs(fuzzer: Fuzzer) -> dict[str, list[int]]:
 
 
 def drive(fuzzer: Fuzzer, messages: int, seed: int) -> int:
-    """Run ``messages`` cases (hypothesis's ``max_examples``: generate phase only, seeded, no database;
-    draws that overrun its buffer end a case before its call and are not counted); returns the count run,
-    the drawn requests too large to send (``Record.unsent_oversize``) included."""
+    """Run ``messages`` hypothesis cases (seeded, no database); returns the count run, unsent oversize included."""
 
     @hypothesis_seed(seed)
     @settings(max_examples=messages, database=None, deadline=None, phases=[Phase.generate],
@@ -567,8 +547,7 @@ def drive(fuzzer: Fuzzer, messages: int, seed: int) -> int:
 
 
 def open_sessions(fuzzer: Fuzzer, settle_s: float = 20.0) -> dict[str, int]:
-    """Sessions the services still hold, once 0 or after ``settle_s`` (releases of cancelled requests
-    run after their calls end)."""
+    """Sessions the services still hold, once 0 or after ``settle_s`` (cancelled requests release late)."""
     deadline = time.monotonic() + settle_s
     while True:
         t = fuzzer.target.Info(target_pb2.InfoRequest(), timeout=CALL_TIMEOUT_S)
@@ -581,11 +560,10 @@ def open_sessions(fuzzer: Fuzzer, settle_s: float = 20.0) -> dict[str, int]:
 
 
 def run_fuzz(addresses: Addresses, messages: int, seed: int = 0, alive=None) -> dict:
-    """Fuzz a deployment with ``messages`` cases; returns the figures and the verdict of each property.
+    """Fuzz a deployment with ``messages`` cases; returns the figures and each property's verdict.
 
-    alive: optional callable -> dict[name, bool] (the spawned servers' processes); without it the
-    servers count as alive when their Info answers after the run. Raises grpc.RpcError when the
-    deployment does not answer the well-formed calls before the run.
+    alive: optional callable -> {name: bool}; else servers are alive if Info answers. Raises
+    grpc.RpcError when the deployment does not answer the well-formed calls before the run.
     """
     info = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(addresses.target)).Info(
         target_pb2.InfoRequest(), timeout=CALL_TIMEOUT_S)
@@ -629,15 +607,11 @@ def summarize(record: Record, ran: int, elapsed_s: float, seed: int, held: dict,
     }
 
 
-# ----------------------------------------------------------------------------------------------
-# Spawned tiny deployment, report, command line
-# ----------------------------------------------------------------------------------------------
+# ------------------------------------------------------------- spawned tiny deployment, report, command line
 
 @contextlib.contextmanager
 def spawned_services(root: Path):
-    """Draft, target and front (no Ray) on tiny random-weight models saved under ``root``, on loopback
-    ports; yields (Addresses, {name: Service}) and stops them on exit (each Service's returncode is
-    then set). Used by ``fuzz_spawned`` and the short CI version (tests/test_fuzz.py)."""
+    """Draft, target and front (no Ray) on tiny models under ``root``; yields (Addresses, {name: Service})."""
     from specdec.harness.tiny_pair import save_tiny_pair, write_config  # torch and transformers: spawned servers only
 
     config = write_config(root / "serve.yaml", save_tiny_pair(root / "models"), draft={"max_sessions": 8},
@@ -654,8 +628,7 @@ def spawned_services(root: Path):
 
 
 def fuzz_spawned(messages: int, seed: int = 0, workdir: Path | None = None) -> dict:
-    """Start draft, target and front (no Ray) on tiny random-weight models on loopback ports, fuzz them,
-    stop them; adds each server's exit code and the tracebacks in its log to the result."""
+    """Fuzz a spawned tiny deployment; adds each server's exit code and logged tracebacks to the result."""
     with spawned_services(Path(workdir or tempfile.mkdtemp(prefix="fuzz-"))) as (addresses, services):
         result = run_fuzz(addresses, messages, seed,
                           alive=lambda: {name: s.returncode is None for name, s in services.items()})
@@ -670,8 +643,7 @@ def fuzz_spawned(messages: int, seed: int = 0, workdir: Path | None = None) -> d
 
 
 def write_report(result: dict, out_dir) -> tuple[Path, Path]:
-    """Write ``fuzz.json`` (the result as is) and ``fuzz.md`` (figures, checks, status table, faults)
-    under ``out_dir``; returns their paths."""
+    """Write ``fuzz.json`` and ``fuzz.md`` under ``out_dir``; returns their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "fuzz.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
