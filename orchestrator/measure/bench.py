@@ -1,14 +1,6 @@
-"""``specdec bench``: target-only (transformers' ``generate``) vs tree speculative (ours) vs HF
-assisted generation vs HF prompt-lookup decoding, greedy, side by side in one process on the same model
-objects; our engine without a draft (``plain``) splits the speedup into what our forwards gain and
-what speculation gains; a sampled speculative pass reports acceptance under sampling.
-
-Questions: the built-in prompt set (``data/prompts.jsonl``: 7 prompts in each of the 13 Spec-Bench
-categories) or a Spec-Bench ``question.jsonl``; the first turn is the prompt. Per method and question:
-TTFT, end-to-end tokens/s and decode-only tokens/s. The methods of a question run back to back in the
-order of a balanced Latin square (``method_order``), so they share the machine's noise and no method
-always follows the same one; speedups are ratios against target-only from the same run; ``repeats``
-keeps each method's median pass. Writes ``results.json`` and ``results.md``.
+"""``specdec bench``: target-only vs tree speculative (ours) vs HF assisted vs HF prompt-lookup decoding,
+side by side in one process on the same models; writes ``results.json`` and ``results.md``.
+The method (question sets, Latin-square order, figures) is in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -91,9 +83,7 @@ def select_questions(questions: list[dict], per_category: int, offset: int = 0) 
 
 
 def load_questions(path: Path | None, per_category: int, offset: int = 0, categories: Sequence[str] = ()) -> list[dict]:
-    """The selected questions of ``path`` (None = the built-in prompt set), of ``categories`` only when
-    given; QuestionsError names the option (--questions, --offset, --category) on a missing,
-    unreadable or malformed file, an unknown category or an empty selection."""
+    """The selected questions of ``path`` (None: built-in set); QuestionsError on a bad file or empty selection."""
     if path is None:
         text, source = BUILTIN_QUESTIONS.read_text(encoding="utf-8"), "built-in"
     else:
@@ -124,9 +114,7 @@ def load_questions(path: Path | None, per_category: int, offset: int = 0, catego
 # ----------------------------------------------------------------------------------------- one question
 
 class FirstTokenTimer(BaseStreamer):
-    """A transformers streamer that records when generate() emits its first new tokens: the first
-    put() after the prompt's (generate puts the prompt first, then each step's committed tokens; the
-    same for plain, assisted and prompt-lookup decoding)."""
+    """A transformers streamer that records when generate() emits its first new tokens (after the prompt's put())."""
 
     def __init__(self):
         self.puts = 0
@@ -142,8 +130,7 @@ class FirstTokenTimer(BaseStreamer):
 
 
 def _hf_generate(model, prompt_ids, max_new_tokens, eos_ids, **extra) -> tuple[list[int], dict]:
-    """Greedy HF generate (extra: assistant_model=..., prompt_lookup_num_tokens=...): tokens and
-    {new_tokens, s, ttft_ms}."""
+    """Greedy HF generate (extra: assistant_model / prompt_lookup_num_tokens): tokens, {new_tokens, s, ttft_ms}."""
     ids = torch.tensor([prompt_ids])  # (1, T)
     timer = FirstTokenTimer()
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
@@ -167,8 +154,7 @@ def _spec_row(stats: GenerationStats) -> dict:
 
 
 def position_sums(runs: list[dict]) -> tuple[list[int], list[int]]:
-    """Element-wise sums of the runs' position_proposed and position_accepted (GenerationStats;
-    rows written before they existed count as none)."""
+    """Element-wise sums of the runs' position_proposed and position_accepted."""
     proposed: list[int] = []
     accepted: list[int] = []
     for r in runs:
@@ -181,23 +167,16 @@ def position_sums(runs: list[dict]) -> tuple[list[int], list[int]]:
 
 
 def greedy_methods(hf_assisted: bool = True, prompt_lookup: bool = True, plain: bool = False) -> list[str]:
-    """The greedy methods to run, in base order (target-only and speculative always; plain, our engine
-    without a draft, only when asked: ``run_bench`` and the command ask by default, the scripts that
-    call ``run_question`` directly do not)."""
+    """The greedy methods to run, in base order (plain, our engine without a draft, only when asked)."""
     skip = {"hf_assisted": not hf_assisted, "prompt_lookup": not prompt_lookup, "plain": not plain}
     return [m for m in METHODS if not skip.get(m, False)]
 
 
 def method_order(methods: Sequence[str], k: int) -> list[str]:
-    """Order k of a balanced Latin square over ``methods`` (Williams 1949, "Experimental designs
-    balanced for the estimation of residual effects of treatments", Australian J. Sci. Res. 2(3)):
-    over orders 0 .. n-1 every method runs once in every place, and over a whole cycle (n orders for
-    an even count n, 2n for an odd one) right after every other method equally often, so no method
-    always follows the same one (a
-    method that heats the machine or evicts caches would otherwise weigh on one neighbour alone).
-    Order 0 is methods[0], methods[1], methods[n-1], methods[2], methods[n-2], ...; order k adds k
-    (mod n) to each index; for odd n orders n .. 2n-1 are orders 0 .. n-1 reversed. k may be any
-    integer (taken modulo the cycle)."""
+    """Order k (any integer) of a balanced Latin square over ``methods`` (Williams 1949, Australian J. Sci.
+    Res. 2(3)): over a cycle (n orders, 2n for odd n) each method runs in every place and after every other
+    equally often. Order 0 is m[0], m[1], m[n-1], m[2], m[n-2], ...; order k adds k (mod n) to each index;
+    for odd n, orders n .. 2n-1 are orders 0 .. n-1 reversed."""
     n = len(methods)
     if n == 0:
         return []
@@ -229,8 +208,7 @@ def run_method(pipe, method: str, prompt_ids, spec, max_new_tokens) -> tuple[lis
 
 
 def median_pass(method: str, runs: list[tuple[list[int], dict]], base_tokens: list[int]) -> dict:
-    """A method's row from its passes: the median pass by total time, whole; with several passes
-    ``repeat_s`` (every pass's seconds); whether every pass's tokens equal ``base_tokens``."""
+    """A method's row: its median pass by time, ``repeat_s`` (each pass's s), whether all equal ``base_tokens``."""
     _, figures = sorted(runs, key=lambda pass_: pass_[1]["s"])[(len(runs) - 1) // 2]
     figures = dict(figures)
     if len(runs) > 1:
@@ -245,16 +223,9 @@ def median_pass(method: str, runs: list[tuple[list[int], dict]], base_tokens: li
 
 def run_question(pipe, prompt_ids, spec, max_new_tokens, hf_assisted: bool = True, sampling: SamplingParams = GREEDY,
                  prompt_lookup: bool = True, rotate: int = 0, repeats: int = 1, plain: bool = False) -> dict:
-    """One question: every greedy method back to back (in ``method_order(methods, rotate)``), each
-    row with new_tokens, s, ttft_ms and matches_target (same tokens as target-only); then, unless
-    ``sampling`` is greedy, a speculative pass with those parameters ("sampled"). plain: also our
-    engine without a draft.
-
-    repeats: R >= 1 passes, pass j in ``method_order(methods, rotate + j)``; each method's row is its
-    median pass by total time (the lower middle for even R) with ``repeat_s`` every pass's seconds.
-    The cost-aware control keeps learning from pass to pass, as a server answering the same question
-    again would. matches_target holds only if every pass equals target-only's first (target-only's
-    ``repeats_agree`` says whether its own passes agreed). Raises ValueError for repeats < 1."""
+    """One question: every greedy method back to back (pass j in ``method_order(methods, rotate + j)``),
+    then a "sampled" speculative pass unless ``sampling`` is greedy. Each row is the median of ``repeats``
+    passes; matches_target holds only if every pass equals target-only's first. ValueError for repeats < 1."""
     if repeats < 1:
         raise ValueError(f"--repeats: must be >= 1, got {repeats}")
     methods = greedy_methods(hf_assisted, prompt_lookup, plain)
@@ -281,8 +252,7 @@ def _ratio(a: float, b: float) -> float:
 
 
 def method_figures(runs: list[dict]) -> dict:
-    """Aggregate one method's runs: end-to-end tokens/s and decode-only tokens/s as ratios of sums
-    (long answers weigh more), TTFT as the mean over questions."""
+    """One method's tokens/s (end to end, decode only) as ratios of sums, TTFT as the mean over questions."""
     return {
         "tokens_per_s": _ratio(sum(r["new_tokens"] for r in runs), sum(r["s"] for r in runs)),
         "decode_tokens_per_s": _ratio(sum(max(0, r["new_tokens"] - 1) for r in runs),
@@ -292,14 +262,8 @@ def method_figures(runs: list[dict]) -> dict:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Aggregate question rows: per method ``{m}_tokens_per_s``, ``{m}_decode_tokens_per_s``,
-    ``{m}_ttft_ms``; against target-only ``{m}_speedup`` (end to end), ``{m}_decode_speedup``,
-    ``{m}_ttft_ratio`` and ``{m}_match_fraction`` (greedy output equal to target-only); with the
-    plain column, ``speculative_over_plain`` (speculative end-to-end tokens/s over our plain
-    decoding's: what speculation alone gains); ours' mean accepted length, acceptance rate and
-    efficiency (speedup / mean accepted length); where ours' time went (``speculative_{ttft,draft,verify}_share``
-    of its seconds, ``speculative_draft_rounds`` and ``speculative_draft_ms_per_draft_round``: rows
-    with ``draft_rounds``, ``GenerationStats``' phases); the sampled pass's figures if it ran."""
+    """Aggregate question rows: per method tokens/s, TTFT, speedups and match fraction against target-only;
+    ours' acceptance figures and time shares; the sampled pass's figures if it ran (docs/benchmarks.md)."""
     out: dict = {"questions": len(rows)}
     for m in (m for m in METHODS if m in rows[0]):
         for key, value in method_figures([r[m] for r in rows]).items():
@@ -341,9 +305,7 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
 
 
 def speedup_table(summary: dict[str, dict], temperature: float | None = None) -> str:
-    """One row per category: target-only tokens/s, each method's speedups (end to end, decode only),
-    speculative over our plain decoding (end to end) when that column ran, ours' acceptance figures,
-    which outputs equal target-only; the sampled pass's columns (labelled with its temperature) if it ran."""
+    """One row per category: target-only tokens/s, each method's speedups, ours' acceptance, output matches."""
     first = next(iter(summary.values()))
     others = [m for m in METHODS[1:] if f"{m}_speedup" in first]
     sampled = "sampled_acceptance_rate" in first
@@ -383,8 +345,7 @@ def latency_table(summary: dict[str, dict]) -> str:
 
 
 def position_table(summary: dict[str, dict]) -> str:
-    """One row per category: ours' (greedy) acceptance at each tree position, with the number of
-    rounds whose tree reached it in parentheses; empty when no round drafted."""
+    """One row per category: ours' acceptance at each tree position (rounds reaching it in parentheses)."""
     depth = max((len(s.get("position_proposed", [])) for s in summary.values()), default=0)
     if depth == 0:
         return ""
@@ -397,13 +358,8 @@ def position_table(summary: dict[str, dict]) -> str:
 
 
 def phase_table(summary: dict[str, dict]) -> str:
-    """One row per category: where ours' (greedy speculative) time went, as shares of its total
-    seconds, parts that do not overlap: the first token (TTFT: the sessions' opening and the first
-    round, the target's prefill in it), the later rounds' draft phases (the draft's steps and, on
-    shared compute, its deferred prefill) and their verifies, and the rest (commits with any wait for
-    a pipelined ahead, control, lock-step waits, a draft open that failed); then
-    the draft phase's mean ms over the later rounds that asked the draft ("-" where none did).
-    Empty for rows without phases."""
+    """One row per category: shares of ours' time (first token, later draft phases, verifies, the rest)
+    and the draft phase's mean ms; empty for rows without phases."""
     if not all("speculative_draft_share" in s for s in summary.values()):
         return ""
     rows = []
@@ -415,8 +371,7 @@ def phase_table(summary: dict[str, dict]) -> str:
 
 
 def markdown_table(summary: dict[str, dict], temperature: float | None = None) -> str:
-    """The speedup table, the TTFT / tokens/s table, ours' acceptance per tree position, then where
-    ours' time went (``phase_table``; blank lines between)."""
+    """The speedup, TTFT / tokens/s, acceptance-per-position and phase tables, blank lines between."""
     extra = [t for t in (position_table(summary), phase_table(summary)) if t]
     return speedup_table(summary, temperature) + "\n" + latency_table(summary) + "".join("\n" + t for t in extra)
 
@@ -425,9 +380,8 @@ def markdown_table(summary: dict[str, dict], temperature: float | None = None) -
 
 def run_questions(pipe, questions: list[dict], spec, max_new_tokens: int, sampling: SamplingParams,
                   **options) -> tuple[list[dict], list]:
-    """``run_question`` on each question (question i rotates the method order by i and samples with
-    seed + i); questions whose prompt plus max_new_tokens exceed the context are skipped. Returns the
-    rows and the skipped question ids; ValueError when none fits."""
+    """``run_question`` on each question (rotation and seed + i); returns rows and skipped ids (too long for the
+    context); ValueError when none fits."""
     rows, skipped = [], []
     for i, q in enumerate(track(questions, description="bench", console=console)):
         prompt_ids = encode_prompt(pipe.tokenizer, q["turns"][0], raw=False)
@@ -453,13 +407,7 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
               argmax_screen: bool = True, repeats: int = 1, plain: bool = True) -> dict:
     """Run the benchmark and write results.json + results.md under out_dir; returns the summary.
 
-    questions_path: a Spec-Bench question.jsonl (None = the built-in prompt set); offset skips the
-    first questions of each category; categories: only these. sampling: the sampled speculative
-    pass's parameters (greedy = no such pass; question i uses seed + i). control: one of
-    specdec.config.CONTROLS. target / draft: model paths (None = the default pair). draft_window: the
-    context a draft session opens with (None = all tokens). argmax_screen: greedy rows of our engine
-    through the int8-screened argmax head where the target takes one. repeats: see ``run_question``
-    (ValueError for repeats < 1 before the models load). plain: the "plain (ours)" column.
+    Parameters mirror ``specdec bench``'s options (docs/usage.md); ValueError for repeats < 1 before models load.
     """
     if repeats < 1:
         raise ValueError(f"--repeats: must be >= 1, got {repeats}")
@@ -489,8 +437,7 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
 
 def write_results(out_dir: Path, rows: list[dict], meta: dict, spec: TreeSpec, dtype: str, sampling: SamplingParams,
                   max_new_tokens: int) -> dict:
-    """results.json (meta, summaries per category and overall, question rows) and results.md under
-    out_dir; prints the tables and returns the summaries."""
+    """Write results.json and results.md under out_dir; prints the tables and returns the summaries."""
     by_cat: dict[str, list] = defaultdict(list)
     for r in rows:
         by_cat[r["category"]].append(r)
@@ -505,8 +452,7 @@ def write_results(out_dir: Path, rows: list[dict], meta: dict, spec: TreeSpec, d
 
 
 def _cost_line(meta: dict) -> str:
-    """The cost model's V(n) and D(p) at start-up (its shape: only the scale learns) and at the end of
-    the run; empty without the cost-aware control."""
+    """The cost model's V(n) and D(p) at start-up and at the end; empty without the cost-aware control."""
     start, end = meta.get("cost_model_start"), meta.get("cost_model")
     if not start or not end:
         return ""
