@@ -1,18 +1,7 @@
-"""``specdec profile-draft``: the DraftProfile of design note 004 (../shared/seeds) for each candidate
-draft against one target, to choose a draft.
+"""``specdec profile-draft``: the DraftProfile (design note 004) of each candidate draft against one target.
 
-A candidate is ``PATH[@QUANT]``: a model directory or .gguf file (``default`` = the default real
-draft) and its quantization (``none`` or ``int8``; default: ``--draft-quant``). Per candidate:
-
-- ``parameters``: counted from the loaded model (the int8 linears' packed weights included);
-- ``tokensPerSecond``: the draft alone, greedy HF ``generate``, decode-only tokens/s
-  ((new tokens - 1) / (time - TTFT)) over the task set;
-- ``compatibleTokenizer``: the pair check of ``specdec.models.check_pair`` (same vocabulary and
-  special tokens); when false, ``tokenizerReason`` says why and nothing else is measured;
-- ``acceptanceRate`` and ``endToEndSpeedup``: speculation with this draft against the target alone
-  on the task set (orchestrator.measure.eval_report: same runner and aggregation as ``specdec eval``).
-
-The target is loaded once and shared by every candidate. Writes ``profile.json`` and ``profile.md``.
+A candidate is ``PATH[@QUANT]``; acceptance and speedup use ``specdec eval``'s runner and aggregation.
+The target is loaded once for all candidates. Writes ``profile.json`` and ``profile.md`` (docs/usage.md).
 """
 
 from __future__ import annotations
@@ -78,9 +67,7 @@ def parse_candidate(text: str, default_quant: str) -> Candidate:
 
 
 def count_parameters(model) -> int:
-    """Weights and biases of the model. Linears packed for the CPU hold theirs outside parameters():
-    dynamic-int8 linears (specdec.model_setup.quantize_draft) and oneDNN-packed float linears
-    (specdec.cpu_linear.PackedLinear, a buffer in the blocked layout): those count in * out + bias."""
+    """Weights and biases of the model; CPU-packed linears (int8, oneDNN) hold theirs outside parameters()."""
     n = sum(p.numel() for p in model.parameters())
     for module in model.modules():
         if isinstance(module, DynamicInt8Linear):
@@ -158,8 +145,7 @@ def markdown(profiles: list[DraftProfile], meta: dict) -> str:
 def run_profile(candidates: list[Candidate], out_dir: Path, *, target: str | None = None, questions_path: Path | None = None,
                 per_category: int = 1, max_new_tokens: int = 64, dtype: str = "auto", control: str = "cost-aware",
                 spec=None) -> list[DraftProfile]:
-    """Profile every candidate against the target; writes profile.json and profile.md under out_dir.
-    Raises QuestionsError / ModelError / ValueError naming the option."""
+    """Profile every candidate and write profile.{json,md} under out_dir; QuestionsError/ModelError/ValueError."""
     questions = load_questions(questions_path, per_category)
     base = ModelsConfig(target=target, dtype=dtype)
     loaded_target = load_target(base)

@@ -1,10 +1,4 @@
-"""Tables and figures of ``specdec eval`` (orchestrator.measure.eval_report): report.md and three PNGs.
-
-- ``speedup.png``: end-to-end speedup over target-only per slice, with the 1.0 line (below it,
-  speculation loses);
-- ``latency.png``: TTFT and p95 end-to-end latency side by side, target-only vs speculative, per slice;
-- ``acceptance_per_depth.png``: acceptance at each tree depth, overall and per category.
-"""
+"""Tables and figures of ``specdec eval``: report.md, speedup.png, latency.png and acceptance_per_depth.png."""
 
 from __future__ import annotations
 
@@ -91,8 +85,7 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
 
 
 def report_table(reports) -> str:
-    """One row per report: slice, questions, speedups, TTFT and p95 (both modes), acceptance, depth,
-    output equivalence, peak memory."""
+    """One row per report: slice, speedups, TTFT and p95 (both modes), acceptance, equivalence, memory."""
     head = ["slice", "n", "speedup", "decode speedup", "TTFT ms (target / spec)", "p95 ms (target / spec)",
             "decode tok/s (target / spec)", "acc rate", "mean acc len", "spec length", "= target", "peak MB"]
     rows = [[_label(r), str(r.questions), f"{r.speedup:.2f}x", f"{r.decode_speedup:.2f}x",

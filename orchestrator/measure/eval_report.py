@@ -1,20 +1,8 @@
 """``specdec eval``: the SpeculativeReport of design note 004 (../shared/seeds), overall and per slice.
 
-A speculative deployment is judged against the target alone. Every selected question runs greedy
-twice, target-only (plain target decoding, ``spec=None`` / ``no_spec``) and speculative, back to
-back (order alternating per question, so both share the machine's noise), embedded (the models in
-this process, ``orchestrator.loop.embedded``) or on a running front (``--server``). The runs are then
-sliced, because averages hide the failing cases:
-
-- ``category``: the question's task category;
-- ``promptLength``: prompt tokens (chat template included) <128, 128-512, >512;
-- ``outputLength``: target-only new tokens <32, 32-128, >128;
-- ``language``: ISO 639 code of the prompt text, detected by py3langid (a maintained fork of
-  langid.py, Lui & Baldwin 2012: naive Bayes over byte n-grams, 97 languages).
-
-Each slice and the whole set get one ``SpeculativeReport``; ``report.json`` holds them with the
-per-question rows, ``report.md`` the tables and ``*.png`` the figures (orchestrator.measure.eval_figures).
-Only greedy runs are compared: ``outputEquivalent`` means token-identical to target-only.
+Every question runs greedy twice, target-only and speculative, order alternating, embedded or on a front
+(``--server``); the runs are sliced by category, prompt length, output length and language, because
+averages hide the failing cases. Slices and method: docs/observability.md.
 """
 
 from __future__ import annotations
@@ -50,13 +38,8 @@ COMPARED_OUTPUTS = "greedy token ids, speculative vs target-only, per question"
 # ----------------------------------------------------------------------------------------- the report
 
 class SpeculativeReport(BaseModel):
-    """One slice's figures. JSON names are the seed's camelCase (design note 004): the first nine
-    fields are its SpeculativeReport; the rest are the target-only counterparts, ratios and details.
-
-    Units: ms, tokens/s, MB (10**6 bytes). Ratios are speculative / target-only (speedup > 1 = faster;
-    latency ratios < 1 = faster). ``speculationLength``: mean tree depth over the speculative runs'
-    rounds (a round without a tree counts 0). ``acceptancePerDepth[d-1]``: accepted draft tokens at
-    depth d / rounds whose tree reached depth d (vLLM's per-position acceptance).
+    """One slice's figures; JSON names in camelCase (design note 004: the first nine fields are its
+    SpeculativeReport). Units: ms, tokens/s, MB (10**6 bytes); ratios are speculative / target-only.
     """
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, frozen=True)
@@ -95,9 +78,7 @@ class SpeculativeReport(BaseModel):
 
 @dataclass(frozen=True)
 class Run:
-    """One greedy generation: tokens, timing (seconds / ms from the call), and per round (tree depth,
-    accepted draft tokens) — (0, 0) for a plain round; ``rounds`` None when the runner cannot see
-    them (a remote front streams no tree depths), ``rounds_count`` then says how many there were."""
+    """One greedy generation: tokens, timing, and per round (tree depth, accepted) or None from a remote front."""
 
     tokens: list[int]
     ttft_ms: float
@@ -160,9 +141,8 @@ def detect_language(text: str) -> str:
 # ----------------------------------------------------------------------------------------- memory
 
 def peak_rss_mb(pid: int | None = None) -> float:
-    """Peak resident set size of a process (None = this one), MB (10**6 bytes): VmHWM of
-    /proc/PID/status on Linux, else ru_maxrss of this process. The kernel's RSS counters are
-    approximate by up to ~64 pages per thread. Raises ValueError (naming the pid) when unreadable."""
+    """Peak RSS of a process (None = this one), MB (10**6 bytes), from VmHWM (Linux) or ru_maxrss.
+    Raises ValueError (naming the pid) when unreadable."""
     target = os.getpid() if pid is None else pid
     try:
         for line in Path(f"/proc/{target}/status").read_text().splitlines():
@@ -214,9 +194,7 @@ class EmbeddedRunner:
 
 
 class RemoteRunner:
-    """Both runs on a generation front (specdec.v1.GenerationService at ``address``); TTFT and
-    latency are measured here, from the call to the first / last streamed message. ``service_pids``:
-    local processes (draft, target, front) whose peak memory to report."""
+    """Both runs on a front at ``address``, timed here; ``service_pids``: processes whose memory to report."""
 
     def __init__(self, address: str, spec, max_new_tokens: int, tokenizer=None, service_pids: tuple[int, ...] = ()):
         self.address, self.spec, self.max_new_tokens = address, spec, max_new_tokens
@@ -257,8 +235,7 @@ class RemoteRunner:
 
 def run_questions(runner: Runner, questions: list[dict], context_limit: int | None = None,
                   max_new_tokens: int = 0) -> tuple[list[QuestionRun], list]:
-    """Both runs of every question (order alternating); returns the runs and the skipped question ids
-    (prompt + max_new_tokens over ``context_limit``, when known)."""
+    """Both runs of every question (order alternating); returns the runs and the ids skipped as too long."""
     runner.run("Say hi.", speculate=True)  # warm-up, not recorded
     out, skipped = [], []
     for i, q in enumerate(questions):
@@ -361,10 +338,8 @@ def run_eval(spec, questions_path: Path | None, per_category: int, max_new_token
              make_runner: Callable | None = None) -> list[SpeculativeReport]:
     """Run the evaluation and write the report under out_dir; returns the reports (overall first).
 
-    questions_path: Spec-Bench style JSONL (None = the built-in prompt set), per_category questions
-    of each category. server: host:port of a front (the models, dtype and control are the server's);
-    else the pair is loaded here (orchestrator.loop.embedded.build_pipeline). make_runner: runner -> runner
-    (tests wrap the runner). Raises QuestionsError / ModelError / ValueError naming the option.
+    server: host:port of a front, else the pair is loaded here; make_runner wraps the runner (tests).
+    Raises QuestionsError / ModelError / ValueError naming the option.
     """
     questions = load_questions(questions_path, per_category)  # bad files fail before the models load
     if server is not None:

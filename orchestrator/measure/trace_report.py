@@ -1,24 +1,8 @@
 """``specdec trace-report``: where a speculation round's time goes, from OpenTelemetry spans.
 
-Input: OTLP JSON, as the OpenTelemetry Collector's file exporter writes it (one
-``{"resourceSpans": [...]}`` document per line; ``specdec serve`` writes the same with
-``OTEL_TRACES_EXPORTER=otlp_json_file``, specdec.telemetry). Each orchestrator ``round`` span (children
-``draft``, ``verify``, ``commit``; orchestrator.loop.controller) is split into sequential phases, ms:
-
-- ``draft_compute``: the draft service's own time for the tree (``draft.draft_ms`` on the ``draft`` span,
-  measured by the draft service around its propose; it includes waiting for the draft's model worker);
-- ``draft_wire``: the rest of the ``draft`` span (serialisation, transport, the draft stream's scheduling);
-- ``verify_queue``: time the verify waited in the target's batcher (``specdec.queue_ms`` of the target
-  service's ``target.verify`` span, found under the ``verify`` span through the gRPC spans); 0 when the
-  target's spans are missing (then the wait is inside ``verify_wire``);
-- ``verify_compute``: the target's batched forward (``target.verify_ms`` on the ``verify`` span);
-- ``verify_wire``: the rest of the ``verify`` span;
-- ``commit``: the ``commit`` span (both workers keep the committed tokens);
-- ``control``: the rest of the round, in the orchestrator (tree decision and shaping, stop checks).
-
-The phases run one after another, so they add up to the round, and a request's critical path is the
-chain of its rounds: the report names, per request, the phase with the largest share of that path and
-its longest round. Writes ``trace_report.json``, ``trace_report.md`` and ``trace_report.png``.
+Input: OTLP JSON lines (the Collector's file exporter, or ``OTEL_TRACES_EXPORTER=otlp_json_file``). Each
+``round`` span is split into sequential phases (ms) that add up to the round; docs/observability.md defines
+them. Writes ``trace_report.json``, ``trace_report.md`` and ``trace_report.png``.
 """
 
 from __future__ import annotations
@@ -129,7 +113,7 @@ def _descendant(span: Span, children: dict[str, list[Span]], name: str) -> Span 
 
 
 def round_phases(round_span: Span, children: dict[str, list[Span]]) -> RoundPhases:
-    """Split one ``round`` span into PHASES (module docstring), ms."""
+    """Split one ``round`` span into PHASES (docs/observability.md), ms."""
     kids = {c.name: c for c in children.get(round_span.span_id, [])}
     phases = dict.fromkeys(PHASES, 0.0)
     draft, verify, commit = kids.get("draft"), kids.get("verify"), kids.get("commit")
@@ -176,8 +160,7 @@ def phase_stats(rounds: list[RoundPhases]) -> dict[str, dict[str, float]]:
 
 
 def critical_path(rounds: list[RoundPhases]) -> dict:
-    """A request's rounds run one after another and each round's phases too: the critical path is
-    every phase of every round. Returns its length, the phase with the largest share and the longest round."""
+    """A request's critical path (every phase of every round, all sequential): length, top phase, longest round."""
     totals = {p: sum(r.phases[p] for r in rounds) for p in PHASES}
     longest = max(rounds, key=lambda r: r.round_ms)
     return {"length_ms": sum(r.round_ms for r in rounds), "dominant_phase": max(totals, key=totals.get),
@@ -226,8 +209,7 @@ def markdown(report: dict) -> str:
 
 
 def figure(report: dict, path: Path) -> None:
-    """Left: stacked phase bars per round of the request with the most rounds; right: each phase's
-    distribution (ms) across all rounds of all requests."""
+    """Left: stacked phase bars per round of the longest request; right: each phase's distribution (ms)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -253,8 +235,7 @@ def figure(report: dict, path: Path) -> None:
 
 
 def write_trace_report(paths: list[Path], out_dir: Path) -> dict:
-    """Read the spans files, write trace_report.{json,md,png} under out_dir; returns the report.
-    Raises TraceFileError naming the file."""
+    """Write trace_report.{json,md,png} under out_dir from the spans files; raises TraceFileError naming the file."""
     report = build_report(read_spans(paths))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "trace_report.json").write_text(json.dumps(report, indent=2))
