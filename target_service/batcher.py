@@ -1,11 +1,7 @@
 """Verify batching (DESIGN.md "Batching"): concurrent verifies of different sessions, one forward.
 
-``specdec.batching.SessionBatcher`` with the target's calls: a verify waits up to ``wait_ms`` for
-company; the first ``max_batch`` waiting items with distinct sessions then go to the runtime as one
-``verify_batch(items)`` call on the model worker thread, and each caller gets its own result (or
-exception) back, with the batch's size, rows and time (``BatchedVerify``). Deadlines and abandoned
-callers as there. A runtime without ``verify_batch`` is served by ``verify`` in a loop (same
-results, one forward each). Plain asyncio, no gRPC: tests drive it directly.
+``specdec.batching.SessionBatcher`` with the target's calls: up to ``max_batch`` distinct sessions
+waiting ``wait_ms`` go to one ``verify_batch`` (or ``verify`` in a loop where the runtime lacks it).
 """
 
 from __future__ import annotations
@@ -23,10 +19,8 @@ from target_service.runtime import PrefillChunk
 
 @dataclass(frozen=True)
 class BatchedVerify:
-    """One item's outcome: its result, how many sessions shared the call, the call's time (ms), and
-    the rows the call computed over all its sessions (what its latency depends on): packed, the
-    sum of every session's nodes + 1; padded, B x Q, each session's row padded to the largest
-    tree's nodes + 1 (one session: its tree's nodes + 1)."""
+    """One item's outcome: its result, sessions sharing the call, the call's time (ms), and the rows it
+    computed (packed: sum of nodes + 1; padded: B x Q)."""
 
     result: VerifyResult
     batch_size: int
@@ -35,13 +29,8 @@ class BatchedVerify:
 
 
 class VerifyBatcher(SessionBatcher):
-    """Merges concurrent verifies into ``runtime.verify_batch`` calls (``SessionBatcher``).
-
-    runtime: has ``verify(session_id, tree)`` and optionally ``verify_batch(items)`` (returning one
-    VerifyResult or Exception per item); worker: the runtime's ModelWorker; max_batch, wait_ms,
-    on_done(session_id, outcome), gather: as ``SessionBatcher`` (on_done: the owner's bookkeeping of
-    sessions with a verify in flight or pending; gather: waiting for sessions expected back).
-    """
+    """Merges concurrent verifies into ``runtime.verify_batch`` calls. worker: the runtime's ModelWorker;
+    max_batch, wait_ms, on_done(session_id, outcome), gather: as ``SessionBatcher``."""
 
     def __init__(self, runtime, worker: ModelWorker, max_batch: int = 8, wait_ms: float = 2.0,
                  on_done: Callable[[str, VerifyResult | Exception | None], None] | None = None, gather: float = 0.0):
@@ -64,16 +53,12 @@ class VerifyBatcher(SessionBatcher):
 
     async def prefill_chunk(self, session_id: str, tokens: Sequence[int], deadline: float | None = None,
                             still_open: Callable[[], bool] | None = None) -> None:
-        """Feed the next chunk of a session's prompt in the next verify forward (chunked prefill
-        mixed with the other sessions' verifies; the runtime must take ``PrefillChunk`` items).
-        still_open: ``PrefillChunk.still_open`` (False right before the forward = the chunk is not
-        fed). Raises the runtime's error (SessionStateError past the prefill, UnknownSessionError
-        once released, ...) or DeadlineExpiredError."""
+        """Feed the next chunk of a session's prompt in the next verify forward (``PrefillChunk``). Raises
+        the runtime's error (SessionStateError, UnknownSessionError, ...) or DeadlineExpiredError."""
         await self.submit(session_id, PrefillChunk(tuple(tokens), still_open), deadline)
 
     async def verify(self, session_id: str, tree: DraftTree, deadline: float | None = None) -> BatchedVerify:
-        """Verify one tree, merged with concurrent ones. Raises the item's exception from the
-        runtime (UnknownSessionError, SessionStateError, ...) or DeadlineExpiredError."""
+        """Verify one tree, merged with concurrent ones. Raises the item's runtime error or DeadlineExpiredError."""
         return await self.submit(session_id, tree, deadline)
 
     async def verify_many(self, items: Sequence[tuple[str, DraftTree]], deadline: float | None = None) -> list[BatchedVerify | Exception]:

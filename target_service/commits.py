@@ -1,20 +1,9 @@
-"""Commits that do not wait for the model worker (DESIGN.md "Batching").
+"""Commits that do not wait for the model worker (docs/design.md "KV rollback").
 
-A Commit keeps the accepted nodes' KV and drops the rest (``TargetRuntime.commit``: KV rollback).
-Run as a job on the target's one model-worker thread, it waits behind whatever forward is running
-there: with two requests whose rounds drifted apart, request A's commit (a quick rollback) waits for
-the whole verify forward of request B that started the moment A's ended, and A's next round starts
-only then.
-
-``DeferredCommits`` wraps the runtime: ``defer(session_id, num_tokens)`` records the commit (the
-server has already checked it against the pending result), and the session's next call on the
-worker thread (verify, verify_batch, commit) applies it first; release and a new start under the
-same id drop it. A rollback that raises is not retried: the session's later calls fail
-(``apply``) until it is released. Each session's operations stay in their order, so every forward
-sees the same KV as with the commit run at once; the commit's reply does not wait for other
-sessions' forwards. The record is touched from the event
-loop (``defer``) and the worker thread (the calls) for one session at a time: the server's session
-states let no verify of a session be queued or running while its commit is taken.
+Why: run as a worker job, a quick rollback would wait behind another session's whole verify forward.
+``DeferredCommits.defer`` records a checked commit and the session's next call on the worker thread
+(verify, verify_batch, commit) applies it first; release or a new start drop it. Each session's
+operations keep their order, so every forward sees the same KV as with the commit run at once.
 """
 
 from __future__ import annotations
@@ -26,11 +15,7 @@ from target_service.tp import RankFailureError
 
 
 class DeferredCommits:
-    """A target runtime whose commits are applied at the session's next call (module docstring).
-
-    runtime: ``TargetRuntime`` or anything with the same methods (commit, verify, optionally
-    verify_batch, release); other attributes pass through.
-    """
+    """A target runtime whose commits are applied at the session's next call; other attributes pass through."""
 
     def __init__(self, runtime):
         self.runtime = runtime
@@ -47,13 +32,9 @@ class DeferredCommits:
         self.deferred.setdefault(session_id, []).append(num_tokens)
 
     def apply(self, session_id: str) -> None:
-        """Run the session's recorded commits, in order (on the worker thread).
-
-        A commit that raises may have left the session's KV half rolled back: it is never run
-        again, and this call and every later call of the session (until release, or a new start
-        under its id) raise SessionStateError naming the session and the first error (a client
-        sees FAILED_PRECONDITION: release the session and start again). A RankFailureError (a
-        tensor-parallel rank died) propagates as itself: the server fails every call then."""
+        """Run the session's recorded commits, in order (on the worker thread). A commit that raises may
+        leave the KV half rolled back: it and every later call of the session until release raise
+        SessionStateError (FAILED_PRECONDITION); a RankFailureError propagates as itself."""
         broken = self.failed.get(session_id)
         if broken is not None:
             raise SessionStateError(f"session_id: {session_id!r}: its KV rollback failed ({broken}); release it")

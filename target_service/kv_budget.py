@@ -1,22 +1,12 @@
 """How many KV slots the target service may hand out: ``target.max_kv_tokens: auto`` sized from memory.
 
-A fixed slot count either wastes memory or lets concurrent long requests take the process past what
-the machine (or its container) has, and out-of-memory under concurrency is the failure operators
-name first. ``auto`` (the default) fixes the budget once, at start-up after the weights are loaded,
-the way vLLM sizes its KV blocks from ``gpu_memory_utilization``:
+Sized once after loading, as vLLM sizes KV blocks from ``gpu_memory_utilization``:
 
     max_kv_tokens = floor(target.kv_memory_fraction * free memory / KV bytes per token)
 
-- KV bytes per token: 2 (K and V) x layers x KV heads x head dim x element size, over all
-  tensor-parallel ranks (Qwen2.5-1.5B in float32: 2 x 28 x 2 x 128 x 4 = 57,344 bytes).
-- Free memory, CPU: the smaller of the machine's MemAvailable (/proc/meminfo) and what the process's
-  cgroup (a container's memory limit, v2 or v1; its own cgroup first) has left, not counting the
-  inactive file cache the kernel reclaims first. CUDA: ``torch.cuda.mem_get_info`` of the
-  first device, times the number of ranks (each holds its share of the heads).
-- The default fraction, 0.7, leaves headroom for what the budget does not count: verification's
-  activations and attention masks, the draft and front when they share the machine.
-
-Where memory cannot be read (no /proc), the budget is ``FALLBACK_KV_TOKENS``.
+KV bytes per token: 2 x layers x KV heads x head dim x element size (Qwen2.5-1.5B float32: 57,344).
+Free memory, CPU: min(MemAvailable, the cgroup's limit left, inactive file cache not counted); CUDA:
+``torch.cuda.mem_get_info`` times the ranks. Unreadable memory: ``FALLBACK_KV_TOKENS``.
 """
 
 from __future__ import annotations
@@ -35,9 +25,8 @@ _PROC_CGROUP = Path("/proc/self/cgroup")
 
 
 def kv_bytes_per_token(config, element_size: int) -> int:
-    """Bytes of K and V one cached token holds over all layers. config: a transformers model config
-    (num_hidden_layers, num_attention_heads, num_key_value_heads, hidden_size, optional head_dim);
-    element_size: bytes per KV element (4 for float32, 2 for bfloat16)."""
+    """Bytes of K and V one cached token holds over all layers. config: a transformers model config;
+    element_size: bytes per KV element (4 for float32)."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -83,9 +72,8 @@ def _stat(path: Path, key: str) -> int:
 
 
 def cgroup_free_bytes() -> int | None:
-    """Memory the process's cgroup may still use, or None without a limit: limit - (usage - inactive
-    file cache), since the kernel reclaims that cache (e.g. the checkpoint just read) before it
-    refuses memory."""
+    """Memory the process's cgroup may still use (None without a limit): limit - (usage - inactive file cache),
+    since the kernel reclaims that cache first."""
     for folder, limit_name, usage_name, inactive_key in _cgroup_dirs():
         limit, usage = _read_int(folder / limit_name), _read_int(folder / usage_name)
         if limit is not None and usage is not None and limit < (1 << 60):  # v1 writes a huge number for "none"

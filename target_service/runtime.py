@@ -2,30 +2,12 @@
 
 Dims: L cached slots, N tree nodes, V vocabulary.
 
-Target cache invariant: after every ``commit`` the cache holds KV for all committed tokens but the
-last one, the root R. Verify feeds [R, node 0, ..., node N-1] at slots L..L+N with tree position
-ids (R at L, a depth-d node at L + d) and the tree attention mask; commit keeps R and the accepted
-nodes, compacted to slots L, L+1, ..., and drops the rest (KV cache rollback).
-
-``start`` prefills the whole prompt in one forward, R included, and keeps R's logits: the first
-verify then feeds only the tree's nodes (an empty tree needs no forward at all), so the first token
-costs what target-only decoding's prefill costs (TTFT). Until that first commit the cache holds L + 1
-slots (R's KV among them); the layout after the verify is the usual one.
-
-Each session keeps the request's SamplingParams (given once, at ``start``) and, when sampling, its own
-random generator, so a request's draws never depend on other sessions.
-
-``verify_batch`` verifies the trees of several sessions in one forward (DESIGN.md "Batching"); each
-session ends up exactly as after its own ``verify``. The rows are packed into one sequence, each
-session attending to its own cache (``specdec.forward.model_forward_packed``), or, without sdpa,
-padded into a batch (``batched_tree_inputs``).
-A batch may also carry the next chunk of a session's prompt (``PrefillChunk``): chunked prefill
-mixed into the other sessions' verify forward, as ``extend`` would feed it alone.
-
-Greedy sessions need only each row's argmax: where the model has an ``ArgmaxHead``
-(``specdec.argmax_head``, attached by ``load_target`` on a float32 CPU target), their verify rows
-skip the full LM head and take the screened exact argmax; sampled sessions and prefill rows keep
-the full float32 logits.
+Cache invariant (docs/design.md "KV rollback"): after every ``commit`` the cache holds KV for all
+committed tokens but the last, the root R. Verify feeds [R, node 0, ..., node N-1] at slots L..L+N;
+commit keeps R and the accepted nodes, compacted to slots L, L+1, ..., and drops the rest.
+``start`` prefills the whole prompt, R included, and keeps R's logits, so the first verify feeds only
+the nodes (TTFT as target-only prefill); until that first commit the cache holds L + 1 slots.
+Each session has its own random generator, so a request's draws never depend on other sessions.
 """
 
 from __future__ import annotations
@@ -67,11 +49,10 @@ class TargetSession:
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    """The next tokens of a session's prompt, fed in a ``verify_batch`` forward beside other
-    sessions' trees: the row holds [R, tokens...] as a chain, and afterwards the session is as after
-    ``extend(session_id, tokens)``. tokens: [C] ids, C >= 1; still_open: called on the worker thread
-    right before the forward, False = the session that queued the chunk is gone (released, maybe
-    reopened under the same id): the chunk is refused with UnknownSessionError, never fed."""
+    """The next prompt chunk of a session, fed as a chain [R, tokens...] in a ``verify_batch`` forward;
+    afterwards the session is as after ``extend``. tokens: [C] ids, C >= 1; still_open: checked right
+    before the forward, False = the session is gone (maybe reopened under the same id): the chunk is
+    refused with UnknownSessionError."""
 
     tokens: tuple[int, ...]
     still_open: Callable[[], bool] | None = field(default=None, compare=False)
@@ -102,16 +83,11 @@ class TargetRuntime:
     batch_prefill_chunks = True  # verify_batch takes PrefillChunk items
 
     def __init__(self, model, max_tree_nodes: int = MAX_TREE_NODES, packed: bool | None = None, direct: bool = True):
-        """model: a transformers causal LM; max_tree_nodes: the largest tree ``verify`` takes;
-        packed: how ``verify_batch`` lays out several sessions' rows. True = packed into one
-        sequence, each session attending to its own cache (``model_forward_packed``; switches the
-        model's ``sdpa`` attention to the packed one, which is plain sdpa for every other forward);
-        False = a padded [B, Q] batch after a stacked cache (``model_forward_batch``); None = packed
-        when the model's attention is ``sdpa`` (the transformers default) and its class takes a
-        registered attention function, else padded. Raises ValueError for packed=True where that
-        does not hold (``specdec.forward.packed_layout``). direct: one session's forwards (prefill,
-        verify) go through ``specdec.forward.DirectDecoder`` where it knows the model (the same
-        logits, argmax ids and KV, bit for bit, with less per-call overhead), else ``model_forward``."""
+        """model: a transformers causal LM. packed: ``verify_batch`` layout, True = one packed sequence
+        (``model_forward_packed``), False = padded [B, Q] batch (``model_forward_batch``), None = packed
+        where the model supports it; ValueError for packed=True where it does not
+        (``specdec.forward.packed_layout``). direct: single-session forwards through ``DirectDecoder``
+        where it knows the model (bit-identical, less overhead)."""
         self.model = model
         self.vocab_size = model.config.vocab_size
         self.max_tree_nodes = max_tree_nodes
@@ -147,13 +123,9 @@ class TargetRuntime:
                                                   root_logits=root_logits[-1])
 
     def extend(self, session_id: str, prompt_ids: list[int]) -> None:
-        """Feed the next chunk of the prompt to a session that ``start`` opened with its first chunk
-        (chunked prefill: one model job per chunk, so an abort or another session's verify gets in
-        between chunks). prompt_ids: [C] token ids, C >= 1; afterwards the last of them is R, with its
-        KV and logits cached, exactly as if ``start`` had been given the whole prompt.
-
-        Raises ValueError for an empty chunk, SessionStateError once the session has verified.
-        """
+        """Chunked prefill: feed the next prompt chunk, prompt_ids: [C] ids, C >= 1; afterwards the
+        session is as if ``start`` had been given the whole prompt so far.
+        Raises ValueError for an empty chunk, SessionStateError once the session has verified."""
         s = self._session(session_id)
         if s.root_logits is None or s.pending is not None:
             raise SessionStateError(f"session_id: {session_id!r} is past its prefill (it has verified)")
@@ -176,9 +148,8 @@ class TargetRuntime:
             raise UnknownSessionError(f"session_id: unknown target session {session_id!r}") from None
 
     def tree_logits(self, session_id: str, tree: DraftTree, argmax: bool = False) -> torch.Tensor:
-        """One forward over [R, nodes]: [N + 1, V] float32. The cache grows by N + 1 slots.
-        argmax: return the rows' argmax ids [N + 1] int64 instead (through ``self.argmax_head``
-        when there is one: the full LM head is then not run)."""
+        """One forward over [R, nodes]: [N + 1, V] float32 (argmax: ids [N + 1] int64, via
+        ``self.argmax_head`` where attached). The cache grows by N + 1 slots."""
         s = self._session(session_id)
         validate_tree(tree.tokens, tree.parents, self.vocab_size, self.max_tree_nodes)
         if s.root_logits is not None:
@@ -190,13 +161,9 @@ class TargetRuntime:
                                         argmax_head=self.argmax_head if argmax else None), argmax)
 
     def _first_tree_logits(self, s: TargetSession, tree: DraftTree, argmax: bool = False) -> torch.Tensor:
-        """The first verify after ``start``: R's KV and logits are there; feed the nodes alone.
-
-        Worked example: a 7-token prompt gives L = 6 and R at slot 6; nodes of depths [1, 1, 2] go
-        to slots 7..9 at positions [7, 7, 8], each seeing slots 0..6 plus its ancestors and itself
-        (rows 1..N of ``tree_attention_mask``). Returns [N + 1, V] with row 0 = R's logits
-        (argmax: [N + 1] ids, as ``tree_logits``).
-        """
+        """The first verify after ``start``: R's KV and logits are cached; feed the nodes alone.
+        A 7-token prompt gives L = 6, R at slot 6; nodes of depths [1, 1, 2] go to slots 7..9 at
+        positions [7, 7, 8]. Returns as ``tree_logits``, row 0 = R's logits."""
         truncate_kv(s.cache, s.cache_len + 1)  # keep R; drop the slots of an earlier verify that failed mid-way
         root = s.root_logits.argmax(dim=-1, keepdim=True) if argmax else s.root_logits[None]  # (1,) or (1, V)
         if not tree.size:
@@ -222,8 +189,7 @@ class TargetRuntime:
 
     @staticmethod
     def _accept(s: TargetSession, tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
-        """Walk the tree on its target logits [N + 1, V] (a greedy session: or their argmax ids
-        [N + 1] int64) and store the result as pending."""
+        """Walk the tree on logits [N + 1, V] (greedy: or argmax ids [N + 1] int64); store as pending."""
         if s.sampling.greedy:
             argmax = logits.tolist() if logits.dim() == 1 else logits.argmax(dim=-1).tolist()
             s.pending = verify_greedy_ids(tree.tokens, tree.parents, argmax)
@@ -235,10 +201,7 @@ class TargetRuntime:
         return s.pending
 
     def commit(self, session_id: str, num_tokens: int) -> None:
-        """Commit the first ``num_tokens`` tokens of the pending result (fewer after a stop).
-
-        Keeps R plus the accepted nodes before the last committed token, which becomes the new R.
-        """
+        """Commit the first ``num_tokens`` of the pending result; the last committed token becomes R."""
         s = self._session(session_id)
         result = s.pending
         if result is None:
@@ -256,60 +219,17 @@ class TargetRuntime:
     def verify_batch(self, items: Sequence[tuple[str, DraftTree]]) -> list[VerifyResult | Exception]:
         """Verify the trees of several sessions in one target forward.
 
-        items: B pairs (session_id, tree), one per session, any mix of cached lengths L_b, tree
-        sizes N_b (empty trees included) and sampling parameters. Returns one entry per item, in
-        order: the VerifyResult that ``verify(session_id, tree)`` alone would give (and leaves
-        pending, to ``commit`` as usual), or the exception that call would raise. Afterwards every
-        session is as after its own ``verify``: cache = L_b committed slots + N_b + 1 tree slots,
-        the pending result set, a sampled session's generator advanced by the same draws (its
-        draws never depend on the other items).
+        items: B pairs (session_id, DraftTree | PrefillChunk), one per session, any mix of sizes and
+        sampling. Returns one entry per item, in order: what ``verify`` (CHUNK_FED for ``extend``) alone
+        would give, or the exception it would raise, returned in the item's slot: UnknownSessionError,
+        SessionStateError (also for a session repeated in the batch), MalformedTreeError, TypeError, or
+        an acceptance-walk error. An error of the shared forward itself (e.g. out of memory) is raised;
+        no session then holds a pending result. Each row's logits equal its solo forward's up to
+        float32 round-off (<= 1e-5 relative).
 
-        Per-item errors, returned in the item's slot and never affecting other items, all found
-        before the forward: UnknownSessionError, SessionStateError (an uncommitted verify; or the
-        session already appears at an earlier item of this batch: the later items are refused,
-        whatever became of the first), MalformedTreeError (structure, token ids outside the
-        vocabulary, more than ``max_tree_nodes`` nodes), TypeError (an item that is not a
-        (session_id, DraftTree) pair). An error of the acceptance walk (e.g. a sampled tree whose
-        proposal gives a sibling q = 0) is also returned in its slot, the session left as ``verify``
-        would leave it. An error of the shared forward itself (e.g. out of memory) is raised; no
-        session then holds a pending result.
-
-        An item may instead be (session_id, PrefillChunk) for a session still in its prefill (started,
-        never verified): its outcome is CHUNK_FED and the session is as after ``extend`` with those
-        tokens (SessionStateError past the prefill, MalformedTreeError for ids outside the
-        vocabulary or an empty chunk).
-
-        With one valid item this is ``verify`` (or ``extend``) itself. Otherwise one forward over all
-        the items' rows. Packed layout (``self.packed``, the default on sdpa models): the T = sum
-        (N_b + 1) rows go in as one sequence; the linear layers run over T rows and each session's rows
-        attend to its own cache only, appending their KV to it as a solo forward does
-        (``model_forward_packed``). So the forward costs its real rows: a 32-token prefill chunk or a
-        12-node tree beside plain decoding steps pads nobody. Measured on the real target (2-core
-        CPU, ~300 cached each): 4 plain steps 440-520 ms packed vs 480-615 padded; 3 plain steps
-        + one 12-node chain 650-760 vs 1420-1640; 4 plain steps + a 32-token chunk 1350-1400 vs
-        4240-5150. Padded layout (``packed=False``, or a model without sdpa): [B, Q] new tokens,
-        Q = max(N_b + 1), after a B-row cache stacked from the sessions' caches (right-padded to
-        S = max L_b; layout in ``batched_tree_inputs``); each row's new KV slots are then appended
-        to its own session cache. Either way ``commit`` works unchanged.
-
-        Padded cost over B solo verifies: one forward instead of B, on B * Q query rows (padding included)
-        against S + Q key slots each (so it pays most for trees and prefixes of similar sizes).
-        Memory and copies: a solo verify copies its session's KV once (the forward's cache
-        concatenation); here the batch's KV is copied three times: stacking (B * S slots per layer,
-        keys and values, padding included), the forward's concatenation (B * (S + Q)) and the
-        append back to each session (L_b + N_b + 1). The stacked cache lives until the new slots
-        are split back, so at the peak the batch's KV is held about twice (three times within one
-        layer's concatenation); logits are [B, Q, V] float32. Packed: one copy per session, as
-        solo; logits [K, V] float32 for the K rows kept (a prefill chunk keeps its last row only).
-
-        Numerics: each row's logits equal its solo forward's up to float32 round-off of the
-        differently shaped computation (packed: the attention is the solo one, the GEMMs run over T
-        rows; padded: pad slots get weight exactly 0, but the attention runs over S + Q slots and
-        the GEMMs over B * Q rows): measured max |diff| <= 6e-6 on the std-0.2 tiny
-        test models and <= 6e-5 (<= 1e-5 of the row's largest |logit|) on std-0.5 ones, the same
-        order as a solo tree forward vs a plain causal forward. Greedy acceptance can only differ
-        at an argmax near-tie within that noise (never seen in the tests), and a sampled draw only
-        when a uniform falls within ~1e-6 of a CDF boundary.
+        Layout: packed (one sequence of sum (N_b + 1) rows, each session attending to its own cache) or
+        padded ([B, Q] after a stacked cache, see ``batched_tree_inputs``; its KV is held about twice
+        at the peak).
         """
         results: list[VerifyResult | Exception | None] = [None] * len(items)
         batch = self._check_batch(items, results)
@@ -383,9 +303,7 @@ class TargetRuntime:
         del stacked
 
     def _forward_packed(self, batch, sessions, trees, prefilling, saved, results) -> None:
-        """``_verify_together``'s forward with packed rows: session b's [R_b, nodes...] rows go to
-        its own cache as in its solo forward (no stacking, no copy back), so the forward costs
-        sum (N_b + 1) rows instead of B * max (N_b + 1)."""
+        """``_verify_together``'s forward with packed rows, each session's rows on its own cache."""
         try:
             logits = model_forward_packed(
                 self.model,
@@ -467,16 +385,10 @@ def batched_tree_inputs(
     """Inputs of one forward over the trees of B sessions after a right-padded stacked cache.
 
     roots: [B] root tokens R_b; trees: B trees of N_b nodes; cache_lens: [B] cached slots L_b. With
-    S = max L_b and Q = max N_b + 1, row b of the forward holds [R_b, node 0, ..., node N_b - 1]
-    in query rows 0..N_b and padding after; its keys are cache slots 0..S-1 (session b's L_b
-    slots, then padding) followed by the Q new slots.
-
-    Returns (input_ids [B, Q] int64, position_ids [B, Q] int64, mask [B, 1, Q, S + Q] additive in
-    ``dtype``). Real query rows get ``tree_position_ids(parents, L_b)`` and see slots 0..L_b-1 plus
-    column S + c wherever ``tree_visibility`` lets them see c (R, their ancestors, themselves):
-    exactly ``tree_attention_mask`` with the pad columns hidden. Pad query rows (token 0, position
-    L_b) see only their own slot, so no row is fully masked; no real row sees a pad slot or a pad
-    row, so pads never change real rows, and their outputs are discarded.
+    S = max L_b and Q = max N_b + 1, row b holds [R_b, nodes...] then padding; its keys are cache slots
+    0..S-1 then the Q new slots. Returns (input_ids [B, Q] int64, position_ids [B, Q] int64, mask
+    [B, 1, Q, S + Q] additive in ``dtype``): real rows see as ``tree_attention_mask``; pad rows see only
+    their own slot (so none is fully masked) and no real row sees a pad.
     """
     batch = len(trees)
     if not (len(roots) == len(cache_lens) == batch):

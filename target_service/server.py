@@ -3,33 +3,18 @@ Release, Info over a target runtime.
 
     specdec target-server --config deploy/specdec.yaml [--port 0] [--tp N] ...   (or python -m target_service)
 
-The command line is ``target_service.cli``; ``run(config_path, overrides)`` is its entry here.
-
 Prints ``target-service ready on <host>:<port>`` once serving; SIGTERM/SIGINT drain and exit 0.
+With ``target.tp`` N > 1 the model is a ``TensorParallelTarget`` over N rank processes; a
+``RankFailureError`` fails that and every later model call with UNAVAILABLE and turns health
+NOT_SERVING so the pod's probes restart it (Info keeps answering).
 
-Tensor parallelism (``target.tp`` / ``--tp`` N > 1): the model is served by a
-``target_service.tp.TensorParallelTarget`` over N rank processes spawned by this process (which
-reads only the target's config and tokenizer; the ranks hold the weights). The ranks' pids are
-logged at start (``tensor-parallel ranks ... pids [...]``); they are stopped after the drain, and
-exit by themselves if this process dies. A rank that dies, hangs or falls out of step
-(``RankFailureError``) fails that call and every later model call with UNAVAILABLE, and health
-turns NOT_SERVING ("" and TargetService) so the pod's probes restart it; Info keeps answering.
-A ``tp`` the model cannot be split by (heads not divisible) exits 2 with ``error: target.tp: ...``.
-
-Transport only: every message is checked (trees with ``specdec.wire.tree_from_proto``; a bad one is
-INVALID_ARGUMENT naming the field and leaves the session untouched), then handed to the runtime on
-its worker thread. Concurrent Verify calls of different sessions are merged by ``VerifyBatcher``
-into one ``runtime.verify_batch`` call; VerifyBatch goes through the same batcher. Session
-bookkeeping (KV accounting against ``target.max_kv_tokens``, RESOURCE_EXHAUSTED past it; the
-release of sessions untouched for ``target.session_idle_s``) is ``target_service.sessions``.
-
-Verify is idempotent until Commit: the same tree sent again (a retry after a lost reply or an
-expired client deadline) gets the pending result back (batch_size 0, verify_ms 0) instead of a
-second forward, waiting first for a verify of that tree still queued or running; a different tree
-is FAILED_PRECONDITION (commit first). A verify whose deadline passes before its forward starts is
-not run (DEADLINE_EXCEEDED). VerifyBatch checks every item before running any (an error names
-``items[k]``); if an item fails in the forward, the call fails with that item's status and the other
-items' results stay pending (resending the same batch replays them).
+Transport only: every message is checked (a bad one is INVALID_ARGUMENT naming the field, the session
+untouched), then run on the runtime's worker thread; concurrent Verify calls merge in ``VerifyBatcher``.
+Sessions, KV accounting and idempotent Verify (a resent tree replays the pending result with
+batch_size 0, verify_ms 0; another tree is FAILED_PRECONDITION) are ``target_service.sessions``. A verify
+whose deadline passes before its forward is not run (DEADLINE_EXCEEDED). VerifyBatch checks every item
+first (errors name ``items[k]``); an item failing in the forward fails the call with its status, the
+others staying pending (resending replays them).
 """
 
 from __future__ import annotations
@@ -105,16 +90,10 @@ def _response(result: VerifyResult, out: BatchedVerify | None = None, mergeable:
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    """gRPC TargetService over a target runtime.
-
-    runtime: ``TargetRuntime`` or anything with the same methods (start, verify, optionally
-    verify_batch, commit, release, attribute vocab_size), e.g. a tensor-parallel runtime; it is only
-    ever called from this servicer's worker thread. config: the ``target`` section (max_batch,
-    batch_wait_ms, max_kv_tokens, max_tree_nodes, tp, session_idle_s); model_name, context_limit (max
-    total tokens), eos_token_ids: reported by Info; health: the host's health servicer, set
-    NOT_SERVING ("" and TargetService) at the first RankFailureError (``failure`` then holds it).
-    Session bookkeeping (KV accounting, pending verifies, the idle reaper) is ``sessions``
-    (target_service.sessions). Create inside the running event loop; ``close()`` at the end.
+    """gRPC TargetService over a target runtime (``TargetRuntime`` or one with its methods, e.g. tensor
+    parallel), called only from this servicer's worker thread. config: the ``target`` section;
+    model_name, context_limit, eos_token_ids: reported by Info; health: set NOT_SERVING at the first
+    RankFailureError (``failure`` then holds it). Create inside the running event loop; ``close()`` at the end.
     """
 
     def __init__(self, runtime, *, context_limit: int, eos_token_ids=(), model_name: str = "",
@@ -205,14 +184,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     # -- RPCs -------------------------------------------------------------------------------------
 
     def _chunk_tokens(self, session_id: str, prompt_tokens: int) -> int:
-        """The next prefill chunk's size for a prompt of ``prompt_tokens``: prefill_busy_chunk_tokens
-        (when set) while other sessions are decoding and the prompt is longer than one chunk (the
-        chunk then joins their next verify forward, so a long prompt adds a few rows to each of their
-        rounds instead of stalling them), else prefill_chunk_tokens (a forward of its own). A prompt
-        of at most one chunk keeps its one forward: spread over many small riding chunks its first
-        token comes later and its prefill costs more rows' worth (a forward's cost per row falls
-        with its rows). Riding needs a runtime that takes chunks and packs rows (padded, a chunk
-        would pad every row)."""
+        """The next prefill chunk's size: prefill_busy_chunk_tokens (riding in the other sessions' verify
+        forwards, docs/serving.md "Limits") while others decode and the prompt exceeds one chunk, on a
+        runtime that packs rows; else prefill_chunk_tokens (a forward of its own)."""
         busy = self.config.prefill_busy_chunk_tokens
         rides = getattr(self.runtime, "batch_prefill_chunks", False) and getattr(self.runtime, "packed", False)
         long = prompt_tokens > self.config.prefill_chunk_tokens
@@ -247,9 +221,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     await self.worker.run(self.runtime.extend, sid, prompt[at : at + size])
                 at += size
         except BaseException:
-            # The worker thread may still finish runtime.start after a cancel: release after it (jobs run in
-            # order). Not when a Release came meanwhile: it queued the runtime's release itself, and the id
-            # may already belong to a reopened session whose runtime state must stay.
+            # runtime.start may still finish after a cancel: release after it (jobs run in order), unless a
+            # Release came meanwhile (the id may already belong to a reopened session).
             if self.sessions.sessions.get(request.session_id) is new:
                 self.sessions.discard(request.session_id, new)
                 self.worker.submit(self.runtime.release, request.session_id)
@@ -292,8 +265,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         except BaseException:
             self.sessions.undo_begin(begun)
             raise
-        # A session claimed before an await of a later item's claim may have been released (and its id
-        # opened again) meanwhile: its claim is void, and its tree must not run on the new session.
+        # A session claimed before a later item's await may since have been released: its claim is void.
         gone = {k for k, (s, tree) in enumerate(begun) if tree is not None and self.sessions.sessions.get(ids[k]) is not s}
         to_run = [(k, ids[k], tree) for k, (_, tree) in enumerate(begun) if tree is not None and k not in gone]
         outcomes = await self.batcher.verify_many([(sid, tree) for _, sid, tree in to_run], deadline)
@@ -326,9 +298,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             raise self.failure
         s = self.sessions.begin_commit(request.session_id)
         try:
-            # checked here as TargetRuntime.commit checks it; the rollback itself runs on the worker
-            # thread before the session's next call (target_service.commits: not behind other
-            # sessions' forwards)
+            # checked here as TargetRuntime.commit does; the rollback runs later (target_service.commits)
             if s.pending is None:
                 raise SessionStateError(f"session_id: {request.session_id!r} has no verify to commit")
             if not 1 <= request.num_tokens <= len(s.pending.tokens):
@@ -393,10 +363,7 @@ def _terminate(signum, frame):
 def serve(config: ServeConfig) -> int:
     """Load the target model of ``config.models`` and serve it; returns the exit code (0, or 2 with a
     message on stderr naming the field for a bad model, device, ``target.tp`` or an unusable address).
-
-    ``target.tp`` > 1: a TensorParallelTarget over that many rank processes, closed (ranks stopped)
-    after the server has drained, whatever ends it. A SIGTERM during loading stops cleanly (exit 0).
-    """
+    Tensor-parallel ranks stop after the drain; a SIGTERM during loading exits 0."""
     configure_logging()
     try:
         check_device(config.models.device)
@@ -427,8 +394,7 @@ def serve(config: ServeConfig) -> int:
             runtime.close()  # stop the ranks (after the drain; after a rank failure they are already gone)
         shutdown_tracing()
     if stopped_loading and worker.busy():
-        # SIGTERM during the load, which goes on in native code on the worker's thread: end the
-        # process here (an interpreter shutdown would kill that thread mid-call and may abort)
+        # SIGTERM during the (native) load: end the process here; interpreter shutdown may abort mid-call
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

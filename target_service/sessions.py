@@ -1,26 +1,19 @@
 """The target server's session bookkeeping: KV accounting, the idempotent-verify state machine and
 the idle reaper. Plain asyncio, no gRPC and no model: tests drive it directly.
 
-KV accounting (``max_kv_tokens``, CapacityError past it): a session holds its committed slots L
-(prompt length - 1 after Prefill, + num_tokens per Commit) plus N + 1 tree slots from the start of
-a verify of an N-node tree until its commit, plus, after the commit, the tree's rejected rows
-(``stale``) until the session's next verify: the rollback runs on the worker thread right before
-that verify's forward (``target_service.commits``). Example: Prefill of 10 tokens holds 9; a verify
-of a 4-node tree holds 9 + 5 = 14; Commit(num_tokens=3) makes L = 12 and still holds 14 (2 rows to
-roll back); the next verify counts them as freed (back if that verify never runs).
+KV accounting (``max_kv_tokens``, CapacityError past it): committed slots L, plus N + 1 tree slots from
+a verify's start to its commit, plus the rejected rows (``stale``) until the next verify's forward rolls
+them back (``target_service.commits``). Example: Prefill of 10 tokens holds 9; a 4-node verify holds 14;
+Commit(num_tokens=3) makes L = 12 and still holds 14; the next verify counts 2 as freed.
 
 Verify states of one session (``SessionSlots``):
 
     idle --begin_verify--> busy (tree slots held) --verified(result)--> pending --commit--> idle
                                                    --verified(error / unrun)--> idle (tree slots freed)
 
-Verify is idempotent until commit: ``begin_verify`` of the tree already pending (same serialized
-key) returns no tree to run, so the caller replays the pending result; the same tree while its verify
-is still queued or running waits for it (``claim_verify``, within the deadline); another tree is a
-SessionStateError (commit first).
-
-The reaper releases sessions nobody touched for ``idle_s`` (their orchestrator died without a
-Release, e.g. a killed Ray actor), so their KV does not stay held forever.
+Verify is idempotent until commit: the tree already pending (same serialized key) is replayed, the
+same tree still in flight is waited for (``claim_verify``), another tree is a SessionStateError.
+The reaper releases sessions untouched for ``idle_s`` (e.g. their Ray actor was killed).
 """
 
 from __future__ import annotations
@@ -48,8 +41,7 @@ class SessionSlots:
 
     cached: int  # L: committed slots
     tree_slots: int = 0  # N + 1 from the start of a verify until its commit
-    # rows of a committed tree not yet rolled back (the rollback runs before the next verify's forward;
-    # not counted while a verify is claimed, counted again if that verify never runs)
+    # rows of a committed tree not yet rolled back (before the next verify's forward)
     stale: int = 0
     busy: bool = False  # a prefill, a verify or a commit is queued or running
     tree_key: bytes | None = None  # serialized tree of the verify in flight / pending
@@ -74,9 +66,7 @@ class SessionSlots:
         self.tree_slots, self.tree_key = 0, None
 
     def committed(self, num_tokens: int) -> None:
-        """The pending verify's first ``num_tokens`` tokens are committed: L grows; the tree's other
-        rows stay held (``stale``) until the session's next verify, before whose forward the target's
-        worker thread rolls them back (``target_service.commits``)."""
+        """The pending verify's first ``num_tokens`` are committed: L grows; the other rows become ``stale``."""
         self.cached += num_tokens
         self.stale = max(self.tree_slots - num_tokens, 0)
         self.tree_slots, self.tree_key, self.pending = 0, None, None
@@ -87,12 +77,8 @@ class SameTreeInFlight(Exception):
 
 
 class TargetSessions:
-    """Every open session of one target server.
-
-    max_kv_tokens: KV slots over all sessions; context_limit: max total tokens (prompt + generated);
-    idle_s: a session untouched this long is released by ``reap_idle``. Create inside the running
-    event loop (sessions hold asyncio events).
-    """
+    """Every open session of one target server. max_kv_tokens: KV slots over all sessions; context_limit:
+    max prompt + generated tokens; idle_s: see ``reap_idle``. Create inside the running event loop."""
 
     def __init__(self, max_kv_tokens: int, context_limit: int, idle_s: float = 600.0):
         self.max_kv_tokens = max_kv_tokens
@@ -126,10 +112,7 @@ class TargetSessions:
     # -- prefill, commit, release -----------------------------------------------------------------
 
     def open(self, session_id: str, prompt_len: int) -> SessionSlots:
-        """A new session holding prompt_len - 1 committed slots, busy until its prefill ran.
-
-        Raises SessionExistsError (the id is open) or CapacityError.
-        """
+        """A new session holding prompt_len - 1 slots, busy until its prefill ran; raises SessionExistsError, CapacityError."""
         if session_id in self.sessions:
             raise SessionExistsError(f"session_id: {session_id!r} is already open (release it first)")
         self.reserve(prompt_len - 1, freed=0)
@@ -160,13 +143,10 @@ class TargetSessions:
     # -- verify -----------------------------------------------------------------------------------
 
     def begin_verify(self, session_id: str, tree: DraftTree, key: bytes, field: str = "") -> DraftTree | None:
-        """Check one verify of ``tree`` (serialized as ``key``) and reserve its N + 1 tree slots.
-
-        Returns the tree to run, or None = replay the pending result (same tree). Raises
-        UnknownSessionError, SessionStateError (another tree uncommitted, or a call in flight),
-        SameTreeInFlight, ValueError (the tree passes the context limit) or CapacityError; every
-        message starts with ``field`` (e.g. ``items[2].``).
-        """
+        """Check one verify of ``tree`` (serialized as ``key``) and reserve its N + 1 tree slots; returns
+        the tree to run, or None = replay the pending result. Raises UnknownSessionError,
+        SessionStateError, SameTreeInFlight, ValueError (context limit) or CapacityError, each message
+        starting with ``field`` (e.g. ``items[2].``)."""
         s = self.get(session_id)
         if s.pending is not None:
             if key == s.tree_key:
@@ -211,10 +191,8 @@ class TargetSessions:
                 s.drop_tree()
 
     def verified(self, session_id: str, outcome: VerifyResult | Exception | None) -> None:
-        """Once per queued verify (the batcher's on_done): a result stays pending until commit (even
-        when its caller has gone); a failed or unrun verify frees its tree slots. The outcome of a
-        verify whose session was released meanwhile is dropped, also when the id was opened again
-        (a new session is busy with its prefill, with no tree claimed, until its own verify)."""
+        """Once per queued verify (the batcher's on_done): a result stays pending until commit, even when its
+        caller has gone; a failed or unrun verify frees its tree slots; a released session's is dropped."""
         s = self.sessions.get(session_id)
         if s is None or not s.busy or s.tree_key is None:
             return

@@ -2,55 +2,26 @@
 
 Dims: N tree nodes, V vocabulary, H kv heads of the whole model, D head dim, P tensor-parallel ranks.
 
-Sharding: transformers' own tensor parallelism (``from_pretrained(dir,
-distributed_config=DistributedConfig(tp_size=P))``, the model family's tensor-parallel plan), so no
-sharding code of ours. For Qwen2 and Llama the decoder layers get the Megatron-LM layout (Shoeybi
-et al. 2019, section 3): q/k/v/gate/up column-parallel, o/down row-parallel followed by one
-all-reduce each, norms replicated, so every rank holds num_attention_heads / P query heads and
-num_key_value_heads / P kv heads. transformers also splits the embedding and lm_head along the
-vocabulary (embedding lookups all-reduced, lm_head outputs all-gathered: full [N + 1, V] logits on
-every rank), which saves memory for large vocabularies. The weights become DTensors but the
-inference forward runs on local shards, so the KV cache is an ordinary DynamicCache holding this rank's H / P heads,
-(1, H / P, S, D) per layer; our 4-D tree mask and position ids go through unchanged, and
-``compact_kv`` / ``truncate_kv`` work per shard with no change (every rank moves the same slots of
-its own heads). Logits match the unsharded model within ~2e-5 (float32).
+Sharding: transformers' own tensor-parallel plan (``DistributedConfig(tp_size=P)``); for Qwen2 and
+Llama the Megatron-LM layout (Shoeybi et al. 2019, §3): q/k/v/gate/up column-parallel, o/down
+row-parallel, so each rank's KV cache is an ordinary DynamicCache of (1, H / P, S, D) per layer and the
+tree mask, ``compact_kv`` and ``truncate_kv`` work per shard unchanged. Logits match the unsharded
+model within ~2e-5 (float32).
 
-Processes: the caller (the target service) spawns P rank processes (torch.multiprocessing, start
-method ``spawn``; process group on 127.0.0.1 and a free port; backend ``nccl`` when CUDA is
-available, else ``gloo``; with CUDA, rank r uses cuda:r, as transformers binds LOCAL_RANK; the NCCL
-path has no multi-GPU test). The caller itself is not a rank: it holds one pipe per rank and sends
-every call, (method name, args, kwargs), to all ranks; each rank runs that TargetRuntime method on
-its own runtime (the collectives inside the forward pair up because every rank runs the same call
-sequence), then answers on its pipe. Rank 0's answer is the call's result. Why a coordinator
-outside the ranks rather than "rank 0 serves gRPC and broadcasts": (1) idle ranks wait on a pipe,
-not in a collective, so every collective runs under the short process-group timeout and an idle
-service never times out; (2) the serving process never blocks in a collective: it waits on the
-pipes *and* the rank processes' sentinels, so a rank that dies is noticed at once
-(RankFailureError within milliseconds, not after a collective timeout) and a rank that hangs is
-noticed when a peer's collective times out; (3) ranks whose parent dies read EOF and exit.
-The cost is one pipe round trip per call, small beside a verify forward.
+Processes: the caller spawns P ranks (``spawn``: scripts need an ``if __name__ == "__main__":`` guard;
+``nccl`` with CUDA, else ``gloo``) and sends every call to all of them over one pipe per rank; rank 0's
+answer is the result. Why a coordinator outside the ranks: idle ranks wait on a pipe, not in a
+collective (no idle timeouts), and the serving process waits on the rank sentinels too, so a dead rank
+is noticed at once.
 
-Decisions (acceptance): every rank runs the same ``verify``. Logits are all-reduced, so they are
-the same on every rank up to the reduction's round-off, and sampled sessions use the same seed on
-every rank (a request without a seed gets one random seed chosen here, shared by all ranks), so
-the decisions normally agree; to be safe, after every call that may decide (``verify``,
-``verify_batch``, and any TargetRuntime method this module does not know), rank 0 broadcasts each
-session's pending VerifyResult and random-generator state (``broadcast_object_list``) and the other
-ranks adopt them. So all ranks commit the same tokens and keep the same KV slots, and a sampled
-request's tokens depend only on rank 0's draws (the same as the unsharded run, up to float32
-round-off of the sharded logits). Disagreements are counted (``stats()['decision_mismatches']``).
+Decisions: after every call that may decide (all but ``_NON_DECIDING``), rank 0 broadcasts each
+session's pending VerifyResult and generator state and the other ranks adopt them, so all commit the
+same tokens; disagreements are counted (``stats()['decision_mismatches']``).
 
-Failures: any rank that exits, a collective error or timeout on any rank, ranks that answer the
-same call differently (state divergence), or a call over ``call_timeout_s``: the coordinator kills
-all ranks and raises RankFailureError; every later call raises it too (the sessions are gone; build
-a new TensorParallelTarget). Ordinary errors that every rank raises alike (UnknownSessionError,
-SessionStateError, MalformedTreeError, ValueError) are re-raised as such and the ranks keep going.
-
-Spawning re-imports the caller's ``__main__`` module in every rank (start method ``spawn``): a
-script that builds a TensorParallelTarget needs an ``if __name__ == "__main__":`` guard.
-
-Generic mirroring: every public TargetRuntime method is available here under the same name
-(``__getattr__``). Calls are serialised by a lock (the ranks must see one call order).
+Failures: a rank exiting, a collective error or timeout, diverging answers, or a call over
+``call_timeout_s`` kill all ranks and raise RankFailureError, then and on every later call. Errors
+every rank raises alike (UnknownSessionError, SessionStateError, MalformedTreeError, ValueError) are
+re-raised as such. Every public TargetRuntime method is mirrored (``__getattr__``), one call at a time.
 """
 
 from __future__ import annotations
@@ -86,17 +57,12 @@ from specdec.tree_spec import MAX_TREE_NODES
 from target_service.kv_budget import kv_bytes_per_token
 from target_service.runtime import TargetRuntime
 
-# TargetRuntime methods that never set a session's pending result or advance its generator: no
-# decision broadcast after them. Anything else (verify, verify_batch, methods added later) is
-# followed by one.
+# TargetRuntime methods that never set a pending result or advance a generator: no decision broadcast after them.
 _NON_DECIDING = frozenset({"start", "extend", "commit", "release", "tree_logits"})
 
 
 class RankFailureError(RuntimeError):
-    """A tensor-parallel rank died, hung, or fell out of step; the target is unusable from now on.
-
-    The gRPC server maps it to UNAVAILABLE. ``rank``: the rank at fault when known, else None.
-    """
+    """A rank died, hung, or fell out of step; the target is unusable (gRPC UNAVAILABLE). ``rank``: or None."""
 
     def __init__(self, message: str, rank: int | None = None):
         super().__init__(message)
@@ -112,12 +78,8 @@ class RemoteRankError(RuntimeError):
 
 @dataclass(frozen=True)
 class SessionInfo:
-    """A snapshot of one session on rank 0 (every rank holds the same state).
-
-    cache_len: committed tokens with KV cached (L); cache_slots: slots the cache holds now (L, or
-    L + N + 1 after a verify before its commit); root: the root token R; pending: the uncommitted
-    VerifyResult or None; sampling: the session's SamplingParams (with the seed shared by the ranks).
-    """
+    """A snapshot of one session on rank 0. cache_len: L; cache_slots: L, or L + N + 1 before a commit;
+    root: R; pending: the uncommitted VerifyResult or None; sampling: with the seed shared by the ranks."""
 
     cache_len: int
     cache_slots: int
@@ -139,11 +101,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def check_tp_compatible(config, tp: int) -> None:
-    """Raise ValueError naming ``tp`` when a model config cannot be split over ``tp`` ranks.
-
-    Needs a transformers tensor-parallel plan for the family (``base_model_tp_plan``; Qwen2 and
-    Llama have one) and num_attention_heads and num_key_value_heads divisible by ``tp``.
-    """
+    """Raise ValueError naming ``tp`` unless the config has a ``base_model_tp_plan`` and head counts divisible by it."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp: must be an integer >= 1, got {tp!r}")
     if tp == 1:
@@ -185,8 +143,7 @@ def _sendable(exc: BaseException) -> BaseException:
 
 
 def _send(conn, kind: str, value, tb: str | None = None) -> None:
-    """One reply to the coordinator, plain pickle (tensors are copied, no shared-memory handles
-    that a killed rank could leave behind). A value that does not pickle becomes an "err" reply."""
+    """One reply, plain pickle (no shared-memory handles a killed rank could leak); unpicklable -> "err"."""
     try:
         payload = pickle.dumps((kind, value, tb))
     except Exception as exc:  # noqa: BLE001
@@ -216,9 +173,7 @@ def _is_comm_error(exc: BaseException) -> bool:
 
 
 def _load_shard(spec: _RankSpec, rank: int):
-    """Load this rank's shard of the model (transformers TP) and wrap it in a TargetRuntime.
-
-    Returns (runtime, number of linears pre-packed)."""
+    """Load this rank's shard in a TargetRuntime; returns (runtime, number of linears pre-packed)."""
     hf_logging.disable_progress_bar()
 
     kwargs = {"dtype": DTYPES[spec.dtype]}
@@ -304,10 +259,7 @@ def _run(runtime: TargetRuntime, name: str, args, kwargs):
 
 
 def _mirror_decisions(runtime: TargetRuntime, rank: int) -> int:
-    """Every rank adopts rank 0's pending results and generator states; returns how many differed.
-
-    A collective: all ranks call it after the same command. Raises on a broken process group.
-    """
+    """Collective: every rank adopts rank 0's pending results and generator states; returns how many differed."""
     state = None
     if rank == 0:
         state = {
@@ -344,18 +296,10 @@ def _session_kv(runtime: TargetRuntime, session_id: str) -> list[tuple[torch.Ten
 
 
 def prepack_tp_linears(model) -> int:
-    """Run the sharded float32 CPU linears of a transformers-TP model on their local shards with
-    oneDNN pre-packed weights (``specdec.cpu_linear.PackedLinear``), keeping transformers' maths.
-
-    transformers' inference fast path for a sharded ``nn.Linear`` computes ``x @ W_local^T`` on the
-    local shard; then, by the module's style in ``model.tp_plan``: ``colwise`` keeps the local
-    output features (and local bias); ``rowwise`` all-reduces the partial sums over the TP group and
-    adds the replicated bias once; ``colwise_gather_output`` (lm_head) all-gathers the output
-    features. This replaces each such module's forward by the same maths with the local weight
-    pre-packed (the few-row GEMM cheaper than MKL's, ``specdec.cpu_linear``), and
-    frees the original shard unless it is tied to another parameter (so memory does not double).
-    Modules of other styles, or with unequal shards, keep transformers' forward. Returns the number
-    of linears changed; 0 when oneDNN is unavailable or the weights are not float32 on the CPU.
+    """Run the sharded float32 CPU linears of a transformers-TP model with oneDNN pre-packed local weights
+    (``specdec.cpu_linear.PackedLinear``), keeping transformers' maths per ``model.tp_plan`` style
+    (``colwise``, ``rowwise`` + all-reduce, ``colwise_gather_output``); frees untied original shards.
+    Returns the number of linears changed; 0 without oneDNN or float32 CPU weights.
     """
     if not torch.backends.mkldnn.is_available():
         return 0
@@ -426,23 +370,12 @@ def _packed_forward(module, weight_local: torch.Tensor, style: str | None):
 class TensorParallelTarget:
     """A TargetRuntime over ``tp`` rank processes (TargetWorker protocol of specdec.interfaces).
 
-    model_dir: a transformers model directory (config.json + weights); tp: number of ranks (1 runs a
-    single rank process, no sharding); dtype: float32 | bfloat16 | float16; threads_per_rank: torch
-    CPU threads per rank (None = os.cpu_count() // tp, at least 1); collective_timeout_s: the
-    process-group timeout (a collective waiting longer for a peer fails, which fails the target);
-    call_timeout_s: the most one call may take in all, the last resort when every rank hangs outside
-    a collective (None = no limit; keep it above the longest prefill); start_timeout_s: spawning and
-    loading; prepack: pre-pack the local float32 CPU weight shards for oneDNN
-    (``prepack_tp_linears``; what embedded mode does with ``prepack_linears``); backend: override
-    the process-group backend (None = nccl with CUDA, else gloo). All times in seconds.
-
-    Raises ValueError (naming ``tp``) for a model that cannot be split so, the rank's own exception
-    when loading fails on a rank (e.g. OSError for a directory without weights), RankFailureError
-    when a rank dies or the start times out. Use ``close()`` (or ``with``) to stop the ranks.
-
-    Attributes: tp, backend, vocab_size, max_tree_nodes, config (the model's PretrainedConfig),
-    pids (the rank processes' pids, rank order), prepacked (linears pre-packed per rank), packed
-    (the ranks' ``verify_batch`` packs rows, ``TargetRuntime.packed``).
+    model_dir: a transformers model directory; dtype: float32 | bfloat16 | float16; threads_per_rank:
+    None = os.cpu_count() // tp; collective_timeout_s: process-group timeout; call_timeout_s: the most
+    one call may take (None = no limit; keep it above the longest prefill); prepack: see
+    ``prepack_tp_linears``; backend: None = nccl with CUDA, else gloo. All times in seconds.
+    Raises ValueError (naming ``tp``) for a model that cannot be split so, the rank's loading error,
+    RankFailureError when a rank dies or the start times out. ``close()`` (or ``with``) stops the ranks.
     """
 
     def __init__(
@@ -500,8 +433,7 @@ class TensorParallelTarget:
     # -- the TargetRuntime interface ------------------------------------------------------------
 
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams = GREEDY) -> None:
-        """``TargetRuntime.start`` on every rank. A sampled request without a seed gets one random seed
-        here, the same on every rank (still a fresh random seed per session)."""
+        """``TargetRuntime.start`` on every rank; an unseeded sampled request gets one random seed shared by all."""
         if not sampling.greedy and sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
         self._call("start", (session_id, list(prompt_ids), sampling))
@@ -511,8 +443,7 @@ class TensorParallelTarget:
         self._call("extend", (session_id, list(prompt_ids)))
 
     def verify(self, session_id: str, tree: DraftTree):
-        """``TargetRuntime.verify`` on every rank; rank 0's decision is the result and every rank's
-        pending state. Returns VerifyResult."""
+        """``TargetRuntime.verify`` on every rank; rank 0's decision is the result and every rank's pending state."""
         return self._call("verify", (session_id, tree))
 
     def commit(self, session_id: str, num_tokens: int) -> None:
@@ -549,23 +480,15 @@ class TensorParallelTarget:
         return self._call("_sessions")
 
     def session_kv(self, session_id: str) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Every rank's KV of a session: [rank][layer] -> (keys, values), each (1, H / P, S, D).
-
-        Rank r holds kv heads r * H / P .. (r + 1) * H / P - 1 of the unsharded model.
-        """
+        """Every rank's KV of a session: [rank][layer] -> (keys, values), each (1, H / P, S, D)."""
         return self._call("_kv", (session_id,), gather=True)
 
     def on_ranks(self, fn, *args) -> list:
-        """Run ``fn(runtime, rank, *args)`` on every rank's TargetRuntime; the values in rank order.
-
-        For tests and diagnostics. ``fn`` must be importable by the ranks (a module-level function).
-        Not a collective: ``fn`` must not call one.
-        """
+        """Run module-level ``fn(runtime, rank, *args)`` on every rank (not a collective); values in rank order."""
         return self._call("_apply", (fn, args), gather=True)
 
     def stats(self) -> dict:
-        """{"decision_mismatches": [per rank], "tp", "backend", "failed"}: how often a rank's own
-        acceptance decision differed from rank 0's (and was replaced by it)."""
+        """{"decision_mismatches": [per rank], "tp", "backend", "failed"}."""
         per_rank = [] if self._failure else [s["decision_mismatches"] for s in self._call("_stats", gather=True)]
         return {"decision_mismatches": per_rank, "tp": self.tp, "backend": self.backend, "failed": self._failure is not None}
 
@@ -635,14 +558,9 @@ class TensorParallelTarget:
             return [value for _, value, _ in replies] if gather else replies[0][1]
 
     def _gather(self, deadline: float | None, what: str, stop_on_error: bool = False) -> list:
-        """One reply (kind, value, traceback) per rank, kind "ok" | "err" | "fatal".
-
-        Raises RankFailureError (after killing every rank) when a rank exits before answering, when a
-        rank reports a broken process group ("fatal"), when ranks still owe a reply
-        ``collective_timeout_s`` + 5 s after another rank reported an error, or at ``deadline``
-        (time.monotonic(); None = none). ``stop_on_error``: return at the first "err" reply (others
-        left None).
-        """
+        """One reply (kind, value, traceback) per rank, kind "ok" | "err" | "fatal". Raises RankFailureError
+        (after killing every rank) on a rank exit, a "fatal", replies still owed ``collective_timeout_s``
+        + 5 s after an error, or at ``deadline`` (time.monotonic()). ``stop_on_error``: return at the first "err"."""
         replies: list = [None] * len(self._conns)
         grace_until = None
         while any(r is None for r in replies):
@@ -702,11 +620,8 @@ class TensorParallelTarget:
 
 def build_target(model_dir, tp: int, dtype: str = "float32", device: str = "cpu",
                  max_tree_nodes: int = MAX_TREE_NODES, **tp_options) -> TensorParallelTarget:
-    """The target service's TensorParallelTarget over ``tp`` rank processes (``tp_options``: its
-    keyword arguments, e.g. collective_timeout_s). Float32 CPU weight shards are pre-packed for oneDNN
-    unless ``prepack`` says otherwise. Raises ValueError naming ``tp`` for a model that cannot be
-    split so, or naming ``device`` for one that is neither cpu nor cuda, and the rank's loading error.
-    """
+    """The target service's TensorParallelTarget (``tp_options``: its keyword arguments). Raises ValueError
+    naming ``tp`` or ``device`` (neither cpu nor cuda), and the rank's loading error."""
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"device: tensor parallelism runs on cpu (gloo) or cuda (nccl), got {device!r}")
     tp_options.setdefault("prepack", device == "cpu" and dtype == "float32")
