@@ -112,7 +112,7 @@ class TargetSessions:
     # -- prefill, commit, release -----------------------------------------------------------------
 
     def open(self, session_id: str, prompt_len: int) -> SessionSlots:
-        """A new session holding prompt_len - 1 slots, busy until its prefill ran; raises SessionExistsError, CapacityError."""
+        """A new session of prompt_len - 1 slots, busy until its prefill ran. Raises SessionExistsError, CapacityError."""
         if session_id in self.sessions:
             raise SessionExistsError(f"session_id: {session_id!r} is already open (release it first)")
         self.reserve(prompt_len - 1, freed=0)
