@@ -1,12 +1,8 @@
 """``specdec serve``: draft service, target service and generation front on one machine.
 
-Starts the three servers as child processes with the same config file (ports, models, dtype from
-it or from flags), waits for each ready line and prints it (``draft-service ready on
-127.0.0.1:50061`` ...; the front's ``http ready on HOST:PORT`` too when it serves HTTP). With ports 0, the front gets the draft and target addresses they really
-bound. SIGTERM/SIGINT stop the front first, then the draft and target, each with its grace. A child
-that fails to start makes serve exit 2 with that child's last error lines; a child that dies later
-is reported and the others keep serving (the front falls back to plain decoding without a draft).
-This is the launch the Kubernetes manifests describe (deploy/), with loopback addresses.
+Starts the three servers as child processes with one config file and prints each ready line. A child that
+fails to start makes serve exit 2 with its last error lines; one that dies later is reported and the others
+keep serving. SIGTERM/SIGINT stop the front first, then the draft and target.
 """
 
 from __future__ import annotations
@@ -61,9 +57,8 @@ def start_child(name: str, module: str, args: list[str], env=None) -> Child:
 
 def wait_ready(child: Child, timeout: float = READY_TIMEOUT_S, stop: threading.Event | None = None,
                ready_lines: int = 1) -> str:
-    """Block until the child prints ``ready_lines`` ready lines (the front: its gRPC line, then
-    ``http ready on ...`` when it serves HTTP); prints them and returns the first's ``host:port``.
-    Raises LaunchError (also when ``stop`` is set meanwhile: SIGTERM during start-up)."""
+    """Print the child's ``ready_lines`` ready lines and return the first's ``host:port``.
+    Raises LaunchError (also when ``stop`` is set meanwhile)."""
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_pump, args=(child, lines), daemon=True).start()
     deadline = time.monotonic() + timeout
@@ -108,11 +103,8 @@ def serve(config_path: str | None, flags: list[str], tp: int | None = None, no_r
           security_flags: list[str] = (), front_flags: list[str] = ()) -> int:
     """Run the three services until SIGTERM/SIGINT; returns the exit code.
 
-    flags: model flags (--target DIR, --draft DIR, --dtype D), each passed to the children that take it
-    (the draft all three, the target --target and --dtype, the front --target). http_port: the
-    front's --http-port (None = the config's front.http_port); http: whether the front serves HTTP
-    (then its ``http ready on`` line is awaited and printed too). security_flags: --tls-* flags for all
-    three; front_flags: more flags for the front alone (--auth-token-file).
+    flags: model flags, each passed to the children that take it; http_port: None = the config's;
+    security_flags: --tls-* flags for all three; front_flags: more flags for the front alone.
     """
     config_args = ["--config", config_path] if config_path else []
     children: list[Child] = []

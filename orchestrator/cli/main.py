@@ -65,8 +65,7 @@ _DRAFT_WINDOW_HELP = ("Tokens a draft session opens with: the first 32 plus the 
 
 
 def draft_window_option(value: Optional[int]) -> DraftWindowConfig | None:
-    """``--draft-window``: None = the service default, 0 = the whole context (None is returned), else
-    that many tokens (sinks + recent). Raises UsageError naming the option for a bad value."""
+    """``--draft-window``: None = service default, 0 = whole context, else that many tokens; raises UsageError."""
     if value is None:
         return FrontConfig().draft_window
     if value == 0:
@@ -124,8 +123,7 @@ class TextStream:
 
 
 def _positions_line(proposed, accepted, shown: int = 8) -> str:
-    """'1: 0.82 (55), 2: ...': per tree position, the share of the rounds whose tree reached it whose
-    committed path reached it too (rounds in parentheses), the first ``shown`` positions."""
+    """'1: 0.82 (55), 2: ...': acceptance per tree position (rounds reaching it), the first ``shown`` positions."""
     cells = [f"{d + 1}: {rate:.2f} ({p})" for d, (p, rate) in enumerate(zip(proposed[:shown], position_rates(proposed, accepted)))]
     more = len(proposed) - shown
     return ", ".join(cells) + (f", ... ({more} deeper)" if more > 0 else "")

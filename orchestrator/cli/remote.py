@@ -1,8 +1,6 @@
 """``specdec generate --server ADDR``: a client of the generation front (specdec.v1.GenerationService).
 
-Streams the text deltas to stdout as they arrive and returns the final statistics. gRPC errors are
-turned into RemoteError with the status code name and the server's message (the CLI prints it and
-exits non-zero).
+gRPC errors become RemoteError with the status code name and the server's message.
 """
 
 from __future__ import annotations
@@ -35,9 +33,8 @@ def generate_remote(address: str, prompt: str, *, max_new_tokens: int, sampling:
                     token: str | None = None) -> SimpleNamespace:
     """Run one request on the front at ``address``; writes text deltas to ``out``.
 
-    spec None = the server's configured tree; tls_ca: PEM CA bundle to verify a TLS front against
-    (None = plaintext); token: bearer token sent as ``authorization`` metadata. Returns the final
-    stats as a namespace with the fields of specdec.v1.FinalStats (and ``tokens``). Raises RemoteError.
+    spec None = the server's tree; tls_ca None = plaintext; token: bearer token. Returns the FinalStats
+    fields (and ``tokens``) as a namespace. Raises RemoteError.
     """
     request = generation_pb2.GenerateRequest(
         prompt=prompt, raw=raw, max_new_tokens=max_new_tokens, stop=list(stop),
@@ -79,8 +76,7 @@ def _channel(address: str, tls_ca: str | None) -> grpc.Channel:
 
 
 def client_token(token_file: str | None) -> str | None:
-    """The bearer token for ``generate --server``: $SPECDEC_TOKEN, else the first line of
-    ``token_file`` (None = none). Raises ValueError naming --auth-token-file."""
+    """$SPECDEC_TOKEN, else the first line of ``token_file`` (None = none); ValueError names --auth-token-file."""
     if os.environ.get("SPECDEC_TOKEN"):
         return os.environ["SPECDEC_TOKEN"].strip()
     if token_file is None:
