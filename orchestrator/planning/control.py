@@ -1,32 +1,9 @@
-"""Per-request control of the round loop (DESIGN.md "Control"): plain classes, no Ray, no gRPC.
+"""Per-request control of the round loop (docs/control.md): plain classes, no Ray, no gRPC.
 
-The round controller (orchestrator.loop.controller) asks one ``Control`` per request, every round,
-whether to speculate and how deep. Implementations:
-
-- ``FixedControl``: the request's TreeSpec every round, the draft always used while it works.
-- ``CostAwareControl`` (orchestrator.planning.cost_aware, the default): each round's tree from measured
-  costs and calibrated acceptance, context branches included (orchestrator.planning.shaping).
-- ``RequestControl``: ``DynamicGamma`` (speculation depth +1 after a fully accepted path, -1 after
-  an early rejection) and ``FallbackPolicy`` (a plain target step instead of a speculative round
-  when acceptance is low, the draft is unavailable or its context is full).
-
-Terms: acceptance rate = accepted draft tokens / proposed draft tokens (tree nodes); accepted
-length = accepted draft tokens on the path (bonus excluded); mean accepted length = tokens
-committed per round (bonus included). Times are seconds from any monotonic clock
-(``time.monotonic`` by default).
-
-One round as the controller drives a control (orchestrator/loop/controller.py)::
-
-    tree = empty
-    control.round_context(committed_tokens)
-    if control.speculate(now, committed_len, depth=max_depth):   # at most min(gamma, max_depth) levels
-        tree = draft.propose(sid, control.spec(base_spec), max_depth)
-    # else: no draft this round, control.reason says why
-    shaped = control.shape(tree, committed_tokens, max_depth, sunk_ms)
-    result = target.verify(sid, shaped.tree)
-    if tree.size:
-        control.record(tree_depth, tree.size, accepted_length)
-    control.observe(RoundObservation(shaped, result.accepted_nodes, verify_s, ...))
+``FixedControl`` (the TreeSpec every round) and ``RequestControl`` (``DynamicGamma`` + ``FallbackPolicy``);
+the default, ``CostAwareControl``, is in orchestrator.planning.cost_aware.
+Terms: acceptance rate = accepted / proposed draft tokens (tree nodes); accepted length = accepted draft
+tokens on the path (bonus excluded). Times are seconds from a monotonic clock (``time.monotonic`` by default).
 """
 
 from __future__ import annotations
@@ -81,15 +58,12 @@ class RoundObservation:
 
 
 class Control:
-    """What the round controller asks of one request's control, every round: every hook it calls is
-    declared here, the optional ones with defaults that do nothing.
+    """Every hook the round controller calls on one request's control; optional ones default to no-ops.
 
-    Order within a round: ``round_context`` then ``speculate`` once; when it says yes, ``spec``
-    gives the tree shape; ``shape`` picks the tree to verify; after the target verified a non-empty
-    drafted tree, ``record``; after every round, ``observe``. ``draft_failed`` whenever a draft call
-    fails (error, unreachable, past its deadline; ``draft_timed_out`` first when the deadline
-    tripped); ``set_draft_context_limit`` and ``draft_opened`` once a draft session opens.
-    ``gamma`` (tree levels) and ``reason`` are read after each call.
+    Order within a round: ``round_context``, ``speculate``; if yes ``spec``; ``shape``; ``record`` after a
+    verified non-empty drafted tree; ``observe`` after every round. ``draft_failed`` on any failed draft call
+    (``draft_timed_out`` first on a deadline); ``set_draft_context_limit`` and ``draft_opened`` when a draft
+    session opens.
     """
 
     gamma: int  # speculation depth of the next tree, tree levels
@@ -100,8 +74,7 @@ class Control:
         raise NotImplementedError
 
     def speculate(self, now: float, committed_len: int, depth: int) -> bool:
-        """True = speculate with a tree of up to ``depth`` levels; False = a plain target step.
-        now: seconds (monotonic clock); committed_len: prompt + committed tokens."""
+        """True = speculate with up to ``depth`` levels, False = a plain step. now: s; committed_len: tokens."""
         raise NotImplementedError
 
     def draft_failed(self, now: float) -> None:
@@ -109,17 +82,14 @@ class Control:
         raise NotImplementedError
 
     def record(self, depth: int, proposed: int, accepted: int) -> None:
-        """After a speculative round: tree levels reached, draft tokens proposed (tree nodes) and
-        accepted (the accepted path, bonus excluded)."""
+        """After a speculative round: tree levels reached, draft tokens proposed and accepted (bonus excluded)."""
 
     def set_draft_context_limit(self, limit: int | None) -> None:
         """The draft's max positions, tokens (None = unlimited)."""
 
     def shape(self, tree: DraftTree, context: list[int], max_depth: int, sunk_ms: float) -> ShapedTree:
-        """The tree to verify this round, from the drafted one (possibly empty); by default as it is.
-        A cost-aware control keeps the nodes that pay and adds context branches
-        (orchestrator.planning.shaping). context: [T] committed tokens; max_depth: tree levels the
-        token budget allows; sunk_ms: time this round already spent drafting."""
+        """The tree to verify this round from the drafted one (possibly empty); by default as it is.
+        context: [T] committed tokens; max_depth: tree levels the budget allows; sunk_ms: ms spent drafting."""
         return ShapedTree.of(tree)
 
     def observe(self, obs: RoundObservation) -> None:
@@ -129,8 +99,7 @@ class Control:
         """Once, at the request's start: its sampling parameters."""
 
     def defer_draft_open(self, others: int) -> bool:
-        """At the request's start (others: the controller's other requests in flight): True = open
-        the draft at the first drafted round instead."""
+        """At the request's start (others: requests in flight): True = open the draft at its first drafted round."""
         return False
 
     def draft_opened(self) -> None:
@@ -160,11 +129,7 @@ ControlFactory = Callable[[TreeSpec], Control]
 
 
 class FixedControl(Control):
-    """No adaptation: the request's TreeSpec every round, the draft always used while it works.
-
-    A failed draft is not retried; the draft's context limit is not checked (the draft runtime
-    falls back itself). ``RequestControl`` implements the adaptive control.
-    """
+    """The request's TreeSpec every round; a failed draft is not retried, its context limit not checked."""
 
     def __init__(self, spec: TreeSpec):
         self.gamma = spec.gamma
@@ -188,35 +153,17 @@ class FixedControl(Control):
 class DynamicGamma:
     """Speculation depth gamma of one request, adapted after every speculative round.
 
-    Start: spec.gamma clamped to [min_gamma, max_gamma]. Rule after a round whose tree reached
-    depth ``proposed_depth`` and whose accepted path holds ``accepted_length`` draft tokens:
+    Start: spec.gamma clamped to [min_gamma, max_gamma], max_gamma capped so that ``spec_at_depth(spec, gamma)``
+    fits max_nodes. After a round of depth ``proposed_depth`` with ``accepted_length`` draft tokens accepted:
+    whole path accepted from a tree as deep as asked (proposed_depth >= gamma): +1; whole path accepted from a
+    shallower tree (cut by the budget, the draft's context or gammaThreshold): unchanged, the round says nothing
+    about gamma + 1; early rejection: -1; no tree: unchanged.
 
-    - whole path accepted (accepted_length == proposed_depth) and the tree was as deep as asked
-      (proposed_depth >= gamma): gamma + 1;
-    - whole path accepted but the tree was shallower than gamma (cut by the token budget, the
-      draft's context or gammaThreshold): unchanged, since the round says nothing about depth gamma + 1;
-    - early rejection (accepted_length < proposed_depth): gamma - 1;
-    - no tree (proposed_depth == 0, a plain round): unchanged;
-    always within [min_gamma, max_gamma], where max_gamma is further capped so that
-    ``spec_at_depth(spec, gamma)`` stays within max_nodes nodes.
-
-    Sources: the "heuristic" schedule of HF transformers' assisted generation
-    (``num_assistant_tokens_schedule="heuristic"``, ``AssistedCandidateGenerator.update_candidate_strategy``
-    in transformers/generation/candidate_generator.py: +2 when every candidate token matched, else
-    max(1, n - 1)); llama.cpp's speculative example heuristic (ggml-org/llama.cpp PR #3006: grow only
-    when the full draft length was drafted and accepted, no change when a shorter draft was fully
-    accepted, -1 on a rejection), which is where the "tree as deep as asked" condition comes from.
-    Learned per-token stopping rules (DISCO, Mamou et al. 2024, arXiv:2405.04304; SpecDec++, Huang
-    et al. 2024, arXiv:2405.19715) need per-token draft features or a trained head; this needs counts.
-
-    Why +1 rather than HF's +2: on a CPU each level costs a draft step plus verify rows, about a
-    fifth of a plain target step, where HF's GPU setting makes depth nearly free. In a simulation
-    with i.i.d. per-token acceptance a (a in 0.3..0.95, round cost growing linearly with gamma),
-    +1/-1 was best or within 0.5% of +2/-1 and of +1/to-accepted+1, and within 3.5% of the best
-    static gamma (which would need a known in advance).
-
-    enabled=False (DynamicGammaConfig): gamma stays spec.gamma and ``update`` changes nothing.
-    Raises ValueError when min_gamma exceeds the deepest tree allowed by max_nodes.
+    Sources: HF transformers' assisted-generation "heuristic" schedule
+    (``AssistedCandidateGenerator.update_candidate_strategy``: +2, else max(1, n - 1)); llama.cpp PR #3006
+    (grow only when the full draft length was accepted). +1 rather than HF's +2: on a CPU each level costs
+    about a fifth of a plain target step, where on HF's GPUs depth is nearly free.
+    enabled=False: gamma stays spec.gamma. Raises ValueError when min_gamma exceeds the deepest tree within max_nodes.
     """
 
     def __init__(self, spec: TreeSpec, config: DynamicGammaConfig = DynamicGammaConfig(),
@@ -252,11 +199,8 @@ class DynamicGamma:
 
     def update(self, proposed_depth: int, accepted_length: int) -> int:
         """Apply the rule (class docstring) after one round; returns the new gamma.
-
-        proposed_depth: depth of the tree actually proposed (the deepest of ``specdec.tree.node_depths(tree.parents)``), 0 for
-        none; accepted_length: draft tokens on the accepted path, bonus excluded. Raises ValueError
-        when either is negative or accepted_length > proposed_depth.
-        """
+        proposed_depth: depth of the proposed tree, 0 for none; accepted_length: bonus excluded.
+        Raises ValueError when either is negative or accepted_length > proposed_depth."""
         if proposed_depth < 0 or accepted_length < 0 or accepted_length > proposed_depth:
             raise ValueError(f"update: need 0 <= accepted_length <= proposed_depth, got accepted_length="
                              f"{accepted_length}, proposed_depth={proposed_depth}")
@@ -274,8 +218,7 @@ class DynamicGamma:
 
 
 class AcceptanceWindow:
-    """Sliding window over the last n rounds of (proposed, accepted) draft tokens (also the
-    acceptance monitor's, orchestrator.loop.metrics)."""
+    """Sliding window over the last n rounds of (proposed, accepted) draft tokens."""
 
     def __init__(self, n: int):
         self.rounds: deque[tuple[int, int]] = deque(maxlen=n)
@@ -311,39 +254,19 @@ def check_counts(proposed: int, accepted: int) -> None:
 
 
 class FallbackPolicy:
-    """Whether one request speculates this round or runs a plain target step (DESIGN.md "Control", Fallback).
+    """Whether one request speculates this round or runs a plain target step (docs/control.md, Fallback).
 
-    Call ``speculate`` exactly once per round (it counts plain rounds); after a speculative round
-    call ``record``; when a draft call fails (unreachable, error, deadline) call ``draft_failed``.
-    Speculation is off, checked in this order (the first that holds is ``reason``):
-
-    1. ``"draft_context_limit"``: committed_len + depth > draft_context_limit (the draft must hold
-       the committed tokens plus one position per tree level). Lasts as long as it holds
-       (for the rest of the request, as committed_len only grows); ``context_room`` tells the
-       caller how deep a tree still fits, so it can shrink gamma instead.
-    2. ``"draft_unavailable"``: for reconnect_s seconds after ``draft_failed(now)``; the first
-       round at or after now + reconnect_s speculates again (a retry; another failure re-arms it).
-       ``record(..., draft_s=...)`` with draft_s above draft_deadline_ms counts as a failure.
-    3. ``"low_acceptance"``: the acceptance rate (accepted / proposed draft tokens) over the last
-       ``window`` speculative rounds is below min_acceptance, judged on a full window only. Then
-       ``probe_every`` plain rounds run (only rounds whose reason is low_acceptance count), and the
-       next round speculates again as a probe with an emptied window: speculation stays on until
-       the window is full again and is judged afresh.
-
-    Sources: DESIGN.md "Control". The windowed-acceptance cut-off with periodic probing is this
-    project's rule: speculation pays when the expected tokens per
-    round, 1 + accepted length, exceed the round's cost in plain steps (Leviathan et al. 2023,
-    "Fast Inference from Transformers via Speculative Decoding", ICML, section 3 "Analysis",
-    Theorem 3.8: walltime improvement factor (1 - a^(gamma+1)) / ((1 - a)(gamma*c + 1)) for a chain
-    with per-token acceptance a and draft/target cost ratio c); min_acceptance is a cheap proxy of that.
-    A rate per proposed node depends on the tree's width: with DEFAULT_SPEC (5 nodes, depth 3)
-    it is at most 3/5 = 0.6, with SEED_SPEC (12 nodes) at most 3/12 = 0.25; set min_acceptance
-    for the tree in use.
-
-    now: seconds of the injected clock (``clock``, default time.monotonic) or None to read it.
-    ``fallback_rounds``: plain rounds so far by reason; ``probes``: probes started. metrics: a
-    SpecMetrics (orchestrator.loop.metrics, not imported here: it imports this module's vocabulary)
-    whose fallback_rounds{reason} counter is incremented with every plain round.
+    ``speculate`` once per round (it counts plain rounds), ``record`` after a speculative round, ``draft_failed``
+    when a draft call fails. Speculation is off, first match is ``reason``:
+    1. ``"draft_context_limit"``: committed_len + depth > draft_context_limit, while it holds (``context_room``
+       tells how deep a tree still fits);
+    2. ``"draft_unavailable"``: for reconnect_s s after ``draft_failed`` (also a draft_s over the deadline);
+    3. ``"low_acceptance"``: a full ``window`` of rounds below min_acceptance; after ``probe_every`` such plain
+       rounds one probe speculates with an emptied window.
+    min_acceptance is a cheap proxy of Leviathan et al. 2023 (ICML) §3 Theorem 3.8's walltime improvement; a
+    rate per node depends on the tree's width (at most 0.6 with DEFAULT_SPEC, 0.25 with SEED_SPEC).
+    now: seconds of ``clock`` or None to read it. metrics: a SpecMetrics (not imported: it imports this module)
+    whose fallback_rounds{reason} counter counts every plain round.
     """
 
     def __init__(self, config: FallbackConfig = FallbackConfig(), draft_context_limit: int | None = None,
@@ -380,12 +303,8 @@ class FallbackPolicy:
         return self.draft_context_limit - committed_len
 
     def speculate(self, now: float | None, committed_len: int, depth: int = 1) -> bool:
-        """Decide this round: True = speculate with a tree of up to ``depth`` levels, False = plain step.
-
-        committed_len: tokens in the request's context (prompt + committed); depth: the tree depth
-        the caller means to ask for (>= 1). Sets ``reason`` (None when True) and counts the plain
-        round. Raises ValueError for committed_len < 0 or depth < 1.
-        """
+        """True = speculate with up to ``depth`` (>= 1) levels, False = plain step; sets ``reason``.
+        Raises ValueError for committed_len < 0 or depth < 1."""
         if committed_len < 0 or depth < 1:
             raise ValueError(f"speculate: need committed_len >= 0 and depth >= 1, got {committed_len}, {depth}")
         now = self.clock() if now is None else now
@@ -414,12 +333,8 @@ class FallbackPolicy:
         return reason is None
 
     def record(self, proposed: int, accepted: int, now: float | None = None, draft_s: float | None = None) -> None:
-        """Record a speculative round: proposed / accepted draft tokens, draft_s the draft's reply time (s).
-
-        A round with proposed == 0 is ignored by the window. draft_s > draft_deadline_ms / 1000
-        marks the draft unavailable (as ``draft_failed(now)``). Raises ValueError for negative
-        counts or accepted > proposed.
-        """
+        """Record a speculative round: proposed / accepted draft tokens, draft_s the draft's reply time (s);
+        a draft_s over the deadline counts as ``draft_failed``. Raises ValueError for impossible counts."""
         check_counts(proposed, accepted)
         if draft_s is not None and draft_s > self.deadline_s:
             log.warning("fallback: draft reply took %.3f s, over the %.3f s deadline", draft_s, self.deadline_s)
@@ -436,8 +351,7 @@ class FallbackPolicy:
                      self.config.min_acceptance, self.config.probe_every)
 
     def set_draft_context_limit(self, limit: int | None) -> None:
-        """The draft's max positions, learnt when its session opens (None = unlimited).
-        Raises ValueError for a limit < 1."""
+        """The draft's max positions (None = unlimited). Raises ValueError for a limit < 1."""
         if limit is not None and limit < 1:
             raise ValueError(f"draft_context_limit: must be >= 1 tokens, got {limit}")
         self.draft_context_limit = limit
@@ -453,11 +367,7 @@ class FallbackPolicy:
 
 
 class RequestControl(Control):
-    """DynamicGamma + FallbackPolicy of one request, behind the round controller's control interface.
-
-    Rules and sources: DynamicGamma and FallbackPolicy.
-    Raises ValueError as DynamicGamma does (min_gamma beyond the node limit).
-    """
+    """DynamicGamma + FallbackPolicy of one request behind ``Control``. Raises ValueError as DynamicGamma does."""
 
     def __init__(self, spec: TreeSpec, dynamic_gamma: DynamicGammaConfig = DynamicGammaConfig(),
                  fallback: FallbackConfig = FallbackConfig(), draft_context_limit: int | None = None,
@@ -488,16 +398,13 @@ class RequestControl(Control):
         return spec_at_depth(base, self.dynamic.gamma, self.dynamic.max_nodes)
 
     def speculate(self, now: float | None, committed_len: int, depth: int | None = None) -> bool:
-        """FallbackPolicy.speculate for a tree of min(gamma, depth) levels (depth: what the token
-        budget allows; None = no cap)."""
+        """FallbackPolicy.speculate for min(gamma, depth) levels (depth None = no cap)."""
         gamma = self.dynamic.gamma
         return self.fallback.speculate(now, committed_len, gamma if depth is None else min(gamma, depth))
 
     def record(self, depth: int, proposed: int, accepted: int, now: float | None = None,
                draft_s: float | None = None) -> None:
-        """After a speculative round: tree depth reached, proposed draft tokens (tree nodes), accepted
-        draft tokens (the accepted path, bonus excluded). Updates gamma, then the fallback window.
-        Raises ValueError for impossible counts (accepted > depth or > proposed, negatives)."""
+        """After a speculative round: gamma, then the fallback window. Raises ValueError for impossible counts."""
         check_counts(proposed, accepted)
         self.dynamic.update(depth, accepted)
         self.fallback.record(proposed, accepted, now, draft_s)

@@ -1,26 +1,13 @@
 """Measured costs of this deployment: target verify latency V(n) and draft step latency D(p).
 
-Units: milliseconds. n = rows of one verify forward ([R, nodes], so n = tree nodes + 1); p =
-parents expanded by one draft step (rows of that draft forward).
-
-Both curves are piecewise linear through measured points, extrapolated linearly past the last
-one, and never decreasing (a point above its right neighbour is lowered to it: timing noise only
-slows a forward down, so of two sizes measured out of order the smaller size's figure is the one a
-disturbance inflated). They start from a
-start-up measurement (a few forwards, ``measure_curve``) or from prior figures, and follow the
-running deployment: every round's own timing moves one scale factor of the whole curve (the
-first observation sets it, as prior figures may come from another machine; later ones move it by
-an exponential moving average of observed / predicted, weight ``alpha``, one observation's ratio
-clamped to [0.5, 2]). The shape measured at start-up is kept; drift (a busier machine, a longer
-context) moves all sizes together, so one noisy round cannot make extra rows look expensive
-or free.
+Units: ms. n = rows of one verify forward (tree nodes + 1); p = parents expanded by one draft step.
+Curves, scale and measurement: docs/control.md "The cost model". A point above its right neighbour is lowered
+to it: noise only slows a forward, so of two sizes out of order the smaller one's figure was inflated. The first
+observation sets the scale, as prior figures (the default pair on a CPU) may come from another machine.
 
 Worked example: points {1: 285, 8: 449} give V(4) = 285 + (449 - 285) * 3/7 = 355.3 ms; an
 observed V(4) of 426.3 ms (ratio 1.2) with alpha 0.5 moves the scale from 1 to 1.1, so V(4) is
 then 390.8 ms and V(1) 313.5 ms.
-
-The priors are CPU figures of the default pair (float32 1.5B target after 300 cached tokens, int8
-0.5B draft): only their shape matters, as the first observation sets the scale.
 """
 
 from __future__ import annotations
@@ -50,11 +37,9 @@ MERGED_RETRIES = 3  # a start-up call that a service merged with other sessions'
 class LatencyCurve:
     """A latency curve ms(x) = scale * base(x) through measured points (module docstring).
 
-    points: {x: ms} with x >= 1 integers (at least one point); alpha: weight of one observation;
-    measured: the points were measured on this deployment (start-up), so the first observation
-    moves the scale like any other instead of setting it (that rule is for prior figures, which may
-    come from another machine), unless it is more than 4x off: then the start-up figure was not
-    representative (a busy machine) and the observation sets the scale. Thread-safe: one lock around reads and updates (the front's requests share one curve).
+    points: {x: ms}, x >= 1 integers (at least one; ValueError otherwise); alpha: weight of one observation;
+    measured: the points are this deployment's, so the first observation sets the scale only when over 4x off.
+    Thread-safe (the front's requests share one curve).
     """
 
     points: dict[int, float]
@@ -94,9 +79,8 @@ class LatencyCurve:
         self.observe_sum([x], ms)
 
     def observe_sum(self, xs: Iterable[float], ms: float, may_set: bool = True) -> None:
-        """One observation of ``ms`` for a sequence of forwards of sizes xs (e.g. a draft proposal's steps).
-        may_set False: never the first-observation rule, always the clamped moving average (a bound,
-        not a measurement: a deadline that tripped once must not set the scale)."""
+        """One observation of ``ms`` for forwards of sizes xs. may_set False: always the clamped moving average
+        (a bound, not a measurement: a deadline that tripped once must not set the scale)."""
         xs = [x for x in xs if x >= 1]
         if ms <= 0 or not xs:
             return
@@ -120,8 +104,7 @@ class LatencyCurve:
 class CostModel:
     """V(n) and D(p) of this deployment (module docstring), shared by the requests of one front.
 
-    verify_ms: {rows: ms} measured or prior; draft_step_ms: {parents: ms}; round_overhead_ms:
-    the rest of a round (stop checks, commits, transport), measured from the rounds.
+    verify_ms: {rows: ms}; draft_step_ms: {parents: ms}; round_overhead_ms: the rest of a round, learnt.
     """
 
     def __init__(self, verify_ms: dict[int, float] | None = None, draft_step_ms: dict[int, float] | None = None,
@@ -131,14 +114,12 @@ class CostModel:
         self.draft_step = LatencyCurve(dict(draft_step_ms or PRIOR_DRAFT_STEP_MS), alpha,
                                        measured=measured and bool(draft_step_ms))
         self.round_overhead_ms = 0.0
-        # "prior" | "measured" | "configured" (CostAwareConfig's figures): where the starting points
-        # came from; measured and configured points are this deployment's (LatencyCurve.measured)
+        # "prior" | "measured" | "configured" (CostAwareConfig's figures; this deployment's, as measured)
         self.source = source
 
     def draft_step_ms(self, parents: int) -> float:
-        """D(parents). Until a draft step has been observed, the draft curve follows the verify
-        curve's scale: prior or start-up figures hold the ratio of the two models' costs, and a
-        machine that runs the target 10x faster than the figures runs the draft about as much faster."""
+        """D(parents). Before any draft observation it follows the verify curve's scale: prior figures hold
+        the two models' cost ratio, and a machine 10x faster for the target is about as fast for the draft."""
         if self.draft_step.observations == 0 and not self.draft_step.measured:
             return self.verify.scale * self.draft_step.base(parents)
         return self.draft_step(parents)
@@ -157,21 +138,15 @@ class CostModel:
 
     def observe_round(self, rows: int, verify_s: float, parents_per_step: list[int], draft_s: float | None,
                       overhead_s: float = 0.0) -> None:
-        """Fold one round's timings into the curves (seconds in, as the round loop measures them).
-        rows: of the whole verify forward (every session's rows when the target merged several)."""
+        """Fold one round's timings (s) into the curves. rows: of the whole verify forward, every session's."""
         self.verify.observe(rows, verify_s * 1000)
         if draft_s and parents_per_step:
             self._observe_draft(parents_per_step, draft_s * 1000)
         self.round_overhead_ms += 0.2 * (overhead_s * 1000 - self.round_overhead_ms)
 
     def observe_draft_timeout(self, parents_per_step: list[int], waited_s: float) -> None:
-        """A draft proposal of these parents per step gave no reply within ``waited_s`` seconds (its
-        deadline): a lower bound on its latency, folded into D like a reply that took that long
-        where D predicted less, through the clamped moving average only (one timeout moves D by at
-        most 1 + alpha). Without it, proposals that all time out would teach D nothing and every
-        round would keep planning a draft that cannot answer in time. (Under load, on the draft's
-        own device, the cost-aware control folds a timeout into the draft's queue share instead:
-        ``SharedState.observe_draft_queue``.)"""
+        """No reply within ``waited_s`` s (the deadline): a lower bound folded into D through the clamped
+        average only; otherwise proposals that all time out would teach D nothing and keep being planned."""
         if parents_per_step and waited_s * 1000 > self.draft_ms(parents_per_step):  # a bound already met says nothing
             self._observe_draft(parents_per_step, waited_s * 1000, may_set=False)  # moves D by at most 1 + alpha
 
@@ -191,20 +166,9 @@ class CostModel:
 class LoadedCost:
     """The cost model as each of ``load`` requests whose rounds share one verify forward sees it.
 
-    Goodput planning (Liu et al. 2024, "Optimizing Speculative Decoding for Serving Large Language
-    Models Using Goodput", SmartSpec, section 4): with B requests merged into each forward, each
-    verifying r rows, a round takes D + V(B r) + overhead and yields B times one request's tokens, so
-    the batch's best choice maximises one request's tokens / (D + V(B r) + overhead) (the symmetric
-    case). ``verify(rows)`` is therefore V(load * rows): once V turns compute-bound, trees shrink as
-    load grows, and a plain round beats drafting where batched decoding has the higher throughput.
-    load: sessions per verify forward (>= 1, a moving average); load 1 is the cost model itself.
-
-    shared_compute (``specdec.placement``): each request's draft steps take the target's compute;
-    with m = 1 + draft_merge * (load - 1) sessions per draft forward (the draft service merges
-    concurrent proposals) a step costs D(m p) * load / m of the batch's time: D(p) * load when every
-    step runs alone, D(load p) in lockstep. On its own device one draft serves every request: a step
-    costs D(p) * (1 + draft_queue * (load - 1)) (``queue_factor``), draft_queue learnt from the
-    replies' wall times under load.
+    SmartSpec goodput (Liu et al. 2024, §4): B merged requests of r rows each take D + V(B r) + overhead for B
+    times one request's tokens, so ``verify(rows)`` is V(load * rows). load: sessions per verify forward (>= 1).
+    Draft pricing (shared compute, queue) and the merges: docs/control.md "Under load".
     """
 
     def __init__(self, cost: CostModel, load: float, shared_compute: bool = False, draft_queue: float = 0.0,
@@ -229,21 +193,14 @@ class LoadedCost:
         return 1.0 + self.verify_merge * (self.load - 1.0)
 
     def drafted_verify(self, rows: float) -> float:
-        """ms of the batch's verifies for a drafted round of ``rows`` rows per request: with m =
-        ``verify_sessions()`` sessions per forward the batch's rounds take load / m forwards of
-        V(m rows). verify_merge 1 (drafted rounds keep in step: every request drafts alike, and
-        their verifies merge) gives V(load rows), ``verify``; 0 (each drafted round misses the
-        others' forward: a draft's time late) gives V(rows) * load, as a draft step alone on shared
-        compute is priced (``draft_step_ms``)."""
+        """ms of the batch's verifies for a drafted round of ``rows`` rows per request: load / m forwards of
+        V(m rows), m = ``verify_sessions()`` (verify_merge 1: V(load rows); 0: V(rows) * load)."""
         m = self.verify_sessions()
         return self.cost.verify(m * rows) * self.load / m
 
     def queue_factor(self) -> float:
-        """How much longer than D a draft step takes as a request sees it, on the draft's own device:
-        1 + draft_queue * (load - 1). draft_queue (learnt, ``SharedState.observe_draft_queue``) is
-        the share of each other request's step that a step waits behind: 0 when the draft merges or
-        overlaps every session's steps, 1 when they run one after another, more when other
-        sessions' prefills queue there too."""
+        """A draft step's time over D on the draft's own device: 1 + draft_queue * (load - 1), draft_queue the
+        share of each other request's step that a step waits behind (learnt)."""
         return 1.0 + self.draft_queue * (self.load - 1.0)
 
     def merged_sessions(self) -> float:
@@ -264,13 +221,9 @@ def measure_curve(run: Callable[[int], float | None], xs: Iterable[int], repeats
                   clock: Callable[[], float] = time.perf_counter) -> dict[int, float]:
     """Time ``run(x)`` for each x; the median of ``repeats`` runs (ms) per x after one warm-up run of each.
 
-    run: performs one forward of size x (rows or parents) and returns when it is done, with None
-    (the run is timed by ``clock``, seconds) or the seconds the forward itself took (a service's
-    own figure, without transport). The sizes take turns (x1, x2, ..., then x1, x2, ... again), so a disturbance shorter
-    than one turn over the sizes (about 0.9 s for V(1..32) on the default pair) costs each size at
-    most one of its runs, which the median drops; measured one size after the other, all runs of
-    the first size could fall in it, leaving the curve flat (tree rows would look free for as long
-    as the front runs: the curve's shape is kept, only its scale learns).
+    run: one forward of size x, returning None (timed by ``clock``, s) or the forward's own seconds. The sizes
+    take turns, so a short disturbance costs each size at most one run, which the median drops; size after size
+    it could flatten the curve, and rows would look free for as long as the front runs (only the scale learns).
     """
     xs = list(xs)
     for x in xs:  # warm-up: first calls pay allocation and kernel selection
@@ -292,22 +245,14 @@ def measure_worker_costs(target, draft, vocab_size: int, context_tokens: int = 1
                          rows: Iterable[int] = (1, 4, 8, 16, 32), parents: Iterable[int] = (1, 2, 4, 8),
                          clock: Callable[[], float] = time.perf_counter, context_limit: int | None = None,
                          max_rows: int | None = None) -> CostModel:
-    """A CostModel measured on workers with blocking calls (specdec.interfaces; the draft may be None):
-    in-process runtimes, or the services' clients through ``measure_service_costs``.
+    """A CostModel measured on workers with blocking calls (the draft may be None).
 
-    V(n): verifies of chains of n - 1 nodes after ``context_tokens`` cached tokens (``measure_curve``),
-    timed by the forward's own time where the result reports it (``VerifyResult.forward_ms``), as the
-    rounds teach V. D(p): a proposal of one step against one of 1 + DRAFT_STEPS steps whose later
-    steps expand p parents each, the difference / DRAFT_STEPS (what every proposal costs besides its
-    steps cancels). A call that a service merged with other sessions' work (``batch_size`` or
-    ``last_batch_size`` over 1) is run again, up to MERGED_RETRIES times, then MeasurementDisturbed.
-
-    Greedy sessions of ids 1, 2, ... (costs do not depend on them), named ``__cost_model__`` and a
-    random suffix (two fronts measuring one target at once do not share one), released at the end
-    even on errors, which propagate. The target session grows by at most ``context_tokens`` + 4 *
-    (MERGED_RETRIES + 1) * len(rows) + max(rows) tokens; ``context_limit`` (the target's max
-    positions) shrinks the context to fit (ValueError under 8 tokens); sizes over ``max_rows`` (the
-    target's tree limit + 1) are left out (their V extrapolates). clock: seconds.
+    V(n): verifies of chains of n - 1 nodes after ``context_tokens`` cached tokens, by the forward's own time
+    where reported. D(p): a 1 + DRAFT_STEPS-step proposal (later steps expanding p parents) minus a one-step
+    one, / DRAFT_STEPS. A call merged with other sessions' work is rerun up to MERGED_RETRIES times, then
+    MeasurementDisturbed. Sessions ``__cost_model__<random>`` are released even on errors, which propagate.
+    ``context_limit`` (target's max positions) shrinks the context (ValueError under 8 tokens); sizes over
+    ``max_rows`` are left out (their V extrapolates). clock: seconds.
     """
     rows = [n for n in rows if max_rows is None or n <= max_rows] or [1]
     if context_limit:
@@ -379,8 +324,7 @@ def _measure_draft(draft: DraftWorker, sid: str, ids: list[int], parents: Iterab
 
 @contextlib.contextmanager
 def _session(worker, sid: str, ids: list[int], sampling):
-    """A worker session for the body, released after it even when its start or the body failed
-    (a start that timed out may still have opened it); a failed release hides no error of the body."""
+    """A worker session for the body, released even when its start (which may have opened it) or the body failed."""
     try:
         worker.start(sid, ids, sampling)
         yield
@@ -394,14 +338,10 @@ def _session(worker, sid: str, ids: list[int], sampling):
 
 async def measure_service_costs(target, draft, vocab_size: int, call_timeout_s: float = 60.0,
                                 total_timeout_s: float = 120.0, **kwargs) -> CostModel:
-    """``measure_worker_costs`` through awaitable workers (the services' gRPC clients,
-    orchestrator.loop.clients): V(n) from the target's own forward time (its replies say it), D(p)
-    from the proposals' wall time (transport cancels in the difference). The measurement runs on a
-    thread whose calls wait on this event loop, so the loop stays free for them; each call may take
-    ``call_timeout_s`` seconds, and none waits past ``total_timeout_s`` from the start (then
-    TimeoutError, the call cancelled; the releases after it get ``call_timeout_s`` each). Cancelled, it stops the thread at its next call (the sessions' releases still go
-    out). ``last_batch_size`` (sync in DraftClient) is called as it is.
-    kwargs: ``measure_worker_costs``'s sizes, context and clock. Errors of the calls propagate."""
+    """``measure_worker_costs`` through awaitable workers (the gRPC clients), on a thread whose calls wait on
+    this event loop. Each call may take ``call_timeout_s`` s, none past ``total_timeout_s`` from the start
+    (TimeoutError; releases still get ``call_timeout_s``). Cancelled, the thread stops at its next call.
+    kwargs: ``measure_worker_costs``'s. Errors of the calls propagate."""
     loop = asyncio.get_running_loop()
     stop = threading.Event()
     deadline = time.monotonic() + total_timeout_s

@@ -1,29 +1,8 @@
 """Lock-step rounds: the requests of one front send their verifies together (``RoundClock``).
 
-Where the draft shares the target's compute (two services on one machine's cores), a round of
-speculation pays under load only when every request's draft steps share one draft forward and every
-request's verify shares one target forward: the goodput case of Liu et al. 2024 ("Optimizing
-Speculative Decoding for Serving LLMs Using Goodput", SmartSpec, section 4), which vLLM's and
-SGLang's schedulers get by running all requests' draft and verify steps as one batch step. Requests
-that run their rounds independently drift apart instead: one drafts while the other verifies, on
-the same cores, and their verifies stop merging. The clock keeps them in step with two barriers a round: a round starts
-when every request in its decode rounds has committed the last (so their proposals reach the draft
-service together, and its batcher merges them), and a request that is ready to verify waits until
-every other one is ready too (or ``max_wait_s`` has passed: a straggler is not waited for longer),
-then all of them send their verifies at once, which the target's batcher merges into one forward.
-
-What it brings shrinks as requests grow in number (every request drafting merged, then verifying
-merged, beats plain batched decoding by less at each load, and not at all at 16); through the
-services it pays at a few clients and is no different at 8. The front's clock
-(cost_aware.in_step, on by default) holds its turns only while the in-step plan applies, below
-cost_aware.in_step_max_load (``active``; 8.5 by default: up to 8 clients).
-
-Plain asyncio; the round controller (orchestrator.loop.controller) joins a request after its first round
-(which needs no forward of its own: the prefill gave its token), calls ``turn(sid, START)`` before
-each round and ``turn(sid, VERIFY)`` before each verify, and ``leave`` when the request ends. One
-clock per RoundController, so per orchestrator actor (``front.workers``); requests without a draft
-(``no_spec``) join too with ``cost_aware.in_step_no_spec`` (on by default: plain verifies that
-arrive apart miss the target's gather window).
+Why and when: docs/control.md "Lock-step rounds" (SmartSpec's goodput case, Liu et al. 2024 §4, which vLLM's and
+SGLang's schedulers get by batching every request's draft and verify steps). Plain asyncio; a request joins after
+its first round (the prefill gave its token), leaves when it ends.
 """
 
 from __future__ import annotations
@@ -37,18 +16,14 @@ START, VERIFY = "start", "verify"  # the two turns of a round
 
 
 class RoundClock:
-    """Two barriers per round for the requests in their decode rounds (module docstring): ``turn(sid,
-    START)`` before a round drafts, ``turn(sid, VERIFY)`` before it verifies.
+    """Two barriers per round for the requests in their decode rounds: ``turn(sid, START)`` before a round
+    drafts, ``turn(sid, VERIFY)`` before it verifies.
 
-    A VERIFY turn ends when every member is waiting (at either turn): members that wait at START
-    (a request that has just joined, mid-round of the others) let the others verify and join them
-    at the next START. A START turn ends when every member waits at START. Either ends for a waiter
-    after ``max_wait_s``: the others go without the members missing then, and no turn waits for
-    those again until they come to a turn themselves (a request whose draft is slow for a while,
-    e.g. the first proposal of a new draft session, costs the others one ``max_wait_s``, not one a
-    turn). active: whether the turns hold anyone now (None = always; the front's: while the in-step
-    plan applies, ``SharedState.in_step_applies``); a turn taken while it is False returns at once
-    and lets go the requests still waiting from before. Raises ValueError for max_wait_s <= 0.
+    A VERIFY turn ends when every member waits at either turn (one that just joined waits at START and lets
+    the others verify); a START turn when every member waits at START. Either ends after ``max_wait_s``
+    without the missing members, who are not waited for again until their next turn (a slow draft costs the
+    others one ``max_wait_s``, not one a turn). active: whether the turns hold anyone now (None = always);
+    while False a turn returns at once and frees earlier waiters. Raises ValueError for max_wait_s <= 0.
     """
 
     def __init__(self, max_wait_s: float = 1.0, active: Callable[[], bool] | None = None):
@@ -64,8 +39,7 @@ class RoundClock:
         self.waited_s = 0.0  # total time requests spent waiting at turns
 
     def join(self, session_id: str) -> None:
-        """The request is in its decode rounds (the controller joins it after its first round; joining
-        again is a no-op)."""
+        """The request is in its decode rounds (joining again is a no-op)."""
         self.members.add(session_id)
 
     def leave(self, session_id: str) -> None:
@@ -106,8 +80,7 @@ class RoundClock:
         return True
 
     async def turn(self, session_id: str, phase: str) -> float:
-        """Wait for the others at ``phase`` (START or VERIFY), at most ``max_wait_s``; returns the
-        seconds waited. A request that is not a member (never joined), or is alone, does not wait."""
+        """Wait for the others at ``phase``, at most ``max_wait_s``; returns seconds waited (0 for a non-member or alone)."""
         self._late.discard(session_id)
         if self._inactive():
             return 0.0

@@ -1,38 +1,10 @@
 """Cost-aware token trees: each round's tree maximizes expected committed tokens per millisecond.
 
-Terms: a node's *value* is its estimated chance of lying on the accepted path; the expected tokens of
-a round are 1 (the bonus) + the sum of its nodes' values (linearity of expectation: each accepted
-node is one committed token). A round's *rate* is expected tokens / predicted round ms, from the
-measured costs of this deployment (``orchestrator.planning.cost_model``: target verify V(rows), draft step
-D(parents)).
-
-Three decisions per round, all from the same rate:
-
-1. Before drafting (``plan_depth``): how many draft steps g to run (0 = no draft: a plain round,
-   still carrying the free context branches). Expected values per depth come from this request's
-   past trees; this round's context branch is valued as the shaping would keep it without a
-   draft (``context_path``), and a draft node counts only where that branch fails; the rate of
-   every g in 0..max is compared. While drafting, the draft stops deepening by itself once the
-   best path is too unlikely to pay for one more step (the TreeSpec's ``gammaThreshold``, set per
-   round from the costs: ``stop_threshold``).
-2. After drafting (``shape_tree``): which of the drafted nodes to verify. Nodes are taken best value
-   first (keeping the tree ancestor-closed, and for sampled treeType-1 children a draw-order prefix
-   of each sibling set) while the round's rate keeps rising: one more verify row costs V(n + 1) -
-   V(n) ms and brings its value in tokens.
-3. Free branches: the continuation of the context's last n-gram (``specdec.ngram``) is merged into
-   the tree (``specdec.tree.merge_chain``) as context nodes, valued by their own calibration, and
-   selected by the same rule; they cost verify rows but no draft step.
-
-Values: a draft node's value is its parent's value times a(q), the calibrated chance that the target
-agrees with a child of draft probability q given that its parent was accepted
-(``AcceptanceCalibration``, binned by q, learned from this request's verified trees on top of the
-front-wide table); a context node's value uses the chance for its place in the n-gram branch
-and the branch's match length (``ContextCalibration``, ``match_bucket``). Sources: EAGLE-2 (Li
-et al. 2024, §4: dynamic draft trees ranked by draft confidence, which is well calibrated with
-acceptance), Sequoia (Chen et al. 2024, §3:
-hardware-aware tree size from measured forward times), SpecDec++ (Huang et al. 2024) and DISCO
-(Mamou et al. 2024) on when to stop drafting. Unlike them, the costs here are the running
-deployment's measured V(n) and D(p), kept current from the rounds' own timings.
+A node's *value* is its estimated chance of lying on the accepted path; a round's expected tokens are 1 (the
+bonus) + the sum of its values (linearity of expectation); its *rate* is expected tokens / predicted round ms.
+The three decisions (depth, selection, free context branches): docs/control.md "How a round's tree is shaped".
+Sources: EAGLE-2 (Li et al. 2024, §4: dynamic trees ranked by draft confidence), Sequoia (Chen et al. 2024, §3:
+hardware-aware tree size), SpecDec++ (Huang et al. 2024) and DISCO (Mamou et al. 2024) on when to stop drafting.
 """
 
 from __future__ import annotations
@@ -61,10 +33,8 @@ def _bin(q: float) -> int:
 class AcceptanceCalibration:
     """a(q): P(a draft child is accepted | its parent is), binned by the child's draft probability q.
 
-    Counts (accepted, seen) per bin over the nodes whose parent was on the accepted path (the root
-    included): for those, acceptance is an unbiased sample. ``prior``: another calibration (the
-    front-wide one) whose estimates count as ``prior_weight`` observations per bin; without one,
-    a(q) starts at 0.8 q (drafts are a little over-confident), worth 2 observations.
+    Counts over nodes whose parent was accepted (an unbiased sample). ``prior``: another calibration whose
+    estimates count as ``prior_weight`` observations per bin; without one a(q) starts at 0.8 q, worth 2.
     """
 
     def __init__(self, prior: "AcceptanceCalibration | None" = None, prior_weight: float = 4.0):
@@ -96,10 +66,8 @@ class AcceptanceCalibration:
 
 
 class ContextCalibration:
-    """P(a context node is accepted | its parent is), by (n, k): n the branch's match-length bucket
-    (``match_bucket``), k the node's place in the branch, capped at 4; prior 0.4 worth 2
-    observations, or another calibration's estimates. The prior is the same for every bucket, so
-    the buckets part only as rounds are observed (front-wide, ``SharedState.estimates``)."""
+    """P(a context node is accepted | its parent is), by (n, k): n the ``match_bucket``, k the node's place
+    (capped at 4); prior 0.4 worth 2 observations, or another calibration's estimates."""
 
     def __init__(self, prior: "ContextCalibration | None" = None, prior_weight: float = 4.0):
         self.prior = prior
@@ -124,11 +92,9 @@ class ContextCalibration:
 class ShapedTree:
     """The tree a round verifies, with what the shaping decided.
 
-    tree: the verified tree; draft_index: [N] the node's index in the draft's own tree (None for
-    context nodes), for the draft's commit; values: [N] estimated acceptance chances;
-    context: {node: (n, k)} calibration keys of the context branch's nodes, draft nodes it shares
-    included (n the match bucket, k the place);
-    drafted: nodes the draft proposed (before selection); expected_accepted: sum of values (tokens, bonus excluded).
+    draft_index: [N] index in the draft's own tree (None for context nodes); values: [N] acceptance chances;
+    context: {node: (n, k)} calibration keys of the context branch's nodes, shared draft nodes included;
+    drafted: nodes the draft proposed; expected_accepted: sum of values (tokens, bonus excluded).
     """
 
     tree: DraftTree
@@ -176,10 +142,8 @@ def _selectable(tree: DraftTree, parent: int, kids: list[list[int]], taken: set[
 
 def select_by_rate(tree: DraftTree, values: Sequence[float], cost: CostModel, sunk_ms: float,
                    drafted: bool = False) -> list[int]:
-    """Nodes to verify: best value first, while the round's rate (1 + sum of values) / (sunk_ms +
-    V(1 + n)) is highest. sunk_ms: time already spent this round (drafting, overhead); drafted: the
-    round drafted, so its verify is priced as ``cost.drafted_verify`` (under load it may miss the
-    other requests' forward). Returns the kept node indices (ancestor-closed), possibly empty."""
+    """Kept node indices (ancestor-closed, possibly empty): best value first, while (1 + sum of values) /
+    (sunk_ms + V(1 + n)) is highest. sunk_ms: ms spent this round; drafted: price with ``cost.drafted_verify``."""
     verify = cost.drafted_verify if drafted else cost.verify
     kids = children(tree.parents)
     taken: set[int] = set()
@@ -210,10 +174,8 @@ def shape_tree(tree: DraftTree, context: Sequence[int], calib: AcceptanceCalibra
                max_depth: int | None = None, lookup: Lookup | None = None) -> ShapedTree:
     """Merge the context's n-gram continuation into the drafted tree, then keep the nodes that pay.
 
-    tree: the draft's tree (may be empty); context: [T] committed tokens (prompt + generated; the
-    continuation's ids are committed ids, so valid for the target); max_depth: the deepest node
-    allowed (token budget); lookup: replaces ``ngram_continuation`` (tests script it).
-    Returns a ShapedTree (see there).
+    tree: the draft's tree (may be empty); context: [T] committed tokens; max_depth: deepest node allowed;
+    lookup: replaces ``ngram_continuation``.
     """
     values = node_values(tree, calib)
     drafted = tree.size
@@ -251,13 +213,8 @@ def context_chain(context: Sequence[int], ngram_tokens: int, max_ngram: int, max
 def context_path(context: Sequence[int], ctx_calib: ContextCalibration, cost: CostModel, sunk_ms: float,
                  ngram_tokens: int = 8, max_ngram: int = 3, max_depth: int | None = None,
                  lookup: Lookup | None = None) -> list[float]:
-    """[m] values of the context branch's nodes that ``shape_tree`` would keep with no draft tree:
-    value k is the chance that the branch's first k tokens are all accepted (the product of
-    ``ctx_calib`` along it). Selection as ``select_by_rate`` on that chain alone: the prefix with the
-    best rate (1 + sum of values) / (sunk_ms + V(1 + m)). [] when the context has no branch. The plan
-    (``orchestrator.planning.cost_aware.plan_depth``) values this round's own branch with it before drafting,
-    for every number of draft steps alike (after drafting, the drafting time adds to sunk_ms, so the
-    shaping may keep a longer branch than this)."""
+    """[m] values of the context branch's nodes that ``shape_tree`` would keep with no draft tree (value k: the
+    chance its first k tokens are all accepted); [] when there is no branch."""
     chain, n = context_chain(context, ngram_tokens, max_ngram, max_depth, lookup)
     if not chain:
         return []
@@ -270,10 +227,8 @@ def context_path(context: Sequence[int], ctx_calib: ContextCalibration, cost: Co
 
 
 def match_bucket(match: int) -> int:
-    """The calibration key of a context branch whose occurrence matches the context's last ``match``
-    tokens: 1, 2, 3, 4 (4-5 tokens) or 5 (6 or more); ``match`` < 1 (no branch) is returned as it
-    is. The match length predicts acceptance: on Spec-Bench answers a branch's first token was
-    right about a quarter of the time at match 1 and nine times in ten at 6 or more."""
+    """Calibration key of a branch matching the context's last ``match`` tokens: 1, 2, 3, 4 (4-5) or 5 (6+);
+    ``match`` < 1 is returned as it is. The match length predicts acceptance."""
     return match if match <= 3 else 4 if match <= 5 else 5
 
 
@@ -281,17 +236,14 @@ MATCH_BUCKET_LABELS = {1: "1", 2: "2", 3: "3", 4: "4-5", 5: "6+"}  # match_bucke
 
 
 def ngram_continuation(context: Sequence[int], max_tokens: int, max_ngram: int = 3) -> tuple[list[int], int]:
-    """(n-gram continuation of at most max_tokens tokens, its ``match_bucket``); ([], 0) when none
-    (``specdec.ngram.match_continuation``: the most recent occurrence of the longest suffix up to
-    max_ngram tokens)."""
+    """(n-gram continuation of at most max_tokens tokens, its ``match_bucket``); ([], 0) when none."""
     chain, match = match_continuation(context, max_tokens, max_ngram=max_ngram, max_match=6)  # 6+: one bucket
     return chain, match_bucket(match)  # ([], 0) when nothing matches
 
 
 def observe_verified(shaped: ShapedTree, accepted_nodes: Sequence[int], calib: AcceptanceCalibration,
                      ctx_calib: ContextCalibration) -> None:
-    """Teach both calibrations from one verified tree: every node whose parent was accepted (or is
-    the root) is one sample, accepted or not."""
+    """Teach both calibrations from one verified tree: one sample per node whose parent was accepted."""
     tree = shaped.tree
     on_path = set(accepted_nodes)
     for i, p in enumerate(tree.parents):
