@@ -483,8 +483,7 @@ class Disruption:
 
 
 async def chaos_script(args, dep: LocalDeployment, clock) -> list[Disruption]:
-    """Kill (and restart) the draft, one actor worker, then the target, ``settle_s`` of load apart; windows
-    end ``RECONNECT_GRACE_S`` after the part is back."""
+    """Kill (and restart) the draft, one actor worker, then the target, ``settle_s`` of load apart."""
     windows = []
     for kind in ("draft", "actor", "target"):
         if kind == "actor" and args.no_ray:

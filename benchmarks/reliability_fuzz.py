@@ -414,8 +414,7 @@ class Fuzzer:
         return table[rpc]
 
     def _session(self, data: st.DataObject, random_message: bool) -> None:
-        """One DraftService.Session stream of 1-6 requests, drawn before it opens (hypothesis needs
-        reply-independent draws); a planned commit takes its path from the last tree replied."""
+        """One DraftService.Session stream of 1-6 requests, drawn before it opens (hypothesis needs that)."""
         one = message_strategy(draft_pb2.DraftRequest.DESCRIPTOR) if random_message else None
         plan = [data.draw(one if one is not None else self._draft_request(i), label="draft request")
                 for i in range(data.draw(st.integers(1, 6), label="stream length"))]
@@ -561,10 +560,7 @@ def open_sessions(fuzzer: Fuzzer, settle_s: float = 20.0) -> dict[str, int]:
 
 def run_fuzz(addresses: Addresses, messages: int, seed: int = 0, alive=None) -> dict:
     """Fuzz a deployment with ``messages`` cases; returns the figures and each property's verdict.
-
-    alive: optional callable -> {name: bool}; else servers are alive if Info answers. Raises
-    grpc.RpcError when the deployment does not answer the well-formed calls before the run.
-    """
+    Raises grpc.RpcError when the deployment does not answer the well-formed calls before the run."""
     info = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(addresses.target)).Info(
         target_pb2.InfoRequest(), timeout=CALL_TIMEOUT_S)
     shape = Shape(info.vocab_size, info.context_limit, info.max_tree_nodes or 128)

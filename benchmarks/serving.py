@@ -236,11 +236,8 @@ def wait_for_rounds(collector: SpanCollector, expected: dict[str, int], timeout_
 
 
 def pipeline_overlap(spans: list[Span], request_ids: set[str]) -> dict:
-    """Draft/verify pipelining from the traces: each round's ``draft.ahead`` span against its ``verify`` span.
-
-    hidden_share: hits' time inside their verify span / their time; wait_ms_mean: how long a hit ran past
-    its verify. docs/observability.md describes the spans.
-    """
+    """Draft/verify pipelining from the traces: each round's ``draft.ahead`` span against its ``verify`` span;
+    hidden_share: the hits' share of time inside their verify span."""
     rounds = round_children(spans, request_ids, ("draft", "verify", "draft.ahead"))
     aheads = 0
     ahead_ns = hidden_ns = 0
@@ -931,7 +928,6 @@ def itl_samples(chunks: list[tuple[float, int]], start_s: float, end_s: float,
 
     Each gap counts as gap / tokens once per token of its closing chunk; ``close_after_end`` also takes
     the first chunk after end_s. Returns (samples, largest gap s).
-
     Example: chunks at 1.0 s (2 tokens) and 1.3 s (3 tokens), window (1.0, 2.0]: [0.1, 0.1, 0.1], 0.3.
     """
     samples, largest = [], 0.0

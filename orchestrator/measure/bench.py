@@ -223,9 +223,8 @@ def median_pass(method: str, runs: list[tuple[list[int], dict]], base_tokens: li
 
 def run_question(pipe, prompt_ids, spec, max_new_tokens, hf_assisted: bool = True, sampling: SamplingParams = GREEDY,
                  prompt_lookup: bool = True, rotate: int = 0, repeats: int = 1, plain: bool = False) -> dict:
-    """One question: every greedy method back to back (pass j in ``method_order(methods, rotate + j)``),
-    then a "sampled" speculative pass unless ``sampling`` is greedy. Each row is the median of ``repeats``
-    passes; matches_target holds only if every pass equals target-only's first. ValueError for repeats < 1."""
+    """One question: each greedy method back to back (pass j in ``method_order(methods, rotate + j)``), each row
+    the median of ``repeats`` passes, then a "sampled" pass unless greedy. ValueError for repeats < 1."""
     if repeats < 1:
         raise ValueError(f"--repeats: must be >= 1, got {repeats}")
     methods = greedy_methods(hf_assisted, prompt_lookup, plain)
@@ -262,8 +261,7 @@ def method_figures(runs: list[dict]) -> dict:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Aggregate question rows: per method tokens/s, TTFT, speedups and match fraction against target-only;
-    ours' acceptance figures and time shares; the sampled pass's figures if it ran (docs/benchmarks.md)."""
+    """Aggregate question rows: per method tokens/s, TTFT, speedups and match fraction; ours' acceptance."""
     out: dict = {"questions": len(rows)}
     for m in (m for m in METHODS if m in rows[0]):
         for key, value in method_figures([r[m] for r in rows]).items():
@@ -380,8 +378,7 @@ def markdown_table(summary: dict[str, dict], temperature: float | None = None) -
 
 def run_questions(pipe, questions: list[dict], spec, max_new_tokens: int, sampling: SamplingParams,
                   **options) -> tuple[list[dict], list]:
-    """``run_question`` on each question (rotation and seed + i); returns rows and skipped ids (too long for the
-    context); ValueError when none fits."""
+    """``run_question`` on each question; returns rows and the ids too long for the context (ValueError if all)."""
     rows, skipped = [], []
     for i, q in enumerate(track(questions, description="bench", console=console)):
         prompt_ids = encode_prompt(pipe.tokenizer, q["turns"][0], raw=False)
@@ -406,9 +403,7 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
               draft_window: DraftWindowConfig | None = FrontConfig().draft_window, categories: Sequence[str] = (),
               argmax_screen: bool = True, repeats: int = 1, plain: bool = True) -> dict:
     """Run the benchmark and write results.json + results.md under out_dir; returns the summary.
-
-    Parameters mirror ``specdec bench``'s options (docs/usage.md); ValueError for repeats < 1 before models load.
-    """
+    Parameters mirror ``specdec bench``'s options; ValueError for repeats < 1 before the models load."""
     if repeats < 1:
         raise ValueError(f"--repeats: must be >= 1, got {repeats}")
     questions = load_questions(questions_path, per_category, offset, categories)  # bad files fail before the models load

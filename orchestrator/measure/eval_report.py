@@ -38,9 +38,8 @@ COMPARED_OUTPUTS = "greedy token ids, speculative vs target-only, per question"
 # ----------------------------------------------------------------------------------------- the report
 
 class SpeculativeReport(BaseModel):
-    """One slice's figures; JSON names in camelCase (design note 004: the first nine fields are its
-    SpeculativeReport). Units: ms, tokens/s, MB (10**6 bytes); ratios are speculative / target-only.
-    """
+    """One slice's figures (camelCase JSON; the first nine fields are design note 004's SpeculativeReport).
+    Units: ms, tokens/s, MB (10**6 bytes); ratios are speculative / target-only."""
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, frozen=True)
 
@@ -141,8 +140,7 @@ def detect_language(text: str) -> str:
 # ----------------------------------------------------------------------------------------- memory
 
 def peak_rss_mb(pid: int | None = None) -> float:
-    """Peak RSS of a process (None = this one), MB (10**6 bytes), from VmHWM (Linux) or ru_maxrss.
-    Raises ValueError (naming the pid) when unreadable."""
+    """Peak RSS of a process (None = this one), MB (10**6 bytes); ValueError (naming the pid) if unreadable."""
     target = os.getpid() if pid is None else pid
     try:
         for line in Path(f"/proc/{target}/status").read_text().splitlines():
@@ -336,11 +334,8 @@ def run_eval(spec, questions_path: Path | None, per_category: int, max_new_token
              target: str | None = None, draft: str | None = None, dtype: str = "auto", draft_quant: str = "auto",
              control: str = "cost-aware", server: str | None = None, service_pids: tuple[int, ...] = (),
              make_runner: Callable | None = None) -> list[SpeculativeReport]:
-    """Run the evaluation and write the report under out_dir; returns the reports (overall first).
-
-    server: host:port of a front, else the pair is loaded here; make_runner wraps the runner (tests).
-    Raises QuestionsError / ModelError / ValueError naming the option.
-    """
+    """Run the evaluation (on ``server``, else on the pair loaded here) and write the report under out_dir;
+    returns the reports, overall first. Raises QuestionsError / ModelError / ValueError naming the option."""
     questions = load_questions(questions_path, per_category)  # bad files fail before the models load
     if server is not None:
         runner, context_limit = RemoteRunner(server, spec, max_new_tokens, service_pids=service_pids), None
