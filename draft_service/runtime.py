@@ -6,19 +6,12 @@ Draft cache layout while proposing (example: 7 committed tokens, 5 of them cache
     slots 0..4  committed, cached before this round
     slots 5..6  pending committed tokens (the last is the root R), fed causally at step 0
     slots 7..8  the topHead[1] depth-1 nodes fed at step 1, then step 2's nodes, ...
-R sits at position 6 and a node of depth d at position 6 + d. After commit the cache keeps the
-committed prefix plus the accepted nodes that were fed, compacted; the rest is dropped, so the
-draft never re-prefills the whole context.
+R sits at position 6 and a node of depth d at position 6 + d. Commit: docs/design.md "KV rollback".
 
-Pipelining (DESIGN.md "Pipelining"; PEARL, Liu et al. 2024, "pre-verify / post-verify"): while the
-target verifies round r, ``propose_ahead`` tentatively commits the round's best path plus the draft's
-own guess of the bonus token (its argmax after that path: no random draw) and grows round r+1's tree
-from there; ``resolve_ahead`` then adopts that state (the guess was right) or rolls the session back
-exactly to where it was (KV truncated, tokens, cached_len, random state) before the real ``commit``.
-While an ahead is unresolved, ``propose`` and ``commit`` raise SessionStateError (no silent resolve).
-
-Each session keeps the request's SamplingParams (given once, at ``start``) and, when sampling, its own
-random generator (a stream of the request seed distinct from the target's).
+Pipelining (docs/control.md "Pipelining"; PEARL, Liu et al. 2024): ``propose_ahead`` tentatively
+commits a path plus the draft's argmax guess of the bonus and grows the next tree; ``resolve_ahead``
+adopts that state or rolls back exactly. While an ahead is unresolved, ``propose`` and ``commit``
+raise SessionStateError.
 """
 
 from __future__ import annotations
@@ -80,12 +73,8 @@ class DraftRuntime(DraftWorker):
     drafts_ahead = True
 
     def __init__(self, model, vocab_size: int | None = None, packed: bool | None = None, direct: bool = True):
-        """vocab_size: ids both models share (None = the draft's own); packed: how ``propose_batch``
-        lays out several sessions' step rows, as in ``TargetRuntime`` (True = one packed sequence,
-        each session attending to its own cache; False = padded batch after a stacked cache; None =
-        packed when the model's attention is ``sdpa``); direct: one session's forwards go through
-        ``specdec.forward.DirectDecoder`` where it knows the model (the same logits and KV, bit for
-        bit, with less per-call overhead), else ``model_forward``."""
+        """vocab_size: ids both models share (None = the draft's own); packed, direct: as in
+        ``TargetRuntime`` (``propose_batch``'s layout; ``DirectDecoder`` for one session's forwards)."""
         self.model = model
         self.vocab_size = vocab_size
         self.sessions: dict[str, DraftSession] = {}
@@ -100,14 +89,10 @@ class DraftRuntime(DraftWorker):
         self.sessions[session_id] = DraftSession(list(prompt_ids), new_cache(self.model.config), sampling=sampling, rng=rng)
 
     def prefill(self, session_id: str, max_tokens: int | None = None) -> bool:
-        """Feed the committed tokens but the last into the cache now, at most ``max_tokens`` of them
-        (None = all) (the draft service calls this right after ``start``, chunk by chunk, so the
-        draft's prefill overlaps the target's and other sessions' proposes get in between chunks);
-        the first ``propose`` then feeds only what is left, in calls of the same ``max_tokens`` and
-        the root alone, so the calls (and a dynamically quantized draft's activation scales, see
-        ``activation_scale_per_call``) never depend on how far the prefill got before it. Without
-        it, the first propose feeds them all in one call. A forward that fails leaves the cache at
-        ``cached_len`` (the error is raised). Returns True when tokens are left to prefill."""
+        """Feed at most ``max_tokens`` (None = all) of the committed tokens but the last into the cache;
+        returns True when tokens are left. The first ``propose`` feeds the rest in calls of the same size,
+        so the calls (and a quantized draft's activation scales) never depend on how far this got. A
+        failing forward leaves the cache at ``cached_len`` and raises."""
         s = self.sessions.get(session_id)
         if s is None:  # released before its queued prefill ran
             return False
@@ -134,34 +119,25 @@ class DraftRuntime(DraftWorker):
             raise UnknownSessionError(f"session_id: unknown draft session {session_id!r}") from None
 
     def propose(self, session_id: str, spec: TreeSpec, max_depth: int) -> DraftTree:
-        """Grow a tree after the session's committed tokens; gamma is capped at max_depth (>= 1).
-
-        Raises UnknownSessionError."""
+        """Grow a tree after the committed tokens; gamma capped at max_depth (>= 1). Raises UnknownSessionError."""
         (tree,) = self.propose_batch([(session_id, spec, max_depth)])
         if isinstance(tree, Exception):
             raise tree
         return tree
 
     def propose_ahead(self, session_id: str, path_nodes: Sequence[int], spec: TreeSpec, max_depth: int) -> AheadTree:
-        """Draft round r+1 before round r is verified: tentatively commit ``path_nodes`` [A], A >= 1
-        (a root path of the last proposed tree, root side first), feed it and take the draft's argmax
-        after it as the guess of the bonus token (no random draw), append the guess as a committed
-        token and grow the next tree after it (``propose``'s rules; sampled trees draw from the
-        session's generator, whose state ``resolve_ahead(adopt=False)`` restores).
-
-        Raises UnknownSessionError, SessionStateError (an ahead is already unresolved, or no tree
-        was proposed since the last commit), ValueError naming ``path_nodes`` (not a root path of the
-        last tree)."""
+        """Draft round r+1 before round r is verified: tentatively commit ``path_nodes`` [A], A >= 1 (a root
+        path of the last tree, root side first) plus the draft's argmax guess of the bonus token, and grow
+        the next tree after them. Raises UnknownSessionError, SessionStateError (an ahead unresolved, or no
+        tree since the last commit), ValueError naming ``path_nodes``."""
         (out,) = self.propose_batch([(session_id, spec, max_depth, tuple(path_nodes))])
         if isinstance(out, Exception):
             raise out
         return out
 
     def resolve_ahead(self, session_id: str, adopt: bool) -> None:
-        """End the unresolved ahead: adopt = keep its state (the next round verifies its tree and
-        commits against it; round r needs no ``commit``); else roll back exactly to the state before
-        ``propose_ahead`` (the KV of round r's tree is dropped: the following ``commit`` re-feeds the
-        accepted tokens at the next propose). Raises UnknownSessionError, SessionStateError (no ahead)."""
+        """End the unresolved ahead: adopt = keep its state (round r needs no ``commit``); else roll back
+        exactly to the state before ``propose_ahead``. Raises UnknownSessionError, SessionStateError."""
         s = self._session(session_id)
         snap, s.ahead = s.ahead, None
         if snap is None:
@@ -176,10 +152,9 @@ class DraftRuntime(DraftWorker):
             s.rng.bit_generator.state = snap.rng_state
 
     def _begin_ahead(self, session_id: str, path_nodes: tuple[int, ...]) -> int:
-        """Snapshot the session, commit ``path_nodes`` tentatively, feed what is pending and append
-        the draft's argmax (the guess, returned) as the next root. Example: committed [a b R], tree
-        node 0 (fed) -> node 2 (leaf, not fed) as the path: the cache keeps a b R n0, n2 is fed now,
-        the guess g is argmax after n2, tokens become [a b R n0 n2 g] with g pending."""
+        """Snapshot, commit ``path_nodes`` tentatively, feed what is pending, append and return the guess.
+        Example: committed [a b R], path n0 (fed) -> n2 (leaf): the cache keeps a b R n0, n2 is fed now,
+        tokens become [a b R n0 n2 g] with g pending."""
         s = self._session(session_id)
         if s.ahead is not None:
             raise SessionStateError(f"ahead: session {session_id!r} already has an unresolved ahead proposal")
@@ -206,34 +181,15 @@ class DraftRuntime(DraftWorker):
         return guess
 
     def propose_batch(self, items: Sequence[tuple]) -> list[DraftTree | AheadTree | Exception]:
-        """Grow the trees of several sessions together: one draft forward per tree depth for all of
-        them (``tree_steps`` of each session in lockstep), instead of one per session and depth.
+        """Grow the trees of several sessions together: one draft forward per tree depth for all of them.
 
-        items: B triples (session_id, spec, max_depth), distinct sessions, any mix of cached lengths,
-        TreeSpecs and sampling parameters; a fourth entry (path_nodes) makes the item an ahead
-        proposal (``propose_ahead``). Returns one entry per item, in order: the DraftTree that
-        ``propose`` alone would give (AheadTree for an ahead item), or the exception it would raise
-        (UnknownSessionError; SessionStateError for a session already at an earlier item). A session's random draws
-        (sampled requests) come from its own generator, in its own order: they never depend on the
-        other items. An error of a shared forward is raised (every plain item of that forward is then
-        left mid-proposal, and the next ``propose`` of each starts the round again; every ahead item
-        is rolled back to its state before the ahead, so a retry of it alone starts clean).
-
-        Each step's rows of all sessions go through one forward: packed (``self.packed``, the
-        default on sdpa models: ``model_forward_packed``, sum P_b rows, each session attending to
-        its own cache, which grows as in its solo forward) or padded (``model_forward_batch`` after
-        a stacked cache, ``stack_kv``, right-padded; layout of ``batched_step_inputs``; each
-        session's new slots are appended back to its own cache). Either way ``commit`` works
-        unchanged. A step that holds one session, or a session feeding more than
-        ``MAX_BATCHED_ROWS`` rows at once (a long pending prefix, which would hold up the other
-        sessions' step), runs that session's own forward. Numerics: a row's log-probs equal its
-        solo forward's up to float32 round-off of the differently shaped computation (as the
-        target's ``verify_batch``); a tree can differ only at a near-tie within that noise. Not so
-        for a dynamically quantized draft (``scale_per_call``: the int8 CPU default): each linear
-        quantizes its input with one scale for all the rows of the call, so a merged step's
-        log-probs move with the other sessions' rows (up to 0.2 nats on the default draft; 3 of 4
-        trees differed), which only moves acceptance; a seeded sampled session's steps then run
-        alone, so its tree, and the random draws that follow it, never depend on other requests.
+        items: B triples (session_id, spec, max_depth), distinct sessions; a fourth entry (path_nodes)
+        makes the item an ahead proposal. Returns one entry per item, in order: what ``propose`` (or
+        ``propose_ahead``) alone would give, or the exception it would raise. An error of a shared forward
+        is raised (ahead items are rolled back first). Layout packed or padded as ``TargetRuntime``;
+        a session feeding over ``MAX_BATCHED_ROWS`` rows runs alone. A row's log-probs equal its solo
+        forward's up to float32 round-off, except on a dynamically quantized draft (one activation scale
+        per call): there a seeded sampled session runs alone, so its draws never depend on other requests.
         """
         results: list[DraftTree | Exception | None] = [None] * len(items)
         running: dict[int, tuple[DraftSession, Generator, Step]] = {}
@@ -287,11 +243,8 @@ class DraftRuntime(DraftWorker):
                     del running[index]
 
     def _begin_round(self, session_id: str, ahead: bool = False) -> DraftSession | None:
-        """The session, its cache back at the round's start (a retry drops an uncommitted proposal,
-        pending tokens included); None when the committed tokens hold an id the draft has no
-        embedding for (the target's vocabulary is larger): no tree from here on, the engine
-        verifies the empty tree = plain decoding. ahead: the round of a ``propose_ahead`` (else an
-        unresolved ahead raises SessionStateError)."""
+        """The session, its cache back at the round's start; None when the committed tokens hold an id
+        beyond the draft's vocabulary (no tree from here on: plain decoding). ahead: for ``propose_ahead``."""
         s = self._session(session_id)
         if s.ahead is not None and not ahead:
             raise SessionStateError(f"session_id: {session_id!r} has an unresolved ahead proposal (resolve_ahead first)")
@@ -351,9 +304,7 @@ class DraftRuntime(DraftWorker):
         return torch.log_softmax(logits, dim=-1)  # (1 or P, V)
 
     def _forward_together(self, rows: list[_StepRows]) -> list[torch.Tensor]:
-        """One forward over B >= 2 sessions' step rows: packed (``model_forward_packed``, sum P_b
-        rows) or padded (``_forward_padded``, B * max P_b rows). Returns B log-prob tensors: [1, V]
-        (R's row) at step 0, [P_b, V] after."""
+        """One forward over B >= 2 sessions' step rows: B log-prob tensors, [1, V] at step 0, [P_b, V] after."""
         if self.packed:
             logits = model_forward_packed(
                 self.model, [r.session.cache for r in rows], [r.ids for r in rows], [r.positions for r in rows],
@@ -370,9 +321,7 @@ class DraftRuntime(DraftWorker):
         return out
 
     def _forward_padded(self, rows: list[_StepRows]) -> list[torch.Tensor]:
-        """``_forward_together``'s forward as a padded batch after a stacked cache
-        (``batched_step_inputs``); each session's new slots are appended back to its cache. Returns
-        B logits tensors: [1, V] at step 0, [P_b, V] after."""
+        """``_forward_together`` as a padded batch (``batched_step_inputs``): B logits, [1, V] / [P_b, V]."""
         lengths = [cache_length(r.session.cache) for r in rows]
         stacked = stack_kv([r.session.cache for r in rows], lengths, self.model.config)  # (B, H, S, D)
         ids, positions, mask = batched_step_inputs(rows, lengths, self.model.dtype)
@@ -427,9 +376,8 @@ class _StepRows:
 
 
 def activation_scale_per_call(model) -> bool:
-    """Whether the model holds dynamically quantized linears (torch.ao ``quantize_dynamic``,
-    ``specdec.model_setup.quantize_draft``), whose int8 activation scale is taken over all the rows
-    of one call: a row's output then depends on the rows it is computed with."""
+    """Whether the model holds dynamically quantized linears, whose int8 activation scale spans all the
+    rows of one call (a row's output then depends on its batch)."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
     return any(isinstance(m, DynamicLinear) for m in model.modules())
@@ -438,14 +386,9 @@ def activation_scale_per_call(model) -> bool:
 def batched_step_inputs(rows: Sequence[_StepRows], cache_lens: Sequence[int], dtype: torch.dtype = torch.float32):
     """Inputs of one draft forward over B sessions' step rows after a right-padded stacked cache.
 
-    rows: B sessions' rows (P_b each, ``visible`` [P_b, C_b + P_b]); cache_lens: [B] cached slots
-    C_b. With S = max C_b and Q = max P_b, row b holds its P_b tokens in query rows 0..P_b-1 and
-    padding after; its keys are cache slots 0..S-1 (its C_b slots, then padding) followed by the Q
-    new slots. Returns (input_ids [B, Q] int64, position_ids [B, Q] int64, mask [B, 1, Q, S + Q]
-    additive in ``dtype``): each real row sees exactly what its own ``visible`` row says (cache
-    columns at 0..C_b-1, new columns at S..S+P_b-1); a pad row (token 0) sees only its own slot,
-    so no row is fully masked and no real row sees a pad (the layout of the target's
-    ``batched_tree_inputs``).
+    rows: B sessions' rows (``visible`` [P_b, C_b + P_b]); cache_lens: [B] C_b. Returns (input_ids [B, Q]
+    int64, position_ids [B, Q] int64, mask [B, 1, Q, S + Q] additive in ``dtype``), S = max C_b,
+    Q = max P_b; the layout of the target's ``batched_tree_inputs``.
     """
     batch = len(rows)
     width = max(cache_lens, default=0)

@@ -2,33 +2,15 @@
 
     specdec draft-server --config deploy/specdec.yaml [--port 0] [--draft DIR] ...   (or python -m draft_service)
 
-The command line is ``draft_service.cli``; ``run(config_path, overrides)`` is its entry here.
-
 Prints ``draft-service ready on <host>:<port>`` once serving; SIGTERM/SIGINT drain and exit 0.
 
-A stream: ``start`` first (else INVALID_ARGUMENT), answered by DraftStarted; then any number of
-``propose`` (each answered by one DraftTreeReply, in order) and ``commit`` (not answered); between a
-propose and its commit, an ``ahead`` (answered by a DraftTreeReply with ``ahead`` and the guess; the
-runtime's ``propose_ahead``, merged with other sessions' proposes) and its ``resolve`` (not answered;
-adopt: the ahead tree becomes the last tree and the round needs no commit). A propose, commit or
-second ahead while an ahead is unresolved, a resolve without one, or a path that is not a root path
-of the last tree is INVALID_ARGUMENT naming the field. Any error
-ends the stream with its status (bad input INVALID_ARGUMENT naming the field, ``draft.max_sessions``
-open streams RESOURCE_EXHAUSTED, the draft's context limit reached FAILED_PRECONDITION). The end of
-the stream, its cancellation, an error or a shutdown release the session's KV. While the server
-drains, a stream waiting for its next message ends with UNAVAILABLE.
-
-``Info`` answers the open streams, the runtime sessions still holding KV and their committed cached
-tokens (all 0 once every stream has ended and its release ran: leak checks from outside).
-
-Each stream gets its own runtime session (keyed by a server-side id), so two streams that reuse a
-session_id (a re-opened session while the old stream is still closing) never share a cache.
-
-Concurrent streams' proposes are merged (``specdec.batching``; ``draft.max_batch`` sessions, a
-propose waits ``draft.batch_wait_ms`` for company): their trees grow in shared forwards, one per
-tree depth (``DraftRuntime.propose_batch``), each tree the one its session gets alone up to float32
-round-off of the shared forward (a near-tie may break the other way; the target's verification keeps
-the output exact either way); a reply's ``batch_size`` says how many sessions shared them.
+A stream: ``start`` first (answered by DraftStarted), then ``propose`` (answered by a DraftTreeReply, in
+order) and ``commit`` (not answered); between a propose and its commit, an ``ahead`` (answered with the
+guess) and its ``resolve`` (not answered; adopt: the round needs no commit). Out-of-order messages are
+INVALID_ARGUMENT naming the field; ``draft.max_sessions`` open streams RESOURCE_EXHAUSTED; the context
+limit reached FAILED_PRECONDITION; a draining server ends waiting streams with UNAVAILABLE. Any end of
+the stream releases the session's KV. Each stream gets its own runtime session (a server-side key), so
+streams reusing a session_id never share a cache. Concurrent proposes merge in ``propose_batch``.
 """
 
 from __future__ import annotations
@@ -92,14 +74,9 @@ class _ProposeBatcher(SessionBatcher):
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    """gRPC DraftService over a ``DraftRuntime`` (or anything with start/propose/commit/release).
-
-    context_limit: the draft's max positions (tokens); config: the ``draft`` section (max_sessions,
-    prefill_chunk_tokens, max_batch, batch_wait_ms, batch_gather);
-    draining: set when the server shuts down (open streams then end with UNAVAILABLE). The runtime is
-    only ever called from this servicer's worker thread. Create inside the running event loop;
-    ``close()`` at the end.
-    """
+    """gRPC DraftService over a ``DraftRuntime``, called only from this servicer's worker thread.
+    context_limit: the draft's max positions; config: the ``draft`` section; draining: set at shutdown.
+    Create inside the running event loop; ``close()`` at the end."""
 
     def __init__(self, runtime, *, context_limit: int, config: DraftServerConfig = DraftServerConfig(),
                  draining: asyncio.Event | None = None, worker: ModelWorker | None = None):
@@ -169,9 +146,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     @rpc_errors()
     async def Info(self, request, context) -> draft_pb2.DraftInfoResponse:
-        """Open streams, the sessions whose KV the runtime holds and their cached KV positions, read
-        on the worker thread behind the jobs queued before this call (a release submitted by an ended
-        stream is counted); the draft's context limit; the propose calls that merged sessions so far."""
+        """Open streams, runtime sessions and their cached positions (read behind the queued jobs, so all 0
+        once every stream has ended: leak checks), the context limit, the merged propose calls so far."""
         held = await self.worker.run(lambda: list(getattr(self.runtime, "sessions", {}).values()))
         return draft_pb2.DraftInfoResponse(sessions=len(self.streams), cached_sessions=len(held),
                                            context_limit=self.context_limit,
@@ -237,9 +213,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return getattr(session, "cached_len", 0)
 
     def _tree_request(self, field: str, request, tokens: int) -> tuple:
-        """The TreeSpec and depth cap of a propose or ahead request after ``tokens`` committed tokens:
-        max_depth capped by the room under the context limit (the root sits at position tokens - 1,
-        a depth-d node at tokens - 1 + d < context_limit). Raises TreeSpecError / ValueError naming
+        """The TreeSpec and depth cap of a propose or ahead after ``tokens`` committed tokens (a depth-d
+        node sits at tokens - 1 + d < context_limit). Raises TreeSpecError / ValueError naming
         ``field``.spec / ``field``.max_depth, SessionLimitError when no position is left."""
         try:
             spec = spec_from_proto(request.spec)

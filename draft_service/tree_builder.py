@@ -1,18 +1,9 @@
-"""Grow a token tree from a TreeSpec, one batched draft forward per depth (DESIGN.md "TreeSpec").
+"""Grow a token tree from a TreeSpec, one batched draft forward per depth (docs/design.md "TreeSpec").
 
-Step d (0-based) expands ``topHead[d]`` depth-d nodes: the root at d = 0; for d >= 1 the depth-d
-nodes with the highest path probability (product of draft probabilities from the root), ties broken
-by tree order. The j-th expanded node (in that ranking) gets ``topKSpec[d][j]`` children.
-``gammaThreshold`` > 0 stops deepening once the best depth-d path probability falls below it.
 Tree shapes after Sequoia/SpecInfer-style static trees (Miao et al. ASPLOS'24 §3; Chen et al. 2024).
-
-Children (DESIGN.md "TreeSpec", ``treeType``):
-- greedy requests (temperature 0), either treeType: the draft's top-k by log-probability;
-- sampled requests: the draft's log-probs first go through ``processed_probs`` with the request's
-  SamplingParams (the target does the same), giving q. treeType 0 keeps the top-k of q (at most its
-  support); treeType 1 draws k children from q *without replacement* (at most its support), in
-  draw order, and records q in ``DraftTree.proposals`` for the verifier's recursive rejection
-  sampling (``target_service.verifier``).
+Children: greedy, the draft's top-k by log-prob; sampled, from q = ``processed_probs`` of the draft's
+log-probs (as the target processes p): treeType 0 its top-k, treeType 1 k draws without replacement,
+recording q in ``DraftTree.proposals`` for the verifier.
 """
 
 from __future__ import annotations
@@ -43,13 +34,8 @@ def build_tree(
     sampling: SamplingParams = GREEDY,
     rng: np.random.Generator | None = None,
 ) -> DraftTree:
-    """Build a token tree of ``spec``'s shape (children as in the module docstring).
-
-    max_depth caps gamma (context or token budget left); vocab_size restricts children to ids
-    below it (the ids both models share); rng: the session's random generator, needed for
-    sampled children (treeType 1, temperature > 0). Returns a DraftTree with nodes in breadth-first
-    order, siblings in draw order. ``tree_steps`` driven by one ``expand`` per step.
-    """
+    """Build a token tree of ``spec``'s shape. max_depth caps gamma; vocab_size: children below it;
+    rng: needed for sampled children. Returns a DraftTree, nodes breadth-first, siblings in draw order."""
     steps = tree_steps(spec, max_depth, vocab_size, sampling, rng)
     try:
         step = next(steps)
@@ -66,12 +52,8 @@ def tree_steps(
     sampling: SamplingParams = GREEDY,
     rng: np.random.Generator | None = None,
 ) -> Generator[Step, torch.Tensor, DraftTree]:
-    """``build_tree`` as a generator, so a caller can run the steps of several trees in one forward.
-
-    Yields each step's (nodes, tokens, parents) (the ExpandFn arguments; tokens and parents are the
-    tree so far, the same lists every step) and takes back that step's [P, V] log-probabilities
-    (``send``); returns the DraftTree (``StopIteration.value``). Same arguments as ``build_tree``.
-    """
+    """``build_tree`` as a generator, so several trees' steps can share one forward: yields each step's
+    ExpandFn arguments, takes back its [P, V] log-probs (``send``), returns the DraftTree."""
     sampled_children = spec.tree_type == 1 and not sampling.greedy
     assert rng is not None or not sampled_children, "build_tree: sampled children need an rng"
     depth_limit = spec.gamma if max_depth is None else min(spec.gamma, max_depth)
@@ -111,11 +93,8 @@ def tree_steps(
 
 
 def _pick_children(k: int, row, greedy: bool, sampled: bool, rng) -> tuple[list[int], list[float]]:
-    """Children of one expanded node: (token ids, their draft log-probs), in tree order.
-
-    row: [V] raw draft log-probs (torch) when greedy, else the processed q (NumPy); sampled: draw
-    without replacement from q, else keep its top-k. At most q's support when sampling.
-    """
+    """Children of one expanded node: (token ids, their draft log-probs), in tree order. row: [V] raw
+    draft log-probs (torch) when greedy, else q (NumPy); at most q's support when sampling."""
     if greedy:
         values, ids = row.topk(min(k, row.numel()))
         return ids.tolist(), values.tolist()
