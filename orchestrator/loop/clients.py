@@ -1,14 +1,8 @@
 """gRPC clients of the draft and target services, with the worker methods the round loop awaits.
 
-``DraftClient`` keeps one bidirectional ``DraftService.Session`` stream per request (start, then
-tree requests answered in order and unanswered commits; closing the stream frees the draft's KV).
-Any failure of the draft (status error, broken stream, unreachable server) raises
-``DraftUnavailableError`` so the round loop falls back to plain decoding. ``TargetClient`` makes
-unary calls; its errors propagate as ``grpc.aio.AioRpcError`` (the request fails with that status).
-
-Deadlines: ``request_deadline`` (a context variable, absolute ``time.monotonic()`` seconds) is set
-by the front from the client's deadline; every downstream call gets the time left as its timeout,
-so a request past its deadline stops at the next call with DEADLINE_EXCEEDED.
+``DraftClient``: one bidirectional Session stream per request; any draft failure raises ``DraftUnavailableError``
+(the round runs plain). ``TargetClient``: unary calls; errors propagate as ``grpc.aio.AioRpcError``.
+``request_deadline`` (absolute ``time.monotonic()`` s, set by the front) bounds every downstream call's timeout.
 """
 
 from __future__ import annotations
@@ -31,23 +25,19 @@ from specdec.wire import sampling_to_proto, spec_to_proto, tree_from_proto, tree
 request_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("request_deadline", default=None)
 
 DEFAULT_CALL_TIMEOUT_S = 120.0
-VERIFY_RETRIES = 2  # Verify calls retried on UNAVAILABLE  # a single target call (prefill of a long prompt on a CPU included)
+VERIFY_RETRIES = 2  # Verify calls retried on UNAVAILABLE
 
 
 PREFILL_S_PER_TOKEN = 0.1  # the Prefill call's timeout over DEFAULT_CALL_TIMEOUT_S, per prompt token
 
 
 def prefill_timeout_s(prompt_tokens: int) -> float:
-    """A Prefill call's timeout, seconds: DEFAULT_CALL_TIMEOUT_S + 0.1 s per prompt token (a long
-    prompt rides in small chunks beside decoding requests, which takes minutes on a CPU)."""
+    """A Prefill call's timeout, s: DEFAULT_CALL_TIMEOUT_S + 0.1 s per prompt token (chunked beside decoding)."""
     return DEFAULT_CALL_TIMEOUT_S + PREFILL_S_PER_TOKEN * prompt_tokens
 
 
 def time_left(default: float | None = DEFAULT_CALL_TIMEOUT_S) -> float | None:
-    """Timeout for the next downstream call: the request's time left, at most ``default`` seconds.
-
-    Raises grpc-style DeadlineExceeded (an AioRpcError) when the request's deadline has passed.
-    """
+    """The request's time left, at most ``default`` s. Raises DeadlineExceeded (an AioRpcError) once past it."""
     deadline = request_deadline.get()
     if deadline is None:
         return default
@@ -64,8 +54,8 @@ class DeadlineExceeded(grpc.aio.AioRpcError):
 
 
 def channel_options(max_message_bytes: int, max_reconnect_backoff_ms: int = 1000) -> list[tuple[str, int]]:
-    """Message size limits, and a short reconnect backoff (gRPC's default grows to 120 s): a
-    restarted draft or target is used again within about a second."""
+    """Message size limits and a short reconnect backoff (gRPC's grows to 120 s), so a restarted service is
+    used again within about a second."""
     return [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
             ("grpc.max_reconnect_backoff_ms", max_reconnect_backoff_ms)]
@@ -81,8 +71,7 @@ class TargetClient:
         return await self.stub.Info(target_pb2.InfoRequest(), timeout=timeout, wait_for_ready=True)
 
     async def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        """Prefill. Its timeout grows with the prompt (``prefill_timeout_s``): under load the target
-        feeds a long prompt in small chunks inside other sessions' verify forwards."""
+        """Prefill, its timeout growing with the prompt (``prefill_timeout_s``)."""
         await self.stub.Prefill(target_pb2.PrefillRequest(
             session_id=session_id, prompt_ids=prompt_ids, sampling=sampling_to_proto(sampling)),
             timeout=time_left(prefill_timeout_s(len(prompt_ids))))
@@ -119,8 +108,7 @@ class TargetClient:
 class DraftClient(DraftWorker):
     """DraftWorker over gRPC: one bidirectional Session stream per session id.
 
-    vocab_size: ids the target accepts (trees are checked on receipt like any untrusted message).
-    All failures raise DraftUnavailableError.
+    vocab_size: ids the target accepts (trees are checked on receipt). All failures raise DraftUnavailableError.
     """
 
     drafts_ahead = True
@@ -189,13 +177,11 @@ class DraftClient(DraftWorker):
         return self._tree(session_id, response.tree)
 
     def last_batch_size(self, session_id: str) -> int:
-        """Sessions whose tree steps shared the draft forwards of this session's last proposal (its
-        reply's batch_size; 1 = alone or not reported)."""
+        """Sessions that shared this session's last proposal's draft forwards (1 = alone or not reported)."""
         return self.reply_batch.get(session_id, 1)
 
     def last_forward_ms(self, session_id: str) -> float:
-        """ms of the draft call that grew this session's last tree, every session's steps it held and
-        no queue or transport (its reply's forward_ms; 0 = not reported)."""
+        """ms of the draft call that grew this session's last tree, no queue or transport (0 = not reported)."""
         return self.reply_forward.get(session_id, 0.0)
 
     def _tree(self, session_id: str, reply: draft_pb2.DraftTreeReply) -> DraftTree:

@@ -1,36 +1,13 @@
-"""Round control of one request (DESIGN.md "Control"), asynchronous, for every mode.
+"""Round control of one request (docs/design.md), asynchronous, for every mode.
 
-A round: the draft grows a token tree (``propose``), the target verifies it in one forward
-(``verify``: accepted path + bonus token), the tokens pass the stop checks one at a time, and both
-workers commit exactly the tokens that passed (KV cache rollback of the rest). Around that loop:
+A round: the draft grows a token tree, the target verifies it in one forward (accepted path + bonus), the
+tokens pass the stop checks one at a time, and both workers commit exactly those (KV rollback of the rest).
+Control, fallback, draft window and pipelining (PEARL, Liu et al. 2024): docs/control.md. Traces: one ``round``
+span per round with ``draft``, ``verify`` and ``commit`` children. The draft's context limit counts in the
+draft's positions; the controller adds the tokens the window left out.
 
-- control (orchestrator.planning.control.Control, one per request, whose hooks it declares): whether
-  and how deep to draft each round and which nodes to verify. A round without the draft (an empty
-  tree = one plain target step) commits the same tokens a speculative round would, so no token is
-  lost, repeated or changed; a failed draft session is re-opened on the committed tokens (or their
-  draft window) when the control retries it;
-- draft window (``draft_window``, specdec.config.DraftWindowConfig): the draft session opens with the
-  first and the most recent committed tokens only, so a long prompt costs the draft a short prefill;
-  the target sees every token, so only acceptance can change. With ``full_after_tokens`` the draft
-  re-opens with every committed token once the request has generated that many (once: a failure of
-  that session goes back to the window). The draft's context limit counts in the draft's positions;
-  the controller adds the tokens the window left out;
-- traces: one ``round`` span per round with ``draft``, ``verify`` and ``commit`` children;
-- pipelining (``pipeline=True``, DESIGN.md "Pipelining"; PEARL, Liu et al. 2024): while the target
-  verifies round r, the draft drafts round r+1 (``propose_ahead``, a ``draft.ahead`` span) from round
-  r's best path (the most likely kept draft children) taken as accepted plus the draft's argmax guess
-  of the bonus token. When the committed tokens are exactly that path + guess (no stop), round r+1
-  adopts the ahead tree (``resolve_ahead(adopt=True)``; still shaped, so context branches join),
-  else discards it before the normal draft commit. An ahead failure is a draft failure; the output
-  never depends on the ahead. A round whose tree came from an ahead has draft_s 0 and teaches the
-  cost model no D(p) (its time was off the critical path: the RoundRecord's ahead_s); waiting for an
-  ahead after the verify is not round overhead. In-process (``sync_worker``: the calls take turns)
-  the ahead starts after the verify, so the verify's time, which V(n) learns from, holds no draft work.
-
-Workers are awaitables with the DraftWorker / TargetWorker methods (specdec.interfaces, where the
-draft's optional parts are declared): gRPC clients (orchestrator.loop.clients) or in-process runtimes
-wrapped by ``sync_worker``. The controller keeps no model state; many requests run concurrently on
-one event loop, each at its own pace.
+Workers are awaitables with the DraftWorker / TargetWorker methods (specdec.interfaces): gRPC clients or
+in-process runtimes wrapped by ``sync_worker``. Many requests run concurrently on one event loop.
 """
 
 from __future__ import annotations
@@ -63,10 +40,7 @@ _tracer = trace.get_tracer("specdec.orchestrator")
 _session_ids = itertools.count()
 
 
-# The first propose of a draft session may still wait for the session's prefill (the draft service
-# prefills on Start, beside the target's prefill, or beside the plain round that opened it mid-request:
-# ``DRAFT_OPENING``; a seeded sampled request's re-open drafts in that same round): it gets this much
-# more time per token the session opened with (several times what the default draft's prefill takes).
+# a draft session's first propose may still wait for its prefill: extra deadline per token it opened with
 FRESH_DRAFT_S_PER_TOKEN = 0.02
 FRESH_DRAFT_MAX_S = 120.0  # at most this much more (a hung draft must not hold a request for long)
 
@@ -106,8 +80,7 @@ async def _turn(method, *args, **kwargs):
 
 
 class InProcessWorker(WorkerAdapter):
-    """An in-process worker (sync methods: a draft or a target runtime) as an awaitable one; its
-    calls take turns with the event loop (``in_process``), nothing runs beside them."""
+    """An in-process worker (sync methods) as an awaitable one; its calls take turns with the event loop."""
 
     in_process = True
 
@@ -129,17 +102,12 @@ async def _maybe_await(value):
 class RoundController:
     """Runs requests round by round over an (async) draft and target worker.
 
-    eos_token_ids: ids that end generation; context_limit: max total tokens (prompt + generated);
-    decode: ids -> text, for stop strings; control_factory: TreeSpec -> per-request Control
-    (orchestrator.planning.control; default FixedControl); draft_deadline_s: a draft reply slower
-    than this is a draft failure; draft_context_limit: the draft's max positions (None = unlimited);
-    on_round: called with each round's RoundRecord (metrics); pipeline: draft round r+1 while round r
-    verifies (module docstring), where the draft ``drafts_ahead``; draft_window: the committed tokens
-    a draft session opens with (specdec.config.DraftWindowConfig; None = all of them); clock:
-    lock-step rounds (orchestrator.planning.lockstep; None = each request verifies when ready);
-    plain_load: with a clock, requests without a draft (no_spec) join it too and report each verify
-    forward's load here from their second round on, max(its sessions, the target's open sessions)
-    (SharedState.observe_load, which the clock's turns hold by; None: they verify when ready).
+    eos_token_ids: ids that end generation; context_limit: max tokens (prompt + generated); decode: ids -> text,
+    for stop strings; control_factory: TreeSpec -> Control (default FixedControl); draft_deadline_s: a slower
+    draft reply is a draft failure; draft_context_limit: the draft's max positions (None = unlimited); on_round:
+    each RoundRecord; pipeline: draft round r+1 while round r verifies; draft_window: None = every token; clock:
+    lock-step rounds (None = verify when ready); plain_load: with a clock, no_spec requests join it too and
+    report each verify forward's load here (SharedState.observe_load).
     """
 
     def __init__(self, target, draft, eos_token_ids, context_limit: int, decode=None,
@@ -184,12 +152,9 @@ class RoundController:
     async def generate(self, request: GenerationRequest,
                        on_tokens: Callable[[list[int]], Awaitable[None] | None] | None = None,
                        session_id: str | None = None, on_round: Callable[[RoundRecord], None] | None = None) -> GenerationResult:
-        """Generate until a stop; ``on_tokens`` receives each round's committed tokens as they land,
-        ``on_round`` the round's RoundRecord (specdec.stats).
-
-        Raises ValueError (naming the field) for a bad request; errors of the target propagate.
-        Cancellation (client gone, Abort) releases the sessions on both workers.
-        """
+        """Generate until a stop; ``on_tokens`` gets each round's committed tokens, ``on_round`` its RoundRecord.
+        Raises ValueError (naming the field) for a bad request; target errors propagate; cancellation releases
+        both sessions."""
         self.check(request)
         run = _Request(self, request, session_id or f"req-{next(_session_ids)}", on_round)
         self.running += 1
@@ -198,8 +163,7 @@ class RoundController:
             while run.stops.reason is None:
                 committed = await run.round()
                 if self.clock is not None and (run.control is not None or self.plain_load is not None):
-                    # after its first round, which needs no forward of its own; a request without a
-                    # draft (no_spec) only with plain_load (its verifies then teach the load)
+                    # after its first round (no forward of its own); no_spec only with plain_load
                     self.clock.join(run.sid)
                 if on_tokens is not None:
                     await _maybe_await(on_tokens(committed))
@@ -279,8 +243,7 @@ class _Request:
         return [*self.request.prompt_ids, *self.stops.generated]
 
     async def open(self) -> None:
-        """Open both sessions at once: in services mode the draft's prefill (its service starts it
-        on Start) runs beside the target's, on another process or machine."""
+        """Open both sessions at once (in services mode the two prefills run side by side)."""
         self.target_open = True  # before the call: a cancel during Prefill must still release (harmless if unknown)
         starts = [asyncio.ensure_future(self.controller.target.start(self.sid, self.request.prompt_ids, self.request.sampling))]
         others = self.controller.running - 1  # other requests of this controller running now
@@ -337,8 +300,7 @@ class _Request:
             pass
 
     async def _draft_call(self, awaitable, extra_s: float = 0.0):
-        """A draft call under the draft deadline (plus ``extra_s`` seconds); every failure becomes
-        DraftUnavailableError."""
+        """A draft call under the deadline (+ ``extra_s`` s); every failure becomes DraftUnavailableError."""
         base = self.controller.draft_deadline_s
         deadline = None if base is None else base + extra_s
         try:
@@ -349,8 +311,7 @@ class _Request:
             raise DraftUnavailableError(f"draft slower than its deadline of {deadline:g} s") from exc
 
     def _whole_context_failed(self) -> None:
-        """A failing whole-context session (full_after_tokens; e.g. past a deadline during its long
-        prefill) is not tried again: retries open the window."""
+        """A failed whole-context session (full_after_tokens) is not tried again: retries open the window."""
         if self.draft_widened:
             self.draft_widened, self.draft_widen_failed = False, True
 
@@ -362,15 +323,8 @@ class _Request:
         await self._release_quietly(sid)
 
     async def round(self) -> list[int]:
-        """One round: draft, shape, verify, stop checks, commit, record; returns the tokens it committed.
-
-        The phases of gpt-fast's ``speculative_decode``, each its own method: ``_draft`` (the
-        control decides; the draft grows a tree of at most max_depth levels, or none), ``_shape``
-        (the control keeps the nodes worth verifying and adds the free context branches),
-        ``_verify`` (the target's accepted path + bonus token), ``_stop_checks`` (the tokens up to
-        the first stop), ``_commit`` (both workers keep exactly those), ``_record`` (control,
-        statistics and the round's RoundRecord).
-        """
+        """One round: draft, shape, verify, stop checks, commit, record (the phases of gpt-fast's
+        ``speculative_decode``, one method each); returns the tokens it committed."""
         max_depth = self.stops.budget() - 1  # the accepted path plus the bonus must fit the budget
         clock = self.controller.clock
         if clock is not None:  # in step with the other requests (their rounds start together); not timed
@@ -422,9 +376,8 @@ class _Request:
             # deferred at open, or a retry after a failure; on failure the round runs plain
             beside = self.draft_beside and not self.request.sampling.seeded
             if await self._open_draft() and beside:
-                # a draft service prefills on Start, queued behind its other work: this round runs plain
-                # beside that prefill instead of waiting for it (under load the prefills of requests
-                # that open together would hold each one's first proposal past its deadline)
+                # this round runs plain beside the draft's prefill rather than wait for it (under load,
+                # prefills opened together would hold each first proposal past its deadline)
                 self.control.prefill_beside()
                 return _Drafted(fallback=DRAFT_OPENING, draft_s=time.perf_counter() - t0)
         if self.draft_sid is None:
@@ -435,13 +388,11 @@ class _Request:
                         draft_s=time.perf_counter() - t0)
 
     def _widen_due(self, committed_len: int, max_depth: int) -> bool:
-        """Whether the open windowed draft session should now give way to one holding every committed
-        token (``_full_context_due``); max_depth: the request's remaining budget, which must fit too."""
+        """Whether the windowed draft session should give way to a whole-context one (budget included)."""
         return bool(self.draft_skipped) and self._full_context_due(committed_len + max_depth)
 
     def _full_context_due(self, positions: int) -> bool:
-        """full_after_tokens generated, no whole-context session failed before, and ``positions``
-        (tokens) fit the draft's context (when known)."""
+        """full_after_tokens generated, no whole-context failure yet, ``positions`` fit the draft's context."""
         window = self.controller.draft_window
         if window is None or window.full_after_tokens is None or self.draft_widen_failed:
             return False
@@ -479,9 +430,8 @@ class _Request:
         return tree
 
     def _timed_out(self, exc: BaseException) -> None:
-        """Tell the control when a draft proposal (in line or ahead) failed by its deadline: the
-        base deadline is a lower bound on the draft's reply time (the extra a fresh session's first
-        propose gets was for its prefill). Other failures (an unreachable draft) say nothing of it."""
+        """Tell the control when a proposal failed by its deadline, a lower bound on the draft's reply time (the
+        base deadline: a fresh session's extra was for its prefill)."""
         if isinstance(exc.__cause__, asyncio.TimeoutError):
             self.control.draft_timed_out(self.controller.draft_deadline_s)
 
@@ -501,9 +451,8 @@ class _Request:
 
     async def _commit(self, committed: list[int], accepted: list[int],
                       ahead: "asyncio.Future | None" = None) -> _AheadOutcome | None:
-        """Phase 4: both workers keep exactly the committed tokens (KV rollback of the rest);
-        accepted: tree node indices of the committed draft tokens; ahead: the round's ahead task
-        (pipelining), resolved here: adopted (the draft needs no commit) or discarded first."""
+        """Phase 4: both workers keep exactly the committed tokens; accepted: their draft node indices; ahead:
+        the round's ahead task, adopted here (no draft commit then) or discarded first."""
         with _tracer.start_as_current_span("commit", attributes={"tokens": len(committed)}):
             await self.controller.target.commit(self.sid, len(committed))
             outcome = await self._resolve_ahead(ahead, committed) if ahead is not None else None
@@ -517,9 +466,8 @@ class _Request:
         return outcome
 
     def _start_ahead(self, drafted: _Drafted, shaped: ShapedTree, max_depth: int) -> "asyncio.Future | None":
-        """Pipelining: start drafting round r+1 from this round's best path + the draft's guess, as a
-        task beside the verify; None when not pipelining, no draft tree was kept, or round r+1 would
-        have no depth budget (max_depth - path - bonus < 1) or no room in the draft's context."""
+        """Pipelining: a task drafting round r+1 from this round's best path + the draft's guess; None when
+        there is no kept draft tree, depth budget or room in the draft's context."""
         if not self.pipeline or self.draft_sid is None or not drafted.tree.size:
             return None
         path = _best_path(drafted.tree, shaped)
@@ -548,8 +496,7 @@ class _Request:
         return _Ahead(path_tokens, guess, tree, time.perf_counter() - t0)
 
     async def _resolve_ahead(self, task: asyncio.Future, committed: list[int]) -> _AheadOutcome:
-        """Adopt the ahead when the committed tokens are its path + guess and nothing stopped (the
-        next round then verifies its tree), else discard it (the draft rolls back)."""
+        """Adopt the ahead when the committed tokens are its path + guess and nothing stopped, else discard it."""
         t0 = time.perf_counter()
         ahead = await task
         wait_s = time.perf_counter() - t0
@@ -573,8 +520,7 @@ class _Request:
         return _AheadOutcome("hit" if hit else "miss", ahead.draft_s, wait_s)
 
     def _shape(self, drafted: _Drafted, max_depth: int) -> ShapedTree:
-        """Phase 2: the tree to verify, as the control shapes it (the drafted tree as it is, unless
-        the control keeps fewer nodes or adds context branches: orchestrator.planning.shaping)."""
+        """Phase 2: the tree to verify, as the control shapes it."""
         if self.control is None or max_depth < 1:
             return ShapedTree.of(drafted.tree)
         sunk_ms = (drafted.draft_s or 0.0) * 1000
@@ -582,10 +528,9 @@ class _Request:
 
     async def _record(self, drafted: _Drafted, shaped: ShapedTree, result: VerifyResult, committed: list[int],
                       accepted: list[int], timing: "_Timing", ahead: _AheadOutcome | None = None) -> None:
-        """Phase 6: the control learns the outcome (the verify result: the accepted path before the
-        stop checks, and the target forward's batch), the statistics count the round, the callbacks
-        get its RoundRecord. A tree from an ahead teaches no draft cost (module docstring); the wait
-        for this round's ahead is not overhead."""
+        """Phase 6: the control learns the outcome, the statistics count the round, the callbacks get its
+        RoundRecord. A tree from an ahead teaches no draft cost (it was off the critical path); the wait for
+        this round's ahead is not overhead."""
         tree = shaped.tree
         accepted_path = result.accepted_nodes
         if drafted.tree.size:
@@ -653,10 +598,8 @@ async def _cancel(task: "asyncio.Future | None") -> None:
 
 
 def _best_path(tree: DraftTree, shaped: ShapedTree) -> list[int]:
-    """The round's most likely root path among the draft nodes the shaping kept, in the draft's
-    numbering: from the root, the kept child with the highest draft log-prob (the first on ties), until
-    a node has no kept child. Example: kept children of the root 0 (-0.1), 1 (-2.3); of 0: 3 (-0.7)
-    -> [0, 3]."""
+    """The most likely root path among the kept draft nodes (draft numbering), best log-prob child first on ties.
+    Example: kept children of the root 0 (-0.1), 1 (-2.3); of 0: 3 (-0.7) -> [0, 3]."""
     kept = {d for d in shaped.draft_index if d is not None}
     logprobs = tree.draft_logprobs or (0.0,) * tree.size
     path, node = [], ROOT
@@ -669,8 +612,7 @@ def _best_path(tree: DraftTree, shaped: ShapedTree) -> list[int]:
 
 
 def _draft_nodes(shaped: ShapedTree, accepted: list[int]) -> list[int]:
-    """The accepted nodes as the draft numbered them: the path's draft nodes up to its first context
-    node (below a context node everything is context)."""
+    """The accepted nodes as the draft numbered them, up to the first context node."""
     out = []
     for node in accepted:
         index = shaped.draft_index[node]
@@ -682,9 +624,7 @@ def _draft_nodes(shaped: ShapedTree, accepted: list[int]) -> list[int]:
 
 def _round_attributes(span, drafted: _Drafted, shaped: ShapedTree, gamma: int, result, committed,
                       ahead: _AheadOutcome | None = None) -> None:
-    """The round span's attributes: the control's decision (nodes, depth, expected accepted) and
-    what happened (accepted length, committed tokens; pipelining: whether the tree came from an
-    ahead, and how this round's ahead ended)."""
+    """The round span's attributes: the control's decision and what happened (pipelining included)."""
     attributes = {"pipelined": drafted.pipelined, "gamma": gamma, "tree.nodes": shaped.tree.size,
                   "tree.depth": shaped.depth, "tree.drafted": drafted.tree.size,
                   "tree.context_nodes": sum(1 for d in shaped.draft_index if d is None),

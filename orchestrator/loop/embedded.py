@@ -43,13 +43,10 @@ def build_pipeline(
 ) -> EmbeddedPipeline:
     """Load the pair (defaults: the real Qwen2.5-Coder pair), check it, wire the engine.
 
-    dtype: auto | bfloat16 | float32 | float16; draft_quant: auto | none | int8 (CPU only);
-    control: one of CONTROLS (``make_control``) or a per-request control factory (TreeSpec ->
-    policy; None = the fixed TreeSpec every round); measure_costs: the cost-aware control starts
-    from V(n) and D(p) measured on these models (a few seconds), else from prior figures;
-    pipeline: RoundController's pipelining (in-process: correct, but the calls take turns);
-    draft_window: the context a draft session opens with (the service default; None = all tokens);
-    argmax_screen: greedy rows through the int8-screened argmax head (models.argmax_screen).
+    dtype: auto | bfloat16 | float32 | float16; draft_quant: auto | none | int8 (CPU only); control: one of
+    CONTROLS or a control factory (None = fixed TreeSpec); measure_costs: time V(n) and D(p) on these models
+    (a few seconds), else prior figures; pipeline: correct in-process, but the calls take turns; draft_window:
+    None = all tokens; argmax_screen: greedy rows through the int8-screened argmax head.
     Raises ModelError for unknown paths, bad values or an incompatible pair.
     """
     if max_context is not None and max_context < 2:
@@ -68,9 +65,8 @@ def build_pipeline(
 def wire_pipeline(loaded: LoadedTarget, loaded_draft: LoadedDraft | None, control: str | ControlFactory | None = "cost-aware",
                   measure_costs: bool = True, pipeline: bool = False,
                   draft_window: DraftWindowConfig | None = FrontConfig().draft_window) -> EmbeddedPipeline:
-    """The engine over loaded models (``build_pipeline`` without the loading: several drafts can
-    share one loaded target, as ``specdec profile-draft`` does). loaded_draft None = target only.
-    Raises ModelError for an unknown control mode."""
+    """``build_pipeline`` without the loading (several drafts can share one loaded target); loaded_draft None =
+    target only. Raises ModelError for an unknown control mode."""
     draft_model = draft_runtime = draft_limit = None
     if loaded_draft is not None:
         draft_model, draft_limit = loaded_draft.model, loaded_draft.context_limit
@@ -88,13 +84,9 @@ def wire_pipeline(loaded: LoadedTarget, loaded_draft: LoadedDraft | None, contro
 
 def make_control(control: str | ControlFactory | None, target, draft, measure_costs: bool = True,
                  front: FrontConfig = FrontConfig()) -> tuple[ControlFactory | None, SharedState | None]:
-    """The control factory for a mode of CONTROLS, with the service defaults (specdec.config.FrontConfig):
-
-    - ``cost-aware``: CostAwareControl, sharing one SharedState whose cost model is measured on
-      the in-process workers (``measure_worker_costs``) unless measure_costs is False;
-    - ``dynamic-gamma``: RequestControl (+1/-1 depth, windowed-acceptance fallback);
-    - ``fixed``: None, the request's TreeSpec every round.
-    A factory (callable) or None is returned as it is. Raises ModelError for an unknown mode.
+    """(factory, SharedState) for a mode of CONTROLS with the service defaults: ``cost-aware`` (costs measured on
+    the workers unless measure_costs is False), ``dynamic-gamma`` (RequestControl), ``fixed`` (None). A factory
+    or None is returned as it is. Raises ModelError for an unknown mode.
     """
     if control is None or callable(control):
         return control, None
@@ -119,8 +111,8 @@ def encode_prompt(tokenizer, prompt: str, raw: bool) -> list[int]:
 
 
 def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a conversation (``[{"role": ..., "content": ...}, ...]``) through the tokenizer's
-    chat template, ending with the assistant's turn. Raises ValueError when it has no chat template."""
+    """Token ids of messages through the chat template, ending with the assistant's turn. Raises ValueError
+    without a chat template."""
     if not tokenizer.chat_template:
         raise ValueError("messages: the model's tokenizer has no chat template (send a raw prompt instead)")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -1,8 +1,6 @@
 """Synchronous entry to the round loop for embedded mode and tests.
 
-``SpeculativeEngine`` runs ``orchestrator.loop.controller.RoundController`` (the one round loop of every
-mode) over in-process workers: each call drives an event loop to completion. ``generate_batch``
-runs requests concurrently, one round of each in turn.
+``SpeculativeEngine`` runs the RoundController over in-process workers, each call driving an event loop.
 """
 
 from __future__ import annotations
@@ -18,11 +16,7 @@ from specdec.interfaces import DraftWorker, TargetWorker
 class SpeculativeEngine:
     """Runs requests round by round over a draft worker and a target worker (in-process, sync).
 
-    eos_token_ids: ids that end generation; context_limit: max total tokens (prompt + generated);
-    decode: ids -> text, used for stop strings; control_factory: TreeSpec -> per-request control
-    policy (orchestrator.planning.control; default FixedControl, the fixed TreeSpec); pipeline: draft round
-    r+1 while round r verifies (RoundController; in-process the two calls take turns, no overlap);
-    draft_window: the context the draft session opens with (None = every committed token).
+    Arguments as RoundController's (in-process, pipelining's two calls take turns, no overlap).
     """
 
     def __init__(self, target: TargetWorker, draft: DraftWorker | None, eos_token_ids, context_limit: int,
@@ -49,20 +43,14 @@ class SpeculativeEngine:
         return self.controller.decode
 
     def generate(self, request: GenerationRequest, on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
-        """Generate until a stop; ``on_tokens`` receives each round's committed tokens as they land.
-
-        Raises ValueError (naming the field) for an empty prompt, a prompt at or over the context
-        limit, or max_new_tokens < 1.
-        """
+        """Generate until a stop; ``on_tokens`` gets each round's committed tokens. Raises ValueError (naming the
+        field) for an invalid request."""
         return self.generate_batch([request], [on_tokens])[0]
 
     def generate_batch(self, requests: Sequence[GenerationRequest],
                        on_tokens: Sequence[Callable[[list[int]], None] | None] | None = None) -> list[GenerationResult]:
-        """Run requests side by side, one round of each in turn, until all stop.
-
-        Every request keeps its own sessions (and, when sampling, its own random streams), so its
-        tokens are those of its solo run. on_tokens: one callback (or None) per request.
-        Raises ValueError (naming the field) before anything runs if any request is invalid.
+        """Run requests side by side, one round of each in turn; each gives its solo run's tokens (own sessions and
+        random streams). on_tokens: one per request. Raises ValueError before anything runs if any is invalid.
         """
         for request in requests:
             self.controller.check(request)

@@ -1,16 +1,7 @@
-"""Prometheus metrics of the orchestrator's speculation rounds (prometheus-client), and the
-front-wide acceptance monitor (``AcceptanceMonitor``: windowed acceptance with low-acceptance alerts).
+"""Prometheus metrics of the orchestrator's rounds (``SpecMetrics``) and the acceptance monitor (``AcceptanceMonitor``).
 
-All metrics of one process live in one ``SpecMetrics`` object bound to one ``CollectorRegistry``:
-pass a fresh registry (tests, several engines side by side) or use ``default_metrics()``, which
-registers once on prometheus_client's process-wide ``REGISTRY`` (the one ``start_metrics_server``
-serves by default, next to the process and platform collectors).
-
-Exported series: one attribute of ``SpecMetrics`` each, with its help text (the table with labels
-and units is docs/observability.md; prometheus_client appends ``_total`` to counters). Acceptance
-rate = accepted / proposed draft tokens; mean accepted length = committed / rounds (bonus
-included); acceptance at position d = position_accepted{d} / position_proposed{d}.
-The request series are fed by ``SpecMetrics.track_stream`` around a request's stream of rounds.
+One ``SpecMetrics`` per ``CollectorRegistry``: a fresh one (tests, engines side by side) or ``default_metrics()`` on
+prometheus_client's ``REGISTRY``. Series, labels and units: docs/observability.md.
 """
 
 from __future__ import annotations
@@ -51,9 +42,8 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 class SpecMetrics:
     """The orchestrator's metrics, registered on ``registry`` (default: a fresh CollectorRegistry).
 
-    namespace prefixes every name (``specdec`` -> ``specdec_rounds_total``). Raises ValueError
-    (from prometheus_client) when the registry already holds metrics of these names.
-    All label values are created up front, so every series reads 0 before its first event.
+    namespace prefixes every name. Raises ValueError when the registry already holds these names.
+    Every labelled series exists up front, reading 0 before its first event.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None, namespace: str = "specdec"):
@@ -123,12 +113,8 @@ class SpecMetrics:
             self.round_phase_seconds.labels(phase=phase)
 
     def record_round(self, proposed: int, accepted: int, committed: int, gamma: int | None = None) -> None:
-        """Count one round: proposed / accepted draft tokens, committed tokens (bonus included).
-
-        A round with proposed == 0 counts as plain; gamma (the depth asked of the draft) is
-        observed for speculative rounds only. Raises ValueError for negative counts or
-        accepted > proposed.
-        """
+        """Count one round (proposed == 0: plain; gamma observed for speculative rounds only).
+        Raises ValueError for negative counts or accepted > proposed."""
         if proposed < 0 or accepted < 0 or committed < 0:
             raise ValueError(f"record_round: counts must be >= 0 (proposed={proposed}, accepted={accepted}, "
                              f"committed={committed})")
@@ -143,11 +129,7 @@ class SpecMetrics:
             self.gamma.observe(gamma)
 
     def observe_round(self, record: RoundRecord) -> None:
-        """Count one round from the round controller's record (orchestrator/loop/controller.py).
-
-        Counts as ``record_round`` (gamma 0, no control policy, is not observed) and, when
-        ``record.fallback`` is set, fallback_rounds{reason=record.fallback}.
-        """
+        """Count one round from its RoundRecord (gamma 0 is not observed), fallback reason included."""
         self.record_round(record.proposed, record.accepted, len(record.tokens), record.gamma or None)
         for position in range(1, record.depth + 1):  # both series exist from a position's first tree on
             self.position_proposed.labels(position=str(position)).inc()
@@ -162,8 +144,7 @@ class SpecMetrics:
         self.observe_costs(record.cost)  # the cost-aware control's cost model when it decided this round
 
     def observe_costs(self, cost: dict | None) -> None:
-        """Set the cost-model gauges from a ``CostModel.snapshot`` (None: no cost-aware control):
-        every round's, and the front's at start-up (what it connected with)."""
+        """Set the cost-model gauges from a ``CostModel.snapshot`` (None: no cost-aware control)."""
         if cost is None:
             return
         for rows, ms in cost.get("verify_ms", {}).items():
@@ -187,13 +168,9 @@ class SpecMetrics:
 
 
     async def track_stream(self, stream: AsyncGenerator, clock=time.perf_counter) -> AsyncIterator:
-        """Pass a request's stream through, feeding the request series: ``stream`` yields
-        (tokens, record, stats) as the backends do (orchestrator.serving.backends), tokens: list[int].
-
-        From arrival (this call) the request counts as waiting; its first tokens observe the TTFT and
-        move it to running; every later chunk of n tokens observes n inter-token latencies of
-        gap / n seconds; the end (any way: finished, cancelled, failed) observes the request latency
-        and leaves the gauges. clock: seconds (tests pass a scripted one).
+        """Pass a request's stream of (tokens, record, stats) through, feeding the request series: waiting from
+        this call, TTFT at the first tokens, n inter-token latencies of gap / n s per later chunk of n, the
+        request latency at the end (any way). clock: seconds.
         """
         started = last = clock()
         first = False
@@ -234,10 +211,8 @@ def default_metrics() -> SpecMetrics:
 def start_metrics_server(port: int, source: "SpecMetrics | CollectorRegistry | None" = None, addr: str = "0.0.0.0"):
     """Serve a registry at http://addr:port/metrics (prometheus_client.start_http_server).
 
-    source: a SpecMetrics (its registry), a CollectorRegistry, or None for prometheus_client.REGISTRY.
-    port 0 picks a free port; read it from ``server.server_port``. Returns (server, thread) as
-    prometheus_client.start_http_server does; ``server.shutdown()`` stops it. Raises OSError when
-    the port is taken.
+    source: a SpecMetrics, a CollectorRegistry, or None for REGISTRY. Port 0 picks a free one
+    (``server.server_port``). Returns (server, thread). Raises OSError when the port is taken.
     """
     if isinstance(source, SpecMetrics):
         registry = source.registry
@@ -264,18 +239,10 @@ class _Track:
 class AcceptanceMonitor:
     """Windowed acceptance rate (accepted / proposed draft tokens) per request and globally, with alerts.
 
-    Each scope (every request id, and the global one over all requests' rounds in record order)
-    keeps a sliding window of its last ``window`` rounds (``rate``). Every ``window`` rounds, i.e.
-    at the end of each full, non-overlapping window, the window's rate is judged: below
-    ``alert_threshold`` it extends a run of low windows, otherwise it ends the run. When the run
-    reaches ``alert_windows`` the scope raises one alert (a WARNING log with the numbers and
-    acceptance_alerts{scope} + 1 on ``metrics``); no further alert until it clears, which happens
-    at the first judged window at or above the threshold (an INFO log).
-    Rounds with proposed == 0 (plain rounds) are not recorded. With metrics, the global sliding
-    rate is written to the acceptance_rate gauge after each round. Thread-safe.
-
-    Source: this project's rule (DESIGN.md "Terms" for the acceptance rate, MonitorConfig for the
-    window, threshold and run length); no paper prescribes it.
+    Each scope (a request, or global) keeps its last ``window`` rounds; each full, non-overlapping window below
+    ``alert_threshold`` extends a run of low windows. At ``alert_windows`` one alert (WARNING log,
+    acceptance_alerts{scope}), none again until a window at or above the threshold clears it. Plain rounds are
+    not recorded. Thread-safe. This project's rule (docs/observability.md); no paper prescribes it.
     """
 
     def __init__(self, config: MonitorConfig = MonitorConfig(), metrics: SpecMetrics | None = None,

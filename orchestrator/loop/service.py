@@ -1,13 +1,7 @@
 """The orchestrator proper: requests over the draft and target services, one asyncio task each.
 
-``Orchestrator`` owns the gRPC channels and clients and a ``RoundController``; ``stream`` runs one
-request and yields its committed tokens round by round, then its final statistics. It is a plain
-class: the front runs it in-process (``front.use_ray: false``) or inside Ray actors
-(``orchestrator.serving.actors``), where each actor serves many requests at once and no request's rounds
-wait for another's.
-
-The wiring of a served orchestrator (``build_orchestrator``: tokenizer for stop strings, control
-policies from the config) lives here too, so the front and the Ray actors build it the same way.
+A plain class, run in-process (``front.use_ray: false``) or inside Ray actors; ``build_orchestrator`` wires it
+from the config, so the front and the actors build it the same way.
 """
 
 from __future__ import annotations
@@ -53,9 +47,8 @@ class Chunk:
 class Orchestrator:
     """Runs generation requests over a draft service and a target service.
 
-    front: specdec.config.FrontConfig; grpc_cfg: specdec.config.GrpcConfig; decode: ids -> text
-    for stop strings (None = stop strings refused); control_factory: (TreeSpec, max_nodes) ->
-    per-request control policy (None = fixed TreeSpec); on_round: per-round record callback (metrics).
+    decode: ids -> text (None = stop strings refused); control_factory: (TreeSpec, max_nodes) -> Control
+    (None = fixed TreeSpec); on_round: per-round record callback.
     """
 
     def __init__(self, front, grpc_cfg, decode=None, control_factory=None, on_round=None,
@@ -75,8 +68,7 @@ class Orchestrator:
         self.info = None
 
     async def connect(self, timeout: float = 60.0) -> None:
-        """Open the channels and read the target's vocabulary, EOS ids and context limit; for the
-        cost-aware control, time the services for its cost model (seconds, ``_measure_costs``)."""
+        """Open the channels, read the target's Info; for the cost-aware control, time the services (timeout: s)."""
         options = channel_options(self.grpc_cfg.max_message_bytes)
         self.target_channel = aio_channel(self.front.target_address, self.grpc_cfg, options)  # TLS / mTLS when configured
         self.draft_channel = aio_channel(self.front.draft_address, self.grpc_cfg, options)
@@ -101,10 +93,8 @@ class Orchestrator:
         )
 
     async def _measure_costs(self, target: TargetClient, draft: DraftClient) -> None:
-        """Start the cost-aware control's cost model from V(n) and D(p) measured through the two
-        services (``orchestrator.planning.cost_model.measure_service_costs``), where it would start from
-        the prior figures (no ``cost_aware.verify_ms`` given) and ``cost_aware.measure_at_start``
-        is on. A failed measurement (a service down or slow) leaves the priors, with a warning."""
+        """Measure V(n) and D(p) through the services where the cost model would start from priors and
+        ``measure_at_start`` is on; a failed measurement leaves the priors, with a warning."""
         state = self.shared
         if state.cost.source != "prior" or not self.measure_at_start:
             return
@@ -123,35 +113,26 @@ class Orchestrator:
                  figures["verify_ms"], figures["draft_step_ms"])
 
     def _clock(self, shared: bool) -> RoundClock | None:
-        """The round clock of in-step rounds (orchestrator.planning.lockstep): with ``cost_aware.in_step`` on
-        the cost-aware control (its factory's SharedState), the draft on the target's compute, and no
-        pipelining (an ahead drafts beside the verify, which the clock's VERIFY turn would hold
-        back); else None. Its turns hold only while the in-step plan applies
-        (``SharedState.in_step_applies``: under light load) and fewer requests than
-        ``in_step_max_load`` are its members."""
+        """The round clock with ``in_step`` on the cost-aware control and shared compute, none with pipelining
+        (the VERIFY turn would hold back an ahead); its turns hold while the in-step plan applies."""
         aware, state = self.front.cost_aware, self.shared
         if not (shared and aware.enabled and aware.in_step and state is not None) or self.front.pipeline:
             return None
         clock = RoundClock(aware.in_step_wait_ms / 1000)
-        # the load is learnt from the rounds of requests that plan and of no_spec ones in step (seeded
-        # sampled requests that speculate teach none):
-        # the clock's own members bound it too, so a stale load cannot hold a larger crowd in step
+        # the clock's own members bound the load too, so a stale load cannot hold a larger crowd in step
         clock.active = lambda: state.in_step_applies() and len(clock.members) < state.in_step_max_load
         return clock
 
     def _plain_load(self, clock: RoundClock | None):
-        """Where no_spec requests keep in step too (``cost_aware.in_step_no_spec``, on by default, and
-        a clock): the SharedState's ``observe_load``, which their verifies teach (the clock holds its
-        turns by that load), for RoundController's ``plain_load``; else None. Plain verifies that
-        arrive apart miss the target's gather window; the clock sends them together."""
+        """``SharedState.observe_load`` where no_spec requests keep in step too (``in_step_no_spec``), else None:
+        plain verifies that arrive apart miss the target's gather window."""
         if clock is None or self.shared is None or not self.front.cost_aware.in_step_no_spec:
             return None
         return self.shared.observe_load
 
     async def _shared_compute(self, draft: DraftClient) -> bool:
-        """Whether the draft computes on the target's hardware (front.cost_aware.shared_compute, or the
-        cost-aware factory's; "auto": the two Info placements, ``specdec.placement.shares_compute``;
-        an unreachable draft counts as separate, and the next connect asks again)."""
+        """Whether the draft computes on the target's hardware ("auto": from the two Info placements; an
+        unreachable draft counts as separate)."""
         setting = self.front.cost_aware.shared_compute if self.shared is None else self.control_factory.shared_compute
         if setting != "auto":
             return bool(setting)
@@ -180,10 +161,8 @@ class Orchestrator:
                      carrier: dict | None = None) -> AsyncIterator[Chunk]:
         """Run one request; yields a Chunk per round, then a final Chunk with stats.
 
-        timeout_s: the client's time left (downstream calls get what remains); carrier: W3C trace
-        context of the caller. Raises ValueError (naming the field) for a bad request and the target's
-        grpc errors. Closing the iterator early (client gone) cancels the request and frees its KV;
-        ``abort`` ends it with stop reason "aborted".
+        timeout_s: the client's time left; carrier: W3C trace context. Raises ValueError (naming the field) and
+        the target's grpc errors. Closing early cancels the request and frees its KV; ``abort``: stop reason "aborted".
         """
         if request_id in self.tasks:
             raise ValueError(f"request_id: {request_id!r} is already running")
@@ -224,9 +203,8 @@ class Orchestrator:
             self.tasks.pop(request_id, None)
 
     def _round_sink(self, request_id: str, queue: asyncio.Queue):
-        """The request's on_round: queue the round's record; once the request is being stopped, end
-        it at this round (the cancel itself can be lost: Python 3.11's ``asyncio.wait_for``, which
-        the draft deadline uses, swallows a cancel that arrives as its call completes, gh-86296)."""
+        """The request's on_round: queue the record; a request being stopped ends at this round (Python 3.11's
+        ``asyncio.wait_for`` can swallow a cancel that arrives as its call completes, gh-86296)."""
         def on_round(record) -> None:
             queue.put_nowait(record)
             if request_id in self.stopping:
@@ -234,8 +212,7 @@ class Orchestrator:
         return on_round
 
     async def _stop(self, request_id: str, task: asyncio.Task) -> None:
-        """Cancel the request's task and wait for its end (its sessions released); a swallowed
-        cancel still ends it after its current round (``_round_sink``)."""
+        """Cancel the request's task and wait for its end; a swallowed cancel ends it after this round."""
         self.stopping.add(request_id)
         try:
             task.cancel()
@@ -284,10 +261,8 @@ def load_tokenizer(path: str):
 
 @dataclass(frozen=True)
 class StartCosts:
-    """The cost model a Ray front's probe connected with, as a value its actors start from: the
-    measured points (verify ms by rows, draft step ms by parents; None where the measurement failed
-    or was off: the actors keep the prior or configured figures). An actor given StartCosts never
-    measures on its own (measuring together, the actors would disturb each other's timings)."""
+    """A Ray front's measured costs for its actors: verify ms by rows, draft step ms by parents (None: not
+    measured). An actor given StartCosts never measures itself (together they would disturb each other)."""
 
     verify_ms: dict[int, float] | None = None
     draft_step_ms: dict[int, float] | None = None
@@ -300,11 +275,8 @@ class StartCosts:
 
 
 def control_factory(front: FrontConfig, start: StartCosts | None = None):
-    """(TreeSpec, max_nodes) -> per-request control: CostAwareControl when front.cost_aware is enabled
-    (its requests share one SharedState: a cost model from ``start``'s points, else from
-    ``cost_aware.verify_ms`` / ``draft_step_ms`` when given, else from prior figures until
-    ``Orchestrator.connect`` measures the services; then the rounds' timings), else RequestControl from
-    front.dynamic_gamma / front.fallback; max_nodes: the target's tree limit (no tree grows past it)."""
+    """(TreeSpec, max_nodes) -> Control: CostAwareControl when enabled (one SharedState, its costs from ``start``,
+    else ``cost_aware.verify_ms``, else priors), else RequestControl; max_nodes: the target's tree limit."""
     if front.cost_aware.enabled:
         aware = front.cost_aware
         shared = SharedState()
@@ -318,8 +290,7 @@ def control_factory(front: FrontConfig, start: StartCosts | None = None):
 
 def build_orchestrator(front: FrontConfig, grpc_cfg: GrpcConfig, tok_dir: str | None,
                        start: StartCosts | None = None) -> Orchestrator:
-    """An Orchestrator for these sections (tokenizer for stop strings, control policies); ``start``:
-    a Ray front's starting costs (its actors then never measure on their own)."""
+    """An Orchestrator for these sections; ``start``: a Ray front's starting costs."""
     tokenizer = load_tokenizer(tok_dir) if tok_dir else None
     decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer is not None else None
     return Orchestrator(front, grpc_cfg, decode, control_factory=control_factory(front, start),

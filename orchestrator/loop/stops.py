@@ -1,7 +1,5 @@
-"""Stop conditions, applied to committed tokens one at a time (DESIGN.md "Commit and rollback").
-
-Semantics follow transformers ``generate``: the token that triggers a stop (EOS, or the token that
-completes a stop string) is kept; nothing after it is emitted, counted or cached.
+"""Stop conditions on committed tokens, one at a time. As transformers ``generate``: the token that triggers a stop
+is kept; nothing after it is emitted, counted or cached.
 """
 
 from __future__ import annotations
@@ -13,13 +11,9 @@ from dataclasses import dataclass, field
 class StopChecker:
     """Feed generated tokens with ``push``; it says when to stop and why (``reason``).
 
-    eos_token_ids: ids that end generation; stop_strings: texts that end generation once the
-    decoded output contains them; max_new_tokens: generated-token budget; context_limit: the
-    maximum total length, prompt included; decode: ids -> text (needed only for stop strings);
-    streamed: tokens an earlier part of this request already generated (a fail-over continuation,
-    orchestrator.serving.failover), now the prompt's tail: stop strings see them before ``generated``, so a
-    stop string spanning the hand-over stops where it would have without one; they count toward
-    neither budget (prompt_len already holds them).
+    context_limit: max total length, prompt included; decode: ids -> text (for stop strings only); streamed:
+    the prompt's tail an earlier part of this request generated (fail-over): stop strings see it, so one spanning
+    the hand-over still stops; it counts toward neither budget.
     """
 
     prompt_len: int
