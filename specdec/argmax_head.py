@@ -1,14 +1,10 @@
 """Exact greedy argmax of the LM head from an int8 screen plus a float32 re-check of the survivors.
 
-Greedy verification needs only the argmax of each row's logits, not the logits. On a float32 CPU
-target the LM head is a large share of every forward: Qwen2.5-1.5B's [151936, 1536] head is 0.93 GB
-of float32 weights read per forward. ``ArgmaxHead`` reads an int8 copy (0.23 GB, fbgemm) to get
-approximate logits A with a rigorous per-token error bound B, keeps the tokens that could still be
-the argmax (A + B >= max(A - B); a handful per row) and computes their logits from the original
-float32 weights, summed in float64. A token dropped by the screen has a float32 logit below
-another token's, whatever the rounding, so the result is the float32 logits' argmax except where two
-logits lie within that GEMM's own rounding (~1e-6 of their size), where a float32 GEMM of another
-shape may also decide differently (the caveat batched rows already carry, target_service.runtime).
+Why: greedy verification needs only each row's argmax, and on a float32 CPU target the LM head is a
+large share of every forward. ``ArgmaxHead`` reads an int8 copy (fbgemm) to get approximate logits A with
+a rigorous per-token error bound B, keeps the tokens with A + B >= max(A - B) (a handful per row) and
+recomputes those from the float32 weights in float64: the float32 argmax except at near-ties within
+float32 GEMM rounding (~1e-6 relative).
 
 The bound, per row x [H] and token i (W_i the float32 weight row, Q_i its int8 row, s_i its
 per-channel scale, E_i = W_i - s_i Q_i, all exact):
@@ -19,21 +15,13 @@ per-channel scale, E_i = W_i - s_i Q_i, all exact):
     plus c ||x|| ||W_i|| + 1e-3 for float32 rounding of A and of the reference float32 GEMM
     (a float32 dot product of H terms errs by at most ~H * 2^-24 of ||x|| ||W_i||: c =
     max(1e-4, 1.1 (H + 8) 2^-24), ``rounding_slack``; 1e-4 for the default target's H = 1536).
-The second level is what makes the bound small: with one 7-bit level, ||r|| ||Q_i|| is ~8 logits
-(hidden-state outliers near 140 set sx) and the screen keeps ~40000 tokens a row.
+The second level keeps the bound small (with one level the screen keeps ~40000 tokens a row).
+Two extra input columns (-64, 63) against zero weights pin fbgemm's dynamic qparams to scale 1, zero
+point 64, so the int8 GEMM sees k and k2 exactly; ``build`` checks this and returns None where it fails.
 
-fbgemm quantizes each input itself (dynamic quantization: one scale and zero point per call, from
-the input's min and max). Two extra input columns holding -64 and 63, against zero weights, pin
-that choice to scale 1 and zero point 64 for integer inputs, so the int8 GEMM sees k and k2
-exactly; 7-bit inputs (reduce_range) keep AVX2's 16-bit pair sums from saturating. ``build``
-checks this on random inputs against a float64 reference and returns None where it does not hold.
-
-Only the argmax is exact this way: sampled requests still need the full float32 logits (the
-model's own head). The approach is a screen-then-verify search for the top logit (bounded
-approximate inner products, as in maximum inner product search with quantized scores, e.g. Guo et
-al. 2020, "Accelerating Large-Scale Inference with Anisotropic Vector Quantization", section 3);
-the error bound is elementary (Higham, "Accuracy and Stability of Numerical Algorithms", 2002,
-section 3.1, for the dot product rounding).
+Screen-then-verify top-logit search as in quantized maximum inner product search (Guo et al. 2020,
+"Accelerating Large-Scale Inference with Anisotropic Vector Quantization", §3); rounding bound from
+Higham, "Accuracy and Stability of Numerical Algorithms", 2002, §3.1.
 """
 
 from __future__ import annotations
@@ -71,14 +59,8 @@ def fbgemm_available() -> bool:
 
 
 class ArgmaxHead:
-    """Exact row-wise argmax of ``hidden @ weight.T`` (module docstring).
-
-    weight: [V, H] float32 (copied; the caller may free or pack its own). ``argmax(hidden)``:
-    hidden [M, H] float32 -> [M] int64, the index of each row's largest logit (the first on an exact
-    tie, as ``torch.argmax``; module docstring for near-ties). Memory: a float32 copy plus an int8
-    copy of the weight (5 bytes per weight; 1.16 GB for the default target's head). Use ``build``,
-    which checks the kernel first.
-    """
+    """Exact row-wise argmax of ``hidden @ weight.T``. weight: [V, H] float32 (copied; 5 bytes per weight
+    in all). Use ``build``, which checks the kernel first."""
 
     def __init__(self, weight: torch.Tensor):
         if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
@@ -167,18 +149,15 @@ class ArgmaxHead:
 
     @torch.inference_mode()
     def survivors(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [M, H] float32 -> [M, V] bool: the tokens whose float32 logit could still be the
-        row's largest (A + B >= max(A - B), module docstring); the argmax is always among them.
-        Needs finite rows (a non-finite row keeps nothing)."""
+        """hidden [M, H] float32 (finite) -> [M, V] bool: tokens with A + B >= max(A - B), the argmax among them."""
         approx, bound = self.scores(hidden)
         floor = (approx - bound).amax(dim=1, keepdim=True)  # (M, 1): some token's logit is at least this
         return approx.add_(bound).ge_(floor).bool()  # (M, V)
 
     @torch.inference_mode()
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [M, H] float32 -> [M] int64: each row's argmax of hidden @ weight.T. Rows go to the
-        screen SCREEN_ROWS at a time; a row whose screen keeps more than MAX_CANDIDATES tokens, or
-        with NaN / inf, takes the full float32 product."""
+        """hidden [M, H] float32 -> [M] int64 argmax (first on exact ties); rows with over MAX_CANDIDATES
+        survivors or non-finite values take the full float32 product."""
         x = hidden.detach().reshape(-1, self.hidden_size).float()  # (M, H)
         out = torch.empty(x.shape[0], dtype=torch.long)
         finite = torch.isfinite(x).all(dim=1).tolist()
@@ -209,13 +188,9 @@ def argmax_head_of(model) -> ArgmaxHead | None:
 
 @torch.inference_mode()
 def attach_argmax_head(model) -> bool:
-    """Give a float32 CPU causal LM an ArgmaxHead of its LM head (``argmax_head_of``); returns
-    whether it got one. Call before ``prepack_linears`` (which replaces the head's nn.Linear).
-
-    Only where the model's logits are its plain LM head over its decoder's output: an nn.Linear
-    without bias, float32 on the CPU, and a 3-token forward whose logits equal the head applied to
-    ``get_decoder()``'s output bit for bit (a model class that scales or caps its logits fails it).
-    """
+    """Give a float32 CPU causal LM an ArgmaxHead of its LM head; returns whether it got one (only where
+    the logits are the bias-free head over ``get_decoder()``'s output, checked bit for bit). Call
+    before ``prepack_linears``."""
     head_module = model.get_output_embeddings()
     if (type(head_module) is not torch.nn.Linear or head_module.bias is not None
             or head_module.weight.dtype != torch.float32 or head_module.weight.device.type != "cpu"):

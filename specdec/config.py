@@ -36,26 +36,18 @@ class ModelsConfig(_Section):
     device: str = "cpu"
     max_context: int | None = Field(default=None, ge=2)
     threads: int | None = Field(default=None, ge=1)
-    # float32 CPU target: greedy rows take their argmax from an int8 screen plus a float64 re-check
-    # of the tokens that could still win (specdec.argmax_head: the float32 argmax but at near-ties
-    # within float32 rounding; ~+1.2 GB for the default target's head copies). False = always the
-    # full float32 LM head.
+    # float32 CPU target: greedy argmax via specdec.argmax_head (~+1.2 GB); False = always the full LM head
     argmax_screen: bool = True
 
 
 class GrpcConfig(_Section):
     max_message_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
     shutdown_grace_s: float = Field(default=10.0, ge=0)   # SIGTERM: finish in-flight calls this long
-    # Transport security (specdec.security), PEM files. cert + key: every port serves TLS; + ca: the
-    # services verify each other against it (mutual TLS: draft and target accept only clients whose
-    # certificate chains to it; the front presents its certificate to them). ca alone: clients only.
+    # PEM files (specdec.security). cert + key: every port serves TLS; + ca: mutual TLS between the services
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
-    # A second, plaintext port that serves only grpc.health.v1.Health (the same statuses as the
-    # service's own port): kubelet's gRPC probes speak plaintext and present no client certificate,
-    # so with TLS the probes ask here. None = off; 0 = ephemeral. Set per server (--health-port):
-    # one process per host binds it, so ``specdec serve`` refuses it.
+    # plaintext port with only grpc.health.v1.Health, for kubelet probes under TLS; per server, so ``serve`` refuses it
     health_port: int | None = Field(default=None, ge=0, le=65535)
 
     @model_validator(mode="after")
@@ -76,9 +68,7 @@ class DraftServerConfig(_Section):
     prefill_chunk_tokens: int = Field(default=256, ge=1)  # prompt tokens per prefill job: others' proposes get in between
     max_batch: int = Field(default=8, ge=1)               # sessions whose tree steps share one draft forward
     batch_wait_ms: float = Field(default=1.0, ge=0)       # how long a propose waits for company
-    # the longest wait for sessions expected back from their last proposal (specdec.batching), as a
-    # fraction of the mean propose time; requests whose verifies merged then draft in the same
-    # forwards too (0 = only batch_wait_ms)
+    # wait for sessions expected back (specdec.batching), share of the mean propose time; 0 = only batch_wait_ms
     batch_gather: float = Field(default=0.25, ge=0, le=1)
 
 
@@ -86,24 +76,18 @@ class TargetServerConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=50062, ge=0, le=65535)
     tp: int = Field(default=1, ge=1)                      # tensor-parallel ranks
-    # sessions merged into one verify forward. 16 clients of plain decoding on the 2-core CPU: 15.6-16.7
-    # tok/s at 16 against 6.2-11.1 at 8 (two forwards of 8 rows per token cost more than one of 16:
-    # V(8) = 418 ms, V(16) = 517 ms; benchmarks/records/serving_cpu_2core_2026-12-04_max_batch16/serving_cpu_2core_2026-12-04_max_batch16.md)
+    # sessions merged into one verify forward (one forward of 16 rows costs less than two of 8)
     max_batch: int = Field(default=16, ge=1)
     batch_wait_ms: float = Field(default=2.0, ge=0)       # how long a verify waits for company
-    # the longest wait for sessions expected back from their last verify (specdec.batching), as a
-    # fraction of the mean verify forward time; 0 = only batch_wait_ms
+    # wait for sessions expected back (specdec.batching), share of the mean verify time; 0 = only batch_wait_ms
     batch_gather: float = Field(default=0.25, ge=0, le=1)
-    # KV slots over all sessions (RESOURCE_EXHAUSTED past it); "auto": kv_memory_fraction of the memory
-    # free once the weights are loaded, over the model's KV bytes per token (target_service.kv_budget)
+    # KV slots over all sessions (RESOURCE_EXHAUSTED past it); "auto": target_service.kv_budget
     max_kv_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
     kv_memory_fraction: float = Field(default=0.7, gt=0, le=1)
     max_tree_nodes: int = Field(default=512, ge=1)
     prefill_chunk_tokens: int = Field(default=256, ge=1)  # prompt tokens per prefill forward: an abort or others' verifies get in between
-    # while other sessions are decoding, a prompt longer than prefill_chunk_tokens is fed this many tokens at
-    # a time inside their next verify forward (null = off: chunks of prefill_chunk_tokens in forwards of their own). Packed forwards make a riding
-    # chunk of C tokens cost its C + 1 rows; 16 keeps the decoders' forwards within ~2x on the 2-core CPU
-    # (raise it where rows are cheap, e.g. on a GPU). Only on a target whose verify_batch packs rows.
+    # while others decode, a long prompt rides in their verify forwards this many tokens at a time (null = off);
+    # 16 keeps their forwards within ~2x on a 2-core CPU (raise it where rows are cheap, e.g. on a GPU)
     prefill_busy_chunk_tokens: int | None = Field(default=16, ge=1)
     session_idle_s: float = Field(default=600.0, gt=0)    # a session untouched this long is released (its client died)
 
@@ -140,49 +124,22 @@ class CostAwareConfig(_Section):
     max_ngram: int = Field(default=3, ge=1, le=8)         # longest suffix matched in the context
     probe_every: int = Field(default=16, ge=1)            # rounds without the draft before one draft step is tried
     first_round_plain: bool = True                        # the first round never drafts (TTFT = target-only TTFT)
-    # draft and target compute on the same hardware: under load a draft step is priced for the whole
-    # batch (orchestrator.planning.cost_model.LoadedCost); "auto" = compare the two services' Info placements
+    # draft and target share hardware (a draft step priced for the whole batch); "auto" = from the Info placements
     shared_compute: Literal["auto"] | bool = "auto"
-    # under light load on shared compute (other requests run, fewer than in_step_max_load sessions per
-    # verify forward) the requests draft or decode plain together, from front-wide figures
-    # (orchestrator.planning.cost_aware.SharedState.in_step_applies), their rounds kept in step by a round
-    # clock (orchestrator.planning.lockstep): at 2 clients on the 2-core CPU 1.25x and 1.51x of target-only
-    # against 1.02x and 1.10x each request alone (benchmarks/records/serving_cpu_2core_2026-12-04_in_step_2clients/serving_cpu_2core_2026-12-04_in_step_2clients.md)
+    # lock-step rounds under light load on shared compute (docs/control.md "Lock-step rounds")
     in_step: bool = True
-    # in step: at each of a round's two turns (start, verify) a request waits for the others at most
-    # this long; the ones missing then are not waited for until they come back (orchestrator.planning.lockstep)
+    # in step: the longest wait for the others at each turn (start, verify)
     in_step_wait_ms: float = Field(default=1000.0, gt=0)
-    # in step only below this load (sessions per verify forward, a moving average): at or above it
-    # each request plans alone and the round clock lets every turn pass. 8.5: in step up to 8
-    # clients; on the 2-core AMD EPYC ahead of 2.5 (the cap until 2026-12-05, chosen on an Intel Xeon
-    # where in step at 4 and 8 clients was no faster) in 5 of 5 side-by-side runs at 4 clients (mean
-    # 1.10x of target-only against 1.00x), mostly plain rounds kept in step; no different at 8 (2 of
-    # 4, 1.03x against 1.00x) (benchmarks/records/serving_cpu_2core_2026-12-05_amd_in_step_cap_confirm/serving_cpu_2core_2026-12-05_amd_in_step_cap_confirm.md)
+    # in step only below this load (sessions per verify forward, moving average); 8.5 = up to 8 clients
     in_step_max_load: float = Field(default=8.5, gt=1.5)
-    # requests without speculation (no_spec) keep in step too where the clock runs (beside speculating
-    # ones they wait at each verify turn for those requests' drafts): they join it and
-    # their verifies teach the load (false: they verify when ready, merged by the target's gather
-    # window only). On the 2-core AMD EPYC target-only in step was 1.03x and 1.22x of that at 4
-    # clients, 1.04x and 1.03x at 8 (benchmarks/records/serving_cpu_2core_2026-12-05_amd_plain_in_step/serving_cpu_2core_2026-12-05_amd_plain_in_step.md); again
-    # 1.02x/1.03x and 1.11x/1.01x, p95 latency lower in 4 of 4 (..._amd_plain_in_step_confirm.md); in
-    # mixed traffic (half no_spec) 1.02-1.16x the throughput, their p95 0.97-1.22x (..._amd_mixed.md)
+    # no_spec requests keep in step too (false: they verify when ready, merged by the target's gather only)
     in_step_no_spec: bool = True
-    # what a draft step's cost D is learnt from where the draft is a service: "reply", the reply's wall
-    # time, transport and the wait behind other sessions' proposals and prefills included; "forward",
-    # the draft call's own time its reply reports (as V learns the target forward's): it drafted more
-    # under load and was no faster at 4 clients, slower at 8, than "reply" (the wait is a drafted
-    # round's cost too; benchmarks/records/serving_cpu_2core_2026-12-05_amd_in_step_cap_ab/serving_cpu_2core_2026-12-05_amd_in_step_cap_ab.md). Only where
-    # replies teach D: not on the draft's own device under load (they teach its queue share there),
-    # nor for an in-process draft (the draft phase's time is the call's)
+    # D learnt from a draft service's "reply" wall time (queueing included: a drafted round's cost too) or
+    # its reported "forward" time; not used for an in-process draft or a separate draft device under load
     draft_cost_from: Literal["forward", "reply"] = "reply"
-    # the cost model's starting shape (orchestrator.planning.cost_model): V(n), the target's own forward time
-    # in ms by verify rows, and D(p), ms per draft step by parents expanded, both or neither, 2 points
-    # or more each (between and past them the curves are linear). None: measured through the two
-    # services when the front connects (``measure_at_start``: a few verifies and proposals on a
-    # session of its own, seconds; a front with Ray measures once and hands the figures to its
-    # actors), else the prior figures of the 2-core CPU, whose shape may be far from this
-    # deployment's (on a GPU extra verify rows are nearly free). Given figures are taken as this
-    # deployment's: the rounds' timings then move their scale only
+    # the cost model's starting V(n) (ms by verify rows) and D(p) (ms per draft step by parents), both or
+    # neither, 2+ points each, piecewise linear; None: measured at connect (``measure_at_start``), else
+    # the 2-core CPU prior (docs/control.md "The cost model")
     measure_at_start: bool = True
     verify_ms: dict[Annotated[int, Field(ge=1)], Annotated[float, Field(gt=0, allow_inf_nan=False)]] | None = Field(
         default=None, min_length=2)
@@ -198,27 +155,15 @@ class CostAwareConfig(_Section):
 
 
 class DraftWindowConfig(_Section):
-    """The context the draft session opens with (orchestrator.loop.controller): the first ``sink_tokens``
-    committed tokens and the most recent ones, ``max_tokens`` in all (StreamingLLM's attention sinks
-    plus a recent window, Xiao et al. 2024, section 3; MagicDec, Chen et al. 2024, section 4, drafts
-    long contexts this way). A long prompt then costs the draft a short prefill; the target still
-    sees every token, so the output is unchanged and only acceptance can move: a short answer after a
-    long prompt (rag, extraction) no longer pays for the whole prompt's draft prefill. A long answer
-    to a long prompt (a summary) drafts about half as well from the window, so once a request has
-    generated ``full_after_tokens`` its draft re-opens with every committed token: one full prefill,
-    as in ski rental (rent the window; buy the whole context once the answer has shown it is long;
-    the loss is bounded by the window's prefill plus full_after_tokens drafted from the window; 64:
-    Spec-Bench's rag and extraction answers, mostly under 64 tokens, keep the window's gain, where a
-    re-open at 32 cost a 39-token rag answer 3.3 s; benchmarks/records/draft_window_cpu_2core_2026-12-01/draft_window_cpu_2core_2026-12-01.md).
-    max_tokens None = every token from the start; full_after_tokens None = the window to the end."""
+    """The context a draft session opens with: the first ``sink_tokens`` and the most recent committed
+    tokens, ``max_tokens`` in all, re-opened with everything after ``full_after_tokens`` generated
+    (docs/control.md "Draft context window"; StreamingLLM, Xiao et al. 2024, §3; MagicDec, Chen et al.
+    2024, §4). None = every token from the start / the window to the end."""
 
     max_tokens: int | None = Field(default=256, ge=2)
     sink_tokens: int = Field(default=32, ge=0)
     full_after_tokens: int | None = Field(default=64, ge=1)
-    # also where the draft has its own hardware; by default only where it shares the target's compute
-    # (embedded mode; services whose placements coincide, front.cost_aware.shared_compute): on its own
-    # device the draft prefills beside the target's prefill, off the critical path, and a window
-    # would only cost acceptance
+    # also where the draft has its own hardware (its prefill is off the critical path there)
     on_separate_hardware: bool = False
 
     @model_validator(mode="after")

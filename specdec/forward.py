@@ -1,17 +1,8 @@
 """One model forward over new tokens with explicit position ids and a 4-D additive mask.
 
-Both services call this; it uses the transformers model class unchanged (no vendored modelling
-code): transformers takes a ready 4-D mask as is, and appends the new KV to the dynamic cache.
-
-Two speed paths, both bit for bit the transformers forward's logits and KV (tests/test_forward_paths.py):
-- our forwards' attention over several query rows (tree verification, draft steps, prefill chunks)
-  runs grouped-query attention inside SDPA (``enable_gqa``) where transformers' sdpa path copies
-  every key and value head ``num_key_value_groups`` times first (``repeat_kv``) whenever a mask is
-  given; one-row attention keeps transformers' own path. Forwards that do not come through this
-  module (HF generate on the same model object) keep transformers' path unchanged.
-- ``DirectDecoder``: the draft's and the target's one-session forwards call the model's own modules and functions
-  layer by layer, without the model forward's per-call plumbing (argument decorators, mask
-  building, output records), for the decoder classes it knows (Qwen2, Llama).
+Uses the transformers model class unchanged (no vendored modelling code). Speed paths, bit for bit the
+transformers forward's logits and KV (tests/test_forward_paths.py; docs/design.md "Speed paths"):
+multi-row attention through SDPA's ``enable_gqa`` instead of ``repeat_kv`` copies, and ``DirectDecoder``.
 """
 
 from __future__ import annotations
@@ -47,15 +38,12 @@ def model_forward(
     logits_rows: int | None = None,
     argmax_head=None,
 ) -> torch.Tensor:
-    """Run ``model`` on Q new tokens after the cached ones; returns float32 logits.
+    """Run ``model`` on Q new tokens after the cached ones; the cache grows by Q slots.
 
-    input_ids: Q token ids; position_ids: [Q] int64; mask: [1, 1, Q, S + Q] additive in the
-    model's dtype, or None for plain causal attention; logits_rows: keep only the last that many
-    rows (None = all). Returns [logits_rows or Q, V] float32. The cache grows by Q slots.
-    argmax_head: a ``specdec.argmax_head.ArgmaxHead`` of the model's LM head: then the kept rows'
-    argmax ids [logits_rows or Q] int64 are returned instead of their logits (greedy rows; the
-    model's own head is not run), for up to ``argmax_head.max_rows`` kept rows (more: logits, the
-    full head being the faster there).
+    input_ids: Q token ids; position_ids: [Q] int64; mask: [1, 1, Q, S + Q] additive in the model's
+    dtype, or None for causal; logits_rows: keep only the last that many rows (None = all). Returns
+    [logits_rows or Q, V] float32; with ``argmax_head`` (and at most its ``max_rows`` kept rows) the
+    argmax ids [logits_rows or Q] int64 instead, without running the model's own head.
     """
     device = model.device
     ids = torch.tensor([input_ids], dtype=torch.long, device=device)  # (1, Q)
@@ -79,10 +67,8 @@ DIRECT_MODEL_TYPES = ("qwen2", "llama")  # decoder layouts ``DirectDecoder`` kno
 
 
 def _direct_linear(module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The op a linear layer's forward runs, bound to its weights: a dynamically quantized int8 linear
-    (``torch.ao``) calls ``quantized::linear_dynamic`` as its forward does, minus the per-call checks
-    of its packed-parameter object; a ``PackedLinear`` runs its oneDNN op
-    (``PackedLinear.direct``); any other linear is called as is."""
+    """The op a linear layer's forward runs, bound to its weights (int8 dynamic: ``quantized::linear_dynamic``
+    minus per-call checks; ``PackedLinear``: its oneDNN op); any other linear is called as is."""
     packed = getattr(module, "_packed_params", None)
     if packed is not None and getattr(packed, "dtype", None) == torch.qint8:
         weights, reduce_range = packed._packed_params, not (module.version is None or module.version < 4)
@@ -124,17 +110,10 @@ def _own_forward(module) -> bool:
 
 
 class DirectDecoder:
-    """A causal LM's one-session forward over the model's own modules and functions, layer by layer.
-
-    The transformers model forward spends a share of a small model's step in per-call plumbing:
-    argument decorators on every layer, mask building, output records. This calls the same embedding, rotary, norm,
-    linear and activation modules, transformers' ``apply_rotary_pos_emb`` of the model's own modelling
-    module, ``DynamicCache.update`` and ``_sdpa_attention``, in the model forward's order, so logits
-    and KV are bit for bit the model forward's (tests/test_forward_paths.py).
-
-    Only for the decoder layouts of ``DIRECT_MODEL_TYPES`` with every layer on full attention; build
-    it with ``DirectDecoder.of(model)``, which answers None for any other model (callers then use
-    ``model_forward``).
+    """A causal LM's one-session forward over the model's own modules and functions, layer by layer,
+    skipping the model forward's per-call plumbing (decorators, mask building, output records); logits
+    and KV are bit for bit the model forward's. Build with ``DirectDecoder.of(model)`` (None for models
+    outside ``DIRECT_MODEL_TYPES`` with full attention).
     """
 
     def __init__(self, model):
@@ -156,13 +135,9 @@ class DirectDecoder:
 
     @classmethod
     def of(cls, model) -> "DirectDecoder | None":
-        """A DirectDecoder of ``model``, or None where its layout is not one this class knows: another
-        model type, extra norms or projections, sliding-window layers, another attention than sdpa,
-        a non-causal config, no LM head, training mode, forward hooks (a module's, a global one, or
-        accelerate's ``_hf_hook``: the layer-by-layer calls would skip them; hooks added after this
-        call are not seen, so add them first). (Norms and activations whose forward is not
-        their class's own, e.g. hub kernels, are called as modules: ``_direct_norm``.) Its weights and
-        settings are read here: build it after quantizing or switching the model's attention."""
+        """A DirectDecoder of ``model``, or None where its layout is unknown (other model type or attention,
+        sliding window, training mode, forward hooks, ...). Hooks added later are not seen and weights are
+        read here: build it after adding hooks, quantizing or switching the attention."""
         config = model.config
         if config.model_type not in DIRECT_MODEL_TYPES or model.training or getattr(config, "is_causal", True) is False:
             return None
@@ -189,12 +164,8 @@ class DirectDecoder:
     @torch.inference_mode()
     def __call__(self, cache, input_ids: list[int], position_ids: torch.Tensor, mask: torch.Tensor | None,
                  logits_rows: int | None = None, argmax_head=None) -> torch.Tensor:
-        """``model_forward(model, cache, input_ids, position_ids, mask, logits_rows, argmax_head)``:
-        Q new tokens after the cached ones; returns [logits_rows or Q, V] float32 logits, or with an
-        ``ArgmaxHead`` the kept rows' argmax ids [logits_rows or Q] int64 (up to its max_rows kept
-        rows; more: logits); the cache grows by Q slots. A mask of None with Q > 1 after cached slots
-        is the causal mask the model forward would build. On an error mid-forward some layers may
-        already hold the rows: truncate them, as after ``model_forward``."""
+        """As ``model_forward(model, cache, ...)``. On an error mid-forward some layers may already hold
+        the rows: truncate them."""
         model = self.model
         device, dtype = model.device, model.dtype
         q_len = len(input_ids)
@@ -230,11 +201,8 @@ _OUTPUT_CAPTURING = "transformers.utils.output_capturing"  # hooks that record o
 
 
 def _hooked(model) -> bool:
-    """Whether the model forward would run a hook: a forward (pre-)hook on any of its modules, a
-    global module hook (``torch.nn.modules.module.register_module_forward_hook``), or an accelerate
-    hook (``_hf_hook``: device-map dispatch, offload). transformers' output-capturing hooks, which
-    stay on the layers after any call with ``output_hidden_states`` or ``output_attentions`` and do
-    nothing outside that call's capture, do not count."""
+    """Whether the model forward would run a hook (module, global or accelerate ``_hf_hook``); transformers'
+    output-capturing hooks, inert outside a capture, do not count."""
 
     def live(hooks) -> bool:
         return any(getattr(hook, "__module__", None) != _OUTPUT_CAPTURING for hook in hooks.values())
@@ -245,9 +213,8 @@ def _hooked(model) -> bool:
 
 
 def _decoder_hidden(model, ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    """The causal LM's decoder output (the LM head's input) for the rows ``kwargs["logits_to_keep"]``
-    keeps (an int: the last that many, 0 = all; or a [K] index tensor): [B, K, H]. The same call
-    the transformers model class makes before its head, so the cache and attention are unchanged."""
+    """The decoder output (LM head input) [B, K, H] for the rows ``kwargs["logits_to_keep"]`` keeps
+    (last int rows, 0 = all, or a [K] index tensor), called as the model class calls it."""
     keep = kwargs.pop("logits_to_keep")
     decoder = model.get_decoder()
     cache_key = _cache_kwarg(model)
@@ -267,17 +234,10 @@ def model_forward_batch(
     position_ids: torch.Tensor,
     mask: torch.Tensor,
 ) -> torch.Tensor:
-    """Run ``model`` on B rows of Q new tokens each after a batched cache; returns float32 logits.
+    """Run ``model`` on B padded rows of Q new tokens each after a batched cache (S slots per row).
 
-    The batched form of ``model_forward`` (which stays the batch-of-one path): every row has its own
-    position ids and its own mask rows, so rows may hold different sessions with different cached
-    lengths (padded to a common S) and different numbers of real new tokens (padded to Q).
-
-    cache: a DynamicCache with B rows of S slots (may be empty, S = 0); input_ids: [B, Q] int64;
-    position_ids: [B, Q] int64; mask: [B, 1, Q, S + Q] additive (0 = visible, dtype min = hidden),
-    converted to the model's dtype. Every mask row must see at least one slot (a fully hidden row
-    is a softmax over nothing). Returns [B, Q, V] float32 for every row, padded ones included. The
-    cache grows by Q slots per row.
+    input_ids, position_ids: [B, Q] int64; mask: [B, 1, Q, S + Q] additive, every row seeing at least
+    one slot. Returns [B, Q, V] float32, padded rows included; the cache grows by Q slots per row.
     """
     device = model.device
     if input_ids.dim() != 2 or position_ids.shape != input_ids.shape:
@@ -325,15 +285,10 @@ class PackedRows:
 
 
 def _sdpa_attention(module, query, key, value, attention_mask, native_gqa: bool = False, **kwargs):
-    """transformers' ``sdpa_attention_forward``, but for several query rows of a grouped-query model
-    (``native_gqa``, set by this module's forwards; grouped-query attention: Ainslie et al. 2023, "GQA",
-    section 2.2) SDPA's own grouped-query attention, where transformers copies each key / value head
-    num_key_value_groups times (``repeat_kv``) whenever a mask is given. Without a mask transformers
-    already asks SDPA for grouped-query attention, and for one row it packs the query heads instead:
-    both are left to it, as are tensors off the CPU. On the CPU the logits are bit for bit
-    transformers' (tests/test_forward_paths.py). query: [B, H, Q, D], key / value: [B, H_kv, S, D],
-    mask: [B, 1, Q, S] additive or boolean, or None. Returns ([B, Q, H, D], None), as transformers'
-    does."""
+    """transformers' ``sdpa_attention_forward``, but with SDPA's own grouped-query attention (Ainslie et
+    al. 2023, "GQA", §2.2) for several masked CPU query rows where transformers copies heads
+    (``repeat_kv``). query: [B, H, Q, D], key / value: [B, H_kv, S, D], mask: [B, 1, Q, S] or None.
+    Returns ([B, Q, H, D], None)."""
     if (not native_gqa or attention_mask is None or query.shape[2] == 1 or query.device.type != "cpu"
             or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
             or getattr(module, "num_key_value_groups", 1) == 1):
@@ -347,13 +302,8 @@ def _sdpa_attention(module, query, key, value, attention_mask, native_gqa: bool 
 
 
 def _packed_attention(module, query, key, value, attention_mask, packed_rows: PackedRows | None = None, **kwargs):
-    """``_sdpa_attention``, or segment by segment when the forward was given a PackedRows plan.
-
-    query: [1, H, T, D], key / value: [1, H_kv, T, D] for the T packed new rows. Each segment's keys
-    are its own cache's slots followed by its own new rows (its cache grows by them, as
-    ``DynamicCache.update`` does in a solo forward), so a row never attends to another session and
-    costs what it costs alone. Returns ([1, T, H, D], None), the layout ``sdpa`` returns.
-    """
+    """``_sdpa_attention``, or segment by segment against each segment's own cache given a PackedRows plan.
+    query: [1, H, T, D], key / value: [1, H_kv, T, D]. Returns ([1, T, H, D], None)."""
     if packed_rows is None:
         return _sdpa_attention(module, query, key, value, attention_mask, **kwargs)
     out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # (1, T, H, D)
@@ -371,13 +321,9 @@ def _gqa_kwargs(model) -> dict:
 
 
 def use_packed_attention(model) -> None:
-    """Route ``model``'s attention through ``_packed_attention`` (plain ``sdpa`` for every forward
-    that is not packed, so other forwards are unchanged). Raises ValueError for a model whose
-    attention is not ``sdpa`` (eager, flash, flex: packing is built on sdpa) or whose class does not
-    take a registered attention function (transformers then only warns and keeps sdpa).
-
-    The switch is on ``model.config``: a model sharing that config object switches too (harmless:
-    without a PackedRows plan the packed attention is sdpa)."""
+    """Route ``model``'s attention (via ``model.config``) through ``_packed_attention``, plain sdpa for
+    unpacked forwards. Raises ValueError for attention other than ``sdpa`` or a class that does not take
+    a registered attention function."""
     current = model.config._attn_implementation
     if current == PACKED_ATTENTION:
         return
@@ -417,31 +363,16 @@ def model_forward_packed(
     argmax_head=None,
     argmax_rows: Sequence[bool] | None = None,
 ) -> list[torch.Tensor]:
-    """Run ``model`` once on the new rows of B sessions, packed into one sequence (no padding).
+    """Run ``model`` once on the new rows of B sessions packed into one sequence, T = sum n_b rows, each
+    session attending to its own cache (Krell et al. 2021, "Efficient Sequence Packing without
+    Cross-contamination", §3, with a KV cache behind each block as vLLM's varlen attention).
 
-    caches: B dynamic caches (L_b slots each; each grows by its n_b rows); input_ids: B lists of n_b
-    >= 1 ids; position_ids: B [n_b] int64; masks: B [1, 1, n_b, L_b + n_b] additive; logits_rows:
-    per session, keep only its last that many rows' logits (None = all; the LM head runs only
-    over the rows kept, e.g. 1 for a prefill chunk). The linear layers run over T = sum n_b rows (a
-    padded batch would run B * max n_b), attention runs per session against its own cache
-    (``_packed_attention``; the model must have gone through ``use_packed_attention``). Returns B
-    [k_b, V] float32 logits (k_b = logits_rows[b] or n_b). This is sequence packing without
-    cross-contamination (Krell et al. 2021, "Efficient Sequence Packing without
-    Cross-contamination", section 3: block-diagonal attention, per-sequence positions), with each
-    sequence's own KV cache behind its block, as vLLM's varlen attention batches requests.
-
-    argmax_head, argmax_rows: with an ``ArgmaxHead`` of the model's LM head, session b with
-    argmax_rows[b] True gets its kept rows' argmax ids [k_b] int64 instead of logits (greedy
-    sessions, while their rows number at most ``argmax_head.max_rows``); the model's own head runs
-    only over the other sessions' rows.
-
-    Numerics: each session's attention is its solo forward's; the GEMMs see T rows instead of n_b,
-    so logits equal the solo forward's up to float32 round-off (same order as a batched forward).
-    Not for dynamic / longrope RoPE, whose angles depend on the largest position in the forward
-    (the padded batch has the same limit); the default pair's RoPE is static.
-    Raises ValueError for mismatched lengths, an empty row, a mask of the wrong shape or a model
-    without packed attention. On an error in the forward, some layers of some caches may already
-    hold the new rows: truncate them.
+    caches: B dynamic caches (L_b slots, each grows by n_b); input_ids: B lists of n_b >= 1 ids;
+    position_ids: B [n_b] int64; masks: B [1, 1, n_b, L_b + n_b] additive; logits_rows: per session,
+    its last rows kept (None = all). Returns B [k_b, V] float32, or argmax ids [k_b] int64 for sessions
+    with argmax_rows[b] (``ArgmaxHead``). Logits equal the solo forward's up to float32 round-off. Not
+    for dynamic / longrope RoPE. Raises ValueError for mismatched lengths, an empty row, a bad mask
+    shape or a model without packed attention; after a forward error, truncate the caches.
     """
     if model.config._attn_implementation != PACKED_ATTENTION:
         raise ValueError("model: call use_packed_attention(model) before packed forwards")
@@ -461,10 +392,8 @@ def model_forward_packed(
 
 
 def _pack_segments(model, caches, input_ids, masks, keep) -> tuple[list[PackedSegment], list[range]]:
-    """Each session's PackedSegment, and the packed row indices whose head output it keeps.
-
-    Example: sessions of 3 and 2 new rows keeping 1 and all rows -> segments at starts 0 and 3, kept
-    rows [range(2, 3), range(3, 5)]. Raises ValueError for an empty row or a mask of the wrong shape."""
+    """Each session's PackedSegment and its kept packed rows. Sessions of 3 and 2 rows keeping 1 and all ->
+    starts 0 and 3, kept [range(2, 3), range(3, 5)]. Raises ValueError for an empty row or a bad mask."""
     device = model.device
     segments, kept, start = [], [], 0
     for b, (cache, ids, mask, k) in enumerate(zip(caches, input_ids, masks, keep)):

@@ -32,15 +32,10 @@ class SessionStateError(RuntimeError):
 class VerifyResult:
     """Outcome of verifying one tree.
 
-    accepted_nodes: node indices of the accepted path, root side first (may be empty);
-    tokens: the accepted path's tokens followed by the bonus token (len = len(accepted_nodes) + 1);
-    batch_size, batch_rows: the sessions and the rows of the target forward (packed: the sum of
-    every session's nodes + 1; padded: sessions x the largest tree's nodes + 1, padding included)
-    that verified it, as the target service reports them (0 rows = not reported: in-process, the
-    forward held this tree alone; batch_size 0 = no forward ran, a replayed pending result);
-    mergeable: sessions open at the target service when it answered, at most its max_batch (0 =
-    not reported: in-process); forward_ms: the target service's time for that forward (0 = not
-    reported). Not part of equality: the outcome is the path and the tokens.
+    accepted_nodes: [A] node indices of the accepted path, root side first; tokens: [A + 1], the bonus
+    last. Reported by the target service, 0 = not reported (not part of equality): batch_size,
+    batch_rows of the forward (batch_size 0 = a replayed result), mergeable (open sessions, at most
+    max_batch), forward_ms.
     """
 
     accepted_nodes: tuple[int, ...]
@@ -56,10 +51,8 @@ class VerifyResult:
 
 
 class DraftWorker:
-    """The draft side of a round, and the one place its optional parts are declared (with defaults,
-    so the round loop never probes). In-process: ``draft_service.runtime.DraftRuntime``; over gRPC:
-    ``orchestrator.loop.clients.DraftClient`` (the same methods, awaitable; every failure there raises
-    ``DraftUnavailableError`` and the request goes on without the draft).
+    """The draft side of a round, with its optional parts declared (defaults) so the round loop never
+    probes. Over gRPC every failure raises ``DraftUnavailableError`` and the request goes on without it.
 
     Dims: T prompt tokens, N tree nodes, K tokens committed in a round, A accepted nodes.
     """
@@ -68,36 +61,20 @@ class DraftWorker:
     drafts_ahead = False  # True: propose_ahead / resolve_ahead work (pipelining, ``RoundController(pipeline=True)``)
 
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> int | None:
-        """Open a session whose committed tokens are ``prompt_ids`` [T], T >= 1: the request's committed
-        tokens (prompt plus the tokens generated so far, after a re-open), or the part of them the
-        round loop's draft window keeps (specdec.config.DraftWindowConfig: the first and the most
-        recent tokens; the draft's positions then count from its own first token). ``sampling``
-        holds for every propose.
-
-        Returns the draft's context limit (max positions, tokens) when the worker knows it (the gRPC
-        client: the server's DraftStarted.context_limit), else None: the caller then uses the limit
-        it was given (``RoundController(draft_context_limit=...)``; the in-process runtime returns None).
-        """
+        """Open a session whose committed tokens are ``prompt_ids`` [T], T >= 1 (or the draft window's
+        part of them, positions counting from its first); ``sampling`` holds for every propose. Returns
+        the draft's context limit (tokens) where the worker knows it, else None."""
         raise NotImplementedError
 
     def propose(self, session_id: str, spec: TreeSpec, max_depth: int) -> DraftTree:
-        """Grow a tree after the session's committed tokens, as ``spec`` says, at most
-        min(spec.gamma, max_depth) deep (max_depth >= 1: the tokens the request may still commit,
-        less the bonus token).
-
-        Returns N nodes, parents before children, token ids below the vocabulary both models share;
-        N = 0 (the empty tree: a plain decoding step) when the draft cannot propose (a committed id
-        outside its vocabulary). A second propose before ``commit`` replaces the first (a retry).
-        Raises UnknownSessionError.
-        """
+        """Grow a tree of at most min(spec.gamma, max_depth) depth, max_depth >= 1. Returns N nodes,
+        parents first, ids in the shared vocabulary; N = 0 when the draft cannot propose. A second
+        propose before ``commit`` replaces the first. Raises UnknownSessionError."""
         raise NotImplementedError
 
     def commit(self, session_id: str, tokens: list[int], accepted_nodes: list[int]) -> None:
-        """Append the round's committed tokens [K], K >= 1 (the accepted path's tokens and the bonus
-        token, cut short by a stop), whose first A <= K came from ``accepted_nodes`` [A] (node indices
-        of the last proposed tree, root side first). The draft keeps the KV of the accepted nodes it
-        fed and drops the rest of the tree. Raises UnknownSessionError.
-        """
+        """Append the round's committed tokens [K], K >= 1, the first A from ``accepted_nodes`` [A] (root
+        side first); the draft keeps the accepted nodes' KV. Raises UnknownSessionError."""
         raise NotImplementedError
 
     def release(self, session_id: str) -> None:
@@ -106,10 +83,8 @@ class DraftWorker:
 
     def propose_ahead(self, session_id: str, path_nodes: list[int], spec: TreeSpec,
                       max_depth: int) -> tuple[int, DraftTree]:
-        """Pipelining (where ``drafts_ahead``): after a propose, before its commit, take the root path
-        ``path_nodes`` [A] of that tree and the draft's argmax guess of the bonus token as committed
-        and grow the next tree (no random draw for the guess; the tree's draws come from the
-        session's generator). Returns (guess, tree)."""
+        """Pipelining (where ``drafts_ahead``): take root path ``path_nodes`` [A] plus the draft's argmax
+        guess of the bonus as committed and grow the next tree. Returns (guess, tree)."""
         raise NotImplementedError(f"{type(self).__name__} does not draft ahead")
 
     def resolve_ahead(self, session_id: str, adopt: bool) -> None:
@@ -173,42 +148,26 @@ class WorkerAdapter(DraftWorker):
 
 
 class TargetWorker(Protocol):
-    """The target side of a round. In-process: ``target_service.runtime.TargetRuntime`` (or the
-    tensor-parallel ``target_service.tp.TensorParallelTarget``); over gRPC:
-    ``orchestrator.loop.clients.TargetClient`` (the same methods, awaitable; errors arrive as
-    ``grpc.aio.AioRpcError`` with the status the server maps them to). A runtime may also offer
-    ``verify_batch(items)`` (several sessions in one forward), which the target server's batcher uses.
+    """The target side of a round (over gRPC errors arrive as ``grpc.aio.AioRpcError``). A runtime may
+    also offer ``verify_batch(items)``, which the target server's batcher uses.
 
     Dims: T prompt tokens, N tree nodes, A accepted nodes, L cached slots.
     """
 
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        """Open a session: prefill ``prompt_ids`` [T], T >= 1, but the last token, which becomes the
-        root R (L = T - 1). ``sampling`` holds for every verify. Raises ValueError for an empty prompt.
-
-        Returns None: the target's context limit is fixed for the worker (the caller's
-        ``context_limit``; over gRPC, ``TargetClient.info()``).
-        """
+        """Prefill ``prompt_ids`` [T], T >= 1, but the last token, the root R (L = T - 1); ``sampling``
+        holds for every verify. Returns None. Raises ValueError for an empty prompt."""
         ...
 
     def verify(self, session_id: str, tree: DraftTree) -> VerifyResult:
-        """Verify a tree of N >= 0 nodes (N = 0: one plain decoding step) in one forward over
-        [R, node 0..N-1]; the cache grows by N + 1 slots until ``commit``.
-
-        Returns accepted_nodes [A] and tokens [A + 1] (the bonus token last), pending until commit.
-        Raises UnknownSessionError, SessionStateError (a verify is still uncommitted) or
-        MalformedTreeError (structure, ids outside the vocabulary, too many nodes).
-        """
+        """Verify a tree of N >= 0 nodes in one forward over [R, nodes] (cache + N + 1 until ``commit``);
+        the result is pending until commit. Raises UnknownSessionError, SessionStateError or
+        MalformedTreeError."""
         ...
 
     def commit(self, session_id: str, num_tokens: int) -> None:
-        """Commit the first ``num_tokens`` tokens of the pending result, 1 <= num_tokens <= A + 1
-        (fewer after a stop): the cache keeps R and the committed accepted nodes (L grows by
-        num_tokens) and the last committed token becomes the new R.
-
-        Raises UnknownSessionError, SessionStateError (no pending verify) or ValueError (num_tokens
-        out of range).
-        """
+        """Commit the first ``num_tokens`` (1..A + 1) of the pending result: L grows by num_tokens, the
+        last committed token becomes R. Raises UnknownSessionError, SessionStateError or ValueError."""
         ...
 
     def release(self, session_id: str) -> None:
