@@ -1,25 +1,15 @@
 """Merging concurrent per-session calls into one runtime call (DESIGN.md "Batching").
 
 A call waits up to ``wait_ms`` for company; the first ``max_batch`` waiting items with distinct
-sessions then go to the runtime as one batch call on the model worker thread, and each caller gets
-its own outcome (or exception) back. While that call runs, new items queue for the next batch.
-Example with wait_ms = 2, max_batch = 8: sessions a, b, c call at t = 0.0, 0.5 and 1.2 ms -> one
-batch call with a, b and c at t = 2.0 ms, batch size 3.
+sessions then go to the runtime as one batch call on the model worker thread. Example with wait_ms = 2:
+sessions a, b, c call at t = 0.0, 0.5 and 1.2 ms -> one batch call with a, b and c at t = 2.0 ms.
 
-Gathering (``gather`` > 0; the target's verifies and the draft's proposals): after each call, the
-sessions it answered are expected back. A session's next item follows its answer by a gap that is about the same every
-round (the orchestrator's round overhead; its draft's time when it drafts), so the batcher keeps a
-moving average of each session's gap, and before a call waits, at most ``gather`` x the mean call
-time, for the sessions predicted back within that window. Without it, concurrent requests whose
-items come back a few ms apart split into groups that alternate between forwards and never merge
-again: with 4 plain-decoding requests, two forwards per token instead of one. A session that is
-overdue (its gap passed twice over) is no longer waited for; ``forget`` drops a released one.
+Gathering (``gather`` > 0): before a call, wait at most ``gather`` x the mean call time for sessions
+predicted back (a moving average of each session's gap after its answer). Why: without it, requests
+whose items come back a few ms apart split into groups that alternate between forwards and never merge.
 
-Deadlines: an item whose deadline (time.monotonic()) has passed when its call is about to start,
-or whose caller has gone (cancelled), is left out of the call and never touches its session.
-When the batch call itself fails, each item is retried alone (one failing item cannot take the
-others' work with it). Used by the target's verifies (``target_service.batcher``) and the draft's
-proposals (``draft_service.server``). Plain asyncio, no gRPC: tests drive it directly.
+Items past their deadline (time.monotonic()) or abandoned by their caller are left out unrun. When the
+batch call fails, each item is retried alone.
 """
 
 from __future__ import annotations
@@ -57,17 +47,10 @@ class BatchItem:
 class SessionBatcher:
     """Merges concurrent calls of distinct sessions into ``batch_call`` calls (module docstring).
 
-    worker: the runtime's ModelWorker (calls run there, in order with the runtime's other calls);
-    batch_call: None = ``solo_call`` for each item in turn; max_batch: sessions per call (>= 1);
-    wait_ms: how long the first waiting item waits for company (>= 0); on_done(session_id, outcome):
-    called on the event loop exactly once for every queued item, even when its caller has gone,
-    with the outcome (result or exception), or None when the item was dropped unrun (caller
-    cancelled, deadline passed, or its session forgotten while queued); what: the calls' name in logs ("verify"). Subclasses shape each caller's answer
-    (``answer(outcome, company, ms)``: company = the items that shared its call, itself alone when
-    the items ran one by one - no batch call, or the shared one failed - with its own time).
-    gather: the longest wait for sessions expected back, as a fraction of the mean call time (0 =
-    never wait for them; module docstring). Raises ValueError for max_batch < 1, wait_ms < 0 or
-    gather outside [0, 1].
+    worker: the runtime's ModelWorker; batch_call: None = ``solo_call`` per item; on_done(session_id,
+    outcome): called once for every queued item, even when its caller has gone (None = dropped unrun);
+    what: the calls' name in logs. Subclasses shape answers with ``answer(outcome, company, ms)``.
+    Raises ValueError for max_batch < 1, wait_ms < 0 or gather outside [0, 1].
     """
 
     def __init__(self, worker: ModelWorker, batch_call: BatchCall | None, solo_call: SoloCall, max_batch: int = 8,
@@ -107,9 +90,8 @@ class SessionBatcher:
         return True
 
     def rider(self, item: BatchItem) -> bool:
-        """Whether this item should rather share another session's call than run alone (default: no;
-        the target's prefill chunks). Riders alone in the queue wait for the other sessions'
-        next items while those are mid-round (``busy``), up to twice their usual gap."""
+        """Whether this item should rather share another session's call than run alone (the target's
+        prefill chunks; default no)."""
         return False
 
     async def _ride(self) -> None:
@@ -144,9 +126,8 @@ class SessionBatcher:
             self.on_done(item.session_id, outcome)
 
     def busy(self, session_id: str | None = None) -> bool:
-        """Whether sessions other than ``session_id`` are mid-round: an item queued or in the
-        running call, or answered less than twice its usual gap (or the mean call time) + 20 ms ago
-        (about to come back). Riders do not count (two prefills do not keep each other busy)."""
+        """Whether sessions other than ``session_id`` (riders aside) are mid-round: queued, in the running
+        call, or answered and not yet overdue (``_back_by``)."""
         if any(item.session_id != session_id and not self.rider(item) for item in self._queue) \
                 or self._in_call - {session_id}:
             return True
@@ -159,11 +140,8 @@ class SessionBatcher:
         return await future
 
     def forget(self, session_id: str) -> None:
-        """The session has ended (released): no longer expect it back (also when its item is in the
-        running call: that call's answer does not put it back), and fail its items still queued with
-        UnknownSessionError (``on_done`` hears None: unrun). They must not run later on the state
-        of a new session opened under the same id. Call it after the session is gone from the
-        caller's own books, so ``on_done`` finds none."""
+        """The session was released: stop expecting it and fail its queued items with UnknownSessionError
+        (they must not run on a new session under the same id). Call it after the caller's own books drop it."""
         self._unexpect(session_id)
         if session_id in self._in_call:
             self._forgotten.add(session_id)
@@ -291,11 +269,8 @@ class SessionBatcher:
                 item.future.set_result(self.answer(outcome, [item], alone_ms[k]))
 
     def _forward(self, batch: list[BatchItem]) -> tuple[list[BatchItem], list, float, list[float] | None]:
-        """On the worker thread: drop expired or abandoned items, then one runtime call.
-
-        Returns (items that ran, their outcomes, the call's time in ms, each item's own time in ms
-        when they ran one by one instead of in one shared call, else None).
-        """
+        """On the worker thread: drop expired or abandoned items, then one runtime call. Returns (items
+        run, outcomes, call ms, each item's ms when they ran one by one, else None)."""
         now = time.monotonic()
         # future.done() read from this thread: a stale False only means running an abandoned item.
         live = [item for item in batch if not item.future.done() and not item.expired(now)]

@@ -1,23 +1,9 @@
 """The gRPC host shared by the draft and target servers and the front (grpc.aio), and the mapping
 of exceptions to status codes.
 
-``ServiceHost`` builds one ``grpc.aio.server`` with
-- the message size limits of ``config.grpc.max_message_bytes`` (both directions; an oversize
-  request fails with RESOURCE_EXHAUSTED before any handler runs),
-- the standard health service (``grpc.health.v1.Health``: "" and every service SERVING, all
-  NOT_SERVING once draining) and server reflection, so a stock ``grpcurl`` can list and call it,
-- a draining gate: after SIGTERM/SIGINT every new call except health and reflection is refused with
-  UNAVAILABLE, long-lived streams are told UNAVAILABLE at their next step (``draining`` event), and
-  in-flight calls get ``config.grpc.shutdown_grace_s`` to finish (``server.stop(grace)``),
-- with ``config.grpc.health_port`` set, a second, plaintext server on that port that serves only the
-  health service, with the same servicer (so the same statuses, draining included): kubelet's gRPC
-  probes speak plaintext and present no client certificate, so they cannot reach a TLS port.
-
-``status_for`` maps exceptions to status codes (bad input -> INVALID_ARGUMENT, unknown session or a
-call out of order -> FAILED_PRECONDITION, capacity -> RESOURCE_EXHAUSTED, an expired deadline ->
-DEADLINE_EXCEEDED, shutting down -> UNAVAILABLE, anything else -> INTERNAL); ``rpc_errors`` wraps a
-unary handler with it, so one bad call never takes the server down. The errors themselves are
-gRPC-free (``specdec.service_errors``).
+``ServiceHost``: message size limits, health and reflection, a draining gate (after SIGTERM new calls
+get UNAVAILABLE, in-flight ones ``shutdown_grace_s``), an optional plaintext health port.
+``status_for`` maps exceptions to status codes (table: docs/serving.md "Errors").
 """
 
 from __future__ import annotations
@@ -56,9 +42,7 @@ _DEFAULT_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
 )
 
 
-# Longest status message sent: gRPC clients refuse trailers past 16 KiB (the call then fails with
-# RESOURCE_EXHAUSTED "Stream removed"), and a message may quote a caller's value (a 70,000-character
-# session id, found by benchmarks/reliability_fuzz.py).
+# Longest status message sent: gRPC clients refuse trailers past 16 KiB, and a message may quote a caller's value.
 MAX_STATUS_CHARS = 1024
 
 
@@ -77,11 +61,7 @@ def error_message(exc: BaseException) -> str:
 
 
 def status_for(exc: BaseException, extra: Mapping[type[BaseException], grpc.StatusCode] | None = None) -> tuple[grpc.StatusCode, str]:
-    """(status code, message) for an exception raised while serving a call.
-
-    extra: service-specific classes (checked first), e.g. {SessionStateError: FAILED_PRECONDITION}.
-    Unknown exceptions give INTERNAL with the exception type and message.
-    """
+    """(status code, message) for an exception; extra: service-specific classes, checked first; else INTERNAL."""
     for cls, code in (*(extra or {}).items(), *_DEFAULT_CODES):
         if isinstance(exc, cls):
             return code, error_message(exc)
@@ -113,10 +93,7 @@ def rpc_errors(extra: Mapping[type[BaseException], grpc.StatusCode] | None = Non
 
 
 def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
-    """The call's deadline on the loop's ``time.monotonic()`` clock (None = no deadline).
-
-    Raises DeadlineExpiredError if it has already passed.
-    """
+    """The call's deadline on ``time.monotonic()`` (None = none). Raises DeadlineExpiredError if passed."""
     remaining = context.time_remaining()
     if remaining is None:
         return None
@@ -142,19 +119,12 @@ class _DrainingGate(grpc.aio.ServerInterceptor):
 
 
 class ServiceHost:
-    """One gRPC server process: limits, health, reflection, draining, signal-driven shutdown.
+    """One gRPC server process. Create it inside the running event loop, register servicers on
+    ``host.server``, then ``await host.serve(...)``, which returns after SIGTERM/SIGINT once drained.
 
-    Create it inside the running event loop, register servicers on ``host.server``, then
-    ``await host.serve(host_name, port, service_names)``; it returns after SIGTERM/SIGINT (or
-    ``request_stop()``) once the server has drained.
-
-    name: printed in the ready line ``<name> ready on <host>:<port>``; config: the grpc section (TLS
-    when tls_cert is set, ``specdec.security``); client_auth: with TLS and tls_ca, accept only clients
-    whose certificate chains to the CA (mutual TLS: the draft and target services); interceptors:
-    more server interceptors after the draining gate (e.g. ``security.BearerAuth``). With
-    ``config.health_port`` set, ``health_server`` serves only the health service there, in plaintext
-    (ready line ``health ready on <host>:<port>``, printed after the service's own); it stops after
-    the main server, so probes see NOT_SERVING while the service drains.
+    name: in the ready line ``<name> ready on <host>:<port>``; config: the grpc section; client_auth:
+    mutual TLS with tls_ca; interceptors: after the draining gate. ``health_server`` (with
+    ``config.health_port``) prints ``health ready on <host>:<port>`` and stops after the main server.
     """
 
     def __init__(self, name: str, config: GrpcConfig, client_auth: bool = False, interceptors: Sequence = ()):
@@ -178,11 +148,8 @@ class ServiceHost:
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
 
     async def start(self, host: str, port: int, service_names: Sequence[str]) -> int:
-        """Bind host:port (0 = ephemeral), mark the services SERVING, start; returns the bound port.
-
-        Also binds and starts the plaintext health port (``config.health_port``) when set.
-        Raises OSError when an address cannot be bound.
-        """
+        """Bind host:port (0 = ephemeral) and the health port, mark SERVING, start; returns the bound port.
+        Raises OSError when an address cannot be bound."""
         reflection.enable_server_reflection(
             [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         credentials = server_credentials(self.config, self.client_auth)
@@ -235,10 +202,7 @@ class ServiceHost:
 
 
 def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
-    """Add host:port to ``server`` (TLS with ``credentials``, else plaintext); returns the bound port.
-
-    Raises OSError when the address cannot be bound.
-    """
+    """Add host:port to ``server`` (TLS with ``credentials``); returns the bound port. Raises OSError."""
     try:
         if credentials is None:
             bound = server.add_insecure_port(f"{host}:{port}")

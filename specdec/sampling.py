@@ -2,19 +2,9 @@
 
 Dims: V vocabulary, S support of a sparse distribution, K siblings.
 
-Both sides turn logits into a distribution with ``processed_probs``: temperature, then top-k, then
-top-p, then softmax (the order of transformers' warpers). The draft's q and the target's p must come
-from this one function with the same SamplingParams, or verification is no longer lossless.
-
-Rejection sampling (DESIGN.md "Verification"): a draft token x ~ q is accepted with probability
-min(1, p(x) / q(x)); on rejection the output is drawn from the residual distribution
-norm(max(0, p - q)) (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023). Over siblings of a
-token tree the rule is applied recursively (``target_service.verifier``).
-
-Processing, draws and the rejection-sampling arithmetic run in float64 NumPy on the CPU, on the few
-rows a round needs (a handful of [V] rows, where NumPy's per-call overhead is the smaller), with a
-per-session generator (``session_rng``), so a request's tokens depend only on its own seed, never on
-other requests or on the device.
+The draft's q and the target's p must both come from ``processed_probs`` with the same SamplingParams,
+or verification is no longer lossless. Rejection sampling: Leviathan et al. 2023, Algorithm 1; Chen et
+al. 2023 (docs/design.md "Verification"). Float64 NumPy on the CPU, on the few rows a round needs.
 """
 
 from __future__ import annotations
@@ -93,15 +83,9 @@ GREEDY = SamplingParams()
 
 
 def processed_probs(logits, params: SamplingParams) -> np.ndarray:
-    """Sampling distribution after temperature, top-k and top-p, in that order (transformers' order).
-
-    logits: [..., V] torch tensor (any device) or array; log-probabilities work too, every step is
-    shift-invariant. Returns [..., V] float64 NumPy probabilities on the CPU summing to 1, zero
-    outside the kept tokens. Top-k keeps ties with the k-th score; top-p drops the least likely
-    tokens whose cumulative mass is <= 1 - top_p, always keeping the most likely one (the rules of
-    transformers' TopKLogitsWarper / TopPLogitsWarper, in float64). Only the few rows a round
-    samples from get here (the expanded nodes on the draft, the visited nodes on the target).
-    Not for greedy params (temperature 0).
+    """Sampling distribution after temperature, top-k and top-p, in that order (transformers' warpers'
+    rules, in float64). logits: [..., V] tensor or array (log-probs work too). Returns [..., V] float64
+    NumPy summing to 1. Not for greedy params.
     """
     assert not params.greedy, "processed_probs: temperature 0 is greedy (argmax), not a distribution"
     if isinstance(logits, torch.Tensor):
@@ -117,12 +101,8 @@ def processed_probs(logits, params: SamplingParams) -> np.ndarray:
 
 
 def _nucleus(scores: np.ndarray, top_p: float, candidates: int = 1024) -> np.ndarray:
-    """Top-p on one row of scores [V]: keep each token whose strictly more likely tokens hold less
-    than top_p of the mass (the most likely always), -inf elsewhere. This is transformers' rule
-    (sort ascending, drop where the cumulative mass <= 1 - top_p) read from the top, so only the
-    most likely ``candidates`` tokens need sorting when they hold >= top_p (O(V) instead of a full
-    sort of the vocabulary); otherwise the whole row is sorted.
-    """
+    """Top-p on one row of scores [V] (-inf outside the nucleus), transformers' rule read from the top so
+    only the ``candidates`` most likely tokens need sorting when they hold >= top_p."""
     probs = _softmax(scores)  # (V,)
     vocab = len(scores)
     for m in (min(candidates, vocab), vocab):
@@ -149,11 +129,7 @@ def derive_seed(seed: int, stream: str) -> int:
 
 
 def session_rng(params: SamplingParams, stream: str) -> np.random.Generator:
-    """The random generator of one session's stream: seeded from ``params.seed``, else from OS entropy.
-
-    Draft and target get different streams of the same request seed, so neither depends on the other
-    or on any other request.
-    """
+    """The random generator of one session's stream (draft and target differ): ``params.seed``, else OS entropy."""
     seed = None if params.seed is None else derive_seed(params.seed, stream)
     return np.random.default_rng(seed)  # PCG64
 
@@ -166,13 +142,8 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
 
 
 def sample_without_replacement(probs: np.ndarray, k: int, rng: np.random.Generator) -> list[int]:
-    """min(k, support) distinct tokens from probs: [V], in draw order.
-
-    Same law as k successive draws, each from probs with the earlier draws removed and renormalised:
-    each support token i gets an exponential clock E_i / probs[i] (E_i ~ Exp(1)); clocks ring in
-    that sequential order (exponential race; Efraimidis & Spirakis 2006, Gumbel-top-k in Kool et al.
-    ICML'19).
-    """
+    """min(k, support) distinct tokens from probs [V] in draw order, the law of successive draws without
+    replacement (exponential race: Efraimidis & Spirakis 2006; Gumbel-top-k, Kool et al. ICML'19)."""
     support = probs.nonzero()[0]  # (S,)
     k = min(k, support.size)
     clocks = rng.standard_exponential(support.size) / probs[support]  # (S,)
@@ -183,10 +154,7 @@ def sample_without_replacement(probs: np.ndarray, k: int, rng: np.random.Generat
 
 
 def acceptance_probability(p: np.ndarray, q: np.ndarray, token: int) -> float:
-    """min(1, p(x) / q(x)) for a draft token x ~ q; p, q: [V]. (Leviathan et al. 2023, Algorithm 1.)
-
-    Averaged over x ~ q this is sum_x min(p(x), q(x)). q(x) must be > 0 (x was drawn from q).
-    """
+    """min(1, p(x) / q(x)) for a draft token x ~ q, q(x) > 0; p, q: [V]. (Leviathan et al. 2023, Algorithm 1.)"""
     qx = float(q[token])
     assert qx > 0, f"token {token} has q = 0: it cannot have been drawn from q"
     return min(1.0, float(p[token]) / qx)

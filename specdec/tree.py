@@ -2,10 +2,8 @@
 
 Dims: N tree nodes, L tokens already in a KV cache, V vocabulary.
 
-Representation (DESIGN.md "Token tree"): nodes 0..N-1 in breadth-first order, ``tokens[i]`` the
-token id, ``parents[i]`` the parent's node index or ``-1`` for a child of the root, always
-``parents[i] < i``. The root R (the last committed token, whose KV is not yet cached) is kept
-*implicit*: it is not a node. Forward passes over a tree put R in row 0 and node i in row i + 1.
+Representation (docs/design.md "Token tree"): ``parents[i] < i``, ``-1`` for a child of the root R,
+which is implicit: forwards over a tree put R in row 0 and node i in row i + 1.
 
 Worked example (positions): L = 7 cached tokens, node depths [1, 1, 2] give R position 7 and
 node positions [8, 8, 9].
@@ -25,13 +23,9 @@ SOURCE_CONTEXT = 1  # node copied from the context (n-gram / prompt lookup), nev
 
 @dataclass(frozen=True)
 class Proposal:
-    """The draft distribution q one expanded node's children were drawn from (treeType 1).
-
-    parent: the expanded node (-1 = root); probs: [V'] float64, q over the draft's token ids (V' <=
-    the target's V), after the request's temperature / top-k / top-p, summing to 1. Dense in
-    process; ``sparse`` / ``from_sparse`` give the wire form (the support and q on it), small when
-    top-k or top-p truncated q. Read-only: the verifier never modifies it.
-    """
+    """The draft distribution q one expanded node's children were drawn from (treeType 1). parent: the
+    node (-1 = root); probs: [V'] float64 over the draft's ids (V' <= V), processed, summing to 1;
+    ``sparse`` / ``from_sparse`` give the wire form."""
 
     parent: int
     probs: np.ndarray
@@ -58,17 +52,10 @@ class Proposal:
 
 @dataclass(frozen=True)
 class DraftTree:
-    """A speculated token tree, the hand-off from draft to target.
+    """A speculated token tree, the hand-off from draft to target (fields: docs/design.md "Token tree").
 
-    tokens: [N] token ids; parents: [N] parent node index (-1 = root), parents[i] < i;
-    draft_logprobs: [N] draft log-probability of each node given its parent (for path scores and
-    metrics; after temperature / top-k / top-p when sampling); expanded: [N] whether the draft fed
-    this node to its model (its KV sits in the draft cache), which the draft uses to keep its cache
-    after commit; proposals: sampled trees (treeType 1) only, one Proposal per expanded node, the
-    exact distribution its children were drawn from. Siblings are stored in draw order.
-    sources: [N] SOURCE_DRAFT or SOURCE_CONTEXT per node, or () = all from the draft. Context nodes
-    (``specdec.ngram``) were not drawn from any q: the verifier treats them as deterministic
-    children, after the drawn siblings (``target_service.verifier``).
+    tokens, parents, draft_logprobs, expanded: [N]; proposals: treeType 1 only, one per expanded node;
+    sources: [N] SOURCE_DRAFT / SOURCE_CONTEXT, or () = all draft. Siblings are in draw order.
     """
 
     tokens: tuple[int, ...]
@@ -143,18 +130,12 @@ def children(parents) -> list[list[int]]:
 
 
 def tree_position_ids(parents, cache_len: int) -> torch.Tensor:
-    """Position ids of [R, node 0, ..., node N-1]: [N + 1] int64.
-
-    R sits at ``cache_len``; a node at depth d at ``cache_len + d``.
-    """
+    """Position ids of [R, nodes]: [N + 1] int64; R at ``cache_len``, a depth-d node at ``cache_len + d``."""
     return torch.tensor([cache_len] + [cache_len + d for d in node_depths(parents)], dtype=torch.long)
 
 
 def tree_visibility(parents) -> torch.Tensor:
-    """[N + 1, N + 1] bool: row r may attend to column c among [R, nodes].
-
-    Every row sees R (column 0); node i (row i + 1) also sees its ancestors and itself.
-    """
+    """[N + 1, N + 1] bool over [R, nodes]: every row sees R; node i (row i + 1) its ancestors and itself."""
     n = len(parents)
     visible = torch.zeros(n + 1, n + 1, dtype=torch.bool)
     visible[:, 0] = True
@@ -173,26 +154,17 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def tree_attention_mask(parents, cache_len: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Tree attention mask for a forward over [R, nodes] after ``cache_len`` cached tokens.
-
-    Returns [1, 1, N + 1, cache_len + N + 1] additive: every row sees the whole cached prefix,
-    R, its ancestors and itself; nothing else. (SpecInfer, Miao et al. ASPLOS'24, §4 "tree-based
-    parallel decoding".)
-    """
+    """Tree attention mask over [R, nodes] after ``cache_len`` cached tokens: [1, 1, N + 1, cache_len + N + 1]
+    additive; each row sees the prefix, R, its ancestors and itself (SpecInfer, Miao et al. ASPLOS'24, §4)."""
     n = len(parents)
     visible = torch.cat([torch.ones(n + 1, cache_len, dtype=torch.bool), tree_visibility(parents)], dim=1)
     return additive_mask(visible, dtype)
 
 
 def select_nodes(tree: DraftTree, keep) -> tuple[DraftTree, list[int]]:
-    """The sub-tree of the nodes in ``keep`` (ancestor-closed: each kept node's parent is kept).
-
-    Returns (tree', old) where node j of tree' is node old[j] of ``tree`` (old ascending, so the
-    order stays topological). Proposals of kept expanded nodes are kept; the caller keeps, per
-    such node, a draw-order prefix of its drawn children (recursive rejection sampling judges
-    siblings in draw order). Raises MalformedTreeError when a kept node's parent is not kept.
-
-    Worked example: parents [-1, -1, 0, 1], keep {0, 2} -> parents [-1, 0], old [0, 2].
+    """The sub-tree of the ancestor-closed ``keep``: (tree', old), node j of tree' = node old[j]. The caller
+    must keep a draw-order prefix of drawn siblings. Raises MalformedTreeError for an orphan.
+    Example: parents [-1, -1, 0, 1], keep {0, 2} -> parents [-1, 0], old [0, 2].
     """
     old = sorted(set(keep))
     new_of = {o: j for j, o in enumerate(old)}
@@ -211,16 +183,10 @@ def select_nodes(tree: DraftTree, keep) -> tuple[DraftTree, list[int]]:
 
 
 def merge_chain(tree: DraftTree, parent: int, chain, source: int = SOURCE_CONTEXT) -> tuple[DraftTree, list[int]]:
-    """Hang a chain of tokens below ``parent`` (-1 = root), sharing the nodes that already exist.
-
-    Walks down from ``parent`` while a child holds the chain's next token (a draft node and an
-    n-gram proposing the same token become one node), then appends the rest as new nodes of
-    ``source``, each the child of the previous one. Appended nodes come after all existing ones,
-    so existing indices do not change (the draft's commit keeps working on them). Returns
-    (tree', path): path[k] is the node index holding chain[k].
-
-    Worked example: tokens [7, 8], parents [-1, 0] (a chain 7 -> 8); merge_chain(tree, -1, [7, 9])
-    shares node 0 for 7 and appends node 2 = 9 under it: parents [-1, 0, 0], path [0, 2].
+    """Hang a chain of tokens below ``parent`` (-1 = root), sharing existing nodes with the same tokens and
+    appending the rest (of ``source``) after all existing nodes, whose indices stay. Returns (tree', path),
+    path[k] the node holding chain[k]. Example: parents [-1, 0] tokens [7, 8], chain [7, 9] under the
+    root -> parents [-1, 0, 0], path [0, 2].
     """
     tokens, parents = list(tree.tokens), list(tree.parents)
     n = len(tokens)
