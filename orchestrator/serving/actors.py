@@ -1,11 +1,7 @@
 """The front on Ray: orchestrator actors, each an async actor running many requests concurrently.
 
-The front's RayBackend starts or attaches to Ray, creates ``front.workers`` actors and sends each
-request to the least-loaded one. ``OrchestratorActor.stream`` is an async generator: Ray
-streams each round's tokens back as it lands (``num_returns="streaming"``); cancelling the
-stream (client gone) or ``abort`` cancels the request's task in the actor, which releases its KV on
-both services. Round and control logic stay in plain classes (controller, control); the actor is only
-the process boundary.
+Each round's tokens stream back as they land (``num_returns="streaming"``); cancelling the stream or ``abort``
+cancels the request's task in the actor, freeing its KV. The actor is only the process boundary.
 """
 
 from __future__ import annotations
@@ -44,9 +40,7 @@ class OrchestratorActor:
 
     def __init__(self, front_json: str, grpc_json: str, tokenizer_dir: str | None, start: StartCosts | None):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        # batched on the SDK's thread, exported every 200 ms: exporting each span as it ends (a
-        # blocking OTLP call on this event loop) held up every request's rounds, so concurrent
-        # requests drifted apart and their verifies stopped merging at the target
+        # batched, exported every 200 ms: a blocking export per span on this loop would hold up every request's rounds
         setup_tracing("specdec-orchestrator",  # OTEL_BSP_SCHEDULE_DELAY, when set, wins
                       export_delay_ms=None if "OTEL_BSP_SCHEDULE_DELAY" in os.environ else ACTOR_EXPORT_DELAY_MS)
         front, grpc_cfg = FrontConfig.model_validate_json(front_json), GrpcConfig.model_validate_json(grpc_json)
@@ -69,19 +63,14 @@ class OrchestratorActor:
         return await self.orchestrator.abort(request_id)
 
     async def cost(self) -> dict | None:
-        """The cost-aware control's cost model now (``CostModel.snapshot``: its figures and where they
-        started from), None without that control."""
+        """The cost-aware control's ``CostModel.snapshot`` now, None without that control."""
         shared = self.orchestrator.shared  # None: not the cost-aware control, which has no cost model
         return None if shared is None else shared.cost.snapshot()
 
 
 class RayBackend(Backend):
-    """Requests run in ``front.workers`` OrchestratorActors, least-loaded first;
-    a request whose actor dies continues on another (``stream``, orchestrator.serving.failover).
-
-    Starts a local Ray (``front.ray_address`` unset) or attaches to a cluster (``auto`` or an
-    address).
-    """
+    """Requests run in ``front.workers`` OrchestratorActors, least-loaded first, failing over when one dies.
+    Starts a local Ray (``front.ray_address`` unset) or attaches to a cluster."""
 
     def __init__(self, front: FrontConfig, grpc_cfg: GrpcConfig, tok_dir: str | None):
         self.front, self.grpc_cfg = front, grpc_cfg
@@ -100,10 +89,7 @@ class RayBackend(Backend):
             ray.init(address=front.ray_address, num_cpus=front.ray_num_cpus if front.ray_address is None else None,
                      include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
                      runtime_env={"env_vars": actor_env()} if actor_env() else None)
-        # The front needs the target's limits too (prompt checks): one direct Info call. Where the
-        # cost-aware control would start from prior figures, this probe measures the services once
-        # (Orchestrator.connect) and the actors start from its figures (measuring together, they
-        # would disturb each other's timings).
+        # one probe reads the target's limits and measures once for all actors (together they would disturb each other)
         factory = control_factory(front)
         probe = Orchestrator(front, self.grpc_cfg, control_factory=factory)
         await probe.connect()
@@ -122,17 +108,15 @@ class RayBackend(Backend):
         await asyncio.gather(*[actor.ready.remote() for actor in self.actors])
 
     def cost(self) -> dict | None:
-        """The cost model the actors started from (each then learns its own from its rounds; the
-        front's metrics follow every round's), None without the cost-aware control."""
+        """The cost model the actors started from (each then learns its own), None without the cost-aware control."""
         return self.start_cost
 
     PROBE_INTERVAL_S = 0.5  # a failed actor is asked for ``ready`` this often until it answers (Ray restarts it)
     RECOVERY_WAIT_S = 30.0  # with every actor failed, a request waits this long at most for one to answer
 
     async def _pick(self, time_left_s: float | None, request_id: str | None = None) -> int:
-        """The least-loaded actor, among those that did not fail or answered again since. While
-        every actor is failed, wait for one (at most RECOVERY_WAIT_S and time_left_s, the request's
-        time left; an abort of ``request_id`` ends the wait), then take the least-loaded of all."""
+        """The least-loaded healthy actor; while every actor is failed, wait for one (at most RECOVERY_WAIT_S and
+        time_left_s; an abort ends the wait), then take the least-loaded of all."""
         wait_s = self.RECOVERY_WAIT_S if time_left_s is None else min(self.RECOVERY_WAIT_S, time_left_s)
         until = time.monotonic() + wait_s
         while (len(self.failed) == len(self.actors) and time.monotonic() < until
@@ -147,8 +131,7 @@ class RayBackend(Backend):
             self.failed[index] = asyncio.ensure_future(self._until_ready(index))
 
     async def _until_ready(self, index: int) -> None:
-        """Ask a failed actor for ``ready`` until it answers (a restarted actor also connects to the
-        services then), then count it healthy again."""
+        """Ask a failed actor for ``ready`` until it answers, then count it healthy again."""
         try:
             while True:
                 try:
@@ -162,11 +145,8 @@ class RayBackend(Backend):
             self.failed.pop(index, None)
 
     async def stream(self, request: GenerationRequest, request_id: str, timeout_s, carrier):
-        """Run on an actor. A request whose actor dies or is restarting continues on another actor
-        from the tokens already streamed, in one unbroken stream (orchestrator.serving.failover). A
-        failed actor is skipped until it answers again; while every actor is failed, the request
-        waits for one (``_pick``). At most ``len(actors)`` fail-overs per request, then
-        UpstreamError UNAVAILABLE; past the deadline at a fail-over, DEADLINE_EXCEEDED."""
+        """Run on an actor, failing over to another from the tokens already streamed (docs/serving.md). At most
+        ``len(actors)`` fail-overs, then UpstreamError UNAVAILABLE; past the deadline, DEADLINE_EXCEEDED."""
         progress = Resumption(request, timeout_s, max_failovers=len(self.actors))
         self.owner[request_id] = None  # between actors: ``abort`` marks it for the next part to end it
         try:
@@ -200,9 +180,8 @@ class RayBackend(Backend):
             self.aborted.discard(request_id)
 
     async def _part(self, index: int, progress: Resumption, request_id: str, carrier):
-        """One part of a request on actor ``index``: (tokens, record, stats) chunks as the actor streams
-        them. Raises ray's RayActorError when the actor dies, UpstreamError or ValueError for a failed
-        request (its downstream status), UpstreamError DEADLINE_EXCEEDED when no time is left."""
+        """One part of a request on actor ``index``: (tokens, record, stats) chunks. Raises RayActorError when the
+        actor dies, UpstreamError or ValueError for a failed request (DEADLINE_EXCEEDED when no time is left)."""
         time_left_s = progress.time_left_s()
         if time_left_s is not None and time_left_s <= 0:
             raise UpstreamError("DEADLINE_EXCEEDED", f"deadline of {progress.timeout_s} s passed before a fail-over")

@@ -1,26 +1,9 @@
 """Admission control of the front: running and queued requests per client and overall (``front.limits``).
 
-A request holds a running slot from its admission until its stream ends, whichever way it ends
-(finished, failed, aborted, deadline, client gone). When no slot is free for it - ``max_running``
-requests hold one overall, or ``max_running_per_client`` of its client do - it waits in one FIFO
-queue, bounded by ``max_waiting`` overall and ``max_waiting_per_client`` per client; past those it is
-refused at once with ``AdmissionRefused`` naming the limit (gRPC RESOURCE_EXHAUSTED, HTTP 429). A
-freed slot goes to the first waiter that may run: one held back only by its own client's cap does
-not hold up the others behind it. A waiter that is aborted (``abort``) or cancelled leaves the queue.
-
-Clients (``client_key``): the bearer token when ``front.auth_token_file`` is set, named by its line
-among the file's tokens (``token 2``; never the token itself: keys appear in logs), else the
-caller's host (``peer 10.0.0.7``; gRPC ``context.peer()`` without its port, HTTP the client host).
-
-Everything runs on the front's event loop (the gRPC servicer and the HTTP API share it): no locks.
-
-    admission = Admission(config.front.limits)
-    ticket = admission.enter("token 2", "req-1")  # raises AdmissionRefused past the limits
-    try:
-        if await ticket.granted:                    # True: holds a slot; False: aborted while waiting
-            ...                                     # generate
-    finally:
-        admission.leave(ticket)                     # on every exit path
+Limits, queue and client keys: docs/serving.md "Client limits". A slot is held until the stream ends, whichever
+way; a freed slot goes to the first waiter that may run (one held back only by its own client's cap does not
+hold up the others). Everything runs on the front's event loop: no locks. Use: ``ticket = enter(client, id)``,
+``if await ticket.granted:`` generate (False: aborted while waiting), ``leave(ticket)`` on every exit path.
 """
 
 from __future__ import annotations
@@ -45,8 +28,7 @@ class AdmissionRefused(Exception):
 
 @dataclass(eq=False)
 class Ticket:
-    """One request's place: ``granted`` resolves True once it holds a running slot, False when it is
-    aborted while waiting. state: waiting, running or left."""
+    """``granted`` resolves True once it holds a running slot, False when aborted while waiting."""
 
     client: str
     request_id: str
@@ -70,11 +52,8 @@ class Admission:
         return len(self.queue)
 
     def enter(self, client: str, request_id: str) -> Ticket:
-        """Admit a request now or queue it; must be called on the event loop.
-
-        Returns its Ticket (await ``ticket.granted``; call ``leave`` on every exit path). Raises
-        AdmissionRefused naming the limit when it may neither run nor wait.
-        """
+        """Admit a request now or queue it (on the event loop); returns its Ticket. Raises AdmissionRefused
+        naming the limit when it may neither run nor wait."""
         ticket = Ticket(client, request_id, asyncio.get_running_loop().create_future())
         if self._may_run(client):
             self._start(ticket)
@@ -85,8 +64,7 @@ class Admission:
         return ticket
 
     def leave(self, ticket: Ticket) -> None:
-        """The request is over: frees its slot (the first waiter that may run gets it) or its queue
-        place. Idempotent."""
+        """The request is over: frees its slot or queue place. Idempotent."""
         if ticket.state == WAITING:
             self._dequeue(ticket)
         elif ticket.state == RUNNING:
@@ -96,8 +74,7 @@ class Admission:
             self._promote()
 
     def abort(self, request_id: str) -> bool:
-        """End a waiting request: it leaves the queue and its ``granted`` resolves False. Returns
-        whether a waiting request had this id (a running one is aborted by the backend)."""
+        """End a waiting request (``granted`` resolves False); returns whether one had this id."""
         for ticket in self.queue:
             if ticket.request_id == request_id and not ticket.granted.done():
                 self._dequeue(ticket)
@@ -144,8 +121,7 @@ class Admission:
         ticket.state = LEFT
 
     def _promote(self) -> None:
-        """Give free slots to the waiters that may run, first come first served. A waiter whose task
-        was cancelled (its future too) is skipped: it leaves the queue itself."""
+        """Free slots to the waiters that may run, first come first served (cancelled ones skipped)."""
         for ticket in list(self.queue):
             if self.running >= self.limits.max_running:
                 return
@@ -171,8 +147,7 @@ def peer_host(peer: str) -> str:
 
 
 def client_key(tokens: Sequence[bytes], authorization: str, host: str) -> str:
-    """A caller's admission key: ``token N`` (N: the line, 1-based, of its bearer token among
-    ``tokens``) when tokens are configured, else ``peer HOST``. authorization: the header's value."""
+    """``token N`` (its bearer token's 1-based line; never the token: keys are logged), else ``peer HOST``."""
     if tokens:
         index = token_index(tokens, authorization)
         if index is not None:

@@ -1,9 +1,5 @@
-"""Where the front's requests run: in this process (``LocalBackend``) or in Ray actors
-(``RayBackend``, orchestrator.serving.actors, imported only by a front with ``front.use_ray``).
-
-Both implement ``Backend``, the interface the front's RequestRunner (orchestrator.serving.runner)
-uses. A failure of a downstream service reaches the runner as ``UpstreamError`` carrying its gRPC
-status.
+"""Where the front's requests run: this process (``LocalBackend``) or Ray actors (``RayBackend``, imported only
+with ``front.use_ray``). A downstream failure reaches the runner as ``UpstreamError`` with its gRPC status.
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
 """Fail-over of a request whose orchestrator actor died: what the front streamed, and how it goes on.
 
-The front knows every token it has streamed to the client. When the actor running a request dies
-(orchestrator.serving.backends.RayBackend), the request continues on another actor as a new
-``GenerationRequest`` whose prompt is the original prompt + the streamed tokens (new target and
-draft sessions prefilled with them), with what is left of max_new_tokens and of the deadline. The
-client sees one unbroken stream:
-
-- greedy output is unchanged (the target's greedy continuation of the same committed tokens);
-- stop strings spanning the hand-over still stop where they would have: the continuation's
-  ``resumed_tokens`` makes its stop checker see the streamed tokens as output (orchestrator.loop.stops);
-- a sampled request cannot replay the dead actor's random stream: it continues from a fresh seed
-  derived from the request's and the number of committed tokens, so its output still follows the
-  target's law, but a seeded sampled request that fails over is not bit-identical to one that
-  did not (with nothing streamed yet, the request is resent unchanged);
-- the final statistics count the whole request (every part's rounds) and its fail-overs.
+Behaviour (one unbroken stream, greedy output unchanged, a fresh derived seed for sampling): docs/serving.md
+"Ray and fail-over". The continuation's ``resumed_tokens`` lets its stop checker see the streamed tokens.
 
 Worked example: prompt [5, 6, 7], max_new_tokens 10, 4 tokens [1, 2, 3, 4] streamed when the actor
 died: the continuation is prompt [5, 6, 7, 1, 2, 3, 4] with resumed_tokens 4 and max_new_tokens 6.
@@ -30,13 +18,7 @@ from specdec.stats import GenerationStats, RoundRecord
 
 
 class Resumption:
-    """One request's progress as streamed to the client, across the actors that ran its parts.
-
-    request: the request as the client sent it; timeout_s: its deadline, seconds from now (None =
-    none); max_failovers: how many times it may move to another actor. ``record`` each streamed
-    chunk; ``next_part`` gives the request (and deadline) to send to the next actor; ``final`` the
-    statistics the client gets.
-    """
+    """One request's progress as streamed to the client, across actors. timeout_s: its deadline, s from now."""
 
     def __init__(self, request: GenerationRequest, timeout_s: float | None, max_failovers: int):
         self.request = request
@@ -74,11 +56,8 @@ class Resumption:
         return self.timeout_s - (time.monotonic() - self.started)
 
     def next_part(self) -> GenerationRequest:
-        """The request for the next actor: the original one while nothing was streamed, else its
-        continuation from the streamed tokens (prompt + streamed, the rest of max_new_tokens, the
-        same stop strings, tree, EOS rule; a sampling seed derived from the request's). Called only
-        for a request that has not ended, so prompt + streamed fits the target's context (one that
-        reached it ended with stop reason context_limit) and max_new_tokens stays >= 1."""
+        """The request for the next actor: the original while nothing was streamed, else its continuation. Only
+        for a request not ended, so prompt + streamed fits the context and max_new_tokens stays >= 1."""
         if not self.streamed:
             return self.request
         n = len(self.streamed)
@@ -90,10 +69,8 @@ class Resumption:
                                    resumed_tokens=self.request.resumed_tokens + n)
 
     def final(self, stats: GenerationStats | None) -> GenerationStats:
-        """The statistics of the whole request. stats: the last part's (None = its actor died after
-        the request's last round, before sending them). Without a fail-over they pass unchanged;
-        otherwise the counters of every streamed round, the last part's stop reason and the
-        fail-overs (total_s: from the first part's start)."""
+        """The whole request's statistics; stats: the last part's (None = its actor died before sending them).
+        After a fail-over: every streamed round's counters, the last stop reason, total_s from the first start."""
         if stats is not None and self.failovers == 0:
             return stats
         total = dataclasses.replace(self.seen, failovers=self.failovers, new_tokens=len(self.streamed),

@@ -1,13 +1,8 @@
 """The public generation front: ``specdec.v1.GenerationService`` over the orchestrator.
 
-``Generate`` runs a request through the RequestRunner (orchestrator.serving.runner: tokenize,
-admit under ``front.limits``, stream from an orchestrator in Ray actors or in-process with
-``front.use_ray: false``) and streams each round's tokens with their text delta, then the final
-statistics. ``Abort`` cancels a request by id; a client that goes away cancels its request too;
-either frees the request's KV on both services. Bad requests get INVALID_ARGUMENT naming the field,
-requests over the admission limits RESOURCE_EXHAUSTED; errors of the target service keep their
-status code. With ``front.http_port`` set, the same runner also serves the OpenAI-compatible HTTP
-API (orchestrator.serving.http_api).
+``Generate`` streams each round's tokens with their text delta, then the final statistics; ``Abort`` (or a client
+gone) cancels a request, freeing its KV. Status codes: docs/serving.md. With ``front.http_port`` the same
+RequestRunner also serves the OpenAI-compatible HTTP API.
 
     specdec front --config deploy/specdec.yaml [--http-port 8000]
 """
@@ -38,15 +33,13 @@ SERVICE_NAME = "specdec.v1.GenerationService"
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    """specdec.v1.GenerationService over a RequestRunner: translates GenerateRequest into a
-    GenerateCall and StreamEvents into GenerateResponses, and errors into status codes."""
+    """specdec.v1.GenerationService over a RequestRunner: protobuf <-> GenerateCall / StreamEvent, errors -> codes."""
 
     def __init__(self, runner: RequestRunner):
         self.runner = runner
 
     def call_of(self, msg: generation_pb2.GenerateRequest, context) -> GenerateCall:
-        """The call of a GenerateRequest; raises ValueError naming the field (sampling, tree). The
-        tree is read only where the request speculates."""
+        """The call of a GenerateRequest (tree read only where it speculates); raises ValueError naming the field."""
         tree = None
         if msg.HasField("tree") and not msg.no_spec and self.runner.front.speculate:
             tree = spec_from_proto(msg.tree)
@@ -90,9 +83,8 @@ def response_of(request_id: str, event: StreamEvent) -> generation_pb2.GenerateR
 
 
 async def serve_front(config: ServeConfig) -> int:
-    """Run the front until SIGTERM/SIGINT: the gRPC GenerationService and, when front.http_port is
-    set, the OpenAI-compatible HTTP API (orchestrator.serving.http_api) over the same runner; both drain
-    together. Returns the bound gRPC port."""
+    """Run the front (gRPC, and HTTP with front.http_port) until SIGTERM/SIGINT; both drain together. Returns
+    the bound gRPC port."""
     setup_tracing("specdec-front")
     front = config.front
     tok_dir = tokenizer_dir(front, config.models)
@@ -136,9 +128,8 @@ def run_front(config: ServeConfig) -> int:
 
 
 def run(config_path: str | None = None, overrides: dict | None = None) -> int:
-    """Load the config (YAML, then ``overrides``: dotted fields such as {"front.port": 0}, None = keep
-    the file's value) and serve the front; returns the exit code. The command line is ``specdec
-    front`` (orchestrator.cli.main; also ``python -m orchestrator front``)."""
+    """Load the config (YAML, then dotted ``overrides`` such as {"front.port": 0}; None = keep the file's value)
+    and serve the front (``specdec front``); returns the exit code."""
     try:
         config = load_config(config_path, dict(overrides or {}))
         tokenizer_dir(config.front, config.models)  # fails early (exit 2) for an unknown model directory

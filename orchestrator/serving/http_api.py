@@ -1,12 +1,8 @@
 """OpenAI-compatible HTTP API of the front: FastAPI on uvicorn, in the front's own event loop.
 
-Served beside the gRPC GenerationService when ``front.http_port`` is set, over the same
-RequestRunner (orchestrator.serving.runner): a request's JSON becomes a ``GenerateCall`` and its
-``StreamEvent``s become OpenAI's objects. Endpoints, parameters (OpenAI's, plus the ``specdec``
-extension object), responses and error statuses: docs/http-api.md. Unknown and unsupported
-parameters are refused with 400 naming them, never ignored; a stream's headers go out with its
-first tokens, so an error before them gets its status, a later one an ``{"error": ...}`` event. A
-client that disconnects cancels its request, which frees its KV on the draft and the target.
+A request's JSON becomes a ``GenerateCall``, its ``StreamEvent``s OpenAI's objects; endpoints, parameters and
+statuses: docs/http-api.md. A stream's headers go out with its first tokens, so an error before them gets its
+status, a later one an ``{"error": ...}`` event.
 """
 
 from __future__ import annotations
@@ -75,8 +71,7 @@ class _Strict(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_unset(cls, data):
-        """A null field takes its default (OpenAI's parameters are nullable: "temperature": null = 1);
-        a null required one is then missing."""
+        """A null field takes its default (OpenAI's are nullable); a null required one is then missing."""
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if not (v is None and k in cls.model_fields)}
         return data
@@ -193,9 +188,8 @@ UPSTREAM_STATUS = {  # a downstream gRPC status -> (HTTP status, OpenAI error ty
 
 
 def field_error(exc: Exception, prompt_param: str) -> ApiError:
-    """400 for a validation error of a call (message ``field: detail``), the field renamed to the
-    request's parameter: prompt / prompt_ids -> ``prompt_param``, max_new_tokens -> max_tokens,
-    a tree error -> specdec.tree."""
+    """400 for a call's ``field: detail`` error, the field renamed to the request's parameter (max_new_tokens ->
+    max_tokens, tree -> specdec.tree, prompt -> ``prompt_param``)."""
     field, _, detail = str(exc).partition(": ")
     if isinstance(exc, TreeSpecError) or field == "tree":
         param, detail = "specdec.tree", str(exc)
@@ -227,8 +221,7 @@ def run_error(exc: BaseException, prompt_param: str) -> ApiError:
 
 
 def validation_error(exc: RequestValidationError) -> ApiError:
-    """400 naming the first bad parameter (``messages[0].content``); unknown and unsupported parameters
-    are told apart."""
+    """400 naming the first bad parameter (``messages[0].content``), unknown told apart from unsupported."""
     messages, first = [], None
     for err in exc.errors():
         loc = [x for x in err["loc"] if x != "body"]
@@ -249,11 +242,8 @@ def validation_error(exc: RequestValidationError) -> ApiError:
 
 class StopTrim:
     """Text deltas that end before the first stop string (OpenAI's rule; our tokens keep it, HF's).
-
-    A stop string may span deltas, so the last ``max(len(stop)) - 1`` characters are held back until
-    more text shows they start no stop string, or the request ends (``final``); nothing from the
-    first complete stop string on is ever sent (the delta of the round that completes it may hold it
-    whole, before the end is known).
+    A stop string may span deltas, so the last ``max(len(stop)) - 1`` characters are held back until more text
+    shows they start none, or the request ends; nothing from the first complete stop string on is sent.
     """
 
     def __init__(self, stop: tuple[str, ...]):
@@ -296,8 +286,7 @@ class Output:
         self.trim = StopTrim(call.stop)
 
     def chunks(self, event: StreamEvent) -> list[dict]:
-        """The chunks of one event: text (when there is any, or token ids asked for), then at the end
-        the finish chunk with the statistics and, with include_usage, the usage chunk."""
+        """One event's chunks: text (if any, or token ids asked for); at the end the finish and usage chunks."""
         self.completion_tokens += len(event.tokens)
         if event.stats is None:
             text = self.trim.push(event.text_delta)
@@ -372,9 +361,8 @@ _END = object()
 
 
 class Run:
-    """One request's StreamEvents, from ``RequestRunner.run`` in a task of its own: a client that
-    disconnects (an ``http.disconnect`` message) or ``close`` cancels that task, and with it the
-    request, which frees its KV on both services. Iterate it once."""
+    """One request's StreamEvents from a task of its own, cancelled (KV freed) on disconnect or ``close``.
+    Iterate it once."""
 
     def __init__(self, events, request: Request, active: set[str], request_id: str):
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -411,8 +399,8 @@ class Run:
 
 
 def _unicode(text: str, param: str) -> str:
-    """text, when it is valid Unicode (JSON's \\ud800 escapes give lone surrogates, which UTF-8 and
-    protobuf strings cannot hold); else ApiError 400 naming param."""
+    """text when valid Unicode (JSON's \\ud800 escapes give lone surrogates, which protobuf cannot hold); else
+    ApiError 400 naming param."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -455,12 +443,8 @@ async def _internal_error_response(_request: Request, exc: Exception) -> JSONRes
 
 
 class HttpApi:
-    """The FastAPI app over a RequestRunner (see the module docstring for the endpoints).
-
-    model_name: the ``model`` id served; registry: the Prometheus registry /metrics serves;
-    draining: set when the front shuts down (new requests get 503); auth_tokens: accepted bearer
-    tokens (empty = no auth).
-    """
+    """The FastAPI app over a RequestRunner. model_name: the ``model`` id; registry: what /metrics serves;
+    draining: set at shutdown (new requests get 503); auth_tokens: accepted bearer tokens (empty = no auth)."""
 
     def __init__(self, runner: RequestRunner, model_name: str, registry, draining: asyncio.Event,
                  auth_tokens: tuple[str, ...] = ()):
@@ -602,8 +586,7 @@ class HttpApi:
 
 
 class _LoopServer(uvicorn.Server):
-    """uvicorn in the front's event loop: the front's own SIGTERM handling drains it, so it captures
-    no signals itself."""
+    """uvicorn in the front's event loop, capturing no signals (the front's SIGTERM handling drains it)."""
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -620,8 +603,7 @@ class HttpServer:
     task: asyncio.Task
 
     async def drain(self, grace_s: float) -> None:
-        """Called once the front drains (``draining`` set: new requests get 503): give running
-        requests up to ``grace_s`` to finish, then stop serving."""
+        """Once the front drains: give running requests up to ``grace_s`` s, then stop serving."""
         deadline = time.monotonic() + grace_s
         while self.api.active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -641,8 +623,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 async def start_http(front: FrontConfig, grpc_cfg: GrpcConfig, runner: RequestRunner, tok_dir: str, registry,
                      draining: asyncio.Event) -> HttpServer:
-    """Serve the HTTP API of a front (front.http_port set; see HttpApi) on front.host, HTTPS with
-    grpc.tls_cert; prints ``http ready on HOST:PORT`` once it serves."""
+    """Serve the HTTP API on front.host:http_port (HTTPS with grpc.tls_cert); prints ``http ready on HOST:PORT``."""
     api = HttpApi(runner, front.served_model_name or Path(tok_dir).name, registry, draining,
                   load_auth_tokens(front.auth_token_file))
     sock = listen(front.host, front.http_port)

@@ -1,10 +1,7 @@
 """The front's requests, transport-neutral: what both APIs parse into, and what comes back.
 
-The gRPC servicer (orchestrator.serving.front) and the HTTP API (orchestrator.serving.http_api)
-each translate their wire format into a ``GenerateCall`` and ``StreamEvent``s back; nothing else
-of the front sees protobuf or JSON. ``to_generation`` holds the checks both share, against the
-front's limits and the target's: errors are ValueErrors whose message starts with the field
-(``prompt: ...``), which gRPC returns as INVALID_ARGUMENT and HTTP as 400 naming its parameter.
+Nothing else of the front sees protobuf or JSON. ``to_generation``'s errors are ValueErrors starting with the
+field (``prompt: ...``): gRPC INVALID_ARGUMENT, HTTP 400 naming its parameter.
 """
 
 from __future__ import annotations
@@ -29,12 +26,8 @@ class RequestIdInUse(Exception):
 @dataclass(frozen=True)
 class GenerateCall:
     """One generation request as a client sent it, sampling and tree already validated.
-
-    prompt: text (the chat template applied unless ``raw``), or prompt_ids; max_new_tokens: 0 = the
-    server default; tree: None = front.tree; timeout_s: the client's time left (None = no deadline);
-    carrier: its W3C trace context (None = the current context); client: its admission key
-    (``RequestRunner.client_of``).
-    """
+    prompt: text (chat template unless ``raw``), or prompt_ids; max_new_tokens: 0 = the server default; tree:
+    None = front.tree; timeout_s: time left (None = no deadline); carrier: W3C trace context; client: admission key."""
 
     request_id: str
     prompt: str = ""
@@ -53,8 +46,7 @@ class GenerateCall:
 
 @dataclass(frozen=True)
 class StreamEvent:
-    """One step of a request's stream: the tokens a round committed and their text delta, or the
-    end, with the request's statistics and its prompt's length (``stats`` set, ``tokens`` empty)."""
+    """A round's tokens and text delta, or the end (``stats`` set, ``tokens`` empty) with the prompt's length."""
 
     tokens: list[int]
     text_delta: str
@@ -63,9 +55,8 @@ class StreamEvent:
 
 
 def to_generation(call: GenerateCall, tokenizer, front: FrontConfig, info) -> GenerationRequest:
-    """The round loop's request of a call; info: the target's Info (vocabulary, context and tree
-    limits). Raises ValueError naming the field. A text prompt is tokenized here (seconds for
-    megabytes): async callers run it in a thread."""
+    """The round loop's request of a call; info: the target's Info. Raises ValueError naming the field.
+    Tokenizes (seconds for megabytes): async callers run it in a thread."""
     ids = prompt_tokens(call, tokenizer, info.vocab_size)
     limit = min(front.max_prompt_tokens, info.context_limit - 1)
     if len(ids) > limit:
@@ -101,11 +92,9 @@ def prompt_tokens(call: GenerateCall, tokenizer, vocab_size: int) -> list[int]:
 
 
 def max_new_tokens(front: FrontConfig, asked: int, prompt_tokens: int) -> int:
-    """The request's max_new_tokens (asked: 0 = front.max_new_tokens) under
-    front.limits.max_kv_tokens_per_request: prompt + max_new_tokens target KV slots at most (a
-    round's tree nodes come on top until its verify). The server default shrinks to fit; an
-    explicit value that does not fit raises ValueError naming max_new_tokens (the prompt, when
-    it alone fills the cap)."""
+    """max_new_tokens (asked 0 = front.max_new_tokens) under max_kv_tokens_per_request (prompt + max_new_tokens):
+    the default shrinks to fit; an explicit value that does not fit raises ValueError naming max_new_tokens
+    (or the prompt, when it alone fills the cap)."""
     max_new = asked or front.max_new_tokens
     cap = front.limits.max_kv_tokens_per_request
     if cap is None or prompt_tokens + max_new <= cap:

@@ -1,6 +1,5 @@
-"""The one path of every request of the front, from the gRPC servicer (front.py) and the HTTP API
-(http_api.py) alike: validate a GenerateCall, admit it under ``front.limits`` (admission.py), stream
-it from the backend as StreamEvents, and feed each round to the metrics and the acceptance monitor.
+"""Every front request's one path (gRPC and HTTP): validate a GenerateCall, admit it, stream it from the backend
+as StreamEvents, feed each round to the metrics and the acceptance monitor.
 """
 
 from __future__ import annotations
@@ -21,10 +20,7 @@ from specdec.stats import GenerationStats, RoundRecord
 
 
 class TextDeltas:
-    """Text of a growing token list as deltas that concatenate to the final decode.
-
-    Holds back text while it ends in an incomplete UTF-8 sequence (U+FFFD); ``final`` flushes.
-    """
+    """Text deltas of a growing token list, held back while ending in an incomplete UTF-8 sequence (U+FFFD)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -42,20 +38,15 @@ class TextDeltas:
         return self._delta(self.tokenizer.decode(self.ids, skip_special_tokens=True))
 
     def _delta(self, text: str) -> str:
-        """New text since the last delta. If decoding changed text already sent (tokenizers that
-        clean up spaces), sent text cannot be taken back; the deltas then differ from the final decode
-        where it changed (never for byte-level BPE tokenizers such as Qwen's)."""
+        """New text since the last delta; text already sent is never taken back, even where a tokenizer's
+        cleanup changes it (never for byte-level BPE such as Qwen's)."""
         delta = text[len(self.sent):]  # on a divergence: best effort, the text past what was sent
         self.sent = text
         return delta
 
 
 class RequestRunner:
-    """Runs the front's requests on a backend (LocalBackend or RayBackend).
-
-    auth_tokens: the accepted bearer tokens (``front.auth_token_file``; empty = no auth), which name
-    the clients of the admission limits (``client_of``).
-    """
+    """Runs the front's requests on a backend. auth_tokens: accepted bearer tokens (empty = no auth)."""
 
     def __init__(self, front: FrontConfig, backend: Backend, tokenizer, metrics=None, monitor=None,
                  auth_tokens: Sequence[str] = ()):
@@ -69,19 +60,13 @@ class RequestRunner:
         self.running: set[str] = set()  # request ids with a stream open (waiting for a slot or running)
 
     def client_of(self, authorization: str, host: str) -> str:
-        """The admission key of a caller (orchestrator.serving.admission.client_key): its bearer token's line
-        when auth is on, else its host. authorization: the header's value ("" when absent)."""
+        """The caller's admission key (``client_key``); authorization: the header's value ("" when absent)."""
         return client_key(self.auth_tokens, authorization, host)
 
     async def run(self, call: GenerateCall) -> AsyncIterator[StreamEvent]:
-        """Validate a call and run it on the backend: a StreamEvent per round with tokens, then the final one.
-
-        The request first waits for a running slot (``front.limits``); aborted meanwhile, it ends at
-        once with stop reason "aborted". Raises ValueError naming the field (before any event),
-        RequestIdInUse, AdmissionRefused (over front.limits) or UpstreamError (a downstream
-        service's status). Closing the iterator early (client gone) cancels the request and frees
-        its KV and its slot or queue place.
-        """
+        """Validate a call and run it: a StreamEvent per round with tokens, then the final one. Aborted while
+        waiting for a slot: stop reason "aborted". Raises ValueError naming the field (before any event),
+        RequestIdInUse, AdmissionRefused or UpstreamError. Closing early frees its KV and slot or queue place."""
         arrived = time.monotonic()  # the deadline left to the backend is what tokenizing and waiting did not use
         # it tokenizes: off the event loop (the tokenizer releases the GIL)
         req = await asyncio.to_thread(to_generation, call, self.tokenizer, self.front, self.backend.info)
@@ -118,9 +103,8 @@ class RequestRunner:
 
     async def _admitted(self, ticket: Ticket, req: GenerationRequest, request_id: str, timeout_s: float | None,
                         arrived: float, carrier: dict):
-        """The backend's stream of (tokens, record, stats) once the request holds a running slot;
-        aborted while waiting, one final chunk with stop reason "aborted". timeout_s: the client's
-        time left at ``arrived`` (monotonic seconds)."""
+        """The backend's stream once the request holds a slot (aborted while waiting: one "aborted" chunk).
+        timeout_s: time left at ``arrived`` (monotonic seconds)."""
         if not await ticket.granted:
             yield [], None, GenerationStats(stop_reason="aborted")
             return
@@ -134,8 +118,7 @@ class RequestRunner:
             await stream.aclose()
 
     def _final_stats(self, stats: GenerationStats, started: float) -> GenerationStats:
-        """The request's statistics, its fail-overs counted in the metrics; total_s from ``started``
-        (perf_counter seconds) when the backend left it unset."""
+        """The request's statistics (fail-overs counted in the metrics); total_s from ``started`` if unset."""
         if self.metrics is not None and stats.failovers:
             self.metrics.failovers.inc(stats.failovers)
         if not stats.total_s:
