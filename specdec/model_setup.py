@@ -3,14 +3,10 @@
     target = load_target(models)            # model + tokenizer + context limit + EOS ids
     draft = load_draft(models, target)      # model + shared vocabulary size (checked against the target)
 
-Models and what is known of them only: each caller wraps them in its own runtime
-(``target_service.runtime.TargetRuntime``, ``draft_service.runtime.DraftRuntime``), so this ground
-floor imports nothing from the services above it.
-
-The draft server does not hold the target's weights: ``target_info(models)`` reads only the target's
-config and tokenizer, which is all ``load_draft`` needs (shared vocabulary, pair compatibility).
-Every function raises ModelError naming the model argument (``--target``/``--draft`` by default) for
-unknown paths, unsupported models or an incompatible pair.
+Models only: the services wrap them in their runtimes, so this imports nothing from them.
+``target_info`` reads the target's config and tokenizer without its weights (all ``load_draft`` needs).
+Every function raises ModelError naming the model argument for unknown paths, unsupported models or
+an incompatible pair.
 """
 
 from __future__ import annotations
@@ -97,19 +93,14 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 
 def resolve_draft_quant(draft_quant: str, device: str) -> str:
-    """``auto``: int8 on a CPU with fbgemm kernels, else none. On the CPU an int8 draft step is
-    several times faster than packed float32, at a small loss of top-1 agreement with the target."""
+    """``auto``: int8 on a CPU with fbgemm kernels (several times faster, slightly lower agreement), else none."""
     if draft_quant != "auto":
         return draft_quant
     return "int8" if device == "cpu" and "fbgemm" in torch.backends.quantized.supported_engines else "none"
 
 
 def quantize_draft(model):
-    """int8 dynamic quantization (per-channel weights) of the draft's linears (torch.ao, fbgemm).
-
-    Only the draft: it changes which tokens are proposed (acceptance), never the output, which the
-    unquantized target verifies.
-    """
+    """int8 dynamic quantization of the draft's linears (torch.ao, fbgemm): moves acceptance, never the output."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao.quantization deprecation notices
         from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
@@ -125,10 +116,7 @@ def context_limit(model, max_context: int | None) -> int:
 
 
 def load_target(models: ModelsConfig, label: str = "--target") -> LoadedTarget:
-    """Load, check and pre-pack the target model (models.target; None = the default real target).
-
-    Raises ModelError naming ``label``.
-    """
+    """Load, check and pre-pack the target model (None = the default). Raises ModelError naming ``label``."""
     dtype = resolve_dtype(models.dtype, models.device)
     model_dir = resolve_model_dir(models.target, DEFAULT_TARGET, label)
     model, tokenizer = load_model(model_dir, dtype, models.device)
@@ -144,13 +132,8 @@ def load_target(models: ModelsConfig, label: str = "--target") -> LoadedTarget:
 
 
 def target_info(models: ModelsConfig, label: str = "--target") -> TargetInfo:
-    """The target's tokenizer, vocabulary size, context limit and EOS ids without loading its weights
-    (for the draft server, and the tensor-parallel target service). The same values as ``load_target``:
-    the generation config comes from generation_config.json, else from the model config, as
-    ``from_pretrained`` does.
-
-    Raises ModelError naming ``label``.
-    """
+    """The target's tokenizer, vocabulary size, context limit and EOS ids without its weights, the same
+    values as ``load_target``. Raises ModelError naming ``label``."""
     model_dir = resolve_model_dir(models.target, DEFAULT_TARGET, label)
     try:
         config = AutoConfig.from_pretrained(model_dir)
@@ -168,11 +151,8 @@ def target_info(models: ModelsConfig, label: str = "--target") -> TargetInfo:
 
 
 def load_draft(models: ModelsConfig, target: LoadedTarget | TargetInfo, label: str = "--draft") -> LoadedDraft:
-    """Load the draft (models.draft; None = the default real draft), check it against ``target``,
-    quantize it per models.draft_quant, and note the vocabulary both models share.
-
-    Raises ModelError naming ``label`` (or the incompatibility).
-    """
+    """Load the draft (None = the default real draft), check it against ``target``, quantize it per
+    models.draft_quant. Raises ModelError naming ``label`` (or the incompatibility)."""
     dtype = resolve_dtype(models.dtype, models.device)
     model_dir = resolve_model_dir(models.draft, DEFAULT_DRAFT, label)
     model, tokenizer = load_model(model_dir, dtype, models.device)

@@ -1,13 +1,7 @@
 """Statistics of a generation request: one ``RoundRecord`` per round, summed in ``GenerationStats``.
 
-The round controller (orchestrator.loop.controller) builds a RoundRecord after every round; the
-orchestrator streams it with the round's tokens, the front feeds it to the Prometheus metrics and
-the acceptance monitor, and ``GenerationStats.add`` sums the records of a request. GenerationStats
-is the in-process side of ``specdec.v1.FinalStats`` (``specdec.wire.stats_to_proto``). Both are
-plain dataclasses: they cross the Ray actor boundary as they are.
-
-Terms (DESIGN.md "Terms"): acceptance rate = accepted draft tokens / proposed draft tokens (tree
-nodes); mean accepted length = tokens committed per round, bonus included.
+GenerationStats is the in-process side of ``specdec.v1.FinalStats``; both are plain dataclasses so they
+cross the Ray actor boundary as they are. Terms: docs/usage.md "What the statistics mean".
 """
 
 from __future__ import annotations
@@ -65,10 +59,8 @@ class GenerationStats:
     expected_accepted_tokens: float = 0.0  # the control's expectation of accepted_tokens
     ttft_ms: float = 0.0
     total_s: float = 0.0
-    # where the time after the first token went (the first round is inside ttft_ms, so ttft, draft and
-    # verify do not overlap): wall time of the later rounds' draft phases and verifies, seconds, and
-    # the later rounds that asked the draft (a tree adopted from a pipelined ahead did not wait for it;
-    # a round that only opened a draft session, or whose proposal failed, did ask)
+    # after the first token (the first round is inside ttft_ms): later rounds' draft and verify wall time,
+    # seconds, and the later rounds that asked the draft
     draft_s: float = 0.0
     verify_s: float = 0.0
     draft_rounds: int = 0
@@ -118,9 +110,8 @@ class GenerationStats:
 
     @property
     def acceptance_by_position(self) -> list[float]:
-        """[max tree depth]: at position d (index d - 1), the share of the rounds whose verified tree
-        reached depth d whose committed path reached it too (vLLM's per-position acceptance rate; a
-        round cut by a stop counts the draft tokens it committed)."""
+        """[max tree depth]: at index d - 1, the share of rounds whose tree reached depth d whose committed
+        path reached it too (vLLM's per-position acceptance rate)."""
         return position_rates(self.position_proposed, self.position_accepted)
 
     @property

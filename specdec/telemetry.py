@@ -1,21 +1,7 @@
 """OpenTelemetry set-up: one tracer provider per process, gRPC instrumentation, exporter from OTEL_*.
 
-Exporter choice follows the standard variables: ``OTEL_TRACES_EXPORTER`` = ``otlp`` | ``console`` |
-``otlp_json_file`` | ``none`` (default: ``otlp`` when ``OTEL_EXPORTER_OTLP_ENDPOINT`` or
-``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is set, else ``none``); the OTLP exporter (gRPC) reads its
-endpoint, headers and timeout from the same variables; ``OTEL_SERVICE_NAME`` overrides the service
-name; ``OTEL_SDK_DISABLED=true`` turns tracing off. Tests pass their own exporter (in-memory).
-
-``otlp_json_file`` (no collector needed): each process appends its spans to the file named by
-``SPECDEC_TRACES_FILE``, one ``{"resourceSpans": [...]}`` line per export, the OTLP JSON encoding
-that the OpenTelemetry Collector's file exporter writes (``specdec trace-report`` reads it)::
-
-    OTEL_TRACES_EXPORTER=otlp_json_file SPECDEC_TRACES_FILE=spans.jsonl specdec serve ...
-
-Span names used across the services: ``round`` (orchestrator, one per speculation round, with
-``draft``, ``verify`` and ``commit`` children), ``draft.propose`` (draft service), ``target.verify``
-(target service), plus the gRPC client/server spans of the instrumentation, which carry the trace
-context between processes.
+Variables and span names: docs/observability.md "Traces". ``OTEL_TRACES_EXPORTER`` defaults to ``otlp``
+when an OTLP endpoint variable is set, else ``none``.
 """
 
 from __future__ import annotations
@@ -47,14 +33,8 @@ class _DetachNoise(logging.Filter):
 
 
 class OtlpJsonFileExporter(SpanExporter):
-    """Appends spans to ``path`` as OTLP JSON lines (the Collector file exporter's format).
-
-    The SDK has no such exporter; the encoding is the OTLP exporters' own (``encode_spans``: the
-    ExportTraceServiceRequest protobuf) printed with protobuf's JSON mapping, then the OTLP JSON
-    rules on top (specification "OTLP/JSON"): trace and span ids as hex strings, enums as integers.
-    Each export is one ``write`` of one line on a file opened for appending, so several processes
-    can share the file.
-    """
+    """Appends spans to ``path`` as OTLP JSON lines (the Collector file exporter's format, spec
+    "OTLP/JSON"); one appending ``write`` per export, so several processes can share the file."""
 
     def __init__(self, path: str):
         self.path = path
@@ -112,13 +92,9 @@ def setup_tracing(service_name: str, exporter: SpanExporter | None = None, simpl
                   export_delay_ms: int | None = None) -> TracerProvider | None:
     """Install this process's tracer provider (once) and instrument gRPC (client and server, aio).
 
-    exporter: overrides the OTEL_* choice (tests: InMemorySpanExporter); simple: export each span
-    at once (SimpleSpanProcessor, in the thread that ends the span) instead of batching;
-    export_delay_ms: the batch processor's schedule delay (ms between exports; None = the SDK's,
-    OTEL_BSP_SCHEDULE_DELAY or 5000), ignored with ``simple``. Batching exports from the SDK's own
-    thread: with ``simple`` and an OTLP exporter every span end is a blocking gRPC call, which on an
-    event loop stalls every request the loop runs. Returns the provider, or None when disabled.
-    Raises ValueError for an unknown OTEL_TRACES_EXPORTER.
+    exporter: overrides the OTEL_* choice; simple: export each span at once (blocking: avoid with OTLP on
+    an event loop); export_delay_ms: the batch processor's delay (None = the SDK's). Returns the
+    provider, or None when disabled. Raises ValueError for an unknown OTEL_TRACES_EXPORTER.
     """
     global _configured, _instrumented
     if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
@@ -136,9 +112,7 @@ def setup_tracing(service_name: str, exporter: SpanExporter | None = None, simpl
         logging.getLogger("opentelemetry.context").addFilter(_DetachNoise())
         from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient, GrpcAioInstrumentorServer, filters
 
-        # not grpc's own health servicer: its Watch is written in the read/write style (context.write),
-        # which the aio server interceptor cannot wrap (Watch would end UNKNOWN: "'async for' requires
-        # an object with __aiter__"); probes every few seconds would only add noise spans anyway
+        # not grpc's health servicer: the aio interceptor cannot wrap its read/write-style Watch (ends UNKNOWN)
         GrpcAioInstrumentorServer(filter_=filters.negate(filters.health_check())).instrument()
         GrpcAioInstrumentorClient().instrument()
         _instrumented = True
@@ -154,15 +128,9 @@ def _processor(exporter: SpanExporter, simple: bool, export_delay_ms: int | None
 
 
 class CancelThrough(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.StreamUnaryClientInterceptor):
-    """Lets a cancelled unary call reach the server while the gRPC client instrumentation is on.
-
-    The instrumentation's aio client interceptor waits for a unary call's status (``await
-    call.code()``); cancelling the caller (an abort, a client that went away) then cancels only that
-    wait, and the RPC runs on at the server (open-telemetry/opentelemetry-python-contrib#3271). Placed
-    after it (innermost: ``interceptors=`` of the channel; the instrumentation puts its own first),
-    this one awaits the call itself, and grpc.aio cancels a call whose awaiter is cancelled.
-    ``specdec.security.aio_channel`` adds it to every channel between the services.
-    """
+    """Lets a cancelled unary call reach the server while the gRPC client instrumentation is on: that
+    interceptor's ``await call.code()`` swallows the cancel (open-telemetry/opentelemetry-python-contrib#3271);
+    innermost, this one awaits the call itself, so grpc.aio cancels it."""
 
     async def intercept_unary_unary(self, continuation, client_call_details, request):
         return await _awaited(await continuation(client_call_details, request))
