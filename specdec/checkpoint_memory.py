@@ -9,13 +9,9 @@ pre-packed float32 target, close to a second copy of its weights.
     drop_checkpoint_pages([linear.weight])   # after packing it: its pages leave this process
     own_weights(model)                       # after pre-packing / quantizing: nothing views the file
 
-Dropping is ``madvise(MADV_DONTNEED)`` on the checkpoint's file mapping only (found in
-``/proc/self/maps``), never on anonymous memory. The mapping is private (copy-on-write): a page that
-was only read is re-read from the file when used again, so its values never change; a page written
-in place would go back to the file's bytes. So only the pages of tensors being discarded
-(``drop_checkpoint_pages``: whole pages inside them) or already copied out (``own_weights``: the
-mappings the model itself viewed) are dropped; nothing here writes to a mapped tensor. Elsewhere
-than Linux both functions do nothing; so do they for tensor-parallel shards (DTensor), which transformers loads as slices of the file.
+Dropping is ``madvise(MADV_DONTNEED)`` on the checkpoint's private file mapping only: a page only read
+is re-read from the file, but one written in place would revert, so only pages of tensors being
+discarded or already copied out are dropped. A no-op off Linux and for tensor-parallel shards.
 """
 
 from __future__ import annotations

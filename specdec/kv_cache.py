@@ -26,11 +26,8 @@ def cache_length(cache: DynamicCache) -> int:
 
 @torch.inference_mode()
 def compact_kv(cache: DynamicCache, keep_len: int, src_slots: list[int]) -> None:
-    """Keep slots [0, keep_len), then ``src_slots`` moved to keep_len, keep_len + 1, ...; drop the rest.
-
-    src_slots: [K] ascending slot indices, each >= keep_len. In place; raises TypeError for cache
-    layers that are not plain DynamicLayer (sliding-window or quantized caches are not supported).
-    """
+    """Keep slots [0, keep_len), then ``src_slots`` [K] (ascending, >= keep_len) moved after them; drop the
+    rest, in place. Raises TypeError for layers that are not plain DynamicLayer."""
     k = len(src_slots)
     for layer in cache.layers:
         if type(layer) is not DynamicLayer:
@@ -61,15 +58,10 @@ def _check_dynamic(cache: DynamicCache) -> None:
 def stack_kv(caches: list[DynamicCache], lengths: list[int], config) -> DynamicCache:
     """Stack the first ``lengths[b]`` slots of B single-row caches into one B-row cache.
 
-    caches: B caches, each (1, H, >= lengths[b], D) per layer (uninitialised layers allowed where
-    lengths[b] == 0); lengths: [B] slots to take from each; config: the model config (layer layout).
-    Returns a new DynamicCache whose layers are (B, H, S, D) with S = max(lengths): row b holds
-    cache b's slots 0..lengths[b]-1 and zeros after them (right padding; an attention mask must hide
-    slots >= lengths[b] of row b). Empty (uninitialised) when S == 0. The inputs are not modified.
-
-    Cost: one copy of B * S slots per layer for keys and values (the padding included), i.e. the
-    batch's cached KV is held twice while the batched cache lives. Raises TypeError for cache layers
-    that are not plain DynamicLayer, ValueError when a cache holds fewer slots than asked.
+    caches: B caches, (1, H, >= lengths[b], D) per layer; lengths: [B]. Returns a new DynamicCache of
+    (B, H, S, D) layers, S = max(lengths), right-padded with zeros (a mask must hide the padding); a copy,
+    so the batch's KV is held twice while it lives. Raises TypeError for layers that are not plain
+    DynamicLayer, ValueError when a cache holds fewer slots than asked.
     """
     if len(caches) != len(lengths):
         raise ValueError(f"lengths: {len(lengths)} entries for {len(caches)} caches")
@@ -100,9 +92,8 @@ def stack_kv(caches: list[DynamicCache], lengths: list[int], config) -> DynamicC
 def append_kv_row(cache: DynamicCache, stacked: DynamicCache, row: int, start: int, count: int) -> None:
     """Append slots [start, start + count) of row ``row`` of a B-row ``stacked`` cache to ``cache``.
 
-    cache: a single-row DynamicCache (1, H, S, D) per layer, grows to S + count slots (uninitialised
-    layers are initialised), by the same concatenation a forward's own cache update does; stacked:
-    (B, H, >= start + count, D) per layer. Raises TypeError for non-DynamicLayer layers.
+    cache: (1, H, S, D) per layer, grows to S + count slots; stacked: (B, H, >= start + count, D) per
+    layer. Raises TypeError for non-DynamicLayer layers.
     """
     _check_dynamic(cache)
     for layer, src in zip(cache.layers, stacked.layers):

@@ -3,11 +3,8 @@
 Health checks and other calls keep answering during a forward, and the runtime is never entered
 twice (calls run one at a time, in submission order). Plain asyncio, no gRPC.
 
-A service runs its model's whole life on that thread, the load included (``call``): torch's CPU
-kernels run on OpenMP (libgomp), and every thread that starts a parallel region keeps a team of
-its own. Once two threads have teams, the process manages more OpenMP threads than there are CPUs
-and libgomp stops spinning between parallel regions (its throttled spin count, 100): each of the
-hundreds of regions of a forward then wakes its team from a futex, and steps slow down.
+Why the load runs there too (``call``): every thread starting an OpenMP region keeps its own team, and
+with two teams libgomp stops spinning between regions, so every forward slows down.
 """
 
 from __future__ import annotations
@@ -25,14 +22,8 @@ log = logging.getLogger(__name__)
 
 
 class ModelWorker:
-    """One thread that runs every call into a model runtime, in submission order.
-
-    ``await worker.run(fn, *args)`` runs ``fn(*args)`` on that thread; the event loop stays free
-    (health checks answer during a forward), and the runtime never sees two calls at once.
-    ``worker.call(fn, *args)`` does the same from a thread without an event loop (the model's load,
-    before serving: see the module docstring). The thread is a daemon, so a process need not wait for
-    a call in progress to exit (the target service ends a SIGTERM during the load with os._exit).
-    """
+    """One daemon thread that runs every call into a model runtime, in submission order: ``await
+    worker.run(fn, *args)`` from the event loop, ``worker.call(fn, *args)`` from a thread without one."""
 
     def __init__(self, name: str):
         self.name = name

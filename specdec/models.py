@@ -117,11 +117,8 @@ def default_model_dir(pack: PartPack) -> Path:
 
 
 def resolve_model_dir(arg: str | None, default: PartPack, flag: str) -> Path:
-    """Map a ``--draft``/``--target`` argument to a loadable transformers directory.
-
-    ``None`` means the default pack; a directory must hold ``config.json``; a ``.gguf`` file is
-    converted once into the cache. Raises ModelError naming ``flag`` otherwise.
-    """
+    """Map a ``--draft``/``--target`` argument (None = the default pack, a directory, or a ``.gguf`` file,
+    converted once) to a transformers directory. Raises ModelError naming ``flag``."""
     if arg is None:
         return default_model_dir(default)
     path = Path(arg).expanduser()
@@ -137,10 +134,7 @@ def resolve_model_dir(arg: str | None, default: PartPack, flag: str) -> Path:
 
 
 def load_model(model_dir: Path, dtype: str, device: str = "cpu"):
-    """Load ``(model, tokenizer)`` from a transformers directory in eval mode.
-
-    Raises ModelError if the directory does not load as a causal LM.
-    """
+    """Load ``(model, tokenizer)`` in eval mode. Raises ModelError if it does not load as a causal LM."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -154,10 +148,7 @@ def load_model(model_dir: Path, dtype: str, device: str = "cpu"):
 
 
 def check_supported(model, flag: str) -> None:
-    """Refuse models whose KV cache our rollback cannot compact (sliding-window attention layers).
-
-    Raises ModelError naming ``flag``.
-    """
+    """Raise ModelError naming ``flag`` for sliding-window models, whose KV our rollback cannot compact."""
     config = model.config
     if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
         raise ModelError(f"{flag}: sliding-window attention is not supported (KV rollback needs full caches)")
@@ -166,14 +157,8 @@ def check_supported(model, flag: str) -> None:
 
 
 def check_pair(draft, draft_tok, target, target_tok) -> None:
-    """Refuse a draft/target pair that cannot be verified token for token.
-
-    Speculative decoding compares draft and target distributions per token id, so both
-    tokenizers must map the same strings to the same ids and agree on special tokens; both
-    models must be loaded in the same dtype (a float32 target beside a bf16 draft is a silent
-    slowdown; quantizing the draft afterwards is a deliberate choice, see --draft-quant). Raises
-    ModelError naming what differs.
-    """
+    """Refuse a draft/target pair whose tokenizers (ids, special tokens) or dtypes differ; raises
+    ModelError naming what differs."""
     if draft_tok.get_vocab() != target_tok.get_vocab():
         d, t = draft_tok.get_vocab(), target_tok.get_vocab()
         diff = sorted(set(d.items()) ^ set(t.items()))[:3]

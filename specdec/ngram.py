@@ -2,13 +2,9 @@
 
 Dims: T context tokens (prompt + generated so far), K continuation tokens.
 
-The context often repeats itself (summaries quote their source, code reuses names, answers copy
-from retrieved documents). Prompt lookup decoding proposes, at zero model cost, the tokens that
-followed the most recent earlier occurrence of the context's last n tokens (Saxena 2023, "Prompt
-Lookup Decoding"; REST, He et al. NAACL'24, retrieves from a datastore the same way). SpecInfer
-(Miao et al. ASPLOS'24 §3) merges several speculators' candidates into one token tree; the
-orchestrator merges these continuations into the draft's tree as extra branches
-(``specdec.tree.merge_chain``), verified in the same forward.
+Prompt lookup decoding (Saxena 2023, "Prompt Lookup Decoding"; REST, He et al. NAACL'24) proposes at zero
+model cost what followed the most recent earlier occurrence of the context's last n tokens; merged into
+the draft's tree as extra branches as SpecInfer merges speculators (Miao et al. ASPLOS'24 §3).
 
 Worked example: context [5, 7, 9, 2, 5, 7], max_ngram 3, max_tokens 3. The last 3 tokens
 [2, 5, 7] occur nowhere earlier; the last 2, [5, 7], occur at index 0, followed by [9, 2, 5, 7]:
@@ -28,16 +24,10 @@ def match_continuation(context: Sequence[int], max_tokens: int, max_ngram: int =
     """The tokens that followed the most recent earlier occurrence of the context's last n tokens,
     and how far back that occurrence matches the context.
 
-    context: [T] token ids; max_tokens: K, the longest continuation returned. n is tried from
-    max_ngram down to min_ngram and the first n with a match wins (a longer match predicts better);
-    among that n's occurrences (with at least one following token) the most recent is used.
-    max_match: the longest match length counted (L's cap; a value under max_ngram acts as max_ngram).
-    Returns ([K'] ids, L): K' <= max_tokens; L, the match length, counts the tokens before the
-    continuation that equal the context's last L tokens, n <= L <= max(max_ngram, max_match). L
-    predicts acceptance far better than n: a summary copying a sentence of its source matches it
-    for many tokens, a common phrase elsewhere for few (REST, He et al. NAACL'24 §3, retrieves by
-    the longest matching context suffix). ([], 0) when nothing matches.
-    Raises ValueError for min_ngram < 1 or max_ngram < min_ngram.
+    context: [T] token ids; max_tokens: K. n goes from max_ngram down to min_ngram, the first n with a
+    match wins, its most recent occurrence is used. Returns ([K'] ids, L), K' <= K, L the match length
+    (n <= L <= max(max_ngram, max_match)), which predicts acceptance far better than n; ([], 0) when
+    nothing matches. Raises ValueError for min_ngram < 1 or max_ngram < min_ngram.
     """
     if min_ngram < 1 or max_ngram < min_ngram:
         raise ValueError(f"min_ngram/max_ngram: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")

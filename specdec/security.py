@@ -1,21 +1,8 @@
 """Transport security and authentication for the three services: grpcio's own TLS credentials and
 a bearer-token interceptor. No crypto of our own.
 
-TLS (config ``grpc.tls_cert`` / ``grpc.tls_key`` / ``grpc.tls_ca``, PEM files):
-- cert + key: every gRPC port serves TLS (``server_credentials``);
-- + ca: mutual TLS between the services: the draft and target services accept only clients whose
-  certificate chains to the CA (``client_auth=True``), and the front presents its own certificate
-  when it calls them (``channel_credentials``); the front's public port verifies no client
-  certificate (its clients authenticate with bearer tokens);
-- ca alone: a client (``specdec generate --server --tls-ca``) verifies the server against it.
-Without TLS, plaintext is the default; binding a non-loopback address without it logs a warning
-(``warn_plaintext``).
-
-Bearer tokens (``front.auth_token_file``, one per line, read from a file or a mounted Kubernetes
-Secret, never from the command line): ``BearerAuth`` refuses every GenerationService call without
-``authorization: Bearer TOKEN`` metadata naming an accepted token with UNAUTHENTICATED; health and
-reflection stay open for probes. Tokens are compared in constant time (``hmac.compare_digest``,
-each accepted token in turn) and never logged.
+Settings and behaviour: docs/deploy.md "TLS and bearer tokens". Tokens are compared in constant time
+(``hmac.compare_digest``) and never logged.
 """
 
 from __future__ import annotations
@@ -57,10 +44,7 @@ def refusing_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, mess
 
 
 def load_auth_tokens(path: str | None, field: str = "front.auth_token_file") -> tuple[str, ...]:
-    """Bearer tokens of ``path``: one a line, blank lines skipped (None = no auth).
-
-    Raises ValueError naming ``field`` when the file cannot be read or holds no token.
-    """
+    """Bearer tokens of ``path``, one a line (None = no auth). Raises ValueError naming ``field`` if none."""
     if path is None:
         return ()
     try:
@@ -94,10 +78,7 @@ def _read(path: str | None) -> bytes | None:
 
 
 def server_credentials(config: GrpcConfig, client_auth: bool) -> grpc.ServerCredentials | None:
-    """TLS credentials of a server port (None = plaintext: no tls_cert).
-
-    client_auth: require a client certificate that chains to ``tls_ca`` (mutual TLS; needs tls_ca).
-    """
+    """TLS credentials of a server port (None = no tls_cert); client_auth: mutual TLS against ``tls_ca``."""
     if config.tls_cert is None:
         return None
     pair = [(_read(config.tls_key), _read(config.tls_cert))]

@@ -2,12 +2,7 @@
 
 ``{"gamma": 3, "topKSpec": [[6], [2, 2], [1, 1]], "topHead": [1, 2, 2], "treeType": 0, "gammaThreshold": 0}``
 
-Draft step d (0-based) expands ``topHead[d]`` depth-d nodes (the root alone at d = 0; for d >= 1 the
-nodes with the highest path probability); the j-th of them keeps its draft top ``topKSpec[d][j]``
-children. The example has 6 + 4 + 2 = 12 nodes.
-
-``spec_at_depth`` gives the shape of a deeper or shallower tree (dynamic gamma): rows beyond the
-spec repeat its last row; ``max_depth_for`` the deepest gamma within a node limit.
+The example has 6 + 4 + 2 = 12 nodes (fields: docs/design.md "TreeSpec").
 """
 
 from __future__ import annotations
@@ -84,18 +79,10 @@ DEFAULT_SPEC = TreeSpec(gamma=3, topKSpec=[[3], [1], [1]], topHead=[1, 1, 1], tr
 
 
 def spec_at_depth(spec: TreeSpec, gamma: int, max_nodes: int = MAX_TREE_NODES) -> TreeSpec:
-    """The tree shape for speculation depth gamma (DESIGN.md "Control": rows beyond the spec repeat the last row).
-
-    gamma < spec.gamma: the first gamma rows of topKSpec / topHead. gamma > spec.gamma: rows
-    spec.gamma .. gamma-1 repeat the last row (its topKSpec row and topHead entry). A repeated row
-    is always valid: the last row expands h = topHead[-1] nodes with k_j >= 1 children each, so the
-    depth it creates holds sum(k_j) >= h nodes, enough for the next copy's h expansions.
-    Each repeated row adds sum(topKSpec[-1]) nodes. treeType and gammaThreshold are kept;
-    gamma == spec.gamma returns ``spec`` itself.
-
-    Raises TreeSpecError (a ValueError) naming ``gamma`` when gamma < 1, gamma > MAX_GAMMA
-    (TreeSpec's bound) or the tree would exceed max_nodes nodes (default MAX_TREE_NODES, what a target
-    verifies in one forward); ``max_depth_for`` gives the deepest allowed gamma.
+    """The tree shape for speculation depth gamma: the first gamma rows, or rows past the spec repeating
+    its last row (always valid: that row creates sum(k_j) >= topHead[-1] nodes to expand).
+    Raises TreeSpecError naming ``gamma`` when gamma < 1, gamma > MAX_GAMMA or the tree would exceed
+    max_nodes (``max_depth_for`` gives the deepest allowed gamma).
     """
     if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
         raise TreeSpecError(f"gamma: must be an integer >= 1, got {gamma!r}")
@@ -114,10 +101,7 @@ def spec_at_depth(spec: TreeSpec, gamma: int, max_nodes: int = MAX_TREE_NODES) -
 
 
 def max_depth_for(spec: TreeSpec, max_nodes: int = MAX_TREE_NODES) -> int:
-    """The deepest gamma whose ``spec_at_depth`` tree has <= max_nodes nodes (and <= MAX_GAMMA rows).
-
-    Returns 0 when even the first row exceeds max_nodes.
-    """
+    """The deepest gamma whose ``spec_at_depth`` tree has <= max_nodes nodes and <= MAX_GAMMA rows (0: none)."""
     total, depth = 0, 0
     while depth < MAX_GAMMA:
         row = spec.top_k_spec[min(depth, spec.gamma - 1)]
@@ -129,10 +113,7 @@ def max_depth_for(spec: TreeSpec, max_nodes: int = MAX_TREE_NODES) -> int:
 
 
 def parse_tree_spec(source: str | dict) -> TreeSpec:
-    """Build a TreeSpec from a dict, inline JSON or the path of a JSON file.
-
-    Raises TreeSpecError whose message names the offending field.
-    """
+    """Build a TreeSpec from a dict, inline JSON or a JSON file path. Raises TreeSpecError naming the field."""
     if isinstance(source, str):
         text = source.strip()
         if not text.startswith("{"):
