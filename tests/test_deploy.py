@@ -1245,7 +1245,7 @@ def test_local_rehearsal_greedy_equals_target_only(tmp_path):
     load_config(config_path)
 
     log = open(tmp_path / "local.log", "w")
-    env = {**os.environ, "SPECDEC": f"{sys.executable} -m orchestrator.cli.main", "OTEL_SDK_DISABLED": "true"}
+    env = {**os.environ, "SPECDEC": f"{sys.executable} -m orchestrator.cli", "OTEL_SDK_DISABLED": "true"}
     proc = subprocess.Popen(["bash", str(DEPLOY / "local.sh"), str(config_path)], cwd=REPO, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:

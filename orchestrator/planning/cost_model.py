@@ -16,6 +16,7 @@ import asyncio
 import bisect
 import concurrent.futures
 import contextlib
+import functools
 import secrets
 import threading
 import time
@@ -377,4 +378,4 @@ class _Blocking(WorkerAdapter):
         self.blocking = blocking
 
     def call(self, name: str, method, *args, **kwargs):
-        return self.blocking(name, method, *args)
+        return self.blocking(name, functools.partial(method, **kwargs) if kwargs else method, *args)
