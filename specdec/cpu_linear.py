@@ -1,12 +1,7 @@
 """Fast float32 linear layers on the CPU for the few-row matmuls of speculative decoding.
 
-Verification multiplies every weight by N + 1 rows (a tree), drafting by topHead[d] rows. On CPUs
-without native bf16 GEMM (AVX2-only), torch's default float32 path (MKL sgemm) costs several times
-more for a 13-row tree than for 1 row, and bf16 more still; oneDNN with weights pre-packed once (the
-op torch inductor uses for frozen CPU linears) grows far less with the rows.
-
-``prepack_linears`` swaps each ``nn.Linear`` of a float32 model on the CPU for ``PackedLinear``
-(same weights, same maths); the model class is otherwise untouched.
+Why: on AVX2-only CPUs MKL sgemm costs several times more for a 13-row tree than for 1 row; oneDNN with
+weights pre-packed once (as torch inductor does for frozen CPU linears) grows far less with the rows.
 """
 
 from __future__ import annotations
@@ -41,10 +36,7 @@ class PackedLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def direct(self):
-        """``forward`` as a plain function bound to this layer's buffers (no module call; for
-        ``specdec.forward.DirectDecoder``): x [..., in_features] float32 -> [..., out_features]
-        float32, the same oneDNN op and result as ``forward``. It reads the buffers as they are now
-        (re-pack, then call this again)."""
+        """``forward`` as a plain function bound to the current buffers (for ``DirectDecoder``); same result."""
         weight, bias, n_in, n_out = self.packed_weight, self.bias, self.in_features, self.out_features
         op = torch.ops.mkldnn._linear_pointwise.default
 
@@ -55,12 +47,8 @@ class PackedLinear(nn.Module):
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Replace every float32 CPU ``nn.Linear`` in ``model`` with a PackedLinear; returns how many.
-
-    A no-op (returns 0) for other dtypes or devices, or where oneDNN is unavailable. Each replaced
-    weight's pages in a memory-mapped checkpoint are released as soon as it is packed
-    (specdec.checkpoint_memory), so loading holds one copy of the weights at a time, not two.
-    """
+    """Replace every float32 CPU ``nn.Linear`` in ``model`` with a PackedLinear; returns how many (0 without
+    oneDNN). Each weight's checkpoint pages are released once packed, so loading holds one copy."""
     if not torch.backends.mkldnn.is_available():
         return 0
     targets = [

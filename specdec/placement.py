@@ -3,14 +3,9 @@
     p = placement("cpu")                 # this process: host name, device, CPUs it may run on
     shares_compute(draft_p, target_p)    # True: same host and device (CPU: overlapping CPU sets)
 
-Both services report their placement in Info (``host``, ``device``, ``cpus``). When the draft and
-the target share compute (one CPU, or one GPU), every second the draft computes is one the target's
-verify forwards do not get: the goodput planning then prices a round's draft steps for the whole
-batch (``orchestrator.planning.cost_model.LoadedCost``). Two pods on one Kubernetes node have different host
-names and count as separate (their CPU limits keep them apart). A CUDA device is named by its
-UUID ("cuda:GPU-...", so two processes each shown a different GPU as "cuda:0" by
-``CUDA_VISIBLE_DEVICES`` count as separate); a tensor-parallel target reports "cuda" (several
-GPUs) and counts as separate from any draft.
+Both services report it in Info (``host``, ``device``, ``cpus``); shared compute makes the planning price
+draft steps for the whole batch. Pods on one node differ by host name; a CUDA device is named by its UUID
+(``CUDA_VISIBLE_DEVICES`` renumbers); a tensor-parallel target reports "cuda", separate from any draft.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
 """Process entry helpers shared by the three servers (draft, target, front): logging, the device
 check before any model loads, and the one-line error exit.
-
-The command lines themselves are the typer commands (``draft_service.cli``,
-``target_service.cli``, ``orchestrator.cli.main``); each server's ``run(config_path, overrides)`` loads the
-config with ``specdec.config.load_config`` and serves.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """Conversions between the in-process types and the wire messages (protos/specdec/v1).
 
-The receiving side never trusts a message: ``tree_from_proto`` checks every rule of the tree format
-(array lengths, parents in range and topological, token ids inside the vocabulary, node and depth
-limits, finite draft log-probabilities, proposals that are probability vectors over valid ids) and
-raises MalformedTreeError naming the field; ``sampling_from_proto`` and ``spec_from_proto`` raise
-SamplingParamsError / TreeSpecError naming theirs. Servers map all three to INVALID_ARGUMENT.
-``stats_to_proto`` builds a request's ``FinalStats`` (the front's last message).
+The receiving side never trusts a message: every check raises MalformedTreeError / SamplingParamsError /
+TreeSpecError naming the field (INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
@@ -33,10 +29,7 @@ def tree_to_proto(tree: DraftTree) -> tree_pb2.TokenTree:
 
 
 def tree_from_proto(msg: tree_pb2.TokenTree, vocab_size: int, max_nodes: int, max_depth: int = MAX_GAMMA) -> DraftTree:
-    """An untrusted TokenTree -> DraftTree. Raises MalformedTreeError naming the bad field.
-
-    vocab_size: V of the receiving model (token ids and proposal ids must be < V); max_nodes: N cap.
-    """
+    """An untrusted TokenTree -> DraftTree (ids < vocab_size, at most max_nodes). Raises MalformedTreeError."""
     tokens, parents = tuple(msg.tokens), tuple(msg.parents)
     n = len(tokens)
     if n > max_nodes:

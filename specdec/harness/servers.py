@@ -7,10 +7,7 @@
     draft, target = launch_service("draft", config), launch_service("target", config)
     wait_ready(draft), wait_ready(target)                      # start-ups overlap
 
-Kinds: "draft" (python -m draft_service), "target" (python -m target_service), "front" (python -m
-orchestrator front). A server that does not print its ready line (``<name> ready on <host>:<port>``)
-in time, or exits first, raises ServiceNotReady with its stdout and stderr. A front started with
-``http_port=0`` prints a second ready line (``http ready on ...``): ``wait_address(front, "http")``.
+Kinds: "draft", "target", "front". No ready line in time, or an early exit, raises ServiceNotReady.
 """
 
 from __future__ import annotations
@@ -27,8 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MODULES = {"draft": ["draft_service"], "target": ["target_service"], "front": ["orchestrator", "front"]}  # python -m ...
-# The folder holding specdec/, draft_service/, target_service/ and orchestrator/ (the repository root of a
-# checkout): servers run from it, so ``python -m draft_service`` finds the sources this process imports.
+# The repository root: servers run from it, so ``python -m draft_service`` finds the sources imported here.
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
 _READY = re.compile(r"^(?P<name>\S+) ready on (?P<host>\S+):(?P<port>\d+)$")
 
@@ -73,8 +69,7 @@ def server_command(kind: str, config_path, **flags) -> list[str]:
 
 
 def launch_service(kind: str, config_path, env: dict | None = None, **flags) -> Service:
-    """Start a server subprocess without waiting (call ``wait_ready``); launch several, then wait,
-    to overlap their start-up."""
+    """Start a server subprocess without waiting (call ``wait_ready``), so several start-ups overlap."""
     return launch_command(kind, server_command(kind, config_path, **flags), env)
 
 
