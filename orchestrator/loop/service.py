@@ -54,8 +54,7 @@ class Orchestrator:
     def __init__(self, front, grpc_cfg, decode=None, control_factory=None, on_round=None,
                  measure_at_start: bool | None = None):
         self.front = front
-        # time the services at connect (cost-aware control on prior figures); None = front.cost_aware's setting
-        self.measure_at_start = front.cost_aware.measure_at_start if measure_at_start is None else measure_at_start
+        self.measure_at_start = measure_at_start  # time the services at connect; None: front.cost_aware.measure_at_start
         self.grpc_cfg = grpc_cfg
         self.decode = decode
         self.control_factory = control_factory
@@ -96,7 +95,8 @@ class Orchestrator:
         """Measure V(n) and D(p) through the services where the cost model would start from priors and
         ``measure_at_start`` is on; a failed measurement leaves the priors, with a warning."""
         state = self.shared
-        if state.cost.source != "prior" or not self.measure_at_start:
+        measure = self.front.cost_aware.measure_at_start if self.measure_at_start is None else self.measure_at_start
+        if state.cost.source != "prior" or not measure:
             return
         try:
             cost = await measure_service_costs(target, draft, self.info.vocab_size,
