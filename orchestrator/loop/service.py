@@ -54,7 +54,8 @@ class Orchestrator:
     def __init__(self, front, grpc_cfg, decode=None, control_factory=None, on_round=None,
                  measure_at_start: bool | None = None):
         self.front = front
-        self.measure_at_start = measure_at_start  # time the services at connect; None: front.cost_aware.measure_at_start
+        # time the services at connect; None: front.cost_aware.measure_at_start
+        self.measure_at_start = measure_at_start
         self.grpc_cfg = grpc_cfg
         self.decode = decode
         self.control_factory = control_factory
