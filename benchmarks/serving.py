@@ -781,11 +781,13 @@ def measure_level(args, ids: list[list[int]], name: str, level, config: tuple, d
     """One level of one configuration: ``run_level``'s result plus merged forwards and CPU by role."""
     front, target, no_spec = config
     verify_before, draft_before = batched_forwards(target), batched_forwards(draft, "draft")
-    cpu_before, began = meter.snapshot(), time.perf_counter()
+    began = time.perf_counter()
+    cpu_before = meter.snapshot()
     out = run_level(front, ids, int(level), args.max_new_tokens, no_spec, f"conc-{name}-{level}",
                     rate=level if args.open_loop else None)
-    window = time.perf_counter() - began  # the snapshots' own window (wall_s starts later)
     cpu = meter.split(cpu_before, front)
+    # the window spans both snapshots whole: CPU time a process spends while they walk the processes counts
+    window = time.perf_counter() - began
     counters = {"merged_verify_forwards": batched_forwards(target) - verify_before,
                 "merged_draft_calls": None if draft is None else batched_forwards(draft, "draft") - draft_before,
                 "cpu_s": cpu, "cpu_window_s": window if cpu is not None else None,

@@ -184,8 +184,12 @@ def test_pipeline_configuration(tmp_path, tiny_long_pair):
         assert list(cpu) == list(CPU_ROLES) and cpu["target"] > 0 and cpu["front"] > 0, cpu
         assert cpu["front_ray"] > 0, cpu  # the orchestrator actors (the front's local Ray) ran the rounds
         cpus = len(os.sched_getaffinity(0))
-        assert r["cpu_window_s"] >= r["wall_s"] and 0 < r["cpu_busy_share"] <= 1.02
-        assert sum(cpu.values()) <= r["cpu_window_s"] * cpus * 1.02
+        # psutil's CPU times count whole clock ticks (10 ms) per process: over a level of a fraction of a
+        # second with ~10 busy processes that rounding alone reaches 0.1 s; counting a process twice would
+        # add a whole window
+        rounding_s = 10 * 0.01
+        assert r["cpu_window_s"] >= r["wall_s"] and r["cpu_busy_share"] > 0
+        assert sum(cpu.values()) <= r["cpu_window_s"] * cpus * 1.02 + rounding_s
     assert "CPU by process over each level" in md and "| front's Ray % |" in md
 
 
