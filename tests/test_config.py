@@ -32,12 +32,3 @@ def test_a_retired_key_says_what_replaced_it(tmp_path, monkeypatch):
     assert str(err.value) == ("invalid config: front.cost_aware.old_knob: no longer a config key: "
                               "renamed to front.cost_aware.new_knob")
 
-
-def test_retired_keys_are_not_fields_any_more():
-    """A key listed as retired that is still a field would never reach its message."""
-    for dotted in config_module.RETIRED_KEYS:
-        *sections, leaf = dotted.split(".")
-        model = config_module.ServeConfig
-        for key in sections:
-            model = model.model_fields[key].annotation
-        assert leaf not in model.model_fields, dotted

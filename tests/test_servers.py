@@ -540,12 +540,12 @@ def test_a_ray_front_measures_once_and_its_actors_start_from_its_figures():
     assert cost.source == "configured" and cost.verify.points == {1: 40.0, 8: 70.0}
     assert cost.draft_step.points == {1: 6.0, 4: 8.0} and cost.verify.scale == 1.0
     # an actor given starting costs never measures on its own; the front's own orchestrator does
-    assert build_orchestrator(FrontConfig(), GrpcConfig(), None, start).measure_at_start is False
-    assert build_orchestrator(FrontConfig(), GrpcConfig(), None).measure_at_start is True
+    assert build_orchestrator(FrontConfig(), GrpcConfig(), None, start).may_measure is False
+    assert build_orchestrator(FrontConfig(), GrpcConfig(), None).may_measure is True
     # a probe whose measurement failed: its actors keep the priors and do not measure each on its own
     failed = StartCosts.of(CostModel())
     assert failed.verify_ms is None and control_factory(FrontConfig(), failed).shared.cost.source == "prior"
-    assert build_orchestrator(FrontConfig(), GrpcConfig(), None, failed).measure_at_start is False
+    assert build_orchestrator(FrontConfig(), GrpcConfig(), None, failed).may_measure is False
 
 
 # ----------------------------------------------------------------------------------------------

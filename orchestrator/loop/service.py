@@ -52,10 +52,10 @@ class Orchestrator:
     """
 
     def __init__(self, front, grpc_cfg, decode=None, control_factory=None, on_round=None,
-                 measure_at_start: bool | None = None):
+                 may_measure: bool = True):
         self.front = front
-        # time the services at connect; None: front.cost_aware.measure_at_start
-        self.measure_at_start = measure_at_start
+        # False: never time the services at connect (a Ray actor given its probe's figures)
+        self.may_measure = may_measure
         self.grpc_cfg = grpc_cfg
         self.decode = decode
         self.control_factory = control_factory
@@ -96,8 +96,7 @@ class Orchestrator:
         """Measure V(n) and D(p) through the services where the cost model would start from priors and
         ``measure_at_start`` is on; a failed measurement leaves the priors, with a warning."""
         state = self.shared
-        measure = self.front.cost_aware.measure_at_start if self.measure_at_start is None else self.measure_at_start
-        if state.cost.source != "prior" or not measure:
+        if state.cost.source != "prior" or not (self.may_measure and self.front.cost_aware.measure_at_start):
             return
         try:
             cost = await measure_service_costs(target, draft, self.info.vocab_size,
@@ -270,6 +269,7 @@ class StartCosts:
 
     @classmethod
     def of(cls, cost: CostModel) -> "StartCosts":
+        """A probe's cost model as its actors' start: its points where it measured, else none."""
         if cost.source != "measured":
             return cls()
         return cls(dict(cost.verify.points), dict(cost.draft_step.points))
@@ -295,4 +295,4 @@ def build_orchestrator(front: FrontConfig, grpc_cfg: GrpcConfig, tok_dir: str | 
     tokenizer = load_tokenizer(tok_dir) if tok_dir else None
     decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer is not None else None
     return Orchestrator(front, grpc_cfg, decode, control_factory=control_factory(front, start),
-                        measure_at_start=front.cost_aware.measure_at_start and start is None)
+                        may_measure=start is None)
