@@ -33,6 +33,7 @@ from specdec.placement import placement
 from specdec.model_setup import load_draft, target_info
 from specdec.model_worker import ModelWorker
 from specdec.models import ModelError
+from specdec.security import check_client_auth
 from specdec.process_entry import check_device, configure_logging, fail
 from specdec.sampling import SamplingParamsError
 from specdec.service_errors import CapacityError
@@ -157,11 +158,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                            batched_forwards=self.batcher.batched_forwards)
 
     async def _next(self, context):
-        """The next request, or None at the end of the stream; aborts UNAVAILABLE when draining."""
+        """The next request, or None at the end of the stream; aborts UNAVAILABLE when draining and
+        DEADLINE_EXCEEDED after ``draft.session_idle_s`` without a message (its client died: the session is released)."""
         read = asyncio.ensure_future(context.read())
         drain = asyncio.ensure_future(self.draining.wait())
         try:
-            await asyncio.wait({read, drain}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({read, drain}, timeout=self.config.session_idle_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
             drain.cancel()
             if not read.done():
@@ -169,6 +171,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if read.done() and not read.cancelled():
             msg = read.result()
             return None if msg is grpc.aio.EOF else msg
+        if not self.draining.is_set():
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"draft.session_idle_s: no message for {self.config.session_idle_s:g} s; session released")
         await context.abort(grpc.StatusCode.UNAVAILABLE, "draft service is shutting down")
 
     async def _start(self, start) -> tuple[_Stream, draft_pb2.DraftStarted]:
@@ -332,6 +337,10 @@ def serve(config: ServeConfig) -> int:
     without the target's weights) and serve it; returns the exit code (0, or 2 with a message on
     stderr naming the field for a bad model or an unusable address)."""
     configure_logging()
+    try:
+        check_client_auth(config.grpc, "draft service")
+    except ValueError as exc:
+        return fail(str(exc))
     setup_tracing("draft-service")
     # the model's whole life (threads, load, every forward) on one thread: specdec.model_worker
     worker = ModelWorker("draft-runtime")

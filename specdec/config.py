@@ -43,10 +43,16 @@ class ModelsConfig(_Section):
 class GrpcConfig(_Section):
     max_message_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
     shutdown_grace_s: float = Field(default=10.0, ge=0)   # SIGTERM: finish in-flight calls this long
+    # HTTP/2 keepalive: a channel pings an idle connection this often (a server every 2x), and a peer that misses
+    # its ack for a third of it is gone: a partition ends its calls and streams (their sessions released)
+    keepalive_s: float = Field(default=30.0, ge=0.5)
     # PEM files (specdec.security). cert + key: every port serves TLS; + ca: mutual TLS between the services
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
+    # the draft and target require their clients' certificates (mutual TLS against tls_ca) when they serve TLS;
+    # false lets any TLS client in (a warning names the risk)
+    tls_client_auth: bool = True
     # plaintext port with only grpc.health.v1.Health, for kubelet probes under TLS; per server, so ``serve`` refuses it
     health_port: int | None = Field(default=None, ge=0, le=65535)
 
@@ -65,6 +71,7 @@ class DraftServerConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=50061, ge=0, le=65535)      # 0 = ephemeral
     max_sessions: int = Field(default=256, ge=1)
+    session_idle_s: float = Field(default=600.0, gt=0)    # a stream without a message this long is ended (its client died)
     prefill_chunk_tokens: int = Field(default=256, ge=1)  # prompt tokens per prefill job: others' proposes get in between
     max_batch: int = Field(default=8, ge=1)               # sessions whose tree steps share one draft forward
     batch_wait_ms: float = Field(default=1.0, ge=0)       # how long a propose waits for company
@@ -90,6 +97,7 @@ class TargetServerConfig(_Section):
     # 16 keeps their forwards within ~2x on a 2-core CPU (raise it where rows are cheap, e.g. on a GPU)
     prefill_busy_chunk_tokens: int | None = Field(default=16, ge=1)
     session_idle_s: float = Field(default=600.0, gt=0)    # a session untouched this long is released (its client died)
+    max_sessions: int = Field(default=512, ge=1)          # open sessions (each holds a logits row even with no KV)
 
 
 class DynamicGammaConfig(_Section):
@@ -197,8 +205,13 @@ class ClientLimitsConfig(_Section):
     max_running: int = Field(default=256, ge=1)            # requests holding a running slot (prefill or decoding)
     max_waiting: int = Field(default=1024, ge=0)           # requests queued (FIFO) for a slot; 0 = refuse when full
     max_running_per_client: int | None = Field(default=None, ge=1)   # None = only max_running
-    max_waiting_per_client: int | None = Field(default=None, ge=0)   # None = only max_waiting
+    max_waiting_per_client: int | None = Field(default=None, ge=0)   # None = half of max_waiting
     max_kv_tokens_per_request: int | None = Field(default=None, ge=2)  # prompt + max_new_tokens (None = no cap)
+    max_new_tokens: int = Field(default=8192, ge=1)       # an explicit max_new_tokens above it is refused, not clamped
+    max_prompt_bytes: int = Field(default=1 << 20, ge=1)   # a text prompt's UTF-8 bytes, checked before tokenizing
+    max_body_bytes: int = Field(default=4 << 20, ge=1024)  # an HTTP body (Content-Length or read): over it, 413 unread
+    # a request's server-side deadline (a client's own shorter deadline wins); None = only the client's
+    request_timeout_s: float | None = Field(default=600.0, gt=0)
 
 
 class FrontConfig(_Section):

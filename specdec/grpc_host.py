@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from specdec.config import GrpcConfig
 from specdec.interfaces import UnknownSessionError
 from specdec.sampling import SamplingParamsError
-from specdec.security import refusing_handler, server_credentials, warn_plaintext
+from specdec.security import keepalive_options, refusing_handler, server_credentials, warn_plaintext
 from specdec.service_errors import CapacityError, DeadlineExpiredError, ShuttingDownError
 from specdec.tree import MalformedTreeError
 from specdec.tree_spec import TreeSpecError
@@ -139,6 +139,7 @@ class ServiceHost:
             options=[
                 ("grpc.max_send_message_length", config.max_message_bytes),
                 ("grpc.max_receive_message_length", config.max_message_bytes),
+                *keepalive_options(config, server=True),
             ],
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

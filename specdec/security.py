@@ -77,8 +77,21 @@ def _read(path: str | None) -> bytes | None:
     return Path(path).read_bytes() if path else None
 
 
+def check_client_auth(config: GrpcConfig, name: str) -> None:
+    """Before a draft or target service (``name``) loads anything: TLS without ``tls_ca`` would serve any client
+    that can reach the port. Raises ValueError naming grpc.tls_ca unless ``tls_client_auth`` is false (then warns)."""
+    if config.tls_cert is None or config.tls_ca is not None:
+        return
+    if config.tls_client_auth:
+        raise ValueError(f"grpc.tls_ca: the {name} serves TLS (grpc.tls_cert) and needs the CA of its clients' "
+                         "certificates to refuse the others; set grpc.tls_client_auth: false to serve any TLS client")
+    log.warning("%s serves TLS without client certificates (grpc.tls_client_auth: false): any client that reaches "
+                "the port can open sessions and run the model", name)
+
+
 def server_credentials(config: GrpcConfig, client_auth: bool) -> grpc.ServerCredentials | None:
-    """TLS credentials of a server port (None = no tls_cert); client_auth: mutual TLS against ``tls_ca``."""
+    """TLS credentials of a server port (None = no tls_cert); client_auth: mutual TLS against ``tls_ca``
+    (``check_client_auth`` refused a service without one at its start)."""
     if config.tls_cert is None:
         return None
     pair = [(_read(config.tls_key), _read(config.tls_cert))]
@@ -100,9 +113,22 @@ def aio_channel(address: str, config: GrpcConfig, options: Sequence[tuple[str, o
     cancelled call is cancelled at the server too, traced or not (``telemetry.CancelThrough``)."""
     credentials = channel_credentials(config)
     interceptors = [CancelThrough()]
+    options = [*keepalive_options(config, server=False), *options]
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
     return grpc.aio.secure_channel(address, credentials, options=list(options), interceptors=interceptors)
+
+
+def keepalive_options(config: GrpcConfig, server: bool) -> list[tuple[str, int]]:
+    """gRPC channel arguments of ``grpc.keepalive_s`` (gRPC's keepalive guide: the server must permit the
+    client's ping rate, or it answers GOAWAY too_many_pings)."""
+    ms = int(config.keepalive_s * 1000)
+    common = [("grpc.keepalive_timeout_ms", max(ms // 3, 100)), ("grpc.keepalive_permit_without_calls", 1),
+              ("grpc.http2.max_pings_without_data", 0)]
+    if server:
+        return [("grpc.keepalive_time_ms", 2 * ms), ("grpc.http2.min_recv_ping_interval_without_data_ms", ms // 2),
+                *common]
+    return [("grpc.keepalive_time_ms", ms), *common]
 
 
 def is_loopback(host: str) -> bool:

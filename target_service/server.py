@@ -41,6 +41,7 @@ from specdec.models import ModelError
 from specdec.placement import placement
 from specdec.process_entry import check_device, configure_logging, fail
 from specdec.sampling import SamplingParamsError
+from specdec.security import check_client_auth
 from specdec.telemetry import setup_tracing, shutdown_tracing, tracer
 from specdec.tree import DraftTree, MalformedTreeError
 from specdec.v1 import target_pb2, target_pb2_grpc
@@ -105,7 +106,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.model_name = model_name
         self.config = config
         self.max_kv_tokens = self._kv_budget(runtime, config)
-        self.sessions = TargetSessions(self.max_kv_tokens, context_limit, config.session_idle_s)
+        self.sessions = TargetSessions(self.max_kv_tokens, context_limit, config.session_idle_s, config.max_sessions)
         self._warn_small_budget()
         self.worker = worker or ModelWorker("target-runtime")
         self.batcher = VerifyBatcher(self.runtime, self.worker, config.max_batch, config.batch_wait_ms, self.sessions.verified,
@@ -254,10 +255,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def VerifyBatch(self, request, context):
         deadline = deadline_of(context)
         items = list(request.items)
+        if len(items) > self.config.max_batch:  # before any item costs a check: a batch is one forward
+            raise ValueError(f"items: {len(items)} items exceed target.max_batch ({self.config.max_batch})")
         ids = [item.session_id for item in items]
+        first: dict[str, int] = {}
         for k, session_id in enumerate(ids):
-            if session_id in ids[:k]:
-                raise ValueError(f"items[{k}].session_id: {session_id!r} repeats items[{ids.index(session_id)}]")
+            if first.setdefault(session_id, k) != k:
+                raise ValueError(f"items[{k}].session_id: {session_id!r} repeats items[{first[session_id]}]")
         begun: list[tuple[SessionSlots, DraftTree | None]] = []
         try:
             for k, item in enumerate(items):
@@ -367,6 +371,7 @@ def serve(config: ServeConfig) -> int:
     configure_logging()
     try:
         check_device(config.models.device)
+        check_client_auth(config.grpc, "target service")
     except ValueError as exc:
         return fail(str(exc))
     setup_tracing("target-service")

@@ -78,12 +78,14 @@ class SameTreeInFlight(Exception):
 
 class TargetSessions:
     """Every open session of one target server. max_kv_tokens: KV slots over all sessions; context_limit:
-    max prompt + generated tokens; idle_s: see ``reap_idle``. Create inside the running event loop."""
+    max prompt + generated tokens; idle_s: see ``reap_idle``; max_sessions: open sessions at most (a 1-token
+    prefill holds no KV slot but a logits row). Create inside the running event loop."""
 
-    def __init__(self, max_kv_tokens: int, context_limit: int, idle_s: float = 600.0):
+    def __init__(self, max_kv_tokens: int, context_limit: int, idle_s: float = 600.0, max_sessions: int = 512):
         self.max_kv_tokens = max_kv_tokens
         self.context_limit = context_limit
         self.idle_s = idle_s
+        self.max_sessions = max_sessions
         self.sessions: dict[str, SessionSlots] = {}
 
     def __len__(self) -> int:
@@ -115,6 +117,8 @@ class TargetSessions:
         """A new session of prompt_len - 1 slots, busy until its prefill ran. Raises SessionExistsError, CapacityError."""
         if session_id in self.sessions:
             raise SessionExistsError(f"session_id: {session_id!r} is already open (release it first)")
+        if len(self.sessions) >= self.max_sessions:
+            raise CapacityError(f"target.max_sessions: all {self.max_sessions} target sessions are open")
         self.reserve(prompt_len - 1, freed=0)
         new = self.sessions[session_id] = SessionSlots(cached=prompt_len - 1, busy=True)
         return new

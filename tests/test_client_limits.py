@@ -13,9 +13,11 @@ cancelled by the test once it has served.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import re
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -34,6 +36,7 @@ from specdec.harness.tiny_pair import save_tiny_pair, write_config
 
 TOKENS = ("alpha-tok-5f1c9e", "beta-tok-77c2d0", "gamma-tok-90ad3b")
 KV_CAP = 3500
+BODY_CAP = 65536
 HOLD_TOKENS = 3000
 HOLD_PROMPT = [5, 6, 7, 8]
 EOS = 0  # the tiny models' EOS id (specdec/harness/tiny_pair.py)
@@ -167,11 +170,40 @@ def test_bad_limits_name_their_field(field, value):
     assert f"front.limits.{field}:" in str(info.value)
 
 
-def test_default_limits_leave_a_single_user_alone():
+def test_default_limits_let_a_single_user_run_everything_and_queue_half():
     front = load_config(None).front.limits
     assert front.max_running >= 64 and front.max_waiting >= 64
     assert front.max_running_per_client is None and front.max_waiting_per_client is None
     assert front.max_kv_tokens_per_request is None
+
+    async def scenario():
+        admission = Admission(limits(max_running=2, max_waiting=5))
+        tickets = [admission.enter("a", f"a{i}") for i in range(5)]  # 2 run, 3 wait: half the queue, rounded up
+        assert [t.granted.done() for t in tickets] == [True, True, False, False, False]
+        with pytest.raises(AdmissionRefused) as info:
+            admission.enter("a", "a5")
+        assert str(info.value).startswith("front.limits.max_waiting_per_client: 3 requests of this client")
+        assert not admission.enter("b", "b0").granted.done()  # the other half is the others'
+
+    asyncio.run(scenario())
+
+
+def test_a_freed_slot_goes_to_the_waiting_client_with_the_fewest_running():
+    """Issue 57: a client with many queued requests cannot hold the others back (first come among equals)."""
+    async def scenario():
+        admission = Admission(limits(max_running=2, max_waiting=8, max_waiting_per_client=8))
+        running = [admission.enter("a", "a0"), admission.enter("a", "a1")]
+        queued_a = [admission.enter("a", f"a{i}") for i in range(2, 5)]
+        b = admission.enter("b", "b0")
+        c = admission.enter("c", "c0")
+        admission.leave(running[0])
+        assert b.granted.result() is True and not c.granted.done()  # b came before c; a already runs one
+        admission.leave(running[1])  # a and c run none: equals, so the first come, a2
+        assert queued_a[0].granted.result() is True and not c.granted.done()
+        admission.leave(b)  # a runs one, c none: c, though a3 and a4 came first
+        assert c.granted.result() is True and not any(t.granted.done() for t in queued_a[1:])
+
+    asyncio.run(scenario())
 
 
 # --------------------------------------------------------------------------- real servers
@@ -191,9 +223,10 @@ def fronts(pair, tmp_path_factory):
     tokens_config = write_config(root / "tokens.yaml", pair, front={
         "port": 0, "http_port": 0, "use_ray": False, "auth_token_file": str(root / "tokens.txt"),
         "limits": {"max_running": 2, "max_waiting": 0, "max_running_per_client": 1, "max_waiting_per_client": 0,
-                   "max_kv_tokens_per_request": KV_CAP}})
+                   "max_kv_tokens_per_request": KV_CAP, "max_body_bytes": BODY_CAP}})
     queue_config = write_config(root / "queue.yaml", pair, front={
-        "port": 0, "http_port": 0, "use_ray": False, "limits": {"max_running": 1, "max_waiting": 2}})
+        "port": 0, "http_port": 0, "use_ray": False,
+        "limits": {"max_running": 1, "max_waiting": 2, "max_waiting_per_client": 2}})
     draft, target = launch_service("draft", base), launch_service("target", base)
     wait_ready(draft), wait_ready(target)
     started = {name: launch_service("front", config, draft_address=draft.address, target_address=target.address,
@@ -262,6 +295,7 @@ async def refused(stub, token=None, **fields) -> str:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await generate(stub, token, prompt_ids=[1, 2, 3], max_new_tokens=4, **fields)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+    assert dict(info.value.trailing_metadata() or ()).get("grpc-retry-pushback-ms") == "1000"  # a retry hint
     return info.value.details()
 
 
@@ -339,6 +373,11 @@ def test_http_over_the_cap_is_429_with_the_error_object(fronts):
             assert error["error"]["type"] == "rate_limit_error" and error["error"]["code"] == "rate_limit_exceeded"
             assert error["error"]["message"].startswith("front.limits.max_running_per_client: 1 requests")
             assert not any(token in json.dumps(error) for token in TOKENS)
+            request = urllib.request.Request(f"http://{front.http}/v1/completions", json.dumps(body).encode(),
+                                             {"Content-Type": "application/json", "Authorization": f"Bearer {TOKENS[0]}"})
+            with pytest.raises(urllib.error.HTTPError) as info:
+                await asyncio.to_thread(urllib.request.urlopen, request, timeout=30)
+            assert info.value.code == 429 and info.value.headers["Retry-After"] == "1"  # a retry hint
             deadline = time.monotonic() + 10
             while (status := (answer := await asyncio.to_thread(post, front.http, "/v1/completions", body,
                                                                    TOKENS[1]))[0]) == 429:
@@ -512,3 +551,79 @@ def test_http_client_that_disconnects_while_waiting_frees_its_place(fronts):
         await until_metric(front.http, "specdec_requests_waiting", 0)
 
     on(front, scenario)
+
+
+# issue 57: clients apart, bounds before cost (unit tests of the same: tests/test_front_bounds.py)
+
+
+def test_another_tokens_abort_neither_touches_nor_reveals_a_request(fronts):
+    """Token 2's Abort("job-1") answers false and token 1's job-1 streams on; token 2 may run a job-1 of its own."""
+    async def scenario(stub):
+        first = await hold(stub, TOKENS[0], request_id="job-1")
+        try:
+            abort = generation_pb2.AbortRequest(request_id="job-1")
+            assert not (await stub.Abort(abort, metadata=auth(TOKENS[1]))).aborted
+            second = await hold(stub, TOKENS[1], request_id="job-1")  # the same id, another client: its own request
+            assert (await stub.Abort(abort, metadata=auth(TOKENS[1]))).aborted  # ends token 2's job-1 ...
+            assert [r async for r in rest(second)][-1].stats.stop_reason == "aborted"
+            assert (await first.read()).token_ids  # ... and not token 1's
+            assert (await stub.Abort(abort, metadata=auth(TOKENS[0]))).aborted
+            assert [r async for r in rest(first)][-1].stats.stop_reason == "aborted"
+        finally:
+            first.cancel()
+
+    on(fronts["tokens"], scenario)
+
+
+def test_bad_ids_and_sizes_are_refused_naming_the_field(fronts):
+    async def scenario(stub):
+        answers = []
+        for fields in ({"request_id": "a" * 129}, {"request_id": "job\n1"},
+                       {"prompt": "x" * ((1 << 20) + 1), "raw": True}, {"max_new_tokens": 10**6}):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await generate(stub, **({"prompt_ids": [1, 2]} if "prompt" not in fields else {}), **fields)
+            answers.append((info.value.code(), info.value.details().split(":")[0]))
+        return answers
+
+    assert on(fronts["queue"], scenario) == [(grpc.StatusCode.INVALID_ARGUMENT, field) for field in
+                                             ("request_id", "request_id", "prompt", "max_new_tokens")]
+
+
+def raw_post(http: str, headers: dict[str, str], body_chunks=()) -> tuple[int, dict, float]:
+    """POST /v1/completions over a bare socket: the headers, then as much of the chunked body as the server takes
+    before it answers. (status, error object, seconds to the answer)."""
+    host, port = http.rsplit(":", 1)
+    start = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {http}\r\nContent-Type: application/json\r\n{head}\r\n"
+                     .encode())
+        with contextlib.suppress(OSError):  # the server may answer and close while chunks are still going out
+            for chunk in body_chunks:
+                sock.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+        response = http_response(sock)
+    return response.status, json.loads(response.read()), time.monotonic() - start
+
+
+def http_response(sock) -> http.client.HTTPResponse:
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    return response
+
+
+def test_http_checks_token_and_size_before_reading_the_body(fronts):
+    """A 300 MB body is announced and never sent: the answer must come without reading it (the old front read the
+    whole body before its 401 and never answered here)."""
+    http_ = fronts["tokens"].http
+    huge = {"Content-Length": str(300 << 20)}
+    status, body, seconds = raw_post(http_, huge)
+    assert (status, body["error"]["code"]) == (401, "invalid_api_key") and seconds < 5
+    status, body, seconds = raw_post(http_, huge | {"Authorization": f"Bearer {TOKENS[0]}"})
+    assert status == 413 and body["error"]["message"].startswith("request body: over front.limits.max_body_bytes")
+    chunked = {"Authorization": f"Bearer {TOKENS[0]}", "Transfer-Encoding": "chunked"}
+    status, body, _ = raw_post(http_, chunked, [b"x" * 16384] * 64)  # 1 MiB, unannounced
+    assert status == 413
+    status, body = post(http_, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2, "specdec": {"ignore_eos": True}},
+                        TOKENS[0])
+    assert status == 200 and body["usage"]["completion_tokens"] == 2  # a body under the cap is served
+

@@ -62,22 +62,18 @@ def test_fuzz_reached_every_rpc_both_accepted_and_refused(fuzzed):
     assert sum(n for per in codes.values() for n in per.values()) + fuzzed["unsent_oversize"] == fuzzed["messages"]
 
 
-def test_a_huge_running_request_id_gets_already_exists_from_the_front(deployment):
-    """Before status messages were cut (specdec.grpc_host.MAX_STATUS_CHARS) the front quoted the whole
-    70,000-character id in ALREADY_EXISTS, past the client's 16 KiB trailer limit: the caller got
-    RESOURCE_EXHAUSTED "Stream removed"."""
+def test_a_huge_request_id_is_refused_at_once_naming_the_field(deployment):
+    """A 70,000-character id was once served and echoed in every chunk (issue 57); now request_id is bounded
+    (orchestrator.serving.requests.check_call) and the refusal quotes none of it."""
     addresses, _ = deployment
     request = generation_pb2.GenerateRequest(request_id="r" * 70_000, prompt_ids=[1, 2], max_new_tokens=200,
                                              ignore_eos=True)
     with grpc.insecure_channel(addresses.front) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
-        running = stub.Generate(request, timeout=60)
-        next(running)  # the first id holder is running
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(request, timeout=30))
-        running.cancel()
-    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS, info.value.details()
-    assert info.value.details().startswith("request_id: 'rrr") and len(info.value.details()) < 1100
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert info.value.details().startswith("request_id: 1 to 128 characters") and len(info.value.details()) < 200
 
 
 def test_cli_on_a_running_deployment_writes_json_and_markdown(deployment, tmp_path):

@@ -247,3 +247,24 @@ def test_serve_refuses_a_health_port(tmp_path):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "grpc.health_port" in result.stderr and "--health-port" in result.stderr
     assert "ready on" not in result.stdout  # refused before any server started
+
+
+@pytest.mark.parametrize("kind", ["target", "draft"])
+def test_a_service_with_a_certificate_but_no_ca_refuses_to_start(pki, tmp_path, kind):
+    """Issue 57: a target given a certificate and key but no CA served any TLS client, with no warning. Now it
+    exits before loading anything, naming grpc.tls_ca, unless grpc.tls_client_auth says otherwise."""
+    pair = save_tiny_pair(tmp_path / "models")
+    config = write_config(tmp_path / "serve.yaml", pair, grpc={"tls_cert": pki["cert.pem"], "tls_key": pki["key.pem"]})
+    service = launch_service(kind, config)
+    try:
+        code, _ = wait_for_exit(service, 60)
+        assert code == 2 and f"grpc.tls_ca: the {kind} service serves TLS" in service.stderr
+    finally:
+        stop_service(service)
+    allowed = write_config(tmp_path / "allowed.yaml", pair, grpc={
+        "tls_cert": pki["cert.pem"], "tls_key": pki["key.pem"], "tls_client_auth": False})
+    service = wait_ready(launch_service(kind, allowed))
+    try:
+        assert "tls_client_auth: false): any client that reaches the port" in service.stderr
+    finally:
+        stop_service(service)

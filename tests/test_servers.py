@@ -404,6 +404,12 @@ def test_verify_batch_rpc_results_in_order(target, reference, info):
     assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "items[1].tree.parents[0]" in bad.details()
     dup = rpc_error(target.VerifyBatch, target_pb2.VerifyBatchRequest(items=[items[0], items[0]]), timeout=30)
     assert dup.code() == grpc.StatusCode.INVALID_ARGUMENT and "items[1].session_id" in dup.details()
+    # issue 57: 100,000 unknown sessions (1.7 MB) once held the event loop for minutes; a batch is one forward
+    many = [target_pb2.VerifyRequest(session_id=f"nope-{i}") for i in range(100_000)]
+    started = time.monotonic()
+    over = rpc_error(target.VerifyBatch, target_pb2.VerifyBatchRequest(items=many), timeout=30)
+    assert over.code() == grpc.StatusCode.INVALID_ARGUMENT and over.details() == "items: 100000 items exceed target.max_batch (16)"
+    assert time.monotonic() - started < 5
     reply = target.VerifyBatch(target_pb2.VerifyBatchRequest(items=items), timeout=30)
     assert [list(r.tokens) for r in reply.results] == [greedy_reference(reference, p, 1) for p in prompts.values()]
     assert [r.batch_size for r in reply.results] == [3, 3, 3]
@@ -943,6 +949,30 @@ def test_idle_sessions_are_released_after_session_idle_s(tmp_path):
     finally:
         stop_service(service)
     assert "released session 'orphan': idle" in service.stderr
+
+
+def test_an_idle_draft_stream_is_ended_and_its_session_released(tmp_path):
+    """Issue 57: a front cut off mid-request left its draft stream open for good; now a stream without a
+    message for draft.session_idle_s ends DEADLINE_EXCEEDED and its KV is released."""
+    pair = save_tiny_pair(tmp_path / "models")
+    config = write_config(tmp_path / "idle.yaml", pair, draft={"session_idle_s": 0.8})
+    service = start_service("draft", config)
+    try:
+        with grpc.insecure_channel(service.address) as channel:
+            session = DraftSession(channel)
+            session.start("idle", [1, 2, 3, 4])
+            stub = draft_pb2_grpc.DraftServiceStub(channel)
+            assert stub.Info(draft_pb2.DraftInfoRequest(), timeout=10).sessions == 1
+            started = time.monotonic()
+            err = rpc_error(session.reply)  # nothing sent: the server ends the stream
+            assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "draft.session_idle_s" in err.details()
+            assert 0.7 < time.monotonic() - started < 5
+            deadline = time.monotonic() + 10
+            while (info := stub.Info(draft_pb2.DraftInfoRequest(), timeout=10)).cached_sessions and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert (info.sessions, info.cached_sessions, info.cached_tokens) == (0, 0, 0)
+    finally:
+        stop_service(service)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -279,3 +279,21 @@ def test_the_reaper_loop_frees_the_kv_of_an_abandoned_session():
         assert released == ["gone"] and list(book.sessions) == ["kept"]
 
     run(body())
+
+
+def test_one_token_prefills_cannot_open_sessions_past_max_sessions():
+    """Issue 57: a 1-token prefill holds no KV slot, so only the session cap stops 20,000 of them."""
+    async def body():
+        book = TargetSessions(max_kv_tokens=100, context_limit=64, max_sessions=3)
+        for i in range(3):
+            book.open(f"s{i}", prompt_len=1)
+        assert book.kv_held() == 0
+        with pytest.raises(CapacityError) as info:
+            book.open("s3", prompt_len=1)
+        assert str(info.value) == "target.max_sessions: all 3 target sessions are open"
+        book.release("s0")
+        book.open("s3", prompt_len=1)  # a released session's place is free again
+        assert len(book) == 3
+
+    run(body())
+

@@ -236,6 +236,27 @@ def test_stop_checker_multi_char_tokens():
     assert run([4, 1, 4, 1], ("zz",)) == (None, None)
 
 
+def test_stop_check_costs_the_same_at_every_output_length():
+    """Issue 57: every token once decoded the whole output (quadratic in its length). Now each push decodes at
+    most 4 x the longest stop string + 9 tokens, and a match spanning the window's tokens is still found."""
+    pieces = {0: "ab", 1: "c", 2: "de", 3: "xyz", 4: "q"}
+    seen = []
+
+    def decode(ids):
+        seen.append(len(ids))
+        return "".join(pieces[i] for i in ids)
+
+    checker = StopChecker(prompt_len=3, max_new_tokens=20_000, context_limit=30_000, stop_strings=("qqqqqxy", "cde"),
+                          decode=decode, streamed=(4, 4))
+    for _ in range(10_000):
+        assert not checker.push(4)
+    assert max(seen) <= 4 * 7 + 9
+    assert checker.push(3) and checker.reason == "stop_string"  # "qqqqq" + "xyz" holds "qqqqqxy" over 6 tokens
+    late = StopChecker(prompt_len=3, max_new_tokens=100, context_limit=1000, stop_strings=("qqc",), decode=decode,
+                       streamed=(4, 4))
+    assert late.push(1) and late.reason == "stop_string"  # spans the streamed tail of an earlier part
+
+
 def test_stop_checker_order_and_budget():
     checker = StopChecker(prompt_len=5, max_new_tokens=4, context_limit=8, eos_token_ids=frozenset({9}))
     assert checker.budget() == 3  # context: 8 - 5

@@ -61,7 +61,7 @@ def test_trace_report_covers_every_round_and_phases_add_up(traced_run, tmp_path)
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "trace_report.json").read_text())
-    requests = {r["request_id"].split("/")[0]: r for r in report["requests"]}
+    requests = {r["request_id"].split("~")[0]: r for r in report["requests"]}
     assert set(requests) == {"one", "two"}
     for name, final in stats.items():
         request = requests[name]

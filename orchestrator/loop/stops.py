@@ -25,11 +25,13 @@ class StopChecker:
     streamed: tuple[int, ...] = ()
     generated: list[int] = field(default_factory=list)
     reason: str | None = None
-    _text: str = ""
+    _window: int = 0
 
     def __post_init__(self):
-        if self.stop_strings and self.streamed:
-            self._text = self.decode(list(self.streamed))  # already checked by the earlier part
+        # a stop string of L characters spans at most 4L UTF-8 bytes, so at most 4L tokens (each >= 1 byte), plus
+        # a few whose partial characters decode as U+FFFD at the window's start: the cost per token is bounded
+        # by the longest stop string, not the output's length
+        self._window = 4 * max((len(s) for s in self.stop_strings), default=0) + 8
 
     def push(self, token: int) -> bool:
         """Record one committed token; True if generation stops after it."""
@@ -48,14 +50,14 @@ class StopChecker:
     def _hits_stop_string(self) -> bool:
         if not self.stop_strings:
             return False
-        text = self.decode([*self.streamed, *self.generated])
+        # the last tokens (the streamed tail too) with and without the new one, decoded from the same token on
+        tail = [*self.streamed[-self._window:], *self.generated][-self._window - 1:]
+        before, text = self.decode(tail[:-1]), self.decode(tail)
         # Only a match that ends inside the changed part is new (it may span tokens). The changed
         # part starts where old and new text first differ: a multi-byte character split across
         # tokens decodes as U+FFFD first and changes in place once complete.
-        same = next((i for i, (a, b) in enumerate(zip(self._text, text)) if a != b), min(len(self._text), len(text)))
-        hit = any(text.find(s, max(0, same - len(s) + 1)) >= 0 for s in self.stop_strings)
-        self._text = text
-        return hit
+        same = next((i for i, (a, b) in enumerate(zip(before, text)) if a != b), min(len(before), len(text)))
+        return any(text.find(s, max(0, same - len(s) + 1)) >= 0 for s in self.stop_strings)
 
     def budget(self) -> int:
         """How many more tokens may still be committed (>= 1 while not stopped)."""

@@ -20,6 +20,7 @@ from specdec.security import token_index
 log = logging.getLogger(__name__)
 
 WAITING, RUNNING, LEFT = "waiting", "running", "left"
+RETRY_AFTER_S = 1  # a refusal's hint: HTTP 429 Retry-After, gRPC RESOURCE_EXHAUSTED grpc-retry-pushback-ms
 
 
 class AdmissionRefused(Exception):
@@ -86,6 +87,11 @@ class Admission:
         per_client = self.limits.max_running_per_client
         return self.running < self.limits.max_running and (per_client is None or self.running_of[client] < per_client)
 
+    def _waiting_cap(self) -> int:
+        """max_waiting_per_client, or by default half the queue: one client cannot fill it for the others."""
+        cap = self.limits.max_waiting_per_client
+        return cap if cap is not None else (self.limits.max_waiting + 1) // 2
+
     def _check_queue(self, client: str) -> None:
         """Raise AdmissionRefused when a request of ``client`` that cannot run may not wait either."""
         limits = self.limits
@@ -95,9 +101,9 @@ class Admission:
             run_field, running, whose = "max_running", self.running, ""
         if self.waiting >= limits.max_waiting:
             wait_field, waiting, wait_limit, wait_whose = "max_waiting", self.waiting, limits.max_waiting, ""
-        elif limits.max_waiting_per_client is not None and self.waiting_of[client] >= limits.max_waiting_per_client:
+        elif limits.max_waiting and self.waiting_of[client] >= self._waiting_cap():
             wait_field, waiting, wait_limit, wait_whose = ("max_waiting_per_client", self.waiting_of[client],
-                                                           limits.max_waiting_per_client, " of this client")
+                                                           self._waiting_cap(), " of this client")
         else:
             return
         if wait_limit == 0:
@@ -121,14 +127,16 @@ class Admission:
         ticket.state = LEFT
 
     def _promote(self) -> None:
-        """Free slots to the waiters that may run, first come first served (cancelled ones skipped)."""
-        for ticket in list(self.queue):
-            if self.running >= self.limits.max_running:
+        """Free slots to the waiters that may run (cancelled ones skipped): each to the first waiter of the client
+        with the fewest running requests, so a client with many queued requests cannot hold the others back."""
+        while self.running < self.limits.max_running:
+            ready = [t for t in self.queue if not t.granted.done() and self._may_run(t.client)]
+            if not ready:
                 return
-            if not ticket.granted.done() and self._may_run(ticket.client):
-                self.queue.remove(ticket)
-                self._count_down(self.waiting_of, ticket.client)
-                self._start(ticket)
+            ticket = min(ready, key=lambda t: self.running_of[t.client])  # min keeps the first of equals: FIFO
+            self.queue.remove(ticket)
+            self._count_down(self.waiting_of, ticket.client)
+            self._start(ticket)
 
     @staticmethod
     def _count_down(counts: Counter, client: str) -> None:

@@ -15,7 +15,7 @@ import uuid
 
 import grpc
 
-from orchestrator.serving.admission import AdmissionRefused, peer_host
+from orchestrator.serving.admission import RETRY_AFTER_S, AdmissionRefused, peer_host
 from orchestrator.serving.backends import LocalBackend, UpstreamError
 from orchestrator.serving.requests import GenerateCall, RequestIdInUse, StreamEvent
 from orchestrator.serving.runner import RequestRunner
@@ -60,8 +60,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     yield response_of(call.request_id, event)
         except RequestIdInUse as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, error_message(exc))
-        except AdmissionRefused as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, error_message(exc))
+        except AdmissionRefused as exc:  # gRPC's retry policies honour the pushback trailer
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, error_message(exc),
+                                (("grpc-retry-pushback-ms", str(RETRY_AFTER_S * 1000)),))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error_message(exc))
         except UpstreamError as exc:
@@ -71,7 +72,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Abort(self, request, context):
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: required")
-        return generation_pb2.AbortResponse(aborted=await self.runner.abort(request.request_id))
+        metadata = dict(context.invocation_metadata() or ())
+        client = self.runner.client_of(metadata.get("authorization", ""), peer_host(context.peer()))
+        return generation_pb2.AbortResponse(aborted=await self.runner.abort(client, request.request_id))
 
 
 def response_of(request_id: str, event: StreamEvent) -> generation_pb2.GenerateResponse:
@@ -100,7 +103,7 @@ async def serve_front(config: ServeConfig) -> int:
     metrics.observe_costs(backend.cost())  # what the cost model starts from, before any round
     monitor = AcceptanceMonitor(front.monitor, metrics=metrics)
     if front.metrics_port is not None:
-        start_metrics_server(front.metrics_port, metrics)
+        start_metrics_server(front.metrics_port, metrics, addr=front.host)
     tokens = load_auth_tokens(front.auth_token_file)
     host = ServiceHost("generation-front", config.grpc, interceptors=[BearerAuth(tokens)] if tokens else [])
     runner = RequestRunner(front, backend, tokenizer, metrics, monitor, tokens)

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orchestrator.loop.embedded import encode_chat
-from orchestrator.serving.admission import AdmissionRefused
+from orchestrator.serving.admission import RETRY_AFTER_S, AdmissionRefused
 from orchestrator.serving.backends import UpstreamError
 from orchestrator.serving.requests import GenerateCall, RequestIdInUse, StreamEvent
 from orchestrator.serving.runner import RequestRunner
@@ -173,7 +173,7 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        headers = {401: {"WWW-Authenticate": "Bearer"}, 429: {"Retry-After": str(RETRY_AFTER_S)}}.get(self.status)
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
@@ -442,12 +442,60 @@ async def _internal_error_response(_request: Request, exc: Exception) -> JSONRes
     return ApiError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
 
 
+class Gate:
+    """ASGI middleware that checks a request before any of its body is read: a ``/v1/`` request without an
+    accepted bearer token gets 401 (auth_tokens empty = no auth), a body over ``max_body_bytes`` (its
+    Content-Length, or counted as it arrives) 413. The app then gets the body whole, already read."""
+
+    def __init__(self, app, auth_tokens: tuple[bytes, ...], max_body_bytes: int):
+        self.app, self.auth_tokens, self.max_body_bytes = app, auth_tokens, max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if (self.auth_tokens and scope["path"].startswith("/v1/")
+                and not token_accepted(self.auth_tokens, headers.get("authorization", ""))):
+            await ApiError(401, "missing or invalid bearer token (Authorization: Bearer ...)",
+                           type="authentication_error", code="invalid_api_key").response()(scope, receive, send)
+            return
+        too_large = ApiError(413, f"request body: over front.limits.max_body_bytes ({self.max_body_bytes} bytes)",
+                             code="request_too_large")
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            await too_large.response()(scope, receive, send)
+            return
+        parts, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > self.max_body_bytes:
+                await too_large.response()(scope, receive, send)
+                return
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # after the body: the disconnect, which Run watches for
+            replayed = True
+            return {"type": "http.request", "body": b"".join(parts), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
 class HttpApi:
-    """The FastAPI app over a RequestRunner. model_name: the ``model`` id; registry: what /metrics serves;
-    draining: set at shutdown (new requests get 503); auth_tokens: accepted bearer tokens (empty = no auth)."""
+    """The FastAPI app over a RequestRunner, behind a ``Gate``. model_name: the ``model`` id; registry: what
+    /metrics serves; draining: set at shutdown (new requests get 503); auth_tokens: accepted bearer tokens (empty =
+    no auth); max_body_bytes: the largest request body read."""
 
     def __init__(self, runner: RequestRunner, model_name: str, registry, draining: asyncio.Event,
-                 auth_tokens: tuple[str, ...] = ()):
+                 auth_tokens: tuple[str, ...] = (), max_body_bytes: int = 4 << 20):
         self.runner = runner
         self.model_name = model_name
         self.registry = registry
@@ -455,7 +503,7 @@ class HttpApi:
         self.auth_tokens = tuple(t.encode() for t in auth_tokens)
         self.active: set[str] = set()  # ids of the HTTP requests running
         self.created = int(time.time())
-        self.app = self._build()
+        self.app = Gate(self._build(), self.auth_tokens, max_body_bytes)
 
     def _build(self) -> FastAPI:
         app = FastAPI(title="specdec", summary="OpenAI-compatible API of the speculative-decoding front",
@@ -472,11 +520,8 @@ class HttpApi:
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         return app
 
-    async def _admit(self, request: Request) -> None:
-        """401 without an accepted bearer token (when tokens are configured); 503 while draining."""
-        if self.auth_tokens and not token_accepted(self.auth_tokens, request.headers.get("authorization", "")):
-                raise ApiError(401, "missing or invalid bearer token (Authorization: Bearer ...)",
-                               type="authentication_error", code="invalid_api_key")
+    async def _admit(self) -> None:
+        """503 while draining (the token was checked by the Gate)."""
         if self.draining.is_set():
             raise ApiError(503, "the server is shutting down", type="server_error", code="draining")
 
@@ -625,7 +670,7 @@ async def start_http(front: FrontConfig, grpc_cfg: GrpcConfig, runner: RequestRu
                      draining: asyncio.Event) -> HttpServer:
     """Serve the HTTP API on front.host:http_port (HTTPS with grpc.tls_cert); prints ``http ready on HOST:PORT``."""
     api = HttpApi(runner, front.served_model_name or Path(tok_dir).name, registry, draining,
-                  load_auth_tokens(front.auth_token_file))
+                  load_auth_tokens(front.auth_token_file), front.limits.max_body_bytes)
     sock = listen(front.host, front.http_port)
     server = _LoopServer(uvicorn.Config(api.app, log_config=None, access_log=False, lifespan="off",
                                         timeout_graceful_shutdown=max(grpc_cfg.shutdown_grace_s, 0.1),

@@ -6,6 +6,7 @@ field (``prompt: ...``): gRPC INVALID_ARGUMENT, HTTP 400 naming its parameter.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from orchestrator.loop.controller import GenerationRequest
@@ -17,6 +18,8 @@ from specdec.tree_spec import TreeSpec
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_REQUEST_ID_CHARS = 128
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:@+=-]+")  # echoed in every chunk and written to logs: no spaces or controls
 
 
 class RequestIdInUse(Exception):
@@ -54,19 +57,37 @@ class StreamEvent:
     prompt_tokens: int = 0
 
 
+def check_call(call: GenerateCall, front: FrontConfig) -> None:
+    """The checks that cost nothing, made before a call costs anything (tokenizing, a slot): request_id, the
+    prompt's size in bytes and ids, max_new_tokens, stop strings. Raises ValueError naming the field."""
+    rid = call.request_id
+    if len(rid) > MAX_REQUEST_ID_CHARS or not REQUEST_ID.fullmatch(rid):
+        raise ValueError(f"request_id: 1 to {MAX_REQUEST_ID_CHARS} characters of A-Z a-z 0-9 . _ : @ + = - "
+                         f"(got {len(rid)} characters)")
+    limits = front.limits
+    if len(call.prompt) > limits.max_prompt_bytes or len(call.prompt.encode("utf-8", "surrogatepass")) > limits.max_prompt_bytes:
+        raise ValueError(f"prompt: over front.limits.max_prompt_bytes ({limits.max_prompt_bytes} bytes of UTF-8)")
+    if len(call.prompt_ids) > front.max_prompt_tokens:
+        raise ValueError(f"prompt_ids: {len(call.prompt_ids)} tokens exceed the limit of {front.max_prompt_tokens} tokens")
+    if call.max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens: must be >= 0 (0 = server default), got {call.max_new_tokens}")
+    if call.max_new_tokens > limits.max_new_tokens:
+        raise ValueError(f"max_new_tokens: {call.max_new_tokens} exceeds front.limits.max_new_tokens "
+                         f"({limits.max_new_tokens})")
+    if len(call.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in call.stop):
+        raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
+    if any(not s for s in call.stop):
+        raise ValueError("stop: an empty stop string would stop after the first token")
+
+
 def to_generation(call: GenerateCall, tokenizer, front: FrontConfig, info) -> GenerationRequest:
-    """The round loop's request of a call; info: the target's Info. Raises ValueError naming the field.
-    Tokenizes (seconds for megabytes): async callers run it in a thread."""
+    """The round loop's request of a call (``check_call`` first); info: the target's Info. Raises ValueError
+    naming the field. Tokenizes (seconds for megabytes): async callers run it in a thread."""
+    check_call(call, front)
     ids = prompt_tokens(call, tokenizer, info.vocab_size)
     limit = min(front.max_prompt_tokens, info.context_limit - 1)
     if len(ids) > limit:
         raise ValueError(f"prompt: {len(ids)} tokens exceed the limit of {limit} tokens")
-    if call.max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens: must be >= 0 (0 = server default), got {call.max_new_tokens}")
-    if any(not s for s in call.stop):
-        raise ValueError("stop: an empty stop string would stop after the first token")
-    if len(call.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in call.stop):
-        raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
     spec = None
     if not call.no_spec and front.speculate:
         spec = call.tree if call.tree is not None else front.tree

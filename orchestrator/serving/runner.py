@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import time
+import uuid
 from typing import AsyncIterator, Sequence
 
 from opentelemetry import propagate
@@ -14,35 +16,36 @@ from opentelemetry import propagate
 from orchestrator.loop.controller import GenerationRequest
 from orchestrator.serving.admission import Admission, Ticket, client_key
 from orchestrator.serving.backends import Backend
-from orchestrator.serving.requests import GenerateCall, RequestIdInUse, StreamEvent, to_generation
+from orchestrator.serving.requests import GenerateCall, RequestIdInUse, StreamEvent, check_call, to_generation
 from specdec.config import FrontConfig
 from specdec.stats import GenerationStats, RoundRecord
 
 
 class TextDeltas:
-    """Text deltas of a growing token list, held back while ending in an incomplete UTF-8 sequence (U+FFFD)."""
+    """Text deltas of a growing token list, held back while ending in an incomplete UTF-8 sequence (U+FFFD).
+    Incremental (as vLLM's detokenizer): each delta decodes only the tokens since the last one plus the ones before
+    them as context, so its cost does not grow with the output. Text already sent is never taken back."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.sent = ""
+        self.prefix = 0  # ids[prefix:read]: the context of the next delta, already sent
+        self.read = 0
 
     def push(self, tokens: list[int]) -> str:
         self.ids.extend(tokens)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        return self._delta(text)
+        return self._delta(final=False)
 
     def final(self) -> str:
-        return self._delta(self.tokenizer.decode(self.ids, skip_special_tokens=True))
+        return self._delta(final=True)
 
-    def _delta(self, text: str) -> str:
-        """New text since the last delta; text already sent is never taken back, even where a tokenizer's
-        cleanup changes it (never for byte-level BPE such as Qwen's)."""
-        delta = text[len(self.sent):]  # on a divergence: best effort, the text past what was sent
-        self.sent = text
-        return delta
+    def _delta(self, final: bool) -> str:
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        text = self.tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before):]
 
 
 class RequestRunner:
@@ -57,7 +60,10 @@ class RequestRunner:
         self.monitor = monitor
         self.auth_tokens = tuple(t.encode() for t in auth_tokens)
         self.admission = Admission(front.limits)
-        self.running: set[str] = set()  # request ids with a stream open (waiting for a slot or running)
+        # (client, request_id) -> the id the backend knows it by, for every stream open (waiting or running):
+        # ids are scoped per client, so one client can neither take, probe nor abort another's request
+        self.running: dict[tuple[str, str], str] = {}
+        self._ids = (f"{uuid.uuid4().hex[:8]}{n:x}" for n in itertools.count())
 
     def client_of(self, authorization: str, host: str) -> str:
         """The caller's admission key (``client_key``); authorization: the header's value ("" when absent)."""
@@ -66,13 +72,20 @@ class RequestRunner:
     async def run(self, call: GenerateCall) -> AsyncIterator[StreamEvent]:
         """Validate a call and run it: a StreamEvent per round with tokens, then the final one. Aborted while
         waiting for a slot: stop reason "aborted". Raises ValueError naming the field (before any event),
-        RequestIdInUse, AdmissionRefused or UpstreamError. Closing early frees its KV and slot or queue place."""
+        RequestIdInUse, AdmissionRefused or UpstreamError. Closing early frees its KV and slot or queue place.
+        Its deadline: the client's time left or ``front.limits.request_timeout_s``, whichever is shorter."""
         arrived = time.monotonic()  # the deadline left to the backend is what tokenizing and waiting did not use
+        check_call(call, self.front)  # before anything costs: the bounds that need no tokenizer
+        key = (call.client, call.request_id)
+        if key in self.running:
+            raise RequestIdInUse(f"request_id: {call.request_id!r} is already running")
         # it tokenizes: off the event loop (the tokenizer releases the GIL)
         req = await asyncio.to_thread(to_generation, call, self.tokenizer, self.front, self.backend.info)
-        request_id = call.request_id
-        if request_id in self.running:
-            raise RequestIdInUse(f"request_id: {request_id!r} is already running")
+        if key in self.running:  # taken while this one was tokenized
+            raise RequestIdInUse(f"request_id: {call.request_id!r} is already running")
+        request_id = f"{call.request_id}~{next(self._ids)}"  # unique across clients and fronts; "~" is no id's
+        timeout_s = min((t for t in (call.timeout_s, self.front.limits.request_timeout_s) if t is not None),
+                        default=None)
         carrier = call.carrier
         if carrier is None:
             carrier = {}
@@ -80,8 +93,8 @@ class RequestRunner:
         deltas = TextDeltas(self.tokenizer)
         started = time.perf_counter()
         ticket = self.admission.enter(call.client, request_id)  # raises AdmissionRefused
-        self.running.add(request_id)
-        stream = self._admitted(ticket, req, request_id, call.timeout_s, arrived, carrier)
+        self.running[key] = request_id
+        stream = self._admitted(ticket, req, request_id, timeout_s, arrived, carrier)
         if self.metrics is not None:  # request latency, TTFT, inter-token latency, running / waiting (queued too)
             stream = self.metrics.track_stream(stream)
         try:
@@ -97,7 +110,7 @@ class RequestRunner:
                 await stream.aclose()  # ended early: the backend's stream ends first (its KV freed), then the slot
             finally:  # a second cancel or an error while closing must not keep the slot or the id
                 self.admission.leave(ticket)
-                self.running.discard(request_id)
+                self.running.pop(key, None)
                 if self.monitor is not None:
                     self.monitor.release(request_id)
 
@@ -134,6 +147,10 @@ class RequestRunner:
         if self.monitor is not None and record.proposed:
             self.monitor.record(request_id, record.proposed, record.accepted)
 
-    async def abort(self, request_id: str) -> bool:
-        """End a request by id, waiting or running; whether one had this id."""
-        return self.admission.abort(request_id) or await self.backend.abort(request_id)
+    async def abort(self, client: str, request_id: str) -> bool:
+        """End ``client``'s request by id, waiting or running; whether it had one with this id (another client's
+        request of the same id is neither touched nor revealed)."""
+        internal = self.running.get((client, request_id))
+        if internal is None:
+            return False
+        return self.admission.abort(internal) or await self.backend.abort(internal)
