@@ -6,6 +6,7 @@
 #
 #   deploy/local.sh [CONFIG]      CONFIG defaults to deploy/specdec.yaml
 #   SPECDEC="python -m orchestrator.cli" deploy/local.sh    # without the installed console script
+#   RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=FILE deploy/local.sh   # the front's Ray with token auth, as in the pods
 set -euo pipefail
 config="${1:-$(dirname "$0")/specdec.yaml}"
 specdec="${SPECDEC:-specdec}"

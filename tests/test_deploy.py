@@ -20,10 +20,26 @@ What is checked, and against what:
   terminationGracePeriodSeconds exceeds preStop + grpc.shutdown_grace_s; every container has the
   OTEL_* variables; every server serves TLS with mutual TLS (--tls-cert/--tls-key/--tls-ca) and the
   front needs bearer tokens (--auth-token-file), each file a key of a Secret mounted read-only at its
-  folder (specdec-tls, specdec-auth), every Secret volume mounted, the Ray workers holding the
-  front's TLS files at the same paths (their orchestrator actors dial draft and target); with TLS,
-  the probes ask the plaintext health port (--health-port = container port "health"); images are the one the Dockerfile builds; the Dockerfile installs the package
-  whose ``specdec`` subcommands the manifests run, and they take the flags the manifests pass.
+  folder, every Secret volume mounted, the Ray workers holding the front's TLS files at the same
+  paths (their orchestrator actors dial draft and target); with TLS, the probes ask the plaintext
+  health port (--health-port = container port "health"), and the front's HTTP API has a probe of
+  its own (GET /health over HTTPS); images are the one the Dockerfile builds; the Dockerfile
+  installs the package whose ``specdec`` subcommands the manifests run, and they take the flags the
+  manifests pass.
+- Security review (the same kind of cross-checks, each caught broken by a mutation): Pod Security
+  Standards "restricted" on every pod template, Ray's included (non-root, no privilege escalation,
+  capabilities dropped, RuntimeDefault seccomp, restricted volume types, no host namespaces, paths
+  or ports), the namespace enforcing it, a read-only root filesystem with writable volumes where
+  the processes write (/tmp, $HOME, $SPECDEC_CACHE of the image) and no service-account token;
+  separate keys per service (each server's TLS files from its own Secret, no Secret of a service's
+  key in another's pods); Ray token authentication on every Ray container (RAY_AUTH_MODE=token,
+  the token a key of the Secret specdec-ray-token) and probes on the Ray workers; NetworkPolicies
+  evaluated for every (peer, pod, port): only the front's Ray pods reach draft and target, only the
+  ingress controller's namespace the front's public ports, only the Ray pods each other.
+- A maintained policy checker: checkov (from PyPI, run offline) on the rendered manifests and a Pod
+  for each Ray group; nothing fails but the image-digest checks (CHECKOV_SKIPS, with their reasons),
+  and broken copies of the objects fail the checks they break. Skipped with the way to install it
+  where checkov is absent ($SPECDEC_CHECKOV, PATH or /opt/checkov; it cannot share ray's environment).
 - The manifests are what ``kubectl apply -k deploy/`` applies: ``render()`` builds them from
   deploy/kustomization.yaml (resources, namespace, configMapGenerator); where ``kubectl`` or
   ``kustomize`` is installed, the real kustomize output is checked too (equal up to the ConfigMaps'
@@ -32,27 +48,36 @@ What is checked, and against what:
   for ``specdec`` (the head starts Ray without --block, then execs the front with its flags);
   deploy/local.sh runs against stand-in servers (one exiting, or a SIGTERM, stops all three).
 - Local rehearsal: deploy/local.sh (the manifests' entrypoints, the same config, loopback) serves a
-  greedy request whose output equals target-only decoding (skipped until ``specdec front`` exists).
+  greedy request whose output equals target-only decoding (skipped until ``specdec front`` exists),
+  run as the pods run: Ray token authentication on (its GCS refuses a call without the token) and,
+  where this machine allows mount namespaces (root), a read-only root filesystem with only the
+  emptyDirs' stand-ins writable.
 
 Not checked here: building the image (no Docker daemon or base-image registry in CI), and anything
-that needs a cluster (scheduling, GPUs, the KubeRay operator's own defaults).
+that needs a cluster (scheduling, GPUs, the KubeRay operator's own defaults, whether the cluster's
+network plugin enforces NetworkPolicies).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fnmatch
 import functools
+import json
 import os
 import re
+import secrets
 import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -61,6 +86,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from packaging.requirements import Requirement
+from packaging.version import Version
 
 from specdec.config import ConfigError, ServeConfig, load_config
 from specdec.tree_spec import parse_tree_spec
@@ -93,8 +119,20 @@ OVERRIDES = {
 # manifests' Secrets hold (docs/deploy.md; created by hand or cert-manager, not by kustomize).
 TLS_FLAGS = ("--tls-cert", "--tls-key", "--tls-ca")
 FILE_FLAGS = (*TLS_FLAGS, "--auth-token-file")
-SECRET_KEYS = {"specdec-tls": {"tls.crt", "tls.key", "ca.crt"}, "specdec-auth": {"tokens"}}
+TLS_KEYS = {"tls.crt", "tls.key", "ca.crt"}
+SECRET_KEYS = {"specdec-draft-tls": TLS_KEYS, "specdec-target-tls": TLS_KEYS, "specdec-front-tls": TLS_KEYS,
+               "specdec-auth": {"tokens"}, "specdec-ray-token": {"auth_token"}}
+# Separate keys per service: the Secret each server's TLS files come from (and no other pod's).
+SERVICE_TLS = {"draft-server": "specdec-draft-tls", "target-server": "specdec-target-tls", "front": "specdec-front-tls"}
 OTEL_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES")
+# The front's HTTP API is probed by this probe (GET /health); its other probes ask the gRPC health port.
+HTTP_API_PROBE = "livenessProbe"
+# Ray workers: readiness and liveness ask the raylet's health on the dashboard agent, as KubeRay's
+# default probes do (a path Ray leaves open with token auth on).
+RAYLET_HEALTH_PATH, RAYLET_AGENT_PORT = "/api/local_raylet_healthz", 52365
+# Ray token authentication (Ray >= 2.52): on every Ray container, the token from a Secret's key.
+RAY_AUTH_MIN_VERSION = "2.52.0"
+RAY_TOKEN_SECRET, RAY_TOKEN_KEY = "specdec-ray-token", "auth_token"
 GPU = "nvidia.com/gpu"
 SHELL_OPERATORS = {";", "&&", "||", "|", "&", "(", ")"}
 
@@ -345,6 +383,9 @@ def check_servers(resources: list[dict], config: ServeConfig) -> list[str]:
         elif "--tls-cert" in launch.flags:
             problems.append(f"{where}: TLS without --health-port: kubelet's plaintext gRPC probes cannot reach a TLS port")
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            if launch.subcommand == "front" and kind == HTTP_API_PROBE and config.front.http_port is not None:
+                problems += check_http_api_probe(where, kind, ctr, config.front.http_port, "--tls-cert" in launch.flags)
+                continue
             grpc_probe = (ctr.get(kind) or {}).get("grpc")
             if grpc_probe is None:
                 problems.append(f"{where}: {kind} is not a gRPC health probe")
@@ -355,6 +396,28 @@ def check_servers(resources: list[dict], config: ServeConfig) -> list[str]:
             if grpc_probe.get("service", "") not in wanted:
                 problems.append(f"{where}: {kind} asks for health service {grpc_probe.get('service', '')!r}, "
                                 f"expected one of {sorted(wanted)}")
+    return problems
+
+
+def http_get_port(ctr: dict, get: dict) -> int | None:
+    """The container port an httpGet probe asks (by name or number)."""
+    ports = {p.get("name"): p["containerPort"] for p in ctr.get("ports", [])}
+    return ports.get(get.get("port")) if isinstance(get.get("port"), str) else get.get("port")
+
+
+def check_http_api_probe(where: str, kind: str, ctr: dict, http_port: int, tls: bool) -> list[str]:
+    """The front's HTTP API has a probe of its own: GET /health on front.http_port, HTTPS with TLS."""
+    get = (ctr.get(kind) or {}).get("httpGet")
+    if get is None:
+        return [f"{where}: {kind} is not an HTTP probe of the HTTP API (GET /health on front.http_port)"]
+    problems, port = [], http_get_port(ctr, get)
+    if port != http_port:
+        problems.append(f"{where}: {kind} asks port {get.get('port')!r} ({port}), config front.http_port is {http_port}")
+    if get.get("path") != "/health":
+        problems.append(f"{where}: {kind} asks {get.get('path')!r}, the HTTP API's health path is '/health'")
+    scheme, wanted = get.get("scheme", "HTTP"), "HTTPS" if tls else "HTTP"
+    if scheme != wanted:
+        problems.append(f"{where}: {kind} scheme {scheme}, the HTTP API serves {wanted}")
     return problems
 
 
@@ -496,8 +559,9 @@ def mounted_secret(pod: PodTemplate, ctr: dict, path: str) -> tuple[str | None, 
     return secret["secretName"], key, ""
 
 
-def check_file_flag(pod: PodTemplate, ctr: dict, flag: str, path: str) -> list[str]:
-    """A file flag's path is a key of a mounted Secret that holds it (SECRET_KEYS)."""
+def check_file_flag(pod: PodTemplate, ctr: dict, flag: str, path: str, server: str | None = None) -> list[str]:
+    """A file flag's path is a key of a mounted Secret that holds it (SECRET_KEYS); a TLS file of
+    ``server`` comes from that server's own Secret (SERVICE_TLS)."""
     where = f"{pod.origin} container {ctr['name']} {flag} {path}"
     secret, key, problem = mounted_secret(pod, ctr, path)
     if problem:
@@ -506,6 +570,8 @@ def check_file_flag(pod: PodTemplate, ctr: dict, flag: str, path: str) -> list[s
         return [f"{where}: Secret {secret!r} is none of {sorted(SECRET_KEYS)}"]
     if key not in SECRET_KEYS[secret]:
         return [f"{where}: Secret {secret} holds no key {key!r} (it holds {sorted(SECRET_KEYS[secret])})"]
+    if flag in TLS_FLAGS and server in SERVICE_TLS and secret != SERVICE_TLS[server]:
+        return [f"{where}: from Secret {secret}, not {SERVICE_TLS[server]} (each service has its own key)"]
     return []
 
 
@@ -521,7 +587,7 @@ def check_secrets(resources: list[dict]) -> list[str]:
                      for flag in wanted if flag not in launch.flags]
         for flag in FILE_FLAGS:
             if flag in launch.flags:
-                problems += check_file_flag(pod, ctr, flag, launch.flags[flag])
+                problems += check_file_flag(pod, ctr, flag, launch.flags[flag], launch.subcommand)
         if launch.subcommand == "front":
             front_files[pod.origin.rsplit(" ", 1)[0]] = {f: launch.flags[f] for f in TLS_FLAGS if f in launch.flags}
     for pod in pod_templates(resources):
@@ -602,11 +668,15 @@ def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
 
 
 def dockerfile_facts(text: str) -> dict:
-    facts = {"args": {}, "labels": {}, "copied": [], "runs": [], "expose": set()}
+    facts = {"args": {}, "labels": {}, "copied": [], "runs": [], "expose": set(), "env": {}, "user": None}
     for keyword, args in dockerfile_instructions(text):
         if keyword == "ARG":
             name, _, default = args.partition("=")
             facts["args"][name] = default
+        elif keyword == "ENV":
+            facts["env"].update(word.split("=", 1) for word in shlex.split(args))
+        elif keyword == "USER":
+            facts["user"] = args
         elif keyword == "LABEL":
             facts["labels"].update(word.split("=", 1) for word in shlex.split(args))
         elif keyword == "COPY":
@@ -627,10 +697,312 @@ def check_images(resources: list[dict], dockerfile_text: str) -> list[str]:
             if ctr.get("image", "").rsplit("/", 1)[-1] != image]
 
 
+# ---------------------------------------------------------------------------------------------
+# Security review: Pod Security Standards, writable paths, probes, Ray token, keys, network
+# ---------------------------------------------------------------------------------------------
+
+# Pod Security Standards, Kubernetes v1.30 (https://kubernetes.io/docs/concepts/security/pod-security-standards/)
+PSS_VOLUME_TYPES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected",
+                    "secret"}
+PSS_SAFE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
+                    "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
+                    "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
+                    "net.ipv4.tcp_keepalive_probes"}
+PSS_SELINUX_TYPES = {"", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"}
+PSS_SECCOMP = {"RuntimeDefault", "Localhost"}
+WRITABLE_VOLUME_TYPES = {"emptyDir", "ephemeral", "persistentVolumeClaim"}
+
+
+def _context_problems(where: str, sc: dict) -> list[str]:
+    """Baseline controls a pod or container securityContext shares: SELinux, AppArmor, seccomp not Unconfined."""
+    problems = []
+    selinux = sc.get("seLinuxOptions") or {}
+    if selinux.get("type", "") not in PSS_SELINUX_TYPES or selinux.get("user") or selinux.get("role"):
+        problems.append(f"{where}: seLinuxOptions {selinux} (baseline allows only the container types)")
+    if (sc.get("appArmorProfile") or {}).get("type", "RuntimeDefault") not in ("RuntimeDefault", "Localhost"):
+        problems.append(f"{where}: appArmorProfile {sc['appArmorProfile']}")
+    if (sc.get("seccompProfile") or {}).get("type") == "Unconfined":
+        problems.append(f"{where}: seccompProfile Unconfined")
+    return problems
+
+
+def check_pod_security(resources: list[dict]) -> list[str]:
+    """Pod Security Standards "restricted" (v1.30, baseline's controls included) on every pod template,
+    Ray's included, and what the review asks beyond it: a read-only root filesystem and no
+    service-account token in every pod; and the namespace enforces "restricted" itself."""
+    problems = []
+    for ns in (r for r in resources if r["kind"] == "Namespace"):
+        if ns["metadata"].get("labels", {}).get("pod-security.kubernetes.io/enforce") != "restricted":
+            problems.append(f"Namespace/{ns['metadata']['name']}: pod-security.kubernetes.io/enforce is not 'restricted'")
+    accounts = {(r["metadata"].get("namespace"), r["metadata"]["name"]): r for r in resources if r["kind"] == "ServiceAccount"}
+    for pod in pod_templates(resources):
+        spec, where = pod.spec, pod.origin
+        psc = spec.get("securityContext") or {}
+        problems += [f"{where}: {key}" for key in ("hostNetwork", "hostPID", "hostIPC") if spec.get(key)]
+        for vol in spec.get("volumes", []):
+            kinds = set(vol) - {"name"}
+            if not kinds <= PSS_VOLUME_TYPES:
+                problems.append(f"{where}: volume {vol['name']!r} is {sorted(kinds - PSS_VOLUME_TYPES)}, not a restricted type")
+        problems += [f"{where}: sysctl {c['name']} is not a safe sysctl" for c in psc.get("sysctls", [])
+                     if c["name"] not in PSS_SAFE_SYSCTLS]
+        problems += _context_problems(where, psc)
+        problems += [f"{where}: AppArmor annotation {k}: {v}" for k, v in pod.template.get("metadata", {}).get("annotations", {}).items()
+                     if k.startswith("container.apparmor.security.beta.kubernetes.io/") and v != "runtime/default"
+                     and not v.startswith("localhost/")]
+        if psc.get("runAsUser") == 0:
+            problems.append(f"{where}: runAsUser 0 (root)")
+        account = accounts.get((pod.namespace, spec.get("serviceAccountName", "default")), {})
+        if spec.get("automountServiceAccountToken", account.get("automountServiceAccountToken", True)) is not False:
+            problems.append(f"{where}: the service-account token is mounted (nothing here calls the Kubernetes API: "
+                            "automountServiceAccountToken: false)")
+        for ctr in pod.containers + spec.get("ephemeralContainers", []):
+            csc, cwhere = ctr.get("securityContext") or {}, f"{where} container {ctr['name']}"
+            problems += _context_problems(cwhere, csc)
+            if csc.get("privileged"):
+                problems.append(f"{cwhere}: privileged")
+            if csc.get("allowPrivilegeEscalation") is not False:
+                problems.append(f"{cwhere}: allowPrivilegeEscalation is not false")
+            caps = csc.get("capabilities") or {}
+            if "ALL" not in caps.get("drop", []):
+                problems.append(f"{cwhere}: capabilities: ALL is not dropped")
+            if set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
+                problems.append(f"{cwhere}: adds capabilities {sorted(set(caps['add']) - {'NET_BIND_SERVICE'})}")
+            if csc.get("runAsNonRoot", psc.get("runAsNonRoot")) is not True:
+                problems.append(f"{cwhere}: runAsNonRoot is not true")
+            if csc.get("runAsUser") == 0:
+                problems.append(f"{cwhere}: runAsUser 0 (root)")
+            seccomp = (csc.get("seccompProfile") or psc.get("seccompProfile") or {}).get("type")
+            if seccomp not in PSS_SECCOMP:
+                problems.append(f"{cwhere}: seccompProfile {seccomp}, not one of {sorted(PSS_SECCOMP)}")
+            if csc.get("procMount", "Default") != "Default":
+                problems.append(f"{cwhere}: procMount {csc['procMount']}")
+            problems += [f"{cwhere}: hostPort {p['hostPort']}" for p in ctr.get("ports", []) if p.get("hostPort")]
+            if csc.get("readOnlyRootFilesystem") is not True:
+                problems.append(f"{cwhere}: the root filesystem is writable (readOnlyRootFilesystem)")
+    return problems
+
+
+def check_writable_paths(resources: list[dict], dockerfile_text: str) -> list[str]:
+    """Under a read-only root filesystem a process writes only where a writable volume is mounted:
+    every container needs one at /tmp (temporary files; Ray's /tmp/ray) and at $HOME (~/.cache,
+    CUDA's ~/.nv, Triton), a ``specdec`` server also at $SPECDEC_CACHE (converted models); HOME and
+    SPECDEC_CACHE as the image sets them (deploy/Dockerfile ENV) or the container's env."""
+    problems, image_env = [], dockerfile_facts(dockerfile_text)["env"]
+    for pod in pod_templates(resources):
+        volumes = {v["name"]: v for v in pod.spec.get("volumes", [])}
+        for ctr in pod.containers:
+            if not (ctr.get("securityContext") or {}).get("readOnlyRootFilesystem"):
+                continue
+            env = {**image_env, **{e["name"]: e["value"] for e in ctr.get("env", []) if "value" in e}}
+            needed = {"/tmp": "temporary files, Ray's /tmp/ray", env.get("HOME", "/root"): "$HOME: ~/.cache, ~/.nv, ~/.triton"}
+            if launch_of(ctr) is not None:
+                needed[env.get("SPECDEC_CACHE", "~/.cache/specdec")] = "$SPECDEC_CACHE: converted models"
+            for path, why in needed.items():
+                where = f"{pod.origin} container {ctr['name']}: {path} ({why})"
+                mounts = [m for m in ctr.get("volumeMounts", []) if PurePosixPath(m["mountPath"]) == PurePosixPath(path)]
+                if not mounts:
+                    problems.append(f"{where}: no writable volume mounted there under a read-only root filesystem")
+                elif mounts[0].get("readOnly") or not set(volumes.get(mounts[0]["name"], {})) & WRITABLE_VOLUME_TYPES:
+                    problems.append(f"{where}: volume {mounts[0]['name']!r} is not writable "
+                                    f"(one of {sorted(WRITABLE_VOLUME_TYPES)}, not readOnly)")
+    return problems
+
+
+def check_ray_probes(resources: list[dict]) -> list[str]:
+    """Ray worker containers have readiness and liveness probes on the raylet's health."""
+    problems = []
+    for pod in pod_templates(resources):
+        if " worker " not in pod.origin:
+            continue
+        for ctr in pod.spec["containers"]:
+            for kind in ("readinessProbe", "livenessProbe"):
+                get = (ctr.get(kind) or {}).get("httpGet") or {}
+                if get.get("path") != RAYLET_HEALTH_PATH or http_get_port(ctr, get) != RAYLET_AGENT_PORT:
+                    problems.append(f"{pod.origin} container {ctr['name']}: {kind} does not ask the raylet's health "
+                                    f"(GET {RAYLET_HEALTH_PATH} on port {RAYLET_AGENT_PORT})")
+    return problems
+
+
+def check_ray_auth(resources: list[dict]) -> list[str]:
+    """Ray token authentication in every RayCluster: rayVersion >= RAY_AUTH_MIN_VERSION, and on
+    every Ray container (head, workers) RAY_AUTH_MODE=token with the token from the Secret
+    RAY_TOKEN_SECRET's key RAY_TOKEN_KEY, as a file (RAY_AUTH_TOKEN_PATH in that Secret, mounted
+    read-only) or RAY_AUTH_TOKEN from a secretKeyRef (a literal token would sit in the manifest);
+    or spec.authOptions {mode: token, secretName: RAY_TOKEN_SECRET} (KubeRay >= 1.5.1 sets both)."""
+    problems = []
+    for ray in (r for r in resources if r["kind"] == "RayCluster"):
+        name, spec = ray["metadata"]["name"], ray["spec"]
+        if Version(spec.get("rayVersion", "0")) < Version(RAY_AUTH_MIN_VERSION):
+            problems.append(f"RayCluster/{name}: rayVersion {spec.get('rayVersion')} has no token authentication "
+                            f"(Ray >= {RAY_AUTH_MIN_VERSION})")
+        options = spec.get("authOptions") or {}
+        if options.get("mode") == "token":
+            if options.get("secretName") != RAY_TOKEN_SECRET:
+                problems.append(f"RayCluster/{name}: authOptions.secretName {options.get('secretName')!r}, not {RAY_TOKEN_SECRET}")
+            continue
+        for pod in pod_templates([ray]):
+            for ctr in pod.spec["containers"]:
+                where = f"{pod.origin} container {ctr['name']}"
+                env = {e["name"]: e for e in ctr.get("env", [])}
+                if env.get("RAY_AUTH_MODE", {}).get("value") != "token":
+                    problems.append(f"{where}: no RAY_AUTH_MODE=token (Ray's GCS, dashboard and client port take anyone)")
+                if "RAY_AUTH_TOKEN" in env:
+                    ref = (env["RAY_AUTH_TOKEN"].get("valueFrom") or {}).get("secretKeyRef") or {}
+                    if (ref.get("name"), ref.get("key")) != (RAY_TOKEN_SECRET, RAY_TOKEN_KEY):
+                        problems.append(f"{where}: RAY_AUTH_TOKEN is not key {RAY_TOKEN_KEY} of Secret {RAY_TOKEN_SECRET}")
+                elif "RAY_AUTH_TOKEN_PATH" in env:
+                    path = env["RAY_AUTH_TOKEN_PATH"].get("value", "")
+                    secret, key, problem = mounted_secret(pod, ctr, path)
+                    if problem or (secret, key) != (RAY_TOKEN_SECRET, RAY_TOKEN_KEY):
+                        problems.append(f"{where}: RAY_AUTH_TOKEN_PATH {path}: "
+                                        f"{problem or f'key {key} of Secret {secret}'}, not key {RAY_TOKEN_KEY} of Secret {RAY_TOKEN_SECRET}")
+                else:
+                    problems.append(f"{where}: no Ray token (RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN)")
+    return problems
+
+
+def _secret_names(volume: dict) -> list[str]:
+    if "secret" in volume:
+        return [volume["secret"].get("secretName")]
+    return [src["secret"].get("name") for src in (volume.get("projected") or {}).get("sources", []) if "secret" in src]
+
+
+def check_separate_keys(resources: list[dict]) -> list[str]:
+    """Each service's TLS key is mounted only by that service's pods (the front's by its Ray head
+    and workers): a pod broken into yields one service's key, not every service's."""
+    owners: dict[str, set[str]] = {}
+    for pod in pod_templates(resources):
+        for volume in pod.spec.get("volumes", []):
+            for secret in _secret_names(volume):
+                owners.setdefault(secret, set()).add(pod.origin.split(" ")[0])
+    return [f"Secret {secret} (a service's key) is mounted by pods of {sorted(owners[secret])}"
+            for secret in sorted(set(SERVICE_TLS.values())) if len(owners.get(secret, ())) > 1]
+
+
+# Who may connect to what (deploy/k8s/network-policies.yaml): the ingress controller's and
+# Prometheus' namespaces as the policies name them, a Ray worker port (Ray picks them), and the
+# peers tried besides the pods of the manifests.
+INGRESS_NAMESPACE, MONITORING_NAMESPACE, RAY_WORKER_PORT = "ingress-nginx", "monitoring", 10002
+
+
+@dataclass
+class Peer:
+    name: str
+    namespace: str
+    labels: dict
+    pod: PodTemplate | None = None
+
+
+def label_selector_matches(selector: dict, labels: dict) -> bool:
+    """A Kubernetes label selector ({} selects everything)."""
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
+        if (op == "In" and labels.get(key) not in values) or (op == "NotIn" and key in labels and labels[key] in values) \
+                or (op == "Exists" and key not in labels) or (op == "DoesNotExist" and key in labels):
+            return False
+    return True
+
+
+def namespace_labels(resources: list[dict], name: str) -> dict:
+    ns = next((r for r in resources if r["kind"] == "Namespace" and r["metadata"]["name"] == name), None)
+    return {**((ns or {}).get("metadata", {}).get("labels") or {}), "kubernetes.io/metadata.name": name}
+
+
+def ingress_allowed(resources: list[dict], src: Peer, dst: PodTemplate, port: int) -> bool:
+    """Whether the NetworkPolicies let ``src`` open a TCP connection to ``port`` of ``dst`` (no
+    policy selecting the pod for Ingress: allowed; else any rule of a selecting policy)."""
+    policies = [p for p in resources if p["kind"] == "NetworkPolicy" and p["metadata"].get("namespace") == dst.namespace
+                and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+                and label_selector_matches(p["spec"].get("podSelector") or {}, dst.labels)]
+    if not policies:
+        return True
+
+    def peer_matches(peer: dict, policy_ns: str) -> bool:
+        if "ipBlock" in peer:
+            return False  # the peers tried are pods
+        ns_sel, pod_sel = peer.get("namespaceSelector"), peer.get("podSelector")
+        ns_ok = src.namespace == policy_ns if ns_sel is None else label_selector_matches(ns_sel, namespace_labels(resources, src.namespace))
+        return ns_ok and (pod_sel is None or label_selector_matches(pod_sel, src.labels))
+
+    def port_matches(rule_port: dict) -> bool:
+        want = rule_port.get("port")
+        if rule_port.get("protocol", "TCP") != "TCP":
+            return False
+        if isinstance(want, str):
+            return resolve_port(dst, want) == port and any(p.get("name") == want for c in dst.spec["containers"] for p in c.get("ports", []))
+        return want is None or want <= port <= rule_port.get("endPort", want)
+
+    for policy in policies:
+        for rule in policy["spec"].get("ingress") or []:
+            if rule.get("from") and not any(peer_matches(peer, policy["metadata"].get("namespace")) for peer in rule["from"]):
+                continue
+            if rule.get("ports") and not any(port_matches(p) for p in rule["ports"]):
+                continue
+            return True
+    return False
+
+
+def network_peers(resources: list[dict]) -> list[Peer]:
+    pods = pod_templates(resources)
+    namespace = pods[0].namespace if pods else None
+    return [Peer(pod.origin, pod.namespace, pod.labels, pod) for pod in pods] + [
+        Peer("another pod of the namespace", namespace, {"app.kubernetes.io/name": "other"}),
+        Peer("a pod labelled specdec of no component", namespace, {"app.kubernetes.io/name": "specdec"}),
+        Peer("the ingress controller", INGRESS_NAMESPACE, {"app.kubernetes.io/name": "ingress-nginx"}),
+        Peer("Prometheus", MONITORING_NAMESPACE, {"app.kubernetes.io/name": "prometheus"}),
+        Peer("a pod of another namespace", "default", {"app.kubernetes.io/name": "specdec", "app.kubernetes.io/component": "front"}),
+    ]
+
+
+def expected_reach(src: Peer, dst: PodTemplate, port: int) -> bool:
+    """The intended policy: draft and target (their gRPC port) only from the front's Ray pods; the
+    front's public ports from the ingress controller, its metrics from Prometheus; the Ray pods of a
+    cluster from each other on any port; nothing else."""
+    named = {p.get("name"): p["containerPort"] for c in dst.spec["containers"] for p in c.get("ports", [])}
+    servers = {(launch_of(c) or Launch("")).subcommand for c in dst.spec["containers"]}
+    cluster = dst.origin.split(" ")[0] if dst.origin.startswith("RayCluster/") else None
+    same_cluster = src.pod is not None and src.namespace == dst.namespace and src.pod.origin.split(" ")[0] == cluster
+    from_front = src.pod is not None and src.namespace == dst.namespace and src.pod.origin.startswith("RayCluster/")
+    if servers & {"draft-server", "target-server"}:
+        return from_front and port == named.get("grpc")
+    if cluster is None:
+        return False
+    if same_cluster:
+        return True
+    if "front" in servers and src.pod is None and src.namespace == INGRESS_NAMESPACE:
+        return port in (named.get("grpc"), named.get("http"))
+    if "front" in servers and src.pod is None and src.namespace == MONITORING_NAMESPACE:
+        return port == named.get("front-metrics")
+    return False
+
+
+def check_network_policies(resources: list[dict]) -> list[str]:
+    """Every (peer, pod, port) the NetworkPolicies allow is one expected_reach intends, and the
+    other way round; the ports tried: every container port, and a Ray worker port on Ray pods."""
+    problems = []
+    for dst in pod_templates(resources):
+        ports = {p["containerPort"] for c in dst.spec["containers"] for p in c.get("ports", [])}
+        if dst.origin.startswith("RayCluster/"):
+            ports.add(RAY_WORKER_PORT)
+        for src in network_peers(resources):
+            for port in sorted(ports):
+                got, want = ingress_allowed(resources, src, dst, port), expected_reach(src, dst, port)
+                if got != want:
+                    problems.append(f"{src.name} {'reaches' if got else 'cannot reach'} {dst.origin} port {port}"
+                                    f" ({'it must not' if got else 'it must'})")
+    return problems
+
+
 def all_problems(resources: list[dict], config: ServeConfig, config_text: str) -> list[str]:
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
     return (check_selectors(resources) + check_servers(resources, config) + check_addresses(resources, config)
             + check_config_mounts(resources, config_text) + check_overrides(resources) + check_gpus(resources, config)
-            + check_grace(resources, config) + check_otel(resources) + check_secrets(resources) + check_images(resources, (DEPLOY / "Dockerfile").read_text()))
+            + check_grace(resources, config) + check_otel(resources) + check_secrets(resources)
+            + check_images(resources, dockerfile) + check_pod_security(resources) + check_writable_paths(resources, dockerfile)
+            + check_ray_probes(resources) + check_ray_auth(resources) + check_separate_keys(resources)
+            + check_network_policies(resources))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -811,6 +1183,18 @@ def _worker(res):
     return find(res, "RayCluster", "specdec-front")["spec"]["workerGroupSpecs"][0]["template"]["spec"]
 
 
+def _pod(res, kind, name):
+    return find(res, kind, name)["spec"]["template"]["spec"]
+
+
+def _head_pod(res):
+    return find(res, "RayCluster", "specdec-front")["spec"]["headGroupSpec"]["template"]["spec"]
+
+
+def _replace_volume(pod_spec, volume):
+    pod_spec["volumes"] = [volume if v["name"] == volume["name"] else v for v in pod_spec["volumes"]]
+
+
 def _drop_mount(ctr, name):
     ctr["volumeMounts"] = [m for m in ctr["volumeMounts"] if m["name"] != name]
 
@@ -906,9 +1290,21 @@ MUTATIONS = {
     "probe on the TLS port": (
         lambda r: _target(r)["readinessProbe"]["grpc"].update(port=50062),
         "readinessProbe port 50062, the health port (--health-port) is 50070"),
-    "liveness probe on the front's TLS port": (
-        lambda r: _head(r)["livenessProbe"]["grpc"].update(port=50060),
-        "livenessProbe port 50060, the health port"),
+    "startup probe on the front's TLS port": (
+        lambda r: _head(r)["startupProbe"]["grpc"].update(port=50060),
+        "startupProbe port 50060, the health port"),
+    "front's HTTP API unprobed": (
+        lambda r: _head(r).update(livenessProbe={"grpc": {"port": 50070}}),
+        "livenessProbe is not an HTTP probe of the HTTP API"),
+    "HTTP API probe on the metrics port": (
+        lambda r: _head(r)["livenessProbe"]["httpGet"].update(port="front-metrics"),
+        "livenessProbe asks port 'front-metrics' (9464), config front.http_port is 8000"),
+    "HTTP API probe in plaintext": (
+        lambda r: _head(r)["livenessProbe"]["httpGet"].pop("scheme"),
+        "livenessProbe scheme HTTP, the HTTP API serves HTTPS"),
+    "HTTP API probe on an authenticated path": (
+        lambda r: _head(r)["livenessProbe"]["httpGet"].update(path="/v1/models"),
+        "livenessProbe asks '/v1/models'"),
     "health containerPort differs from --health-port": (
         lambda r: _set_flag(_draft(r), "--health-port", "50071"),
         "containerPort 'health' is 50070, --health-port is 50071"),
@@ -929,7 +1325,7 @@ MUTATIONS = {
         "holds no key 'tls.pem'"),
     "Secret volume no container mounts": (
         lambda r: _drop_mount(_target(r), "tls"),
-        "volume 'tls' (Secret specdec-tls) is mounted by no container"),
+        "volume 'tls' (Secret specdec-target-tls) is mounted by no container"),
     "Secret mounted writable": (
         lambda r: next(m for m in _draft(r)["volumeMounts"] if m["name"] == "tls").pop("readOnly"),
         "not mounted readOnly"),
@@ -950,6 +1346,125 @@ MUTATIONS = {
     "a container runs another subcommand": (
         lambda r: _draft(r).update(command=["specdec", "serve"]),
         "runs `specdec serve`"),
+    # Pod Security Standards "restricted" and beyond
+    "namespace does not enforce restricted": (
+        lambda r: find(r, "Namespace", "specdec")["metadata"]["labels"].pop("pod-security.kubernetes.io/enforce"),
+        "Namespace/specdec: pod-security.kubernetes.io/enforce is not 'restricted'"),
+    "draft root filesystem writable": (
+        lambda r: _draft(r)["securityContext"].pop("readOnlyRootFilesystem"),
+        "Deployment/specdec-draft container draft: the root filesystem is writable"),
+    "target may escalate privileges": (
+        lambda r: _target(r)["securityContext"].update(allowPrivilegeEscalation=True),
+        "StatefulSet/specdec-target container target: allowPrivilegeEscalation is not false"),
+    "front keeps its capabilities": (
+        lambda r: _head(r)["securityContext"].pop("capabilities"),
+        "head container ray-head: capabilities: ALL is not dropped"),
+    "Ray worker adds a capability": (
+        lambda r: container(_worker(r), "ray-worker")["securityContext"]["capabilities"].update(add=["SYS_ADMIN"]),
+        "adds capabilities ['SYS_ADMIN']"),
+    "draft without a seccomp profile": (
+        lambda r: _pod(r, "Deployment", "specdec-draft")["securityContext"].pop("seccompProfile"),
+        "container draft: seccompProfile None"),
+    "Ray worker unconfined": (
+        lambda r: container(_worker(r), "ray-worker")["securityContext"].update(seccompProfile={"type": "Unconfined"}),
+        "container ray-worker: seccompProfile Unconfined"),
+    "target runs as root": (
+        lambda r: _pod(r, "StatefulSet", "specdec-target")["securityContext"].update(runAsUser=0),
+        "StatefulSet/specdec-target: runAsUser 0"),
+    "head may run as root": (
+        lambda r: _head_pod(r)["securityContext"].pop("runAsNonRoot"),
+        "container ray-head: runAsNonRoot is not true"),
+    "privileged draft": (
+        lambda r: _draft(r)["securityContext"].update(privileged=True),
+        "container draft: privileged"),
+    "head on the host network": (
+        lambda r: _head_pod(r).update(hostNetwork=True),
+        "head: hostNetwork"),
+    "draft mounts a host path": (
+        lambda r: _pod(r, "Deployment", "specdec-draft")["volumes"].append({"name": "host", "hostPath": {"path": "/"}}),
+        "volume 'host' is ['hostPath'], not a restricted type"),
+    "draft on a host port": (
+        lambda r: _port(_draft(r), "grpc").update(hostPort=50061),
+        "hostPort 50061"),
+    "draft gets a service-account token": (
+        lambda r: [_pod(r, "Deployment", "specdec-draft").pop(k) for k in ("serviceAccountName", "automountServiceAccountToken")],
+        "Deployment/specdec-draft: the service-account token is mounted"),
+    "worker asks for its token back": (
+        lambda r: _worker(r).update(automountServiceAccountToken=True),
+        "worker orchestrator: the service-account token is mounted"),
+    # what a read-only root filesystem leaves writable
+    "Ray head without /tmp": (
+        lambda r: _drop_mount(_head(r), "tmp"),
+        "container ray-head: /tmp (temporary files, Ray's /tmp/ray): no writable volume"),
+    "Ray worker without a writable HOME": (
+        lambda r: _drop_mount(container(_worker(r), "ray-worker"), "home"),
+        "container ray-worker: /home/specdec ($HOME"),
+    "model cache mounted read-only": (
+        lambda r: next(m for m in _target(r)["volumeMounts"] if m["name"] == "model-cache").update(readOnly=True),
+        "container target: /var/cache/specdec ($SPECDEC_CACHE: converted models): volume 'model-cache' is not writable"),
+    "/tmp from a ConfigMap": (
+        lambda r: _replace_volume(_pod(r, "Deployment", "specdec-draft"), {"name": "tmp", "configMap": {"name": "specdec-config"}}),
+        "container draft: /tmp (temporary files, Ray's /tmp/ray): volume 'tmp' is not writable"),
+    # probes on the Ray workers
+    "Ray worker without a readiness probe": (
+        lambda r: container(_worker(r), "ray-worker").pop("readinessProbe"),
+        "container ray-worker: readinessProbe does not ask the raylet's health"),
+    "Ray worker liveness asks the dashboard port": (
+        lambda r: container(_worker(r), "ray-worker")["livenessProbe"]["httpGet"].update(port=8265),
+        "container ray-worker: livenessProbe does not ask the raylet's health"),
+    # Ray token authentication
+    "Ray older than token authentication": (
+        lambda r: find(r, "RayCluster", "specdec-front")["spec"].update(rayVersion="2.51.0"),
+        "rayVersion 2.51.0 has no token authentication"),
+    "Ray worker without RAY_AUTH_MODE": (
+        lambda r: _drop_env(container(_worker(r), "ray-worker"), "RAY_AUTH_MODE"),
+        "container ray-worker: no RAY_AUTH_MODE=token"),
+    "Ray head without a token": (
+        lambda r: _drop_env(_head(r), "RAY_AUTH_TOKEN_PATH"),
+        "container ray-head: no Ray token"),
+    "a literal Ray token in the manifest": (
+        lambda r: _head(r)["env"].append({"name": "RAY_AUTH_TOKEN", "value": "0123456789abcdef"}),
+        "container ray-head: RAY_AUTH_TOKEN is not key auth_token of Secret specdec-ray-token"),
+    "Ray token file outside its Secret": (
+        lambda r: next(e for e in container(_worker(r), "ray-worker")["env"] if e["name"] == "RAY_AUTH_TOKEN_PATH").update(
+            value="/tmp/auth_token"),
+        "RAY_AUTH_TOKEN_PATH /tmp/auth_token: volume 'tmp' at /tmp is not a Secret"),
+    "KubeRay authOptions with another Secret": (
+        lambda r: find(r, "RayCluster", "specdec-front")["spec"].update(authOptions={"mode": "token", "secretName": "ray"}),
+        "authOptions.secretName 'ray', not specdec-ray-token"),
+    # one key per service
+    "draft serves with the front's key": (
+        lambda r: next(v for v in _pod(r, "Deployment", "specdec-draft")["volumes"] if v["name"] == "tls")["secret"].update(
+            secretName="specdec-front-tls"),
+        "--tls-key /etc/specdec-tls/tls.key: from Secret specdec-front-tls, not specdec-draft-tls"),
+    "Ray workers hold the target's key too": (
+        lambda r: (_worker(r)["volumes"].append({"name": "target-tls", "secret": {"secretName": "specdec-target-tls"}}),
+                   container(_worker(r), "ray-worker")["volumeMounts"].append({"name": "target-tls", "mountPath": "/etc/t", "readOnly": True})),
+        "Secret specdec-target-tls (a service's key) is mounted by pods of ['RayCluster/specdec-front', 'StatefulSet/specdec-target']"),
+    # network policies
+    "draft open to the whole namespace": (
+        lambda r: find(r, "NetworkPolicy", "specdec-draft")["spec"]["ingress"][0].update({"from": [{"podSelector": {}}]}),
+        "another pod of the namespace reaches Deployment/specdec-draft port 50061 (it must not)"),
+    "target open on every port": (
+        lambda r: find(r, "NetworkPolicy", "specdec-target")["spec"]["ingress"][0].pop("ports"),
+        "RayCluster/specdec-front head reaches StatefulSet/specdec-target port 50070 (it must not)"),
+    "front's public ports open to every namespace": (
+        lambda r: find(r, "NetworkPolicy", "specdec-front")["spec"]["ingress"][0]["from"][0].update(namespaceSelector={}),
+        "a pod of another namespace reaches RayCluster/specdec-front head port 50060 (it must not)"),
+    "metrics open to the ingress": (
+        lambda r: find(r, "NetworkPolicy", "specdec-front")["spec"]["ingress"][1]["from"][0]["namespaceSelector"].update(
+            matchLabels={"kubernetes.io/metadata.name": "ingress-nginx"}),
+        "the ingress controller reaches RayCluster/specdec-front head port 9464 (it must not)"),
+    "Ray workers unprotected": (
+        lambda r: [r.remove(find(r, "NetworkPolicy", n)) for n in ("specdec-default-deny", "specdec-orchestrator-worker")],
+        "another pod of the namespace reaches RayCluster/specdec-front worker orchestrator port 10002 (it must not)"),
+    "Ray pods cut off from each other": (
+        lambda r: find(r, "NetworkPolicy", "specdec-front")["spec"]["ingress"].pop(2),
+        "RayCluster/specdec-front worker orchestrator cannot reach RayCluster/specdec-front head port 6379 (it must)"),
+    "draft cut off from the Ray workers": (
+        lambda r: find(r, "NetworkPolicy", "specdec-draft")["spec"]["ingress"][0]["from"][0]["podSelector"]["matchExpressions"][1].update(
+            values=["front"]),
+        "RayCluster/specdec-front worker orchestrator cannot reach Deployment/specdec-draft port 50061 (it must)"),
 }
 
 
@@ -1023,6 +1538,138 @@ def test_kustomize_output_equals_render_and_checks_out(resources, config):
 
 
 # ---------------------------------------------------------------------------------------------
+# Tests: a maintained policy checker, checkov, on the rendered manifests
+# ---------------------------------------------------------------------------------------------
+
+# checkov (PyPI, Prisma Cloud's; offline with --skip-download) runs from an environment of its own:
+# it pins packaging<24, which ray>=2.52 (packaging>=24.2) cannot share, so it cannot be a [test]
+# extra. Its path: $SPECDEC_CHECKOV, else `checkov` on PATH, else /opt/checkov. Install (docs/deploy.md):
+#   python -m venv /opt/checkov && /opt/checkov/bin/pip install checkov==3.3.30
+CHECKOV_INSTALL = "python -m venv /opt/checkov && /opt/checkov/bin/pip install checkov==3.3.30"
+# Checks the manifests fail on purpose, and why. Nothing else may fail.
+CHECKOV_SKIPS = {
+    "CKV_K8S_43": "images are named by version tag (deploy/kustomization.yaml images:); a release pins the digest "
+                  "(kustomize edit set image specdec=REGISTRY/specdec@sha256:...), which passes this and CKV_K8S_15",
+    "CKV_K8S_15": "imagePullPolicy IfNotPresent: with a digest-pinned image (CKV_K8S_43) checkov passes it as it is",
+}
+
+
+CHECKOV_VENV = Path("/opt/checkov/bin/checkov")
+
+
+def checkov_path() -> str | None:
+    """$SPECDEC_CHECKOV, else `checkov` on PATH, else the environment CHECKOV_INSTALL makes."""
+    return os.environ.get("SPECDEC_CHECKOV") or shutil.which("checkov") or (str(CHECKOV_VENV) if CHECKOV_VENV.exists() else None)
+
+
+def checker_pods(resources: list[dict]) -> list[dict]:
+    """A Pod for each Ray group's template: what KubeRay makes of it, and what checkov can check
+    (its Kubernetes checks read the pod specs of Kubernetes' own kinds, not of a RayCluster)."""
+    pods = []
+    for pod in pod_templates(resources):
+        if pod.origin.startswith("RayCluster/"):
+            cluster, role, *group = pod.origin.removeprefix("RayCluster/").split(" ")
+            pods.append({"apiVersion": "v1", "kind": "Pod",
+                         "metadata": {"name": "-".join([cluster, *(group or [role])]), "namespace": pod.namespace,
+                                      "labels": dict(pod.labels)},
+                         "spec": copy.deepcopy(pod.spec)})
+    return pods
+
+
+def _pod_spec(obj: dict) -> dict:
+    return obj["spec"] if obj["kind"] == "Pod" else obj["spec"]["template"]["spec"]
+
+
+def _first(obj: dict) -> dict:
+    return _pod_spec(obj)["containers"][0]
+
+
+# A broken copy of one object, checked in the same run: (object, mutation, checks that must fail, checks that must pass).
+# (Not here: checkov's NetworkPolicy check, CKV2_K8S_6, links pods and policies across namespaces, so
+# next to the default-deny policy it passes any pod; check_network_policies checks who reaches what.)
+CHECKER_MUTATIONS = {
+    "draft root filesystem writable": (("Deployment", "specdec-draft"),
+                                       lambda o: _first(o)["securityContext"].pop("readOnlyRootFilesystem"), {"CKV_K8S_22"}, set()),
+    "target may escalate privileges": (("StatefulSet", "specdec-target"),
+                                       lambda o: _first(o)["securityContext"].update(allowPrivilegeEscalation=True), {"CKV_K8S_20"}, set()),
+    "Ray head keeps its capabilities": (("Pod", "specdec-front-head"),
+                                        lambda o: _first(o)["securityContext"].pop("capabilities"), {"CKV_K8S_28", "CKV_K8S_37"}, set()),
+    "Ray worker without a seccomp profile": (("Pod", "specdec-front-orchestrator"),
+                                             lambda o: _pod_spec(o)["securityContext"].pop("seccompProfile"), {"CKV_K8S_31"}, set()),
+    "draft mounts its service-account token": (("Deployment", "specdec-draft"),
+                                               lambda o: _pod_spec(o).update(automountServiceAccountToken=True), {"CKV_K8S_38"}, set()),
+    "target runs as root": (("StatefulSet", "specdec-target"),
+                            lambda o: _pod_spec(o)["securityContext"].update(runAsUser=0, runAsNonRoot=False), {"CKV_K8S_23", "CKV_K8S_40"}, set()),
+    "privileged Ray head": (("Pod", "specdec-front-head"),
+                            lambda o: _first(o)["securityContext"].update(privileged=True), {"CKV_K8S_16"}, set()),
+    "draft on the host network": (("Deployment", "specdec-draft"),
+                                  lambda o: _pod_spec(o).update(hostNetwork=True), {"CKV_K8S_19"}, set()),
+    "Ray worker without probes": (("Pod", "specdec-front-orchestrator"),
+                                  lambda o: [_first(o).pop(k) for k in ("readinessProbe", "livenessProbe")], {"CKV_K8S_8", "CKV_K8S_9"}, set()),
+    "draft image pinned by digest": (("Deployment", "specdec-draft"),
+                                     lambda o: _first(o).update(image="registry.example/specdec@sha256:" + "0" * 64),
+                                     set(), {"CKV_K8S_43", "CKV_K8S_15"}),
+}
+
+
+@dataclass
+class CheckerRun:
+    failed: dict[str, set[str]]   # object name -> check ids failed
+    passed: dict[str, set[str]]
+    summary: dict
+    mutants: dict[str, str]        # mutation -> the name of its broken copy
+
+
+@pytest.fixture(scope="module")
+def checker_run(resources, tmp_path_factory) -> CheckerRun:
+    """checkov over the rendered manifests, the Ray pods and one broken copy per CHECKER_MUTATIONS, in one run."""
+    path = checkov_path()
+    if path is None:
+        pytest.skip(f"checkov not found ($SPECDEC_CHECKOV, `checkov` on PATH, {CHECKOV_VENV}); its pins conflict with "
+                    f"ray's, so it lives in an environment of its own: {CHECKOV_INSTALL}")
+    documents = copy.deepcopy(resources) + checker_pods(resources)
+    mutants = {}
+    for i, (mutation, ((kind, name), mutate, _, _)) in enumerate(CHECKER_MUTATIONS.items()):
+        broken = copy.deepcopy(find(documents, kind, name))
+        broken["metadata"]["name"] = mutants[mutation] = f"mutant-{i}"
+        mutate(broken)
+        documents.append(broken)
+    manifest = tmp_path_factory.mktemp("checkov") / "manifests.yaml"
+    manifest.write_text(yaml.safe_dump_all(documents, sort_keys=False))
+    env = {**os.environ, "CKV_SKIP_PACKAGE_UPDATE_CHECK": "true", "BC_SKIP_MAPPING": "TRUE"}
+    proc = subprocess.run([path, "--file", str(manifest), "--framework", "kubernetes", "--skip-download",
+                           "--compact", "--output", "json"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode in (0, 1) and proc.stdout.strip(), proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    report = report[0] if isinstance(report, list) else report
+    failed, passed = {}, {}
+    for out, key in ((failed, "failed_checks"), (passed, "passed_checks")):
+        for check in report["results"][key]:
+            # "Kind.namespace.name" (graph checks append the pod labels after the name)
+            out.setdefault(check["resource"].split(".")[2], set()).add(check["check_id"])
+    return CheckerRun(failed, passed, report["summary"], mutants)
+
+
+def test_policy_checker_passes_the_manifests(resources, checker_run):
+    assert checker_run.summary["parsing_errors"] == 0, checker_run.summary
+    # every workload and Ray pod was checked
+    checked = set(checker_run.failed) | set(checker_run.passed)
+    workloads = {r["metadata"]["name"] for r in resources if r["kind"] in ("Deployment", "StatefulSet")}
+    assert workloads | {p["metadata"]["name"] for p in checker_pods(resources)} <= checked, checked
+    failures = {name: sorted(ids - set(CHECKOV_SKIPS)) for name, ids in checker_run.failed.items()
+                if name not in checker_run.mutants.values() and ids - set(CHECKOV_SKIPS)}
+    assert failures == {}
+
+
+@pytest.mark.parametrize("mutation", list(CHECKER_MUTATIONS))
+def test_policy_checker_catches(checker_run, mutation):
+    _, _, must_fail, must_pass = CHECKER_MUTATIONS[mutation]
+    name = checker_run.mutants[mutation]
+    assert must_fail <= checker_run.failed.get(name, set()), checker_run.failed.get(name)
+    assert must_pass <= checker_run.passed.get(name, set()) and not must_pass & checker_run.failed.get(name, set())
+
+
+# ---------------------------------------------------------------------------------------------
 # Tests: image and entrypoints
 # ---------------------------------------------------------------------------------------------
 
@@ -1050,6 +1697,13 @@ def test_dockerfile_builds_what_the_manifests_run(resources, config):
     assert find(resources, "RayCluster", "specdec-front")["spec"]["rayVersion"] == ray_version
     ray_req = next(Requirement(d) for d in project["project"]["dependencies"] if Requirement(d).name == "ray")
     assert ray_req.specifier.contains(ray_version), (ray_req, ray_version)
+    # The manifests turn Ray's token authentication on: the package admits no Ray without it.
+    floors = [Version(spec.version) for spec in ray_req.specifier if spec.operator in (">=", "==", "~=", ">")]
+    assert floors and max(floors) >= Version(RAY_AUTH_MIN_VERSION), (ray_req, RAY_AUTH_MIN_VERSION)
+    # The image's user is every pod's runAsUser and runAsGroup (files it owns; the UID the pods' policies admit).
+    for pod in pod_templates(resources):
+        context = pod.spec["securityContext"]
+        assert facts["user"] == str(context["runAsUser"]) == str(context["runAsGroup"]), (pod.origin, facts["user"])
     # The KubeRay annotation that makes the head run our command (see front.yaml).
     ray = find(resources, "RayCluster", "specdec-front")
     assert ray["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
@@ -1225,9 +1879,62 @@ def generate(address: str, prompt: str, max_new_tokens: int, no_spec: bool = Fal
     return tokens, text
 
 
+def read_only_root(writable: list[Path]) -> list[str] | None:
+    """A command prefix that runs what follows as the pods run it: in a mount namespace of its own,
+    the root filesystem read-only but for ``writable`` (bind mounts of themselves, as the pods'
+    emptyDirs); it exits 97 if the root is still writable. None where this machine cannot make one
+    (not root, or no unshare)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return None
+    if subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True).returncode != 0:
+        return None
+    binds = "".join(f"mount --bind {shlex.quote(str(p))} {shlex.quote(str(p))} && " for p in writable)
+    probe = shlex.quote(str(REPO / ".read-only-probe"))
+    script = (f"{binds}mount -o remount,bind,ro / && "
+              f"if touch {probe} 2>/dev/null; then rm -f {probe}; echo 'the root is writable' >&2; exit 97; fi; "
+              'exec "$@"')
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh"]
+
+
+def test_read_only_root_leaves_writable_only_what_it_names(tmp_path):
+    """The rehearsal's harness: in it the given folders take writes, a sibling folder and the
+    repository do not (so a service writing anywhere else fails there as in a pod)."""
+    writable, other = tmp_path / "writable", tmp_path / "other"
+    writable.mkdir()
+    other.mkdir()
+    prefix = read_only_root([writable])
+    if prefix is None:
+        pytest.skip("mount namespaces need root and unshare")
+    script = ("touch \"$1/x\" && ! touch \"$2/x\" 2>/dev/null && ! touch \"$3/.read-only-x\" 2>/dev/null")
+    proc = subprocess.run([*prefix, "sh", "-c", script, "sh", str(writable), str(other), str(REPO)],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert (writable / "x").exists() and not (other / "x").exists() and not (REPO / ".read-only-x").exists()
+
+
+def ray_gcs_call(port: int, token: str | None):
+    """A GCS call (NodeInfoGcsService.GetClusterId) on 127.0.0.1:port: its status code, OK or the refusal's."""
+    import grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_unary("/ray.rpc.NodeInfoGcsService/GetClusterId",
+                                   request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        try:
+            call(b"", timeout=10, metadata=[("authorization", f"Bearer {token}")] if token else None)
+            return grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            return exc.code()
+
+
 def test_local_rehearsal_greedy_equals_target_only(tmp_path):
     """deploy/local.sh with deploy/specdec.yaml, changed only where a test must: tiny models in
-    float32 (the real pair takes minutes and GBs) and free ports (this machine is shared)."""
+    float32 (the real pair takes minutes and GBs) and free ports (this machine is shared).
+
+    Run as the pods run: Ray's token authentication on (RAY_AUTH_MODE=token, the token from a file
+    as from the Secret specdec-ray-token), and where this machine can (root, unshare) on a
+    read-only root filesystem, writable only the folders that stand for the pods' emptyDirs (/tmp,
+    HOME, SPECDEC_CACHE; Ray's /tmp/ray via RAY_TMPDIR). Ray's GCS then refuses a call without
+    the token and takes one with it."""
     if "front" not in cli_options():
         pytest.skip("specdec front not available")
     from specdec.harness.tiny_pair import save_tiny
@@ -1244,9 +1951,24 @@ def test_local_rehearsal_greedy_equals_target_only(tmp_path):
     config_path.write_text(yaml.safe_dump(raw, sort_keys=False))
     load_config(config_path)
 
+    # short: Ray's socket paths (RAY_TMPDIR/ray/session_.../sockets/...) must stay under 108 bytes
+    scratch = Path(tempfile.mkdtemp(prefix="sd-"))
+    writable = {name: scratch / name for name in ("tmp", "home", "cache")}
+    for folder in writable.values():
+        folder.mkdir()
+    token = tmp_path / "secret" / RAY_TOKEN_KEY  # as the pods mount it
+    token.parent.mkdir()
+    token.write_text(secrets.token_hex(32))
+    env = {**os.environ, "SPECDEC": f"{sys.executable} -m orchestrator.cli", "OTEL_SDK_DISABLED": "true",
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
+           "HOME": str(writable["home"]), "SPECDEC_CACHE": str(writable["cache"]),
+           "TMPDIR": str(writable["tmp"]), "RAY_TMPDIR": str(writable["tmp"])}
+    env.pop("RAY_AUTH_TOKEN", None)
+    prefix = read_only_root(list(writable.values()))
+    if prefix is None:
+        warnings.warn("local rehearsal on a writable root filesystem: mount namespaces need root and unshare")
     log = open(tmp_path / "local.log", "w")
-    env = {**os.environ, "SPECDEC": f"{sys.executable} -m orchestrator.cli", "OTEL_SDK_DISABLED": "true"}
-    proc = subprocess.Popen(["bash", str(DEPLOY / "local.sh"), str(config_path)], cwd=REPO, env=env,
+    proc = subprocess.Popen([*(prefix or []), "bash", str(DEPLOY / "local.sh"), str(config_path)], cwd=REPO, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         front = f"127.0.0.1:{ports['front']}"
@@ -1254,14 +1976,25 @@ def test_local_rehearsal_greedy_equals_target_only(tmp_path):
         prompt = "the quick brown fox"
         spec_tokens, spec_text = generate(front, prompt, 12)
         plain_tokens, _ = generate(front, prompt, 12, no_spec=True)
+        # The front's Ray wrote its session where the pods' /tmp emptyDir stands, and its GCS wants the token.
+        port_files = list((writable["tmp"] / "ray" / "session_latest").glob("gcs_server_port_*"))
+        assert len(port_files) == 1, sorted(p.name for p in (writable["tmp"] / "ray").rglob("*"))[:20]
+        gcs_port = int(port_files[0].read_text())
+        import grpc
+
+        assert ray_gcs_call(gcs_port, None) == grpc.StatusCode.UNAUTHENTICATED
+        assert ray_gcs_call(gcs_port, "0" * 64) == grpc.StatusCode.UNAUTHENTICATED
+        assert ray_gcs_call(gcs_port, token.read_text()) == grpc.StatusCode.OK
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # gone already where local.sh stopped by itself
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
+        shutil.rmtree(scratch, ignore_errors=True)
 
     # Target-only reference, independent of the services: the embedded CLI with --no-spec.
     baseline = subprocess.run([sys.executable, "-m", "orchestrator.cli", "generate", prompt, "--target", str(target),
