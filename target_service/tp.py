@@ -93,11 +93,23 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+class Rendezvous:
+    """The ranks' rendezvous store, held by the coordinator: a TCPStore on a loopback socket it binds itself (no
+    port picked and freed for another process to take, nothing on other interfaces). ``port``: the ranks dial it."""
+
+    def __init__(self, timeout_s: float):
+        sock = socket.create_server(("127.0.0.1", 0), backlog=64)
+        self.port = sock.getsockname()[1]
+        try:
+            self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=sock.fileno())
+        except BaseException:
+            sock.close()
+            raise
+        sock.detach()  # the store owns the descriptor now and closes it with itself
+
+    def close(self) -> None:
+        self.store = None
 
 
 def check_tp_compatible(config, tp: int) -> None:
@@ -195,13 +207,14 @@ def _rank_main(rank: int, spec: _RankSpec, conn) -> None:
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(spec.world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec.port),
     )
+    for bootstrap in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # ranks share a host: loopback unless told
+        os.environ.setdefault(bootstrap, "lo")
     try:
         if spec.backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(
-            spec.backend, init_method=f"tcp://127.0.0.1:{spec.port}", rank=rank, world_size=spec.world,
-            timeout=datetime.timedelta(seconds=spec.collective_timeout_s),
-        )
+        timeout = datetime.timedelta(seconds=spec.collective_timeout_s)
+        store = dist.TCPStore("127.0.0.1", spec.port, is_master=False, timeout=timeout)  # the coordinator's
+        dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.world, timeout=timeout)
         runtime, packed = _load_shard(spec, rank)
     except BaseException as exc:  # noqa: BLE001 - reported to the coordinator, then exit
         _send(conn, "err", _sendable(exc), traceback.format_exc())
@@ -402,7 +415,8 @@ class TensorParallelTarget:
         self._failure: RankFailureError | None = None
         self._closed = False
         threads = threads_per_rank or max(1, (os.cpu_count() or 1) // tp)
-        spec = _RankSpec(str(model_dir), tp, free_port(), self.backend, dtype, threads, collective_timeout_s,
+        self._rendezvous = Rendezvous(start_timeout_s)
+        spec = _RankSpec(str(model_dir), tp, self._rendezvous.port, self.backend, dtype, threads, collective_timeout_s,
                          max_tree_nodes, prepack)
         ctx = mp.get_context("spawn")
         self._conns = []
@@ -616,6 +630,7 @@ class TensorParallelTarget:
             proc.join(5.0)
         for conn in self._conns:
             conn.close()
+        self._rendezvous.close()
 
 
 def build_target(model_dir, tp: int, dtype: str = "float32", device: str = "cpu",

@@ -57,7 +57,8 @@ def servers(pair, tmp_path_factory):
     (and the main draft, unused: it does not speculate). Yields {name: (draft, target, front, http)}."""
     root = tmp_path_factory.mktemp("cfg")
     config = write_config(root / "serve.yaml", pair, draft={"max_sessions": 1},
-                          front={"port": 0, "http_port": 0, "cost_aware": {"enabled": False}},
+                          front={"port": 0, "http_port": 0, "cost_aware": {"enabled": False},
+                                 "limits": {"max_prompt_bytes": 4 << 20, "max_body_bytes": 8 << 20}},
                           target={"max_tree_nodes": 64})
     (root / "tokens.txt").write_text("first-token\n\nsecond-token\n")
     guarded_config = write_config(root / "guarded.yaml", pair, target={"max_kv_tokens": 64},
@@ -373,8 +374,8 @@ def test_values_protobuf_cannot_hold_are_400_naming_them(stack, path, body, para
 
 
 def test_tokenizing_a_huge_prompt_does_not_stall_the_front(stack):
-    """A multi-megabyte prompt (tokenized, then refused as over the limit) is tokenized off the
-    event loop: meanwhile the front still answers (here /health) at once."""
+    """A multi-megabyte prompt (under front.limits.max_prompt_bytes, raised here; tokenized, then refused as
+    over the token limit) is tokenized off the event loop: meanwhile the front still answers (here /health)."""
     http = stack[3]
     body = json.dumps({"prompt": "hello world " * 300_000, "max_tokens": 2}).encode()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -390,6 +391,14 @@ def test_tokenizing_a_huge_prompt_does_not_stall_the_front(stack):
     assert big_s > 1.0, "the huge prompt was tokenized too fast to tell"
     assert health_s < 0.25 * big_s, f"/health took {health_s:.2f} s while a {big_s:.2f} s prompt was tokenized"
 
+
+def test_a_prompt_over_max_prompt_bytes_is_refused_before_it_is_tokenized(stack):
+    """The same prompt past max_prompt_bytes (4 MiB here) is refused at once: nothing tokenizes it."""
+    started = time.monotonic()
+    status, out = post(stack[3], "/v1/completions", json.dumps({"prompt": "hello world " * 360_000}).encode())
+    assert status == 400 and out["error"]["param"] == "prompt", out
+    assert out["error"]["message"].startswith("prompt: over front.limits.max_prompt_bytes (4194304 bytes")
+    assert time.monotonic() - started < 1.0
 
 def test_a_message_name_reaches_the_chat_template(client, tokenizer):
     named = [{"role": "user", "content": "hi", "name": "ann"}]

@@ -265,6 +265,20 @@ def test_errors_pass_through_and_ranks_stay_usable(tp_target, model):
     assert not tp_target.failed
 
 
+def test_ranks_and_their_rendezvous_listen_on_loopback_only(tp_target):
+    """Issue 57: the rendezvous port was picked free, released and taken again (a race another process could win),
+    and rank 0's store listened on every interface. Now the coordinator holds a loopback store socket and the
+    ranks bootstrap on ``lo``: nothing of the target's ranks listens beyond 127.0.0.1."""
+    import os
+
+    import psutil
+
+    listening = [(pid, c.laddr.ip) for pid in (os.getpid(), *tp_target.pids)
+                 for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN]
+    assert any(pid == os.getpid() and ip == "127.0.0.1" for pid, ip in listening)  # the coordinator's store
+    assert listening and all(ip == "127.0.0.1" for _, ip in listening), listening
+
+
 def test_bad_tp_values_are_refused(model, model_dir):
     with pytest.raises(ValueError, match="tp: 3 ranks do not divide"):
         check_tp_compatible(model.config, 3)

@@ -83,7 +83,7 @@ def test_trace_report_covers_every_round_and_phases_add_up(traced_run, tmp_path)
     png = (out / "trace_report.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
     md = (out / "trace_report.md").read_text()
-    assert "verify_queue" in md and "| one/" in md
+    assert "verify_queue" in md and "| one~" in md
 
 
 def test_exporter_writes_otlp_json_ids_in_hex(traced_run):
