@@ -29,6 +29,7 @@ from draft_service.runtime import DraftRuntime
 from specdec.batching import SessionBatcher
 from specdec.config import ConfigError, DraftServerConfig, ServeConfig, load_config
 from specdec.grpc_host import ServiceHost, abort_for, rpc_errors
+from specdec.kv_budget import free_memory_bytes, kv_bytes_per_token, resolve_max_kv_tokens
 from specdec.placement import placement
 from specdec.model_setup import load_draft, target_info
 from specdec.model_worker import ModelWorker
@@ -98,6 +99,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.streams: dict[str, _Stream] = {}
         self._keys = itertools.count()
         self._tracer = tracer("draft_service")
+        self.max_kv_tokens = _kv_budget(runtime, config)
 
     def close(self) -> None:
         self.worker.close()
@@ -194,6 +196,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             raise SamplingParamsError(f"start.sampling.{exc.field}", exc.detail) from None
         if len(self.streams) >= self.config.max_sessions:
             raise CapacityError(f"draft.max_sessions: all {self.config.max_sessions} draft sessions are in use")
+        self._reserve(len(prompt))
         stream = _Stream(f"{start.session_id}#{next(self._keys)}", start.session_id, len(prompt))
         self.streams[stream.key] = stream
         try:
@@ -292,9 +295,34 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         for i, node in enumerate(accepted):
             if not 0 <= node < size:
                 raise ValueError(f"commit.accepted_nodes[{i}] = {node}: not a node of the last proposed tree ({size} nodes)")
+        self._reserve(len(tokens))
         await self.worker.run(self.runtime.commit, stream.key, tokens, accepted)
         stream.tokens += len(tokens)
         stream.tree_size = None
+
+    def _reserve(self, slots: int) -> None:
+        """Raise CapacityError naming draft.max_kv_tokens when ``slots`` more tokens would not fit beside every
+        stream's prompt and committed tokens (the front then decodes that request without the draft)."""
+        held = sum(s.tokens for s in self.streams.values())
+        if held + slots > self.max_kv_tokens:
+            raise CapacityError(f"draft.max_kv_tokens: {slots} more KV slots would exceed the limit of "
+                                f"{self.max_kv_tokens} ({held} held by {len(self.streams)} sessions)")
+
+
+def _kv_budget(runtime, config: DraftServerConfig) -> int:
+    """config.max_kv_tokens, or for "auto" the slots that fit config.kv_memory_fraction of the free memory
+    (specdec.kv_budget; a runtime without a transformers model gets the fallback)."""
+    if config.max_kv_tokens != "auto":
+        return config.max_kv_tokens
+    model = getattr(runtime, "model", None)
+    per_token = None
+    if hasattr(model, "config") and hasattr(model, "dtype"):
+        per_token = kv_bytes_per_token(model.config, model.dtype.itemsize)
+    free = free_memory_bytes(str(getattr(model, "device", "cpu"))) if per_token else None
+    budget = resolve_max_kv_tokens("auto", config.kv_memory_fraction, per_token, free)
+    log.info("draft-service: max_kv_tokens auto = %d (%.2f of %s free, %s bytes per token)", budget,
+             config.kv_memory_fraction, f"{free / 2**30:.1f} GiB" if free is not None else "unknown", per_token)
+    return budget
 
 
 def _no_ahead(stream: _Stream, field: str) -> None:

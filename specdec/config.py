@@ -72,6 +72,10 @@ class DraftServerConfig(_Section):
     port: int = Field(default=50061, ge=0, le=65535)      # 0 = ephemeral
     max_sessions: int = Field(default=256, ge=1)
     session_idle_s: float = Field(default=600.0, gt=0)    # a stream without a message this long is ended (its client died)
+    # KV slots over all streams (prompt + committed tokens; RESOURCE_EXHAUSTED past it: the front decodes without the
+    # draft); "auto": kv_memory_fraction of the memory free after loading (specdec.kv_budget)
+    max_kv_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    kv_memory_fraction: float = Field(default=0.2, gt=0, le=1)
     prefill_chunk_tokens: int = Field(default=256, ge=1)  # prompt tokens per prefill job: others' proposes get in between
     max_batch: int = Field(default=8, ge=1)               # sessions whose tree steps share one draft forward
     batch_wait_ms: float = Field(default=1.0, ge=0)       # how long a propose waits for company
@@ -88,7 +92,7 @@ class TargetServerConfig(_Section):
     batch_wait_ms: float = Field(default=2.0, ge=0)       # how long a verify waits for company
     # wait for sessions expected back (specdec.batching), share of the mean verify time; 0 = only batch_wait_ms
     batch_gather: float = Field(default=0.25, ge=0, le=1)
-    # KV slots over all sessions (RESOURCE_EXHAUSTED past it); "auto": target_service.kv_budget
+    # KV slots over all sessions (RESOURCE_EXHAUSTED past it); "auto": specdec.kv_budget
     max_kv_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
     kv_memory_fraction: float = Field(default=0.7, gt=0, le=1)
     max_tree_nodes: int = Field(default=512, ge=1)

@@ -100,8 +100,8 @@ class TargetRuntime:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V one cached token holds (target_service.kv_budget sizes the slot budget)."""
-        from target_service.kv_budget import kv_bytes_per_token
+        """Bytes of K and V one cached token holds (specdec.kv_budget sizes the slot budget)."""
+        from specdec.kv_budget import kv_bytes_per_token
 
         return kv_bytes_per_token(self.model.config, self.model.dtype.itemsize)
 

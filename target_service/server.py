@@ -48,7 +48,7 @@ from specdec.v1 import target_pb2, target_pb2_grpc
 from specdec.wire import sampling_from_proto, tree_from_proto
 from target_service.batcher import BatchedVerify, VerifyBatcher
 from target_service.commits import DeferredCommits
-from target_service.kv_budget import free_memory_bytes, resolve_max_kv_tokens
+from specdec.kv_budget import free_memory_bytes, resolve_max_kv_tokens
 from target_service.runtime import TargetRuntime
 from target_service.sessions import SessionExistsError, SessionSlots, TargetSessions
 from target_service.tp import RankFailureError, TensorParallelTarget, build_target
@@ -119,7 +119,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     @staticmethod
     def _kv_budget(runtime, config: TargetServerConfig) -> int:
         """config.max_kv_tokens, or for "auto" the slots that fit config.kv_memory_fraction of the free
-        memory (target_service.kv_budget; a runtime without ``kv_bytes_per_token`` gets the fallback)."""
+        memory (specdec.kv_budget; a runtime without ``kv_bytes_per_token`` gets the fallback)."""
         if config.max_kv_tokens != "auto":
             return config.max_kv_tokens
         per_token = getattr(runtime, "kv_bytes_per_token", None)

@@ -54,7 +54,7 @@ from specdec.models import DTYPES, check_supported
 from specdec.sampling import GREEDY, SamplingParams
 from specdec.tree import DraftTree
 from specdec.tree_spec import MAX_TREE_NODES
-from target_service.kv_budget import kv_bytes_per_token
+from specdec.kv_budget import kv_bytes_per_token
 from target_service.runtime import TargetRuntime
 
 # TargetRuntime methods that never set a pending result or advance a generator: no decision broadcast after them.

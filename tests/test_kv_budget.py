@@ -1,4 +1,4 @@
-"""target.max_kv_tokens: auto (target_service.kv_budget): the KV slot budget sized from free memory.
+"""target.max_kv_tokens: auto (specdec.kv_budget): the KV slot budget sized from free memory.
 
 The fault: the fixed default (1,048,576 slots) admitted ~57 GB of float32 KV for the default target
 on a 24 GiB machine, so concurrent long requests could take the target service out of memory instead
@@ -16,8 +16,8 @@ import pytest
 from transformers import Qwen2Config
 
 from specdec.config import ConfigError, TargetServerConfig, load_config
-from target_service import kv_budget
-from target_service.kv_budget import (
+from specdec import kv_budget
+from specdec.kv_budget import (
     FALLBACK_KV_TOKENS, cgroup_free_bytes, free_memory_bytes, kv_bytes_per_token, resolve_max_kv_tokens,
 )
 from tests.conftest import tiny_model
@@ -91,7 +91,7 @@ def test_the_processs_own_cgroup_is_read_and_reclaimable_file_cache_counts_as_fr
 
 
 def test_an_unknown_budget_is_logged(caplog):
-    with caplog.at_level("WARNING", logger="target_service.kv_budget"):
+    with caplog.at_level("WARNING", logger="specdec.kv_budget"):
         assert resolve_max_kv_tokens("auto", 0.7, 57_344, None) == FALLBACK_KV_TOKENS
     assert "max_kv_tokens" in caplog.text
 

@@ -951,22 +951,34 @@ def test_idle_sessions_are_released_after_session_idle_s(tmp_path):
     assert "released session 'orphan': idle" in service.stderr
 
 
-def test_an_idle_draft_stream_is_ended_and_its_session_released(tmp_path):
-    """Issue 57: a front cut off mid-request left its draft stream open for good; now a stream without a
-    message for draft.session_idle_s ends DEADLINE_EXCEEDED and its KV is released."""
+def test_the_draft_bounds_its_kv_and_ends_idle_streams(tmp_path):
+    """Issue 57: the draft had no KV budget, and a front cut off mid-request left its draft stream open for good.
+    Now prompts and commits past draft.max_kv_tokens get RESOURCE_EXHAUSTED, and a stream without a message for
+    draft.session_idle_s ends DEADLINE_EXCEEDED with its KV released."""
     pair = save_tiny_pair(tmp_path / "models")
-    config = write_config(tmp_path / "idle.yaml", pair, draft={"session_idle_s": 0.8})
+    config = write_config(tmp_path / "idle.yaml", pair, draft={"session_idle_s": 5.0, "max_kv_tokens": 12})
     service = start_service("draft", config)
     try:
         with grpc.insecure_channel(service.address) as channel:
-            session = DraftSession(channel)
-            session.start("idle", [1, 2, 3, 4])
             stub = draft_pb2_grpc.DraftServiceStub(channel)
-            assert stub.Info(draft_pb2.DraftInfoRequest(), timeout=10).sessions == 1
+            first = DraftSession(channel)
+            first.start("a", [1, 2, 3, 4, 5, 6, 7, 8])
+            over = DraftSession(channel)
+            over.send(start=draft_pb2.DraftStart(session_id="b", prompt_ids=[1, 2, 3, 4, 5]))
+            err = rpc_error(over.reply)  # 8 + 5 > 12
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert err.details().startswith("draft.max_kv_tokens: 5 more KV slots would exceed the limit of 12")
+            third = DraftSession(channel)  # held: a dropped DraftSession cancels its stream
+            third.start("c", [1, 2, 3, 4])  # 8 + 4 fits
+            first.commit([9], [])
+            err = rpc_error(first.reply)  # the commit's token does not fit: the stream ends
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "draft.max_kv_tokens: 1 more" in err.details()
             started = time.monotonic()
-            err = rpc_error(session.reply)  # nothing sent: the server ends the stream
+            idle = DraftSession(channel)
+            idle.start("idle", [1])
+            err = rpc_error(idle.reply)  # nothing sent: the server ends the stream, and "c"'s too
             assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "draft.session_idle_s" in err.details()
-            assert 0.7 < time.monotonic() - started < 5
+            assert 4.8 < time.monotonic() - started < 15
             deadline = time.monotonic() + 10
             while (info := stub.Info(draft_pb2.DraftInfoRequest(), timeout=10)).cached_sessions and time.monotonic() < deadline:
                 time.sleep(0.1)

@@ -1,8 +1,8 @@
-"""How many KV slots the target service may hand out: ``target.max_kv_tokens: auto`` sized from memory.
+"""How many KV slots a service may hand out: ``target.max_kv_tokens`` / ``draft.max_kv_tokens: auto`` sized from memory.
 
 Sized once after loading, as vLLM sizes KV blocks from ``gpu_memory_utilization``:
 
-    max_kv_tokens = floor(target.kv_memory_fraction * free memory / KV bytes per token)
+    max_kv_tokens = floor(kv_memory_fraction * free memory / KV bytes per token)
 
 KV bytes per token: 2 x layers x KV heads x head dim x element size (Qwen2.5-1.5B float32: 57,344).
 Free memory, CPU: min(MemAvailable, the cgroup's limit left, inactive file cache not counted); CUDA:
@@ -110,6 +110,6 @@ def resolve_max_kv_tokens(setting: int | str, fraction: float, bytes_per_token: 
         return int(setting)
     if not bytes_per_token or free_bytes is None:
         log.warning("max_kv_tokens auto: free memory or KV bytes per token unknown; %d slots (set "
-                    "target.max_kv_tokens to size it)", FALLBACK_KV_TOKENS)
+                    "max_kv_tokens to size it)", FALLBACK_KV_TOKENS)
         return FALLBACK_KV_TOKENS
     return max(1, int(fraction * free_bytes) // bytes_per_token)
