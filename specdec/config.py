@@ -243,6 +243,8 @@ class FrontConfig(_Section):
     # /v1/chat/completions, /v1/models, /health, /metrics. None = off (the gRPC API only); 0 = ephemeral.
     http_port: int | None = Field(default=None, ge=0, le=65535)
     auth_token_file: str | None = None                    # GenerationService and HTTP /v1/*: bearer tokens, one a line (None = no auth)
+    # the metrics port and HTTP /metrics need a bearer token of auth_token_file too (Prometheus: authorization.credentials_file)
+    metrics_auth: bool = False
     served_model_name: str | None = None                  # HTTP "model" id (None = the tokenizer directory's name)
     limits: ClientLimitsConfig = ClientLimitsConfig()     # concurrent / queued requests and KV per request (RESOURCE_EXHAUSTED past them)
 
@@ -255,6 +257,8 @@ class FrontConfig(_Section):
                 if port in taken:
                     raise ValueError(f"{name}: {port} is already front.{taken[port]}")
                 taken[port] = name
+        if self.metrics_auth and self.auth_token_file is None:
+            raise ValueError("metrics_auth: needs front.auth_token_file (the tokens the metrics require)")
         return self
 
     @field_validator("tree", mode="before")

@@ -221,6 +221,30 @@ def test_gate_stops_reading_an_unannounced_body_at_the_limit():
     assert (status, read, reached) == (413, 1200, [])  # the third chunk is never read
 
 
+def test_gate_guards_metrics_only_with_metrics_auth():
+    async def get(metrics_auth: bool, headers: dict) -> int:
+        sent = []
+
+        async def app(scope, receive, send):
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "GET", "path": "/metrics", "query_string": b"",
+                 "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]}
+        await Gate(app, (b"secret",), 1024, metrics_auth)(scope, receive, send)
+        return sent[0]["status"]
+
+    assert asyncio.run(get(False, {})) == 200  # open for scrapes by default
+    assert asyncio.run(get(True, {})) == 401
+    assert asyncio.run(get(True, {"authorization": "Bearer secret"})) == 200
+
+
 def test_gate_hands_a_body_inside_the_limit_to_the_app_whole():
     status, _, read, reached = asyncio.run(through_gate({"authorization": "Bearer secret"}, [b"a" * 512, b"b" * 512]))
     assert (status, read, reached) == (200, 1024, [b"a" * 512 + b"b" * 512])

@@ -6,13 +6,14 @@ Pure unit tests: scripted round outcomes, fresh Prometheus registries.
 from __future__ import annotations
 
 import logging
+import urllib.error
 import urllib.request
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from orchestrator.loop.metrics import AcceptanceMonitor, SpecMetrics, start_metrics_server
-from specdec.config import MonitorConfig
+from specdec.config import ConfigError, MonitorConfig, load_config
 from specdec.stats import RoundRecord
 
 
@@ -163,6 +164,33 @@ def test_metrics_http_server_serves_registry():
         server.server_close()
     assert "specdec_accepted_tokens_total 3.0" in body
     assert 'specdec_fallback_rounds_total{reason="draft_unavailable"} 0.0' in body
+
+
+def test_metrics_port_binds_loopback_by_default_and_can_require_a_token():
+    """Issue 57: the metrics port listened on 0.0.0.0 whatever front.host said, and never asked for a token."""
+    m = SpecMetrics(CollectorRegistry())
+    m.record_round(4, 3, 4, gamma=4)
+    server, _ = start_metrics_server(0, m, tokens=(b"scrape-tok",))
+    url = f"http://127.0.0.1:{server.server_port}/metrics"
+    try:
+        assert server.server_address[0] == "127.0.0.1"
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(url, timeout=5)
+        assert info.value.code == 401 and info.value.headers["WWW-Authenticate"] == "Bearer"
+        wrong = urllib.request.Request(url, headers={"Authorization": "Bearer nope"})
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(wrong, timeout=5)
+        right = urllib.request.Request(url, headers={"Authorization": "Bearer scrape-tok"})
+        assert "specdec_accepted_tokens_total 3.0" in urllib.request.urlopen(right, timeout=5).read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_metrics_auth_needs_the_token_file():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {"front.metrics_auth": True})
+    assert "front: metrics_auth: needs front.auth_token_file" in str(info.value)
 
 
 def test_cost_aware_decisions_reach_the_metrics():

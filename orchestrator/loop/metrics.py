@@ -7,17 +7,21 @@ prometheus_client's ``REGISTRY``. Series, labels and units: docs/observability.m
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import AsyncGenerator, AsyncIterator, Iterator
+from typing import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from orchestrator.planning.control import FALLBACK_REASONS, AcceptanceWindow, check_counts
 from specdec.config import MonitorConfig
+from specdec.security import token_accepted
 from specdec.stats import RoundRecord
 
 log = logging.getLogger(__name__)
@@ -208,17 +212,38 @@ def default_metrics() -> SpecMetrics:
         return _default
 
 
-def start_metrics_server(port: int, source: "SpecMetrics | CollectorRegistry | None" = None, addr: str = "0.0.0.0"):
-    """Serve a registry at http://addr:port/metrics (prometheus_client.start_http_server).
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - the base class's signature
+        pass
 
-    source: a SpecMetrics, a CollectorRegistry, or None for REGISTRY. Port 0 picks a free one
-    (``server.server_port``). Returns (server, thread). Raises OSError when the port is taken.
+
+def start_metrics_server(port: int, source: "SpecMetrics | CollectorRegistry | None" = None, addr: str = "127.0.0.1",
+                         tokens: Sequence[bytes] = ()):
+    """Serve a registry at http://addr:port/metrics (prometheus_client's WSGI app in a daemon thread).
+
+    source: a SpecMetrics, a CollectorRegistry, or None for REGISTRY; tokens: accepted bearer tokens (empty = no
+    auth; else 401 without one). Port 0 picks a free one (``server.server_port``). Returns (server, thread). Raises
+    OSError when the port is taken.
     """
     if isinstance(source, SpecMetrics):
         registry = source.registry
     else:
         registry = source if source is not None else prometheus_client.REGISTRY
-    return prometheus_client.start_http_server(port, addr=addr, registry=registry)
+    app = prometheus_client.make_wsgi_app(registry)
+
+    def guarded(environ, start_response):
+        if tokens and not token_accepted(tokens, environ.get("HTTP_AUTHORIZATION", "")):
+            start_response("401 Unauthorized", [("WWW-Authenticate", "Bearer"), ("Content-Type", "text/plain")])
+            return [b"missing or invalid bearer token (Authorization: Bearer ...)\n"]
+        return app(environ, start_response)
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][0]
+
+    server = make_server(addr, port, guarded, Server, handler_class=_QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)
+    thread.start()
+    return server, thread
 
 
 # --------------------------------------------------------------------------- acceptance monitor

@@ -102,9 +102,10 @@ async def serve_front(config: ServeConfig) -> int:
     metrics = SpecMetrics()
     metrics.observe_costs(backend.cost())  # what the cost model starts from, before any round
     monitor = AcceptanceMonitor(front.monitor, metrics=metrics)
-    if front.metrics_port is not None:
-        start_metrics_server(front.metrics_port, metrics, addr=front.host)
     tokens = load_auth_tokens(front.auth_token_file)
+    if front.metrics_port is not None:
+        start_metrics_server(front.metrics_port, metrics, addr=front.host,
+                             tokens=tuple(t.encode() for t in tokens) if front.metrics_auth else ())
     host = ServiceHost("generation-front", config.grpc, interceptors=[BearerAuth(tokens)] if tokens else [])
     runner = RequestRunner(front, backend, tokenizer, metrics, monitor, tokens)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(runner), host.server)

@@ -443,19 +443,21 @@ async def _internal_error_response(_request: Request, exc: Exception) -> JSONRes
 
 
 class Gate:
-    """ASGI middleware that checks a request before any of its body is read: a ``/v1/`` request without an
-    accepted bearer token gets 401 (auth_tokens empty = no auth), a body over ``max_body_bytes`` (its
+    """ASGI middleware that checks a request before any of its body is read: a ``/v1/`` request (and with
+    metrics_auth ``/metrics``) without an accepted bearer token gets 401 (auth_tokens empty = no auth), a body over
+    ``max_body_bytes`` (its
     Content-Length, or counted as it arrives) 413. The app then gets the body whole, already read."""
 
-    def __init__(self, app, auth_tokens: tuple[bytes, ...], max_body_bytes: int):
+    def __init__(self, app, auth_tokens: tuple[bytes, ...], max_body_bytes: int, metrics_auth: bool = False):
         self.app, self.auth_tokens, self.max_body_bytes = app, auth_tokens, max_body_bytes
+        self.guarded = ("/v1/", "/metrics") if metrics_auth else ("/v1/",)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if (self.auth_tokens and scope["path"].startswith("/v1/")
+        if (self.auth_tokens and scope["path"].startswith(self.guarded)
                 and not token_accepted(self.auth_tokens, headers.get("authorization", ""))):
             await ApiError(401, "missing or invalid bearer token (Authorization: Bearer ...)",
                            type="authentication_error", code="invalid_api_key").response()(scope, receive, send)
@@ -495,7 +497,7 @@ class HttpApi:
     no auth); max_body_bytes: the largest request body read."""
 
     def __init__(self, runner: RequestRunner, model_name: str, registry, draining: asyncio.Event,
-                 auth_tokens: tuple[str, ...] = (), max_body_bytes: int = 4 << 20):
+                 auth_tokens: tuple[str, ...] = (), max_body_bytes: int = 4 << 20, metrics_auth: bool = False):
         self.runner = runner
         self.model_name = model_name
         self.registry = registry
@@ -503,7 +505,7 @@ class HttpApi:
         self.auth_tokens = tuple(t.encode() for t in auth_tokens)
         self.active: set[str] = set()  # ids of the HTTP requests running
         self.created = int(time.time())
-        self.app = Gate(self._build(), self.auth_tokens, max_body_bytes)
+        self.app = Gate(self._build(), self.auth_tokens, max_body_bytes, metrics_auth)
 
     def _build(self) -> FastAPI:
         app = FastAPI(title="specdec", summary="OpenAI-compatible API of the speculative-decoding front",
@@ -670,7 +672,7 @@ async def start_http(front: FrontConfig, grpc_cfg: GrpcConfig, runner: RequestRu
                      draining: asyncio.Event) -> HttpServer:
     """Serve the HTTP API on front.host:http_port (HTTPS with grpc.tls_cert); prints ``http ready on HOST:PORT``."""
     api = HttpApi(runner, front.served_model_name or Path(tok_dir).name, registry, draining,
-                  load_auth_tokens(front.auth_token_file), front.limits.max_body_bytes)
+                  load_auth_tokens(front.auth_token_file), front.limits.max_body_bytes, front.metrics_auth)
     sock = listen(front.host, front.http_port)
     server = _LoopServer(uvicorn.Config(api.app, log_config=None, access_log=False, lifespan="off",
                                         timeout_graceful_shutdown=max(grpc_cfg.shutdown_grace_s, 0.1),
