@@ -4,36 +4,51 @@
     python benchmarks/reliability.py soak  --requests 1000 --concurrency 4 --abort-rate 0.2 --deadline-rate 0.2
     python benchmarks/reliability.py chaos --clients 8
     python benchmarks/reliability.py fuzz  --messages 10000 --out bench_out/reliability  # reliability_fuzz.py
-    python benchmarks/reliability.py load  --front HOST:PORT [--target HOST:PORT --draft HOST:PORT] \\
+    python benchmarks/reliability.py fuzz  --stateful --messages 300 --out bench_out/reliability
+    python benchmarks/reliability.py load  --front HOST:PORT [--target HOST:PORT --draft HOST:PORT --http HOST:PORT] \\
         [--tls-ca ca.pem --tls-cert client.pem --tls-key client.key --auth-token-file tokens]   # your deployment
 
 By default each run starts its own deployment on loopback ports (tiny seeded models, a draft
-service, a target service and a front on a local Ray); ``--front`` drives a running one instead
-(``chaos`` kills processes, so it only runs on its own). Requests go through the public
-GenerationService; greedy output must equal the prompt's solo run with speculation off. Each part
+service, a target service and a front on a local Ray with its HTTP API on), secured as a shared
+cluster would be: TLS on every port (a throwaway CA; mutual TLS between the services) and bearer
+tokens on the front (``--plaintext``: neither). ``--front`` drives a running one instead (``chaos``
+kills processes, so it only runs on its own). Requests go through the public GenerationService (and,
+in ``load``, a share through the HTTP API). Every output is checked against its solo run: a greedy
+request against the prompt's run with speculation off (the target alone), a seeded sampled request
+against the same request sent alone (a seeded request's tokens depend only on its own seed). Each part
 writes ``reliability_<part>.json`` and ``.md`` under ``--out``:
 
 - ``load``: ``--clients`` streaming requests at once: failures, latency and TTFT p50/p95, equal outputs.
-- ``soak``: ``--requests`` back to back, some aborted or with a short deadline; afterwards every
-  session and cached token must be released, and RSS growth per process is reported.
-- ``chaos``: closed-loop clients while the draft service, an orchestrator actor and the target
-  service are killed and restarted in turn; no request may hang or return wrong output, and a
-  fresh request must succeed afterwards with no manual step.
+- ``soak``: ``--requests`` back to back, some aborted or with a short deadline. It fails on a status its
+  request's plan does not allow, on an output unequal to its solo run, on a session or cached token left on
+  the draft or target afterwards (or one the target's idle reaper had to release), and on RSS growth over
+  ``--max-rss-growth-mib`` in a process from the run's middle to its end.
+- ``chaos``: closed-loop clients while the draft service, the target service and an orchestrator actor
+  are killed and restarted in turn; no request may hang or return wrong output, a fresh request must
+  succeed afterwards with no manual step, and no session or cached token may stay on the services.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
+import ipaddress
 import json
 import os
 import random
+import secrets
 import signal
 import socket
+import ssl
+import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,12 +58,13 @@ import grpc  # noqa: E402
 import psutil  # noqa: E402
 import yaml  # noqa: E402
 
-from specdec.harness.servers import Service, launch_service, stop_service, wait_ready  # noqa: E402
+from specdec.harness.servers import Service, launch_service, stop_service, wait_address, wait_ready  # noqa: E402
 from specdec.v1 import (draft_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc, target_pb2,  # noqa: E402
                         target_pb2_grpc, tree_pb2)
 
 OK = "OK"
 HUNG = "HUNG"  # no end by the request's deadline + the hang grace
+SAMPLED_TEMPERATURE = 0.8
 
 
 def log(msg: str) -> None:
@@ -79,6 +95,7 @@ class Plan:
     deadline_s: float = 120.0
     abort: str | None = None
     abort_after_s: float = 0.0
+    via: str = "grpc"  # "grpc" (GenerationService) or "http" (the OpenAI-compatible /v1/completions)
 
     @property
     def greedy(self) -> bool:
@@ -86,13 +103,13 @@ class Plan:
 
     @property
     def key(self) -> tuple:
-        """What fixes a greedy output: the prompt and the token budget."""
-        return tuple(self.prompt_ids), self.max_new_tokens
+        """What fixes the output: the prompt and the token budget; for a sampled request its temperature and seed too."""
+        return tuple(self.prompt_ids), self.max_new_tokens, self.temperature, None if self.greedy else self.seed
 
 
 @dataclass
 class Outcome:
-    """How one request ended (status: OK, a gRPC code name or HUNG); times in s from part start / from send."""
+    """How one request ended (status: OK, a gRPC code name, HTTP_<code> or HUNG); times in s from part start / from send."""
 
     request_id: str
     greedy: bool
@@ -106,6 +123,9 @@ class Outcome:
     stop_reason: str = ""
     abort: str | None = None
     deadline_s: float = 0.0
+    fallback_rounds: int = 0  # FinalStats: rounds without the draft (it failed, was full or was opening)
+    failovers: int = 0  # FinalStats: moves to another orchestrator actor after its own died
+    via: str = "grpc"
 
 
 def prompt_pool(rng: random.Random, lengths: list[int], per_length: int, vocab: int) -> list[list[int]]:
@@ -114,12 +134,13 @@ def prompt_pool(rng: random.Random, lengths: list[int], per_length: int, vocab: 
 
 
 def make_plans(rng: random.Random, n: int, pool: list[list[int]], args, tag: str) -> list[Plan]:
-    """n requests over the prompt pool, a share sampled and (soak) some aborted or with a short deadline."""
+    """n requests over the prompt pool: a share sampled with a seed in 0..seeds-1 (so each prompt and seed has one
+    solo run to equal), and (soak) some aborted or with a short deadline."""
     plans = []
     for i in range(n):
         sampled = rng.random() < args.sampled_share
-        plan = Plan(f"{tag}-{i}", list(rng.choice(pool)), args.max_new_tokens, 0.8 if sampled else 0.0,
-                    seed=rng.randrange(1 << 30), deadline_s=args.deadline_s)
+        plan = Plan(f"{tag}-{i}", list(rng.choice(pool)), args.max_new_tokens, SAMPLED_TEMPERATURE if sampled else 0.0,
+                    seed=rng.randrange(args.seeds), deadline_s=args.deadline_s)
         if rng.random() < getattr(args, "abort_rate", 0.0):
             plan.abort = "rpc" if rng.random() < 0.5 else "cancel"
             plan.abort_after_s = rng.uniform(0.0, args.abort_within_s)
@@ -181,6 +202,7 @@ class Client:
             out.tokens += reply.token_ids
             if reply.HasField("stats"):
                 out.stop_reason = reply.stats.stop_reason
+                out.fallback_rounds, out.failovers = reply.stats.fallback_rounds, reply.stats.failovers
 
     async def _stop_later(self, plan: Plan, call) -> None:
         await asyncio.sleep(plan.abort_after_s)
@@ -193,38 +215,136 @@ class Client:
         except grpc.aio.AioRpcError as exc:
             log(f"Abort {plan.request_id}: {exc.code().name}: {exc.details()}")
 
-    async def references(self, plans: list[Plan]) -> dict[tuple, list[int]]:
-        """The solo no_spec output of each distinct greedy prompt; raises RuntimeError when one fails."""
-        refs: dict[tuple, list[int]] = {}
+    async def references(self, plans: list[Plan]) -> dict[tuple, Outcome]:
+        """Each distinct request's solo run, one at a time, over gRPC: a greedy one with speculation off (the
+        target alone), a sampled one as planned (its seeded draws follow its trees); RuntimeError when one fails."""
+        refs: dict[tuple, Outcome] = {}
         for plan in plans:
-            if plan.greedy and plan.key not in refs:
-                solo = Plan(f"{plan.request_id}-solo", plan.prompt_ids, plan.max_new_tokens, deadline_s=300.0)
-                out = await self.run(solo, no_spec=True)
+            if plan.key not in refs:
+                solo = replace(plan, request_id=f"{plan.request_id}-solo", deadline_s=300.0, abort=None, via="grpc")
+                out = await self.run(solo, no_spec=plan.greedy)
                 if out.status != OK:
                     raise RuntimeError(f"the solo reference run of {plan.request_id} failed: {out.status}")
-                refs[plan.key] = out.tokens
+                refs[plan.key] = out
         return refs
 
 
-def wrong_outputs(plans: list[Plan], outcomes: list[Outcome], refs: dict[tuple, list[int]]) -> list[str]:
-    """Request ids of greedy outputs that differ from (or, if cut short, are no prefix of) their solo run."""
+class HttpClient:
+    """The front's OpenAI-compatible ``/v1/completions``, streamed, token ids included (the ``specdec``
+    extension); blocking urllib calls on threads of its own. Outcome times count from ``t0`` as Client's do."""
+
+    def __init__(self, address: str, ssl_context: ssl.SSLContext | None, token: str | None, hang_grace_s: float,
+                 threads: int):
+        self.url = f"{'https' if ssl_context else 'http'}://{address}/v1/completions"
+        self.ssl_context = ssl_context
+        self.headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+        self.hang_grace_s = hang_grace_s
+        self.pool = ThreadPoolExecutor(max(threads, 1), thread_name_prefix="http-client")
+        self.t0 = time.monotonic()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def run(self, plan: Plan) -> Outcome:
+        """Send ``plan`` (no abort, no deadline field: the HTTP API has neither); HUNG past deadline + grace."""
+        start = time.monotonic()
+        out = Outcome(plan.request_id, plan.greedy, len(plan.prompt_ids), OK, [], start - self.t0, 0.0, 0.0, None,
+                      deadline_s=plan.deadline_s, via="http")
+        try:
+            read = asyncio.get_running_loop().run_in_executor(self.pool, self._post, plan, start)
+            status, tokens, ttft_s, stats = await asyncio.wait_for(read, plan.deadline_s + self.hang_grace_s)
+        except asyncio.TimeoutError:
+            status, tokens, ttft_s, stats = HUNG, [], None, {}
+        out.status, out.tokens, out.ttft_s = status, tokens, ttft_s
+        out.stop_reason = stats.get("stop_reason", "")
+        out.fallback_rounds, out.failovers = stats.get("fallback_rounds", 0), stats.get("failovers", 0)
+        out.end_s = time.monotonic() - self.t0
+        out.latency_s = out.end_s - out.start_s
+        return out
+
+    def _post(self, plan: Plan, start: float) -> tuple[str, list[int], float | None, dict]:
+        """(status, tokens, TTFT, the final chunk's ``specdec`` statistics) of one streamed request."""
+        body = {"prompt": plan.prompt_ids, "max_tokens": plan.max_new_tokens, "temperature": plan.temperature,
+                "stream": True, "specdec": {"return_token_ids": True}, **({} if plan.greedy else {"seed": plan.seed})}
+        request = urllib.request.Request(self.url, json.dumps(body).encode(), self.headers)
+        status, tokens, ttft_s, stats = OK, [], None, {}
+        try:
+            with urllib.request.urlopen(request, timeout=plan.deadline_s + self.hang_grace_s,
+                                        context=self.ssl_context) as response:
+                for line in response:
+                    if not line.startswith(b"data: {"):
+                        continue  # blank separators and "data: [DONE]"
+                    chunk = json.loads(line[len(b"data: "):])
+                    if "error" in chunk:  # an error after the headers: an event of the stream
+                        return f"HTTP_STREAM_{chunk['error'].get('code') or chunk['error'].get('type')}", tokens, ttft_s, stats
+                    new = [t for choice in chunk.get("choices", []) for t in choice.get("token_ids", [])]
+                    if new and ttft_s is None:
+                        ttft_s = time.monotonic() - start
+                    tokens += new
+                    stats = chunk.get("specdec") or stats
+        except urllib.error.HTTPError as exc:
+            status = f"HTTP_{exc.code}"
+        except (urllib.error.URLError, OSError) as exc:
+            status = f"HTTP_{type(getattr(exc, 'reason', exc)).__name__}"
+        return status, tokens, ttft_s, stats
+
+
+# ----------------------------------------------------------------------------------------- checks
+
+def status_of(out: Outcome) -> str:
+    """The outcome's status, "aborted" for one that completed by an Abort."""
+    return "aborted" if out.status == OK and out.stop_reason == "aborted" else out.status
+
+
+def status_counts(outcomes: list[Outcome]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for out in outcomes:
+        counts[status_of(out)] = counts.get(status_of(out), 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def wrong_outputs(plans: list[Plan], outcomes: list[Outcome], refs: dict[tuple, Outcome]) -> list[str]:
+    """Request ids whose output differs from its solo run (greedy: the target alone; sampled: the same seeded
+    request alone) or, cut short, is no prefix of it."""
     wrong = []
     for plan, out in zip(plans, outcomes):
-        if not plan.greedy or out.status == HUNG:
+        if out.status == HUNG:
             continue
-        ref = refs[plan.key]
+        ref = refs[plan.key].tokens
         complete = out.status == OK and out.stop_reason != "aborted"
         if (complete and out.tokens != ref) or out.tokens != ref[: len(out.tokens)]:
             wrong.append(plan.request_id)
     return wrong
 
 
-def status_counts(outcomes: list[Outcome]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for out in outcomes:
-        key = "aborted" if out.status == OK and out.stop_reason == "aborted" else out.status
-        counts[key] = counts.get(key, 0) + 1
-    return dict(sorted(counts.items()))
+def output_figures(plans: list[Plan], outcomes: list[Outcome], refs: dict[tuple, Outcome]) -> dict:
+    """Greedy and sampled mismatches against the solo runs, with each mismatch's route (for a diagnosis)."""
+    wrong = set(wrong_outputs(plans, outcomes, refs))
+    detail = [{"id": p.request_id, "greedy": p.greedy, "via": o.via, "status": status_of(o), "tokens": len(o.tokens),
+               "fallback_rounds": o.fallback_rounds, "solo_fallback_rounds": refs[p.key].fallback_rounds,
+               "failovers": o.failovers} for p, o in zip(plans, outcomes) if p.request_id in wrong]
+    return {"reference": "greedy: the prompt's solo run with no_spec (the target alone); sampled (temperature "
+                         f"{SAMPLED_TEMPERATURE}, seeded): the same request's solo run",
+            "greedy_mismatches": sum(d["greedy"] for d in detail), "sampled_mismatches": sum(not d["greedy"] for d in detail),
+            "mismatches": detail[:20]}
+
+
+def allowed_statuses(plan: Plan, deadline_s: float) -> set[str]:
+    """How ``plan`` may end: complete (OK) always; "aborted" after its Abort RPC, CANCELLED after its own
+    cancel, DEADLINE_EXCEEDED with a deadline shorter than the run's ``deadline_s``."""
+    allowed = {OK}
+    if plan.abort == "rpc":
+        allowed.add("aborted")
+    if plan.abort == "cancel":
+        allowed.add(grpc.StatusCode.CANCELLED.name)
+    if plan.deadline_s < deadline_s:
+        allowed.add(grpc.StatusCode.DEADLINE_EXCEEDED.name)
+    return allowed
+
+
+def unexpected_statuses(plans: list[Plan], outcomes: list[Outcome], deadline_s: float) -> dict[str, str]:
+    """{request id: status} of the requests that ended as their plan does not allow."""
+    return {p.request_id: status_of(o) for p, o in zip(plans, outcomes) if status_of(o) not in allowed_statuses(p, deadline_s)}
 
 
 def latency_figures(outcomes: list[Outcome]) -> dict:
@@ -245,13 +365,16 @@ def free_port() -> int:
 
 @dataclass
 class Endpoints:
-    """Where the parts send requests (front) and read session counts (target, draft; None = not read)."""
+    """Where the parts send requests (front, http) and read session counts (target, draft; None = not read)."""
 
     front: str
     target: str | None = None
     draft: str | None = None
     credentials: grpc.ChannelCredentials | None = None
     token: str | None = None
+    http: str | None = None  # "host:port" of the front's HTTP API (None: gRPC only)
+    http_token: str | None = None
+    ssl_context: ssl.SSLContext | None = None  # HTTPS, trusting the deployment's CA (None: plain HTTP)
 
 
 async def service_counts(endpoints: Endpoints) -> dict:
@@ -283,6 +406,42 @@ async def counts_back_to_zero(endpoints: Endpoints, timeout_s: float) -> tuple[d
         await asyncio.sleep(0.2)
 
 
+def make_pki(root: Path) -> dict[str, Path]:
+    """A throwaway CA and one certificate it signed for 127.0.0.1 / localhost, which every server and client of
+    the own deployment presents: {"ca", "cert", "key"} PEM files under ``root``."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "specdec reliability throwaway CA")])
+
+    def signed(subject: x509.Name, public_key, ca: bool, extra: list) -> x509.Certificate:
+        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_name).public_key(public_key)
+                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=2))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+                   .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False))
+        for extension in extra:
+            builder = builder.add_extension(extension, critical=False)
+        return builder.sign(ca_key, hashes.SHA256())
+
+    ca = signed(ca_name, ca_key.public_key(), True, [])
+    cert = signed(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]), key.public_key(), False, [
+        x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+        x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key())])
+    root.mkdir(parents=True, exist_ok=True)
+    files = {"ca": root / "ca.pem", "cert": root / "cert.pem", "key": root / "key.pem"}
+    files["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    files["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    files["key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+    files["key"].chmod(0o600)
+    return files
+
+
 @dataclass
 class LocalDeployment:
     """Draft, target and front subprocesses on loopback (fixed ports, so a restarted service is found again)."""
@@ -291,22 +450,19 @@ class LocalDeployment:
     draft_port: int
     target_port: int
     services: dict[str, Service] = field(default_factory=dict)
+    pki: dict[str, Path] | None = None  # TLS on every port, mutual between the services (None: plaintext)
+    tokens: list[str] = field(default_factory=list)  # the front's bearer tokens: gRPC sends the first, HTTP the second
+    token_file: Path | None = None  # front.auth_token_file: the tokens, one a line
+    http: str | None = None  # "host:port" of the front's HTTP API
 
     @classmethod
     def start(cls, workdir: Path, args) -> "LocalDeployment":
-        models = tiny_models(workdir, args)
         dep = cls(workdir / "serve.yaml", free_port(), free_port())
-        config = {
-            "models": {"target": str(models[0]), "draft": str(models[1]), "dtype": "float32", "draft_quant": "none",
-                       "threads": 1},
-            "grpc": {"shutdown_grace_s": 2.0},
-            "draft": {"host": "127.0.0.1", "port": dep.draft_port},
-            "target": {"host": "127.0.0.1", "port": dep.target_port, "max_batch": 16, "batch_wait_ms": 2.0},
-            "front": {"host": "127.0.0.1", "port": 0, "use_ray": not args.no_ray, "workers": args.workers,
-                      "ray_num_cpus": 2, "max_new_tokens": args.max_new_tokens,
-                      "draft_address": f"127.0.0.1:{dep.draft_port}", "target_address": f"127.0.0.1:{dep.target_port}",
-                      "fallback": {"reconnect_s": 0.5}},
-        }
+        if not args.plaintext:
+            dep.pki = make_pki(workdir / "pki")
+            dep.tokens, dep.token_file = [secrets.token_urlsafe(24) for _ in range(2)], workdir / "tokens.txt"
+            dep.token_file.write_text("\n".join(dep.tokens) + "\n")
+        config = deployment_config(dep, tiny_models(workdir, args), args)
         dep.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         launched = []
         try:
@@ -314,6 +470,7 @@ class LocalDeployment:
             dep.services.update(draft=wait_ready(launched[0]), target=wait_ready(launched[1]))
             launched.append(launch_service("front", dep.config_path))
             dep.services["front"] = wait_ready(launched[-1], timeout_s=300)
+            dep.http = wait_address(dep.services["front"], "http")
         except BaseException:  # a service that did not start: stop the others, leave nothing running
             for service in launched:
                 stop_service(service, timeout_s=30)
@@ -322,7 +479,20 @@ class LocalDeployment:
 
     @property
     def endpoints(self) -> Endpoints:
-        return Endpoints(self.services["front"].address, self.services["target"].address, self.services["draft"].address)
+        ep = Endpoints(self.services["front"].address, self.services["target"].address, self.services["draft"].address,
+                       http=self.http)
+        if self.pki is not None:
+            ca, key, cert = (self.pki[name].read_bytes() for name in ("ca", "key", "cert"))
+            ep.credentials = grpc.ssl_channel_credentials(ca, key, cert)
+            ep.token, ep.http_token = self.tokens
+            ep.ssl_context = ssl.create_default_context(cafile=str(self.pki["ca"]))
+        return ep
+
+    def describe(self, args) -> str:
+        security = ("TLS on every port (throwaway CA, mutual between the services), bearer tokens (gRPC and HTTP "
+                    "each its own)" if self.pki else "plaintext, no tokens")
+        ray = "no Ray" if args.no_ray else f"Ray, {args.workers} actors"
+        return f"own: tiny models, {ray}, HTTP API on, {security}; session_idle_s {args.idle_s:g} on draft and target"
 
     def kill(self, kind: str) -> None:
         """SIGKILL the draft or target service (no drain, no release: a crash)."""
@@ -337,6 +507,10 @@ class LocalDeployment:
 
     def _launch(self, kind: str) -> Service:
         return launch_service(kind, self.config_path, port=self.draft_port if kind == "draft" else self.target_port)
+
+    def reaped_sessions(self) -> int:
+        """Sessions the running target's idle reaper released (its log; a client that never released them)."""
+        return self.services["target"].stderr.count("(target.session_idle_s)")
 
     def actor_pids(self) -> list[int]:
         """Pids of the front's ray::OrchestratorActor workers."""
@@ -364,6 +538,27 @@ class LocalDeployment:
                 stop_service(self.services[kind], timeout_s=60)
 
 
+def deployment_config(dep: LocalDeployment, models: tuple[Path, Path], args) -> dict:
+    """The own deployment's serve.yaml: tiny float32 models, fixed service ports, the front's HTTP API on an
+    ephemeral port, idle sessions released after ``--idle-s``; TLS files and tokens unless ``--plaintext``."""
+    config = {
+        "models": {"target": str(models[0]), "draft": str(models[1]), "dtype": "float32", "draft_quant": "none",
+                   "threads": 1},
+        "grpc": {"shutdown_grace_s": 2.0},
+        "draft": {"host": "127.0.0.1", "port": dep.draft_port, "session_idle_s": args.idle_s},
+        "target": {"host": "127.0.0.1", "port": dep.target_port, "max_batch": 16, "batch_wait_ms": 2.0,
+                   "session_idle_s": args.idle_s},
+        "front": {"host": "127.0.0.1", "port": 0, "http_port": 0, "use_ray": not args.no_ray, "workers": args.workers,
+                  "ray_num_cpus": 2, "max_new_tokens": args.max_new_tokens,
+                  "draft_address": f"127.0.0.1:{dep.draft_port}", "target_address": f"127.0.0.1:{dep.target_port}",
+                  "fallback": {"reconnect_s": 0.5}},
+    }
+    if dep.pki is not None:
+        config["grpc"].update(tls_cert=str(dep.pki["cert"]), tls_key=str(dep.pki["key"]), tls_ca=str(dep.pki["ca"]))
+        config["front"]["auth_token_file"] = str(dep.token_file)
+    return config
+
+
 def tiny_models(workdir: Path, args) -> tuple[Path, Path]:
     """(target dir, draft dir): ``--target-model`` / ``--draft-model``, else a tiny seeded pair."""
     if args.target_model and args.draft_model:
@@ -374,34 +569,43 @@ def tiny_models(workdir: Path, args) -> tuple[Path, Path]:
     return pair.target, pair.draft
 
 
-# ----------------------------------------------------------------------------------------- parts
+# ----------------------------------------------------------------------------------------- load and soak
 
 async def run_load(args, endpoints: Endpoints, deployment: LocalDeployment | None) -> dict:
-    """``args.clients`` streaming requests at once; failures, latency, TTFT, greedy equality."""
+    """``args.clients`` streaming requests at once (a share over HTTP); failures, latency, TTFT, equal outputs."""
     rng = random.Random(args.seed)
     pool = prompt_pool(rng, args.prompt_lengths, args.prompts_per_length, args.vocab)
     plans = make_plans(rng, args.clients, pool, args, "load")
+    for i in rng.sample(range(len(plans)), round(args.http_share * len(plans)) if endpoints.http else 0):
+        plans[i].via = "http"
     client = Client(endpoints.front, endpoints.credentials, endpoints.token, args.hang_grace_s)
+    http = (HttpClient(endpoints.http, endpoints.ssl_context, endpoints.http_token or endpoints.token, args.hang_grace_s,
+                       threads=sum(p.via == "http" for p in plans)) if endpoints.http else None)
     try:
         refs = await client.references(plans)
         client.t0 = time.monotonic()
-        outcomes = await asyncio.gather(*(client.run(p) for p in plans))
+        if http is not None:
+            http.t0 = client.t0
+        outcomes = await asyncio.gather(*((http if p.via == "http" else client).run(p) for p in plans))
     finally:
         await client.close()
+        if http is not None:
+            http.close()
     wall = max(o.end_s for o in outcomes)
     failed = [o for o in outcomes if o.status != OK]
-    wrong = wrong_outputs(plans, outcomes, refs)
+    outputs = output_figures(plans, outcomes, refs)
     return {"clients": args.clients, "greedy": sum(p.greedy for p in plans), "sampled": sum(not p.greedy for p in plans),
-            "prompt_lengths": args.prompt_lengths, "max_new_tokens": args.max_new_tokens,
-            "reference": "solo run of each distinct greedy prompt with no_spec (the target alone)",
-            "failures": len(failed), "statuses": status_counts(outcomes), "greedy_mismatches": len(wrong),
-            "mismatched_ids": wrong, **latency_figures(outcomes), "wall_s": wall,
+            "via": {v: sum(p.via == v for p in plans) for v in ("grpc", "http")},
+            "prompt_lengths": args.prompt_lengths, "max_new_tokens": args.max_new_tokens, **outputs,
+            "failures": len(failed), "statuses": status_counts(outcomes),
+            "statuses_http": status_counts([o for o in outcomes if o.via == "http"]),
+            **latency_figures(outcomes), "wall_s": wall,
             "tokens_per_s": sum(len(o.tokens) for o in outcomes) / wall if wall else 0.0,
-            "ok": not failed and not wrong}
+            "ok": not failed and not outputs["greedy_mismatches"] and not outputs["sampled_mismatches"]}
 
 
 async def run_soak(args, endpoints: Endpoints, deployment: LocalDeployment | None) -> dict:
-    """``args.requests`` requests, ``args.concurrency`` at a time, some aborted or short; leaks and RSS."""
+    """``args.requests`` requests, ``args.concurrency`` at a time, some aborted or short; statuses, leaks and RSS."""
     rng = random.Random(args.seed)
     pool = prompt_pool(rng, args.prompt_lengths, args.prompts_per_length, args.vocab)
     plans = make_plans(rng, args.requests, pool, args, "soak")
@@ -420,20 +624,40 @@ async def run_soak(args, endpoints: Endpoints, deployment: LocalDeployment | Non
         rss_samples = await trace if trace is not None else []
         await client.close()
     after, settle_s = await counts_back_to_zero(endpoints, args.settle_s)
-    rss_after = deployment.rss_bytes() if deployment else None
-    wrong = wrong_outputs(plans, outcomes, refs)
-    growth = {k: rss_after[k] - rss_before[k] for k in rss_before} if rss_before else None
+    rss = {"rss_baseline_bytes": rss_before, "rss_end_bytes": deployment.rss_bytes() if deployment else None,
+           "rss_samples": rss_samples}
+    return soak_figures(args, plans, outcomes, refs, {"counts_baseline": base, "counts_end": after, "settle_s": settle_s,
+                        "reaped_sessions": deployment.reaped_sessions() if deployment else None}, rss)
+
+
+def soak_figures(args, plans: list[Plan], outcomes: list[Outcome], refs: dict, leaks: dict, rss: dict) -> dict:
+    """The soak's figures and its verdict: statuses its plans allow, outputs equal to their solo runs, nothing
+    left on the services (nor released by the target's reaper), RSS growth within the bound."""
+    unexpected = unexpected_statuses(plans, outcomes, args.deadline_s)
+    outputs = output_figures(plans, outcomes, refs)
+    before, end = rss["rss_baseline_bytes"], rss["rss_end_bytes"]
+    growth = {k: end[k] - before[k] for k in before} if before else None
+    second_half = second_half_growth(rss["rss_samples"], end)
+    over = None if second_half is None else {k: v for k, v in second_half.items() if v > args.max_rss_growth_mib * 2**20}
+    checks = {"statuses_as_planned": not unexpected,
+              "outputs_equal_solo": not outputs["greedy_mismatches"] and not outputs["sampled_mismatches"],
+              "sessions_and_kv_back_to_0": not any(leaks["counts_end"].values()),
+              "none_reaped_idle": None if leaks["reaped_sessions"] is None else leaks["reaped_sessions"] == 0,
+              "rss_growth_within_bound": None if over is None else not over}
     return {"requests": args.requests, "concurrency": args.concurrency, "abort_rate": args.abort_rate,
             "deadline_rate": args.deadline_rate, "short_deadline_s": args.short_deadline_s,
             "planned_aborts": {"rpc": sum(p.abort == "rpc" for p in plans), "cancel": sum(p.abort == "cancel" for p in plans)},
             "short_deadlines": sum(p.deadline_s < args.deadline_s for p in plans),
-            "statuses": status_counts(outcomes), "hung": sum(o.status == HUNG for o in outcomes),
-            "greedy_mismatches": len(wrong), "mismatched_ids": wrong, **latency_figures(outcomes),
-            "wall_s": max(o.end_s for o in outcomes), "counts_baseline": base, "counts_end": after,
-            "settle_s": settle_s, "rss_baseline_bytes": rss_before, "rss_end_bytes": rss_after,
-            "rss_growth_bytes": growth, "rss_growth_second_half_bytes": second_half_growth(rss_samples, rss_after),
-            "rss_samples": rss_samples,
-            "ok": not any(after.values()) and not wrong and not any(o.status == HUNG for o in outcomes)}
+            "greedy": sum(p.greedy for p in plans), "sampled": sum(not p.greedy for p in plans),
+            "statuses": status_counts(outcomes), "unexpected": len(unexpected),
+            "unexpected_statuses": dict(list(unexpected.items())[:20]),
+            "hung": sum(o.status == HUNG for o in outcomes), **outputs, **latency_figures(outcomes),
+            "wall_s": max(o.end_s for o in outcomes), **leaks, "rss_growth_bytes": growth,
+            "rss_growth_second_half_bytes": second_half, "rss_bound_mib": args.max_rss_growth_mib,
+            "rss_bound_rule": "each process's RSS growth from the run's middle to its end (caches warm by then; "
+                              "a leak grows it by about half its total)",
+            "rss_over_bound_bytes": over, **rss, "checks": checks,
+            "ok": all(v is not False for v in checks.values())}
 
 
 async def rss_trace(deployment: LocalDeployment, client: Client, every_s: float, stop: asyncio.Event) -> list[dict]:
@@ -482,10 +706,20 @@ class Disruption:
     restart_s: float  # seconds until it was back (a service restarted here; an actor worker restarted by Ray)
 
 
+# The actor is killed last: the target sessions its requests held stay on the (not restarted) target for the leak check.
+CHAOS_KILLS = ("draft", "target", "actor")
+_EQUAL = {"greedy_equal", "sampled_equal"}
+# What a completed or failed request may be, by the disruption it overlapped. "sampled_rerouted": a seeded sampled
+# request that failed over or ran more rounds without the draft than alone; its draws followed other trees (the
+# target's law, other tokens: docs/serving.md "Ray and fail-over").
+CHAOS_ALLOWED = {"none": _EQUAL, "draft": _EQUAL | {"sampled_rerouted"}, "target": _EQUAL | {"UNAVAILABLE"},
+                 "actor": _EQUAL | {"sampled_rerouted"}}
+
+
 async def chaos_script(args, dep: LocalDeployment, clock) -> list[Disruption]:
-    """Kill (and restart) the draft, one actor worker, then the target, ``settle_s`` of load apart."""
+    """Kill (and restart) the draft, the target, then one actor worker, ``settle_s`` of load apart."""
     windows = []
-    for kind in ("draft", "actor", "target"):
+    for kind in CHAOS_KILLS:
         if kind == "actor" and args.no_ray:
             continue
         await asyncio.sleep(args.settle_s)
@@ -532,15 +766,22 @@ def overlapped(out: Outcome, windows: list[Disruption]) -> str:
     return next((k for k in ("target", "actor", "draft") if k in hit), "none")
 
 
-def chaos_verdict(out: Outcome, ref: list[int] | None) -> str:
-    """completed_equal / completed_different / a status name (completed sampled requests count as equal)."""
+def chaos_verdict(out: Outcome, ref: Outcome) -> str:
+    """A status name, or for a completed request how it compares with its solo run ``ref``: greedy_equal /
+    greedy_different, sampled_equal / sampled_different, or sampled_rerouted (different after a fail-over or more
+    rounds without the draft than alone)."""
     if out.status != OK:
         return out.status
-    return "completed_equal" if ref is None or out.tokens == ref else "completed_different"
+    kind = "greedy" if out.greedy else "sampled"
+    if out.tokens == ref.tokens:
+        return f"{kind}_equal"
+    if not out.greedy and (out.failovers or out.fallback_rounds != ref.fallback_rounds):
+        return "sampled_rerouted"
+    return f"{kind}_different"
 
 
 async def run_chaos(args, endpoints: Endpoints, deployment: LocalDeployment | None) -> dict:
-    """Closed-loop clients while the draft, an actor and the target are killed; outcomes by window."""
+    """Closed-loop clients while the draft, the target and an actor are killed; outcomes by window; leaks after."""
     if deployment is None:
         raise SystemExit("chaos: kills processes, so it runs only on its own deployment (drop --front)")
     rng = random.Random(args.seed)
@@ -548,21 +789,20 @@ async def run_chaos(args, endpoints: Endpoints, deployment: LocalDeployment | No
     plans = make_plans(rng, 4096, pool, args, "chaos")
     client = Client(endpoints.front, endpoints.credentials, endpoints.token, args.hang_grace_s)
     try:
-        refs = await client.references(plans[: args.clients * 8])
-        plans = [p for p in plans if not p.greedy or p.key in refs]
+        refs = await client.references(plans)
         client.t0 = time.monotonic()
         outcomes, windows = await chaos_loop(args, deployment, client, plans)
         recovery = await serves_again(client, plans, refs, args.recovery_timeout_s)
     finally:
         await client.close()
+    leaks = await leak_check(endpoints, deployment, args.leak_timeout_s)
     by_plan = {p.request_id: p for p in plans}
     table: dict[str, dict[str, int]] = {}
     for out in outcomes:
-        plan = by_plan[out.request_id]
-        verdict = chaos_verdict(out, refs.get(plan.key) if plan.greedy else None)
+        verdict = chaos_verdict(out, refs[by_plan[out.request_id].key])
         row = table.setdefault(overlapped(out, windows), {})
         row[verdict] = row.get(verdict, 0) + 1
-    return chaos_figures(args, outcomes, windows, table, recovery)
+    return chaos_figures(args, outcomes, windows, table, recovery, leaks)
 
 
 async def chaos_loop(args, dep: LocalDeployment, client: Client, plans: list[Plan]):
@@ -591,53 +831,82 @@ async def serves_again(client: Client, plans: list[Plan], refs: dict, timeout_s:
     while True:
         tries += 1
         out = await client.run(Plan(f"recovery-{tries}", plan.prompt_ids, plan.max_new_tokens, deadline_s=60.0))
-        equal = out.status == OK and out.tokens == refs[plan.key]
+        equal = out.status == OK and out.tokens == refs[plan.key].tokens
         if equal or time.monotonic() - started > timeout_s:
             return {"serves_again": equal, "tries": tries, "seconds": time.monotonic() - started, "last_status": out.status}
         await asyncio.sleep(0.5)
 
 
-def chaos_figures(args, outcomes: list[Outcome], windows: list[Disruption], table: dict, recovery: dict) -> dict:
-    verdicts = {v for row in table.values() for v in row}
-    clean = {"completed_equal"}
-    ok = ("HUNG" not in verdicts and "completed_different" not in verdicts
-          and set(table.get("none", {})) <= clean and set(table.get("draft", {})) <= clean
-          and set(table.get("actor", {})) <= clean  # a killed actor's requests fail over (orchestrator.serving.failover)
-          and set(table.get("target", {})) <= clean | {"UNAVAILABLE"} and recovery["serves_again"])
+async def leak_check(endpoints: Endpoints, deployment: LocalDeployment, timeout_s: float) -> dict:
+    """Sessions and cached KV on the draft and target once the chaos ended: at once, and when back to 0 (or after
+    ``timeout_s``), with the sessions the target's idle reaper released meanwhile (what the killed left)."""
+    at_once = await service_counts(endpoints)
+    end, waited = await counts_back_to_zero(endpoints, timeout_s)
+    return {"at_once": at_once, "end": end, "zero_after_s": None if any(end.values()) else round(waited, 1),
+            "reaped_idle": deployment.reaped_sessions()}
+
+
+def chaos_figures(args, outcomes: list[Outcome], windows: list[Disruption], table: dict, recovery: dict,
+                  leaks: dict) -> dict:
+    not_allowed = {w: sorted(set(row) - CHAOS_ALLOWED[w]) for w, row in table.items() if set(row) - CHAOS_ALLOWED[w]}
+    ok = not not_allowed and recovery["serves_again"] and not any(leaks["end"].values())
+    count = lambda verdict: sum(row.get(verdict, 0) for row in table.values())  # noqa: E731
     return {"clients": args.clients, "deadline_s": args.deadline_s, "down_s": args.down_s, "settle_s": args.settle_s,
             "requests": len(outcomes), "windows": [asdict(w) for w in windows], "outcomes_by_window": table,
+            "allowed_by_window": {w: sorted(v) for w, v in CHAOS_ALLOWED.items()}, "not_allowed": not_allowed,
             "hung": sum(o.status == HUNG for o in outcomes),
-            "wrong_outputs": sum(row.get("completed_different", 0) for row in table.values()),
+            "wrong_outputs": count("greedy_different") + count("sampled_different"),
+            "sampled_checked": count("sampled_equal") + count("sampled_different") + count("sampled_rerouted"),
+            "sampled_rerouted": count("sampled_rerouted"),
             "max_latency_s": max((o.latency_s for o in outcomes), default=0.0),
-            "recovery": recovery, "ok": ok}
+            "recovery": recovery, "leaks_after": leaks, "ok": ok}
 
 
 # ----------------------------------------------------------------------------------------- reports
 
+def machine() -> dict:
+    """The CPU model (lscpu's "Model name", from /proc/cpuinfo), its count and the checkout's commit."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        model = next(line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = "unknown"
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            check=False)
+    return {"cpu_model": model, "cpus": os.cpu_count(), "commit": commit.stdout.strip() or "unknown"}
+
+
 def markdown(part: str, result: dict) -> str:
     """A table of the part's scalar figures (and, for chaos, outcomes per disruption window)."""
-    lines = [f"# Reliability: {part}", "", f"{result['meta']['date']}, {result['meta']['deployment']}", "",
-             "| figure | value |", "|---|---|"]
+    meta = result["meta"]
+    lines = [f"# Reliability: {part}", "", f"{meta['date']}, commit {meta.get('commit')}, {meta.get('cpu_model')} "
+             f"({meta.get('cpus')} CPUs); {meta['deployment']}", "", "| figure | value |", "|---|---|"]
     for key, value in result[part].items():
         if isinstance(value, float):
             value = f"{value:.3f}"
         elif isinstance(value, dict) and key.endswith("_bytes"):
-            key, value = key[: -len("_bytes")] + "_mib", ", ".join(f"{k}: {v / 2**20:.1f}" for k, v in value.items())
-        elif isinstance(value, dict) and key != "outcomes_by_window":
-            value = ", ".join(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}" for k, v in value.items())
+            key, value = key[: -len("_bytes")] + "_mib", ", ".join(f"{k}: {v / 2**20:.1f}" for k, v in value.items()) or "none"
+        elif isinstance(value, dict) and key not in ("outcomes_by_window", "allowed_by_window"):
+            value = ", ".join(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}" for k, v in value.items()) or "none"
         elif isinstance(value, (list, dict)):
             continue
         lines.append(f"| {key} | {value} |")
     if part == "chaos":
-        verdicts = sorted({v for row in result[part]["outcomes_by_window"].values() for v in row})
-        lines += ["", "Outcomes by the disruption a request overlapped:", "",
-                  "| window | " + " | ".join(verdicts) + " |", "|---|" + "---|" * len(verdicts)]
-        for window, row in result[part]["outcomes_by_window"].items():
-            lines.append(f"| {window} | " + " | ".join(str(row.get(v, 0)) for v in verdicts) + " |")
-        lines += ["", "| disruption | start_s | end_s | restart_s |", "|---|---|---|---|"]
-        for w in result[part]["windows"]:
-            lines.append(f"| {w['kind']} | {w['start_s']:.1f} | {w['end_s']:.1f} | {w['restart_s']:.1f} |")
+        lines += chaos_tables(result[part])
     return "\n".join(lines) + "\n"
+
+
+def chaos_tables(figures: dict) -> list[str]:
+    verdicts = sorted({v for row in figures["outcomes_by_window"].values() for v in row})
+    lines = ["", "Outcomes by the disruption a request overlapped (allowed: "
+             + "; ".join(f"{w}: {', '.join(v)}" for w, v in figures["allowed_by_window"].items()) + "):", "",
+             "| window | " + " | ".join(verdicts) + " |", "|---|" + "---|" * len(verdicts)]
+    for window, row in figures["outcomes_by_window"].items():
+        lines.append(f"| {window} | " + " | ".join(str(row.get(v, 0)) for v in verdicts) + " |")
+    lines += ["", "| disruption | start_s | end_s | restart_s |", "|---|---|---|---|"]
+    for w in figures["windows"]:
+        lines.append(f"| {w['kind']} | {w['start_s']:.1f} | {w['end_s']:.1f} | {w['restart_s']:.1f} |")
+    return lines
 
 
 def write_report(out_dir: Path, part: str, result: dict) -> None:
@@ -667,7 +936,8 @@ def common_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--front", help="HOST:PORT of a running front (default: start a tiny deployment here)")
     p.add_argument("--target", help="HOST:PORT of its target service (session and KV counts)")
     p.add_argument("--draft", help="HOST:PORT of its draft service (session and KV counts)")
-    p.add_argument("--tls-ca", help="PEM CA bundle: TLS to the front and services")
+    p.add_argument("--http", help="HOST:PORT of its HTTP API (load sends --http-share of the requests there)")
+    p.add_argument("--tls-ca", help="PEM CA bundle: TLS to the front (gRPC and HTTPS) and services")
     p.add_argument("--tls-cert", help="PEM client certificate (services with mutual TLS)")
     p.add_argument("--tls-key", help="PEM client key (with --tls-cert)")
     p.add_argument("--auth-token-file", help="bearer token for the front (first line; $SPECDEC_TOKEN wins)")
@@ -675,12 +945,15 @@ def common_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", help="model dir for the own deployment's draft (default: tiny random)")
     p.add_argument("--no-ray", action="store_true", help="own deployment: front without Ray")
     p.add_argument("--workers", type=int, default=2, help="own deployment: orchestrator Ray actors")
+    p.add_argument("--plaintext", action="store_true", help="own deployment: no TLS and no bearer tokens")
+    p.add_argument("--idle-s", type=float, default=30.0, help="own deployment: draft and target session_idle_s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab", type=int, default=250, help="prompt token ids are drawn from 1..vocab-1")
     p.add_argument("--prompt-lengths", type=positive_ints, default=[4, 16, 48, 96])
     p.add_argument("--prompts-per-length", type=int, default=2, help="distinct prompts of each length")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--sampled-share", type=float, default=0.5, help="share of sampled (seeded) requests")
+    p.add_argument("--seeds", type=int, default=2, help="sampled requests take seeds 0..N-1 (a solo run each)")
     p.add_argument("--deadline-s", type=float, default=120.0, help="every request's deadline")
     p.add_argument("--hang-grace-s", type=float, default=10.0, help="a request with no end by deadline + this hung")
 
@@ -688,10 +961,11 @@ def common_options(p: argparse.ArgumentParser) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="part", required=True)
-    sub.add_parser("fuzz", help="random and mutated messages against every RPC (benchmarks/reliability_fuzz.py; "
-                   "`fuzz --help` for its options)", add_help=False)
+    sub.add_parser("fuzz", help="random and mutated messages against every RPC, or --stateful sequences "
+                   "(benchmarks/reliability_fuzz.py; `fuzz --help` for its options)", add_help=False)
     load = sub.add_parser("load", help="concurrent streaming clients")
     load.add_argument("--clients", type=int, default=64)
+    load.add_argument("--http-share", type=float, default=0.25, help="share of the clients on the HTTP API (if any)")
     soak = sub.add_parser("soak", help="requests back to back with aborts and short deadlines")
     soak.add_argument("--requests", type=int, default=1000)
     soak.add_argument("--concurrency", type=int, default=4)
@@ -699,13 +973,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     soak.add_argument("--abort-within-s", type=float, default=0.5, help="aborts come 0..this seconds after the send")
     soak.add_argument("--deadline-rate", type=float, default=0.2)
     soak.add_argument("--short-deadline-s", type=float, default=0.5, help="short deadlines: 0.2..1 x this")
-    soak.add_argument("--settle-s", type=float, default=30.0, help="time for sessions to drain to 0 at the end")
+    soak.add_argument("--settle-s", type=float, default=10.0, help="time for sessions to drain to 0 at the end")
     soak.add_argument("--rss-every-s", type=float, default=5.0, help="RSS sampled this often (own deployment)")
-    chaos = sub.add_parser("chaos", help="kill and restart the draft, an actor and the target under load")
+    soak.add_argument("--max-rss-growth-mib", type=float, default=32.0,
+                      help="fail when a process's RSS grows more than this from the run's middle to its end")
+    chaos = sub.add_parser("chaos", help="kill and restart the draft, the target and an actor under load")
     chaos.add_argument("--clients", type=int, default=8)
     chaos.add_argument("--down-s", type=float, default=1.0, help="a killed service stays down this long")
     chaos.add_argument("--settle-s", type=float, default=3.0, help="load before, between and after the kills")
     chaos.add_argument("--recovery-timeout-s", type=float, default=60.0)
+    chaos.add_argument("--leak-timeout-s", type=float, default=75.0,
+                       help="sessions and KV must be back to 0 this long after the chaos (the reaper's 1-1.5 x --idle-s)")
     for p in (load, soak, chaos):
         common_options(p)
     args = parser.parse_args(argv)
@@ -717,11 +995,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 def endpoints_from(args) -> Endpoints:
     from orchestrator.cli.remote import client_token  # imports torch (specdec.sampling): only with --front
 
-    credentials = None
+    credentials, context = None, None
     if args.tls_ca:
         read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
         credentials = grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
-    return Endpoints(args.front, args.target, args.draft, credentials, client_token(args.auth_token_file))
+        context = ssl.create_default_context(cafile=args.tls_ca)
+    token = client_token(args.auth_token_file)
+    return Endpoints(args.front, args.target, args.draft, credentials, token, args.http, token, context)
 
 
 def main(argv=None) -> int:
@@ -747,9 +1027,7 @@ def main(argv=None) -> int:
             if deployment is not None:
                 deployment.stop()
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "wall_s": time.monotonic() - started,
-            "deployment": f"front {args.front}" if args.front else
-            f"own: tiny models, {'no Ray' if args.no_ray else f'Ray, {args.workers} actors'}",
-            "argv": sys.argv[1:] if argv is None else list(argv), "cpus": os.cpu_count()}
+            "deployment": f"front {args.front}" if args.front else deployment.describe(args), "argv": argv, **machine()}
     result = {"meta": meta, args.part: figures}
     write_report(args.out, args.part, result)
     log(f"{args.part}: ok={figures['ok']}; wrote {args.out}/reliability_{args.part}.json and .md")

@@ -1,19 +1,31 @@
-"""Fuzz every RPC of the three services with random and mutated messages.
+"""Fuzz every RPC of the three services with random and mutated messages, or with stateful sequences of calls.
 
     python benchmarks/reliability_fuzz.py --messages 10000 --out DIR          # tiny random models, spawned here
+    python benchmarks/reliability_fuzz.py --stateful --messages 300 --out DIR  # 300 sequences
     python benchmarks/reliability_fuzz.py --front H:P --draft H:P --target H:P --messages 2000 --out DIR
 
-A message is one call: a unary request, one DraftService.Session stream or one Generate stream
+Random mode: a message is one call: a unary request, one DraftService.Session stream or one Generate stream
 (cancelled after a few replies). Half are built field by field from the proto descriptors
 (``message_strategy``: extreme integers, NaN / inf, huge strings and repeats, nested messages), half
 are well-formed messages with one field broken (``mutations``: bad trees, sampling parameters and
 specs, unknown session ids, calls out of order). Generation is hypothesis with a fixed seed (the
 ``test`` extra).
 
-Properties (``run_fuzz`` returns them, ``write_report`` writes fuzz.json + fuzz.md): every status is
-OK or one of ALLOWED (CANCELLED only for the fuzzer's own cancel), anything else is a fault kept with
-its input; the servers never exit or log a traceback; no session leaks once the fuzzer releases its
-ids; a well-formed greedy request gets the same tokens after the run as before.
+Stateful mode (``Stateful``): a case is a sequence of 2-12 calls on a few session and request ids (open,
+verify, replay, commit, release, reopen; Generate, the id again while it runs, Abort twice, the id reused;
+draft streams of start / propose / commit with a misplaced message now and then), each answer checked against
+a model of the services: the status the model expects, and the reply's values (cached tokens, released, a root
+path accepted, a replay equal to its first answer, greedy tokens equal to every earlier answer on the same
+context, from the target, the front or, for trees, the draft). An answer unlike the model's is a violation.
+
+Only the servers' answers count as answers: a call the fuzzer cancelled, a message its own channel refused
+to send ("CLIENT: ..."), or one drawn too big to send are counted apart (``client_side``); no answer before
+the fuzzer's deadline and a call the transport ended are faults there.
+
+Properties (``run_fuzz`` returns them, ``write_report`` writes fuzz.json + fuzz.md, or fuzz_stateful.*):
+every server answer is OK or one of ALLOWED, anything else is a fault kept with its input; (stateful) no
+violation; the servers never exit or log a traceback; no session leaks once the fuzzer releases its ids; a
+well-formed greedy request gets the same tokens after the run as before.
 """
 
 from __future__ import annotations
@@ -312,28 +324,67 @@ def session_id(pool: list[str]) -> st.SearchStrategy[str]:
 
 # ------------------------------------------------------------- the cases: one message each, recorded as (rpc, status)
 
+# What ended a call on the client's side, not with the server's status. The server owed an answer to the
+# last two: a fault. (grpc marks its client's own refusals "CLIENT: ..."; a passed deadline of ours is
+# "Deadline Exceeded"; a server's own DEADLINE_EXCEEDED names its deadline.)
+OWN_CANCEL, CLIENT_REFUSED, UNSENT_OVERSIZE, NO_ANSWER, TRANSPORT = (
+    "own_cancel", "client_refused", "unsent_oversize", "no_answer", "transport")
+CLIENT_FAULTS = {NO_ANSWER, TRANSPORT}
+
+
+def origin(code: grpc.StatusCode, details: str, own_cancel: bool = False) -> str | None:
+    """None when ``code`` is the server's answer; else what ended the call on the client's side."""
+    if own_cancel and code is grpc.StatusCode.CANCELLED:
+        return OWN_CANCEL
+    if details.startswith("CLIENT:"):
+        return CLIENT_REFUSED
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
+        return NO_ANSWER
+    if details.startswith(("Stream removed", "Socket closed", "failed to connect", "Connection reset")):
+        return TRANSPORT
+    return None
+
+
 @dataclass
 class Record:
-    """Outcomes of the run so far: status counts per RPC, and the faults with their inputs."""
+    """Outcomes of the run so far: the servers' answers per RPC, the calls that ended on the client's side,
+    and the faults with their inputs (a status not allowed, no answer, or, in the stateful mode, an answer
+    other than the model's)."""
 
-    codes: Counter = field(default_factory=Counter)  # (rpc, code name) -> calls
+    codes: Counter = field(default_factory=Counter)  # (rpc, code name) -> the server's answers
+    client_side: Counter = field(default_factory=Counter)  # (rpc, origin) -> calls the client side ended
     requests: int = 0  # request messages sent (a stream counts each of its messages)
     faults: list[dict] = field(default_factory=list)
     fault_count: int = 0
+    violations: int = 0  # stateful mode: answers unlike the model's (counted in fault_count too)
     seconds: Counter = field(default_factory=Counter)  # rpc -> wall time of its calls (s)
     details: dict = field(default_factory=dict)  # (rpc, code name) -> the details of its first call
-    unsent_oversize: int = 0  # drawn unary requests over MAX_SENT_BYTES, not sent
 
-    def add(self, rpc: str, code: grpc.StatusCode, details: str, request, allowed=ALLOWED, seconds: float = 0.0) -> None:
-        self.codes[(rpc, code.name)] += 1
+    def add(self, rpc: str, code: grpc.StatusCode, details: str, request, allowed=ALLOWED, seconds: float = 0.0,
+            own_cancel: bool = False) -> bool:
+        """Count one call's end; True when it is the server's answer."""
         self.seconds[rpc] += seconds
+        where = origin(code, details, own_cancel)
+        if where is not None:
+            self.client_side[(rpc, where)] += 1
+            if where in CLIENT_FAULTS:
+                self._fault(rpc, code.name, details, request)
+            return False
+        self.codes[(rpc, code.name)] += 1
         self.details.setdefault((rpc, code.name), details[:200])
-        # "Stream removed": the client's transport ended the call, not the server, whatever the code
-        if code is OK or (code in allowed and not details.startswith("Stream removed")):
-            return
+        if code is not OK and code not in allowed:
+            self._fault(rpc, code.name, details, request)
+        return True
+
+    def violation(self, rpc: str, what: str, request) -> None:
+        """An answer the stateful model did not expect (a status, or a value of the reply)."""
+        self.violations += 1
+        self._fault(rpc, "MODEL", what, request)
+
+    def _fault(self, rpc: str, code: str, details: str, request) -> None:
         self.fault_count += 1
         if len(self.faults) < MAX_FAULTS_KEPT:
-            self.faults.append({"rpc": rpc, "code": code.name, "details": details[:500], "request": _short(request)})
+            self.faults.append({"rpc": rpc, "code": code, "details": details[:500], "request": _short(request)})
 
 
 def _short(request, limit: int = 800) -> str:
@@ -380,7 +431,7 @@ class Fuzzer:
         request = data.draw(message_strategy(request_type.DESCRIPTOR) if random_message or mutated is None
                             else mutated, label="request")
         if request.ByteSize() > MAX_SENT_BYTES:
-            self.record.unsent_oversize += 1
+            self.record.client_side[(rpc, UNSENT_OVERSIZE)] += 1
             return
         started = time.perf_counter()
         _, code, details = _status(lambda: stub_call(request, timeout=CALL_TIMEOUT_S))
@@ -435,8 +486,8 @@ class Fuzzer:
                 pass
         except grpc.RpcError as exc:
             code, details = exc.code(), exc.details() or ""
-        except StopIteration:  # the stream ended OK before answering a start / propose
-            code, details = grpc.StatusCode.UNKNOWN, "the stream ended without the reply of a start / propose"
+        except StopIteration:  # the stream ended OK before answering a start / propose: an answer, but a wrong one
+            self.record.violation("Session", "the stream ended without the reply of a start / propose", sent)
         finally:
             requests.put(None)
             replies.cancel()
@@ -466,18 +517,18 @@ class Fuzzer:
         wanted = data.draw(st.integers(1, 3), label="replies before the cancel")
         started = time.perf_counter()
         call = self.front.Generate(request, timeout=CALL_TIMEOUT_S)
-        code, details, allowed, read = OK, "", ALLOWED, 0
+        code, details, own_cancel, read = OK, "", False, 0
         try:
             for _ in call:
                 read += 1
                 if read >= wanted:
                     call.cancel()
-                    code, allowed = grpc.StatusCode.CANCELLED, ALLOWED | {grpc.StatusCode.CANCELLED}
+                    code, own_cancel = grpc.StatusCode.CANCELLED, True
                     break
         except grpc.RpcError as exc:
             code, details = exc.code(), exc.details() or ""
         self.record.requests += 1
-        self.record.add("Generate", code, details, request, allowed, time.perf_counter() - started)
+        self.record.add("Generate", code, details, request, seconds=time.perf_counter() - started, own_cancel=own_cancel)
 
     def _generate_request(self) -> st.SearchStrategy:
         """A well-formed request (short greedy or sampled, prompt ids or text) with at most one field broken."""
@@ -499,6 +550,339 @@ class Fuzzer:
             st.builds(lambda t: {"tree": t}, tree_spec(True)) if broken == "tree"
             else st.one_of(st.just({}), st.builds(lambda t: {"tree": t}, tree_spec(False))),
             st.tuples(st.booleans(), st.booleans()))
+
+
+# ------------------------------------------------------------- stateful mode: sequences of calls checked against a model
+
+GEN_TOKENS = 200  # a Generate the stateful mode aborts (ignore_eos: seconds of decoding, so it runs when aborted)
+KNOWN_CHAIN = 4  # nodes of a tree built from a known greedy continuation (all must be accepted)
+MISPLACED = [None, None, None, "start", "bad_commit"]  # a draft stream's misplaced message, if any
+
+
+@dataclass
+class Slot:
+    """The model of one target session (greedy): open or not, its context (prompt + committed tokens; the last one
+    is the root R) and the verify awaiting its commit (tree bytes, tokens answered, the tree)."""
+
+    sid: str
+    open: bool = False
+    context: tuple = ()
+    pending: tuple | None = None
+
+
+def _root_path(parents, nodes) -> bool:
+    """``nodes`` is a path from a root of the tree down (each node the child of the one before)."""
+    return all(0 <= n < len(parents) and parents[n] == (nodes[i - 1] if i else -1) for i, n in enumerate(nodes))
+
+
+def _agree(a, b) -> bool:
+    """One of the two token sequences is a prefix of the other."""
+    return tuple(a[: len(b)]) == tuple(b[: len(a)])
+
+
+class Stateful:
+    """Sequences of calls on a few target session ids (open, verify, replay, commit, release, reopen), draft
+    streams (start, propose, commit, a misplaced message, the id reused) and front request ids (Generate, the id
+    again while it runs, Abort twice, the id reused). Every answer is checked against the model of the services:
+    its status, and its values (cached tokens, released, the accepted path, a replay equal to its first answer,
+    greedy tokens equal to every earlier answer on the same context: the front's, the target's and, per draft
+    context, the draft's trees)."""
+
+    OPS = ("open", "verify", "commit", "release", "verify_batch", "generate_abort", "draft_stream")
+
+    def __init__(self, fuzzer: Fuzzer):
+        self.f, self.record, self.shape = fuzzer, fuzzer.record, fuzzer.shape
+        self.prompts = [tuple(t % self.shape.vocab for t in p) for p in (GREEDY_PROMPT, [8, 8, 1])]
+        self.known: dict[tuple, tuple] = {}  # context -> the target's greedy continuation seen so far
+        self.drafts: dict[tuple, tuple] = {}  # (context, spec, depth) -> the draft's tree seen
+        self.sequences, self.steps, self.ops = 0, 0, Counter()
+        self.cross_checked = Counter()  # answers compared with an earlier one on the same context: "greedy", "draft"
+
+    def sequence(self, data: st.DataObject) -> None:
+        """One sequence of 2-12 calls on fresh ids, each step 3 times in 4 the one that takes a session a step
+        further (open, verify, commit), else any; its sessions released at the end (the client's job)."""
+        self.sequences += 1
+        slots = [Slot(f"st-{self.sequences}-{i}") for i in range(2)]
+        try:
+            for _ in range(data.draw(st.integers(2, 12), label="steps")):
+                if data.draw(st.integers(0, 3), label="any op") == 0:
+                    op = data.draw(st.sampled_from(self.OPS), label="op")
+                else:
+                    slot = data.draw(st.sampled_from(slots), label="further")
+                    op = "open" if not slot.open else "commit" if slot.pending else "verify"
+                self.steps += 1
+                self.ops[op] += 1
+                getattr(self, f"_{op}")(data, slots)
+        finally:
+            for slot in slots:
+                self._release_slot(slot)
+
+    # -- calls and checks
+
+    def _call(self, rpc: str, method, request, expect: set):
+        """One unary call, recorded; a violation when the server answers other than ``expect``. The reply or None."""
+        started = time.perf_counter()
+        reply, code, details = _status(lambda: method(request, timeout=CALL_TIMEOUT_S))
+        self.record.requests += 1
+        answered = self.record.add(rpc, code, details, request, seconds=time.perf_counter() - started)
+        if answered and code not in expect:
+            self.record.violation(rpc, f"{code.name} where the model expects {sorted(c.name for c in expect)}: "
+                                       f"{details[:200]}", request)
+        return reply if code is OK else None
+
+    @staticmethod
+    def _slot(data: st.DataObject, slots: list[Slot], prefer) -> Slot:
+        """A slot; 3 times in 4 one that ``prefer`` accepts, if any (so sequences reach deep states)."""
+        liked = [s for s in slots if prefer(s)]
+        if liked and data.draw(st.integers(0, 3), label="prefer") > 0:
+            return data.draw(st.sampled_from(liked), label="slot")
+        return data.draw(st.sampled_from(slots), label="slot")
+
+    def _check(self, ok: bool, rpc: str, what: str, request) -> None:
+        if not ok:
+            self.record.violation(rpc, what, request)
+
+    def _learn(self, context: tuple, tokens, rpc: str, request) -> None:
+        """``tokens`` continue ``context`` greedily: they must agree with what was seen there; keep the longer."""
+        seen = self.known.get(context, ())
+        self.cross_checked["greedy"] += bool(seen)
+        self._check(_agree(seen, tokens), rpc, f"greedy tokens {list(tokens)} after {len(context)} tokens, "
+                                                f"earlier {list(seen)}", request)
+        if len(tokens) > len(seen):
+            self.known[context] = tuple(tokens)
+
+    # -- target sessions
+
+    def _open(self, data: st.DataObject, slots: list[Slot]) -> None:
+        """Prefill: OK on a closed id (opened, reused after a release), ALREADY_EXISTS on an open one,
+        INVALID_ARGUMENT for a token outside the vocabulary (checked first)."""
+        slot = self._slot(data, slots, lambda s: not s.open)
+        prompt = list(data.draw(st.sampled_from(self.prompts), label="prompt"))
+        broken = data.draw(st.integers(0, 4), label="broken prompt") == 0
+        if broken:
+            prompt[-1] = self.shape.vocab
+        expect = {grpc.StatusCode.INVALID_ARGUMENT} if broken else {grpc.StatusCode.ALREADY_EXISTS} if slot.open else {OK}
+        request = target_pb2.PrefillRequest(session_id=slot.sid, prompt_ids=prompt)
+        reply = self._call("Prefill", self.f.target.Prefill, request, expect)
+        if reply is not None and expect == {OK}:
+            self._check(reply.cached_tokens == len(prompt) - 1, "Prefill", f"cached_tokens {reply.cached_tokens}", request)
+            slot.open, slot.context, slot.pending = True, tuple(prompt), None
+
+    def _tree(self, data: st.DataObject, slot: Slot) -> tuple[tree_pb2.TokenTree, int | None]:
+        """A tree for ``slot``: its pending one again (a replay), a chain of its known continuation (all of it to be
+        accepted: returns its length), a small fixed one, or one with a token outside the vocabulary."""
+        known = self.known.get(slot.context, ())
+        kind = data.draw(st.sampled_from(["replay", "known", "known", "empty", "small", "broken"]), label="tree")
+        if kind == "replay" and slot.pending is not None:
+            return slot.pending[2], None
+        if kind == "known" and known:
+            chain = known[:KNOWN_CHAIN]
+            return tree_pb2.TokenTree(tokens=chain, parents=list(range(-1, len(chain) - 1))), len(chain)
+        if kind == "broken":
+            return tree_pb2.TokenTree(tokens=[self.shape.vocab], parents=[-1]), None
+        if kind == "small":
+            return tree_pb2.TokenTree(tokens=[1, 2, 3], parents=[-1, -1, 0]), None
+        return tree_pb2.TokenTree(), None
+
+    def _verify_expect(self, slot: Slot, tree: tree_pb2.TokenTree) -> grpc.StatusCode:
+        """The target's order of checks: the session, the tree, a pending verify (the same tree replays), the context."""
+        if not slot.open:
+            return grpc.StatusCode.FAILED_PRECONDITION
+        if any(not 0 <= t < self.shape.vocab for t in tree.tokens):
+            return grpc.StatusCode.INVALID_ARGUMENT
+        if slot.pending is not None:
+            return OK if tree.SerializeToString(deterministic=True) == slot.pending[0] else grpc.StatusCode.FAILED_PRECONDITION
+        depth = len(tree.tokens) and max(self._depths(tree.parents))
+        return grpc.StatusCode.INVALID_ARGUMENT if len(slot.context) - 1 + depth >= self.shape.context_limit else OK
+
+    @staticmethod
+    def _depths(parents) -> list[int]:
+        depths: list[int] = []
+        for p in parents:
+            depths.append(1 if p < 0 else depths[p] + 1)
+        return depths
+
+    def _verified(self, slot: Slot, tree, reply, chain: int | None, rpc: str, request) -> None:
+        """Check one verify answer against the model and keep it pending (a replay must equal the first answer)."""
+        tokens, nodes = tuple(reply.tokens), list(reply.accepted_nodes)
+        if slot.pending is not None:
+            self._check(tokens == slot.pending[1], rpc, f"replay answered {list(tokens)}, first {list(slot.pending[1])}", request)
+            return
+        path_ok = (_root_path(tree.parents, nodes) and len(tokens) == len(nodes) + 1
+                   and all(tokens[i] == tree.tokens[n] for i, n in enumerate(nodes)))
+        self._check(path_ok, rpc, f"accepted {nodes} / tokens {list(tokens)} are no root path of the tree", request)
+        self._check(chain is None or len(nodes) == chain, rpc, f"{len(nodes)} of a known greedy chain of {chain} accepted", request)
+        self._learn(slot.context, tokens, rpc, request)
+        slot.pending = (tree.SerializeToString(deterministic=True), tokens, tree)
+
+    def _verify(self, data: st.DataObject, slots: list[Slot]) -> None:
+        slot = self._slot(data, slots, lambda s: s.open)
+        tree, chain = self._tree(data, slot)
+        request = target_pb2.VerifyRequest(session_id=slot.sid, tree=tree)
+        expect = self._verify_expect(slot, tree)
+        reply = self._call("Verify", self.f.target.Verify, request, {expect})
+        if reply is not None and expect is OK:
+            self._verified(slot, tree, reply, chain, "Verify", request)
+
+    def _verify_batch(self, data: st.DataObject, slots: list[Slot]) -> None:
+        """VerifyBatch of 1-2 items (a session twice: INVALID_ARGUMENT); else the first failing item's status."""
+        chosen = data.draw(st.lists(st.sampled_from(slots), min_size=1, max_size=2), label="items")
+        trees = [self._tree(data, slot) for slot in chosen]
+        request = target_pb2.VerifyBatchRequest(items=[target_pb2.VerifyRequest(session_id=s.sid, tree=t)
+                                                       for s, (t, _) in zip(chosen, trees)])
+        codes = [self._verify_expect(s, t) for s, (t, _) in zip(chosen, trees)]
+        duplicate = len({s.sid for s in chosen}) < len(chosen)
+        expect = grpc.StatusCode.INVALID_ARGUMENT if duplicate else next((c for c in codes if c is not OK), OK)
+        reply = self._call("VerifyBatch", self.f.target.VerifyBatch, request, {expect})
+        if reply is None or expect is not OK:
+            return
+        self._check(len(reply.results) == len(chosen), "VerifyBatch", f"{len(reply.results)} results", request)
+        for slot, (tree, chain), result in zip(chosen, trees, reply.results):
+            self._verified(slot, tree, result, chain, "VerifyBatch", request)
+
+    def _commit(self, data: st.DataObject, slots: list[Slot]) -> None:
+        """Commit: FAILED_PRECONDITION with no session or no pending verify, INVALID_ARGUMENT outside [1, tokens]."""
+        slot = self._slot(data, slots, lambda s: s.pending is not None)
+        answered = len(slot.pending[1]) if slot.pending else 1
+        n = data.draw(st.sampled_from([answered, answered, 1, answered + 1, 0]), label="num_tokens")
+        expect = (grpc.StatusCode.FAILED_PRECONDITION if not slot.open or slot.pending is None
+                  else OK if 1 <= n <= answered else grpc.StatusCode.INVALID_ARGUMENT)
+        request = target_pb2.CommitRequest(session_id=slot.sid, num_tokens=n)
+        reply = self._call("Commit", self.f.target.Commit, request, {expect})
+        if reply is not None and expect is OK:
+            self._check(reply.cached_tokens == len(slot.context) - 1 + n, "Commit", f"cached_tokens {reply.cached_tokens} "
+                        f"after {len(slot.context)} + {n}", request)
+            tokens = slot.pending[1]
+            slot.context, slot.pending = slot.context + tokens[:n], None
+            if tokens[n:]:
+                self._learn(slot.context, tokens[n:], "Commit", request)  # the rest still continues the new context
+
+    def _release(self, data: st.DataObject, slots: list[Slot]) -> None:
+        self._release_slot(data.draw(st.sampled_from(slots), label="slot"))
+
+    def _release_slot(self, slot: Slot) -> None:
+        """Release: OK, released = whether the session was open; the id is free again."""
+        request = target_pb2.ReleaseRequest(session_id=slot.sid)
+        reply = self._call("Release", self.f.target.Release, request, {OK})
+        if reply is not None:
+            self._check(reply.released == slot.open, "Release", f"released {reply.released}, open {slot.open}", request)
+        slot.open, slot.pending = False, None
+
+    # -- front request ids
+
+    def _generate_abort(self, data: st.DataObject, slots: list[Slot]) -> None:
+        """A running Generate: its id again (ALREADY_EXISTS), Abort (the stream ends "aborted" if it answered
+        true), Abort again (false), the id reused (OK); greedy tokens as the target's on the same prompt."""
+        if self.f.front is None:
+            return
+        prompt = data.draw(st.sampled_from(self.prompts), label="prompt")
+        rid = f"st-{self.sequences}-{self.steps}"
+        request = generation_pb2.GenerateRequest(request_id=rid, prompt_ids=prompt, max_new_tokens=GEN_TOKENS,
+                                                 ignore_eos=True)
+        call = self.f.front.Generate(request, timeout=CALL_TIMEOUT_S)
+        tokens, stop, ended = self._stream(call, request, first_only=True)
+        if ended:  # refused or failed: recorded (and a violation) already
+            return
+        again = generation_pb2.GenerateRequest(request_id=rid, prompt_ids=prompt, max_new_tokens=2)
+        self._stream(self.f.front.Generate(again, timeout=CALL_TIMEOUT_S), again, expect={grpc.StatusCode.ALREADY_EXISTS})
+        abort = generation_pb2.AbortRequest(request_id=rid)
+        first = self._call("Abort", self.f.front.Abort, abort, {OK})
+        more, stop, _ = self._stream(call, request)
+        tokens += more
+        if first is not None:
+            done = "aborted" if first.aborted else "max_new_tokens"
+            self._check(stop == done, "Generate", f"stop_reason {stop!r} after Abort answered {first.aborted}", request)
+        second = self._call("Abort", self.f.front.Abort, abort, {OK})
+        self._check(second is None or not second.aborted, "Abort", "a second Abort of an ended request answered true", abort)
+        reuse = generation_pb2.GenerateRequest(request_id=rid, prompt_ids=prompt, max_new_tokens=4, ignore_eos=True)
+        again_tokens, _, _ = self._stream(self.f.front.Generate(reuse, timeout=CALL_TIMEOUT_S), reuse)
+        self._learn(tuple(prompt), tokens, "Generate", request)
+        self._learn(tuple(prompt), again_tokens, "Generate", reuse)
+
+    def _stream(self, call, request, first_only: bool = False, expect=frozenset({OK})) -> tuple[list[int], str, bool]:
+        """Read a Generate stream: its first reply only, or to its end (recorded): (tokens, stop_reason, ended)."""
+        tokens, stop, code, details = [], "", OK, ""
+        started = time.perf_counter()
+        try:
+            for reply in call:
+                tokens += reply.token_ids
+                stop = reply.stats.stop_reason if reply.HasField("stats") else stop
+                if first_only:
+                    return tokens, stop, False
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details() or ""
+        self.record.requests += 1
+        if self.record.add("Generate", code, details, request, seconds=time.perf_counter() - started) and code not in expect:
+            self.record.violation("Generate", f"{code.name} where the model expects {sorted(c.name for c in expect)}: "
+                                              f"{details[:200]}", request)
+        return tokens, stop, True
+
+    # -- draft streams
+
+    def _draft_stream(self, data: st.DataObject, slots: list[Slot]) -> None:
+        """A Session stream: start, 1-3 rounds of propose + commit (a root path of the tree + a bonus), maybe one
+        misplaced message (a second start, a commit naming no node: INVALID_ARGUMENT, the stream ends); each tree
+        well-formed and equal to the draft's earlier tree on the same context; a second stream reuses the id."""
+        prompt = data.draw(st.sampled_from(self.prompts), label="prompt")
+        rounds = [(data.draw(st.integers(1, 3), label="max_depth"), data.draw(st.integers(0, 50), label="leaf"),
+                   data.draw(st.integers(0, self.shape.vocab - 1), label="bonus"))
+                  for _ in range(data.draw(st.integers(1, 3), label="rounds"))]
+        misplaced = data.draw(st.sampled_from(MISPLACED), label="misplaced")
+        sid = f"st-{self.sequences}-draft"
+        for _ in range(data.draw(st.integers(1, 2), label="streams on the id")):
+            self._one_draft_stream(sid, prompt, rounds, misplaced)
+
+    def _one_draft_stream(self, sid: str, prompt: tuple, rounds: list, misplaced: str | None) -> None:
+        requests: queue.Queue = queue.Queue()
+        replies = self.f.draft.Session(iter(requests.get, None), timeout=CALL_TIMEOUT_S)
+        sent, context, code, details = [], tuple(prompt), OK, ""
+        spec = tree_pb2.TreeSpec(gamma=2, top_k_spec=[tree_pb2.TopKRow(k=[2]), tree_pb2.TopKRow(k=[1])], top_head=[1, 1])
+        started = time.perf_counter()
+
+        def send(msg, answer: bool):
+            sent.append(msg)
+            requests.put(msg)
+            return next(replies) if answer else None
+
+        try:
+            send(draft_pb2.DraftRequest(start=draft_pb2.DraftStart(session_id=sid, prompt_ids=prompt)), True)
+            for i, (depth, leaf, bonus) in enumerate(rounds):
+                reply = send(draft_pb2.DraftRequest(propose=draft_pb2.TreeRequest(spec=spec, max_depth=depth, round=i)), True)
+                self._draft_tree(context, depth, reply.tree.tree, sent)
+                commit = PlannedCommit(leaf, bonus).resolve(reply.tree.tree, self.shape.vocab)
+                if misplaced and i == len(rounds) - 1:  # the last round's commit is replaced
+                    commit = (draft_pb2.DraftRequest(start=draft_pb2.DraftStart(session_id=sid, prompt_ids=prompt))
+                              if misplaced == "start" else draft_pb2.DraftRequest(commit=draft_pb2.DraftCommit(
+                                  tokens=[1, 1], accepted_nodes=[len(reply.tree.tree.tokens) + 50])))
+                send(commit, False)
+                context += tuple(commit.commit.tokens)
+            requests.put(None)
+            for _ in replies:
+                pass
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details() or ""
+        except StopIteration:
+            self.record.violation("Session", "the stream ended without the reply of a start / propose", sent)
+        finally:
+            requests.put(None)
+            replies.cancel()
+        self.record.requests += len(sent)
+        expect = grpc.StatusCode.INVALID_ARGUMENT if misplaced else OK
+        if self.record.add("Session", code, details, sent, seconds=time.perf_counter() - started) and code is not expect:
+            self.record.violation("Session", f"{code.name} where the model expects {expect.name}: {details[:200]}", sent)
+
+    def _draft_tree(self, context: tuple, depth: int, tree, sent) -> None:
+        """A proposed tree: topological, ids in the vocabulary, no deeper than asked, equal to the tree proposed
+        before on the same context and depth (greedy drafting, the draft's KV rolled back to its commits)."""
+        parents, tokens = list(tree.parents), list(tree.tokens)
+        well_formed = (len(parents) == len(tokens) and all(-1 <= p < i for i, p in enumerate(parents))
+                       and all(0 <= t < self.shape.vocab for t in tokens)
+                       and max(self._depths(parents), default=0) <= depth)
+        self._check(well_formed, "Session", f"proposed tree {tokens} / {parents} is malformed (max depth {depth})", sent)
+        self.cross_checked["draft"] += (context, depth) in self.drafts
+        seen = self.drafts.setdefault((context, depth), (tuple(tokens), tuple(parents)))
+        self._check(seen == (tuple(tokens), tuple(parents)), "Session",
+                    f"tree {tokens} / {parents} after {len(context)} tokens, earlier {list(seen[0])} / {list(seen[1])}", sent)
 
 
 # ------------------------------------------------------------- the run: greedy reference, messages, checks
@@ -531,18 +915,17 @@ def greedy_outputs(fuzzer: Fuzzer) -> dict[str, list[int]]:
     return out
 
 
-def drive(fuzzer: Fuzzer, messages: int, seed: int) -> int:
-    """Run ``messages`` hypothesis cases (seeded, no database); returns the count run, unsent oversize included."""
+def drive(case, examples: int, seed: int) -> None:
+    """Run ``examples`` hypothesis cases of ``case(data)`` (seeded, no database, no shrinking)."""
 
     @hypothesis_seed(seed)
-    @settings(max_examples=messages, database=None, deadline=None, phases=[Phase.generate],
+    @settings(max_examples=examples, database=None, deadline=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck), print_blob=False)
     @given(st.data())
     def one(data):
-        fuzzer.case(data)
+        case(data)
 
     one()
-    return sum(fuzzer.record.codes.values()) + fuzzer.record.unsent_oversize
 
 
 def open_sessions(fuzzer: Fuzzer, settle_s: float = 20.0) -> dict[str, int]:
@@ -558,17 +941,18 @@ def open_sessions(fuzzer: Fuzzer, settle_s: float = 20.0) -> dict[str, int]:
         time.sleep(0.2)
 
 
-def run_fuzz(addresses: Addresses, messages: int, seed: int = 0, alive=None) -> dict:
-    """Fuzz a deployment with ``messages`` cases; returns the figures and each property's verdict.
-    Raises grpc.RpcError when the deployment does not answer the well-formed calls before the run."""
+def run_fuzz(addresses: Addresses, messages: int, seed: int = 0, alive=None, stateful: bool = False) -> dict:
+    """Fuzz a deployment with ``messages`` cases (stateful: sequences); returns the figures and each property's
+    verdict. Raises grpc.RpcError when the deployment does not answer the well-formed calls before the run."""
     info = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(addresses.target)).Info(
         target_pb2.InfoRequest(), timeout=CALL_TIMEOUT_S)
     shape = Shape(info.vocab_size, info.context_limit, info.max_tree_nodes or 128)
     fuzzer = Fuzzer(addresses, shape, pool=[f"fz-{seed}-{i}" for i in range(6)])
+    machine = Stateful(fuzzer) if stateful else None
     try:
         before = greedy_outputs(fuzzer)
         started = time.perf_counter()
-        ran = drive(fuzzer, messages, seed)
+        drive(machine.sequence if machine else fuzzer.case, messages, seed)
         elapsed_s = time.perf_counter() - started
         for sid in fuzzer.opened:  # the fuzzer's own sessions: releasing them is the client's job
             _status(lambda: fuzzer.target.Release(target_pb2.ReleaseRequest(session_id=sid), timeout=CALL_TIMEOUT_S))
@@ -577,7 +961,15 @@ def run_fuzz(addresses: Addresses, messages: int, seed: int = 0, alive=None) -> 
         after = greedy_outputs(fuzzer)
     finally:
         fuzzer.close()
-    return summarize(fuzzer.record, ran, elapsed_s, seed, held, before, after, processes)
+    ran = machine.sequences if machine else sum(fuzzer.record.codes.values()) + sum(fuzzer.record.client_side.values())
+    result = summarize(fuzzer.record, ran, elapsed_s, seed, held, before, after, processes)
+    if machine:
+        result.update(mode="stateful", sequences=machine.sequences, steps=machine.steps, ops=dict(sorted(machine.ops.items())),
+                      known_contexts=len(machine.known), cross_checked=dict(machine.cross_checked),
+                      violations=fuzzer.record.violations)
+        result["checks"]["answers_as_modelled"] = fuzzer.record.violations == 0
+        result["passed"] = all(result["checks"].values())
+    return result
 
 
 def summarize(record: Record, ran: int, elapsed_s: float, seed: int, held: dict, before: dict, after: dict,
@@ -585,17 +977,22 @@ def summarize(record: Record, ran: int, elapsed_s: float, seed: int, held: dict,
     per_rpc: dict[str, dict[str, int]] = {}
     for (rpc, code), n in sorted(record.codes.items()):
         per_rpc.setdefault(rpc, {})[code] = n
+    client_side: dict[str, dict[str, int]] = {}
+    for (rpc, where), n in sorted(record.client_side.items()):
+        client_side.setdefault(rpc, {})[where] = n
     checks = {
-        "only_allowed_codes": record.fault_count == 0,
+        "only_allowed_codes": record.fault_count - record.violations == 0,
         "servers_alive": all(processes.values()) if processes else True,
         "no_sessions_leaked": not any(held.values()),
         "greedy_unchanged": before == after,
     }
     return {
-        "messages": ran, "requests": record.requests, "unsent_oversize": record.unsent_oversize, "seed": seed, "elapsed_s": round(elapsed_s, 1),
+        "mode": "random", "messages": ran, "requests": record.requests, "server_answers": sum(record.codes.values()),
+        "client_side": sum(record.client_side.values()), "seed": seed, "elapsed_s": round(elapsed_s, 1),
         "messages_per_s": round(ran / elapsed_s, 1) if elapsed_s else None,
-        "allowed_codes": sorted(c.name for c in ALLOWED) + ["CANCELLED (the fuzzer's own cancel of a Generate)"],
-        "codes_per_rpc": per_rpc, "seconds_per_rpc": {rpc: round(t, 2) for rpc, t in sorted(record.seconds.items())},
+        "allowed_codes": sorted(c.name for c in ALLOWED),
+        "codes_per_rpc": per_rpc, "client_side_per_rpc": client_side,
+        "seconds_per_rpc": {rpc: round(t, 2) for rpc, t in sorted(record.seconds.items())},
         "first_details": {f"{rpc} {code}": text for (rpc, code), text in sorted(record.details.items())},
         "faults": record.fault_count, "fault_examples": record.faults,
         "sessions_after": held, "greedy_before": before, "greedy_after": after, "processes_alive": processes,
@@ -623,10 +1020,10 @@ def spawned_services(root: Path):
             stop_service(service)
 
 
-def fuzz_spawned(messages: int, seed: int = 0, workdir: Path | None = None) -> dict:
+def fuzz_spawned(messages: int, seed: int = 0, workdir: Path | None = None, stateful: bool = False) -> dict:
     """Fuzz a spawned tiny deployment; adds each server's exit code and logged tracebacks to the result."""
     with spawned_services(Path(workdir or tempfile.mkdtemp(prefix="fuzz-"))) as (addresses, services):
-        result = run_fuzz(addresses, messages, seed,
+        result = run_fuzz(addresses, messages, seed, stateful=stateful,
                           alive=lambda: {name: s.returncode is None for name, s in services.items()})
     exit_codes = {name: s.returncode for name, s in services.items()}
     tracebacks = {name: s.stderr.count("Traceback") for name, s in services.items()}
@@ -639,25 +1036,41 @@ def fuzz_spawned(messages: int, seed: int = 0, workdir: Path | None = None) -> d
 
 
 def write_report(result: dict, out_dir) -> tuple[Path, Path]:
-    """Write ``fuzz.json`` and ``fuzz.md`` under ``out_dir``; returns their paths."""
+    """Write ``fuzz.json`` and ``fuzz.md`` (stateful: ``fuzz_stateful.*``) under ``out_dir``; returns their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "fuzz.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-    codes = sorted({c for per in result["codes_per_rpc"].values() for c in per})
-    lines = [f"# Fuzz: {result['messages']} messages ({result['requests']} requests), seed {result['seed']}", "",
-             f"{result.get('deployment', 'a given deployment')}; {result['elapsed_s']} s, "
-             f"{result['messages_per_s']} messages/s. Allowed: OK, {', '.join(result['allowed_codes'])}.", "",
-             "| check | result |", "|---|---|"]
-    lines += [f"| {name} | {'pass' if ok else 'FAIL'} |" for name, ok in result["checks"].items()]
+    name = "fuzz_stateful" if result["mode"] == "stateful" else "fuzz"
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    machine = result.get("machine", {})
+    what = (f"{result['sequences']} sequences ({result['steps']} steps, {result['requests']} requests)"
+            if result["mode"] == "stateful" else f"{result['messages']} messages ({result['requests']} requests)")
+    lines = [f"# Fuzz ({result['mode']}): {what}, seed {result['seed']}", "",
+             f"{result.get('deployment', 'a given deployment')}; commit {machine.get('commit', '?')}, "
+             f"{machine.get('cpu_model', '?')} ({machine.get('cpus', '?')} CPUs); {result['elapsed_s']} s. Allowed: OK, "
+             f"{', '.join(result['allowed_codes'])}. Server answers: {result['server_answers']}; ended on the client's "
+             f"side: {result['client_side']} (not answers: counted apart).", "", "| check | result |", "|---|---|"]
+    lines += [f"| {check} | {'pass' if ok else 'FAIL'} |" for check, ok in result["checks"].items()]
     lines += ["", f"Faults: {result['faults']}. Sessions held after the run: {result['sessions_after']}.",
               f"Greedy tokens before = after: {result['greedy_before'] == result['greedy_after']} "
-              f"({result['greedy_after']}).", "", "| rpc | " + " | ".join(codes) + " |", "|---" * (len(codes) + 1) + "|"]
-    lines += [f"| {rpc} | " + " | ".join(str(per.get(c, 0)) for c in codes) + " |"
-              for rpc, per in result["codes_per_rpc"].items()]
+              f"({result['greedy_after']})."]
+    if result["mode"] == "stateful":
+        lines += ["", f"Steps by operation: {result['ops']}. Model violations: {result['violations']}. Answers compared "
+                      f"with an earlier answer on the same context: {result['cross_checked']} (greedy tokens of the "
+                      f"target and front; the draft's trees), over {result['known_contexts']} target contexts."]
+    lines += ["", "Server answers:", ""] + _table(result["codes_per_rpc"])
+    lines += ["", "Ended on the client's side:", ""] + _table(result["client_side_per_rpc"])
     for fault in result["fault_examples"][:10]:
         lines += ["", f"- {fault['rpc']} -> {fault['code']}: {fault['details']}", "", "```", fault["request"], "```"]
-    (out / "fuzz.md").write_text("\n".join(lines) + "\n")
-    return out / "fuzz.json", out / "fuzz.md"
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    return out / f"{name}.json", out / f"{name}.md"
+
+
+def _table(per_rpc: dict[str, dict[str, int]]) -> list[str]:
+    columns = sorted({c for per in per_rpc.values() for c in per})
+    if not columns:
+        return ["(none)"]
+    return (["| rpc | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+            + [f"| {rpc} | " + " | ".join(str(per.get(c, 0)) for c in columns) + " |" for rpc, per in per_rpc.items()])
 
 
 def _address(text: str) -> str:
@@ -670,9 +1083,10 @@ def _address(text: str) -> str:
 def main(argv=None) -> int:
     """Command line; exit code 0 when every property held, 1 otherwise."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--messages", type=int, default=10_000, help="cases to send (default 10000)")
+    parser.add_argument("--messages", type=int, default=10_000, help="cases to send (default 10000; stateful: sequences)")
+    parser.add_argument("--stateful", action="store_true", help="sequences of calls checked against a model")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, required=True, help="folder for fuzz.json and fuzz.md")
+    parser.add_argument("--out", type=Path, required=True, help="folder for fuzz.json and fuzz.md (fuzz_stateful.*)")
     for name in ("front", "draft", "target"):
         parser.add_argument(f"--{name}", type=_address, help=f"HOST:PORT of a running {name} (else spawned)")
     args = parser.parse_args(argv)
@@ -681,11 +1095,15 @@ def main(argv=None) -> int:
     if args.draft or args.target:
         if not (args.draft and args.target):
             parser.error("--draft and --target: give both (and --front for the Generate / Abort cases)")
-        result = run_fuzz(Addresses(args.draft, args.target, args.front), args.messages, args.seed)
+        result = run_fuzz(Addresses(args.draft, args.target, args.front), args.messages, args.seed, stateful=args.stateful)
     else:
-        result = fuzz_spawned(args.messages, args.seed)
+        result = fuzz_spawned(args.messages, args.seed, stateful=args.stateful)
+    from benchmarks.reliability import machine  # the CPU and commit, as the other parts' records name them
+
+    result["machine"] = machine()
     paths = write_report(result, args.out)
-    print(f"{result['messages']} messages, {result['faults']} faults, passed={result['passed']}: "
+    print(f"{result['messages']} {'sequences' if args.stateful else 'messages'}, {result['faults']} faults, "
+          f"passed={result['passed']}: "
           + ", ".join(map(str, paths)))
     return 0 if result["passed"] else 1
 
