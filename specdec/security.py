@@ -123,8 +123,9 @@ def keepalive_options(config: GrpcConfig, server: bool) -> list[tuple[str, int]]
     """gRPC channel arguments of ``grpc.keepalive_s`` (gRPC's keepalive guide: the server must permit the
     client's ping rate, or it answers GOAWAY too_many_pings)."""
     ms = int(config.keepalive_s * 1000)
-    common = [("grpc.keepalive_timeout_ms", max(ms // 3, 100)), ("grpc.keepalive_permit_without_calls", 1),
-              ("grpc.http2.max_pings_without_data", 0)]
+    timeout = max(ms // 3, 100)
+    common = [("grpc.keepalive_timeout_ms", timeout), ("grpc.http2.ping_timeout_ms", timeout),
+              ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
     if server:
         return [("grpc.keepalive_time_ms", 2 * ms), ("grpc.http2.min_recv_ping_interval_without_data_ms", ms // 2),
                 *common]

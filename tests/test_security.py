@@ -261,6 +261,8 @@ def test_a_service_with_a_certificate_but_no_ca_refuses_to_start(pki, tmp_path, 
         assert code == 2 and f"grpc.tls_ca: the {kind} service serves TLS" in service.stderr
     finally:
         stop_service(service)
+    if kind == "draft":
+        return  # the same check (specdec.security.check_client_auth); the allowed start is shown once
     allowed = write_config(tmp_path / "allowed.yaml", pair, grpc={
         "tls_cert": pki["cert.pem"], "tls_key": pki["key.pem"], "tls_client_auth": False})
     service = wait_ready(launch_service(kind, allowed))

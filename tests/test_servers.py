@@ -13,7 +13,9 @@ import asyncio
 import math
 import os
 import queue
+import select
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -984,6 +986,73 @@ def test_the_draft_bounds_its_kv_and_ends_idle_streams(tmp_path):
                 time.sleep(0.1)
             assert (info.sessions, info.cached_sessions, info.cached_tokens) == (0, 0, 0)
     finally:
+        stop_service(service)
+
+
+class FreezingRelay:
+    """A TCP relay to ``target`` ("host:port") that can stop carrying bytes while keeping its connections open:
+    a network partition as the endpoints see it (no FIN, no RST, no answer)."""
+
+    def __init__(self, target: str):
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.frozen = threading.Event()
+        self.sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            self.sockets += [client, upstream]
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        while True:
+            if self.frozen.is_set() or not select.select([src], [], [], 0.05)[0]:
+                time.sleep(0.01)
+                continue
+            try:
+                data = src.recv(65536)
+                if not data:
+                    return
+                dst.sendall(data)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.listener.close()
+        for sock in self.sockets:
+            sock.close()
+
+
+def test_keepalive_ends_the_draft_stream_of_a_partitioned_front(tmp_path):
+    """Issue 57: a front cut off by a partition left its draft stream (and KV) open until the idle reaper.
+    With grpc.keepalive_s 1 the draft pings every 2 s; the unanswered ping ends the connection and the
+    stream within seconds, though draft.session_idle_s (600 s) is far off."""
+    pair = save_tiny_pair(tmp_path / "models")
+    service = start_service("draft", write_config(tmp_path / "ka.yaml", pair, grpc={"keepalive_s": 1.0}))
+    relay = FreezingRelay(service.address)
+    try:
+        with grpc.insecure_channel(relay.address) as far, grpc.insecure_channel(service.address) as near:
+            session = DraftSession(far)
+            session.start("cut-off", [1, 2, 3, 4])
+            stub = draft_pb2_grpc.DraftServiceStub(near)
+            assert stub.Info(draft_pb2.DraftInfoRequest(), timeout=10).sessions == 1
+            relay.frozen.set()
+            started = time.monotonic()
+            while (info := stub.Info(draft_pb2.DraftInfoRequest(), timeout=10)).sessions and time.monotonic() - started < 15:
+                time.sleep(0.2)
+            assert info.sessions == 0, "the partitioned stream is still open"
+            assert time.monotonic() - started < 15
+    finally:
+        relay.close()
         stop_service(service)
 
 
