@@ -174,6 +174,13 @@ def test_abort_frees_the_requests_kv(stack):
     assert (info.sessions, info.cached_tokens) == (base.sessions, base.cached_tokens)
 
 
+def test_the_fronts_own_ray_head_authenticates_its_callers(stack):
+    """Issue 57: the Ray head a front starts runs with token authentication (Ray >= 2.59's default for a local
+    head), as Ray itself reports it in the front's process."""
+    assert "ray: token authentication on" in stack["front"].stderr
+    assert "ray: token authentication off" not in stack["front"].stderr
+
+
 def test_a_ray_front_measures_the_services_once_for_its_actors(stack):
     """The cost-aware control's start through Ray: the front's probe times the services when it
     connects and its actors start from those figures ("configured": none measured on its own)."""

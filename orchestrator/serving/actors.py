@@ -68,6 +68,22 @@ class OrchestratorActor:
         return None if shared is None else shared.cost.snapshot()
 
 
+def _log_ray_auth() -> None:
+    """Say whether the Ray cluster authenticates its callers (``RAY_AUTH_MODE=token``; Ray >= 2.59 turns it on for
+    a local head unless the environment says otherwise): without it, anyone who reaches its ports can run code
+    beside the front's token file and keys."""
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+        enabled = is_token_auth_enabled()
+    except ImportError:  # a Ray before token authentication
+        enabled = False
+    if enabled:
+        log.info("ray: token authentication on")
+    else:
+        log.warning("ray: token authentication off (RAY_AUTH_MODE=%s): anyone who reaches the Ray ports can run code "
+                    "on its nodes; set RAY_AUTH_MODE=token", os.environ.get("RAY_AUTH_MODE", "unset"))
+
+
 class RayBackend(Backend):
     """Requests run in ``front.workers`` OrchestratorActors, least-loaded first, failing over when one dies.
     Starts a local Ray (``front.ray_address`` unset) or attaches to a cluster."""
@@ -89,6 +105,7 @@ class RayBackend(Backend):
             ray.init(address=front.ray_address, num_cpus=front.ray_num_cpus if front.ray_address is None else None,
                      include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
                      runtime_env={"env_vars": actor_env()} if actor_env() else None)
+            _log_ray_auth()
         # one probe reads the target's limits and measures once for all actors (together they would disturb each other)
         factory = control_factory(front)
         probe = Orchestrator(front, self.grpc_cfg, control_factory=factory)
