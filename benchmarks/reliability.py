@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import ipaddress
 import json
 import os
 import random
@@ -58,6 +56,7 @@ import grpc  # noqa: E402
 import psutil  # noqa: E402
 import yaml  # noqa: E402
 
+from specdec.harness.pki import make_pki  # noqa: E402
 from specdec.harness.servers import Service, launch_service, stop_service, wait_address, wait_ready  # noqa: E402
 from specdec.v1 import (draft_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc, target_pb2,  # noqa: E402
                         target_pb2_grpc, tree_pb2)
@@ -404,42 +403,6 @@ async def counts_back_to_zero(endpoints: Endpoints, timeout_s: float) -> tuple[d
         if not any(counts.values()) or time.monotonic() - started > timeout_s:
             return counts, time.monotonic() - started
         await asyncio.sleep(0.2)
-
-
-def make_pki(root: Path) -> dict[str, Path]:
-    """A throwaway CA and one certificate it signed for 127.0.0.1 / localhost, which every server and client of
-    the own deployment presents: {"ca", "cert", "key"} PEM files under ``root``."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "specdec reliability throwaway CA")])
-
-    def signed(subject: x509.Name, public_key, ca: bool, extra: list) -> x509.Certificate:
-        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_name).public_key(public_key)
-                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-                   .not_valid_after(now + datetime.timedelta(days=2))
-                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-                   .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False))
-        for extension in extra:
-            builder = builder.add_extension(extension, critical=False)
-        return builder.sign(ca_key, hashes.SHA256())
-
-    ca = signed(ca_name, ca_key.public_key(), True, [])
-    cert = signed(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]), key.public_key(), False, [
-        x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-        x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key())])
-    root.mkdir(parents=True, exist_ok=True)
-    files = {"ca": root / "ca.pem", "cert": root / "cert.pem", "key": root / "key.pem"}
-    files["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    files["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    files["key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
-    files["key"].chmod(0o600)
-    return files
 
 
 @dataclass

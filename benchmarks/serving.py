@@ -139,15 +139,21 @@ def memory_spans(exporter) -> list[Span]:
                  dict(s.attributes or {}), (s.end_time - s.start_time) / 1e6) for s in exporter.get_finished_spans()]
 
 
+def client_id(rid: str) -> str:
+    """The client's request_id of a span's request.id: the front runs it as ``ID~SUFFIX``, sessions add ``/...``."""
+    return rid.split("/")[0].split("~")[0]
+
+
 def request_rounds(spans: list[Span], request_ids: set[str]) -> dict[str, list[Span]]:
-    """Each request's ``round`` spans, matched by request.id (or id + "/suffix") or by their ``generate`` parent."""
-    generate = {s.span_id: s.attributes.get("request.id") for s in spans if s.name == "generate"}
+    """Each request's ``round`` spans, matched by request.id (the client's id, ``client_id``) or by their
+    ``generate`` parent."""
+    generate = {s.span_id: client_id(str(s.attributes.get("request.id", ""))) for s in spans if s.name == "generate"}
     out: dict[str, list[Span]] = defaultdict(list)
     for s in spans:
         if s.name != "round":
             continue
         rid = str(s.attributes.get("request.id", ""))
-        for key in (rid, rid.split("/")[0], generate.get(s.parent_id)):
+        for key in (rid, client_id(rid), generate.get(s.parent_id)):
             if key in request_ids:
                 out[key].append(s)
                 break
@@ -172,7 +178,7 @@ def round_log(spans: list[Span], request_ids: set[str]) -> list[dict]:
     out = []
     for r, kids in rounds:
         draft, verify = kids.get("draft"), kids.get("verify")
-        out.append({"request": str(r.attributes.get("request.id", "")).split("/")[0],
+        out.append({"request": client_id(str(r.attributes.get("request.id", ""))),
                     "t_s": round((r.start_ns - t0) / 1e9, 3), "round_ms": round(r.ms, 1),
                     "draft_ms": round(draft.ms, 1) if draft else None,
                     "draft_server_ms": draft.attributes.get("draft.draft_ms") if draft else None,

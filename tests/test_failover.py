@@ -367,7 +367,8 @@ def run_killing(servicer, loop, request: GenerationRequest, request_id: str, kil
         async for event in servicer.run(call):
             tokens += event.tokens
             if kill_after is not None and len(tokens) >= kill_after:
-                ray.kill(servicer.backend.owner[request_id], no_restart=False)
+                (inside,) = [k for k in servicer.backend.owner if k.startswith(f"{request_id}~")]  # the front's name
+                ray.kill(servicer.backend.owner[inside], no_restart=False)
                 kill_after = None
             stats = event.stats or stats
         return tokens, stats
@@ -377,7 +378,7 @@ def run_killing(servicer, loop, request: GenerationRequest, request_id: str, kil
 
 def failover_point(caplog, request_id: str) -> int:
     """The streamed tokens at the fail-over of request_id, from the backend's warning."""
-    [message] = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"request {request_id}:")
+    [message] = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"request {request_id}~")
                  and "continuing on another actor" in r.getMessage()]
     return int(re.search(r"after (\d+) streamed tokens", message).group(1))
 

@@ -7,8 +7,6 @@ server/client certificate for 127.0.0.1 signed by it, and one signed by another 
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import logging
 import signal
 
@@ -16,6 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec.harness.pki import make_pki
 from specdec.harness.servers import launch_service, stop_service, wait_address, wait_for_exit, wait_ready
 from specdec.security import BearerAuth, is_loopback, token_accepted, warn_plaintext
 from specdec.config import ConfigError, GrpcConfig, load_config
@@ -25,44 +24,11 @@ from specdec.harness.tiny_pair import save_tiny_pair, write_config
 TOKEN = "s3cret-token-for-tests"
 
 
-def _certificate(subject: str, issuer_key, issuer_name, key, ca: bool):
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.x509.oid import NameOID
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
-    builder = (x509.CertificateBuilder().subject_name(name).issuer_name(issuer_name or name)
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-    if not ca:
-        builder = builder.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-    return builder.sign(issuer_key or key, hashes.SHA256())
-
-
 def _make_pki(root):
-    """(ca.pem, cert.pem, key.pem, other_cert.pem, other_key.pem): a CA, a certificate it signed for
-    127.0.0.1 (servers and clients both use it), and one signed by an unrelated CA."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    def pem_key(key):
-        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                 serialization.NoEncryption())
-
-    files = {}
-    for label in ("", "other_"):
-        ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-        ca = _certificate(f"{label}test CA", None, None, ca_key, ca=True)
-        cert = _certificate("127.0.0.1", ca_key, ca.subject, key, ca=False)
-        for name, data in ((f"{label}ca.pem", ca.public_bytes(serialization.Encoding.PEM)),
-                           (f"{label}cert.pem", cert.public_bytes(serialization.Encoding.PEM)),
-                           (f"{label}key.pem", pem_key(key))):
-            (root / name).write_bytes(data)
-            files[name] = str(root / name)
-    return files
+    """{ca.pem, cert.pem, key.pem, other_...}: a CA, a certificate it signed for 127.0.0.1 (servers and clients
+    both use it), and the same from an unrelated CA."""
+    return {f"{label}{name}.pem": str(path) for label in ("", "other_")
+            for name, path in make_pki(root, label).items()}
 
 
 @pytest.fixture(scope="module")
