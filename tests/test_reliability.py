@@ -73,7 +73,10 @@ def test_wrong_outputs_flags_greedy_and_sampled_outputs_unequal_to_their_solo_ru
                 _out("s2", "CANCELLED", [9, 9], greedy=False), _out("s3", "OK", [3, 4], stop="aborted", greedy=False)]
     assert rel.wrong_outputs(plans, outcomes, refs) == ["r1", "r3", "s1"]
     figures = rel.output_figures(plans, outcomes, refs)
-    assert (figures["greedy_mismatches"], figures["sampled_mismatches"]) == (2, 1)
+    assert (figures["greedy_mismatches"], figures["sampled_mismatches"], figures["sampled_rerouted"]) == (2, 1, 0)
+    outcomes[5] = _out("s1", "OK", [9, 9, 1, 2], greedy=False, fallback_rounds=2)  # rounds without the draft: rerouted
+    figures = rel.output_figures(plans, outcomes, refs)
+    assert (figures["greedy_mismatches"], figures["sampled_mismatches"], figures["sampled_rerouted"]) == (2, 0, 1)
 
 
 def test_chaos_verdict_checks_sampled_outputs_and_names_the_rerouted():
