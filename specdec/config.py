@@ -208,7 +208,7 @@ class ClientLimitsConfig(_Section):
 
     max_running: int = Field(default=256, ge=1)            # requests holding a running slot (prefill or decoding)
     max_waiting: int = Field(default=1024, ge=0)           # requests queued (FIFO) for a slot; 0 = refuse when full
-    max_running_per_client: int | None = Field(default=None, ge=1)   # None = only max_running
+    max_running_per_client: int | None = Field(default=None, ge=1)   # None = half of max_running
     max_waiting_per_client: int | None = Field(default=None, ge=0)   # None = half of max_waiting
     max_kv_tokens_per_request: int | None = Field(default=None, ge=2)  # prompt + max_new_tokens (None = no cap)
     max_new_tokens: int = Field(default=8192, ge=1)       # an explicit max_new_tokens above it is refused, not clamped

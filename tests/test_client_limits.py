@@ -170,20 +170,21 @@ def test_bad_limits_name_their_field(field, value):
     assert f"front.limits.{field}:" in str(info.value)
 
 
-def test_default_limits_let_a_single_user_run_everything_and_queue_half():
+def test_default_limits_give_one_client_half_the_slots_and_half_the_queue():
+    """Issue 57: unlimited per-client caps let one client take every slot and queue place."""
     front = load_config(None).front.limits
     assert front.max_running >= 64 and front.max_waiting >= 64
     assert front.max_running_per_client is None and front.max_waiting_per_client is None
     assert front.max_kv_tokens_per_request is None
 
     async def scenario():
-        admission = Admission(limits(max_running=2, max_waiting=5))
-        tickets = [admission.enter("a", f"a{i}") for i in range(5)]  # 2 run, 3 wait: half the queue, rounded up
+        admission = Admission(limits(max_running=4, max_waiting=5))
+        tickets = [admission.enter("a", f"a{i}") for i in range(5)]  # 2 run, 3 wait: half of each, rounded up
         assert [t.granted.done() for t in tickets] == [True, True, False, False, False]
         with pytest.raises(AdmissionRefused) as info:
             admission.enter("a", "a5")
         assert str(info.value).startswith("front.limits.max_waiting_per_client: 3 requests of this client")
-        assert not admission.enter("b", "b0").granted.done()  # the other half is the others'
+        assert admission.enter("b", "b0").granted.result() is True  # the other half is the others'
 
     asyncio.run(scenario())
 

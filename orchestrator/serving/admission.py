@@ -83,9 +83,13 @@ class Admission:
                 return True
         return False
 
+    def _running_cap(self) -> int:
+        """max_running_per_client, or by default half the slots (rounded up): one client cannot take them all."""
+        cap = self.limits.max_running_per_client
+        return cap if cap is not None else (self.limits.max_running + 1) // 2
+
     def _may_run(self, client: str) -> bool:
-        per_client = self.limits.max_running_per_client
-        return self.running < self.limits.max_running and (per_client is None or self.running_of[client] < per_client)
+        return self.running < self.limits.max_running and self.running_of[client] < self._running_cap()
 
     def _waiting_cap(self) -> int:
         """max_waiting_per_client, or by default half the queue: one client cannot fill it for the others."""
@@ -95,7 +99,7 @@ class Admission:
     def _check_queue(self, client: str) -> None:
         """Raise AdmissionRefused when a request of ``client`` that cannot run may not wait either."""
         limits = self.limits
-        if limits.max_running_per_client is not None and self.running_of[client] >= limits.max_running_per_client:
+        if self.running < limits.max_running:  # slots are free, but not to this client
             run_field, running, whose = "max_running_per_client", self.running_of[client], " of this client"
         else:
             run_field, running, whose = "max_running", self.running, ""
