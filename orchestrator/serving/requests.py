@@ -81,9 +81,9 @@ def check_call(call: GenerateCall, front: FrontConfig) -> None:
 
 
 def to_generation(call: GenerateCall, tokenizer, front: FrontConfig, info) -> GenerationRequest:
-    """The round loop's request of a call (``check_call`` first); info: the target's Info. Raises ValueError
-    naming the field. Tokenizes (seconds for megabytes): async callers run it in a thread."""
-    check_call(call, front)
+    """The round loop's request of a call that passed ``check_call`` (the runner checks it before anything costs);
+    info: the target's Info. Raises ValueError naming the field. Tokenizes (seconds for megabytes): async callers
+    run it in a thread."""
     ids = prompt_tokens(call, tokenizer, info.vocab_size)
     limit = min(front.max_prompt_tokens, info.context_limit - 1)
     if len(ids) > limit:
