@@ -29,7 +29,7 @@ from draft_service.runtime import DraftRuntime
 from specdec.batching import SessionBatcher
 from specdec.config import ConfigError, DraftServerConfig, ServeConfig, load_config
 from specdec.grpc_host import ServiceHost, abort_for, rpc_errors
-from specdec.kv_budget import free_memory_bytes, kv_bytes_per_token, resolve_max_kv_tokens
+from specdec.kv_budget import kv_bytes_per_token, sized_budget
 from specdec.placement import placement
 from specdec.model_setup import load_draft, target_info
 from specdec.model_worker import ModelWorker
@@ -318,11 +318,7 @@ def _kv_budget(runtime, config: DraftServerConfig) -> int:
     per_token = None
     if hasattr(model, "config") and hasattr(model, "dtype"):
         per_token = kv_bytes_per_token(model.config, model.dtype.itemsize)
-    free = free_memory_bytes(str(getattr(model, "device", "cpu"))) if per_token else None
-    budget = resolve_max_kv_tokens("auto", config.kv_memory_fraction, per_token, free)
-    log.info("draft-service: max_kv_tokens auto = %d (%.2f of %s free, %s bytes per token)", budget,
-             config.kv_memory_fraction, f"{free / 2**30:.1f} GiB" if free is not None else "unknown", per_token)
-    return budget
+    return sized_budget("draft-service", config.kv_memory_fraction, per_token, str(getattr(model, "device", "cpu")))
 
 
 def _no_ahead(stream: _Stream, field: str) -> None:

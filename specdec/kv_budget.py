@@ -113,3 +113,14 @@ def resolve_max_kv_tokens(setting: int | str, fraction: float, bytes_per_token: 
                     "max_kv_tokens to size it)", FALLBACK_KV_TOKENS)
         return FALLBACK_KV_TOKENS
     return max(1, int(fraction * free_bytes) // bytes_per_token)
+
+
+def sized_budget(service: str, fraction: float, bytes_per_token: int | None, device: str, ranks: int = 1) -> int:
+    """``max_kv_tokens: auto`` of a service ("target-service", "draft-service"): ``resolve_max_kv_tokens`` of the
+    memory free on ``device`` (times ``ranks``), logged once."""
+    free = free_memory_bytes(device, ranks=ranks) if bytes_per_token else None
+    budget = resolve_max_kv_tokens("auto", fraction, bytes_per_token, free)
+    log.info("%s: max_kv_tokens auto = %d (%.2f of %s free, %s bytes per token)", service, budget, fraction,
+             f"{free / 2**30:.1f} GiB" if free is not None else "unknown", bytes_per_token)
+    return budget
+

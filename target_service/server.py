@@ -48,7 +48,7 @@ from specdec.v1 import target_pb2, target_pb2_grpc
 from specdec.wire import sampling_from_proto, tree_from_proto
 from target_service.batcher import BatchedVerify, VerifyBatcher
 from target_service.commits import DeferredCommits
-from specdec.kv_budget import free_memory_bytes, resolve_max_kv_tokens
+from specdec.kv_budget import sized_budget
 from target_service.runtime import TargetRuntime
 from target_service.sessions import SessionExistsError, SessionSlots, TargetSessions
 from target_service.tp import RankFailureError, TensorParallelTarget, build_target
@@ -122,13 +122,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         memory (specdec.kv_budget; a runtime without ``kv_bytes_per_token`` gets the fallback)."""
         if config.max_kv_tokens != "auto":
             return config.max_kv_tokens
-        per_token = getattr(runtime, "kv_bytes_per_token", None)
-        device = getattr(runtime, "device", "cpu")
-        free = free_memory_bytes(device, ranks=config.tp) if per_token else None
-        budget = resolve_max_kv_tokens("auto", config.kv_memory_fraction, per_token, free)
-        log.info("target-service: max_kv_tokens auto = %d (%.2f of %s free, %s bytes per token)", budget,
-                 config.kv_memory_fraction, f"{free / 2**30:.1f} GiB" if free is not None else "unknown", per_token)
-        return budget
+        return sized_budget("target-service", config.kv_memory_fraction, getattr(runtime, "kv_bytes_per_token", None),
+                            getattr(runtime, "device", "cpu"), ranks=config.tp)
 
     def _warn_small_budget(self) -> None:
         if self.max_kv_tokens < self.context_limit:
