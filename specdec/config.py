@@ -138,14 +138,6 @@ class CostAwareConfig(_Section):
     first_round_plain: bool = True                        # the first round never drafts (TTFT = target-only TTFT)
     # draft and target share hardware (a draft step priced for the whole batch); "auto" = from the Info placements
     shared_compute: Literal["auto"] | bool = "auto"
-    # lock-step rounds under light load on shared compute (docs/control.md "Lock-step rounds")
-    in_step: bool = True
-    # in step: the longest wait for the others at each turn (start, verify)
-    in_step_wait_ms: float = Field(default=1000.0, gt=0)
-    # in step only below this load (sessions per verify forward, moving average); 8.5 = up to 8 clients
-    in_step_max_load: float = Field(default=8.5, gt=1.5)
-    # no_spec requests keep in step too (false: they verify when ready, merged by the target's gather only)
-    in_step_no_spec: bool = True
     # D learnt from a draft service's "reply" wall time (queueing included: a drafted round's cost too) or
     # its reported "forward" time; not used for an in-process draft or a separate draft device under load
     draft_cost_from: Literal["forward", "reply"] = "reply"
@@ -295,7 +287,13 @@ class ServeConfig(_Section):
 
 # Keys that were removed or renamed: dotted path -> what to do instead. A config that still sets one
 # fails naming it with this text rather than pydantic's generic "extra inputs" message.
-RETIRED_KEYS: dict[str, str] = {}
+_LOCKSTEP = "lock-step rounds were removed: they did not pay (docs/heuristics.md, row 4)"
+RETIRED_KEYS: dict[str, str] = {
+    "front.cost_aware.in_step": _LOCKSTEP,
+    "front.cost_aware.in_step_wait_ms": _LOCKSTEP,
+    "front.cost_aware.in_step_max_load": _LOCKSTEP,
+    "front.cost_aware.in_step_no_spec": _LOCKSTEP,
+}
 
 
 def _section_keys(loc: tuple) -> list[str] | None:

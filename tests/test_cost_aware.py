@@ -366,7 +366,7 @@ def test_loaded_cost_prices_rows_at_the_batch_and_observes_the_whole_forward():
 
 @pytest.mark.parametrize("shared_compute", [False, True], ids=["own-device", "shared-compute"])
 def test_a_draft_on_the_targets_hardware_is_priced_for_the_whole_batch(shared_compute):
-    """4 sessions per verify forward (the requests' rounds in step), verification memory-bound
+    """4 sessions per verify forward (the requests' rounds together), verification memory-bound
     (V(4) ~ V(8) ~ 300 ms), a perfect draft at 150 ms a step. On its own device one step pays: 2
     tokens in 150 + V(8) = 450 ms beat 1 token in V(4) = 292 ms, so every round drafts. On the
     target's hardware the 4 requests' steps take the target's compute in turn (LoadedCost: 4 x 150
@@ -376,8 +376,7 @@ def test_a_draft_on_the_targets_hardware_is_priced_for_the_whole_batch(shared_co
     prompt = random_prompt(seed=93)
     n = 80
     reference = hf_greedy(model, prompt, n + 8)
-    shared = SharedState(cost=CostModel(dict(BOUND_AT_8), {1: 150.0}, alpha=0.0), shared_compute=shared_compute,
-                         in_step=False)  # each request plans alone (the in-step rule: its own test)
+    shared = SharedState(cost=CostModel(dict(BOUND_AT_8), {1: 150.0}, alpha=0.0), shared_compute=shared_compute)
     factory = lambda s: CostAwareControl(s, shared, ngram_tokens=0, probe_every=1000)  # noqa: E731
     engine = SpeculativeEngine(ReportsBatch(TargetRuntime(model), 4),
                                OracleDraft(prompt, reference, agree=8), eos_token_ids=[],
@@ -515,7 +514,7 @@ def test_probes_thin_out_where_not_even_an_always_right_draft_could_pay():
                      alpha=0.0)
 
     def probes_after(load: float, rounds_without: int, shared_compute: bool = True) -> tuple:
-        shared = SharedState(cost=cost, shared_compute=shared_compute, in_step=False)  # each request alone
+        shared = SharedState(cost=cost, shared_compute=shared_compute)
         shared.observe_load(load)
         control = CostAwareControl(CHAIN4, shared, ngram_tokens=0, probe_every=16)
         control.state.rounds = 3  # past the first (plain) round
@@ -609,7 +608,7 @@ class ReportsDraftBatch(OracleDraft):
         return self.batch_size
 
 
-@pytest.mark.parametrize("batch_size", [4, 1], ids=["lockstep", "alone"])
+@pytest.mark.parametrize("batch_size", [4, 1], ids=["merged", "alone"])
 def test_shared_compute_drafts_under_load_while_its_steps_merge_and_stops_when_they_do_not(batch_size):
     """4 sessions per verify forward (V(4) = 291, V(8) = 300, V(12) = 700 ms: one kept draft node per
     round pays), a perfect draft on the target's hardware whose step costs nearly the same for 4
@@ -627,8 +626,7 @@ def test_shared_compute_drafts_under_load_while_its_steps_merge_and_stops_when_t
     n = 60
     reference = hf_greedy(model, prompt, n + 8)
     shared = SharedState(cost=CostModel(dict(BOUND_AT_8), {1: 120.0, 4: 125.0, 8: 250.0}, alpha=0.0),
-                         shared_compute=True, load=4.0, draft_merge=1.0,  # as if earlier rounds merged
-                         in_step=False)  # each request plans alone (the in-step rule: its own test)
+                         shared_compute=True, load=4.0, draft_merge=1.0)  # as if earlier rounds merged
     factory = lambda s: CostAwareControl(s, shared, ngram_tokens=0, probe_every=1000)  # noqa: E731
     engine = SpeculativeEngine(ReportsBatch(TargetRuntime(model), 4),
                                ReportsDraftBatch(prompt, reference, agree=8, batch_size=batch_size),
@@ -650,108 +648,6 @@ def test_shared_compute_drafts_under_load_while_its_steps_merge_and_stops_when_t
     else:
         assert shared.draft_merge < 0.75 and drafted == 0 and len(late) >= 10, [r.fallback for r in records]
         assert {r.fallback for r in late} == {"cost"}
-
-
-@pytest.mark.parametrize("in_step", [True, False], ids=["in-step", "each-alone"])
-def test_in_step_requests_draft_together_where_each_alone_would_not(in_step):
-    """4 sessions per verify forward on shared compute (V(4) = 291, V(8) = 300 ms), a perfect draft
-    whose step costs about the same for 4 sessions as for one (D(1) = 120, D(4) = 125 ms), and merge
-    shares learnt while the rounds had drifted apart (draft steps alone, draft_merge 0; verify_merge
-    0.3), which each reply keeps teaching (its forwards held 1 session). Each request alone prices a
-    drafted round from those shares: 4 x D(1) = 480 ms a step, more than 1 + v tokens bring against 1
-    token in V(4), so no round drafts (reason "cost"). In step (SharedState.in_step_applies) the plan
-    is the batch's, every request drafting alike: D(4) + V(8) = 425 ms for 1 + v tokens (v = 0.6,
-    the front-wide prior, then learnt) beats 291 ms for 1, so every round after the first drafts,
-    whatever the learnt shares. Output stays the target's own either way."""
-    model = tiny_model("qwen2", seed=0)
-    prompt = random_prompt(seed=97)
-    n = 60
-    reference = hf_greedy(model, prompt, n + 8)
-    shared = SharedState(cost=CostModel(dict(BOUND_AT_8), {1: 120.0, 4: 125.0, 8: 250.0}, alpha=0.0),
-                         shared_compute=True, load=4.0, draft_merge=0.0, verify_merge=0.3, in_step=in_step,
-                         in_step_max_load=8.0)  # the rule at load 4 (below the default cap, 8.5, too)
-    factory = lambda s: CostAwareControl(s, shared, ngram_tokens=0, probe_every=1000)  # noqa: E731
-    engine = SpeculativeEngine(ReportsBatch(TargetRuntime(model), 4),
-                               ReportsDraftBatch(prompt, reference, agree=8, batch_size=1),
-                               eos_token_ids=[], context_limit=CONTEXT, control_factory=factory)
-    records = []
-    result = asyncio.run(engine.controller.generate(GenerationRequest(prompt, max_new_tokens=n, spec=CHAIN4),
-                                                    on_round=records.append))
-    assert result.tokens == reference[:n]
-    late = records[1:-1]  # the first round is plain (TTFT); the last one's budget is the bonus only
-    drafted = sum(1 for r in late if r.drafted)
-    assert len(late) >= 8
-    if in_step:
-        assert drafted == len(late) and all(r.cost["in_step"] for r in late), [r.fallback for r in records]
-        assert shared.draft_merge < 0.1  # still learnt (alone), but not what the in-step plan prices
-    else:
-        assert drafted == 0 and {r.fallback for r in late} == {"cost"}, [r.fallback for r in records]
-        assert not any(r.cost["in_step"] for r in late)
-
-
-def test_in_step_is_on_by_default_and_set_from_the_front_config():
-    """front.cost_aware.in_step (default true; a bare SharedState false) reaches the requests' shared
-    state through the factory; only on shared compute under light load does it apply."""
-    from orchestrator.planning.cost_aware import CostAwareFactory
-    from specdec.config import CostAwareConfig, FallbackConfig
-
-    assert CostAwareConfig().in_step is True and SharedState().in_step is False
-    shared = SharedState(shared_compute=True, load=2.0)
-    CostAwareFactory(CostAwareConfig(), FallbackConfig(), shared)
-    assert shared.in_step and shared.in_step_applies()
-    assert not SharedState(shared_compute=False, load=2.0, in_step=True).in_step_applies()
-    assert not SharedState(shared_compute=True, load=1.2, in_step=True).in_step_applies()
-    CostAwareFactory(CostAwareConfig(in_step=False), FallbackConfig(), shared)
-    assert not shared.in_step_applies()
-
-
-@pytest.mark.parametrize("load, cap, applies", [
-    (2.0, 2.5, True), (2.4, 2.5, True), (2.5, 2.5, False), (4.0, 2.5, False), (8.0, 2.5, False),
-    (4.0, 4.5, True), (1.4, 2.5, False), (8.0, 8.5, True), (8.5, 8.5, False), (16.0, 8.5, False),
-])
-def test_in_step_applies_only_below_its_load_cap(load, cap, applies):
-    """front.cost_aware.in_step_max_load (default 8.5, set through the factory): the in-step plan
-    applies from load 1.5 (other requests run) up to, not including, the cap; above it each request
-    plans alone (the front's round clock then lets every turn pass: RoundClock.active)."""
-    from orchestrator.planning.cost_aware import CostAwareFactory
-    from specdec.config import CostAwareConfig, FallbackConfig
-
-    assert CostAwareConfig().in_step_max_load == 8.5 and SharedState().in_step_max_load == 8.5
-    shared = SharedState(shared_compute=True, load=load)
-    CostAwareFactory(CostAwareConfig(in_step=True, in_step_max_load=cap), FallbackConfig(), shared)
-    assert shared.in_step_max_load == cap and shared.in_step_applies() is applies
-
-
-def test_in_step_every_request_follows_the_batchs_plan():
-    """Under load on shared compute the batch's plan (the front-wide estimates, SharedState.estimates.depths)
-    decides whether a request drafts, not its own: a request whose draft has been wrong (own value
-    0.02 per depth) drafts at least one step when the batch's estimates pay, with its budget one step
-    past the batch's best depth; a request whose draft has been right (own value 0.95) decodes plain
-    (reason "cost") when the batch's estimates do not pay. Alone (load 1) each request plans from its
-    own estimates. Costs as measured on this machine (ms)."""
-    cost = CostModel({1: 376.0, 4: 453.0, 8: 547.0, 16: 770.0, 32: 1160.0}, {1: 62.0, 2: 73.0, 4: 81.0, 8: 120.0},
-                     alpha=0.0)
-
-    def plan(load: float, own: float, batch: float) -> tuple:
-        shared = SharedState(cost=cost, shared_compute=True, in_step=True, in_step_max_load=8.0,
-                             estimates=Estimates(depths=DepthEstimates(value=[batch, batch * 0.8], rows=[1.0, 1.0])))
-        shared.observe_load(load)
-        control = CostAwareControl(CHAIN4, shared, ngram_tokens=0, probe_every=1000)
-        control.state.rounds = 3  # past the first (plain) round
-        control.state.estimates.depths = DepthEstimates(value=[own, own * 0.8], rows=[1.0, 1.0])
-        drafts = control.speculate(0.0, 100, 8)
-        return drafts, control.gamma, control.spec().gamma, control.reason, control.state.in_step
-
-    drafts, g, budget, reason, in_step = plan(4.0, own=0.02, batch=0.9)
-    assert drafts and in_step and g >= 1 and reason is None
-    batch_g = plan_depth(
-        DepthEstimates(value=[0.9, 0.72], rows=[1.0, 1.0]),
-        SharedState(cost=cost, shared_compute=True, load=4.0, in_step=True).in_step_cost(),
-        [1] * 8, 8)[0]
-    assert 1 <= batch_g < 8 and budget == batch_g + 1 and g <= budget
-    assert plan(4.0, own=0.95, batch=0.02)[:2] + plan(4.0, own=0.95, batch=0.02)[3:] == (False, 0, "cost", True)
-    assert plan(1.0, own=0.02, batch=0.9)[:2] == (False, 0)  # alone: its own estimates
-    assert plan(1.0, own=0.95, batch=0.02)[0]
 
 
 class DraftService(SlowPropose):

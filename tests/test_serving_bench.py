@@ -201,13 +201,13 @@ def test_front_variant_adds_a_configuration_and_round_logs_cover_target_only(tmp
     --mixed-variant NAME=JSON: the even-numbered requests no_spec, the others speculating, on one front."""
     result, md = _run_bench(tmp_path / "out", tiny_long_pair, "--sections", "concurrency", "--levels", "2",
                             "--round-log", "--front-variant", 'no_ctx={"cost_aware": {"ngram_tokens": 0}}',
-                            "--target-only-variant", 'plain_free={"cost_aware": {"in_step_no_spec": false}}',
+                            "--target-only-variant", 'plain_free={"cost_aware": {"probe_every": 4}}',
                             "--mixed-variant", "mixed={}")
     conc = result["concurrency"]
     assert conc["configs"] == ["batched", "no_ctx", "plain_free", "mixed", "target_only"]
     assert conc["identical_outputs"] is True
     assert result["meta"]["mixed_variants"] == {"mixed": {}} and "Configuration `mixed` (`--mixed-variant`)" in md
-    assert result["meta"]["target_only_variants"] == {"plain_free": {"cost_aware": {"in_step_no_spec": False}}}
+    assert result["meta"]["target_only_variants"] == {"plain_free": {"cost_aware": {"probe_every": 4}}}
     assert "Configuration `plain_free` (`--target-only-variant`)" in md
     assert "| no_ctx | 2 |" in md and result["meta"]["front_variants"] == {"no_ctx": {"cost_aware": {"ngram_tokens": 0}}}
     assert 'Configuration `no_ctx` (`--front-variant`)' in md and '{"cost_aware": {"ngram_tokens": 0}}' in md
@@ -245,7 +245,7 @@ def test_front_variant_flag_errors(capsys):
             parse_args(["--front-variant", *argv])
         assert "--front-variant" in capsys.readouterr().err
     assert parse_args(["--front-variant", 'v={"pipeline": true}']).front_variant == [("v", {"pipeline": True})]
-    for argv in (["target_only={}"], ["v={bad"], ['v={"cost_aware": {"in_step_no_spc": false}}'],
+    for argv in (["target_only={}"], ["v={bad"], ['v={"cost_aware": {"probe_evry": 4}}'],
                  ["v={}", "--front-variant", "v={}"]):  # a name taken by either flag
         with pytest.raises(SystemExit):
             parse_args(["--target-only-variant", *argv])

@@ -25,7 +25,6 @@ from opentelemetry import trace
 from orchestrator.planning.control import (
     DRAFT_OPENING, DRAFT_UNAVAILABLE, EMPTY_TREE, ControlFactory, FixedControl, RoundObservation,
 )
-from orchestrator.planning.lockstep import START, VERIFY, RoundClock
 from orchestrator.planning.shaping import ShapedTree
 from orchestrator.loop.stops import StopChecker
 from specdec.config import DraftWindowConfig
@@ -105,16 +104,13 @@ class RoundController:
     eos_token_ids: ids that end generation; context_limit: max tokens (prompt + generated); decode: ids -> text,
     for stop strings; control_factory: TreeSpec -> Control (default FixedControl); draft_deadline_s: a slower
     draft reply is a draft failure; draft_context_limit: the draft's max positions (None = unlimited); on_round:
-    each RoundRecord; pipeline: draft round r+1 while round r verifies; draft_window: None = every token; clock:
-    lock-step rounds (None = verify when ready); plain_load: with a clock, no_spec requests join it too and
-    report each verify forward's load here (SharedState.observe_load).
+    each RoundRecord; pipeline: draft round r+1 while round r verifies; draft_window: None = every token.
     """
 
     def __init__(self, target, draft, eos_token_ids, context_limit: int, decode=None,
                  control_factory: ControlFactory | None = None, draft_deadline_s: float | None = None,
                  draft_context_limit: int | None = None, on_round: Callable[[RoundRecord], None] | None = None,
-                 pipeline: bool = False, draft_window: DraftWindowConfig | None = None,
-                 clock: RoundClock | None = None, plain_load: Callable[[int], None] | None = None):
+                 pipeline: bool = False, draft_window: DraftWindowConfig | None = None):
         self.target = target
         self.draft = draft
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -126,8 +122,6 @@ class RoundController:
         self.on_round = on_round
         self.pipeline = pipeline
         self.draft_window = draft_window
-        self.clock = clock
-        self.plain_load = plain_load
         self.running = 0  # requests in generate now (a new one's control may defer its draft's open)
 
     def check(self, request: GenerationRequest) -> None:
@@ -162,15 +156,10 @@ class RoundController:
             await run.open()
             while run.stops.reason is None:
                 committed = await run.round()
-                if self.clock is not None and (run.control is not None or self.plain_load is not None):
-                    # after its first round (no forward of its own); no_spec only with plain_load
-                    self.clock.join(run.sid)
                 if on_tokens is not None:
                     await _maybe_await(on_tokens(committed))
         finally:
             self.running -= 1
-            if self.clock is not None:
-                self.clock.leave(run.sid)
             await asyncio.shield(run.close())
         return GenerationResult(list(run.stops.generated), run.stats)
 
@@ -326,9 +315,6 @@ class _Request:
         """One round: draft, shape, verify, stop checks, commit, record (the phases of gpt-fast's
         ``speculative_decode``, one method each); returns the tokens it committed."""
         max_depth = self.stops.budget() - 1  # the accepted path plus the bonus must fit the budget
-        clock = self.controller.clock
-        if clock is not None:  # in step with the other requests (their rounds start together); not timed
-            await clock.turn(self.sid, START)
         t0 = time.perf_counter()
         with _tracer.start_as_current_span("round", attributes={"request.id": self.sid, "round": self.stats.rounds}) as span:
             drafted, self.adopted = self.adopted or await self._draft(max_depth), None
@@ -337,10 +323,6 @@ class _Request:
             beside = self.draft_beside
             ahead = self._start_ahead(drafted, shaped, max_depth) if beside else None  # round r+1 beside this verify
             try:
-                waited = await clock.turn(self.sid, VERIFY) if clock is not None else 0.0
-                if waited:  # for the others' drafts: not the verify's time, nor the round's
-                    span.set_attribute("lockstep.wait_ms", round(waited * 1000, 1))
-                    t0, t1 = t0 + waited, t1 + waited
                 result = await self._verify(shaped.tree)
                 t2 = time.perf_counter()
                 if not beside:  # in-process the calls take turns: after the verify, so its time stays its own
@@ -535,10 +517,6 @@ class _Request:
         accepted_path = result.accepted_nodes
         if drafted.tree.size:
             self.control.record(drafted.depth, drafted.tree.size, len(_draft_nodes(shaped, accepted_path)))
-        if (self.control is None and self.controller.plain_load is not None and self.controller.clock is not None
-                and result.batch_size and self.stats.rounds):
-            # no_spec in step: its forward's sessions (not the first round's: it reuses the prefill's logits)
-            self.controller.plain_load(max(result.batch_size, result.mergeable))
         if self.control is not None:
             draft_s = None if drafted.pipelined else drafted.draft_s
             overhead_s = timing.round_s - timing.verify_s - (draft_s or 0.0) - (ahead.wait_s if ahead else 0.0)

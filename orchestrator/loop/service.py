@@ -23,7 +23,6 @@ from orchestrator.planning.control import RequestControl
 from orchestrator.planning.cost_aware import CostAwareFactory, SharedState
 from orchestrator.planning.cost_model import CostModel, measure_service_costs
 from orchestrator.loop.controller import GenerationRequest, GenerationResult, RoundController
-from orchestrator.planning.lockstep import RoundClock
 from specdec.config import FrontConfig, GrpcConfig, ModelsConfig
 from specdec.models import DEFAULT_TARGET, resolve_model_dir
 from specdec.placement import Placement, shares_compute
@@ -84,12 +83,10 @@ class Orchestrator:
             self.shared.shared_compute = shared
             await self._measure_costs(target, draft)
         window = self.front.draft_window if self.front.draft_window.applies(shared) else None
-        clock = self._clock(shared)
         self.controller = RoundController(
             target, draft, list(self.info.eos_token_ids), self.info.context_limit, self.decode,
             control_factory=factory, draft_deadline_s=self.front.fallback.draft_deadline_ms / 1000,
             on_round=self.on_round, pipeline=self.front.pipeline, draft_window=window,
-            clock=clock, plain_load=self._plain_load(clock),
         )
 
     async def _measure_costs(self, target: TargetClient, draft: DraftClient) -> None:
@@ -111,24 +108,6 @@ class Orchestrator:
         figures = cost.snapshot()
         log.info("cost model measured through the services: V(n) %s ms, D(p) %s ms",
                  figures["verify_ms"], figures["draft_step_ms"])
-
-    def _clock(self, shared: bool) -> RoundClock | None:
-        """The round clock with ``in_step`` on the cost-aware control and shared compute, none with pipelining
-        (the VERIFY turn would hold back an ahead); its turns hold while the in-step plan applies."""
-        aware, state = self.front.cost_aware, self.shared
-        if not (shared and aware.enabled and aware.in_step and state is not None) or self.front.pipeline:
-            return None
-        clock = RoundClock(aware.in_step_wait_ms / 1000)
-        # the clock's own members bound the load too, so a stale load cannot hold a larger crowd in step
-        clock.active = lambda: state.in_step_applies() and len(clock.members) < state.in_step_max_load
-        return clock
-
-    def _plain_load(self, clock: RoundClock | None):
-        """``SharedState.observe_load`` where no_spec requests keep in step too (``in_step_no_spec``), else None:
-        plain verifies that arrive apart miss the target's gather window."""
-        if clock is None or self.shared is None or not self.front.cost_aware.in_step_no_spec:
-            return None
-        return self.shared.observe_load
 
     async def _shared_compute(self, draft: DraftClient) -> bool:
         """Whether the draft computes on the target's hardware ("auto": from the two Info placements; an

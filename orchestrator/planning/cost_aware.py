@@ -37,20 +37,8 @@ class SharedState:
     shared_compute: bool = False  # draft and target on the same hardware (specdec.placement; set at connect)
     draft_queue: float = 0.0  # the draft's queueing under load on its own device (LoadedCost.queue_factor)
     draft_merge: float = 0.0  # share of other requests merged into a request's draft forwards (shared compute)
-    verify_merge: float = 1.0  # share of other requests in a drafted round's verify forward; 1 = in step
-    in_step: bool = False  # under light load on shared compute requests draft or decode plain together
-    in_step_max_load: float = 8.5  # in step below this load only (CostAwareConfig.in_step_max_load)
+    verify_merge: float = 1.0  # share of other requests in a drafted round's verify forward; 1 = all of them
     draft_cost_from_forward: bool = False  # D from the draft call's own time (CostAwareConfig.draft_cost_from)
-
-    def in_step_applies(self) -> bool:
-        """Whether this round's plan is the batch's: ``in_step`` on, shared compute, 1.5 <= load < in_step_max_load.
-        A request drafting while the others decode plain would verify alone and drift apart for good, so
-        every request follows one front-wide plan (docs/control.md "Lock-step rounds")."""
-        return self.in_step and self.shared_compute and LOADED <= self.load < self.in_step_max_load
-
-    def in_step_cost(self) -> LoadedCost:
-        """The batch's costs when every request drafts alike (SmartSpec's symmetric case, Liu et al. 2024 §4)."""
-        return LoadedCost(self.cost, self.load, self.shared_compute, 0.0, draft_merge=1.0, verify_merge=1.0)
 
     def queue_learns(self) -> bool:
         """Whether a draft reply's wall time teaches ``draft_queue`` rather than D (own device, load >= 1.5):
@@ -186,7 +174,6 @@ class RequestState:
     draft_batch: int = 1  # sessions that shared the last in-line proposal's draft forwards (draft_merged)
     draft_call_s: float | None = None  # the last in-line proposal's draft call, no queue (draft_forward)
     probing: bool = False  # this round drafts as a probe (one request alone: its reply says nothing of merging)
-    in_step: bool = False  # this round's plan was the batch's (SharedState.in_step_applies)
     planned_spec: TreeSpec | None = None  # the tree shape the last drafting plan chose
     context: Sequence[int] | None = None  # this round's committed tokens (round_context), until speculate
     beside_prefill: bool = False  # this round's forward ran beside a draft prefill (prefill_beside), until observe
@@ -288,7 +275,7 @@ class CostAwareControl(Control):
     def speculate(self, now: float | None, committed_len: int, depth: int) -> bool:
         """Plan this round (``plan_depth``) under ``depth`` levels; False = no draft this round."""
         st = self.state
-        st.probing = st.in_step = False
+        st.probing = False
         context, st.context = st.context, None
         if self.timing_free:
             self.gamma = min(depth, self.base.gamma)
@@ -300,10 +287,8 @@ class CostAwareControl(Control):
             self.reason, self.gamma = self.fallback.reason, 0
             return False
         heads = list(spec_at_depth(self.base, max(max_steps, 1), self.max_nodes).top_head)
-        st.in_step = self.shared.in_step_applies()
-        # under load: the batch's goodput (LoadedCost), in step the symmetric case
-        cost = self.shared.in_step_cost() if st.in_step else self.shared.planning_cost()
-        g, rate, max_steps = self._plan(context, cost, heads, max_steps, depth)
+        cost = self.shared.planning_cost()  # under load: the batch's goodput (LoadedCost)
+        g, rate = self._plan(context, cost, heads, max_steps, depth)
         if self._first_round():
             g = 0
         elif g == 0 and max_steps >= 1 and self._probe_due(cost, heads, max_steps):
@@ -322,24 +307,15 @@ class CostAwareControl(Control):
         return g > 0
 
     def _plan(self, context: Sequence[int] | None, cost: CostModel | LoadedCost, heads: list[int], max_steps: int,
-              depth: int) -> tuple[int, float, int]:
-        """(draft steps g, predicted rate, max steps) of this round: the request's own ``plan_depth``,
-        valuing this round's context branch; in step, the batch's plan over the front's estimates."""
+              depth: int) -> tuple[int, float]:
+        """(draft steps g, predicted rate) of this round: the request's own ``plan_depth``,
+        valuing this round's context branch."""
         st = self.state
         path = None
         if context is not None and not self._first_round():
             path = context_path(context, st.estimates.ctx_calib, cost, cost.round_overhead_ms, self.ngram_tokens,
                                 self.max_ngram, depth, self.lookup)
-        g, rate = plan_depth(st.estimates.depths, cost, heads, max_steps, st.context_value, st.context_rows, path)
-        if st.in_step:
-            # the batch's plan, the same for every request; each drafting request at least one step
-            # and at most one past the batch's best depth (the others' verifies wait for the deepest)
-            batch_g, batch_rate = plan_depth(self.shared.estimates.depths, cost, heads, max_steps)
-            if not batch_g:
-                return 0, rate, max_steps
-            max_steps = min(max_steps, batch_g + 1)
-            g, rate = min(max(g, 1), max_steps), batch_rate
-        return g, rate, max_steps
+        return plan_depth(st.estimates.depths, cost, heads, max_steps, st.context_value, st.context_rows, path)
 
     def _probe_due(self, cost: CostModel | LoadedCost, heads: list[int], max_steps: int) -> bool:
         """Whether a probe is due: ``SharedState.probe_interval``, times UNPAYING_PROBE_FACTOR under load on shared
@@ -379,7 +355,7 @@ class CostAwareControl(Control):
 
     def shape(self, tree: DraftTree, context: list[int], max_depth: int, sunk_ms: float) -> ShapedTree:
         """Drafted nodes that pay plus the context branch (``shape_tree``), priced as this round was planned."""
-        cost = self.shared.in_step_cost() if self.state.in_step else self.shared.planning_cost()
+        cost = self.shared.planning_cost()
         if self.timing_free or self._first_round():  # TTFT: the first token from the prefill
             return ShapedTree.of(tree)
         estimates = self.state.estimates
@@ -470,10 +446,10 @@ class CostAwareControl(Control):
             self.state.raw_per_value += 0.2 * (min(raw / value, 5.0) - self.state.raw_per_value)
 
     def cost_snapshot(self) -> dict:
-        """CostModel.snapshot plus the shared load, queue and merge shares and ``in_step``, after ``observe``."""
+        """CostModel.snapshot plus the shared load, queue and merge shares, after ``observe``."""
         return {**self.shared.cost.snapshot(), "load": round(self.shared.load, 2),
                 "draft_queue": round(self.shared.draft_queue, 3), "draft_merge": round(self.shared.draft_merge, 3),
-                "verify_merge": round(self.shared.verify_merge, 3), "in_step": self.state.in_step}
+                "verify_merge": round(self.shared.verify_merge, 3)}
 
     # ----------------------------------------------------------------- the rest of the interface
 
@@ -540,7 +516,6 @@ class CostAwareFactory:
     def __init__(self, config: CostAwareConfig, fallback: FallbackConfig, shared: SharedState):
         self.config, self.fallback, self.shared = config, fallback, shared
         self.shared_compute = config.shared_compute
-        shared.in_step, shared.in_step_max_load = config.in_step, config.in_step_max_load
         shared.draft_cost_from_forward = config.draft_cost_from == "forward"
 
     def __call__(self, spec: TreeSpec, max_nodes: int = MAX_TREE_NODES) -> CostAwareControl:
