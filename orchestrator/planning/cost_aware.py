@@ -36,7 +36,6 @@ class SharedState:
     load: float = 1.0  # sessions a verify forward holds or could hold, moving average over every request's rounds
     shared_compute: bool = False  # draft and target on the same hardware (specdec.placement; set at connect)
     draft_queue: float = 0.0  # the draft's queueing under load on its own device (LoadedCost.queue_factor)
-    draft_merge: float = 0.0  # share of other requests merged into a request's draft forwards (shared compute)
     verify_merge: float = 1.0  # share of other requests in a drafted round's verify forward; 1 = all of them
     draft_cost_from_forward: bool = False  # D from the draft call's own time (CostAwareConfig.draft_cost_from)
 
@@ -55,16 +54,6 @@ class SharedState:
         if lower_bound and share <= self.draft_queue:
             return
         self.draft_queue += alpha * (share - self.draft_queue)
-
-    def merge_learns(self) -> bool:
-        """Whether the draft's replies teach ``draft_merge`` (shared compute, load >= 1.5)."""
-        return self.shared_compute and self.load >= LOADED
-
-    def observe_draft_merge(self, batch_size: int, alpha: float = 0.3) -> None:
-        """One in-line draft reply under ``merge_learns``: its forwards held ``batch_size`` sessions, folded into
-        ``draft_merge`` as a moving average (priced by ``LoadedCost.draft_step_ms``)."""
-        if self.merge_learns():
-            self.draft_merge += alpha * (self._share(batch_size) - self.draft_merge)
 
     def observe_verify_merge(self, batch_size: int, alpha: float = 0.3) -> None:
         """One drafted round's verify forward under load held ``batch_size`` sessions: folded into ``verify_merge``.
@@ -99,7 +88,7 @@ class SharedState:
         if self.load < 1.1:
             return self.cost
         queue = self.draft_queue if self.queue_learns() else 0.0  # learnt and priced at the same loads
-        return LoadedCost(self.cost, self.load, self.shared_compute, queue, self.draft_merge, self.verify_merge)
+        return LoadedCost(self.cost, self.load, self.shared_compute, queue, verify_merge=self.verify_merge)
 
 
 @dataclass
@@ -446,10 +435,9 @@ class CostAwareControl(Control):
             self.state.raw_per_value += 0.2 * (min(raw / value, 5.0) - self.state.raw_per_value)
 
     def cost_snapshot(self) -> dict:
-        """CostModel.snapshot plus the shared load, queue and merge shares, after ``observe``."""
+        """CostModel.snapshot plus the shared load, draft queue and verify merge shares, after ``observe``."""
         return {**self.shared.cost.snapshot(), "load": round(self.shared.load, 2),
-                "draft_queue": round(self.shared.draft_queue, 3), "draft_merge": round(self.shared.draft_merge, 3),
-                "verify_merge": round(self.shared.verify_merge, 3)}
+                "draft_queue": round(self.shared.draft_queue, 3), "verify_merge": round(self.shared.verify_merge, 3)}
 
     # ----------------------------------------------------------------- the rest of the interface
 
@@ -470,12 +458,9 @@ class CostAwareControl(Control):
         self.fallback.draft_failed(now)
 
     def draft_merged(self, batch_size: int) -> None:
-        """An in-line proposal's forwards held ``batch_size`` sessions: teaches ``draft_merge``, and this round's
-        draft time is D(batch_size p) per step."""
-        st = self.state
-        st.draft_batch = max(int(batch_size), 1)
-        if not self.timing_free and st.draft_warm and not st.probing:  # a first proposal waited for its prefill
-            self.shared.observe_draft_merge(st.draft_batch)
+        """An in-line proposal's forwards held ``batch_size`` sessions: this round's draft time is D(batch_size p)
+        per step."""
+        self.state.draft_batch = max(int(batch_size), 1)
 
     def draft_forward(self, call_s: float) -> None:
         """The draft call took ``call_s`` s (0 = not reported); teaches D with ``draft_cost_from: forward``."""

@@ -173,12 +173,11 @@ class LoadedCost:
     """
 
     def __init__(self, cost: CostModel, load: float, shared_compute: bool = False, draft_queue: float = 0.0,
-                 draft_merge: float = 0.0, verify_merge: float = 1.0):
+                 verify_merge: float = 1.0):
         self.cost = cost
         self.load = max(float(load), 1.0)
         self.shared_compute = shared_compute
         self.draft_queue = max(float(draft_queue), 0.0)
-        self.draft_merge = min(max(float(draft_merge), 0.0), 1.0)
         self.verify_merge = min(max(float(verify_merge), 0.0), 1.0)
 
     @property
@@ -204,14 +203,9 @@ class LoadedCost:
         share of each other request's step that a step waits behind (learnt)."""
         return 1.0 + self.draft_queue * (self.load - 1.0)
 
-    def merged_sessions(self) -> float:
-        """Sessions per draft forward on shared compute: 1 + draft_merge * (load - 1)."""
-        return 1.0 + self.draft_merge * (self.load - 1.0)
-
     def draft_step_ms(self, parents: int) -> float:
-        if self.shared_compute:
-            m = self.merged_sessions()
-            return self.cost.draft_step_ms(parents * m) * self.load / m
+        if self.shared_compute:  # every running request's step takes the shared compute in turn
+            return self.cost.draft_step_ms(parents) * self.load
         return self.cost.draft_step_ms(parents) * self.queue_factor()
 
     draft_ms = CostModel.draft_ms  # over this class's draft_step_ms
