@@ -32,3 +32,21 @@ def test_a_retired_key_says_what_replaced_it(tmp_path, monkeypatch):
     assert str(err.value) == ("invalid config: front.cost_aware.old_knob: no longer a config key: "
                               "renamed to front.cost_aware.new_knob")
 
+
+
+@pytest.mark.parametrize("yaml_text, key", [
+    ("front:\n  dynamic_gamma:\n    enabled: false\n", "front.dynamic_gamma"),
+    ("front:\n  fallback:\n    window: 8\n", "front.fallback.window"),
+    ("front:\n  fallback:\n    min_acceptance: 0.0\n", "front.fallback.min_acceptance"),
+    ("front:\n  fallback:\n    probe_every: 16\n    reconnect_s: 1.0\n", "front.fallback.probe_every"),
+])
+def test_the_removed_control_keys_fail_naming_themselves(tmp_path, yaml_text, key):
+    """Dynamic gamma and the low-acceptance fallback were removed (docs/heuristics.md): a config still
+    setting one of their keys fails naming that key and pointing at the reason, not a generic message."""
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert message.startswith(f"invalid config: {key}: no longer a config key: ")
+    assert "docs/heuristics.md" in message and "Extra inputs" not in message
