@@ -596,7 +596,7 @@ def service_config(args, threads: int | None = None, target: dict | None = None,
         # admit every stream the run opens at once
         level = args.concurrency_prompts if args.open_loop else max(args.levels)
         streams = max(level, args.long_running + 1, ClientLimitsConfig().max_running)
-        data["front"] = deep_merge({"port": 0, "max_new_tokens": args.max_new_tokens, "dynamic_gamma": {"enabled": False},
+        data["front"] = deep_merge({"port": 0, "max_new_tokens": args.max_new_tokens,
                                     "workers": args.workers, "ray_num_cpus": 2, "limits": {"max_running": streams}}, front)
     return data
 

@@ -104,33 +104,18 @@ class TargetServerConfig(_Section):
     max_sessions: int = Field(default=512, ge=1)          # open sessions (each holds a logits row even with no KV)
 
 
-class DynamicGammaConfig(_Section):
-    enabled: bool = True
-    min_gamma: int = Field(default=1, ge=1)
-    max_gamma: int = Field(default=8, ge=1)
-
-    @model_validator(mode="after")
-    def _bounds(self):
-        if self.min_gamma > self.max_gamma:
-            raise ValueError(f"min_gamma {self.min_gamma} > max_gamma {self.max_gamma}")
-        return self
-
-
 class FallbackConfig(_Section):
-    window: int = Field(default=8, ge=1)                  # rounds in the sliding acceptance window
-    min_acceptance: float = Field(default=0.1, ge=0, le=1)   # below it (full window) speculation is off
-    probe_every: int = Field(default=16, ge=1)            # plain rounds before speculation is retried
     draft_deadline_ms: float = Field(default=2000.0, gt=0)   # a slower draft reply falls back
     reconnect_s: float = Field(default=2.0, gt=0)         # wait before re-opening a failed draft
 
 
-CONTROLS = ("cost-aware", "dynamic-gamma", "fixed")  # per-request controls of embedded mode (specdec generate/bench)
+CONTROLS = ("cost-aware", "fixed")  # per-request controls of embedded mode (specdec generate/bench)
 
 
 class CostAwareConfig(_Section):
     """The default per-request control (orchestrator.planning.cost_aware): trees shaped by measured costs."""
 
-    enabled: bool = True                                  # false: dynamic_gamma (when enabled) or the fixed tree
+    enabled: bool = True                                  # false: the fixed tree (the request's TreeSpec every round)
     max_gamma: int = Field(default=10, ge=1, le=64)       # most draft steps a round may plan
     ngram_tokens: int = Field(default=8, ge=0, le=64)     # context (n-gram) branch length; 0 = no context branches
     max_ngram: int = Field(default=3, ge=1, le=8)         # longest suffix matched in the context
@@ -223,7 +208,6 @@ class FrontConfig(_Section):
     pipeline: bool = False                                # draft round r+1 while round r verifies (DESIGN.md "Pipelining")
     draft_window: DraftWindowConfig = DraftWindowConfig()  # the context a draft session opens with (sinks + recent tokens)
     cost_aware: CostAwareConfig = CostAwareConfig()
-    dynamic_gamma: DynamicGammaConfig = DynamicGammaConfig()
     fallback: FallbackConfig = FallbackConfig()
     monitor: MonitorConfig = MonitorConfig()
     use_ray: bool = True                                  # False: requests run in the front process (no Ray)
@@ -287,8 +271,16 @@ class ServeConfig(_Section):
 
 # Keys that were removed or renamed: dotted path -> what to do instead. A config that still sets one
 # fails naming it with this text rather than pydantic's generic "extra inputs" message.
+_LOW_ACCEPTANCE_GONE = ("the low-acceptance fallback was removed (docs/heuristics.md): the cost-aware control "
+                        "drops the draft where it does not pay and probes every front.cost_aware.probe_every rounds")
 _LOCKSTEP = "lock-step rounds were removed: they did not pay (docs/heuristics.md, row 4)"
 RETIRED_KEYS: dict[str, str] = {
+    "front.dynamic_gamma": ("dynamic gamma was removed (docs/heuristics.md): the cost-aware control sets each round's "
+                            "depth from measured costs; front.cost_aware.enabled: false plays the request's tree "
+                            "every round"),
+    "front.fallback.window": _LOW_ACCEPTANCE_GONE,
+    "front.fallback.min_acceptance": _LOW_ACCEPTANCE_GONE,
+    "front.fallback.probe_every": _LOW_ACCEPTANCE_GONE,
     "front.cost_aware.in_step": _LOCKSTEP,
     "front.cost_aware.in_step_wait_ms": _LOCKSTEP,
     "front.cost_aware.in_step_max_load": _LOCKSTEP,

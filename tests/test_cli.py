@@ -142,6 +142,16 @@ def test_sampling_option_names_in_messages():
             sampling_params(*args)
 
 
+def test_control_choices_are_cost_aware_and_fixed():
+    """Dynamic gamma was removed: ``--control dynamic-gamma`` is refused, naming the two controls left."""
+    from orchestrator.cli.main import UsageError, check_control
+
+    check_control("cost-aware")
+    check_control("fixed")
+    with pytest.raises(UsageError, match=r"^--control: expected cost-aware, fixed, got 'dynamic-gamma'$"):
+        check_control("dynamic-gamma")
+
+
 def test_stats_table_shows_acceptance_by_position_for_local_and_remote_stats():
     """The end-of-run table reads the per-position counts from GenerationStats (in-process) and from
     FinalStats (generate --server) alike; positions past the eighth are summarized."""

@@ -1,4 +1,4 @@
-"""Per-request control policies (orchestrator/planning/control.py): DynamicGamma, FallbackPolicy, RequestControl.
+"""Per-request control policies (orchestrator/planning/control.py): FallbackPolicy, FixedControl.
 
 Pure unit tests: scripted round outcomes, an injected clock, fresh Prometheus registries.
 """
@@ -8,12 +8,10 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from orchestrator.planning.control import DynamicGamma, FallbackPolicy, RequestControl
+from orchestrator.planning.control import FallbackPolicy, FixedControl
 from orchestrator.loop.metrics import SpecMetrics
-from specdec.config import DynamicGammaConfig, FallbackConfig
-from specdec.tree_spec import DEFAULT_SPEC, SEED_SPEC, TreeSpec
-
-WIDE_SPEC = TreeSpec(gamma=1, topKSpec=[[100]], topHead=[1])  # 100 nodes a row: 5 rows fit in 512
+from specdec.config import FallbackConfig
+from specdec.tree_spec import DEFAULT_SPEC
 
 
 class Clock:
@@ -30,103 +28,17 @@ def sample(metrics: SpecMetrics, name: str, **labels) -> float | None:
     return metrics.registry.get_sample_value(name, labels)
 
 
-# --------------------------------------------------------------------------- DynamicGamma
-
-
-def test_dynamic_gamma_always_right_rises_to_max_and_stays():
-    dg = DynamicGamma(SEED_SPEC, DynamicGammaConfig(min_gamma=1, max_gamma=6))
-    seen = []
-    for _ in range(6):
-        depth = dg.gamma  # the draft grew the full tree and every level was accepted
-        seen.append(dg.update(depth, depth))
-    assert seen == [4, 5, 6, 6, 6, 6]
-    assert dg.spec.gamma == 6 and dg.spec.num_nodes == 18
-
-
-def test_dynamic_gamma_always_wrong_falls_to_min_and_stays():
-    dg = DynamicGamma(DEFAULT_SPEC, DynamicGammaConfig(min_gamma=1, max_gamma=8))
-    assert [dg.update(dg.gamma, 0) for _ in range(4)] == [2, 1, 1, 1]
-    assert dg.spec.top_k_spec == ((3,),)
-
-
-def test_dynamic_gamma_mixed_sequence():
-    dg = DynamicGamma(DEFAULT_SPEC, DynamicGammaConfig(min_gamma=2, max_gamma=5))
-    rounds = [(3, 3), (4, 2), (3, 3), (4, 4), (5, 5), (5, 4), (4, 0), (3, 1), (2, 0)]
-    assert [dg.update(d, a) for d, a in rounds] == [4, 3, 4, 5, 5, 4, 3, 2, 2]
-
-
-def test_dynamic_gamma_shallow_tree_fully_accepted_keeps_gamma():
-    dg = DynamicGamma(DEFAULT_SPEC)  # gamma 3
-    assert dg.update(2, 2) == 3      # tree cut to depth 2 (budget): no evidence about depth 4
-    assert dg.update(0, 0) == 3      # no tree at all
-    assert dg.update(3, 3) == 4
-
-
-def test_dynamic_gamma_start_is_clamped_and_disabled_is_fixed():
-    assert DynamicGamma(SEED_SPEC, DynamicGammaConfig(min_gamma=4, max_gamma=8)).gamma == 4
-    assert DynamicGamma(SEED_SPEC, DynamicGammaConfig(min_gamma=1, max_gamma=2)).gamma == 2
-    off = DynamicGamma(SEED_SPEC, DynamicGammaConfig(enabled=False, min_gamma=4, max_gamma=8))
-    assert (off.gamma, off.update(3, 3), off.update(3, 0)) == (3, 3, 3)
-    assert off.spec is SEED_SPEC
-
-
-def test_dynamic_gamma_max_is_capped_by_node_limit():
-    dg = DynamicGamma(WIDE_SPEC, DynamicGammaConfig(min_gamma=1, max_gamma=8))
-    assert dg.max_gamma == 5
-    assert [dg.update(dg.gamma, dg.gamma) for _ in range(6)] == [2, 3, 4, 5, 5, 5]
-    assert dg.spec.num_nodes == 500
-    with pytest.raises(ValueError, match="dynamic_gamma.min_gamma: 6 exceeds"):
-        DynamicGamma(WIDE_SPEC, DynamicGammaConfig(min_gamma=6, max_gamma=8))
-
-
-def test_dynamic_gamma_rejects_impossible_counts():
-    dg = DynamicGamma(DEFAULT_SPEC)
-    for depth, acc in ((2, 3), (-1, 0), (3, -1)):
-        with pytest.raises(ValueError, match="accepted_length"):
-            dg.update(depth, acc)
-    assert dg.gamma == 3
-
-
 # --------------------------------------------------------------------------- FallbackPolicy
 
 
-def drive(policy: FallbackPolicy, accepted_per_round, proposed: int = 5, committed_len: int = 10):
-    """Run rounds; accepted_per_round[i] is what a speculative round i would accept."""
-    decisions = []
-    for acc in accepted_per_round:
-        go = policy.speculate(0.0, committed_len)
-        decisions.append(go)
-        if go:
-            policy.record(proposed, acc)
-    return decisions
-
-
-def test_fallback_always_wrong_engages_after_full_window_and_probes():
-    policy = FallbackPolicy(FallbackConfig(window=4, min_acceptance=0.1, probe_every=3))
-    T, F = True, False
-    assert drive(policy, [0] * 15) == [T, T, T, T, F, F, F, T, T, T, T, F, F, F, T]
-    assert policy.fallback_rounds == {"low_acceptance": 6, "draft_unavailable": 0, "draft_context_limit": 0, "cost": 0,
-                                     "draft_opening": 0}
-    assert policy.probes == 2
-    assert policy.reason is None  # the last round was a probe
-
-
-def test_fallback_recovers_after_probe():
-    policy = FallbackPolicy(FallbackConfig(window=4, min_acceptance=0.1, probe_every=3))
-    # bad for the first window, good from the probe on
-    decisions = drive(policy, [0] * 4 + [3] * 20)
-    assert decisions == [True] * 4 + [False] * 3 + [True] * 17
-    assert policy.fallback_rounds["low_acceptance"] == 3
-    assert policy.acceptance_rate == 3 / 5
-
-
-def test_fallback_window_slides_and_threshold_is_strict():
-    policy = FallbackPolicy(FallbackConfig(window=4, min_acceptance=0.1, probe_every=3))
-    # window [2,0,0,0] of 5 each: 2/20 = 0.1, not below 0.1; then [0,0,0,0]: 0 -> off
-    assert drive(policy, [2, 0, 0, 0, 0, 0]) == [True] * 5 + [False]
-    assert policy.reason == "low_acceptance"
-    fresh = FallbackPolicy(FallbackConfig(window=4, min_acceptance=0.1))
-    assert drive(fresh, [0, 0, 0]) == [True] * 3  # 3 rounds: the window is not full yet
+def test_fallback_low_acceptance_never_turns_speculation_off():
+    """Acceptance is not a fallback reason (the cost-aware control prices it): 50 rounds of nothing accepted
+    still speculate, and no plain round is counted."""
+    policy = FallbackPolicy(FallbackConfig())
+    for _ in range(50):
+        assert policy.speculate(0.0, 10) is True and policy.reason is None
+        policy.record(5, 0)
+    assert policy.fallback_rounds == {"draft_unavailable": 0, "draft_context_limit": 0, "cost": 0, "draft_opening": 0}
 
 
 def test_fallback_draft_failure_then_reconnect_with_injected_clock():
@@ -155,7 +67,7 @@ def test_fallback_slow_draft_counts_as_failure():
     policy.record(5, 2, now=1.0, draft_s=2.001)  # over it
     assert policy.speculate(1.5, 10) is False and policy.reason == "draft_unavailable"
     assert policy.speculate(2.0, 10) is True
-    assert policy.window.accepted == 4  # both rounds still count for acceptance
+    assert policy.draft_failures == 1
 
 
 def test_fallback_context_limit():
@@ -171,62 +83,63 @@ def test_fallback_context_limit():
         FallbackPolicy(draft_context_limit=0)
 
 
-def test_fallback_reason_precedence_and_probe_counts_only_low_rounds():
-    policy = FallbackPolicy(FallbackConfig(window=1, min_acceptance=0.5, probe_every=2, reconnect_s=1.0),
-                            draft_context_limit=50)
+def test_fallback_reason_precedence():
+    policy = FallbackPolicy(FallbackConfig(reconnect_s=1.0), draft_context_limit=50)
     assert policy.speculate(0.0, 10)
-    policy.record(4, 0)                      # window of 1 is full and low
     policy.draft_failed(0.0)
+    # both hold: the context limit is the reason, and that plain round is not the retry
     assert policy.speculate(0.1, 49, depth=3) is False and policy.reason == "draft_context_limit"
     assert policy.speculate(0.2, 10) is False and policy.reason == "draft_unavailable"
-    assert policy.speculate(1.0, 10) is False and policy.reason == "low_acceptance"
-    assert policy.speculate(1.1, 10) is False and policy.reason == "low_acceptance"
-    assert policy.speculate(1.2, 10) is True and policy.probes == 1
-    assert policy.fallback_rounds == {"low_acceptance": 2, "draft_unavailable": 1, "draft_context_limit": 1, "cost": 0,
-                                     "draft_opening": 0}
+    assert policy.speculate(1.0, 10) is True and policy.reason is None
+    assert policy.fallback_rounds == {"draft_unavailable": 1, "draft_context_limit": 1, "cost": 0, "draft_opening": 0}
 
 
 def test_fallback_metrics_and_bad_input():
     metrics = SpecMetrics(CollectorRegistry())
-    policy = FallbackPolicy(FallbackConfig(window=2, min_acceptance=0.2, probe_every=5), metrics=metrics,
-                            draft_context_limit=20)
-    drive(policy, [0] * 6)                      # 2 speculative, then 4 low-acceptance plain rounds
-    policy.speculate(0.0, 20)                   # context limit
-    assert sample(metrics, "specdec_fallback_rounds_total", reason="low_acceptance") == 4
+    policy = FallbackPolicy(FallbackConfig(reconnect_s=1.0), metrics=metrics, draft_context_limit=20)
+    policy.draft_failed(0.0)
+    policy.speculate(0.5, 10)                   # draft unavailable
+    policy.speculate(0.6, 10)                   # draft unavailable
+    policy.speculate(1.0, 20)                   # context limit: 20 + 1 > 20
+    assert policy.speculate(1.0, 10) is True    # the retry: no plain round
+    assert sample(metrics, "specdec_fallback_rounds_total", reason="draft_unavailable") == 2
     assert sample(metrics, "specdec_fallback_rounds_total", reason="draft_context_limit") == 1
-    assert sample(metrics, "specdec_fallback_rounds_total", reason="draft_unavailable") == 0
+    assert sample(metrics, "specdec_fallback_rounds_total", reason="cost") == 0
+    assert sample(metrics, "specdec_fallback_rounds_total", reason="low_acceptance") is None  # no such reason
     with pytest.raises(ValueError):
         policy.record(2, 3)
     with pytest.raises(ValueError):
         policy.speculate(0.0, 5, depth=0)
 
 
-# --------------------------------------------------------------------------- RequestControl
+# --------------------------------------------------------------------------- FixedControl
 
 
-def test_request_control_scripted_rounds():
+def test_fixed_control_plays_the_tree_behind_the_fallback():
     clock = Clock(0.0)
-    ctl = RequestControl(DEFAULT_SPEC, DynamicGammaConfig(min_gamma=1, max_gamma=5),
-                         FallbackConfig(window=3, min_acceptance=0.1, probe_every=2, reconnect_s=1.0), clock=clock)
-    gammas, decisions = [], []
-    # always right: the tree reaches gamma, every level accepted (DEFAULT_SPEC: gamma + 2 nodes)
-    for _ in range(4):
-        decisions.append(ctl.speculate(None, 10, ctl.gamma))
-        ctl.record(ctl.gamma, ctl.gamma + 2, ctl.gamma)
-        gammas.append(ctl.gamma)
-    assert gammas == [4, 5, 5, 5] and all(decisions)
-    assert ctl.spec(DEFAULT_SPEC).top_k_spec == ((3,), (1,), (1,), (1,), (1,))
-    # always wrong: gamma falls by one a round; after a full window of 3 low rounds speculation stops
-    for _ in range(3):
-        assert ctl.speculate(None, 10)
-        ctl.record(ctl.gamma, ctl.gamma + 2, 0)
-        gammas.append(ctl.gamma)
-    assert gammas[4:] == [4, 3, 2]
-    assert [ctl.speculate(None, 10) for _ in range(3)] == [False, False, True]   # 2 plain rounds, then a probe
-    assert ctl.reason is None and ctl.fallback_rounds["low_acceptance"] == 2
+    ctl = FixedControl(DEFAULT_SPEC, FallbackConfig(reconnect_s=1.0), clock=clock)
+    # always wrong (DEFAULT_SPEC: 3 levels, 5 nodes): the same tree every round, speculation stays on
+    for _ in range(20):
+        assert ctl.speculate(None, 10, 8) is True and ctl.reason is None
+        ctl.record(3, 5, 0)
+    assert ctl.gamma == 3 and ctl.spec(DEFAULT_SPEC) is DEFAULT_SPEC
     ctl.draft_failed()
-    assert ctl.speculate(None, 10) is False and ctl.reason == "draft_unavailable"
+    assert ctl.speculate(None, 10, 8) is False and ctl.reason == "draft_unavailable"
     clock.t = 1.0
-    assert ctl.speculate(None, 10) is True
+    assert ctl.speculate(None, 10, 8) is True and ctl.reason is None   # the retry after reconnect_s
+    ctl.set_draft_context_limit(13)
+    assert ctl.speculate(None, 10, 8) is True                           # the tree's 3 levels fit: 10 + 3 <= 13
+    assert ctl.speculate(None, 11, 8) is False and ctl.reason == "draft_context_limit"
+    assert ctl.speculate(None, 11, 2) is True                           # the budget's 2 levels fit: 11 + 2 <= 13
+    assert ctl.fallback_rounds["draft_unavailable"] == 1 and ctl.fallback_rounds["draft_context_limit"] == 1
     with pytest.raises(ValueError):
         ctl.record(2, 1, 2)      # accepted > proposed
+
+
+def test_fixed_control_slow_draft_reply_is_a_draft_failure():
+    ctl = FixedControl(DEFAULT_SPEC, FallbackConfig(draft_deadline_ms=100.0, reconnect_s=1.0))
+    ctl.record(3, 5, 2, now=0.0, draft_s=0.1)   # at the deadline: fine
+    assert ctl.speculate(0.5, 10, 3) is True
+    ctl.record(3, 5, 2, now=1.0, draft_s=0.2)   # over it: unavailable until 2.0
+    assert ctl.speculate(1.5, 10, 3) is False and ctl.reason == "draft_unavailable"
+    assert ctl.speculate(2.0, 10, 3) is True

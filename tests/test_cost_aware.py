@@ -170,8 +170,8 @@ def test_cheap_rows_build_wider_and_deeper_trees_than_dear_rows():
 
 def test_always_wrong_draft_stops_drafting_without_a_fallback_rule():
     """A draft that never agrees: the calibrated values fall, no draft step pays, and the request
-    decodes without the draft (reason "cost"), trying one step every probe_every rounds; the
-    low-acceptance fallback rule never fires (it is off in this control)."""
+    decodes without the draft (reason "cost"), trying one step every probe_every rounds; no other
+    fallback reason appears."""
     model = tiny_model("qwen2", seed=0)
     prompt = random_prompt(seed=88)
     n = 60

@@ -12,11 +12,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from draft_service.runtime import DraftRuntime
 import orchestrator.loop.controller as controller_module
-from orchestrator.planning.control import FixedControl, RequestControl
+from orchestrator.planning.control import FixedControl
 from orchestrator.loop.controller import DraftUnavailableError, GenerationRequest, RoundController, sync_worker
 from orchestrator.loop.embedded import make_control
 from orchestrator.loop.engine import SpeculativeEngine
-from specdec.config import ConfigError, DraftWindowConfig, DynamicGammaConfig, FallbackConfig, load_config
+from specdec.config import ConfigError, DraftWindowConfig, FallbackConfig, load_config
 from specdec.sampling import GREEDY, SamplingParams, derive_seed
 from specdec.telemetry import setup_tracing
 from specdec.tree_spec import TreeSpec
@@ -87,7 +87,7 @@ def test_window_lets_a_draft_with_a_short_context_speculate():
     reference = hf_greedy(model, prompt, n)
 
     def run(window):
-        factory, _ = make_control("dynamic-gamma", None, None)
+        factory, _ = make_control("fixed", None, None)
         draft = StartLog(model)  # draft = target: every drafted token is accepted
         engine = SpeculativeEngine(TargetRuntime(model), draft, eos_token_ids=[], context_limit=512,
                                    control_factory=factory, draft_context_limit=16, draft_window=window)
@@ -204,7 +204,7 @@ def test_a_failed_whole_context_session_goes_back_to_the_window_for_good():
     n = 24
     reference = hf_greedy(model, prompt, n)
     draft = FailingWhole(model, window=10)
-    control = lambda spec: RequestControl(spec, DynamicGammaConfig(), FallbackConfig(reconnect_s=0.001, min_acceptance=0.0))
+    control = lambda spec: FixedControl(spec, FallbackConfig(reconnect_s=0.001))
     engine = SpeculativeEngine(TargetRuntime(model), draft, eos_token_ids=[], context_limit=512, control_factory=control,
                                draft_window=DraftWindowConfig(max_tokens=10, sink_tokens=2, full_after_tokens=4))
     out = engine.generate(GenerationRequest(prompt, max_new_tokens=n, spec=SPEC))

@@ -109,13 +109,14 @@ def test_metrics_observe_round_record():
     m = SpecMetrics(CollectorRegistry())
     times = dict(draft_s=None, verify_s=0.1, commit_s=0.01)
     m.observe_round(RoundRecord((5, 6, 7), proposed=5, accepted=2, depth=3, fallback=None, gamma=4, **times))
-    m.observe_round(RoundRecord((9,), proposed=0, accepted=0, depth=0, fallback="low_acceptance", gamma=4, **times))
+    m.observe_round(RoundRecord((9,), proposed=0, accepted=0, depth=0, fallback="draft_context_limit", gamma=4,
+                                **times))
     m.observe_round(RoundRecord((1,), proposed=0, accepted=0, depth=0, fallback=None, gamma=0, **times))
     assert sample(m, "specdec_rounds_total", mode="speculative") == 1
     assert sample(m, "specdec_rounds_total", mode="plain") == 2
     assert sample(m, "specdec_committed_tokens_total") == 5
     assert sample(m, "specdec_accepted_tokens_total") == 2
-    assert sample(m, "specdec_fallback_rounds_total", reason="low_acceptance") == 1
+    assert sample(m, "specdec_fallback_rounds_total", reason="draft_context_limit") == 1
     assert sample(m, "specdec_gamma_sum") == 4 and sample(m, "specdec_gamma_count") == 1
 
 

@@ -58,7 +58,7 @@ def stack(pair, tmp_path_factory):
         target={"max_batch": 16, "batch_wait_ms": 5.0},
         front={"port": 0, "workers": 2, "ray_num_cpus": 2, "metrics_port": metrics_port,
                "cost_aware": {"enabled": False},  # the draft every round: these tests check its failures and batching
-               "fallback": {"reconnect_s": 0.5, "draft_deadline_ms": 5000.0, "min_acceptance": 0.0}},
+               "fallback": {"reconnect_s": 0.5, "draft_deadline_ms": 5000.0}},
     )
     draft, target = launch_service("draft", config), launch_service("target", config)
     wait_ready(draft), wait_ready(target)

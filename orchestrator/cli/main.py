@@ -163,8 +163,8 @@ def stats_table(stats, speculate: bool, sampling: SamplingParams = SamplingParam
 
 
 _CONTROL_HELP = ("Per-request control: cost-aware (each round's tree from measured costs and calibrated "
-                 "acceptance, context n-gram branches, no draft when it does not pay), dynamic-gamma (+1/-1 depth, "
-                 "low-acceptance fallback) or fixed (the tree every round).")
+                 "acceptance, context n-gram branches, no draft when it does not pay) or fixed (the tree every "
+                 "round).")
 
 
 def _cost_line(cost: dict) -> str:
@@ -188,7 +188,7 @@ def check_remote_options(draft_window: Optional[int], argmax_screen: bool, pipel
         fail(str(exc))
     if control != "cost-aware":
         fail(f"--control {control}: an in-process option; a front's control is set by "
-             "front.cost_aware.enabled and front.dynamic_gamma.enabled")
+             "front.cost_aware.enabled")
     if max_context is not None:
         fail("--max-context: an in-process option; a front's limits are its own (front.max_prompt_tokens, "
              "the target's context)")

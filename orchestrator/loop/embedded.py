@@ -8,7 +8,7 @@ import torch
 from pydantic import ValidationError
 
 from draft_service.runtime import DraftRuntime
-from orchestrator.planning.control import ControlFactory, RequestControl
+from orchestrator.planning.control import ControlFactory, FixedControl
 from orchestrator.planning.cost_aware import CostAwareFactory, SharedState
 from orchestrator.planning.cost_model import CostModel, measure_worker_costs
 from orchestrator.loop.engine import SpeculativeEngine
@@ -85,15 +85,13 @@ def wire_pipeline(loaded: LoadedTarget, loaded_draft: LoadedDraft | None, contro
 def make_control(control: str | ControlFactory | None, target, draft, measure_costs: bool = True,
                  front: FrontConfig = FrontConfig()) -> tuple[ControlFactory | None, SharedState | None]:
     """(factory, SharedState) for a mode of CONTROLS with the service defaults: ``cost-aware`` (costs measured on
-    the workers unless measure_costs is False), ``dynamic-gamma`` (RequestControl), ``fixed`` (None). A factory
-    or None is returned as it is. Raises ModelError for an unknown mode.
+    the workers unless measure_costs is False), ``fixed`` (FixedControl with ``front.fallback``). A factory or
+    None is returned as it is. Raises ModelError for an unknown mode.
     """
     if control is None or callable(control):
         return control, None
     if control == "fixed":
-        return None, None
-    if control == "dynamic-gamma":
-        return (lambda spec: RequestControl(spec, front.dynamic_gamma, front.fallback)), None
+        return (lambda spec: FixedControl(spec, front.fallback)), None
     if control != "cost-aware":
         raise ModelError(f"--control: one of {', '.join(CONTROLS)}, got {control!r}")
     cost = CostModel()

@@ -10,6 +10,7 @@ import logging
 import socket
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import AsyncGenerator, AsyncIterator, Iterator, Sequence
@@ -19,7 +20,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from orchestrator.planning.control import FALLBACK_REASONS, AcceptanceWindow, check_counts
+from orchestrator.planning.control import FALLBACK_REASONS, check_counts
 from specdec.config import MonitorConfig
 from specdec.security import token_accepted
 from specdec.stats import RoundRecord
@@ -247,6 +248,29 @@ def start_metrics_server(port: int, source: "SpecMetrics | CollectorRegistry | N
 
 
 # --------------------------------------------------------------------------- acceptance monitor
+
+
+class AcceptanceWindow:
+    """Sliding window over the last n rounds of (proposed, accepted) draft tokens, with running sums."""
+
+    def __init__(self, n: int):
+        self.rounds: deque[tuple[int, int]] = deque(maxlen=n)
+        self.proposed = 0
+        self.accepted = 0
+
+    def add(self, proposed: int, accepted: int) -> None:
+        if len(self.rounds) == self.rounds.maxlen:
+            p, a = self.rounds[0]
+            self.proposed -= p
+            self.accepted -= a
+        self.rounds.append((proposed, accepted))
+        self.proposed += proposed
+        self.accepted += accepted
+
+    @property
+    def rate(self) -> float | None:
+        """accepted / proposed over the window, None while it holds no proposed token."""
+        return self.accepted / self.proposed if self.proposed else None
 
 
 @dataclass

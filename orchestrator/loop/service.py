@@ -19,7 +19,7 @@ from opentelemetry import propagate, trace
 from transformers import AutoTokenizer
 
 from orchestrator.loop.clients import DraftClient, TargetClient, channel_options, request_deadline
-from orchestrator.planning.control import RequestControl
+from orchestrator.planning.control import FixedControl
 from orchestrator.planning.cost_aware import CostAwareFactory, SharedState
 from orchestrator.planning.cost_model import CostModel, measure_service_costs
 from orchestrator.loop.controller import GenerationRequest, GenerationResult, RoundController
@@ -256,7 +256,8 @@ class StartCosts:
 
 def control_factory(front: FrontConfig, start: StartCosts | None = None):
     """(TreeSpec, max_nodes) -> Control: CostAwareControl when enabled (one SharedState, its costs from ``start``,
-    else ``cost_aware.verify_ms``, else priors), else RequestControl; max_nodes: the target's tree limit."""
+    else ``cost_aware.verify_ms``, else priors), else FixedControl (the request's tree: max_nodes unused);
+    max_nodes: the target's tree limit."""
     if front.cost_aware.enabled:
         aware = front.cost_aware
         shared = SharedState()
@@ -265,7 +266,7 @@ def control_factory(front: FrontConfig, start: StartCosts | None = None):
         if verify_ms:
             shared.cost = CostModel(verify_ms, draft_ms, source="configured")
         return CostAwareFactory(aware, front.fallback, shared)
-    return lambda spec, max_nodes=MAX_TREE_NODES: RequestControl(spec, front.dynamic_gamma, front.fallback, max_nodes=max_nodes)
+    return lambda spec, max_nodes=MAX_TREE_NODES: FixedControl(spec, front.fallback)
 
 
 def build_orchestrator(front: FrontConfig, grpc_cfg: GrpcConfig, tok_dir: str | None,

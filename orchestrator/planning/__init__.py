@@ -1,1 +1,2 @@
-"""Per-request planning: the controls (fixed, dynamic gamma, cost-aware), the cost model V(n) / D(p) and tree shaping. Imports only specdec."""
+"""Per-request planning: the controls (fixed, cost-aware), the cost model V(n) / D(p) and tree shaping. Imports only
+specdec."""

@@ -1,7 +1,7 @@
 """The default per-request control: cost-aware tree shaping (``orchestrator.planning.shaping``) each round.
 
-Rules (first round plain, probes, no separate low-acceptance rule): docs/control.md "How a round's tree is
-shaped". Draft failures and the context limit keep ``FallbackPolicy``'s rules, its low-acceptance cut-off off.
+Rules (first round plain, probes): docs/control.md "How a round's tree is shaped". Draft failures and the context
+limit follow ``FallbackPolicy``'s rules.
 """
 
 from __future__ import annotations
@@ -224,8 +224,8 @@ def stop_threshold(cost: CostModel | LoadedCost, rate: float, heads: int, width:
 class CostAwareControl(Control):
     """Cost-aware control of one request (module docstring).
 
-    spec: the request's TreeSpec, an upper bound on widths; shared: the front-wide SharedState; fallback: its
-    min_acceptance is ignored; ngram_tokens: 0 = no context branch; lookup: replaces the n-gram lookup.
+    spec: the request's TreeSpec, an upper bound on widths; shared: the front-wide SharedState; fallback: the
+    draft deadline and reconnect delay; ngram_tokens: 0 = no context branch; lookup: replaces the n-gram lookup.
     """
 
     def __init__(self, spec: TreeSpec, shared: SharedState | None = None, fallback: FallbackConfig = FallbackConfig(),
@@ -234,7 +234,7 @@ class CostAwareControl(Control):
                  lookup: Lookup | None = None):
         self.base = spec
         self.shared = shared or SharedState()
-        self.fallback = FallbackPolicy(fallback.model_copy(update={"min_acceptance": 0.0}), clock=clock)
+        self.fallback = FallbackPolicy(fallback, clock=clock)
         self.max_gamma = max(max_gamma, 1)
         self.max_nodes = max_nodes
         self.ngram_tokens, self.max_ngram = ngram_tokens, max_ngram

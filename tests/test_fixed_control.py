@@ -1,10 +1,9 @@
-"""Dynamic gamma and fallback inside the real round loop (RoundController + RequestControl), with
-scripted drafts and the in-process target: no Ray, no gRPC.
+"""The fixed control inside the real round loop (RoundController + FixedControl), with scripted drafts
+and the in-process target: no Ray, no gRPC.
 
-Criteria: greedy output always equals target-only greedy (HF generate); an always-right draft drives
-the speculation depth to its maximum, an always-wrong one to its minimum and then into fallback
-(plain rounds, proposed 0) with periodic probes; a draft that fails mid-request is dropped, the
-request continues without it and speculation comes back after the reconnect delay.
+Criteria: greedy output always equals target-only greedy (HF generate); every round drafts the request's
+tree (cut only by the token budget), whatever the draft's acceptance; a draft that fails mid-request is
+dropped, the request continues without it and speculation comes back after the reconnect delay.
 """
 
 from __future__ import annotations
@@ -14,23 +13,22 @@ import asyncio
 import pytest
 
 from draft_service.runtime import DraftRuntime
-from orchestrator.planning.control import RequestControl
+from orchestrator.planning.control import FixedControl
 from orchestrator.loop.controller import DraftUnavailableError, GenerationRequest, RoundController, sync_worker
-from specdec.config import DynamicGammaConfig, FallbackConfig
+from specdec.config import FallbackConfig
 from specdec.interfaces import DraftWorker
 from specdec.tree_spec import DEFAULT_SPEC, TreeSpec
 from target_service.runtime import TargetRuntime
 from tests.conftest import OracleDraft, hf_greedy, perturbed_copy, random_prompt, tiny_model
 
-DYN = DynamicGammaConfig(min_gamma=1, max_gamma=6)
-FALLBACK = FallbackConfig(window=4, min_acceptance=0.2, probe_every=5, reconnect_s=0.05)
+FALLBACK = FallbackConfig(reconnect_s=0.05)
 
 
-def run(target_model, draft, prompt, n, spec=DEFAULT_SPEC, dyn=DYN, fallback=FALLBACK):
+def run(target_model, draft, prompt, n, spec=DEFAULT_SPEC):
     """Generate n tokens; returns (tokens, stats, per-round records)."""
     records = []
     ctl = RoundController(sync_worker(TargetRuntime(target_model)), sync_worker(draft), [], 10_000,
-                          control_factory=lambda s: RequestControl(s, dyn, fallback))
+                          control_factory=lambda s: FixedControl(s, FALLBACK))
     result = asyncio.run(ctl.generate(GenerationRequest(prompt, n, spec=spec), on_round=records.append))
     return result.tokens, result.stats, records
 
@@ -40,34 +38,30 @@ def target_model():
     return tiny_model(seed=0)
 
 
-def test_always_right_draft_drives_gamma_to_the_maximum(target_model):
+def test_always_right_draft_gets_the_whole_tree_every_round(target_model):
     prompt = random_prompt(1, 9)
     reference = hf_greedy(target_model, prompt, 80)
     draft = OracleDraft(prompt, reference, agree=1000)
     tokens, stats, records = run(target_model, draft, prompt, 60, spec=TreeSpec.chain(2))
     assert tokens == reference[:60]
-    gammas = [r.gamma for r in records]
-    assert gammas[:5] == [3, 4, 5, 6, 6]  # +1 per fully accepted round from the spec's 2, capped at 6
-    assert max(r.depth for r in records) == 6
-    assert stats.fallback_rounds == 0 and stats.final_gamma == 6
+    # 2 draft tokens + the bonus a round: 20 rounds, each the whole chain, never deeper
+    assert [(r.depth, r.accepted, r.gamma) for r in records] == [(2, 2, 2)] * 20
+    assert stats.fallback_rounds == 0 and stats.final_gamma == 2
 
 
-def test_always_wrong_draft_falls_to_the_minimum_then_falls_back_and_probes(target_model):
+def test_always_wrong_draft_keeps_speculating_with_the_same_tree(target_model):
     prompt = random_prompt(2, 7)
     reference = hf_greedy(target_model, prompt, 80)
     draft = OracleDraft(prompt, reference, agree=0)
     tokens, stats, records = run(target_model, draft, prompt, 40, spec=TreeSpec.chain(3))
     assert tokens == reference[:40]
-    proposed = [r.proposed for r in records]
-    gammas = [r.gamma for r in records]
-    assert gammas[:3] == [2, 1, 1]  # -1 per early rejection down to min_gamma
-    # a full window (4 speculative rounds) at acceptance 0 < 0.2: plain rounds, then a probe after 5
-    assert proposed[:4] == [3, 2, 1, 1] and proposed[4:9] == [0] * 5 and proposed[9] > 0
-    assert all(r.fallback == "low_acceptance" for r in records[4:9])
-    assert stats.fallback_rounds >= 5 and stats.accepted_tokens == 0
+    # one token (the bonus) a round; the chain of 3 until the budget cuts it (3 tokens left: 2 levels, ...)
+    assert [r.proposed for r in records] == [3] * 37 + [2, 1, 0]
+    assert all(r.fallback is None and r.gamma == 3 for r in records)
+    assert stats.fallback_rounds == 0 and stats.accepted_tokens == 0
 
 
-def test_partial_agreement_keeps_gamma_inside_the_bounds_and_output_exact(target_model):
+def test_partial_agreement_keeps_the_tree_and_output_exact(target_model):
     for agree in (1, 2, 3):
         prompt = random_prompt(10 + agree, 6)
         reference = hf_greedy(target_model, prompt, 80)
@@ -75,9 +69,18 @@ def test_partial_agreement_keeps_gamma_inside_the_bounds_and_output_exact(target
         assert tokens == reference[:50]
         spec_rounds = [r for r in records if r.proposed]
         assert all(r.accepted == min(agree, r.depth) for r in spec_rounds)
-        assert all(DYN.min_gamma <= r.gamma <= DYN.max_gamma for r in records)
-        # depth settles one above the agreement: deeper trees get rejected early, shallower fully accepted
-        assert spec_rounds[-1].gamma in (agree, agree + 1)
+        assert all(r.gamma == DEFAULT_SPEC.gamma for r in records)
+        assert all(r.depth == min(DEFAULT_SPEC.gamma, 50 - done - 1)
+                   for r, done in zip(records, _done_before(records)))
+
+
+def _done_before(records):
+    """Tokens committed before each round."""
+    done, out = 0, []
+    for r in records:
+        out.append(done)
+        done += len(r.tokens)
+    return out
 
 
 class FlakyDraft(DraftWorker):
@@ -110,10 +113,9 @@ def test_draft_failure_falls_back_and_reconnects(target_model):
     prompt = random_prompt(4, 8)
     reference = hf_greedy(target_model, prompt, 60)
     draft = FlakyDraft(DraftRuntime(perturbed_copy(target_model, 1, 0.02)), fail_on={3})
-    fallback = FallbackConfig(window=4, min_acceptance=0.0, reconnect_s=0.05)
     records = []
     ctl = RoundController(sync_worker(TargetRuntime(target_model)), sync_worker(draft), [], 10_000,
-                          control_factory=lambda s: RequestControl(s, DYN, fallback))
+                          control_factory=lambda s: FixedControl(s, FALLBACK))
 
     async def go():
         async def slow_round(record):  # give the reconnect delay time to pass during plain rounds
