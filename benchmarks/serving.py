@@ -1,9 +1,11 @@
 """Serving benchmark on one model pair, its services started here as subprocesses; the parts run
 side by side in one run, so the figures are ratios taken under the same noise.
 
-Sections (``--sections``): grpc, concurrency, gamma, longprompt; docs/benchmarks.md gives each one's method.
+Sections (``--sections``): concurrency, longprompt; docs/benchmarks.md gives each one's method. The grpc
+(gRPC vs embedded) and gamma (dynamic vs fixed gamma) sections answered their question once and are retired:
+commit 22f3fb7 is the last with them.
 
-    python benchmarks/serving.py --sections grpc --prompts 4 --max-new-tokens 32
+    python benchmarks/serving.py --sections concurrency --levels 1,4,8 --max-new-tokens 32
 
 Writes serving.json and serving.md under ``--out``; flags are in ``--help``.
 """
@@ -15,18 +17,16 @@ import ast
 import asyncio
 import contextlib
 import functools
-import gc
 import json
 import os
 import platform
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,34 +35,24 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 import psutil  # noqa: E402
-import torch  # noqa: E402
 import yaml  # noqa: E402
-from opentelemetry import trace  # noqa: E402
-from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from orchestrator.loop.controller import GenerationRequest  # noqa: E402
-from orchestrator.loop.embedded import build_pipeline, encode_prompt, set_threads  # noqa: E402
-from orchestrator.loop.engine import SpeculativeEngine  # noqa: E402
+from orchestrator.loop.embedded import encode_prompt  # noqa: E402
 from orchestrator.measure.bench import BUILTIN_QUESTIONS  # noqa: E402
 from orchestrator.measure.eval_report import peak_rss_mb  # noqa: E402
-from orchestrator.planning.control import RequestControl  # noqa: E402
-from specdec.config import (ClientLimitsConfig, DynamicGammaConfig, FallbackConfig, FrontConfig,  # noqa: E402
-                            TargetServerConfig)
+from specdec.config import ClientLimitsConfig, FrontConfig, TargetServerConfig  # noqa: E402
 from specdec.harness.otlp import OtlpReceiver, attribute_value  # noqa: E402
 from specdec.harness.servers import (Service, launch_command, launch_service, server_command,  # noqa: E402
-                                     stop_service)
+                                     stop_service, wait_ready)
 from specdec.model_setup import resolve_draft_quant, resolve_dtype  # noqa: E402
 from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, resolve_model_dir  # noqa: E402
 from specdec.placement import cpu_model  # noqa: E402
 from specdec.tree_spec import DEFAULT_SPEC  # noqa: E402
 from specdec.v1 import (draft_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc, target_pb2,  # noqa: E402
                         target_pb2_grpc)
-from specdec.wire import tree_to_proto  # noqa: E402
 
-SECTIONS = ("grpc", "concurrency", "gamma", "longprompt")
+SECTIONS = ("concurrency", "longprompt")
 LONGPROMPT_CONFIGS = ("speculative", "speculative_pipelined", "target_only")
 PIN_CORES = {"target": "0", "draft": "1"}  # --pin: taskset -c cores per service kind (fronts unpinned)
 PIPELINE_STATS = ("pipeline_ahead_hits", "pipeline_ahead_misses")  # FinalStats fields, where the front has them
@@ -123,20 +113,6 @@ class SpanCollector(OtlpReceiver):
                     {a.key: attribute_value(a.value) for a in span.attributes},
                     (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6,
                     span.start_time_unix_nano, span.end_time_unix_nano)
-
-
-def install_memory_tracing():
-    """In-process tracer provider with an in-memory exporter (embedded mode's controller spans)."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
-    return exporter
-
-
-def memory_spans(exporter) -> list[Span]:
-    return [Span("embedded", s.name, format(s.context.span_id, "016x"), format(s.parent.span_id, "016x") if s.parent else "",
-                 dict(s.attributes or {}), (s.end_time - s.start_time) / 1e6) for s in exporter.get_finished_spans()]
 
 
 def client_id(rid: str) -> str:
@@ -205,7 +181,7 @@ def round_split(spans: list[Span], request_ids: set[str]) -> dict:
         rows["verify"].append(verify.ms if verify else 0.0)
         rows["commit"].append(commit.ms if commit else 0.0)
         if draft is not None:
-            draft_ms = draft.attributes.get("draft.draft_ms", draft.ms)  # embedded: the call itself
+            draft_ms = draft.attributes.get("draft.draft_ms", draft.ms)
         if verify is not None:
             verify_ms = verify.attributes.get("target.verify_ms", verify.ms)
             if r.attributes.get("tree.nodes", 0) and "tree.bytes" in verify.attributes:
@@ -234,9 +210,7 @@ def wait_for_rounds(collector: SpanCollector, expected: dict[str, int], timeout_
         if all(got.get(k, 0) >= v for k, v in expected.items()):
             return True
         time.sleep(0.3)
-    seen = defaultdict(int)
-    for s in collector.spans():
-        seen[(s.service, s.name)] += 1
+    seen = Counter((s.service, s.name) for s in collector.spans())
     log(f"warning: round spans missing after {timeout_s:.0f} s (got {dict(got)}, expected {expected}); spans seen: {dict(seen)}")
     return False
 
@@ -275,84 +249,19 @@ def pipeline_overlap(spans: list[Span], request_ids: set[str]) -> dict:
             "drafted_round_ms_mean": mean(drafted_ms), "drafted_draft_ms_mean": mean(drafted_draft)}
 
 
-# ----------------------------------------------------------------------------------------- embedded
-
-class ThreadScoped:
-    """A worker whose calls run with ``threads`` torch threads; ``on_tree`` sees every proposed DraftTree."""
-
-    def __init__(self, worker, threads: int | None, on_tree=None):
-        self._worker, self._threads, self._on_tree = worker, threads, on_tree
-
-    def __getattr__(self, name):
-        attr = getattr(self._worker, name)
-        if not callable(attr):
-            return attr
-
-        def call(*args, **kwargs):
-            prev = torch.get_num_threads()
-            switch = bool(self._threads) and prev != self._threads
-            if switch:
-                torch.set_num_threads(self._threads)
-            try:
-                out = attr(*args, **kwargs)
-            finally:
-                if switch:
-                    torch.set_num_threads(prev)
-            if name == "propose" and self._on_tree is not None:
-                self._on_tree(out)
-            return out
-
-        return call
-
-
-def make_engine(pipe, draft_threads: int | None, dynamic: bool, tree_bytes: list | None = None):
-    """An engine on the embedded pair with the front's control; each tree's wire size goes to ``tree_bytes``."""
-    def on_tree(tree):
-        if tree_bytes is not None and tree.size:
-            tree_bytes.append(tree_to_proto(tree).ByteSize())
-
-    gamma_cfg, fallback = DynamicGammaConfig(enabled=dynamic), FallbackConfig()
-    base = pipe.engine
-    return SpeculativeEngine(base.target, ThreadScoped(base.draft, draft_threads, on_tree), base.eos_token_ids,
-                             base.context_limit, base.decode,
-                             control_factory=lambda spec: RequestControl(spec, gamma_cfg, fallback),
-                             draft_context_limit=base.controller.draft_context_limit,
-                             draft_window=base.controller.draft_window)  # embedded mode's, as build_pipeline set it
-
-
-def run_embedded(engine, ids: list[int], max_new: int, spec, request_id: str) -> dict:
-    """One request on an embedded engine, timed as a gRPC client times it (``grpc_generate``)."""
-    first = []
-    start = time.perf_counter()
-
-    def on_tokens(tokens):
-        if tokens and not first:
-            first.append(time.perf_counter())
-            first.append(len(tokens))
-
-    result = asyncio.run(engine.controller.generate(GenerationRequest(list(ids), max_new, spec=spec), on_tokens,
-                                                    session_id=request_id))
-    wall = time.perf_counter() - start
-    s = result.stats
-    return {"tokens": result.tokens, "new_tokens": len(result.tokens), "wall_s": wall,
-            "ttft_s": (first[0] - start) if first else wall, "first_tokens": first[1] if first else 0, "rounds": s.rounds, "proposed": s.proposed_tokens,
-            "accepted": s.accepted_tokens, "fallback_rounds": s.fallback_rounds, "final_gamma": s.final_gamma}
-
-
 # ----------------------------------------------------------------------------------------- gRPC client
 
 async def grpc_generate(stub, request_id: str, ids: list[int], max_new: int, no_spec: bool = False,
                         timeout: float = 1800.0, ignore_eos: bool = False, chunks: list | None = None) -> dict:
     """One streamed request; ``chunks`` gets (perf_counter s, tokens) of each message as it arrives."""
-    tokens, first, first_tokens, stats = [], None, 0, None
+    tokens, first, stats = [], None, None
     start = time.perf_counter()
     request = generation_pb2.GenerateRequest(request_id=request_id, prompt_ids=list(ids), max_new_tokens=max_new,
                                              no_spec=no_spec, ignore_eos=ignore_eos)
     async for reply in stub.Generate(request, timeout=timeout):
         if reply.token_ids:
             now = time.perf_counter()
-            if first is None:
-                first, first_tokens = now, len(reply.token_ids)
+            first = now if first is None else first
             if chunks is not None:
                 chunks.append((now, len(reply.token_ids)))
         tokens += reply.token_ids
@@ -361,10 +270,8 @@ async def grpc_generate(stub, request_id: str, ids: list[int], max_new: int, no_
     wall = time.perf_counter() - start
     fields = stats.DESCRIPTOR.fields_by_name
     return {"tokens": tokens, "new_tokens": len(tokens), "wall_s": wall, "ttft_s": (first or time.perf_counter()) - start,
-            "first_tokens": first_tokens,
-            "rounds": stats.rounds, "acceptance_rate": stats.acceptance_rate, "fallback_rounds": stats.fallback_rounds,
-            "final_gamma": stats.final_gamma, "stop_reason": stats.stop_reason,
-            "proposed_tokens": stats.proposed_tokens, "cost_plain_rounds": stats.cost_plain_rounds,
+            "rounds": stats.rounds, "fallback_rounds": stats.fallback_rounds, "proposed_tokens": stats.proposed_tokens,
+            "cost_plain_rounds": stats.cost_plain_rounds,
             **{key: getattr(stats, key) if key in fields else None for key in PIPELINE_STATS}}
 
 
@@ -384,10 +291,8 @@ def grpc_one(address: str, request_id: str, ids: list[int], max_new: int, no_spe
     return asyncio.run(run())
 
 
-def batched_forwards(address: str | None, kind: str = "target") -> int | None:
-    """The target's verify forwards (or the draft's proposals) that merged sessions so far; None without address."""
-    if address is None:
-        return None
+def batched_forwards(address: str, kind: str = "target") -> int:
+    """The target's verify forwards (or the draft's proposals) that merged sessions so far."""
     with grpc.insecure_channel(address) as channel:
         if kind == "draft":
             return draft_pb2_grpc.DraftServiceStub(channel).Info(draft_pb2.DraftInfoRequest(), timeout=30).batched_forwards
@@ -479,11 +384,8 @@ class Services:
         return service
 
     def wait(self, service: Service, timeout_s: float = 600.0) -> Service:
-        service.ready.wait(timeout_s)
-        if not service.port:
-            code = service.proc.poll()
-            raise RuntimeError(f"{service.name} ({service.kind}) {'exited with %s' % code if code is not None else 'not ready'}; "
-                               f"stderr:\n{service.stderr[-4000:]}")
+        """Wait for its ready line (ServiceNotReady if none comes), then note the CPUs it may run on."""
+        wait_ready(service, timeout_s)
         if service.name not in self.affinity:
             self.affinity[service.name] = sorted(os.sched_getaffinity(service.proc.pid))
         return service
@@ -495,21 +397,15 @@ class Services:
             stop_service(service, timeout_s=30)
             service.stderr_path.unlink(missing_ok=True)
 
-    def stop_all(self, timeout_s: float = 60.0) -> None:
-        """SIGTERM every service at once, then wait for each (SIGKILL past ``timeout_s``)."""
+    def stop_all(self) -> None:
+        """SIGTERM every service at once, then wait for each (``stop_service``: SIGKILL past 60 s)."""
         services, self.running = list(reversed(self.running)), []
         for service in services:
             self.note_peak(service)
             if service.proc.poll() is None:
                 service.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
         for service in services:
-            try:
-                service.proc.wait(max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log(f"{service.name} did not exit after SIGTERM; killing it")
-                service.proc.kill()
-                service.proc.wait()
+            stop_service(service, timeout_s=60)
             service.stderr_path.unlink(missing_ok=True)
 
 
@@ -527,7 +423,7 @@ def front_start_costs(log_text: str) -> dict | None:
     return None
 
 
-RESERVED_CONFIGS = ("batched", "batched_in_step", "one_at_a_time", "speculative_pipelined", "target_only")
+RESERVED_CONFIGS = ("batched", "speculative_pipelined", "target_only")
 
 
 def front_variant(text: str, flag: str = "--front-variant") -> tuple[str, dict]:
@@ -588,7 +484,7 @@ def service_config(args, threads: int | None = None, target: dict | None = None,
         "draft": {"port": 0},
         "target": {"port": 0, **(target or {})},
     }
-    if getattr(args, "batch_gather", None) is not None:  # both services' batchers
+    if args.batch_gather is not None:  # both services' batchers
         data["draft"]["batch_gather"] = data["target"]["batch_gather"] = args.batch_gather
     if threads:
         data["models"]["threads"] = threads
@@ -597,7 +493,7 @@ def service_config(args, threads: int | None = None, target: dict | None = None,
         level = args.concurrency_prompts if args.open_loop else max(args.levels)
         streams = max(level, args.long_running + 1, ClientLimitsConfig().max_running)
         data["front"] = deep_merge({"port": 0, "max_new_tokens": args.max_new_tokens,
-                                    "workers": args.workers, "ray_num_cpus": 2, "limits": {"max_running": streams}}, front)
+                                    "ray_num_cpus": 2, "limits": {"max_running": streams}}, front)
     return data
 
 
@@ -606,23 +502,11 @@ def start_target(services: Services, args, name: str, **target) -> Service:
     return services.launch("target", name, service_config(args, args.target_threads, target))
 
 
-def start_front(services: Services, args, name: str, front: dict, draft: Service, target: Service, **flags) -> Service:
+def start_front(services: Services, args, name: str, front: dict, draft: Service, target: Service) -> Service:
     """A front on these services, waited for (one at a time: each times the services as it connects)."""
     config = service_config(args, front=front)
     return services.wait(services.launch("front", name, config, draft_address=draft.address,
-                                         target_address=target.address, **flags))
-
-
-def weights_bytes(model_dir: Path) -> int:
-    files = list(Path(model_dir).glob("*.safetensors")) or list(Path(model_dir).glob("*.bin"))
-    return sum(f.stat().st_size for f in files)
-
-
-def mem_available() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 0
+                                         target_address=target.address))
 
 
 # ----------------------------------------------------------------------------------------- stats
@@ -683,18 +567,6 @@ def cpu_split(before: dict, after: dict, kinds: dict[str, str], front: str | Non
     return split
 
 
-def throughput(rows: list[dict]) -> dict:
-    tokens = sum(r["new_tokens"] for r in rows)
-    wall = sum(r["wall_s"] for r in rows)
-    decode_tokens = sum(r["new_tokens"] - r.get("first_tokens", 0) for r in rows)
-    decode_s = sum(r["wall_s"] - r["ttft_s"] for r in rows)
-    rounds = sum(r["rounds"] for r in rows)
-    return {"requests": len(rows), "new_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall else 0.0,
-            "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 else 0.0,
-            "ttft_s_mean": sum(r["ttft_s"] for r in rows) / len(rows) if rows else 0.0,
-            "rounds": rounds, "mean_accepted_length": tokens / rounds if rounds else 0.0}
-
-
 def share(a: float, b: float | None) -> float:
     """a / b, 0.0 when b is 0 or None."""
     return a / b if b else 0.0
@@ -705,100 +577,41 @@ def ratio(a: float, b: float | None) -> float | None:
     return a / b if b else None
 
 
-def md_table(head: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
-
-
-def _f(x, nd=2):
-    return f"{x:.{nd}f}"
-
-
 # ----------------------------------------------------------------------------------------- sections
 
 def rotated(items: list, k: int) -> list:
-    """items rotated by k, so no mode always goes first."""
+    """items rotated by k, so no configuration always goes first."""
     k %= len(items)
     return items[k:] + items[:k]
 
 
-def section_grpc(args, pipe, prompts, fronts: dict, collector, mem_exporter) -> dict:
-    """Each prompt embedded and through every front; throughput, equal outputs and round split per mode."""
-    tree_bytes: list[int] = []
-    engine = make_engine(pipe, args.draft_threads, dynamic=False, tree_bytes=tree_bytes)
-    modes = ["embedded", *fronts]
-    warm = prompts[0]["ids"]  # every mode's warm-up, not recorded
-    run_embedded(engine, warm, 4, DEFAULT_SPEC, "warm-embedded")
-    for mode, address in fronts.items():
-        grpc_one(address, f"warm-{mode}", warm, 4)
-    tree_bytes.clear()
-    rows = []
-    for i, p in enumerate(prompts):
-        row = {"question_id": p["question_id"], "category": p["category"], "prompt_tokens": len(p["ids"]),
-               "order": rotated(modes, i)}
-        for mode in row["order"]:
-            rid = f"grpc-{mode}-{i}"
-            if mode == "embedded":
-                row[mode] = run_embedded(engine, p["ids"], args.max_new_tokens, DEFAULT_SPEC, rid)
-            else:
-                row[mode] = grpc_one(fronts[mode], rid, p["ids"], args.max_new_tokens)
-            row[mode]["request_id"] = rid
-        row["identical"] = {m: row[m]["tokens"] == row["embedded"]["tokens"] for m in fronts}
-        rows.append(row)
-        log(f"grpc {i + 1}/{len(prompts)} q{p['question_id']} ({len(p['ids'])} prompt tokens): "
-            + ", ".join(f"{m} {row[m]['new_tokens'] / row[m]['wall_s']:.2f} tok/s" for m in modes))
-    summary = {mode: throughput([r[mode] for r in rows]) for mode in modes}
-    for s in summary.values():
-        s["ratio_vs_embedded"] = share(s["tokens_per_s"], summary["embedded"]["tokens_per_s"])
-    identical = {m: sum(r["identical"][m] for r in rows) for m in fronts}
-    wait_for_rounds(collector, {r[m]["request_id"]: r[m]["rounds"] for r in rows for m in fronts})
-    split = {"embedded": round_split(memory_spans(mem_exporter), {r["embedded"]["request_id"] for r in rows})}
-    split.update({m: round_split(collector.spans(), {r[m]["request_id"] for r in rows}) for m in fronts})
-    if tree_bytes:  # embedded trees: measured as they were proposed
-        split["embedded"].update(tree_bytes_mean=sum(tree_bytes) / len(tree_bytes), tree_bytes_max=max(tree_bytes))
-    for r in rows:
-        for m in modes:
-            r[m].pop("tokens")
-    return {"modes": modes, "summary": summary, "identical_outputs": all(v == len(rows) for v in identical.values()),
-            "identical_count": identical, "prompts": len(rows), "round_split": split,
-            "tree_bytes": {m: {k: split[m].get(k) for k in ("tree_bytes_mean", "tree_bytes_max")} for m in modes},
-            "rows": rows}
-
-
 class CpuMeter:
-    """CPU seconds by role (``cpu_split``) over a stretch of time; does nothing without services."""
+    """CPU seconds by role (``cpu_split``) over a stretch of time, of the services running when made."""
 
-    def __init__(self, services: Services | None):
-        running = list(services.running) if services is not None else []
-        self.pids = {svc.proc.pid: (svc.name, svc.kind) for svc in running}
-        self.kinds = {svc.name: svc.kind for svc in running}
-        self.fronts = {svc.address: svc.name for svc in running if svc.kind == "front"}
+    def __init__(self, services: Services):
+        self.pids = {svc.proc.pid: (svc.name, svc.kind) for svc in services.running}
+        self.kinds = {svc.name: svc.kind for svc in services.running}
+        self.fronts = {svc.address: svc.name for svc in services.running if svc.kind == "front"}
 
-    def snapshot(self) -> dict | None:
-        return cpu_snapshot(self.pids) if self.pids else None
-
-    def split(self, before: dict | None, front: str) -> dict | None:
-        return cpu_split(before, cpu_snapshot(self.pids), self.kinds, self.fronts.get(front)) if self.pids else None
+    def split(self, before: dict, front: str) -> dict:
+        return cpu_split(before, cpu_snapshot(self.pids), self.kinds, self.fronts.get(front))
 
 
-def measure_level(args, ids: list[list[int]], name: str, level, config: tuple, draft: str | None,
+def measure_level(args, ids: list[list[int]], name: str, level, config: tuple, draft: str,
                   meter: CpuMeter) -> tuple[dict, dict]:
     """One level of one configuration: ``run_level``'s result plus merged forwards and CPU by role."""
     front, target, no_spec = config
     verify_before, draft_before = batched_forwards(target), batched_forwards(draft, "draft")
     began = time.perf_counter()
-    cpu_before = meter.snapshot()
+    cpu_before = cpu_snapshot(meter.pids)
     out = run_level(front, ids, int(level), args.max_new_tokens, no_spec, f"conc-{name}-{level}",
                     rate=level if args.open_loop else None)
     cpu = meter.split(cpu_before, front)
     # the window spans both snapshots whole: CPU time a process spends while they walk the processes counts
     window = time.perf_counter() - began
     counters = {"merged_verify_forwards": batched_forwards(target) - verify_before,
-                "merged_draft_calls": None if draft is None else batched_forwards(draft, "draft") - draft_before,
-                "cpu_s": cpu, "cpu_window_s": window if cpu is not None else None,
-                "cpu_busy_share": (sum(cpu.values()) / (window * len(os.sched_getaffinity(0)))
-                                   if cpu is not None else None)}
+                "merged_draft_calls": batched_forwards(draft, "draft") - draft_before, "cpu_s": cpu,
+                "cpu_window_s": window, "cpu_busy_share": sum(cpu.values()) / (window * len(os.sched_getaffinity(0)))}
     return out, counters
 
 
@@ -857,8 +670,7 @@ def add_target_only_ratios(rows: list[dict]) -> None:
             r["no_spec_latency_p95_vs_target_only"] = ratio(r["no_spec_latency_p95_s"], ref.get("latency_p95_s"))
 
 
-def section_concurrency(args, prompts, configs: dict, collector: SpanCollector | None = None,
-                        draft: str | None = None, services: Services | None = None) -> dict:
+def section_concurrency(args, prompts, configs: dict, collector: SpanCollector, draft: str, services: Services) -> dict:
     """Every level of ``--levels`` per configuration (name -> (front, target, no_spec)), order rotated per level."""
     ids = [p["ids"] for p in prompts]
     meter = CpuMeter(services)
@@ -875,49 +687,12 @@ def section_concurrency(args, prompts, configs: dict, collector: SpanCollector |
             rows.append(level_row(name, level, configs[name][2], out, counters, order.index(name), li))
             log(f"concurrency {name} x{level}: {rows[-1]['tokens_per_s']:.2f} tok/s, p50 {rows[-1]['latency_p50_s']:.2f} s, "
                 f"p95 {rows[-1]['latency_p95_s']:.2f} s, merged forwards {counters['merged_verify_forwards']}")
-    if collector is not None:
-        add_traces(rows, collector, args.round_log)
+    add_traces(rows, collector, args.round_log)
     add_target_only_ratios(rows)
-    ref_key = ("target_only" if "target_only" in names else names[0], args.levels[0])
+    ref_key = ("target_only", args.levels[0])
     same = [all(v == out[ref_key] for v in out.values()) for out in outputs.values()]
     return {"levels": args.levels, "configs": names, "rows": rows, "identical_outputs": all(same),
             "identical_prompts": sum(same), "prompts": len(prompts)}
-
-
-def section_gamma(args, pipe, by_category: dict[str, list[dict]]) -> dict:
-    """Dynamic vs fixed gamma embedded, per category, the order alternated per prompt."""
-    engines = {"fixed": make_engine(pipe, args.draft_threads, dynamic=False),
-               "dynamic": make_engine(pipe, args.draft_threads, dynamic=True)}
-    warm = next(iter(by_category.values()))[0]["ids"]
-    for name, engine in engines.items():
-        run_embedded(engine, warm, 4, DEFAULT_SPEC, f"warm-gamma-{name}")
-    rows, questions = [], []
-    for cat, prompts in by_category.items():
-        per = {"fixed": [], "dynamic": []}
-        for p in prompts:
-            k = len(questions)
-            q = {"question_id": p["question_id"], "category": cat, "prompt_tokens": len(p["ids"])}
-            for name in rotated(["fixed", "dynamic"], k):
-                q[name] = run_embedded(engines[name], p["ids"], args.max_new_tokens, DEFAULT_SPEC, f"gamma-{name}-{k + 1}")
-                per[name].append(q[name])
-            q["identical"] = q["fixed"].pop("tokens") == q["dynamic"].pop("tokens")
-            questions.append(q)
-            log(f"gamma {cat} q{p['question_id']}: fixed {q['fixed']['new_tokens'] / q['fixed']['wall_s']:.2f} tok/s, "
-                f"dynamic {q['dynamic']['new_tokens'] / q['dynamic']['wall_s']:.2f} tok/s")
-        fixed, dynamic = (gamma_row(cat, name, per[name]) for name in ("fixed", "dynamic"))
-        fixed["ratio_vs_fixed"], dynamic["ratio_vs_fixed"] = 1.0, ratio(dynamic["tokens_per_s"], fixed["tokens_per_s"])
-        rows += [fixed, dynamic]
-    return {"method": "embedded: SpeculativeEngine with orchestrator.planning.control.RequestControl "
-                      "(front.dynamic_gamma enabled true vs false, default fallback), base tree DEFAULT_SPEC",
-            "rows": rows, "identical_outputs": all(q["identical"] for q in questions), "questions": questions}
-
-
-def gamma_row(category: str, mode: str, runs: list[dict]) -> dict:
-    proposed = sum(r["proposed"] for r in runs)
-    return {"category": category, "mode": mode, **throughput(runs),
-            "acceptance_rate": share(sum(r["accepted"] for r in runs), proposed),
-            "final_gamma_mean": sum(r["final_gamma"] for r in runs) / len(runs),
-            "fallback_rounds": sum(r["fallback_rounds"] for r in runs)}
 
 
 # ----------------------------------------------------------------------------------------- longprompt
@@ -992,9 +767,8 @@ async def longprompt_run(address: str, running_ids: list[list[int]], long_ids: l
             "outlasted": outlasted}
 
 
-def longprompt_row(config: str, chunk_tokens: int, run: dict, args, busy_tokens: int | None = None) -> dict:
+def longprompt_row(config: str, chunk_tokens: int, busy_tokens: int, run: dict, args) -> dict:
     """One table row: p50 / p95 ITL (ms) of the running requests before vs during the long prefill."""
-    busy_tokens = chunk_tokens if busy_tokens is None else busy_tokens
     before, during, gap_before, gap_during = [], [], 0.0, 0.0
     for chunks in run["chunks"]:
         samples, gap = itl_samples(chunks, run["window_start"], run["sent"])
@@ -1021,45 +795,42 @@ def longprompt_row(config: str, chunk_tokens: int, run: dict, args, busy_tokens:
     return row
 
 
-def prefill_chunk_settings(args, long_tokens: int) -> list[list[int]]:
-    """[prefill_chunk_tokens, prefill_busy_chunk_tokens] per target: chunked and (--longprompt-unchunked) whole."""
+def prefill_chunk_setting(args) -> tuple[int, int]:
+    """(prefill_chunk_tokens, prefill_busy_chunk_tokens) of the section's target: the flags', else the config's."""
     chunk = args.prefill_chunk_tokens or TargetServerConfig().prefill_chunk_tokens
     busy_arg = args.prefill_busy_chunk_tokens
     busy = chunk if busy_arg == 0 else min(busy_arg or TargetServerConfig().prefill_busy_chunk_tokens or chunk, chunk)
-    whole = max(chunk, long_tokens)
-    return [[chunk, busy]] + ([[whole, whole]] if args.longprompt_unchunked else [])
+    return chunk, busy
 
 
 LONGPROMPT_FRONTS = {"speculative": "plain", "target_only": "plain", "speculative_pipelined": "pipelined"}
 
 
 def section_longprompt(args, services: Services, draft: Service, tokenizer, prompts: list[dict]) -> dict:
-    """Per prefill chunk setting: start a target and its fronts, run each configuration once, stop them."""
+    """Start a target with the prefill chunk setting and its fronts, run each configuration once, stop them."""
     long_ids = long_prompt_ids(tokenizer, args.long_prompt_tokens)
     running_ids = [prompts[i % len(prompts)]["ids"] for i in range(args.long_running)]
-    settings = prefill_chunk_settings(args, len(long_ids))
+    chunk_tokens, busy_tokens = prefill_chunk_setting(args)
+    target = services.wait(start_target(services, args, f"bench-target-long-{chunk_tokens}", max_batch=args.max_batch,
+                                        batch_wait_ms=args.batch_wait_ms, prefill_chunk_tokens=chunk_tokens,
+                                        prefill_busy_chunk_tokens=busy_tokens))
+    fronts = {key: start_front(services, args, f"bench-front-long-{key}-{chunk_tokens}",
+                               {"use_ray": True, "pipeline": key == "pipelined"}, draft, target)
+              for key in dict.fromkeys(LONGPROMPT_FRONTS[c] for c in args.longprompt_configs)}
     rows = []
-    for chunk_tokens, busy_tokens in settings:
-        target = services.wait(start_target(services, args, f"bench-target-long-{chunk_tokens}", max_batch=args.max_batch,
-                                            batch_wait_ms=args.batch_wait_ms, prefill_chunk_tokens=chunk_tokens,
-                                            prefill_busy_chunk_tokens=busy_tokens))
-        fronts = {}
-        for key in dict.fromkeys(LONGPROMPT_FRONTS[c] for c in args.longprompt_configs):
-            fronts[key] = start_front(services, args, f"bench-front-long-{key}-{chunk_tokens}",
-                                      {"use_ray": True, **({"pipeline": True} if key == "pipelined" else {})}, draft, target)
-        for config in args.longprompt_configs:
-            front, no_spec = fronts[LONGPROMPT_FRONTS[config]], config == "target_only"
-            grpc_one(front.address, f"warm-long-{config}-{chunk_tokens}", running_ids[0], 4, no_spec)
-            run = asyncio.run(longprompt_run(front.address, running_ids, long_ids, args, no_spec,
-                                             f"long-{config}-{chunk_tokens}"))
-            rows.append(longprompt_row(config, chunk_tokens, run, args, busy_tokens))
-            log(f"longprompt {config} chunk {chunk_tokens}: ITL p95 before {_or_dash(rows[-1]['itl_p95_before_ms'], 1)} ms, "
-                f"during {_or_dash(rows[-1]['itl_p95_during_ms'], 1)} ms, long TTFT {rows[-1]['long_ttft_s']:.2f} s")
-        for service in (*fronts.values(), target):
-            services.stop(service)
+    for config in args.longprompt_configs:
+        front, no_spec = fronts[LONGPROMPT_FRONTS[config]], config == "target_only"
+        grpc_one(front.address, f"warm-long-{config}-{chunk_tokens}", running_ids[0], 4, no_spec)
+        run = asyncio.run(longprompt_run(front.address, running_ids, long_ids, args, no_spec,
+                                         f"long-{config}-{chunk_tokens}"))
+        rows.append(longprompt_row(config, chunk_tokens, busy_tokens, run, args))
+        log(f"longprompt {config} chunk {chunk_tokens}: ITL p95 before {_or_dash(rows[-1]['itl_p95_before_ms'], 1)} ms, "
+            f"during {_or_dash(rows[-1]['itl_p95_during_ms'], 1)} ms, long TTFT {rows[-1]['long_ttft_s']:.2f} s")
+    for service in (*fronts.values(), target):
+        services.stop(service)
     return {"long_prompt_tokens": len(long_ids), "running": args.long_running,
             "running_max_new_tokens": args.long_running_tokens, "window_s": args.long_window_s,
-            "configs": args.longprompt_configs, "prefill_chunk_settings": settings, "rows": rows}
+            "configs": args.longprompt_configs, "prefill_chunk_settings": [[chunk_tokens, busy_tokens]], "rows": rows}
 
 
 # ----------------------------------------------------------------------------------------- markdown
@@ -1068,7 +839,7 @@ def _or_dash(x, nd=2) -> str:
     """A table cell: '-' for None, floats with nd decimals, anything else as str."""
     if x is None:
         return "-"
-    return _f(x, nd) if isinstance(x, float) else str(x)
+    return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
 
 def _times(x) -> str:
@@ -1089,7 +860,9 @@ def col(head: str, key: str, fmt=_or_dash) -> tuple:
 
 def columns_table(columns: list[tuple], rows: list[dict]) -> str:
     """A markdown table of (header, cell function) columns, one line per row dict."""
-    return md_table([head for head, _ in columns], [[cell(r) for _, cell in columns] for r in rows])
+    lines = ["| " + " | ".join(head for head, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r) for _, cell in columns) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
 
 
 CONFIG_COLUMNS = [col("config", "config"), col("clients", "clients", str)]
@@ -1115,31 +888,18 @@ PIPELINE_COLUMNS = CONFIG_COLUMNS + [
 CPU_COLUMNS = CONFIG_COLUMNS + [col(f"{head} %", role, DASH1) for head, role in zip(
     ("target", "draft", "front", "front's Ray", "other fronts", "benchmark", "other"), CPU_ROLES)] + [
     col("busy", "cpu_busy_share", _pct)]
-GAMMA_COLUMNS = [
-    col("category", "category"), col("mode", "mode"), col("n", "requests"), col("tok/s", "tokens_per_s"),
-    col("vs fixed", "ratio_vs_fixed", lambda x: f"{x:.3f}x"), col("decode tok/s", "decode_tokens_per_s"),
-    col("mean acc len", "mean_accepted_length"), col("acc rate", "acceptance_rate", functools.partial(_or_dash, nd=3)),
-    col("final gamma (mean)", "final_gamma_mean", DASH1), col("fallback rounds", "fallback_rounds")]
 LONGPROMPT_COLUMNS = [
-    col("config", "config"), col("prefill chunk", "prefill_chunk_tokens"), ("busy chunk", lambda r: str(r.get("prefill_busy_chunk_tokens", r["prefill_chunk_tokens"]))),
+    col("config", "config"), col("prefill chunk", "prefill_chunk_tokens"), col("busy chunk", "prefill_busy_chunk_tokens"),
     col("chunked", "chunked"), col("ITL p50 before ms", "itl_p50_before_ms", DASH1),
     col("ITL p95 before ms", "itl_p95_before_ms", DASH1), col("ITL p50 during ms", "itl_p50_during_ms", DASH1),
     col("ITL p95 during ms", "itl_p95_during_ms", DASH1), col("p95 during / before", "itl_p95_ratio", _times),
     col("max gap during ms", "max_gap_during_ms", DASH1), col("long TTFT s", "long_ttft_s"),
     col("long new tokens", "long_new_tokens"), ("running outlasted", lambda r: f"{r['running_outlasted']}/{r['running']}")]
-SPLIT_KEYS = ("round_ms", "draft_ms", "draft_server_ms", "verify_ms", "verify_server_ms", "commit_ms", "transfer_ms",
-              "draft_wire_ms", "verify_wire_ms")
-
-
 def markdown(result: dict) -> str:
     """serving.md: the run's setting, then each section's tables with what their columns mean."""
     parts = meta_markdown(result["meta"])
-    if result.get("grpc"):
-        parts += grpc_markdown(result["grpc"])
     if result.get("concurrency"):
         parts += concurrency_markdown(result["concurrency"], result["meta"])
-    if result.get("gamma"):
-        parts += gamma_markdown(result["gamma"])
     if result.get("longprompt"):
         parts += longprompt_markdown(result["longprompt"])
     return "\n".join(parts)
@@ -1149,12 +909,11 @@ def meta_markdown(meta: dict) -> list[str]:
     parts = [f"# Serving benchmark ({meta['target_name']} target, {meta['draft_name']} draft)\n",
              f"- dtype: `{meta['dtype']}` (requested `{meta['dtype_arg']}`), draft quantization: `{meta['draft_quant']}` "
              f"(requested `{meta['draft_quant_arg']}`)",
-             f"- threads: target {meta['target_threads']}, draft {meta['draft_threads']} in every mode "
-             f"(services: `models.threads`; embedded: switched around each draft call); {meta['cpu_count']} CPUs "
-             f"({meta['cpu']}), {meta['machine']}",
+             f"- threads: target {meta['target_threads']}, draft {meta['draft_threads']} (`models.threads`); "
+             f"{meta['cpu_count']} CPUs ({meta['cpu']}), {meta['machine']}",
              f"- greedy, TreeSpec `{meta['tree']}`, {meta['max_new_tokens']} new tokens, prompts <= "
              f"{meta['max_prompt_tokens']} tokens (first turns, chat template, sent as `prompt_ids`)",
-             "- tracing on in every mode (OTLP to a receiver in the benchmark process; embedded: in-memory exporter)",
+             "- tracing on (OTLP to a receiver in the benchmark process)",
              f"- wall time of the run: {meta['wall_s']:.0f} s"]
     if meta.get("peak_rss_mb"):
         parts.append("- peak resident memory per service process (VmHWM, MB; a Ray front's actors not included): "
@@ -1185,27 +944,6 @@ def pinning_line(pinning: dict | None) -> str:
             f"observed affinity: {seen}")
 
 
-def grpc_markdown(g: dict) -> list[str]:
-    summary = [[m, _f(s["tokens_per_s"]), f"{s['ratio_vs_embedded']:.3f}x", _f(s["decode_tokens_per_s"]),
-                _f(s["ttft_s_mean"]), _f(s["mean_accepted_length"]),
-                "-" if m == "embedded" else f"{g['identical_count'][m]}/{g['prompts']}"]
-               for m, s in ((m, g["summary"][m]) for m in g["modes"])]
-    split = [[m, s["rounds"], *(_f(s.get(k, 0)) for k in SPLIT_KEYS),
-              _or_dash(s.get("tree_bytes_mean"), 0), _or_dash(s.get("tree_bytes_max"))]
-             for m, s in ((m, g["round_split"][m]) for m in g["modes"])]
-    return [f"## gRPC vs embedded: {g['prompts']} prompts, fixed tree, dynamic gamma off\n",
-            "Modes interleaved per prompt. tok/s = new tokens / request wall time; decode tok/s leaves out the "
-            "first round. The gRPC target runs `max_batch: 1` (a lone verify never waits for company).\n",
-            md_table(["mode", "tok/s", "vs embedded", "decode tok/s", "TTFT s", "mean acc len", "identical to embedded"],
-                     summary),
-            f"Outputs identical in every mode: **{g['identical_outputs']}**\n",
-            "Mean ms per round from the traces: draft / verify / commit spans of the orchestrator, draft_ms / "
-            "verify_ms the services' own figures; transfer = round - draft_ms - verify_ms; wire = span - server.\n",
-            md_table(["mode", "rounds", "round", "draft", "draft_ms", "verify", "verify_ms", "commit", "transfer",
-                      "draft wire", "verify wire", "tree bytes mean", "tree bytes max"], split),
-            "Tree bytes: `tree_to_proto(tree).ByteSize()` of each non-empty tree.\n"]
-
-
 VARIANT_TEXT = {"--front-variant": "a Ray front on the batched target",
                 "--target-only-variant": "`no_spec` requests (as target_only) on a Ray front on the batched target",
                 "--mixed-variant": "mixed traffic, the even-numbered requests `no_spec` and the others speculating, "
@@ -1220,7 +958,7 @@ def concurrency_markdown(c: dict, meta: dict) -> list[str]:
             parts.append(f"Configuration `{name}` (`{flag}`): {VARIANT_TEXT[flag]} with `{json.dumps(front)}` "
                          "merged into its front config.\n")
     parts.append(f"batched: target `max_batch` {meta['max_batch']}, `batch_wait_ms` {meta['batch_wait_ms']}; "
-                 "one_at_a_time: `max_batch` 1; target_only: `no_spec` requests on the batched target. tok/s = "
+                 "target_only: `no_spec` requests on the batched target. tok/s = "
                  "generated tokens / wall time of the level; latency: send to final message. merged: forwards "
                  "that held more than one request; plain rounds (cost): rounds the control ran without the draft "
                  "because no draft step paid; fallback rounds: without the draft because it failed.\n")
@@ -1230,7 +968,7 @@ def concurrency_markdown(c: dict, meta: dict) -> list[str]:
     parts += [columns_table(CONCURRENCY_COLUMNS, by_config(c, c["rows"], "clients")),
               "p95 latency vs target only: against target_only in the same level run. ahead hits / misses: draft "
               "rounds started ahead of the verify outcome that were used / discarded.\n"]
-    parts += mixed_markdown(c) + pipeline_markdown(c) + cpu_markdown(c)
+    parts += extra_tables(c)
     parts.append(f"Outputs identical across configurations and levels: **{c['identical_outputs']}** "
                  f"({c['identical_prompts']}/{c['prompts']} prompts)\n")
     return parts
@@ -1240,39 +978,26 @@ def by_config(c: dict, rows: list[dict], key: str) -> list[dict]:
     return sorted(rows, key=lambda r: (c["configs"].index(r["config"]), r[key]))
 
 
-def mixed_markdown(c: dict) -> list[str]:
-    mixed = [r for r in c["rows"] if "no_spec_latency_p95_s" in r]
-    if not mixed:
-        return []
-    return ["Mixed traffic (`--mixed-variant`): latency per kind of request; no_spec p95 vs target only: against "
-            "target_only's p95 in the same level run.\n",
-            columns_table(MIXED_COLUMNS, by_config(c, mixed, "level_run"))]
+def titled_table(text: str, columns: list[tuple], rows: list[dict]) -> list[str]:
+    """What the table holds and the table, or nothing without rows."""
+    return [text, columns_table(columns, rows)] if rows else []
 
 
-def pipeline_markdown(c: dict) -> list[str]:
-    traced = [{**r, **r["pipeline_trace"]} for r in by_config(c, [r for r in c["rows"] if r.get("pipeline_trace")], "clients")]
-    if not traced:
-        return []
-    return ["Pipelining from the traces (rows with ahead hits; see `pipeline_overlap`): hit aheads' ms, the share "
-            "hidden behind their round's verify and the wait after it; adopted rounds against in-line drafted ones.\n",
-            columns_table(PIPELINE_COLUMNS, traced)]
-
-
-def cpu_markdown(c: dict) -> list[str]:
+def extra_tables(c: dict) -> list[str]:
+    """Mixed traffic, pipelining from the traces and CPU by process, for the rows that have them."""
+    rows = c["rows"]
+    mixed = by_config(c, [r for r in rows if "no_spec_latency_p95_s" in r], "level_run")
+    traced = [{**r, **r["pipeline_trace"]} for r in by_config(c, [r for r in rows if r.get("pipeline_trace")], "clients")]
     timed = [{**r, **{role: 100 * sec / (r.get("cpu_window_s") or r["wall_s"]) for role, sec in r["cpu_s"].items()}}
-             for r in by_config(c, [r for r in c["rows"] if r.get("cpu_s")], "level_run")]
-    if not timed:
-        return []
-    return ["CPU by process over each level (psutil user + system time, % of one CPU): the services, the row's "
-            "front and its local Ray, the other fronts, this benchmark (clients, OTLP receiver) and the rest. "
-            "busy: their sum over the CPUs this benchmark may use.\n",
-            columns_table(CPU_COLUMNS, timed)]
-
-
-def gamma_markdown(d: dict) -> list[str]:
-    return ["## Dynamic vs fixed gamma\n", f"Method: {d['method']}; interleaved per prompt (order alternated).\n",
-            columns_table(GAMMA_COLUMNS, d["rows"]),
-            f"Outputs identical (dynamic vs fixed): **{d['identical_outputs']}**\n"]
+             for r in by_config(c, [r for r in rows if r.get("cpu_s")], "level_run")]
+    return (titled_table("Mixed traffic (`--mixed-variant`): latency per kind of request; no_spec p95 vs target only: "
+                         "against target_only's p95 in the same level run.\n", MIXED_COLUMNS, mixed)
+            + titled_table("Pipelining from the traces (rows with ahead hits; see `pipeline_overlap`): hit aheads' ms, "
+                           "the share hidden behind their round's verify and the wait after it; adopted rounds against "
+                           "in-line drafted ones.\n", PIPELINE_COLUMNS, traced)
+            + titled_table("CPU by process over each level (psutil user + system time, % of one CPU): the services, the "
+                           "row's front and its local Ray, the other fronts, this benchmark (clients, OTLP receiver) and "
+                           "the rest. busy: their sum over the CPUs this benchmark may use.\n", CPU_COLUMNS, timed))
 
 
 def longprompt_markdown(lp: dict) -> list[str]:
@@ -1295,28 +1020,20 @@ OPTIONS = (
     ("--dtype", ("auto", "float32", "bfloat16", "float16"), "auto", "models.dtype"),
     ("--draft-quant", ("auto", "none", "int8"), "auto", "models.draft_quant"),
     ("--questions", Path, None, "Spec-Bench question.jsonl (default: the built-in prompt set)"),
-    ("--prompts", int, 8, "grpc section: prompts (spread over the categories)"),
-    ("--concurrency-prompts", int, None, "requests per level (default: --prompts, at least the largest level)"),
+    ("--prompts", int, 8, "requests per level unless --concurrency-prompts (closed loop: at least the largest level)"),
+    ("--concurrency-prompts", int, None, "requests per level, spread over the categories (default: --prompts)"),
     ("--levels", str, "1,4,8", "concurrency section: clients per level (--open-loop: requests per second)"),
-    ("--gamma-categories", str, "math_reasoning,translation", "gamma section: comma list of categories"),
-    ("--gamma-prompts", int, 4, "gamma section: prompts per category"),
     ("--max-new-tokens", int, 48, "new tokens per request"),
     ("--max-prompt-tokens", int, 200, "skip questions whose prompt is longer"),
-    ("--target-threads", int, 2, "torch threads of the target in every mode (services: models.threads)"),
-    ("--draft-threads", int, 1, "torch threads of the draft in every mode (embedded: switched around each call)"),
+    ("--target-threads", int, 2, "torch threads of the target service (models.threads)"),
+    ("--draft-threads", int, 1, "torch threads of the draft service (models.threads)"),
     ("--max-batch", int, 16, "batched configuration's target.max_batch"),
     ("--batch-wait-ms", float, 5.0, "batched configuration's target.batch_wait_ms"),
     ("--batch-gather", float, None, "draft.batch_gather and target.batch_gather of every service (default: the config's)"),
-    ("--workers", int, 1, "front.workers (orchestrator actors) of the Ray fronts"),
-    ("--no-ray-grpc", bool, False, "grpc section: skip the Ray front mode"),
-    ("--skip-one-at-a-time", bool, False, "concurrency section: leave out the one-verify-at-a-time configuration "
-                                          "(one target service instead of two, where two do not fit)"),
     ("--pin", bool, False, "run the target service under taskset -c 0 and the draft under taskset -c 1, 1 torch "
                            "thread each, as if separate devices (fronts stay unpinned)"),
     ("--round-log", bool, False, "concurrency section: each row (target_only too) gets round_split and round_log "
                                  "(every round's timings, batch sizes and tree from the traces) in the JSON"),
-    ("--in-step", bool, False, "concurrency section: add batched_in_step (a front in step at every load: "
-                               "front.cost_aware.in_step_max_load 64)"),
     ("--pipeline", bool, False, "concurrency section: add speculative_pipelined (a front with front.pipeline: true)"),
     ("--open-loop", bool, False, "concurrency section: --levels are request rates (requests per second): request i "
                                  "is sent at i / rate s, not when a client is free"),
@@ -1331,13 +1048,10 @@ OPTIONS = (
     ("--long-running-tokens", int, 1024, "longprompt section: max_new_tokens (ignore_eos) of each running request"),
     ("--long-window-s", float, 10.0, "longprompt section: seconds of steady decoding measured before the long request"),
     ("--longprompt-configs", str, "speculative", f"longprompt section: comma list of {', '.join(LONGPROMPT_CONFIGS)}"),
-    ("--longprompt-unchunked", bool, False, "longprompt section: each configuration again with the long prompt "
-                                            "prefilled in one forward"),
-    ("--prefill-chunk-tokens", int, None, "longprompt section: target.prefill_chunk_tokens of the chunked rows "
-                                          "(default: the config's)"),
-    ("--prefill-busy-chunk-tokens", int, None, "longprompt section: target.prefill_busy_chunk_tokens of the chunked "
-                                               "rows (chunks that ride in the running requests' verify forwards; "
-                                               "default: the config's; 0 = no riding)"),
+    ("--prefill-chunk-tokens", int, None, "longprompt section: target.prefill_chunk_tokens (default: the config's)"),
+    ("--prefill-busy-chunk-tokens", int, None, "longprompt section: target.prefill_busy_chunk_tokens (chunks that "
+                                               "ride in the running requests' verify forwards; default: the "
+                                               "config's; 0 = no riding)"),
     ("--out", Path, ROOT / "bench_out" / "serving", "folder for serving.json and serving.md"),
 )
 
@@ -1371,7 +1085,6 @@ def parse_args(argv=None):
     if bad:
         p.error(f"--sections: unknown {bad} (choose from {', '.join(SECTIONS)})")
     args.levels = parse_levels(p, args)
-    args.gamma_categories = comma_list(args.gamma_categories)
     args.concurrency_prompts = args.concurrency_prompts or (args.prompts if args.open_loop else max(args.prompts, *args.levels))
     if bool(args.target) != bool(args.draft):
         p.error("--target and --draft go together")
@@ -1402,7 +1115,7 @@ def parse_levels(p: argparse.ArgumentParser, args) -> list:
 
 
 def check_longprompt_args(p: argparse.ArgumentParser, args) -> None:
-    """--longprompt-configs names, the long request's sizes, and the pipeline key where it is asked for."""
+    """--longprompt-configs names and the long request's sizes."""
     args.longprompt_configs = comma_list(args.longprompt_configs)
     bad = [c for c in args.longprompt_configs if c not in LONGPROMPT_CONFIGS]
     if bad or not args.longprompt_configs:
@@ -1414,10 +1127,6 @@ def check_longprompt_args(p: argparse.ArgumentParser, args) -> None:
             p.error(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
     if args.long_window_s <= 0:
         p.error(f"--long-window-s: must be > 0, got {args.long_window_s}")
-    wants_pipeline = args.pipeline or "speculative_pipelined" in args.longprompt_configs
-    if wants_pipeline and "pipeline" not in FrontConfig.model_fields:
-        p.error("--pipeline / --longprompt-configs speculative_pipelined: this specdec's FrontConfig has no "
-                "'pipeline' key (draft/verify pipelining is not in this build)")
 
 
 def pin_plan(enabled: bool) -> dict | None:
@@ -1435,142 +1144,60 @@ def pin_plan(enabled: bool) -> dict | None:
 
 # ----------------------------------------------------------------------------------------- main
 
-def prompt_sets(args, tokenizer) -> tuple[dict, int]:
-    """The prompts of each section and how many questions fit in --max-prompt-tokens."""
+def level_prompts(args, tokenizer) -> list[dict]:
+    """A level's requests (also the longprompt section's running ones): questions within --max-prompt-tokens."""
     prompts = load_prompts(args.questions, tokenizer, args.max_prompt_tokens)
     if not prompts:
         raise SystemExit(f"no question of {args.questions or 'the built-in prompt set'} fits in "
                          f"--max-prompt-tokens {args.max_prompt_tokens}")
-    gamma = {c: [p for p in prompts if p["category"] == c][: args.gamma_prompts] for c in args.gamma_categories}
-    gamma = {c: v for c, v in gamma.items() if v}
-    if "gamma" in args.sections and not gamma:
-        raise SystemExit(f"--gamma-categories: no short question in {args.gamma_categories}")
-    sets = {"grpc": spread(prompts, args.prompts), "concurrency": spread(prompts, args.concurrency_prompts),
-            "gamma": gamma}
-    return sets, len(prompts)
+    log(f"sections {args.sections}; {len(prompts)} questions fit")
+    return spread(prompts, args.concurrency_prompts)
 
 
-def starts_early(args) -> bool:
-    """Whether the batched target starts with the first services: only if three targets fit in memory."""
-    need = 3 * weights_bytes(args.target) + 2 * weights_bytes(args.draft) + (4 << 30)
-    return "concurrency" in args.sections and need < mem_available() and not args.skip_one_at_a_time
+VARIANT_NO_SPEC = {"--front-variant": False, "--target-only-variant": True, "--mixed-variant": MIXED}
 
 
-class Bench:
-    """One run: the services it starts and the sections run on them, ordered to keep memory and start-up low."""
+def concurrency_configs(args, services: Services, draft: Service, target: Service) -> dict[str, tuple]:
+    """The batched target's Ray fronts, started one at a time; name -> (front, target, no_spec)."""
+    def front(name: str, config: dict | None = None) -> str:
+        return start_front(services, args, name, {"use_ray": True, **(config or {})}, draft, target).address
 
-    def __init__(self, args, services: Services, collector: SpanCollector, early: bool):
-        self.args, self.services, self.collector, self.early = args, services, collector, early
-        self.want = {s: s in args.sections for s in SECTIONS}
-        self.svc: dict[str, Service | None] = dict.fromkeys(("draft", "one", "batched", "local", "ray_one", "ray_batched"))
-
-    def start(self) -> None:
-        """The draft and targets, then the fronts one at a time, all before the embedded pair loads."""
-        args, want, svc = self.args, self.want, self.svc
-        with_one = want["grpc"] or (want["concurrency"] and not args.skip_one_at_a_time)
-        if want["grpc"] or want["concurrency"] or want["longprompt"]:
-            svc["draft"] = self.services.launch("draft", "bench-draft", service_config(args, args.draft_threads))
-        if with_one:
-            svc["one"] = start_target(self.services, args, "bench-target-one", max_batch=1)
-        if self.early:
-            self.start_batched_target()
-        for name in ("draft", "one", "batched"):
-            if svc[name] is not None:
-                self.services.wait(svc[name])
-        if want["grpc"]:
-            svc["local"] = start_front(self.services, args, "bench-front-local", {"use_ray": False}, svc["draft"],
-                                       svc["one"], no_ray=True)
-        if (want["grpc"] and not args.no_ray_grpc) or (want["concurrency"] and with_one):
-            svc["ray_one"] = self.start_ray_front("bench-front-ray-one", svc["one"])
-        if self.early:
-            svc["ray_batched"] = self.start_ray_front("bench-front-ray-batched", svc["batched"])
-
-    def start_batched_target(self) -> Service:
-        self.svc["batched"] = start_target(self.services, self.args, "bench-target-batched",
-                                           max_batch=self.args.max_batch, batch_wait_ms=self.args.batch_wait_ms)
-        return self.svc["batched"]
-
-    def start_ray_front(self, name: str, target: Service, front: dict | None = None) -> Service:
-        return start_front(self.services, self.args, name, {"use_ray": True, **(front or {})}, self.svc["draft"], target)
-
-    def run_embedded_sections(self, prompts: dict, result: dict) -> str:
-        """grpc and gamma, on the embedded pair loaded here; returns the target's dtype."""
-        args = self.args
-        if not (self.want["grpc"] or self.want["gamma"]):
-            return resolve_dtype(args.dtype, "cpu")
-        mem_exporter = install_memory_tracing()
-        set_threads(args.target_threads)
-        pipe = build_pipeline(str(args.target), str(args.draft), dtype=args.dtype, draft_quant=args.draft_quant)
-        log(f"embedded pair loaded ({pipe.target_model.dtype})")
-        if self.want["grpc"]:
-            fronts = {"grpc_local": self.svc["local"].address}
-            if not args.no_ray_grpc:
-                fronts["grpc_ray"] = self.svc["ray_one"].address
-            log(f"grpc section: {len(prompts['grpc'])} prompts x {len(fronts) + 1} modes")
-            result["grpc"] = section_grpc(args, pipe, prompts["grpc"], fronts, self.collector, mem_exporter)
-        if self.want["gamma"]:
-            log(f"gamma section: {sum(map(len, prompts['gamma'].values()))} prompts x 2 modes")
-            result["gamma"] = section_gamma(args, pipe, prompts["gamma"])
-        dtype = str(pipe.target_model.dtype).removeprefix("torch.")
-        del pipe
-        gc.collect()
-        return dtype
-
-    def concurrency_configs(self) -> dict[str, tuple]:
-        """Stop what concurrency does not use, start its fronts; name -> (front, target, no_spec)."""
-        args, svc, services = self.args, self.svc, self.services
-        if svc["local"] is not None:
-            services.stop(svc["local"])
-        if svc["one"] is not None and args.skip_one_at_a_time:  # one target copy at a time
-            for name in ("ray_one", "one"):
-                if svc[name] is not None:
-                    services.stop(svc[name])
-                svc[name] = None
-        if not self.early:
-            services.wait(self.start_batched_target())
-            svc["ray_batched"] = self.start_ray_front("bench-front-ray-batched", svc["batched"])
-        batched = svc["batched"]
-        pipelined = self.start_ray_front("bench-front-ray-pipelined", batched, {"pipeline": True}) if args.pipeline else None
-        in_step = (self.start_ray_front("bench-front-ray-in-step", batched,
-                                        {"cost_aware": {"in_step": True, "in_step_max_load": 64.0}})
-                   if args.in_step else None)
-        no_spec = {"--front-variant": False, "--target-only-variant": True, "--mixed-variant": MIXED}
-        configs = {"batched": (svc["ray_batched"].address, batched.address, False)}
-        for flag, name, front in variants(args):
-            front = self.start_ray_front(f"bench-front-variant-{name}", batched, front)
-            configs[name] = (front.address, batched.address, no_spec[flag])
-        if in_step is not None:
-            configs["batched_in_step"] = (in_step.address, batched.address, False)
-        if svc["ray_one"] is not None:
-            configs["one_at_a_time"] = (svc["ray_one"].address, svc["one"].address, False)
-        if pipelined is not None:
-            configs["speculative_pipelined"] = (pipelined.address, batched.address, False)
-        configs["target_only"] = (svc["ray_batched"].address, batched.address, True)
-        return configs
-
-    def run(self, tokenizer, prompts: dict) -> tuple[dict, str]:
-        """Every section asked for; returns the results by section and the target's dtype."""
-        result: dict = {}
-        self.start()
-        dtype = self.run_embedded_sections(prompts, result)
-        if self.want["concurrency"]:
-            configs = self.concurrency_configs()
-            log(f"concurrency section: levels {self.args.levels} x {len(prompts['concurrency'])} requests x "
-                f"{len(configs)} configs")
-            result["concurrency"] = section_concurrency(self.args, prompts["concurrency"], configs, self.collector,
-                                                        self.svc["draft"].address, self.services)
-        if self.want["longprompt"]:
-            draft = self.svc["draft"]
-            for service in [s for s in self.services.running if s is not draft]:  # one target service at a time
-                self.services.stop(service)
-            log(f"longprompt section: {self.args.long_prompt_tokens}-token prompt beside {self.args.long_running} "
-                f"running requests x {len(self.args.longprompt_configs)} configs")
-            result["longprompt"] = section_longprompt(self.args, self.services, draft, tokenizer, prompts["concurrency"])
-        return result, dtype
+    batched = front("bench-front-ray-batched")
+    pipelined = front("bench-front-ray-pipelined", {"pipeline": True}) if args.pipeline else None
+    configs = {"batched": (batched, target.address, False)}
+    for flag, name, config in variants(args):
+        configs[name] = (front(f"bench-front-variant-{name}", config), target.address, VARIANT_NO_SPEC[flag])
+    if pipelined is not None:
+        configs["speculative_pipelined"] = (pipelined, target.address, False)
+    configs["target_only"] = (batched, target.address, True)
+    return configs
 
 
-def run_meta(args, dtype: str, services: Services, pin: dict | None, early: bool, wall_s: float) -> dict:
+def run_sections(args, services: Services, collector: SpanCollector, tokenizer, prompts: list[dict]) -> dict:
+    """Every section asked for, on one draft service; one target service at a time (each section starts its own)."""
+    result: dict = {}
+    draft = services.launch("draft", "bench-draft", service_config(args, args.draft_threads))
+    if "concurrency" in args.sections:
+        target = start_target(services, args, "bench-target-batched", max_batch=args.max_batch,
+                              batch_wait_ms=args.batch_wait_ms)
+        for service in (draft, target):  # their start-ups overlap
+            services.wait(service)
+        configs = concurrency_configs(args, services, draft, target)
+        log(f"concurrency section: levels {args.levels} x {len(prompts)} requests x {len(configs)} configs")
+        result["concurrency"] = section_concurrency(args, prompts, configs, collector, draft.address, services)
+    if "longprompt" in args.sections:
+        services.wait(draft)
+        for service in [s for s in services.running if s is not draft]:
+            services.stop(service)
+        log(f"longprompt section: {args.long_prompt_tokens}-token prompt beside {args.long_running} "
+            f"running requests x {len(args.longprompt_configs)} configs")
+        result["longprompt"] = section_longprompt(args, services, draft, tokenizer, prompts)
+    return result
+
+
+def run_meta(args, services: Services, pin: dict | None, wall_s: float) -> dict:
     """The run's setting, as serving.json's ``meta``."""
+    dtype = resolve_dtype(args.dtype, "cpu")
     return {
         "target": str(args.target), "draft": str(args.draft), "target_name": Path(args.target).name,
         "draft_name": Path(args.draft).name, "dtype_arg": args.dtype, "dtype": dtype, "draft_quant_arg": args.draft_quant,
@@ -1579,11 +1206,11 @@ def run_meta(args, dtype: str, services: Services, pin: dict | None, early: bool
         "target_threads": args.target_threads, "draft_threads": args.draft_threads,
         "tree": DEFAULT_SPEC.to_json(), "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
         "max_batch": args.max_batch, "batch_wait_ms": args.batch_wait_ms, "batch_gather": args.batch_gather,
-        "workers": args.workers, "sections": args.sections, "levels": args.levels,
+        "sections": args.sections, "levels": args.levels,
         "questions": str(args.questions or "built-in"),
         "machine": platform.platform(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
         "python": platform.python_version(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "concurrency_services_started_early": early, "wall_s": wall_s,
+        "wall_s": wall_s,
         "peak_rss_mb": services.peak_rss_mb, "front_start_costs": services.start_costs, "pipeline": args.pipeline,
         "front_variants": dict(args.front_variant), "target_only_variants": dict(args.target_only_variant),
         "mixed_variants": dict(args.mixed_variant), "open_loop": args.open_loop,
@@ -1599,19 +1226,14 @@ def main(argv=None) -> int:
     args.target = resolve_model_dir(args.target, DEFAULT_TARGET, "--target")
     args.draft = resolve_model_dir(args.draft, DEFAULT_DRAFT, "--draft")
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    prompts, count = prompt_sets(args, tokenizer)
-    early = starts_early(args)
-    log(f"sections {args.sections}; {count} questions fit; concurrency services start "
-        f"{'early' if early else 'after the grpc/gamma phase'}")
-    workdir = Path(tempfile.mkdtemp(prefix="serving-bench-"))
-    with SpanCollector() as collector:
-        services = Services(workdir, collector.env(), pin)
+    prompts = level_prompts(args, tokenizer)
+    with tempfile.TemporaryDirectory(prefix="serving-bench-") as workdir, SpanCollector() as collector:
+        services = Services(Path(workdir), collector.env(), pin)
         try:
-            result, dtype = Bench(args, services, collector, early).run(tokenizer, prompts)
+            result = run_sections(args, services, collector, tokenizer, prompts)
         finally:
             services.stop_all()
-            shutil.rmtree(workdir, ignore_errors=True)
-    result = {"meta": run_meta(args, dtype, services, pin, early, time.perf_counter() - started), **result}
+    result = {"meta": run_meta(args, services, pin, time.perf_counter() - started), **result}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serving.json").write_text(json.dumps(result, indent=2))
     md = markdown(result)

@@ -1,5 +1,6 @@
-"""Smoke test of benchmarks/serving.py on tiny models: every section runs end to end (services as
-subprocesses, a Ray front, embedded mode) and the JSON holds the figures the issues ask for."""
+"""Runs of benchmarks/serving.py on tiny models (services as subprocesses, Ray fronts): the concurrency and
+longprompt sections end to end, the JSON holding the figures the issues ask for, and the helpers on hand-made data.
+Two runs serve every end-to-end test (module-scoped fixtures): each Ray front takes ~25 s to start on 2 cores."""
 
 from __future__ import annotations
 
@@ -16,65 +17,11 @@ import pytest
 from specdec.harness.tiny_pair import save_tiny_pair
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
+VARIANTS = ("--front-variant", 'no_ctx={"cost_aware": {"ngram_tokens": 0}}',
+            "--target-only-variant", 'plain_free={"cost_aware": {"probe_every": 4}}',
+            "--mixed-variant", "mixed={}")
+CONFIGS = ["batched", "no_ctx", "plain_free", "mixed", "speculative_pipelined", "target_only"]
 
-
-def test_serving_bench_smoke(tmp_path):
-    pair = save_tiny_pair(tmp_path / "models", noise=0.03)
-    out = tmp_path / "out"
-    argv = [sys.executable, str(ROOT / "benchmarks" / "serving.py"), "--target", str(pair.target), "--draft", str(pair.draft),
-            "--sections", "grpc,concurrency,gamma", "--prompts", "2", "--max-new-tokens", "6", "--levels", "1,2",
-            "--gamma-prompts", "2", "--max-prompt-tokens", "120", "--out", str(out)]
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads((out / "serving.json").read_text())
-    md = (out / "serving.md").read_text()
-    assert {"meta", "grpc", "concurrency", "gamma"} <= result.keys()
-    meta = result["meta"]
-    assert meta["target_threads"] == 2 and meta["draft_threads"] == 1 and meta["wall_s"] > 0
-    # every service process's peak memory: a draft, a target and a front at least, each a loaded process
-    peaks = meta["peak_rss_mb"]
-    assert len(peaks) >= 3 and all(mb > 50 for mb in peaks.values()), peaks
-    assert "peak resident memory" in md
-    starts = meta["front_start_costs"]  # each front measured the services when it connected (its log says)
-    assert {"bench-front-local", "bench-front-ray-one", "bench-front-ray-batched"} <= starts.keys(), starts
-    for costs in starts.values():
-        assert set(costs["verify_ms"]) == {"1", "4", "8", "16", "32"} and set(costs["draft_step_ms"]) == {"1", "2", "4", "8"}
-        assert all(ms > 0 for ms in [*costs["verify_ms"].values(), *costs["draft_step_ms"].values()]), costs
-    assert "cost model each front started from" in md
-
-    grpc_ = result["grpc"]
-    assert grpc_["modes"] == ["embedded", "grpc_local", "grpc_ray"] and grpc_["prompts"] == 2
-    assert grpc_["identical_outputs"] is True
-    for mode in grpc_["modes"]:
-        s = grpc_["summary"][mode]
-        assert s["new_tokens"] > 0 and s["tokens_per_s"] > 0 and s["mean_accepted_length"] >= 1
-        split = grpc_["round_split"][mode]
-        assert split["rounds"] > 0 and split["round_ms"] > 0 and split["verify_server_ms"] > 0
-        assert split["round_ms"] >= split["verify_ms"] > 0 and split["draft_ms"] > 0
-        assert grpc_["tree_bytes"][mode]["tree_bytes_mean"] > 0
-
-    conc = result["concurrency"]
-    assert conc["identical_outputs"] is True
-    assert {(r["config"], r["clients"]) for r in conc["rows"]} == {
-        (c, n) for c in ("batched", "one_at_a_time", "target_only") for n in (1, 2)}
-    for r in conc["rows"]:
-        assert r["new_tokens"] > 0 and r["tokens_per_s"] > 0
-        assert 0 < r["latency_p50_s"] <= r["latency_p95_s"]
-
-    gamma = result["gamma"]
-    assert gamma["identical_outputs"] is True and "embedded" in gamma["method"]
-    assert {(r["category"], r["mode"]) for r in gamma["rows"]} == {
-        (c, m) for c in ("math_reasoning", "translation") for m in ("fixed", "dynamic")}
-    for r in gamma["rows"]:
-        assert r["new_tokens"] > 0 and r["tokens_per_s"] > 0 and r["mean_accepted_length"] >= 1
-
-    for title in ("gRPC vs embedded", "Concurrency", "Dynamic vs fixed gamma"):
-        assert title in md
-    if meta["dtype_arg"] == "auto" and meta["dtype"] == "float32":
-        assert "bf16" in meta["bf16_note"] and "bf16" in md
-
-
-# ------------------------------------------------------------------------------ issue 12: --pin, longprompt, --pipeline
 
 def _can_pin() -> str | None:
     """None when --pin can run here, else why not (the skip reason)."""
@@ -88,8 +35,8 @@ def _can_pin() -> str | None:
 def _run_bench(out: Path, pair, *flags: str) -> tuple[dict, str]:
     argv = [sys.executable, str(ROOT / "benchmarks" / "serving.py"), "--target", str(pair.target), "--draft",
             str(pair.draft), "--prompts", "2", "--max-new-tokens", "6", "--max-prompt-tokens", "120",
-            "--skip-one-at-a-time", "--out", str(out), *flags]
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+            "--out", str(out), *flags]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "serving.json").read_text()), (out / "serving.md").read_text()
 
@@ -101,16 +48,53 @@ def tiny_long_pair(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def concurrency_run(tiny_long_pair, tmp_path_factory):
+    """One closed-loop run at 1 and 2 clients of every concurrency configuration: batched, the three kinds of
+    variant (--front-variant with no context branches, --target-only-variant, --mixed-variant),
+    speculative_pipelined (--pipeline) and target_only, each row with its round log (--round-log)."""
+    return _run_bench(tmp_path_factory.mktemp("out"), tiny_long_pair, "--sections", "concurrency", "--levels", "1,2",
+                      "--pipeline", "--round-log", *VARIANTS)
+
+
+@pytest.fixture(scope="module")
 def pinned_longprompt_run(tiny_long_pair, tmp_path_factory):
-    """One run of the concurrency (1 client) and longprompt sections, with --pin where the machine
-    allows it (one run for both tests: each Ray front takes ~25 s to start on 2 cores)."""
-    flags = ["--sections", "concurrency,longprompt", "--levels", "1", "--long-prompt-tokens", "300",
-             "--long-running", "2", "--long-running-tokens", "1500", "--long-window-s", "1",
-             "--prefill-chunk-tokens", "32"]
+    """One run of the concurrency section in open loop (2 requests per second, 4 requests) and the longprompt
+    section, with --pin where the machine allows it."""
+    flags = ["--sections", "concurrency,longprompt", "--open-loop", "--levels", "2", "--concurrency-prompts", "4",
+             "--long-prompt-tokens", "300", "--long-running", "2", "--long-running-tokens", "1500",
+             "--long-window-s", "1", "--prefill-chunk-tokens", "32"]
     if _can_pin() is None:
         flags.append("--pin")
     return _run_bench(tmp_path_factory.mktemp("out"), tiny_long_pair, *flags)
 
+
+def test_concurrency_smoke(concurrency_run):
+    result, md = concurrency_run
+    assert set(result) == {"meta", "concurrency"}
+    meta = result["meta"]
+    assert meta["target_threads"] == 2 and meta["draft_threads"] == 1 and meta["wall_s"] > 0
+    # every service process's peak memory: a draft, a target and the fronts, each a loaded process
+    peaks = meta["peak_rss_mb"]
+    assert len(peaks) >= 3 and all(mb > 50 for mb in peaks.values()), peaks
+    assert "peak resident memory" in md
+    starts = meta["front_start_costs"]  # each front measured the services when it connected (its log says)
+    assert {"bench-front-ray-batched", "bench-front-ray-pipelined", "bench-front-variant-no_ctx"} <= starts.keys()
+    for costs in starts.values():
+        assert set(costs["verify_ms"]) == {"1", "4", "8", "16", "32"} and set(costs["draft_step_ms"]) == {"1", "2", "4", "8"}
+        assert all(ms > 0 for ms in [*costs["verify_ms"].values(), *costs["draft_step_ms"].values()]), costs
+    assert "cost model each front started from" in md
+    conc = result["concurrency"]
+    assert conc["configs"] == CONFIGS and conc["identical_outputs"] is True
+    assert {(r["config"], r["clients"]) for r in conc["rows"]} == {(c, n) for c in CONFIGS for n in (1, 2)}
+    for r in conc["rows"]:
+        assert r["new_tokens"] > 0 and r["tokens_per_s"] > 0
+        assert 0 < r["latency_p50_s"] <= r["latency_p95_s"]
+    assert "## Concurrency" in md
+    if meta["dtype_arg"] == "auto" and meta["dtype"] == "float32":
+        assert "bf16" in meta["bf16_note"] and "bf16" in md
+
+
+# ------------------------------------------------------------------------------ issue 12: --pin, longprompt, --pipeline
 
 def test_pin_runs_target_on_core_0_and_draft_on_core_1(pinned_longprompt_run):
     reason = _can_pin()
@@ -154,32 +138,33 @@ def test_longprompt_section_reports_itl_before_and_during(pinned_longprompt_run)
     assert "p95 latency vs target only" in md
 
 
-def test_pipeline_configuration(tmp_path, tiny_long_pair):
-    from specdec.config import FrontConfig
-
-    if "pipeline" not in FrontConfig.model_fields:
-        pytest.skip("specdec.config.FrontConfig has no 'pipeline' field (draft/verify pipelining not merged)")
-    result, md = _run_bench(tmp_path / "out", tiny_long_pair, "--sections", "concurrency", "--levels", "2", "--pipeline")
+def test_pipeline_configuration(concurrency_run):
+    result, md = concurrency_run
     conc = result["concurrency"]
-    assert "speculative_pipelined" in conc["configs"] and conc["identical_outputs"] is True
     rows = [r for r in conc["rows"] if r["config"] == "speculative_pipelined"]
-    assert len(rows) == 1 and rows[0]["new_tokens"] > 0 and rows[0]["tokens_per_s"] > 0
-    for key in ("pipeline_ahead_hits", "pipeline_ahead_misses"):
-        assert rows[0][key] is None or rows[0][key] >= 0
-    assert "| speculative_pipelined | 2 |" in md and result["meta"]["pipeline"] is True
+    assert len(rows) == 2 and result["meta"]["pipeline"] is True
+    for row in rows:
+        assert row["new_tokens"] > 0 and row["tokens_per_s"] > 0
+        for key in ("pipeline_ahead_hits", "pipeline_ahead_misses"):
+            assert row[key] is None or row[key] >= 0
+        if row["pipeline_ahead_hits"]:  # the traces tell the same story as the front's counters
+            trace = row["pipeline_trace"]
+            assert trace["hits"] == row["pipeline_ahead_hits"] and trace["adopted_rounds"] == trace["hits"]
+            assert trace["adopted_with_draft_span"] == 0 and trace["hidden_share"] > 0 and trace["complete"] is True
+            assert "Pipelining from the traces" in md
+        else:
+            assert "pipeline_trace" not in row
+    assert "| speculative_pipelined | 2 |" in md
     assert all(0.0 <= r["fallback_round_share"] <= 1.0 for r in conc["rows"]) and "| fallback rounds |" in md
-    if rows[0]["pipeline_ahead_hits"]:  # the traces tell the same story as the front's counters
-        trace = rows[0]["pipeline_trace"]
-        assert trace["hits"] == rows[0]["pipeline_ahead_hits"] and trace["adopted_rounds"] == trace["hits"]
-        assert trace["adopted_with_draft_span"] == 0 and trace["hidden_share"] > 0 and trace["complete"] is True
-        assert "Pipelining from the traces" in md
-    else:
-        assert "pipeline_trace" not in rows[0]
     assert not any("pipeline_trace" in r for r in conc["rows"] if r["config"] != "speculative_pipelined")
-    # CPU by process: the level's own front and the target computed; the other (idle) front is apart
+
+
+def test_cpu_by_process_per_row(concurrency_run):
+    """CPU by process: the level's own front and the target computed; the other (idle) fronts are apart."""
     from benchmarks.serving import CPU_ROLES
 
-    for r in conc["rows"]:
+    result, md = concurrency_run
+    for r in result["concurrency"]["rows"]:
         cpu = r["cpu_s"]
         assert list(cpu) == list(CPU_ROLES) and cpu["target"] > 0 and cpu["front"] > 0, cpu
         assert cpu["front_ray"] > 0, cpu  # the orchestrator actors (the front's local Ray) ran the rounds
@@ -193,43 +178,38 @@ def test_pipeline_configuration(tmp_path, tiny_long_pair):
     assert "CPU by process over each level" in md and "| front's Ray % |" in md
 
 
-def test_front_variant_adds_a_configuration_and_round_logs_cover_target_only(tmp_path, tiny_long_pair):
+def test_variants_add_configurations_and_round_logs_cover_target_only(concurrency_run):
     """--front-variant NAME=JSON: a Ray front on the batched target with JSON merged into its front
     config (here no context branches: every verified row is then the bonus row, one per round);
     --round-log: every row, target_only too, gets its rounds' log (target-only: plain rounds);
     --target-only-variant NAME=JSON: no_spec requests on such a front (plain rounds, no draft);
     --mixed-variant NAME=JSON: the even-numbered requests no_spec, the others speculating, on one front."""
-    result, md = _run_bench(tmp_path / "out", tiny_long_pair, "--sections", "concurrency", "--levels", "2",
-                            "--round-log", "--front-variant", 'no_ctx={"cost_aware": {"ngram_tokens": 0}}',
-                            "--target-only-variant", 'plain_free={"cost_aware": {"probe_every": 4}}',
-                            "--mixed-variant", "mixed={}")
-    conc = result["concurrency"]
-    assert conc["configs"] == ["batched", "no_ctx", "plain_free", "mixed", "target_only"]
-    assert conc["identical_outputs"] is True
-    assert result["meta"]["mixed_variants"] == {"mixed": {}} and "Configuration `mixed` (`--mixed-variant`)" in md
-    assert result["meta"]["target_only_variants"] == {"plain_free": {"cost_aware": {"probe_every": 4}}}
+    result, md = concurrency_run
+    conc, meta = result["concurrency"], result["meta"]
+    assert meta["mixed_variants"] == {"mixed": {}} and "Configuration `mixed` (`--mixed-variant`)" in md
+    assert meta["target_only_variants"] == {"plain_free": {"cost_aware": {"probe_every": 4}}}
     assert "Configuration `plain_free` (`--target-only-variant`)" in md
-    assert "| no_ctx | 2 |" in md and result["meta"]["front_variants"] == {"no_ctx": {"cost_aware": {"ngram_tokens": 0}}}
+    assert "| no_ctx | 2 |" in md and meta["front_variants"] == {"no_ctx": {"cost_aware": {"ngram_tokens": 0}}}
     assert 'Configuration `no_ctx` (`--front-variant`)' in md and '{"cost_aware": {"ngram_tokens": 0}}' in md
-    rows = {r["config"]: r for r in conc["rows"]}
-    for name in ("batched", "no_ctx", "plain_free", "target_only"):
-        log = rows[name]["round_log"]
-        assert log and len(log) == sum(r["rounds"] for r in rows[name]["per_request"])  # every round of the row
-    assert all(r["nodes"] == 0 for r in rows["target_only"]["round_log"])
-    assert all(r["nodes"] == 0 for r in rows["no_ctx"]["round_log"] if r["gamma"] == 0)
-    assert all(r["draft_ms"] is None for r in rows["target_only"]["round_log"])
-    assert all(r["nodes"] == 0 and r["draft_ms"] is None for r in rows["plain_free"]["round_log"])  # no_spec
-    mixed = rows["mixed"]  # each kind's latency from its own requests; the no_spec ones ran no draft round
-    plain = [r for r in mixed["per_request"] if r["no_spec"]]
-    spec = [r for r in mixed["per_request"] if not r["no_spec"]]
-    assert len(plain) == len(spec) == len(mixed["per_request"]) // 2 > 0
-    for kind, reqs in (("no_spec", plain), ("spec", spec)):
-        lat = sorted(r["wall_s"] for r in reqs)
-        assert mixed[f"{kind}_latency_p50_s"] == pytest.approx(statistics.median(lat))
-        assert lat[max(len(lat) - 2, 0)] <= mixed[f"{kind}_latency_p95_s"] <= lat[-1]  # interpolated near the slowest of its kind
-    assert mixed["no_spec_latency_p95_vs_target_only"] == pytest.approx(
-        mixed["no_spec_latency_p95_s"] / rows["target_only"]["latency_p95_s"])
-    assert all(r["proposed_tokens"] == 0 for r in plain) and any(r["proposed_tokens"] > 0 for r in spec)
+    for row in (r for r in conc["rows"] if r["config"] in ("batched", "no_ctx", "plain_free", "target_only")):
+        log = row["round_log"]
+        assert log and len(log) == sum(r["rounds"] for r in row["per_request"])  # every round of the row
+        if row["config"] in ("target_only", "plain_free"):  # no_spec: plain rounds, no draft
+            assert all(r["nodes"] == 0 and r["draft_ms"] is None for r in log)
+        if row["config"] == "no_ctx":
+            assert all(r["nodes"] == 0 for r in log if r["gamma"] == 0)
+    target_only = {r["clients"]: r for r in conc["rows"] if r["config"] == "target_only"}
+    for mixed in (r for r in conc["rows"] if r["config"] == "mixed"):  # each kind's latency from its own requests
+        plain = [r for r in mixed["per_request"] if r["no_spec"]]
+        spec = [r for r in mixed["per_request"] if not r["no_spec"]]
+        assert len(plain) == len(spec) == len(mixed["per_request"]) // 2 > 0
+        for kind, reqs in (("no_spec", plain), ("spec", spec)):
+            lat = sorted(r["wall_s"] for r in reqs)
+            assert mixed[f"{kind}_latency_p50_s"] == pytest.approx(statistics.median(lat))
+            assert lat[max(len(lat) - 2, 0)] <= mixed[f"{kind}_latency_p95_s"] <= lat[-1]  # near the slowest
+        assert mixed["no_spec_latency_p95_vs_target_only"] == pytest.approx(
+            mixed["no_spec_latency_p95_s"] / target_only[mixed["clients"]]["latency_p95_s"])
+        assert all(r["proposed_tokens"] == 0 for r in plain) and any(r["proposed_tokens"] > 0 for r in spec)
     assert "Mixed traffic (`--mixed-variant`)" in md and "| mixed | 2 |" in md
     assert all("no_spec_latency_p95_s" not in r for r in conc["rows"] if r["config"] != "mixed")
 
@@ -240,7 +220,7 @@ def test_front_variant_flag_errors(capsys):
     for argv in (["no_ctx"], ["target_only={}"], ["1x={}"], ["v=[1]"], ["v={bad"],
                  ["v={}", "--front-variant", "v={}"],  # the same name twice
                  ['v={"cost_aware": {"ngram_tokns": 0}}'],  # a front config key that does not exist
-                 ["v={}", "--sections", "grpc"]):  # no concurrency section to add it to
+                 ["v={}", "--sections", "longprompt"]):  # no concurrency section to add it to
         with pytest.raises(SystemExit):
             parse_args(["--front-variant", *argv])
         assert "--front-variant" in capsys.readouterr().err
@@ -255,25 +235,15 @@ def test_front_variant_flag_errors(capsys):
         assert "--mixed-variant" in capsys.readouterr().err
 
 
-def test_pipeline_flag_needs_the_front_key(monkeypatch):
-    from benchmarks.serving import parse_args
-    from specdec.config import FrontConfig
-
-    if "pipeline" in FrontConfig.model_fields:
-        pytest.skip("FrontConfig has a 'pipeline' field here: the flag is accepted")
-    with pytest.raises(SystemExit):
-        parse_args(["--pipeline"])
-    with pytest.raises(SystemExit):
-        parse_args(["--longprompt-configs", "speculative_pipelined"])
-
-
 def test_bad_flags_are_refused_naming_the_flag(capsys):
     from benchmarks.serving import parse_args
 
     for argv, flag in ((["--longprompt-configs", "speculative,fast"], "--longprompt-configs"),
                        (["--levels", "1,16", "--concurrency-prompts", "8"], "--concurrency-prompts"),
                        (["--long-prompt-tokens", "0"], "--long-prompt-tokens"),
-                       (["--long-window-s", "0"], "--long-window-s")):
+                       (["--long-window-s", "0"], "--long-window-s"),
+                       (["--sections", "grpc"], "--sections"),  # retired sections (and flags) are refused
+                       (["--sections", "gamma"], "--sections"), (["--skip-one-at-a-time"], "--skip-one-at-a-time")):
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert flag in capsys.readouterr().err
@@ -359,12 +329,11 @@ def test_pipeline_overlap_from_spans():
     assert empty["rounds"] == 0 and empty["hidden_share"] is None and empty["wait_ms_mean"] is None
 
 
-def test_open_loop_sends_requests_on_a_schedule(tmp_path, tiny_long_pair):
+def test_open_loop_sends_requests_on_a_schedule(pinned_longprompt_run):
     """--open-loop: --levels are request rates; request i is sent at i / rate s, not when a client
     is free (at 2 requests per second the 4 requests go out at 0, 0.5, 1 and 1.5 s, whatever their
     lengths), and the markdown says what the column holds."""
-    result, md = _run_bench(tmp_path / "out", tiny_long_pair, "--sections", "concurrency", "--open-loop",
-                            "--levels", "2", "--concurrency-prompts", "4")
+    result, md = pinned_longprompt_run
     conc = result["concurrency"]
     assert result["meta"]["open_loop"] is True and conc["levels"] == [2.0] and conc["identical_outputs"] is True
     for row in conc["rows"]:
@@ -379,7 +348,7 @@ def test_open_loop_flag_errors(capsys):
     from benchmarks.serving import parse_args
 
     for argv, flag in ((["--levels", "0"], "--levels"), (["--levels", "x"], "--levels"),
-                       (["--levels", "1", "--sections", "grpc"], "--open-loop")):
+                       (["--levels", "1", "--sections", "longprompt"], "--open-loop")):
         with pytest.raises(SystemExit):
             parse_args(["--open-loop", *argv])
         assert flag in capsys.readouterr().err
