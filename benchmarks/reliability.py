@@ -35,7 +35,6 @@ import secrets
 import signal
 import socket
 import ssl
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,7 +52,7 @@ import grpc  # noqa: E402
 import psutil  # noqa: E402
 
 from specdec.harness.pki import make_pki  # noqa: E402
-from specdec.placement import cpu_model  # noqa: E402
+from specdec.harness.report import machine, md_table, nested_table, write_record  # noqa: E402
 from specdec.harness.servers import Service, launch_service, stop_service, wait_address, wait_ready  # noqa: E402
 from specdec.v1 import (draft_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc, target_pb2,  # noqa: E402
                         target_pb2_grpc, tree_pb2)
@@ -618,10 +617,8 @@ async def rss_trace(deployment: LocalDeployment, client: Client, every_s: float,
     samples: list[dict] = []
     while not stop.is_set():
         samples.append({"t_s": time.monotonic() - client.t0, **deployment.rss_bytes()})
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), every_s)
-        except asyncio.TimeoutError:
-            pass
     return samples
 
 
@@ -810,18 +807,10 @@ def chaos_figures(args, outcomes: list[Outcome], windows: list[Disruption], tabl
 
 # ----------------------------------------------------------------------------------------- reports
 
-def machine() -> dict:
-    """The CPU model, its count and the checkout's commit (each record names them)."""
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            check=False)
-    return {"cpu_model": cpu_model() or "unknown", "cpus": os.cpu_count(), "commit": commit.stdout.strip() or "unknown"}
-
-
 def markdown(part: str, result: dict) -> str:
     """A table of the part's scalar figures (and, for chaos, outcomes per disruption window)."""
     meta = result["meta"]
-    lines = [f"# Reliability: {part}", "", f"{meta['date']}, commit {meta.get('commit')}, {meta.get('cpu_model')} "
-             f"({meta.get('cpus')} CPUs); {meta['deployment']}", "", "| figure | value |", "|---|---|"]
+    rows = []
     for key, value in result[part].items():
         if isinstance(value, float):
             value = f"{value:.3f}"
@@ -831,29 +820,17 @@ def markdown(part: str, result: dict) -> str:
             value = ", ".join(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}" for k, v in value.items()) or "none"
         elif isinstance(value, (list, dict)):
             continue
-        lines.append(f"| {key} | {value} |")
+        rows.append([key, value])
+    lines = [f"# Reliability: {part}", "", f"{meta['date']}, commit {meta.get('commit')}, {meta.get('cpu_model')} "
+             f"({meta.get('cpus')} CPUs); {meta['deployment']}", ""] + md_table(["figure", "value"], rows)
     if part == "chaos":
-        lines += chaos_tables(result[part])
+        figures = result[part]
+        lines += ["", "Outcomes by the disruption a request overlapped (allowed: "
+                  + "; ".join(f"{w}: {', '.join(v)}" for w, v in figures["allowed_by_window"].items()) + "):", ""]
+        lines += nested_table("window", figures["outcomes_by_window"]) + [""] + md_table(
+            ["disruption", "start_s", "end_s", "restart_s"],
+            [[w["kind"], *(f"{w[k]:.1f}" for k in ("start_s", "end_s", "restart_s"))] for w in figures["windows"]])
     return "\n".join(lines) + "\n"
-
-
-def chaos_tables(figures: dict) -> list[str]:
-    verdicts = sorted({v for row in figures["outcomes_by_window"].values() for v in row})
-    lines = ["", "Outcomes by the disruption a request overlapped (allowed: "
-             + "; ".join(f"{w}: {', '.join(v)}" for w, v in figures["allowed_by_window"].items()) + "):", "",
-             "| window | " + " | ".join(verdicts) + " |", "|---|" + "---|" * len(verdicts)]
-    for window, row in figures["outcomes_by_window"].items():
-        lines.append(f"| {window} | " + " | ".join(str(row.get(v, 0)) for v in verdicts) + " |")
-    lines += ["", "| disruption | start_s | end_s | restart_s |", "|---|---|---|---|"]
-    for w in figures["windows"]:
-        lines.append(f"| {w['kind']} | {w['start_s']:.1f} | {w['end_s']:.1f} | {w['restart_s']:.1f} |")
-    return lines
-
-
-def write_report(out_dir: Path, part: str, result: dict) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"reliability_{part}.json").write_text(json.dumps(result, indent=2))
-    (out_dir / f"reliability_{part}.md").write_text(markdown(part, result))
 
 
 # ----------------------------------------------------------------------------------------- CLI
@@ -970,7 +947,7 @@ def main(argv=None) -> int:
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "wall_s": time.monotonic() - started,
             "deployment": f"front {args.front}" if args.front else deployment.describe(args), "argv": argv, **machine()}
     result = {"meta": meta, args.part: figures}
-    write_report(args.out, args.part, result)
+    write_record(args.out, f"reliability_{args.part}", result, markdown(args.part, result))
     log(f"{args.part}: ok={figures['ok']}; wrote {args.out}/reliability_{args.part}.json and .md")
     return 0 if figures["ok"] else 1
 

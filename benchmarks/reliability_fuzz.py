@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import queue
 import sys
@@ -47,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
+from specdec.harness.report import machine, md_table, nested_table, write_record  # noqa: E402
 from specdec.harness.servers import launch_service, stop_service, wait_ready  # noqa: E402
 from specdec.v1 import (draft_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc,  # noqa: E402
                         target_pb2, target_pb2_grpc, tree_pb2)
@@ -938,12 +938,12 @@ def run_fuzz(addresses: Addresses, messages: int, seed: int = 0, alive=None, sta
 
 def summarize(record: Record, ran: int, elapsed_s: float, seed: int, held: dict, before: dict, after: dict,
               processes: dict) -> dict:
-    per_rpc: dict[str, dict[str, int]] = {}
-    for (rpc, code), n in sorted(record.codes.items()):
-        per_rpc.setdefault(rpc, {})[code] = n
-    client_side: dict[str, dict[str, int]] = {}
-    for (rpc, where), n in sorted(record.client_side.items()):
-        client_side.setdefault(rpc, {})[where] = n
+    def per_rpc(counts: Counter) -> dict[str, dict[str, int]]:
+        nested: dict[str, dict[str, int]] = {}
+        for (rpc, key), n in sorted(counts.items()):
+            nested.setdefault(rpc, {})[key] = n
+        return nested
+
     checks = {
         "only_allowed_codes": record.fault_count - record.violations == 0,
         "servers_alive": all(processes.values()) if processes else True,
@@ -955,7 +955,7 @@ def summarize(record: Record, ran: int, elapsed_s: float, seed: int, held: dict,
         "client_side": sum(record.client_side.values()), "seed": seed, "elapsed_s": round(elapsed_s, 1),
         "messages_per_s": round(ran / elapsed_s, 1) if elapsed_s else None,
         "allowed_codes": sorted(c.name for c in ALLOWED),
-        "codes_per_rpc": per_rpc, "client_side_per_rpc": client_side,
+        "codes_per_rpc": per_rpc(record.codes), "client_side_per_rpc": per_rpc(record.client_side),
         "seconds_per_rpc": {rpc: round(t, 2) for rpc, t in sorted(record.seconds.items())},
         "first_details": {f"{rpc} {code}": text for (rpc, code), text in sorted(record.details.items())},
         "faults": record.fault_count, "fault_examples": record.faults,
@@ -984,9 +984,9 @@ def spawned_services(root: Path):
             stop_service(service)
 
 
-def fuzz_spawned(messages: int, seed: int = 0, workdir: Path | None = None, stateful: bool = False) -> dict:
+def fuzz_spawned(messages: int, seed: int = 0, stateful: bool = False) -> dict:
     """Fuzz a spawned tiny deployment; adds each server's exit code and logged tracebacks to the result."""
-    with spawned_services(Path(workdir or tempfile.mkdtemp(prefix="fuzz-"))) as (addresses, services):
+    with tempfile.TemporaryDirectory(prefix="fuzz-") as workdir, spawned_services(Path(workdir)) as (addresses, services):
         result = run_fuzz(addresses, messages, seed, stateful=stateful,
                           alive=lambda: {name: s.returncode is None for name, s in services.items()})
     exit_codes = {name: s.returncode for name, s in services.items()}
@@ -1001,10 +1001,6 @@ def fuzz_spawned(messages: int, seed: int = 0, workdir: Path | None = None, stat
 
 def write_report(result: dict, out_dir) -> tuple[Path, Path]:
     """Write ``fuzz.json`` and ``fuzz.md`` (stateful: ``fuzz_stateful.*``) under ``out_dir``; returns their paths."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    name = "fuzz_stateful" if result["mode"] == "stateful" else "fuzz"
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     machine = result.get("machine", {})
     what = (f"{result['sequences']} sequences ({result['steps']} steps, {result['requests']} requests)"
             if result["mode"] == "stateful" else f"{result['messages']} messages ({result['requests']} requests)")
@@ -1012,8 +1008,8 @@ def write_report(result: dict, out_dir) -> tuple[Path, Path]:
              f"{result.get('deployment', 'a given deployment')}; commit {machine.get('commit', '?')}, "
              f"{machine.get('cpu_model', '?')} ({machine.get('cpus', '?')} CPUs); {result['elapsed_s']} s. Allowed: OK, "
              f"{', '.join(result['allowed_codes'])}. Server answers: {result['server_answers']}; ended on the client's "
-             f"side: {result['client_side']} (not answers: counted apart).", "", "| check | result |", "|---|---|"]
-    lines += [f"| {check} | {'pass' if ok else 'FAIL'} |" for check, ok in result["checks"].items()]
+             f"side: {result['client_side']} (not answers: counted apart).", ""]
+    lines += md_table(["check", "result"], [[check, "pass" if ok else "FAIL"] for check, ok in result["checks"].items()])
     lines += ["", f"Faults: {result['faults']}. Sessions held after the run: {result['sessions_after']}.",
               f"Greedy tokens before = after: {result['greedy_before'] == result['greedy_after']} "
               f"({result['greedy_after']})."]
@@ -1021,20 +1017,12 @@ def write_report(result: dict, out_dir) -> tuple[Path, Path]:
         lines += ["", f"Steps by operation: {result['ops']}. Model violations: {result['violations']}. Answers compared "
                       f"with an earlier answer on the same context: {result['cross_checked']} (greedy tokens of the "
                       f"target and front; the draft's trees), over {result['known_contexts']} target contexts."]
-    lines += ["", "Server answers:", ""] + _table(result["codes_per_rpc"])
-    lines += ["", "Ended on the client's side:", ""] + _table(result["client_side_per_rpc"])
+    lines += ["", "Server answers:", ""] + nested_table("rpc", result["codes_per_rpc"])
+    lines += ["", "Ended on the client's side:", ""] + nested_table("rpc", result["client_side_per_rpc"])
     for fault in result["fault_examples"][:10]:
         lines += ["", f"- {fault['rpc']} -> {fault['code']}: {fault['details']}", "", "```", fault["request"], "```"]
-    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
-    return out / f"{name}.json", out / f"{name}.md"
-
-
-def _table(per_rpc: dict[str, dict[str, int]]) -> list[str]:
-    columns = sorted({c for per in per_rpc.values() for c in per})
-    if not columns:
-        return ["(none)"]
-    return (["| rpc | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
-            + [f"| {rpc} | " + " | ".join(str(per.get(c, 0)) for c in columns) + " |" for rpc, per in per_rpc.items()])
+    name = "fuzz_stateful" if result["mode"] == "stateful" else "fuzz"
+    return write_record(out_dir, name, result, "\n".join(lines) + "\n")
 
 
 def _address(text: str) -> str:
@@ -1062,8 +1050,6 @@ def main(argv=None) -> int:
         result = run_fuzz(Addresses(args.draft, args.target, args.front), args.messages, args.seed, stateful=args.stateful)
     else:
         result = fuzz_spawned(args.messages, args.seed, stateful=args.stateful)
-    from benchmarks.reliability import machine  # the CPU and commit, as the other parts' records name them
-
     result["machine"] = machine()
     paths = write_report(result, args.out)
     print(f"{result['messages']} {'sequences' if args.stateful else 'messages'}, {result['faults']} faults, "
