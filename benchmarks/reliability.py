@@ -60,6 +60,7 @@ from specdec.v1 import (draft_pb2, draft_pb2_grpc, generation_pb2, generation_pb
 OK = "OK"
 HUNG = "HUNG"  # no end by the request's deadline + the hang grace
 SAMPLED_TEMPERATURE = 0.8
+WORKERS = 2  # the own deployment's orchestrator actors (chaos kills one)
 
 
 def log(msg: str) -> None:
@@ -452,8 +453,8 @@ class LocalDeployment:
     def describe(self, args) -> str:
         security = ("TLS on every port (throwaway CA, mutual between the services), bearer tokens (gRPC and HTTP "
                     "each its own)" if self.pki else "plaintext, no tokens")
-        ray = "no Ray" if args.no_ray else f"Ray, {args.workers} actors"
-        return f"own: tiny models, {ray}, HTTP API on, {security}; session_idle_s {args.idle_s:g} on draft and target"
+        return (f"own: tiny models, Ray, {WORKERS} actors, HTTP API on, {security}; session_idle_s {args.idle_s:g} on "
+                "draft and target")
 
     def kill(self, kind: str) -> None:
         """SIGKILL the draft or target service (no drain, no release: a crash)."""
@@ -503,7 +504,7 @@ def deployment_config(dep: LocalDeployment, args) -> dict:
         "grpc": {"shutdown_grace_s": 2.0},
         "draft": {**service, "port": dep.draft_port},
         "target": {**service, "port": dep.target_port, "max_batch": 16, "batch_wait_ms": 2.0},
-        "front": {"host": "127.0.0.1", "port": 0, "http_port": 0, "use_ray": not args.no_ray, "workers": args.workers,
+        "front": {"host": "127.0.0.1", "port": 0, "http_port": 0, "use_ray": True, "workers": WORKERS,
                   "ray_num_cpus": 2, "max_new_tokens": args.max_new_tokens,
                   "draft_address": f"127.0.0.1:{dep.draft_port}", "target_address": f"127.0.0.1:{dep.target_port}",
                   "fallback": {"reconnect_s": 0.5}},
@@ -671,8 +672,6 @@ async def chaos_script(args, dep: LocalDeployment, clock) -> list[Disruption]:
     """Kill (and restart) the draft, the target, then one actor worker, ``settle_s`` of load apart."""
     windows = []
     for kind in CHAOS_KILLS:
-        if kind == "actor" and args.no_ray:
-            continue
         await asyncio.sleep(args.settle_s)
         start = clock()
         restart_s = await (kill_actor(dep) if kind == "actor" else kill_service(args, dep, kind))
@@ -861,8 +860,6 @@ def common_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auth-token-file", help="bearer token for the front (first line; $SPECDEC_TOKEN wins)")
     p.add_argument("--target-model", help="model dir for the own deployment's target (default: tiny random)")
     p.add_argument("--draft-model", help="model dir for the own deployment's draft (default: tiny random)")
-    p.add_argument("--no-ray", action="store_true", help="own deployment: front without Ray")
-    p.add_argument("--workers", type=int, default=2, help="own deployment: orchestrator Ray actors")
     p.add_argument("--plaintext", action="store_true", help="own deployment: no TLS and no bearer tokens")
     p.add_argument("--idle-s", type=float, default=30.0, help="own deployment: draft and target session_idle_s")
     p.add_argument("--seed", type=int, default=0)

@@ -371,14 +371,6 @@ def _short(request, limit: int = 800) -> str:
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
 
 
-def _status(call):
-    """Run ``call()``: (reply or None, code, details)."""
-    try:
-        return call(), OK, ""
-    except grpc.RpcError as exc:
-        return None, exc.code(), exc.details() or ""
-
-
 class Fuzzer:
     """Sends the cases to one deployment (synchronous channels) and records their statuses."""
 
@@ -396,6 +388,16 @@ class Fuzzer:
         for channel in self.channels.values():
             channel.close()
 
+    def call(self, rpc: str, method, request, expect=None) -> tuple:
+        """One unary call, recorded (``expect``: Record.answer): (reply or None, status code)."""
+        started = time.perf_counter()
+        try:
+            reply, code, details = method(request, timeout=CALL_TIMEOUT_S), OK, ""
+        except grpc.RpcError as exc:
+            reply, code, details = None, exc.code(), exc.details() or ""
+        self.record.answer(rpc, code, details, request, started, expect)
+        return reply, code
+
     def case(self, data: st.DataObject) -> None:
         """One message: an RPC, then a random (from the descriptor) or a mutated well-formed request."""
         rpcs = ["Prefill", "Verify", "Verify", "VerifyBatch", "Commit", "Release", "TargetInfo", "DraftInfo",
@@ -412,11 +414,8 @@ class Fuzzer:
         if request.ByteSize() > MAX_SENT_BYTES:
             self.record.client_side[(rpc, UNSENT_OVERSIZE)] += 1
             return
-        started = time.perf_counter()
-        _, code, details = _status(lambda: stub_call(request, timeout=CALL_TIMEOUT_S))
-        if rpc == "Prefill" and code is OK:
+        if self.call(rpc, stub_call, request)[1] is OK and rpc == "Prefill":
             self.opened.add(request.session_id)  # released at the end (the client's job), with the pool's
-        self.record.answer(rpc, code, details, request, started)
 
     def _unary(self, rpc: str):
         """(stub method, request class, strategy of mutated well-formed requests or None)."""
@@ -611,9 +610,7 @@ class Stateful:
 
     def _call(self, rpc: str, method, request, expect: set):
         """One unary call, recorded; a violation when the server answers other than ``expect``. The reply or None."""
-        started = time.perf_counter()
-        reply, code, details = _status(lambda: method(request, timeout=CALL_TIMEOUT_S))
-        self.record.answer(rpc, code, details, request, started, expect)
+        reply, code = self.f.call(rpc, method, request, expect)
         return reply if code is OK else None
 
     @staticmethod
@@ -919,7 +916,8 @@ def run_fuzz(addresses: Addresses, messages: int, seed: int = 0, alive=None, sta
         drive(machine.sequence if machine else fuzzer.case, messages, seed)
         elapsed_s = time.perf_counter() - started
         for sid in fuzzer.opened:  # the fuzzer's own sessions: releasing them is the client's job
-            _status(lambda: fuzzer.target.Release(target_pb2.ReleaseRequest(session_id=sid), timeout=CALL_TIMEOUT_S))
+            with contextlib.suppress(grpc.RpcError):
+                fuzzer.target.Release(target_pb2.ReleaseRequest(session_id=sid), timeout=CALL_TIMEOUT_S)
         processes = alive() if alive else {}
         held = open_sessions(fuzzer)
         after = greedy_outputs(fuzzer)
