@@ -153,12 +153,6 @@ def make_plans(rng: random.Random, n: int, args, tag: str) -> list[Plan]:
     return plans
 
 
-def request_message(plan: Plan, no_spec: bool = False) -> generation_pb2.GenerateRequest:
-    sampling = tree_pb2.SamplingParams(temperature=plan.temperature, seed=plan.seed)
-    return generation_pb2.GenerateRequest(request_id=plan.request_id, prompt_ids=plan.prompt_ids,
-                                          max_new_tokens=plan.max_new_tokens, sampling=sampling, no_spec=no_spec)
-
-
 def aio_channel(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
     return grpc.aio.secure_channel(address, credentials) if credentials else grpc.aio.insecure_channel(address)
 
@@ -179,7 +173,10 @@ class Client:
 
     async def run(self, plan: Plan, no_spec: bool = False) -> Outcome:
         """Send ``plan``; never raises (status goes in the Outcome); HUNG past deadline + ``hang_grace_s``."""
-        call = self.stub.Generate(request_message(plan, no_spec), timeout=plan.deadline_s, metadata=self.metadata)
+        request = generation_pb2.GenerateRequest(request_id=plan.request_id, prompt_ids=plan.prompt_ids, no_spec=no_spec,
+                                                 max_new_tokens=plan.max_new_tokens, sampling=tree_pb2.SamplingParams(
+                                                     temperature=plan.temperature, seed=plan.seed))
+        call = self.stub.Generate(request, timeout=plan.deadline_s, metadata=self.metadata)
         out = Outcome.begin(plan, self.t0)
         stopper = asyncio.ensure_future(self._stop_later(plan, call)) if plan.abort else None
         try:
@@ -921,11 +918,10 @@ def endpoints_from(args) -> Endpoints:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["fuzz"]:  # the fuzz part: benchmarks/reliability_fuzz.py, beside this script
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import reliability_fuzz
+    if argv[:1] == ["fuzz"]:  # the fuzz part: benchmarks/reliability_fuzz.py (hypothesis: imported only for it)
+        from benchmarks.reliability_fuzz import main as fuzz_main
 
-        return reliability_fuzz.main(argv[1:])
+        return fuzz_main(argv[1:])
     args = parse_args(argv)
     deployment = None
     with tempfile.TemporaryDirectory(prefix="reliability-") as workdir:

@@ -570,12 +570,8 @@ def _agree(a, b) -> bool:
 
 
 class Stateful:
-    """Sequences of calls on a few target session ids (open, verify, replay, commit, release, reopen), draft
-    streams (start, propose, commit, a misplaced message, the id reused) and front request ids (Generate, the id
-    again while it runs, Abort twice, the id reused). Every answer is checked against the model of the services:
-    its status, and its values (cached tokens, released, the accepted path, a replay equal to its first answer,
-    greedy tokens equal to every earlier answer on the same context: the front's, the target's and, per draft
-    context, the draft's trees)."""
+    """The stateful mode (the module's docstring): sequences of calls on target sessions, draft streams and front
+    request ids, every answer checked against this model of the services."""
 
     OPS = ("open", "verify", "commit", "release", "verify_batch", "generate_abort", "draft_stream")
 
