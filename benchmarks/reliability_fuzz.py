@@ -328,7 +328,7 @@ class Record:
     seconds: Counter = field(default_factory=Counter)  # rpc -> wall time of its calls (s)
     details: dict = field(default_factory=dict)  # (rpc, code name) -> the details of its first call
 
-    def add(self, rpc: str, code: grpc.StatusCode, details: str, request, allowed=ALLOWED, seconds: float = 0.0,
+    def add(self, rpc: str, code: grpc.StatusCode, details: str, request, seconds: float = 0.0,
             own_cancel: bool = False) -> bool:
         """Count one call's end; True when it is the server's answer."""
         self.seconds[rpc] += seconds
@@ -340,7 +340,7 @@ class Record:
             return False
         self.codes[(rpc, code.name)] += 1
         self.details.setdefault((rpc, code.name), details[:200])
-        if code is not OK and code not in allowed:
+        if code is not OK and code not in ALLOWED:
             self._fault(rpc, code.name, details, request)
         return True
 
@@ -507,10 +507,9 @@ class Fuzzer:
         wanted = data.draw(st.integers(1, 3), label="replies before the cancel")
         started = time.perf_counter()
         call = self.front.Generate(request, timeout=CALL_TIMEOUT_S)
-        code, details, own_cancel, read = OK, "", False, 0
+        code, details, own_cancel = OK, "", False
         try:
-            for _ in call:
-                read += 1
+            for read, _ in enumerate(call, 1):
                 if read >= wanted:
                     call.cancel()
                     code, own_cancel = grpc.StatusCode.CANCELLED, True
