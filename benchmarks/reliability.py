@@ -173,9 +173,9 @@ class Client:
 
     async def run(self, plan: Plan, no_spec: bool = False) -> Outcome:
         """Send ``plan``; never raises (status goes in the Outcome); HUNG past deadline + ``hang_grace_s``."""
-        request = generation_pb2.GenerateRequest(request_id=plan.request_id, prompt_ids=plan.prompt_ids, no_spec=no_spec,
-                                                 max_new_tokens=plan.max_new_tokens, sampling=tree_pb2.SamplingParams(
-                                                     temperature=plan.temperature, seed=plan.seed))
+        sampling = tree_pb2.SamplingParams(temperature=plan.temperature, seed=plan.seed)
+        request = generation_pb2.GenerateRequest(request_id=plan.request_id, prompt_ids=plan.prompt_ids,
+                                                 max_new_tokens=plan.max_new_tokens, sampling=sampling, no_spec=no_spec)
         call = self.stub.Generate(request, timeout=plan.deadline_s, metadata=self.metadata)
         out = Outcome.begin(plan, self.t0)
         stopper = asyncio.ensure_future(self._stop_later(plan, call)) if plan.abort else None
@@ -250,7 +250,8 @@ class HttpClient:
         out = Outcome.begin(plan, self.t0, via="http")
         try:
             read = asyncio.get_running_loop().run_in_executor(self.pool, self._post, plan, time.monotonic())
-            out.status, out.tokens, out.ttft_s, stats = await asyncio.wait_for(read, plan.deadline_s + self.hang_grace_s)
+            out.status, out.tokens, out.ttft_s, stats = await asyncio.wait_for(read, plan.deadline_s
+                                                                               + self.hang_grace_s)
         except asyncio.TimeoutError:
             out.status, stats = HUNG, {}
         out.stop_reason = stats.get("stop_reason", "")
@@ -482,7 +483,8 @@ class LocalDeployment:
 
     def rss_bytes(self) -> dict[str, int]:
         """Resident memory of the front, its actor workers (summed), the draft and the target."""
-        rss = {kind: psutil.Process(self.services[kind].proc.pid).memory_info().rss for kind in ("front", "draft", "target")}
+        rss = {kind: psutil.Process(self.services[kind].proc.pid).memory_info().rss
+               for kind in ("front", "draft", "target")}
         rss["actors"] = sum(psutil.Process(pid).memory_info().rss for pid in self.actor_pids())
         return rss
 

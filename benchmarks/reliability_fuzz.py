@@ -979,7 +979,7 @@ def spawned_services(root: Path):
 
 def fuzz_spawned(messages: int, seed: int = 0, stateful: bool = False) -> dict:
     """Fuzz a spawned tiny deployment; adds each server's exit code and logged tracebacks to the result."""
-    with tempfile.TemporaryDirectory(prefix="fuzz-") as workdir, spawned_services(Path(workdir)) as (addresses, services):
+    with tempfile.TemporaryDirectory(prefix="fuzz-") as root, spawned_services(Path(root)) as (addresses, services):
         result = run_fuzz(addresses, messages, seed, stateful=stateful,
                           alive=lambda: {name: s.returncode is None for name, s in services.items()})
     exit_codes = {name: s.returncode for name, s in services.items()}
@@ -1002,7 +1002,7 @@ def write_report(result: dict, out_dir) -> tuple[Path, Path]:
              f"{machine.get('cpu_model', '?')} ({machine.get('cpus', '?')} CPUs); {result['elapsed_s']} s. Allowed: OK, "
              f"{', '.join(result['allowed_codes'])}. Server answers: {result['server_answers']}; ended on the client's "
              f"side: {result['client_side']} (not answers: counted apart).", ""]
-    lines += md_table(["check", "result"], [[check, "pass" if ok else "FAIL"] for check, ok in result["checks"].items()])
+    lines += md_table(["check", "result"], [[name, "pass" if ok else "FAIL"] for name, ok in result["checks"].items()])
     lines += ["", f"Faults: {result['faults']}. Sessions held after the run: {result['sessions_after']}.",
               f"Greedy tokens before = after: {result['greedy_before'] == result['greedy_after']} "
               f"({result['greedy_after']})."]
