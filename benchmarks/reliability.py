@@ -8,30 +8,26 @@
     python benchmarks/reliability.py load  --front HOST:PORT [--target HOST:PORT --draft HOST:PORT --http HOST:PORT] \\
         [--tls-ca ca.pem --tls-cert client.pem --tls-key client.key --auth-token-file tokens]   # your deployment
 
-By default each run starts its own deployment on loopback ports (tiny seeded models, a draft
-service, a target service and a front on a local Ray with its HTTP API on), secured as a shared
-cluster would be: TLS on every port (a throwaway CA; mutual TLS between the services) and bearer
-tokens on the front (``--plaintext``: neither). ``--front`` drives a running one instead (``chaos``
-kills processes, so it only runs on its own). Requests go through the public GenerationService (and,
-in ``load``, a share through the HTTP API). Every output is checked against its solo run: a greedy
-request against the prompt's run with speculation off (the target alone), a seeded sampled request
-against the same request sent alone (a seeded request's tokens depend only on its own seed). Each part
-writes ``reliability_<part>.json`` and ``.md`` under ``--out``:
+By default each part starts its own deployment on loopback ports (tiny seeded models; a draft, a target and a front
+on a local Ray with its HTTP API), secured as a shared cluster would be: TLS on every port (a throwaway CA, mutual
+between the services) and bearer tokens on the front (``--plaintext``: neither). ``--front`` drives a running one
+(not ``chaos``: it kills processes). Every output is checked against its solo run: a greedy request against the
+target alone (speculation off), a seeded sampled one against the same request sent alone. Each part writes
+``reliability_<part>.json`` and ``.md`` under ``--out``:
 
-- ``load``: ``--clients`` streaming requests at once: failures, latency and TTFT p50/p95, equal outputs.
-- ``soak``: ``--requests`` back to back, some aborted or with a short deadline. It fails on a status its
-  request's plan does not allow, on an output unequal to its solo run, on a session or cached token left on
-  the draft or target afterwards (or one the target's idle reaper had to release), and on RSS growth over
-  ``--max-rss-growth-mib`` in a process from the run's middle to its end.
-- ``chaos``: closed-loop clients while the draft service, the target service and an orchestrator actor
-  are killed and restarted in turn; no request may hang or return wrong output, a fresh request must
-  succeed afterwards with no manual step, and no session or cached token may stay on the services.
+- ``load``: ``--clients`` streaming requests at once (a share over HTTP): failures, latency and TTFT p50/p95, outputs.
+- ``soak``: ``--requests`` back to back, some aborted or with a short deadline; fails on a status its plan does not
+  allow, an output unequal to its solo run, a session or cached token left on the services (or released by the
+  target's idle reaper), and RSS growth over ``--max-rss-growth-mib`` in a process from the run's middle to its end.
+- ``chaos``: closed-loop clients while the draft, the target and an orchestrator actor are killed and restarted in
+  turn; nothing may hang or be wrong, a fresh request must succeed after, and nothing may stay on the services.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -39,12 +35,12 @@ import secrets
 import signal
 import socket
 import ssl
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -54,9 +50,9 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 import psutil  # noqa: E402
-import yaml  # noqa: E402
 
 from specdec.harness.pki import make_pki  # noqa: E402
+from specdec.harness.report import machine, md_table, nested_table, write_record  # noqa: E402
 from specdec.harness.servers import Service, launch_service, stop_service, wait_address, wait_ready  # noqa: E402
 from specdec.v1 import (draft_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc, target_pb2,  # noqa: E402
                         target_pb2_grpc, tree_pb2)
@@ -64,6 +60,7 @@ from specdec.v1 import (draft_pb2, draft_pb2_grpc, generation_pb2, generation_pb
 OK = "OK"
 HUNG = "HUNG"  # no end by the request's deadline + the hang grace
 SAMPLED_TEMPERATURE = 0.8
+WORKERS = 2  # the own deployment's orchestrator actors (chaos kills one)
 
 
 def log(msg: str) -> None:
@@ -126,15 +123,22 @@ class Outcome:
     failovers: int = 0  # FinalStats: moves to another orchestrator actor after its own died
     via: str = "grpc"
 
+    @classmethod
+    def begin(cls, plan: Plan, t0: float, via: str = "grpc") -> "Outcome":
+        return cls(plan.request_id, plan.greedy, len(plan.prompt_ids), OK, [], time.monotonic() - t0, 0.0, 0.0, None,
+                   abort=plan.abort, deadline_s=plan.deadline_s, via=via)
 
-def prompt_pool(rng: random.Random, lengths: list[int], per_length: int, vocab: int) -> list[list[int]]:
-    """``per_length`` random prompts (ids 1..vocab-1) of each length."""
-    return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths for _ in range(per_length)]
+    def finish(self, t0: float) -> "Outcome":
+        self.end_s = time.monotonic() - t0
+        self.latency_s = self.end_s - self.start_s
+        return self
 
 
-def make_plans(rng: random.Random, n: int, pool: list[list[int]], args, tag: str) -> list[Plan]:
-    """n requests over the prompt pool: a share sampled with a seed in 0..seeds-1 (so each prompt and seed has one
-    solo run to equal), and (soak) some aborted or with a short deadline."""
+def make_plans(rng: random.Random, n: int, args, tag: str) -> list[Plan]:
+    """n requests over ``--prompts-per-length`` random prompts of each length: a share sampled with a seed in
+    0..seeds-1 (so each prompt and seed has one solo run to equal), and (soak) some aborted or with a short deadline."""
+    pool = [[rng.randrange(1, args.vocab) for _ in range(length)] for length in args.prompt_lengths
+            for _ in range(args.prompts_per_length)]
     plans = []
     for i in range(n):
         sampled = rng.random() < args.sampled_share
@@ -149,10 +153,8 @@ def make_plans(rng: random.Random, n: int, pool: list[list[int]], args, tag: str
     return plans
 
 
-def request_message(plan: Plan, no_spec: bool = False) -> generation_pb2.GenerateRequest:
-    sampling = tree_pb2.SamplingParams(temperature=plan.temperature, seed=plan.seed)
-    return generation_pb2.GenerateRequest(request_id=plan.request_id, prompt_ids=plan.prompt_ids,
-                                          max_new_tokens=plan.max_new_tokens, sampling=sampling, no_spec=no_spec)
+def aio_channel(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
+    return grpc.aio.secure_channel(address, credentials) if credentials else grpc.aio.insecure_channel(address)
 
 
 class Client:
@@ -160,8 +162,7 @@ class Client:
 
     def __init__(self, address: str, credentials: grpc.ChannelCredentials | None, token: str | None,
                  hang_grace_s: float = 10.0):
-        self.channel = (grpc.aio.secure_channel(address, credentials) if credentials
-                        else grpc.aio.insecure_channel(address))
+        self.channel = aio_channel(address, credentials)
         self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.hang_grace_s = hang_grace_s
@@ -172,9 +173,11 @@ class Client:
 
     async def run(self, plan: Plan, no_spec: bool = False) -> Outcome:
         """Send ``plan``; never raises (status goes in the Outcome); HUNG past deadline + ``hang_grace_s``."""
-        call = self.stub.Generate(request_message(plan, no_spec), timeout=plan.deadline_s, metadata=self.metadata)
-        out = Outcome(plan.request_id, plan.greedy, len(plan.prompt_ids), OK, [], time.monotonic() - self.t0, 0.0, 0.0,
-                      None, abort=plan.abort, deadline_s=plan.deadline_s)
+        sampling = tree_pb2.SamplingParams(temperature=plan.temperature, seed=plan.seed)
+        request = generation_pb2.GenerateRequest(request_id=plan.request_id, prompt_ids=plan.prompt_ids,
+                                                 max_new_tokens=plan.max_new_tokens, sampling=sampling, no_spec=no_spec)
+        call = self.stub.Generate(request, timeout=plan.deadline_s, metadata=self.metadata)
+        out = Outcome.begin(plan, self.t0)
         stopper = asyncio.ensure_future(self._stop_later(plan, call)) if plan.abort else None
         try:
             await asyncio.wait_for(self._read(call, out), plan.deadline_s + self.hang_grace_s)
@@ -190,9 +193,7 @@ class Client:
         finally:
             if stopper is not None:
                 stopper.cancel()
-        out.end_s = time.monotonic() - self.t0
-        out.latency_s = out.end_s - out.start_s
-        return out
+        return out.finish(self.t0)
 
     async def _read(self, call, out: Outcome) -> None:
         async for reply in call:
@@ -246,20 +247,16 @@ class HttpClient:
 
     async def run(self, plan: Plan) -> Outcome:
         """Send ``plan`` (no abort, no deadline field: the HTTP API has neither); HUNG past deadline + grace."""
-        start = time.monotonic()
-        out = Outcome(plan.request_id, plan.greedy, len(plan.prompt_ids), OK, [], start - self.t0, 0.0, 0.0, None,
-                      deadline_s=plan.deadline_s, via="http")
+        out = Outcome.begin(plan, self.t0, via="http")
         try:
-            read = asyncio.get_running_loop().run_in_executor(self.pool, self._post, plan, start)
-            status, tokens, ttft_s, stats = await asyncio.wait_for(read, plan.deadline_s + self.hang_grace_s)
+            read = asyncio.get_running_loop().run_in_executor(self.pool, self._post, plan, time.monotonic())
+            out.status, out.tokens, out.ttft_s, stats = await asyncio.wait_for(read, plan.deadline_s
+                                                                               + self.hang_grace_s)
         except asyncio.TimeoutError:
-            status, tokens, ttft_s, stats = HUNG, [], None, {}
-        out.status, out.tokens, out.ttft_s = status, tokens, ttft_s
+            out.status, stats = HUNG, {}
         out.stop_reason = stats.get("stop_reason", "")
         out.fallback_rounds, out.failovers = stats.get("fallback_rounds", 0), stats.get("failovers", 0)
-        out.end_s = time.monotonic() - self.t0
-        out.latency_s = out.end_s - out.start_s
-        return out
+        return out.finish(self.t0)
 
     def _post(self, plan: Plan, start: float) -> tuple[str, list[int], float | None, dict]:
         """(status, tokens, TTFT, the final chunk's ``specdec`` statistics) of one streamed request."""
@@ -296,10 +293,7 @@ def status_of(out: Outcome) -> str:
 
 
 def status_counts(outcomes: list[Outcome]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for out in outcomes:
-        counts[status_of(out)] = counts.get(status_of(out), 0) + 1
-    return dict(sorted(counts.items()))
+    return dict(sorted(Counter(map(status_of, outcomes)).items()))
 
 
 def wrong_outputs(plans: list[Plan], outcomes: list[Outcome], refs: dict[tuple, Outcome]) -> list[str]:
@@ -387,9 +381,7 @@ async def service_counts(endpoints: Endpoints) -> dict:
                                        (endpoints.draft, draft_pb2_grpc.DraftServiceStub, draft_pb2.DraftInfoRequest())):
         if address is None:
             continue
-        channel = (grpc.aio.secure_channel(address, endpoints.credentials) if endpoints.credentials
-                   else grpc.aio.insecure_channel(address))
-        async with channel:
+        async with aio_channel(address, endpoints.credentials) as channel:
             info = await stub_cls(channel).Info(request, timeout=30, wait_for_ready=True)
         if stub_cls is target_pb2_grpc.TargetServiceStub:
             counts.update(target_sessions=info.sessions, target_cached_tokens=info.cached_tokens)
@@ -429,8 +421,9 @@ class LocalDeployment:
             dep.pki = make_pki(workdir / "pki")
             dep.tokens, dep.token_file = [secrets.token_urlsafe(24) for _ in range(2)], workdir / "tokens.txt"
             dep.token_file.write_text("\n".join(dep.tokens) + "\n")
-        config = deployment_config(dep, tiny_models(workdir, args), args)
-        dep.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        from specdec.harness.tiny_pair import write_config  # torch and transformers: only for an own deployment
+
+        write_config(dep.config_path, tiny_models(workdir, args), **deployment_config(dep, args))
         launched = []
         try:
             launched += [dep._launch("draft"), dep._launch("target")]
@@ -458,8 +451,8 @@ class LocalDeployment:
     def describe(self, args) -> str:
         security = ("TLS on every port (throwaway CA, mutual between the services), bearer tokens (gRPC and HTTP "
                     "each its own)" if self.pki else "plaintext, no tokens")
-        ray = "no Ray" if args.no_ray else f"Ray, {args.workers} actors"
-        return f"own: tiny models, {ray}, HTTP API on, {security}; session_idle_s {args.idle_s:g} on draft and target"
+        return (f"own: tiny models, Ray, {WORKERS} actors, HTTP API on, {security}; session_idle_s {args.idle_s:g} on "
+                "draft and target")
 
     def kill(self, kind: str) -> None:
         """SIGKILL the draft or target service (no drain, no release: a crash)."""
@@ -481,21 +474,17 @@ class LocalDeployment:
 
     def actor_pids(self) -> list[int]:
         """Pids of the front's ray::OrchestratorActor workers."""
-        front = psutil.Process(self.services["front"].proc.pid)
         pids = []
-        for proc in front.children(recursive=True):
-            try:
+        for proc in psutil.Process(self.services["front"].proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
                 if "OrchestratorActor" in " ".join(proc.cmdline()):
                     pids.append(proc.pid)
-            except psutil.Error:
-                continue
         return sorted(pids)
 
     def rss_bytes(self) -> dict[str, int]:
         """Resident memory of the front, its actor workers (summed), the draft and the target."""
-        rss = {}
-        for kind in ("front", "draft", "target"):
-            rss[kind] = psutil.Process(self.services[kind].proc.pid).memory_info().rss
+        rss = {kind: psutil.Process(self.services[kind].proc.pid).memory_info().rss
+               for kind in ("front", "draft", "target")}
         rss["actors"] = sum(psutil.Process(pid).memory_info().rss for pid in self.actor_pids())
         return rss
 
@@ -505,17 +494,16 @@ class LocalDeployment:
                 stop_service(self.services[kind], timeout_s=60)
 
 
-def deployment_config(dep: LocalDeployment, models: tuple[Path, Path], args) -> dict:
-    """The own deployment's serve.yaml: tiny float32 models, fixed service ports, the front's HTTP API on an
-    ephemeral port, idle sessions released after ``--idle-s``; TLS files and tokens unless ``--plaintext``."""
+def deployment_config(dep: LocalDeployment, args) -> dict:
+    """The own deployment's serve.yaml sections over write_config's (float32, one thread): fixed service ports, the
+    front's HTTP API on an ephemeral port, idle sessions released after ``--idle-s``; TLS and tokens unless
+    ``--plaintext``."""
+    service = {"host": "127.0.0.1", "session_idle_s": args.idle_s}
     config = {
-        "models": {"target": str(models[0]), "draft": str(models[1]), "dtype": "float32", "draft_quant": "none",
-                   "threads": 1},
         "grpc": {"shutdown_grace_s": 2.0},
-        "draft": {"host": "127.0.0.1", "port": dep.draft_port, "session_idle_s": args.idle_s},
-        "target": {"host": "127.0.0.1", "port": dep.target_port, "max_batch": 16, "batch_wait_ms": 2.0,
-                   "session_idle_s": args.idle_s},
-        "front": {"host": "127.0.0.1", "port": 0, "http_port": 0, "use_ray": not args.no_ray, "workers": args.workers,
+        "draft": {**service, "port": dep.draft_port},
+        "target": {**service, "port": dep.target_port, "max_batch": 16, "batch_wait_ms": 2.0},
+        "front": {"host": "127.0.0.1", "port": 0, "http_port": 0, "use_ray": True, "workers": WORKERS,
                   "ray_num_cpus": 2, "max_new_tokens": args.max_new_tokens,
                   "draft_address": f"127.0.0.1:{dep.draft_port}", "target_address": f"127.0.0.1:{dep.target_port}",
                   "fallback": {"reconnect_s": 0.5}},
@@ -526,14 +514,13 @@ def deployment_config(dep: LocalDeployment, models: tuple[Path, Path], args) -> 
     return config
 
 
-def tiny_models(workdir: Path, args) -> tuple[Path, Path]:
-    """(target dir, draft dir): ``--target-model`` / ``--draft-model``, else a tiny seeded pair."""
-    if args.target_model and args.draft_model:
-        return Path(args.target_model), Path(args.draft_model)
-    from specdec.harness.tiny_pair import save_tiny_pair  # torch and transformers: only for an own deployment
+def tiny_models(workdir: Path, args):
+    """The ModelPair: ``--target-model`` / ``--draft-model``, else a tiny seeded pair."""
+    from specdec.harness.tiny_pair import ModelPair, save_tiny_pair
 
-    pair = save_tiny_pair(workdir / "models", max_pos=1024, noise=0.03)
-    return pair.target, pair.draft
+    if args.target_model and args.draft_model:
+        return ModelPair(Path(args.target_model), Path(args.draft_model))
+    return save_tiny_pair(workdir / "models", max_pos=1024, noise=0.03)
 
 
 # ----------------------------------------------------------------------------------------- load and soak
@@ -541,8 +528,7 @@ def tiny_models(workdir: Path, args) -> tuple[Path, Path]:
 async def run_load(args, endpoints: Endpoints, deployment: LocalDeployment | None) -> dict:
     """``args.clients`` streaming requests at once (a share over HTTP); failures, latency, TTFT, equal outputs."""
     rng = random.Random(args.seed)
-    pool = prompt_pool(rng, args.prompt_lengths, args.prompts_per_length, args.vocab)
-    plans = make_plans(rng, args.clients, pool, args, "load")
+    plans = make_plans(rng, args.clients, args, "load")
     for i in rng.sample(range(len(plans)), round(args.http_share * len(plans)) if endpoints.http else 0):
         plans[i].via = "http"
     client = Client(endpoints.front, endpoints.credentials, endpoints.token, args.hang_grace_s)
@@ -574,8 +560,7 @@ async def run_load(args, endpoints: Endpoints, deployment: LocalDeployment | Non
 async def run_soak(args, endpoints: Endpoints, deployment: LocalDeployment | None) -> dict:
     """``args.requests`` requests, ``args.concurrency`` at a time, some aborted or short; statuses, leaks and RSS."""
     rng = random.Random(args.seed)
-    pool = prompt_pool(rng, args.prompt_lengths, args.prompts_per_length, args.vocab)
-    plans = make_plans(rng, args.requests, pool, args, "soak")
+    plans = make_plans(rng, args.requests, args, "soak")
     client = Client(endpoints.front, endpoints.credentials, endpoints.token, args.hang_grace_s)
     trace, stop = None, asyncio.Event()
     try:
@@ -632,10 +617,8 @@ async def rss_trace(deployment: LocalDeployment, client: Client, every_s: float,
     samples: list[dict] = []
     while not stop.is_set():
         samples.append({"t_s": time.monotonic() - client.t0, **deployment.rss_bytes()})
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), every_s)
-        except asyncio.TimeoutError:
-            pass
     return samples
 
 
@@ -647,18 +630,19 @@ def second_half_growth(samples: list[dict], end: dict | None) -> dict | None:
     return {k: end[k] - middle[k] for k in end}
 
 
-async def run_closed_loop(client: Client, plans: list[Plan], concurrency: int) -> list[Outcome]:
-    """Send ``plans`` in order, ``concurrency`` at a time."""
+async def run_closed_loop(client: Client, plans: list[Plan], concurrency: int,
+                          done: asyncio.Event | None = None) -> list[Outcome | None]:
+    """Send ``plans`` in order, ``concurrency`` at a time, until all are sent or ``done`` is set (None: not sent)."""
     outcomes: list[Outcome | None] = [None] * len(plans)
     queue = list(enumerate(plans))[::-1]
 
     async def worker():
-        while queue:
+        while queue and not (done and done.is_set()):
             i, plan = queue.pop()
             outcomes[i] = await client.run(plan)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return outcomes  # type: ignore[return-value]
+    return outcomes
 
 
 # ----------------------------------------------------------------------------------------- chaos
@@ -687,8 +671,6 @@ async def chaos_script(args, dep: LocalDeployment, clock) -> list[Disruption]:
     """Kill (and restart) the draft, the target, then one actor worker, ``settle_s`` of load apart."""
     windows = []
     for kind in CHAOS_KILLS:
-        if kind == "actor" and args.no_ray:
-            continue
         await asyncio.sleep(args.settle_s)
         start = clock()
         restart_s = await (kill_actor(dep) if kind == "actor" else kill_service(args, dep, kind))
@@ -752,8 +734,7 @@ async def run_chaos(args, endpoints: Endpoints, deployment: LocalDeployment | No
     if deployment is None:
         raise SystemExit("chaos: kills processes, so it runs only on its own deployment (drop --front)")
     rng = random.Random(args.seed)
-    pool = prompt_pool(rng, args.prompt_lengths, args.prompts_per_length, args.vocab)
-    plans = make_plans(rng, 4096, pool, args, "chaos")
+    plans = make_plans(rng, 4096, args, "chaos")
     client = Client(endpoints.front, endpoints.credentials, endpoints.token, args.hang_grace_s)
     try:
         refs = await client.references(plans)
@@ -775,20 +756,13 @@ async def run_chaos(args, endpoints: Endpoints, deployment: LocalDeployment | No
 async def chaos_loop(args, dep: LocalDeployment, client: Client, plans: list[Plan]):
     """Clients send plans in turn until the chaos script ends: (outcomes, disruption windows)."""
     done = asyncio.Event()
-    outcomes: list[Outcome] = []
-    queue = plans[::-1]
-
-    async def worker():
-        while not done.is_set() and queue:
-            outcomes.append(await client.run(queue.pop()))
-
-    workers = [asyncio.ensure_future(worker()) for _ in range(args.clients)]
+    loop = asyncio.ensure_future(run_closed_loop(client, plans, args.clients, done))
     try:
         windows = await chaos_script(args, dep, lambda: time.monotonic() - client.t0)
     finally:
         done.set()
-        await asyncio.gather(*workers)
-    return outcomes, windows
+        outcomes = await loop
+    return [o for o in outcomes if o is not None], windows
 
 
 async def serves_again(client: Client, plans: list[Plan], refs: dict, timeout_s: float) -> dict:
@@ -831,23 +805,10 @@ def chaos_figures(args, outcomes: list[Outcome], windows: list[Disruption], tabl
 
 # ----------------------------------------------------------------------------------------- reports
 
-def machine() -> dict:
-    """The CPU model (lscpu's "Model name", from /proc/cpuinfo), its count and the checkout's commit."""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-        model = next(line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name"))
-    except (OSError, StopIteration):
-        model = "unknown"
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            check=False)
-    return {"cpu_model": model, "cpus": os.cpu_count(), "commit": commit.stdout.strip() or "unknown"}
-
-
 def markdown(part: str, result: dict) -> str:
     """A table of the part's scalar figures (and, for chaos, outcomes per disruption window)."""
     meta = result["meta"]
-    lines = [f"# Reliability: {part}", "", f"{meta['date']}, commit {meta.get('commit')}, {meta.get('cpu_model')} "
-             f"({meta.get('cpus')} CPUs); {meta['deployment']}", "", "| figure | value |", "|---|---|"]
+    rows = []
     for key, value in result[part].items():
         if isinstance(value, float):
             value = f"{value:.3f}"
@@ -857,29 +818,17 @@ def markdown(part: str, result: dict) -> str:
             value = ", ".join(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}" for k, v in value.items()) or "none"
         elif isinstance(value, (list, dict)):
             continue
-        lines.append(f"| {key} | {value} |")
+        rows.append([key, value])
+    lines = [f"# Reliability: {part}", "", f"{meta['date']}, commit {meta.get('commit')}, {meta.get('cpu_model')} "
+             f"({meta.get('cpus')} CPUs); {meta['deployment']}", ""] + md_table(["figure", "value"], rows)
     if part == "chaos":
-        lines += chaos_tables(result[part])
+        figures = result[part]
+        lines += ["", "Outcomes by the disruption a request overlapped (allowed: "
+                  + "; ".join(f"{w}: {', '.join(v)}" for w, v in figures["allowed_by_window"].items()) + "):", ""]
+        lines += nested_table("window", figures["outcomes_by_window"]) + [""] + md_table(
+            ["disruption", "start_s", "end_s", "restart_s"],
+            [[w["kind"], *(f"{w[k]:.1f}" for k in ("start_s", "end_s", "restart_s"))] for w in figures["windows"]])
     return "\n".join(lines) + "\n"
-
-
-def chaos_tables(figures: dict) -> list[str]:
-    verdicts = sorted({v for row in figures["outcomes_by_window"].values() for v in row})
-    lines = ["", "Outcomes by the disruption a request overlapped (allowed: "
-             + "; ".join(f"{w}: {', '.join(v)}" for w, v in figures["allowed_by_window"].items()) + "):", "",
-             "| window | " + " | ".join(verdicts) + " |", "|---|" + "---|" * len(verdicts)]
-    for window, row in figures["outcomes_by_window"].items():
-        lines.append(f"| {window} | " + " | ".join(str(row.get(v, 0)) for v in verdicts) + " |")
-    lines += ["", "| disruption | start_s | end_s | restart_s |", "|---|---|---|---|"]
-    for w in figures["windows"]:
-        lines.append(f"| {w['kind']} | {w['start_s']:.1f} | {w['end_s']:.1f} | {w['restart_s']:.1f} |")
-    return lines
-
-
-def write_report(out_dir: Path, part: str, result: dict) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"reliability_{part}.json").write_text(json.dumps(result, indent=2))
-    (out_dir / f"reliability_{part}.md").write_text(markdown(part, result))
 
 
 # ----------------------------------------------------------------------------------------- CLI
@@ -910,8 +859,6 @@ def common_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auth-token-file", help="bearer token for the front (first line; $SPECDEC_TOKEN wins)")
     p.add_argument("--target-model", help="model dir for the own deployment's target (default: tiny random)")
     p.add_argument("--draft-model", help="model dir for the own deployment's draft (default: tiny random)")
-    p.add_argument("--no-ray", action="store_true", help="own deployment: front without Ray")
-    p.add_argument("--workers", type=int, default=2, help="own deployment: orchestrator Ray actors")
     p.add_argument("--plaintext", action="store_true", help="own deployment: no TLS and no bearer tokens")
     p.add_argument("--idle-s", type=float, default=30.0, help="own deployment: draft and target session_idle_s")
     p.add_argument("--seed", type=int, default=0)
@@ -973,11 +920,10 @@ def endpoints_from(args) -> Endpoints:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["fuzz"]:  # the fuzz part: benchmarks/reliability_fuzz.py, beside this script
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import reliability_fuzz
+    if argv[:1] == ["fuzz"]:  # the fuzz part: benchmarks/reliability_fuzz.py (hypothesis: imported only for it)
+        from benchmarks.reliability_fuzz import main as fuzz_main
 
-        return reliability_fuzz.main(argv[1:])
+        return fuzz_main(argv[1:])
     args = parse_args(argv)
     deployment = None
     with tempfile.TemporaryDirectory(prefix="reliability-") as workdir:
@@ -996,7 +942,7 @@ def main(argv=None) -> int:
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "wall_s": time.monotonic() - started,
             "deployment": f"front {args.front}" if args.front else deployment.describe(args), "argv": argv, **machine()}
     result = {"meta": meta, args.part: figures}
-    write_report(args.out, args.part, result)
+    write_record(args.out, f"reliability_{args.part}", result, markdown(args.part, result))
     log(f"{args.part}: ok={figures['ok']}; wrote {args.out}/reliability_{args.part}.json and .md")
     return 0 if figures["ok"] else 1
 

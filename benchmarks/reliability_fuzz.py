@@ -4,35 +4,30 @@
     python benchmarks/reliability_fuzz.py --stateful --messages 300 --out DIR  # 300 sequences
     python benchmarks/reliability_fuzz.py --front H:P --draft H:P --target H:P --messages 2000 --out DIR
 
-Random mode: a message is one call: a unary request, one DraftService.Session stream or one Generate stream
-(cancelled after a few replies). Half are built field by field from the proto descriptors
-(``message_strategy``: extreme integers, NaN / inf, huge strings and repeats, nested messages), half
-are well-formed messages with one field broken (``mutations``: bad trees, sampling parameters and
-specs, unknown session ids, calls out of order). Generation is hypothesis with a fixed seed (the
-``test`` extra).
+Random mode: a message is one call (a unary request, one DraftService.Session stream, or one Generate stream cancelled
+after a few replies): half built field by field from the proto descriptors (``message_strategy``: extreme integers,
+NaN / inf, huge strings and repeats, nested messages), half well-formed with one field broken (bad trees, sampling
+parameters and specs, unknown session ids, calls out of order). Generation is hypothesis with a fixed seed.
 
-Stateful mode (``Stateful``): a case is a sequence of 2-12 calls on a few session and request ids (open,
-verify, replay, commit, release, reopen; Generate, the id again while it runs, Abort twice, the id reused;
-draft streams of start / propose / commit with a misplaced message now and then), each answer checked against
-a model of the services: the status the model expects, and the reply's values (cached tokens, released, a root
-path accepted, a replay equal to its first answer, greedy tokens equal to every earlier answer on the same
-context, from the target, the front or, for trees, the draft). An answer unlike the model's is a violation.
+Stateful mode (``Stateful``): a case is a sequence of 2-12 calls on a few session and request ids (open, verify,
+replay, commit, release, reopen; Generate, the id again while it runs, Abort twice, the id reused; draft streams of
+start / propose / commit with a misplaced message now and then), each answer checked against a model of the services:
+its status and its values (cached tokens, released, a root path accepted, a replay equal to its first answer, greedy
+tokens or draft trees equal to every earlier answer on the same context). An answer unlike the model's is a violation.
 
-Only the servers' answers count as answers: a call the fuzzer cancelled, a message its own channel refused
-to send ("CLIENT: ..."), or one drawn too big to send are counted apart (``client_side``); no answer before
-the fuzzer's deadline and a call the transport ended are faults there.
+Only the servers' answers count as answers: a call the fuzzer cancelled, a message its own channel refused to send
+("CLIENT: ...") or one drawn too big to send are counted apart (``client_side``); no answer before the fuzzer's
+deadline and a call the transport ended are faults there.
 
-Properties (``run_fuzz`` returns them, ``write_report`` writes fuzz.json + fuzz.md, or fuzz_stateful.*):
-every server answer is OK or one of ALLOWED, anything else is a fault kept with its input; (stateful) no
-violation; the servers never exit or log a traceback; no session leaks once the fuzzer releases its ids; a
-well-formed greedy request gets the same tokens after the run as before.
+Properties (``run_fuzz``; ``write_report``: fuzz.json + fuzz.md, or fuzz_stateful.*): every server answer is OK or
+one of ALLOWED (anything else is a fault, kept with its input); (stateful) no violation; the servers never exit or log
+a traceback; no session leaks once the fuzzer releases its ids; greedy tokens the same after the run as before.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import queue
 import sys
@@ -51,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
+from specdec.harness.report import machine, md_table, nested_table, write_record  # noqa: E402
 from specdec.harness.servers import launch_service, stop_service, wait_ready  # noqa: E402
 from specdec.v1 import (draft_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc,  # noqa: E402
                         target_pb2, target_pb2_grpc, tree_pb2)
@@ -95,55 +91,49 @@ def _ints(lo: int, hi: int) -> st.SearchStrategy[int]:
     return st.one_of(st.integers(max(lo, -3), min(hi, 40)), st.sampled_from(edges), st.integers(lo, hi))
 
 
+FD = FieldDescriptor
+SCALARS = {  # field type -> its values, extremes included (enums: ``_scalar``)
+    **dict.fromkeys((FD.TYPE_INT32, FD.TYPE_SINT32, FD.TYPE_SFIXED32), _ints(*INT32)),
+    **dict.fromkeys((FD.TYPE_INT64, FD.TYPE_SINT64, FD.TYPE_SFIXED64), _ints(*INT64)),
+    **dict.fromkeys((FD.TYPE_UINT32, FD.TYPE_FIXED32), _ints(0, 2**32 - 1)),
+    **dict.fromkeys((FD.TYPE_UINT64, FD.TYPE_FIXED64), _ints(0, 2**64 - 1)),
+    FD.TYPE_FLOAT: st.one_of(st.floats(width=32), st.sampled_from([math.nan, math.inf, -math.inf, 0.0, -0.0, 1.0])),
+    FD.TYPE_DOUBLE: st.one_of(st.floats(), st.sampled_from([math.nan, math.inf, -math.inf, 0.0, 1.0, 1e308, 5e-324])),
+    FD.TYPE_BOOL: st.booleans(),
+    FD.TYPE_STRING: st.one_of(st.text(max_size=20), st.sampled_from(["", "fz-0", "x" * 70_000, "\u0000",
+                                                                     "\ud7ff\U0010ffff"])),
+    FD.TYPE_BYTES: st.binary(max_size=64),
+}
+
+
 def _scalar(fd: FieldDescriptor) -> st.SearchStrategy:
-    t = fd.type
-    if t in (FieldDescriptor.TYPE_INT32, FieldDescriptor.TYPE_SINT32, FieldDescriptor.TYPE_SFIXED32):
-        return _ints(*INT32)
-    if t in (FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_SINT64, FieldDescriptor.TYPE_SFIXED64):
-        return _ints(*INT64)
-    if t in (FieldDescriptor.TYPE_UINT32, FieldDescriptor.TYPE_FIXED32):
-        return _ints(0, 2**32 - 1)
-    if t in (FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_FIXED64):
-        return _ints(0, 2**64 - 1)
-    if t == FieldDescriptor.TYPE_FLOAT:
-        return st.one_of(st.floats(width=32), st.sampled_from([math.nan, math.inf, -math.inf, 0.0, -0.0, 1.0]))
-    if t == FieldDescriptor.TYPE_DOUBLE:
-        return st.one_of(st.floats(), st.sampled_from([math.nan, math.inf, -math.inf, 0.0, 1.0, 1e308, 5e-324]))
-    if t == FieldDescriptor.TYPE_BOOL:
-        return st.booleans()
-    if t == FieldDescriptor.TYPE_STRING:
-        return st.one_of(st.text(max_size=20), st.sampled_from(["", "fz-0", "x" * 70_000, "\u0000", "\ud7ff\U0010ffff"]))
-    if t == FieldDescriptor.TYPE_BYTES:
-        return st.binary(max_size=64)
-    if t == FieldDescriptor.TYPE_ENUM:
+    if fd.type == FD.TYPE_ENUM:
         return st.sampled_from([v.number for v in fd.enum_type.values] + [999])
-    raise TypeError(f"{fd.full_name}: unhandled field type {t}")
+    return SCALARS[fd.type]
 
 
 def _value(fd: FieldDescriptor, depth: int) -> st.SearchStrategy:
-    if fd.type == FieldDescriptor.TYPE_MESSAGE:
-        return message_strategy(fd.message_type, depth + 1)
-    return _scalar(fd)
+    return message_strategy(fd.message_type, depth + 1) if fd.type == FD.TYPE_MESSAGE else _scalar(fd)
 
 
 def _repeated(fd: FieldDescriptor, depth: int) -> st.SearchStrategy[list]:
     """Short lists, or one value repeated many times at the top level (nested lists stay small)."""
     element = _value(fd, depth)
     small = st.lists(element, max_size=8)
-    if fd.type == FieldDescriptor.TYPE_MESSAGE:
+    if fd.type == FD.TYPE_MESSAGE:
         sizes = [1_000, 10_000] if depth == 0 else [50]
     else:
         sizes = [129, 4_096, HUGE_REPEAT] if depth == 0 else [129]
-    if fd.type in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES):  # short values: 100,000 x 70 KB would be 7 GB
-        element = st.text(max_size=8) if fd.type == FieldDescriptor.TYPE_STRING else st.binary(max_size=8)
+    if fd.type in (FD.TYPE_STRING, FD.TYPE_BYTES):  # short values: 100,000 x 70 KB would be 7 GB
+        element = st.text(max_size=8) if fd.type == FD.TYPE_STRING else st.binary(max_size=8)
     huge = st.builds(lambda v, n: [v] * n, element, st.sampled_from(sizes))
     return st.one_of(small, small, small, huge)
 
 
 @st.composite
-def _message(draw, descriptor, depth: int):
-    cls = _message_class(descriptor)
-    msg = cls()
+def message_strategy(draw, descriptor, depth: int = 0):
+    """Random instances of the protobuf message ``descriptor``, nested messages down to depth 4."""
+    msg = message_factory.GetMessageClass(descriptor)()
     chosen_oneofs = {o.name: draw(st.sampled_from([None, *[f.name for f in o.fields]])) for o in descriptor.oneofs
                      if not o.name.startswith("_")}  # "_seed": proto3 optional, drawn as a plain field
     for fd in descriptor.fields:
@@ -153,38 +143,16 @@ def _message(draw, descriptor, depth: int):
         if oneof is None or oneof.name not in chosen_oneofs:
             if not draw(st.booleans()):
                 continue  # unset
-        if depth > 3 and fd.type == FieldDescriptor.TYPE_MESSAGE:
+        if depth > 3 and fd.type == FD.TYPE_MESSAGE:
             continue
-        _set_field(msg, fd, draw(_repeated(fd, depth) if _is_repeated(fd) else _value(fd, depth)))
+        value = draw(_repeated(fd, depth) if fd.is_repeated else _value(fd, depth))
+        if fd.is_repeated:
+            getattr(msg, fd.name).extend(value)
+        elif fd.type == FD.TYPE_MESSAGE:
+            getattr(msg, fd.name).CopyFrom(value)
+        else:
+            setattr(msg, fd.name, value)
     return msg
-
-
-def _is_repeated(fd: FieldDescriptor) -> bool:
-    """protobuf 6+ has ``is_repeated`` (``label`` deprecated); older ones only ``label``."""
-    return fd.is_repeated if hasattr(fd, "is_repeated") else fd.label == FieldDescriptor.LABEL_REPEATED
-
-
-def _set_field(msg, fd: FieldDescriptor, value) -> None:
-    if _is_repeated(fd):
-        getattr(msg, fd.name).extend(value)
-    elif fd.type == FieldDescriptor.TYPE_MESSAGE:
-        getattr(msg, fd.name).CopyFrom(value)
-    else:
-        setattr(msg, fd.name, value)
-
-
-_CLASSES: dict[str, type] = {}
-
-
-def _message_class(descriptor) -> type:
-    if descriptor.full_name not in _CLASSES:
-        _CLASSES[descriptor.full_name] = message_factory.GetMessageClass(descriptor)
-    return _CLASSES[descriptor.full_name]
-
-
-def message_strategy(descriptor, depth: int = 0) -> st.SearchStrategy:
-    """Random instances of the protobuf message ``descriptor``, nested messages down to depth 4."""
-    return _message(descriptor, depth)
 
 
 # ------------------------------------------------------------- well-formed messages and their mutations
@@ -360,7 +328,7 @@ class Record:
     seconds: Counter = field(default_factory=Counter)  # rpc -> wall time of its calls (s)
     details: dict = field(default_factory=dict)  # (rpc, code name) -> the details of its first call
 
-    def add(self, rpc: str, code: grpc.StatusCode, details: str, request, allowed=ALLOWED, seconds: float = 0.0,
+    def add(self, rpc: str, code: grpc.StatusCode, details: str, request, seconds: float = 0.0,
             own_cancel: bool = False) -> bool:
         """Count one call's end; True when it is the server's answer."""
         self.seconds[rpc] += seconds
@@ -372,9 +340,20 @@ class Record:
             return False
         self.codes[(rpc, code.name)] += 1
         self.details.setdefault((rpc, code.name), details[:200])
-        if code is not OK and code not in allowed:
+        if code is not OK and code not in ALLOWED:
             self._fault(rpc, code.name, details, request)
         return True
+
+    def answer(self, rpc: str, code: grpc.StatusCode, details: str, request, started: float, expect=None,
+               own_cancel: bool = False) -> bool:
+        """Count one call sent at perf_counter ``started`` (a list: a stream's messages); with ``expect`` (stateful),
+        a server's answer other than those is a violation. True when it is the server's answer."""
+        self.requests += len(request) if isinstance(request, list) else 1
+        answered = self.add(rpc, code, details, request, seconds=time.perf_counter() - started, own_cancel=own_cancel)
+        if answered and expect is not None and code not in expect:
+            self.violation(rpc, f"{code.name} where the model expects {sorted(c.name for c in expect)}: "
+                                f"{details[:200]}", request)
+        return answered
 
     def violation(self, rpc: str, what: str, request) -> None:
         """An answer the stateful model did not expect (a status, or a value of the reply)."""
@@ -390,14 +369,6 @@ class Record:
 def _short(request, limit: int = 800) -> str:
     text = str(request) if not isinstance(request, list) else "\n---\n".join(map(str, request))
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
-
-
-def _status(call):
-    """Run ``call()``: (reply or None, code, details)."""
-    try:
-        return call(), OK, ""
-    except grpc.RpcError as exc:
-        return None, exc.code(), exc.details() or ""
 
 
 class Fuzzer:
@@ -417,6 +388,16 @@ class Fuzzer:
         for channel in self.channels.values():
             channel.close()
 
+    def call(self, rpc: str, method, request, expect=None) -> tuple:
+        """One unary call, recorded (``expect``: Record.answer): (reply or None, status code)."""
+        started = time.perf_counter()
+        try:
+            reply, code, details = method(request, timeout=CALL_TIMEOUT_S), OK, ""
+        except grpc.RpcError as exc:
+            reply, code, details = None, exc.code(), exc.details() or ""
+        self.record.answer(rpc, code, details, request, started, expect)
+        return reply, code
+
     def case(self, data: st.DataObject) -> None:
         """One message: an RPC, then a random (from the descriptor) or a mutated well-formed request."""
         rpcs = ["Prefill", "Verify", "Verify", "VerifyBatch", "Commit", "Release", "TargetInfo", "DraftInfo",
@@ -433,12 +414,8 @@ class Fuzzer:
         if request.ByteSize() > MAX_SENT_BYTES:
             self.record.client_side[(rpc, UNSENT_OVERSIZE)] += 1
             return
-        started = time.perf_counter()
-        _, code, details = _status(lambda: stub_call(request, timeout=CALL_TIMEOUT_S))
-        if rpc == "Prefill" and code is OK:
+        if self.call(rpc, stub_call, request)[1] is OK and rpc == "Prefill":
             self.opened.add(request.session_id)  # released at the end (the client's job), with the pool's
-        self.record.requests += 1
-        self.record.add(rpc, code, details, request, seconds=time.perf_counter() - started)
 
     def _unary(self, rpc: str):
         """(stub method, request class, strategy of mutated well-formed requests or None)."""
@@ -469,18 +446,32 @@ class Fuzzer:
         one = message_strategy(draft_pb2.DraftRequest.DESCRIPTOR) if random_message else None
         plan = [data.draw(one if one is not None else self._draft_request(i), label="draft request")
                 for i in range(data.draw(st.integers(1, 6), label="stream length"))]
+
+        def feed(send, sent) -> None:
+            last_tree = None
+            for planned in plan:
+                msg = planned.resolve(last_tree, self.shape.vocab) if isinstance(planned, PlannedCommit) else planned
+                reply = send(msg, answer=msg.WhichOneof("kind") in ("start", "propose"))
+                last_tree = reply.tree.tree if reply is not None and reply.WhichOneof("kind") == "tree" else last_tree
+
+        self.draft_session(feed)
+
+    def draft_session(self, feed, expect=None) -> None:
+        """One Session stream: ``feed(send, sent)`` sends its messages (``send(msg, answer)`` returns the reply to a
+        start or propose; ``sent``: the messages so far), then the stream is read to its end and recorded as one call
+        (``expect``: Record.answer)."""
         requests: queue.Queue = queue.Queue()
         started = time.perf_counter()
         replies = self.draft.Session(iter(requests.get, None), timeout=CALL_TIMEOUT_S)
-        sent, last_tree, code, details = [], None, OK, ""
+        sent, code, details = [], OK, ""
+
+        def send(msg, answer: bool):
+            sent.append(msg)
+            requests.put(msg)
+            return next(replies) if answer else None
+
         try:
-            for planned in plan:
-                msg = planned.resolve(last_tree, self.shape.vocab) if isinstance(planned, PlannedCommit) else planned
-                sent.append(msg)
-                requests.put(msg)
-                if msg.WhichOneof("kind") in ("start", "propose"):
-                    reply = next(replies)
-                    last_tree = reply.tree.tree if reply.WhichOneof("kind") == "tree" else last_tree
+            feed(send, sent)
             requests.put(None)
             for _ in replies:
                 pass
@@ -491,8 +482,7 @@ class Fuzzer:
         finally:
             requests.put(None)
             replies.cancel()
-        self.record.requests += len(sent)
-        self.record.add("Session", code, details, sent, seconds=time.perf_counter() - started)
+        self.record.answer("Session", code, details, sent, started, expect)
 
     def _draft_request(self, i: int) -> st.SearchStrategy:
         """A start first (mostly), then proposes, commits and now and then a second start."""
@@ -517,18 +507,16 @@ class Fuzzer:
         wanted = data.draw(st.integers(1, 3), label="replies before the cancel")
         started = time.perf_counter()
         call = self.front.Generate(request, timeout=CALL_TIMEOUT_S)
-        code, details, own_cancel, read = OK, "", False, 0
+        code, details, own_cancel = OK, "", False
         try:
-            for _ in call:
-                read += 1
+            for read, _ in enumerate(call, 1):
                 if read >= wanted:
                     call.cancel()
                     code, own_cancel = grpc.StatusCode.CANCELLED, True
                     break
         except grpc.RpcError as exc:
             code, details = exc.code(), exc.details() or ""
-        self.record.requests += 1
-        self.record.add("Generate", code, details, request, seconds=time.perf_counter() - started, own_cancel=own_cancel)
+        self.record.answer("Generate", code, details, request, started, own_cancel=own_cancel)
 
     def _generate_request(self) -> st.SearchStrategy:
         """A well-formed request (short greedy or sampled, prompt ids or text) with at most one field broken."""
@@ -581,12 +569,8 @@ def _agree(a, b) -> bool:
 
 
 class Stateful:
-    """Sequences of calls on a few target session ids (open, verify, replay, commit, release, reopen), draft
-    streams (start, propose, commit, a misplaced message, the id reused) and front request ids (Generate, the id
-    again while it runs, Abort twice, the id reused). Every answer is checked against the model of the services:
-    its status, and its values (cached tokens, released, the accepted path, a replay equal to its first answer,
-    greedy tokens equal to every earlier answer on the same context: the front's, the target's and, per draft
-    context, the draft's trees)."""
+    """The stateful mode (the module's docstring): sequences of calls on target sessions, draft streams and front
+    request ids, every answer checked against this model of the services."""
 
     OPS = ("open", "verify", "commit", "release", "verify_batch", "generate_abort", "draft_stream")
 
@@ -621,13 +605,7 @@ class Stateful:
 
     def _call(self, rpc: str, method, request, expect: set):
         """One unary call, recorded; a violation when the server answers other than ``expect``. The reply or None."""
-        started = time.perf_counter()
-        reply, code, details = _status(lambda: method(request, timeout=CALL_TIMEOUT_S))
-        self.record.requests += 1
-        answered = self.record.add(rpc, code, details, request, seconds=time.perf_counter() - started)
-        if answered and code not in expect:
-            self.record.violation(rpc, f"{code.name} where the model expects {sorted(c.name for c in expect)}: "
-                                       f"{details[:200]}", request)
+        reply, code = self.f.call(rpc, method, request, expect)
         return reply if code is OK else None
 
     @staticmethod
@@ -811,10 +789,7 @@ class Stateful:
                     return tokens, stop, False
         except grpc.RpcError as exc:
             code, details = exc.code(), exc.details() or ""
-        self.record.requests += 1
-        if self.record.add("Generate", code, details, request, seconds=time.perf_counter() - started) and code not in expect:
-            self.record.violation("Generate", f"{code.name} where the model expects {sorted(c.name for c in expect)}: "
-                                              f"{details[:200]}", request)
+        self.record.answer("Generate", code, details, request, started, expect)
         return tokens, stop, True
 
     # -- draft streams
@@ -833,43 +808,24 @@ class Stateful:
             self._one_draft_stream(sid, prompt, rounds, misplaced)
 
     def _one_draft_stream(self, sid: str, prompt: tuple, rounds: list, misplaced: str | None) -> None:
-        requests: queue.Queue = queue.Queue()
-        replies = self.f.draft.Session(iter(requests.get, None), timeout=CALL_TIMEOUT_S)
-        sent, context, code, details = [], tuple(prompt), OK, ""
         spec = tree_pb2.TreeSpec(gamma=2, top_k_spec=[tree_pb2.TopKRow(k=[2]), tree_pb2.TopKRow(k=[1])], top_head=[1, 1])
-        started = time.perf_counter()
+        start = draft_pb2.DraftRequest(start=draft_pb2.DraftStart(session_id=sid, prompt_ids=prompt))
 
-        def send(msg, answer: bool):
-            sent.append(msg)
-            requests.put(msg)
-            return next(replies) if answer else None
-
-        try:
-            send(draft_pb2.DraftRequest(start=draft_pb2.DraftStart(session_id=sid, prompt_ids=prompt)), True)
+        def feed(send, sent) -> None:
+            context = tuple(prompt)
+            send(start, answer=True)
             for i, (depth, leaf, bonus) in enumerate(rounds):
-                reply = send(draft_pb2.DraftRequest(propose=draft_pb2.TreeRequest(spec=spec, max_depth=depth, round=i)), True)
-                self._draft_tree(context, depth, reply.tree.tree, sent)
-                commit = PlannedCommit(leaf, bonus).resolve(reply.tree.tree, self.shape.vocab)
+                propose = draft_pb2.DraftRequest(propose=draft_pb2.TreeRequest(spec=spec, max_depth=depth, round=i))
+                tree = send(propose, answer=True).tree.tree
+                self._draft_tree(context, depth, tree, sent)
+                commit = PlannedCommit(leaf, bonus).resolve(tree, self.shape.vocab)
                 if misplaced and i == len(rounds) - 1:  # the last round's commit is replaced
-                    commit = (draft_pb2.DraftRequest(start=draft_pb2.DraftStart(session_id=sid, prompt_ids=prompt))
-                              if misplaced == "start" else draft_pb2.DraftRequest(commit=draft_pb2.DraftCommit(
-                                  tokens=[1, 1], accepted_nodes=[len(reply.tree.tree.tokens) + 50])))
-                send(commit, False)
+                    commit = start if misplaced == "start" else draft_pb2.DraftRequest(commit=draft_pb2.DraftCommit(
+                        tokens=[1, 1], accepted_nodes=[len(tree.tokens) + 50]))
+                send(commit, answer=False)
                 context += tuple(commit.commit.tokens)
-            requests.put(None)
-            for _ in replies:
-                pass
-        except grpc.RpcError as exc:
-            code, details = exc.code(), exc.details() or ""
-        except StopIteration:
-            self.record.violation("Session", "the stream ended without the reply of a start / propose", sent)
-        finally:
-            requests.put(None)
-            replies.cancel()
-        self.record.requests += len(sent)
-        expect = grpc.StatusCode.INVALID_ARGUMENT if misplaced else OK
-        if self.record.add("Session", code, details, sent, seconds=time.perf_counter() - started) and code is not expect:
-            self.record.violation("Session", f"{code.name} where the model expects {expect.name}: {details[:200]}", sent)
+
+        self.f.draft_session(feed, {grpc.StatusCode.INVALID_ARGUMENT if misplaced else OK})
 
     def _draft_tree(self, context: tuple, depth: int, tree, sent) -> None:
         """A proposed tree: topological, ids in the vocabulary, no deeper than asked, equal to the tree proposed
@@ -955,7 +911,8 @@ def run_fuzz(addresses: Addresses, messages: int, seed: int = 0, alive=None, sta
         drive(machine.sequence if machine else fuzzer.case, messages, seed)
         elapsed_s = time.perf_counter() - started
         for sid in fuzzer.opened:  # the fuzzer's own sessions: releasing them is the client's job
-            _status(lambda: fuzzer.target.Release(target_pb2.ReleaseRequest(session_id=sid), timeout=CALL_TIMEOUT_S))
+            with contextlib.suppress(grpc.RpcError):
+                fuzzer.target.Release(target_pb2.ReleaseRequest(session_id=sid), timeout=CALL_TIMEOUT_S)
         processes = alive() if alive else {}
         held = open_sessions(fuzzer)
         after = greedy_outputs(fuzzer)
@@ -974,12 +931,12 @@ def run_fuzz(addresses: Addresses, messages: int, seed: int = 0, alive=None, sta
 
 def summarize(record: Record, ran: int, elapsed_s: float, seed: int, held: dict, before: dict, after: dict,
               processes: dict) -> dict:
-    per_rpc: dict[str, dict[str, int]] = {}
-    for (rpc, code), n in sorted(record.codes.items()):
-        per_rpc.setdefault(rpc, {})[code] = n
-    client_side: dict[str, dict[str, int]] = {}
-    for (rpc, where), n in sorted(record.client_side.items()):
-        client_side.setdefault(rpc, {})[where] = n
+    def per_rpc(counts: Counter) -> dict[str, dict[str, int]]:
+        nested: dict[str, dict[str, int]] = {}
+        for (rpc, key), n in sorted(counts.items()):
+            nested.setdefault(rpc, {})[key] = n
+        return nested
+
     checks = {
         "only_allowed_codes": record.fault_count - record.violations == 0,
         "servers_alive": all(processes.values()) if processes else True,
@@ -991,7 +948,7 @@ def summarize(record: Record, ran: int, elapsed_s: float, seed: int, held: dict,
         "client_side": sum(record.client_side.values()), "seed": seed, "elapsed_s": round(elapsed_s, 1),
         "messages_per_s": round(ran / elapsed_s, 1) if elapsed_s else None,
         "allowed_codes": sorted(c.name for c in ALLOWED),
-        "codes_per_rpc": per_rpc, "client_side_per_rpc": client_side,
+        "codes_per_rpc": per_rpc(record.codes), "client_side_per_rpc": per_rpc(record.client_side),
         "seconds_per_rpc": {rpc: round(t, 2) for rpc, t in sorted(record.seconds.items())},
         "first_details": {f"{rpc} {code}": text for (rpc, code), text in sorted(record.details.items())},
         "faults": record.fault_count, "fault_examples": record.faults,
@@ -1020,9 +977,9 @@ def spawned_services(root: Path):
             stop_service(service)
 
 
-def fuzz_spawned(messages: int, seed: int = 0, workdir: Path | None = None, stateful: bool = False) -> dict:
+def fuzz_spawned(messages: int, seed: int = 0, stateful: bool = False) -> dict:
     """Fuzz a spawned tiny deployment; adds each server's exit code and logged tracebacks to the result."""
-    with spawned_services(Path(workdir or tempfile.mkdtemp(prefix="fuzz-"))) as (addresses, services):
+    with tempfile.TemporaryDirectory(prefix="fuzz-") as root, spawned_services(Path(root)) as (addresses, services):
         result = run_fuzz(addresses, messages, seed, stateful=stateful,
                           alive=lambda: {name: s.returncode is None for name, s in services.items()})
     exit_codes = {name: s.returncode for name, s in services.items()}
@@ -1037,10 +994,6 @@ def fuzz_spawned(messages: int, seed: int = 0, workdir: Path | None = None, stat
 
 def write_report(result: dict, out_dir) -> tuple[Path, Path]:
     """Write ``fuzz.json`` and ``fuzz.md`` (stateful: ``fuzz_stateful.*``) under ``out_dir``; returns their paths."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    name = "fuzz_stateful" if result["mode"] == "stateful" else "fuzz"
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     machine = result.get("machine", {})
     what = (f"{result['sequences']} sequences ({result['steps']} steps, {result['requests']} requests)"
             if result["mode"] == "stateful" else f"{result['messages']} messages ({result['requests']} requests)")
@@ -1048,8 +1001,8 @@ def write_report(result: dict, out_dir) -> tuple[Path, Path]:
              f"{result.get('deployment', 'a given deployment')}; commit {machine.get('commit', '?')}, "
              f"{machine.get('cpu_model', '?')} ({machine.get('cpus', '?')} CPUs); {result['elapsed_s']} s. Allowed: OK, "
              f"{', '.join(result['allowed_codes'])}. Server answers: {result['server_answers']}; ended on the client's "
-             f"side: {result['client_side']} (not answers: counted apart).", "", "| check | result |", "|---|---|"]
-    lines += [f"| {check} | {'pass' if ok else 'FAIL'} |" for check, ok in result["checks"].items()]
+             f"side: {result['client_side']} (not answers: counted apart).", ""]
+    lines += md_table(["check", "result"], [[name, "pass" if ok else "FAIL"] for name, ok in result["checks"].items()])
     lines += ["", f"Faults: {result['faults']}. Sessions held after the run: {result['sessions_after']}.",
               f"Greedy tokens before = after: {result['greedy_before'] == result['greedy_after']} "
               f"({result['greedy_after']})."]
@@ -1057,20 +1010,12 @@ def write_report(result: dict, out_dir) -> tuple[Path, Path]:
         lines += ["", f"Steps by operation: {result['ops']}. Model violations: {result['violations']}. Answers compared "
                       f"with an earlier answer on the same context: {result['cross_checked']} (greedy tokens of the "
                       f"target and front; the draft's trees), over {result['known_contexts']} target contexts."]
-    lines += ["", "Server answers:", ""] + _table(result["codes_per_rpc"])
-    lines += ["", "Ended on the client's side:", ""] + _table(result["client_side_per_rpc"])
+    lines += ["", "Server answers:", ""] + nested_table("rpc", result["codes_per_rpc"])
+    lines += ["", "Ended on the client's side:", ""] + nested_table("rpc", result["client_side_per_rpc"])
     for fault in result["fault_examples"][:10]:
         lines += ["", f"- {fault['rpc']} -> {fault['code']}: {fault['details']}", "", "```", fault["request"], "```"]
-    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
-    return out / f"{name}.json", out / f"{name}.md"
-
-
-def _table(per_rpc: dict[str, dict[str, int]]) -> list[str]:
-    columns = sorted({c for per in per_rpc.values() for c in per})
-    if not columns:
-        return ["(none)"]
-    return (["| rpc | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
-            + [f"| {rpc} | " + " | ".join(str(per.get(c, 0)) for c in columns) + " |" for rpc, per in per_rpc.items()])
+    name = "fuzz_stateful" if result["mode"] == "stateful" else "fuzz"
+    return write_record(out_dir, name, result, "\n".join(lines) + "\n")
 
 
 def _address(text: str) -> str:
@@ -1098,8 +1043,6 @@ def main(argv=None) -> int:
         result = run_fuzz(Addresses(args.draft, args.target, args.front), args.messages, args.seed, stateful=args.stateful)
     else:
         result = fuzz_spawned(args.messages, args.seed, stateful=args.stateful)
-    from benchmarks.reliability import machine  # the CPU and commit, as the other parts' records name them
-
     result["machine"] = machine()
     paths = write_report(result, args.out)
     print(f"{result['messages']} {'sequences' if args.stateful else 'messages'}, {result['faults']} faults, "
