@@ -41,7 +41,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from orchestrator.loop.embedded import encode_prompt  # noqa: E402
 from orchestrator.measure.bench import BUILTIN_QUESTIONS  # noqa: E402
 from orchestrator.measure.eval_report import peak_rss_mb  # noqa: E402
-from specdec.config import ClientLimitsConfig, FrontConfig, TargetServerConfig  # noqa: E402
+from specdec.config import ClientLimitsConfig, ConfigError, TargetServerConfig, load_config  # noqa: E402
 from specdec.harness.otlp import OtlpReceiver, attribute_value  # noqa: E402
 from specdec.harness.servers import (Service, launch_command, launch_service, server_command,  # noqa: E402
                                      stop_service, wait_ready)
@@ -471,9 +471,9 @@ def check_front_variants(p: argparse.ArgumentParser, args) -> None:
         flags = sorted({flag for flag, _, _ in given})
         p.error(f"{'/'.join(flags)}: adds concurrency configurations; --sections has no concurrency")
     for flag, name, front in given:
-        try:
-            FrontConfig.model_validate(deep_merge({"use_ray": True}, front))
-        except ValueError as exc:
+        try:  # through load_config, so a retired key names itself (RETIRED_KEYS)
+            load_config(None, {"front": deep_merge({"use_ray": True}, front)})
+        except ConfigError as exc:
             p.error(f"{flag} {name}: not a valid front config ({exc})")
 
 

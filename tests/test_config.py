@@ -33,7 +33,6 @@ def test_a_retired_key_says_what_replaced_it(tmp_path, monkeypatch):
                               "renamed to front.cost_aware.new_knob")
 
 
-
 @pytest.mark.parametrize("key", sorted(config_module.RETIRED_KEYS))
 def test_each_removed_heuristics_key_fails_naming_itself_and_the_record(key):
     """Every retired key (docs/heuristics.md) fails naming the key and the page that says why."""

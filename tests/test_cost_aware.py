@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from draft_service.runtime import DraftRuntime
 from orchestrator.planning.control import RoundObservation
 from orchestrator.planning.cost_aware import (
-    CostAwareControl, DepthEstimates, Estimates, SharedState, could_pay, plan_depth,
+    CostAwareControl, DepthEstimates, SharedState, could_pay,
 )
 from orchestrator.planning.cost_model import PRIOR_DRAFT_STEP_MS, PRIOR_VERIFY_MS, CostModel
 from orchestrator.loop.controller import GenerationRequest

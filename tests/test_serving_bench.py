@@ -225,6 +225,10 @@ def test_front_variant_flag_errors(capsys):
             parse_args(["--front-variant", *argv])
         assert "--front-variant" in capsys.readouterr().err
     assert parse_args(["--front-variant", 'v={"pipeline": true}']).front_variant == [("v", {"pipeline": True})]
+    with pytest.raises(SystemExit):  # a removed key names itself and where it went, as in a config file
+        parse_args(["--front-variant", 'v={"cost_aware": {"in_step": false}}'])
+    err = capsys.readouterr().err
+    assert "front.cost_aware.in_step: no longer a config key" in err and "docs/heuristics.md" in err
     for argv in (["target_only={}"], ["v={bad"], ['v={"cost_aware": {"probe_evry": 4}}'],
                  ["v={}", "--front-variant", "v={}"]):  # a name taken by either flag
         with pytest.raises(SystemExit):
