@@ -52,7 +52,7 @@ import grpc  # noqa: E402
 import psutil  # noqa: E402
 
 from specdec.harness.pki import make_pki  # noqa: E402
-from specdec.harness.report import machine, md_table, nested_table, write_record  # noqa: E402
+from specdec.harness.report import machine, md_table, nested_table, percentile, write_record  # noqa: E402
 from specdec.harness.servers import Service, launch_service, stop_service, wait_address, wait_ready  # noqa: E402
 from specdec.v1 import (draft_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc, target_pb2,  # noqa: E402
                         target_pb2_grpc, tree_pb2)
@@ -65,16 +65,6 @@ WORKERS = 2  # the own deployment's orchestrator actors (chaos kills one)
 
 def log(msg: str) -> None:
     print(f"[reliability {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default); 0.0 for no values."""
-    v = sorted(values)
-    if not v:
-        return 0.0
-    pos = (len(v) - 1) * q / 100
-    lo, hi = int(pos), min(int(pos) + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
 # ----------------------------------------------------------------------------------------- requests

@@ -43,6 +43,7 @@ from orchestrator.measure.bench import BUILTIN_QUESTIONS  # noqa: E402
 from orchestrator.measure.eval_report import peak_rss_mb  # noqa: E402
 from specdec.config import ClientLimitsConfig, ConfigError, TargetServerConfig, load_config  # noqa: E402
 from specdec.harness.otlp import OtlpReceiver, attribute_value  # noqa: E402
+from specdec.harness.report import percentile  # noqa: E402
 from specdec.harness.servers import (Service, launch_command, launch_service, server_command,  # noqa: E402
                                      stop_service, wait_ready)
 from specdec.model_setup import resolve_draft_quant, resolve_dtype  # noqa: E402
@@ -510,17 +511,6 @@ def start_front(services: Services, args, name: str, front: dict, draft: Service
 
 
 # ----------------------------------------------------------------------------------------- stats
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    v = sorted(values)
-    if not v:
-        return 0.0
-    pos = (len(v) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
-
 
 CPU_ROLES = ("target", "draft", "front", "front_ray", "other_fronts", "benchmark", "other")
 

@@ -222,10 +222,12 @@ class FixedControl(Control):
     context. The round loop's default control, and ``--control fixed`` / ``front.cost_aware.enabled: false``."""
 
     def __init__(self, spec: TreeSpec, fallback: FallbackConfig = FallbackConfig(),
-                 draft_context_limit: int | None = None, metrics=None, clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic):
         self.gamma = spec.gamma
         self.reason: str | None = None
-        self.fallback = FallbackPolicy(fallback, draft_context_limit, metrics, clock)
+        # the draft's context limit comes from the loop (set_draft_context_limit); plain rounds are counted
+        # from the RoundRecords (SpecMetrics.observe_round), so no metrics here
+        self.fallback = FallbackPolicy(fallback, clock=clock)
 
     @property
     def fallback_rounds(self) -> dict[str, int]:

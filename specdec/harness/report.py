@@ -7,6 +7,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import numpy as np
+
 from specdec.harness.servers import SOURCE_ROOT
 from specdec.placement import cpu_model
 
@@ -16,6 +18,11 @@ def machine() -> dict:
     commit = subprocess.run(["git", "-C", str(SOURCE_ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, check=False)
     return {"cpu_model": cpu_model() or "unknown", "cpus": os.cpu_count(), "commit": commit.stdout.strip() or "unknown"}
+
+
+def percentile(values, q: float) -> float:
+    """The q-th percentile (0-100) of ``values``, linear between closest ranks (numpy's default); 0.0 for none."""
+    return float(np.percentile(values, q)) if len(values) else 0.0
 
 
 def md_table(head: list[str], rows: list[list]) -> list[str]:
