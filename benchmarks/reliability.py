@@ -8,19 +8,10 @@
     python benchmarks/reliability.py load  --front HOST:PORT [--target HOST:PORT --draft HOST:PORT --http HOST:PORT] \\
         [--tls-ca ca.pem --tls-cert client.pem --tls-key client.key --auth-token-file tokens]   # your deployment
 
-By default each part starts its own deployment on loopback ports (tiny seeded models; a draft, a target and a front
-on a local Ray with its HTTP API), secured as a shared cluster would be: TLS on every port (a throwaway CA, mutual
-between the services) and bearer tokens on the front (``--plaintext``: neither). ``--front`` drives a running one
-(not ``chaos``: it kills processes). Every output is checked against its solo run: a greedy request against the
-target alone (speculation off), a seeded sampled one against the same request sent alone. Each part writes
-``reliability_<part>.json`` and ``.md`` under ``--out``:
-
-- ``load``: ``--clients`` streaming requests at once (a share over HTTP): failures, latency and TTFT p50/p95, outputs.
-- ``soak``: ``--requests`` back to back, some aborted or with a short deadline; fails on a status its plan does not
-  allow, an output unequal to its solo run, a session or cached token left on the services (or released by the
-  target's idle reaper), and RSS growth over ``--max-rss-growth-mib`` in a process from the run's middle to its end.
-- ``chaos``: closed-loop clients while the draft, the target and an orchestrator actor are killed and restarted in
-  turn; nothing may hang or be wrong, a fresh request must succeed after, and nothing may stay on the services.
+By default each part starts its own deployment on loopback (tiny seeded models; draft, target and a Ray front with
+its HTTP API), with TLS on every port and bearer tokens (``--plaintext``: neither); ``--front`` drives a running one
+(not ``chaos``: it kills processes). Every output is checked against its solo run. Each part writes
+``reliability_<part>.json`` and ``.md`` under ``--out``; docs/benchmarks.md describes what each part checks.
 """
 
 from __future__ import annotations
@@ -40,7 +31,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections import Counter
+from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -99,24 +90,20 @@ class Outcome:
 
     request_id: str
     greedy: bool
-    prompt_tokens: int
-    status: str
-    tokens: list[int]
-    start_s: float
-    end_s: float
-    latency_s: float
-    ttft_s: float | None
+    status: str = OK
+    tokens: list[int] = field(default_factory=list)
+    start_s: float = 0.0
+    end_s: float = 0.0
+    latency_s: float = 0.0
+    ttft_s: float | None = None
     stop_reason: str = ""
-    abort: str | None = None
-    deadline_s: float = 0.0
     fallback_rounds: int = 0  # FinalStats: rounds without the draft (it failed, was full or was opening)
     failovers: int = 0  # FinalStats: moves to another orchestrator actor after its own died
     via: str = "grpc"
 
     @classmethod
-    def begin(cls, plan: Plan, t0: float, via: str = "grpc") -> "Outcome":
-        return cls(plan.request_id, plan.greedy, len(plan.prompt_ids), OK, [], time.monotonic() - t0, 0.0, 0.0, None,
-                   abort=plan.abort, deadline_s=plan.deadline_s, via=via)
+    def begin(cls, plan: Plan, t0: float) -> "Outcome":
+        return cls(plan.request_id, plan.greedy, start_s=time.monotonic() - t0, via=plan.via)
 
     def finish(self, t0: float) -> "Outcome":
         self.end_s = time.monotonic() - t0
@@ -148,21 +135,31 @@ def aio_channel(address: str, credentials: grpc.ChannelCredentials | None) -> gr
 
 
 class Client:
-    """GenerationService client over one grpc.aio channel; outcome times count from monotonic ``t0``."""
+    """The front's clients: its GenerationService over one grpc.aio channel, and its OpenAI-compatible
+    ``/v1/completions`` (streamed, token ids included: the ``specdec`` extension) by blocking urllib calls on
+    ``http_threads`` threads. Outcome times count from monotonic ``t0``."""
 
-    def __init__(self, address: str, credentials: grpc.ChannelCredentials | None, token: str | None,
-                 hang_grace_s: float = 10.0):
-        self.channel = aio_channel(address, credentials)
+    def __init__(self, endpoints: Endpoints, hang_grace_s: float = 10.0, http_threads: int = 1):
+        self.channel = aio_channel(endpoints.front, endpoints.credentials)
         self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
-        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self.metadata = (("authorization", f"Bearer {endpoints.token}"),) if endpoints.token else None
+        self.url = f"{'https' if endpoints.ssl_context else 'http'}://{endpoints.http}/v1/completions"
+        self.ssl_context = endpoints.ssl_context
+        self.headers = {"Content-Type": "application/json",
+                        **({"Authorization": f"Bearer {endpoints.http_token}"} if endpoints.http_token else {})}
+        self.pool = ThreadPoolExecutor(max(http_threads, 1), thread_name_prefix="http-client")
         self.hang_grace_s = hang_grace_s
         self.t0 = time.monotonic()
 
     async def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
         await self.channel.close()
 
     async def run(self, plan: Plan, no_spec: bool = False) -> Outcome:
-        """Send ``plan``; never raises (status goes in the Outcome); HUNG past deadline + ``hang_grace_s``."""
+        """Send ``plan`` (over HTTP if its ``via`` says so); never raises (status goes in the Outcome); HUNG past
+        deadline + ``hang_grace_s``."""
+        if plan.via == "http":
+            return await self._run_http(plan)
         sampling = tree_pb2.SamplingParams(temperature=plan.temperature, seed=plan.seed)
         request = generation_pb2.GenerateRequest(request_id=plan.request_id, prompt_ids=plan.prompt_ids,
                                                  max_new_tokens=plan.max_new_tokens, sampling=sampling, no_spec=no_spec)
@@ -218,30 +215,13 @@ class Client:
                 refs[plan.key] = out
         return refs
 
-
-class HttpClient:
-    """The front's OpenAI-compatible ``/v1/completions``, streamed, token ids included (the ``specdec``
-    extension); blocking urllib calls on threads of its own. Outcome times count from ``t0`` as Client's do."""
-
-    def __init__(self, address: str, ssl_context: ssl.SSLContext | None, token: str | None, hang_grace_s: float,
-                 threads: int):
-        self.url = f"{'https' if ssl_context else 'http'}://{address}/v1/completions"
-        self.ssl_context = ssl_context
-        self.headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
-        self.hang_grace_s = hang_grace_s
-        self.pool = ThreadPoolExecutor(max(threads, 1), thread_name_prefix="http-client")
-        self.t0 = time.monotonic()
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
-
-    async def run(self, plan: Plan) -> Outcome:
-        """Send ``plan`` (no abort, no deadline field: the HTTP API has neither); HUNG past deadline + grace."""
-        out = Outcome.begin(plan, self.t0, via="http")
+    async def _run_http(self, plan: Plan) -> Outcome:
+        """Send ``plan`` over HTTP (no abort, no deadline field: the HTTP API has neither)."""
+        out = Outcome.begin(plan, self.t0)
         try:
             read = asyncio.get_running_loop().run_in_executor(self.pool, self._post, plan, time.monotonic())
-            out.status, out.tokens, out.ttft_s, stats = await asyncio.wait_for(read, plan.deadline_s
-                                                                               + self.hang_grace_s)
+            limit_s = plan.deadline_s + self.hang_grace_s
+            out.status, out.tokens, out.ttft_s, stats = await asyncio.wait_for(read, limit_s)
         except asyncio.TimeoutError:
             out.status, stats = HUNG, {}
         out.stop_reason = stats.get("stop_reason", "")
@@ -350,6 +330,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def tls(ca, cert, key) -> tuple[grpc.ChannelCredentials, ssl.SSLContext]:
+    """gRPC channel credentials (presenting ``cert`` if given) and an HTTPS context, both trusting ``ca``."""
+    read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+    return grpc.ssl_channel_credentials(read(ca), read(key), read(cert)), ssl.create_default_context(cafile=str(ca))
+
+
 @dataclass
 class Endpoints:
     """Where the parts send requests (front, http) and read session counts (target, draft; None = not read)."""
@@ -432,10 +418,8 @@ class LocalDeployment:
         ep = Endpoints(self.services["front"].address, self.services["target"].address, self.services["draft"].address,
                        http=self.http)
         if self.pki is not None:
-            ca, key, cert = (self.pki[name].read_bytes() for name in ("ca", "key", "cert"))
-            ep.credentials = grpc.ssl_channel_credentials(ca, key, cert)
+            ep.credentials, ep.ssl_context = tls(self.pki["ca"], self.pki["cert"], self.pki["key"])
             ep.token, ep.http_token = self.tokens
-            ep.ssl_context = ssl.create_default_context(cafile=str(self.pki["ca"]))
         return ep
 
     def describe(self, args) -> str:
@@ -443,17 +427,6 @@ class LocalDeployment:
                     "each its own)" if self.pki else "plaintext, no tokens")
         return (f"own: tiny models, Ray, {WORKERS} actors, HTTP API on, {security}; session_idle_s {args.idle_s:g} on "
                 "draft and target")
-
-    def kill(self, kind: str) -> None:
-        """SIGKILL the draft or target service (no drain, no release: a crash)."""
-        self.services[kind].proc.kill()
-        self.services[kind].proc.wait()
-
-    def restart(self, kind: str) -> float:
-        """Start the draft or target again on its port; returns the seconds until it was ready."""
-        started = time.monotonic()
-        self.services[kind] = wait_ready(self._launch(kind))
-        return time.monotonic() - started
 
     def _launch(self, kind: str) -> Service:
         return launch_service(kind, self.config_path, port=self.draft_port if kind == "draft" else self.target_port)
@@ -521,19 +494,13 @@ async def run_load(args, endpoints: Endpoints, deployment: LocalDeployment | Non
     plans = make_plans(rng, args.clients, args, "load")
     for i in rng.sample(range(len(plans)), round(args.http_share * len(plans)) if endpoints.http else 0):
         plans[i].via = "http"
-    client = Client(endpoints.front, endpoints.credentials, endpoints.token, args.hang_grace_s)
-    http = (HttpClient(endpoints.http, endpoints.ssl_context, endpoints.http_token or endpoints.token, args.hang_grace_s,
-                       threads=sum(p.via == "http" for p in plans)) if endpoints.http else None)
+    client = Client(endpoints, args.hang_grace_s, http_threads=sum(p.via == "http" for p in plans))
     try:
         refs = await client.references(plans)
         client.t0 = time.monotonic()
-        if http is not None:
-            http.t0 = client.t0
-        outcomes = await asyncio.gather(*((http if p.via == "http" else client).run(p) for p in plans))
+        outcomes = await asyncio.gather(*(client.run(p) for p in plans))
     finally:
         await client.close()
-        if http is not None:
-            http.close()
     wall = max(o.end_s for o in outcomes)
     failed = [o for o in outcomes if o.status != OK]
     outputs = output_figures(plans, outcomes, refs)
@@ -551,7 +518,7 @@ async def run_soak(args, endpoints: Endpoints, deployment: LocalDeployment | Non
     """``args.requests`` requests, ``args.concurrency`` at a time, some aborted or short; statuses, leaks and RSS."""
     rng = random.Random(args.seed)
     plans = make_plans(rng, args.requests, args, "soak")
-    client = Client(endpoints.front, endpoints.credentials, endpoints.token, args.hang_grace_s)
+    client = Client(endpoints, args.hang_grace_s)
     trace, stop = None, asyncio.Event()
     try:
         refs = await client.references(plans)  # also the warm-up
@@ -674,11 +641,15 @@ RECONNECT_GRACE_S = 1.5  # the front's channels retry a restarted service within
 
 
 async def kill_service(args, dep: LocalDeployment, kind: str) -> float:
-    """SIGKILL the draft or target, wait ``down_s``, restart it; returns the restart's seconds."""
+    """SIGKILL the draft or target (no drain, no release: a crash), wait ``down_s``, start it again on its port;
+    returns the seconds until it was ready."""
     log(f"chaos: SIGKILL the {kind} service")
-    dep.kill(kind)
+    dep.services[kind].proc.kill()
+    dep.services[kind].proc.wait()
     await asyncio.sleep(args.down_s)
-    restart_s = await asyncio.to_thread(dep.restart, kind)
+    started = time.monotonic()
+    dep.services[kind] = await asyncio.to_thread(lambda: wait_ready(dep._launch(kind)))
+    restart_s = time.monotonic() - started
     log(f"chaos: {kind} restarted in {restart_s:.1f} s")
     return restart_s
 
@@ -725,34 +696,26 @@ async def run_chaos(args, endpoints: Endpoints, deployment: LocalDeployment | No
         raise SystemExit("chaos: kills processes, so it runs only on its own deployment (drop --front)")
     rng = random.Random(args.seed)
     plans = make_plans(rng, 4096, args, "chaos")
-    client = Client(endpoints.front, endpoints.credentials, endpoints.token, args.hang_grace_s)
+    client = Client(endpoints, args.hang_grace_s)
+    done = asyncio.Event()
     try:
         refs = await client.references(plans)
         client.t0 = time.monotonic()
-        outcomes, windows = await chaos_loop(args, deployment, client, plans)
+        loop = asyncio.ensure_future(run_closed_loop(client, plans, args.clients, done))  # until the script ends
+        try:
+            windows = await chaos_script(args, deployment, lambda: time.monotonic() - client.t0)
+        finally:
+            done.set()
+            outcomes = [o for o in await loop if o is not None]
         recovery = await serves_again(client, plans, refs, args.recovery_timeout_s)
     finally:
         await client.close()
     leaks = await leak_check(endpoints, deployment, args.leak_timeout_s)
     by_plan = {p.request_id: p for p in plans}
-    table: dict[str, dict[str, int]] = {}
+    table: dict[str, Counter] = defaultdict(Counter)
     for out in outcomes:
-        verdict = chaos_verdict(out, refs[by_plan[out.request_id].key])
-        row = table.setdefault(overlapped(out, windows), {})
-        row[verdict] = row.get(verdict, 0) + 1
-    return chaos_figures(args, outcomes, windows, table, recovery, leaks)
-
-
-async def chaos_loop(args, dep: LocalDeployment, client: Client, plans: list[Plan]):
-    """Clients send plans in turn until the chaos script ends: (outcomes, disruption windows)."""
-    done = asyncio.Event()
-    loop = asyncio.ensure_future(run_closed_loop(client, plans, args.clients, done))
-    try:
-        windows = await chaos_script(args, dep, lambda: time.monotonic() - client.t0)
-    finally:
-        done.set()
-        outcomes = await loop
-    return [o for o in outcomes if o is not None], windows
+        table[overlapped(out, windows)][chaos_verdict(out, refs[by_plan[out.request_id].key])] += 1
+    return chaos_figures(args, outcomes, windows, {w: dict(row) for w, row in table.items()}, recovery, leaks)
 
 
 async def serves_again(client: Client, plans: list[Plan], refs: dict, timeout_s: float) -> dict:
@@ -899,11 +862,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def endpoints_from(args) -> Endpoints:
     from orchestrator.cli.remote import client_token  # imports torch (specdec.sampling): only with --front
 
-    credentials, context = None, None
-    if args.tls_ca:
-        read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
-        credentials = grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
-        context = ssl.create_default_context(cafile=args.tls_ca)
+    credentials, context = tls(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else (None, None)
     token = client_token(args.auth_token_file)
     return Endpoints(args.front, args.target, args.draft, credentials, token, args.http, token, context)
 

@@ -92,7 +92,7 @@ def _ints(lo: int, hi: int) -> st.SearchStrategy[int]:
 
 
 FD = FieldDescriptor
-SCALARS = {  # field type -> its values, extremes included (enums: ``_scalar``)
+SCALARS = {  # field type -> its values, extremes included (the protos have no enum field)
     **dict.fromkeys((FD.TYPE_INT32, FD.TYPE_SINT32, FD.TYPE_SFIXED32), _ints(*INT32)),
     **dict.fromkeys((FD.TYPE_INT64, FD.TYPE_SINT64, FD.TYPE_SFIXED64), _ints(*INT64)),
     **dict.fromkeys((FD.TYPE_UINT32, FD.TYPE_FIXED32), _ints(0, 2**32 - 1)),
@@ -106,14 +106,8 @@ SCALARS = {  # field type -> its values, extremes included (enums: ``_scalar``)
 }
 
 
-def _scalar(fd: FieldDescriptor) -> st.SearchStrategy:
-    if fd.type == FD.TYPE_ENUM:
-        return st.sampled_from([v.number for v in fd.enum_type.values] + [999])
-    return SCALARS[fd.type]
-
-
 def _value(fd: FieldDescriptor, depth: int) -> st.SearchStrategy:
-    return message_strategy(fd.message_type, depth + 1) if fd.type == FD.TYPE_MESSAGE else _scalar(fd)
+    return message_strategy(fd.message_type, depth + 1) if fd.type == FD.TYPE_MESSAGE else SCALARS[fd.type]
 
 
 def _repeated(fd: FieldDescriptor, depth: int) -> st.SearchStrategy[list]:
@@ -133,26 +127,19 @@ def _repeated(fd: FieldDescriptor, depth: int) -> st.SearchStrategy[list]:
 @st.composite
 def message_strategy(draw, descriptor, depth: int = 0):
     """Random instances of the protobuf message ``descriptor``, nested messages down to depth 4."""
-    msg = message_factory.GetMessageClass(descriptor)()
     chosen_oneofs = {o.name: draw(st.sampled_from([None, *[f.name for f in o.fields]])) for o in descriptor.oneofs
                      if not o.name.startswith("_")}  # "_seed": proto3 optional, drawn as a plain field
+    values = {}
     for fd in descriptor.fields:
         oneof = fd.containing_oneof
-        if oneof is not None and oneof.name in chosen_oneofs and chosen_oneofs[oneof.name] != fd.name:
-            continue
-        if oneof is None or oneof.name not in chosen_oneofs:
-            if not draw(st.booleans()):
-                continue  # unset
-        if depth > 3 and fd.type == FD.TYPE_MESSAGE:
-            continue
-        value = draw(_repeated(fd, depth) if fd.is_repeated else _value(fd, depth))
-        if fd.is_repeated:
-            getattr(msg, fd.name).extend(value)
-        elif fd.type == FD.TYPE_MESSAGE:
-            getattr(msg, fd.name).CopyFrom(value)
-        else:
-            setattr(msg, fd.name, value)
-    return msg
+        if oneof is not None and oneof.name in chosen_oneofs:
+            if chosen_oneofs[oneof.name] != fd.name:
+                continue
+        elif not draw(st.booleans()):
+            continue  # unset
+        if depth <= 3 or fd.type != FD.TYPE_MESSAGE:
+            values[fd.name] = draw(_repeated(fd, depth) if fd.is_repeated else _value(fd, depth))
+    return message_factory.GetMessageClass(descriptor)(**values)
 
 
 # ------------------------------------------------------------- well-formed messages and their mutations
@@ -229,17 +216,15 @@ def tree_spec(draw, broken: bool | None = None) -> tree_pb2.TreeSpec:
     spec = tree_pb2.TreeSpec(gamma=gamma, top_k_spec=[tree_pb2.TopKRow(k=[draw(st.integers(1, 3))])] +
                              [tree_pb2.TopKRow(k=[1]) for _ in range(gamma - 1)], top_head=[1] * gamma)
     if draw(st.booleans()) if broken is None else broken:
-        kind = draw(st.sampled_from(["gamma", "rows", "heads", "type", "threshold", "k", "huge"]))
-        if kind == "gamma":
-            spec.gamma = draw(st.sampled_from([0, -1, 65, INT32[1]]))
+        bad = {"gamma": [0, -1, 65, INT32[1]], "tree_type": [2, -1, INT32[1]],
+               "gamma_threshold": [math.nan, math.inf, -1.0, 2.0]}
+        kind = draw(st.sampled_from(["gamma", "rows", "heads", "tree_type", "gamma_threshold", "k", "huge"]))
+        if kind in bad:
+            setattr(spec, kind, draw(st.sampled_from(bad[kind])))
         elif kind == "rows":
             spec.top_k_spec.append(tree_pb2.TopKRow(k=[1, 1]))
         elif kind == "heads":
             spec.top_head[0] = draw(st.sampled_from([0, 2, -1]))
-        elif kind == "type":
-            spec.tree_type = draw(st.sampled_from([2, -1, INT32[1]]))
-        elif kind == "threshold":
-            spec.gamma_threshold = draw(st.sampled_from([math.nan, math.inf, -1.0, 2.0]))
         elif kind == "k":
             spec.top_k_spec[0].k[0] = draw(st.sampled_from([0, -1, 10_000, INT32[1]]))
         else:
@@ -843,31 +828,21 @@ class Stateful:
 
 # ------------------------------------------------------------- the run: greedy reference, messages, checks
 
-def greedy_on_target(stub, vocab: int, session: str = "fz-greedy") -> list[int]:
-    """GREEDY_TOKENS plain decoding steps on the target alone (empty trees, temperature 0)."""
-    prompt = [t % vocab for t in GREEDY_PROMPT]
+def greedy_outputs(fuzzer: Fuzzer, session: str = "fz-greedy") -> dict[str, list[int]]:
+    """GREEDY_TOKENS tokens of GREEDY_PROMPT: "target": plain decoding steps on the target alone (empty trees,
+    temperature 0); "front" (if any): one greedy speculative Generate (ignore_eos)."""
+    prompt, stub, tokens = [t % fuzzer.shape.vocab for t in GREEDY_PROMPT], fuzzer.target, []
     stub.Prefill(target_pb2.PrefillRequest(session_id=session, prompt_ids=prompt), timeout=CALL_TIMEOUT_S)
-    out = []
     try:
         for _ in range(GREEDY_TOKENS):
-            out += stub.Verify(target_pb2.VerifyRequest(session_id=session), timeout=CALL_TIMEOUT_S).tokens[:1]
+            tokens += stub.Verify(target_pb2.VerifyRequest(session_id=session), timeout=CALL_TIMEOUT_S).tokens[:1]
             stub.Commit(target_pb2.CommitRequest(session_id=session, num_tokens=1), timeout=CALL_TIMEOUT_S)
     finally:
         stub.Release(target_pb2.ReleaseRequest(session_id=session), timeout=CALL_TIMEOUT_S)
-    return out
-
-
-def greedy_through_front(stub, vocab: int) -> list[int]:
-    """GREEDY_TOKENS tokens of one greedy speculative Generate (ignore_eos)."""
-    request = generation_pb2.GenerateRequest(prompt_ids=[t % vocab for t in GREEDY_PROMPT], max_new_tokens=GREEDY_TOKENS,
-                                             ignore_eos=True)
-    return [t for reply in stub.Generate(request, timeout=CALL_TIMEOUT_S) for t in reply.token_ids]
-
-
-def greedy_outputs(fuzzer: Fuzzer) -> dict[str, list[int]]:
-    out = {"target": greedy_on_target(fuzzer.target, fuzzer.shape.vocab)}
+    out = {"target": tokens}
     if fuzzer.front:
-        out["front"] = greedy_through_front(fuzzer.front, fuzzer.shape.vocab)
+        request = generation_pb2.GenerateRequest(prompt_ids=prompt, max_new_tokens=GREEDY_TOKENS, ignore_eos=True)
+        out["front"] = [t for reply in fuzzer.front.Generate(request, timeout=CALL_TIMEOUT_S) for t in reply.token_ids]
     return out
 
 

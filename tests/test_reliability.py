@@ -55,7 +55,7 @@ def run_part(argv: list[str], deployment):
 
 
 def _out(rid, status, tokens, stop="", greedy=True, fallback_rounds=0, failovers=0):
-    return rel.Outcome(rid, greedy, 2, status, tokens, 0.0, 1.0, 1.0, 0.1, stop_reason=stop,
+    return rel.Outcome(rid, greedy, status, tokens, 0.0, 1.0, 1.0, 0.1, stop_reason=stop,
                        fallback_rounds=fallback_rounds, failovers=failovers)
 
 
@@ -158,7 +158,7 @@ def test_seeded_solo_runs_repeat_and_differ_by_seed(deployment):
     ep = deployment.endpoints
 
     async def solo_runs():
-        client = rel.Client(ep.front, ep.credentials, ep.token)
+        client = rel.Client(ep)
         try:
             plans = [rel.Plan(f"seeded-{i}", [5, 17, 42, 9], 24, temperature=0.8, seed=i % 2) for i in range(3)]
             return [(await client.references([p]))[p.key] for p in plans]
