@@ -400,16 +400,13 @@ class LocalDeployment:
         from specdec.harness.tiny_pair import write_config  # torch and transformers: only for an own deployment
 
         write_config(dep.config_path, tiny_models(workdir, args), **deployment_config(dep, args))
-        launched = []
         try:
-            launched += [dep._launch("draft"), dep._launch("target")]
-            dep.services.update(draft=wait_ready(launched[0]), target=wait_ready(launched[1]))
-            launched.append(launch_service("front", dep.config_path))
-            dep.services["front"] = wait_ready(launched[-1], timeout_s=300)
+            dep.services.update(draft=dep._launch("draft"), target=dep._launch("target"))  # their start-ups overlap
+            wait_ready(dep.services["draft"]), wait_ready(dep.services["target"])
+            dep.services["front"] = wait_ready(launch_service("front", dep.config_path), timeout_s=300)
             dep.http = wait_address(dep.services["front"], "http")
         except BaseException:  # a service that did not start: stop the others, leave nothing running
-            for service in launched:
-                stop_service(service, timeout_s=30)
+            dep.stop()
             raise
         return dep
 
@@ -791,10 +788,7 @@ PARTS = {"load": run_load, "soak": run_soak, "chaos": run_chaos}
 
 
 def positive_ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    values = [int(x) for x in text.split(",") if x.strip()]  # a ValueError: argparse names the option and value
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
     return values

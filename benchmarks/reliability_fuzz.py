@@ -9,17 +9,14 @@ after a few replies): half built field by field from the proto descriptors (``me
 NaN / inf, huge strings and repeats, nested messages), half well-formed with one field broken (bad trees, sampling
 parameters and specs, unknown session ids, calls out of order). Generation is hypothesis with a fixed seed.
 
-Stateful mode (``Stateful``): a case is a sequence of 2-12 calls on a few session and request ids (open, verify,
-replay, commit, release, reopen; Generate, the id again while it runs, Abort twice, the id reused; draft streams of
-start / propose / commit with a misplaced message now and then), each answer checked against a model of the services:
-its status and its values (cached tokens, released, a root path accepted, a replay equal to its first answer, greedy
-tokens or draft trees equal to every earlier answer on the same context). An answer unlike the model's is a violation.
+Stateful mode (``Stateful``): a case is a sequence of 2-12 calls on a few session and request ids, each answer checked
+against a model of the services (its status and its values); an answer unlike the model's is a violation.
 
 Only the servers' answers count as answers: a call the fuzzer cancelled, a message its own channel refused to send
 ("CLIENT: ...") or one drawn too big to send are counted apart (``client_side``); no answer before the fuzzer's
 deadline and a call the transport ended are faults there.
 
-Properties (``run_fuzz``; ``write_report``: fuzz.json + fuzz.md, or fuzz_stateful.*): every server answer is OK or
+Properties (``summarize``; ``write_report``: fuzz.json + fuzz.md, or fuzz_stateful.*): every server answer is OK or
 one of ALLOWED (anything else is a fault, kept with its input); (stateful) no violation; the servers never exit or log
 a traceback; no session leaks once the fuzzer releases its ids; greedy tokens the same after the run as before.
 """
@@ -330,15 +327,14 @@ class Record:
         return True
 
     def answer(self, rpc: str, code: grpc.StatusCode, details: str, request, started: float, expect=None,
-               own_cancel: bool = False) -> bool:
+               own_cancel: bool = False) -> None:
         """Count one call sent at perf_counter ``started`` (a list: a stream's messages); with ``expect`` (stateful),
-        a server's answer other than those is a violation. True when it is the server's answer."""
+        a server's answer other than those is a violation."""
         self.requests += len(request) if isinstance(request, list) else 1
         answered = self.add(rpc, code, details, request, seconds=time.perf_counter() - started, own_cancel=own_cancel)
         if answered and expect is not None and code not in expect:
             self.violation(rpc, f"{code.name} where the model expects {sorted(c.name for c in expect)}: "
                                 f"{details[:200]}", request)
-        return answered
 
     def violation(self, rpc: str, what: str, request) -> None:
         """An answer the stateful model did not expect (a status, or a value of the reply)."""
@@ -360,7 +356,7 @@ class Fuzzer:
     """Sends the cases to one deployment (synchronous channels) and records their statuses."""
 
     def __init__(self, addresses: Addresses, shape: Shape, pool: list[str]):
-        self.addresses, self.shape, self.pool = addresses, shape, pool
+        self.shape, self.pool = shape, pool
         self.channels = {name: grpc.insecure_channel(addr, options=[("grpc.max_send_message_length", 64 << 20)])
                          for name, addr in vars(addresses).items() if addr}
         self.target = target_pb2_grpc.TargetServiceStub(self.channels["target"])
@@ -554,8 +550,11 @@ def _agree(a, b) -> bool:
 
 
 class Stateful:
-    """The stateful mode (the module's docstring): sequences of calls on target sessions, draft streams and front
-    request ids, every answer checked against this model of the services."""
+    """The stateful mode: sequences of calls on target sessions (open, verify, replay, commit, release, reopen), front
+    request ids (Generate, the id again while it runs, Abort twice, the id reused) and draft streams (start / propose /
+    commit, a misplaced message now and then), every answer checked against this model of the services: its status
+    and its values (cached tokens, released, a root path accepted, a replay equal to its first answer, greedy tokens
+    or draft trees equal to every earlier answer on the same context)."""
 
     OPS = ("open", "verify", "commit", "release", "verify_batch", "generate_abort", "draft_stream")
 
@@ -914,7 +913,7 @@ def summarize(record: Record, ran: int, elapsed_s: float, seed: int, held: dict,
 
     checks = {
         "only_allowed_codes": record.fault_count - record.violations == 0,
-        "servers_alive": all(processes.values()) if processes else True,
+        "servers_alive": all(processes.values()),
         "no_sessions_leaked": not any(held.values()),
         "greedy_unchanged": before == after,
     }
@@ -1021,8 +1020,7 @@ def main(argv=None) -> int:
     result["machine"] = machine()
     paths = write_report(result, args.out)
     print(f"{result['messages']} {'sequences' if args.stateful else 'messages'}, {result['faults']} faults, "
-          f"passed={result['passed']}: "
-          + ", ".join(map(str, paths)))
+          f"passed={result['passed']}: " + ", ".join(map(str, paths)))
     return 0 if result["passed"] else 1
 
 
