@@ -16,7 +16,7 @@ Only the servers' answers count as answers: a call the fuzzer cancelled, a messa
 ("CLIENT: ...") or one drawn too big to send are counted apart (``client_side``); no answer before the fuzzer's
 deadline and a call the transport ended are faults there.
 
-Properties (``summarize``; ``write_report``: fuzz.json + fuzz.md, or fuzz_stateful.*): every server answer is OK or
+Properties (``run_fuzz``; ``write_report``: fuzz.json + fuzz.md, or fuzz_stateful.*): every server answer is OK or
 one of ALLOWED (anything else is a fault, kept with its input); (stateful) no violation; the servers never exit or log
 a traceback; no session leaks once the fuzzer releases its ids; greedy tokens the same after the run as before.
 """
@@ -369,15 +369,16 @@ class Fuzzer:
         for channel in self.channels.values():
             channel.close()
 
-    def call(self, rpc: str, method, request, expect=None) -> tuple:
-        """One unary call, recorded (``expect``: Record.answer): (reply or None, status code)."""
+    def call(self, rpc: str, method, request, expect=None):
+        """One unary call, recorded (``expect``: Record.answer, a violation when the server answers other than
+        those): its reply, or None when it failed."""
         started = time.perf_counter()
         try:
             reply, code, details = method(request, timeout=CALL_TIMEOUT_S), OK, ""
         except grpc.RpcError as exc:
             reply, code, details = None, exc.code(), exc.details() or ""
         self.record.answer(rpc, code, details, request, started, expect)
-        return reply, code
+        return reply
 
     def case(self, data: st.DataObject) -> None:
         """One message: an RPC, then a random (from the descriptor) or a mutated well-formed request."""
@@ -395,7 +396,7 @@ class Fuzzer:
         if request.ByteSize() > MAX_SENT_BYTES:
             self.record.client_side[(rpc, UNSENT_OVERSIZE)] += 1
             return
-        if self.call(rpc, stub_call, request)[1] is OK and rpc == "Prefill":
+        if self.call(rpc, stub_call, request) is not None and rpc == "Prefill":
             self.opened.add(request.session_id)  # released at the end (the client's job), with the pool's
 
     def _unary(self, rpc: str):
@@ -587,11 +588,6 @@ class Stateful:
 
     # -- calls and checks
 
-    def _call(self, rpc: str, method, request, expect: set):
-        """One unary call, recorded; a violation when the server answers other than ``expect``. The reply or None."""
-        reply, code = self.f.call(rpc, method, request, expect)
-        return reply if code is OK else None
-
     @staticmethod
     def _slot(data: st.DataObject, slots: list[Slot], prefer) -> Slot:
         """A slot; 3 times in 4 one that ``prefer`` accepts, if any (so sequences reach deep states)."""
@@ -625,7 +621,7 @@ class Stateful:
             prompt[-1] = self.shape.vocab
         expect = {grpc.StatusCode.INVALID_ARGUMENT} if broken else {grpc.StatusCode.ALREADY_EXISTS} if slot.open else {OK}
         request = target_pb2.PrefillRequest(session_id=slot.sid, prompt_ids=prompt)
-        reply = self._call("Prefill", self.f.target.Prefill, request, expect)
+        reply = self.f.call("Prefill", self.f.target.Prefill, request, expect)
         if reply is not None and expect == {OK}:
             self._check(reply.cached_tokens == len(prompt) - 1, "Prefill", f"cached_tokens {reply.cached_tokens}", request)
             slot.open, slot.context, slot.pending = True, tuple(prompt), None
@@ -682,7 +678,7 @@ class Stateful:
         tree, chain = self._tree(data, slot)
         request = target_pb2.VerifyRequest(session_id=slot.sid, tree=tree)
         expect = self._verify_expect(slot, tree)
-        reply = self._call("Verify", self.f.target.Verify, request, {expect})
+        reply = self.f.call("Verify", self.f.target.Verify, request, {expect})
         if reply is not None and expect is OK:
             self._verified(slot, tree, reply, chain, "Verify", request)
 
@@ -695,7 +691,7 @@ class Stateful:
         codes = [self._verify_expect(s, t) for s, (t, _) in zip(chosen, trees)]
         duplicate = len({s.sid for s in chosen}) < len(chosen)
         expect = grpc.StatusCode.INVALID_ARGUMENT if duplicate else next((c for c in codes if c is not OK), OK)
-        reply = self._call("VerifyBatch", self.f.target.VerifyBatch, request, {expect})
+        reply = self.f.call("VerifyBatch", self.f.target.VerifyBatch, request, {expect})
         if reply is None or expect is not OK:
             return
         self._check(len(reply.results) == len(chosen), "VerifyBatch", f"{len(reply.results)} results", request)
@@ -710,7 +706,7 @@ class Stateful:
         expect = (grpc.StatusCode.FAILED_PRECONDITION if not slot.open or slot.pending is None
                   else OK if 1 <= n <= answered else grpc.StatusCode.INVALID_ARGUMENT)
         request = target_pb2.CommitRequest(session_id=slot.sid, num_tokens=n)
-        reply = self._call("Commit", self.f.target.Commit, request, {expect})
+        reply = self.f.call("Commit", self.f.target.Commit, request, {expect})
         if reply is not None and expect is OK:
             self._check(reply.cached_tokens == len(slot.context) - 1 + n, "Commit", f"cached_tokens {reply.cached_tokens} "
                         f"after {len(slot.context)} + {n}", request)
@@ -725,7 +721,7 @@ class Stateful:
     def _release_slot(self, slot: Slot) -> None:
         """Release: OK, released = whether the session was open; the id is free again."""
         request = target_pb2.ReleaseRequest(session_id=slot.sid)
-        reply = self._call("Release", self.f.target.Release, request, {OK})
+        reply = self.f.call("Release", self.f.target.Release, request, {OK})
         if reply is not None:
             self._check(reply.released == slot.open, "Release", f"released {reply.released}, open {slot.open}", request)
         slot.open, slot.pending = False, None
@@ -748,13 +744,13 @@ class Stateful:
         again = generation_pb2.GenerateRequest(request_id=rid, prompt_ids=prompt, max_new_tokens=2)
         self._stream(self.f.front.Generate(again, timeout=CALL_TIMEOUT_S), again, expect={grpc.StatusCode.ALREADY_EXISTS})
         abort = generation_pb2.AbortRequest(request_id=rid)
-        first = self._call("Abort", self.f.front.Abort, abort, {OK})
+        first = self.f.call("Abort", self.f.front.Abort, abort, {OK})
         more, stop, _ = self._stream(call, request)
         tokens += more
         if first is not None:
             done = "aborted" if first.aborted else "max_new_tokens"
             self._check(stop == done, "Generate", f"stop_reason {stop!r} after Abort answered {first.aborted}", request)
-        second = self._call("Abort", self.f.front.Abort, abort, {OK})
+        second = self.f.call("Abort", self.f.front.Abort, abort, {OK})
         self._check(second is None or not second.aborted, "Abort", "a second Abort of an ended request answered true", abort)
         reuse = generation_pb2.GenerateRequest(request_id=rid, prompt_ids=prompt, max_new_tokens=4, ignore_eos=True)
         again_tokens, _, _ = self._stream(self.f.front.Generate(reuse, timeout=CALL_TIMEOUT_S), reuse)
