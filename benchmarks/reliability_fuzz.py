@@ -484,8 +484,9 @@ class Fuzzer:
 
     def _generate(self, data: st.DataObject, random_message: bool) -> None:
         """One Generate stream: read 1-3 replies, then cancel it if it has not ended (CANCELLED, ours)."""
+        broken = st.sampled_from([None, None, "prompt", "max_new_tokens", "stop", "sampling", "tree", "request_id"])
         request = data.draw(message_strategy(generation_pb2.GenerateRequest.DESCRIPTOR) if random_message
-                            else self._generate_request(), label="generate request")
+                            else broken.flatmap(self._generate_request), label="generate request")
         wanted = data.draw(st.integers(1, 3), label="replies before the cancel")
         started = time.perf_counter()
         call = self.front.Generate(request, timeout=CALL_TIMEOUT_S)
@@ -500,12 +501,8 @@ class Fuzzer:
             code, details = exc.code(), exc.details() or ""
         self.record.answer("Generate", code, details, request, started, own_cancel=own_cancel)
 
-    def _generate_request(self) -> st.SearchStrategy:
-        """A well-formed request (short greedy or sampled, prompt ids or text) with at most one field broken."""
-        return st.sampled_from([None, None, "prompt", "max_new_tokens", "stop", "sampling", "tree", "request_id"]).flatmap(
-            self._generate_broken)
-
-    def _generate_broken(self, broken: str | None) -> st.SearchStrategy:
+    def _generate_request(self, broken: str | None) -> st.SearchStrategy:
+        """A well-formed request (short greedy or sampled, prompt ids or text), field ``broken`` (or none) broken."""
         ids = st.builds(lambda p: {"prompt_ids": p}, prompt_ids(self.shape, broken == "prompt"))
         text = st.builds(lambda t, raw: {"prompt": t, "raw": raw}, st.text(max_size=40), st.booleans())
         bad_stop = st.sampled_from([["x" * 300], ["a"] * 40, [""]])
