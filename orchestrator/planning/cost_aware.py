@@ -7,7 +7,6 @@ limit follow ``FallbackPolicy``'s rules.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -230,11 +229,10 @@ class CostAwareControl(Control):
 
     def __init__(self, spec: TreeSpec, shared: SharedState | None = None, fallback: FallbackConfig = FallbackConfig(),
                  max_gamma: int = 10, ngram_tokens: int = 8, max_ngram: int = 3, probe_every: int = 16,
-                 first_round_plain: bool = True, max_nodes: int = MAX_TREE_NODES, clock=time.monotonic,
-                 lookup: Lookup | None = None):
+                 first_round_plain: bool = True, max_nodes: int = MAX_TREE_NODES, lookup: Lookup | None = None):
         self.base = spec
         self.shared = shared or SharedState()
-        self.fallback = FallbackPolicy(fallback, clock=clock)
+        self.fallback = FallbackPolicy(fallback)
         self.max_gamma = max(max_gamma, 1)
         self.max_nodes = max_nodes
         self.ngram_tokens, self.max_ngram = ngram_tokens, max_ngram
@@ -261,7 +259,7 @@ class CostAwareControl(Control):
         """The TTFT rule holds this round: the first token comes from the target's prefill alone."""
         return self.first_round_plain and self.state.rounds == 0
 
-    def speculate(self, now: float | None, committed_len: int, depth: int) -> bool:
+    def speculate(self, now: float, committed_len: int, depth: int) -> bool:
         """Plan this round (``plan_depth``) under ``depth`` levels; False = no draft this round."""
         st = self.state
         st.probing = False
@@ -441,11 +439,6 @@ class CostAwareControl(Control):
 
     # ----------------------------------------------------------------- the rest of the interface
 
-    def record(self, depth: int, proposed: int, accepted: int, now: float | None = None,
-               draft_s: float | None = None) -> None:
-        """After a speculative round (the controller's common hook): draft deadline accounting."""
-        self.fallback.record(proposed, accepted, now, draft_s)
-
     def prefill_beside(self) -> None:
         """This round runs plain beside the draft's prefill: ``observe`` teaches no cost from its slowed forward."""
         self.state.beside_prefill = True
@@ -454,7 +447,7 @@ class CostAwareControl(Control):
         """A draft session (re-)opened: its first drafted round's time also holds the prefill, not a step's cost."""
         self.state.draft_warm = False
 
-    def draft_failed(self, now: float | None = None) -> None:
+    def draft_failed(self, now: float) -> None:
         self.fallback.draft_failed(now)
 
     def draft_merged(self, batch_size: int) -> None:
