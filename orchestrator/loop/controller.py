@@ -71,25 +71,19 @@ class GenerationResult:
     stats: GenerationStats = field(default_factory=GenerationStats)
 
 
-async def _turn(method, *args, **kwargs):
-    """An in-process call, then one turn of the event loop, so concurrent requests interleave round by round."""
-    out = method(*args, **kwargs)
-    await asyncio.sleep(0)
-    return out
-
-
 class InProcessWorker(WorkerAdapter):
-    """An in-process worker (sync methods) as an awaitable one; its calls take turns with the event loop."""
+    """An in-process worker (sync methods) as an awaitable one: each call, then one turn of the event loop, so
+    concurrent requests interleave round by round."""
 
     in_process = True
 
-    def call(self, name: str, method, *args, **kwargs):
-        return _turn(method, *args, **kwargs)
+    async def call(self, name: str, method, *args, **kwargs):
+        out = method(*args, **kwargs)
+        await asyncio.sleep(0)
+        return out
 
 
-def sync_worker(worker) -> InProcessWorker:
-    """An in-process worker (sync methods) as an awaitable one (``InProcessWorker``)."""
-    return InProcessWorker(worker)
+sync_worker = InProcessWorker  # an in-process worker (sync methods) as an awaitable one
 
 
 async def _maybe_await(value):
@@ -238,13 +232,7 @@ class _Request:
         others = self.controller.running - 1  # other requests of this controller running now
         if self.spec is not None and not self.control.defer_draft_open(others):  # deferred: opened by the first drafted round
             starts.append(asyncio.ensure_future(self._open_draft()))
-        try:
-            await asyncio.gather(*starts)
-        except BaseException:
-            for task in starts:
-                task.cancel()
-            await asyncio.gather(*starts, return_exceptions=True)
-            raise
+        await gather_or_cancel(starts)
 
     async def _open_draft(self) -> bool:
         sid = self.sid if self.draft_opens == 0 else f"{self.sid}#{self.draft_opens}"
@@ -335,8 +323,7 @@ class _Request:
                 raise
             t3 = time.perf_counter()
             _round_attributes(span, drafted, shaped, self._gamma(), result, committed, outcome)
-        timing = _Timing(verify_s=t2 - t1, commit_s=t3 - t2, round_s=t3 - t0)
-        await self._record(drafted, shaped, result, committed, accepted, timing, outcome)
+        await self._record(drafted, shaped, result, committed, accepted, (t2 - t1, t3 - t2, t3 - t0), outcome)
         return committed
 
     def _gamma(self) -> int:
@@ -509,25 +496,27 @@ class _Request:
         return self.control.shape(drafted.tree, self.committed_tokens, max_depth, sunk_ms)
 
     async def _record(self, drafted: _Drafted, shaped: ShapedTree, result: VerifyResult, committed: list[int],
-                      accepted: list[int], timing: "_Timing", ahead: _AheadOutcome | None = None) -> None:
+                      accepted: list[int], timing: tuple[float, float, float],
+                      ahead: _AheadOutcome | None = None) -> None:
         """Phase 6: the control learns the outcome, the statistics count the round, the callbacks get its
-        RoundRecord. A tree from an ahead teaches no draft cost (it was off the critical path); the wait for
-        this round's ahead is not overhead."""
+        RoundRecord. timing: (verify, commit, round) wall times, seconds. A tree from an ahead teaches no draft cost
+        (it was off the critical path); the wait for this round's ahead is not overhead."""
         tree = shaped.tree
         accepted_path = result.accepted_nodes
+        verify_s, commit_s, round_s = timing
         if drafted.tree.size:
             self.control.record(drafted.depth, drafted.tree.size, len(_draft_nodes(shaped, accepted_path)))
         if self.control is not None:
             draft_s = None if drafted.pipelined else drafted.draft_s
-            overhead_s = timing.round_s - timing.verify_s - (draft_s or 0.0) - (ahead.wait_s if ahead else 0.0)
+            overhead_s = round_s - verify_s - (draft_s or 0.0) - (ahead.wait_s if ahead else 0.0)
             self.control.observe(RoundObservation(
-                shaped, accepted_path, timing.verify_s, draft_s, overhead_s, drafted.tree, result.batch_size,
+                shaped, accepted_path, verify_s, draft_s, overhead_s, drafted.tree, result.batch_size,
                 result.batch_rows, result.mergeable, result.forward_ms / 1000,
                 reply_s=drafted.ahead_s if drafted.pipelined else None))
         context_nodes = sum(1 for d in shaped.draft_index if d is None)
         record = RoundRecord(tuple(committed), proposed=tree.size, accepted=len(accepted), depth=shaped.depth,
                              fallback=drafted.fallback, gamma=self._gamma(), draft_s=drafted.draft_s,
-                             verify_s=timing.verify_s, commit_s=timing.commit_s, drafted=drafted.tree.size,
+                             verify_s=verify_s, commit_s=commit_s, drafted=drafted.tree.size,
                              context_proposed=context_nodes,
                              context_accepted=sum(1 for n in accepted if shaped.draft_index[n] is None),
                              expected_accepted=shaped.expected_accepted, stop_reason=self.stops.reason,
@@ -560,13 +549,16 @@ class _Request:
                 log.warning("request %s: target release failed: %s", self.sid, exc)
 
 
-@dataclass(frozen=True)
-class _Timing:
-    """Wall times of one round's phases, seconds."""
-
-    verify_s: float
-    commit_s: float
-    round_s: float
+async def gather_or_cancel(tasks: list[asyncio.Future]) -> list:
+    """``asyncio.gather`` of the tasks; when one fails (or this is cancelled), the others are cancelled and
+    awaited before the error propagates."""
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 async def _cancel(task: "asyncio.Future | None") -> None:

@@ -133,9 +133,6 @@ class Orchestrator:
         await self.target_channel.close()
         await self.draft_channel.close()
 
-    def active(self) -> int:
-        return len(self.tasks)
-
     async def stream(self, request: GenerationRequest, request_id: str, timeout_s: float | None = None,
                      carrier: dict | None = None) -> AsyncIterator[Chunk]:
         """Run one request; yields a Chunk per round, then a final Chunk with stats.

@@ -232,9 +232,6 @@ def match_bucket(match: int) -> int:
     return match if match <= 3 else 4 if match <= 5 else 5
 
 
-MATCH_BUCKET_LABELS = {1: "1", 2: "2", 3: "3", 4: "4-5", 5: "6+"}  # match_bucket -> the match lengths it holds
-
-
 def ngram_continuation(context: Sequence[int], max_tokens: int, max_ngram: int = 3) -> tuple[list[int], int]:
     """(n-gram continuation of at most max_tokens tokens, its ``match_bucket``); ([], 0) when none."""
     chain, match = match_continuation(context, max_tokens, max_ngram=max_ngram, max_match=6)  # 6+: one bucket
