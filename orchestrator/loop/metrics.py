@@ -12,6 +12,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from typing import AsyncGenerator, AsyncIterator, Sequence
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -52,55 +53,44 @@ class SpecMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None, namespace: str = "specdec"):
         self.registry = registry if registry is not None else CollectorRegistry()
-        r, ns = self.registry, namespace
-        self.rounds = Counter("rounds", "Rounds run, by mode (speculative or plain target step)",
-                              ["mode"], namespace=ns, registry=r)
-        self.proposed_tokens = Counter("proposed_tokens", "Draft tokens (tree nodes) sent to the target",
-                                       namespace=ns, registry=r)
-        self.accepted_tokens = Counter("accepted_tokens", "Draft tokens accepted by the target (bonus excluded)",
-                                       namespace=ns, registry=r)
-        self.committed_tokens = Counter("committed_tokens", "Tokens committed (bonus included)",
-                                        namespace=ns, registry=r)
-        self.fallback_rounds = Counter("fallback_rounds", "Plain rounds without the draft, by reason",
-                                       ["reason"], namespace=ns, registry=r)
-        self.acceptance_alerts = Counter("acceptance_alerts", "Low-acceptance alerts raised, by scope",
-                                         ["scope"], namespace=ns, registry=r)
-        self.acceptance_rate = Gauge("acceptance_rate",
-                                     "Global windowed acceptance rate (accepted / proposed draft tokens)",
-                                     namespace=ns, registry=r)
-        self.gamma = Histogram("gamma", "Speculation depth gamma of each speculative round",
-                               namespace=ns, registry=r, buckets=GAMMA_BUCKETS)
-        self.round_phase_seconds = Histogram("round_phase_seconds", "Wall time of one round phase, seconds",
-                                             ["phase"], namespace=ns, registry=r, buckets=PHASE_BUCKETS)
-        self.cost_verify_ms = Gauge("cost_verify_ms", "Cost model: predicted target verify latency for a tree "
-                                    "of rows - 1 nodes, ms (cost-aware control)", ["rows"], namespace=ns, registry=r)
-        self.cost_draft_step_ms = Gauge("cost_draft_step_ms", "Cost model: predicted draft step latency for "
-                                        "parents expanded nodes, ms", ["parents"], namespace=ns, registry=r)
-        self.context_tokens = Counter("context_tokens", "Context (n-gram) tree nodes, by outcome",
-                                      ["outcome"], namespace=ns, registry=r)
-        self.expected_accepted_tokens = Counter("expected_accepted_tokens", "Draft tokens the cost-aware control "
-                                                "expected to be accepted (compare with accepted_tokens)",
-                                                namespace=ns, registry=r)
-        self.position_proposed = Counter("position_proposed_tokens", "Rounds whose verified tree reached "
-                                         "this depth (position)", ["position"], namespace=ns, registry=r)
-        self.position_accepted = Counter("position_accepted_tokens", "Rounds whose accepted path reached "
-                                         "this depth (position)", ["position"], namespace=ns, registry=r)
-        self.request_latency = Histogram("request_latency_seconds", "Request time from arrival to the end of its stream, "
-                                         "seconds", namespace=ns, registry=r, buckets=REQUEST_LATENCY_BUCKETS)
-        self.ttft = Histogram("time_to_first_token_seconds", "Request time from arrival to its first token, seconds",
-                              namespace=ns, registry=r, buckets=TTFT_BUCKETS)
-        self.inter_token_latency = Histogram("inter_token_latency_seconds", "Gap between streamed rounds divided by "
+        counter, gauge, histogram = (partial(kind, namespace=namespace, registry=self.registry)
+                                     for kind in (Counter, Gauge, Histogram))
+        self.rounds = counter("rounds", "Rounds run, by mode (speculative or plain target step)", ["mode"])
+        self.proposed_tokens = counter("proposed_tokens", "Draft tokens (tree nodes) sent to the target")
+        self.accepted_tokens = counter("accepted_tokens", "Draft tokens accepted by the target (bonus excluded)")
+        self.committed_tokens = counter("committed_tokens", "Tokens committed (bonus included)")
+        self.fallback_rounds = counter("fallback_rounds", "Plain rounds without the draft, by reason", ["reason"])
+        self.acceptance_alerts = counter("acceptance_alerts", "Low-acceptance alerts raised, by scope", ["scope"])
+        self.acceptance_rate = gauge("acceptance_rate",
+                                     "Global windowed acceptance rate (accepted / proposed draft tokens)")
+        self.gamma = histogram("gamma", "Speculation depth gamma of each speculative round", buckets=GAMMA_BUCKETS)
+        self.round_phase_seconds = histogram("round_phase_seconds", "Wall time of one round phase, seconds",
+                                             ["phase"], buckets=PHASE_BUCKETS)
+        self.cost_verify_ms = gauge("cost_verify_ms", "Cost model: predicted target verify latency for a tree "
+                                    "of rows - 1 nodes, ms (cost-aware control)", ["rows"])
+        self.cost_draft_step_ms = gauge("cost_draft_step_ms", "Cost model: predicted draft step latency for "
+                                        "parents expanded nodes, ms", ["parents"])
+        self.context_tokens = counter("context_tokens", "Context (n-gram) tree nodes, by outcome", ["outcome"])
+        self.expected_accepted_tokens = counter("expected_accepted_tokens", "Draft tokens the cost-aware control "
+                                                "expected to be accepted (compare with accepted_tokens)")
+        self.position_proposed = counter("position_proposed_tokens", "Rounds whose verified tree reached "
+                                         "this depth (position)", ["position"])
+        self.position_accepted = counter("position_accepted_tokens", "Rounds whose accepted path reached "
+                                         "this depth (position)", ["position"])
+        self.request_latency = histogram("request_latency_seconds", "Request time from arrival to the end of its "
+                                         "stream, seconds", buckets=REQUEST_LATENCY_BUCKETS)
+        self.ttft = histogram("time_to_first_token_seconds", "Request time from arrival to its first token, seconds",
+                              buckets=TTFT_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Gap between streamed rounds divided by "
                                              "the tokens of the later one, observed once per token, seconds",
-                                             namespace=ns, registry=r, buckets=ITL_BUCKETS)
-        self.failovers = Counter("failovers", "Requests moved to another orchestrator actor after theirs failed "
-                                 "(Ray front, orchestrator.serving.failover), one per move", namespace=ns, registry=r)
-        self.requests_running = Gauge("requests_running", "Requests streaming tokens (first token sent)",
-                                      namespace=ns, registry=r)
-        self.requests_waiting = Gauge("requests_waiting", "Requests received without a first token yet "
-                                      "(queued or in prefill)", namespace=ns, registry=r)
-        self.pipeline_ahead = Counter("pipeline_ahead", "Pipelining: trees drafted ahead during a verify, by "
-                                      "outcome (hit = adopted, miss = discarded, failed)", ["outcome"],
-                                      namespace=ns, registry=r)
+                                             buckets=ITL_BUCKETS)
+        self.failovers = counter("failovers", "Requests moved to another orchestrator actor after theirs failed "
+                                 "(Ray front, orchestrator.serving.failover), one per move")
+        self.requests_running = gauge("requests_running", "Requests streaming tokens (first token sent)")
+        self.requests_waiting = gauge("requests_waiting", "Requests received without a first token yet "
+                                      "(queued or in prefill)")
+        self.pipeline_ahead = counter("pipeline_ahead", "Pipelining: trees drafted ahead during a verify, by "
+                                      "outcome (hit = adopted, miss = discarded, failed)", ["outcome"])
         self._create_series()
 
     def _create_series(self) -> None:
@@ -245,11 +235,9 @@ class AcceptanceMonitor:
     not recorded. Thread-safe. This project's rule (docs/observability.md); no paper prescribes it.
     """
 
-    def __init__(self, config: MonitorConfig = MonitorConfig(), metrics: SpecMetrics | None = None,
-                 logger: logging.Logger | None = None):
+    def __init__(self, config: MonitorConfig = MonitorConfig(), metrics: SpecMetrics | None = None):
         self.config = config
         self.metrics = metrics
-        self.log = logger or log
         self._global = self._new_track()
         self._requests: dict[str, _Track] = {}
         self._lock = threading.Lock()
@@ -307,7 +295,7 @@ class AcceptanceMonitor:
                 track.alerting = True
                 track.alerts += 1
                 proposed, accepted = track.sums()
-                self.log.warning(
+                log.warning(
                     "acceptance alert (%s): acceptance rate %.3f (%d/%d draft tokens over the last %d rounds) "
                     "below %.3f for %d consecutive windows of %d rounds",
                     who, rate, accepted, proposed, self.config.window,
@@ -316,7 +304,7 @@ class AcceptanceMonitor:
                     self.metrics.acceptance_alerts.labels(scope=scope).inc()
         else:
             if track.alerting:
-                self.log.info("acceptance alert cleared (%s): acceptance rate %.3f >= %.3f",
+                log.info("acceptance alert cleared (%s): acceptance rate %.3f >= %.3f",
                               who, rate, self.config.alert_threshold)
             track.alerting = False
             track.low_windows = 0
