@@ -123,10 +123,8 @@ class RoundController:
         if not request.prompt_ids:
             raise ValueError("prompt: empty prompt (no tokens)")
         if len(request.prompt_ids) >= self.context_limit:
-            raise ValueError(
-                f"prompt: {len(request.prompt_ids)} tokens leave no room under the context limit "
-                f"of {self.context_limit} tokens"
-            )
+            raise ValueError(f"prompt: {len(request.prompt_ids)} tokens leave no room under the context limit "
+                             f"of {self.context_limit} tokens")
         if any(not s for s in request.stop_strings):
             raise ValueError("stop_strings: an empty stop string would stop after the first token")
         if request.stop_strings and self.decode is None:
@@ -277,13 +275,11 @@ class _Request:
             pass
 
     async def _draft_call(self, awaitable, extra_s: float = 0.0):
-        """A draft call under the deadline (+ ``extra_s`` s); every failure becomes DraftUnavailableError."""
+        """A draft call under the deadline (+ ``extra_s`` s); past it, DraftUnavailableError."""
         base = self.controller.draft_deadline_s
         deadline = None if base is None else base + extra_s
         try:
             return await asyncio.wait_for(awaitable, deadline)  # None: no deadline
-        except DraftUnavailableError:
-            raise
         except asyncio.TimeoutError as exc:
             raise DraftUnavailableError(f"draft slower than its deadline of {deadline:g} s") from exc
 

@@ -226,9 +226,7 @@ class Orchestrator:
 
 def tokenizer_dir(front: FrontConfig, models: ModelsConfig) -> str:
     """Where the front's tokenizer comes from: front.tokenizer, else models.target, else the default target."""
-    if front.tokenizer:
-        return front.tokenizer
-    return str(resolve_model_dir(models.target, DEFAULT_TARGET, "models.target"))
+    return front.tokenizer or str(resolve_model_dir(models.target, DEFAULT_TARGET, "models.target"))
 
 
 def load_tokenizer(path: str):

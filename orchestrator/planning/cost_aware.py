@@ -58,11 +58,8 @@ class SharedState:
         """One drafted round's verify forward under load held ``batch_size`` sessions: folded into ``verify_merge``.
         Callers skip probes (alone by design) and a session's first drafted round (it waited for the prefill)."""
         if self.load >= LOADED:
-            self.verify_merge += alpha * (self._share(batch_size) - self.verify_merge)
-
-    def _share(self, batch_size: int) -> float:
-        """The other requests a forward of ``batch_size`` sessions held: (batch_size - 1) / (load - 1) in [0, 1]."""
-        return min(max((batch_size - 1) / (self.load - 1.0), 0.0), 1.0)
+            share = min(max((batch_size - 1) / (self.load - 1.0), 0.0), 1.0)  # of the other requests, in [0, 1]
+            self.verify_merge += alpha * (share - self.verify_merge)
 
     def observe_load(self, batch_size: int, alpha: float = 0.3) -> None:
         """One round's load (sessions per forward, or open at the target when more): a rise at once, so speculation
@@ -481,10 +478,10 @@ class CostAwareControl(Control):
 
 def _parents_per_step(tree: DraftTree, depths: list[int]) -> list[int]:
     """Parents the draft expanded at each step: 1 (the root) then the expanded nodes per depth."""
-    steps = [1]
-    for d in range(1, max(depths, default=0)):
-        steps.append(sum(1 for i, dd in enumerate(depths) if dd == d and tree.expanded and tree.expanded[i]))
-    return steps if tree.size else []
+    if not tree.size:
+        return []
+    return [1] + [sum(1 for i, dd in enumerate(depths) if dd == d and tree.expanded and tree.expanded[i])
+                  for d in range(1, max(depths))]
 
 
 class CostAwareFactory:
