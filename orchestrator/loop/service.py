@@ -154,16 +154,14 @@ class Orchestrator:
             while True:
                 getter = asyncio.ensure_future(queue.get())
                 await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                if getter.done():
-                    record = getter.result()
+                ended = not getter.done()  # the task ended first: the rounds it queued, then the end
+                if ended:
+                    getter.cancel()
+                for record in [queue.get_nowait() for _ in range(queue.qsize())] if ended else [getter.result()]:
                     partial.add(record, time.perf_counter() - started)
                     yield Chunk(list(record.tokens), round=record)
+                if not ended:
                     continue
-                getter.cancel()
-                while not queue.empty():
-                    record = queue.get_nowait()
-                    partial.add(record, time.perf_counter() - started)
-                    yield Chunk(list(record.tokens), round=record)
                 if task.cancelled():
                     partial.stop_reason = "aborted"
                     partial.total_s = time.perf_counter() - started
