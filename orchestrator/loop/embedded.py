@@ -49,8 +49,6 @@ def build_pipeline(
     None = all tokens; argmax_screen: greedy rows through the int8-screened argmax head.
     Raises ModelError for unknown paths, bad values or an incompatible pair.
     """
-    if max_context is not None and max_context < 2:
-        raise ModelError(f"--max-context: must be >= 2, got {max_context}")
     try:
         models = ModelsConfig(target=target, draft=draft, dtype=dtype, device=device, max_context=max_context,
                               draft_quant=draft_quant, argmax_screen=argmax_screen)
