@@ -260,11 +260,7 @@ class _Request:
                 self.control.set_draft_context_limit(limit)
                 self.draft_limit = limit
         except DraftUnavailableError as exc:
-            log.warning("request %s: draft unavailable at start (%s); decoding without it", self.sid, exc)
-            self._whole_context_failed()
-            self.draft_sid = None
-            self.control.draft_failed(time.monotonic())
-            await self._release_quietly(sid)
+            await self._drop_draft(exc, "unavailable at start")
             return False
         return True
 
@@ -283,14 +279,10 @@ class _Request:
         except asyncio.TimeoutError as exc:
             raise DraftUnavailableError(f"draft slower than its deadline of {deadline:g} s") from exc
 
-    def _whole_context_failed(self) -> None:
-        """A failed whole-context session (full_after_tokens) is not tried again: retries open the window."""
-        if self.draft_widened:
-            self.draft_widened, self.draft_widen_failed = False, True
-
-    async def _drop_draft(self, exc: Exception) -> None:
-        log.warning("request %s: draft failed (%s); decoding without it", self.sid, exc)
-        self._whole_context_failed()
+    async def _drop_draft(self, exc: Exception, what: str = "failed") -> None:
+        log.warning("request %s: draft %s (%s); decoding without it", self.sid, what, exc)
+        if self.draft_widened:  # a failed whole-context session (full_after_tokens) is not tried again
+            self.draft_widened, self.draft_widen_failed = False, True  # retries open the window
         self.control.draft_failed(time.monotonic())
         sid, self.draft_sid = self.draft_sid, None
         await self._release_quietly(sid)

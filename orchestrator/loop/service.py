@@ -112,7 +112,7 @@ class Orchestrator:
     async def _shared_compute(self, draft: DraftClient) -> bool:
         """Whether the draft computes on the target's hardware ("auto": from the two Info placements; an
         unreachable draft counts as separate)."""
-        setting = self.front.cost_aware.shared_compute if self.shared is None else self.control_factory.shared_compute
+        setting = self.front.cost_aware.shared_compute
         if setting != "auto":
             return bool(setting)
         try:

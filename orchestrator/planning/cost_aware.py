@@ -485,12 +485,11 @@ def _parents_per_step(tree: DraftTree, depths: list[int]) -> list[int]:
 
 
 class CostAwareFactory:
-    """(TreeSpec, max_nodes) -> CostAwareControl sharing ``shared``. ``shared_compute``: True, False or "auto",
-    resolved by the Orchestrator into ``shared.shared_compute``."""
+    """(TreeSpec, max_nodes) -> CostAwareControl sharing ``shared`` (``shared.shared_compute`` is set by the
+    Orchestrator from ``front.cost_aware.shared_compute``)."""
 
     def __init__(self, config: CostAwareConfig, fallback: FallbackConfig, shared: SharedState):
         self.config, self.fallback, self.shared = config, fallback, shared
-        self.shared_compute = config.shared_compute
         shared.draft_cost_from_forward = config.draft_cost_from == "forward"
 
     def __call__(self, spec: TreeSpec, max_nodes: int = MAX_TREE_NODES) -> CostAwareControl:
