@@ -92,10 +92,7 @@ def make_control(control: str | ControlFactory | None, target, draft, measure_co
         return (lambda spec: FixedControl(spec, front.fallback)), None
     if control != "cost-aware":
         raise ModelError(f"--control: one of {', '.join(CONTROLS)}, got {control!r}")
-    cost = CostModel()
-    if measure_costs:
-        cost = measure_worker_costs(target, draft, target.vocab_size)
-    shared = SharedState(cost=cost)
+    shared = SharedState(cost=measure_worker_costs(target, draft, target.vocab_size) if measure_costs else CostModel())
     return CostAwareFactory(front.cost_aware, front.fallback, shared), shared
 
 

@@ -206,8 +206,8 @@ class Orchestrator:
             # service-side session ids are unique per run, whatever ids clients choose
             session_id = f"{request_id}/{uuid.uuid4().hex[:8]}"
             result = await self.controller.generate(request, session_id=session_id, on_round=on_round)
-            span.set_attribute("new_tokens", result.stats.new_tokens)
-            span.set_attribute("acceptance_rate", result.stats.acceptance_rate)
+            stats = result.stats
+            span.set_attributes({"new_tokens": stats.new_tokens, "acceptance_rate": stats.acceptance_rate})
             return result
 
     async def abort(self, request_id: str) -> bool:
