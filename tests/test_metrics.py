@@ -101,7 +101,7 @@ def test_metrics_round_counters_and_gamma_histogram():
     assert sample(m, "specdec_gamma_sum") == 8
     assert sample(m, "specdec_gamma_bucket", le="3.0") == 1
     assert sample(m, "specdec_gamma_bucket", le="5.0") == 2
-    with pytest.raises(ValueError, match="accepted 3 > proposed 2"):
+    with pytest.raises(ValueError, match="accepted=3, proposed=2"):
         m.record_round(2, 3, 1)
 
 
@@ -134,8 +134,7 @@ def test_metrics_phase_latency():
     m = SpecMetrics(CollectorRegistry())
     m.observe_phase("verify", 0.2)
     m.observe_phase("verify", 0.05)
-    with m.time_phase("draft"):
-        pass
+    m.observe_phase("draft", 0.01)
     assert sample(m, "specdec_round_phase_seconds_count", phase="verify") == 2
     assert sample(m, "specdec_round_phase_seconds_sum", phase="verify") == pytest.approx(0.25)
     assert sample(m, "specdec_round_phase_seconds_bucket", phase="verify", le="0.1") == 1

@@ -156,6 +156,6 @@ def test_calibration_learns_from_verified_trees():
     for _ in range(50):  # the q = 0.6 root child is never accepted; its siblings are judged too
         observe_verified(shaped, [], calib, ctx)
     assert calib(0.6) < before / 5
-    assert calib.seen[0] == 0  # no node with q < 0.02 was judged
+    assert calib.seen.get(0, 0) == 0  # no node with q < 0.02 was judged
     # nodes below a rejected parent are not samples: the chain's q = 0.8 bin saw nothing
     assert calib(0.8) == pytest.approx(AcceptanceCalibration()(0.8))

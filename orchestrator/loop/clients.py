@@ -91,9 +91,8 @@ class TargetClient:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == VERIFY_RETRIES:
                     raise
                 await asyncio.sleep(0.2 * (attempt + 1))
-        span.set_attribute("target.verify_ms", reply.verify_ms)
-        span.set_attribute("target.batch_size", reply.batch_size)
-        span.set_attribute("target.batch_rows", reply.batch_rows)
+        span.set_attributes({"target.verify_ms": reply.verify_ms, "target.batch_size": reply.batch_size,
+                             "target.batch_rows": reply.batch_rows})
         # batch_size 0: a replayed pending result (no forward ran); the control then learns no cost from it
         return VerifyResult(tuple(reply.accepted_nodes), tuple(reply.tokens), reply.batch_size, reply.batch_rows,
                             reply.mergeable_sessions, reply.verify_ms)
@@ -136,11 +135,9 @@ class DraftClient(DraftWorker):
                 return None
             response = await call.read()
         except grpc.aio.AioRpcError as exc:
-            self._drop(session_id)
-            raise DraftUnavailableError(f"draft service: {exc.code().name}: {exc.details()}") from exc
+            raise self._fail(session_id, f"draft service: {exc.code().name}: {exc.details()}") from exc
         except Exception as exc:  # noqa: BLE001 - a stream that already ended (UsageError, InvalidStateError, ...)
-            self._drop(session_id)
-            raise DraftUnavailableError(f"draft stream closed: {type(exc).__name__}: {exc}") from exc
+            raise self._fail(session_id, f"draft stream closed: {type(exc).__name__}: {exc}") from exc
         if response is grpc.aio.EOF:
             self._drop(session_id)
             code = await call.code()
@@ -152,6 +149,11 @@ class DraftClient(DraftWorker):
         call = self.streams.pop(session_id, None)
         if call is not None:
             call.cancel()
+
+    def _fail(self, session_id: str, message: str) -> DraftUnavailableError:
+        """``_drop`` the session's stream; the error to raise."""
+        self._drop(session_id)
+        return DraftUnavailableError(message)
 
     async def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> int | None:
         """Open the session's stream; returns the draft's context limit (max positions) if it reports one."""
@@ -172,8 +174,7 @@ class DraftClient(DraftWorker):
         request = draft_pb2.TreeRequest(spec=spec_to_proto(spec), max_depth=max_depth, round=self.rounds[session_id])
         response = await self._exchange(session_id, draft_pb2.DraftRequest(propose=request), reply=True)
         if not response.HasField("tree") or response.tree.round != self.rounds[session_id]:
-            self._drop(session_id)
-            raise DraftUnavailableError("draft service answered out of order")
+            raise self._fail(session_id, "draft service answered out of order")
         return self._tree(session_id, response.tree)
 
     def last_batch_size(self, session_id: str) -> int:
@@ -186,18 +187,15 @@ class DraftClient(DraftWorker):
 
     def _tree(self, session_id: str, reply: draft_pb2.DraftTreeReply) -> DraftTree:
         """The reply's tree, checked like any untrusted message (a malformed one is a draft failure)."""
-        span = trace.get_current_span()
-        span.set_attribute("tree.bytes", reply.tree.ByteSize())
-        span.set_attribute("draft.draft_ms", reply.draft_ms)
-        span.set_attribute("draft.batch_size", reply.batch_size)
-        span.set_attribute("draft.forward_ms", reply.forward_ms)
+        trace.get_current_span().set_attributes({"tree.bytes": reply.tree.ByteSize(), "draft.draft_ms": reply.draft_ms,
+                                                 "draft.batch_size": reply.batch_size,
+                                                 "draft.forward_ms": reply.forward_ms})
         self.reply_batch[session_id] = max(reply.batch_size, 1)
         self.reply_forward[session_id] = max(reply.forward_ms, 0.0)
         try:
             return tree_from_proto(reply.tree, self.vocab_size, self.max_tree_nodes)
         except ValueError as exc:  # a malformed tree from the draft is a draft failure
-            self._drop(session_id)
-            raise DraftUnavailableError(f"draft sent a malformed tree: {exc}") from exc
+            raise self._fail(session_id, f"draft sent a malformed tree: {exc}") from exc
 
     async def propose_ahead(self, session_id: str, path_nodes: list[int], spec: TreeSpec,
                             max_depth: int) -> tuple[int, DraftTree]:
@@ -207,12 +205,10 @@ class DraftClient(DraftWorker):
                                          round=self.rounds[session_id])
         response = await self._exchange(session_id, draft_pb2.DraftRequest(ahead=request), reply=True)
         if not response.HasField("tree") or not response.tree.ahead or response.tree.round != self.rounds[session_id]:
-            self._drop(session_id)
-            raise DraftUnavailableError("draft service answered an ahead out of order")
+            raise self._fail(session_id, "draft service answered an ahead out of order")
         tree = self._tree(session_id, response.tree)
         if not 0 <= response.tree.guess_token < self.vocab_size:
-            self._drop(session_id)
-            raise DraftUnavailableError(f"draft sent guess_token {response.tree.guess_token} outside the vocabulary")
+            raise self._fail(session_id, f"draft sent guess_token {response.tree.guess_token} outside the vocabulary")
         return response.tree.guess_token, tree
 
     async def resolve_ahead(self, session_id: str, adopt: bool) -> None:
@@ -225,9 +221,8 @@ class DraftClient(DraftWorker):
     async def release(self, session_id: str) -> None:
         """Close the stream (the draft frees the session's KV when it ends)."""
         call = self.streams.pop(session_id, None)
-        self.rounds.pop(session_id, None)
-        self.reply_batch.pop(session_id, None)
-        self.reply_forward.pop(session_id, None)
+        for per_session in (self.rounds, self.reply_batch, self.reply_forward):
+            per_session.pop(session_id, None)
         if call is None:
             return
         try:

@@ -71,25 +71,19 @@ class GenerationResult:
     stats: GenerationStats = field(default_factory=GenerationStats)
 
 
-async def _turn(method, *args, **kwargs):
-    """An in-process call, then one turn of the event loop, so concurrent requests interleave round by round."""
-    out = method(*args, **kwargs)
-    await asyncio.sleep(0)
-    return out
-
-
 class InProcessWorker(WorkerAdapter):
-    """An in-process worker (sync methods) as an awaitable one; its calls take turns with the event loop."""
+    """An in-process worker (sync methods) as an awaitable one: each call, then one turn of the event loop, so
+    concurrent requests interleave round by round."""
 
     in_process = True
 
-    def call(self, name: str, method, *args, **kwargs):
-        return _turn(method, *args, **kwargs)
+    async def call(self, name: str, method, *args, **kwargs):
+        out = method(*args, **kwargs)
+        await asyncio.sleep(0)
+        return out
 
 
-def sync_worker(worker) -> InProcessWorker:
-    """An in-process worker (sync methods) as an awaitable one (``InProcessWorker``)."""
-    return InProcessWorker(worker)
+sync_worker = InProcessWorker  # an in-process worker (sync methods) as an awaitable one
 
 
 async def _maybe_await(value):
@@ -129,10 +123,8 @@ class RoundController:
         if not request.prompt_ids:
             raise ValueError("prompt: empty prompt (no tokens)")
         if len(request.prompt_ids) >= self.context_limit:
-            raise ValueError(
-                f"prompt: {len(request.prompt_ids)} tokens leave no room under the context limit "
-                f"of {self.context_limit} tokens"
-            )
+            raise ValueError(f"prompt: {len(request.prompt_ids)} tokens leave no room under the context limit "
+                             f"of {self.context_limit} tokens")
         if any(not s for s in request.stop_strings):
             raise ValueError("stop_strings: an empty stop string would stop after the first token")
         if request.stop_strings and self.decode is None:
@@ -238,13 +230,7 @@ class _Request:
         others = self.controller.running - 1  # other requests of this controller running now
         if self.spec is not None and not self.control.defer_draft_open(others):  # deferred: opened by the first drafted round
             starts.append(asyncio.ensure_future(self._open_draft()))
-        try:
-            await asyncio.gather(*starts)
-        except BaseException:
-            for task in starts:
-                task.cancel()
-            await asyncio.gather(*starts, return_exceptions=True)
-            raise
+        await gather_or_cancel(starts)
 
     async def _open_draft(self) -> bool:
         sid = self.sid if self.draft_opens == 0 else f"{self.sid}#{self.draft_opens}"
@@ -274,11 +260,7 @@ class _Request:
                 self.control.set_draft_context_limit(limit)
                 self.draft_limit = limit
         except DraftUnavailableError as exc:
-            log.warning("request %s: draft unavailable at start (%s); decoding without it", self.sid, exc)
-            self._whole_context_failed()
-            self.draft_sid = None
-            self.control.draft_failed(time.monotonic())
-            await self._release_quietly(sid)
+            await self._drop_draft(exc, "unavailable at start")
             return False
         return True
 
@@ -289,24 +271,18 @@ class _Request:
             pass
 
     async def _draft_call(self, awaitable, extra_s: float = 0.0):
-        """A draft call under the deadline (+ ``extra_s`` s); every failure becomes DraftUnavailableError."""
+        """A draft call under the deadline (+ ``extra_s`` s); past it, DraftUnavailableError."""
         base = self.controller.draft_deadline_s
         deadline = None if base is None else base + extra_s
         try:
             return await asyncio.wait_for(awaitable, deadline)  # None: no deadline
-        except DraftUnavailableError:
-            raise
         except asyncio.TimeoutError as exc:
             raise DraftUnavailableError(f"draft slower than its deadline of {deadline:g} s") from exc
 
-    def _whole_context_failed(self) -> None:
-        """A failed whole-context session (full_after_tokens) is not tried again: retries open the window."""
-        if self.draft_widened:
-            self.draft_widened, self.draft_widen_failed = False, True
-
-    async def _drop_draft(self, exc: Exception) -> None:
-        log.warning("request %s: draft failed (%s); decoding without it", self.sid, exc)
-        self._whole_context_failed()
+    async def _drop_draft(self, exc: Exception, what: str = "failed") -> None:
+        log.warning("request %s: draft %s (%s); decoding without it", self.sid, what, exc)
+        if self.draft_widened:  # a failed whole-context session (full_after_tokens) is not tried again
+            self.draft_widened, self.draft_widen_failed = False, True  # retries open the window
         self.control.draft_failed(time.monotonic())
         sid, self.draft_sid = self.draft_sid, None
         await self._release_quietly(sid)
@@ -335,8 +311,7 @@ class _Request:
                 raise
             t3 = time.perf_counter()
             _round_attributes(span, drafted, shaped, self._gamma(), result, committed, outcome)
-        timing = _Timing(verify_s=t2 - t1, commit_s=t3 - t2, round_s=t3 - t0)
-        await self._record(drafted, shaped, result, committed, accepted, timing, outcome)
+        await self._record(drafted, shaped, result, committed, accepted, (t2 - t1, t3 - t2, t3 - t0), outcome)
         return committed
 
     def _gamma(self) -> int:
@@ -509,25 +484,27 @@ class _Request:
         return self.control.shape(drafted.tree, self.committed_tokens, max_depth, sunk_ms)
 
     async def _record(self, drafted: _Drafted, shaped: ShapedTree, result: VerifyResult, committed: list[int],
-                      accepted: list[int], timing: "_Timing", ahead: _AheadOutcome | None = None) -> None:
+                      accepted: list[int], timing: tuple[float, float, float],
+                      ahead: _AheadOutcome | None = None) -> None:
         """Phase 6: the control learns the outcome, the statistics count the round, the callbacks get its
-        RoundRecord. A tree from an ahead teaches no draft cost (it was off the critical path); the wait for
-        this round's ahead is not overhead."""
+        RoundRecord. timing: (verify, commit, round) wall times, seconds. A tree from an ahead teaches no draft cost
+        (it was off the critical path); the wait for this round's ahead is not overhead."""
         tree = shaped.tree
         accepted_path = result.accepted_nodes
+        verify_s, commit_s, round_s = timing
         if drafted.tree.size:
             self.control.record(drafted.depth, drafted.tree.size, len(_draft_nodes(shaped, accepted_path)))
         if self.control is not None:
             draft_s = None if drafted.pipelined else drafted.draft_s
-            overhead_s = timing.round_s - timing.verify_s - (draft_s or 0.0) - (ahead.wait_s if ahead else 0.0)
+            overhead_s = round_s - verify_s - (draft_s or 0.0) - (ahead.wait_s if ahead else 0.0)
             self.control.observe(RoundObservation(
-                shaped, accepted_path, timing.verify_s, draft_s, overhead_s, drafted.tree, result.batch_size,
+                shaped, accepted_path, verify_s, draft_s, overhead_s, drafted.tree, result.batch_size,
                 result.batch_rows, result.mergeable, result.forward_ms / 1000,
                 reply_s=drafted.ahead_s if drafted.pipelined else None))
         context_nodes = sum(1 for d in shaped.draft_index if d is None)
         record = RoundRecord(tuple(committed), proposed=tree.size, accepted=len(accepted), depth=shaped.depth,
                              fallback=drafted.fallback, gamma=self._gamma(), draft_s=drafted.draft_s,
-                             verify_s=timing.verify_s, commit_s=timing.commit_s, drafted=drafted.tree.size,
+                             verify_s=verify_s, commit_s=commit_s, drafted=drafted.tree.size,
                              context_proposed=context_nodes,
                              context_accepted=sum(1 for n in accepted if shaped.draft_index[n] is None),
                              expected_accepted=shaped.expected_accepted, stop_reason=self.stops.reason,
@@ -560,13 +537,16 @@ class _Request:
                 log.warning("request %s: target release failed: %s", self.sid, exc)
 
 
-@dataclass(frozen=True)
-class _Timing:
-    """Wall times of one round's phases, seconds."""
-
-    verify_s: float
-    commit_s: float
-    round_s: float
+async def gather_or_cancel(tasks: list[asyncio.Future]) -> list:
+    """``asyncio.gather`` of the tasks; when one fails (or this is cancelled), the others are cancelled and
+    awaited before the error propagates."""
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 async def _cancel(task: "asyncio.Future | None") -> None:

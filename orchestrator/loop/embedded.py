@@ -49,8 +49,6 @@ def build_pipeline(
     None = all tokens; argmax_screen: greedy rows through the int8-screened argmax head.
     Raises ModelError for unknown paths, bad values or an incompatible pair.
     """
-    if max_context is not None and max_context < 2:
-        raise ModelError(f"--max-context: must be >= 2, got {max_context}")
     try:
         models = ModelsConfig(target=target, draft=draft, dtype=dtype, device=device, max_context=max_context,
                               draft_quant=draft_quant, argmax_screen=argmax_screen)
@@ -94,10 +92,7 @@ def make_control(control: str | ControlFactory | None, target, draft, measure_co
         return (lambda spec: FixedControl(spec, front.fallback)), None
     if control != "cost-aware":
         raise ModelError(f"--control: one of {', '.join(CONTROLS)}, got {control!r}")
-    cost = CostModel()
-    if measure_costs:
-        cost = measure_worker_costs(target, draft, target.vocab_size)
-    shared = SharedState(cost=cost)
+    shared = SharedState(cost=measure_worker_costs(target, draft, target.vocab_size) if measure_costs else CostModel())
     return CostAwareFactory(front.cost_aware, front.fallback, shared), shared
 
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 from typing import Callable, Sequence
 
-from orchestrator.loop.controller import GenerationRequest, GenerationResult, RoundController, sync_worker
+from orchestrator.loop.controller import (
+    GenerationRequest, GenerationResult, RoundController, gather_or_cancel, sync_worker,
+)
 from specdec.config import DraftWindowConfig
 from specdec.interfaces import DraftWorker, TargetWorker
 
@@ -38,10 +40,6 @@ class SpeculativeEngine:
     def context_limit(self) -> int:
         return self.controller.context_limit
 
-    @property
-    def decode(self):
-        return self.controller.decode
-
     def generate(self, request: GenerationRequest, on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
         """Generate until a stop; ``on_tokens`` gets each round's committed tokens. Raises ValueError (naming the
         field) for an invalid request."""
@@ -57,13 +55,7 @@ class SpeculativeEngine:
         callbacks = list(on_tokens) if on_tokens is not None else [None] * len(requests)
 
         async def run_all():
-            tasks = [asyncio.ensure_future(self.controller.generate(r, cb)) for r, cb in zip(requests, callbacks, strict=True)]
-            try:
-                return await asyncio.gather(*tasks)
-            except BaseException:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise
+            return await gather_or_cancel([asyncio.ensure_future(self.controller.generate(r, cb))
+                                           for r, cb in zip(requests, callbacks, strict=True)])
 
         return asyncio.run(run_all())

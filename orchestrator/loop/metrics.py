@@ -1,7 +1,7 @@
 """Prometheus metrics of the orchestrator's rounds (``SpecMetrics``) and the acceptance monitor (``AcceptanceMonitor``).
 
-One ``SpecMetrics`` per ``CollectorRegistry``: a fresh one (tests, engines side by side) or ``default_metrics()`` on
-prometheus_client's ``REGISTRY``. Series, labels and units: docs/observability.md.
+One ``SpecMetrics`` per ``CollectorRegistry`` (a fresh one by default: tests, engines side by side). Series, labels
+and units: docs/observability.md.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import socket
 import threading
 import time
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from functools import partial
+from typing import AsyncGenerator, AsyncIterator, Sequence
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import prometheus_client
@@ -53,78 +53,60 @@ class SpecMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None, namespace: str = "specdec"):
         self.registry = registry if registry is not None else CollectorRegistry()
-        r, ns = self.registry, namespace
-        self.rounds = Counter("rounds", "Rounds run, by mode (speculative or plain target step)",
-                              ["mode"], namespace=ns, registry=r)
-        self.proposed_tokens = Counter("proposed_tokens", "Draft tokens (tree nodes) sent to the target",
-                                       namespace=ns, registry=r)
-        self.accepted_tokens = Counter("accepted_tokens", "Draft tokens accepted by the target (bonus excluded)",
-                                       namespace=ns, registry=r)
-        self.committed_tokens = Counter("committed_tokens", "Tokens committed (bonus included)",
-                                        namespace=ns, registry=r)
-        self.fallback_rounds = Counter("fallback_rounds", "Plain rounds without the draft, by reason",
-                                       ["reason"], namespace=ns, registry=r)
-        self.acceptance_alerts = Counter("acceptance_alerts", "Low-acceptance alerts raised, by scope",
-                                         ["scope"], namespace=ns, registry=r)
-        self.acceptance_rate = Gauge("acceptance_rate",
-                                     "Global windowed acceptance rate (accepted / proposed draft tokens)",
-                                     namespace=ns, registry=r)
-        self.gamma = Histogram("gamma", "Speculation depth gamma of each speculative round",
-                               namespace=ns, registry=r, buckets=GAMMA_BUCKETS)
-        self.round_phase_seconds = Histogram("round_phase_seconds", "Wall time of one round phase, seconds",
-                                             ["phase"], namespace=ns, registry=r, buckets=PHASE_BUCKETS)
-        self.cost_verify_ms = Gauge("cost_verify_ms", "Cost model: predicted target verify latency for a tree "
-                                    "of rows - 1 nodes, ms (cost-aware control)", ["rows"], namespace=ns, registry=r)
-        self.cost_draft_step_ms = Gauge("cost_draft_step_ms", "Cost model: predicted draft step latency for "
-                                        "parents expanded nodes, ms", ["parents"], namespace=ns, registry=r)
-        self.context_tokens = Counter("context_tokens", "Context (n-gram) tree nodes, by outcome",
-                                      ["outcome"], namespace=ns, registry=r)
-        self.expected_accepted_tokens = Counter("expected_accepted_tokens", "Draft tokens the cost-aware control "
-                                                "expected to be accepted (compare with accepted_tokens)",
-                                                namespace=ns, registry=r)
-        self.position_proposed = Counter("position_proposed_tokens", "Rounds whose verified tree reached "
-                                         "this depth (position)", ["position"], namespace=ns, registry=r)
-        self.position_accepted = Counter("position_accepted_tokens", "Rounds whose accepted path reached "
-                                         "this depth (position)", ["position"], namespace=ns, registry=r)
-        self.request_latency = Histogram("request_latency_seconds", "Request time from arrival to the end of its stream, "
-                                         "seconds", namespace=ns, registry=r, buckets=REQUEST_LATENCY_BUCKETS)
-        self.ttft = Histogram("time_to_first_token_seconds", "Request time from arrival to its first token, seconds",
-                              namespace=ns, registry=r, buckets=TTFT_BUCKETS)
-        self.inter_token_latency = Histogram("inter_token_latency_seconds", "Gap between streamed rounds divided by "
+        counter, gauge, histogram = (partial(kind, namespace=namespace, registry=self.registry)
+                                     for kind in (Counter, Gauge, Histogram))
+        self.rounds = counter("rounds", "Rounds run, by mode (speculative or plain target step)", ["mode"])
+        self.proposed_tokens = counter("proposed_tokens", "Draft tokens (tree nodes) sent to the target")
+        self.accepted_tokens = counter("accepted_tokens", "Draft tokens accepted by the target (bonus excluded)")
+        self.committed_tokens = counter("committed_tokens", "Tokens committed (bonus included)")
+        self.fallback_rounds = counter("fallback_rounds", "Plain rounds without the draft, by reason", ["reason"])
+        self.acceptance_alerts = counter("acceptance_alerts", "Low-acceptance alerts raised, by scope", ["scope"])
+        self.acceptance_rate = gauge("acceptance_rate",
+                                     "Global windowed acceptance rate (accepted / proposed draft tokens)")
+        self.gamma = histogram("gamma", "Speculation depth gamma of each speculative round", buckets=GAMMA_BUCKETS)
+        self.round_phase_seconds = histogram("round_phase_seconds", "Wall time of one round phase, seconds",
+                                             ["phase"], buckets=PHASE_BUCKETS)
+        self.cost_verify_ms = gauge("cost_verify_ms", "Cost model: predicted target verify latency for a tree "
+                                    "of rows - 1 nodes, ms (cost-aware control)", ["rows"])
+        self.cost_draft_step_ms = gauge("cost_draft_step_ms", "Cost model: predicted draft step latency for "
+                                        "parents expanded nodes, ms", ["parents"])
+        self.context_tokens = counter("context_tokens", "Context (n-gram) tree nodes, by outcome", ["outcome"])
+        self.expected_accepted_tokens = counter("expected_accepted_tokens", "Draft tokens the cost-aware control "
+                                                "expected to be accepted (compare with accepted_tokens)")
+        self.position_proposed = counter("position_proposed_tokens", "Rounds whose verified tree reached "
+                                         "this depth (position)", ["position"])
+        self.position_accepted = counter("position_accepted_tokens", "Rounds whose accepted path reached "
+                                         "this depth (position)", ["position"])
+        self.request_latency = histogram("request_latency_seconds", "Request time from arrival to the end of its "
+                                         "stream, seconds", buckets=REQUEST_LATENCY_BUCKETS)
+        self.ttft = histogram("time_to_first_token_seconds", "Request time from arrival to its first token, seconds",
+                              buckets=TTFT_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Gap between streamed rounds divided by "
                                              "the tokens of the later one, observed once per token, seconds",
-                                             namespace=ns, registry=r, buckets=ITL_BUCKETS)
-        self.failovers = Counter("failovers", "Requests moved to another orchestrator actor after theirs failed "
-                                 "(Ray front, orchestrator.serving.failover), one per move", namespace=ns, registry=r)
-        self.requests_running = Gauge("requests_running", "Requests streaming tokens (first token sent)",
-                                      namespace=ns, registry=r)
-        self.requests_waiting = Gauge("requests_waiting", "Requests received without a first token yet "
-                                      "(queued or in prefill)", namespace=ns, registry=r)
-        self.pipeline_ahead = Counter("pipeline_ahead", "Pipelining: trees drafted ahead during a verify, by "
-                                      "outcome (hit = adopted, miss = discarded, failed)", ["outcome"],
-                                      namespace=ns, registry=r)
+                                             buckets=ITL_BUCKETS)
+        self.failovers = counter("failovers", "Requests moved to another orchestrator actor after theirs failed "
+                                 "(Ray front, orchestrator.serving.failover), one per move")
+        self.requests_running = gauge("requests_running", "Requests streaming tokens (first token sent)")
+        self.requests_waiting = gauge("requests_waiting", "Requests received without a first token yet "
+                                      "(queued or in prefill)")
+        self.pipeline_ahead = counter("pipeline_ahead", "Pipelining: trees drafted ahead during a verify, by "
+                                      "outcome (hit = adopted, miss = discarded, failed)", ["outcome"])
         self._create_series()
 
     def _create_series(self) -> None:
         """Every labelled series, so each reads 0 before its first event."""
-        for outcome in AHEAD_OUTCOMES:
-            self.pipeline_ahead.labels(outcome=outcome)
-        for mode in ROUND_MODES:
-            self.rounds.labels(mode=mode)
-        for reason in FALLBACK_REASONS:
-            self.fallback_rounds.labels(reason=reason)
-        for scope in ALERT_SCOPES:
-            self.acceptance_alerts.labels(scope=scope)
-        for phase in PHASES:
-            self.round_phase_seconds.labels(phase=phase)
+        for metric, values in ((self.pipeline_ahead, AHEAD_OUTCOMES), (self.rounds, ROUND_MODES),
+                               (self.fallback_rounds, FALLBACK_REASONS), (self.acceptance_alerts, ALERT_SCOPES),
+                               (self.round_phase_seconds, PHASES)):
+            for value in values:
+                metric.labels(value)
 
     def record_round(self, proposed: int, accepted: int, committed: int, gamma: int | None = None) -> None:
         """Count one round (proposed == 0: plain; gamma observed for speculative rounds only).
         Raises ValueError for negative counts or accepted > proposed."""
-        if proposed < 0 or accepted < 0 or committed < 0:
-            raise ValueError(f"record_round: counts must be >= 0 (proposed={proposed}, accepted={accepted}, "
-                             f"committed={committed})")
-        if accepted > proposed:
-            raise ValueError(f"record_round: accepted {accepted} > proposed {proposed}")
+        check_counts(proposed, accepted)
+        if committed < 0:
+            raise ValueError(f"record_round: committed must be >= 0, got {committed}")
         speculative = proposed > 0
         self.rounds.labels(mode="speculative" if speculative else "plain").inc()
         self.proposed_tokens.inc(proposed)
@@ -163,15 +145,6 @@ class SpecMetrics:
             raise ValueError(f"phase: {phase!r} is not one of {PHASES}")
         self.round_phase_seconds.labels(phase=phase).observe(seconds)
 
-    @contextmanager
-    def time_phase(self, phase: str) -> Iterator[None]:
-        """Context manager timing a phase (draft / verify / commit) into round_phase_seconds."""
-        if phase not in PHASES:
-            raise ValueError(f"phase: {phase!r} is not one of {PHASES}")
-        with self.round_phase_seconds.labels(phase=phase).time():
-            yield
-
-
     async def track_stream(self, stream: AsyncGenerator, clock=time.perf_counter) -> AsyncIterator:
         """Pass a request's stream of (tokens, record, stats) through, feeding the request series: waiting from
         this call, TTFT at the first tokens, n inter-token latencies of gap / n s per later chunk of n, the
@@ -200,37 +173,18 @@ class SpecMetrics:
             await stream.aclose()  # closed early (client gone): the backend's stream ends too, freeing its KV
 
 
-_default: SpecMetrics | None = None
-_default_lock = threading.Lock()
-
-
-def default_metrics() -> SpecMetrics:
-    """The process-wide SpecMetrics on prometheus_client.REGISTRY (created on first call)."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = SpecMetrics(prometheus_client.REGISTRY)
-        return _default
-
-
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format, *args):  # noqa: A002 - the base class's signature
         pass
 
 
-def start_metrics_server(port: int, source: "SpecMetrics | CollectorRegistry | None" = None, addr: str = "127.0.0.1",
-                         tokens: Sequence[bytes] = ()):
-    """Serve a registry at http://addr:port/metrics (prometheus_client's WSGI app in a daemon thread).
+def start_metrics_server(port: int, metrics: SpecMetrics, addr: str = "127.0.0.1", tokens: Sequence[bytes] = ()):
+    """Serve ``metrics``' registry at http://addr:port/metrics (prometheus_client's WSGI app in a daemon thread).
 
-    source: a SpecMetrics, a CollectorRegistry, or None for REGISTRY; tokens: accepted bearer tokens (empty = no
-    auth; else 401 without one). Port 0 picks a free one (``server.server_port``). Returns (server, thread). Raises
-    OSError when the port is taken.
+    tokens: accepted bearer tokens (empty = no auth; else 401 without one). Port 0 picks a free one
+    (``server.server_port``). Returns (server, thread). Raises OSError when the port is taken.
     """
-    if isinstance(source, SpecMetrics):
-        registry = source.registry
-    else:
-        registry = source if source is not None else prometheus_client.REGISTRY
-    app = prometheus_client.make_wsgi_app(registry)
+    app = prometheus_client.make_wsgi_app(metrics.registry)
 
     def guarded(environ, start_response):
         if tokens and not token_accepted(tokens, environ.get("HTTP_AUTHORIZATION", "")):
@@ -250,39 +204,26 @@ def start_metrics_server(port: int, source: "SpecMetrics | CollectorRegistry | N
 # --------------------------------------------------------------------------- acceptance monitor
 
 
-class AcceptanceWindow:
-    """Sliding window over the last n rounds of (proposed, accepted) draft tokens, with running sums."""
+@dataclass
+class _Track:
+    """The last ``window`` rounds of (proposed, accepted) draft tokens of one scope (a request, or global), with
+    its alert state."""
 
-    def __init__(self, n: int):
-        self.rounds: deque[tuple[int, int]] = deque(maxlen=n)
-        self.proposed = 0
-        self.accepted = 0
+    window: deque[tuple[int, int]]
+    rounds: int = 0            # rounds recorded (proposed > 0)
+    low_windows: int = 0       # consecutive full windows below the threshold
+    alerting: bool = False
+    alerts: int = 0
 
-    def add(self, proposed: int, accepted: int) -> None:
-        if len(self.rounds) == self.rounds.maxlen:
-            p, a = self.rounds[0]
-            self.proposed -= p
-            self.accepted -= a
-        self.rounds.append((proposed, accepted))
-        self.proposed += proposed
-        self.accepted += accepted
+    def sums(self) -> tuple[int, int]:
+        """(proposed, accepted) draft tokens over the window."""
+        return sum(p for p, _ in self.window), sum(a for _, a in self.window)
 
     @property
     def rate(self) -> float | None:
         """accepted / proposed over the window, None while it holds no proposed token."""
-        return self.accepted / self.proposed if self.proposed else None
-
-
-@dataclass
-class _Track:
-    """Acceptance window and alert state of one scope (a request, or global)."""
-
-    window: AcceptanceWindow
-    rounds: int = 0            # rounds recorded (proposed > 0)
-    low_windows: int = 0       # consecutive full windows below the threshold
-    alerting: bool = False
-    last_window_rate: float | None = None
-    alerts: int = 0
+        proposed, accepted = self.sums()
+        return accepted / proposed if proposed else None
 
 
 class AcceptanceMonitor:
@@ -294,12 +235,10 @@ class AcceptanceMonitor:
     not recorded. Thread-safe. This project's rule (docs/observability.md); no paper prescribes it.
     """
 
-    def __init__(self, config: MonitorConfig = MonitorConfig(), metrics: SpecMetrics | None = None,
-                 logger: logging.Logger | None = None):
+    def __init__(self, config: MonitorConfig = MonitorConfig(), metrics: SpecMetrics | None = None):
         self.config = config
         self.metrics = metrics
-        self.log = logger or log
-        self._global = _Track(AcceptanceWindow(config.window))
+        self._global = self._new_track()
         self._requests: dict[str, _Track] = {}
         self._lock = threading.Lock()
 
@@ -311,16 +250,16 @@ class AcceptanceMonitor:
         with self._lock:
             track = self._requests.get(request_id)
             if track is None:
-                track = self._requests[request_id] = _Track(AcceptanceWindow(self.config.window))
+                track = self._requests[request_id] = self._new_track()
             self._add(track, "request", request_id, proposed, accepted)
             self._add(self._global, "global", None, proposed, accepted)
-            if self.metrics is not None and self._global.window.rate is not None:
-                self.metrics.acceptance_rate.set(self._global.window.rate)
+            if self.metrics is not None:
+                self.metrics.acceptance_rate.set(self._global.rate)
 
     def rate(self, request_id: str | None = None) -> float | None:
         """Sliding-window acceptance rate of a request (None = global); None before any round."""
         track = self._track(request_id)
-        return track.window.rate if track else None
+        return track.rate if track else None
 
     def alerting(self, request_id: str | None = None) -> bool:
         """Whether the scope's low-acceptance alert is raised and not yet cleared."""
@@ -337,32 +276,35 @@ class AcceptanceMonitor:
         with self._lock:
             self._requests.pop(request_id, None)
 
+    def _new_track(self) -> _Track:
+        return _Track(deque(maxlen=self.config.window))
+
     def _track(self, request_id: str | None) -> _Track | None:
         return self._global if request_id is None else self._requests.get(request_id)
 
     def _add(self, track: _Track, scope: str, request_id: str | None, proposed: int, accepted: int) -> None:
-        track.window.add(proposed, accepted)
+        track.window.append((proposed, accepted))
         track.rounds += 1
         if track.rounds % self.config.window:
             return
-        rate = track.window.rate  # the window now covers exactly the last `window` rounds
-        track.last_window_rate = rate
+        rate = track.rate  # the window now covers exactly the last `window` rounds
         who = "global" if request_id is None else f"request {request_id}"
         if rate < self.config.alert_threshold:
             track.low_windows += 1
             if track.low_windows >= self.config.alert_windows and not track.alerting:
                 track.alerting = True
                 track.alerts += 1
-                self.log.warning(
+                proposed, accepted = track.sums()
+                log.warning(
                     "acceptance alert (%s): acceptance rate %.3f (%d/%d draft tokens over the last %d rounds) "
                     "below %.3f for %d consecutive windows of %d rounds",
-                    who, rate, track.window.accepted, track.window.proposed, self.config.window,
+                    who, rate, accepted, proposed, self.config.window,
                     self.config.alert_threshold, track.low_windows, self.config.window)
                 if self.metrics is not None:
                     self.metrics.acceptance_alerts.labels(scope=scope).inc()
         else:
             if track.alerting:
-                self.log.info("acceptance alert cleared (%s): acceptance rate %.3f >= %.3f",
+                log.info("acceptance alert cleared (%s): acceptance rate %.3f >= %.3f",
                               who, rate, self.config.alert_threshold)
             track.alerting = False
             track.low_windows = 0

@@ -112,7 +112,7 @@ class Orchestrator:
     async def _shared_compute(self, draft: DraftClient) -> bool:
         """Whether the draft computes on the target's hardware ("auto": from the two Info placements; an
         unreachable draft counts as separate)."""
-        setting = self.front.cost_aware.shared_compute if self.shared is None else self.control_factory.shared_compute
+        setting = self.front.cost_aware.shared_compute
         if setting != "auto":
             return bool(setting)
         try:
@@ -132,9 +132,6 @@ class Orchestrator:
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
         await self.target_channel.close()
         await self.draft_channel.close()
-
-    def active(self) -> int:
-        return len(self.tasks)
 
     async def stream(self, request: GenerationRequest, request_id: str, timeout_s: float | None = None,
                      carrier: dict | None = None) -> AsyncIterator[Chunk]:
@@ -157,16 +154,14 @@ class Orchestrator:
             while True:
                 getter = asyncio.ensure_future(queue.get())
                 await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                if getter.done():
-                    record = getter.result()
+                ended = not getter.done()  # the task ended first: the rounds it queued, then the end
+                if ended:
+                    getter.cancel()
+                for record in [queue.get_nowait() for _ in range(queue.qsize())] if ended else [getter.result()]:
                     partial.add(record, time.perf_counter() - started)
                     yield Chunk(list(record.tokens), round=record)
+                if not ended:
                     continue
-                getter.cancel()
-                while not queue.empty():
-                    record = queue.get_nowait()
-                    partial.add(record, time.perf_counter() - started)
-                    yield Chunk(list(record.tokens), round=record)
                 if task.cancelled():
                     partial.stop_reason = "aborted"
                     partial.total_s = time.perf_counter() - started
@@ -211,8 +206,8 @@ class Orchestrator:
             # service-side session ids are unique per run, whatever ids clients choose
             session_id = f"{request_id}/{uuid.uuid4().hex[:8]}"
             result = await self.controller.generate(request, session_id=session_id, on_round=on_round)
-            span.set_attribute("new_tokens", result.stats.new_tokens)
-            span.set_attribute("acceptance_rate", result.stats.acceptance_rate)
+            stats = result.stats
+            span.set_attributes({"new_tokens": stats.new_tokens, "acceptance_rate": stats.acceptance_rate})
             return result
 
     async def abort(self, request_id: str) -> bool:
@@ -229,9 +224,7 @@ class Orchestrator:
 
 def tokenizer_dir(front: FrontConfig, models: ModelsConfig) -> str:
     """Where the front's tokenizer comes from: front.tokenizer, else models.target, else the default target."""
-    if front.tokenizer:
-        return front.tokenizer
-    return str(resolve_model_dir(models.target, DEFAULT_TARGET, "models.target"))
+    return front.tokenizer or str(resolve_model_dir(models.target, DEFAULT_TARGET, "models.target"))
 
 
 def load_tokenizer(path: str):

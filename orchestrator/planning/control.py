@@ -3,13 +3,11 @@
 ``FixedControl`` (the request's TreeSpec every round, behind ``FallbackPolicy``); the default,
 ``CostAwareControl``, is in orchestrator.planning.cost_aware.
 Terms: acceptance rate = accepted / proposed draft tokens (tree nodes); accepted length = accepted draft
-tokens on the path (bonus excluded). Times are seconds from a monotonic clock (``time.monotonic`` by default).
+tokens on the path (bonus excluded). Times are seconds from a monotonic clock (``time.monotonic``).
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -19,8 +17,6 @@ from specdec.sampling import SamplingParams
 from specdec.stats import COST_REASON
 from specdec.tree import DraftTree
 from specdec.tree_spec import TreeSpec
-
-log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------- fallback reasons
 
@@ -80,7 +76,9 @@ class Control:
         raise NotImplementedError
 
     def record(self, depth: int, proposed: int, accepted: int) -> None:
-        """After a speculative round: tree levels reached, draft tokens proposed and accepted (bonus excluded)."""
+        """After a speculative round: tree levels reached, draft tokens proposed and accepted (bonus excluded).
+        Raises ValueError for impossible counts (``check_counts``)."""
+        check_counts(proposed, accepted)
 
     def set_draft_context_limit(self, limit: int | None) -> None:
         """The draft's max positions, tokens (None = unlimited)."""
@@ -138,67 +136,34 @@ def check_counts(proposed: int, accepted: int) -> None:
 class FallbackPolicy:
     """Whether one request speculates this round or runs a plain target step (docs/control.md, Fallback).
 
-    ``speculate`` once per round (it counts plain rounds), ``record`` after a speculative round, ``draft_failed``
-    when a draft call fails. Speculation is off, first match is ``reason``:
-    1. ``"draft_context_limit"``: committed_len + depth > draft_context_limit, while it holds (``context_room``
-       tells how deep a tree still fits);
-    2. ``"draft_unavailable"``: for reconnect_s s after ``draft_failed`` (also a draft_s over the deadline).
+    ``speculate`` once per round, ``draft_failed`` when a draft call fails (the round loop turns a reply past
+    the draft deadline into one). Speculation is off, first match is ``reason``:
+    1. ``"draft_context_limit"``: committed_len + depth > draft_context_limit, while it holds;
+    2. ``"draft_unavailable"``: for reconnect_s s after ``draft_failed``.
     Acceptance does not turn speculation off here: the cost-aware control decides that from its costs.
-    now: seconds of ``clock`` or None to read it. metrics: a SpecMetrics (not imported: it imports this module)
-    whose fallback_rounds{reason} counter counts every plain round.
+    Plain rounds are counted from the RoundRecords (SpecMetrics.observe_round). now: seconds, monotonic clock.
     """
 
-    def __init__(self, config: FallbackConfig = FallbackConfig(), draft_context_limit: int | None = None,
-                 metrics=None, clock: Callable[[], float] = time.monotonic):
-        if draft_context_limit is not None and draft_context_limit < 1:
-            raise ValueError(f"draft_context_limit: must be >= 1 tokens, got {draft_context_limit}")
+    def __init__(self, config: FallbackConfig = FallbackConfig()):
         self.config = config
-        self.draft_context_limit = draft_context_limit
-        self.metrics = metrics
-        self.clock = clock
+        self.draft_context_limit: int | None = None
         self.reason: str | None = None
-        self.fallback_rounds: dict[str, int] = {r: 0 for r in FALLBACK_REASONS}
-        self.draft_failures = 0
         self._unavailable_until: float | None = None
 
-    @property
-    def deadline_s(self) -> float:
-        """The draft reply deadline in seconds (draft_deadline_ms / 1000), e.g. for an RPC timeout."""
-        return self.config.draft_deadline_ms / 1000.0
-
-    def context_room(self, committed_len: int) -> int | None:
-        """Tree levels the draft's context still holds (limit - committed_len), None when unlimited."""
-        if self.draft_context_limit is None:
-            return None
-        return self.draft_context_limit - committed_len
-
-    def speculate(self, now: float | None, committed_len: int, depth: int = 1) -> bool:
+    def speculate(self, now: float, committed_len: int, depth: int = 1) -> bool:
         """True = speculate with up to ``depth`` (>= 1) levels, False = plain step; sets ``reason``.
         Raises ValueError for committed_len < 0 or depth < 1."""
         if committed_len < 0 or depth < 1:
             raise ValueError(f"speculate: need committed_len >= 0 and depth >= 1, got {committed_len}, {depth}")
-        now = self.clock() if now is None else now
         reason = None
         if self.draft_context_limit is not None and committed_len + depth > self.draft_context_limit:
             reason = DRAFT_CONTEXT_LIMIT
         elif self._unavailable_until is not None and now < self._unavailable_until:
             reason = DRAFT_UNAVAILABLE
-        if reason is None and self._unavailable_until is not None:
+        if reason is None:
             self._unavailable_until = None  # the retry
         self.reason = reason
-        if reason is not None:
-            self.fallback_rounds[reason] += 1
-            if self.metrics is not None:
-                self.metrics.fallback_rounds.labels(reason=reason).inc()
         return reason is None
-
-    def record(self, proposed: int, accepted: int, now: float | None = None, draft_s: float | None = None) -> None:
-        """Record a speculative round: proposed / accepted draft tokens, draft_s the draft's reply time (s);
-        a draft_s over the deadline counts as ``draft_failed``. Raises ValueError for impossible counts."""
-        check_counts(proposed, accepted)
-        if draft_s is not None and draft_s > self.deadline_s:
-            log.warning("fallback: draft reply took %.3f s, over the %.3f s deadline", draft_s, self.deadline_s)
-            self.draft_failed(now)
 
     def set_draft_context_limit(self, limit: int | None) -> None:
         """The draft's max positions (None = unlimited). Raises ValueError for a limit < 1."""
@@ -206,10 +171,8 @@ class FallbackPolicy:
             raise ValueError(f"draft_context_limit: must be >= 1 tokens, got {limit}")
         self.draft_context_limit = limit
 
-    def draft_failed(self, now: float | None = None) -> None:
+    def draft_failed(self, now: float) -> None:
         """Mark the draft unavailable (unreachable, error or too slow) until now + reconnect_s."""
-        now = self.clock() if now is None else now
-        self.draft_failures += 1
         self._unavailable_until = now + self.config.reconnect_s
 
 
@@ -221,35 +184,21 @@ class FixedControl(Control):
     unavailable (a failed draft is re-opened after reconnect_s) or while the tree would overrun the draft's
     context. The round loop's default control, and ``--control fixed`` / ``front.cost_aware.enabled: false``."""
 
-    def __init__(self, spec: TreeSpec, fallback: FallbackConfig = FallbackConfig(),
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, spec: TreeSpec, fallback: FallbackConfig = FallbackConfig()):
         self.gamma = spec.gamma
         self.reason: str | None = None
-        # the draft's context limit comes from the loop (set_draft_context_limit); plain rounds are counted
-        # from the RoundRecords (SpecMetrics.observe_round), so no metrics here
-        self.fallback = FallbackPolicy(fallback, clock=clock)
-
-    @property
-    def fallback_rounds(self) -> dict[str, int]:
-        """Plain rounds so far by reason."""
-        return self.fallback.fallback_rounds
+        self.fallback = FallbackPolicy(fallback)
 
     def spec(self, base: TreeSpec) -> TreeSpec:
         return base
 
-    def speculate(self, now: float | None, committed_len: int, depth: int | None = None) -> bool:
-        """FallbackPolicy.speculate for the tree's min(gamma, depth) levels (depth None = no cap)."""
-        go = self.fallback.speculate(now, committed_len, self.gamma if depth is None else min(self.gamma, depth))
+    def speculate(self, now: float, committed_len: int, depth: int) -> bool:
+        """FallbackPolicy.speculate for the tree's min(gamma, depth) levels."""
+        go = self.fallback.speculate(now, committed_len, min(self.gamma, depth))
         self.reason = self.fallback.reason
         return go
 
-    def record(self, depth: int, proposed: int, accepted: int, now: float | None = None,
-               draft_s: float | None = None) -> None:
-        """FallbackPolicy.record: a draft_s over the deadline is a draft failure. Raises ValueError for impossible
-        counts."""
-        self.fallback.record(proposed, accepted, now, draft_s)
-
-    def draft_failed(self, now: float | None = None) -> None:
+    def draft_failed(self, now: float) -> None:
         """FallbackPolicy.draft_failed: no speculation for reconnect_s seconds."""
         self.fallback.draft_failed(now)
 

@@ -7,7 +7,6 @@ limit follow ``FallbackPolicy``'s rules.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -59,11 +58,8 @@ class SharedState:
         """One drafted round's verify forward under load held ``batch_size`` sessions: folded into ``verify_merge``.
         Callers skip probes (alone by design) and a session's first drafted round (it waited for the prefill)."""
         if self.load >= LOADED:
-            self.verify_merge += alpha * (self._share(batch_size) - self.verify_merge)
-
-    def _share(self, batch_size: int) -> float:
-        """The other requests a forward of ``batch_size`` sessions held: (batch_size - 1) / (load - 1) in [0, 1]."""
-        return min(max((batch_size - 1) / (self.load - 1.0), 0.0), 1.0)
+            share = min(max((batch_size - 1) / (self.load - 1.0), 0.0), 1.0)  # of the other requests, in [0, 1]
+            self.verify_merge += alpha * (share - self.verify_merge)
 
     def observe_load(self, batch_size: int, alpha: float = 0.3) -> None:
         """One round's load (sessions per forward, or open at the target when more): a rise at once, so speculation
@@ -230,11 +226,10 @@ class CostAwareControl(Control):
 
     def __init__(self, spec: TreeSpec, shared: SharedState | None = None, fallback: FallbackConfig = FallbackConfig(),
                  max_gamma: int = 10, ngram_tokens: int = 8, max_ngram: int = 3, probe_every: int = 16,
-                 first_round_plain: bool = True, max_nodes: int = MAX_TREE_NODES, clock=time.monotonic,
-                 lookup: Lookup | None = None):
+                 first_round_plain: bool = True, max_nodes: int = MAX_TREE_NODES, lookup: Lookup | None = None):
         self.base = spec
         self.shared = shared or SharedState()
-        self.fallback = FallbackPolicy(fallback, clock=clock)
+        self.fallback = FallbackPolicy(fallback)
         self.max_gamma = max(max_gamma, 1)
         self.max_nodes = max_nodes
         self.ngram_tokens, self.max_ngram = ngram_tokens, max_ngram
@@ -261,7 +256,7 @@ class CostAwareControl(Control):
         """The TTFT rule holds this round: the first token comes from the target's prefill alone."""
         return self.first_round_plain and self.state.rounds == 0
 
-    def speculate(self, now: float | None, committed_len: int, depth: int) -> bool:
+    def speculate(self, now: float, committed_len: int, depth: int) -> bool:
         """Plan this round (``plan_depth``) under ``depth`` levels; False = no draft this round."""
         st = self.state
         st.probing = False
@@ -441,11 +436,6 @@ class CostAwareControl(Control):
 
     # ----------------------------------------------------------------- the rest of the interface
 
-    def record(self, depth: int, proposed: int, accepted: int, now: float | None = None,
-               draft_s: float | None = None) -> None:
-        """After a speculative round (the controller's common hook): draft deadline accounting."""
-        self.fallback.record(proposed, accepted, now, draft_s)
-
     def prefill_beside(self) -> None:
         """This round runs plain beside the draft's prefill: ``observe`` teaches no cost from its slowed forward."""
         self.state.beside_prefill = True
@@ -454,7 +444,7 @@ class CostAwareControl(Control):
         """A draft session (re-)opened: its first drafted round's time also holds the prefill, not a step's cost."""
         self.state.draft_warm = False
 
-    def draft_failed(self, now: float | None = None) -> None:
+    def draft_failed(self, now: float) -> None:
         self.fallback.draft_failed(now)
 
     def draft_merged(self, batch_size: int) -> None:
@@ -488,19 +478,18 @@ class CostAwareControl(Control):
 
 def _parents_per_step(tree: DraftTree, depths: list[int]) -> list[int]:
     """Parents the draft expanded at each step: 1 (the root) then the expanded nodes per depth."""
-    steps = [1]
-    for d in range(1, max(depths, default=0)):
-        steps.append(sum(1 for i, dd in enumerate(depths) if dd == d and tree.expanded and tree.expanded[i]))
-    return steps if tree.size else []
+    if not tree.size:
+        return []
+    return [1] + [sum(1 for i, dd in enumerate(depths) if dd == d and tree.expanded and tree.expanded[i])
+                  for d in range(1, max(depths))]
 
 
 class CostAwareFactory:
-    """(TreeSpec, max_nodes) -> CostAwareControl sharing ``shared``. ``shared_compute``: True, False or "auto",
-    resolved by the Orchestrator into ``shared.shared_compute``."""
+    """(TreeSpec, max_nodes) -> CostAwareControl sharing ``shared`` (``shared.shared_compute`` is set by the
+    Orchestrator from ``front.cost_aware.shared_compute``)."""
 
     def __init__(self, config: CostAwareConfig, fallback: FallbackConfig, shared: SharedState):
         self.config, self.fallback, self.shared = config, fallback, shared
-        self.shared_compute = config.shared_compute
         shared.draft_cost_from_forward = config.draft_cost_from == "forward"
 
     def __call__(self, spec: TreeSpec, max_nodes: int = MAX_TREE_NODES) -> CostAwareControl:

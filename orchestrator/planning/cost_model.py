@@ -17,6 +17,7 @@ import bisect
 import concurrent.futures
 import contextlib
 import functools
+import itertools
 import secrets
 import threading
 import time
@@ -55,11 +56,8 @@ class LatencyCurve:
             raise ValueError("points: a latency curve needs at least one measured point")
         if any(x < 1 or ms <= 0 for x, ms in self.points.items()):
             raise ValueError(f"points: need x >= 1 and ms > 0, got {self.points}")
-        monotone, low = {}, float("inf")
-        for x, ms in sorted(self.points.items(), reverse=True):  # suffix minimum (module docstring)
-            low = min(low, float(ms))
-            monotone[int(x)] = low
-        self.points = dict(sorted(monotone.items()))
+        xs = sorted(self.points, reverse=True)  # suffix minimum (module docstring)
+        self.points = dict(sorted(zip(map(int, xs), itertools.accumulate((float(self.points[x]) for x in xs), min))))
 
     def base(self, x: float) -> float:
         """The measured shape at x (>= 1), linear between points and past the ends, before scaling."""

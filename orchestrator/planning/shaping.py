@@ -30,62 +30,56 @@ def _bin(q: float) -> int:
     return 0
 
 
-class AcceptanceCalibration:
-    """a(q): P(a draft child is accepted | its parent is), binned by the child's draft probability q.
+class _Calibration:
+    """Acceptance counts by key; an estimate is (hits + p w) / (seen + w), shrunk towards a prior p worth w
+    observations: another calibration's estimate (``prior``, worth ``prior_weight`` per key) or a fixed one."""
 
-    Counts over nodes whose parent was accepted (an unbiased sample). ``prior``: another calibration whose
-    estimates count as ``prior_weight`` observations per bin; without one a(q) starts at 0.8 q, worth 2.
-    """
-
-    def __init__(self, prior: "AcceptanceCalibration | None" = None, prior_weight: float = 4.0):
+    def __init__(self, prior=None, prior_weight: float = 4.0):
         self.prior = prior
         self.prior_weight = prior_weight
-        self.hits = [0.0] * (len(_EDGES) - 1)
-        self.seen = [0.0] * (len(_EDGES) - 1)
+        self.hits: dict = {}
+        self.seen: dict = {}
         self._lock = threading.Lock()
 
-    def _prior(self, b: int) -> tuple[float, float]:
-        if self.prior is not None:
-            return self.prior.a_bin(b), self.prior_weight
-        mid = (_EDGES[b] + _EDGES[b + 1]) / 2
-        return 0.8 * mid, 2.0
+    def _estimate(self, key, p: float, w: float) -> float:
+        return (self.hits.get(key, 0.0) + p * w) / (self.seen.get(key, 0.0) + w)
+
+    def _count(self, key, accepted: bool) -> None:
+        with self._lock:
+            self.hits[key] = self.hits.get(key, 0.0) + accepted
+            self.seen[key] = self.seen.get(key, 0.0) + 1
+
+
+class AcceptanceCalibration(_Calibration):
+    """a(q): P(a draft child is accepted | its parent is), binned by the child's draft probability q.
+
+    Counts over nodes whose parent was accepted (an unbiased sample). ``prior``: another AcceptanceCalibration;
+    without one a(q) starts at 0.8 q, worth 2.
+    """
 
     def a_bin(self, b: int) -> float:
-        p, w = self._prior(b)
-        return (self.hits[b] + p * w) / (self.seen[b] + w)
+        if self.prior is not None:
+            return self._estimate(b, self.prior.a_bin(b), self.prior_weight)
+        return self._estimate(b, 0.8 * ((_EDGES[b] + _EDGES[b + 1]) / 2), 2.0)
 
     def __call__(self, q: float) -> float:
         """Calibrated acceptance chance of a child with draft probability q in [0, 1]."""
         return self.a_bin(_bin(q))
 
     def observe(self, q: float, accepted: bool) -> None:
-        b = _bin(q)
-        with self._lock:
-            self.hits[b] += accepted
-            self.seen[b] += 1
+        self._count(_bin(q), accepted)
 
 
-class ContextCalibration:
+class ContextCalibration(_Calibration):
     """P(a context node is accepted | its parent is), by (n, k): n the ``match_bucket``, k the node's place
-    (capped at 4); prior 0.4 worth 2 observations, or another calibration's estimates."""
-
-    def __init__(self, prior: "ContextCalibration | None" = None, prior_weight: float = 4.0):
-        self.prior = prior
-        self.prior_weight = prior_weight
-        self.hits: dict[tuple[int, int], float] = {}
-        self.seen: dict[tuple[int, int], float] = {}
-        self._lock = threading.Lock()
+    (capped at 4); prior 0.4 worth 2 observations, or another ContextCalibration's estimates."""
 
     def __call__(self, n: int, k: int) -> float:
-        key = (n, min(k, 4))
         p, w = (self.prior(n, k), self.prior_weight) if self.prior is not None else (0.4, 2.0)
-        return (self.hits.get(key, 0.0) + p * w) / (self.seen.get(key, 0.0) + w)
+        return self._estimate((n, min(k, 4)), p, w)
 
     def observe(self, n: int, k: int, accepted: bool) -> None:
-        key = (n, min(k, 4))
-        with self._lock:
-            self.hits[key] = self.hits.get(key, 0.0) + accepted
-            self.seen[key] = self.seen.get(key, 0.0) + 1
+        self._count((n, min(k, 4)), accepted)
 
 
 @dataclass(frozen=True)
@@ -230,9 +224,6 @@ def match_bucket(match: int) -> int:
     """Calibration key of a branch matching the context's last ``match`` tokens: 1, 2, 3, 4 (4-5) or 5 (6+);
     ``match`` < 1 is returned as it is. The match length predicts acceptance."""
     return match if match <= 3 else 4 if match <= 5 else 5
-
-
-MATCH_BUCKET_LABELS = {1: "1", 2: "2", 3: "3", 4: "4-5", 5: "6+"}  # match_bucket -> the match lengths it holds
 
 
 def ngram_continuation(context: Sequence[int], max_tokens: int, max_ngram: int = 3) -> tuple[list[int], int]:
