@@ -275,63 +275,58 @@ class TargetRuntime:
         for s in sessions:
             truncate_kv(s.cache, s.cache_len)  # drop the slots of an earlier verify that failed mid-way
             s.root_logits = None  # a first verify: R's KV (from start) is dropped and R fed again, as in every row
-        if self.packed:
-            self._forward_packed(batch, sessions, trees, prefilling, saved, results)
-            return
-        lengths = [s.cache_len for s in sessions]
         try:
-            stacked = stack_kv([s.cache for s in sessions], lengths, self.model.config)  # (B, H, S, D)
-            ids, positions, mask = batched_tree_inputs([s.root for s in sessions], trees, lengths, self.model.dtype)
-            logits = model_forward_batch(self.model, stacked, ids, positions, mask)  # (B, Q, V)
-        except BaseException:
-            for s, state in zip(prefilling, saved):  # still mid-prefill: R's slot and logits back, as extend needs
-                _restore_root_state(s, state)
-            raise
-        width = max(lengths)
-        for row, (index, _, s, tree) in enumerate(batch):
-            try:
-                append_kv_row(s.cache, stacked, row, width, tree.size + 1)
-                if isinstance(tree, PrefillChunk):  # R and the chunk stay cached; the chunk's last token is R
-                    s.cache_len += tree.size
-                    s.root = tree.tokens[-1]
-                    s.root_logits = logits[row, tree.size].clone()
-                    results[index] = CHUNK_FED
-                    continue
-                results[index] = self._accept(s, tree, logits[row, : tree.size + 1])
-            except Exception as error:  # noqa: BLE001 - one item's failure must not affect the others
-                results[index] = error
-        del stacked
-
-    def _forward_packed(self, batch, sessions, trees, prefilling, saved, results) -> None:
-        """``_verify_together``'s forward with packed rows, each session's rows on its own cache."""
-        try:
-            logits = model_forward_packed(
-                self.model,
-                [s.cache for s in sessions],
-                [[s.root, *tree.tokens] for s, tree in zip(sessions, trees)],
-                [tree_position_ids(tree.parents, s.cache_len) for s, tree in zip(sessions, trees)],
-                [tree_attention_mask(tree.parents, s.cache_len, self.model.dtype) for s, tree in zip(sessions, trees)],
-                [1 if isinstance(item[3], PrefillChunk) else None for item in batch],  # a chunk: its last row only
-                argmax_head=self.argmax_head,
-                argmax_rows=[s.sampling.greedy and not isinstance(item[3], PrefillChunk) for s, item in zip(sessions, batch)],
-            )  # B x (N_b + 1, V); greedy sessions: (N_b + 1,) argmax ids; (1, V) for a chunk
+            if self.packed:
+                rows_of = self._forward_packed(batch, sessions, trees)
+            else:
+                rows_of = self._forward_padded(sessions, trees)
         except BaseException:
             for s in sessions:  # some layers of some caches may hold the new rows already
                 truncate_kv(s.cache, s.cache_len)
             for s, state in zip(prefilling, saved):  # still mid-prefill: R's slot and logits back, as extend needs
                 _restore_root_state(s, state)
             raise
-        for (index, _, s, tree), rows in zip(batch, logits):
+        for b, (index, _, s, tree) in enumerate(batch):
             try:
+                rows = rows_of(b)  # (N_b + 1, V); greedy and packed: (N_b + 1,) argmax ids; packed chunk: (1, V)
                 if isinstance(tree, PrefillChunk):  # R and the chunk stay cached; the chunk's last token is R
                     s.cache_len += tree.size
                     s.root = tree.tokens[-1]
                     s.root_logits = rows[-1].clone()
                     results[index] = CHUNK_FED
-                    continue
-                results[index] = self._accept(s, tree, rows)
+                else:
+                    results[index] = self._accept(s, tree, rows)
             except Exception as error:  # noqa: BLE001 - one item's failure must not affect the others
                 results[index] = error
+
+    def _forward_packed(self, batch, sessions, trees) -> Callable[[int], torch.Tensor]:
+        """``_verify_together``'s forward with packed rows, each session's rows on its own cache;
+        returns item b -> its rows."""
+        logits = model_forward_packed(
+            self.model,
+            [s.cache for s in sessions],
+            [[s.root, *tree.tokens] for s, tree in zip(sessions, trees)],
+            [tree_position_ids(tree.parents, s.cache_len) for s, tree in zip(sessions, trees)],
+            [tree_attention_mask(tree.parents, s.cache_len, self.model.dtype) for s, tree in zip(sessions, trees)],
+            [1 if isinstance(item[3], PrefillChunk) else None for item in batch],  # a chunk: its last row only
+            argmax_head=self.argmax_head,
+            argmax_rows=[s.sampling.greedy and not isinstance(item[3], PrefillChunk) for s, item in zip(sessions, batch)],
+        )  # B x (N_b + 1, V); greedy sessions: (N_b + 1,) argmax ids; (1, V) for a chunk
+        return logits.__getitem__
+
+    def _forward_padded(self, sessions, trees) -> Callable[[int], torch.Tensor]:
+        """``_verify_together``'s forward as a padded [B, Q] batch after a stacked cache; returns item b ->
+        its rows [N_b + 1, V], first appending them to its own cache."""
+        lengths = [s.cache_len for s in sessions]
+        stacked = stack_kv([s.cache for s in sessions], lengths, self.model.config)  # (B, H, S, D)
+        ids, positions, mask = batched_tree_inputs([s.root for s in sessions], trees, lengths, self.model.dtype)
+        logits = model_forward_batch(self.model, stacked, ids, positions, mask)  # (B, Q, V)
+
+        def rows_of(b: int) -> torch.Tensor:
+            append_kv_row(sessions[b].cache, stacked, b, max(lengths), trees[b].size + 1)
+            return logits[b, : trees[b].size + 1]
+
+        return rows_of
 
     @staticmethod
     def _batch_item(item) -> tuple[str, DraftTree]:
