@@ -161,7 +161,7 @@ class DraftRuntime(DraftWorker):
         tree = s.last_tree
         if tree is None or s.round_start is None:
             raise SessionStateError(f"path_nodes: session {session_id!r} has no proposed tree since its last commit")
-        _check_root_path(tree, path_nodes)
+        check_root_path(tree.parents, path_nodes)
         rng_state = copy.deepcopy(s.rng.bit_generator.state) if s.rng is not None else None
         s.ahead = _AheadSnapshot(len(s.tokens), s.cached_len, s.round_start, tree, rng_state)
         fed = [s.slot_of_node[n] for n in path_nodes if n in s.slot_of_node]  # a prefix of the path
@@ -349,16 +349,17 @@ class DraftRuntime(DraftWorker):
         s.round_start = None
 
 
-def _check_root_path(tree: DraftTree, path_nodes: tuple[int, ...]) -> None:
-    """Raises ValueError naming path_nodes unless it is a non-empty root path of ``tree`` (root side first)."""
-    if not path_nodes:
-        raise ValueError("path_nodes: empty (an ahead needs >= 1 node of the last tree)")
+def check_root_path(parents: Sequence[int], path: Sequence[int], field: str = "path_nodes") -> None:
+    """Raises ValueError naming ``field`` unless ``path`` is a non-empty root path (root side first) of the
+    last proposed tree, given its ``parents``."""
+    if not path:
+        raise ValueError(f"{field}: empty (an ahead needs >= 1 node of the last tree)")
     parent = ROOT
-    for i, node in enumerate(path_nodes):
-        if not 0 <= node < tree.size:
-            raise ValueError(f"path_nodes[{i}] = {node}: not a node of the last proposed tree ({tree.size} nodes)")
-        if tree.parents[node] != parent:
-            raise ValueError(f"path_nodes[{i}] = {node}: its parent is {tree.parents[node]}, not {parent} (not a root path)")
+    for i, node in enumerate(path):
+        if not 0 <= node < len(parents):
+            raise ValueError(f"{field}[{i}] = {node}: not a node of the last proposed tree ({len(parents)} nodes)")
+        if parents[node] != parent:
+            raise ValueError(f"{field}[{i}] = {node}: its parent is {parents[node]}, not {parent} (not a root path)")
         parent = node
 
 

@@ -25,7 +25,7 @@ from typing import Mapping
 import grpc
 import torch
 
-from draft_service.runtime import DraftRuntime
+from draft_service.runtime import DraftRuntime, check_root_path
 from specdec.batching import SessionBatcher
 from specdec.config import ConfigError, DraftServerConfig, ServeConfig, load_config
 from specdec.grpc_host import ServiceHost, abort_for, rpc_errors
@@ -39,6 +39,7 @@ from specdec.process_entry import check_device, configure_logging, fail
 from specdec.sampling import SamplingParamsError
 from specdec.service_errors import CapacityError
 from specdec.telemetry import setup_tracing, shutdown_tracing, tracer
+from specdec.tree import DraftTree
 from specdec.tree_spec import TreeSpecError
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 from specdec.wire import sampling_from_proto, spec_from_proto, tree_to_proto
@@ -236,19 +237,27 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                     f"{self.context_limit} positions")
         return spec, min(request.max_depth, room)
 
-    async def _propose(self, stream: _Stream, request) -> draft_pb2.DraftTreeReply:
-        _no_ahead(stream, "propose")
-        spec, depth = self._tree_request("propose", request, stream.tokens)
-        with self._tracer.start_as_current_span("draft.propose") as span:
+    async def _grow(self, stream: _Stream, request, job: tuple) -> tuple[DraftTree, draft_pb2.DraftTreeReply]:
+        """A propose (job: spec, depth) or an ahead (job: spec, depth, path) through the batcher, traced:
+        (its tree, the reply)."""
+        ahead = len(job) == 3
+        with self._tracer.start_as_current_span("draft.propose_ahead" if ahead else "draft.propose") as span:
             span.set_attribute("specdec.session_id", stream.session_id)
             started = time.perf_counter()
-            tree, batch_size, forward_ms = await self.batcher.submit(stream.key, (spec, depth))
+            out, batch_size, forward_ms = await self.batcher.submit(stream.key, job)
             draft_ms = (time.perf_counter() - started) * 1000
+            guess, tree = out if ahead else (0, out)
             span.set_attribute("specdec.tree_nodes", tree.size)
             span.set_attribute("specdec.batch_size", batch_size)
+        return tree, draft_pb2.DraftTreeReply(round=request.round, tree=tree_to_proto(tree), draft_ms=draft_ms,
+                                              batch_size=batch_size, forward_ms=forward_ms, ahead=ahead,
+                                              guess_token=guess)
+
+    async def _propose(self, stream: _Stream, request) -> draft_pb2.DraftTreeReply:
+        _no_ahead(stream, "propose")
+        tree, reply = await self._grow(stream, request, self._tree_request("propose", request, stream.tokens))
         stream.tree_size, stream.parents = tree.size, tuple(tree.parents)
-        return draft_pb2.DraftTreeReply(round=request.round, tree=tree_to_proto(tree), draft_ms=draft_ms,
-                                        batch_size=batch_size, forward_ms=forward_ms)
+        return reply
 
     async def _ahead(self, stream: _Stream, request) -> draft_pb2.DraftTreeReply:
         """An AheadRequest: checked here (path against the last tree, room under the context limit),
@@ -258,18 +267,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if stream.tree_size is None:
             raise ValueError("ahead.path_nodes: no proposed tree since the last commit")
         path = list(request.path_nodes)
-        _check_root_path(path, stream.parents)
+        check_root_path(stream.parents, path, "ahead.path_nodes")
         spec, depth = self._tree_request("ahead", request, stream.tokens + len(path) + 1)  # path + guess committed
-        with self._tracer.start_as_current_span("draft.propose_ahead") as span:
-            span.set_attribute("specdec.session_id", stream.session_id)
-            started = time.perf_counter()
-            (guess, tree), batch_size, forward_ms = await self.batcher.submit(stream.key, (spec, depth, path))
-            draft_ms = (time.perf_counter() - started) * 1000
-            span.set_attribute("specdec.tree_nodes", tree.size)
-            span.set_attribute("specdec.batch_size", batch_size)
+        tree, reply = await self._grow(stream, request, (spec, depth, path))
         stream.ahead = (len(path) + 1, tuple(tree.parents))
-        return draft_pb2.DraftTreeReply(round=request.round, tree=tree_to_proto(tree), draft_ms=draft_ms,
-                                        batch_size=batch_size, forward_ms=forward_ms, ahead=True, guess_token=guess)
+        return reply
 
     async def _resolve(self, stream: _Stream, request) -> None:
         if stream.ahead is None:
@@ -324,19 +326,6 @@ def _kv_budget(runtime, config: DraftServerConfig) -> int:
 def _no_ahead(stream: _Stream, field: str) -> None:
     if stream.ahead is not None:
         raise ValueError(f"{field}: an ahead is unresolved on this stream (send resolve first)")
-
-
-def _check_root_path(path: list[int], parents: tuple[int, ...]) -> None:
-    """Raises ValueError naming ahead.path_nodes unless ``path`` is a non-empty root path of the tree."""
-    if not path:
-        raise ValueError("ahead.path_nodes: empty (need >= 1 node of the last tree)")
-    parent = -1
-    for i, node in enumerate(path):
-        if not 0 <= node < len(parents):
-            raise ValueError(f"ahead.path_nodes[{i}] = {node}: not a node of the last proposed tree ({len(parents)} nodes)")
-        if parents[node] != parent:
-            raise ValueError(f"ahead.path_nodes[{i}] = {node}: its parent is {parents[node]}, not {parent} (not a root path)")
-        parent = node
 
 
 # ----------------------------------------------------------------------------------------------
