@@ -19,7 +19,9 @@ import numpy as np
 import torch
 
 from specdec.argmax_head import argmax_head_of
-from specdec.forward import DirectDecoder, model_forward, model_forward_batch, model_forward_packed, packed_layout
+from specdec.forward import (
+    DirectDecoder, model_forward, model_forward_batch, model_forward_packed, packed_layout, padded_batch_inputs,
+)
 from specdec.interfaces import SessionStateError, UnknownSessionError, VerifyResult
 from specdec.kv_cache import append_kv_row, compact_kv, new_cache, stack_kv, truncate_kv
 from specdec.sampling import GREEDY, SamplingParams, processed_probs, session_rng
@@ -27,7 +29,6 @@ from specdec.tree_spec import MAX_TREE_NODES
 from specdec.tree import (
     DraftTree,
     MalformedTreeError,
-    additive_mask,
     tree_attention_mask,
     tree_position_ids,
     tree_visibility,
@@ -377,30 +378,13 @@ def _restore_root_state(s: TargetSession, state) -> None:
 def batched_tree_inputs(
     roots: Sequence[int], trees: Sequence[DraftTree], cache_lens: Sequence[int], dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inputs of one forward over the trees of B sessions after a right-padded stacked cache.
-
-    roots: [B] root tokens R_b; trees: B trees of N_b nodes; cache_lens: [B] cached slots L_b. With
-    S = max L_b and Q = max N_b + 1, row b holds [R_b, nodes...] then padding; its keys are cache slots
-    0..S-1 then the Q new slots. Returns (input_ids [B, Q] int64, position_ids [B, Q] int64, mask
-    [B, 1, Q, S + Q] additive in ``dtype``): real rows see as ``tree_attention_mask``; pad rows see only
-    their own slot (so none is fully masked) and no real row sees a pad.
-    """
-    batch = len(trees)
-    if not (len(roots) == len(cache_lens) == batch):
-        raise ValueError(f"roots / trees / cache_lens: lengths {len(roots)} / {batch} / {len(cache_lens)} differ")
-    width = max(cache_lens, default=0)
-    q = max((tree.size + 1 for tree in trees), default=1)
-    ids = torch.zeros(batch, q, dtype=torch.long)
-    positions = torch.zeros(batch, q, dtype=torch.long)
-    visible = torch.zeros(batch, q, width + q, dtype=torch.bool)
-    own = torch.arange(q)
-    for row, (root, tree, length) in enumerate(zip(roots, trees, cache_lens)):
-        n = tree.size + 1
-        ids[row, :n] = torch.tensor([root, *tree.tokens], dtype=torch.long)
-        positions[row, :n] = tree_position_ids(tree.parents, length)
-        positions[row, n:] = length
-        visible[row, :n, :length] = True
-        visible[row, :n, width : width + n] = tree_visibility(tree.parents)
-        visible[row, own[n:], width + own[n:]] = True  # pad rows: their own slot only
-    mask = additive_mask(visible, dtype)[0, 0][:, None]  # (B, 1, Q, S + Q)
-    return ids, positions, mask
+    """``padded_batch_inputs`` of B sessions' [R_b, nodes...] rows: roots: [B] root tokens R_b; trees: B trees of
+    N_b nodes; cache_lens: [B] cached slots L_b. Real rows see as ``tree_attention_mask``."""
+    if not (len(roots) == len(cache_lens) == len(trees)):
+        raise ValueError(f"roots / trees / cache_lens: lengths {len(roots)} / {len(trees)} / {len(cache_lens)} differ")
+    return padded_batch_inputs(
+        [[root, *tree.tokens] for root, tree in zip(roots, trees)],
+        [tree_position_ids(tree.parents, length) for tree, length in zip(trees, cache_lens)],
+        [torch.cat([torch.ones(tree.size + 1, length, dtype=torch.bool), tree_visibility(tree.parents)], dim=1)
+         for tree, length in zip(trees, cache_lens)],
+        cache_lens, dtype)
