@@ -34,7 +34,7 @@ from specdec.tree import (
     tree_visibility,
     validate_tree,
 )
-from target_service.verifier import verify_greedy_ids, verify_sampled
+from target_service.verifier import verify_greedy, verify_sampled
 
 
 @dataclass
@@ -193,7 +193,7 @@ class TargetRuntime:
         """Walk the tree on logits [N + 1, V] (greedy: or argmax ids [N + 1] int64); store as pending."""
         if s.sampling.greedy:
             argmax = logits.tolist() if logits.dim() == 1 else logits.argmax(dim=-1).tolist()
-            s.pending = verify_greedy_ids(tree.tokens, tree.parents, argmax)
+            s.pending = verify_greedy(tree.tokens, tree.parents, argmax)
         else:
             def row_probs(row: int):  # processed only for the rows the walk visits
                 return processed_probs(logits[row], s.sampling)
