@@ -81,19 +81,16 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     context_limit: the draft's max positions; config: the ``draft`` section; draining: set at shutdown.
     Create inside the running event loop; ``close()`` at the end."""
 
-    def __init__(self, runtime, *, context_limit: int, config: DraftServerConfig = DraftServerConfig(),
+    def __init__(self, runtime: DraftRuntime, *, context_limit: int, config: DraftServerConfig = DraftServerConfig(),
                  draining: asyncio.Event | None = None, worker: ModelWorker | None = None):
         self.runtime = runtime
         self.context_limit = context_limit
         self.config = config
         self.draining = draining or asyncio.Event()
         self.worker = worker or ModelWorker("draft-runtime")
-        model = getattr(runtime, "model", None)
-        self.placement = placement(str(getattr(model, "device", "cpu")))
+        self.placement = placement(str(runtime.model.device))
         # concurrent streams' proposes share draft forwards (runtime.propose_batch: one per tree depth)
-        batch_call = None
-        if hasattr(runtime, "propose_batch"):
-            batch_call = lambda pairs: runtime.propose_batch([(key, *args) for key, args in pairs])  # noqa: E731
+        batch_call = lambda pairs: runtime.propose_batch([(key, *args) for key, args in pairs])  # noqa: E731
         self.batcher = _ProposeBatcher(self.worker, batch_call, self._propose_solo,
                                        config.max_batch, config.batch_wait_ms, what="propose",
                                        gather=config.batch_gather)
@@ -152,10 +149,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     async def Info(self, request, context) -> draft_pb2.DraftInfoResponse:
         """Open streams, runtime sessions and their cached positions (read behind the queued jobs, so all 0
         once every stream has ended: leak checks), the context limit, the merged propose calls so far."""
-        held = await self.worker.run(lambda: list(getattr(self.runtime, "sessions", {}).values()))
+        held = await self.worker.run(lambda: list(self.runtime.sessions.values()))
         return draft_pb2.DraftInfoResponse(sessions=len(self.streams), cached_sessions=len(held),
                                            context_limit=self.context_limit,
-                                           cached_tokens=sum(getattr(s, "cached_len", 0) for s in held),
+                                           cached_tokens=sum(s.cached_len for s in held),
                                            host=self.placement.host, device=self.placement.device,
                                            cpus=list(self.placement.cpus),
                                            batched_forwards=self.batcher.batched_forwards)
@@ -207,19 +204,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             self.streams.pop(stream.key, None)
             self.worker.submit(self.runtime.release, stream.key)
             raise
-        if hasattr(self.runtime, "prefill"):  # queued, not awaited: the prefill overlaps the target's (jobs run in order)
-            self.worker.submit(self._prefill_chunk, stream.key)
-        return stream, draft_pb2.DraftStarted(cached_tokens=self._cached(stream), context_limit=self.context_limit)
+        self.worker.submit(self._prefill_chunk, stream.key)  # not awaited: it overlaps the target's (jobs run in order)
+        cached = self.runtime.sessions[stream.key].cached_len
+        return stream, draft_pb2.DraftStarted(cached_tokens=cached, context_limit=self.context_limit)
 
     def _prefill_chunk(self, key: str) -> None:
         """One chunk of a session's prefill (on the worker thread); queues the next one behind the jobs
         submitted meanwhile, so a long prompt does not hold up other sessions' proposes."""
         if self.runtime.prefill(key, self.config.prefill_chunk_tokens):
             self.worker.submit(self._prefill_chunk, key)
-
-    def _cached(self, stream: _Stream) -> int:
-        session = getattr(self.runtime, "sessions", {}).get(stream.key)
-        return getattr(session, "cached_len", 0)
 
     def _tree_request(self, field: str, request, tokens: int) -> tuple:
         """The TreeSpec and depth cap of a propose or ahead after ``tokens`` committed tokens (a depth-d
@@ -311,16 +304,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                 f"{self.max_kv_tokens} ({held} held by {len(self.streams)} sessions)")
 
 
-def _kv_budget(runtime, config: DraftServerConfig) -> int:
+def _kv_budget(runtime: DraftRuntime, config: DraftServerConfig) -> int:
     """config.max_kv_tokens, or for "auto" the slots that fit config.kv_memory_fraction of the free memory
-    (specdec.kv_budget; a runtime without a transformers model gets the fallback)."""
+    (specdec.kv_budget)."""
     if config.max_kv_tokens != "auto":
         return config.max_kv_tokens
-    model = getattr(runtime, "model", None)
-    per_token = None
-    if hasattr(model, "config") and hasattr(model, "dtype"):
-        per_token = kv_bytes_per_token(model.config, model.dtype.itemsize)
-    return sized_budget("draft-service", config.kv_memory_fraction, per_token, str(getattr(model, "device", "cpu")))
+    model = runtime.model
+    per_token = kv_bytes_per_token(model.config, model.dtype.itemsize)
+    return sized_budget("draft-service", config.kv_memory_fraction, per_token, str(model.device))
 
 
 def _no_ahead(stream: _Stream, field: str) -> None:
