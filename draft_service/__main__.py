@@ -1,6 +1,8 @@
 """``python -m draft_service [--config FILE] [flags]``: the same command as ``specdec draft-server``."""
 
-from draft_service.cli import main
+import typer
+
+from draft_service.cli import draft_server
 
 if __name__ == "__main__":
-    main()
+    typer.run(draft_server)

@@ -39,9 +39,3 @@ def draft_server(
                  "grpc.health_port": health_port}
     raise typer.Exit(run(str(config) if config else None, overrides))
 
-
-def main() -> None:
-    """``python -m draft_service``: the draft-server command alone."""
-    app = typer.Typer(add_completion=False)
-    app.command()(draft_server)
-    app(prog_name="python -m draft_service")

@@ -24,7 +24,9 @@ import numpy as np
 import torch
 
 from draft_service.tree_builder import Step, tree_steps
-from specdec.forward import DirectDecoder, model_forward, model_forward_batch, model_forward_packed, packed_layout
+from specdec.forward import (
+    DirectDecoder, model_forward, model_forward_batch, model_forward_packed, packed_layout, padded_batch_inputs,
+)
 from specdec.interfaces import DraftWorker, SessionStateError, UnknownSessionError
 from specdec.kv_cache import append_kv_row, cache_length, compact_kv, new_cache, stack_kv, truncate_kv
 from specdec.sampling import GREEDY, SamplingParams, session_rng
@@ -161,7 +163,7 @@ class DraftRuntime(DraftWorker):
         tree = s.last_tree
         if tree is None or s.round_start is None:
             raise SessionStateError(f"path_nodes: session {session_id!r} has no proposed tree since its last commit")
-        _check_root_path(tree, path_nodes)
+        check_root_path(tree.parents, path_nodes)
         rng_state = copy.deepcopy(s.rng.bit_generator.state) if s.rng is not None else None
         s.ahead = _AheadSnapshot(len(s.tokens), s.cached_len, s.round_start, tree, rng_state)
         fed = [s.slot_of_node[n] for n in path_nodes if n in s.slot_of_node]  # a prefix of the path
@@ -321,10 +323,11 @@ class DraftRuntime(DraftWorker):
         return out
 
     def _forward_padded(self, rows: list[_StepRows]) -> list[torch.Tensor]:
-        """``_forward_together`` as a padded batch (``batched_step_inputs``): B logits, [1, V] / [P_b, V]."""
+        """``_forward_together`` as a padded batch (``padded_batch_inputs``): B logits, [1, V] / [P_b, V]."""
         lengths = [cache_length(r.session.cache) for r in rows]
         stacked = stack_kv([r.session.cache for r in rows], lengths, self.model.config)  # (B, H, S, D)
-        ids, positions, mask = batched_step_inputs(rows, lengths, self.model.dtype)
+        ids, positions, mask = padded_batch_inputs([r.ids for r in rows], [r.positions for r in rows],
+                                                    [r.visible for r in rows], lengths, self.model.dtype)
         logits = model_forward_batch(self.model, stacked, ids, positions, mask)  # (B, Q, V)
         width = max(lengths)
         out = []
@@ -349,16 +352,17 @@ class DraftRuntime(DraftWorker):
         s.round_start = None
 
 
-def _check_root_path(tree: DraftTree, path_nodes: tuple[int, ...]) -> None:
-    """Raises ValueError naming path_nodes unless it is a non-empty root path of ``tree`` (root side first)."""
-    if not path_nodes:
-        raise ValueError("path_nodes: empty (an ahead needs >= 1 node of the last tree)")
+def check_root_path(parents: Sequence[int], path: Sequence[int], field: str = "path_nodes") -> None:
+    """Raises ValueError naming ``field`` unless ``path`` is a non-empty root path (root side first) of the
+    last proposed tree, given its ``parents``."""
+    if not path:
+        raise ValueError(f"{field}: empty (an ahead needs >= 1 node of the last tree)")
     parent = ROOT
-    for i, node in enumerate(path_nodes):
-        if not 0 <= node < tree.size:
-            raise ValueError(f"path_nodes[{i}] = {node}: not a node of the last proposed tree ({tree.size} nodes)")
-        if tree.parents[node] != parent:
-            raise ValueError(f"path_nodes[{i}] = {node}: its parent is {tree.parents[node]}, not {parent} (not a root path)")
+    for i, node in enumerate(path):
+        if not 0 <= node < len(parents):
+            raise ValueError(f"{field}[{i}] = {node}: not a node of the last proposed tree ({len(parents)} nodes)")
+        if parents[node] != parent:
+            raise ValueError(f"{field}[{i}] = {node}: its parent is {parents[node]}, not {parent} (not a root path)")
         parent = node
 
 
@@ -381,29 +385,3 @@ def activation_scale_per_call(model) -> bool:
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
     return any(isinstance(m, DynamicLinear) for m in model.modules())
-
-
-def batched_step_inputs(rows: Sequence[_StepRows], cache_lens: Sequence[int], dtype: torch.dtype = torch.float32):
-    """Inputs of one draft forward over B sessions' step rows after a right-padded stacked cache.
-
-    rows: B sessions' rows (``visible`` [P_b, C_b + P_b]); cache_lens: [B] C_b. Returns (input_ids [B, Q]
-    int64, position_ids [B, Q] int64, mask [B, 1, Q, S + Q] additive in ``dtype``), S = max C_b,
-    Q = max P_b; the layout of the target's ``batched_tree_inputs``.
-    """
-    batch = len(rows)
-    width = max(cache_lens, default=0)
-    q = max(len(r.ids) for r in rows)
-    ids = torch.zeros(batch, q, dtype=torch.long)
-    positions = torch.zeros(batch, q, dtype=torch.long)
-    visible = torch.zeros(batch, q, width + q, dtype=torch.bool)
-    own = torch.arange(q)
-    for b, (r, length) in enumerate(zip(rows, cache_lens)):
-        p = len(r.ids)
-        ids[b, :p] = torch.tensor(r.ids, dtype=torch.long)
-        positions[b, :p] = r.positions
-        positions[b, p:] = int(r.positions[-1]) + 1 if p else length
-        visible[b, :p, :length] = r.visible[:, :length]
-        visible[b, :p, width : width + p] = r.visible[:, length:]
-        visible[b, own[p:], width + own[p:]] = True
-    mask = additive_mask(visible, dtype)[0, 0][:, None]  # (B, 1, Q, S + Q)
-    return ids, positions, mask

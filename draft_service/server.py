@@ -25,7 +25,7 @@ from typing import Mapping
 import grpc
 import torch
 
-from draft_service.runtime import DraftRuntime
+from draft_service.runtime import DraftRuntime, check_root_path
 from specdec.batching import SessionBatcher
 from specdec.config import ConfigError, DraftServerConfig, ServeConfig, load_config
 from specdec.grpc_host import ServiceHost, abort_for, rpc_errors
@@ -39,6 +39,7 @@ from specdec.process_entry import check_device, configure_logging, fail
 from specdec.sampling import SamplingParamsError
 from specdec.service_errors import CapacityError
 from specdec.telemetry import setup_tracing, shutdown_tracing, tracer
+from specdec.tree import DraftTree
 from specdec.tree_spec import TreeSpecError
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 from specdec.wire import sampling_from_proto, spec_from_proto, tree_to_proto
@@ -80,19 +81,16 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     context_limit: the draft's max positions; config: the ``draft`` section; draining: set at shutdown.
     Create inside the running event loop; ``close()`` at the end."""
 
-    def __init__(self, runtime, *, context_limit: int, config: DraftServerConfig = DraftServerConfig(),
+    def __init__(self, runtime: DraftRuntime, *, context_limit: int, config: DraftServerConfig = DraftServerConfig(),
                  draining: asyncio.Event | None = None, worker: ModelWorker | None = None):
         self.runtime = runtime
         self.context_limit = context_limit
         self.config = config
         self.draining = draining or asyncio.Event()
         self.worker = worker or ModelWorker("draft-runtime")
-        model = getattr(runtime, "model", None)
-        self.placement = placement(str(getattr(model, "device", "cpu")))
+        self.placement = placement(str(runtime.model.device))
         # concurrent streams' proposes share draft forwards (runtime.propose_batch: one per tree depth)
-        batch_call = None
-        if hasattr(runtime, "propose_batch"):
-            batch_call = lambda pairs: runtime.propose_batch([(key, *args) for key, args in pairs])  # noqa: E731
+        batch_call = lambda pairs: runtime.propose_batch([(key, *args) for key, args in pairs])  # noqa: E731
         self.batcher = _ProposeBatcher(self.worker, batch_call, self._propose_solo,
                                        config.max_batch, config.batch_wait_ms, what="propose",
                                        gather=config.batch_gather)
@@ -151,10 +149,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     async def Info(self, request, context) -> draft_pb2.DraftInfoResponse:
         """Open streams, runtime sessions and their cached positions (read behind the queued jobs, so all 0
         once every stream has ended: leak checks), the context limit, the merged propose calls so far."""
-        held = await self.worker.run(lambda: list(getattr(self.runtime, "sessions", {}).values()))
+        held = await self.worker.run(lambda: list(self.runtime.sessions.values()))
         return draft_pb2.DraftInfoResponse(sessions=len(self.streams), cached_sessions=len(held),
                                            context_limit=self.context_limit,
-                                           cached_tokens=sum(getattr(s, "cached_len", 0) for s in held),
+                                           cached_tokens=sum(s.cached_len for s in held),
                                            host=self.placement.host, device=self.placement.device,
                                            cpus=list(self.placement.cpus),
                                            batched_forwards=self.batcher.batched_forwards)
@@ -206,19 +204,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             self.streams.pop(stream.key, None)
             self.worker.submit(self.runtime.release, stream.key)
             raise
-        if hasattr(self.runtime, "prefill"):  # queued, not awaited: the prefill overlaps the target's (jobs run in order)
-            self.worker.submit(self._prefill_chunk, stream.key)
-        return stream, draft_pb2.DraftStarted(cached_tokens=self._cached(stream), context_limit=self.context_limit)
+        self.worker.submit(self._prefill_chunk, stream.key)  # not awaited: it overlaps the target's (jobs run in order)
+        cached = self.runtime.sessions[stream.key].cached_len
+        return stream, draft_pb2.DraftStarted(cached_tokens=cached, context_limit=self.context_limit)
 
     def _prefill_chunk(self, key: str) -> None:
         """One chunk of a session's prefill (on the worker thread); queues the next one behind the jobs
         submitted meanwhile, so a long prompt does not hold up other sessions' proposes."""
         if self.runtime.prefill(key, self.config.prefill_chunk_tokens):
             self.worker.submit(self._prefill_chunk, key)
-
-    def _cached(self, stream: _Stream) -> int:
-        session = getattr(self.runtime, "sessions", {}).get(stream.key)
-        return getattr(session, "cached_len", 0)
 
     def _tree_request(self, field: str, request, tokens: int) -> tuple:
         """The TreeSpec and depth cap of a propose or ahead after ``tokens`` committed tokens (a depth-d
@@ -236,19 +230,27 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                     f"{self.context_limit} positions")
         return spec, min(request.max_depth, room)
 
-    async def _propose(self, stream: _Stream, request) -> draft_pb2.DraftTreeReply:
-        _no_ahead(stream, "propose")
-        spec, depth = self._tree_request("propose", request, stream.tokens)
-        with self._tracer.start_as_current_span("draft.propose") as span:
+    async def _grow(self, stream: _Stream, request, job: tuple) -> tuple[DraftTree, draft_pb2.DraftTreeReply]:
+        """A propose (job: spec, depth) or an ahead (job: spec, depth, path) through the batcher, traced:
+        (its tree, the reply)."""
+        ahead = len(job) == 3
+        with self._tracer.start_as_current_span("draft.propose_ahead" if ahead else "draft.propose") as span:
             span.set_attribute("specdec.session_id", stream.session_id)
             started = time.perf_counter()
-            tree, batch_size, forward_ms = await self.batcher.submit(stream.key, (spec, depth))
+            out, batch_size, forward_ms = await self.batcher.submit(stream.key, job)
             draft_ms = (time.perf_counter() - started) * 1000
+            guess, tree = out if ahead else (0, out)
             span.set_attribute("specdec.tree_nodes", tree.size)
             span.set_attribute("specdec.batch_size", batch_size)
+        return tree, draft_pb2.DraftTreeReply(round=request.round, tree=tree_to_proto(tree), draft_ms=draft_ms,
+                                              batch_size=batch_size, forward_ms=forward_ms, ahead=ahead,
+                                              guess_token=guess)
+
+    async def _propose(self, stream: _Stream, request) -> draft_pb2.DraftTreeReply:
+        _no_ahead(stream, "propose")
+        tree, reply = await self._grow(stream, request, self._tree_request("propose", request, stream.tokens))
         stream.tree_size, stream.parents = tree.size, tuple(tree.parents)
-        return draft_pb2.DraftTreeReply(round=request.round, tree=tree_to_proto(tree), draft_ms=draft_ms,
-                                        batch_size=batch_size, forward_ms=forward_ms)
+        return reply
 
     async def _ahead(self, stream: _Stream, request) -> draft_pb2.DraftTreeReply:
         """An AheadRequest: checked here (path against the last tree, room under the context limit),
@@ -258,18 +260,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if stream.tree_size is None:
             raise ValueError("ahead.path_nodes: no proposed tree since the last commit")
         path = list(request.path_nodes)
-        _check_root_path(path, stream.parents)
+        check_root_path(stream.parents, path, "ahead.path_nodes")
         spec, depth = self._tree_request("ahead", request, stream.tokens + len(path) + 1)  # path + guess committed
-        with self._tracer.start_as_current_span("draft.propose_ahead") as span:
-            span.set_attribute("specdec.session_id", stream.session_id)
-            started = time.perf_counter()
-            (guess, tree), batch_size, forward_ms = await self.batcher.submit(stream.key, (spec, depth, path))
-            draft_ms = (time.perf_counter() - started) * 1000
-            span.set_attribute("specdec.tree_nodes", tree.size)
-            span.set_attribute("specdec.batch_size", batch_size)
+        tree, reply = await self._grow(stream, request, (spec, depth, path))
         stream.ahead = (len(path) + 1, tuple(tree.parents))
-        return draft_pb2.DraftTreeReply(round=request.round, tree=tree_to_proto(tree), draft_ms=draft_ms,
-                                        batch_size=batch_size, forward_ms=forward_ms, ahead=True, guess_token=guess)
+        return reply
 
     async def _resolve(self, stream: _Stream, request) -> None:
         if stream.ahead is None:
@@ -309,34 +304,19 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                 f"{self.max_kv_tokens} ({held} held by {len(self.streams)} sessions)")
 
 
-def _kv_budget(runtime, config: DraftServerConfig) -> int:
+def _kv_budget(runtime: DraftRuntime, config: DraftServerConfig) -> int:
     """config.max_kv_tokens, or for "auto" the slots that fit config.kv_memory_fraction of the free memory
-    (specdec.kv_budget; a runtime without a transformers model gets the fallback)."""
+    (specdec.kv_budget)."""
     if config.max_kv_tokens != "auto":
         return config.max_kv_tokens
-    model = getattr(runtime, "model", None)
-    per_token = None
-    if hasattr(model, "config") and hasattr(model, "dtype"):
-        per_token = kv_bytes_per_token(model.config, model.dtype.itemsize)
-    return sized_budget("draft-service", config.kv_memory_fraction, per_token, str(getattr(model, "device", "cpu")))
+    model = runtime.model
+    per_token = kv_bytes_per_token(model.config, model.dtype.itemsize)
+    return sized_budget("draft-service", config.kv_memory_fraction, per_token, str(model.device))
 
 
 def _no_ahead(stream: _Stream, field: str) -> None:
     if stream.ahead is not None:
         raise ValueError(f"{field}: an ahead is unresolved on this stream (send resolve first)")
-
-
-def _check_root_path(path: list[int], parents: tuple[int, ...]) -> None:
-    """Raises ValueError naming ahead.path_nodes unless ``path`` is a non-empty root path of the tree."""
-    if not path:
-        raise ValueError("ahead.path_nodes: empty (need >= 1 node of the last tree)")
-    parent = -1
-    for i, node in enumerate(path):
-        if not 0 <= node < len(parents):
-            raise ValueError(f"ahead.path_nodes[{i}] = {node}: not a node of the last proposed tree ({len(parents)} nodes)")
-        if parents[node] != parent:
-            raise ValueError(f"ahead.path_nodes[{i}] = {node}: its parent is {parents[node]}, not {parent} (not a root path)")
-        parent = node
 
 
 # ----------------------------------------------------------------------------------------------

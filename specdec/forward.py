@@ -20,6 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specdec.cpu_linear import PackedLinear
+from specdec.tree import additive_mask
 
 
 def _cache_kwarg(model) -> str:
@@ -257,6 +258,33 @@ def model_forward_batch(
     }
     out = model(input_ids.to(device), **kwargs)
     return out.logits.float()  # (B, Q, V)
+
+
+def padded_batch_inputs(ids: Sequence[Sequence[int]], positions: Sequence[torch.Tensor],
+                        visible: Sequence[torch.Tensor], cache_lens: Sequence[int], dtype: torch.dtype = torch.float32):
+    """Inputs of ``model_forward_batch`` over B sessions' new rows after a right-padded stacked cache.
+
+    ids: B lists of n_b token ids; positions: B (n_b,) position ids; visible: B (n_b, C_b + n_b) bool, which of
+    the session's C_b cached slots and n_b new rows each row sees; cache_lens: [B] C_b. With S = max C_b and
+    Q = max n_b, row b holds its n_b rows then padding, its keys cache slots 0..S-1 then the Q new slots.
+    Returns (input_ids [B, Q] int64, position_ids [B, Q] int64, mask [B, 1, Q, S + Q] additive in ``dtype``):
+    pad rows see only their own slot (so none is fully masked) and no real row sees a pad.
+    """
+    width = max(cache_lens, default=0)
+    q = max((len(row) for row in ids), default=1)
+    input_ids = torch.zeros(len(ids), q, dtype=torch.long)
+    position_ids = torch.zeros(len(ids), q, dtype=torch.long)
+    seen = torch.zeros(len(ids), q, width + q, dtype=torch.bool)
+    own = torch.arange(q)
+    for b, (row_ids, row_positions, row_visible, length) in enumerate(zip(ids, positions, visible, cache_lens)):
+        n = len(row_ids)
+        input_ids[b, :n] = torch.tensor(row_ids, dtype=torch.long)
+        position_ids[b, :n] = row_positions
+        position_ids[b, n:] = int(row_positions[-1]) + 1 if n else length
+        seen[b, :n, :length] = row_visible[:, :length]
+        seen[b, :n, width : width + n] = row_visible[:, length:]
+        seen[b, own[n:], width + own[n:]] = True
+    return input_ids, position_ids, additive_mask(seen, dtype)[0, 0][:, None]  # mask: (B, 1, Q, S + Q)
 
 
 # --- packed rows: several sessions in one forward, each row against its own cache -------------------------

@@ -4,7 +4,9 @@ The guard matters: tensor-parallel ranks are spawned processes, which import thi
 (as ``__mp_main__``) and must not serve.
 """
 
-from target_service.cli import main
+import typer
+
+from target_service.cli import target_server
 
 if __name__ == "__main__":
-    main()
+    typer.run(target_server)

@@ -40,9 +40,3 @@ def target_server(
                  "grpc.health_port": health_port}
     raise typer.Exit(run(str(config) if config else None, overrides))
 
-
-def main() -> None:
-    """``python -m target_service``: the target-server command alone."""
-    app = typer.Typer(add_completion=False)
-    app.command()(target_server)
-    app(prog_name="python -m target_service")

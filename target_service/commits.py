@@ -72,18 +72,9 @@ class DeferredCommits:
                 self.apply(session_id)
             except Exception as exc:  # noqa: BLE001 - the item's own outcome
                 errors[i] = exc
-        if not errors:
-            return self.runtime.verify_batch(items)
-        rest = [i for i in range(len(items)) if i not in errors]
-        outcomes = list(self.runtime.verify_batch([items[i] for i in rest])) if rest else []
-        if len(outcomes) != len(rest):
-            raise RuntimeError(f"verify_batch: {len(outcomes)} outcomes for {len(rest)} items")
-        out: list = [None] * len(items)
-        for i, exc in errors.items():
-            out[i] = exc
-        for i, outcome in zip(rest, outcomes):
-            out[i] = outcome
-        return out
+        rest = [item for i, item in enumerate(items) if i not in errors]
+        outcomes = iter(self.runtime.verify_batch(rest) if rest else ())
+        return [errors[i] if i in errors else next(outcomes) for i in range(len(items))]
 
     def release(self, session_id: str):
         self.deferred.pop(session_id, None)

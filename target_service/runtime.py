@@ -19,7 +19,9 @@ import numpy as np
 import torch
 
 from specdec.argmax_head import argmax_head_of
-from specdec.forward import DirectDecoder, model_forward, model_forward_batch, model_forward_packed, packed_layout
+from specdec.forward import (
+    DirectDecoder, model_forward, model_forward_batch, model_forward_packed, packed_layout, padded_batch_inputs,
+)
 from specdec.interfaces import SessionStateError, UnknownSessionError, VerifyResult
 from specdec.kv_cache import append_kv_row, compact_kv, new_cache, stack_kv, truncate_kv
 from specdec.sampling import GREEDY, SamplingParams, processed_probs, session_rng
@@ -27,13 +29,12 @@ from specdec.tree_spec import MAX_TREE_NODES
 from specdec.tree import (
     DraftTree,
     MalformedTreeError,
-    additive_mask,
     tree_attention_mask,
     tree_position_ids,
     tree_visibility,
     validate_tree,
 )
-from target_service.verifier import verify_greedy_ids, verify_sampled
+from target_service.verifier import verify_greedy, verify_sampled
 
 
 @dataclass
@@ -192,7 +193,7 @@ class TargetRuntime:
         """Walk the tree on logits [N + 1, V] (greedy: or argmax ids [N + 1] int64); store as pending."""
         if s.sampling.greedy:
             argmax = logits.tolist() if logits.dim() == 1 else logits.argmax(dim=-1).tolist()
-            s.pending = verify_greedy_ids(tree.tokens, tree.parents, argmax)
+            s.pending = verify_greedy(tree.tokens, tree.parents, argmax)
         else:
             def row_probs(row: int):  # processed only for the rows the walk visits
                 return processed_probs(logits[row], s.sampling)
@@ -275,63 +276,58 @@ class TargetRuntime:
         for s in sessions:
             truncate_kv(s.cache, s.cache_len)  # drop the slots of an earlier verify that failed mid-way
             s.root_logits = None  # a first verify: R's KV (from start) is dropped and R fed again, as in every row
-        if self.packed:
-            self._forward_packed(batch, sessions, trees, prefilling, saved, results)
-            return
-        lengths = [s.cache_len for s in sessions]
         try:
-            stacked = stack_kv([s.cache for s in sessions], lengths, self.model.config)  # (B, H, S, D)
-            ids, positions, mask = batched_tree_inputs([s.root for s in sessions], trees, lengths, self.model.dtype)
-            logits = model_forward_batch(self.model, stacked, ids, positions, mask)  # (B, Q, V)
-        except BaseException:
-            for s, state in zip(prefilling, saved):  # still mid-prefill: R's slot and logits back, as extend needs
-                _restore_root_state(s, state)
-            raise
-        width = max(lengths)
-        for row, (index, _, s, tree) in enumerate(batch):
-            try:
-                append_kv_row(s.cache, stacked, row, width, tree.size + 1)
-                if isinstance(tree, PrefillChunk):  # R and the chunk stay cached; the chunk's last token is R
-                    s.cache_len += tree.size
-                    s.root = tree.tokens[-1]
-                    s.root_logits = logits[row, tree.size].clone()
-                    results[index] = CHUNK_FED
-                    continue
-                results[index] = self._accept(s, tree, logits[row, : tree.size + 1])
-            except Exception as error:  # noqa: BLE001 - one item's failure must not affect the others
-                results[index] = error
-        del stacked
-
-    def _forward_packed(self, batch, sessions, trees, prefilling, saved, results) -> None:
-        """``_verify_together``'s forward with packed rows, each session's rows on its own cache."""
-        try:
-            logits = model_forward_packed(
-                self.model,
-                [s.cache for s in sessions],
-                [[s.root, *tree.tokens] for s, tree in zip(sessions, trees)],
-                [tree_position_ids(tree.parents, s.cache_len) for s, tree in zip(sessions, trees)],
-                [tree_attention_mask(tree.parents, s.cache_len, self.model.dtype) for s, tree in zip(sessions, trees)],
-                [1 if isinstance(item[3], PrefillChunk) else None for item in batch],  # a chunk: its last row only
-                argmax_head=self.argmax_head,
-                argmax_rows=[s.sampling.greedy and not isinstance(item[3], PrefillChunk) for s, item in zip(sessions, batch)],
-            )  # B x (N_b + 1, V); greedy sessions: (N_b + 1,) argmax ids; (1, V) for a chunk
+            if self.packed:
+                rows_of = self._forward_packed(batch, sessions, trees)
+            else:
+                rows_of = self._forward_padded(sessions, trees)
         except BaseException:
             for s in sessions:  # some layers of some caches may hold the new rows already
                 truncate_kv(s.cache, s.cache_len)
             for s, state in zip(prefilling, saved):  # still mid-prefill: R's slot and logits back, as extend needs
                 _restore_root_state(s, state)
             raise
-        for (index, _, s, tree), rows in zip(batch, logits):
+        for b, (index, _, s, tree) in enumerate(batch):
             try:
+                rows = rows_of(b)  # (N_b + 1, V); greedy and packed: (N_b + 1,) argmax ids; packed chunk: (1, V)
                 if isinstance(tree, PrefillChunk):  # R and the chunk stay cached; the chunk's last token is R
                     s.cache_len += tree.size
                     s.root = tree.tokens[-1]
                     s.root_logits = rows[-1].clone()
                     results[index] = CHUNK_FED
-                    continue
-                results[index] = self._accept(s, tree, rows)
+                else:
+                    results[index] = self._accept(s, tree, rows)
             except Exception as error:  # noqa: BLE001 - one item's failure must not affect the others
                 results[index] = error
+
+    def _forward_packed(self, batch, sessions, trees) -> Callable[[int], torch.Tensor]:
+        """``_verify_together``'s forward with packed rows, each session's rows on its own cache;
+        returns item b -> its rows."""
+        logits = model_forward_packed(
+            self.model,
+            [s.cache for s in sessions],
+            [[s.root, *tree.tokens] for s, tree in zip(sessions, trees)],
+            [tree_position_ids(tree.parents, s.cache_len) for s, tree in zip(sessions, trees)],
+            [tree_attention_mask(tree.parents, s.cache_len, self.model.dtype) for s, tree in zip(sessions, trees)],
+            [1 if isinstance(item[3], PrefillChunk) else None for item in batch],  # a chunk: its last row only
+            argmax_head=self.argmax_head,
+            argmax_rows=[s.sampling.greedy and not isinstance(item[3], PrefillChunk) for s, item in zip(sessions, batch)],
+        )  # B x (N_b + 1, V); greedy sessions: (N_b + 1,) argmax ids; (1, V) for a chunk
+        return logits.__getitem__
+
+    def _forward_padded(self, sessions, trees) -> Callable[[int], torch.Tensor]:
+        """``_verify_together``'s forward as a padded [B, Q] batch after a stacked cache; returns item b ->
+        its rows [N_b + 1, V], first appending them to its own cache."""
+        lengths = [s.cache_len for s in sessions]
+        stacked = stack_kv([s.cache for s in sessions], lengths, self.model.config)  # (B, H, S, D)
+        ids, positions, mask = batched_tree_inputs([s.root for s in sessions], trees, lengths, self.model.dtype)
+        logits = model_forward_batch(self.model, stacked, ids, positions, mask)  # (B, Q, V)
+
+        def rows_of(b: int) -> torch.Tensor:
+            append_kv_row(sessions[b].cache, stacked, b, max(lengths), trees[b].size + 1)
+            return logits[b, : trees[b].size + 1]
+
+        return rows_of
 
     @staticmethod
     def _batch_item(item) -> tuple[str, DraftTree]:
@@ -382,30 +378,13 @@ def _restore_root_state(s: TargetSession, state) -> None:
 def batched_tree_inputs(
     roots: Sequence[int], trees: Sequence[DraftTree], cache_lens: Sequence[int], dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inputs of one forward over the trees of B sessions after a right-padded stacked cache.
-
-    roots: [B] root tokens R_b; trees: B trees of N_b nodes; cache_lens: [B] cached slots L_b. With
-    S = max L_b and Q = max N_b + 1, row b holds [R_b, nodes...] then padding; its keys are cache slots
-    0..S-1 then the Q new slots. Returns (input_ids [B, Q] int64, position_ids [B, Q] int64, mask
-    [B, 1, Q, S + Q] additive in ``dtype``): real rows see as ``tree_attention_mask``; pad rows see only
-    their own slot (so none is fully masked) and no real row sees a pad.
-    """
-    batch = len(trees)
-    if not (len(roots) == len(cache_lens) == batch):
-        raise ValueError(f"roots / trees / cache_lens: lengths {len(roots)} / {batch} / {len(cache_lens)} differ")
-    width = max(cache_lens, default=0)
-    q = max((tree.size + 1 for tree in trees), default=1)
-    ids = torch.zeros(batch, q, dtype=torch.long)
-    positions = torch.zeros(batch, q, dtype=torch.long)
-    visible = torch.zeros(batch, q, width + q, dtype=torch.bool)
-    own = torch.arange(q)
-    for row, (root, tree, length) in enumerate(zip(roots, trees, cache_lens)):
-        n = tree.size + 1
-        ids[row, :n] = torch.tensor([root, *tree.tokens], dtype=torch.long)
-        positions[row, :n] = tree_position_ids(tree.parents, length)
-        positions[row, n:] = length
-        visible[row, :n, :length] = True
-        visible[row, :n, width : width + n] = tree_visibility(tree.parents)
-        visible[row, own[n:], width + own[n:]] = True  # pad rows: their own slot only
-    mask = additive_mask(visible, dtype)[0, 0][:, None]  # (B, 1, Q, S + Q)
-    return ids, positions, mask
+    """``padded_batch_inputs`` of B sessions' [R_b, nodes...] rows: roots: [B] root tokens R_b; trees: B trees of
+    N_b nodes; cache_lens: [B] cached slots L_b. Real rows see as ``tree_attention_mask``."""
+    if not (len(roots) == len(cache_lens) == len(trees)):
+        raise ValueError(f"roots / trees / cache_lens: lengths {len(roots)} / {len(trees)} / {len(cache_lens)} differ")
+    return padded_batch_inputs(
+        [[root, *tree.tokens] for root, tree in zip(roots, trees)],
+        [tree_position_ids(tree.parents, length) for tree, length in zip(trees, cache_lens)],
+        [torch.cat([torch.ones(tree.size + 1, length, dtype=torch.bool), tree_visibility(tree.parents)], dim=1)
+         for tree, length in zip(trees, cache_lens)],
+        cache_lens, dtype)

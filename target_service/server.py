@@ -107,7 +107,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.config = config
         self.max_kv_tokens = self._kv_budget(runtime, config)
         self.sessions = TargetSessions(self.max_kv_tokens, context_limit, config.session_idle_s, config.max_sessions)
-        self._warn_small_budget()
+        if self.max_kv_tokens < context_limit:
+            log.warning("target-service: max_kv_tokens %d < the context limit %d: one long request can be refused "
+                        "RESOURCE_EXHAUSTED (raise target.kv_memory_fraction or set target.max_kv_tokens)",
+                        self.max_kv_tokens, context_limit)
         self.worker = worker or ModelWorker("target-runtime")
         self.batcher = VerifyBatcher(self.runtime, self.worker, config.max_batch, config.batch_wait_ms, self.sessions.verified,
                                      gather=config.batch_gather)
@@ -124,12 +127,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             return config.max_kv_tokens
         return sized_budget("target-service", config.kv_memory_fraction, getattr(runtime, "kv_bytes_per_token", None),
                             getattr(runtime, "device", "cpu"), ranks=config.tp)
-
-    def _warn_small_budget(self) -> None:
-        if self.max_kv_tokens < self.context_limit:
-            log.warning("target-service: max_kv_tokens %d < the context limit %d: one long request can be refused "
-                        "RESOURCE_EXHAUSTED (raise target.kv_memory_fraction or set target.max_kv_tokens)",
-                        self.max_kv_tokens, self.context_limit)
 
     def close(self) -> None:
         self.worker.close()
@@ -347,10 +344,6 @@ async def serve_runtime(config: ServeConfig, runtime, *, context_limit: int, eos
         servicer.close()
 
 
-class _StartError(Exception):
-    """The tensor-parallel target could not start; the message names the field."""
-
-
 class _Terminated(BaseException):
     """SIGTERM while the model loads (before the server's own handler is installed)."""
 
@@ -380,7 +373,7 @@ def serve(config: ServeConfig) -> int:
         runtime, context_limit, eos, name = worker.call(_load_target, config)
         asyncio.run(serve_runtime(config, runtime, context_limit=context_limit, eos_token_ids=eos, model_name=name,
                                   worker=worker))
-    except (ModelError, _StartError) as exc:
+    except ModelError as exc:
         return fail(str(exc))
     except OSError as exc:
         return fail(f"target.host / target.port: {exc}")
@@ -404,7 +397,7 @@ def serve(config: ServeConfig) -> int:
 
 def _load_target(config: ServeConfig):
     """(runtime, context limit, EOS ids, model name): a TargetRuntime over the loaded model, or with
-    ``target.tp`` > 1 a TensorParallelTarget whose ranks load it. Raises ModelError or _StartError."""
+    ``target.tp`` > 1 a TensorParallelTarget whose ranks load it. Raises ModelError naming the field."""
     if config.target.tp > 1:
         runtime, info = _start_tensor_parallel(config)
         return runtime, info.context_limit, info.eos_token_ids, info.name
@@ -414,23 +407,20 @@ def _load_target(config: ServeConfig):
 
 
 def _start_tensor_parallel(config: ServeConfig):
-    """(TensorParallelTarget, TargetInfo) for ``config.target.tp`` ranks; raises ModelError or
-    _StartError naming the field (``target.tp``, ``models.device``, ``models.target``)."""
+    """(TensorParallelTarget, TargetInfo) for ``config.target.tp`` ranks; raises ModelError naming the
+    field (``target.tp``, ``models.device``, ``models.target``)."""
     models, tp = config.models, config.target.tp
     info = target_info(models, label="models.target")  # config + tokenizer only: the ranks load the weights
     try:
         runtime = build_target(info.name, tp=tp, dtype=resolve_dtype(models.dtype, models.device),
                                device=models.device, max_tree_nodes=config.target.max_tree_nodes,
                                threads_per_rank=models.threads)
-    except ValueError as exc:  # "tp: ..." (heads not divisible, no TP plan) or "device: ..."
+    except Exception as exc:  # noqa: BLE001 - "tp: ..." / "device: ..." (ValueError) or a rank's loading error
         message = str(exc)
-        field = "target." if message.startswith("tp:") else "models." if message.startswith("device:") else None
-        if field is None:
-            raise _StartError(f"models.target: {tp} tensor-parallel ranks could not load {info.name}: {message}") from None
-        raise _StartError(field + message) from None
-    except Exception as exc:  # noqa: BLE001 - a rank's loading error (OSError, ModelError, RankFailureError, ...)
-        raise _StartError(f"models.target: {tp} tensor-parallel ranks could not load {info.name}: "
-                          f"{type(exc).__name__}: {exc}") from None
+        if isinstance(exc, ValueError) and message.startswith(("tp:", "device:")):
+            raise ModelError(("target." if message.startswith("tp:") else "models.") + message) from None
+        detail = message if isinstance(exc, ValueError) else f"{type(exc).__name__}: {message}"
+        raise ModelError(f"models.target: {tp} tensor-parallel ranks could not load {info.name}: {detail}") from None
     log.info("target-service: tensor-parallel ranks started: tp %d, backend %s, pids %s",
              runtime.tp, runtime.backend, runtime.pids)
     return runtime, info

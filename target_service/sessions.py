@@ -216,9 +216,8 @@ class TargetSessions:
         now = time.monotonic() if now is None else now
         reaped = []
         for sid, s in list(self.sessions.items()):
-            if not s.busy and now - s.last_used > self.idle_s and self.sessions.get(sid) is s:
-                del self.sessions[sid]
-                s.idle.set()
+            if not s.busy and now - s.last_used > self.idle_s:
+                self.release(sid)
                 log.warning("released session %r: idle for %.0f s (target.session_idle_s)", sid, now - s.last_used)
                 reaped.append(sid)
         return reaped

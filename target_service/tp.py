@@ -37,7 +37,6 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import wait
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,7 +51,6 @@ from transformers.utils import logging as hf_logging
 from specdec.cpu_linear import PackedLinear
 from specdec.models import DTYPES, check_supported
 from specdec.sampling import GREEDY, SamplingParams
-from specdec.tree import DraftTree
 from specdec.tree_spec import MAX_TREE_NODES
 from specdec.kv_budget import kv_bytes_per_token
 from target_service.runtime import TargetRuntime
@@ -76,40 +74,18 @@ class RemoteRankError(RuntimeError):
     """An exception raised on a rank that could not be sent back as itself (not picklable)."""
 
 
-@dataclass(frozen=True)
-class SessionInfo:
-    """A snapshot of one session on rank 0. cache_len: L; cache_slots: L, or L + N + 1 before a commit;
-    root: R; pending: the uncommitted VerifyResult or None; sampling: with the seed shared by the ranks."""
-
-    cache_len: int
-    cache_slots: int
-    root: int
-    pending: Any
-    sampling: SamplingParams
-
-
-def default_backend() -> str:
-    """``nccl`` when CUDA is available, else ``gloo``."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-class Rendezvous:
+def _rendezvous(timeout_s: float) -> dist.TCPStore:
     """The ranks' rendezvous store, held by the coordinator: a TCPStore on a loopback socket it binds itself (no
-    port picked and freed for another process to take, nothing on other interfaces). ``port``: the ranks dial it."""
-
-    def __init__(self, timeout_s: float):
-        sock = socket.create_server(("127.0.0.1", 0), backlog=64)
-        self.port = sock.getsockname()[1]
-        try:
-            self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False,
-                                       timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=sock.fileno())
-        except BaseException:
-            sock.close()
-            raise
-        sock.detach()  # the store owns the descriptor now and closes it with itself
-
-    def close(self) -> None:
-        self.store = None
+    port picked and freed for another process to take, nothing on other interfaces). ``.port``: the ranks dial it."""
+    sock = socket.create_server(("127.0.0.1", 0), backlog=64)
+    try:
+        store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the descriptor now and closes it with itself
+    return store
 
 
 def check_tp_compatible(config, tp: int) -> None:
@@ -233,13 +209,6 @@ def _rank_main(rank: int, spec: _RankSpec, conn) -> None:
         try:
             if name == "_stats":
                 value = {"decision_mismatches": mismatches}
-            elif name == "_sessions":
-                value = {
-                    sid: SessionInfo(s.cache_len, s.cache.get_seq_length(), s.root, s.pending, s.sampling)
-                    for sid, s in runtime.sessions.items()
-                }
-            elif name == "_kv":
-                value = _session_kv(runtime, *args)
             elif name == "_apply":
                 fn, fn_args = args
                 value = fn(runtime, rank, *fn_args)
@@ -296,18 +265,6 @@ def _mirror_decisions(runtime: TargetRuntime, rank: int) -> int:
     return differ
 
 
-def _session_kv(runtime: TargetRuntime, session_id: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's KV of a session: per layer (keys, values), each (1, H / P, S, D), on the CPU."""
-    s = runtime._session(session_id)
-    out = []
-    for layer in s.cache.layers:
-        if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel():
-            out.append((layer.keys.detach().cpu().clone(), layer.values.detach().cpu().clone()))
-        else:
-            out.append((torch.empty(0), torch.empty(0)))
-    return out
-
-
 def prepack_tp_linears(model) -> int:
     """Run the sharded float32 CPU linears of a transformers-TP model with oneDNN pre-packed local weights
     (``specdec.cpu_linear.PackedLinear``), keeping transformers' maths per ``model.tp_plan`` style
@@ -348,11 +305,7 @@ def _packed_forward(module, weight_local: torch.Tensor, style: str | None):
     group = module.weight.device_mesh.get_group()
     local = nn.Linear(weight_local.shape[1], weight_local.shape[0], bias=False)  # (out or out / P, in or in / P)
     local.weight = nn.Parameter(weight_local.detach().clone(), requires_grad=False)
-    if style == "colwise":
-        if bias_local is not None:
-            local.bias = nn.Parameter(bias_local, requires_grad=False)
-        return PackedLinear(local).forward
-    if style == "rowwise":
+    if style == "rowwise":  # the bias is added once, after the all-reduce
         packed = PackedLinear(local)
 
         def row_forward(x, packed=packed, group=group, bias=bias_local):
@@ -361,9 +314,11 @@ def _packed_forward(module, weight_local: torch.Tensor, style: str | None):
             return y if bias is None else y + bias
 
         return row_forward
+    if bias_local is not None:
+        local.bias = nn.Parameter(bias_local, requires_grad=False)
+    if style == "colwise":
+        return PackedLinear(local).forward
     if style == "colwise_gather_output" and module.out_features == weight_local.shape[0] * group.size():
-        if bias_local is not None:
-            local.bias = nn.Parameter(bias_local, requires_grad=False)
         packed = PackedLinear(local)
 
         def gather_forward(x, packed=packed, group=group):
@@ -407,7 +362,7 @@ class TensorParallelTarget:
         self.config = AutoConfig.from_pretrained(model_dir)
         check_tp_compatible(self.config, tp)
         self.tp = tp
-        self.backend = backend or default_backend()
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.max_tree_nodes = max_tree_nodes
         self.collective_timeout_s = collective_timeout_s
         self.call_timeout_s = call_timeout_s
@@ -415,7 +370,7 @@ class TensorParallelTarget:
         self._failure: RankFailureError | None = None
         self._closed = False
         threads = threads_per_rank or max(1, (os.cpu_count() or 1) // tp)
-        self._rendezvous = Rendezvous(start_timeout_s)
+        self._rendezvous = _rendezvous(start_timeout_s)
         spec = _RankSpec(str(model_dir), tp, self._rendezvous.port, self.backend, dtype, threads, collective_timeout_s,
                          max_tree_nodes, prepack)
         ctx = mp.get_context("spawn")
@@ -452,30 +407,15 @@ class TensorParallelTarget:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
         self._call("start", (session_id, list(prompt_ids), sampling))
 
-    def extend(self, session_id: str, prompt_ids: list[int]) -> None:
-        """``TargetRuntime.extend`` (the next prefill chunk) on every rank."""
-        self._call("extend", (session_id, list(prompt_ids)))
-
-    def verify(self, session_id: str, tree: DraftTree):
-        """``TargetRuntime.verify`` on every rank; rank 0's decision is the result and every rank's pending state."""
-        return self._call("verify", (session_id, tree))
-
-    def commit(self, session_id: str, num_tokens: int) -> None:
-        """``TargetRuntime.commit`` on every rank (each compacts its own KV heads)."""
-        self._call("commit", (session_id, num_tokens))
-
     def release(self, session_id: str) -> None:
         """``TargetRuntime.release`` on every rank. After a rank failure it is a no-op (nothing is held)."""
         if self._failure is not None or self._closed:
             return
         self._call("release", (session_id,))
 
-    def tree_logits(self, session_id: str, tree: DraftTree) -> torch.Tensor:
-        """``TargetRuntime.tree_logits``: [N + 1, V] float32 from rank 0 (the same on every rank)."""
-        return self._call("tree_logits", (session_id, tree))
-
     def __getattr__(self, name: str):
-        """Any other public TargetRuntime method (e.g. ``verify_batch``), mirrored on every rank."""
+        """Any other public TargetRuntime method (``extend``, ``verify``, ``commit``, ``verify_batch``, ...),
+        mirrored on every rank; rank 0's value (its decision, its [N + 1, V] logits) is the result."""
         if name.startswith("_") or not callable(getattr(TargetRuntime, name, None)):
             raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
@@ -487,15 +427,6 @@ class TensorParallelTarget:
         return mirrored
 
     # -- inspection ----------------------------------------------------------------------------
-
-    @property
-    def sessions(self) -> dict[str, SessionInfo]:
-        """A snapshot of rank 0's sessions: {session_id: SessionInfo} (one round trip per access)."""
-        return self._call("_sessions")
-
-    def session_kv(self, session_id: str) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Every rank's KV of a session: [rank][layer] -> (keys, values), each (1, H / P, S, D)."""
-        return self._call("_kv", (session_id,), gather=True)
 
     def on_ranks(self, fn, *args) -> list:
         """Run module-level ``fn(runtime, rank, *args)`` on every rank (not a collective); values in rank order."""
@@ -630,7 +561,7 @@ class TensorParallelTarget:
             proc.join(5.0)
         for conn in self._conns:
             conn.close()
-        self._rendezvous.close()
+        self._rendezvous = None
 
 
 def build_target(model_dir, tp: int, dtype: str = "float32", device: str = "cpu",

@@ -15,23 +15,16 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
-import torch
 
 from specdec.interfaces import VerifyResult
 from specdec.sampling import accept, residual, sample, without_token
 from specdec.tree import ROOT, SOURCE_DRAFT, MalformedTreeError, Proposal, children
 
 
-def verify_greedy(tokens, parents, target_logits: torch.Tensor) -> VerifyResult:
+def verify_greedy(tokens, parents, argmax: list[int]) -> VerifyResult:
     """Greedy tree verification: from the root, move to the child equal to the target argmax; the first
-    miss's argmax is the bonus token. tokens, parents: [N]; target_logits: [N + 1, V] float32.
-    (SpecInfer, Miao et al. ASPLOS'24, §4.1 greedy case.)"""
-    assert target_logits.shape[0] == len(tokens) + 1, "target_logits: need one row per node plus the root"
-    return verify_greedy_ids(tokens, parents, target_logits.argmax(dim=-1).tolist())
-
-
-def verify_greedy_ids(tokens, parents, argmax: list[int]) -> VerifyResult:
-    """``verify_greedy`` given each row's target argmax: [N + 1] token ids (row 0 = the root's)."""
+    miss's argmax is the bonus token. tokens, parents: [N]; argmax: each row's target argmax, [N + 1] token
+    ids (row 0 = the root's). (SpecInfer, Miao et al. ASPLOS'24, §4.1 greedy case.)"""
     assert len(argmax) == len(tokens) + 1, "argmax: need one id per node plus the root"
     kids = children(parents)
     node, path = ROOT, []

@@ -51,7 +51,7 @@ from specdec.tree_spec import SEED_SPEC, TreeSpec
 from target_service.runtime import SessionStateError, TargetRuntime
 from target_service.tp import RankFailureError, TensorParallelTarget, check_tp_compatible
 from tests.conftest import (
-    assert_kv_equal, causal_logits, hf_greedy, perturbed_copy, prefill_kv, random_prompt, tiny_model,
+    assert_kv_equal, cache_kv, causal_logits, hf_greedy, perturbed_copy, prefill_kv, random_prompt, tiny_model,
 )
 from specdec.harness.tiny_pair import save_tiny_pair, write_config
 
@@ -88,10 +88,20 @@ def random_tree(gen: torch.Generator, nodes: int, vocab: int) -> DraftTree:
     return DraftTree(tuple(tokens), tuple(parents))
 
 
+def _session_kv(runtime, rank, session_id):
+    """This rank's KV of a session (runs on the ranks): per layer (keys, values), each (1, H / P, S, D)."""
+    return cache_kv(runtime.sessions[session_id].cache)
+
+
+def _session_ids(runtime, rank):
+    """The sessions this rank holds (runs on the ranks)."""
+    return sorted(runtime.sessions)
+
+
 def assert_shards_match_prefill(target: TensorParallelTarget, session_id: str, committed: list[int], model) -> None:
     """Each rank's KV = its kv heads of a fresh causal prefill of all committed tokens but the root."""
     expected = prefill_kv(model, committed[:-1])  # per layer (1, H, L, D)
-    shards = target.session_kv(session_id)
+    shards = target.on_ranks(_session_kv, session_id)
     assert len(shards) == TP
     per_rank = model.config.num_key_value_heads // TP
     for rank, kv in enumerate(shards):
@@ -146,7 +156,7 @@ def test_tree_logits_match_unsharded(tp_target, model):
         assert got.shape == want.shape == (nodes + 1, vocab)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=lambda m: f"{nodes} nodes: {m}")
         tp_target.release(sid)
-    assert tp_target.sessions == {}
+    assert tp_target.on_ranks(_session_ids) == [[]] * TP
 
 
 @pytest.mark.parametrize("spec", [TreeSpec.chain(4), SEED_SPEC], ids=["chain4", "seed"])
@@ -160,7 +170,7 @@ def test_greedy_generation_equals_target_only(tp_target, model, spec):
     assert out.stats.accepted_tokens > 0, "the draft never agreed: the test would not exercise acceptance"
     assert out.stats.rounds < N_NEW  # some rounds committed several tokens (compaction of accepted paths)
     assert checked.checks == out.stats.rounds
-    assert tp_target.sessions == {}
+    assert tp_target.on_ranks(_session_ids) == [[]] * TP
 
 
 @pytest.mark.parametrize("tree_type", [0, 1])

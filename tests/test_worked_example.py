@@ -78,6 +78,11 @@ def target_logits(argmax_by_row: dict[int, int], rows: int = len(TOKENS) + 1) ->
     return logits
 
 
+def target_argmax(argmax_by_row: dict[int, int], rows: int = len(TOKENS) + 1) -> list[int]:
+    """The argmax ids of ``target_logits``' rows, as the target runtime hands them to ``verify_greedy``."""
+    return target_logits(argmax_by_row, rows).argmax(dim=-1).tolist()
+
+
 # Row 0 = R, row i + 1 = node i.
 DUMP_ARGMAX = {0: 41824, 1: 41760, 2: 45315, 7: 22870, 9: 22870, 11: BONUS}
 
@@ -179,7 +184,7 @@ def test_max_depth_caps_gamma():
 
 
 def test_verify_greedy_dump():
-    result = verify_greedy(TOKENS, PARENTS, target_logits(DUMP_ARGMAX))
+    result = verify_greedy(TOKENS, PARENTS, target_argmax(DUMP_ARGMAX))
     assert result.accepted_nodes == (0, 6, 10)
     assert result.tokens == (41824, 41760, 22870, BONUS)
     assert result.bonus_token == BONUS
@@ -188,29 +193,29 @@ def test_verify_greedy_dump():
 def test_verify_greedy_walks_one_path():
     # R -> 43744 instead: the other branch 43744 -> 45315 -> 22870 is accepted, bonus from C211's row.
     argmax = {0: 43744, 2: 45315, 9: 22870, 12: 123}
-    result = verify_greedy(TOKENS, PARENTS, target_logits(argmax))
+    result = verify_greedy(TOKENS, PARENTS, target_argmax(argmax))
     assert result.accepted_nodes == (1, 8, 11)
     assert result.tokens == (43744, 45315, 22870, 123)
 
     # A1's argmax is 45315: a child of A2, not of A1 -> stop at A1, 45315 is the bonus.
     argmax = {0: 41824, 1: 45315, 2: 45315, 9: 22870}
-    result = verify_greedy(TOKENS, PARENTS, target_logits(argmax))
+    result = verify_greedy(TOKENS, PARENTS, target_argmax(argmax))
     assert result.accepted_nodes == (0,)
     assert result.tokens == (41824, 45315)
 
     # Leaf B12 accepted: the bonus comes from B12's own row (row 8).
     argmax = {0: 41824, 1: 35740, 8: 555}
-    result = verify_greedy(TOKENS, PARENTS, target_logits(argmax))
+    result = verify_greedy(TOKENS, PARENTS, target_argmax(argmax))
     assert result.accepted_nodes == (0, 7)
     assert result.tokens == (41824, 35740, 555)
 
     # Nothing accepted: the target argmax at R is no child -> the bonus alone.
-    result = verify_greedy(TOKENS, PARENTS, target_logits({0: 43107}))
+    result = verify_greedy(TOKENS, PARENTS, target_argmax({0: 43107}))
     assert result.accepted_nodes == ()
     assert result.tokens == (43107,)
 
     # Empty tree: one plain decoding step.
-    result = verify_greedy((), (), target_logits({0: 17}, rows=1))
+    result = verify_greedy((), (), target_argmax({0: 17}, rows=1))
     assert result == VerifyResult((), (17,))
 
 
@@ -252,7 +257,7 @@ class ScriptedTarget:
         assert self.pending is None
         rows = tree.size + 1
         self.log.append(("verify", tree.tokens, tree.parents))
-        self.pending = verify_greedy(tree.tokens, tree.parents, target_logits(DUMP_ARGMAX, rows))
+        self.pending = verify_greedy(tree.tokens, tree.parents, target_argmax(DUMP_ARGMAX, rows))
         return self.pending
 
     def commit(self, session_id, num_tokens):
