@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
 import string
 from dataclasses import dataclass
 
@@ -25,6 +26,21 @@ from specdec.tree import DraftTree, additive_mask
 from specdec.tree_spec import TreeSpec
 
 torch.set_num_threads(1)  # tiny models: threads only add overhead on a 2-core machine
+
+# pytest-xdist (pyproject's addopts: -n 2 --dist loadgroup). Each worker keeps its Ray clusters apart: ray.init()
+# without an address attaches to the last cluster recorded under RAY_TMPDIR, so a worker's fronts must not find
+# the other's. Kept short: Ray's socket paths must fit 107 bytes.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("RAY_TMPDIR", f"/tmp/ray-{os.environ['PYTEST_XDIST_WORKER']}")
+    os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
+
+
+def pytest_collection_modifyitems(items):
+    """xdist groups: a file's tests run on one worker (its module fixtures, e.g. a service stack, start once); the
+    real-pair tests all on one (never two copies of the 1.5B target at once: ~8 GB each)."""
+    for item in items:
+        group = "real_pair" if item.get_closest_marker("real_models") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
 
 VOCAB = 64
 _KINDS = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}

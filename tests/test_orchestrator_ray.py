@@ -13,11 +13,13 @@ the shared draft).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 import urllib.request
 
 import grpc
+import psutil
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -221,9 +223,13 @@ def test_a_killed_orchestrator_actor_is_restarted_and_serves_again(stack, target
     import signal
     import subprocess
 
-    def actor_pids():
-        out = subprocess.run(["pgrep", "-f", "ray::OrchestratorActor"], capture_output=True, text=True).stdout
-        return sorted(int(p) for p in out.split())
+    def actor_pids():  # this front's actors only (its local Ray runs under it), not another test worker's
+        found = []
+        for child in psutil.Process(stack["front"].proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if "ray::OrchestratorActor" in " ".join(child.cmdline()):
+                    found.append(child.pid)
+        return sorted(found)
 
     pids = actor_pids()
     assert len(pids) == 2, pids  # front.workers = 2
@@ -289,8 +295,7 @@ def test_draft_killed_mid_requests_falls_back_then_recovers(stack, target_model)
 
 def test_front_attaches_to_an_existing_ray_cluster(stack, target_model, tmp_path):
     """front.ray_address: the orchestrator actors run on a cluster started beforehand (ray start); a
-    front that could not attach exits instead of serving. Last in the module: ``ray stop`` ends every
-    Ray on the machine, the module front's local one included."""
+    front that could not attach exits instead of serving."""
     import os
     import shutil
     import subprocess
@@ -307,10 +312,18 @@ def test_front_attaches_to_an_existing_ray_cluster(stack, target_model, tmp_path
     config["front"]["metrics_port"] = None  # the module's front holds that port
     config_path = tmp_path / "attach.yaml"
     config_path.write_text(yaml.safe_dump(config))
-    started = subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=1", "--include-dashboard=false",
-                              f"--temp-dir={temp_dir}", "--disable-usage-stats"], capture_output=True, text=True, timeout=180,
-                             env={**os.environ, "RAY_AUTH_MODE": "disabled"})  # the front's ray.init uses no token
-    assert started.returncode == 0, started.stderr[-2000:]
+    # --block: the head lives as long as this process; terminating it stops that cluster alone (``ray stop`` would
+    # end every Ray on the machine, another test worker's included)
+    head = subprocess.Popen([ray_cli, "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
+                             "--num-cpus=1", "--include-dashboard=false", f"--temp-dir={temp_dir}",
+                             "--disable-usage-stats"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})  # the front's ray.init uses no token
+    said = []
+    for line in head.stdout:  # up and running once it says so (then it blocks; little more is written)
+        said.append(line)
+        if "Ray runtime started" in line:
+            break
+    assert head.poll() is None, "".join(said)[-2000:]
     front = None
     try:
         # RAY_AUTH_MODE as the cluster's: an in-process ray.init earlier in this pytest process (e.g.
@@ -325,6 +338,9 @@ def test_front_attaches_to_an_existing_ray_cluster(stack, target_model, tmp_path
     finally:
         if front is not None:
             stop_service(front)
-        subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=120,
-                       env={**os.environ, "RAY_TMPDIR": temp_dir})
+        head.terminate()
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            head.kill()
         shutil.rmtree(temp_dir, ignore_errors=True)
