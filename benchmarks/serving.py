@@ -1,9 +1,7 @@
 """Serving benchmark on one model pair, its services started here as subprocesses; the parts run
 side by side in one run, so the figures are ratios taken under the same noise.
 
-Sections (``--sections``): concurrency, longprompt; docs/benchmarks.md gives each one's method. The grpc
-(gRPC vs embedded) and gamma (dynamic vs fixed gamma) sections answered their question once and are retired:
-commit 22f3fb7 is the last with them.
+Sections (``--sections``): concurrency, longprompt; docs/benchmarks.md gives each one's method (and the retired ones).
 
     python benchmarks/serving.py --sections concurrency --levels 1,4,8 --max-new-tokens 32
 
@@ -17,6 +15,7 @@ import ast
 import asyncio
 import contextlib
 import functools
+import itertools
 import json
 import os
 import platform
@@ -43,12 +42,11 @@ from orchestrator.measure.bench import BUILTIN_QUESTIONS  # noqa: E402
 from orchestrator.measure.eval_report import peak_rss_mb  # noqa: E402
 from specdec.config import ClientLimitsConfig, ConfigError, TargetServerConfig, load_config  # noqa: E402
 from specdec.harness.otlp import OtlpReceiver, attribute_value  # noqa: E402
-from specdec.harness.report import percentile  # noqa: E402
-from specdec.harness.servers import (Service, launch_command, launch_service, server_command,  # noqa: E402
-                                     stop_service, wait_ready)
+from specdec.harness.report import machine, md_table, percentile, write_record  # noqa: E402
+from specdec.harness.servers import (Service, launch_command, server_command, stop_service,  # noqa: E402
+                                     wait_ready)
 from specdec.model_setup import resolve_draft_quant, resolve_dtype  # noqa: E402
 from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, resolve_model_dir  # noqa: E402
-from specdec.placement import cpu_model  # noqa: E402
 from specdec.tree_spec import DEFAULT_SPEC  # noqa: E402
 from specdec.v1 import (draft_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc, target_pb2,  # noqa: E402
                         target_pb2_grpc)
@@ -56,7 +54,8 @@ from specdec.v1 import (draft_pb2, draft_pb2_grpc, generation_pb2, generation_pb
 SECTIONS = ("concurrency", "longprompt")
 LONGPROMPT_CONFIGS = ("speculative", "speculative_pipelined", "target_only")
 PIN_CORES = {"target": "0", "draft": "1"}  # --pin: taskset -c cores per service kind (fronts unpinned)
-PIPELINE_STATS = ("pipeline_ahead_hits", "pipeline_ahead_misses")  # FinalStats fields, where the front has them
+PIPELINE_STATS = ("pipeline_ahead_hits", "pipeline_ahead_misses")
+FINAL_STATS = ("rounds", "fallback_rounds", "proposed_tokens", "cost_plain_rounds", *PIPELINE_STATS)  # kept FinalStats
 BF16_NOTE = ("On a CPU `models.dtype: auto` resolves to float32 (exact, and faster than bf16 for tree "
              "verification there), which is what is measured, not bf16.")
 
@@ -85,11 +84,7 @@ def spread(prompts: list[dict], n: int) -> list[dict]:
     by_cat: dict[str, list] = defaultdict(list)
     for p in prompts:
         by_cat[p["category"]].append(p)
-    out, i = [], 0
-    while len(out) < n and any(i < len(v) for v in by_cat.values()):
-        out += [v[i] for v in by_cat.values() if i < len(v)][: n - len(out)]
-        i += 1
-    return out
+    return [p for turn in itertools.zip_longest(*by_cat.values()) for p in turn if p is not None][:n]
 
 
 # ----------------------------------------------------------------------------------------- traces
@@ -148,6 +143,14 @@ def round_children(spans: list[Span], request_ids: set[str], names: tuple[str, .
     return [(r, children[r.span_id]) for r in rounds]
 
 
+def mean(values) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+ROUND_ATTRIBUTES = {"gamma": "gamma", "nodes": "tree.nodes", "drafted": "tree.drafted", "accepted": "accepted_length",
+                    "fallback": "fallback.reason"}  # round_log key -> the round span's attribute
+
+
 def round_log(spans: list[Span], request_ids: set[str]) -> list[dict]:
     """One row per round of these requests, in start order (times in s and ms, batch sizes, gamma, accepted)."""
     rounds = sorted(round_children(spans, request_ids, ("draft", "verify")), key=lambda rk: rk[0].start_ns)
@@ -155,17 +158,13 @@ def round_log(spans: list[Span], request_ids: set[str]) -> list[dict]:
     out = []
     for r, kids in rounds:
         draft, verify = kids.get("draft"), kids.get("verify")
+        d, v = (draft.attributes if draft else {}), (verify.attributes if verify else {})
         out.append({"request": client_id(str(r.attributes.get("request.id", ""))),
                     "t_s": round((r.start_ns - t0) / 1e9, 3), "round_ms": round(r.ms, 1),
-                    "draft_ms": round(draft.ms, 1) if draft else None,
-                    "draft_server_ms": draft.attributes.get("draft.draft_ms") if draft else None,
-                    "draft_batch": draft.attributes.get("draft.batch_size") if draft else None,
-                    "verify_ms": round(verify.ms, 1) if verify else None,
-                    "verify_server_ms": verify.attributes.get("target.verify_ms") if verify else None,
-                    "verify_batch": verify.attributes.get("target.batch_size") if verify else None,
-                    "gamma": r.attributes.get("gamma"), "nodes": r.attributes.get("tree.nodes"),
-                    "drafted": r.attributes.get("tree.drafted"), "accepted": r.attributes.get("accepted_length"),
-                    "fallback": r.attributes.get("fallback.reason")})
+                    "draft_ms": round(draft.ms, 1) if draft else None, "draft_server_ms": d.get("draft.draft_ms"),
+                    "draft_batch": d.get("draft.batch_size"), "verify_ms": round(verify.ms, 1) if verify else None,
+                    "verify_server_ms": v.get("target.verify_ms"), "verify_batch": v.get("target.batch_size"),
+                    **{key: r.attributes.get(name) for key, name in ROUND_ATTRIBUTES.items()}})
     return out
 
 
@@ -175,30 +174,21 @@ def round_split(spans: list[Span], request_ids: set[str]) -> dict:
     rows = defaultdict(list)
     tree_bytes = []
     for r, kids in rounds:
-        draft, verify, commit = kids.get("draft"), kids.get("verify"), kids.get("commit")
-        draft_ms = verify_ms = None
-        rows["round"].append(r.ms)
-        rows["draft"].append(draft.ms if draft else 0.0)
-        rows["verify"].append(verify.ms if verify else 0.0)
-        rows["commit"].append(commit.ms if commit else 0.0)
-        if draft is not None:
-            draft_ms = draft.attributes.get("draft.draft_ms", draft.ms)
-        if verify is not None:
-            verify_ms = verify.attributes.get("target.verify_ms", verify.ms)
-            if r.attributes.get("tree.nodes", 0) and "tree.bytes" in verify.attributes:
-                tree_bytes.append(verify.attributes["tree.bytes"])
-        rows["draft_server"].append(draft_ms or 0.0)
-        rows["verify_server"].append(verify_ms or 0.0)
-        rows["transfer"].append(r.ms - (draft_ms or 0.0) - (verify_ms or 0.0))
-        rows["other"].append(r.ms - rows["draft"][-1] - rows["verify"][-1] - rows["commit"][-1])
-    out = {"rounds": len(rounds)}
-    for key, values in rows.items():
-        out[f"{key}_ms"] = sum(values) / len(values) if values else 0.0
+        phase = {name: kids[name].ms if name in kids else 0.0 for name in ("draft", "verify", "commit")}
+        draft_ms = kids["draft"].attributes.get("draft.draft_ms", phase["draft"]) if "draft" in kids else None
+        verify_ms = kids["verify"].attributes.get("target.verify_ms", phase["verify"]) if "verify" in kids else None
+        if "verify" in kids and r.attributes.get("tree.nodes", 0) and "tree.bytes" in kids["verify"].attributes:
+            tree_bytes.append(kids["verify"].attributes["tree.bytes"])
+        for key, ms in (("round", r.ms), *phase.items(), ("draft_server", draft_ms or 0.0),
+                        ("verify_server", verify_ms or 0.0),
+                        ("transfer", r.ms - (draft_ms or 0.0) - (verify_ms or 0.0)),
+                        ("other", r.ms - sum(phase.values()))):
+            rows[key].append(ms)
+    out = {"rounds": len(rounds), **{f"{key}_ms": mean(values) for key, values in rows.items()}}
     out["draft_wire_ms"] = out.get("draft_ms", 0.0) - out.get("draft_server_ms", 0.0)
     out["verify_wire_ms"] = out.get("verify_ms", 0.0) - out.get("verify_server_ms", 0.0)
     if tree_bytes:
-        out["tree_bytes_mean"] = sum(tree_bytes) / len(tree_bytes)
-        out["tree_bytes_max"] = max(tree_bytes)
+        out["tree_bytes_mean"], out["tree_bytes_max"] = mean(tree_bytes), max(tree_bytes)
     return out
 
 
@@ -239,10 +229,6 @@ def pipeline_overlap(spans: list[Span], request_ids: set[str]) -> dict:
         elif draft is not None:
             drafted_ms.append(r.ms)
             drafted_draft.append(draft.ms)
-
-    def mean(values):
-        return sum(values) / len(values) if values else None
-
     return {"rounds": len(rounds), "aheads": aheads, "hits": len(hit_ms), "hit_ahead_ms_mean": mean(hit_ms),
             "hidden_share": hidden_ns / ahead_ns if ahead_ns else None, "wait_ms_mean": mean(waits),
             "adopted_rounds": len(adopted_ms), "adopted_with_draft_span": adopted_with_draft,
@@ -253,13 +239,13 @@ def pipeline_overlap(spans: list[Span], request_ids: set[str]) -> dict:
 # ----------------------------------------------------------------------------------------- gRPC client
 
 async def grpc_generate(stub, request_id: str, ids: list[int], max_new: int, no_spec: bool = False,
-                        timeout: float = 1800.0, ignore_eos: bool = False, chunks: list | None = None) -> dict:
+                        ignore_eos: bool = False, chunks: list | None = None) -> dict:
     """One streamed request; ``chunks`` gets (perf_counter s, tokens) of each message as it arrives."""
     tokens, first, stats = [], None, None
     start = time.perf_counter()
     request = generation_pb2.GenerateRequest(request_id=request_id, prompt_ids=list(ids), max_new_tokens=max_new,
                                              no_spec=no_spec, ignore_eos=ignore_eos)
-    async for reply in stub.Generate(request, timeout=timeout):
+    async for reply in stub.Generate(request, timeout=1800.0):
         if reply.token_ids:
             now = time.perf_counter()
             first = now if first is None else first
@@ -269,11 +255,8 @@ async def grpc_generate(stub, request_id: str, ids: list[int], max_new: int, no_
         if reply.HasField("stats"):
             stats = reply.stats
     wall = time.perf_counter() - start
-    fields = stats.DESCRIPTOR.fields_by_name
     return {"tokens": tokens, "new_tokens": len(tokens), "wall_s": wall, "ttft_s": (first or time.perf_counter()) - start,
-            "rounds": stats.rounds, "fallback_rounds": stats.fallback_rounds, "proposed_tokens": stats.proposed_tokens,
-            "cost_plain_rounds": stats.cost_plain_rounds,
-            **{key: getattr(stats, key) if key in fields else None for key in PIPELINE_STATS}}
+            **{key: getattr(stats, key) for key in FINAL_STATS}}
 
 
 @contextlib.asynccontextmanager
@@ -282,14 +265,6 @@ async def generation_stub(address: str):
     async with grpc.aio.insecure_channel(address) as channel:
         await asyncio.wait_for(channel.channel_ready(), 60)
         yield generation_pb2_grpc.GenerationServiceStub(channel)
-
-
-def grpc_one(address: str, request_id: str, ids: list[int], max_new: int, no_spec: bool = False) -> dict:
-    async def run():
-        async with generation_stub(address) as stub:
-            return await grpc_generate(stub, request_id, ids, max_new, no_spec)
-
-    return asyncio.run(run())
 
 
 def batched_forwards(address: str, kind: str = "target") -> int:
@@ -305,11 +280,6 @@ PER_REQUEST = ("client", "started_s", "prompt_tokens", "wall_s", "ttft_s", "new_
 MIXED = "mixed"  # a configuration's no_spec value for mixed traffic: even-numbered requests no_spec, the others speculate
 
 
-def request_no_spec(no_spec: bool | str, i: int) -> bool:
-    """Whether request i of a level is ``no_spec``: ``no_spec`` itself, or for MIXED traffic i even."""
-    return i % 2 == 0 if no_spec == MIXED else bool(no_spec)
-
-
 def run_level(address: str, prompts: list[list[int]], clients: int, max_new: int, no_spec: bool | str, tag: str,
               rate: float | None = None) -> dict:
     """``clients`` closed-loop clients sharing the prompts (or, with ``rate`` req/s, open loop); wall and rows."""
@@ -320,7 +290,7 @@ def run_level(address: str, prompts: list[list[int]], clients: int, max_new: int
 
             async def send(i: int, ids: list[int], c: int):
                 began = time.perf_counter() - start
-                plain = request_no_spec(no_spec, i)
+                plain = i % 2 == 0 if no_spec == MIXED else bool(no_spec)
                 results[i] = await grpc_generate(stub, f"{tag}-{i}", ids, max_new, plain)
                 results[i].update(client=c, started_s=began, prompt_tokens=len(ids), no_spec=plain)
 
@@ -359,55 +329,48 @@ class Services:
 
     def note_peak(self, service: Service) -> None:
         """Record the service's peak RSS (its own process) and, for a front, its starting cost model."""
-        try:
+        with contextlib.suppress(ValueError, OSError):  # already gone, or no /proc here
             self.peak_rss_mb[service.name] = peak_rss_mb(service.proc.pid)
-        except (ValueError, OSError):  # already gone, or no /proc here
-            pass
-        try:
+        with contextlib.suppress(OSError):
             costs = front_start_costs(service.stderr) if service.kind == "front" else None
-        except OSError:
-            costs = None
-        if costs is not None:
-            self.start_costs[service.name] = costs
+            if costs is not None:
+                self.start_costs[service.name] = costs
 
     def launch(self, kind: str, name: str, config: dict, **flags) -> Service:
         """Start a service from ``config`` (written to the workdir); under ``taskset -c`` when ``pin`` names its kind."""
         path = self.workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         env = {**self.env, "OTEL_SERVICE_NAME": name}
+        argv = server_command(kind, path, **flags)
         cores = (self.pin or {}).get(kind)
-        if cores is None:
-            service = launch_service(kind, path, env=env, **flags)
-        else:  # taskset execs the server: the pid stays the server's own
-            service = launch_command(kind, ["taskset", "-c", cores, *server_command(kind, path, **flags)], env)
+        if cores is not None:  # taskset execs the server: the pid stays the server's own
+            argv = ["taskset", "-c", cores, *argv]
+        service = launch_command(kind, argv, env)
         service.name = name
         self.running.append(service)
         return service
 
-    def wait(self, service: Service, timeout_s: float = 600.0) -> Service:
+    def wait(self, service: Service) -> Service:
         """Wait for its ready line (ServiceNotReady if none comes), then note the CPUs it may run on."""
-        wait_ready(service, timeout_s)
-        if service.name not in self.affinity:
-            self.affinity[service.name] = sorted(os.sched_getaffinity(service.proc.pid))
+        wait_ready(service, 600.0)
+        self.affinity.setdefault(service.name, sorted(os.sched_getaffinity(service.proc.pid)))
         return service
 
-    def stop(self, service: Service) -> None:
-        if service in self.running:
-            self.running.remove(service)
-            self.note_peak(service)
-            stop_service(service, timeout_s=30)
-            service.stderr_path.unlink(missing_ok=True)
-
-    def stop_all(self) -> None:
-        """SIGTERM every service at once, then wait for each (``stop_service``: SIGKILL past 60 s)."""
-        services, self.running = list(reversed(self.running)), []
+    def stop(self, *services: Service, timeout_s: float = 30.0) -> None:
+        """Note each one's peak, SIGTERM them all at once, then wait for each (``stop_service``: SIGKILL past
+        timeout_s)."""
+        services = tuple(s for s in services if s in self.running)
         for service in services:
+            self.running.remove(service)
             self.note_peak(service)
             if service.proc.poll() is None:
                 service.proc.send_signal(signal.SIGTERM)
         for service in services:
-            stop_service(service, timeout_s=60)
+            stop_service(service, timeout_s)
             service.stderr_path.unlink(missing_ok=True)
+
+    def stop_all(self) -> None:
+        self.stop(*reversed(self.running), timeout_s=60)
 
 
 _MEASURED = re.compile(r"cost model measured through the services: V\(n\) (\{[^}]*\}) ms, D\(p\) (\{[^}]*\}) ms")
@@ -450,13 +413,16 @@ def deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
-VARIANT_FLAGS = ("--front-variant", "--target-only-variant", "--mixed-variant")
+# flag -> (no_spec of its configurations, what they run: serving.md)
+VARIANTS = {"--front-variant": (False, "a Ray front on the batched target"),
+            "--target-only-variant": (True, "`no_spec` requests (as target_only) on a Ray front on the batched target"),
+            "--mixed-variant": (MIXED, "mixed traffic, the even-numbered requests `no_spec` and the others "
+                                       "speculating, on a Ray front on the batched target")}
 
 
 def variants(args) -> list[tuple[str, str, dict]]:
     """Every variant configuration asked for: (flag, NAME, front JSON), in flag order."""
-    return [(flag, name, front) for flag in VARIANT_FLAGS
-            for name, front in getattr(args, flag[2:].replace("-", "_"))]
+    return [(flag, name, front) for flag in VARIANTS for name, front in getattr(args, flag[2:].replace("-", "_"))]
 
 
 def check_front_variants(p: argparse.ArgumentParser, args) -> None:
@@ -464,10 +430,9 @@ def check_front_variants(p: argparse.ArgumentParser, args) -> None:
     given = variants(args)
     if not given:
         return
-    names = [name for _, name, _ in given]
-    twice = sorted({n for n in names if names.count(n) > 1})
+    twice = sorted(name for name, n in Counter(name for _, name, _ in given).items() if n > 1)
     if twice:
-        p.error(f"{'/'.join(VARIANT_FLAGS)}: {', '.join(twice)} given more than once")
+        p.error(f"{'/'.join(VARIANTS)}: {', '.join(twice)} given more than once")
     if "concurrency" not in args.sections:
         flags = sorted({flag for flag, _, _ in given})
         p.error(f"{'/'.join(flags)}: adds concurrency configurations; --sections has no concurrency")
@@ -544,36 +509,21 @@ def cpu_split(before: dict, after: dict, kinds: dict[str, str], front: str | Non
         old = before.get(pid)
         same = old is not None and (old[0], old[1], old[3]) == (owner, part, started)
         spent = seconds - old[2] if same else seconds
-        kind = kinds.get(owner)
         if owner == front:
             role = "front" if part == "process" else "front_ray"
-        elif kind == "front":
-            role = "other_fronts"
-        elif kind in ("target", "draft"):
-            role = kind
         else:
-            role = owner if owner == "benchmark" else "other"
+            role = {"front": "other_fronts", "target": "target", "draft": "draft"}.get(
+                kinds.get(owner), "benchmark" if owner == "benchmark" else "other")
         split[role] += max(spent, 0.0)
     return split
 
 
-def share(a: float, b: float | None) -> float:
-    """a / b, 0.0 when b is 0 or None."""
-    return a / b if b else 0.0
-
-
-def ratio(a: float, b: float | None) -> float | None:
-    """a / b, None when b is 0 or None (no reference to compare with)."""
-    return a / b if b else None
+def ratio(a: float, b: float | None, none=None) -> float | None:
+    """a / b; ``none`` when b is 0 or None (no reference to compare with)."""
+    return a / b if b else none
 
 
 # ----------------------------------------------------------------------------------------- sections
-
-def rotated(items: list, k: int) -> list:
-    """items rotated by k, so no configuration always goes first."""
-    k %= len(items)
-    return items[k:] + items[:k]
-
 
 class CpuMeter:
     """CPU seconds by role (``cpu_split``) over a stretch of time, of the services running when made."""
@@ -614,19 +564,17 @@ def level_row(name: str, level, no_spec, out: dict, counters: dict, run_order: i
     row = {"config": name, "clients": level, "requests": len(reqs), "new_tokens": tokens, "wall_s": wall_s,
            "tokens_per_s": tokens / wall_s, "latency_p50_s": percentile(lat, 50), "latency_p95_s": percentile(lat, 95),
            "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
-           "mean_accepted_length": share(tokens, rounds), "mean_tree_rows": share(rows_verified, rounds),
-           "cost_plain_round_share": share(sum(r["cost_plain_rounds"] for r in reqs), rounds),
-           "fallback_round_share": share(sum(r["fallback_rounds"] for r in reqs), rounds),
+           "mean_accepted_length": ratio(tokens, rounds, 0.0), "mean_tree_rows": ratio(rows_verified, rounds, 0.0),
+           "cost_plain_round_share": ratio(sum(r["cost_plain_rounds"] for r in reqs), rounds, 0.0),
+           "fallback_round_share": ratio(sum(r["fallback_rounds"] for r in reqs), rounds, 0.0),
            "run_order": run_order, "level_run": level_run, **counters,
-           "per_request": [{key: r[key] for key in PER_REQUEST} for r in reqs]}
+           "per_request": [{key: r[key] for key in PER_REQUEST} for r in reqs],
+           **{key: sum(r[key] for r in reqs) for key in PIPELINE_STATS}}
     if no_spec == MIXED:
         for kind, plain in (("no_spec", True), ("spec", False)):
             kind_lat = [r["wall_s"] for r in reqs if r["no_spec"] is plain]
             row[f"{kind}_latency_p50_s"] = percentile(kind_lat, 50) if kind_lat else None
             row[f"{kind}_latency_p95_s"] = percentile(kind_lat, 95) if kind_lat else None
-    for key in PIPELINE_STATS:  # None: the front's final stats have no such field
-        values = [r[key] for r in reqs if r[key] is not None]
-        row[key] = sum(values) if values else None
     return row
 
 
@@ -642,11 +590,10 @@ def add_traces(rows: list[dict], collector: SpanCollector, round_logs: bool) -> 
         if row["pipeline_ahead_hits"]:
             complete = wait_for_rounds(collector, expected)
             row["pipeline_trace"] = {**pipeline_overlap(collector.spans(), set(expected)), "complete": complete}
-    for row in rows if round_logs else ():
-        expected = row_request_rounds(row)
-        wait_for_rounds(collector, expected)
-        row["round_split"] = round_split(collector.spans(), set(expected))
-        row["round_log"] = round_log(collector.spans(), set(expected))
+        if round_logs:
+            wait_for_rounds(collector, expected)
+            row["round_split"] = round_split(collector.spans(), set(expected))
+            row["round_log"] = round_log(collector.spans(), set(expected))
 
 
 def add_target_only_ratios(rows: list[dict]) -> None:
@@ -665,11 +612,11 @@ def section_concurrency(args, prompts, configs: dict, collector: SpanCollector, 
     ids = [p["ids"] for p in prompts]
     meter = CpuMeter(services)
     for name, (front, _, no_spec) in configs.items():  # warm-up
-        grpc_one(front, f"warm-conc-{name}", ids[0], 4, no_spec is True)
+        run_level(front, ids[:1], 1, 4, no_spec is True, f"warm-conc-{name}")
     names = list(configs)
     rows, outputs = [], defaultdict(dict)
     for li, level in enumerate(args.levels):
-        order = rotated(names, li)
+        order = names[li % len(names):] + names[:li % len(names)]  # so no configuration always goes first
         for name in order:
             out, counters = measure_level(args, ids, name, level, configs[name], draft, meter)
             for i, r in enumerate(out["requests"]):
@@ -788,8 +735,7 @@ def longprompt_row(config: str, chunk_tokens: int, busy_tokens: int, run: dict, 
 def prefill_chunk_setting(args) -> tuple[int, int]:
     """(prefill_chunk_tokens, prefill_busy_chunk_tokens) of the section's target: the flags', else the config's."""
     chunk = args.prefill_chunk_tokens or TargetServerConfig().prefill_chunk_tokens
-    busy_arg = args.prefill_busy_chunk_tokens
-    busy = chunk if busy_arg == 0 else min(busy_arg or TargetServerConfig().prefill_busy_chunk_tokens or chunk, chunk)
+    busy = min(args.prefill_busy_chunk_tokens or TargetServerConfig().prefill_busy_chunk_tokens or chunk, chunk)
     return chunk, busy
 
 
@@ -810,14 +756,13 @@ def section_longprompt(args, services: Services, draft: Service, tokenizer, prom
     rows = []
     for config in args.longprompt_configs:
         front, no_spec = fronts[LONGPROMPT_FRONTS[config]], config == "target_only"
-        grpc_one(front.address, f"warm-long-{config}-{chunk_tokens}", running_ids[0], 4, no_spec)
+        run_level(front.address, running_ids[:1], 1, 4, no_spec, f"warm-long-{config}-{chunk_tokens}")
         run = asyncio.run(longprompt_run(front.address, running_ids, long_ids, args, no_spec,
                                          f"long-{config}-{chunk_tokens}"))
         rows.append(longprompt_row(config, chunk_tokens, busy_tokens, run, args))
         log(f"longprompt {config} chunk {chunk_tokens}: ITL p95 before {_or_dash(rows[-1]['itl_p95_before_ms'], 1)} ms, "
             f"during {_or_dash(rows[-1]['itl_p95_during_ms'], 1)} ms, long TTFT {rows[-1]['long_ttft_s']:.2f} s")
-    for service in (*fronts.values(), target):
-        services.stop(service)
+    services.stop(*fronts.values(), target)
     return {"long_prompt_tokens": len(long_ids), "running": args.long_running,
             "running_max_new_tokens": args.long_running_tokens, "window_s": args.long_window_s,
             "configs": args.longprompt_configs, "prefill_chunk_settings": [[chunk_tokens, busy_tokens]], "rows": rows}
@@ -850,9 +795,7 @@ def col(head: str, key: str, fmt=_or_dash) -> tuple:
 
 def columns_table(columns: list[tuple], rows: list[dict]) -> str:
     """A markdown table of (header, cell function) columns, one line per row dict."""
-    lines = ["| " + " | ".join(head for head, _ in columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(r) for _, cell in columns) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    return "\n".join(md_table([head for head, _ in columns], [[cell(r) for _, cell in columns] for r in rows])) + "\n"
 
 
 CONFIG_COLUMNS = [col("config", "config"), col("clients", "clients", str)]
@@ -900,7 +843,7 @@ def meta_markdown(meta: dict) -> list[str]:
              f"- dtype: `{meta['dtype']}` (requested `{meta['dtype_arg']}`), draft quantization: `{meta['draft_quant']}` "
              f"(requested `{meta['draft_quant_arg']}`)",
              f"- threads: target {meta['target_threads']}, draft {meta['draft_threads']} (`models.threads`); "
-             f"{meta['cpu_count']} CPUs ({meta['cpu']}), {meta['machine']}",
+             f"{meta['cpus']} CPUs ({meta['cpu_model']}), {meta['machine']}, commit `{meta['commit']}`",
              f"- greedy, TreeSpec `{meta['tree']}`, {meta['max_new_tokens']} new tokens, prompts <= "
              f"{meta['max_prompt_tokens']} tokens (first turns, chat template, sent as `prompt_ids`)",
              "- tracing on (OTLP to a receiver in the benchmark process)",
@@ -934,18 +877,12 @@ def pinning_line(pinning: dict | None) -> str:
             f"observed affinity: {seen}")
 
 
-VARIANT_TEXT = {"--front-variant": "a Ray front on the batched target",
-                "--target-only-variant": "`no_spec` requests (as target_only) on a Ray front on the batched target",
-                "--mixed-variant": "mixed traffic, the even-numbered requests `no_spec` and the others speculating, "
-                                   "on a Ray front on the batched target"}
-
-
 def concurrency_markdown(c: dict, meta: dict) -> list[str]:
     """The concurrency table, then mixed traffic, pipelining and CPU by process where they apply."""
     parts = [f"## Concurrency: {c['prompts']} requests per level, Ray front\n"]
-    for flag in VARIANT_FLAGS:
+    for flag, (_, text) in VARIANTS.items():
         for name, front in (meta.get(flag[2:].replace("-", "_") + "s") or {}).items():
-            parts.append(f"Configuration `{name}` (`{flag}`): {VARIANT_TEXT[flag]} with `{json.dumps(front)}` "
+            parts.append(f"Configuration `{name}` (`{flag}`): {text} with `{json.dumps(front)}` "
                          "merged into its front config.\n")
     parts.append(f"batched: target `max_batch` {meta['max_batch']}, `batch_wait_ms` {meta['batch_wait_ms']}; "
                  "target_only: `no_spec` requests on the batched target. tok/s = "
@@ -1002,9 +939,30 @@ def longprompt_markdown(lp: dict) -> list[str]:
 
 # ----------------------------------------------------------------------------------------- options
 
+def comma_list(choices: tuple[str, ...]):
+    """An argparse type: a non-empty comma list of ``choices``."""
+    def parse(text: str) -> list[str]:
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        bad = [item for item in items if item not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"unknown {bad} (choose from {', '.join(choices)})")
+        return items
+    return parse
+
+
+def positive(kind):
+    """An argparse type: a ``kind`` (int, float) > 0."""
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+        return value
+    return parse
+
+
 # (flag, type, default, help): type bool is a switch, a tuple the choices, "variant" a repeatable NAME=JSON
 OPTIONS = (
-    ("--sections", str, ",".join(SECTIONS), f"comma list of {', '.join(SECTIONS)}"),
+    ("--sections", comma_list(SECTIONS), ",".join(SECTIONS), f"comma list of {', '.join(SECTIONS)}"),
     ("--target", str, None, "target model dir (default: the real pair's target)"),
     ("--draft", str, None, "draft model dir (default: the real pair's draft)"),
     ("--dtype", ("auto", "float32", "bfloat16", "float16"), "auto", "models.dtype"),
@@ -1033,15 +991,19 @@ OPTIONS = (
                                                "target_only) on a Ray front whose front config has JSON merged in"),
     ("--mixed-variant", "variant", None, "concurrency section: add configuration NAME, mixed traffic (even-numbered "
                                          "requests no_spec, the others speculating) on such a front"),
-    ("--long-prompt-tokens", int, 2000, "longprompt section: the long prompt's length"),
-    ("--long-running", int, 4, "longprompt section: requests decoding meanwhile"),
-    ("--long-running-tokens", int, 1024, "longprompt section: max_new_tokens (ignore_eos) of each running request"),
-    ("--long-window-s", float, 10.0, "longprompt section: seconds of steady decoding measured before the long request"),
-    ("--longprompt-configs", str, "speculative", f"longprompt section: comma list of {', '.join(LONGPROMPT_CONFIGS)}"),
-    ("--prefill-chunk-tokens", int, None, "longprompt section: target.prefill_chunk_tokens (default: the config's)"),
-    ("--prefill-busy-chunk-tokens", int, None, "longprompt section: target.prefill_busy_chunk_tokens (chunks that "
-                                               "ride in the running requests' verify forwards; default: the "
-                                               "config's; 0 = no riding)"),
+    ("--long-prompt-tokens", positive(int), 2000, "longprompt section: the long prompt's length"),
+    ("--long-running", positive(int), 4, "longprompt section: requests decoding meanwhile"),
+    ("--long-running-tokens", positive(int), 1024,
+     "longprompt section: max_new_tokens (ignore_eos) of each running request"),
+    ("--long-window-s", positive(float), 10.0,
+     "longprompt section: seconds of steady decoding measured before the long request"),
+    ("--longprompt-configs", comma_list(LONGPROMPT_CONFIGS), "speculative",
+     f"longprompt section: comma list of {', '.join(LONGPROMPT_CONFIGS)}"),
+    ("--prefill-chunk-tokens", positive(int), None,
+     "longprompt section: target.prefill_chunk_tokens (default: the config's)"),
+    ("--prefill-busy-chunk-tokens", positive(int), None, "longprompt section: target.prefill_busy_chunk_tokens "
+                                                         "(chunks that ride in the running requests' verify "
+                                                         "forwards; default: the config's)"),
     ("--out", Path, ROOT / "bench_out" / "serving", "folder for serving.json and serving.md"),
 )
 
@@ -1063,22 +1025,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def comma_list(text: str) -> list[str]:
-    return [item.strip() for item in text.split(",") if item.strip()]
-
-
 def parse_args(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
-    args.sections = comma_list(args.sections)
-    bad = [s for s in args.sections if s not in SECTIONS]
-    if bad:
-        p.error(f"--sections: unknown {bad} (choose from {', '.join(SECTIONS)})")
     args.levels = parse_levels(p, args)
     args.concurrency_prompts = args.concurrency_prompts or (args.prompts if args.open_loop else max(args.prompts, *args.levels))
     if bool(args.target) != bool(args.draft):
         p.error("--target and --draft go together")
-    check_longprompt_args(p, args)
     check_front_variants(p, args)
     if args.pin:  # one torch thread per pinned core
         args.target_threads = args.draft_threads = 1
@@ -1087,14 +1040,15 @@ def parse_args(argv=None):
 
 def parse_levels(p: argparse.ArgumentParser, args) -> list:
     """--levels: clients per level, or with --open-loop request rates (requests per second)."""
+    items = [x.strip() for x in args.levels.split(",") if x.strip()]
     if not args.open_loop:
-        levels = [int(x) for x in comma_list(args.levels)]
+        levels = [int(x) for x in items]
         if args.concurrency_prompts is not None and args.concurrency_prompts < max(levels):
             p.error(f"--concurrency-prompts: {args.concurrency_prompts} requests leave clients of level "
                     f"{max(levels)} idle (give at least the largest of --levels)")
         return levels
     try:
-        levels = [float(x) for x in comma_list(args.levels)]
+        levels = [float(x) for x in items]
     except ValueError:
         p.error(f"--levels: with --open-loop, request rates (requests per second), got {args.levels!r}")
     if not levels or min(levels) <= 0:
@@ -1102,21 +1056,6 @@ def parse_levels(p: argparse.ArgumentParser, args) -> list:
     if "concurrency" not in args.sections:
         p.error("--open-loop: sets the concurrency section's request rates; --sections has no concurrency")
     return levels
-
-
-def check_longprompt_args(p: argparse.ArgumentParser, args) -> None:
-    """--longprompt-configs names and the long request's sizes."""
-    args.longprompt_configs = comma_list(args.longprompt_configs)
-    bad = [c for c in args.longprompt_configs if c not in LONGPROMPT_CONFIGS]
-    if bad or not args.longprompt_configs:
-        p.error(f"--longprompt-configs: unknown {bad} (choose from {', '.join(LONGPROMPT_CONFIGS)})")
-    for name in ("long_prompt_tokens", "long_running", "long_running_tokens", "prefill_chunk_tokens",
-                 "prefill_busy_chunk_tokens"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            p.error(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
-    if args.long_window_s <= 0:
-        p.error(f"--long-window-s: must be > 0, got {args.long_window_s}")
 
 
 def pin_plan(enabled: bool) -> dict | None:
@@ -1144,9 +1083,6 @@ def level_prompts(args, tokenizer) -> list[dict]:
     return spread(prompts, args.concurrency_prompts)
 
 
-VARIANT_NO_SPEC = {"--front-variant": False, "--target-only-variant": True, "--mixed-variant": MIXED}
-
-
 def concurrency_configs(args, services: Services, draft: Service, target: Service) -> dict[str, tuple]:
     """The batched target's Ray fronts, started one at a time; name -> (front, target, no_spec)."""
     def front(name: str, config: dict | None = None) -> str:
@@ -1156,7 +1092,7 @@ def concurrency_configs(args, services: Services, draft: Service, target: Servic
     pipelined = front("bench-front-ray-pipelined", {"pipeline": True}) if args.pipeline else None
     configs = {"batched": (batched, target.address, False)}
     for flag, name, config in variants(args):
-        configs[name] = (front(f"bench-front-variant-{name}", config), target.address, VARIANT_NO_SPEC[flag])
+        configs[name] = (front(f"bench-front-variant-{name}", config), target.address, VARIANTS[flag][0])
     if pipelined is not None:
         configs["speculative_pipelined"] = (pipelined, target.address, False)
     configs["target_only"] = (batched, target.address, True)
@@ -1177,8 +1113,7 @@ def run_sections(args, services: Services, collector: SpanCollector, tokenizer, 
         result["concurrency"] = section_concurrency(args, prompts, configs, collector, draft.address, services)
     if "longprompt" in args.sections:
         services.wait(draft)
-        for service in [s for s in services.running if s is not draft]:
-            services.stop(service)
+        services.stop(*(s for s in services.running if s is not draft))
         log(f"longprompt section: {args.long_prompt_tokens}-token prompt beside {args.long_running} "
             f"running requests x {len(args.longprompt_configs)} configs")
         result["longprompt"] = section_longprompt(args, services, draft, tokenizer, prompts)
@@ -1193,17 +1128,15 @@ def run_meta(args, services: Services, pin: dict | None, wall_s: float) -> dict:
         "draft_name": Path(args.draft).name, "dtype_arg": args.dtype, "dtype": dtype, "draft_quant_arg": args.draft_quant,
         "draft_quant": resolve_draft_quant(args.draft_quant, "cpu"),
         "bf16_note": BF16_NOTE if args.dtype == "auto" and dtype == "float32" else None,
-        "target_threads": args.target_threads, "draft_threads": args.draft_threads,
-        "tree": DEFAULT_SPEC.to_json(), "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
-        "max_batch": args.max_batch, "batch_wait_ms": args.batch_wait_ms, "batch_gather": args.batch_gather,
-        "sections": args.sections, "levels": args.levels,
-        "questions": str(args.questions or "built-in"),
-        "machine": platform.platform(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
-        "python": platform.python_version(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "wall_s": wall_s,
-        "peak_rss_mb": services.peak_rss_mb, "front_start_costs": services.start_costs, "pipeline": args.pipeline,
+        **{key: getattr(args, key) for key in ("target_threads", "draft_threads", "max_new_tokens", "max_prompt_tokens",
+                                               "max_batch", "batch_wait_ms", "batch_gather", "sections", "levels",
+                                               "pipeline", "open_loop")},
+        "tree": DEFAULT_SPEC.to_json(), "questions": str(args.questions or "built-in"),
+        "machine": platform.platform(), **machine(), "python": platform.python_version(),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "wall_s": wall_s,
+        "peak_rss_mb": services.peak_rss_mb, "front_start_costs": services.start_costs,
         "front_variants": dict(args.front_variant), "target_only_variants": dict(args.target_only_variant),
-        "mixed_variants": dict(args.mixed_variant), "open_loop": args.open_loop,
+        "mixed_variants": dict(args.mixed_variant),
         "pinning": {"pinned": pin is not None, "cores": {**pin, "front": "unpinned"} if pin else None,
                     "affinity": services.affinity},
     }
@@ -1224,12 +1157,10 @@ def main(argv=None) -> int:
         finally:
             services.stop_all()
     result = {"meta": run_meta(args, services, pin, time.perf_counter() - started), **result}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "serving.json").write_text(json.dumps(result, indent=2))
     md = markdown(result)
-    (args.out / "serving.md").write_text(md)
+    paths = write_record(args.out, "serving", result, md)
     print(md)
-    log(f"wrote {args.out / 'serving.json'} and {args.out / 'serving.md'} in {result['meta']['wall_s']:.0f} s")
+    log(f"wrote {paths[0]} and {paths[1]} in {result['meta']['wall_s']:.0f} s")
     return 0
 
 
