@@ -267,12 +267,11 @@ async def generation_stub(address: str):
         yield generation_pb2_grpc.GenerationServiceStub(channel)
 
 
-def batched_forwards(address: str, kind: str = "target") -> int:
-    """The target's verify forwards (or the draft's proposals) that merged sessions so far."""
-    with grpc.insecure_channel(address) as channel:
-        if kind == "draft":
-            return draft_pb2_grpc.DraftServiceStub(channel).Info(draft_pb2.DraftInfoRequest(), timeout=30).batched_forwards
-        return target_pb2_grpc.TargetServiceStub(channel).Info(target_pb2.InfoRequest(), timeout=30).batched_forwards
+def merged_forwards(address: dict[str, str]) -> tuple[int, int]:
+    """The target's verify forwards and the draft's proposals that merged sessions so far (address: kind -> address)."""
+    with grpc.insecure_channel(address["target"]) as target, grpc.insecure_channel(address["draft"]) as draft:
+        return (target_pb2_grpc.TargetServiceStub(target).Info(target_pb2.InfoRequest(), timeout=30).batched_forwards,
+                draft_pb2_grpc.DraftServiceStub(draft).Info(draft_pb2.DraftInfoRequest(), timeout=30).batched_forwards)
 
 
 PER_REQUEST = ("client", "started_s", "prompt_tokens", "wall_s", "ttft_s", "new_tokens", "rounds", "proposed_tokens",
@@ -525,33 +524,25 @@ def ratio(a: float, b: float | None, none=None) -> float | None:
 
 # ----------------------------------------------------------------------------------------- sections
 
-class CpuMeter:
-    """CPU seconds by role (``cpu_split``) over a stretch of time, of the services running when made."""
-
-    def __init__(self, services: Services):
-        self.pids = {svc.proc.pid: (svc.name, svc.kind) for svc in services.running}
-        self.kinds = {svc.name: svc.kind for svc in services.running}
-        self.fronts = {svc.address: svc.name for svc in services.running if svc.kind == "front"}
-
-    def split(self, before: dict, front: str) -> dict:
-        return cpu_split(before, cpu_snapshot(self.pids), self.kinds, self.fronts.get(front))
-
-
-def measure_level(args, ids: list[list[int]], name: str, level, config: tuple, draft: str,
-                  meter: CpuMeter) -> tuple[dict, dict]:
-    """One level of one configuration: ``run_level``'s result plus merged forwards and CPU by role."""
-    front, target, no_spec = config
-    verify_before, draft_before = batched_forwards(target), batched_forwards(draft, "draft")
+def measure_level(args, ids: list[list[int]], name: str, level, front: str, no_spec,
+                  services: Services) -> tuple[dict, dict]:
+    """One level of one configuration on the running services (one draft, one target, the fronts):
+    ``run_level``'s result plus merged forwards and CPU by role."""
+    owners = {svc.proc.pid: (svc.name, svc.kind) for svc in services.running}
+    address = {svc.kind: svc.address for svc in services.running}
+    verify_before, draft_before = merged_forwards(address)
     began = time.perf_counter()
-    cpu_before = cpu_snapshot(meter.pids)
+    cpu_before = cpu_snapshot(owners)
     out = run_level(front, ids, int(level), args.max_new_tokens, no_spec, f"conc-{name}-{level}",
                     rate=level if args.open_loop else None)
-    cpu = meter.split(cpu_before, front)
+    cpu = cpu_split(cpu_before, cpu_snapshot(owners), dict(owners.values()),
+                    {svc.address: svc.name for svc in services.running}.get(front))
     # the window spans both snapshots whole: CPU time a process spends while they walk the processes counts
     window = time.perf_counter() - began
-    counters = {"merged_verify_forwards": batched_forwards(target) - verify_before,
-                "merged_draft_calls": batched_forwards(draft, "draft") - draft_before, "cpu_s": cpu,
-                "cpu_window_s": window, "cpu_busy_share": sum(cpu.values()) / (window * len(os.sched_getaffinity(0)))}
+    verify_after, draft_after = merged_forwards(address)
+    counters = {"merged_verify_forwards": verify_after - verify_before,
+                "merged_draft_calls": draft_after - draft_before, "cpu_s": cpu, "cpu_window_s": window,
+                "cpu_busy_share": sum(cpu.values()) / (window * len(os.sched_getaffinity(0)))}
     return out, counters
 
 
@@ -607,21 +598,20 @@ def add_target_only_ratios(rows: list[dict]) -> None:
             r["no_spec_latency_p95_vs_target_only"] = ratio(r["no_spec_latency_p95_s"], ref.get("latency_p95_s"))
 
 
-def section_concurrency(args, prompts, configs: dict, collector: SpanCollector, draft: str, services: Services) -> dict:
-    """Every level of ``--levels`` per configuration (name -> (front, target, no_spec)), order rotated per level."""
+def section_concurrency(args, prompts, configs: dict, collector: SpanCollector, services: Services) -> dict:
+    """Every level of ``--levels`` per configuration (name -> (front, no_spec)), order rotated per level."""
     ids = [p["ids"] for p in prompts]
-    meter = CpuMeter(services)
-    for name, (front, _, no_spec) in configs.items():  # warm-up
+    for name, (front, no_spec) in configs.items():  # warm-up
         run_level(front, ids[:1], 1, 4, no_spec is True, f"warm-conc-{name}")
     names = list(configs)
     rows, outputs = [], defaultdict(dict)
     for li, level in enumerate(args.levels):
         order = names[li % len(names):] + names[:li % len(names)]  # so no configuration always goes first
         for name in order:
-            out, counters = measure_level(args, ids, name, level, configs[name], draft, meter)
+            out, counters = measure_level(args, ids, name, level, *configs[name], services)
             for i, r in enumerate(out["requests"]):
                 outputs[i][(name, level)] = r.pop("tokens")
-            rows.append(level_row(name, level, configs[name][2], out, counters, order.index(name), li))
+            rows.append(level_row(name, level, configs[name][1], out, counters, order.index(name), li))
             log(f"concurrency {name} x{level}: {rows[-1]['tokens_per_s']:.2f} tok/s, p50 {rows[-1]['latency_p50_s']:.2f} s, "
                 f"p95 {rows[-1]['latency_p95_s']:.2f} s, merged forwards {counters['merged_verify_forwards']}")
     add_traces(rows, collector, args.round_log)
@@ -1084,18 +1074,18 @@ def level_prompts(args, tokenizer) -> list[dict]:
 
 
 def concurrency_configs(args, services: Services, draft: Service, target: Service) -> dict[str, tuple]:
-    """The batched target's Ray fronts, started one at a time; name -> (front, target, no_spec)."""
+    """The batched target's Ray fronts, started one at a time; name -> (front, no_spec)."""
     def front(name: str, config: dict | None = None) -> str:
         return start_front(services, args, name, {"use_ray": True, **(config or {})}, draft, target).address
 
     batched = front("bench-front-ray-batched")
     pipelined = front("bench-front-ray-pipelined", {"pipeline": True}) if args.pipeline else None
-    configs = {"batched": (batched, target.address, False)}
+    configs = {"batched": (batched, False)}
     for flag, name, config in variants(args):
-        configs[name] = (front(f"bench-front-variant-{name}", config), target.address, VARIANTS[flag][0])
+        configs[name] = (front(f"bench-front-variant-{name}", config), VARIANTS[flag][0])
     if pipelined is not None:
-        configs["speculative_pipelined"] = (pipelined, target.address, False)
-    configs["target_only"] = (batched, target.address, True)
+        configs["speculative_pipelined"] = (pipelined, False)
+    configs["target_only"] = (batched, True)
     return configs
 
 
@@ -1110,7 +1100,7 @@ def run_sections(args, services: Services, collector: SpanCollector, tokenizer, 
             services.wait(service)
         configs = concurrency_configs(args, services, draft, target)
         log(f"concurrency section: levels {args.levels} x {len(prompts)} requests x {len(configs)} configs")
-        result["concurrency"] = section_concurrency(args, prompts, configs, collector, draft.address, services)
+        result["concurrency"] = section_concurrency(args, prompts, configs, collector, services)
     if "longprompt" in args.sections:
         services.wait(draft)
         services.stop(*(s for s in services.running if s is not draft))
