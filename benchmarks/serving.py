@@ -38,7 +38,7 @@ import yaml  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from orchestrator.loop.embedded import encode_prompt  # noqa: E402
-from orchestrator.measure.bench import BUILTIN_QUESTIONS  # noqa: E402
+from orchestrator.measure.bench import BUILTIN_QUESTIONS, parse_questions  # noqa: E402
 from orchestrator.measure.eval_report import peak_rss_mb  # noqa: E402
 from specdec.config import ClientLimitsConfig, ConfigError, TargetServerConfig, load_config  # noqa: E402
 from specdec.harness.otlp import OtlpReceiver, attribute_value  # noqa: E402
@@ -68,15 +68,11 @@ def log(msg: str) -> None:
 
 def load_prompts(path: Path | None, tokenizer, max_prompt_tokens: int) -> list[dict]:
     """Each question's first turn with its chat-template ids, if within max_prompt_tokens (path None: built-in set)."""
-    out = []
-    for line in (BUILTIN_QUESTIONS if path is None else path).read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        q = json.loads(line)
-        ids = encode_prompt(tokenizer, q["turns"][0], raw=False)
-        if len(ids) <= max_prompt_tokens:
-            out.append({"question_id": q["question_id"], "category": q["category"], "ids": ids})
-    return out
+    path = path or BUILTIN_QUESTIONS
+    prompts = [{"question_id": q["question_id"], "category": q["category"],
+                "ids": encode_prompt(tokenizer, q["turns"][0], raw=False)}
+               for q in parse_questions(path.read_text(encoding="utf-8"), str(path))]
+    return [p for p in prompts if len(p["ids"]) <= max_prompt_tokens]
 
 
 def spread(prompts: list[dict], n: int) -> list[dict]:
@@ -352,7 +348,8 @@ class Services:
     def wait(self, service: Service) -> Service:
         """Wait for its ready line (ServiceNotReady if none comes), then note the CPUs it may run on."""
         wait_ready(service, 600.0)
-        self.affinity.setdefault(service.name, sorted(os.sched_getaffinity(service.proc.pid)))
+        if service.name not in self.affinity:
+            self.affinity[service.name] = sorted(os.sched_getaffinity(service.proc.pid))
         return service
 
     def stop(self, *services: Service, timeout_s: float = 30.0) -> None:
@@ -517,9 +514,9 @@ def cpu_split(before: dict, after: dict, kinds: dict[str, str], front: str | Non
     return split
 
 
-def ratio(a: float, b: float | None, none=None) -> float | None:
-    """a / b; ``none`` when b is 0 or None (no reference to compare with)."""
-    return a / b if b else none
+def ratio(a: float, b: float | None, default: float | None = None) -> float | None:
+    """a / b; ``default`` when b is 0 or None (no reference to compare with)."""
+    return a / b if b else default
 
 
 # ----------------------------------------------------------------------------------------- sections
@@ -626,8 +623,8 @@ def section_concurrency(args, prompts, configs: dict, collector: SpanCollector, 
 
 def long_prompt_ids(tokenizer, n_tokens: int) -> list[int]:
     """``n_tokens`` prompt ids from the built-in prompts' first turns, repeated and cut (deterministic)."""
-    lines = BUILTIN_QUESTIONS.read_text(encoding="utf-8").splitlines()
-    text = "\n\n".join(json.loads(line)["turns"][0] for line in lines if line.strip())
+    questions = parse_questions(BUILTIN_QUESTIONS.read_text(encoding="utf-8"), "built-in")
+    text = "\n\n".join(q["turns"][0] for q in questions)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return (ids * (n_tokens // len(ids) + 1))[:n_tokens]
 
@@ -947,6 +944,7 @@ def positive(kind):
         if value <= 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
         return value
+    parse.__name__ = kind.__name__  # argparse's "invalid int value"
     return parse
 
 
