@@ -40,6 +40,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from orchestrator.loop.embedded import encode_prompt  # noqa: E402
 from orchestrator.measure.bench import BUILTIN_QUESTIONS, parse_questions  # noqa: E402
 from orchestrator.measure.eval_report import peak_rss_mb  # noqa: E402
+from orchestrator.measure.trace_report import Span  # noqa: E402
 from specdec.config import ClientLimitsConfig, ConfigError, TargetServerConfig, load_config  # noqa: E402
 from specdec.harness.otlp import OtlpReceiver, attribute_value  # noqa: E402
 from specdec.harness.report import machine, md_table, percentile, write_record  # noqa: E402
@@ -85,26 +86,14 @@ def spread(prompts: list[dict], n: int) -> list[dict]:
 
 # ----------------------------------------------------------------------------------------- traces
 
-@dataclass
-class Span:
-    service: str
-    name: str
-    span_id: str
-    parent_id: str
-    attributes: dict
-    ms: float
-    start_ns: int = 0  # wall clock (time.time_ns), comparable across the processes of this machine
-    end_ns: int = 0
-
-
 class SpanCollector(OtlpReceiver):
-    """OtlpReceiver that also keeps each span's duration and start / end times."""
+    """OtlpReceiver that keeps trace_report's Span: with start / end times (wall clock, comparable across the
+    processes of this machine) and ``ms``."""
 
     def keep(self, service: str, span) -> Span:
-        return Span(service, span.name, span.span_id.hex(), span.parent_span_id.hex(),
-                    {a.key: attribute_value(a.value) for a in span.attributes},
-                    (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6,
-                    span.start_time_unix_nano, span.end_time_unix_nano)
+        return Span(span.trace_id.hex(), span.span_id.hex(), span.parent_span_id.hex(), span.name, service,
+                    span.start_time_unix_nano, span.end_time_unix_nano,
+                    {a.key: attribute_value(a.value) for a in span.attributes})
 
 
 def client_id(rid: str) -> str:

@@ -294,12 +294,13 @@ def test_pipeline_overlap_from_spans():
     """pipeline_overlap on hand-made spans: a hit ahead partly inside its verify, one wholly inside, a
     miss, adopted rounds with and without a draft span, in-line drafted rounds; another request's
     spans are ignored."""
-    from benchmarks.serving import Span, pipeline_overlap
+    from benchmarks.serving import pipeline_overlap
+    from orchestrator.measure.trace_report import Span
 
     ms = 1_000_000
 
     def span(name, sid, parent, start, end, **attributes):
-        return Span("front", name, sid, parent, attributes, (end - start) / ms, start, end)
+        return Span("", sid, parent, name, "front", start, end, attributes)
 
     spans = [
         # round 0 of req-0: drafted in line (draft 0-40 ms), verify 40-140, ahead 50-190 ends 50 ms after the verify: a hit
