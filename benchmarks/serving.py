@@ -711,7 +711,8 @@ def longprompt_row(config: str, chunk_tokens: int, busy_tokens: int, run: dict, 
 def prefill_chunk_setting(args) -> tuple[int, int]:
     """(prefill_chunk_tokens, prefill_busy_chunk_tokens) of the section's target: the flags', else the config's."""
     chunk = args.prefill_chunk_tokens or TargetServerConfig().prefill_chunk_tokens
-    busy = min(args.prefill_busy_chunk_tokens or TargetServerConfig().prefill_busy_chunk_tokens or chunk, chunk)
+    busy_arg = args.prefill_busy_chunk_tokens  # 0: no riding (the busy chunk is the chunk)
+    busy = chunk if busy_arg == 0 else min(busy_arg or TargetServerConfig().prefill_busy_chunk_tokens or chunk, chunk)
     return chunk, busy
 
 
@@ -926,12 +927,12 @@ def comma_list(choices: tuple[str, ...]):
     return parse
 
 
-def positive(kind):
-    """An argparse type: a ``kind`` (int, float) > 0."""
+def positive(kind, zero_ok: bool = False):
+    """An argparse type: a ``kind`` (int, float) > 0 (>= 0 with ``zero_ok``)."""
     def parse(text: str):
         value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+        if value < 0 or (value == 0 and not zero_ok):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if zero_ok else '>'} 0, got {value}")
         return value
     parse.__name__ = kind.__name__  # argparse's "invalid int value"
     return parse
@@ -978,9 +979,9 @@ OPTIONS = (
      f"longprompt section: comma list of {', '.join(LONGPROMPT_CONFIGS)}"),
     ("--prefill-chunk-tokens", positive(int), None,
      "longprompt section: target.prefill_chunk_tokens (default: the config's)"),
-    ("--prefill-busy-chunk-tokens", positive(int), None, "longprompt section: target.prefill_busy_chunk_tokens "
-                                                         "(chunks that ride in the running requests' verify "
-                                                         "forwards; default: the config's)"),
+    ("--prefill-busy-chunk-tokens", positive(int, zero_ok=True), None,
+     "longprompt section: target.prefill_busy_chunk_tokens (chunks that ride in the running requests' verify "
+     "forwards; default: the config's; 0 = no riding)"),
     ("--out", Path, ROOT / "bench_out" / "serving", "folder for serving.json and serving.md"),
 )
 

@@ -240,7 +240,7 @@ def test_front_variant_flag_errors(capsys):
 
 
 def test_bad_flags_are_refused_naming_the_flag(capsys):
-    from benchmarks.serving import parse_args
+    from benchmarks.serving import parse_args, prefill_chunk_setting
 
     for argv, flag in ((["--longprompt-configs", "speculative,fast"], "--longprompt-configs"),
                        (["--levels", "1,16", "--concurrency-prompts", "8"], "--concurrency-prompts"),
@@ -254,6 +254,9 @@ def test_bad_flags_are_refused_naming_the_flag(capsys):
     args = parse_args(["--levels", "1,4,8,16", "--prompts", "8"])
     assert args.concurrency_prompts == 16  # every one of 16 clients has a request
     assert parse_args(["--pin"]).target_threads == 1
+    # --prefill-busy-chunk-tokens 0: no riding (docs/heuristics.md), the busy chunk is the chunk
+    no_riding = parse_args(["--prefill-chunk-tokens", "32", "--prefill-busy-chunk-tokens", "0"])
+    assert prefill_chunk_setting(no_riding) == (32, 32)
 
 
 def test_pin_without_taskset_is_a_clear_error(monkeypatch):
