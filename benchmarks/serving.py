@@ -1,9 +1,7 @@
 """Serving benchmark on one model pair, its services started here as subprocesses; the parts run
 side by side in one run, so the figures are ratios taken under the same noise.
 
-Sections (``--sections``): concurrency, longprompt; docs/benchmarks.md gives each one's method. The grpc
-(gRPC vs embedded) and gamma (dynamic vs fixed gamma) sections answered their question once and are retired:
-commit 22f3fb7 is the last with them.
+Sections (``--sections``): concurrency, longprompt; docs/benchmarks.md gives each one's method (and the retired ones).
 
     python benchmarks/serving.py --sections concurrency --levels 1,4,8 --max-new-tokens 32
 
@@ -17,6 +15,7 @@ import ast
 import asyncio
 import contextlib
 import functools
+import itertools
 import json
 import os
 import platform
@@ -39,16 +38,16 @@ import yaml  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from orchestrator.loop.embedded import encode_prompt  # noqa: E402
-from orchestrator.measure.bench import BUILTIN_QUESTIONS  # noqa: E402
+from orchestrator.measure.bench import BUILTIN_QUESTIONS, parse_questions  # noqa: E402
 from orchestrator.measure.eval_report import peak_rss_mb  # noqa: E402
+from orchestrator.measure.trace_report import Span  # noqa: E402
 from specdec.config import ClientLimitsConfig, ConfigError, TargetServerConfig, load_config  # noqa: E402
 from specdec.harness.otlp import OtlpReceiver, attribute_value  # noqa: E402
-from specdec.harness.report import percentile  # noqa: E402
-from specdec.harness.servers import (Service, launch_command, launch_service, server_command,  # noqa: E402
-                                     stop_service, wait_ready)
+from specdec.harness.report import machine, md_table, percentile, write_record  # noqa: E402
+from specdec.harness.servers import (Service, launch_command, server_command, stop_service,  # noqa: E402
+                                     wait_ready)
 from specdec.model_setup import resolve_draft_quant, resolve_dtype  # noqa: E402
 from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, resolve_model_dir  # noqa: E402
-from specdec.placement import cpu_model  # noqa: E402
 from specdec.tree_spec import DEFAULT_SPEC  # noqa: E402
 from specdec.v1 import (draft_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc, target_pb2,  # noqa: E402
                         target_pb2_grpc)
@@ -56,7 +55,8 @@ from specdec.v1 import (draft_pb2, draft_pb2_grpc, generation_pb2, generation_pb
 SECTIONS = ("concurrency", "longprompt")
 LONGPROMPT_CONFIGS = ("speculative", "speculative_pipelined", "target_only")
 PIN_CORES = {"target": "0", "draft": "1"}  # --pin: taskset -c cores per service kind (fronts unpinned)
-PIPELINE_STATS = ("pipeline_ahead_hits", "pipeline_ahead_misses")  # FinalStats fields, where the front has them
+PIPELINE_STATS = ("pipeline_ahead_hits", "pipeline_ahead_misses")
+FINAL_STATS = ("rounds", "fallback_rounds", "proposed_tokens", "cost_plain_rounds", *PIPELINE_STATS)  # kept FinalStats
 BF16_NOTE = ("On a CPU `models.dtype: auto` resolves to float32 (exact, and faster than bf16 for tree "
              "verification there), which is what is measured, not bf16.")
 
@@ -69,15 +69,11 @@ def log(msg: str) -> None:
 
 def load_prompts(path: Path | None, tokenizer, max_prompt_tokens: int) -> list[dict]:
     """Each question's first turn with its chat-template ids, if within max_prompt_tokens (path None: built-in set)."""
-    out = []
-    for line in (BUILTIN_QUESTIONS if path is None else path).read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        q = json.loads(line)
-        ids = encode_prompt(tokenizer, q["turns"][0], raw=False)
-        if len(ids) <= max_prompt_tokens:
-            out.append({"question_id": q["question_id"], "category": q["category"], "ids": ids})
-    return out
+    path = path or BUILTIN_QUESTIONS
+    prompts = [{"question_id": q["question_id"], "category": q["category"],
+                "ids": encode_prompt(tokenizer, q["turns"][0], raw=False)}
+               for q in parse_questions(path.read_text(encoding="utf-8"), str(path))]
+    return [p for p in prompts if len(p["ids"]) <= max_prompt_tokens]
 
 
 def spread(prompts: list[dict], n: int) -> list[dict]:
@@ -85,35 +81,19 @@ def spread(prompts: list[dict], n: int) -> list[dict]:
     by_cat: dict[str, list] = defaultdict(list)
     for p in prompts:
         by_cat[p["category"]].append(p)
-    out, i = [], 0
-    while len(out) < n and any(i < len(v) for v in by_cat.values()):
-        out += [v[i] for v in by_cat.values() if i < len(v)][: n - len(out)]
-        i += 1
-    return out
+    return [p for turn in itertools.zip_longest(*by_cat.values()) for p in turn if p is not None][:n]
 
 
 # ----------------------------------------------------------------------------------------- traces
 
-@dataclass
-class Span:
-    service: str
-    name: str
-    span_id: str
-    parent_id: str
-    attributes: dict
-    ms: float
-    start_ns: int = 0  # wall clock (time.time_ns), comparable across the processes of this machine
-    end_ns: int = 0
-
-
 class SpanCollector(OtlpReceiver):
-    """OtlpReceiver that also keeps each span's duration and start / end times."""
+    """OtlpReceiver that keeps trace_report's Span: with start / end times (wall clock, comparable across the
+    processes of this machine) and ``ms``."""
 
     def keep(self, service: str, span) -> Span:
-        return Span(service, span.name, span.span_id.hex(), span.parent_span_id.hex(),
-                    {a.key: attribute_value(a.value) for a in span.attributes},
-                    (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6,
-                    span.start_time_unix_nano, span.end_time_unix_nano)
+        return Span(span.trace_id.hex(), span.span_id.hex(), span.parent_span_id.hex(), span.name, service,
+                    span.start_time_unix_nano, span.end_time_unix_nano,
+                    {a.key: attribute_value(a.value) for a in span.attributes})
 
 
 def client_id(rid: str) -> str:
@@ -148,6 +128,14 @@ def round_children(spans: list[Span], request_ids: set[str], names: tuple[str, .
     return [(r, children[r.span_id]) for r in rounds]
 
 
+def mean(values) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+ROUND_ATTRIBUTES = {"gamma": "gamma", "nodes": "tree.nodes", "drafted": "tree.drafted", "accepted": "accepted_length",
+                    "fallback": "fallback.reason"}  # round_log key -> the round span's attribute
+
+
 def round_log(spans: list[Span], request_ids: set[str]) -> list[dict]:
     """One row per round of these requests, in start order (times in s and ms, batch sizes, gamma, accepted)."""
     rounds = sorted(round_children(spans, request_ids, ("draft", "verify")), key=lambda rk: rk[0].start_ns)
@@ -155,17 +143,13 @@ def round_log(spans: list[Span], request_ids: set[str]) -> list[dict]:
     out = []
     for r, kids in rounds:
         draft, verify = kids.get("draft"), kids.get("verify")
+        d, v = (draft.attributes if draft else {}), (verify.attributes if verify else {})
         out.append({"request": client_id(str(r.attributes.get("request.id", ""))),
                     "t_s": round((r.start_ns - t0) / 1e9, 3), "round_ms": round(r.ms, 1),
-                    "draft_ms": round(draft.ms, 1) if draft else None,
-                    "draft_server_ms": draft.attributes.get("draft.draft_ms") if draft else None,
-                    "draft_batch": draft.attributes.get("draft.batch_size") if draft else None,
-                    "verify_ms": round(verify.ms, 1) if verify else None,
-                    "verify_server_ms": verify.attributes.get("target.verify_ms") if verify else None,
-                    "verify_batch": verify.attributes.get("target.batch_size") if verify else None,
-                    "gamma": r.attributes.get("gamma"), "nodes": r.attributes.get("tree.nodes"),
-                    "drafted": r.attributes.get("tree.drafted"), "accepted": r.attributes.get("accepted_length"),
-                    "fallback": r.attributes.get("fallback.reason")})
+                    "draft_ms": round(draft.ms, 1) if draft else None, "draft_server_ms": d.get("draft.draft_ms"),
+                    "draft_batch": d.get("draft.batch_size"), "verify_ms": round(verify.ms, 1) if verify else None,
+                    "verify_server_ms": v.get("target.verify_ms"), "verify_batch": v.get("target.batch_size"),
+                    **{key: r.attributes.get(name) for key, name in ROUND_ATTRIBUTES.items()}})
     return out
 
 
@@ -175,30 +159,21 @@ def round_split(spans: list[Span], request_ids: set[str]) -> dict:
     rows = defaultdict(list)
     tree_bytes = []
     for r, kids in rounds:
-        draft, verify, commit = kids.get("draft"), kids.get("verify"), kids.get("commit")
-        draft_ms = verify_ms = None
-        rows["round"].append(r.ms)
-        rows["draft"].append(draft.ms if draft else 0.0)
-        rows["verify"].append(verify.ms if verify else 0.0)
-        rows["commit"].append(commit.ms if commit else 0.0)
-        if draft is not None:
-            draft_ms = draft.attributes.get("draft.draft_ms", draft.ms)
-        if verify is not None:
-            verify_ms = verify.attributes.get("target.verify_ms", verify.ms)
-            if r.attributes.get("tree.nodes", 0) and "tree.bytes" in verify.attributes:
-                tree_bytes.append(verify.attributes["tree.bytes"])
-        rows["draft_server"].append(draft_ms or 0.0)
-        rows["verify_server"].append(verify_ms or 0.0)
-        rows["transfer"].append(r.ms - (draft_ms or 0.0) - (verify_ms or 0.0))
-        rows["other"].append(r.ms - rows["draft"][-1] - rows["verify"][-1] - rows["commit"][-1])
-    out = {"rounds": len(rounds)}
-    for key, values in rows.items():
-        out[f"{key}_ms"] = sum(values) / len(values) if values else 0.0
+        phase = {name: kids[name].ms if name in kids else 0.0 for name in ("draft", "verify", "commit")}
+        draft_ms = kids["draft"].attributes.get("draft.draft_ms", phase["draft"]) if "draft" in kids else None
+        verify_ms = kids["verify"].attributes.get("target.verify_ms", phase["verify"]) if "verify" in kids else None
+        if "verify" in kids and r.attributes.get("tree.nodes", 0) and "tree.bytes" in kids["verify"].attributes:
+            tree_bytes.append(kids["verify"].attributes["tree.bytes"])
+        for key, ms in (("round", r.ms), *phase.items(), ("draft_server", draft_ms or 0.0),
+                        ("verify_server", verify_ms or 0.0),
+                        ("transfer", r.ms - (draft_ms or 0.0) - (verify_ms or 0.0)),
+                        ("other", r.ms - sum(phase.values()))):
+            rows[key].append(ms)
+    out = {"rounds": len(rounds), **{f"{key}_ms": mean(values) for key, values in rows.items()}}
     out["draft_wire_ms"] = out.get("draft_ms", 0.0) - out.get("draft_server_ms", 0.0)
     out["verify_wire_ms"] = out.get("verify_ms", 0.0) - out.get("verify_server_ms", 0.0)
     if tree_bytes:
-        out["tree_bytes_mean"] = sum(tree_bytes) / len(tree_bytes)
-        out["tree_bytes_max"] = max(tree_bytes)
+        out["tree_bytes_mean"], out["tree_bytes_max"] = mean(tree_bytes), max(tree_bytes)
     return out
 
 
@@ -239,10 +214,6 @@ def pipeline_overlap(spans: list[Span], request_ids: set[str]) -> dict:
         elif draft is not None:
             drafted_ms.append(r.ms)
             drafted_draft.append(draft.ms)
-
-    def mean(values):
-        return sum(values) / len(values) if values else None
-
     return {"rounds": len(rounds), "aheads": aheads, "hits": len(hit_ms), "hit_ahead_ms_mean": mean(hit_ms),
             "hidden_share": hidden_ns / ahead_ns if ahead_ns else None, "wait_ms_mean": mean(waits),
             "adopted_rounds": len(adopted_ms), "adopted_with_draft_span": adopted_with_draft,
@@ -253,13 +224,13 @@ def pipeline_overlap(spans: list[Span], request_ids: set[str]) -> dict:
 # ----------------------------------------------------------------------------------------- gRPC client
 
 async def grpc_generate(stub, request_id: str, ids: list[int], max_new: int, no_spec: bool = False,
-                        timeout: float = 1800.0, ignore_eos: bool = False, chunks: list | None = None) -> dict:
+                        ignore_eos: bool = False, chunks: list | None = None) -> dict:
     """One streamed request; ``chunks`` gets (perf_counter s, tokens) of each message as it arrives."""
     tokens, first, stats = [], None, None
     start = time.perf_counter()
     request = generation_pb2.GenerateRequest(request_id=request_id, prompt_ids=list(ids), max_new_tokens=max_new,
                                              no_spec=no_spec, ignore_eos=ignore_eos)
-    async for reply in stub.Generate(request, timeout=timeout):
+    async for reply in stub.Generate(request, timeout=1800.0):
         if reply.token_ids:
             now = time.perf_counter()
             first = now if first is None else first
@@ -269,11 +240,8 @@ async def grpc_generate(stub, request_id: str, ids: list[int], max_new: int, no_
         if reply.HasField("stats"):
             stats = reply.stats
     wall = time.perf_counter() - start
-    fields = stats.DESCRIPTOR.fields_by_name
     return {"tokens": tokens, "new_tokens": len(tokens), "wall_s": wall, "ttft_s": (first or time.perf_counter()) - start,
-            "rounds": stats.rounds, "fallback_rounds": stats.fallback_rounds, "proposed_tokens": stats.proposed_tokens,
-            "cost_plain_rounds": stats.cost_plain_rounds,
-            **{key: getattr(stats, key) if key in fields else None for key in PIPELINE_STATS}}
+            **{key: getattr(stats, key) for key in FINAL_STATS}}
 
 
 @contextlib.asynccontextmanager
@@ -284,30 +252,16 @@ async def generation_stub(address: str):
         yield generation_pb2_grpc.GenerationServiceStub(channel)
 
 
-def grpc_one(address: str, request_id: str, ids: list[int], max_new: int, no_spec: bool = False) -> dict:
-    async def run():
-        async with generation_stub(address) as stub:
-            return await grpc_generate(stub, request_id, ids, max_new, no_spec)
-
-    return asyncio.run(run())
-
-
-def batched_forwards(address: str, kind: str = "target") -> int:
-    """The target's verify forwards (or the draft's proposals) that merged sessions so far."""
-    with grpc.insecure_channel(address) as channel:
-        if kind == "draft":
-            return draft_pb2_grpc.DraftServiceStub(channel).Info(draft_pb2.DraftInfoRequest(), timeout=30).batched_forwards
-        return target_pb2_grpc.TargetServiceStub(channel).Info(target_pb2.InfoRequest(), timeout=30).batched_forwards
+def merged_forwards(address: dict[str, str]) -> tuple[int, int]:
+    """The target's verify forwards and the draft's proposals that merged sessions so far (address: kind -> address)."""
+    with grpc.insecure_channel(address["target"]) as target, grpc.insecure_channel(address["draft"]) as draft:
+        return (target_pb2_grpc.TargetServiceStub(target).Info(target_pb2.InfoRequest(), timeout=30).batched_forwards,
+                draft_pb2_grpc.DraftServiceStub(draft).Info(draft_pb2.DraftInfoRequest(), timeout=30).batched_forwards)
 
 
 PER_REQUEST = ("client", "started_s", "prompt_tokens", "wall_s", "ttft_s", "new_tokens", "rounds", "proposed_tokens",
                "cost_plain_rounds", "fallback_rounds", "no_spec")  # each request's row in a level's JSON (per_request)
 MIXED = "mixed"  # a configuration's no_spec value for mixed traffic: even-numbered requests no_spec, the others speculate
-
-
-def request_no_spec(no_spec: bool | str, i: int) -> bool:
-    """Whether request i of a level is ``no_spec``: ``no_spec`` itself, or for MIXED traffic i even."""
-    return i % 2 == 0 if no_spec == MIXED else bool(no_spec)
 
 
 def run_level(address: str, prompts: list[list[int]], clients: int, max_new: int, no_spec: bool | str, tag: str,
@@ -320,7 +274,7 @@ def run_level(address: str, prompts: list[list[int]], clients: int, max_new: int
 
             async def send(i: int, ids: list[int], c: int):
                 began = time.perf_counter() - start
-                plain = request_no_spec(no_spec, i)
+                plain = i % 2 == 0 if no_spec == MIXED else bool(no_spec)
                 results[i] = await grpc_generate(stub, f"{tag}-{i}", ids, max_new, plain)
                 results[i].update(client=c, started_s=began, prompt_tokens=len(ids), no_spec=plain)
 
@@ -359,55 +313,49 @@ class Services:
 
     def note_peak(self, service: Service) -> None:
         """Record the service's peak RSS (its own process) and, for a front, its starting cost model."""
-        try:
+        with contextlib.suppress(ValueError, OSError):  # already gone, or no /proc here
             self.peak_rss_mb[service.name] = peak_rss_mb(service.proc.pid)
-        except (ValueError, OSError):  # already gone, or no /proc here
-            pass
-        try:
+        with contextlib.suppress(OSError):
             costs = front_start_costs(service.stderr) if service.kind == "front" else None
-        except OSError:
-            costs = None
-        if costs is not None:
-            self.start_costs[service.name] = costs
+            if costs is not None:
+                self.start_costs[service.name] = costs
 
     def launch(self, kind: str, name: str, config: dict, **flags) -> Service:
         """Start a service from ``config`` (written to the workdir); under ``taskset -c`` when ``pin`` names its kind."""
         path = self.workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         env = {**self.env, "OTEL_SERVICE_NAME": name}
+        argv = server_command(kind, path, **flags)
         cores = (self.pin or {}).get(kind)
-        if cores is None:
-            service = launch_service(kind, path, env=env, **flags)
-        else:  # taskset execs the server: the pid stays the server's own
-            service = launch_command(kind, ["taskset", "-c", cores, *server_command(kind, path, **flags)], env)
+        if cores is not None:  # taskset execs the server: the pid stays the server's own
+            argv = ["taskset", "-c", cores, *argv]
+        service = launch_command(kind, argv, env)
         service.name = name
         self.running.append(service)
         return service
 
-    def wait(self, service: Service, timeout_s: float = 600.0) -> Service:
+    def wait(self, service: Service) -> Service:
         """Wait for its ready line (ServiceNotReady if none comes), then note the CPUs it may run on."""
-        wait_ready(service, timeout_s)
+        wait_ready(service, 600.0)
         if service.name not in self.affinity:
             self.affinity[service.name] = sorted(os.sched_getaffinity(service.proc.pid))
         return service
 
-    def stop(self, service: Service) -> None:
-        if service in self.running:
-            self.running.remove(service)
-            self.note_peak(service)
-            stop_service(service, timeout_s=30)
-            service.stderr_path.unlink(missing_ok=True)
-
-    def stop_all(self) -> None:
-        """SIGTERM every service at once, then wait for each (``stop_service``: SIGKILL past 60 s)."""
-        services, self.running = list(reversed(self.running)), []
+    def stop(self, *services: Service, timeout_s: float = 30.0) -> None:
+        """Note each one's peak, SIGTERM them all at once, then wait for each (``stop_service``: SIGKILL past
+        timeout_s)."""
+        services = tuple(s for s in services if s in self.running)
         for service in services:
+            self.running.remove(service)
             self.note_peak(service)
             if service.proc.poll() is None:
                 service.proc.send_signal(signal.SIGTERM)
         for service in services:
-            stop_service(service, timeout_s=60)
+            stop_service(service, timeout_s)
             service.stderr_path.unlink(missing_ok=True)
+
+    def stop_all(self) -> None:
+        self.stop(*reversed(self.running), timeout_s=60)
 
 
 _MEASURED = re.compile(r"cost model measured through the services: V\(n\) (\{[^}]*\}) ms, D\(p\) (\{[^}]*\}) ms")
@@ -450,13 +398,16 @@ def deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
-VARIANT_FLAGS = ("--front-variant", "--target-only-variant", "--mixed-variant")
+# flag -> (no_spec of its configurations, what they run: serving.md)
+VARIANTS = {"--front-variant": (False, "a Ray front on the batched target"),
+            "--target-only-variant": (True, "`no_spec` requests (as target_only) on a Ray front on the batched target"),
+            "--mixed-variant": (MIXED, "mixed traffic, the even-numbered requests `no_spec` and the others "
+                                       "speculating, on a Ray front on the batched target")}
 
 
 def variants(args) -> list[tuple[str, str, dict]]:
     """Every variant configuration asked for: (flag, NAME, front JSON), in flag order."""
-    return [(flag, name, front) for flag in VARIANT_FLAGS
-            for name, front in getattr(args, flag[2:].replace("-", "_"))]
+    return [(flag, name, front) for flag in VARIANTS for name, front in getattr(args, flag[2:].replace("-", "_"))]
 
 
 def check_front_variants(p: argparse.ArgumentParser, args) -> None:
@@ -464,10 +415,9 @@ def check_front_variants(p: argparse.ArgumentParser, args) -> None:
     given = variants(args)
     if not given:
         return
-    names = [name for _, name, _ in given]
-    twice = sorted({n for n in names if names.count(n) > 1})
+    twice = sorted(name for name, n in Counter(name for _, name, _ in given).items() if n > 1)
     if twice:
-        p.error(f"{'/'.join(VARIANT_FLAGS)}: {', '.join(twice)} given more than once")
+        p.error(f"{'/'.join(VARIANTS)}: {', '.join(twice)} given more than once")
     if "concurrency" not in args.sections:
         flags = sorted({flag for flag, _, _ in given})
         p.error(f"{'/'.join(flags)}: adds concurrency configurations; --sections has no concurrency")
@@ -544,64 +494,41 @@ def cpu_split(before: dict, after: dict, kinds: dict[str, str], front: str | Non
         old = before.get(pid)
         same = old is not None and (old[0], old[1], old[3]) == (owner, part, started)
         spent = seconds - old[2] if same else seconds
-        kind = kinds.get(owner)
         if owner == front:
             role = "front" if part == "process" else "front_ray"
-        elif kind == "front":
-            role = "other_fronts"
-        elif kind in ("target", "draft"):
-            role = kind
         else:
-            role = owner if owner == "benchmark" else "other"
+            role = {"front": "other_fronts", "target": "target", "draft": "draft"}.get(
+                kinds.get(owner), "benchmark" if owner == "benchmark" else "other")
         split[role] += max(spent, 0.0)
     return split
 
 
-def share(a: float, b: float | None) -> float:
-    """a / b, 0.0 when b is 0 or None."""
-    return a / b if b else 0.0
-
-
-def ratio(a: float, b: float | None) -> float | None:
-    """a / b, None when b is 0 or None (no reference to compare with)."""
-    return a / b if b else None
+def ratio(a: float, b: float | None, default: float | None = None) -> float | None:
+    """a / b; ``default`` when b is 0 or None (no reference to compare with)."""
+    return a / b if b else default
 
 
 # ----------------------------------------------------------------------------------------- sections
 
-def rotated(items: list, k: int) -> list:
-    """items rotated by k, so no configuration always goes first."""
-    k %= len(items)
-    return items[k:] + items[:k]
-
-
-class CpuMeter:
-    """CPU seconds by role (``cpu_split``) over a stretch of time, of the services running when made."""
-
-    def __init__(self, services: Services):
-        self.pids = {svc.proc.pid: (svc.name, svc.kind) for svc in services.running}
-        self.kinds = {svc.name: svc.kind for svc in services.running}
-        self.fronts = {svc.address: svc.name for svc in services.running if svc.kind == "front"}
-
-    def split(self, before: dict, front: str) -> dict:
-        return cpu_split(before, cpu_snapshot(self.pids), self.kinds, self.fronts.get(front))
-
-
-def measure_level(args, ids: list[list[int]], name: str, level, config: tuple, draft: str,
-                  meter: CpuMeter) -> tuple[dict, dict]:
-    """One level of one configuration: ``run_level``'s result plus merged forwards and CPU by role."""
-    front, target, no_spec = config
-    verify_before, draft_before = batched_forwards(target), batched_forwards(draft, "draft")
+def measure_level(args, ids: list[list[int]], name: str, level, front: str, no_spec,
+                  services: Services) -> tuple[dict, dict]:
+    """One level of one configuration on the running services (one draft, one target, the fronts):
+    ``run_level``'s result plus merged forwards and CPU by role."""
+    owners = {svc.proc.pid: (svc.name, svc.kind) for svc in services.running}
+    address = {svc.kind: svc.address for svc in services.running}
+    verify_before, draft_before = merged_forwards(address)
     began = time.perf_counter()
-    cpu_before = cpu_snapshot(meter.pids)
+    cpu_before = cpu_snapshot(owners)
     out = run_level(front, ids, int(level), args.max_new_tokens, no_spec, f"conc-{name}-{level}",
                     rate=level if args.open_loop else None)
-    cpu = meter.split(cpu_before, front)
+    cpu = cpu_split(cpu_before, cpu_snapshot(owners), dict(owners.values()),
+                    {svc.address: svc.name for svc in services.running}.get(front))
     # the window spans both snapshots whole: CPU time a process spends while they walk the processes counts
     window = time.perf_counter() - began
-    counters = {"merged_verify_forwards": batched_forwards(target) - verify_before,
-                "merged_draft_calls": batched_forwards(draft, "draft") - draft_before, "cpu_s": cpu,
-                "cpu_window_s": window, "cpu_busy_share": sum(cpu.values()) / (window * len(os.sched_getaffinity(0)))}
+    verify_after, draft_after = merged_forwards(address)
+    counters = {"merged_verify_forwards": verify_after - verify_before,
+                "merged_draft_calls": draft_after - draft_before, "cpu_s": cpu, "cpu_window_s": window,
+                "cpu_busy_share": sum(cpu.values()) / (window * len(os.sched_getaffinity(0)))}
     return out, counters
 
 
@@ -614,19 +541,17 @@ def level_row(name: str, level, no_spec, out: dict, counters: dict, run_order: i
     row = {"config": name, "clients": level, "requests": len(reqs), "new_tokens": tokens, "wall_s": wall_s,
            "tokens_per_s": tokens / wall_s, "latency_p50_s": percentile(lat, 50), "latency_p95_s": percentile(lat, 95),
            "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
-           "mean_accepted_length": share(tokens, rounds), "mean_tree_rows": share(rows_verified, rounds),
-           "cost_plain_round_share": share(sum(r["cost_plain_rounds"] for r in reqs), rounds),
-           "fallback_round_share": share(sum(r["fallback_rounds"] for r in reqs), rounds),
+           "mean_accepted_length": ratio(tokens, rounds, 0.0), "mean_tree_rows": ratio(rows_verified, rounds, 0.0),
+           "cost_plain_round_share": ratio(sum(r["cost_plain_rounds"] for r in reqs), rounds, 0.0),
+           "fallback_round_share": ratio(sum(r["fallback_rounds"] for r in reqs), rounds, 0.0),
            "run_order": run_order, "level_run": level_run, **counters,
-           "per_request": [{key: r[key] for key in PER_REQUEST} for r in reqs]}
+           "per_request": [{key: r[key] for key in PER_REQUEST} for r in reqs],
+           **{key: sum(r[key] for r in reqs) for key in PIPELINE_STATS}}
     if no_spec == MIXED:
         for kind, plain in (("no_spec", True), ("spec", False)):
             kind_lat = [r["wall_s"] for r in reqs if r["no_spec"] is plain]
             row[f"{kind}_latency_p50_s"] = percentile(kind_lat, 50) if kind_lat else None
             row[f"{kind}_latency_p95_s"] = percentile(kind_lat, 95) if kind_lat else None
-    for key in PIPELINE_STATS:  # None: the front's final stats have no such field
-        values = [r[key] for r in reqs if r[key] is not None]
-        row[key] = sum(values) if values else None
     return row
 
 
@@ -642,11 +567,10 @@ def add_traces(rows: list[dict], collector: SpanCollector, round_logs: bool) -> 
         if row["pipeline_ahead_hits"]:
             complete = wait_for_rounds(collector, expected)
             row["pipeline_trace"] = {**pipeline_overlap(collector.spans(), set(expected)), "complete": complete}
-    for row in rows if round_logs else ():
-        expected = row_request_rounds(row)
-        wait_for_rounds(collector, expected)
-        row["round_split"] = round_split(collector.spans(), set(expected))
-        row["round_log"] = round_log(collector.spans(), set(expected))
+        if round_logs:
+            wait_for_rounds(collector, expected)
+            row["round_split"] = round_split(collector.spans(), set(expected))
+            row["round_log"] = round_log(collector.spans(), set(expected))
 
 
 def add_target_only_ratios(rows: list[dict]) -> None:
@@ -660,21 +584,20 @@ def add_target_only_ratios(rows: list[dict]) -> None:
             r["no_spec_latency_p95_vs_target_only"] = ratio(r["no_spec_latency_p95_s"], ref.get("latency_p95_s"))
 
 
-def section_concurrency(args, prompts, configs: dict, collector: SpanCollector, draft: str, services: Services) -> dict:
-    """Every level of ``--levels`` per configuration (name -> (front, target, no_spec)), order rotated per level."""
+def section_concurrency(args, prompts, configs: dict, collector: SpanCollector, services: Services) -> dict:
+    """Every level of ``--levels`` per configuration (name -> (front, no_spec)), order rotated per level."""
     ids = [p["ids"] for p in prompts]
-    meter = CpuMeter(services)
-    for name, (front, _, no_spec) in configs.items():  # warm-up
-        grpc_one(front, f"warm-conc-{name}", ids[0], 4, no_spec is True)
+    for name, (front, no_spec) in configs.items():  # warm-up
+        run_level(front, ids[:1], 1, 4, no_spec is True, f"warm-conc-{name}")
     names = list(configs)
     rows, outputs = [], defaultdict(dict)
     for li, level in enumerate(args.levels):
-        order = rotated(names, li)
+        order = names[li % len(names):] + names[:li % len(names)]  # so no configuration always goes first
         for name in order:
-            out, counters = measure_level(args, ids, name, level, configs[name], draft, meter)
+            out, counters = measure_level(args, ids, name, level, *configs[name], services)
             for i, r in enumerate(out["requests"]):
                 outputs[i][(name, level)] = r.pop("tokens")
-            rows.append(level_row(name, level, configs[name][2], out, counters, order.index(name), li))
+            rows.append(level_row(name, level, configs[name][1], out, counters, order.index(name), li))
             log(f"concurrency {name} x{level}: {rows[-1]['tokens_per_s']:.2f} tok/s, p50 {rows[-1]['latency_p50_s']:.2f} s, "
                 f"p95 {rows[-1]['latency_p95_s']:.2f} s, merged forwards {counters['merged_verify_forwards']}")
     add_traces(rows, collector, args.round_log)
@@ -689,8 +612,8 @@ def section_concurrency(args, prompts, configs: dict, collector: SpanCollector, 
 
 def long_prompt_ids(tokenizer, n_tokens: int) -> list[int]:
     """``n_tokens`` prompt ids from the built-in prompts' first turns, repeated and cut (deterministic)."""
-    lines = BUILTIN_QUESTIONS.read_text(encoding="utf-8").splitlines()
-    text = "\n\n".join(json.loads(line)["turns"][0] for line in lines if line.strip())
+    questions = parse_questions(BUILTIN_QUESTIONS.read_text(encoding="utf-8"), "built-in")
+    text = "\n\n".join(q["turns"][0] for q in questions)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return (ids * (n_tokens // len(ids) + 1))[:n_tokens]
 
@@ -788,7 +711,7 @@ def longprompt_row(config: str, chunk_tokens: int, busy_tokens: int, run: dict, 
 def prefill_chunk_setting(args) -> tuple[int, int]:
     """(prefill_chunk_tokens, prefill_busy_chunk_tokens) of the section's target: the flags', else the config's."""
     chunk = args.prefill_chunk_tokens or TargetServerConfig().prefill_chunk_tokens
-    busy_arg = args.prefill_busy_chunk_tokens
+    busy_arg = args.prefill_busy_chunk_tokens  # 0: no riding (the busy chunk is the chunk)
     busy = chunk if busy_arg == 0 else min(busy_arg or TargetServerConfig().prefill_busy_chunk_tokens or chunk, chunk)
     return chunk, busy
 
@@ -810,14 +733,13 @@ def section_longprompt(args, services: Services, draft: Service, tokenizer, prom
     rows = []
     for config in args.longprompt_configs:
         front, no_spec = fronts[LONGPROMPT_FRONTS[config]], config == "target_only"
-        grpc_one(front.address, f"warm-long-{config}-{chunk_tokens}", running_ids[0], 4, no_spec)
+        run_level(front.address, running_ids[:1], 1, 4, no_spec, f"warm-long-{config}-{chunk_tokens}")
         run = asyncio.run(longprompt_run(front.address, running_ids, long_ids, args, no_spec,
                                          f"long-{config}-{chunk_tokens}"))
         rows.append(longprompt_row(config, chunk_tokens, busy_tokens, run, args))
         log(f"longprompt {config} chunk {chunk_tokens}: ITL p95 before {_or_dash(rows[-1]['itl_p95_before_ms'], 1)} ms, "
             f"during {_or_dash(rows[-1]['itl_p95_during_ms'], 1)} ms, long TTFT {rows[-1]['long_ttft_s']:.2f} s")
-    for service in (*fronts.values(), target):
-        services.stop(service)
+    services.stop(*fronts.values(), target)
     return {"long_prompt_tokens": len(long_ids), "running": args.long_running,
             "running_max_new_tokens": args.long_running_tokens, "window_s": args.long_window_s,
             "configs": args.longprompt_configs, "prefill_chunk_settings": [[chunk_tokens, busy_tokens]], "rows": rows}
@@ -850,9 +772,7 @@ def col(head: str, key: str, fmt=_or_dash) -> tuple:
 
 def columns_table(columns: list[tuple], rows: list[dict]) -> str:
     """A markdown table of (header, cell function) columns, one line per row dict."""
-    lines = ["| " + " | ".join(head for head, _ in columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(r) for _, cell in columns) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    return "\n".join(md_table([head for head, _ in columns], [[cell(r) for _, cell in columns] for r in rows])) + "\n"
 
 
 CONFIG_COLUMNS = [col("config", "config"), col("clients", "clients", str)]
@@ -900,7 +820,7 @@ def meta_markdown(meta: dict) -> list[str]:
              f"- dtype: `{meta['dtype']}` (requested `{meta['dtype_arg']}`), draft quantization: `{meta['draft_quant']}` "
              f"(requested `{meta['draft_quant_arg']}`)",
              f"- threads: target {meta['target_threads']}, draft {meta['draft_threads']} (`models.threads`); "
-             f"{meta['cpu_count']} CPUs ({meta['cpu']}), {meta['machine']}",
+             f"{meta['cpus']} CPUs ({meta['cpu_model']}), {meta['machine']}, commit `{meta['commit']}`",
              f"- greedy, TreeSpec `{meta['tree']}`, {meta['max_new_tokens']} new tokens, prompts <= "
              f"{meta['max_prompt_tokens']} tokens (first turns, chat template, sent as `prompt_ids`)",
              "- tracing on (OTLP to a receiver in the benchmark process)",
@@ -934,18 +854,12 @@ def pinning_line(pinning: dict | None) -> str:
             f"observed affinity: {seen}")
 
 
-VARIANT_TEXT = {"--front-variant": "a Ray front on the batched target",
-                "--target-only-variant": "`no_spec` requests (as target_only) on a Ray front on the batched target",
-                "--mixed-variant": "mixed traffic, the even-numbered requests `no_spec` and the others speculating, "
-                                   "on a Ray front on the batched target"}
-
-
 def concurrency_markdown(c: dict, meta: dict) -> list[str]:
     """The concurrency table, then mixed traffic, pipelining and CPU by process where they apply."""
     parts = [f"## Concurrency: {c['prompts']} requests per level, Ray front\n"]
-    for flag in VARIANT_FLAGS:
+    for flag, (_, text) in VARIANTS.items():
         for name, front in (meta.get(flag[2:].replace("-", "_") + "s") or {}).items():
-            parts.append(f"Configuration `{name}` (`{flag}`): {VARIANT_TEXT[flag]} with `{json.dumps(front)}` "
+            parts.append(f"Configuration `{name}` (`{flag}`): {text} with `{json.dumps(front)}` "
                          "merged into its front config.\n")
     parts.append(f"batched: target `max_batch` {meta['max_batch']}, `batch_wait_ms` {meta['batch_wait_ms']}; "
                  "target_only: `no_spec` requests on the batched target. tok/s = "
@@ -1002,9 +916,31 @@ def longprompt_markdown(lp: dict) -> list[str]:
 
 # ----------------------------------------------------------------------------------------- options
 
+def comma_list(choices: tuple[str, ...]):
+    """An argparse type: a non-empty comma list of ``choices``."""
+    def parse(text: str) -> list[str]:
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        bad = [item for item in items if item not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"unknown {bad} (choose from {', '.join(choices)})")
+        return items
+    return parse
+
+
+def positive(kind, zero_ok: bool = False):
+    """An argparse type: a ``kind`` (int, float) > 0 (>= 0 with ``zero_ok``)."""
+    def parse(text: str):
+        value = kind(text)
+        if value < 0 or (value == 0 and not zero_ok):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if zero_ok else '>'} 0, got {value}")
+        return value
+    parse.__name__ = kind.__name__  # argparse's "invalid int value"
+    return parse
+
+
 # (flag, type, default, help): type bool is a switch, a tuple the choices, "variant" a repeatable NAME=JSON
 OPTIONS = (
-    ("--sections", str, ",".join(SECTIONS), f"comma list of {', '.join(SECTIONS)}"),
+    ("--sections", comma_list(SECTIONS), ",".join(SECTIONS), f"comma list of {', '.join(SECTIONS)}"),
     ("--target", str, None, "target model dir (default: the real pair's target)"),
     ("--draft", str, None, "draft model dir (default: the real pair's draft)"),
     ("--dtype", ("auto", "float32", "bfloat16", "float16"), "auto", "models.dtype"),
@@ -1033,15 +969,19 @@ OPTIONS = (
                                                "target_only) on a Ray front whose front config has JSON merged in"),
     ("--mixed-variant", "variant", None, "concurrency section: add configuration NAME, mixed traffic (even-numbered "
                                          "requests no_spec, the others speculating) on such a front"),
-    ("--long-prompt-tokens", int, 2000, "longprompt section: the long prompt's length"),
-    ("--long-running", int, 4, "longprompt section: requests decoding meanwhile"),
-    ("--long-running-tokens", int, 1024, "longprompt section: max_new_tokens (ignore_eos) of each running request"),
-    ("--long-window-s", float, 10.0, "longprompt section: seconds of steady decoding measured before the long request"),
-    ("--longprompt-configs", str, "speculative", f"longprompt section: comma list of {', '.join(LONGPROMPT_CONFIGS)}"),
-    ("--prefill-chunk-tokens", int, None, "longprompt section: target.prefill_chunk_tokens (default: the config's)"),
-    ("--prefill-busy-chunk-tokens", int, None, "longprompt section: target.prefill_busy_chunk_tokens (chunks that "
-                                               "ride in the running requests' verify forwards; default: the "
-                                               "config's; 0 = no riding)"),
+    ("--long-prompt-tokens", positive(int), 2000, "longprompt section: the long prompt's length"),
+    ("--long-running", positive(int), 4, "longprompt section: requests decoding meanwhile"),
+    ("--long-running-tokens", positive(int), 1024,
+     "longprompt section: max_new_tokens (ignore_eos) of each running request"),
+    ("--long-window-s", positive(float), 10.0,
+     "longprompt section: seconds of steady decoding measured before the long request"),
+    ("--longprompt-configs", comma_list(LONGPROMPT_CONFIGS), "speculative",
+     f"longprompt section: comma list of {', '.join(LONGPROMPT_CONFIGS)}"),
+    ("--prefill-chunk-tokens", positive(int), None,
+     "longprompt section: target.prefill_chunk_tokens (default: the config's)"),
+    ("--prefill-busy-chunk-tokens", positive(int, zero_ok=True), None,
+     "longprompt section: target.prefill_busy_chunk_tokens (chunks that ride in the running requests' verify "
+     "forwards; default: the config's; 0 = no riding)"),
     ("--out", Path, ROOT / "bench_out" / "serving", "folder for serving.json and serving.md"),
 )
 
@@ -1063,22 +1003,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def comma_list(text: str) -> list[str]:
-    return [item.strip() for item in text.split(",") if item.strip()]
-
-
 def parse_args(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
-    args.sections = comma_list(args.sections)
-    bad = [s for s in args.sections if s not in SECTIONS]
-    if bad:
-        p.error(f"--sections: unknown {bad} (choose from {', '.join(SECTIONS)})")
     args.levels = parse_levels(p, args)
     args.concurrency_prompts = args.concurrency_prompts or (args.prompts if args.open_loop else max(args.prompts, *args.levels))
     if bool(args.target) != bool(args.draft):
         p.error("--target and --draft go together")
-    check_longprompt_args(p, args)
     check_front_variants(p, args)
     if args.pin:  # one torch thread per pinned core
         args.target_threads = args.draft_threads = 1
@@ -1087,14 +1018,15 @@ def parse_args(argv=None):
 
 def parse_levels(p: argparse.ArgumentParser, args) -> list:
     """--levels: clients per level, or with --open-loop request rates (requests per second)."""
+    items = [x.strip() for x in args.levels.split(",") if x.strip()]
     if not args.open_loop:
-        levels = [int(x) for x in comma_list(args.levels)]
+        levels = [int(x) for x in items]
         if args.concurrency_prompts is not None and args.concurrency_prompts < max(levels):
             p.error(f"--concurrency-prompts: {args.concurrency_prompts} requests leave clients of level "
                     f"{max(levels)} idle (give at least the largest of --levels)")
         return levels
     try:
-        levels = [float(x) for x in comma_list(args.levels)]
+        levels = [float(x) for x in items]
     except ValueError:
         p.error(f"--levels: with --open-loop, request rates (requests per second), got {args.levels!r}")
     if not levels or min(levels) <= 0:
@@ -1102,21 +1034,6 @@ def parse_levels(p: argparse.ArgumentParser, args) -> list:
     if "concurrency" not in args.sections:
         p.error("--open-loop: sets the concurrency section's request rates; --sections has no concurrency")
     return levels
-
-
-def check_longprompt_args(p: argparse.ArgumentParser, args) -> None:
-    """--longprompt-configs names and the long request's sizes."""
-    args.longprompt_configs = comma_list(args.longprompt_configs)
-    bad = [c for c in args.longprompt_configs if c not in LONGPROMPT_CONFIGS]
-    if bad or not args.longprompt_configs:
-        p.error(f"--longprompt-configs: unknown {bad} (choose from {', '.join(LONGPROMPT_CONFIGS)})")
-    for name in ("long_prompt_tokens", "long_running", "long_running_tokens", "prefill_chunk_tokens",
-                 "prefill_busy_chunk_tokens"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            p.error(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
-    if args.long_window_s <= 0:
-        p.error(f"--long-window-s: must be > 0, got {args.long_window_s}")
 
 
 def pin_plan(enabled: bool) -> dict | None:
@@ -1144,22 +1061,19 @@ def level_prompts(args, tokenizer) -> list[dict]:
     return spread(prompts, args.concurrency_prompts)
 
 
-VARIANT_NO_SPEC = {"--front-variant": False, "--target-only-variant": True, "--mixed-variant": MIXED}
-
-
 def concurrency_configs(args, services: Services, draft: Service, target: Service) -> dict[str, tuple]:
-    """The batched target's Ray fronts, started one at a time; name -> (front, target, no_spec)."""
+    """The batched target's Ray fronts, started one at a time; name -> (front, no_spec)."""
     def front(name: str, config: dict | None = None) -> str:
         return start_front(services, args, name, {"use_ray": True, **(config or {})}, draft, target).address
 
     batched = front("bench-front-ray-batched")
     pipelined = front("bench-front-ray-pipelined", {"pipeline": True}) if args.pipeline else None
-    configs = {"batched": (batched, target.address, False)}
+    configs = {"batched": (batched, False)}
     for flag, name, config in variants(args):
-        configs[name] = (front(f"bench-front-variant-{name}", config), target.address, VARIANT_NO_SPEC[flag])
+        configs[name] = (front(f"bench-front-variant-{name}", config), VARIANTS[flag][0])
     if pipelined is not None:
-        configs["speculative_pipelined"] = (pipelined, target.address, False)
-    configs["target_only"] = (batched, target.address, True)
+        configs["speculative_pipelined"] = (pipelined, False)
+    configs["target_only"] = (batched, True)
     return configs
 
 
@@ -1174,11 +1088,10 @@ def run_sections(args, services: Services, collector: SpanCollector, tokenizer, 
             services.wait(service)
         configs = concurrency_configs(args, services, draft, target)
         log(f"concurrency section: levels {args.levels} x {len(prompts)} requests x {len(configs)} configs")
-        result["concurrency"] = section_concurrency(args, prompts, configs, collector, draft.address, services)
+        result["concurrency"] = section_concurrency(args, prompts, configs, collector, services)
     if "longprompt" in args.sections:
         services.wait(draft)
-        for service in [s for s in services.running if s is not draft]:
-            services.stop(service)
+        services.stop(*(s for s in services.running if s is not draft))
         log(f"longprompt section: {args.long_prompt_tokens}-token prompt beside {args.long_running} "
             f"running requests x {len(args.longprompt_configs)} configs")
         result["longprompt"] = section_longprompt(args, services, draft, tokenizer, prompts)
@@ -1193,17 +1106,15 @@ def run_meta(args, services: Services, pin: dict | None, wall_s: float) -> dict:
         "draft_name": Path(args.draft).name, "dtype_arg": args.dtype, "dtype": dtype, "draft_quant_arg": args.draft_quant,
         "draft_quant": resolve_draft_quant(args.draft_quant, "cpu"),
         "bf16_note": BF16_NOTE if args.dtype == "auto" and dtype == "float32" else None,
-        "target_threads": args.target_threads, "draft_threads": args.draft_threads,
-        "tree": DEFAULT_SPEC.to_json(), "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
-        "max_batch": args.max_batch, "batch_wait_ms": args.batch_wait_ms, "batch_gather": args.batch_gather,
-        "sections": args.sections, "levels": args.levels,
-        "questions": str(args.questions or "built-in"),
-        "machine": platform.platform(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
-        "python": platform.python_version(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "wall_s": wall_s,
-        "peak_rss_mb": services.peak_rss_mb, "front_start_costs": services.start_costs, "pipeline": args.pipeline,
+        **{key: getattr(args, key) for key in ("target_threads", "draft_threads", "max_new_tokens", "max_prompt_tokens",
+                                               "max_batch", "batch_wait_ms", "batch_gather", "sections", "levels",
+                                               "pipeline", "open_loop")},
+        "tree": DEFAULT_SPEC.to_json(), "questions": str(args.questions or "built-in"),
+        "machine": platform.platform(), **machine(), "python": platform.python_version(),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "wall_s": wall_s,
+        "peak_rss_mb": services.peak_rss_mb, "front_start_costs": services.start_costs,
         "front_variants": dict(args.front_variant), "target_only_variants": dict(args.target_only_variant),
-        "mixed_variants": dict(args.mixed_variant), "open_loop": args.open_loop,
+        "mixed_variants": dict(args.mixed_variant),
         "pinning": {"pinned": pin is not None, "cores": {**pin, "front": "unpinned"} if pin else None,
                     "affinity": services.affinity},
     }
@@ -1224,12 +1135,10 @@ def main(argv=None) -> int:
         finally:
             services.stop_all()
     result = {"meta": run_meta(args, services, pin, time.perf_counter() - started), **result}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "serving.json").write_text(json.dumps(result, indent=2))
     md = markdown(result)
-    (args.out / "serving.md").write_text(md)
+    paths = write_record(args.out, "serving", result, md)
     print(md)
-    log(f"wrote {args.out / 'serving.json'} and {args.out / 'serving.md'} in {result['meta']['wall_s']:.0f} s")
+    log(f"wrote {paths[0]} and {paths[1]} in {result['meta']['wall_s']:.0f} s")
     return 0
 
 

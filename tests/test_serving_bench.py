@@ -240,7 +240,7 @@ def test_front_variant_flag_errors(capsys):
 
 
 def test_bad_flags_are_refused_naming_the_flag(capsys):
-    from benchmarks.serving import parse_args
+    from benchmarks.serving import parse_args, prefill_chunk_setting
 
     for argv, flag in ((["--longprompt-configs", "speculative,fast"], "--longprompt-configs"),
                        (["--levels", "1,16", "--concurrency-prompts", "8"], "--concurrency-prompts"),
@@ -254,6 +254,9 @@ def test_bad_flags_are_refused_naming_the_flag(capsys):
     args = parse_args(["--levels", "1,4,8,16", "--prompts", "8"])
     assert args.concurrency_prompts == 16  # every one of 16 clients has a request
     assert parse_args(["--pin"]).target_threads == 1
+    # --prefill-busy-chunk-tokens 0: no riding (docs/heuristics.md), the busy chunk is the chunk
+    no_riding = parse_args(["--prefill-chunk-tokens", "32", "--prefill-busy-chunk-tokens", "0"])
+    assert prefill_chunk_setting(no_riding) == (32, 32)
 
 
 def test_pin_without_taskset_is_a_clear_error(monkeypatch):
@@ -294,12 +297,13 @@ def test_pipeline_overlap_from_spans():
     """pipeline_overlap on hand-made spans: a hit ahead partly inside its verify, one wholly inside, a
     miss, adopted rounds with and without a draft span, in-line drafted rounds; another request's
     spans are ignored."""
-    from benchmarks.serving import Span, pipeline_overlap
+    from benchmarks.serving import pipeline_overlap
+    from orchestrator.measure.trace_report import Span
 
     ms = 1_000_000
 
     def span(name, sid, parent, start, end, **attributes):
-        return Span("front", name, sid, parent, attributes, (end - start) / ms, start, end)
+        return Span("", sid, parent, name, "front", start, end, attributes)
 
     spans = [
         # round 0 of req-0: drafted in line (draft 0-40 ms), verify 40-140, ahead 50-190 ends 50 ms after the verify: a hit
