@@ -10,6 +10,8 @@ import matplotlib.ticker
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from orchestrator.measure import md_table  # noqa: E402
+
 WORST_SLICES = 3  # report.md lists this many slices with the lowest speedup
 
 
@@ -79,11 +81,6 @@ def write_figures(reports, out_dir: Path) -> list[str]:
     return list(figures)
 
 
-def _table(head: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows]) + "\n"
-
-
 def report_table(reports) -> str:
     """One row per report: slice, speedups, TTFT and p95 (both modes), acceptance, equivalence, memory."""
     head = ["slice", "n", "speedup", "decode speedup", "TTFT ms (target / spec)", "p95 ms (target / spec)",
@@ -95,7 +92,7 @@ def report_table(reports) -> str:
              f"{r.acceptance_rate:.3f}", f"{r.mean_accepted_length:.2f}", "n/a" if r.speculation_length is None else f"{r.speculation_length:.2f}",
              f"{r.output_equivalent_fraction:.0%}", "n/a" if r.peak_memory_mb is None else f"{r.peak_memory_mb:.0f}"]
             for r in reports]
-    return _table(head, rows)
+    return md_table(head, rows)
 
 
 def markdown_report(reports, meta: dict, figures: list[str]) -> str:
