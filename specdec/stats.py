@@ -109,12 +109,6 @@ class GenerationStats:
         return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
 
     @property
-    def acceptance_by_position(self) -> list[float]:
-        """[max tree depth]: at index d - 1, the share of rounds whose tree reached depth d whose committed
-        path reached it too (vLLM's per-position acceptance rate)."""
-        return position_rates(self.position_proposed, self.position_accepted)
-
-    @property
     def mean_accepted_length(self) -> float:
         """Tokens committed per round, bonus included."""
         return self.new_tokens / self.rounds if self.rounds else 0.0
