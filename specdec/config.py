@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from specdec.tree_spec import DEFAULT_SPEC, TreeSpec, TreeSpecError, parse_tree_spec
+from specdec.tree_spec import DEFAULT_SPEC, TreeSpec, TreeSpecError, error_text, parse_tree_spec
 
 
 class ConfigError(ValueError):
@@ -303,14 +303,13 @@ def _section_keys(loc: tuple) -> list[str] | None:
 def _error_text(err: dict) -> str:
     """One validation error as ``dotted.key: message``; an unknown key names the retired key's
     replacement or the section's keys."""
+    if err["type"] != "extra_forbidden":
+        return error_text(err)
     loc = ".".join(str(x) for x in err["loc"])
-    if err["type"] == "extra_forbidden":
-        if loc in RETIRED_KEYS:
-            return f"{loc}: no longer a config key: {RETIRED_KEYS[loc]}"
-        keys = _section_keys(err["loc"])
-        return f"{loc}: unknown key" + (f" (known here: {', '.join(keys)})" if keys else "")
-    message = err["msg"].removeprefix("Value error, ")
-    return f"{loc}: {message}" if loc else message  # a check across sections names its field itself
+    if loc in RETIRED_KEYS:
+        return f"{loc}: no longer a config key: {RETIRED_KEYS[loc]}"
+    keys = _section_keys(err["loc"])
+    return f"{loc}: unknown key" + (f" (known here: {', '.join(keys)})" if keys else "")
 
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> ServeConfig:
@@ -342,10 +341,3 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         return ServeConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError("invalid config: " + "; ".join(_error_text(err) for err in exc.errors())) from exc
-
-
-def dump_config(config: ServeConfig) -> str:
-    """YAML of a config (TreeSpec in its JSON field names), loadable by ``load_config``."""
-    data = config.model_dump(mode="json")
-    data["front"]["tree"] = config.front.tree.model_dump(mode="json", by_alias=True)
-    return yaml.safe_dump(data, sort_keys=False)
