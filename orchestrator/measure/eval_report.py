@@ -344,13 +344,8 @@ def run_eval(spec, questions_path: Path | None, per_category: int, max_new_token
     meta = {"task_set": "built-in" if questions_path is None else str(questions_path), "per_category": per_category,
             "max_new_tokens": max_new_tokens, "draft_model": draft_model, "target": target, "server": server,
             "dtype": dtype, "draft_quant": draft_quant, "control": None if server else control,
-            "draft_window": None if server else _embedded_window(),
+            "draft_window": None if server else FrontConfig().draft_window.model_dump(),  # build_pipeline's default
             "spec": json.loads(spec.to_json()) if spec is not None else None, "skipped": skipped,
             "compared_outputs": COMPARED_OUTPUTS, "prompt_buckets": PROMPT_BUCKETS, "output_buckets": OUTPUT_BUCKETS,
             "language_id": "py3langid"}
     return write_report(runs, meta, out_dir)
-
-
-def _embedded_window() -> dict:
-    """The draft window embedded mode runs with (build_pipeline's default: front.draft_window's)."""
-    return FrontConfig().draft_window.model_dump()
