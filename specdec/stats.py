@@ -93,10 +93,8 @@ class GenerationStats:
         self.final_gamma = record.gamma
         self.pipeline_ahead_hits += record.ahead == "hit"
         self.pipeline_ahead_misses += record.ahead in ("miss", "failed")
-        grow = record.depth - len(self.position_proposed)
-        if grow > 0:
-            self.position_proposed.extend([0] * grow)
-            self.position_accepted.extend([0] * grow)
+        for counts in (self.position_proposed, self.position_accepted):
+            counts.extend([0] * (record.depth - len(counts)))
         for d in range(record.depth):
             self.position_proposed[d] += 1
             self.position_accepted[d] += d < record.accepted
