@@ -226,13 +226,12 @@ class FrontConfig(_Section):
 
     @model_validator(mode="after")
     def _distinct_ports(self):
-        ports = {"port": self.port, "metrics_port": self.metrics_port, "http_port": self.http_port}
         taken = {}
-        for name, port in ports.items():
-            if port:  # None = off, 0 = ephemeral: never a clash
-                if port in taken:
-                    raise ValueError(f"{name}: {port} is already front.{taken[port]}")
-                taken[port] = name
+        for name in ("port", "metrics_port", "http_port"):
+            port = getattr(self, name)
+            if port and port in taken:  # None = off, 0 = ephemeral: never a clash
+                raise ValueError(f"{name}: {port} is already front.{taken[port]}")
+            taken[port] = name
         if self.metrics_auth and self.auth_token_file is None:
             raise ValueError("metrics_auth: needs front.auth_token_file (the tokens the metrics require)")
         return self
@@ -259,12 +258,10 @@ class ServeConfig(_Section):
     def _health_port_apart(self):
         """grpc.health_port differs from every port a service of this config serves (0 = ephemeral: no clash)."""
         health_port = self.grpc.health_port
-        if not health_port:
-            return self
         ports = {"draft.port": self.draft.port, "target.port": self.target.port, "front.port": self.front.port,
                  "front.metrics_port": self.front.metrics_port, "front.http_port": self.front.http_port}
         for name, port in ports.items():
-            if port == health_port:
+            if health_port and port == health_port:
                 raise ValueError(f"grpc.health_port: {health_port} is already {name} (the health port is a port of its own)")
         return self
 
