@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from specdec.tree_spec import DEFAULT_SPEC, TreeSpec, TreeSpecError, parse_tree_spec
+from specdec.tree_spec import DEFAULT_SPEC, TreeSpec, TreeSpecError, error_text, parse_tree_spec
 
 
 class ConfigError(ValueError):
@@ -226,13 +226,12 @@ class FrontConfig(_Section):
 
     @model_validator(mode="after")
     def _distinct_ports(self):
-        ports = {"port": self.port, "metrics_port": self.metrics_port, "http_port": self.http_port}
         taken = {}
-        for name, port in ports.items():
-            if port:  # None = off, 0 = ephemeral: never a clash
-                if port in taken:
-                    raise ValueError(f"{name}: {port} is already front.{taken[port]}")
-                taken[port] = name
+        for name in ("port", "metrics_port", "http_port"):
+            port = getattr(self, name)
+            if port and port in taken:  # None = off, 0 = ephemeral: never a clash
+                raise ValueError(f"{name}: {port} is already front.{taken[port]}")
+            taken[port] = name
         if self.metrics_auth and self.auth_token_file is None:
             raise ValueError("metrics_auth: needs front.auth_token_file (the tokens the metrics require)")
         return self
@@ -259,12 +258,10 @@ class ServeConfig(_Section):
     def _health_port_apart(self):
         """grpc.health_port differs from every port a service of this config serves (0 = ephemeral: no clash)."""
         health_port = self.grpc.health_port
-        if not health_port:
-            return self
         ports = {"draft.port": self.draft.port, "target.port": self.target.port, "front.port": self.front.port,
                  "front.metrics_port": self.front.metrics_port, "front.http_port": self.front.http_port}
         for name, port in ports.items():
-            if port == health_port:
+            if health_port and port == health_port:
                 raise ValueError(f"grpc.health_port: {health_port} is already {name} (the health port is a port of its own)")
         return self
 
@@ -303,14 +300,13 @@ def _section_keys(loc: tuple) -> list[str] | None:
 def _error_text(err: dict) -> str:
     """One validation error as ``dotted.key: message``; an unknown key names the retired key's
     replacement or the section's keys."""
+    if err["type"] != "extra_forbidden":
+        return error_text(err)
     loc = ".".join(str(x) for x in err["loc"])
-    if err["type"] == "extra_forbidden":
-        if loc in RETIRED_KEYS:
-            return f"{loc}: no longer a config key: {RETIRED_KEYS[loc]}"
-        keys = _section_keys(err["loc"])
-        return f"{loc}: unknown key" + (f" (known here: {', '.join(keys)})" if keys else "")
-    message = err["msg"].removeprefix("Value error, ")
-    return f"{loc}: {message}" if loc else message  # a check across sections names its field itself
+    if loc in RETIRED_KEYS:
+        return f"{loc}: no longer a config key: {RETIRED_KEYS[loc]}"
+    keys = _section_keys(err["loc"])
+    return f"{loc}: unknown key" + (f" (known here: {', '.join(keys)})" if keys else "")
 
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> ServeConfig:
@@ -342,10 +338,3 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         return ServeConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError("invalid config: " + "; ".join(_error_text(err) for err in exc.errors())) from exc
-
-
-def dump_config(config: ServeConfig) -> str:
-    """YAML of a config (TreeSpec in its JSON field names), loadable by ``load_config``."""
-    data = config.model_dump(mode="json")
-    data["front"]["tree"] = config.front.tree.model_dump(mode="json", by_alias=True)
-    return yaml.safe_dump(data, sort_keys=False)

@@ -46,17 +46,8 @@ def model_forward(
     [logits_rows or Q, V] float32; with ``argmax_head`` (and at most its ``max_rows`` kept rows) the
     argmax ids [logits_rows or Q] int64 instead, without running the model's own head.
     """
-    device = model.device
-    ids = torch.tensor([input_ids], dtype=torch.long, device=device)  # (1, Q)
-    kwargs = {
-        _cache_kwarg(model): cache,
-        "position_ids": position_ids.to(device)[None],  # (1, Q)
-        "use_cache": True,
-        "logits_to_keep": logits_rows or 0,
-    }
-    if mask is not None:
-        kwargs["attention_mask"] = mask.to(device=device, dtype=model.dtype)
-    kwargs.update(_gqa_kwargs(model))
+    ids = torch.tensor([input_ids], dtype=torch.long, device=model.device)  # (1, Q)
+    kwargs = _forward_kwargs(model, cache, position_ids[None], mask, logits_rows or 0)  # positions (1, Q)
     if argmax_head is not None and min(logits_rows or len(input_ids), len(input_ids)) <= argmax_head.max_rows:
         hidden = _decoder_hidden(model, ids, kwargs)[0]  # (Q', H)
         return argmax_head.argmax(hidden)  # (Q',)
@@ -140,13 +131,10 @@ class DirectDecoder:
         sliding window, training mode, forward hooks, ...). Hooks added later are not seen and weights are
         read here: build it after adding hooks, quantizing or switching the attention."""
         config = model.config
-        if config.model_type not in DIRECT_MODEL_TYPES or model.training or getattr(config, "is_causal", True) is False:
-            return None
-        if model.get_output_embeddings() is None or _hooked(model):
-            return None
-        if config._attn_implementation not in ("sdpa", PACKED_ATTENTION):
-            return None
-        if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+        if (config.model_type not in DIRECT_MODEL_TYPES or model.training or getattr(config, "is_causal", True) is False
+                or model.get_output_embeddings() is None or _hooked(model)
+                or config._attn_implementation not in ("sdpa", PACKED_ATTENTION)
+                or any(t != "full_attention" for t in getattr(config, "layer_types", None) or ())):
             return None
         try:
             decoder = model.get_decoder()
@@ -240,7 +228,6 @@ def model_forward_batch(
     input_ids, position_ids: [B, Q] int64; mask: [B, 1, Q, S + Q] additive, every row seeing at least
     one slot. Returns [B, Q, V] float32, padded rows included; the cache grows by Q slots per row.
     """
-    device = model.device
     if input_ids.dim() != 2 or position_ids.shape != input_ids.shape:
         raise ValueError(
             f"input_ids {tuple(input_ids.shape)} / position_ids {tuple(position_ids.shape)}: need [B, Q] both"
@@ -248,15 +235,7 @@ def model_forward_batch(
     b, q = input_ids.shape
     if mask.dim() != 4 or mask.shape[0] != b or mask.shape[2] != q:
         raise ValueError(f"mask: shape {tuple(mask.shape)} is not [{b}, 1, {q}, S + {q}]")
-    kwargs = {
-        _cache_kwarg(model): cache,
-        "position_ids": position_ids.to(device),  # (B, Q)
-        "attention_mask": mask.to(device=device, dtype=model.dtype),  # (B, 1, Q, S + Q)
-        "use_cache": True,
-        "logits_to_keep": 0,
-        **_gqa_kwargs(model),
-    }
-    out = model(input_ids.to(device), **kwargs)
+    out = model(input_ids.to(model.device), **_forward_kwargs(model, cache, position_ids, mask, 0))
     return out.logits.float()  # (B, Q, V)
 
 
@@ -285,6 +264,16 @@ def padded_batch_inputs(ids: Sequence[Sequence[int]], positions: Sequence[torch.
         seen[b, :n, width : width + n] = row_visible[:, length:]
         seen[b, own[n:], width + own[n:]] = True
     return input_ids, position_ids, additive_mask(seen, dtype)[0, 0][:, None]  # mask: (B, 1, Q, S + Q)
+
+
+def _forward_kwargs(model, cache, position_ids: torch.Tensor, mask: torch.Tensor | None, keep) -> dict:
+    """The model call's keywords: the cache, position ids and additive mask (None: causal) on the model's
+    device and dtype, the rows to keep (``logits_to_keep``)."""
+    kwargs = {_cache_kwarg(model): cache, "position_ids": position_ids.to(model.device), "use_cache": True,
+              "logits_to_keep": keep, **_gqa_kwargs(model)}
+    if mask is not None:
+        kwargs["attention_mask"] = mask.to(device=model.device, dtype=model.dtype)
+    return kwargs
 
 
 # --- packed rows: several sessions in one forward, each row against its own cache -------------------------
@@ -414,7 +403,7 @@ def model_forward_packed(
     greedy = _argmax_sessions(argmax_head, argmax_rows, kept)
     if not any(greedy):
         logits = model(ids, **kwargs).logits[0].float()  # (K, V)
-        return _split_rows(logits, [len(span) for span in kept])
+        return list(logits.split([len(span) for span in kept]))
     hidden = _decoder_hidden(model, ids, kwargs)[0]  # (K, H)
     return _heads_by_session(model, hidden, kept, greedy, argmax_head)
 
@@ -464,27 +453,18 @@ def _argmax_sessions(argmax_head, argmax_rows, kept) -> list[bool]:
     return flags
 
 
-def _split_rows(rows: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
-    """[sum(counts), ...] -> consecutive views of counts[i] rows each."""
-    out, at = [], 0
-    for n in counts:
-        out.append(rows[at : at + n])
-        at += n
-    return out
-
-
 def _heads_by_session(model, hidden: torch.Tensor, kept, greedy: list[bool], argmax_head) -> list[torch.Tensor]:
     """hidden [K, H] (the kept rows, session by session) -> per session the argmax ids [k_b] int64
     (greedy[b]) or the LM head's logits [k_b, V] float32, each head run once over its sessions' rows."""
-    per_session = _split_rows(hidden, [len(span) for span in kept])
+    per_session = hidden.split([len(span) for span in kept])
     chosen = [i for i, flag in enumerate(greedy) if flag]
     other = [i for i, flag in enumerate(greedy) if not flag]
     out: list = [None] * len(kept)
     ids_out = argmax_head.argmax(torch.cat([per_session[i] for i in chosen]))  # (K_greedy,)
-    for i, ids in zip(chosen, _split_rows(ids_out, [len(kept[i]) for i in chosen])):
+    for i, ids in zip(chosen, ids_out.split([len(kept[i]) for i in chosen])):
         out[i] = ids
     if other:
         logits = model.get_output_embeddings()(torch.cat([per_session[i] for i in other])).float()  # (K_other, V)
-        for i, rows in zip(other, _split_rows(logits, [len(kept[i]) for i in other])):
+        for i, rows in zip(other, logits.split([len(kept[i]) for i in other])):
             out[i] = rows
     return out

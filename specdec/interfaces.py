@@ -45,10 +45,6 @@ class VerifyResult:
     mergeable: int = field(default=0, compare=False)
     forward_ms: float = field(default=0.0, compare=False)
 
-    @property
-    def bonus_token(self) -> int:
-        return self.tokens[-1]
-
 
 class DraftWorker:
     """The draft side of a round, with its optional parts declared (defaults) so the round loop never

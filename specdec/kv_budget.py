@@ -18,7 +18,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-FALLBACK_KV_TOKENS = 1 << 20  # the former fixed default
+FALLBACK_KV_TOKENS = 1 << 20  # slots when free memory or the KV bytes per token are unknown
 _CGROUP_V2 = Path("/sys/fs/cgroup")
 _CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 _PROC_CGROUP = Path("/proc/self/cgroup")
@@ -102,12 +102,9 @@ def free_memory_bytes(device: str, ranks: int = 1) -> int | None:
     return min(known) if known else None
 
 
-def resolve_max_kv_tokens(setting: int | str, fraction: float, bytes_per_token: int | None,
-                          free_bytes: int | None) -> int:
-    """``setting`` itself when it is a number; for "auto", ``fraction`` of ``free_bytes`` over
-    ``bytes_per_token`` (at least 1 slot), or FALLBACK_KV_TOKENS when either is unknown."""
-    if setting != "auto":
-        return int(setting)
+def resolve_max_kv_tokens(fraction: float, bytes_per_token: int | None, free_bytes: int | None) -> int:
+    """``max_kv_tokens: auto``: ``fraction`` of ``free_bytes`` over ``bytes_per_token`` (at least 1 slot),
+    or FALLBACK_KV_TOKENS when either is unknown."""
     if not bytes_per_token or free_bytes is None:
         log.warning("max_kv_tokens auto: free memory or KV bytes per token unknown; %d slots (set "
                     "max_kv_tokens to size it)", FALLBACK_KV_TOKENS)
@@ -119,7 +116,7 @@ def sized_budget(service: str, fraction: float, bytes_per_token: int | None, dev
     """``max_kv_tokens: auto`` of a service ("target-service", "draft-service"): ``resolve_max_kv_tokens`` of the
     memory free on ``device`` (times ``ranks``), logged once."""
     free = free_memory_bytes(device, ranks=ranks) if bytes_per_token else None
-    budget = resolve_max_kv_tokens("auto", fraction, bytes_per_token, free)
+    budget = resolve_max_kv_tokens(fraction, bytes_per_token, free)
     log.info("%s: max_kv_tokens auto = %d (%.2f of %s free, %s bytes per token)", service, budget, fraction,
              f"{free / 2**30:.1f} GiB" if free is not None else "unknown", bytes_per_token)
     return budget

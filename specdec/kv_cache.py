@@ -24,14 +24,19 @@ def cache_length(cache: DynamicCache) -> int:
     return cache.get_seq_length()
 
 
+def _check_dynamic(cache: DynamicCache) -> None:
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer:
+            raise TypeError(f"KV rollback and batching support DynamicLayer only, got {type(layer).__name__}")
+
+
 @torch.inference_mode()
 def compact_kv(cache: DynamicCache, keep_len: int, src_slots: list[int]) -> None:
     """Keep slots [0, keep_len), then ``src_slots`` [K] (ascending, >= keep_len) moved after them; drop the
     rest, in place. Raises TypeError for layers that are not plain DynamicLayer."""
+    _check_dynamic(cache)
     k = len(src_slots)
     for layer in cache.layers:
-        if type(layer) is not DynamicLayer:
-            raise TypeError(f"compact_kv supports DynamicLayer only, got {type(layer).__name__}")
         if not layer.is_initialized:
             continue
         if k:
@@ -46,12 +51,6 @@ def compact_kv(cache: DynamicCache, keep_len: int, src_slots: list[int]) -> None
 def truncate_kv(cache: DynamicCache, length: int) -> None:
     """Roll the cache back to its first ``length`` slots."""
     compact_kv(cache, length, [])
-
-
-def _check_dynamic(cache: DynamicCache) -> None:
-    for layer in cache.layers:
-        if type(layer) is not DynamicLayer:
-            raise TypeError(f"batched KV supports DynamicLayer only, got {type(layer).__name__}")
 
 
 @torch.inference_mode()

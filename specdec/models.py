@@ -159,15 +159,13 @@ def check_supported(model, flag: str) -> None:
 def check_pair(draft, draft_tok, target, target_tok) -> None:
     """Refuse a draft/target pair whose tokenizers (ids, special tokens) or dtypes differ; raises
     ModelError naming what differs."""
-    if draft_tok.get_vocab() != target_tok.get_vocab():
-        d, t = draft_tok.get_vocab(), target_tok.get_vocab()
+    d, t = draft_tok.get_vocab(), target_tok.get_vocab()
+    if d != t:
         diff = sorted(set(d.items()) ^ set(t.items()))[:3]
         raise ModelError(f"incompatible tokenizers: vocabularies differ (sizes {len(d)} vs {len(t)}; e.g. {diff})")
     for attr in ("eos_token_id", "bos_token_id", "pad_token_id"):
-        if getattr(draft_tok, attr) != getattr(target_tok, attr):
-            raise ModelError(
-                f"incompatible tokenizers: {attr} differs (draft {getattr(draft_tok, attr)}, "
-                f"target {getattr(target_tok, attr)})"
-            )
+        ours, theirs = getattr(draft_tok, attr), getattr(target_tok, attr)
+        if ours != theirs:
+            raise ModelError(f"incompatible tokenizers: {attr} differs (draft {ours}, target {theirs})")
     if draft.dtype != target.dtype:
         raise ModelError(f"dtype mismatch: draft {draft.dtype} vs target {target.dtype}; pass one --dtype for both")

@@ -44,16 +44,16 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
-            raise SamplingParamsError("temperature", f"expected a number, got {self.temperature!r}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise SamplingParamsError(name, f"expected a number, got {value!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise SamplingParamsError("temperature", f"must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if 0 < self.temperature < MIN_TEMPERATURE:
             raise SamplingParamsError(
                 "temperature", f"must be 0 (greedy) or >= {MIN_TEMPERATURE} (smaller overflows the softmax), got {self.temperature}"
             )
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
-            raise SamplingParamsError("top_p", f"expected a number, got {self.top_p!r}")
         if not 0 < self.top_p <= 1:
             raise SamplingParamsError("top_p", f"must be in (0, 1], got {self.top_p}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:

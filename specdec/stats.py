@@ -93,10 +93,8 @@ class GenerationStats:
         self.final_gamma = record.gamma
         self.pipeline_ahead_hits += record.ahead == "hit"
         self.pipeline_ahead_misses += record.ahead in ("miss", "failed")
-        grow = record.depth - len(self.position_proposed)
-        if grow > 0:
-            self.position_proposed.extend([0] * grow)
-            self.position_accepted.extend([0] * grow)
+        for counts in (self.position_proposed, self.position_accepted):
+            counts.extend([0] * (record.depth - len(counts)))
         for d in range(record.depth):
             self.position_proposed[d] += 1
             self.position_accepted[d] += d < record.accepted
@@ -107,12 +105,6 @@ class GenerationStats:
     def acceptance_rate(self) -> float:
         """Accepted draft tokens / proposed draft tokens."""
         return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
-
-    @property
-    def acceptance_by_position(self) -> list[float]:
-        """[max tree depth]: at index d - 1, the share of rounds whose tree reached depth d whose committed
-        path reached it too (vLLM's per-position acceptance rate)."""
-        return position_rates(self.position_proposed, self.position_accepted)
 
     @property
     def mean_accepted_length(self) -> float:

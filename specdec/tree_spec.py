@@ -130,13 +130,11 @@ def parse_tree_spec(source: str | dict) -> TreeSpec:
     try:
         return TreeSpec.model_validate(source)
     except ValidationError as exc:
-        raise TreeSpecError("invalid tree spec: " + _describe(exc)) from exc
+        raise TreeSpecError("invalid tree spec: " + "; ".join(map(error_text, exc.errors()))) from exc
 
 
-def _describe(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(x) for x in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(parts)
+def error_text(err: dict) -> str:
+    """One pydantic validation error as ``dotted.field: message`` (a check across fields names its field itself)."""
+    loc = ".".join(str(x) for x in err["loc"])
+    message = err["msg"].removeprefix("Value error, ")
+    return f"{loc}: {message}" if loc else message

@@ -32,8 +32,6 @@ def tree_from_proto(msg: tree_pb2.TokenTree, vocab_size: int, max_nodes: int, ma
     """An untrusted TokenTree -> DraftTree (ids < vocab_size, at most max_nodes). Raises MalformedTreeError."""
     tokens, parents = tuple(msg.tokens), tuple(msg.parents)
     n = len(tokens)
-    if n > max_nodes:
-        raise MalformedTreeError(f"tokens: {n} nodes exceed the limit of {max_nodes}")
     validate_tree(tokens, parents, vocab_size, max_nodes)
     for name in ("draft_logprobs", "expanded", "sources"):
         if len(getattr(msg, name)) not in (0, n):

@@ -30,13 +30,12 @@ def test_bytes_per_token_of_the_default_target_shape():
     assert kv_bytes_per_token(config, 2) == 28_672
 
 
-def test_resolve_uses_the_fraction_of_free_memory_and_keeps_numbers():
-    assert resolve_max_kv_tokens(4096, 0.7, 57_344, 10 << 30) == 4096
-    assert resolve_max_kv_tokens("auto", 0.7, 57_344, 10 << 30) == int(0.7 * (10 << 30)) // 57_344 == 131_072
-    assert resolve_max_kv_tokens("auto", 0.5, 1000, 10_000) == 5
-    assert resolve_max_kv_tokens("auto", 0.7, 1000, 0) == 1
-    assert resolve_max_kv_tokens("auto", 0.7, None, 10 << 30) == FALLBACK_KV_TOKENS
-    assert resolve_max_kv_tokens("auto", 0.7, 57_344, None) == FALLBACK_KV_TOKENS
+def test_resolve_uses_the_fraction_of_free_memory():
+    assert resolve_max_kv_tokens(0.7, 57_344, 10 << 30) == int(0.7 * (10 << 30)) // 57_344 == 131_072
+    assert resolve_max_kv_tokens(0.5, 1000, 10_000) == 5
+    assert resolve_max_kv_tokens(0.7, 1000, 0) == 1
+    assert resolve_max_kv_tokens(0.7, None, 10 << 30) == FALLBACK_KV_TOKENS
+    assert resolve_max_kv_tokens(0.7, 57_344, None) == FALLBACK_KV_TOKENS
 
 
 @pytest.mark.parametrize("version", ["v2", "v1"])
@@ -92,7 +91,7 @@ def test_the_processs_own_cgroup_is_read_and_reclaimable_file_cache_counts_as_fr
 
 def test_an_unknown_budget_is_logged(caplog):
     with caplog.at_level("WARNING", logger="specdec.kv_budget"):
-        assert resolve_max_kv_tokens("auto", 0.7, 57_344, None) == FALLBACK_KV_TOKENS
+        assert resolve_max_kv_tokens(0.7, 57_344, None) == FALLBACK_KV_TOKENS
     assert "max_kv_tokens" in caplog.text
 
 

@@ -224,7 +224,7 @@ def test_request_stats_time_by_phase_after_the_first_token():
     """GenerationStats' draft_s / verify_s / draft_rounds sum the rounds after the first (the first is
     inside ttft_ms, so the parts do not overlap); a round that did not ask the draft (draft_s None)
     adds its verify only, an adopted pipelined tree (draft_s 0) is no draft round; FinalStats carries them."""
-    from specdec.stats import GenerationStats
+    from specdec.stats import GenerationStats, position_rates
     from specdec.wire import stats_to_proto
 
     def record(draft_s, verify_s, fallback=None, pipelined=False):
@@ -246,7 +246,7 @@ def test_request_stats_count_positions_as_the_metrics_do():
     """GenerationStats (the CLI's, the bench's and FinalStats' per-position counts) and the Prometheus
     series agree round by round; rounds of different depths, partial acceptance at depths 1-3, rounds
     accepting their whole tree (depth 4, depth 1), one accepting nothing, and a plain round."""
-    from specdec.stats import GenerationStats
+    from specdec.stats import GenerationStats, position_rates
     from specdec.wire import stats_to_proto
 
     times = dict(draft_s=0.01, verify_s=0.1, commit_s=0.01)
@@ -259,13 +259,13 @@ def test_request_stats_count_positions_as_the_metrics_do():
         stats.add(record, 0.1 * (i + 1))
     assert stats.position_proposed == [6, 5, 4, 3, 2, 1]
     assert stats.position_accepted == [5, 3, 2, 1, 0, 0]
-    assert stats.acceptance_by_position == [5 / 6, 3 / 5, 2 / 4, 1 / 3, 0.0, 0.0]
+    assert position_rates(stats.position_proposed, stats.position_accepted) == [5 / 6, 3 / 5, 2 / 4, 1 / 3, 0.0, 0.0]
     for d in range(1, 7):
         assert sample(m, "specdec_position_proposed_tokens_total", position=str(d)) == stats.position_proposed[d - 1]
         assert sample(m, "specdec_position_accepted_tokens_total", position=str(d)) == stats.position_accepted[d - 1]
     msg = stats_to_proto(stats, prompt_tokens=3)  # what a gRPC (and HTTP) client's FinalStats carries
     assert list(msg.position_proposed) == [6, 5, 4, 3, 2, 1] and list(msg.position_accepted) == [5, 3, 2, 1, 0, 0]
-    assert GenerationStats().acceptance_by_position == []
+    assert GenerationStats().position_proposed == [] == GenerationStats().position_accepted
 
 
 def test_track_stream_request_latency_ttft_itl_and_gauges():

@@ -12,6 +12,7 @@ import time
 from collections import defaultdict
 from dataclasses import asdict, replace
 from importlib import resources
+from itertools import zip_longest
 from pathlib import Path
 from typing import Sequence
 
@@ -23,6 +24,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from orchestrator.loop.embedded import build_pipeline, encode_prompt, set_threads
 from orchestrator.loop.controller import GenerationRequest
+from orchestrator.measure import md_table
 from specdec.config import DraftWindowConfig, FrontConfig
 from specdec.placement import cpu_model
 from specdec.sampling import GREEDY, SamplingParams
@@ -103,14 +105,6 @@ def load_questions(path: Path | None, per_category: int, offset: int = 0, catego
     return select_questions(questions, per_category, offset)
 
 
-
-
-
-
-
-
-
-
 # ----------------------------------------------------------------------------------------- one question
 
 class FirstTokenTimer(BaseStreamer):
@@ -155,15 +149,8 @@ def _spec_row(stats: GenerationStats) -> dict:
 
 def position_sums(runs: list[dict]) -> tuple[list[int], list[int]]:
     """Element-wise sums of the runs' position_proposed and position_accepted."""
-    proposed: list[int] = []
-    accepted: list[int] = []
-    for r in runs:
-        for sums, key in ((proposed, "position_proposed"), (accepted, "position_accepted")):
-            counts = r.get(key, [])
-            sums.extend([0] * (len(counts) - len(sums)))
-            for d, n in enumerate(counts):
-                sums[d] += n
-    return proposed, accepted
+    return tuple([sum(column) for column in zip_longest(*(r.get(key, []) for r in runs), fillvalue=0)]
+                 for key in ("position_proposed", "position_accepted"))
 
 
 def greedy_methods(hf_assisted: bool = True, prompt_lookup: bool = True, plain: bool = False) -> list[str]:
@@ -296,12 +283,6 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
-def _table(head: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
-    return "\n".join(lines) + "\n"
-
-
 def speedup_table(summary: dict[str, dict], temperature: float | None = None) -> str:
     """One row per category: target-only tokens/s, each method's speedups, ours' acceptance, output matches."""
     first = next(iter(summary.values()))
@@ -328,7 +309,7 @@ def speedup_table(summary: dict[str, dict], temperature: float | None = None) ->
             cells += [f"{s['sampled_tokens_per_s']:.2f}", f"{s['sampled_mean_accepted_length']:.2f}",
                       f"{s['sampled_acceptance_rate']:.3f}"]
         rows.append(cells)
-    return _table(head, rows)
+    return md_table(head, rows)
 
 
 def latency_table(summary: dict[str, dict]) -> str:
@@ -339,7 +320,7 @@ def latency_table(summary: dict[str, dict]) -> str:
     rows = [[cat] + [f"{s[f'{m}_{key}']:.{digits}f}" for m in methods
                      for key, digits in (("ttft_ms", 0), ("decode_tokens_per_s", 2), ("tokens_per_s", 2))]
             for cat, s in summary.items()]
-    return _table(head, rows)
+    return md_table(head, rows)
 
 
 def position_table(summary: dict[str, dict]) -> str:
@@ -352,7 +333,7 @@ def position_table(summary: dict[str, dict]) -> str:
         proposed, rates = s.get("position_proposed", []), s.get("acceptance_by_position", [])
         rows.append([cat] + [f"{rates[d]:.2f} ({proposed[d]})" if d < len(proposed) else "-"
                              for d in range(depth)])
-    return _table(["acceptance at position"] + [str(d + 1) for d in range(depth)], rows)
+    return md_table(["acceptance at position"] + [str(d + 1) for d in range(depth)], rows)
 
 
 def phase_table(summary: dict[str, dict]) -> str:
@@ -365,7 +346,7 @@ def phase_table(summary: dict[str, dict]) -> str:
         shares = [s[f"speculative_{phase}_share"] for phase in ("ttft", "draft", "verify")]
         per_round = f"{s['speculative_draft_ms_per_draft_round']:.0f}" if s["speculative_draft_rounds"] else "-"
         rows.append([cat] + [f"{x:.0%}" for x in shares] + [f"{1 - sum(shares):.0%}", per_round])
-    return _table(["spec time share", "TTFT", "draft", "verify", "other", "draft ms / draft round"], rows)
+    return md_table(["spec time share", "TTFT", "draft", "verify", "other", "draft ms / draft round"], rows)
 
 
 def markdown_table(summary: dict[str, dict], temperature: float | None = None) -> str:

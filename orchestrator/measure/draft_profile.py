@@ -15,6 +15,7 @@ from pydantic.alias_generators import to_camel
 from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
 
 from orchestrator.loop.embedded import encode_prompt, wire_pipeline
+from orchestrator.measure import md_table
 from orchestrator.measure.bench import _hf_generate, console, load_questions, method_figures
 from orchestrator.measure.eval_report import EmbeddedRunner, run_questions, summarize_slice
 from specdec.config import FrontConfig, ModelsConfig
@@ -33,15 +34,15 @@ class DraftProfile(BaseModel):
 
     name: str
     parameters: int
-    tokens_per_second: float | None  # None: not measured (incompatible tokenizer)
-    acceptance_rate: float | None
+    tokens_per_second: float | None = None  # None: not measured (incompatible tokenizer)
+    acceptance_rate: float | None = None
     compatible_tokenizer: bool
-    tokenizer_reason: str | None  # why the tokenizers are incompatible; None when compatible
+    tokenizer_reason: str | None = None  # why the tokenizers are incompatible; None when compatible
     draft_quant: str
-    end_to_end_speedup: float | None  # speculative / target-only end-to-end tokens/s
-    decode_speedup: float | None
-    mean_accepted_length: float | None
-    output_equivalent: bool | None  # greedy outputs token-identical to target-only on every question
+    end_to_end_speedup: float | None = None  # speculative / target-only end-to-end tokens/s
+    decode_speedup: float | None = None
+    mean_accepted_length: float | None = None
+    output_equivalent: bool | None = None  # greedy outputs token-identical to target-only on every question
 
     def to_json(self) -> dict:
         return self.model_dump(by_alias=True)
@@ -94,10 +95,8 @@ def _incompatible(candidate: Candidate, models, loaded_target) -> DraftProfile:
         reason = None
     except ModelError as exc:
         reason = str(exc)
-    return DraftProfile(name=candidate.name, parameters=count_parameters(model), tokens_per_second=None,
-                        acceptance_rate=None, compatible_tokenizer=False, tokenizer_reason=reason,
-                        draft_quant=candidate.quant, end_to_end_speedup=None, decode_speedup=None,
-                        mean_accepted_length=None, output_equivalent=None)
+    return DraftProfile(name=candidate.name, parameters=count_parameters(model), compatible_tokenizer=False,
+                        tokenizer_reason=reason, draft_quant=candidate.quant)
 
 
 def profile_candidate(candidate: Candidate, base_models, loaded_target, questions, spec, max_new_tokens: int,
@@ -120,7 +119,7 @@ def profile_candidate(candidate: Candidate, base_models, loaded_target, question
     report = summarize_slice(runs, "overall", "all", "profile", candidate.name)
     return DraftProfile(name=candidate.name, parameters=count_parameters(loaded_draft.model),
                         tokens_per_second=tokens_per_s, acceptance_rate=report.acceptance_rate,
-                        compatible_tokenizer=True, tokenizer_reason=None, draft_quant=candidate.quant,
+                        compatible_tokenizer=True, draft_quant=candidate.quant,
                         end_to_end_speedup=report.speedup, decode_speedup=report.decode_speedup,
                         mean_accepted_length=report.mean_accepted_length, output_equivalent=report.output_equivalent)
 
@@ -130,16 +129,15 @@ def markdown(profiles: list[DraftProfile], meta: dict) -> str:
     def num(value, fmt):
         return "n/a" if value is None else format(value, fmt)
 
-    rows = "".join(
-        f"| {p.name} | {p.parameters / 1e6:.2f} M | {num(p.tokens_per_second, '.2f')} | {num(p.acceptance_rate, '.3f')} | "
-        f"{num(p.mean_accepted_length, '.2f')} | {num(p.end_to_end_speedup, '.2f')} | "
-        f"{'yes' if p.compatible_tokenizer else 'no: ' + (p.tokenizer_reason or '')} |\n" for p in profiles)
+    rows = [[p.name, f"{p.parameters / 1e6:.2f} M", num(p.tokens_per_second, ".2f"), num(p.acceptance_rate, ".3f"),
+             num(p.mean_accepted_length, ".2f"), num(p.end_to_end_speedup, ".2f"),
+             "yes" if p.compatible_tokenizer else "no: " + (p.tokenizer_reason or "")] for p in profiles]
     return (f"# specdec profile-draft (target {meta['target'] or 'default'}, {meta['task_set']}, "
             f"{meta['per_category']} per category, {meta['max_new_tokens']} new tokens, {meta['dtype']})\n\n"
             "Draft tok/s: the draft alone, decode only. Speedup: end-to-end tokens/s of speculation with the draft "
             "over the target alone (greedy, same questions).\n\n"
-            "| draft | parameters | draft tok/s | acceptance rate | mean acc len | speedup | tokenizer compatible |\n"
-            "|---|---|---|---|---|---|---|\n" + rows)
+            + md_table(["draft", "parameters", "draft tok/s", "acceptance rate", "mean acc len", "speedup",
+                        "tokenizer compatible"], rows))
 
 
 def run_profile(candidates: list[Candidate], out_dir: Path, *, target: str | None = None, questions_path: Path | None = None,

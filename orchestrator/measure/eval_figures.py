@@ -10,6 +10,8 @@ import matplotlib.ticker
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from orchestrator.measure import md_table  # noqa: E402
+
 WORST_SLICES = 3  # report.md lists this many slices with the lowest speedup
 
 
@@ -17,7 +19,7 @@ def _label(report) -> str:
     return "overall" if report.slice_dimension == "overall" else f"{report.slice_dimension}={report.slice_value}"
 
 
-def speedup_figure(reports, path: Path) -> None:
+def speedup_figure(reports) -> plt.Figure:
     """Horizontal bars of each slice's end-to-end speedup; the dashed line is 1.0 (no gain)."""
     labels = [_label(r) for r in reports]
     fig, ax = plt.subplots(figsize=(7, 0.3 * len(reports) + 1.5))
@@ -25,12 +27,10 @@ def speedup_figure(reports, path: Path) -> None:
     ax.axvline(1.0, color="black", linestyle="--", linewidth=1)
     ax.invert_yaxis()
     ax.set_xlabel("speedup over target-only (end-to-end tokens/s)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
-def latency_figure(reports, path: Path) -> None:
+def latency_figure(reports) -> plt.Figure:
     """Two panels: TTFT (mean, ms) and p95 end-to-end latency (ms) per slice, target-only vs speculative."""
     labels = [_label(r) for r in reports]
     ys = range(len(reports))
@@ -45,12 +45,10 @@ def latency_figure(reports, path: Path) -> None:
     axes[0].set_yticks(list(ys), labels)
     axes[0].invert_yaxis()
     axes[1].legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
-def acceptance_figure(reports, path: Path) -> None:
+def acceptance_figure(reports) -> plt.Figure:
     """Acceptance at tree depth d (accepted at d / rounds that reached d): overall bold, categories thin."""
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in reports:
@@ -65,9 +63,7 @@ def acceptance_figure(reports, path: Path) -> None:
     ax.set_ylabel("acceptance")
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 def write_figures(reports, out_dir: Path) -> list[str]:
@@ -75,13 +71,11 @@ def write_figures(reports, out_dir: Path) -> list[str]:
     figures = {"speedup.png": speedup_figure, "latency.png": latency_figure,
                "acceptance_per_depth.png": acceptance_figure}
     for name, draw in figures.items():
-        draw(reports, out_dir / name)
+        fig = draw(reports)
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=100)
+        plt.close(fig)
     return list(figures)
-
-
-def _table(head: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows]) + "\n"
 
 
 def report_table(reports) -> str:
@@ -95,7 +89,7 @@ def report_table(reports) -> str:
              f"{r.acceptance_rate:.3f}", f"{r.mean_accepted_length:.2f}", "n/a" if r.speculation_length is None else f"{r.speculation_length:.2f}",
              f"{r.output_equivalent_fraction:.0%}", "n/a" if r.peak_memory_mb is None else f"{r.peak_memory_mb:.0f}"]
             for r in reports]
-    return _table(head, rows)
+    return md_table(head, rows)
 
 
 def markdown_report(reports, meta: dict, figures: list[str]) -> str:

@@ -24,7 +24,7 @@ from pydantic.alias_generators import to_camel
 
 from orchestrator.loop.controller import GenerationRequest
 from orchestrator.loop.embedded import build_pipeline, encode_prompt
-from orchestrator.measure.bench import console, load_questions, method_figures
+from orchestrator.measure.bench import _ratio, console, load_questions, method_figures
 from specdec.config import FrontConfig
 from specdec.v1 import generation_pb2, generation_pb2_grpc
 from specdec.wire import spec_to_proto
@@ -194,9 +194,8 @@ class EmbeddedRunner:
 class RemoteRunner:
     """Both runs on a front at ``address``, timed here; ``service_pids``: processes whose memory to report."""
 
-    def __init__(self, address: str, spec, max_new_tokens: int, tokenizer=None, service_pids: tuple[int, ...] = ()):
-        self.address, self.spec, self.max_new_tokens = address, spec, max_new_tokens
-        self.tokenizer, self.service_pids = tokenizer, service_pids
+    def __init__(self, address: str, spec, max_new_tokens: int, service_pids: tuple[int, ...] = ()):
+        self.address, self.spec, self.max_new_tokens, self.service_pids = address, spec, max_new_tokens, service_pids
         self._prompt_tokens: dict[str, int] = {}
 
     def prompt_tokens(self, prompt: str) -> int:
@@ -249,10 +248,6 @@ def run_questions(runner: Runner, questions: list[dict], context_limit: int | No
                                target, speculative, runner.peak_memory_mb()))
         console.print(f"eval {i + 1}/{len(questions)}: {q['category']} #{q['question_id']}", highlight=False, markup=False)
     return out, skipped
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if b > 0 else 0.0
 
 
 def acceptance_per_depth(runs: list[Run]) -> list[float]:
@@ -349,13 +344,8 @@ def run_eval(spec, questions_path: Path | None, per_category: int, max_new_token
     meta = {"task_set": "built-in" if questions_path is None else str(questions_path), "per_category": per_category,
             "max_new_tokens": max_new_tokens, "draft_model": draft_model, "target": target, "server": server,
             "dtype": dtype, "draft_quant": draft_quant, "control": None if server else control,
-            "draft_window": None if server else _embedded_window(),
+            "draft_window": None if server else FrontConfig().draft_window.model_dump(),  # build_pipeline's default
             "spec": json.loads(spec.to_json()) if spec is not None else None, "skipped": skipped,
             "compared_outputs": COMPARED_OUTPUTS, "prompt_buckets": PROMPT_BUCKETS, "output_buckets": OUTPUT_BUCKETS,
             "language_id": "py3langid"}
     return write_report(runs, meta, out_dir)
-
-
-def _embedded_window() -> dict:
-    """The draft window embedded mode runs with (build_pipeline's default: front.draft_window's)."""
-    return FrontConfig().draft_window.model_dump()

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from orchestrator.measure import md_table
+
 PHASES = ("draft_compute", "draft_wire", "verify_queue", "verify_compute", "verify_wire", "commit", "control")
 
 
@@ -187,23 +189,22 @@ def build_report(spans: list[Span]) -> dict:
 
 def markdown(report: dict) -> str:
     """trace_report.md: the overall phase table, then one row per request."""
-    phase_rows = "".join(f"| {p} | {s['mean_ms']:.2f} | {s['p50_ms']:.2f} | {s['p95_ms']:.2f} | {s['share']:.1%} |\n"
-                         for p, s in report["overall"].items())
-    request_rows = ""
+    phase_rows = [[p, f"{s['mean_ms']:.2f}", f"{s['p50_ms']:.2f}", f"{s['p95_ms']:.2f}", f"{s['share']:.1%}"]
+                  for p, s in report["overall"].items()]
+    request_rows = []
     for r in report["requests"]:
         path = r["critical_path"]
         dominant = path["dominant_phase"]
-        request_rows += (f"| {r['request_id']} | {r['rounds_count']} | {path['length_ms']:.1f} | "
-                         f"{dominant} ({path['phase_ms'][dominant]:.1f} ms) | "
-                         f"{path['longest_round']} ({path['longest_round_ms']:.1f}) |\n")
+        request_rows.append([str(r["request_id"]), str(r["rounds_count"]), f"{path['length_ms']:.1f}",
+                             f"{dominant} ({path['phase_ms'][dominant]:.1f} ms)",
+                             f"{path['longest_round']} ({path['longest_round_ms']:.1f})"])
     return "\n".join([
         f"# specdec trace report ({report['requests_count']} requests, {report['rounds_count']} rounds)\n",
         "Phases of a round, in order; they add up to the round span (orchestrator/measure/trace_report.py).\n",
         "## All rounds\n",
-        "| phase | mean ms | p50 ms | p95 ms | share |\n|---|---|---|---|---|\n" + phase_rows,
+        md_table(["phase", "mean ms", "p50 ms", "p95 ms", "share"], phase_rows),
         "## Per request (critical path: its rounds, one after another)\n",
-        "| request | rounds | critical path ms | dominant phase | longest round (ms) |\n|---|---|---|---|---|\n"
-        + request_rows,
+        md_table(["request", "rounds", "critical path ms", "dominant phase", "longest round (ms)"], request_rows),
         "![phases](trace_report.png)\n",
     ])
 
