@@ -25,13 +25,12 @@ from specdec.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)
 
-OTEL_PREFIXES = ("OTEL_",)
 ACTOR_EXPORT_DELAY_MS = 200  # an actor's spans reach the collector within about this
 
 
 def actor_env() -> dict[str, str]:
     """The OTEL_* variables of this process, for the actors' runtime_env (traces go where ours go)."""
-    return {k: v for k, v in os.environ.items() if k.startswith(OTEL_PREFIXES)}
+    return {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
@@ -89,8 +88,7 @@ class RayBackend(Backend):
     Starts a local Ray (``front.ray_address`` unset) or attaches to a cluster."""
 
     def __init__(self, front: FrontConfig, grpc_cfg: GrpcConfig, tok_dir: str | None):
-        self.front, self.grpc_cfg = front, grpc_cfg
-        self.tok_dir = tok_dir
+        self.front, self.grpc_cfg, self.tok_dir = front, grpc_cfg, tok_dir
         self.actors = []
         self.inflight: dict[int, int] = {}
         self.owner: dict[str, object] = {}
@@ -107,12 +105,10 @@ class RayBackend(Backend):
                      runtime_env={"env_vars": actor_env()} if actor_env() else None)
             _log_ray_auth()
         # one probe reads the target's limits and measures once for all actors (together they would disturb each other)
-        factory = control_factory(front)
-        probe = Orchestrator(front, self.grpc_cfg, control_factory=factory)
+        probe = Orchestrator(front, self.grpc_cfg, control_factory=control_factory(front))
         await probe.connect()
         self.info = probe.info
-        await probe.target_channel.close()
-        await probe.draft_channel.close()
+        await probe.close()
         start = None
         if probe.shared is not None:  # the cost-aware control's cost model
             cost = probe.shared.cost
