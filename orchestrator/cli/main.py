@@ -161,7 +161,8 @@ def check_remote_options(draft_window: Optional[int], argmax_screen: bool, pipel
     refused = [(draft_window is not None, "--draft-window", "a front's draft window is its front.draft_window"),
                (not argmax_screen, "--no-argmax-screen", "a front's target decides (models.argmax_screen)"),
                (pipeline, "--pipeline", "a front pipelines when its front.pipeline is on"),
-               (control != "cost-aware", f"--control {control}", "a front's control is set by front.cost_aware.enabled"),
+               (control != "cost-aware", f"--control {control}",
+                "a front's control is set by front.cost_aware.enabled"),
                (max_context is not None, "--max-context",
                 "a front's limits are its own (front.max_prompt_tokens, the target's context)")]
     for given, option, why in refused:
@@ -358,8 +359,9 @@ def serve(
     except (UsageError, ConfigError) as exc:
         fail(str(exc))
     raise typer.Exit(launch(str(config) if config else None, target, draft, dtype, tp=tp, no_ray=no_ray,
-                            grace_s=cfg.grpc.shutdown_grace_s, http_port=http_port, http=cfg.front.http_port is not None,
-                            security_flags=tls_flags(tls_cert, tls_key, tls_ca), auth_token_file=auth_token_file or None))
+                            grace_s=cfg.grpc.shutdown_grace_s, http_port=http_port,
+                            http=cfg.front.http_port is not None, security_flags=tls_flags(tls_cert, tls_key, tls_ca),
+                            auth_token_file=auth_token_file or None))
 
 
 @app.command("eval")

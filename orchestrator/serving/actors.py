@@ -53,8 +53,7 @@ class OrchestratorActor:
 
     async def stream(self, request: GenerationRequest, request_id: str, timeout_s: float | None, carrier: dict):
         """Yields (tokens, RoundRecord | None, GenerationStats | None) per round, then the final stats."""
-        if self.orchestrator.controller is None:  # a restarted actor connects on its first request
-            await self.orchestrator.connect()
+        await self.ready()  # a restarted actor connects on its first request
         async for chunk in self.orchestrator.stream(request, request_id, timeout_s, carrier):
             yield chunk.tokens, chunk.round, chunk.stats
 
@@ -215,10 +214,8 @@ class RayBackend(Backend):
             self.inflight[index] -= 1
             self.owner[request_id] = None
             if gen is not None and not finished:
-                try:
+                with contextlib.suppress(Exception):  # the actor is gone: nothing left to cancel
                     ray.cancel(gen)
-                except Exception:  # noqa: BLE001 - the actor is gone; nothing left to cancel
-                    pass
 
     async def abort(self, request_id: str) -> bool:
         """Abort a running request; one between actors (failing over) ends before its next part."""

@@ -157,8 +157,6 @@ def peer_host(peer: str) -> str:
 
 def client_key(tokens: Sequence[bytes], authorization: str, host: str) -> str:
     """``token N`` (its bearer token's 1-based line; never the token: keys are logged), else ``peer HOST``."""
-    if tokens:
-        index = token_index(tokens, authorization)
-        if index is not None:
-            return f"token {index + 1}"
+    if tokens and (index := token_index(tokens, authorization)) is not None:
+        return f"token {index + 1}"
     return f"peer {host}"

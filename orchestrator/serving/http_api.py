@@ -348,9 +348,6 @@ def sse(data: dict) -> str:
 # --------------------------------------------------------------------------- running a request
 
 
-_END = object()
-
-
 class Run:
     """One request's StreamEvents from a task of its own, cancelled (KV freed) on disconnect or ``close``.
     Iterate it once."""
@@ -367,7 +364,7 @@ class Run:
         try:
             async for event in events:
                 self.queue.put_nowait(event)
-            self.queue.put_nowait(_END)
+            self.queue.put_nowait(StopAsyncIteration())  # the end, raised by __anext__
         except asyncio.CancelledError:
             self.queue.put_nowait(ClientGone("the client closed the connection"))
             raise
@@ -379,8 +376,6 @@ class Run:
 
     async def __anext__(self) -> StreamEvent:
         item = await self.queue.get()
-        if item is _END:
-            raise StopAsyncIteration
         if isinstance(item, BaseException):
             raise item
         return item
@@ -542,12 +537,12 @@ class HttpApi:
         if body.model is not None and body.model != self.model_name:
             raise ApiError(404, f"model: {body.model!r} is not served here (GET /v1/models lists {self.model_name!r})",
                            "model", code="model_not_found")
+        stop = tuple(_unicode(s, "stop") for s in ([body.stop] if isinstance(body.stop, str) else body.stop or []))
         try:
             tree = parse_tree_spec(body.specdec.tree) if body.specdec.tree is not None else None
             sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
         except ValueError as exc:  # TreeSpecError, SamplingParamsError
             raise field_error(exc, chat) from None
-        stop = tuple(_unicode(s, "stop") for s in ([body.stop] if isinstance(body.stop, str) else body.stop or []))
         return GenerateCall(
             request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", raw=True,
             max_new_tokens=body.max_new_tokens(), stop=stop, sampling=sampling, tree=tree,
