@@ -184,6 +184,7 @@ def test_unknown_paths_and_internal_errors_use_the_error_object():
 
     class Broken:
         tokenizer = None
+        auth_tokens = ()
 
         def client_of(self, authorization, host):
             return "local"

@@ -7,13 +7,13 @@ keep serving. SIGTERM/SIGINT stop the front first, then the draft and target.
 
 from __future__ import annotations
 
-import os
 import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from specdec.process_entry import fail
@@ -29,60 +29,55 @@ class LaunchError(RuntimeError):
 class Child:
     name: str
     proc: subprocess.Popen
-    address: str | None = None
-    stderr_tail: list[str] = field(default_factory=list)
+    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
 
 
-def _pump(child: Child, lines: "queue.Queue[tuple[str, str | None]]") -> None:
+def _pump(child: Child, lines: "queue.Queue[str | None]") -> None:
     for line in child.proc.stdout:
-        lines.put((child.name, line.rstrip("\n")))
-    lines.put((child.name, None))
+        lines.put(line.rstrip("\n"))
+    lines.put(None)
 
 
 def _tail(child: Child) -> None:
     for line in child.proc.stderr:
-        sys.stderr.write(f"[{child.name}] {line}")
-        sys.stderr.flush()
+        print(f"[{child.name}] {line}", end="", file=sys.stderr, flush=True)
         child.stderr_tail.append(line.rstrip("\n"))
-        del child.stderr_tail[:-20]
 
 
-def start_child(name: str, module: str, args: list[str], env=None) -> Child:
+def start_child(name: str, module: str, args: list[str]) -> Child:
     proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, bufsize=1, env=env)
+                            text=True, bufsize=1)
     child = Child(name, proc)
     threading.Thread(target=_tail, args=(child,), daemon=True).start()
     return child
 
 
-def wait_ready(child: Child, timeout: float = READY_TIMEOUT_S, stop: threading.Event | None = None,
-               ready_lines: int = 1) -> str:
+def wait_ready(child: Child, stop: threading.Event, ready_lines: int = 1) -> str:
     """Print the child's ``ready_lines`` ready lines and return the first's ``host:port``.
-    Raises LaunchError (also when ``stop`` is set meanwhile)."""
+    Raises LaunchError (also when ``stop`` is set meanwhile, or after READY_TIMEOUT_S)."""
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_pump, args=(child, lines), daemon=True).start()
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + READY_TIMEOUT_S
     addresses = []
     while True:
-        if stop is not None and stop.is_set():
+        if stop.is_set():
             raise LaunchError(f"stopped while {child.name} was starting")
         try:
-            _, line = lines.get(timeout=0.5)
+            line = lines.get(timeout=0.5)
         except queue.Empty:
             if time.monotonic() > deadline:
-                raise LaunchError(f"{child.name}: not ready after {timeout:.0f} s") from None
+                raise LaunchError(f"{child.name}: not ready after {READY_TIMEOUT_S:.0f} s") from None
             continue
         if line is None:
             child.proc.wait()
             time.sleep(0.2)  # let the stderr thread catch the last lines
-            tail = "\n".join(child.stderr_tail[-5:])
+            tail = "\n".join(list(child.stderr_tail)[-5:])
             raise LaunchError(f"{child.name} exited with code {child.proc.returncode} before it was ready:\n{tail}")
         if " ready on " in line:
             print(line, flush=True)
             addresses.append(line.rsplit(" ready on ", 1)[1].strip())
             if len(addresses) == ready_lines:
-                child.address = addresses[0]
-                return child.address
+                return addresses[0]
             continue
         print(f"[{child.name}] {line}", flush=True)
 
@@ -98,36 +93,31 @@ def stop_children(children: list[Child], grace_s: float) -> None:
                 child.proc.wait()
 
 
-def serve(config_path: str | None, flags: list[str], tp: int | None = None, no_ray: bool = False,
-          grace_s: float = 10.0, http_port: int | None = None, http: bool = False,
-          security_flags: list[str] = (), front_flags: list[str] = ()) -> int:
+def serve(config_path: str | None, target: str | None = None, draft: str | None = None, dtype: str | None = None,
+          tp: int | None = None, no_ray: bool = False, grace_s: float = 10.0, http_port: int | None = None,
+          http: bool = False, security_flags: list[str] = (), auth_token_file: str | None = None) -> int:
     """Run the three services until SIGTERM/SIGINT; returns the exit code.
 
-    flags: model flags, each passed to the children that take it; http_port: None = the config's;
-    security_flags: --tls-* flags for all three; front_flags: more flags for the front alone.
+    target, draft, dtype, tp, http_port, auth_token_file: flags for the children that take them (None = the
+    config's); security_flags: --tls-* flags for all three.
     """
     config_args = ["--config", config_path] if config_path else []
     children: list[Child] = []
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    env = dict(os.environ)
     try:
         # the children run the same typer commands as ``specdec draft-server`` / ``target-server`` / ``front``
-        draft = start_child("draft-service", "draft_service", [*config_args, *flags, *security_flags], env)
-        children.append(draft)
-        target_flags = _model_flags(flags, "--target", "--dtype")  # the target server takes no --draft
-        target = start_child("target-service", "target_service",
-                             [*config_args, *target_flags, *security_flags, *(["--tp", str(tp)] if tp else [])], env)
-        children.append(target)
-        draft_addr, target_addr = wait_ready(draft, stop=stop), wait_ready(target, stop=stop)
-        front_model_flags = _model_flags(flags, "--target")  # the front loads only the tokenizer
-        front = start_child("generation-front", "orchestrator",
-                            ["front", *config_args, *front_model_flags, *security_flags, *front_flags, "--draft-address", draft_addr,
-                             "--target-address", target_addr, *(["--no-ray"] if no_ray else []),
-                             *(["--http-port", str(http_port)] if http_port is not None else [])], env)
-        children.append(front)
-        wait_ready(front, stop=stop, ready_lines=2 if http else 1)
+        children.append(start_child("draft-service", "draft_service",
+                                    [*config_args, *_flags(target=target, draft=draft, dtype=dtype), *security_flags]))
+        children.append(start_child("target-service", "target_service",  # the target server takes no --draft
+                                    [*config_args, *_flags(target=target, dtype=dtype, tp=tp), *security_flags]))
+        draft_addr, target_addr = (wait_ready(child, stop) for child in children)
+        front_flags = _flags(target=target, auth_token_file=auth_token_file, draft_address=draft_addr,
+                             target_address=target_addr, http_port=http_port)  # the front loads only the tokenizer
+        front_args = ["front", *config_args, *front_flags, *security_flags, *(["--no-ray"] if no_ray else [])]
+        children.append(start_child("generation-front", "orchestrator", front_args))
+        wait_ready(children[-1], stop, ready_lines=2 if http else 1)
     except LaunchError as exc:
         stop_children(children[::-1], grace_s)
         if stop.is_set():
@@ -146,12 +136,7 @@ def serve(config_path: str | None, flags: list[str], tp: int | None = None, no_r
     return 0
 
 
-def _model_flags(flags: list[str], *names: str) -> list[str]:
-    """The ``name VALUE`` pairs of ``names`` present in flags, in the order of ``names``."""
-    picked = []
-    for name in names:
-        for i, flag in enumerate(flags[:-1]):
-            if flag == name:
-                picked += [name, flags[i + 1]]
-                break
-    return picked
+def _flags(**values) -> list[str]:
+    """``--name VALUE`` for each value that is set (None: the child's default), ``_`` in names as ``-``."""
+    return [arg for name, value in values.items() if value is not None
+            for arg in (f"--{name.replace('_', '-')}", str(value))]

@@ -15,13 +15,12 @@ from rich.table import Table
 from draft_service.cli import draft_server
 from orchestrator.cli.launcher import serve as launch
 from specdec.config import CONTROLS, ConfigError, DraftWindowConfig, FrontConfig, load_config
-from specdec.models import ModelError
 from specdec.process_entry import (
     AUTH_TOKEN_FILE_HELP, CONFIG_HELP, HEALTH_PORT_HELP, TLS_CA_HELP, TLS_CERT_HELP, TLS_KEY_HELP, tls_flags, tls_overrides,
 )
 from specdec.sampling import SamplingParams, SamplingParamsError
 from specdec.stats import position_rates
-from specdec.tree_spec import DEFAULT_SPEC, TreeSpecError, parse_tree_spec
+from specdec.tree_spec import DEFAULT_SPEC, parse_tree_spec
 from target_service.cli import target_server
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Tree speculative decoding (draft + target).")
@@ -104,24 +103,6 @@ def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
     return text
 
 
-class TextStream:
-    """Prints committed tokens as text, holding back an incomplete UTF-8 tail."""
-
-    def __init__(self, tokenizer, out=sys.stdout):
-        self.tokenizer, self.out = tokenizer, out
-        self.ids: list[int] = []
-        self.printed = 0
-
-    def __call__(self, tokens: list[int]) -> None:
-        self.ids.extend(tokens)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return
-        self.out.write(text[self.printed :])
-        self.out.flush()
-        self.printed = len(text)
-
-
 def _positions_line(proposed, accepted, shown: int = 8) -> str:
     """'1: 0.82 (55), 2: ...': acceptance per tree position (rounds reaching it), the first ``shown`` positions."""
     cells = [f"{d + 1}: {rate:.2f} ({p})" for d, (p, rate) in enumerate(zip(proposed[:shown], position_rates(proposed, accepted)))]
@@ -175,23 +156,18 @@ def _cost_line(cost: dict) -> str:
 
 def check_remote_options(draft_window: Optional[int], argmax_screen: bool, pipeline: bool, control: str,
                          max_context: Optional[int]) -> None:
-    """With --server the front decides these: refuse the in-process options (exit 2 naming each)."""
-    if draft_window is not None:
-        fail("--draft-window: an in-process option; a front's draft window is its front.draft_window")
-    if not argmax_screen:
-        fail("--no-argmax-screen: an in-process option; a front's target decides (models.argmax_screen)")
-    if pipeline:
-        fail("--pipeline: an in-process option; a front pipelines when its front.pipeline is on")
-    try:
-        check_control(control)
-    except UsageError as exc:
-        fail(str(exc))
-    if control != "cost-aware":
-        fail(f"--control {control}: an in-process option; a front's control is set by "
-             "front.cost_aware.enabled")
-    if max_context is not None:
-        fail("--max-context: an in-process option; a front's limits are its own (front.max_prompt_tokens, "
-             "the target's context)")
+    """With --server the front decides these: raises UsageError naming the first in-process option given."""
+    check_control(control)
+    refused = [(draft_window is not None, "--draft-window", "a front's draft window is its front.draft_window"),
+               (not argmax_screen, "--no-argmax-screen", "a front's target decides (models.argmax_screen)"),
+               (pipeline, "--pipeline", "a front pipelines when its front.pipeline is on"),
+               (control != "cost-aware", f"--control {control}",
+                "a front's control is set by front.cost_aware.enabled"),
+               (max_context is not None, "--max-context",
+                "a front's limits are its own (front.max_prompt_tokens, the target's context)")]
+    for given, option, why in refused:
+        if given:
+            raise UsageError(f"{option}: an in-process option; {why}")
 
 
 @app.command()
@@ -224,12 +200,13 @@ def generate(
     """Generate text with the target model, accelerated by the draft model."""
     from orchestrator.loop.controller import GenerationRequest
     from orchestrator.loop.embedded import build_pipeline, encode_prompt, set_threads
+    from orchestrator.serving.runner import TextDeltas
 
-    if server is not None:
-        check_remote_options(draft_window, argmax_screen, pipeline, control, max_context)
-        return _generate_remote(server, prompt, prompt_file, tree, max_new_tokens, temperature, top_p, top_k, seed,
-                                stop, no_spec, raw, tls_ca, auth_token_file)
     try:
+        if server is not None:  # the remote run ends here, exiting 2 with a message on its own errors
+            check_remote_options(draft_window, argmax_screen, pipeline, control, max_context)
+            return _generate_remote(server, prompt, prompt_file, tree, max_new_tokens, temperature, top_p, top_k,
+                                    seed, stop, no_spec, raw, tls_ca, auth_token_file)
         check_choices(dtype, draft_quant, control)
         check_positive(max_new_tokens=max_new_tokens, threads=threads)
         sampling = sampling_params(temperature, top_p, top_k, seed)
@@ -241,8 +218,9 @@ def generate(
                               control=control, pipeline=pipeline, draft_window=window, argmax_screen=argmax_screen)
         prompt_ids = encode_prompt(pipe.tokenizer, text, raw)
         request = GenerationRequest(prompt_ids, max_new_tokens, tuple(stop), None if no_spec else spec, sampling)
-        result = pipe.engine.generate(request, on_tokens=TextStream(pipe.tokenizer))
-    except (UsageError, TreeSpecError, ModelError, ValueError) as exc:
+        deltas = TextDeltas(pipe.tokenizer)  # the committed tokens' text, as the front streams it
+        result = pipe.engine.generate(request, on_tokens=lambda tokens: print(deltas.push(tokens), end="", flush=True))
+    except ValueError as exc:  # UsageError, TreeSpecError, ModelError, ...: each names its option
         fail(str(exc))
     sys.stdout.write("\n")
     err.print(stats_table(result.stats, not no_spec, sampling, pipe.shared.cost.snapshot() if pipe.shared else None))
@@ -290,7 +268,7 @@ def bench(
                   control, offset=offset, prompt_lookup=prompt_lookup, target=target, draft=draft,
                   draft_window=draft_window_option(draft_window), categories=tuple(category),
                   argmax_screen=argmax_screen, repeats=repeats, plain=plain)
-    except (UsageError, TreeSpecError, ModelError, ValueError) as exc:
+    except ValueError as exc:  # UsageError, TreeSpecError, ModelError, ...: each names its option
         fail(str(exc))
 
 
@@ -303,16 +281,14 @@ def _generate_remote(server, prompt, prompt_file, tree, max_new_tokens, temperat
     """generate --server: the request runs on a generation front; text streams as it arrives."""
     from orchestrator.cli.remote import RemoteError, client_token, generate_remote
 
+    check_positive(max_new_tokens=max_new_tokens)  # a ValueError naming its option: generate's to report
+    sampling = sampling_params(temperature, top_p, top_k, seed)
+    spec = parse_tree_spec(tree) if tree is not None else None
+    text = read_prompt(prompt, prompt_file)
     try:
-        check_positive(max_new_tokens=max_new_tokens)
-        sampling = sampling_params(temperature, top_p, top_k, seed)
-        spec = parse_tree_spec(tree) if tree is not None else None
-        text = read_prompt(prompt, prompt_file)
         stats = generate_remote(server, text, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec,
                                 no_spec=no_spec, raw=raw, stop=tuple(stop), tls_ca=tls_ca,
                                 token=client_token(auth_token_file))
-    except (UsageError, TreeSpecError, ValueError) as exc:
-        fail(str(exc))
     except RemoteError as exc:
         fail(f"--server {server}: {exc}")
     sys.stdout.write("\n")
@@ -382,14 +358,10 @@ def serve(
                              "to each `specdec draft-server` / `target-server` / `front` instead")
     except (UsageError, ConfigError) as exc:
         fail(str(exc))
-    flags = []
-    for name, value in (("--target", target), ("--draft", draft), ("--dtype", dtype)):
-        if value is not None:
-            flags += [name, value]
-    raise typer.Exit(launch(str(config) if config else None, flags, tp=tp, no_ray=no_ray, grace_s=cfg.grpc.shutdown_grace_s,
-                            http_port=http_port, http=cfg.front.http_port is not None,
-                            security_flags=tls_flags(tls_cert, tls_key, tls_ca),
-                            front_flags=["--auth-token-file", auth_token_file] if auth_token_file else []))
+    raise typer.Exit(launch(str(config) if config else None, target, draft, dtype, tp=tp, no_ray=no_ray,
+                            grace_s=cfg.grpc.shutdown_grace_s, http_port=http_port,
+                            http=cfg.front.http_port is not None, security_flags=tls_flags(tls_cert, tls_key, tls_ca),
+                            auth_token_file=auth_token_file or None))
 
 
 @app.command("eval")
@@ -410,7 +382,6 @@ def eval_(
 ) -> None:
     """Evaluation report: target-only vs speculation per question (greedy), SpeculativeReport overall and
     per slice (category, prompt length, output length, language), tables and figures."""
-    from orchestrator.measure.bench import QuestionsError
     from orchestrator.loop.embedded import set_threads
     from orchestrator.measure.eval_report import run_eval
 
@@ -423,7 +394,7 @@ def eval_(
         set_threads(threads)
         reports = run_eval(spec, questions, per_category, max_new_tokens, out, target=target, draft=draft, dtype=dtype,
                            draft_quant=draft_quant, control=control, server=server, service_pids=tuple(service_pid))
-    except (UsageError, TreeSpecError, ModelError, QuestionsError, ValueError) as exc:
+    except ValueError as exc:  # UsageError, TreeSpecError, ModelError, QuestionsError
         fail(str(exc))
     overall = reports[0]
     err.print(f"overall: {overall.speedup:.2f}x speedup, acceptance {overall.acceptance_rate:.3f}, "
@@ -466,7 +437,6 @@ def profile_draft(
 ) -> None:
     """DraftProfile of each candidate draft against the target: parameters, the draft's own tokens/s,
     acceptance rate, tokenizer compatibility (with the reason when not) and the end-to-end speedup."""
-    from orchestrator.measure.bench import QuestionsError
     from orchestrator.measure.draft_profile import parse_candidate, run_profile
     from orchestrator.loop.embedded import set_threads
 
@@ -480,7 +450,7 @@ def profile_draft(
         set_threads(threads)
         profiles = run_profile(candidates, out, target=target, questions_path=questions, per_category=per_category,
                                max_new_tokens=max_new_tokens, dtype=dtype, control=control, spec=spec)
-    except (UsageError, TreeSpecError, ModelError, QuestionsError, ValueError) as exc:
+    except ValueError as exc:  # UsageError, TreeSpecError, ModelError, QuestionsError
         fail(str(exc))
     for p in profiles:
         err.print(f"{p.name}: " + (f"{p.end_to_end_speedup:.2f}x, acceptance {p.acceptance_rate:.3f}" if p.compatible_tokenizer

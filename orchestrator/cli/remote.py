@@ -6,7 +6,6 @@ gRPC errors become RemoteError with the status code name and the server's messag
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,30 +28,25 @@ class RemoteError(RuntimeError):
 
 def generate_remote(address: str, prompt: str, *, max_new_tokens: int, sampling: SamplingParams,
                     spec: TreeSpec | None, no_spec: bool, raw: bool, stop: tuple[str, ...] = (),
-                    timeout_s: float | None = None, out=sys.stdout, tls_ca: str | None = None,
-                    token: str | None = None) -> SimpleNamespace:
-    """Run one request on the front at ``address``; writes text deltas to ``out``.
+                    tls_ca: str | None = None, token: str | None = None) -> SimpleNamespace:
+    """Run one request on the front at ``address``; writes text deltas to stdout.
 
     spec None = the server's tree; tls_ca None = plaintext; token: bearer token. Returns the FinalStats
     fields (and ``tokens``) as a namespace. Raises RemoteError.
     """
-    request = generation_pb2.GenerateRequest(
-        prompt=prompt, raw=raw, max_new_tokens=max_new_tokens, stop=list(stop),
-        sampling=sampling_to_proto(sampling), no_spec=no_spec,
-    )
-    if spec is not None:
-        request.tree.CopyFrom(spec_to_proto(spec))
+    request = generation_pb2.GenerateRequest(prompt=prompt, raw=raw, max_new_tokens=max_new_tokens, stop=list(stop),
+                                             sampling=sampling_to_proto(sampling), no_spec=no_spec,
+                                             tree=spec_to_proto(spec) if spec is not None else None)
     tokens: list[int] = []
     final = None
     try:
         with _channel(address, tls_ca) as channel:
             stub = generation_pb2_grpc.GenerationServiceStub(channel)
             metadata = [("authorization", f"Bearer {token}")] if token else None
-            for reply in stub.Generate(request, timeout=timeout_s, wait_for_ready=False, metadata=metadata):
+            for reply in stub.Generate(request, wait_for_ready=False, metadata=metadata):
                 tokens += reply.token_ids
                 if reply.text_delta:
-                    out.write(reply.text_delta)
-                    out.flush()
+                    print(reply.text_delta, end="", flush=True)
                 if reply.HasField("stats"):
                     final = reply.stats
     except grpc.RpcError as exc:

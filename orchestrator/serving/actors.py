@@ -25,13 +25,12 @@ from specdec.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)
 
-OTEL_PREFIXES = ("OTEL_",)
 ACTOR_EXPORT_DELAY_MS = 200  # an actor's spans reach the collector within about this
 
 
 def actor_env() -> dict[str, str]:
     """The OTEL_* variables of this process, for the actors' runtime_env (traces go where ours go)."""
-    return {k: v for k, v in os.environ.items() if k.startswith(OTEL_PREFIXES)}
+    return {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
@@ -54,8 +53,7 @@ class OrchestratorActor:
 
     async def stream(self, request: GenerationRequest, request_id: str, timeout_s: float | None, carrier: dict):
         """Yields (tokens, RoundRecord | None, GenerationStats | None) per round, then the final stats."""
-        if self.orchestrator.controller is None:  # a restarted actor connects on its first request
-            await self.orchestrator.connect()
+        await self.ready()  # a restarted actor connects on its first request
         async for chunk in self.orchestrator.stream(request, request_id, timeout_s, carrier):
             yield chunk.tokens, chunk.round, chunk.stats
 
@@ -89,8 +87,7 @@ class RayBackend(Backend):
     Starts a local Ray (``front.ray_address`` unset) or attaches to a cluster."""
 
     def __init__(self, front: FrontConfig, grpc_cfg: GrpcConfig, tok_dir: str | None):
-        self.front, self.grpc_cfg = front, grpc_cfg
-        self.tok_dir = tok_dir
+        self.front, self.grpc_cfg, self.tok_dir = front, grpc_cfg, tok_dir
         self.actors = []
         self.inflight: dict[int, int] = {}
         self.owner: dict[str, object] = {}
@@ -107,12 +104,10 @@ class RayBackend(Backend):
                      runtime_env={"env_vars": actor_env()} if actor_env() else None)
             _log_ray_auth()
         # one probe reads the target's limits and measures once for all actors (together they would disturb each other)
-        factory = control_factory(front)
-        probe = Orchestrator(front, self.grpc_cfg, control_factory=factory)
+        probe = Orchestrator(front, self.grpc_cfg, control_factory=control_factory(front))
         await probe.connect()
         self.info = probe.info
-        await probe.target_channel.close()
-        await probe.draft_channel.close()
+        await probe.close()
         start = None
         if probe.shared is not None:  # the cost-aware control's cost model
             cost = probe.shared.cost
@@ -219,10 +214,8 @@ class RayBackend(Backend):
             self.inflight[index] -= 1
             self.owner[request_id] = None
             if gen is not None and not finished:
-                try:
+                with contextlib.suppress(Exception):  # the actor is gone: nothing left to cancel
                     ray.cancel(gen)
-                except Exception:  # noqa: BLE001 - the actor is gone; nothing left to cancel
-                    pass
 
     async def abort(self, request_id: str) -> bool:
         """Abort a running request; one between actors (failing over) ends before its next part."""

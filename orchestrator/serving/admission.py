@@ -42,6 +42,10 @@ class Admission:
 
     def __init__(self, limits: ClientLimitsConfig):
         self.limits = limits
+        # per-client caps, by default half the slots and half the queue (rounded up): one client can neither take
+        # every slot nor fill the queue for the others
+        self.running_cap = _or_half(limits.max_running_per_client, limits.max_running)
+        self.waiting_cap = _or_half(limits.max_waiting_per_client, limits.max_waiting)
         self.queue: deque[Ticket] = deque()
         self.running = 0                            # requests holding a running slot
         self.running_of: Counter[str] = Counter()   # client -> requests holding a slot
@@ -83,18 +87,8 @@ class Admission:
                 return True
         return False
 
-    def _running_cap(self) -> int:
-        """max_running_per_client, or by default half the slots (rounded up): one client cannot take them all."""
-        cap = self.limits.max_running_per_client
-        return cap if cap is not None else (self.limits.max_running + 1) // 2
-
     def _may_run(self, client: str) -> bool:
-        return self.running < self.limits.max_running and self.running_of[client] < self._running_cap()
-
-    def _waiting_cap(self) -> int:
-        """max_waiting_per_client, or by default half the queue: one client cannot fill it for the others."""
-        cap = self.limits.max_waiting_per_client
-        return cap if cap is not None else (self.limits.max_waiting + 1) // 2
+        return self.running < self.limits.max_running and self.running_of[client] < self.running_cap
 
     def _check_queue(self, client: str) -> None:
         """Raise AdmissionRefused when a request of ``client`` that cannot run may not wait either."""
@@ -105,9 +99,9 @@ class Admission:
             run_field, running, whose = "max_running", self.running, ""
         if self.waiting >= limits.max_waiting:
             wait_field, waiting, wait_limit, wait_whose = "max_waiting", self.waiting, limits.max_waiting, ""
-        elif limits.max_waiting and self.waiting_of[client] >= self._waiting_cap():
+        elif limits.max_waiting and self.waiting_of[client] >= self.waiting_cap:
             wait_field, waiting, wait_limit, wait_whose = ("max_waiting_per_client", self.waiting_of[client],
-                                                           self._waiting_cap(), " of this client")
+                                                           self.waiting_cap, " of this client")
         else:
             return
         if wait_limit == 0:
@@ -138,8 +132,7 @@ class Admission:
             if not ready:
                 return
             ticket = min(ready, key=lambda t: self.running_of[t.client])  # min keeps the first of equals: FIFO
-            self.queue.remove(ticket)
-            self._count_down(self.waiting_of, ticket.client)
+            self._dequeue(ticket)
             self._start(ticket)
 
     @staticmethod
@@ -147,6 +140,10 @@ class Admission:
         counts[client] -= 1
         if counts[client] <= 0:
             del counts[client]  # no entry per client ever seen
+
+
+def _or_half(cap: int | None, total: int) -> int:
+    return cap if cap is not None else (total + 1) // 2
 
 
 def peer_host(peer: str) -> str:
@@ -160,8 +157,6 @@ def peer_host(peer: str) -> str:
 
 def client_key(tokens: Sequence[bytes], authorization: str, host: str) -> str:
     """``token N`` (its bearer token's 1-based line; never the token: keys are logged), else ``peer HOST``."""
-    if tokens:
-        index = token_index(tokens, authorization)
-        if index is not None:
-            return f"token {index + 1}"
+    if tokens and (index := token_index(tokens, authorization)) is not None:
+        return f"token {index + 1}"
     return f"peer {host}"

@@ -78,11 +78,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
 
 def response_of(request_id: str, event: StreamEvent) -> generation_pb2.GenerateResponse:
-    if event.stats is None:
-        return generation_pb2.GenerateResponse(request_id=request_id, token_ids=event.tokens,
-                                               text_delta=event.text_delta)
-    return generation_pb2.GenerateResponse(request_id=request_id, text_delta=event.text_delta,
-                                           stats=stats_to_proto(event.stats, event.prompt_tokens))
+    stats = None if event.stats is None else stats_to_proto(event.stats, event.prompt_tokens)
+    return generation_pb2.GenerateResponse(request_id=request_id, token_ids=event.tokens, text_delta=event.text_delta,
+                                           stats=stats)
 
 
 async def serve_front(config: ServeConfig) -> int:
@@ -103,11 +101,11 @@ async def serve_front(config: ServeConfig) -> int:
     metrics.observe_costs(backend.cost())  # what the cost model starts from, before any round
     monitor = AcceptanceMonitor(front.monitor, metrics=metrics)
     tokens = load_auth_tokens(front.auth_token_file)
+    runner = RequestRunner(front, backend, tokenizer, metrics, monitor, tokens)
     if front.metrics_port is not None:
         start_metrics_server(front.metrics_port, metrics, addr=front.host,
-                             tokens=tuple(t.encode() for t in tokens) if front.metrics_auth else ())
+                             tokens=runner.auth_tokens if front.metrics_auth else ())
     host = ServiceHost("generation-front", config.grpc, interceptors=[BearerAuth(tokens)] if tokens else [])
-    runner = RequestRunner(front, backend, tokenizer, metrics, monitor, tokens)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(runner), host.server)
     try:
         host.stop_on_signals()
@@ -126,11 +124,6 @@ async def serve_front(config: ServeConfig) -> int:
         shutdown_tracing()
 
 
-def run_front(config: ServeConfig) -> int:
-    configure_logging()
-    return asyncio.run(serve_front(config))
-
-
 def run(config_path: str | None = None, overrides: dict | None = None) -> int:
     """Load the config (YAML, then dotted ``overrides`` such as {"front.port": 0}; None = keep the file's value)
     and serve the front (``specdec front``); returns the exit code."""
@@ -140,8 +133,9 @@ def run(config_path: str | None = None, overrides: dict | None = None) -> int:
         load_auth_tokens(config.front.auth_token_file)  # likewise for an unreadable token file
     except (ConfigError, ValueError) as exc:
         return fail(str(exc))
+    configure_logging()
     try:
-        run_front(config)
+        asyncio.run(serve_front(config))
     except grpc.aio.AioRpcError as exc:
         return fail(f"front: cannot reach the target service at {config.front.target_address} ({exc.code().name})")
     except OSError as exc:  # a port that cannot be bound

@@ -35,7 +35,7 @@ from orchestrator.serving.requests import GenerateCall, RequestIdInUse, StreamEv
 from orchestrator.serving.runner import RequestRunner
 from specdec.config import FrontConfig, GrpcConfig
 from specdec.sampling import SamplingParams, SamplingParamsError
-from specdec.security import load_auth_tokens, token_accepted
+from specdec.security import token_accepted
 from specdec.tree_spec import TreeSpecError, parse_tree_spec
 from specdec.wire import stats_to_proto
 
@@ -187,9 +187,10 @@ UPSTREAM_STATUS = {  # a downstream gRPC status -> (HTTP status, OpenAI error ty
 }
 
 
-def field_error(exc: Exception, prompt_param: str) -> ApiError:
+def field_error(exc: Exception, chat: bool) -> ApiError:
     """400 for a call's ``field: detail`` error, the field renamed to the request's parameter (max_new_tokens ->
-    max_tokens, tree -> specdec.tree, prompt -> ``prompt_param``)."""
+    max_tokens, tree -> specdec.tree, prompt -> messages for a chat)."""
+    prompt_param = "messages" if chat else "prompt"
     field, _, detail = str(exc).partition(": ")
     if isinstance(exc, TreeSpecError) or field == "tree":
         param, detail = "specdec.tree", str(exc)
@@ -201,7 +202,7 @@ def field_error(exc: Exception, prompt_param: str) -> ApiError:
     return ApiError(400, f"{param}: {detail}", param)
 
 
-def run_error(exc: BaseException, prompt_param: str) -> ApiError:
+def run_error(exc: BaseException, chat: bool) -> ApiError:
     """The ApiError for an exception of a running request."""
     if isinstance(exc, ApiError):
         return exc
@@ -215,7 +216,7 @@ def run_error(exc: BaseException, prompt_param: str) -> ApiError:
     if isinstance(exc, AdmissionRefused):  # over front.limits: OpenAI's rate-limit error
         return ApiError(429, str(exc), type="rate_limit_error", code="rate_limit_exceeded")
     if isinstance(exc, ValueError):
-        return field_error(exc, prompt_param)
+        return field_error(exc, chat)
     log.exception("HTTP request failed", exc_info=exc)
     return ApiError(500, f"internal error: {type(exc).__name__}", type="server_error")
 
@@ -297,7 +298,6 @@ class Output:
         final["specdec"] = self._stats(event.stats)
         if not self.include_usage:
             return [final]
-        final["usage"] = None
         return [final, {**self._head(chunk=True), "choices": [], "usage": self._usage()}]
 
     def first_chunk(self) -> dict | None:
@@ -313,14 +313,8 @@ class Output:
             self.chunks(event)
         stats = events[-1].stats
         text = self.trim.text[:self.trim.sent]
-        choice: dict = {"index": 0}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice.update(logprobs=None, finish_reason=FINISH_REASONS.get(stats.stop_reason, "stop"))
-        if self.token_ids:
-            choice["token_ids"] = [t for e in events for t in e.tokens]
+        choice = self._choice(("message", {"role": "assistant", "content": text}), text,
+                              [t for e in events for t in e.tokens], FINISH_REASONS.get(stats.stop_reason, "stop"))
         return {**self._head(chunk=False), "choices": [choice], "usage": self._usage(), "specdec": self._stats(stats)}
 
     def _head(self, chunk: bool) -> dict:
@@ -328,18 +322,15 @@ class Output:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def _chunk(self, text: str, tokens: list[int], finish_reason: str | None = None) -> dict:
-        choice: dict = {"index": 0}
-        if self.chat:
-            choice["delta"] = {"content": text} if text or finish_reason is None else {}
-        else:
-            choice["text"] = text
-        choice.update(logprobs=None, finish_reason=finish_reason)
-        if self.token_ids:
-            choice["token_ids"] = tokens
-        chunk = {**self._head(chunk=True), "choices": [choice]}
-        if self.include_usage:
-            chunk["usage"] = None
-        return chunk
+        delta = {"content": text} if text or finish_reason is None else {}
+        chunk = {**self._head(chunk=True), "choices": [self._choice(("delta", delta), text, tokens, finish_reason)]}
+        return chunk | ({"usage": None} if self.include_usage else {})
+
+    def _choice(self, chat_item: tuple[str, dict], text: str, tokens: list[int], finish_reason: str | None) -> dict:
+        """A choice: ``chat_item`` (its key and value) in a chat, else the text; the token ids when asked for."""
+        content = dict([chat_item]) if self.chat else {"text": text}
+        choice = {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}
+        return choice | ({"token_ids": tokens} if self.token_ids else {})
 
     def _usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -355,9 +346,6 @@ def sse(data: dict) -> str:
 
 
 # --------------------------------------------------------------------------- running a request
-
-
-_END = object()
 
 
 class Run:
@@ -376,7 +364,7 @@ class Run:
         try:
             async for event in events:
                 self.queue.put_nowait(event)
-            self.queue.put_nowait(_END)
+            self.queue.put_nowait(StopAsyncIteration())  # the end, raised by __anext__
         except asyncio.CancelledError:
             self.queue.put_nowait(ClientGone("the client closed the connection"))
             raise
@@ -388,8 +376,6 @@ class Run:
 
     async def __anext__(self) -> StreamEvent:
         item = await self.queue.get()
-        if item is _END:
-            raise StopAsyncIteration
         if isinstance(item, BaseException):
             raise item
         return item
@@ -423,22 +409,15 @@ def _trace_carrier(request: Request) -> dict:
 # --------------------------------------------------------------------------- the app
 
 
-async def _api_error_response(_request: Request, exc: ApiError) -> JSONResponse:
-    return exc.response()
-
-
-async def _validation_error_response(_request: Request, exc: RequestValidationError) -> JSONResponse:
-    return validation_error(exc).response()
-
-
-async def _http_error_response(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    """Starlette's own errors (404 unknown path, 405 wrong method) in OpenAI's error format."""
-    body = ApiError(exc.status_code, str(exc.detail), type="invalid_request_error").body()
-    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
-
-
-async def _internal_error_response(_request: Request, exc: Exception) -> JSONResponse:
-    """Any other exception: 500 in OpenAI's error format (uvicorn logs the traceback)."""
+async def _error_response(_request: Request, exc: Exception) -> JSONResponse:
+    """An error outside a request's run in OpenAI's error format: ours, a body that fails validation, Starlette's
+    own (404 unknown path, 405 wrong method) or any other (500; uvicorn logs the traceback)."""
+    if isinstance(exc, ApiError):
+        return exc.response()
+    if isinstance(exc, RequestValidationError):
+        return validation_error(exc).response()
+    if isinstance(exc, StarletteHTTPException):
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), exc.status_code, exc.headers)
     return ApiError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
 
 
@@ -492,28 +471,25 @@ class Gate:
 
 
 class HttpApi:
-    """The FastAPI app over a RequestRunner, behind a ``Gate``. model_name: the ``model`` id; registry: what
-    /metrics serves; draining: set at shutdown (new requests get 503); auth_tokens: accepted bearer tokens (empty =
-    no auth); max_body_bytes: the largest request body read."""
+    """The FastAPI app over a RequestRunner, behind a ``Gate`` that accepts the runner's bearer tokens (none = no
+    auth). model_name: the ``model`` id; registry: what /metrics serves; draining: set at shutdown (new requests get
+    503); max_body_bytes: the largest request body read."""
 
     def __init__(self, runner: RequestRunner, model_name: str, registry, draining: asyncio.Event,
-                 auth_tokens: tuple[str, ...] = (), max_body_bytes: int = 4 << 20, metrics_auth: bool = False):
+                 max_body_bytes: int = 4 << 20, metrics_auth: bool = False):
         self.runner = runner
         self.model_name = model_name
         self.registry = registry
         self.draining = draining
-        self.auth_tokens = tuple(t.encode() for t in auth_tokens)
         self.active: set[str] = set()  # ids of the HTTP requests running
         self.created = int(time.time())
-        self.app = Gate(self._build(), self.auth_tokens, max_body_bytes, metrics_auth)
+        self.app = Gate(self._build(), runner.auth_tokens, max_body_bytes, metrics_auth)
 
     def _build(self) -> FastAPI:
         app = FastAPI(title="specdec", summary="OpenAI-compatible API of the speculative-decoding front",
                       docs_url=None, redoc_url=None)
-        app.add_exception_handler(ApiError, _api_error_response)
-        app.add_exception_handler(RequestValidationError, _validation_error_response)
-        app.add_exception_handler(StarletteHTTPException, _http_error_response)
-        app.add_exception_handler(Exception, _internal_error_response)
+        for error in (ApiError, RequestValidationError, StarletteHTTPException, Exception):
+            app.add_exception_handler(error, _error_response)
         admit = [Depends(self._admit)]
         app.add_api_route("/v1/completions", self.completions, methods=["POST"], dependencies=admit)
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"], dependencies=admit)
@@ -533,30 +509,31 @@ class HttpApi:
             if len(prompt) != 1:
                 raise ApiError(400, f"prompt: one prompt per request, got {len(prompt)}", "prompt")
             prompt = prompt[0]
-        call = self._call(body, request, "prompt", chat=False)
+        call = self._call(body, request, chat=False)
         if isinstance(prompt, str):
             call = dataclasses.replace(call, prompt=_unicode(prompt, "prompt"))
         else:
             call = dataclasses.replace(call, prompt_ids=tuple(prompt))
-        return await self._respond(request, body, call, chat=False, prompt_param="prompt")
+        return await self._respond(request, body, call, chat=False)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
-        call = self._call(body, request, "messages", chat=True)
+        call = self._call(body, request, chat=True)
         for i, message in enumerate(body.messages):
             for field, text in message.as_template_input().items():
                 _unicode(text, f"messages[{i}].{field}")
         try:
             # tokenized off the event loop (the tokenizer releases the GIL): a huge prompt stalls no other request
-            ids = await asyncio.to_thread(encode_chat, self.runner.tokenizer, [m.as_template_input() for m in body.messages])
+            messages = [m.as_template_input() for m in body.messages]
+            ids = await asyncio.to_thread(encode_chat, self.runner.tokenizer, messages)
         except ValueError as exc:
-            raise field_error(exc, "messages") from None
+            raise field_error(exc, chat=True) from None
         except Exception as exc:  # noqa: BLE001 - a template's own error (e.g. raise_exception on the roles)
             raise ApiError(400, f"messages: the chat template refused them: {exc}", "messages") from None
-        return await self._respond(request, body, dataclasses.replace(call, prompt_ids=tuple(ids)), chat=True,
-                                   prompt_param="messages")
+        return await self._respond(request, body, dataclasses.replace(call, prompt_ids=tuple(ids)), chat=True)
 
-    def _call(self, body: _GenerationParams, request: Request, prompt_param: str, chat: bool) -> GenerateCall:
-        """The GenerateCall of a request's parameters but its prompt; ApiError 404 for another model, 400 naming a bad parameter."""
+    def _call(self, body: _GenerationParams, request: Request, chat: bool) -> GenerateCall:
+        """The GenerateCall of a request's parameters but its prompt; ApiError 404 for another model, 400 naming a
+        bad parameter."""
         if body.model is not None and body.model != self.model_name:
             raise ApiError(404, f"model: {body.model!r} is not served here (GET /v1/models lists {self.model_name!r})",
                            "model", code="model_not_found")
@@ -565,15 +542,15 @@ class HttpApi:
             tree = parse_tree_spec(body.specdec.tree) if body.specdec.tree is not None else None
             sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
         except ValueError as exc:  # TreeSpecError, SamplingParamsError
-            raise field_error(exc, prompt_param) from None
+            raise field_error(exc, chat) from None
         return GenerateCall(
-            request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", raw=True, max_new_tokens=body.max_new_tokens(), stop=stop, sampling=sampling, tree=tree,
+            request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", raw=True,
+            max_new_tokens=body.max_new_tokens(), stop=stop, sampling=sampling, tree=tree,
             no_spec=body.specdec.no_spec, ignore_eos=body.specdec.ignore_eos, carrier=_trace_carrier(request),
             client=self.runner.client_of(request.headers.get("authorization", ""),
                                          request.client.host if request.client else "unknown"))
 
-    async def _respond(self, request: Request, body: _GenerationParams, call: GenerateCall, chat: bool,
-                       prompt_param: str) -> Response:
+    async def _respond(self, request: Request, body: _GenerationParams, call: GenerateCall, chat: bool) -> Response:
         """Run the call; the first event is awaited here, so errors before any token get their status."""
         out = Output(chat, self.model_name, body, call)
         run = Run(self.runner.run(call), request, self.active, call.request_id)
@@ -583,21 +560,21 @@ class HttpApi:
             run.close()
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            raise run_error(exc, prompt_param) from None
+            raise run_error(exc, chat) from None
         if body.stream:
-            return StreamingResponse(self._sse(out, first, run, prompt_param), media_type="text/event-stream",
+            return StreamingResponse(self._sse(out, first, run), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             events = [first]
             async for event in run:
                 events.append(event)
         except Exception as exc:  # noqa: BLE001 - mapped to its status
-            raise run_error(exc, prompt_param) from None
+            raise run_error(exc, chat) from None
         finally:
             run.close()
         return JSONResponse(out.response(events))
 
-    async def _sse(self, out: Output, first: StreamEvent, run: Run, prompt_param: str):
+    async def _sse(self, out: Output, first: StreamEvent, run: Run):
         """The event stream: chunks of each event, an error event if the request fails, then [DONE]."""
         try:
             if (opening := out.first_chunk()) is not None:
@@ -610,7 +587,7 @@ class HttpApi:
         except ClientGone:
             return
         except Exception as exc:  # noqa: BLE001 - after the headers an error is an event
-            yield sse(run_error(exc, prompt_param).body())
+            yield sse(run_error(exc, out.chat).body())
         finally:
             run.close()
         yield "data: [DONE]\n\n"
@@ -672,7 +649,7 @@ async def start_http(front: FrontConfig, grpc_cfg: GrpcConfig, runner: RequestRu
                      draining: asyncio.Event) -> HttpServer:
     """Serve the HTTP API on front.host:http_port (HTTPS with grpc.tls_cert); prints ``http ready on HOST:PORT``."""
     api = HttpApi(runner, front.served_model_name or Path(tok_dir).name, registry, draining,
-                  load_auth_tokens(front.auth_token_file), front.limits.max_body_bytes, front.metrics_auth)
+                  front.limits.max_body_bytes, front.metrics_auth)
     sock = listen(front.host, front.http_port)
     server = _LoopServer(uvicorn.Config(api.app, log_config=None, access_log=False, lifespan="off",
                                         timeout_graceful_shutdown=max(grpc_cfg.shutdown_grace_s, 0.1),

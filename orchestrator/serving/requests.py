@@ -103,8 +103,7 @@ def prompt_tokens(call: GenerateCall, tokenizer, vocab_size: int) -> list[int]:
     if call.prompt and call.prompt_ids:
         raise ValueError("prompt: give either prompt (text) or prompt_ids, not both")
     if call.prompt_ids:
-        bad = [t for t in call.prompt_ids if not 0 <= t < vocab_size]
-        if bad:
+        if bad := [t for t in call.prompt_ids if not 0 <= t < vocab_size]:
             raise ValueError(f"prompt_ids: {bad[0]} outside the vocabulary [0, {vocab_size})")
         return list(call.prompt_ids)
     if call.prompt:

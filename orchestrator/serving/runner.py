@@ -5,6 +5,7 @@ as StreamEvents, feed each round to the metrics and the acceptance monitor.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import time
@@ -123,12 +124,9 @@ class RequestRunner:
             return
         if timeout_s is not None:
             timeout_s = max(timeout_s - (time.monotonic() - arrived), 0.0)
-        stream = self.backend.stream(req, request_id, timeout_s, carrier)
-        try:
+        async with contextlib.aclosing(self.backend.stream(req, request_id, timeout_s, carrier)) as stream:
             async for chunk in stream:
                 yield chunk
-        finally:
-            await stream.aclose()
 
     def _final_stats(self, stats: GenerationStats, started: float) -> GenerationStats:
         """The request's statistics (fail-overs counted in the metrics); total_s from ``started`` if unset."""
