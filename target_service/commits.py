@@ -73,8 +73,11 @@ class DeferredCommits:
             except Exception as exc:  # noqa: BLE001 - the item's own outcome
                 errors[i] = exc
         rest = [item for i, item in enumerate(items) if i not in errors]
-        outcomes = iter(self.runtime.verify_batch(rest) if rest else ())
-        return [errors[i] if i in errors else next(outcomes) for i in range(len(items))]
+        outcomes = list(self.runtime.verify_batch(rest)) if rest else []
+        if len(outcomes) != len(rest):  # raised here: a StopIteration below would never reach the awaiting future
+            raise RuntimeError(f"verify_batch: {len(outcomes)} outcomes for {len(rest)} items")
+        remaining = iter(outcomes)
+        return [errors[i] if i in errors else next(remaining) for i in range(len(items))]
 
     def release(self, session_id: str):
         self.deferred.pop(session_id, None)

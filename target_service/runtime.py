@@ -311,7 +311,8 @@ class TargetRuntime:
             [tree_attention_mask(tree.parents, s.cache_len, self.model.dtype) for s, tree in zip(sessions, trees)],
             [1 if isinstance(item[3], PrefillChunk) else None for item in batch],  # a chunk: its last row only
             argmax_head=self.argmax_head,
-            argmax_rows=[s.sampling.greedy and not isinstance(item[3], PrefillChunk) for s, item in zip(sessions, batch)],
+            argmax_rows=[s.sampling.greedy and not isinstance(item[3], PrefillChunk)
+                         for s, item in zip(sessions, batch)],
         )  # B x (N_b + 1, V); greedy sessions: (N_b + 1,) argmax ids; (1, V) for a chunk
         return logits.__getitem__
 

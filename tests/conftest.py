@@ -31,7 +31,7 @@ torch.set_num_threads(1)  # tiny models: threads only add overhead on a 2-core m
 # without an address attaches to the last cluster recorded under RAY_TMPDIR, so a worker's fronts must not find
 # the other's. Kept short: Ray's socket paths must fit 107 bytes.
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ.setdefault("RAY_TMPDIR", f"/tmp/ray-{os.environ['PYTEST_XDIST_WORKER']}")
+    os.environ["RAY_TMPDIR"] = f"{os.environ.get('RAY_TMPDIR', '/tmp')}/ray-{os.environ['PYTEST_XDIST_WORKER']}"
     os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
 
 

@@ -224,7 +224,7 @@ def test_request_stats_time_by_phase_after_the_first_token():
     """GenerationStats' draft_s / verify_s / draft_rounds sum the rounds after the first (the first is
     inside ttft_ms, so the parts do not overlap); a round that did not ask the draft (draft_s None)
     adds its verify only, an adopted pipelined tree (draft_s 0) is no draft round; FinalStats carries them."""
-    from specdec.stats import GenerationStats, position_rates
+    from specdec.stats import GenerationStats
     from specdec.wire import stats_to_proto
 
     def record(draft_s, verify_s, fallback=None, pipelined=False):

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
 import socket
+import threading
 import time
 import urllib.request
 
@@ -221,7 +223,6 @@ def test_a_killed_orchestrator_actor_is_restarted_and_serves_again(stack, target
     actor serves again (no request of the last batch needs a second actor)."""
     import os
     import signal
-    import subprocess
 
     def actor_pids():  # this front's actors only (its local Ray runs under it), not another test worker's
         found = []
@@ -318,12 +319,13 @@ def test_front_attaches_to_an_existing_ray_cluster(stack, target_model, tmp_path
                              "--num-cpus=1", "--include-dashboard=false", f"--temp-dir={temp_dir}",
                              "--disable-usage-stats"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "RAY_AUTH_MODE": "disabled"})  # the front's ray.init uses no token
-    said = []
-    for line in head.stdout:  # up and running once it says so (then it blocks; little more is written)
-        said.append(line)
-        if "Ray runtime started" in line:
-            break
-    assert head.poll() is None, "".join(said)[-2000:]
+    said: queue.Queue = queue.Queue()  # its output, drained all along by a thread
+    threading.Thread(target=lambda: [said.put(line) for line in head.stdout], daemon=True).start()
+    log, deadline = "", time.monotonic() + 180
+    while "Ray runtime started" not in log and head.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(queue.Empty):
+            log += said.get(timeout=1)
+    assert "Ray runtime started" in log and head.poll() is None, log[-2000:]
     front = None
     try:
         # RAY_AUTH_MODE as the cluster's: an in-process ray.init earlier in this pytest process (e.g.
