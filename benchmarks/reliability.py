@@ -651,7 +651,7 @@ async def kill_service(args, dep: LocalDeployment, kind: str) -> float:
     return restart_s
 
 
-async def kill_actor(dep: LocalDeployment, timeout_s: float = 60.0) -> float:
+async def kill_actor(dep: LocalDeployment, timeout_s: float = 120.0) -> float:
     """SIGKILL one orchestrator actor worker; returns the seconds until Ray had as many workers again."""
     pids = dep.actor_pids()
     if not pids:

@@ -35,6 +35,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(items):
     """xdist groups: a file's tests run on one worker (its module fixtures, e.g. a service stack, start once); the
     real-pair tests all on one (never two copies of the 1.5B target at once: ~8 GB each)."""
