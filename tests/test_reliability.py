@@ -90,6 +90,16 @@ def test_chaos_verdict_checks_sampled_outputs_and_names_the_rerouted():
     assert "sampled_rerouted" not in rel.CHAOS_ALLOWED["none"] and "UNAVAILABLE" not in rel.CHAOS_ALLOWED["actor"]
 
 
+def test_a_request_over_several_windows_is_counted_under_one_and_may_be_what_any_allows():
+    windows = [rel.Disruption("draft", 1.0, 2.0, 0.5), rel.Disruption("target", 3.0, 4.0, 0.5)]
+    span = lambda start, end: rel.Outcome("r", False, "OK", [1], start, end)  # noqa: E731
+    assert rel.overlapped(span(1.5, 3.5), windows) == ("target", {"greedy_equal", "sampled_equal", "UNAVAILABLE",
+                                                                  "sampled_rerouted"})
+    assert rel.overlapped(span(2.5, 3.5), windows) == ("target", {"greedy_equal", "sampled_equal", "UNAVAILABLE"})
+    assert rel.overlapped(span(1.5, 1.8), windows) == ("draft", {"greedy_equal", "sampled_equal", "sampled_rerouted"})
+    assert rel.overlapped(span(2.2, 2.8), windows) == ("none", {"greedy_equal", "sampled_equal"})
+
+
 def test_soak_statuses_must_be_what_each_plan_allows():
     plans = [rel.Plan("plain", [1], 4), rel.Plan("rpc", [1], 4, abort="rpc"), rel.Plan("cancel", [1], 4, abort="cancel"),
              rel.Plan("short", [1], 4, deadline_s=0.3)]
