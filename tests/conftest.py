@@ -37,11 +37,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(items):
-    """xdist groups: a file's tests run on one worker (its module fixtures, e.g. a service stack, start once); the
-    real-pair tests all on one (never two copies of the 1.5B target at once: ~8 GB each)."""
+    """xdist groups: the real-pair tests on one worker (never two copies of the 1.5B target at once: ~8 GB each); a
+    file's tests that use a module- or class-scoped fixture (a service stack, models) on one worker, so it starts
+    once; every other test wherever a worker is free."""
     for item in items:
-        group = "real_pair" if item.get_closest_marker("real_models") else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+        shared = any(defs[-1].scope in ("module", "class", "package")
+                     for defs in item._fixtureinfo.name2fixturedefs.values())
+        if item.get_closest_marker("real_models"):
+            item.add_marker(pytest.mark.xdist_group("real_pair"))
+        elif shared:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
 
 VOCAB = 64
 _KINDS = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
