@@ -27,12 +27,14 @@ from specdec.tree_spec import TreeSpec
 
 torch.set_num_threads(1)  # tiny models: threads only add overhead on a 2-core machine
 
-# pytest-xdist (pyproject's addopts: -n 2 --dist loadgroup). Each worker keeps its Ray clusters apart: ray.init()
+# pytest-xdist, opt-in (`-n 2 --dist loadgroup`, tests/README.md). Each worker keeps its Ray clusters apart: ray.init()
 # without an address attaches to the last cluster recorded under RAY_TMPDIR, so a worker's fronts must not find
-# the other's. Kept short: Ray's socket paths must fit 107 bytes.
+# the other's. Kept short: Ray's socket paths must fit 107 bytes. A GCS starting beside the other worker's load may
+# take longer than Ray's 30 s.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["RAY_TMPDIR"] = f"{os.environ.get('RAY_TMPDIR', '/tmp')}/ray-{os.environ['PYTEST_XDIST_WORKER']}"
     os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
