@@ -41,7 +41,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 def pytest_collection_modifyitems(items):
     """xdist groups: the real-pair tests on one worker (never two copies of the 1.5B target at once: ~8 GB each); a
     file's tests that use a module- or class-scoped fixture (a service stack, models) on one worker, so it starts
-    once; every other test wherever a worker is free."""
+    once; every other test wherever a worker is free. Nothing to do in one process."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     for item in items:
         shared = any(defs[-1].scope in ("module", "class", "package")
                      for defs in item._fixtureinfo.name2fixturedefs.values())
