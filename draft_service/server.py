@@ -30,7 +30,7 @@ from specdec.batching import SessionBatcher
 from specdec.config import ConfigError, DraftServerConfig, ServeConfig, load_config
 from specdec.grpc_host import ServiceHost, abort_for, rpc_errors
 from specdec.kv_budget import kv_bytes_per_token, sized_budget
-from specdec.placement import placement
+from specdec.placement import placement, usable_cpus
 from specdec.model_setup import load_draft, target_info
 from specdec.model_worker import ModelWorker
 from specdec.models import ModelError
@@ -349,8 +349,8 @@ def serve(config: ServeConfig) -> int:
     # the model's whole life (threads, load, every forward) on one thread: specdec.model_worker
     worker = ModelWorker("draft-runtime")
     try:
-        if config.models.threads:
-            worker.call(torch.set_num_threads, config.models.threads)
+        # unset: the CPUs this process can keep busy (affinity and cgroup quota), not the host's count
+        worker.call(torch.set_num_threads, config.models.threads or usable_cpus())
         runtime, context_limit = worker.call(_load_draft, config)
         asyncio.run(serve_runtime(config, runtime, context_limit=context_limit, worker=worker))
     except ModelError as exc:

@@ -6,10 +6,13 @@
 Both services report it in Info (``host``, ``device``, ``cpus``); shared compute makes the planning price
 draft steps for the whole batch. Pods on one node differ by host name; a CUDA device is named by its UUID
 (``CUDA_VISIBLE_DEVICES`` renumbers); a tensor-parallel target reports "cuda", separate from any draft.
+``usable_cpus()``: the CPUs the process can keep busy (affinity capped by its cgroup's CPU quota), which sizes
+torch's threads where ``models.threads`` is unset.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import socket
@@ -56,6 +59,50 @@ def shares_compute(a: Placement, b: Placement) -> bool:
     if a.device.startswith("cpu") and a.cpus and b.cpus:
         return bool(set(a.cpus) & set(b.cpus))
     return True
+
+
+def usable_cpus(cgroup_root: str | Path = "/sys/fs/cgroup") -> int:
+    """CPUs this process can keep busy, >= 1: its affinity (``sched_getaffinity``; ``os.cpu_count()`` where
+    unknown), capped by the CPU quota of its cgroup rounded up: cgroup v2 ``cpu.max`` ("quota period") of its
+    cgroup and every ancestor, else v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``. A container given 1.5
+    CPUs on a 64-core host gets 2. cgroup_root: where the cgroup file system is mounted."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cpus = os.cpu_count() or 1
+    root = Path(cgroup_root)
+    quotas = [q for q in map(_v2_quota, _cgroup_dirs(root)) if q is not None]
+    v1 = [(_read_int(d / "cpu.cfs_quota_us"), _read_int(d / "cpu.cfs_period_us")) for d in (root / "cpu", root / "cpu,cpuacct")]
+    quotas += [quota / period for quota, period in v1 if quota and period and quota > 0 and period > 0]  # -1: none
+    if quotas:
+        cpus = min(cpus, math.ceil(min(quotas)))
+    return max(1, cpus)
+
+
+def _cgroup_dirs(root: Path) -> list[Path]:
+    """The process's cgroup v2 directory under ``root`` and its ancestors up to ``root`` (from /proc/self/cgroup)."""
+    try:
+        own = next((line[3:] for line in Path("/proc/self/cgroup").read_text().splitlines() if line.startswith("0::")), "/")
+    except OSError:
+        own = "/"
+    parts = [part for part in own.strip().split("/") if part]
+    return [root.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
+
+
+def _v2_quota(directory: Path) -> float | None:
+    """CPUs of ``directory``/cpu.max ("150000 100000" -> 1.5); None without a limit ("max ...") or the file."""
+    try:
+        quota, period = (directory / "cpu.max").read_text().split()[:2]
+        return int(quota) / int(period) if quota != "max" and int(period) > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def cpu_model() -> str:

@@ -38,7 +38,7 @@ from specdec.interfaces import SessionStateError, UnknownSessionError, VerifyRes
 from specdec.model_setup import load_target, resolve_dtype, target_info
 from specdec.model_worker import ModelWorker
 from specdec.models import ModelError
-from specdec.placement import placement
+from specdec.placement import placement, usable_cpus
 from specdec.process_entry import check_device, configure_logging, fail
 from specdec.sampling import SamplingParamsError
 from specdec.security import check_client_auth
@@ -368,8 +368,8 @@ def serve(config: ServeConfig) -> int:
     # the model's whole life (threads, load, every forward) on one thread: specdec.model_worker
     worker = ModelWorker("target-runtime")
     try:
-        if config.models.threads:
-            worker.call(torch.set_num_threads, config.models.threads)
+        # unset: the CPUs this process can keep busy (affinity and cgroup quota), not the host's count
+        worker.call(torch.set_num_threads, config.models.threads or usable_cpus())
         runtime, context_limit, eos, name = worker.call(_load_target, config)
         asyncio.run(serve_runtime(config, runtime, context_limit=context_limit, eos_token_ids=eos, model_name=name,
                                   worker=worker))

@@ -50,6 +50,7 @@ from transformers.utils import logging as hf_logging
 
 from specdec.cpu_linear import PackedLinear
 from specdec.models import DTYPES, check_supported
+from specdec.placement import usable_cpus
 from specdec.sampling import GREEDY, SamplingParams
 from specdec.tree_spec import MAX_TREE_NODES
 from specdec.kv_budget import kv_bytes_per_token
@@ -339,7 +340,7 @@ class TensorParallelTarget:
     """A TargetRuntime over ``tp`` rank processes (TargetWorker protocol of specdec.interfaces).
 
     model_dir: a transformers model directory; dtype: float32 | bfloat16 | float16; threads_per_rank:
-    None = os.cpu_count() // tp; collective_timeout_s: process-group timeout; call_timeout_s: the most
+    None = ``specdec.placement.usable_cpus()`` // tp (at least 1); collective_timeout_s: process-group timeout; call_timeout_s: the most
     one call may take (None = no limit; keep it above the longest prefill); prepack: see
     ``prepack_tp_linears``; backend: None = nccl with CUDA, else gloo. All times in seconds.
     Raises ValueError (naming ``tp``) for a model that cannot be split so, the rank's loading error,
@@ -369,7 +370,7 @@ class TensorParallelTarget:
         self._lock = threading.Lock()
         self._failure: RankFailureError | None = None
         self._closed = False
-        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // tp)
+        threads = threads_per_rank or max(1, usable_cpus() // tp)
         self._rendezvous = _rendezvous(start_timeout_s)
         spec = _RankSpec(str(model_dir), tp, self._rendezvous.port, self.backend, dtype, threads, collective_timeout_s,
                          max_tree_nodes, prepack)

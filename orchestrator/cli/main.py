@@ -188,7 +188,7 @@ def generate(
     no_spec: bool = typer.Option(False, "--no-spec", help="Target-only autoregressive decoding (baseline)."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     max_context: Optional[int] = typer.Option(None, help="Context limit in tokens (default: the target's)."),
-    threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: the CPUs usable by this process)."),
     control: str = typer.Option("cost-aware", help=_CONTROL_HELP),
     pipeline: bool = typer.Option(False, "--pipeline", help="Draft round r+1 from round r's likely outcome while the target verifies round r (output unchanged; in-process the two take turns, so it pays with the services)."),
     draft_window: Optional[int] = typer.Option(None, help=_DRAFT_WINDOW_HELP),
@@ -244,7 +244,7 @@ def bench(
     top_p: float = typer.Option(1.0, help="top-p of the sampled pass."),
     top_k: int = typer.Option(0, help="top-k of the sampled pass (0 = off)."),
     seed: Optional[int] = typer.Option(0, help="Seed of the sampled pass (question i uses seed + i)."),
-    threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: the CPUs usable by this process)."),
     control: str = typer.Option("cost-aware", help=_CONTROL_HELP),
     draft_window: Optional[int] = typer.Option(None, help=_DRAFT_WINDOW_HELP),
     category: list[str] = typer.Option([], help="Only this category (repeatable; default: every category)."),
@@ -377,7 +377,7 @@ def eval_(
     tree: Optional[str] = typer.Option(None, help="TreeSpec (inline JSON or file; default: top-3 at the root, then a chain of 3)."),
     dtype: str = typer.Option("auto", help="Model dtype (auto, bfloat16, float32, float16)."),
     draft_quant: str = typer.Option("auto", help="auto (int8 on CPU), none or int8 draft."),
-    threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: the CPUs usable by this process)."),
     control: str = typer.Option("cost-aware", help=_CONTROL_HELP),
 ) -> None:
     """Evaluation report: target-only vs speculation per question (greedy), SpeculativeReport overall and
@@ -432,7 +432,7 @@ def profile_draft(
     draft_quant: str = typer.Option("none", help="Quantization of candidates given without @QUANT: none or int8."),
     tree: Optional[str] = typer.Option(None, help="TreeSpec (inline JSON or file; default: top-3 at the root, then a chain of 3)."),
     dtype: str = typer.Option("auto", help="Model dtype (auto, bfloat16, float32, float16)."),
-    threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: the CPUs usable by this process)."),
     control: str = typer.Option("cost-aware", help=_CONTROL_HELP),
 ) -> None:
     """DraftProfile of each candidate draft against the target: parameters, the draft's own tokens/s,

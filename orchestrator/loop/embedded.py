@@ -15,6 +15,7 @@ from orchestrator.loop.engine import SpeculativeEngine
 from specdec.config import CONTROLS, DraftWindowConfig, FrontConfig, ModelsConfig
 from specdec.model_setup import LoadedDraft, LoadedTarget, load_draft, load_target
 from specdec.models import ModelError
+from specdec.placement import usable_cpus
 from target_service.runtime import TargetRuntime
 
 
@@ -113,5 +114,5 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
 
 
 def set_threads(threads: int | None) -> None:
-    if threads:
-        torch.set_num_threads(threads)
+    """torch's CPU threads: ``threads``, None = the CPUs this process can keep busy (``usable_cpus``)."""
+    torch.set_num_threads(threads or usable_cpus())
