@@ -72,7 +72,8 @@ def usable_cpus(cgroup_root: str | Path = "/sys/fs/cgroup") -> int:
         cpus = os.cpu_count() or 1
     root = Path(cgroup_root)
     quotas = [q for q in map(_v2_quota, _cgroup_dirs(root)) if q is not None]
-    v1 = [(_read_int(d / "cpu.cfs_quota_us"), _read_int(d / "cpu.cfs_period_us")) for d in (root / "cpu", root / "cpu,cpuacct")]
+    v1 = [(_read_int(d / "cpu.cfs_quota_us"), _read_int(d / "cpu.cfs_period_us"))
+          for d in (root / "cpu", root / "cpu,cpuacct")]
     quotas += [quota / period for quota, period in v1 if quota and period and quota > 0 and period > 0]  # -1: none
     if quotas:
         cpus = min(cpus, math.ceil(min(quotas)))
@@ -82,7 +83,8 @@ def usable_cpus(cgroup_root: str | Path = "/sys/fs/cgroup") -> int:
 def _cgroup_dirs(root: Path) -> list[Path]:
     """The process's cgroup v2 directory under ``root`` and its ancestors up to ``root`` (from /proc/self/cgroup)."""
     try:
-        own = next((line[3:] for line in Path("/proc/self/cgroup").read_text().splitlines() if line.startswith("0::")), "/")
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        own = next((line[3:] for line in lines if line.startswith("0::")), "/")
     except OSError:
         own = "/"
     parts = [part for part in own.strip().split("/") if part]

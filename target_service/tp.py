@@ -340,8 +340,9 @@ class TensorParallelTarget:
     """A TargetRuntime over ``tp`` rank processes (TargetWorker protocol of specdec.interfaces).
 
     model_dir: a transformers model directory; dtype: float32 | bfloat16 | float16; threads_per_rank:
-    None = ``specdec.placement.usable_cpus()`` // tp (at least 1); collective_timeout_s: process-group timeout; call_timeout_s: the most
-    one call may take (None = no limit; keep it above the longest prefill); prepack: see
+    None = ``specdec.placement.usable_cpus()`` // tp (at least 1); collective_timeout_s: process-group
+    timeout; call_timeout_s: the most one call may take (None = no limit; keep it above the longest
+    prefill); prepack: see
     ``prepack_tp_linears``; backend: None = nccl with CUDA, else gloo. All times in seconds.
     Raises ValueError (naming ``tp``) for a model that cannot be split so, the rank's loading error,
     RankFailureError when a rank dies or the start times out. ``close()`` (or ``with``) stops the ranks.
