@@ -98,6 +98,11 @@ class DraftWorker:
         (a draft service's reply says; None = not reported)."""
         return None
 
+    @property
+    def link_rtt_s(self) -> float | None:
+        """The measured round trip of this worker's link, seconds (wall time of a call minus the service's own time); None in-process or before the first call."""
+        return None
+
 
 class WorkerAdapter(DraftWorker):
     """Another worker (a draft or a target) whose calls each go through ``call``: awaitable for an
@@ -169,3 +174,8 @@ class TargetWorker(Protocol):
     def release(self, session_id: str) -> None:
         """Free the session and its KV; an unknown id is a no-op."""
         ...
+
+    @property
+    def link_rtt_s(self) -> float | None:
+        """The measured round trip of this worker's link, seconds (wall time of a call minus the service's own time); None in-process or before the first call."""
+        return None

@@ -72,6 +72,10 @@ class GenerationStats:
     # counts the rounds whose verified tree reached depth d / whose committed draft path reached depth d
     position_proposed: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
+    # the service links' measured round trips when the request ended (DraftWorker / TargetWorker.link_rtt_s), ms;
+    # None: in-process, no draft, or not measured yet
+    draft_link_rtt_ms: float | None = None
+    target_link_rtt_ms: float | None = None
 
     def add(self, record: RoundRecord, elapsed_s: float) -> None:
         """Count one round. elapsed_s: seconds from the request's start to the end of this round

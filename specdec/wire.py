@@ -112,4 +112,5 @@ def stats_to_proto(stats: GenerationStats, prompt_tokens: int) -> generation_pb2
         pipeline_ahead_hits=stats.pipeline_ahead_hits, pipeline_ahead_misses=stats.pipeline_ahead_misses,
         position_proposed=stats.position_proposed, position_accepted=stats.position_accepted,
         draft_s=stats.draft_s, verify_s=stats.verify_s, draft_rounds=stats.draft_rounds,
+        draft_link_rtt_ms=stats.draft_link_rtt_ms, target_link_rtt_ms=stats.target_link_rtt_ms,  # None: unset
     )

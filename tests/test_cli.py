@@ -202,3 +202,26 @@ def test_stats_table_shows_time_by_phase_for_local_and_remote_stats():
     console = Console(record=True, width=400)
     console.print(stats_table(GenerationStats(new_tokens=1, rounds=1, total_s=0.3, ttft_ms=300.0), True))
     assert "time by phase" not in console.export_text()
+
+
+def test_stats_table_shows_the_link_round_trips_a_front_measured():
+    """FinalStats' link round trips (generate --server) get a row; unset (0 on the message) or None: none."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from orchestrator.cli.main import stats_table
+    from specdec.stats import GenerationStats
+    from specdec.wire import stats_to_proto
+
+    def text(stats: GenerationStats) -> str:
+        msg = stats_to_proto(stats, prompt_tokens=5)
+        remote = SimpleNamespace(**{f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}, tokens_per_s=0.0)
+        console = Console(record=True, width=400)
+        console.print(stats_table(remote, True))
+        return console.export_text()
+
+    row = next(line for line in text(GenerationStats(draft_link_rtt_ms=31.26, target_link_rtt_ms=0.44)).splitlines()
+               if "link round trips" in line)
+    assert row.split("│")[2].strip() == "draft 31.3 ms, target 0.4 ms"
+    assert "link round trips" not in text(GenerationStats())

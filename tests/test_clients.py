@@ -7,7 +7,9 @@ import asyncio
 import grpc
 import pytest
 
-from orchestrator.loop.clients import TargetClient
+import time
+
+from orchestrator.loop.clients import LinkRtt, TargetClient
 from specdec.tree import DraftTree
 from specdec.v1 import target_pb2
 
@@ -19,21 +21,50 @@ def rpc_error(code):
 class ScriptedStub:
     """Verify raises the scripted errors in order, then answers."""
 
-    def __init__(self, errors):
+    def __init__(self, errors, took_s: float = 0.0, service_ms: float = 0.0):
         self.errors = list(errors)
         self.calls = []
+        self.took_s, self.service_ms = took_s, service_ms
 
     async def Verify(self, request, timeout=None):
         self.calls.append(request)
         if self.errors:
             raise self.errors.pop(0)
-        return target_pb2.VerifyResponse(accepted_nodes=[0], tokens=[5, 6])
+        await asyncio.sleep(self.took_s)
+        return target_pb2.VerifyResponse(accepted_nodes=[0], tokens=[5, 6], service_ms=self.service_ms)
 
 
 def client_with(stub) -> TargetClient:
     client = TargetClient.__new__(TargetClient)
-    client.stub = stub
+    client.stub, client.rtt = stub, LinkRtt()
     return client
+
+
+def test_link_rtt_is_the_median_of_recent_wall_minus_service_times():
+    rtt = LinkRtt(window=3)
+    assert rtt.value is None
+    rtt.add(0.050, 0.030)
+    assert rtt.value == pytest.approx(0.020)
+    rtt.add(0.100, 0.020)
+    assert rtt.value == pytest.approx(0.050)  # median of 0.02 and 0.08
+    rtt.add(0.030, 0.040)  # the service's time above the wall time (clocks): counts as 0
+    assert rtt.value == pytest.approx(0.020)  # median of 0.02, 0.08, 0
+    rtt.add(0.300, 0.010)  # the window holds 3: 0.08, 0, 0.29
+    rtt.add(0.300, 0.020)  # 0, 0.29, 0.28
+    assert rtt.value == pytest.approx(0.280)
+
+
+def test_verify_measures_the_links_round_trip_from_service_ms():
+    """A 50 ms call of which the target says it spent 30: a round trip of about 20 ms. A reply without
+    service_ms (an older target) adds no sample; the replies of retried attempts that failed add none either."""
+    client = client_with(ScriptedStub([], took_s=0.0))
+    asyncio.run(client.verify("s", DraftTree((5,), (-1,))))
+    assert client.link_rtt_s is None
+    client = client_with(ScriptedStub([rpc_error(grpc.StatusCode.UNAVAILABLE)], took_s=0.05, service_ms=30.0))
+    started = time.perf_counter()
+    asyncio.run(client.verify("s", DraftTree((5,), (-1,))))
+    wall = time.perf_counter() - started
+    assert 0.020 <= client.link_rtt_s < wall - 0.2  # the 0.2 s retry pause is no part of the sample
 
 
 def test_verify_is_retried_on_unavailable_with_the_same_tree():

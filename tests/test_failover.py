@@ -138,7 +138,8 @@ class FakeActor:
                                  verify_s=0.0, commit_s=0.0, stop_reason=stop)
             yield _ready((tokens, record, None))
         self._maybe_die(sent)
-        yield _ready(([], None, GenerationStats(new_tokens=sent, rounds=len(todo) // 2, stop_reason="max_new_tokens")))
+        yield _ready(([], None, GenerationStats(new_tokens=sent, rounds=len(todo) // 2, stop_reason="max_new_tokens",
+                                                draft_link_rtt_ms=2.0, target_link_rtt_ms=1.0)))
         if self.die_after_stats:
             raise ActorDiedError()
 
@@ -189,7 +190,8 @@ SAMPLED = SamplingParams(temperature=0.8, seed=7)
 @pytest.mark.parametrize("k", [0, 4, len(FULL)])
 def test_actor_dying_after_k_tokens(k, cancels):
     """k = 0: resent unchanged; k = 4: continued from the 4 streamed tokens; k = all: died after its
-    last round, before its stats: nothing to continue, the stats are completed from the stream."""
+    last round, before its stats: nothing to continue, the stats are completed from the stream (no link round
+    trips then; else the last part's)."""
     first, second = FakeActor(die_after=k), FakeActor()
     backend = fake_backend(first, second)
     request = GenerationRequest(PROMPT, max_new_tokens=len(FULL), stop_strings=("zz",), spec=DEFAULT_SPEC,
@@ -198,6 +200,8 @@ def test_actor_dying_after_k_tokens(k, cancels):
     assert tokens == FULL
     assert (stats.new_tokens, stats.rounds, stats.stop_reason) == (len(FULL), len(FULL) // 2, "max_new_tokens")
     assert stats.failovers == (0 if k == len(FULL) else 1)
+    links = (None, None) if k == len(FULL) else (2.0, 1.0)  # the last part's, when it sent its stats
+    assert (stats.draft_link_rtt_ms, stats.target_link_rtt_ms) == links
     assert backend.owner == {} and backend.inflight == {0: 0, 1: 0}
     assert len(cancels) == 1  # the dead part's stream; the finished one is not cancelled
     if k == len(FULL):

@@ -137,6 +137,51 @@ def test_no_spec_and_sampling_requests(stack, target_model):
     assert other != first
 
 
+def test_front_reports_each_service_links_round_trip(stack):
+    """FinalStats carries the front's measured round trip to the draft and to the target: above 0 and below the
+    request's wall time."""
+    _, _, stats, _ = generate(stack[3].address, prompt_ids=prompt_ids(3, 9), max_new_tokens=16)
+    assert stats.proposed_tokens > 0
+    for field in ("draft_link_rtt_ms", "target_link_rtt_ms"):
+        assert stats.HasField(field), field
+        assert 0 < getattr(stats, field) < stats.total_s * 1000, field
+
+
+def test_clients_measure_their_links_round_trip(stack):
+    """DraftClient and TargetClient on the real services: no round trip before a call, then one above 0 and below
+    the call's wall time (the service's own time, reported in the reply, taken out)."""
+    from orchestrator.loop.clients import DraftClient, TargetClient
+    from specdec.sampling import GREEDY
+
+    _, draft, target, front = stack
+    ids = prompt_ids(31, 12)
+
+    async def run():
+        async with grpc.aio.insecure_channel(target.address) as t_channel, \
+                grpc.aio.insecure_channel(draft.address) as d_channel:
+            t = TargetClient(t_channel)
+            info = await t.info()
+            d = DraftClient(d_channel, info.vocab_size, info.max_tree_nodes)
+            assert t.link_rtt_s is None and d.link_rtt_s is None
+            await t.start("rtt", ids, GREEDY)
+            await d.start("rtt", ids, GREEDY)
+            try:
+                started = time.perf_counter()
+                tree = await d.propose("rtt", TreeSpec.chain(3), 3)
+                draft_wall = time.perf_counter() - started
+                started = time.perf_counter()
+                await t.verify("rtt", tree)
+                target_wall = time.perf_counter() - started
+            finally:
+                await d.release("rtt")
+                await t.release("rtt")
+            return d.link_rtt_s, draft_wall, t.link_rtt_s, target_wall
+
+    draft_rtt, draft_wall, target_rtt, target_wall = asyncio.run(run())
+    assert 0 < draft_rtt < draft_wall and 0 < target_rtt < target_wall
+    assert_draft_session_free(front.address)
+
+
 def test_front_health_and_reflection(stack):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
@@ -375,7 +420,8 @@ def test_prefill_of_an_open_session_is_already_exists(stack):
 def test_cost_aware_front_is_exact(pair, tmp_path, target_model):
     """The default control over gRPC (cost-aware trees, context branches, the first round without the
     draft): greedy output equals target-only, and FinalStats carries the control's decisions. Before
-    any request the front's metrics show the cost model it measured through the services."""
+    any request the front's metrics show the cost model it measured through the services; after them, both
+    links' round trips."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         metrics_port = s.getsockname()[1]
@@ -405,6 +451,11 @@ def test_cost_aware_front_is_exact(pair, tmp_path, target_model):
                 assert stats.proposed_tokens >= stats.context_proposed_tokens
                 drafted += stats.drafted_tokens
             assert drafted > 0
+            body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+            links = {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
+                     if line.startswith("specdec_link_rtt_seconds{")}
+            assert set(links) == {'specdec_link_rtt_seconds{link="draft"}', 'specdec_link_rtt_seconds{link="target"}'}
+            assert all(0 < seconds < 1 for seconds in links.values()), links  # loopback
         finally:
             stop_service(front)
     finally:

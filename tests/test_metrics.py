@@ -130,6 +130,23 @@ def test_pipeline_ahead_counter_by_outcome():
     assert sample(m, "specdec_pipeline_ahead_total", outcome="failed") == 1
 
 
+def test_link_round_trip_gauges_by_link_in_the_metrics_text():
+    """specdec_link_rtt_seconds{link}: both series from the start (0), set in seconds from a request's final
+    statistics (ms); a link not measured (None) keeps its last value."""
+    m = SpecMetrics(CollectorRegistry())
+    assert sample(m, "specdec_link_rtt_seconds", link="draft") == 0 == sample(m, "specdec_link_rtt_seconds", link="target")
+    m.observe_links(draft_ms=12.5, target_ms=0.25)
+    m.observe_links(draft_ms=None, target_ms=0.5)
+    server, thread = start_metrics_server(0, m, addr="127.0.0.1")
+    try:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/metrics", timeout=5).read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert 'specdec_link_rtt_seconds{link="draft"} 0.0125' in body
+    assert 'specdec_link_rtt_seconds{link="target"} 0.0005' in body
+
+
 def test_metrics_phase_latency():
     m = SpecMetrics(CollectorRegistry())
     m.observe_phase("verify", 0.2)

@@ -136,6 +136,9 @@ def stats_table(stats, speculate: bool, sampling: SamplingParams = SamplingParam
         phases = [("first token", stats.ttft_ms / 1000), ("draft", stats.draft_s), ("verify", stats.verify_s)]
         rows.append(("time by phase", ", ".join(f"{name} {s:.2f} s ({s / stats.total_s:.0%})" for name, s in phases)
                      + f" of {stats.total_s:.2f} s"))
+    rtts = {"draft": stats.draft_link_rtt_ms, "target": stats.target_link_rtt_ms}  # None / unset (0): in-process
+    if any(rtts.values()):
+        rows.append(("link round trips", ", ".join(f"{name} {ms:.1f} ms" for name, ms in rtts.items() if ms)))
     rows += [("TTFT", f"{stats.ttft_ms:.0f} ms"), ("throughput", f"{stats.tokens_per_s:.2f} tokens/s"),
              ("stop reason", str(stats.stop_reason))]
     for k, v in rows:

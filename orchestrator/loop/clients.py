@@ -3,13 +3,17 @@
 ``DraftClient``: one bidirectional Session stream per request; any draft failure raises ``DraftUnavailableError``
 (the round runs plain). ``TargetClient``: unary calls; errors propagate as ``grpc.aio.AioRpcError``.
 ``request_deadline`` (absolute ``time.monotonic()`` s, set by the front) bounds every downstream call's timeout.
+Each client measures its link's round trip (``LinkRtt``, ``link_rtt_s``) from the calls whose reply says how long
+the service took: the target's Verify (``service_ms``), the draft's trees (``draft_ms``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import statistics
 import time
+from collections import deque
 
 import grpc
 from opentelemetry import trace
@@ -61,11 +65,34 @@ def channel_options(max_message_bytes: int, max_reconnect_backoff_ms: int = 1000
             ("grpc.max_reconnect_backoff_ms", max_reconnect_backoff_ms)]
 
 
+class LinkRtt:
+    """A service link's round trip, seconds: the median of the last ``window`` samples, each a call's wall time at
+    the front minus the time the service reports it spent (queue and compute), at least 0. The median ignores the
+    odd call held up by the front's own event loop or, on the draft's stream, by a commit handled ahead of it."""
+
+    def __init__(self, window: int = 16):
+        self.samples: deque[float] = deque(maxlen=window)
+
+    def add(self, wall_s: float, service_s: float) -> None:
+        """One call: its wall time and the service's own time, seconds."""
+        self.samples.append(max(wall_s - service_s, 0.0))
+
+    @property
+    def value(self) -> float | None:
+        """The round trip now, seconds; None before the first sample."""
+        return statistics.median(self.samples) if self.samples else None
+
+
 class TargetClient:
     """TargetWorker over gRPC (unary calls). ``info()`` returns the target's InfoResponse."""
 
     def __init__(self, channel: grpc.aio.Channel):
         self.stub = target_pb2_grpc.TargetServiceStub(channel)
+        self.rtt = LinkRtt()
+
+    @property
+    def link_rtt_s(self) -> float | None:
+        return self.rtt.value
 
     async def info(self, timeout: float = 10.0) -> target_pb2.InfoResponse:
         return await self.stub.Info(target_pb2.InfoRequest(), timeout=timeout, wait_for_ready=True)
@@ -83,7 +110,9 @@ class TargetClient:
         request = target_pb2.VerifyRequest(session_id=session_id, tree=msg)
         for attempt in range(VERIFY_RETRIES + 1):
             try:
+                sent = time.perf_counter()
                 reply = await self.stub.Verify(request, timeout=time_left())
+                wall_s = time.perf_counter() - sent
                 break
             except grpc.aio.AioRpcError as exc:
                 # A lost reply or a dropped connection: Verify is idempotent until Commit (the target
@@ -91,6 +120,8 @@ class TargetClient:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == VERIFY_RETRIES:
                     raise
                 await asyncio.sleep(0.2 * (attempt + 1))
+        if reply.service_ms > 0:  # 0: a target that does not report it
+            self.rtt.add(wall_s, reply.service_ms / 1000)
         span.set_attributes({"target.verify_ms": reply.verify_ms, "target.batch_size": reply.batch_size,
                              "target.batch_rows": reply.batch_rows})
         # batch_size 0: a replayed pending result (no forward ran); the control then learns no cost from it
@@ -120,6 +151,11 @@ class DraftClient(DraftWorker):
         self.rounds: dict[str, int] = {}
         self.reply_batch: dict[str, int] = {}  # session -> sessions that shared its last proposal's draft forwards
         self.reply_forward: dict[str, float] = {}  # session -> ms of the draft call that grew its last tree (0: unknown)
+        self.rtt = LinkRtt()
+
+    @property
+    def link_rtt_s(self) -> float | None:
+        return self.rtt.value
 
     async def info(self, timeout: float = 5.0) -> draft_pb2.DraftInfoResponse:
         """The draft service's Info (grpc errors raised as they are: the caller decides)."""
@@ -172,10 +208,11 @@ class DraftClient(DraftWorker):
     async def propose(self, session_id: str, spec: TreeSpec, max_depth: int) -> DraftTree:
         self.rounds[session_id] = self.rounds.get(session_id, 0) + 1
         request = draft_pb2.TreeRequest(spec=spec_to_proto(spec), max_depth=max_depth, round=self.rounds[session_id])
+        sent = time.perf_counter()
         response = await self._exchange(session_id, draft_pb2.DraftRequest(propose=request), reply=True)
         if not response.HasField("tree") or response.tree.round != self.rounds[session_id]:
             raise self._fail(session_id, "draft service answered out of order")
-        return self._tree(session_id, response.tree)
+        return self._tree(session_id, response.tree, time.perf_counter() - sent)
 
     def last_batch_size(self, session_id: str) -> int:
         """Sessions that shared this session's last proposal's draft forwards (1 = alone or not reported)."""
@@ -185,8 +222,11 @@ class DraftClient(DraftWorker):
         """ms of the draft call that grew this session's last tree, no queue or transport (0 = not reported)."""
         return self.reply_forward.get(session_id, 0.0)
 
-    def _tree(self, session_id: str, reply: draft_pb2.DraftTreeReply) -> DraftTree:
-        """The reply's tree, checked like any untrusted message (a malformed one is a draft failure)."""
+    def _tree(self, session_id: str, reply: draft_pb2.DraftTreeReply, wall_s: float) -> DraftTree:
+        """The reply's tree, checked like any untrusted message (a malformed one is a draft failure); wall_s: the
+        call's wall time (a link round trip sample with the reply's draft_ms)."""
+        if reply.draft_ms > 0:
+            self.rtt.add(wall_s, reply.draft_ms / 1000)
         trace.get_current_span().set_attributes({"tree.bytes": reply.tree.ByteSize(), "draft.draft_ms": reply.draft_ms,
                                                  "draft.batch_size": reply.batch_size,
                                                  "draft.forward_ms": reply.forward_ms})
@@ -203,10 +243,11 @@ class DraftClient(DraftWorker):
         self.rounds[session_id] = self.rounds.get(session_id, 0) + 1
         request = draft_pb2.AheadRequest(path_nodes=path_nodes, spec=spec_to_proto(spec), max_depth=max_depth,
                                          round=self.rounds[session_id])
+        sent = time.perf_counter()
         response = await self._exchange(session_id, draft_pb2.DraftRequest(ahead=request), reply=True)
         if not response.HasField("tree") or not response.tree.ahead or response.tree.round != self.rounds[session_id]:
             raise self._fail(session_id, "draft service answered an ahead out of order")
-        tree = self._tree(session_id, response.tree)
+        tree = self._tree(session_id, response.tree, time.perf_counter() - sent)
         if not 0 <= response.tree.guess_token < self.vocab_size:
             raise self._fail(session_id, f"draft sent guess_token {response.tree.guess_token} outside the vocabulary")
         return response.tree.guess_token, tree

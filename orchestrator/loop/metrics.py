@@ -31,6 +31,7 @@ PHASES = ("draft", "verify", "commit")
 ALERT_SCOPES = ("request", "global")
 AHEAD_OUTCOMES = ("hit", "miss", "failed")  # RoundRecord.ahead
 ROUND_MODES = ("speculative", "plain")
+LINKS = ("draft", "target")  # the front's service links (specdec_link_rtt_seconds)
 
 # gamma is an integer in [1, 64] (TreeSpec); one bucket per small depth, coarser beyond.
 GAMMA_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64)
@@ -89,6 +90,9 @@ class SpecMetrics:
         self.requests_running = gauge("requests_running", "Requests streaming tokens (first token sent)")
         self.requests_waiting = gauge("requests_waiting", "Requests received without a first token yet "
                                       "(queued or in prefill)")
+        self.link_rtt = gauge("link_rtt_seconds", "Measured round trip of a service link (draft, target): the median "
+                              "of recent calls' wall time at the front minus the service's own time, as of the last "
+                              "request to end, seconds (0: not measured yet)", ["link"])
         self.pipeline_ahead = counter("pipeline_ahead", "Pipelining: trees drafted ahead during a verify, by "
                                       "outcome (hit = adopted, miss = discarded, failed)", ["outcome"])
         self._create_series()
@@ -97,7 +101,7 @@ class SpecMetrics:
         """Every labelled series, so each reads 0 before its first event."""
         for metric, values in ((self.pipeline_ahead, AHEAD_OUTCOMES), (self.rounds, ROUND_MODES),
                                (self.fallback_rounds, FALLBACK_REASONS), (self.acceptance_alerts, ALERT_SCOPES),
-                               (self.round_phase_seconds, PHASES)):
+                               (self.round_phase_seconds, PHASES), (self.link_rtt, LINKS)):
             for value in values:
                 metric.labels(value)
 
@@ -138,6 +142,12 @@ class SpecMetrics:
             self.cost_verify_ms.labels(rows=str(rows)).set(ms)
         for parents, ms in cost.get("draft_step_ms", {}).items():
             self.cost_draft_step_ms.labels(parents=str(parents)).set(ms)
+
+    def observe_links(self, draft_ms: float | None, target_ms: float | None) -> None:
+        """Set the link round-trip gauges from a request's final statistics (ms; None: not measured, left as is)."""
+        for link, ms in zip(LINKS, (draft_ms, target_ms)):
+            if ms is not None:
+                self.link_rtt.labels(link=link).set(ms / 1000)
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         """Record one phase's wall time in seconds. Raises ValueError for an unknown phase."""

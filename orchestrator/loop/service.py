@@ -65,6 +65,7 @@ class Orchestrator:
         self.tasks: dict[str, asyncio.Task] = {}
         self.stopping: set[str] = set()  # requests being aborted or cancelled (``_stop``)
         self.info = None
+        self.links: tuple[DraftClient | None, TargetClient | None] = (None, None)  # (draft, target); set by connect
 
     async def connect(self, timeout: float = 60.0) -> None:
         """Open the channels, read the target's Info; for the cost-aware control, time the services (timeout: s)."""
@@ -83,6 +84,7 @@ class Orchestrator:
             self.shared.shared_compute = shared
             await self._measure_costs(target, draft)
         window = self.front.draft_window if self.front.draft_window.applies(shared) else None
+        self.links = (draft, target)
         self.controller = RoundController(
             target, draft, list(self.info.eos_token_ids), self.info.context_limit, self.decode,
             control_factory=factory, draft_deadline_s=self.front.fallback.draft_deadline_ms / 1000,
@@ -165,9 +167,9 @@ class Orchestrator:
                 if task.cancelled():
                     partial.stop_reason = "aborted"
                     partial.total_s = time.perf_counter() - started
-                    yield Chunk([], partial)
+                    yield Chunk([], self._with_links(partial))
                 else:
-                    yield Chunk([], task.result().stats)
+                    yield Chunk([], self._with_links(task.result().stats))
                 return
         finally:
             if getter is not None and not getter.done():
@@ -175,6 +177,14 @@ class Orchestrator:
             if not task.done():
                 await self._stop(request_id, task)
             self.tasks.pop(request_id, None)
+
+    def _with_links(self, stats: GenerationStats) -> GenerationStats:
+        """``stats`` with the service links' round trips measured so far (ms; None: no draft or no sample yet)."""
+        def ms(worker) -> float | None:
+            rtt = None if worker is None else worker.link_rtt_s
+            return None if rtt is None else rtt * 1000
+        stats.draft_link_rtt_ms, stats.target_link_rtt_ms = map(ms, self.links)
+        return stats
 
     def _round_sink(self, request_id: str, queue: asyncio.Queue):
         """The request's on_round: queue the record; a request being stopped ends at this round (Python 3.11's

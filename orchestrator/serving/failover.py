@@ -76,4 +76,6 @@ class Resumption:
         total = dataclasses.replace(self.seen, failovers=self.failovers, new_tokens=len(self.streamed),
                                     total_s=time.monotonic() - self.started)
         total.stop_reason = stats.stop_reason if stats is not None else self.stop_reason
+        if stats is not None:  # the link round trips the last part measured
+            total.draft_link_rtt_ms, total.target_link_rtt_ms = stats.draft_link_rtt_ms, stats.target_link_rtt_ms
         return total

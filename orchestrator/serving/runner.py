@@ -129,9 +129,11 @@ class RequestRunner:
                 yield chunk
 
     def _final_stats(self, stats: GenerationStats, started: float) -> GenerationStats:
-        """The request's statistics (fail-overs counted in the metrics); total_s from ``started`` if unset."""
-        if self.metrics is not None and stats.failovers:
+        """The request's statistics (fail-overs and link round trips into the metrics); total_s from ``started``
+        if unset."""
+        if self.metrics is not None:
             self.metrics.failovers.inc(stats.failovers)
+            self.metrics.observe_links(stats.draft_link_rtt_ms, stats.target_link_rtt_ms)
         if not stats.total_s:
             stats = dataclasses.replace(stats, total_s=time.perf_counter() - started)
         return stats

@@ -32,20 +32,22 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[_tree_pb2.TokenTree, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted_nodes", "tokens", "verify_ms", "batch_size", "batch_rows", "mergeable_sessions")
+    __slots__ = ("accepted_nodes", "tokens", "verify_ms", "batch_size", "batch_rows", "mergeable_sessions", "service_ms")
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     MERGEABLE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_MS_FIELD_NUMBER: _ClassVar[int]
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     verify_ms: float
     batch_size: int
     batch_rows: int
     mergeable_sessions: int
-    def __init__(self, accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_rows: _Optional[int] = ..., mergeable_sessions: _Optional[int] = ...) -> None: ...
+    service_ms: float
+    def __init__(self, accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_rows: _Optional[int] = ..., mergeable_sessions: _Optional[int] = ..., service_ms: _Optional[float] = ...) -> None: ...
 
 class VerifyBatchRequest(_message.Message):
     __slots__ = ("items",)
