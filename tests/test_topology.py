@@ -1,0 +1,133 @@
+"""The split topology (specdec/harness/topology.py) on tiny models: front, target and draft each in a network
+namespace of its own, the draft behind a delaying relay; each service reachable only on its own address, the
+relay's round trip within 20% of the set one, greedy output through the front = the target alone, and
+namespaces, links, relays and services removed afterwards (also when a service fails to start)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specdec.harness.servers import ServiceNotReady, launch_service, stop_service, wait_ready
+from specdec.harness.tiny_pair import save_tiny_pair, write_config
+from specdec.v1 import generation_pb2, generation_pb2_grpc
+from tests.conftest import hf_greedy
+
+if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+    pytest.skip("the split topology needs root and iproute2 (ip, tc) to make network namespaces",
+                allow_module_level=True)
+
+from specdec.harness.topology import SplitTopology  # noqa: E402
+
+RTT_MS = 100.0
+PIN = {"target": "0", "draft": "1"} if shutil.which("taskset") and {0, 1} <= os.sched_getaffinity(0) else None
+
+
+def namespaces() -> str:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+
+
+def connects(topo: SplitTopology, kind: str | None, address: str) -> bool:
+    """Whether a TCP connection to ``address`` opens from ``kind``'s namespace (None: the root namespace)."""
+    host, port = address.rsplit(":", 1)
+    code = f"import socket; socket.create_connection(({host!r}, {port}), timeout=3).close()"
+    prefix = topo.netns_exec(kind) if kind else []
+    return subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] == "Z"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return save_tiny_pair(tmp_path_factory.mktemp("models"), max_pos=512, noise=0.03)
+
+
+@pytest.fixture(scope="module")
+def split(pair, tmp_path_factory):
+    """(topology, draft, target, relay address, front) on a 100 ms, 100 Mbit/s draft link; the draft is used
+    every round (no cost-aware shaping: a 100 ms link would make it plain)."""
+    config = write_config(tmp_path_factory.mktemp("cfg") / "serve.yaml", pair,
+                          front={"port": 0, "cost_aware": {"enabled": False}})
+    with SplitTopology(RTT_MS, 100, PIN) as topo:
+        services = {kind: launch_service(kind, config, env=topo.env(kind), prefix=topo.prefix(kind),
+                                         host=topo.hosts[kind]) for kind in ("draft", "target")}
+        draft, target = (wait_ready(services[kind]) for kind in ("draft", "target"))
+        relay = topo.relay(draft.address)
+        front = wait_ready(launch_service("front", config, prefix=topo.prefix("front"), host=topo.hosts["front"],
+                                          draft_address=relay, target_address=target.address, no_ray=True))
+        yield topo, draft, target, relay, front
+        for service in (front, draft, target):
+            stop_service(service)
+
+
+def test_three_namespaces_each_service_on_its_own_address(split):
+    topo, draft, target, relay, front = split
+    listed = namespaces()
+    assert all(topo.ns[kind] in listed for kind in ("front", "target", "draft"))
+    for kind, service in (("draft", draft), ("target", target), ("front", front)):
+        assert service.host == topo.hosts[kind] and not service.host.startswith("127.")
+        assert connects(topo, kind, service.address)
+        assert not connects(topo, kind, f"127.0.0.1:{service.port}"), f"{kind} listens on loopback too"
+    # the draft only through the relay: not from the root namespace, nor from the target's
+    assert not connects(topo, None, draft.address) and not connects(topo, "target", draft.address)
+    assert connects(topo, None, relay) and connects(topo, "front", relay)
+    assert connects(topo, None, front.address) and connects(topo, "front", target.address)
+    assert not connects(topo, "draft", target.address) and not connects(topo, "draft", front.address)
+    if PIN:
+        assert os.sched_getaffinity(draft.proc.pid) == {1} and os.sched_getaffinity(target.proc.pid) == {0}
+
+
+def test_relay_round_trip_is_the_set_one(split):
+    topo, _, _, relay, _ = split
+    measured = topo.measure_rtt(relay)
+    assert abs(measured - RTT_MS) <= 0.2 * RTT_MS, f"{measured:.1f} ms through the relay, set {RTT_MS} ms"
+
+
+def test_greedy_through_the_split_front_equals_the_target_alone(split, pair):
+    front = split[4]
+    ids = torch.randint(1, 250, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+    with grpc.insecure_channel(front.address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        replies = list(stub.Generate(generation_pb2.GenerateRequest(prompt_ids=ids, max_new_tokens=16,
+                                                                    ignore_eos=True), timeout=120))
+    tokens = [t for r in replies for t in r.token_ids]
+    stats = [r.stats for r in replies if r.HasField("stats")][-1]
+    target = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).eval()
+    assert tokens == hf_greedy(target, ids, 16)
+    assert stats.proposed_tokens > 0 and stats.fallback_rounds == 0, "the draft behind the relay was not used"
+
+
+def test_everything_removed_after_the_topology(pair, tmp_path):
+    config = write_config(tmp_path / "serve.yaml", pair)
+    with SplitTopology(30, None) as topo:
+        draft = wait_ready(launch_service("draft", config, prefix=topo.prefix("draft"), host=topo.hosts["draft"]))
+        topo.relay(draft.address)
+        pids = [draft.proc.pid, topo.relays[0].proc.pid]
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        assert f"sd{topo.slot}h0" in links
+    # the draft was left running: the topology stops what runs in its namespaces
+    assert not any(alive(pid) for pid in pids)
+    assert not any(ns in namespaces() for ns in topo.ns.values())
+    assert f"sd{topo.slot}h0" not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert topo.relay_host not in subprocess.run(["ip", "route"], capture_output=True, text=True).stdout
+
+
+def test_everything_removed_when_a_service_fails_to_start(pair, tmp_path):
+    bad = write_config(tmp_path / "bad.yaml", pair, draft={"max_sessions": -1})
+    with pytest.raises(ServiceNotReady), SplitTopology(30, 10) as topo:
+        wait_ready(launch_service("draft", bad, prefix=topo.prefix("draft"), host=topo.hosts["draft"]), 60)
+    assert not any(ns in namespaces() for ns in topo.ns.values())
+    assert f"sd{topo.slot}" not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
