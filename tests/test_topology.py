@@ -5,10 +5,12 @@ namespaces, links, relays and services removed afterwards (also when a service f
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -24,7 +26,7 @@ if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None
     pytest.skip("the split topology needs root and iproute2 (ip, tc) to make network namespaces",
                 allow_module_level=True)
 
-from specdec.harness.topology import SplitTopology  # noqa: E402
+from specdec.harness.topology import SplitTopology
 
 RTT_MS = 100.0
 PIN = {"target": "0", "draft": "1"} if shutil.which("taskset") and {0, 1} <= os.sched_getaffinity(0) else None
@@ -39,7 +41,7 @@ def connects(topo: SplitTopology, kind: str | None, address: str) -> bool:
     host, port = address.rsplit(":", 1)
     code = f"import socket; socket.create_connection(({host!r}, {port}), timeout=3).close()"
     prefix = topo.netns_exec(kind) if kind else []
-    return subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True).returncode == 0
+    return subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True, check=False).returncode == 0
 
 
 def alive(pid: int) -> bool:
@@ -47,7 +49,8 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return not open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] == "Z"
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
 
 
 @pytest.fixture(scope="module")
@@ -116,13 +119,13 @@ def test_everything_removed_after_the_topology(pair, tmp_path):
         draft = wait_ready(launch_service("draft", config, prefix=topo.prefix("draft"), host=topo.hosts["draft"]))
         topo.relay(draft.address)
         pids = [draft.proc.pid, topo.relays[0].proc.pid]
-        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=False).stdout
         assert f"sd{topo.slot}h0" in links
     # the draft was left running: the topology stops what runs in its namespaces
     assert not any(alive(pid) for pid in pids)
     assert not any(ns in namespaces() for ns in topo.ns.values())
-    assert f"sd{topo.slot}h0" not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-    assert topo.relay_host not in subprocess.run(["ip", "route"], capture_output=True, text=True).stdout
+    assert f"sd{topo.slot}h0" not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=False).stdout
+    assert topo.relay_host not in subprocess.run(["ip", "route"], capture_output=True, text=True, check=False).stdout
 
 
 def test_everything_removed_when_a_service_fails_to_start(pair, tmp_path):
@@ -130,4 +133,43 @@ def test_everything_removed_when_a_service_fails_to_start(pair, tmp_path):
     with pytest.raises(ServiceNotReady), SplitTopology(30, 10) as topo:
         wait_ready(launch_service("draft", bad, prefix=topo.prefix("draft"), host=topo.hosts["draft"]), 60)
     assert not any(ns in namespaces() for ns in topo.ns.values())
-    assert f"sd{topo.slot}" not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert f"sd{topo.slot}" not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=False).stdout
+
+
+def test_serving_bench_topology_flags(capsys):
+    from benchmarks.serving import parse_args
+
+    for argv, flag in ((["--rtt-ms", "30"], "--rtt-ms"), (["--bandwidth-mbit", "10"], "--bandwidth-mbit"),
+                       (["--topology", "split", "--rtt-ms", "0,30"], "--rtt-ms"),
+                       (["--topology", "split", "--rtt-ms", "fast"], "--rtt-ms"), (["--topology", "mesh"], "--topology")):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert flag in capsys.readouterr().err
+    args = parse_args(["--topology", "split"])
+    assert (args.rtt_ms, args.bandwidth_mbit, args.pin, args.target_threads) == ([0.2, 30.0, 300.0], 100.0, True, 1)
+    assert parse_args([]).topology == "local"
+
+
+def test_serving_bench_on_split_topologies(pair, tmp_path):
+    """benchmarks/serving.py --topology split: a topology per round trip, its rows (target_only too) carrying it,
+    the measured round trip in the meta, outputs identical, nothing left."""
+    before = set(namespaces().splitlines())
+    argv = [sys.executable, "benchmarks/serving.py", "--target", str(pair.target), "--draft", str(pair.draft),
+            "--prompts", "2", "--max-new-tokens", "6", "--max-prompt-tokens", "120", "--sections", "concurrency",
+            "--levels", "1", "--topology", "split", "--rtt-ms", "0.2,50", "--bandwidth-mbit", "50", "--out", str(tmp_path)]
+    proc = subprocess.run(argv, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((tmp_path / "serving.json").read_text())
+    topology = result["meta"]["topology"]
+    assert topology["kind"] == "split" and topology["rtt_ms"] == [0.2, 50.0] and topology["bandwidth_mbit"] == 50.0
+    assert abs(topology["measured_rtt_ms"][1] - 50) <= 10 and topology["measured_rtt_ms"][0] < 25
+    rows = result["concurrency"]["rows"]
+    assert sorted((r["rtt_ms"], r["config"]) for r in rows) == [(0.2, "batched"), (0.2, "target_only"),
+                                                                 (50.0, "batched"), (50.0, "target_only")]
+    assert result["concurrency"]["identical_outputs"]
+    affinity = result["meta"]["pinning"]["affinity"]
+    assert {name for name in affinity if "draft" in name} == {"bench-draft@0.2ms", "bench-draft@50ms"}
+    assert all(cpus == [1] for name, cpus in affinity.items() if "draft" in name)
+    assert "| RTT ms |" in (tmp_path / "serving.md").read_text()
+    assert set(namespaces().splitlines()) <= before

@@ -37,15 +37,15 @@ _LINKS = {"front": (0, "h"), "target": (1, "t"), "draft": (2, "d")}  # kind -> (
 
 
 def _ip(*argv: str) -> None:
-    proc = subprocess.run(argv, capture_output=True, text=True)
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
     if proc.returncode:
         raise RuntimeError(f"topology: `{' '.join(argv)}` failed: {proc.stderr.strip()}")
 
 
 def _free_slot() -> int:
     """A slot (0..63) whose names and 10.58.4*slot.0/22 addresses are not in use, starting from this pid's."""
-    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    addrs = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    addrs = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, check=False).stdout
     for slot in ((os.getpid() + i) % 64 for i in range(64)):
         if f"sd{slot}-" not in names and f"10.58.{4 * slot}." not in addrs:
             return slot
@@ -158,7 +158,7 @@ class SplitTopology:
         s = 4 * self.slot
         for args in (["route", "del", f"10.58.{s + 1}.0/24"], ["route", "del", f"{self.relay_host}/32"],
                      ["link", "del", f"sd{self.slot}h0"], *(["netns", "del", ns] for ns in self.ns.values())):
-            subprocess.run(["ip", *args], capture_output=True)
+            subprocess.run(["ip", *args], capture_output=True, check=False)
 
 
 def _exit_on_signal(signum, frame) -> None:
@@ -168,7 +168,7 @@ def _exit_on_signal(signum, frame) -> None:
 def _kill_all(ns: str) -> None:
     """SIGTERM the processes in namespace ``ns`` (all started through this topology), SIGKILL any left after 5 s."""
     def pids() -> list[int]:
-        out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+        out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=False).stdout
         return [int(p) for p in out.split()]
 
     for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0)):
