@@ -8,8 +8,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
+import statistics
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -17,7 +21,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdec.harness.servers import ServiceNotReady, launch_service, stop_service, wait_ready
+from specdec.harness.servers import ServiceNotReady, launch_command, launch_service, stop_service, wait_ready
 from specdec.harness.tiny_pair import save_tiny_pair, write_config
 from specdec.v1 import generation_pb2, generation_pb2_grpc
 from tests.conftest import hf_greedy
@@ -111,6 +115,46 @@ def test_greedy_through_the_split_front_equals_the_target_alone(split, pair):
     target = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).eval()
     assert tokens == hf_greedy(target, ids, 16)
     assert stats.proposed_tokens > 0 and stats.fallback_rounds == 0, "the draft behind the relay was not used"
+
+
+ECHO = """import socket, sys, threading
+server = socket.create_server((sys.argv[1], 0))
+print(f"echo ready on {sys.argv[1]}:{server.getsockname()[1]}", flush=True)
+def serve(conn):
+    while data := conn.recv(65536):
+        conn.sendall(data)
+    conn.close()
+while True:
+    threading.Thread(target=serve, args=(server.accept()[0],), daemon=True).start()
+"""
+
+
+def test_relay_tcp_round_trip_and_bandwidth():
+    """Through the relay to an echo server in the draft's namespace: a 1-byte ping-pong takes the set 20 ms; 1 MB
+    there and back on an 8 Mbit/s link takes ~1 s (both directions shaped, in flight together)."""
+    with SplitTopology(20, 8) as topo:
+        echo = wait_ready(launch_command("echo", [*topo.netns_exec("draft"), sys.executable, "-c", ECHO,
+                                                  topo.hosts["draft"]]), 30)
+        host, port = topo.relay(echo.address).rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=30) as conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            pings = []
+            for _ in range(7):
+                began = time.perf_counter()
+                conn.sendall(b"x")
+                assert conn.recv(1) == b"x"
+                pings.append((time.perf_counter() - began) * 1e3)
+            payload, got = os.urandom(1 << 20), bytearray()
+            began = time.perf_counter()
+            sender = threading.Thread(target=conn.sendall, args=(payload,))
+            sender.start()
+            while len(got) < len(payload):
+                got += conn.recv(1 << 16)
+            took = time.perf_counter() - began
+            sender.join()
+    assert abs(statistics.median(pings) - 20) <= 4, pings
+    assert bytes(got) == payload
+    assert 0.8 <= took / (len(payload) * 8 / 8e6) <= 1.6, f"1 MB there and back in {took:.2f} s at 8 Mbit/s"
 
 
 def test_everything_removed_after_the_topology(pair, tmp_path):

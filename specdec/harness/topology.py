@@ -11,8 +11,8 @@ Links (S = 4 * slot): root 10.58.S.1 <-> front 10.58.S.2 (the clients' side; the
 10.58.S+1.1 <-> target 10.58.S+1.2 (no shaping), front 10.58.S+2.1 <-> draft 10.58.S+2.2 (``tc`` tbf on both
 ends). The front namespace forwards between the root and the target (so the root reaches the target and the
 target's OTLP exports reach the root); the draft namespace has no route beyond its link, so only the relay, which
-runs in the front namespace on 10.58.S+2.1, reaches it. This kernel has no netem: the delay is the relay's (each
-direction holds its bytes for rtt/2, in order, the two directions independent; connection set-up is not delayed).
+runs in the front namespace on 10.58.S+2.1, reaches it. This kernel has no netem: the delay is the relay's (threads;
+each direction holds its bytes for rtt/2, in order, the two directions independent; connection set-up is not delayed).
 Namespaces, links, relays and any process left in the namespaces go on ``close`` (the ``with`` exit, atexit,
 SIGTERM). Errors: RuntimeError naming the failed ``ip``/``tc`` command; ServiceNotReady from a relay.
 """
@@ -20,10 +20,12 @@ SIGTERM). Errors: RuntimeError naming the failed ``ip``/``tc`` command; ServiceN
 from __future__ import annotations
 
 import argparse
-import asyncio
 import atexit
+import contextlib
 import os
+import queue
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -184,70 +186,62 @@ def _kill_all(ns: str) -> None:
 
 # ----------------------------------------------------------------------------------------- the relay
 
-async def _pump(reader, writer, hold_s: float) -> None:
-    """Copy reader -> writer, each chunk released hold_s after it arrived (in order); EOF passed on the same way."""
-    queue: asyncio.Queue = asyncio.Queue(maxsize=256)  # ~ a socket buffer: a full queue stops reading
+def _pump(src: socket.socket, dst: socket.socket, hold_s: float) -> None:
+    """Copy src -> dst, each chunk released hold_s after it arrived, in order (a reader thread stamps and queues,
+    this thread sleeps until each is due: time.sleep, finer than an event loop's millisecond timers); EOF passed
+    on the same way. A full queue (256 chunks, ~ a socket buffer) stops the reading."""
+    chunks: queue.Queue = queue.Queue(maxsize=256)
 
-    async def read():
-        while chunk := await reader.read(65536):
-            await queue.put((time.monotonic() + hold_s, chunk))
-        await queue.put((time.monotonic() + hold_s, b""))
+    def read() -> None:
+        with contextlib.suppress(OSError):
+            while chunk := src.recv(65536):
+                chunks.put((time.monotonic() + hold_s, chunk))
+        chunks.put((time.monotonic() + hold_s, b""))
 
-    reading = asyncio.create_task(read())
-    try:
+    threading.Thread(target=read, daemon=True).start()
+    with contextlib.suppress(OSError):  # a reset: the other direction ends as its peer closes
         while True:
-            due, chunk = await queue.get()
-            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            due, chunk = chunks.get()
+            time.sleep(max(0.0, due - time.monotonic()))
             if not chunk:
-                writer.write_eof()
-                break
-            writer.write(chunk)
-            await writer.drain()
-    finally:
-        reading.cancel()
+                dst.shutdown(socket.SHUT_WR)
+                return
+            dst.sendall(chunk)
 
 
-async def _relay(listen: str, upstream: str, rtt_ms: float) -> None:
-    hold_s = rtt_ms / 2e3
-    up_host, up_port = upstream.rsplit(":", 1)
+def _connection(client: socket.socket, upstream: tuple[str, int], hold_s: float) -> None:
+    """One relayed connection: a pump per direction, so neither direction waits for the other."""
+    with client, contextlib.suppress(OSError), socket.create_connection(upstream, timeout=30) as up:
+        up.settimeout(None)
+        for sock in (client, up):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        back = threading.Thread(target=_pump, args=(up, client, hold_s), daemon=True)
+        back.start()
+        _pump(client, up, hold_s)
+        back.join()
 
-    async def connection(client_r, client_w):
-        try:
-            up_r, up_w = await asyncio.open_connection(up_host, int(up_port))
-        except OSError:
-            client_w.close()
-            return
-        pumps = [asyncio.create_task(_pump(client_r, up_w, hold_s)), asyncio.create_task(_pump(up_r, client_w, hold_s))]
-        try:
-            await asyncio.gather(*pumps)
-        except (OSError, RuntimeError):  # a reset, or EOF written to a closed transport
-            pass
-        finally:
-            for task in pumps:
-                task.cancel()
-            for w in (client_w, up_w):
-                w.close()
 
+def relay(listen: str, upstream: str, rtt_ms: float) -> None:
+    """Serve until killed: each connection to ``listen`` ("host:port") relayed to ``upstream``, each direction
+    holding its bytes for rtt_ms / 2. Prints ``relay ready on HOST:PORT`` once listening."""
     host, port = listen.rsplit(":", 1)
-    server = await asyncio.start_server(connection, host, int(port))
-    bound = server.sockets[0].getsockname()
-    print(f"relay ready on {bound[0]}:{bound[1]}", flush=True)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    async with server:
-        await stop.wait()
+    up_host, up_port = upstream.rsplit(":", 1)
+    server = socket.create_server((host, int(port)))
+    print(f"relay ready on {host}:{server.getsockname()[1]}", flush=True)
+    while True:
+        client, _ = server.accept()
+        threading.Thread(target=_connection, args=(client, (up_host, int(up_port)), rtt_ms / 2e3), daemon=True).start()
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m specdec.harness.topology")
     sub = p.add_subparsers(dest="command", required=True)
-    relay = sub.add_parser("relay", help="a delaying TCP relay: LISTEN host:port -> UPSTREAM host:port")
-    relay.add_argument("listen")
-    relay.add_argument("upstream")
-    relay.add_argument("rtt_ms", type=float, help="round trip added (each direction holds rtt/2)")
+    parser = sub.add_parser("relay", help="a delaying TCP relay: LISTEN host:port -> UPSTREAM host:port")
+    parser.add_argument("listen")
+    parser.add_argument("upstream")
+    parser.add_argument("rtt_ms", type=float, help="round trip added (each direction holds rtt/2)")
     args = p.parse_args(argv)
-    asyncio.run(_relay(args.listen, args.upstream, args.rtt_ms))
+    relay(args.listen, args.upstream, args.rtt_ms)
     return 0
 
 
