@@ -4,7 +4,7 @@ a network namespace of its own, the draft on the far side of a link with a chose
     with SplitTopology(rtt_ms=100, bandwidth_mbit=100, pin={"target": "0", "draft": "1"}) as topo:
         draft = launch_service("draft", cfg, prefix=topo.prefix("draft"), env=topo.env("draft"),
                                host=topo.hosts["draft"])
-        relay = topo.relay(wait_ready(draft).address)        # "10.58.S.1:PORT": the front dials the draft here
+        relay = topo.relay(wait_ready(draft).address)        # "10.58.S+2.1:PORT": the front dials the draft here
         topo.measure_rtt(relay)                               # ms, median gRPC health check through the relay
 
 Links (S = 4 * slot): root 10.58.S.1 <-> front 10.58.S.2 (the clients' side; the front binds .2), front
@@ -14,7 +14,8 @@ target's OTLP exports reach the root); the draft namespace has no route beyond i
 runs in the front namespace on 10.58.S+2.1, reaches it. This kernel has no netem: the delay is the relay's (threads;
 each direction holds its bytes for rtt/2, in order, the two directions independent; connection set-up is not delayed).
 Namespaces, links, relays and any process left in the namespaces go on ``close`` (the ``with`` exit, atexit,
-SIGTERM). Errors: RuntimeError naming the failed ``ip``/``tc`` command; ServiceNotReady from a relay.
+SIGTERM; not SIGKILL: ``ip netns del sdN-...`` then). Errors: ValueError on a round trip or bandwidth <= 0,
+RuntimeError naming a failed ``ip``/``tc`` command, ServiceNotReady from a relay that does not start.
 """
 
 from __future__ import annotations
