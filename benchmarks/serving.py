@@ -44,8 +44,8 @@ from orchestrator.measure.trace_report import Span  # noqa: E402
 from specdec.config import ClientLimitsConfig, ConfigError, TargetServerConfig, load_config  # noqa: E402
 from specdec.harness.otlp import OtlpReceiver, attribute_value  # noqa: E402
 from specdec.harness.report import machine, md_table, percentile, write_record  # noqa: E402
-from specdec.harness.servers import (Service, launch_command, server_command, stop_service,  # noqa: E402
-                                     wait_ready)
+from specdec.harness.servers import Service, launch_service, stop_service, wait_ready  # noqa: E402
+from specdec.harness.topology import SplitTopology  # noqa: E402
 from specdec.model_setup import resolve_draft_quant, resolve_dtype  # noqa: E402
 from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, resolve_model_dir  # noqa: E402
 from specdec.tree_spec import DEFAULT_SPEC  # noqa: E402
@@ -54,6 +54,7 @@ from specdec.v1 import (draft_pb2, draft_pb2_grpc, generation_pb2, generation_pb
 
 SECTIONS = ("concurrency", "longprompt")
 LONGPROMPT_CONFIGS = ("speculative", "speculative_pipelined", "target_only")
+SPLIT_RTT_MS = [0.2, 30.0, 300.0]  # --topology split: the draft link's round trips (ms) unless --rtt-ms
 PIN_CORES = {"target": "0", "draft": "1"}  # --pin: taskset -c cores per service kind (fronts unpinned)
 PIPELINE_STATS = ("pipeline_ahead_hits", "pipeline_ahead_misses")
 FINAL_STATS = ("rounds", "fallback_rounds", "proposed_tokens", "cost_plain_rounds", *PIPELINE_STATS)  # kept FinalStats
@@ -306,10 +307,13 @@ class Services:
     workdir: Path
     env: dict
     pin: dict | None = None  # kind -> taskset core list ("0"); kinds not named run unpinned
+    topology: SplitTopology | None = None  # --topology split: each kind in its namespace, on its address
     running: list = field(default_factory=list)
     peak_rss_mb: dict = field(default_factory=dict)  # name -> peak resident MB (VmHWM), read as each stops
     affinity: dict = field(default_factory=dict)  # name -> CPUs its process may run on, read once ready
     start_costs: dict = field(default_factory=dict)  # front name -> the cost model it started from (front_start_costs)
+    relays: dict = field(default_factory=dict)  # draft name -> its relay's address (split topology)
+    measured_rtt_ms: float | None = None  # through the first relay (SplitTopology.measure_rtt)
 
     def note_peak(self, service: Service) -> None:
         """Record the service's peak RSS (its own process) and, for a front, its starting cost model."""
@@ -321,15 +325,17 @@ class Services:
                 self.start_costs[service.name] = costs
 
     def launch(self, kind: str, name: str, config: dict, **flags) -> Service:
-        """Start a service from ``config`` (written to the workdir); under ``taskset -c`` when ``pin`` names its kind."""
+        """Start a service from ``config`` (written to the workdir); under ``taskset -c`` when ``pin`` names its kind;
+        on a split topology in its kind's namespace, listening on its address."""
         path = self.workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         env = {**self.env, "OTEL_SERVICE_NAME": name}
-        argv = server_command(kind, path, **flags)
         cores = (self.pin or {}).get(kind)
-        if cores is not None:  # taskset execs the server: the pid stays the server's own
-            argv = ["taskset", "-c", cores, *argv]
-        service = launch_command(kind, argv, env)
+        prefix = ["taskset", "-c", cores] if cores is not None else []  # it execs the server: the pid stays its own
+        if self.topology is not None:
+            prefix, flags["host"] = self.topology.prefix(kind), self.topology.hosts[kind]
+            env.update(self.topology.env(kind))
+        service = launch_service(kind, path, env, prefix, **flags)
         service.name = name
         self.running.append(service)
         return service
@@ -340,6 +346,16 @@ class Services:
         if service.name not in self.affinity:
             self.affinity[service.name] = sorted(os.sched_getaffinity(service.proc.pid))
         return service
+
+    def dial(self, service: Service) -> str:
+        """The address others dial ``service`` at: on a split topology a draft's is its relay's (started on first
+        use, its round trip measured then)."""
+        if self.topology is None or service.kind != "draft":
+            return service.address
+        if service.name not in self.relays:
+            self.relays[service.name] = self.topology.relay(service.address)
+            self.measured_rtt_ms = self.measured_rtt_ms or self.topology.measure_rtt(self.relays[service.name])
+        return self.relays[service.name]
 
     def stop(self, *services: Service, timeout_s: float = 30.0) -> None:
         """Note each one's peak, SIGTERM them all at once, then wait for each (``stop_service``: SIGKILL past
@@ -456,7 +472,7 @@ def start_target(services: Services, args, name: str, **target) -> Service:
 def start_front(services: Services, args, name: str, front: dict, draft: Service, target: Service) -> Service:
     """A front on these services, waited for (one at a time: each times the services as it connects)."""
     config = service_config(args, front=front)
-    return services.wait(services.launch("front", name, config, draft_address=draft.address,
+    return services.wait(services.launch("front", name, config, draft_address=services.dial(draft),
                                          target_address=target.address))
 
 
@@ -515,7 +531,7 @@ def measure_level(args, ids: list[list[int]], name: str, level, front: str, no_s
     """One level of one configuration on the running services (one draft, one target, the fronts):
     ``run_level``'s result plus merged forwards and CPU by role."""
     owners = {svc.proc.pid: (svc.name, svc.kind) for svc in services.running}
-    address = {svc.kind: svc.address for svc in services.running}
+    address = {svc.kind: services.dial(svc) for svc in services.running}
     verify_before, draft_before = merged_forwards(address)
     began = time.perf_counter()
     cpu_before = cpu_snapshot(owners)
@@ -771,7 +787,9 @@ def col(head: str, key: str, fmt=_or_dash) -> tuple:
 
 
 def columns_table(columns: list[tuple], rows: list[dict]) -> str:
-    """A markdown table of (header, cell function) columns, one line per row dict."""
+    """A markdown table of (header, cell function) columns, one line per row dict (first the RTT where rows have one)."""
+    if any("rtt_ms" in r for r in rows):
+        columns = [col("RTT ms", "rtt_ms", lambda x: f"{x:g}"), *columns]
     return "\n".join(md_table([head for head, _ in columns], [[cell(r) for _, cell in columns] for r in rows])) + "\n"
 
 
@@ -834,7 +852,18 @@ def meta_markdown(meta: dict) -> list[str]:
                      + "; ".join(start_costs_text(name, costs) for name, costs in meta["front_start_costs"].items()))
     if meta.get("bf16_note"):
         parts.append(f"- {meta['bf16_note']}")
-    return parts + [pinning_line(meta.get("pinning")), ""]
+    return parts + [pinning_line(meta.get("pinning")), topology_line(meta.get("topology")), ""]
+
+
+def topology_line(topology: dict | None) -> str:
+    if not topology or topology["kind"] == "local":
+        return "- topology: local (every service on loopback)"
+    links = ", ".join(f"{rtt:g} ms (measured {_or_dash(ms, 1)} ms)"
+                      for rtt, ms in zip(topology["rtt_ms"], topology["measured_rtt_ms"]))
+    return ("- topology: split (`--topology split`): front, target and draft each in a network namespace of its own, "
+            "each service on its own address; the draft behind a delaying TCP relay, round trips set per table row: "
+            f"{links} (measured: median gRPC health check through the relay), {topology['bandwidth_mbit']:g} Mbit/s "
+            "(tc tbf); target and draft pinned")
 
 
 def start_costs_text(name: str, costs: dict) -> str:
@@ -879,7 +908,7 @@ def concurrency_markdown(c: dict, meta: dict) -> list[str]:
 
 
 def by_config(c: dict, rows: list[dict], key: str) -> list[dict]:
-    return sorted(rows, key=lambda r: (c["configs"].index(r["config"]), r[key]))
+    return sorted(rows, key=lambda r: (r.get("rtt_ms", 0), c["configs"].index(r["config"]), r[key]))
 
 
 def titled_table(text: str, columns: list[tuple], rows: list[dict]) -> list[str]:
@@ -927,6 +956,17 @@ def comma_list(choices: tuple[str, ...]):
     return parse
 
 
+def positive_list(text: str) -> list[float]:
+    """An argparse type: a non-empty comma list of numbers > 0 ("0.2,30,300")."""
+    try:
+        values = [float(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"need a comma list of numbers > 0, got {text!r}")
+    return values
+
+
 def positive(kind, zero_ok: bool = False):
     """An argparse type: a ``kind`` (int, float) > 0 (>= 0 with ``zero_ok``)."""
     def parse(text: str):
@@ -958,6 +998,13 @@ OPTIONS = (
     ("--batch-gather", float, None, "draft.batch_gather and target.batch_gather of every service (default: the config's)"),
     ("--pin", bool, False, "run the target service under taskset -c 0 and the draft under taskset -c 1, 1 torch "
                            "thread each, as if separate devices (fronts stay unpinned)"),
+    ("--topology", ("local", "split"), "local", "local: every service on loopback; split: front, target and draft "
+     "each in a network namespace of its own (needs root), the draft behind a delaying relay (--rtt-ms, "
+     "--bandwidth-mbit), target and draft pinned as with --pin (specdec/harness/topology.py)"),
+    ("--rtt-ms", positive_list, None, "--topology split: comma list of the draft link's round trips in ms, one "
+                                      "topology each (rows carry rtt_ms; default: 0.2,30,300)"),
+    ("--bandwidth-mbit", positive(float), None, "--topology split: the draft link's bandwidth, Mbit/s (tc tbf; "
+                                                "default: 100)"),
     ("--round-log", bool, False, "concurrency section: each row (target_only too) gets round_split and round_log "
                                  "(every round's timings, batch sizes and tree from the traces) in the JSON"),
     ("--pipeline", bool, False, "concurrency section: add speculative_pipelined (a front with front.pipeline: true)"),
@@ -1011,6 +1058,12 @@ def parse_args(argv=None):
     if bool(args.target) != bool(args.draft):
         p.error("--target and --draft go together")
     check_front_variants(p, args)
+    if args.topology == "split":
+        args.rtt_ms, args.bandwidth_mbit, args.pin = args.rtt_ms or SPLIT_RTT_MS, args.bandwidth_mbit or 100.0, True
+        if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+            p.error("--topology split: needs root and iproute2 (ip, tc) to make network namespaces")
+    elif args.rtt_ms or args.bandwidth_mbit:
+        p.error("--rtt-ms/--bandwidth-mbit: set the split topology's draft link; add --topology split")
     if args.pin:  # one torch thread per pinned core
         args.target_threads = args.draft_threads = 1
     return args
@@ -1098,6 +1151,50 @@ def run_sections(args, services: Services, collector: SpanCollector, tokenizer, 
     return result
 
 
+def run_on(args, tokenizer, prompts: list[dict], pin: dict | None, rtt_ms: float | None) -> tuple[Services, dict]:
+    """``run_sections`` on its own services (and, with rtt_ms, its own split topology, removed after)."""
+    with contextlib.ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="serving-bench-")))
+        topology = None
+        if rtt_ms is not None:
+            topology = stack.enter_context(SplitTopology(rtt_ms, args.bandwidth_mbit, pin))
+            log(f"split topology: draft link {rtt_ms} ms round trip, {args.bandwidth_mbit} Mbit/s")
+        collector = stack.enter_context(SpanCollector(topology.root_address if topology else "127.0.0.1"))
+        services = Services(workdir, collector.env(), pin, topology)
+        try:
+            return services, run_sections(args, services, collector, tokenizer, prompts)
+        finally:
+            services.stop_all()
+
+
+def merge_runs(runs: list[tuple]) -> tuple[Services, dict]:
+    """One record of the split topologies' runs [(rtt_ms, services, result)]: each row with its rtt_ms, outputs
+    identical only if they were on every topology, service figures named ``NAME@RTTms``."""
+    merged, result = Services(Path(), {}), {}
+    for rtt, services, part in runs:
+        for key in ("peak_rss_mb", "affinity", "start_costs"):
+            getattr(merged, key).update({f"{name}@{rtt:g}ms": v for name, v in getattr(services, key).items()})
+        for section, body in part.items():
+            for row in body["rows"]:
+                row["rtt_ms"] = rtt
+            if section not in result:
+                result[section] = body
+                continue
+            result[section]["rows"] += body["rows"]
+            if "identical_outputs" in body:
+                result[section]["identical_outputs"] &= body["identical_outputs"]
+                result[section]["identical_prompts"] = min(result[section]["identical_prompts"], body["identical_prompts"])
+    return merged, result
+
+
+def topology_meta(args, runs: list[tuple]) -> dict:
+    """serving.json's ``topology``: local, or split with each draft link's set and measured round trip."""
+    if args.topology == "local":
+        return {"kind": "local"}
+    return {"kind": "split", "rtt_ms": args.rtt_ms, "bandwidth_mbit": args.bandwidth_mbit,
+            "measured_rtt_ms": [services.measured_rtt_ms for _, services, _ in runs]}
+
+
 def run_meta(args, services: Services, pin: dict | None, wall_s: float) -> dict:
     """The run's setting, as serving.json's ``meta``."""
     dtype = resolve_dtype(args.dtype, "cpu")
@@ -1128,13 +1225,13 @@ def main(argv=None) -> int:
     args.draft = resolve_model_dir(args.draft, DEFAULT_DRAFT, "--draft")
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     prompts = level_prompts(args, tokenizer)
-    with tempfile.TemporaryDirectory(prefix="serving-bench-") as workdir, SpanCollector() as collector:
-        services = Services(Path(workdir), collector.env(), pin)
-        try:
-            result = run_sections(args, services, collector, tokenizer, prompts)
-        finally:
-            services.stop_all()
-    result = {"meta": run_meta(args, services, pin, time.perf_counter() - started), **result}
+    runs = [(rtt, *run_on(args, tokenizer, prompts, pin, rtt)) for rtt in (args.rtt_ms or [None])]
+    services, result = runs[0][1], runs[0][2]
+    if args.topology == "split":
+        services, result = merge_runs(runs)
+    meta = run_meta(args, services, pin, time.perf_counter() - started)
+    meta["topology"] = topology_meta(args, runs)
+    result = {"meta": meta, **result}
     md = markdown(result)
     paths = write_record(args.out, "serving", result, md)
     print(md)

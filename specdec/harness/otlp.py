@@ -35,12 +35,13 @@ def attribute_value(v):
 
 
 class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self):
+    def __init__(self, host: str = "127.0.0.1"):  # host: the address it listens on (and env() points at)
+        self.host = host
         self._lock = threading.Lock()
         self._spans: list[ReceivedSpan] = []
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.port = self.server.add_insecure_port(f"{host}:0")
 
     def Export(self, request, context):
         with self._lock:
@@ -60,7 +61,7 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     def env(self) -> dict[str, str]:
         return {
             "OTEL_TRACES_EXPORTER": "otlp",
-            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{self.port}",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{self.host}:{self.port}",
             "OTEL_EXPORTER_OTLP_INSECURE": "true",
             "OTEL_BSP_SCHEDULE_DELAY": "100",
         }

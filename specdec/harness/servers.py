@@ -1,4 +1,4 @@
-"""The project's own servers as subprocesses on loopback ports, for tests and benchmarks.
+"""The project's own servers as subprocesses (on loopback ports unless given a host), for tests and benchmarks.
 
     target = start_service("target", "serve.yaml")           # python -m target_service --config serve.yaml --port 0
     channel = grpc.aio.insecure_channel(target.address)     # e.g. "127.0.0.1:43817"
@@ -68,9 +68,11 @@ def server_command(kind: str, config_path, **flags) -> list[str]:
     return argv
 
 
-def launch_service(kind: str, config_path, env: dict | None = None, **flags) -> Service:
-    """Start a server subprocess without waiting (call ``wait_ready``), so several start-ups overlap."""
-    return launch_command(kind, server_command(kind, config_path, **flags), env)
+def launch_service(kind: str, config_path, env: dict | None = None, prefix: list[str] = (), **flags) -> Service:
+    """Start a server subprocess without waiting (call ``wait_ready``), so several start-ups overlap. ``prefix``:
+    argv put before the command, one that execs it (e.g. ``ip netns exec NS taskset -c 0``: the pid stays the
+    server's)."""
+    return launch_command(kind, [*prefix, *server_command(kind, config_path, **flags)], env)
 
 
 def launch_command(kind: str, argv: list[str], env: dict | None = None) -> Service:
@@ -126,9 +128,10 @@ def wait_address(service: Service, name: str, timeout_s: float = 30.0) -> str:
     return service.addresses[name]
 
 
-def start_service(kind: str, config_path, timeout_s: float = 120.0, env: dict | None = None, **flags) -> Service:
-    """Start a server subprocess and wait for its ready line (see ``wait_ready``)."""
-    return wait_ready(launch_service(kind, config_path, env, **flags), timeout_s)
+def start_service(kind: str, config_path, timeout_s: float = 120.0, env: dict | None = None, prefix: list[str] = (),
+                  **flags) -> Service:
+    """Start a server subprocess (``launch_service``) and wait for its ready line (see ``wait_ready``)."""
+    return wait_ready(launch_service(kind, config_path, env, prefix, **flags), timeout_s)
 
 
 def stop_service(service: Service, timeout_s: float = 30.0) -> int:
