@@ -112,4 +112,8 @@ def stats_to_proto(stats: GenerationStats, prompt_tokens: int) -> generation_pb2
         pipeline_ahead_hits=stats.pipeline_ahead_hits, pipeline_ahead_misses=stats.pipeline_ahead_misses,
         position_proposed=stats.position_proposed, position_accepted=stats.position_accepted,
         draft_s=stats.draft_s, verify_s=stats.verify_s, draft_rounds=stats.draft_rounds,
+        predraft_hits=stats.predraft_hits, pipelined_rounds=stats.pipelined_rounds,
+        predrafted_rounds=stats.predrafted_rounds, ahead_hit_rate=stats.ahead_hit_rate,
+        in_line_share=stats.round_shares["in_line"], pipelined_share=stats.round_shares["pipelined"],
+        predrafted_share=stats.round_shares["predrafted"],
     )
