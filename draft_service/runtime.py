@@ -240,7 +240,8 @@ class DraftRuntime(DraftWorker):
             check_root_path(tree.parents, path_nodes)
         rng_state = copy.deepcopy(s.rng.bit_generator.state) if s.rng is not None else None
         tail = tail_kv(s.cache, s.cached_len - 1) if keep_tail else None
-        s.ahead = _AheadSnapshot(len(s.tokens), s.cached_len, s.round_start, tree, rng_state, dict(s.slot_of_node), tail)
+        s.ahead = _AheadSnapshot(len(s.tokens), s.cached_len, s.round_start, tree, rng_state,
+                                 dict(s.slot_of_node), tail)
         fed = [s.slot_of_node[n] for n in path_nodes if n in s.slot_of_node]  # a prefix of the path
         compact_kv(s.cache, s.cached_len, fed)
         s.cached_len += len(fed)
@@ -282,7 +283,8 @@ class DraftRuntime(DraftWorker):
                     raise SessionStateError(f"session_id: {session_id!r} is already at item {seen[session_id]} of this batch")
                 seen[session_id] = index
                 if ahead:
-                    max_depth, guesses[index] = self._begin_candidates(session_id, spec, max_depth, ahead[0], others, index)
+                    max_depth, guesses[index] = self._begin_candidates(session_id, spec, max_depth, ahead[0],
+                                                                       others, index)
                 s = self._begin_round(session_id, ahead=bool(ahead))
                 if s is None:
                     results[index] = DraftTree((), ())

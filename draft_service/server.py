@@ -6,7 +6,8 @@ Prints ``draft-service ready on <host>:<port>`` once serving; SIGTERM/SIGINT dra
 
 A stream: ``start`` first (answered by DraftStarted), then ``propose`` (answered by a DraftTreeReply, in
 order) and ``commit`` (not answered); between a propose and its commit, an ``ahead`` (answered with the
-guess and any pre-drafted alternatives' trees) and its ``resolve`` (not answered; adopt: the round needs no commit). Out-of-order messages are
+guess and any pre-drafted alternatives' trees) and its ``resolve`` (not answered; adopt: the round needs no
+commit). Out-of-order messages are
 INVALID_ARGUMENT naming the field; ``draft.max_sessions`` open streams RESOURCE_EXHAUSTED; the context
 limit reached FAILED_PRECONDITION; a draining server ends waiting streams with UNAVAILABLE. Any end of
 the stream releases the session's KV. Each stream gets its own runtime session (a server-side key), so
@@ -66,7 +67,7 @@ class _Stream:
     tokens: int  # committed tokens (prompt + generated)
     tree_size: int | None = None  # nodes of the last proposed tree (None: no propose since commit)
     parents: tuple[int, ...] = ()  # the last proposed tree's parents (ahead paths are checked against them)
-    ahead: list[tuple[int, tuple[int, ...]]] | None = None  # unresolved ahead: per candidate (tokens it adds, tree's parents)
+    ahead: list[tuple[int, tuple[int, ...]]] | None = None  # unresolved: per candidate (tokens it adds, tree's parents)
 
 
 class _ProposeBatcher(SessionBatcher):
@@ -231,7 +232,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                     f"{self.context_limit} positions")
         return spec, min(request.max_depth, room)
 
-    async def _grow(self, stream: _Stream, request, job: tuple) -> tuple[list[tuple[int, DraftTree]], draft_pb2.DraftTreeReply]:
+    async def _grow(self, stream: _Stream, request,
+                    job: tuple) -> tuple[list[tuple[int, DraftTree]], draft_pb2.DraftTreeReply]:
         """A propose (job: spec, depth) or an ahead (job: spec, depth, candidates) through the batcher, traced:
         ([(token, tree)] per candidate, token 0 for a propose; the reply)."""
         ahead = len(job) == 3
@@ -274,7 +276,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         """The ahead's other candidates, checked (paths against the last tree, depths, token ids); each has
         at least the first candidate's room under the context limit (its path is not longer)."""
         if len(request.alternatives) >= MAX_AHEAD_CANDIDATES:
-            raise ValueError(f"ahead.alternatives: {len(request.alternatives)} given, at most {MAX_AHEAD_CANDIDATES - 1}")
+            raise ValueError(f"ahead.alternatives: {len(request.alternatives)} given, "
+                             f"at most {MAX_AHEAD_CANDIDATES - 1}")
         out = []
         for i, alt in enumerate(request.alternatives):
             field, path = f"ahead.alternatives[{i}]", list(alt.path_nodes)
@@ -283,7 +286,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             if alt.max_depth < 1:
                 raise ValueError(f"{field}.max_depth: must be >= 1, got {alt.max_depth}")
             room = max(self.context_limit - stream.tokens - len(path) - 1, 1)
-            out.append(AheadCandidate(tuple(path), min(alt.max_depth, room), _token_ids(alt.exclude, f"{field}.exclude")))
+            exclude = _token_ids(alt.exclude, f"{field}.exclude")
+            out.append(AheadCandidate(tuple(path), min(alt.max_depth, room), exclude))
         return out
 
     async def _resolve(self, stream: _Stream, request) -> None:

@@ -36,9 +36,11 @@ class RoundRecord:
     expected_accepted: float = 0.0  # draft tokens the control expected to be accepted (its decision), tokens
     cost: dict | None = None  # the cost model it decided with (CostModel.snapshot: ms by rows / parents), if any
     stop_reason: str | None = None  # set on the round that ended the request (its stats follow)
-    pipelined: bool = False  # the tree came from an adopted ahead's first candidate (drafted during the previous verify; draft_s 0)
+    pipelined: bool = False  # the tree came from an adopted ahead's first candidate (drafted during the previous
+    # verify; draft_s 0)
     predrafted: bool = False  # the tree came from another candidate of an adopted ahead (pre-drafting; draft_s 0)
-    ahead: str | None = None  # this round's ahead: "hit" (first candidate adopted), "predraft" (another), "miss", "failed"; None = none
+    # this round's ahead: "hit" (first candidate adopted), "predraft" (another), "miss", "failed"; None = none
+    ahead: str | None = None
     ahead_s: float | None = None  # wall time of this round's ahead, seconds (beside the verify; None = none or failed)
 
     @property

@@ -37,7 +37,8 @@ def _candidate_set(tree, path):
     """All three kinds: the whole path, rejected at its last node, rejected at the root (excluding the
     tree's children there)."""
     kids = lambda node: tuple(t for t, p in zip(tree.tokens, tree.parents) if p == node)  # noqa: E731
-    return [AheadCandidate(tuple(path), 3), AheadCandidate(tuple(path[:-1]), 3, kids(path[-2] if len(path) > 1 else ROOT)),
+    return [AheadCandidate(tuple(path), 3),
+            AheadCandidate(tuple(path[:-1]), 3, kids(path[-2] if len(path) > 1 else ROOT)),
             AheadCandidate((), 3, kids(ROOT))]
 
 
@@ -68,7 +69,8 @@ def test_adopting_any_candidate_equals_commit_then_propose(sampling, spec, adopt
     else:
         ahead.resolve_ahead("s", True, adopt)
         c = candidates[adopt]
-        committed, accepted, next_tree = [tree.tokens[n] for n in c.path_nodes] + [out[adopt][0]], list(c.path_nodes), out[adopt][1]
+        committed, accepted = [tree.tokens[n] for n in c.path_nodes] + [out[adopt][0]], list(c.path_nodes)
+        next_tree = out[adopt][1]
     plain.commit("s", committed, accepted)
     if adopt is None:
         ahead.commit("s", committed, accepted)
@@ -198,7 +200,8 @@ def test_greedy_predrafted_equals_target_alone(noise):
     assert out.tokens == hf_greedy(model, prompt, 60)
     stats = out.stats
     assert stats.predraft_hits > 0 and stats.predraft_hits == sum(r.predrafted for r in rounds)
-    assert stats.predraft_hits == sum(1 for c in draft.resolved if c) and stats.pipeline_ahead_hits == draft.resolved.count(0)
+    assert stats.predraft_hits == sum(1 for c in draft.resolved if c)
+    assert stats.pipeline_ahead_hits == draft.resolved.count(0)
     assert [r.kind for r in rounds[1:]] == [{"hit": "pipelined", "predraft": "predrafted"}.get(r.ahead, "in_line")
                                             for r in rounds[:-1]]
     accepted_depths = {r.accepted for r in rounds if r.ahead is not None}
@@ -235,7 +238,8 @@ def test_seeded_sampled_predrafted_equals_in_line(spec):
     on, rounds_on, _ = _run(model, draft_model, prompt, 50, spec=spec, sampling=sampling)
     off, rounds_off, _ = _run(model, draft_model, prompt, 50, spec=spec, sampling=sampling, pipeline=False)
     assert on.tokens == off.tokens
-    assert [(r.tokens, r.proposed, r.accepted) for r in rounds_on] == [(r.tokens, r.proposed, r.accepted) for r in rounds_off]
+    summary = lambda rounds: [(r.tokens, r.proposed, r.accepted) for r in rounds]  # noqa: E731
+    assert summary(rounds_on) == summary(rounds_off)
     assert on.stats.predraft_hits > 0
 
 
@@ -317,7 +321,7 @@ def _auto_run(rtt_s, shared_compute):
 
 @pytest.mark.parametrize("rtt_s,shared_compute,predrafts", [(0.3, False, True), (0.3, True, True),
                                                             (0.00001, True, False), (None, True, False)])
-def test_auto_pipeline_predrafts_on_a_slow_link_and_drafts_in_line_on_a_fast_shared_one(rtt_s, shared_compute, predrafts):
+def test_auto_pipeline_predrafts_on_a_slow_link_and_in_line_on_a_fast_shared_one(rtt_s, shared_compute, predrafts):
     rounds = _auto_run(rtt_s, shared_compute)
     drafted = [r for r in rounds if r.drafted]
     assert drafted

@@ -223,8 +223,9 @@ class DraftClient(DraftWorker):
         self.rounds[session_id] = self.rounds.get(session_id, 0) + 1
         others = [draft_pb2.AheadAlternative(path_nodes=c.path_nodes, exclude=c.exclude, max_depth=c.max_depth)
                   for c in candidates[1:]]
-        request = draft_pb2.AheadRequest(path_nodes=first.path_nodes, spec=spec_to_proto(spec), max_depth=first.max_depth,
-                                         round=self.rounds[session_id], alternatives=others, exclude=first.exclude)
+        request = draft_pb2.AheadRequest(path_nodes=first.path_nodes, spec=spec_to_proto(spec),
+                                         max_depth=first.max_depth, round=self.rounds[session_id],
+                                         alternatives=others, exclude=first.exclude)
         reply = await self._ahead_reply(session_id, request)
         if len(reply.alternatives) != len(others):
             raise self._fail(session_id, f"draft answered {len(reply.alternatives)} alternatives for {len(others)}")

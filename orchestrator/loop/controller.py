@@ -447,7 +447,8 @@ class _Request:
             return None
         candidates = _candidates(drafted.tree, shaped, path, max_depth, count)
         paths = [tuple(drafted.tree.tokens[n] for n in c.path_nodes) for c in candidates]
-        return asyncio.ensure_future(self._ahead(candidates, paths, self.control.spec(self.spec)))  # under round r's span
+        spec = self.control.spec(self.spec)
+        return asyncio.ensure_future(self._ahead(candidates, paths, spec))  # copies the context: under round r's span
 
     async def _ahead(self, candidates: list[AheadCandidate], paths: list[tuple[int, ...]],
                      spec: TreeSpec) -> _Ahead | Exception:
@@ -469,7 +470,8 @@ class _Request:
                 return exc
             span.set_attribute("ahead.guess", out[0][0])
             span.set_attribute("tree.nodes", out[0][1].size)
-        return _Ahead(tuple(((*path, token), tree) for path, (token, tree) in zip(paths, out)), time.perf_counter() - t0)
+        outcomes = tuple(((*path, token), tree) for path, (token, tree) in zip(paths, out))
+        return _Ahead(outcomes, time.perf_counter() - t0)
 
     async def _resolve_ahead(self, task: asyncio.Future, committed: list[int]) -> _AheadOutcome:
         """Adopt the candidate whose path + final token the committed tokens are (nothing stopped), else discard."""
@@ -534,7 +536,8 @@ class _Request:
                              context_accepted=sum(1 for n in accepted if shaped.draft_index[n] is None),
                              expected_accepted=shaped.expected_accepted, stop_reason=self.stops.reason,
                              pipelined=drafted.pipelined and not drafted.candidate,
-                             predrafted=drafted.pipelined and drafted.candidate > 0, ahead=ahead.kind if ahead else None,
+                             predrafted=drafted.pipelined and drafted.candidate > 0,
+                             ahead=ahead.kind if ahead else None,
                              ahead_s=ahead.ahead_s if ahead else None,
                              cost=self.control.cost_snapshot() if self.control is not None else None)
         self.stats.add(record, time.perf_counter() - self.started)
@@ -634,7 +637,8 @@ def _round_attributes(span, drafted: _Drafted, shaped: ShapedTree, gamma: int, r
                       ahead: _AheadOutcome | None = None) -> None:
     """The round span's attributes: the control's decision and what happened (pipelining included)."""
     attributes = {"pipelined": drafted.pipelined and not drafted.candidate,
-                  "predrafted": drafted.pipelined and drafted.candidate > 0, "gamma": gamma, "tree.nodes": shaped.tree.size,
+                  "predrafted": drafted.pipelined and drafted.candidate > 0,
+                  "gamma": gamma, "tree.nodes": shaped.tree.size,
                   "tree.depth": shaped.depth, "tree.drafted": drafted.tree.size,
                   "tree.context_nodes": sum(1 for d in shaped.draft_index if d is None),
                   "expected_accepted": float(shaped.expected_accepted),

@@ -22,8 +22,9 @@ class SpeculativeEngine:
     """
 
     def __init__(self, target: TargetWorker, draft: DraftWorker | None, eos_token_ids, context_limit: int,
-                 decode=None, control_factory=None, draft_context_limit: int | None = None, pipeline: bool | str = False,
-                 draft_window: DraftWindowConfig | None = None, ahead_candidates: int = 1):
+                 decode=None, control_factory=None, draft_context_limit: int | None = None,
+                 pipeline: bool | str = False, draft_window: DraftWindowConfig | None = None,
+                 ahead_candidates: int = 1):
         self.target = target
         self.draft = draft
         self.controller = RoundController(
