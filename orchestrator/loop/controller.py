@@ -463,8 +463,9 @@ class _Request:
                 if len(candidates) == 1:
                     call = draft.propose_ahead(self.draft_sid, list(first.path_nodes), spec, first.max_depth)
                     out = [await self._draft_call(call)]
-                else:
-                    out = await self._draft_call(draft.propose_candidates(self.draft_sid, candidates, spec))
+                else:  # each candidate is a proposal's work: the deadline once per candidate
+                    extra_s = (len(candidates) - 1) * (self.controller.draft_deadline_s or 0.0)
+                    out = await self._draft_call(draft.propose_candidates(self.draft_sid, candidates, spec), extra_s)
             except Exception as exc:  # noqa: BLE001 - any ahead failure is a draft failure; the output never depends on it
                 span.set_attribute("ahead.failed", True)
                 return exc
