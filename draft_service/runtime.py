@@ -11,7 +11,10 @@ R sits at position 6 and a node of depth d at position 6 + d. Commit: docs/desig
 Pipelining (docs/control.md "Pipelining"; PEARL, Liu et al. 2024): ``propose_ahead`` tentatively
 commits a path plus the draft's argmax guess of the bonus and grows the next tree; ``resolve_ahead``
 adopts that state or rolls back exactly. While an ahead is unresolved, ``propose`` and ``commit``
-raise SessionStateError.
+raise SessionStateError. Pre-drafting (SSD, "speculative speculative decoding"): ``propose_candidates``
+first grows the trees of the other candidate outcomes, each from the session as it was (its tree slots
+saved and put back, the random state too), then the first as ``propose_ahead``; adopting another one
+rolls back and commits its path and token uncached (the next step feeds them).
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ from draft_service.tree_builder import Step, tree_steps
 from specdec.forward import (
     DirectDecoder, model_forward, model_forward_batch, model_forward_packed, packed_layout, padded_batch_inputs,
 )
-from specdec.interfaces import DraftWorker, SessionStateError, UnknownSessionError
-from specdec.kv_cache import append_kv_row, cache_length, compact_kv, new_cache, stack_kv, truncate_kv
+from specdec.interfaces import MAX_AHEAD_CANDIDATES, AheadCandidate, DraftWorker, SessionStateError, UnknownSessionError
+from specdec.kv_cache import (
+    append_kv_row, cache_length, compact_kv, new_cache, restore_tail_kv, stack_kv, tail_kv, truncate_kv,
+)
 from specdec.sampling import GREEDY, SamplingParams, session_rng
 from specdec.tree import ROOT, DraftTree, additive_mask, ancestors, node_depths
 from specdec.tree_spec import TreeSpec
@@ -48,6 +53,7 @@ class DraftSession:
     round_start: int | None = None  # cached_len before an uncommitted proposal (for a retry)
     last_tree: DraftTree | None = None  # the last proposed tree (ahead paths are checked against it)
     ahead: "_AheadSnapshot | None" = None  # set while an ahead proposal is unresolved
+    alternatives: list = field(default_factory=list)  # (tokens added, tree, rng state) of the other candidates
     prefill_chunk: int | None = None  # tokens per call of a started chunked ``prefill`` (None: none, or all in one call)
 
 
@@ -60,6 +66,8 @@ class _AheadSnapshot:
     round_start: int | None
     last_tree: DraftTree | None
     rng_state: dict | None  # the session generator's bit_generator.state (sampled requests)
+    slot_of_node: dict[int, int] = field(default_factory=dict)  # with ``tail``: the last tree's fed nodes
+    tail: list | None = None  # the KV from slot cached_len - 1 on (R and the tree's slots), for other candidates
 
 
 class AheadTree(NamedTuple):
@@ -137,14 +145,30 @@ class DraftRuntime(DraftWorker):
             raise out
         return out
 
-    def resolve_ahead(self, session_id: str, adopt: bool) -> None:
-        """End the unresolved ahead: adopt = keep its state (round r needs no ``commit``); else roll back
-        exactly to the state before ``propose_ahead``. Raises UnknownSessionError, SessionStateError."""
+    def propose_candidates(self, session_id: str, candidates: Sequence[AheadCandidate],
+                           spec: TreeSpec) -> list[AheadTree]:
+        """Pre-drafting: ``propose_ahead`` for candidates[0] and the next tree of each other candidate
+        outcome (``AheadCandidate``; empty path = the root rejected), every tree grown from the session as it
+        is now (a seeded session draws what an in-line propose after that outcome would). Returns [C]
+        (token, tree). Raises as ``propose_ahead``, ValueError naming ``path_nodes`` or ``candidates``."""
+        (out,) = self.propose_batch([(session_id, spec, 0, tuple(candidates))])
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def resolve_ahead(self, session_id: str, adopt: bool, candidate: int = 0) -> None:
+        """End the unresolved ahead: adopt = keep candidate ``candidate``'s state (round r needs no
+        ``commit``); else roll back exactly to the state before ``propose_ahead``. Adopting candidate c > 0
+        rolls back, then commits its path and token uncached with its tree as the last one. Raises
+        UnknownSessionError, SessionStateError, ValueError naming ``candidate``."""
         s = self._session(session_id)
-        snap, s.ahead = s.ahead, None
+        snap, alternatives = s.ahead, s.alternatives
         if snap is None:
             raise SessionStateError(f"adopt: session {session_id!r} has no unresolved ahead proposal")
-        if adopt:
+        if adopt and not 0 <= candidate <= len(alternatives):
+            raise ValueError(f"candidate: {candidate} is not one of the {len(alternatives) + 1} candidates")
+        s.ahead, s.alternatives = None, []
+        if adopt and candidate == 0:
             return
         truncate_kv(s.cache, snap.cached_len)
         del s.tokens[snap.tokens_len :]
@@ -152,20 +176,72 @@ class DraftRuntime(DraftWorker):
         s.slot_of_node = {}  # the tree slots are gone: commit keeps no node KV
         if s.rng is not None:
             s.rng.bit_generator.state = snap.rng_state
+        if adopt:  # candidate c > 0: its path and token committed, its tree the last one (no node fed)
+            added, s.last_tree, rng_state = alternatives[candidate - 1]
+            s.tokens.extend(added)
+            s.round_start = s.cached_len
+            if s.rng is not None:
+                s.rng.bit_generator.state = rng_state
 
-    def _begin_ahead(self, session_id: str, path_nodes: tuple[int, ...]) -> int:
-        """Snapshot, commit ``path_nodes`` tentatively, feed what is pending, append and return the guess.
-        Example: committed [a b R], path n0 (fed) -> n2 (leaf): the cache keeps a b R n0, n2 is fed now,
-        tokens become [a b R n0 n2 g] with g pending."""
+    def _restore(self, s: DraftSession) -> None:
+        """Back to the snapshot of an alternative's ahead, tree slots included (bitwise)."""
+        snap, s.ahead = s.ahead, None
+        restore_tail_kv(s.cache, snap.cached_len - 1, snap.tail)
+        del s.tokens[snap.tokens_len :]
+        s.cached_len, s.round_start, s.last_tree = snap.cached_len, snap.round_start, snap.last_tree
+        s.slot_of_node = dict(snap.slot_of_node)
+        if s.rng is not None:
+            s.rng.bit_generator.state = snap.rng_state
+
+    def _draft_alternatives(self, session_id: str, spec: TreeSpec, candidates) -> list[tuple]:
+        """The other candidates' (token, tree, tokens added, rng state after), each grown alone from the
+        session as it is, which is restored after each."""
+        out = []
+        for cand in candidates:
+            token = self._begin_ahead(session_id, tuple(cand.path_nodes), tuple(cand.exclude), keep_tail=True)
+            s = self.sessions[session_id]
+            try:
+                tree = self._grow_alone(session_id, spec, cand.max_depth)
+                added = s.tokens[s.ahead.tokens_len :]
+                rng_state = copy.deepcopy(s.rng.bit_generator.state) if s.rng is not None else None
+            finally:
+                self._restore(s)
+            out.append((token, tree, added, rng_state))
+        return out
+
+    def _grow_alone(self, session_id: str, spec: TreeSpec, max_depth: int) -> DraftTree:
+        """One ahead tree grown in forwards of its own (the session tentatively committed)."""
+        s = self._begin_round(session_id, ahead=True)
+        if s is None:
+            return DraftTree((), ())
+        steps = tree_steps(spec, max_depth=max_depth, vocab_size=self.vocab_size, sampling=s.sampling, rng=s.rng)
+        results: list = [None]
+        try:
+            self._run_steps({0: (s, steps, next(steps))}, results)
+        except StopIteration as done:
+            results[0] = s.last_tree = done.value
+        if isinstance(results[0], Exception):
+            raise results[0]
+        return results[0]
+
+    def _begin_ahead(self, session_id: str, path_nodes: tuple[int, ...], exclude: tuple[int, ...] = (),
+                     keep_tail: bool = False) -> int:
+        """Snapshot, commit ``path_nodes`` tentatively, feed what is pending, append and return the guess
+        (the argmax not in ``exclude``). Example: committed [a b R], path n0 (fed) -> n2 (leaf): the cache
+        keeps a b R n0, n2 is fed now, tokens become [a b R n0 n2 g] with g pending. keep_tail: the
+        snapshot keeps R's and the tree's KV (another candidate follows; an empty path is allowed)."""
         s = self._session(session_id)
         if s.ahead is not None:
             raise SessionStateError(f"ahead: session {session_id!r} already has an unresolved ahead proposal")
         tree = s.last_tree
         if tree is None or s.round_start is None:
             raise SessionStateError(f"path_nodes: session {session_id!r} has no proposed tree since its last commit")
-        check_root_path(tree.parents, path_nodes)
+        if path_nodes or not keep_tail:
+            check_root_path(tree.parents, path_nodes)
         rng_state = copy.deepcopy(s.rng.bit_generator.state) if s.rng is not None else None
-        s.ahead = _AheadSnapshot(len(s.tokens), s.cached_len, s.round_start, tree, rng_state)
+        tail = tail_kv(s.cache, s.cached_len - 1) if keep_tail else None
+        s.ahead = _AheadSnapshot(len(s.tokens), s.cached_len, s.round_start, tree, rng_state,
+                                 dict(s.slot_of_node), tail)
         fed = [s.slot_of_node[n] for n in path_nodes if n in s.slot_of_node]  # a prefix of the path
         compact_kv(s.cache, s.cached_len, fed)
         s.cached_len += len(fed)
@@ -178,16 +254,19 @@ class DraftRuntime(DraftWorker):
         logits = self._forward(s.cache, pending, torch.arange(s.cached_len, len(s.tokens)),
                                mask=None, logits_rows=1)  # (1, V)
         s.cached_len = len(s.tokens)
-        guess = int(logits[-1, : self.vocab_size].argmax())
+        row = logits[-1, : self.vocab_size].clone()
+        row[[t for t in exclude if 0 <= t < row.shape[0]]] = float("-inf")
+        guess = int(row.argmax())
         s.tokens.append(guess)
         return guess
 
     def propose_batch(self, items: Sequence[tuple]) -> list[DraftTree | AheadTree | Exception]:
         """Grow the trees of several sessions together: one draft forward per tree depth for all of them.
 
-        items: B triples (session_id, spec, max_depth), distinct sessions; a fourth entry (path_nodes)
-        makes the item an ahead proposal. Returns one entry per item, in order: what ``propose`` (or
-        ``propose_ahead``) alone would give, or the exception it would raise. An error of a shared forward
+        items: B triples (session_id, spec, max_depth), distinct sessions; a fourth entry (path_nodes, or
+        AheadCandidates with their own depths) makes the item an ahead proposal. Returns one entry per item,
+        in order: what ``propose`` (or ``propose_ahead`` / ``propose_candidates``) alone would give, or the
+        exception it would raise. Other candidates' trees grow in forwards of their own. An error of a shared forward
         is raised (ahead items are rolled back first). Layout packed or padded as ``TargetRuntime``;
         a session feeding over ``MAX_BATCHED_ROWS`` rows runs alone. A row's log-probs equal its solo
         forward's up to float32 round-off, except on a dynamically quantized draft (one activation scale
@@ -197,13 +276,15 @@ class DraftRuntime(DraftWorker):
         running: dict[int, tuple[DraftSession, Generator, Step]] = {}
         seen: dict[str, int] = {}
         guesses: dict[int, int] = {}  # item -> guess, for ahead items
+        others: dict[int, list] = {}  # item -> the other candidates' AheadTrees (candidate items)
         for index, (session_id, spec, max_depth, *ahead) in enumerate(items):
             try:
                 if session_id in seen:
                     raise SessionStateError(f"session_id: {session_id!r} is already at item {seen[session_id]} of this batch")
                 seen[session_id] = index
                 if ahead:
-                    guesses[index] = self._begin_ahead(session_id, tuple(ahead[0]))
+                    max_depth, guesses[index] = self._begin_candidates(session_id, spec, max_depth, ahead[0],
+                                                                       others, index)
                 s = self._begin_round(session_id, ahead=bool(ahead))
                 if s is None:
                     results[index] = DraftTree((), ())
@@ -225,7 +306,24 @@ class DraftRuntime(DraftWorker):
         for index, guess in guesses.items():
             if isinstance(results[index], DraftTree):
                 results[index] = AheadTree(guess, results[index])
+                if index in others:
+                    results[index] = [results[index], *others[index]]
         return results  # type: ignore[return-value]
+
+    def _begin_candidates(self, session_id: str, spec: TreeSpec, max_depth: int, entry: Sequence,
+                          others: dict, index: int) -> tuple[int, int]:
+        """An ahead item's start: a path (``propose_ahead``) or AheadCandidates, whose others are grown first
+        (into ``others[index]``). Returns (the first's max depth, its guess)."""
+        if not (entry and isinstance(entry[0], AheadCandidate)):
+            return max_depth, self._begin_ahead(session_id, tuple(entry))
+        if len(entry) > MAX_AHEAD_CANDIDATES:
+            raise ValueError(f"candidates: {len(entry)} given, at most {MAX_AHEAD_CANDIDATES}")
+        drafted = self._draft_alternatives(session_id, spec, entry[1:])
+        first = entry[0]
+        guess = self._begin_ahead(session_id, tuple(first.path_nodes), tuple(first.exclude))
+        self.sessions[session_id].alternatives = [(added, tree, rng) for _, tree, added, rng in drafted]
+        others[index] = [AheadTree(token, tree) for token, tree, _, _ in drafted]
+        return first.max_depth, guess
 
     def _run_steps(self, running: dict, results: list) -> None:
         """Drive the running sessions' ``tree_steps`` in lockstep, one (shared) forward per step, until

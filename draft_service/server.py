@@ -6,7 +6,8 @@ Prints ``draft-service ready on <host>:<port>`` once serving; SIGTERM/SIGINT dra
 
 A stream: ``start`` first (answered by DraftStarted), then ``propose`` (answered by a DraftTreeReply, in
 order) and ``commit`` (not answered); between a propose and its commit, an ``ahead`` (answered with the
-guess) and its ``resolve`` (not answered; adopt: the round needs no commit). Out-of-order messages are
+guess and any pre-drafted alternatives' trees) and its ``resolve`` (not answered; adopt: the round needs no
+commit). Out-of-order messages are
 INVALID_ARGUMENT naming the field; ``draft.max_sessions`` open streams RESOURCE_EXHAUSTED; the context
 limit reached FAILED_PRECONDITION; a draining server ends waiting streams with UNAVAILABLE. Any end of
 the stream releases the session's KV. Each stream gets its own runtime session (a server-side key), so
@@ -29,6 +30,7 @@ from draft_service.runtime import DraftRuntime, check_root_path
 from specdec.batching import SessionBatcher
 from specdec.config import ConfigError, DraftServerConfig, ServeConfig, load_config
 from specdec.grpc_host import ServiceHost, abort_for, rpc_errors
+from specdec.interfaces import MAX_AHEAD_CANDIDATES, AheadCandidate
 from specdec.kv_budget import kv_bytes_per_token, sized_budget
 from specdec.placement import placement, usable_cpus
 from specdec.model_setup import load_draft, target_info
@@ -65,7 +67,7 @@ class _Stream:
     tokens: int  # committed tokens (prompt + generated)
     tree_size: int | None = None  # nodes of the last proposed tree (None: no propose since commit)
     parents: tuple[int, ...] = ()  # the last proposed tree's parents (ahead paths are checked against them)
-    ahead: tuple[int, tuple[int, ...]] | None = None  # unresolved ahead: (tokens it adds, its tree's parents)
+    ahead: list[tuple[int, tuple[int, ...]]] | None = None  # unresolved: per candidate (tokens it adds, tree's parents)
 
 
 class _ProposeBatcher(SessionBatcher):
@@ -103,10 +105,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.worker.close()
 
     def _propose_solo(self, key: str, args: tuple):
-        """One session's propose (spec, max_depth) or ahead (spec, max_depth, path_nodes), alone."""
+        """One session's propose (spec, max_depth) or ahead (spec, max_depth, AheadCandidates), alone."""
         if len(args) == 3:
-            spec, max_depth, path = args
-            return self.runtime.propose_ahead(key, path, spec, max_depth)
+            spec, _, candidates = args
+            return self.runtime.propose_candidates(key, candidates, spec)
         return self.runtime.propose(key, *args)
 
     async def Session(self, request_iterator, context):
@@ -230,25 +232,27 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                     f"{self.context_limit} positions")
         return spec, min(request.max_depth, room)
 
-    async def _grow(self, stream: _Stream, request, job: tuple) -> tuple[DraftTree, draft_pb2.DraftTreeReply]:
-        """A propose (job: spec, depth) or an ahead (job: spec, depth, path) through the batcher, traced:
-        (its tree, the reply)."""
+    async def _grow(self, stream: _Stream, request,
+                    job: tuple) -> tuple[list[tuple[int, DraftTree]], draft_pb2.DraftTreeReply]:
+        """A propose (job: spec, depth) or an ahead (job: spec, depth, candidates) through the batcher, traced:
+        ([(token, tree)] per candidate, token 0 for a propose; the reply)."""
         ahead = len(job) == 3
         with self._tracer.start_as_current_span("draft.propose_ahead" if ahead else "draft.propose") as span:
             span.set_attribute("specdec.session_id", stream.session_id)
             started = time.perf_counter()
             out, batch_size, forward_ms = await self.batcher.submit(stream.key, job)
             draft_ms = (time.perf_counter() - started) * 1000
-            guess, tree = out if ahead else (0, out)
-            span.set_attribute("specdec.tree_nodes", tree.size)
+            trees = list(out) if ahead else [(0, out)]
+            span.set_attribute("specdec.tree_nodes", trees[0][1].size)
             span.set_attribute("specdec.batch_size", batch_size)
-        return tree, draft_pb2.DraftTreeReply(round=request.round, tree=tree_to_proto(tree), draft_ms=draft_ms,
-                                              batch_size=batch_size, forward_ms=forward_ms, ahead=ahead,
-                                              guess_token=guess)
+        others = [draft_pb2.AlternativeTree(token=token, tree=tree_to_proto(tree)) for token, tree in trees[1:]]
+        return trees, draft_pb2.DraftTreeReply(round=request.round, tree=tree_to_proto(trees[0][1]), draft_ms=draft_ms,
+                                               batch_size=batch_size, forward_ms=forward_ms, ahead=ahead,
+                                               guess_token=trees[0][0], alternatives=others)
 
     async def _propose(self, stream: _Stream, request) -> draft_pb2.DraftTreeReply:
         _no_ahead(stream, "propose")
-        tree, reply = await self._grow(stream, request, self._tree_request("propose", request, stream.tokens))
+        ((_, tree),), reply = await self._grow(stream, request, self._tree_request("propose", request, stream.tokens))
         stream.tree_size, stream.parents = tree.size, tuple(tree.parents)
         return reply
 
@@ -262,16 +266,38 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         path = list(request.path_nodes)
         check_root_path(stream.parents, path, "ahead.path_nodes")
         spec, depth = self._tree_request("ahead", request, stream.tokens + len(path) + 1)  # path + guess committed
-        tree, reply = await self._grow(stream, request, (spec, depth, path))
-        stream.ahead = (len(path) + 1, tuple(tree.parents))
+        candidates = [AheadCandidate(tuple(path), depth, _token_ids(request.exclude, "ahead.exclude")),
+                      *self._alternatives(stream, request)]
+        trees, reply = await self._grow(stream, request, (spec, depth, tuple(candidates)))
+        stream.ahead = [(len(c.path_nodes) + 1, tuple(tree.parents)) for c, (_, tree) in zip(candidates, trees)]
         return reply
+
+    def _alternatives(self, stream: _Stream, request) -> list[AheadCandidate]:
+        """The ahead's other candidates, checked (paths against the last tree, depths, token ids); each has
+        at least the first candidate's room under the context limit (its path is not longer)."""
+        if len(request.alternatives) >= MAX_AHEAD_CANDIDATES:
+            raise ValueError(f"ahead.alternatives: {len(request.alternatives)} given, "
+                             f"at most {MAX_AHEAD_CANDIDATES - 1}")
+        out = []
+        for i, alt in enumerate(request.alternatives):
+            field, path = f"ahead.alternatives[{i}]", list(alt.path_nodes)
+            if path:
+                check_root_path(stream.parents, path, f"{field}.path_nodes")
+            if alt.max_depth < 1:
+                raise ValueError(f"{field}.max_depth: must be >= 1, got {alt.max_depth}")
+            room = max(self.context_limit - stream.tokens - len(path) - 1, 1)
+            exclude = _token_ids(alt.exclude, f"{field}.exclude")
+            out.append(AheadCandidate(tuple(path), min(alt.max_depth, room), exclude))
+        return out
 
     async def _resolve(self, stream: _Stream, request) -> None:
         if stream.ahead is None:
             raise ValueError("resolve: no unresolved ahead on this stream")
-        added, parents = stream.ahead
+        if request.adopt and not 0 <= request.candidate < len(stream.ahead):
+            raise ValueError(f"resolve.candidate: {request.candidate} is not one of the {len(stream.ahead)} candidates")
+        added, parents = stream.ahead[request.candidate if request.adopt else 0]
         stream.ahead = None
-        await self.worker.run(self.runtime.resolve_ahead, stream.key, request.adopt)
+        await self.worker.run(self.runtime.resolve_ahead, stream.key, request.adopt, request.candidate)
         if request.adopt:  # the ahead's tree is now the last tree; the guessed round counts as committed
             stream.tokens += added
             stream.tree_size, stream.parents = len(parents), parents
@@ -312,6 +338,14 @@ def _kv_budget(runtime: DraftRuntime, config: DraftServerConfig) -> int:
     model = runtime.model
     per_token = kv_bytes_per_token(model.config, model.dtype.itemsize)
     return sized_budget("draft-service", config.kv_memory_fraction, per_token, str(model.device))
+
+
+def _token_ids(values, field: str) -> tuple[int, ...]:
+    """Token ids (>= 0), or ValueError naming ``field``[i]."""
+    for i, token in enumerate(values):
+        if token < 0:
+            raise ValueError(f"{field}[{i}] = {token}: token ids are >= 0")
+    return tuple(values)
 
 
 def _no_ahead(stream: _Stream, field: str) -> None:

@@ -205,7 +205,9 @@ class FrontConfig(_Section):
     max_prompt_tokens: int = Field(default=8192, ge=1)
     tree: TreeSpec = DEFAULT_SPEC
     speculate: bool = True
-    pipeline: bool = False                                # draft round r+1 while round r verifies (DESIGN.md "Pipelining")
+    pipeline: Literal["auto"] | bool = False              # draft round r+1 while round r verifies; auto: the control
+    # decides per round (docs/control.md "Pipelining")
+    ahead_candidates: int = Field(default=2, ge=1, le=4)  # next trees per ahead (pre-drafting; 1 = path + guess only)
     draft_window: DraftWindowConfig = DraftWindowConfig()  # the context a draft session opens with (sinks + recent tokens)
     cost_aware: CostAwareConfig = CostAwareConfig()
     fallback: FallbackConfig = FallbackConfig()

@@ -13,7 +13,7 @@ tree, whose KV the next verify computes).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from specdec.sampling import SamplingParams
 from specdec.tree import DraftTree
@@ -26,6 +26,20 @@ class UnknownSessionError(KeyError):
 
 class SessionStateError(RuntimeError):
     """Calls out of order, e.g. commit without a pending verify."""
+
+
+MAX_AHEAD_CANDIDATES = 4  # candidate next trees one ahead may draft (front.ahead_candidates at most)
+
+
+class AheadCandidate(NamedTuple):
+    """One outcome of the round being verified that an ahead drafts the next tree for (docs/control.md
+    "Pipelining"): ``path_nodes`` [A] (a root path of the last proposed tree, root side first; empty = the
+    root rejected) accepted, then the draft's argmax token after them that is not in ``exclude`` (the
+    verified tree's children there: the target took none of them), then a tree of at most ``max_depth`` >= 1."""
+
+    path_nodes: tuple[int, ...]
+    max_depth: int
+    exclude: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,11 @@ class DraftWorker:
     in_process = False  # True: its calls take turns with the event loop, nothing runs beside them
     drafts_ahead = False  # True: propose_ahead / resolve_ahead work (pipelining, ``RoundController(pipeline=True)``)
 
+    @property
+    def link_rtt_s(self) -> float | None:
+        """The measured round trip of this worker's link, seconds (wall time of a call minus the service's own time); None in-process or before the first call."""
+        return None
+
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> int | None:
         """Open a session whose committed tokens are ``prompt_ids`` [T], T >= 1 (or the draft window's
         part of them, positions counting from its first); ``sampling`` holds for every propose. Returns
@@ -83,9 +102,17 @@ class DraftWorker:
         guess of the bonus as committed and grow the next tree. Returns (guess, tree)."""
         raise NotImplementedError(f"{type(self).__name__} does not draft ahead")
 
-    def resolve_ahead(self, session_id: str, adopt: bool) -> None:
-        """adopt = keep the ahead's state (no commit for the guessed round); else roll back exactly,
-        then ``commit`` as usual. While an ahead is unresolved, propose and commit raise SessionStateError."""
+    def propose_candidates(self, session_id: str, candidates: list[AheadCandidate],
+                           spec: TreeSpec) -> list[tuple[int, DraftTree]]:
+        """Pre-drafting (where ``drafts_ahead``): the next tree for each candidate outcome [C], C >= 1,
+        candidates[0] the best path fully accepted. Returns (token, tree) per candidate, in order, or only
+        the first where the worker drafts one (this default: ``propose_ahead``, ``exclude`` ignored)."""
+        first = candidates[0]
+        return [tuple(self.propose_ahead(session_id, list(first.path_nodes), spec, first.max_depth))]
+
+    def resolve_ahead(self, session_id: str, adopt: bool, candidate: int = 0) -> None:
+        """adopt = keep candidate ``candidate``'s state (no commit for the guessed round); else roll back
+        exactly, then ``commit`` as usual. While an ahead is unresolved, propose and commit raise SessionStateError."""
         raise NotImplementedError(f"{type(self).__name__} does not draft ahead")
 
     def last_batch_size(self, session_id: str) -> int | None:
@@ -138,6 +165,9 @@ class WorkerAdapter(DraftWorker):
     def propose_ahead(self, *args, **kwargs):
         return self.call("propose_ahead", self.worker.propose_ahead, *args, **kwargs)
 
+    def propose_candidates(self, *args, **kwargs):
+        return self.call("propose_candidates", self.worker.propose_candidates, *args, **kwargs)
+
     def resolve_ahead(self, *args, **kwargs):
         return self.call("resolve_ahead", self.worker.resolve_ahead, *args, **kwargs)
 
@@ -154,6 +184,11 @@ class TargetWorker(Protocol):
 
     Dims: T prompt tokens, N tree nodes, A accepted nodes, L cached slots.
     """
+
+    @property
+    def link_rtt_s(self) -> float | None:
+        """The measured round trip of this worker's link, seconds (wall time of a call minus the service's own time); None in-process or before the first call."""
+        return None
 
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None:
         """Prefill ``prompt_ids`` [T], T >= 1, but the last token, the root R (L = T - 1); ``sampling``

@@ -99,3 +99,18 @@ def append_kv_row(cache: DynamicCache, stacked: DynamicCache, row: int, start: i
         keys = src.keys[row : row + 1, :, start : start + count]  # (1, H, count, D)
         values = src.values[row : row + 1, :, start : start + count]
         layer.update(keys, values)
+
+
+def tail_kv(cache: DynamicCache, start: int) -> list:
+    """A copy of every layer's slots from ``start`` on: [(keys, values)] (None for an empty layer)."""
+    _check_dynamic(cache)
+    return [(layer.keys[:, :, start:].clone(), layer.values[:, :, start:].clone()) if layer.is_initialized else None
+            for layer in cache.layers]
+
+
+def restore_tail_kv(cache: DynamicCache, start: int, tail: list) -> None:
+    """Roll the cache back to ``start`` slots, then append a ``tail_kv(cache, start)`` copy (the cache as it was)."""
+    truncate_kv(cache, start)
+    for layer, kv in zip(cache.layers, tail):
+        if kv is not None:
+            layer.keys, layer.values = torch.cat([layer.keys, kv[0]], 2), torch.cat([layer.values, kv[1]], 2)  # copies

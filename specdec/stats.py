@@ -36,9 +36,17 @@ class RoundRecord:
     expected_accepted: float = 0.0  # draft tokens the control expected to be accepted (its decision), tokens
     cost: dict | None = None  # the cost model it decided with (CostModel.snapshot: ms by rows / parents), if any
     stop_reason: str | None = None  # set on the round that ended the request (its stats follow)
-    pipelined: bool = False  # the tree came from an adopted ahead (drafted during the previous verify; draft_s 0)
-    ahead: str | None = None  # this round's ahead (pipelining): "hit" (adopted), "miss", "failed"; None = none
+    pipelined: bool = False  # the tree came from an adopted ahead's first candidate (drafted during the previous
+    # verify; draft_s 0)
+    predrafted: bool = False  # the tree came from another candidate of an adopted ahead (pre-drafting; draft_s 0)
+    # this round's ahead: "hit" (first candidate adopted), "predraft" (another), "miss", "failed"; None = none
+    ahead: str | None = None
     ahead_s: float | None = None  # wall time of this round's ahead, seconds (beside the verify; None = none or failed)
+
+    @property
+    def kind(self) -> str:
+        """Where this round's tree came from: "in_line" (drafted in this round, or none), "pipelined", "predrafted"."""
+        return "pipelined" if self.pipelined else "predrafted" if self.predrafted else "in_line"
 
 
 @dataclass
@@ -68,6 +76,9 @@ class GenerationStats:
     failovers: int = 0  # times the request moved to another orchestrator actor after its own failed
     pipeline_ahead_hits: int = 0  # pipelining: aheads adopted (the next round's tree was ready when its verify began)
     pipeline_ahead_misses: int = 0  # pipelining: aheads discarded (a guess or a path missed) or failed
+    predraft_hits: int = 0  # pre-drafting: aheads whose other candidate (an early rejection) was adopted
+    pipelined_rounds: int = 0  # rounds whose tree came from an ahead's first candidate
+    predrafted_rounds: int = 0  # rounds whose tree came from another candidate
     # per position (vLLM's per-position acceptance; orchestrator.loop.metrics specdec_position_*): index d - 1
     # counts the rounds whose verified tree reached depth d / whose committed draft path reached depth d
     position_proposed: list[int] = field(default_factory=list)
@@ -93,10 +104,13 @@ class GenerationStats:
         if self.rounds > 1:
             self.draft_s += record.draft_s or 0.0
             self.verify_s += record.verify_s
-            self.draft_rounds += record.draft_s is not None and not record.pipelined
+            self.draft_rounds += record.draft_s is not None and not (record.pipelined or record.predrafted)
         self.final_gamma = record.gamma
         self.pipeline_ahead_hits += record.ahead == "hit"
         self.pipeline_ahead_misses += record.ahead in ("miss", "failed")
+        self.predraft_hits += record.ahead == "predraft"
+        self.pipelined_rounds += record.pipelined
+        self.predrafted_rounds += record.predrafted
         for counts in (self.position_proposed, self.position_accepted):
             counts.extend([0] * (record.depth - len(counts)))
         for d in range(record.depth):
@@ -114,6 +128,20 @@ class GenerationStats:
     def mean_accepted_length(self) -> float:
         """Tokens committed per round, bonus included."""
         return self.new_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def round_shares(self) -> dict[str, float]:
+        """Shares of the rounds by ``RoundRecord.kind`` (all 0 before any round)."""
+        n = self.rounds or 1
+        ahead = self.pipelined_rounds + self.predrafted_rounds
+        return {"in_line": (self.rounds - ahead) / n if self.rounds else 0.0,
+                "pipelined": self.pipelined_rounds / n, "predrafted": self.predrafted_rounds / n}
+
+    @property
+    def ahead_hit_rate(self) -> float:
+        """Aheads adopted (any candidate) / aheads resolved (0 without any)."""
+        hits = self.pipeline_ahead_hits + self.predraft_hits
+        return hits / (hits + self.pipeline_ahead_misses) if hits + self.pipeline_ahead_misses else 0.0
 
     @property
     def tokens_per_s(self) -> float:

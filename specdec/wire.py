@@ -113,4 +113,8 @@ def stats_to_proto(stats: GenerationStats, prompt_tokens: int) -> generation_pb2
         position_proposed=stats.position_proposed, position_accepted=stats.position_accepted,
         draft_s=stats.draft_s, verify_s=stats.verify_s, draft_rounds=stats.draft_rounds,
         draft_link_rtt_ms=stats.draft_link_rtt_ms, target_link_rtt_ms=stats.target_link_rtt_ms,  # None: unset
+        predraft_hits=stats.predraft_hits, pipelined_rounds=stats.pipelined_rounds,
+        predrafted_rounds=stats.predrafted_rounds, ahead_hit_rate=stats.ahead_hit_rate,
+        in_line_share=stats.round_shares["in_line"], pipelined_share=stats.round_shares["pipelined"],
+        predrafted_share=stats.round_shares["predrafted"],
     )

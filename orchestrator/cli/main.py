@@ -122,8 +122,9 @@ def stats_table(stats, speculate: bool, sampling: SamplingParams = SamplingParam
         proposed = list(getattr(stats, "position_proposed", ()))  # GenerationStats or FinalStats
         if proposed:
             rows.append(("acceptance by position", _positions_line(proposed, list(stats.position_accepted))))
-    if speculate and (stats.pipeline_ahead_hits or stats.pipeline_ahead_misses):
-        rows.append(("pipelining", f"{stats.pipeline_ahead_hits} ahead trees adopted, {stats.pipeline_ahead_misses} discarded"))
+    if speculate and (stats.pipeline_ahead_hits or stats.predraft_hits or stats.pipeline_ahead_misses):
+        rows.append(("pipelining", f"{stats.pipeline_ahead_hits} ahead trees adopted, "
+                                   f"{stats.predraft_hits} pre-drafted ones, {stats.pipeline_ahead_misses} discarded"))
     if speculate and cost is not None:
         rows += [
             ("tree decisions", f"{stats.drafted_tokens} drafted nodes, {stats.proposed_tokens} verified, "

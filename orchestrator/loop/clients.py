@@ -19,7 +19,7 @@ import grpc
 from opentelemetry import trace
 
 from orchestrator.loop.controller import DraftUnavailableError
-from specdec.interfaces import DraftWorker, VerifyResult
+from specdec.interfaces import AheadCandidate, DraftWorker, VerifyResult
 from specdec.sampling import SamplingParams
 from specdec.tree import DraftTree
 from specdec.tree_spec import TreeSpec
@@ -222,10 +222,11 @@ class DraftClient(DraftWorker):
         """ms of the draft call that grew this session's last tree, no queue or transport (0 = not reported)."""
         return self.reply_forward.get(session_id, 0.0)
 
-    def _tree(self, session_id: str, reply: draft_pb2.DraftTreeReply, wall_s: float) -> DraftTree:
-        """The reply's tree, checked like any untrusted message (a malformed one is a draft failure); wall_s: the
-        call's wall time (a link round trip sample with the reply's draft_ms)."""
-        if reply.draft_ms > 0:
+    def _tree(self, session_id: str, reply: draft_pb2.DraftTreeReply, wall_s: float | None = None,
+              tree=None) -> DraftTree:
+        """The reply's tree (or ``tree``, one of its alternatives), checked like any untrusted message (a malformed
+        one is a draft failure); wall_s: the call's wall time (a link round trip sample with the reply's draft_ms)."""
+        if wall_s is not None and reply.draft_ms > 0:
             self.rtt.add(wall_s, reply.draft_ms / 1000)
         trace.get_current_span().set_attributes({"tree.bytes": reply.tree.ByteSize(), "draft.draft_ms": reply.draft_ms,
                                                  "draft.batch_size": reply.batch_size,
@@ -233,7 +234,7 @@ class DraftClient(DraftWorker):
         self.reply_batch[session_id] = max(reply.batch_size, 1)
         self.reply_forward[session_id] = max(reply.forward_ms, 0.0)
         try:
-            return tree_from_proto(reply.tree, self.vocab_size, self.max_tree_nodes)
+            return tree_from_proto(reply.tree if tree is None else tree, self.vocab_size, self.max_tree_nodes)
         except ValueError as exc:  # a malformed tree from the draft is a draft failure
             raise self._fail(session_id, f"draft sent a malformed tree: {exc}") from exc
 
@@ -244,16 +245,43 @@ class DraftClient(DraftWorker):
         request = draft_pb2.AheadRequest(path_nodes=path_nodes, spec=spec_to_proto(spec), max_depth=max_depth,
                                          round=self.rounds[session_id])
         sent = time.perf_counter()
+        reply = await self._ahead_reply(session_id, request)
+        tree = self._tree(session_id, reply, time.perf_counter() - sent)
+        if not 0 <= reply.guess_token < self.vocab_size:
+            raise self._fail(session_id, f"draft sent guess_token {reply.guess_token} outside the vocabulary")
+        return reply.guess_token, tree
+
+    async def _ahead_reply(self, session_id: str, request: draft_pb2.AheadRequest) -> draft_pb2.DraftTreeReply:
         response = await self._exchange(session_id, draft_pb2.DraftRequest(ahead=request), reply=True)
         if not response.HasField("tree") or not response.tree.ahead or response.tree.round != self.rounds[session_id]:
             raise self._fail(session_id, "draft service answered an ahead out of order")
-        tree = self._tree(session_id, response.tree, time.perf_counter() - sent)
-        if not 0 <= response.tree.guess_token < self.vocab_size:
-            raise self._fail(session_id, f"draft sent guess_token {response.tree.guess_token} outside the vocabulary")
-        return response.tree.guess_token, tree
+        return response.tree
 
-    async def resolve_ahead(self, session_id: str, adopt: bool) -> None:
-        await self._exchange(session_id, draft_pb2.DraftRequest(resolve=draft_pb2.AheadResolve(adopt=adopt)), reply=False)
+    async def propose_candidates(self, session_id: str, candidates: list[AheadCandidate],
+                                 spec: TreeSpec) -> list[tuple[int, DraftTree]]:
+        """Pre-drafting (DraftRuntime.propose_candidates): [(token, tree)] per candidate, in one reply."""
+        first = candidates[0]
+        self.rounds[session_id] = self.rounds.get(session_id, 0) + 1
+        others = [draft_pb2.AheadAlternative(path_nodes=c.path_nodes, exclude=c.exclude, max_depth=c.max_depth)
+                  for c in candidates[1:]]
+        request = draft_pb2.AheadRequest(path_nodes=first.path_nodes, spec=spec_to_proto(spec),
+                                         max_depth=first.max_depth, round=self.rounds[session_id],
+                                         alternatives=others, exclude=first.exclude)
+        sent = time.perf_counter()
+        reply = await self._ahead_reply(session_id, request)
+        wall_s = time.perf_counter() - sent
+        if len(reply.alternatives) != len(others):
+            raise self._fail(session_id, f"draft answered {len(reply.alternatives)} alternatives for {len(others)}")
+        out = []
+        for token, tree in [(reply.guess_token, reply.tree), *((a.token, a.tree) for a in reply.alternatives)]:
+            if not 0 <= token < self.vocab_size:
+                raise self._fail(session_id, f"draft sent token {token} outside the vocabulary")
+            out.append((token, self._tree(session_id, reply, None if out else wall_s, tree)))
+        return out
+
+    async def resolve_ahead(self, session_id: str, adopt: bool, candidate: int = 0) -> None:
+        resolve = draft_pb2.AheadResolve(adopt=adopt, candidate=candidate)
+        await self._exchange(session_id, draft_pb2.DraftRequest(resolve=resolve), reply=False)
 
     async def commit(self, session_id: str, tokens: list[int], accepted_nodes: list[int]) -> None:
         commit = draft_pb2.DraftCommit(tokens=tokens, accepted_nodes=accepted_nodes)

@@ -16,6 +16,7 @@ import asyncio
 import inspect
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Awaitable, Callable
@@ -28,7 +29,7 @@ from orchestrator.planning.control import (
 from orchestrator.planning.shaping import ShapedTree
 from orchestrator.loop.stops import StopChecker
 from specdec.config import DraftWindowConfig
-from specdec.interfaces import VerifyResult, WorkerAdapter
+from specdec.interfaces import MAX_AHEAD_CANDIDATES, AheadCandidate, VerifyResult, WorkerAdapter
 from specdec.sampling import GREEDY, SamplingParams, derive_seed
 from specdec.stats import GenerationStats, RoundRecord
 from specdec.tree import ROOT, DraftTree, node_depths
@@ -98,13 +99,16 @@ class RoundController:
     eos_token_ids: ids that end generation; context_limit: max tokens (prompt + generated); decode: ids -> text,
     for stop strings; control_factory: TreeSpec -> Control (default FixedControl); draft_deadline_s: a slower
     draft reply is a draft failure; draft_context_limit: the draft's max positions (None = unlimited); on_round:
-    each RoundRecord; pipeline: draft round r+1 while round r verifies; draft_window: None = every token.
+    each RoundRecord; pipeline: draft round r+1 while round r verifies (True, False, or "auto": the control
+    decides per round); ahead_candidates: candidate next trees per ahead (pre-drafting; 1 = pipelining's
+    one); draft_window: None = every token.
     """
 
     def __init__(self, target, draft, eos_token_ids, context_limit: int, decode=None,
                  control_factory: ControlFactory | None = None, draft_deadline_s: float | None = None,
                  draft_context_limit: int | None = None, on_round: Callable[[RoundRecord], None] | None = None,
-                 pipeline: bool = False, draft_window: DraftWindowConfig | None = None):
+                 pipeline: bool | str = False, draft_window: DraftWindowConfig | None = None,
+                 ahead_candidates: int = 1):
         self.target = target
         self.draft = draft
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -114,7 +118,12 @@ class RoundController:
         self.draft_deadline_s = draft_deadline_s
         self.draft_context_limit = draft_context_limit
         self.on_round = on_round
+        if pipeline not in (True, False, "auto"):
+            raise ValueError(f"pipeline: true, false or auto, got {pipeline!r}")
+        if not 1 <= ahead_candidates <= MAX_AHEAD_CANDIDATES:
+            raise ValueError(f"ahead_candidates: must be in [1, {MAX_AHEAD_CANDIDATES}], got {ahead_candidates}")
         self.pipeline = pipeline
+        self.ahead_candidates = ahead_candidates
         self.draft_window = draft_window
         self.running = 0  # requests in generate now (a new one's control may defer its draft's open)
 
@@ -166,21 +175,21 @@ class _Drafted:
     draft_s: float | None = None  # wall time of the draft phase, seconds (None = the draft was not asked)
     pipelined: bool = False  # the tree came from an adopted ahead (drafted during the previous verify)
     ahead_s: float | None = None  # pipelined: wall time of that ahead, seconds (off the critical path)
+    candidate: int = 0  # pipelined: the adopted candidate (0 = best path + guess; > 0 = pre-drafted)
 
 
 @dataclass(frozen=True)
 class _Ahead:
-    """An ahead proposal: the next round drafted from this round's best path + the draft's guess."""
+    """An ahead proposal: the next round's tree for each candidate outcome of this round."""
 
-    path_tokens: tuple[int, ...]  # tokens of the best path (draft nodes), root side first
-    guess: int  # the draft's guess of the bonus token
-    tree: DraftTree  # the next round's tree, after path + guess
+    candidates: tuple[tuple[tuple[int, ...], DraftTree], ...]  # (the tokens it commits: path + final token, tree)
     draft_s: float  # wall time of the ahead, seconds
 
 
 @dataclass(frozen=True)
 class _AheadOutcome:
-    """How a round's ahead ended: "hit" (adopted), "miss" (discarded) or "failed" (a draft failure)."""
+    """How a round's ahead ended: "hit" (candidate 0 adopted), "predraft" (another one adopted), "miss"
+    (discarded) or "failed" (a draft failure)."""
 
     kind: str
     ahead_s: float | None  # wall time of the ahead, seconds (None when it failed)
@@ -208,7 +217,7 @@ class _Request:
         self.draft_sid: str | None = None  # open draft session
         self.draft_opens = 0
         self.target_open = False
-        self.pipeline = controller.pipeline and self.spec is not None and controller.draft.drafts_ahead
+        self.pipeline = controller.pipeline if self.spec is not None and controller.draft.drafts_ahead else False
         # a draft beside this process (a service): its calls run while the loop waits on others
         self.draft_beside = controller.draft is None or not controller.draft.in_process
         self.adopted: _Drafted | None = None  # the next round's tree, from an adopted ahead
@@ -413,7 +422,7 @@ class _Request:
         with _tracer.start_as_current_span("commit", attributes={"tokens": len(committed)}):
             await self.controller.target.commit(self.sid, len(committed))
             outcome = await self._resolve_ahead(ahead, committed) if ahead is not None else None
-            if outcome is not None and outcome.kind == "hit":
+            if outcome is not None and outcome.kind in ("hit", "predraft"):
                 return outcome
             if self.draft_sid is not None:
                 try:
@@ -423,46 +432,63 @@ class _Request:
         return outcome
 
     def _start_ahead(self, drafted: _Drafted, shaped: ShapedTree, max_depth: int) -> "asyncio.Future | None":
-        """Pipelining: a task drafting round r+1 from this round's best path + the draft's guess; None when
-        there is no kept draft tree, depth budget or room in the draft's context."""
+        """Pipelining: a task drafting round r+1 for this round's likely outcomes (``_candidates``); None when
+        there is no kept draft tree, depth budget or room in the draft's context, or "auto" drafts in line."""
         if not self.pipeline or self.draft_sid is None or not drafted.tree.size:
+            return None
+        count = self.controller.ahead_candidates
+        if self.pipeline == "auto" and not (self.draft_beside
+                                            and self.control.predraft(self.controller.draft.link_rtt_s, count)):
             return None
         path = _best_path(drafted.tree, shaped)
         next_depth = max_depth - len(path) - 1  # round r+1's max_depth when path + guess are committed
         next_committed = len(self.committed_tokens) + len(path) + 1
         if not path or next_depth < 1 or (self.draft_limit and next_committed >= self.draft_limit):
             return None
+        candidates = _candidates(drafted.tree, shaped, path, max_depth, count)
+        paths = [tuple(drafted.tree.tokens[n] for n in c.path_nodes) for c in candidates]
         spec = self.control.spec(self.spec)
-        tokens = tuple(drafted.tree.tokens[n] for n in path)
-        return asyncio.ensure_future(self._ahead(path, tokens, spec, next_depth))  # copies the context: under round r's span
+        return asyncio.ensure_future(self._ahead(candidates, paths, spec))  # copies the context: under round r's span
 
-    async def _ahead(self, path: list[int], path_tokens: tuple[int, ...], spec: TreeSpec,
-                     max_depth: int) -> _Ahead | Exception:
-        """The ahead proposal (its own ``draft.ahead`` span); any failure is returned, not raised."""
+    async def _ahead(self, candidates: list[AheadCandidate], paths: list[tuple[int, ...]],
+                     spec: TreeSpec) -> _Ahead | Exception:
+        """The ahead proposal (its own ``draft.ahead`` span); paths: each candidate's path tokens. Any failure
+        is returned, not raised."""
         t0 = time.perf_counter()
-        with _tracer.start_as_current_span("draft.ahead", attributes={"gamma": spec.gamma, "max_depth": max_depth,
-                                                                      "ahead.path_length": len(path)}) as span:
+        first, draft = candidates[0], self.controller.draft
+        with _tracer.start_as_current_span("draft.ahead", attributes={
+                "gamma": spec.gamma, "max_depth": first.max_depth, "ahead.path_length": len(first.path_nodes),
+                "ahead.candidates": len(candidates)}) as span:
             try:
-                guess, tree = await self._draft_call(
-                    self.controller.draft.propose_ahead(self.draft_sid, path, spec, max_depth))
+                if len(candidates) == 1:
+                    call = draft.propose_ahead(self.draft_sid, list(first.path_nodes), spec, first.max_depth)
+                    out = [await self._draft_call(call)]
+                else:  # each candidate is a proposal's work: the deadline once per candidate
+                    extra_s = (len(candidates) - 1) * (self.controller.draft_deadline_s or 0.0)
+                    out = await self._draft_call(draft.propose_candidates(self.draft_sid, candidates, spec), extra_s)
             except Exception as exc:  # noqa: BLE001 - any ahead failure is a draft failure; the output never depends on it
                 span.set_attribute("ahead.failed", True)
                 return exc
-            span.set_attribute("ahead.guess", guess)
-            span.set_attribute("tree.nodes", tree.size)
-        return _Ahead(path_tokens, guess, tree, time.perf_counter() - t0)
+            span.set_attribute("ahead.guess", out[0][0])
+            span.set_attribute("tree.nodes", out[0][1].size)
+        outcomes = tuple(((*path, token), tree) for path, (token, tree) in zip(paths, out))
+        return _Ahead(outcomes, time.perf_counter() - t0)
 
     async def _resolve_ahead(self, task: asyncio.Future, committed: list[int]) -> _AheadOutcome:
-        """Adopt the ahead when the committed tokens are its path + guess and nothing stopped, else discard it."""
+        """Adopt the candidate whose path + final token the committed tokens are (nothing stopped), else discard."""
         t0 = time.perf_counter()
         ahead = await task
         wait_s = time.perf_counter() - t0
-        hit = False
+        hit = None  # the adopted candidate
         proposal_failed = isinstance(ahead, Exception)  # the ahead proposal itself (not its resolve)
         if not proposal_failed:
-            hit = self.stops.reason is None and tuple(committed) == (*ahead.path_tokens, ahead.guess)
+            if self.stops.reason is None:
+                hit = next((c for c, (tokens, _) in enumerate(ahead.candidates) if tokens == tuple(committed)), None)
+            draft = self.controller.draft
             try:
-                await self._draft_call(self.controller.draft.resolve_ahead(self.draft_sid, hit))
+                resolve = draft.resolve_ahead(self.draft_sid, True, hit) if hit else draft.resolve_ahead(
+                    self.draft_sid, hit is not None)  # candidate 0 or none: the call pipelining has always made
+                await self._draft_call(resolve)
             except Exception as exc:  # noqa: BLE001 - as in _ahead: any failure here is a draft failure
                 ahead = exc
         if isinstance(ahead, Exception):
@@ -471,10 +497,12 @@ class _Request:
                     self._timed_out(ahead)
                 await self._drop_draft(ahead)
             return _AheadOutcome("failed", None, wait_s)
-        if hit:
-            self.adopted = _Drafted(ahead.tree, depth=max(node_depths(ahead.tree.parents), default=0), draft_s=0.0,
-                                    pipelined=True, ahead_s=ahead.draft_s)
-        return _AheadOutcome("hit" if hit else "miss", ahead.draft_s, wait_s)
+        if hit is None:
+            return _AheadOutcome("miss", ahead.draft_s, wait_s)
+        tree = ahead.candidates[hit][1]
+        self.adopted = _Drafted(tree, depth=max(node_depths(tree.parents), default=0), draft_s=0.0,
+                                pipelined=True, ahead_s=ahead.draft_s, candidate=hit)
+        return _AheadOutcome("predraft" if hit else "hit", ahead.draft_s, wait_s)
 
     def _shape(self, drafted: _Drafted, max_depth: int) -> ShapedTree:
         """Phase 2: the tree to verify, as the control shapes it."""
@@ -508,7 +536,9 @@ class _Request:
                              context_proposed=context_nodes,
                              context_accepted=sum(1 for n in accepted if shaped.draft_index[n] is None),
                              expected_accepted=shaped.expected_accepted, stop_reason=self.stops.reason,
-                             pipelined=drafted.pipelined, ahead=ahead.kind if ahead else None,
+                             pipelined=drafted.pipelined and not drafted.candidate,
+                             predrafted=drafted.pipelined and drafted.candidate > 0,
+                             ahead=ahead.kind if ahead else None,
                              ahead_s=ahead.ahead_s if ahead else None,
                              cost=self.control.cost_snapshot() if self.control is not None else None)
         self.stats.add(record, time.perf_counter() - self.started)
@@ -569,6 +599,30 @@ def _best_path(tree: DraftTree, shaped: ShapedTree) -> list[int]:
         path.append(node)
 
 
+def _candidates(tree: DraftTree, shaped: ShapedTree, path: list[int], max_depth: int,
+                count: int) -> list[AheadCandidate]:
+    """The outcomes an ahead drafts for (docs/control.md "Pipelining"; SSD): first ``path`` all accepted, then
+    up to count - 1 early rejections, likeliest first by the draft's chances (q = exp(log-prob)): the path
+    kept up to depth d, its node there rejected, with chance q_1 ... q_d (1 - q_{d+1}); the final token is
+    the draft's argmax that is none of the verified children there. Example: path q (0.9, 0.6), count 2:
+    rejected at depth 2 (0.36) before at the root (0.1) -> [[n0 n1], [n0]]."""
+    logprobs = tree.draft_logprobs or (0.0,) * tree.size
+    chances, reach = [], 1.0
+    for d, node in enumerate(path):
+        q = math.exp(logprobs[node])
+        chances.append((reach * (1.0 - q), d))
+        reach *= q
+    kept = sorted(chances, key=lambda c: (-c[0], -c[1]))[: count - 1]
+    return [AheadCandidate(tuple(path[:d]), max_depth - d - 1, _children_tokens(shaped, path[d - 1] if d else ROOT))
+            for d in [len(path), *(d for _, d in kept)]]
+
+
+def _children_tokens(shaped: ShapedTree, node: int) -> tuple[int, ...]:
+    """Tokens of the verified tree's children of draft node ``node`` (ROOT: of the root)."""
+    at = ROOT if node == ROOT else shaped.draft_index.index(node)
+    return tuple(sorted({t for t, p in zip(shaped.tree.tokens, shaped.tree.parents) if p == at}))
+
+
 def _draft_nodes(shaped: ShapedTree, accepted: list[int]) -> list[int]:
     """The accepted nodes as the draft numbered them, up to the first context node."""
     out = []
@@ -583,7 +637,9 @@ def _draft_nodes(shaped: ShapedTree, accepted: list[int]) -> list[int]:
 def _round_attributes(span, drafted: _Drafted, shaped: ShapedTree, gamma: int, result, committed,
                       ahead: _AheadOutcome | None = None) -> None:
     """The round span's attributes: the control's decision and what happened (pipelining included)."""
-    attributes = {"pipelined": drafted.pipelined, "gamma": gamma, "tree.nodes": shaped.tree.size,
+    attributes = {"pipelined": drafted.pipelined and not drafted.candidate,
+                  "predrafted": drafted.pipelined and drafted.candidate > 0,
+                  "gamma": gamma, "tree.nodes": shaped.tree.size,
                   "tree.depth": shaped.depth, "tree.drafted": drafted.tree.size,
                   "tree.context_nodes": sum(1 for d in shaped.draft_index if d is None),
                   "expected_accepted": float(shaped.expected_accepted),
@@ -591,7 +647,7 @@ def _round_attributes(span, drafted: _Drafted, shaped: ShapedTree, gamma: int, r
     if drafted.ahead_s is not None:
         attributes["ahead.draft_s"] = drafted.ahead_s
     if ahead is not None:
-        attributes.update({"ahead.outcome": ahead.kind, "ahead.hit": ahead.kind == "hit"})
+        attributes.update({"ahead.outcome": ahead.kind, "ahead.hit": ahead.kind in ("hit", "predraft")})
     if drafted.fallback:
         attributes["fallback.reason"] = drafted.fallback
     span.set_attributes(attributes)

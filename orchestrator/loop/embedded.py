@@ -77,6 +77,7 @@ def wire_pipeline(loaded: LoadedTarget, loaded_draft: LoadedDraft | None, contro
         target_runtime, draft_runtime, loaded.eos_token_ids, loaded.context_limit,
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False), control_factory=factory,
         draft_context_limit=draft_limit, pipeline=pipeline, draft_window=draft_window,
+        ahead_candidates=FrontConfig().ahead_candidates,
     )
     return EmbeddedPipeline(engine, tokenizer, loaded.model, draft_model, shared)
 

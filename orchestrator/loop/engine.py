@@ -22,14 +22,15 @@ class SpeculativeEngine:
     """
 
     def __init__(self, target: TargetWorker, draft: DraftWorker | None, eos_token_ids, context_limit: int,
-                 decode=None, control_factory=None, draft_context_limit: int | None = None, pipeline: bool = False,
-                 draft_window: DraftWindowConfig | None = None):
+                 decode=None, control_factory=None, draft_context_limit: int | None = None,
+                 pipeline: bool | str = False, draft_window: DraftWindowConfig | None = None,
+                 ahead_candidates: int = 1):
         self.target = target
         self.draft = draft
         self.controller = RoundController(
             sync_worker(target), sync_worker(draft) if draft is not None else None, eos_token_ids, context_limit,
             decode, control_factory=control_factory, draft_context_limit=draft_context_limit, pipeline=pipeline,
-            draft_window=draft_window,
+            draft_window=draft_window, ahead_candidates=ahead_candidates,
         )
 
     @property

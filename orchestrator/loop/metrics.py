@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 PHASES = ("draft", "verify", "commit")
 ALERT_SCOPES = ("request", "global")
-AHEAD_OUTCOMES = ("hit", "miss", "failed")  # RoundRecord.ahead
+AHEAD_OUTCOMES = ("hit", "predraft", "miss", "failed")  # RoundRecord.ahead
+ROUND_KINDS = ("in_line", "pipelined", "predrafted")  # RoundRecord.kind
 ROUND_MODES = ("speculative", "plain")
 LINKS = ("draft", "target")  # the front's service links (specdec_link_rtt_seconds)
 
@@ -94,12 +95,17 @@ class SpecMetrics:
                               "of recent calls' wall time at the front minus the service's own time, as of the last "
                               "request to end, seconds (0: not measured yet)", ["link"])
         self.pipeline_ahead = counter("pipeline_ahead", "Pipelining: trees drafted ahead during a verify, by "
-                                      "outcome (hit = adopted, miss = discarded, failed)", ["outcome"])
+                                      "outcome (hit = first candidate adopted, predraft = another candidate "
+                                      "adopted, miss = discarded, failed)", ["outcome"])
+        self.round_kinds = counter("round_kind", "Rounds by where their tree came from (in_line = drafted in the "
+                                   "round or none, pipelined / predrafted = an ahead's first / another candidate)",
+                                   ["kind"])
         self._create_series()
 
     def _create_series(self) -> None:
         """Every labelled series, so each reads 0 before its first event."""
-        for metric, values in ((self.pipeline_ahead, AHEAD_OUTCOMES), (self.rounds, ROUND_MODES),
+        for metric, values in ((self.pipeline_ahead, AHEAD_OUTCOMES), (self.round_kinds, ROUND_KINDS),
+                               (self.rounds, ROUND_MODES),
                                (self.fallback_rounds, FALLBACK_REASONS), (self.acceptance_alerts, ALERT_SCOPES),
                                (self.round_phase_seconds, PHASES), (self.link_rtt, LINKS)):
             for value in values:
@@ -129,6 +135,7 @@ class SpecMetrics:
             self.fallback_rounds.labels(reason=record.fallback).inc()
         if record.ahead is not None:
             self.pipeline_ahead.labels(outcome=record.ahead).inc()
+        self.round_kinds.labels(kind=record.kind).inc()
         self.context_tokens.labels(outcome="proposed").inc(record.context_proposed)
         self.context_tokens.labels(outcome="accepted").inc(record.context_accepted)
         self.expected_accepted_tokens.inc(record.expected_accepted)

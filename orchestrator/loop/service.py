@@ -89,6 +89,7 @@ class Orchestrator:
             target, draft, list(self.info.eos_token_ids), self.info.context_limit, self.decode,
             control_factory=factory, draft_deadline_s=self.front.fallback.draft_deadline_ms / 1000,
             on_round=self.on_round, pipeline=self.front.pipeline, draft_window=window,
+            ahead_candidates=self.front.ahead_candidates,
         )
 
     async def _measure_costs(self, target: TargetClient, draft: DraftClient) -> None:

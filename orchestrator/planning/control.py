@@ -120,6 +120,12 @@ class Control:
         """The cost figures this round was planned with, for round records and metrics (None: none)."""
         return None
 
+    def predraft(self, link_rtt_s: float | None, candidates: int) -> bool:
+        """``front.pipeline: auto``, a draft service beside the front: True = draft the next round's
+        ``candidates`` trees during this verify (pre-drafted), False = in line. link_rtt_s: the draft link's
+        measured round trip (None = not yet). Without a cost model: in line."""
+        return False
+
 
 ControlFactory = Callable[[TreeSpec], Control]
 

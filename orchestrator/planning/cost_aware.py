@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from orchestrator.planning.cost_model import CostModel, LoadedCost
+from orchestrator.planning.cost_model import CostModel, LoadedCost, predraft_pays
 from orchestrator.planning.control import COST, Control, FallbackPolicy, RoundObservation
 from orchestrator.planning.shaping import (
     AcceptanceCalibration, ContextCalibration, Lookup, ShapedTree, context_path, observe_verified, shape_tree,
@@ -428,6 +428,12 @@ class CostAwareControl(Control):
         value = shaped.values[best]
         if value > 1e-6:
             self.state.raw_per_value += 0.2 * (min(raw / value, 5.0) - self.state.raw_per_value)
+
+    def predraft(self, link_rtt_s: float | None, candidates: int) -> bool:
+        """Pre-draft or draft in line (``predraft_pays``), D priced for the planned tree at the current load."""
+        spec = self.spec()
+        draft_ms = self.shared.planning_cost().draft_ms(spec.top_head[: max(spec.gamma, 1)])
+        return predraft_pays(link_rtt_s, draft_ms, self.shared.shared_compute, candidates)
 
     def cost_snapshot(self) -> dict:
         """CostModel.snapshot plus the shared load, draft queue and verify merge shares, after ``observe``."""

@@ -162,6 +162,17 @@ class CostModel:
                 "observations": self.verify.observations}
 
 
+def predraft_pays(link_rtt_s: float | None, draft_ms: float, shared_compute: bool, candidates: int = 1) -> bool:
+    """``front.pipeline: auto`` (docs/control.md "Pipelining"): pre-draft the next round during the verify, or
+    draft it in line. On its own compute the draft's ahead work costs the target nothing: pre-draft. On shared
+    compute the ``candidates`` trees (candidates * D, ``draft_ms`` each, in ms) slow the verify they run
+    beside, while a hit saves the link's round trip and D: pre-draft once the round trip (s) is at least
+    candidates * D. Example: D 40 ms, 2 candidates, shared: a 100 ms link pre-drafts, a 1 ms link does not."""
+    if not shared_compute:
+        return True
+    return link_rtt_s is not None and link_rtt_s * 1000 >= candidates * draft_ms
+
+
 class LoadedCost:
     """The cost model as each of ``load`` requests whose rounds share one verify forward sees it.
 

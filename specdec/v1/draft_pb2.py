@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import tree_pb2 as specdec_dot_v1_dot_tree__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x15specdec/v1/tree.proto\"\xee\x01\n\x0c\x44raftRequest\x12\'\n\x05start\x18\x01 \x01(\x0b\x32\x16.specdec.v1.DraftStartH\x00\x12*\n\x07propose\x18\x02 \x01(\x0b\x32\x17.specdec.v1.TreeRequestH\x00\x12)\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x17.specdec.v1.DraftCommitH\x00\x12)\n\x05\x61head\x18\x04 \x01(\x0b\x32\x18.specdec.v1.AheadRequestH\x00\x12+\n\x07resolve\x18\x05 \x01(\x0b\x32\x18.specdec.v1.AheadResolveH\x00\x42\x06\n\x04kind\"b\n\nDraftStart\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\"S\n\x0bTreeRequest\x12\"\n\x04spec\x18\x01 \x01(\x0b\x32\x14.specdec.v1.TreeSpec\x12\x11\n\tmax_depth\x18\x02 \x01(\x05\x12\r\n\x05round\x18\x03 \x01(\x04\"5\n\x0b\x44raftCommit\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x02 \x03(\x05\"h\n\x0c\x41headRequest\x12\x12\n\npath_nodes\x18\x01 \x03(\x05\x12\"\n\x04spec\x18\x02 \x01(\x0b\x32\x14.specdec.v1.TreeSpec\x12\x11\n\tmax_depth\x18\x03 \x01(\x05\x12\r\n\x05round\x18\x04 \x01(\x04\"\x1d\n\x0c\x41headResolve\x12\r\n\x05\x61\x64opt\x18\x01 \x01(\x08\"p\n\rDraftResponse\x12+\n\x07started\x18\x01 \x01(\x0b\x32\x18.specdec.v1.DraftStartedH\x00\x12*\n\x04tree\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.DraftTreeReplyH\x00\x42\x06\n\x04kind\"<\n\x0c\x44raftStarted\x12\x15\n\rcached_tokens\x18\x01 \x01(\x05\x12\x15\n\rcontext_limit\x18\x02 \x01(\x05\"\xa2\x01\n\x0e\x44raftTreeReply\x12\r\n\x05round\x18\x01 \x01(\x04\x12#\n\x04tree\x18\x02 \x01(\x0b\x32\x15.specdec.v1.TokenTree\x12\x10\n\x08\x64raft_ms\x18\x03 \x01(\x01\x12\x12\n\nbatch_size\x18\x04 \x01(\x05\x12\r\n\x05\x61head\x18\x05 \x01(\x08\x12\x13\n\x0bguess_token\x18\x06 \x01(\x05\x12\x12\n\nforward_ms\x18\x07 \x01(\x01\"\x12\n\x10\x44raftInfoRequest\"\xb2\x01\n\x11\x44raftInfoResponse\x12\x10\n\x08sessions\x18\x01 \x01(\x05\x12\x17\n\x0f\x63\x61\x63hed_sessions\x18\x02 \x01(\x05\x12\x15\n\rcontext_limit\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x03\x12\x0c\n\x04host\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x0c\n\x04\x63pus\x18\x07 \x03(\x05\x12\x18\n\x10\x62\x61tched_forwards\x18\x08 \x01(\x03\x32\x97\x01\n\x0c\x44raftService\x12\x42\n\x07Session\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse(\x01\x30\x01\x12\x43\n\x04Info\x12\x1c.specdec.v1.DraftInfoRequest\x1a\x1d.specdec.v1.DraftInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x15specdec/v1/tree.proto\"\xee\x01\n\x0c\x44raftRequest\x12\'\n\x05start\x18\x01 \x01(\x0b\x32\x16.specdec.v1.DraftStartH\x00\x12*\n\x07propose\x18\x02 \x01(\x0b\x32\x17.specdec.v1.TreeRequestH\x00\x12)\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x17.specdec.v1.DraftCommitH\x00\x12)\n\x05\x61head\x18\x04 \x01(\x0b\x32\x18.specdec.v1.AheadRequestH\x00\x12+\n\x07resolve\x18\x05 \x01(\x0b\x32\x18.specdec.v1.AheadResolveH\x00\x42\x06\n\x04kind\"b\n\nDraftStart\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\"S\n\x0bTreeRequest\x12\"\n\x04spec\x18\x01 \x01(\x0b\x32\x14.specdec.v1.TreeSpec\x12\x11\n\tmax_depth\x18\x02 \x01(\x05\x12\r\n\x05round\x18\x03 \x01(\x04\"5\n\x0b\x44raftCommit\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x02 \x03(\x05\"\xad\x01\n\x0c\x41headRequest\x12\x12\n\npath_nodes\x18\x01 \x03(\x05\x12\"\n\x04spec\x18\x02 \x01(\x0b\x32\x14.specdec.v1.TreeSpec\x12\x11\n\tmax_depth\x18\x03 \x01(\x05\x12\r\n\x05round\x18\x04 \x01(\x04\x12\x32\n\x0c\x61lternatives\x18\x05 \x03(\x0b\x32\x1c.specdec.v1.AheadAlternative\x12\x0f\n\x07\x65xclude\x18\x06 \x03(\x05\"J\n\x10\x41headAlternative\x12\x12\n\npath_nodes\x18\x01 \x03(\x05\x12\x0f\n\x07\x65xclude\x18\x02 \x03(\x05\x12\x11\n\tmax_depth\x18\x03 \x01(\x05\"0\n\x0c\x41headResolve\x12\r\n\x05\x61\x64opt\x18\x01 \x01(\x08\x12\x11\n\tcandidate\x18\x02 \x01(\x05\"p\n\rDraftResponse\x12+\n\x07started\x18\x01 \x01(\x0b\x32\x18.specdec.v1.DraftStartedH\x00\x12*\n\x04tree\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.DraftTreeReplyH\x00\x42\x06\n\x04kind\"<\n\x0c\x44raftStarted\x12\x15\n\rcached_tokens\x18\x01 \x01(\x05\x12\x15\n\rcontext_limit\x18\x02 \x01(\x05\"\xd5\x01\n\x0e\x44raftTreeReply\x12\r\n\x05round\x18\x01 \x01(\x04\x12#\n\x04tree\x18\x02 \x01(\x0b\x32\x15.specdec.v1.TokenTree\x12\x10\n\x08\x64raft_ms\x18\x03 \x01(\x01\x12\x12\n\nbatch_size\x18\x04 \x01(\x05\x12\r\n\x05\x61head\x18\x05 \x01(\x08\x12\x13\n\x0bguess_token\x18\x06 \x01(\x05\x12\x12\n\nforward_ms\x18\x07 \x01(\x01\x12\x31\n\x0c\x61lternatives\x18\x08 \x03(\x0b\x32\x1b.specdec.v1.AlternativeTree\"E\n\x0f\x41lternativeTree\x12\r\n\x05token\x18\x01 \x01(\x05\x12#\n\x04tree\x18\x02 \x01(\x0b\x32\x15.specdec.v1.TokenTree\"\x12\n\x10\x44raftInfoRequest\"\xb2\x01\n\x11\x44raftInfoResponse\x12\x10\n\x08sessions\x18\x01 \x01(\x05\x12\x17\n\x0f\x63\x61\x63hed_sessions\x18\x02 \x01(\x05\x12\x15\n\rcontext_limit\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x03\x12\x0c\n\x04host\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x0c\n\x04\x63pus\x18\x07 \x03(\x05\x12\x18\n\x10\x62\x61tched_forwards\x18\x08 \x01(\x03\x32\x97\x01\n\x0c\x44raftService\x12\x42\n\x07Session\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse(\x01\x30\x01\x12\x43\n\x04Info\x12\x1c.specdec.v1.DraftInfoRequest\x1a\x1d.specdec.v1.DraftInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,20 +40,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TREEREQUEST']._serialized_end=485
   _globals['_DRAFTCOMMIT']._serialized_start=487
   _globals['_DRAFTCOMMIT']._serialized_end=540
-  _globals['_AHEADREQUEST']._serialized_start=542
-  _globals['_AHEADREQUEST']._serialized_end=646
-  _globals['_AHEADRESOLVE']._serialized_start=648
-  _globals['_AHEADRESOLVE']._serialized_end=677
-  _globals['_DRAFTRESPONSE']._serialized_start=679
-  _globals['_DRAFTRESPONSE']._serialized_end=791
-  _globals['_DRAFTSTARTED']._serialized_start=793
-  _globals['_DRAFTSTARTED']._serialized_end=853
-  _globals['_DRAFTTREEREPLY']._serialized_start=856
-  _globals['_DRAFTTREEREPLY']._serialized_end=1018
-  _globals['_DRAFTINFOREQUEST']._serialized_start=1020
-  _globals['_DRAFTINFOREQUEST']._serialized_end=1038
-  _globals['_DRAFTINFORESPONSE']._serialized_start=1041
-  _globals['_DRAFTINFORESPONSE']._serialized_end=1219
-  _globals['_DRAFTSERVICE']._serialized_start=1222
-  _globals['_DRAFTSERVICE']._serialized_end=1373
+  _globals['_AHEADREQUEST']._serialized_start=543
+  _globals['_AHEADREQUEST']._serialized_end=716
+  _globals['_AHEADALTERNATIVE']._serialized_start=718
+  _globals['_AHEADALTERNATIVE']._serialized_end=792
+  _globals['_AHEADRESOLVE']._serialized_start=794
+  _globals['_AHEADRESOLVE']._serialized_end=842
+  _globals['_DRAFTRESPONSE']._serialized_start=844
+  _globals['_DRAFTRESPONSE']._serialized_end=956
+  _globals['_DRAFTSTARTED']._serialized_start=958
+  _globals['_DRAFTSTARTED']._serialized_end=1018
+  _globals['_DRAFTTREEREPLY']._serialized_start=1021
+  _globals['_DRAFTTREEREPLY']._serialized_end=1234
+  _globals['_ALTERNATIVETREE']._serialized_start=1236
+  _globals['_ALTERNATIVETREE']._serialized_end=1305
+  _globals['_DRAFTINFOREQUEST']._serialized_start=1307
+  _globals['_DRAFTINFOREQUEST']._serialized_end=1325
+  _globals['_DRAFTINFORESPONSE']._serialized_start=1328
+  _globals['_DRAFTINFORESPONSE']._serialized_end=1506
+  _globals['_DRAFTSERVICE']._serialized_start=1509
+  _globals['_DRAFTSERVICE']._serialized_end=1660
 # @@protoc_insertion_point(module_scope)

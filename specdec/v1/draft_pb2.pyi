@@ -50,22 +50,38 @@ class DraftCommit(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AheadRequest(_message.Message):
-    __slots__ = ("path_nodes", "spec", "max_depth", "round")
+    __slots__ = ("path_nodes", "spec", "max_depth", "round", "alternatives", "exclude")
     PATH_NODES_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_FIELD_NUMBER: _ClassVar[int]
     path_nodes: _containers.RepeatedScalarFieldContainer[int]
     spec: _tree_pb2.TreeSpec
     max_depth: int
     round: int
-    def __init__(self, path_nodes: _Optional[_Iterable[int]] = ..., spec: _Optional[_Union[_tree_pb2.TreeSpec, _Mapping]] = ..., max_depth: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
+    alternatives: _containers.RepeatedCompositeFieldContainer[AheadAlternative]
+    exclude: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, path_nodes: _Optional[_Iterable[int]] = ..., spec: _Optional[_Union[_tree_pb2.TreeSpec, _Mapping]] = ..., max_depth: _Optional[int] = ..., round: _Optional[int] = ..., alternatives: _Optional[_Iterable[_Union[AheadAlternative, _Mapping]]] = ..., exclude: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AheadAlternative(_message.Message):
+    __slots__ = ("path_nodes", "exclude", "max_depth")
+    PATH_NODES_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_FIELD_NUMBER: _ClassVar[int]
+    MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    path_nodes: _containers.RepeatedScalarFieldContainer[int]
+    exclude: _containers.RepeatedScalarFieldContainer[int]
+    max_depth: int
+    def __init__(self, path_nodes: _Optional[_Iterable[int]] = ..., exclude: _Optional[_Iterable[int]] = ..., max_depth: _Optional[int] = ...) -> None: ...
 
 class AheadResolve(_message.Message):
-    __slots__ = ("adopt",)
+    __slots__ = ("adopt", "candidate")
     ADOPT_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_FIELD_NUMBER: _ClassVar[int]
     adopt: bool
-    def __init__(self, adopt: _Optional[bool] = ...) -> None: ...
+    candidate: int
+    def __init__(self, adopt: _Optional[bool] = ..., candidate: _Optional[int] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("started", "tree")
@@ -84,7 +100,7 @@ class DraftStarted(_message.Message):
     def __init__(self, cached_tokens: _Optional[int] = ..., context_limit: _Optional[int] = ...) -> None: ...
 
 class DraftTreeReply(_message.Message):
-    __slots__ = ("round", "tree", "draft_ms", "batch_size", "ahead", "guess_token", "forward_ms")
+    __slots__ = ("round", "tree", "draft_ms", "batch_size", "ahead", "guess_token", "forward_ms", "alternatives")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +108,7 @@ class DraftTreeReply(_message.Message):
     AHEAD_FIELD_NUMBER: _ClassVar[int]
     GUESS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
     round: int
     tree: _tree_pb2.TokenTree
     draft_ms: float
@@ -99,7 +116,16 @@ class DraftTreeReply(_message.Message):
     ahead: bool
     guess_token: int
     forward_ms: float
-    def __init__(self, round: _Optional[int] = ..., tree: _Optional[_Union[_tree_pb2.TokenTree, _Mapping]] = ..., draft_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., ahead: _Optional[bool] = ..., guess_token: _Optional[int] = ..., forward_ms: _Optional[float] = ...) -> None: ...
+    alternatives: _containers.RepeatedCompositeFieldContainer[AlternativeTree]
+    def __init__(self, round: _Optional[int] = ..., tree: _Optional[_Union[_tree_pb2.TokenTree, _Mapping]] = ..., draft_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., ahead: _Optional[bool] = ..., guess_token: _Optional[int] = ..., forward_ms: _Optional[float] = ..., alternatives: _Optional[_Iterable[_Union[AlternativeTree, _Mapping]]] = ...) -> None: ...
+
+class AlternativeTree(_message.Message):
+    __slots__ = ("token", "tree")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    token: int
+    tree: _tree_pb2.TokenTree
+    def __init__(self, token: _Optional[int] = ..., tree: _Optional[_Union[_tree_pb2.TokenTree, _Mapping]] = ...) -> None: ...
 
 class DraftInfoRequest(_message.Message):
     __slots__ = ()

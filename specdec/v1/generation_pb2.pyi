@@ -44,7 +44,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., stats: _Optional[_Union[FinalStats, _Mapping]] = ...) -> None: ...
 
 class FinalStats(_message.Message):
-    __slots__ = ("new_tokens", "prompt_tokens", "rounds", "acceptance_rate", "mean_accepted_length", "ttft_ms", "total_s", "stop_reason", "fallback_rounds", "final_gamma", "proposed_tokens", "accepted_tokens", "cost_plain_rounds", "drafted_tokens", "context_proposed_tokens", "context_accepted_tokens", "expected_accepted_tokens", "failovers", "pipeline_ahead_hits", "pipeline_ahead_misses", "position_proposed", "position_accepted", "draft_s", "verify_s", "draft_rounds", "draft_link_rtt_ms", "target_link_rtt_ms")
+    __slots__ = ("new_tokens", "prompt_tokens", "rounds", "acceptance_rate", "mean_accepted_length", "ttft_ms", "total_s", "stop_reason", "fallback_rounds", "final_gamma", "proposed_tokens", "accepted_tokens", "cost_plain_rounds", "drafted_tokens", "context_proposed_tokens", "context_accepted_tokens", "expected_accepted_tokens", "failovers", "pipeline_ahead_hits", "pipeline_ahead_misses", "position_proposed", "position_accepted", "draft_s", "verify_s", "draft_rounds", "draft_link_rtt_ms", "target_link_rtt_ms", "predraft_hits", "pipelined_rounds", "predrafted_rounds", "ahead_hit_rate", "in_line_share", "pipelined_share", "predrafted_share")
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,13 @@ class FinalStats(_message.Message):
     DRAFT_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LINK_RTT_MS_FIELD_NUMBER: _ClassVar[int]
     TARGET_LINK_RTT_MS_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFT_HITS_FIELD_NUMBER: _ClassVar[int]
+    PIPELINED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFTED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    IN_LINE_SHARE_FIELD_NUMBER: _ClassVar[int]
+    PIPELINED_SHARE_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFTED_SHARE_FIELD_NUMBER: _ClassVar[int]
     new_tokens: int
     prompt_tokens: int
     rounds: int
@@ -99,7 +106,14 @@ class FinalStats(_message.Message):
     draft_rounds: int
     draft_link_rtt_ms: float
     target_link_rtt_ms: float
-    def __init__(self, new_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_s: _Optional[float] = ..., stop_reason: _Optional[str] = ..., fallback_rounds: _Optional[int] = ..., final_gamma: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., cost_plain_rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., context_proposed_tokens: _Optional[int] = ..., context_accepted_tokens: _Optional[int] = ..., expected_accepted_tokens: _Optional[float] = ..., failovers: _Optional[int] = ..., pipeline_ahead_hits: _Optional[int] = ..., pipeline_ahead_misses: _Optional[int] = ..., position_proposed: _Optional[_Iterable[int]] = ..., position_accepted: _Optional[_Iterable[int]] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., draft_rounds: _Optional[int] = ..., draft_link_rtt_ms: _Optional[float] = ..., target_link_rtt_ms: _Optional[float] = ...) -> None: ...
+    predraft_hits: int
+    pipelined_rounds: int
+    predrafted_rounds: int
+    ahead_hit_rate: float
+    in_line_share: float
+    pipelined_share: float
+    predrafted_share: float
+    def __init__(self, new_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_s: _Optional[float] = ..., stop_reason: _Optional[str] = ..., fallback_rounds: _Optional[int] = ..., final_gamma: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., cost_plain_rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., context_proposed_tokens: _Optional[int] = ..., context_accepted_tokens: _Optional[int] = ..., expected_accepted_tokens: _Optional[float] = ..., failovers: _Optional[int] = ..., pipeline_ahead_hits: _Optional[int] = ..., pipeline_ahead_misses: _Optional[int] = ..., position_proposed: _Optional[_Iterable[int]] = ..., position_accepted: _Optional[_Iterable[int]] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., draft_rounds: _Optional[int] = ..., draft_link_rtt_ms: _Optional[float] = ..., target_link_rtt_ms: _Optional[float] = ..., predraft_hits: _Optional[int] = ..., pipelined_rounds: _Optional[int] = ..., predrafted_rounds: _Optional[int] = ..., ahead_hit_rate: _Optional[float] = ..., in_line_share: _Optional[float] = ..., pipelined_share: _Optional[float] = ..., predrafted_share: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

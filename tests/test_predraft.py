@@ -1,0 +1,448 @@
+"""Pre-drafting (docs/control.md "Pipelining"; SSD, "speculative speculative decoding"): while round r
+verifies, the draft drafts the next tree for several outcomes of round r (the best path all accepted +
+the guess, and early rejections with the draft's likeliest replacement); the front takes the one the
+commit matches without a draft round trip.
+
+Runtime: adopting any candidate = commit + propose; a miss = no ahead; the cache equals a fresh
+prefill after every outcome. Round loop: greedy = target alone with non-first candidates adopted, a
+miss falls back, sampled requests keep the target's law (chi-square). Control: ``predraft_pays``.
+Services: the candidates through the real draft gRPC service."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+import torch
+
+from draft_service.runtime import DraftRuntime
+from orchestrator.loop.controller import GenerationRequest, _candidates
+from orchestrator.loop.engine import SpeculativeEngine
+from orchestrator.planning.shaping import ShapedTree
+from specdec.interfaces import AheadCandidate, DraftWorker
+from specdec.sampling import GREEDY, SamplingParams
+from specdec.tree import ROOT, DraftTree
+from specdec.tree_spec import TreeSpec
+from target_service.runtime import TargetRuntime
+from tests.conftest import (
+    RecordingTarget, assert_kv_equal, cache_kv, hf_greedy, perturbed_copy, prefill_kv, random_prompt, tiny_model,
+)
+from tests.test_pipeline import SAMPLED, SAMPLED_SPEC, SPEC, STD, assert_fresh, assert_same_tree, best_path
+
+CHAIN_SPEC = TreeSpec(gamma=3, topKSpec=[[2], [1, 1], [1, 1]], topHead=[1, 2, 2])
+
+
+def _candidate_set(tree, path):
+    """All three kinds: the whole path, rejected at its last node, rejected at the root (excluding the
+    tree's children there)."""
+    kids = lambda node: tuple(t for t, p in zip(tree.tokens, tree.parents) if p == node)  # noqa: E731
+    return [AheadCandidate(tuple(path), 3),
+            AheadCandidate(tuple(path[:-1]), 3, kids(path[-2] if len(path) > 1 else ROOT)),
+            AheadCandidate((), 3, kids(ROOT))]
+
+
+def _pair(sampling=GREEDY):
+    model = tiny_model("qwen2", seed=3, init_std=STD)
+    prompt = random_prompt(seed=11, length=9)
+    runtimes = DraftRuntime(model), DraftRuntime(model)
+    for r in runtimes:
+        r.start("s", prompt, sampling)
+    return model, runtimes
+
+
+@pytest.mark.parametrize("sampling,spec", [(GREEDY, SPEC), (SAMPLED, SAMPLED_SPEC), (SAMPLED, SPEC)])
+@pytest.mark.parametrize("adopt", [0, 1, 2, None])
+def test_adopting_any_candidate_equals_commit_then_propose(sampling, spec, adopt):
+    """Each candidate's tree is the one an in-line propose after its outcome grows (a seeded session draws
+    the same); after adopting it (or a miss, then commit) the cache equals a fresh prefill and the next
+    rounds go on identically."""
+    model, (ahead, plain) = _pair(sampling)
+    tree = ahead.propose("s", spec, 3)
+    assert_same_tree(plain.propose("s", spec, 3), tree)
+    candidates = _candidate_set(tree, best_path(tree))
+    out = ahead.propose_candidates("s", candidates, spec)
+    assert len(out) == 3 and all(token not in c.exclude for c, (token, _) in zip(candidates, out))
+    if adopt is None:  # a miss: the round commits its own outcome (here rejected at the first path node)
+        ahead.resolve_ahead("s", adopt=False)
+        committed, accepted, next_tree = [5], [], None
+    else:
+        ahead.resolve_ahead("s", True, adopt)
+        c = candidates[adopt]
+        committed, accepted = [tree.tokens[n] for n in c.path_nodes] + [out[adopt][0]], list(c.path_nodes)
+        next_tree = out[adopt][1]
+    plain.commit("s", committed, accepted)
+    if adopt is None:
+        ahead.commit("s", committed, accepted)
+        next_tree = ahead.propose("s", spec, 3)
+    assert ahead.sessions["s"].tokens == plain.sessions["s"].tokens
+    assert_same_tree(next_tree, plain.propose("s", spec, 3))
+    for runtime in (ahead, plain):
+        runtime.commit("s", [next_tree.tokens[0], 7], [0])
+        assert_fresh(runtime, model, "s")
+    assert_same_tree(ahead.propose("s", spec, 2), plain.propose("s", spec, 2))
+
+
+def test_candidates_leave_the_first_ones_state_as_propose_ahead_does():
+    """The other candidates are grown first and put back bitwise: candidate 0's tree, guess and cache equal
+    a lone ``propose_ahead``'s; a fresh draft prefilled with the adopted tokens holds the same KV."""
+    model, (many, one) = _pair()
+    tree = many.propose("s", SPEC, 3)
+    one.propose("s", SPEC, 3)
+    path = best_path(tree)
+    out = many.propose_candidates("s", _candidate_set(tree, path), SPEC)
+    guess, lone = one.propose_ahead("s", path, SPEC, 3)
+    assert out[0][0] == guess
+    assert_same_tree(out[0][1], lone)
+    assert_kv_equal(cache_kv(many.sessions["s"].cache), cache_kv(one.sessions["s"].cache), atol=0, rtol=0)
+    many.resolve_ahead("s", True, 1)
+    fresh = DraftRuntime(model)
+    fresh.start("f", many.sessions["s"].tokens)
+    fresh.prefill("f")
+    s, f = many.sessions["s"], fresh.sessions["f"]
+    assert_kv_equal([(k[:, :, : s.cached_len], v[:, :, : s.cached_len]) for k, v in cache_kv(s.cache)],
+                    [(k[:, :, : s.cached_len], v[:, :, : s.cached_len]) for k, v in cache_kv(f.cache)], what="vs fresh")
+
+
+def test_candidate_errors_name_the_field():
+    _, (runtime, _) = _pair()
+    tree = runtime.propose("s", SPEC, 3)
+    with pytest.raises(ValueError, match="candidates: 5 given"):
+        runtime.propose_candidates("s", [AheadCandidate((0,), 3)] * 5, SPEC)
+    with pytest.raises(ValueError, match=r"path_nodes\[0\] = 99"):
+        runtime.propose_candidates("s", [AheadCandidate((0,), 3), AheadCandidate((99,), 3)], SPEC)
+    assert runtime.sessions["s"].ahead is None  # a failed alternative left nothing unresolved
+    runtime.propose_candidates("s", _candidate_set(tree, best_path(tree)), SPEC)
+    with pytest.raises(ValueError, match="candidate: 3 is not one of the 3"):
+        runtime.resolve_ahead("s", True, 3)
+    runtime.resolve_ahead("s", True, 2)
+
+
+def test_candidates_rank_early_rejections_by_the_drafts_chances():
+    """Path chances q = (0.9, 0.6, 0.5): rejected at the path's second node (0.9 * 0.4 = 0.36), at its third
+    (0.9 * 0.6 * 0.5 = 0.27), at the root (0.1); each excludes the verified children there."""
+    import math
+
+    lp = [math.log(x) for x in (0.9, 0.05, 0.6, 0.5)]
+    tree = DraftTree((10, 11, 12, 13), (ROOT, ROOT, 0, 2), tuple(lp))
+    got = _candidates(tree, ShapedTree.of(tree), [0, 2, 3], max_depth=6, count=4)
+    assert got == [AheadCandidate((0, 2, 3), 2, ()), AheadCandidate((0,), 4, (12,)),
+                   AheadCandidate((0, 2), 3, (13,)), AheadCandidate((), 5, (10, 11))]
+    assert _candidates(tree, ShapedTree.of(tree), [0, 2, 3], 6, 1) == got[:1]
+
+
+# ------------------------------------------------------------------------------------------------
+# The round loop (in-process)
+# ------------------------------------------------------------------------------------------------
+
+class CandidateDraft(DraftWorker):
+    """A DraftRuntime checked after every commit and resolve: its tokens are the target's committed
+    ones and its committed KV equals a fresh prefill. ``wrong``: every reported token is off by one, so
+    no candidate can match (misses)."""
+
+    drafts_ahead = True
+
+    def __init__(self, runtime: DraftRuntime, model, target: RecordingTarget, wrong: bool = False):
+        self.runtime, self.model, self.target, self.wrong = runtime, model, target, wrong
+        self.resolved: list[int | None] = []
+
+    def start(self, session_id, prompt_ids, sampling=GREEDY):
+        self.runtime.start(session_id, prompt_ids, sampling)
+
+    def propose(self, session_id, spec, max_depth):
+        return self.runtime.propose(session_id, spec, max_depth)
+
+    def propose_candidates(self, session_id, candidates, spec):
+        out = self.runtime.propose_candidates(session_id, candidates, spec)
+        return [((t + 1) % self.model.config.vocab_size if self.wrong else t, tree) for t, tree in out]
+
+    def resolve_ahead(self, session_id, adopt, candidate=0):
+        self.runtime.resolve_ahead(session_id, adopt, candidate)
+        self.resolved.append(candidate if adopt else None)
+        if adopt:
+            self._check(session_id)
+
+    def commit(self, session_id, tokens, accepted_nodes):
+        self.runtime.commit(session_id, tokens, accepted_nodes)
+        self._check(session_id)
+
+    def _check(self, session_id):
+        s = self.runtime.sessions[session_id]
+        assert s.tokens == self.target.committed
+        kv = [(k[:, :, : s.cached_len], v[:, :, : s.cached_len]) for k, v in cache_kv(s.cache)]
+        assert_kv_equal(kv, prefill_kv(self.model, s.tokens[: s.cached_len]), what="draft cache")
+
+    def release(self, session_id):
+        self.runtime.release(session_id)
+
+
+def _run(target_model, draft_model, prompt, n, candidates=4, wrong=False, pipeline=True, spec=CHAIN_SPEC,
+         sampling=GREEDY):
+    target = RecordingTarget(TargetRuntime(target_model))
+    draft = CandidateDraft(DraftRuntime(draft_model), draft_model, target, wrong)
+    engine = SpeculativeEngine(target, draft, eos_token_ids=[], context_limit=512, pipeline=pipeline,
+                               ahead_candidates=candidates)
+    rounds = []
+    engine.controller.on_round = rounds.append
+    out = engine.generate(GenerationRequest(prompt, max_new_tokens=n, spec=spec, sampling=sampling))
+    assert target.committed == prompt + out.tokens
+    return out, rounds, draft
+
+
+@pytest.mark.parametrize("noise", [0.05, 0.1])
+def test_greedy_predrafted_equals_target_alone(noise):
+    """A perturbed draft: rejections at several depths; non-first candidates are adopted (pre-drafted
+    rounds), the output is the target's own, the draft's KV fresh after every outcome."""
+    model = tiny_model("qwen2", seed=6, init_std=STD)
+    draft_model = perturbed_copy(model, seed=2, scale=noise)
+    prompt = random_prompt(seed=23, length=10)
+    out, rounds, draft = _run(model, draft_model, prompt, 60)
+    assert out.tokens == hf_greedy(model, prompt, 60)
+    stats = out.stats
+    assert stats.predraft_hits > 0 and stats.predraft_hits == sum(r.predrafted for r in rounds)
+    assert stats.predraft_hits == sum(1 for c in draft.resolved if c)
+    assert stats.pipeline_ahead_hits == draft.resolved.count(0)
+    assert [r.kind for r in rounds[1:]] == [{"hit": "pipelined", "predraft": "predrafted"}.get(r.ahead, "in_line")
+                                            for r in rounds[:-1]]
+    accepted_depths = {r.accepted for r in rounds if r.ahead is not None}
+    assert len(accepted_depths) >= 2  # rejections at several depths
+    assert all(r.draft_s == 0.0 for r in rounds if r.predrafted)
+    shares = stats.round_shares
+    assert shares["predrafted"] == stats.predrafted_rounds / stats.rounds > 0
+    assert sum(shares.values()) == pytest.approx(1.0)
+    resolved = stats.pipeline_ahead_hits + stats.predraft_hits + stats.pipeline_ahead_misses
+    assert stats.ahead_hit_rate == pytest.approx((stats.pipeline_ahead_hits + stats.predraft_hits) / resolved)
+
+
+def test_greedy_predrafted_misses_fall_back():
+    """No candidate can match (tokens reported off by one): every ahead is a miss, each round commits
+    in line after the rollback, the output is unchanged."""
+    model = tiny_model("qwen2", seed=6, init_std=STD)
+    draft_model = perturbed_copy(model, seed=2, scale=0.05)
+    prompt = random_prompt(seed=24, length=10)
+    out, rounds, draft = _run(model, draft_model, prompt, 40, wrong=True)
+    assert out.tokens == hf_greedy(model, prompt, 40)
+    assert out.stats.pipeline_ahead_misses == len(draft.resolved) > 0 and set(draft.resolved) == {None}
+    assert out.stats.predraft_hits == out.stats.pipeline_ahead_hits == 0
+    assert all(r.kind == "in_line" for r in rounds)
+
+
+@pytest.mark.parametrize("spec", [CHAIN_SPEC, SAMPLED_SPEC], ids=["treeType0", "treeType1"])
+def test_seeded_sampled_predrafted_equals_in_line(spec):
+    """Each candidate is drawn from the session's random state as it is: a seeded request gives the tokens
+    (and rounds) of in-line drafting, pre-drafted rounds included."""
+    model = tiny_model("qwen2", seed=7, init_std=STD)
+    draft_model = perturbed_copy(model, seed=3, scale=0.05)
+    prompt = random_prompt(seed=24, length=9)
+    sampling = SamplingParams(temperature=0.3, top_k=30, seed=99)
+    on, rounds_on, _ = _run(model, draft_model, prompt, 50, spec=spec, sampling=sampling)
+    off, rounds_off, _ = _run(model, draft_model, prompt, 50, spec=spec, sampling=sampling, pipeline=False)
+    assert on.tokens == off.tokens
+    summary = lambda rounds: [(r.tokens, r.proposed, r.accepted) for r in rounds]  # noqa: E731
+    assert summary(rounds_on) == summary(rounds_off)
+    assert on.stats.predraft_hits > 0
+
+
+# chi-square: the harness of tests/test_sampled_distribution.py with a chain tree (one child per level),
+# so round 1 often commits one token and round 2's tree is then the pre-drafted root-rejection candidate
+
+def test_sampled_distribution_with_predrafting():
+    from tests.conftest import chi2_pvalue
+    from tests.test_sampled_distribution import (
+        N, P_MIN, PROMPT, draft_model as sampled_draft, exact_law, next_token_logits, target_model, total_variation,
+    )
+    from specdec.sampling import processed_probs
+
+    torch.set_num_threads(1)
+    samples, params = 1500, SamplingParams(temperature=1.0)
+    target = target_model()
+    engine = SpeculativeEngine(TargetRuntime(target), DraftRuntime(sampled_draft("close")), eos_token_ids=[],
+                               context_limit=64, pipeline=True, ahead_candidates=3)
+    spec = TreeSpec(gamma=2, topKSpec=[[1], [1]], topHead=[1, 1], treeType=1)
+    counts: Counter = Counter()
+    predrafted = 0
+    for first in range(0, samples, 250):
+        requests = [GenerationRequest(PROMPT, max_new_tokens=5, spec=spec,
+                                      sampling=SamplingParams(params.temperature, seed=seed))
+                    for seed in range(first, first + 250)]
+        for result in engine.generate_batch(requests):
+            counts[tuple(result.tokens[:N])] += 1
+            predrafted += result.stats.predrafted_rounds
+    law = exact_law(processed_probs(next_token_logits(target), params))
+    pvalue = chi2_pvalue(counts, law, samples)
+    assert pvalue > P_MIN, f"chi-square p = {pvalue:.2e}, total variation {total_variation(counts, law, samples):.4f}"
+    assert predrafted > samples // 20
+
+
+# ------------------------------------------------------------------------------------------------
+# The control's choice (front.pipeline: auto)
+# ------------------------------------------------------------------------------------------------
+
+def test_predraft_pays_on_a_slow_link_or_separate_compute_not_on_a_fast_shared_one():
+    from orchestrator.planning.cost_model import predraft_pays
+
+    assert predraft_pays(0.3, draft_ms=40.0, shared_compute=False, candidates=2)  # slow link, own compute
+    assert predraft_pays(None, draft_ms=40.0, shared_compute=False, candidates=2)  # own compute, link unknown
+    assert not predraft_pays(0.001, draft_ms=40.0, shared_compute=True, candidates=2)  # fast link, shared
+    assert not predraft_pays(None, draft_ms=40.0, shared_compute=True, candidates=2)
+    assert predraft_pays(0.1, draft_ms=40.0, shared_compute=True, candidates=2)  # 100 ms >= 2 x 40 ms
+    assert not predraft_pays(0.1, draft_ms=40.0, shared_compute=True, candidates=3)
+
+
+def _auto_run(rtt_s, shared_compute):
+    """One greedy request, pipeline "auto", the cost-aware control with scripted costs (V 100 ms, D 5 ms per
+    step, alpha 0: never learnt),
+    a draft that reports ``rtt_s`` as its link's round trip and counts as beside the front."""
+    from orchestrator.planning.cost_aware import CostAwareFactory, SharedState
+    from orchestrator.planning.cost_model import CostModel
+    from orchestrator.loop.controller import RoundController, sync_worker
+    from specdec.config import CostAwareConfig, FallbackConfig
+
+    class Remote(sync_worker):
+        in_process = False  # as a draft service beside the front
+
+        @property
+        def link_rtt_s(self):
+            return rtt_s
+
+    model = tiny_model("qwen2", seed=6, init_std=STD)
+    draft_model = perturbed_copy(model, seed=2, scale=0.05)
+    prompt = random_prompt(seed=25, length=10)
+    cost = CostModel({1: 100.0, 8: 110.0, 32: 130.0}, {1: 5.0, 8: 6.0}, alpha=0.0, source="configured")
+    shared = SharedState(cost=cost, shared_compute=shared_compute)
+    factory = CostAwareFactory(CostAwareConfig(first_round_plain=False), FallbackConfig(), shared)
+    controller = RoundController(sync_worker(TargetRuntime(model)), Remote(DraftRuntime(draft_model)), [], 512,
+                                 control_factory=factory, pipeline="auto", ahead_candidates=2)
+    rounds = []
+    out = asyncio.run(controller.generate(GenerationRequest(prompt, 40, spec=CHAIN_SPEC), on_round=rounds.append))
+    assert out.tokens == hf_greedy(model, prompt, 40)
+    return rounds
+
+
+@pytest.mark.parametrize("rtt_s,shared_compute,predrafts", [(0.3, False, True), (0.3, True, True),
+                                                            (0.00001, True, False), (None, True, False)])
+def test_auto_pipeline_predrafts_on_a_slow_link_and_in_line_on_a_fast_shared_one(rtt_s, shared_compute, predrafts):
+    rounds = _auto_run(rtt_s, shared_compute)
+    drafted = [r for r in rounds if r.drafted]
+    assert drafted
+    assert any(r.ahead is not None for r in rounds) == predrafts
+    if not predrafts:
+        assert all(r.kind == "in_line" for r in rounds)
+
+
+def test_front_config_pipeline_auto_and_candidates():
+    from specdec.config import ConfigError, load_config
+    from specdec.stats import GenerationStats
+    from specdec.wire import stats_to_proto
+
+    front = load_config(None, {}).front
+    assert (front.pipeline, front.ahead_candidates) == (False, 2)
+    assert load_config(None, {"front.pipeline": "auto"}).front.pipeline == "auto"
+    for bad in (0, 5):
+        with pytest.raises((ConfigError, ValueError), match="ahead_candidates"):
+            load_config(None, {"front.ahead_candidates": bad})
+    stats = GenerationStats(rounds=10, pipeline_ahead_hits=3, predraft_hits=2, pipeline_ahead_misses=5,
+                            pipelined_rounds=3, predrafted_rounds=2)
+    msg = stats_to_proto(stats, prompt_tokens=4)
+    assert (msg.predraft_hits, msg.pipelined_rounds, msg.predrafted_rounds) == (2, 3, 2)
+    assert (msg.ahead_hit_rate, msg.in_line_share, msg.pipelined_share, msg.predrafted_share) == \
+        pytest.approx((0.5, 0.5, 0.3, 0.2))
+
+
+def test_metrics_count_rounds_by_kind_and_predraft_outcomes():
+    from orchestrator.loop.metrics import SpecMetrics
+    from specdec.stats import RoundRecord
+
+    metrics = SpecMetrics()
+    base = dict(tokens=(1, 2), proposed=2, accepted=1, depth=2, fallback=None, gamma=2, draft_s=0.0,
+                verify_s=0.1, commit_s=0.0)
+    for extra in ({"ahead": "predraft"}, {"predrafted": True, "ahead": "hit"}, {"pipelined": True}):
+        metrics.observe_round(RoundRecord(**base, **extra))
+    value = lambda name, **labels: metrics.registry.get_sample_value(name, labels)  # noqa: E731
+    assert value("specdec_pipeline_ahead_total", outcome="predraft") == 1
+    assert value("specdec_pipeline_ahead_total", outcome="hit") == 1
+    assert [value("specdec_round_kind_total", kind=k) for k in ("in_line", "pipelined", "predrafted")] == [1, 1, 1]
+
+
+# ------------------------------------------------------------------------------------------------
+# Services: the real draft gRPC service and target service, the round loop over the clients
+# ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory):
+    from specdec.harness.servers import launch_service, stop_service, wait_ready
+    from specdec.harness.tiny_pair import save_tiny_pair, write_config
+
+    pair = save_tiny_pair(tmp_path_factory.mktemp("models"), max_pos=512, noise=0.05)  # rejections at several depths
+    config = write_config(tmp_path_factory.mktemp("cfg") / "serve.yaml", pair, draft={"max_sessions": 4})
+    draft, target = launch_service("draft", config), launch_service("target", config)
+    try:
+        wait_ready(draft), wait_ready(target)
+        yield draft.address, target.address
+    finally:
+        codes = [stop_service(s) for s in (draft, target)]
+    assert codes == [0, 0]
+    for service in (draft, target):
+        assert "Traceback" not in service.stderr, service.stderr[-4000:]
+
+
+def _over_grpc(draft_address, target_address, prompt, n, pipeline, candidates=4, speculate=True):
+    import grpc
+
+    from orchestrator.loop.clients import DraftClient, TargetClient
+    from orchestrator.loop.controller import RoundController
+
+    async def run():
+        async with grpc.aio.insecure_channel(target_address) as tc, grpc.aio.insecure_channel(draft_address) as dc:
+            target = TargetClient(tc)
+            info = await target.info()
+            draft = DraftClient(dc, info.vocab_size) if speculate else None
+            controller = RoundController(target, draft, [], info.context_limit, pipeline=pipeline,
+                                         ahead_candidates=candidates)
+            records = []
+            result = await controller.generate(GenerationRequest(prompt, n, spec=CHAIN_SPEC if speculate else None),
+                                               on_round=records.append)
+            info = await draft.info() if draft is not None else None
+            return result, records, info
+    return asyncio.run(run())
+
+
+def test_predrafted_request_over_services_equals_target_alone(services):
+    prompt = random_prompt(seed=31, length=12)
+    alone, _, _ = _over_grpc(*services, prompt, 60, pipeline=False, speculate=False)
+    result, records, info = _over_grpc(*services, prompt, 60, pipeline=True)
+    assert result.tokens == alone.tokens
+    stats = result.stats
+    assert stats.predraft_hits > 0 and stats.predraft_hits == sum(r.predrafted for r in records)
+    assert stats.pipeline_ahead_hits == sum(r.pipelined for r in records)
+    assert info.cached_sessions == 0  # released
+
+
+def test_bad_alternatives_are_invalid_argument_naming_the_field(services):
+    import grpc
+
+    from specdec.v1 import draft_pb2
+    from specdec.wire import spec_to_proto
+    from tests.test_pipeline import _Stream
+
+    cases = [([draft_pb2.AheadAlternative(path_nodes=[77], max_depth=2)], "ahead.alternatives[0].path_nodes[0] = 77"),
+             ([draft_pb2.AheadAlternative(max_depth=0)], "ahead.alternatives[0].max_depth"),
+             ([draft_pb2.AheadAlternative(max_depth=2, exclude=[-1])], "ahead.alternatives[0].exclude[0] = -1"),
+             ([draft_pb2.AheadAlternative(max_depth=2)] * 4, "ahead.alternatives: 4 given"),
+             ("resolve", "resolve.candidate: 2 is not one of the 2")]
+    for alternatives, field in cases:
+        stream = _Stream(services[0])
+        stream.send(start=draft_pb2.DraftStart(session_id="bad", prompt_ids=random_prompt(seed=3, length=6)))
+        stream.reply()
+        stream.send(propose=draft_pb2.TreeRequest(spec=spec_to_proto(CHAIN_SPEC), max_depth=3, round=1))
+        stream.reply()
+        ok = [draft_pb2.AheadAlternative(max_depth=2)]
+        stream.send(ahead=draft_pb2.AheadRequest(path_nodes=[0], spec=spec_to_proto(CHAIN_SPEC), max_depth=3, round=2,
+                                                 alternatives=ok if alternatives == "resolve" else alternatives))
+        if alternatives == "resolve":
+            reply = stream.reply().tree
+            assert len(reply.alternatives) == 1 and reply.alternatives[0].tree.tokens
+            stream.send(resolve=draft_pb2.AheadResolve(adopt=True, candidate=2))
+        err = stream.error()
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.details(), err.details()
+        stream.close()
