@@ -72,7 +72,8 @@ class DraftWorker:
 
     @property
     def link_rtt_s(self) -> float | None:
-        """The measured round trip of this worker's link, seconds (wall time of a call minus the service's own time); None in-process or before the first call."""
+        """The measured round trip of this worker's link, seconds (wall time of a call minus the service's own
+        time); None in-process or before the first call."""
         return None
 
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> int | None:
@@ -123,11 +124,6 @@ class DraftWorker:
     def last_forward_ms(self, session_id: str) -> float | None:
         """ms of the draft call that grew this session's last tree, without queue or transport
         (a draft service's reply says; None = not reported)."""
-        return None
-
-    @property
-    def link_rtt_s(self) -> float | None:
-        """The measured round trip of this worker's link, seconds (wall time of a call minus the service's own time); None in-process or before the first call."""
         return None
 
 
@@ -187,7 +183,8 @@ class TargetWorker(Protocol):
 
     @property
     def link_rtt_s(self) -> float | None:
-        """The measured round trip of this worker's link, seconds (wall time of a call minus the service's own time); None in-process or before the first call."""
+        """The measured round trip of this worker's link, seconds (wall time of a call minus the service's own
+        time); None in-process or before the first call."""
         return None
 
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None:
@@ -210,7 +207,3 @@ class TargetWorker(Protocol):
         """Free the session and its KV; an unknown id is a no-op."""
         ...
 
-    @property
-    def link_rtt_s(self) -> float | None:
-        """The measured round trip of this worker's link, seconds (wall time of a call minus the service's own time); None in-process or before the first call."""
-        return None
