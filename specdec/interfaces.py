@@ -206,4 +206,3 @@ class TargetWorker(Protocol):
     def release(self, session_id: str) -> None:
         """Free the session and its KV; an unknown id is a no-op."""
         ...
-
