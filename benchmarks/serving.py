@@ -56,7 +56,7 @@ SECTIONS = ("concurrency", "longprompt")
 LONGPROMPT_CONFIGS = ("speculative", "speculative_pipelined", "target_only")
 SPLIT_RTT_MS = [0.2, 30.0, 300.0]  # --topology split: the draft link's round trips (ms) unless --rtt-ms
 PIN_CORES = {"target": "0", "draft": "1"}  # --pin: taskset -c cores per service kind (fronts unpinned)
-PIPELINE_STATS = ("pipeline_ahead_hits", "pipeline_ahead_misses")
+PIPELINE_STATS = ("pipeline_ahead_hits", "pipeline_ahead_misses", "predraft_hits", "pipelined_rounds", "predrafted_rounds")
 FINAL_STATS = ("rounds", "fallback_rounds", "proposed_tokens", "cost_plain_rounds", *PIPELINE_STATS)  # kept FinalStats
 BF16_NOTE = ("On a CPU `models.dtype: auto` resolves to float32 (exact, and faster than bf16 for tree "
              "verification there), which is what is measured, not bf16.")
@@ -242,6 +242,7 @@ async def grpc_generate(stub, request_id: str, ids: list[int], max_new: int, no_
             stats = reply.stats
     wall = time.perf_counter() - start
     return {"tokens": tokens, "new_tokens": len(tokens), "wall_s": wall, "ttft_s": (first or time.perf_counter()) - start,
+            "draft_link_rtt_ms": stats.draft_link_rtt_ms if stats.HasField("draft_link_rtt_ms") else None,
             **{key: getattr(stats, key) for key in FINAL_STATS}}
 
 
@@ -563,6 +564,9 @@ def level_row(name: str, level, no_spec, out: dict, counters: dict, run_order: i
            "run_order": run_order, "level_run": level_run, **counters,
            "per_request": [{key: r[key] for key in PER_REQUEST} for r in reqs],
            **{key: sum(r[key] for r in reqs) for key in PIPELINE_STATS}}
+    row["ahead_round_share"] = ratio(row["pipelined_rounds"] + row["predrafted_rounds"], rounds, 0.0)
+    rtts = [r["draft_link_rtt_ms"] for r in reqs if r["draft_link_rtt_ms"] is not None]
+    row["draft_link_rtt_ms"] = percentile(rtts, 50) if rtts else None
     if no_spec == MIXED:
         for kind, plain in (("no_spec", True), ("spec", False)):
             kind_lat = [r["wall_s"] for r in reqs if r["no_spec"] is plain]
@@ -801,7 +805,9 @@ CONCURRENCY_COLUMNS = CONFIG_COLUMNS + [
     col("p95 TTFT s", "ttft_p95_s"), col("mean acc len", "mean_accepted_length"), col("tree rows / round", "mean_tree_rows"),
     col("plain rounds (cost)", "cost_plain_round_share", _pct), col("fallback rounds", "fallback_round_share", _pct),
     col("merged", "merged_verify_forwards"), col("draft merged", "merged_draft_calls"),
-    col("ahead hits", "pipeline_ahead_hits"), col("ahead misses", "pipeline_ahead_misses")]
+    col("ahead hits", "pipeline_ahead_hits"), col("pre-draft hits", "predraft_hits"),
+    col("ahead misses", "pipeline_ahead_misses"), col("rounds from aheads", "ahead_round_share", _pct),
+    col("draft link ms", "draft_link_rtt_ms", DASH1)]
 MIXED_COLUMNS = CONFIG_COLUMNS + [
     col("tok/s", "tokens_per_s"), col("no_spec p50 s", "no_spec_latency_p50_s"), col("no_spec p95 s", "no_spec_latency_p95_s"),
     col("no_spec p95 vs target only", "no_spec_latency_p95_vs_target_only", _times),
