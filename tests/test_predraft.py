@@ -650,3 +650,78 @@ def test_slow_link_plain_predraft_over_services_equals_target_alone(services):
     assert any(records[i].ahead in ("hit", "predraft") and records[i + 1].kind != "in_line"
                for i in plain if i + 1 < len(records))
     assert not any(r.fallback == "draft_unavailable" for r in records)
+
+
+def _same_draws(actual, expected):
+    """The same tree drawn; log-probs up to float32 round-off scaled by 1 / temperature."""
+    assert (actual.tokens, actual.parents) == (expected.tokens, expected.parents)
+    assert torch.allclose(torch.tensor(actual.draft_logprobs), torch.tensor(expected.draft_logprobs), atol=1e-3)
+
+
+class ShadowedDraft(CandidateDraft):
+    """A CandidateDraft beside a shadow runtime drafting in line: each in-line tree equals the shadow's, and each
+    adopted candidate's tree equals the shadow's propose after commit(that candidate's outcome)."""
+
+    def __init__(self, model, target):
+        super().__init__(DraftRuntime(model), model, target)
+        self.shadow, self.pending, self.checked = DraftRuntime(model), None, []
+
+    def start(self, session_id, prompt_ids, sampling=GREEDY):
+        super().start(session_id, prompt_ids, sampling)
+        self.shadow.start(session_id, prompt_ids, sampling)
+
+    def propose(self, session_id, spec, max_depth):
+        tree = super().propose(session_id, spec, max_depth)
+        _same_draws(self.shadow.propose(session_id, spec, max_depth), tree)
+        return tree
+
+    def propose_candidates(self, session_id, candidates, spec):
+        out = super().propose_candidates(session_id, candidates, spec)
+        self.pending = (candidates, out, spec)
+        return out
+
+    def resolve_ahead(self, session_id, adopt, candidate=0):
+        super().resolve_ahead(session_id, adopt, candidate)
+        if adopt:
+            candidates, out, spec = self.pending
+            c, last = candidates[candidate], self.shadow.sessions[session_id].last_tree
+            tokens = [last.tokens[n] for n in c.path_nodes] + [out[candidate][0]]
+            self.shadow.commit(session_id, tokens, list(c.path_nodes))
+            _same_draws(self.shadow.propose(session_id, spec, c.max_depth), out[candidate][1])
+            self.checked.append(not c.path_nodes)
+
+    def commit(self, session_id, tokens, accepted_nodes):
+        super().commit(session_id, tokens, accepted_nodes)
+        self.shadow.commit(session_id, tokens, accepted_nodes)
+
+
+def test_seeded_sampled_plain_round_aheads_equal_in_line():
+    """Every third round plain (a scripted control): each adopted tree, a plain round's included, is the tree an
+    in-line propose after that outcome draws from the same random state (a shadow draft checks every one)."""
+    from orchestrator.planning.control import COST, FixedControl
+
+    class EveryThirdPlain(FixedControl):
+        calls = 0
+
+        def speculate(self, now, committed_len, depth):
+            self.calls += 1
+            if self.calls % 3 == 0:
+                self.reason = COST
+                return False
+            return super().speculate(now, committed_len, depth)
+
+    model = tiny_model("qwen2", seed=7, init_std=STD)
+    draft_model = perturbed_copy(model, seed=3, scale=0.05)
+    prompt = random_prompt(seed=26, length=9)
+    sampling = SamplingParams(temperature=0.05, top_k=30, seed=7)  # peaked: plain tokens among the draft's top 3
+    target = RecordingTarget(TargetRuntime(model))
+    draft = ShadowedDraft(draft_model, target)
+    engine = SpeculativeEngine(target, draft, eos_token_ids=[], context_limit=512, pipeline=True, ahead_candidates=3)
+    engine.controller.control_factory = EveryThirdPlain
+    rounds = []
+    engine.controller.on_round = rounds.append
+    out = engine.generate(GenerationRequest(prompt, max_new_tokens=40, spec=SAMPLED_SPEC, sampling=sampling))
+    assert target.committed == prompt + out.tokens and not any(r.fallback == "draft_unavailable" for r in rounds)
+    assert any(draft.checked)  # adopted trees of plain rounds, checked against the shadow
+    plain_adopted = [i for i, r in enumerate(rounds[:-1]) if not r.proposed and r.ahead in ("hit", "predraft")]
+    assert plain_adopted and all(rounds[i + 1].kind != "in_line" for i in plain_adopted)
