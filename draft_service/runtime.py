@@ -136,10 +136,11 @@ class DraftRuntime(DraftWorker):
         return tree
 
     def propose_ahead(self, session_id: str, path_nodes: Sequence[int], spec: TreeSpec, max_depth: int) -> AheadTree:
-        """Draft round r+1 before round r is verified: tentatively commit ``path_nodes`` [A], A >= 1 (a root
-        path of the last tree, root side first) plus the draft's argmax guess of the bonus token, and grow
-        the next tree after them. Raises UnknownSessionError, SessionStateError (an ahead unresolved, or no
-        tree since the last commit), ValueError naming ``path_nodes``."""
+        """Draft round r+1 before round r is verified: tentatively commit ``path_nodes`` [A] (a root path of
+        the last tree, root side first; A = 0: none, no tree needed, as for a plain round) plus the draft's
+        argmax guess of the next token, and grow the next tree after them. Raises UnknownSessionError,
+        SessionStateError (an ahead unresolved, or a path without a tree since the last commit), ValueError
+        naming ``path_nodes``."""
         (out,) = self.propose_batch([(session_id, spec, max_depth, tuple(path_nodes))])
         if isinstance(out, Exception):
             raise out
@@ -149,7 +150,9 @@ class DraftRuntime(DraftWorker):
                            spec: TreeSpec) -> list[AheadTree]:
         """Pre-drafting: ``propose_ahead`` for candidates[0] and the next tree of each other candidate
         outcome (``AheadCandidate``; empty path = the root rejected), every tree grown from the session as it
-        is now (a seeded session draws what an in-line propose after that outcome would). Returns [C]
+        is now (a seeded session draws what an in-line propose after that outcome would). Candidates with one
+        path pick distinct tokens (each also excludes the earlier ones' picks: the top tokens after a plain
+        round, when every path is empty and no tree was proposed since the last commit). Returns [C]
         (token, tree). Raises as ``propose_ahead``, ValueError naming ``path_nodes`` or ``candidates``."""
         (out,) = self.propose_batch([(session_id, spec, 0, tuple(candidates))])
         if isinstance(out, Exception):
@@ -186,19 +189,21 @@ class DraftRuntime(DraftWorker):
     def _restore(self, s: DraftSession) -> None:
         """Back to the snapshot of an alternative's ahead, tree slots included (bitwise)."""
         snap, s.ahead = s.ahead, None
-        restore_tail_kv(s.cache, snap.cached_len - 1, snap.tail)
+        restore_tail_kv(s.cache, max(snap.cached_len - 1, 0), snap.tail)
         del s.tokens[snap.tokens_len :]
         s.cached_len, s.round_start, s.last_tree = snap.cached_len, snap.round_start, snap.last_tree
         s.slot_of_node = dict(snap.slot_of_node)
         if s.rng is not None:
             s.rng.bit_generator.state = snap.rng_state
 
-    def _draft_alternatives(self, session_id: str, spec: TreeSpec, candidates) -> list[tuple]:
+    def _draft_alternatives(self, session_id: str, spec: TreeSpec, all_candidates) -> list[tuple]:
         """The other candidates' (token, tree, tokens added, rng state after), each grown alone from the
         session as it is, which is restored after each."""
+        candidates = all_candidates[1:]
         out = []
-        for cand in candidates:
-            token = self._begin_ahead(session_id, tuple(cand.path_nodes), tuple(cand.exclude), keep_tail=True)
+        for i, cand in enumerate(candidates, 1):
+            token = self._begin_ahead(session_id, tuple(cand.path_nodes), tuple(cand.exclude), keep_tail=True,
+                                      earlier=_same_path(all_candidates[:i], cand))
             s = self.sessions[session_id]
             try:
                 tree = self._grow_alone(session_id, spec, cand.max_depth)
@@ -225,21 +230,29 @@ class DraftRuntime(DraftWorker):
         return results[0]
 
     def _begin_ahead(self, session_id: str, path_nodes: tuple[int, ...], exclude: tuple[int, ...] = (),
-                     keep_tail: bool = False) -> int:
+                     keep_tail: bool = False, earlier: tuple[tuple[int, ...], ...] = ()) -> int:
         """Snapshot, commit ``path_nodes`` tentatively, feed what is pending, append and return the guess
-        (the argmax not in ``exclude``). Example: committed [a b R], path n0 (fed) -> n2 (leaf): the cache
-        keeps a b R n0, n2 is fed now, tokens become [a b R n0 n2 g] with g pending. keep_tail: the
-        snapshot keeps R's and the tree's KV (another candidate follows; an empty path is allowed)."""
+        (the argmax not in ``exclude`` nor picked by the ``earlier`` same-path candidates, whose excludes
+        these are, in request order). Example: committed [a b R], path n0 (fed) -> n2 (leaf): the cache
+        keeps a b R n0, n2 is fed now, tokens become [a b R n0 n2 g] with g pending. An empty path needs no
+        proposed tree (a plain round's ahead: the draft's likeliest next tokens). keep_tail: the snapshot
+        keeps R's and the tree's KV (another candidate follows)."""
         s = self._session(session_id)
         if s.ahead is not None:
             raise SessionStateError(f"ahead: session {session_id!r} already has an unresolved ahead proposal")
         tree = s.last_tree
-        if tree is None or s.round_start is None:
-            raise SessionStateError(f"path_nodes: session {session_id!r} has no proposed tree since its last commit")
-        if path_nodes or not keep_tail:
+        if path_nodes:
+            if tree is None or s.round_start is None:
+                raise SessionStateError(f"path_nodes: session {session_id!r} has no proposed tree since its last commit")
             check_root_path(tree.parents, path_nodes)
+        elif s.round_start is None:
+            if s.prefill_chunk is not None and s.last_tree is None:
+                while self.prefill(session_id, s.prefill_chunk):  # a started prefill ends in its own chunks
+                    pass
+            if max(s.tokens[s.cached_len :], default=0) >= self.model.config.vocab_size:
+                raise SessionStateError(f"session_id: {session_id!r} holds a token beyond the draft's vocabulary")
         rng_state = copy.deepcopy(s.rng.bit_generator.state) if s.rng is not None else None
-        tail = tail_kv(s.cache, s.cached_len - 1) if keep_tail else None
+        tail = tail_kv(s.cache, max(s.cached_len - 1, 0)) if keep_tail else None
         s.ahead = _AheadSnapshot(len(s.tokens), s.cached_len, s.round_start, tree, rng_state,
                                  dict(s.slot_of_node), tail)
         fed = [s.slot_of_node[n] for n in path_nodes if n in s.slot_of_node]  # a prefix of the path
@@ -254,11 +267,13 @@ class DraftRuntime(DraftWorker):
         logits = self._forward(s.cache, pending, torch.arange(s.cached_len, len(s.tokens)),
                                mask=None, logits_rows=1)  # (1, V)
         s.cached_len = len(s.tokens)
-        row = logits[-1, : self.vocab_size].clone()
-        row[[t for t in exclude if 0 <= t < row.shape[0]]] = float("-inf")
-        guess = int(row.argmax())
-        s.tokens.append(guess)
-        return guess
+        row, picked = logits[-1, : self.vocab_size], []
+        for excluded in (*earlier, exclude):  # the same row each time: picks consistent in any drafting order
+            masked = row.clone()
+            masked[[t for t in (*excluded, *picked) if 0 <= t < row.shape[0]]] = float("-inf")
+            picked.append(int(masked.argmax()))
+        s.tokens.append(picked[-1])
+        return picked[-1]
 
     def propose_batch(self, items: Sequence[tuple]) -> list[DraftTree | AheadTree | Exception]:
         """Grow the trees of several sessions together: one draft forward per tree depth for all of them.
@@ -318,9 +333,9 @@ class DraftRuntime(DraftWorker):
             return max_depth, self._begin_ahead(session_id, tuple(entry))
         if len(entry) > MAX_AHEAD_CANDIDATES:
             raise ValueError(f"candidates: {len(entry)} given, at most {MAX_AHEAD_CANDIDATES}")
-        drafted = self._draft_alternatives(session_id, spec, entry[1:])
+        drafted = self._draft_alternatives(session_id, spec, tuple(entry))
         first = entry[0]
-        guess = self._begin_ahead(session_id, tuple(first.path_nodes), tuple(first.exclude))
+        guess = self._begin_ahead(session_id, tuple(first.path_nodes), tuple(first.exclude))  # no earlier one
         self.sessions[session_id].alternatives = [(added, tree, rng) for _, tree, added, rng in drafted]
         others[index] = [AheadTree(token, tree) for token, tree, _, _ in drafted]
         return first.max_depth, guess
@@ -448,6 +463,12 @@ class DraftRuntime(DraftWorker):
         s.tokens.extend(tokens)
         s.slot_of_node = {}
         s.round_start = None
+
+
+def _same_path(earlier: Sequence[AheadCandidate], cand: AheadCandidate) -> tuple[tuple[int, ...], ...]:
+    """The excludes of the ``earlier`` candidates (request order) with ``cand``'s path: their picks are ``cand``'s
+    exclusions too, so candidates with one path pick distinct tokens (its logits row's top tokens, in order)."""
+    return tuple(tuple(c.exclude) for c in earlier if tuple(c.path_nodes) == tuple(cand.path_nodes))
 
 
 def check_root_path(parents: Sequence[int], path: Sequence[int], field: str = "path_nodes") -> None:

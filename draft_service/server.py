@@ -5,9 +5,9 @@
 Prints ``draft-service ready on <host>:<port>`` once serving; SIGTERM/SIGINT drain and exit 0.
 
 A stream: ``start`` first (answered by DraftStarted), then ``propose`` (answered by a DraftTreeReply, in
-order) and ``commit`` (not answered); between a propose and its commit, an ``ahead`` (answered with the
-guess and any pre-drafted alternatives' trees) and its ``resolve`` (not answered; adopt: the round needs no
-commit). Out-of-order messages are
+order) and ``commit`` (not answered); before a commit, an ``ahead`` (answered with the guess and any
+pre-drafted alternatives' trees; paths only after a propose, empty ones also after a commit: a plain round's)
+and its ``resolve`` (not answered; adopt: the round needs no commit). Out-of-order messages are
 INVALID_ARGUMENT naming the field; ``draft.max_sessions`` open streams RESOURCE_EXHAUSTED; the context
 limit reached FAILED_PRECONDITION; a draining server ends waiting streams with UNAVAILABLE. Any end of
 the stream releases the session's KV. Each stream gets its own runtime session (a server-side key), so
@@ -261,20 +261,22 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         grown through the same batcher as proposes."""
         if stream.ahead is not None:
             raise ValueError("ahead: an earlier ahead is unresolved (send resolve first)")
-        if stream.tree_size is None:
-            raise ValueError("ahead.path_nodes: no proposed tree since the last commit")
         path = list(request.path_nodes)
-        check_root_path(stream.parents, path, "ahead.path_nodes")
+        if path and stream.tree_size is None:
+            raise ValueError("ahead.path_nodes: no proposed tree since the last commit")
+        parents = stream.parents if stream.tree_size is not None else ()  # none: only empty paths (a plain round's)
+        if path:
+            check_root_path(parents, path, "ahead.path_nodes")
         spec, depth = self._tree_request("ahead", request, stream.tokens + len(path) + 1)  # path + guess committed
         candidates = [AheadCandidate(tuple(path), depth, _token_ids(request.exclude, "ahead.exclude")),
-                      *self._alternatives(stream, request)]
+                      *self._alternatives(parents, stream.tokens, request)]
         trees, reply = await self._grow(stream, request, (spec, depth, tuple(candidates)))
         stream.ahead = [(len(c.path_nodes) + 1, tuple(tree.parents)) for c, (_, tree) in zip(candidates, trees)]
         return reply
 
-    def _alternatives(self, stream: _Stream, request) -> list[AheadCandidate]:
-        """The ahead's other candidates, checked (paths against the last tree, depths, token ids); each has
-        at least the first candidate's room under the context limit (its path is not longer)."""
+    def _alternatives(self, parents: tuple[int, ...], tokens: int, request) -> list[AheadCandidate]:
+        """The ahead's other candidates, checked (paths against the last tree's ``parents``, depths, token ids)
+        after ``tokens`` committed tokens; each has at least 1 position of room under the context limit."""
         if len(request.alternatives) >= MAX_AHEAD_CANDIDATES:
             raise ValueError(f"ahead.alternatives: {len(request.alternatives)} given, "
                              f"at most {MAX_AHEAD_CANDIDATES - 1}")
@@ -282,10 +284,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         for i, alt in enumerate(request.alternatives):
             field, path = f"ahead.alternatives[{i}]", list(alt.path_nodes)
             if path:
-                check_root_path(stream.parents, path, f"{field}.path_nodes")
+                check_root_path(parents, path, f"{field}.path_nodes")
             if alt.max_depth < 1:
                 raise ValueError(f"{field}.max_depth: must be >= 1, got {alt.max_depth}")
-            room = max(self.context_limit - stream.tokens - len(path) - 1, 1)
+            room = max(self.context_limit - tokens - len(path) - 1, 1)
             exclude = _token_ids(alt.exclude, f"{field}.exclude")
             out.append(AheadCandidate(tuple(path), min(alt.max_depth, room), exclude))
         return out

@@ -100,14 +100,17 @@ class DraftWorker:
     def propose_ahead(self, session_id: str, path_nodes: list[int], spec: TreeSpec,
                       max_depth: int) -> tuple[int, DraftTree]:
         """Pipelining (where ``drafts_ahead``): take root path ``path_nodes`` [A] plus the draft's argmax
-        guess of the bonus as committed and grow the next tree. Returns (guess, tree)."""
+        guess of the bonus as committed and grow the next tree (A = 0: the guess after the committed tokens,
+        no tree proposed since the last commit needed: a plain round's). Returns (guess, tree)."""
         raise NotImplementedError(f"{type(self).__name__} does not draft ahead")
 
     def propose_candidates(self, session_id: str, candidates: list[AheadCandidate],
                            spec: TreeSpec) -> list[tuple[int, DraftTree]]:
         """Pre-drafting (where ``drafts_ahead``): the next tree for each candidate outcome [C], C >= 1,
-        candidates[0] the best path fully accepted. Returns (token, tree) per candidate, in order, or only
-        the first where the worker drafts one (this default: ``propose_ahead``, ``exclude`` ignored)."""
+        candidates[0] the best path fully accepted (after a plain round all paths are empty: the draft's
+        likeliest next tokens; a candidate excludes the earlier same-path ones' tokens). Returns (token,
+        tree) per candidate, in order, or only the first where the worker drafts one (this default:
+        ``propose_ahead``, ``exclude`` ignored)."""
         first = candidates[0]
         return [tuple(self.propose_ahead(session_id, list(first.path_nodes), spec, first.max_depth))]
 

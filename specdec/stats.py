@@ -58,7 +58,8 @@ class GenerationStats:
     proposed_tokens: int = 0  # draft tree nodes sent to the target
     accepted_tokens: int = 0  # draft tokens committed (bonus tokens excluded)
     fallback_rounds: int = 0  # rounds without the draft because it failed, was full
-    # or was being opened (draft_opening: a draft service prefilling beside the round)
+    # or was being opened (draft_opening: a draft service prefilling beside the round), or pre-drafted the next
+    # tree beside the round (predraft: a slow draft link)
     cost_plain_rounds: int = 0  # rounds the cost-aware control ran without the draft (reason "cost")
     final_gamma: int = 0  # speculation depth after the last round (0 = never speculated)
     drafted_tokens: int = 0  # nodes the draft proposed, before shaping

@@ -533,7 +533,7 @@ def test_ahead_and_resolve_on_the_stream(services):
 
 @pytest.mark.parametrize("steps,field", [
     ([("ahead", [5000])], "ahead.path_nodes[0] = 5000"),
-    ([("ahead", [])], "ahead.path_nodes: empty"),
+    ([("commit", None), ("ahead", [0])], "ahead.path_nodes: no proposed tree since the last commit"),
     ([("ahead", "child")], "ahead.path_nodes[0]"),  # a depth-2 node first: not a root path
     ([("ahead", [0]), ("ahead", [0])], "ahead: an earlier ahead is unresolved"),
     ([("ahead", [0]), ("propose", None)], "propose: an ahead is unresolved"),

@@ -137,7 +137,7 @@ def test_candidates_rank_early_rejections_by_the_drafts_chances():
 
 class CandidateDraft(DraftWorker):
     """A DraftRuntime checked after every commit and resolve: its tokens are the target's committed
-    ones and its committed KV equals a fresh prefill. ``wrong``: every reported token is off by one, so
+    ones and its committed KV equals a fresh prefill. ``wrong``: every reported token is a negative id, so
     no candidate can match (misses)."""
 
     drafts_ahead = True
@@ -154,7 +154,7 @@ class CandidateDraft(DraftWorker):
 
     def propose_candidates(self, session_id, candidates, spec):
         out = self.runtime.propose_candidates(session_id, candidates, spec)
-        return [((t + 1) % self.model.config.vocab_size if self.wrong else t, tree) for t, tree in out]
+        return [(-1 - t if self.wrong else t, tree) for t, tree in out]
 
     def resolve_ahead(self, session_id, adopt, candidate=0):
         self.runtime.resolve_ahead(session_id, adopt, candidate)
@@ -446,3 +446,282 @@ def test_bad_alternatives_are_invalid_argument_naming_the_field(services):
         err = stream.error()
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.details(), err.details()
         stream.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# Pre-drafting during plain rounds: candidates = the draft's likeliest next tokens, empty paths
+# ------------------------------------------------------------------------------------------------
+
+def _session_state(runtime):
+    s = runtime.sessions["s"]
+    return list(s.tokens), s.cached_len, s.round_start, s.last_tree, [kv.clone() for pair in cache_kv(s.cache) for kv in pair]
+
+
+@pytest.mark.parametrize("sampling,spec", [(GREEDY, SPEC), (SAMPLED, SAMPLED_SPEC), (SAMPLED, SPEC)])
+@pytest.mark.parametrize("adopt", [0, 1, 2, None])
+@pytest.mark.parametrize("after", ["start", "commit"])
+def test_plain_round_ahead_equals_commit_then_propose(sampling, spec, adopt, after):
+    """No tree proposed since the last commit (or ever): C candidates with empty paths are the top-C tokens of
+    the draft's next-token logits, distinct; adopting candidate c (the plain step committed its token) equals
+    commit([t]) + propose, a miss restores the session exactly, and the cache equals a fresh prefill after."""
+    model, (ahead, plain) = _pair(sampling)
+    if after == "commit":  # a drafted round, then the plain one
+        for runtime in (ahead, plain):
+            tree = runtime.propose("s", spec, 3)
+            runtime.commit("s", [tree.tokens[0], 9], [0])
+    before = _session_state(ahead)
+    with torch.no_grad():
+        top = model(torch.tensor([before[0]])).logits[0, -1].topk(3).indices.tolist()
+    out = ahead.propose_candidates("s", [AheadCandidate((), 3)] * 3, spec)
+    assert [token for token, _ in out] == top and len(set(top)) == 3
+    if adopt is None:  # a miss: the plain step committed a token no candidate has
+        ahead.resolve_ahead("s", adopt=False)
+        after_state = _session_state(ahead)
+        assert after_state[:4] == before[:4]
+        assert all(torch.equal(a, b) for a, b in zip(after_state[4], before[4]))
+        t = next(t for t in range(model.config.vocab_size) if t not in top)
+        ahead.commit("s", [t], [])
+        next_tree = ahead.propose("s", spec, 3)
+    else:
+        ahead.resolve_ahead("s", True, adopt)
+        t, next_tree = out[adopt]
+    plain.commit("s", [t], [])
+    assert ahead.sessions["s"].tokens == plain.sessions["s"].tokens
+    assert_same_tree(next_tree, plain.propose("s", spec, 3))
+    for runtime in (ahead, plain):
+        runtime.commit("s", [next_tree.tokens[0], 7], [0])
+        assert_fresh(runtime, model, "s")
+    assert_same_tree(ahead.propose("s", spec, 2), plain.propose("s", spec, 2))
+
+
+def test_same_path_candidates_pick_distinct_tokens_after_a_tree():
+    """With a tree proposed, two root-rejection candidates (empty path) pick the best two tokens that are none
+    of the root's children, in request order."""
+    model, (runtime, _) = _pair()
+    tree = runtime.propose("s", SPEC, 3)
+    kids = tuple(t for t, p in zip(tree.tokens, tree.parents) if p == ROOT)
+    with torch.no_grad():
+        row = model(torch.tensor([runtime.sessions["s"].tokens])).logits[0, -1]
+    row[list(kids)] = float("-inf")
+    out = runtime.propose_candidates("s", [AheadCandidate((), 3, kids)] * 2, SPEC)
+    assert [token for token, _ in out] == row.topk(2).indices.tolist()
+    runtime.resolve_ahead("s", adopt=False)
+
+
+def test_predraft_plain_pays_on_a_slow_link_only():
+    from orchestrator.planning.cost_aware import CostAwareControl, SharedState
+    from orchestrator.planning.cost_model import CostModel, predraft_plain_pays
+
+    assert predraft_plain_pays(0.3, draft_ms=40.0)  # the round trip dominates the in-line draft
+    assert not predraft_plain_pays(0.001, draft_ms=40.0)
+    assert not predraft_plain_pays(None, draft_ms=40.0)  # not measured yet: in line
+    cost = CostModel({1: 100.0, 8: 110.0}, {1: 20.0, 8: 25.0}, alpha=0.0, source="configured")  # D 60 ms for 3 steps
+    control = CostAwareControl(SPEC, SharedState(cost=cost))
+    assert control.predraft_plain(0.3, 2) and not control.predraft_plain(0.03, 2)
+    control.bind_request(SAMPLED)  # seeded: its rounds never depend on timings
+    assert not control.predraft_plain(0.3, 2)
+
+
+def _plain_predraft_run(rtt_s, wrong=False, n=40, pipeline=True):
+    """One greedy request over a draft reporting ``rtt_s`` as its link's round trip, beside the front, the
+    cost-aware control with scripted costs (V 100 ms, D 5 ms per step); every draft outcome checked."""
+    from orchestrator.planning.cost_aware import CostAwareFactory, SharedState
+    from orchestrator.planning.cost_model import CostModel
+    from orchestrator.loop.controller import RoundController, sync_worker
+    from specdec.config import CostAwareConfig, FallbackConfig
+
+    class Remote(sync_worker):
+        in_process = False
+
+        @property
+        def link_rtt_s(self):
+            return rtt_s
+
+    model = tiny_model("qwen2", seed=6, init_std=STD)
+    draft_model = perturbed_copy(model, seed=2, scale=0.05)
+    prompt = random_prompt(seed=25, length=10)
+    target = RecordingTarget(TargetRuntime(model))
+    draft = CandidateDraft(DraftRuntime(draft_model), draft_model, target, wrong)
+    cost = CostModel({1: 100.0, 8: 110.0, 32: 130.0}, {1: 5.0, 8: 6.0}, alpha=0.0, source="configured")
+    factory = CostAwareFactory(CostAwareConfig(first_round_plain=False), FallbackConfig(), SharedState(cost=cost))
+    controller = RoundController(sync_worker(target), Remote(draft), [], 512, control_factory=factory,
+                                 pipeline=pipeline, ahead_candidates=3)
+    rounds = []
+    out = asyncio.run(controller.generate(GenerationRequest(prompt, n, spec=CHAIN_SPEC), on_round=rounds.append))
+    assert out.tokens == hf_greedy(model, prompt, n)
+    assert target.committed == prompt + out.tokens
+    assert not any(r.fallback == "draft_unavailable" for r in rounds)  # no check of the draft failed
+    return out, rounds, draft
+
+
+@pytest.mark.parametrize("pipeline", [True, "auto"])
+def test_slow_link_runs_plain_and_predrafts_the_next_tree(pipeline):
+    """A 300 ms link against D 15 ms: after the first (in-line) round, a round without a ready tree runs plain
+    with an ahead of the draft's likeliest next tokens beside it; hits are verified next round with no draft
+    call; output = the target alone, the draft's KV fresh after every outcome."""
+    out, rounds, draft = _plain_predraft_run(0.3, pipeline=pipeline)
+    assert rounds[0].drafted and rounds[0].fallback is None  # the first round keeps today's behaviour
+    plain = [i for i, r in enumerate(rounds) if r.fallback == "predraft"]
+    assert plain and all(rounds[i].proposed == 0 and rounds[i].kind == "in_line" for i in plain)
+    assert all(rounds[i].ahead is not None for i in plain)
+    adopted = [i + 1 for i in plain if rounds[i].ahead in ("hit", "predraft") and i + 1 < len(rounds)]
+    assert adopted and all(rounds[i].kind != "in_line" and rounds[i].draft_s == 0.0 for i in adopted)
+    in_line = [r for r in rounds if r.fallback is None and r.kind == "in_line"][1:]
+    assert all(r.depth <= 1 for r in in_line)  # in line again only at the end (no budget for a tree after a token)
+    stats = out.stats
+    resolved = stats.pipeline_ahead_hits + stats.predraft_hits + stats.pipeline_ahead_misses
+    assert resolved == len(draft.resolved) and stats.ahead_hit_rate > 0
+
+
+def test_plain_round_aheads_that_miss_fall_back():
+    """No candidate can match: every plain round's ahead misses (rollback, then the usual commit) and the next
+    round runs plain again; the output is unchanged."""
+    out, rounds, draft = _plain_predraft_run(0.3, wrong=True, n=25)
+    plain = [r for r in rounds if r.fallback == "predraft"]
+    assert len(plain) >= 20 and all(r.ahead == "miss" for r in plain)
+    assert set(draft.resolved) == {None} and out.stats.predraft_hits == out.stats.pipeline_ahead_hits == 0
+
+
+def test_fast_link_drafts_in_line():
+    _, rounds, _ = _plain_predraft_run(0.00001, n=25)
+    assert not any(r.fallback == "predraft" for r in rounds) and sum(1 for r in rounds if r.drafted) > 1
+
+
+def test_plain_round_ahead_on_the_stream(services):
+    """After a commit with no propose since: an ahead of three empty-path candidates answers three distinct
+    tokens with their trees; adopting one makes its tree the last one (a commit against its nodes is taken)."""
+    from specdec.v1 import draft_pb2
+    from specdec.wire import spec_to_proto
+    from tests.test_pipeline import _Stream
+
+    stream = _Stream(services[0])
+    stream.send(start=draft_pb2.DraftStart(session_id="plain", prompt_ids=random_prompt(seed=3, length=6)))
+    stream.reply()
+    stream.send(propose=draft_pb2.TreeRequest(spec=spec_to_proto(CHAIN_SPEC), max_depth=3, round=1))
+    tree = stream.reply().tree.tree
+    stream.send(commit=draft_pb2.DraftCommit(tokens=[tree.tokens[0], 4], accepted_nodes=[0]))
+    others = [draft_pb2.AheadAlternative(max_depth=3)] * 2
+    stream.send(ahead=draft_pb2.AheadRequest(spec=spec_to_proto(CHAIN_SPEC), max_depth=3, round=2, alternatives=others))
+    reply = stream.reply().tree
+    tokens = [reply.guess_token, *(a.token for a in reply.alternatives)]
+    assert reply.ahead and len(set(tokens)) == 3 and all(len(a.tree.tokens) for a in reply.alternatives)
+    stream.send(resolve=draft_pb2.AheadResolve(adopt=True, candidate=2))
+    adopted = reply.alternatives[1].tree
+    stream.send(commit=draft_pb2.DraftCommit(tokens=[adopted.tokens[0], 1], accepted_nodes=[0]))
+    stream.send(propose=draft_pb2.TreeRequest(spec=spec_to_proto(CHAIN_SPEC), max_depth=3, round=3))
+    assert stream.reply().tree.round == 3
+    stream.close()
+
+
+def test_slow_link_plain_predraft_over_services_equals_target_alone(services):
+    """The round loop over the real services, the draft client reporting a 300 ms link: plain rounds pre-draft
+    the next tree through the draft server and the output is the target's own."""
+    import grpc
+
+    from orchestrator.loop.clients import DraftClient, TargetClient
+    from orchestrator.loop.controller import RoundController
+    from orchestrator.planning.cost_aware import CostAwareFactory, SharedState
+    from orchestrator.planning.cost_model import CostModel
+    from specdec.config import CostAwareConfig, FallbackConfig
+
+    class SlowLink(DraftClient):
+        @property
+        def link_rtt_s(self):
+            return 0.3
+
+    prompt = random_prompt(seed=32, length=12)
+    alone, _, _ = _over_grpc(*services, prompt, 50, pipeline=False, speculate=False)
+    cost = CostModel({1: 100.0, 8: 110.0, 32: 130.0}, {1: 5.0, 8: 6.0}, alpha=0.0, source="configured")
+    factory = CostAwareFactory(CostAwareConfig(first_round_plain=False), FallbackConfig(), SharedState(cost=cost))
+
+    async def run():
+        async with grpc.aio.insecure_channel(services[1]) as tc, grpc.aio.insecure_channel(services[0]) as dc:
+            target = TargetClient(tc)
+            info = await target.info()
+            controller = RoundController(target, SlowLink(dc, info.vocab_size), [], info.context_limit,
+                                         control_factory=factory, pipeline=True, ahead_candidates=3)
+            records = []
+            result = await controller.generate(GenerationRequest(prompt, 50, spec=CHAIN_SPEC), on_round=records.append)
+            return result, records
+    result, records = asyncio.run(run())
+    assert result.tokens == alone.tokens
+    plain = [i for i, r in enumerate(records) if r.fallback == "predraft"]
+    assert plain and all(records[i].ahead is not None for i in plain)
+    assert any(records[i].ahead in ("hit", "predraft") and records[i + 1].kind != "in_line"
+               for i in plain if i + 1 < len(records))
+    assert not any(r.fallback == "draft_unavailable" for r in records)
+
+
+def _same_draws(actual, expected):
+    """The same tree drawn; log-probs up to float32 round-off scaled by 1 / temperature."""
+    assert (actual.tokens, actual.parents) == (expected.tokens, expected.parents)
+    assert torch.allclose(torch.tensor(actual.draft_logprobs), torch.tensor(expected.draft_logprobs), atol=1e-3)
+
+
+class ShadowedDraft(CandidateDraft):
+    """A CandidateDraft beside a shadow runtime drafting in line: each in-line tree equals the shadow's, and each
+    adopted candidate's tree equals the shadow's propose after commit(that candidate's outcome)."""
+
+    def __init__(self, model, target):
+        super().__init__(DraftRuntime(model), model, target)
+        self.shadow, self.pending, self.checked = DraftRuntime(model), None, []
+
+    def start(self, session_id, prompt_ids, sampling=GREEDY):
+        super().start(session_id, prompt_ids, sampling)
+        self.shadow.start(session_id, prompt_ids, sampling)
+
+    def propose(self, session_id, spec, max_depth):
+        tree = super().propose(session_id, spec, max_depth)
+        _same_draws(self.shadow.propose(session_id, spec, max_depth), tree)
+        return tree
+
+    def propose_candidates(self, session_id, candidates, spec):
+        out = super().propose_candidates(session_id, candidates, spec)
+        self.pending = (candidates, out, spec)
+        return out
+
+    def resolve_ahead(self, session_id, adopt, candidate=0):
+        super().resolve_ahead(session_id, adopt, candidate)
+        if adopt:
+            candidates, out, spec = self.pending
+            c, last = candidates[candidate], self.shadow.sessions[session_id].last_tree
+            tokens = [last.tokens[n] for n in c.path_nodes] + [out[candidate][0]]
+            self.shadow.commit(session_id, tokens, list(c.path_nodes))
+            _same_draws(self.shadow.propose(session_id, spec, c.max_depth), out[candidate][1])
+            self.checked.append(not c.path_nodes)
+
+    def commit(self, session_id, tokens, accepted_nodes):
+        super().commit(session_id, tokens, accepted_nodes)
+        self.shadow.commit(session_id, tokens, accepted_nodes)
+
+
+def test_seeded_sampled_plain_round_aheads_equal_in_line():
+    """Every third round plain (a scripted control): each adopted tree, a plain round's included, is the tree an
+    in-line propose after that outcome draws from the same random state (a shadow draft checks every one)."""
+    from orchestrator.planning.control import COST, FixedControl
+
+    class EveryThirdPlain(FixedControl):
+        calls = 0
+
+        def speculate(self, now, committed_len, depth):
+            self.calls += 1
+            if self.calls % 3 == 0:
+                self.reason = COST
+                return False
+            return super().speculate(now, committed_len, depth)
+
+    model = tiny_model("qwen2", seed=7, init_std=STD)
+    draft_model = perturbed_copy(model, seed=3, scale=0.05)
+    prompt = random_prompt(seed=26, length=9)
+    sampling = SamplingParams(temperature=0.05, top_k=30, seed=7)  # peaked: plain tokens among the draft's top 3
+    target = RecordingTarget(TargetRuntime(model))
+    draft = ShadowedDraft(draft_model, target)
+    engine = SpeculativeEngine(target, draft, eos_token_ids=[], context_limit=512, pipeline=True, ahead_candidates=3)
+    engine.controller.control_factory = EveryThirdPlain
+    rounds = []
+    engine.controller.on_round = rounds.append
+    out = engine.generate(GenerationRequest(prompt, max_new_tokens=40, spec=SAMPLED_SPEC, sampling=sampling))
+    assert target.committed == prompt + out.tokens and not any(r.fallback == "draft_unavailable" for r in rounds)
+    assert any(draft.checked)  # adopted trees of plain rounds, checked against the shadow
+    plain_adopted = [i for i, r in enumerate(rounds[:-1]) if not r.proposed and r.ahead in ("hit", "predraft")]
+    assert plain_adopted and all(rounds[i + 1].kind != "in_line" for i in plain_adopted)

@@ -24,7 +24,7 @@ from typing import Awaitable, Callable
 from opentelemetry import trace
 
 from orchestrator.planning.control import (
-    DRAFT_OPENING, DRAFT_UNAVAILABLE, EMPTY_TREE, ControlFactory, FixedControl, RoundObservation,
+    DRAFT_OPENING, DRAFT_UNAVAILABLE, EMPTY_TREE, PREDRAFT, ControlFactory, FixedControl, RoundObservation,
 )
 from orchestrator.planning.shaping import ShapedTree
 from orchestrator.loop.stops import StopChecker
@@ -348,6 +348,8 @@ class _Request:
                 return _Drafted(fallback=DRAFT_OPENING, draft_s=time.perf_counter() - t0)
         if self.draft_sid is None:
             return _Drafted(fallback=DRAFT_UNAVAILABLE)
+        if self.stats.rounds and self._predraft_plain(max_depth):  # the first round keeps its own
+            return _Drafted(fallback=PREDRAFT)
         tree = await self._propose(max_depth)
         return _Drafted(tree, depth=max(node_depths(tree.parents), default=0),
                         fallback=DRAFT_UNAVAILABLE if self.draft_sid is None else None,
@@ -431,14 +433,35 @@ class _Request:
                     await self._drop_draft(exc)
         return outcome
 
+    def _pipelining(self) -> bool:
+        """Pipelining is on for this round: ``pipeline`` true, or "auto" and the control pre-drafts."""
+        if not self.pipeline or self.draft_sid is None:
+            return False
+        return self.pipeline is True or (self.draft_beside and self.control.predraft(
+            self.controller.draft.link_rtt_s, self.controller.ahead_candidates))
+
+    def _plain_ahead_room(self, max_depth: int) -> bool:
+        """After one plain token the next tree has a level of budget and room in the draft's context."""
+        return max_depth >= 2 and not (self.draft_limit and len(self.committed_tokens) + 1 >= self.draft_limit)
+
+    def _predraft_plain(self, max_depth: int) -> bool:
+        """Run this round plain and pre-draft the next tree beside it (a draft service behind a slow link)."""
+        return (self.draft_beside and self._plain_ahead_room(max_depth) and self._pipelining()
+                and self.control.predraft_plain(self.controller.draft.link_rtt_s, self.controller.ahead_candidates))
+
     def _start_ahead(self, drafted: _Drafted, shaped: ShapedTree, max_depth: int) -> "asyncio.Future | None":
-        """Pipelining: a task drafting round r+1 for this round's likely outcomes (``_candidates``); None when
-        there is no kept draft tree, depth budget or room in the draft's context, or "auto" drafts in line."""
-        if not self.pipeline or self.draft_sid is None or not drafted.tree.size:
+        """Pipelining: a task drafting round r+1 for this round's likely outcomes (``_candidates``; a plain
+        step's: the draft's likeliest next tokens, empty paths); None when there is no kept draft path, depth
+        budget or room in the draft's context, or "auto" drafts in line."""
+        if not self._pipelining():
             return None
         count = self.controller.ahead_candidates
-        if self.pipeline == "auto" and not (self.draft_beside
-                                            and self.control.predraft(self.controller.draft.link_rtt_s, count)):
+        spec = self.control.spec(self.spec)
+        if not shaped.tree.size:  # a plain step commits one token: candidate c is the draft's c-th likeliest
+            if not self._plain_ahead_room(max_depth):
+                return None
+            return asyncio.ensure_future(self._ahead([AheadCandidate((), max_depth - 1)] * count, [()] * count, spec))
+        if not drafted.tree.size:
             return None
         path = _best_path(drafted.tree, shaped)
         next_depth = max_depth - len(path) - 1  # round r+1's max_depth when path + guess are committed
@@ -447,7 +470,6 @@ class _Request:
             return None
         candidates = _candidates(drafted.tree, shaped, path, max_depth, count)
         paths = [tuple(drafted.tree.tokens[n] for n in c.path_nodes) for c in candidates]
-        spec = self.control.spec(self.spec)
         return asyncio.ensure_future(self._ahead(candidates, paths, spec))  # copies the context: under round r's span
 
     async def _ahead(self, candidates: list[AheadCandidate], paths: list[tuple[int, ...]],
@@ -459,12 +481,14 @@ class _Request:
         with _tracer.start_as_current_span("draft.ahead", attributes={
                 "gamma": spec.gamma, "max_depth": first.max_depth, "ahead.path_length": len(first.path_nodes),
                 "ahead.candidates": len(candidates)}) as span:
+            # each candidate is a proposal's work: the deadline once per candidate; a fresh session's prefill extra
+            extra_s = (len(candidates) - 1) * (self.controller.draft_deadline_s or 0.0)
+            extra_s, self.draft_fresh = extra_s + min(FRESH_DRAFT_S_PER_TOKEN * self.draft_fresh, FRESH_DRAFT_MAX_S), 0
             try:
                 if len(candidates) == 1:
                     call = draft.propose_ahead(self.draft_sid, list(first.path_nodes), spec, first.max_depth)
-                    out = [await self._draft_call(call)]
-                else:  # each candidate is a proposal's work: the deadline once per candidate
-                    extra_s = (len(candidates) - 1) * (self.controller.draft_deadline_s or 0.0)
+                    out = [await self._draft_call(call, extra_s)]
+                else:
                     out = await self._draft_call(draft.propose_candidates(self.draft_sid, candidates, spec), extra_s)
             except Exception as exc:  # noqa: BLE001 - any ahead failure is a draft failure; the output never depends on it
                 span.set_attribute("ahead.failed", True)
@@ -506,7 +530,7 @@ class _Request:
 
     def _shape(self, drafted: _Drafted, max_depth: int) -> ShapedTree:
         """Phase 2: the tree to verify, as the control shapes it."""
-        if self.control is None or max_depth < 1:
+        if self.control is None or max_depth < 1 or drafted.fallback == PREDRAFT:  # plain: its ahead needs one token
             return ShapedTree.of(drafted.tree)
         sunk_ms = (drafted.draft_s or 0.0) * 1000
         return self.control.shape(drafted.tree, self.committed_tokens, max_depth, sunk_ms)

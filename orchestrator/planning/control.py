@@ -26,7 +26,8 @@ DRAFT_UNAVAILABLE = "draft_unavailable"  # the draft failed, is unreachable or s
 DRAFT_CONTEXT_LIMIT = "draft_context_limit"  # the draft's context cannot hold the next tree
 COST = COST_REASON  # "cost": the cost model says no draft step pays this round (CostAwareControl)
 DRAFT_OPENING = "draft_opening"  # the draft session was just opened: its service prefills it beside this plain round
-FALLBACK_REASONS = (DRAFT_UNAVAILABLE, DRAFT_CONTEXT_LIMIT, COST, DRAFT_OPENING)
+PREDRAFT = "predraft"  # a slow draft link: plain, the next tree pre-drafted beside it instead of drafted in line
+FALLBACK_REASONS = (DRAFT_UNAVAILABLE, DRAFT_CONTEXT_LIMIT, COST, DRAFT_OPENING, PREDRAFT)
 
 EMPTY_TREE = DraftTree((), ())  # a round without the draft verifies this: one plain target step
 
@@ -124,6 +125,12 @@ class Control:
         """``front.pipeline: auto``, a draft service beside the front: True = draft the next round's
         ``candidates`` trees during this verify (pre-drafted), False = in line. link_rtt_s: the draft link's
         measured round trip (None = not yet). Without a cost model: in line."""
+        return False
+
+    def predraft_plain(self, link_rtt_s: float | None, candidates: int) -> bool:
+        """Pipelining on, a draft service beside the front, after ``speculate`` said draft: True = run this
+        round plain and pre-draft the next tree beside it (its ``candidates`` likeliest next tokens) rather
+        than pay the link's round trip in line. Without a cost model: in line."""
         return False
 
 

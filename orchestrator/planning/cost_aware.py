@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from orchestrator.planning.cost_model import CostModel, LoadedCost, predraft_pays
+from orchestrator.planning.cost_model import CostModel, LoadedCost, predraft_pays, predraft_plain_pays
 from orchestrator.planning.control import COST, Control, FallbackPolicy, RoundObservation
 from orchestrator.planning.shaping import (
     AcceptanceCalibration, ContextCalibration, Lookup, ShapedTree, context_path, observe_verified, shape_tree,
@@ -431,9 +431,17 @@ class CostAwareControl(Control):
 
     def predraft(self, link_rtt_s: float | None, candidates: int) -> bool:
         """Pre-draft or draft in line (``predraft_pays``), D priced for the planned tree at the current load."""
+        return predraft_pays(link_rtt_s, self._planned_draft_ms(), self.shared.shared_compute, candidates)
+
+    def predraft_plain(self, link_rtt_s: float | None, candidates: int) -> bool:
+        """Plain + pre-draft instead of an in-line draft (``predraft_plain_pays``); never for a seeded request
+        (its rounds must not depend on timings)."""
+        return not self.timing_free and predraft_plain_pays(link_rtt_s, self._planned_draft_ms())
+
+    def _planned_draft_ms(self) -> float:
+        """D of the planned tree at the current load, ms."""
         spec = self.spec()
-        draft_ms = self.shared.planning_cost().draft_ms(spec.top_head[: max(spec.gamma, 1)])
-        return predraft_pays(link_rtt_s, draft_ms, self.shared.shared_compute, candidates)
+        return self.shared.planning_cost().draft_ms(spec.top_head[: max(spec.gamma, 1)])
 
     def cost_snapshot(self) -> dict:
         """CostModel.snapshot plus the shared load, draft queue and verify merge shares, after ``observe``."""

@@ -173,6 +173,15 @@ def predraft_pays(link_rtt_s: float | None, draft_ms: float, shared_compute: boo
     return link_rtt_s is not None and link_rtt_s * 1000 >= candidates * draft_ms
 
 
+def predraft_plain_pays(link_rtt_s: float | None, draft_ms: float) -> bool:
+    """Pipelining on, the round's tree not drafted ahead (docs/control.md "Pipelining"): run the round plain and
+    pre-draft the next tree beside it, or draft in line. In line puts the round trip and D (``draft_ms``, ms) before
+    the verify; plain + pre-draft puts neither there and the plain step still commits a token, so it is chosen
+    once the link is at least half of that in-line wait: round trip (s) >= D. Example: D 40 ms: a 300 ms link
+    runs plain + pre-draft, a 1 ms link drafts in line (unknown link: in line)."""
+    return link_rtt_s is not None and link_rtt_s * 1000 >= draft_ms
+
+
 class LoadedCost:
     """The cost model as each of ``load`` requests whose rounds share one verify forward sees it.
 
