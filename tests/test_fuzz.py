@@ -143,7 +143,11 @@ def test_cli_on_a_running_deployment_writes_json_and_markdown(deployment, tmp_pa
     result = json.loads((tmp_path / "fuzz.json").read_text())
     assert code == 0 and result["passed"] and result["seed"] == 3 and result["machine"]["cpu_model"]
     markdown = (tmp_path / "fuzz.md").read_text()
-    assert "| only_allowed_codes | pass |" in markdown and "| Verify |" in markdown
+    assert "| only_allowed_codes | pass |" in markdown
+    assert len(result["codes_per_rpc"]) >= 3  # every RPC answered has its row (which ones: the seed's draw)
+    for rpc, codes in result["codes_per_rpc"].items():
+        assert any(line.startswith(f"| {rpc} |") and all(f"| {n} |" in line + " |" for n in codes.values())
+                   for line in markdown.splitlines()), rpc
     assert result["machine"]["cpu_model"] in markdown
     code = main(["--stateful", "--messages", "3", "--out", str(tmp_path), "--front", addresses.front,
                  "--draft", addresses.draft, "--target", addresses.target])
