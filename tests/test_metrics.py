@@ -137,12 +137,7 @@ def test_link_round_trip_gauges_by_link_in_the_metrics_text():
     assert sample(m, "specdec_link_rtt_seconds", link="draft") == 0 == sample(m, "specdec_link_rtt_seconds", link="target")
     m.observe_links(draft_ms=12.5, target_ms=0.25)
     m.observe_links(draft_ms=None, target_ms=0.5)
-    server, thread = start_metrics_server(0, m, addr="127.0.0.1")
-    try:
-        body = urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/metrics", timeout=5).read().decode()
-    finally:
-        server.shutdown()
-        server.server_close()
+    body = _scrape(m)
     assert 'specdec_link_rtt_seconds{link="draft"} 0.0125' in body
     assert 'specdec_link_rtt_seconds{link="target"} 0.0005' in body
 
@@ -170,15 +165,20 @@ def test_metrics_registries_are_independent():
         SpecMetrics(a.registry)
 
 
-def test_metrics_http_server_serves_registry():
-    m = SpecMetrics(CollectorRegistry())
-    m.record_round(4, 3, 4, gamma=4)
-    server, thread = start_metrics_server(0, m, addr="127.0.0.1")
+def _scrape(m: SpecMetrics) -> str:
+    """The /metrics text of a metrics server started for ``m`` on a free loopback port."""
+    server, _ = start_metrics_server(0, m, addr="127.0.0.1")
     try:
-        body = urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/metrics", timeout=5).read().decode()
+        return urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/metrics", timeout=5).read().decode()
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_metrics_http_server_serves_registry():
+    m = SpecMetrics(CollectorRegistry())
+    m.record_round(4, 3, 4, gamma=4)
+    body = _scrape(m)
     assert "specdec_accepted_tokens_total 3.0" in body
     assert 'specdec_fallback_rounds_total{reason="draft_unavailable"} 0.0' in body
 

@@ -417,7 +417,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from orchestrator.loop.clients import DraftClient, TargetClient  # noqa: E402
 from orchestrator.loop.controller import RoundController  # noqa: E402
-from specdec.harness.servers import launch_service, stop_service, wait_ready  # noqa: E402
+from specdec.harness.servers import draft_and_target  # noqa: E402
 from specdec.telemetry import setup_tracing  # noqa: E402
 from specdec.v1 import draft_pb2, draft_pb2_grpc  # noqa: E402
 from specdec.wire import spec_to_proto  # noqa: E402
@@ -428,15 +428,8 @@ from specdec.harness.tiny_pair import save_tiny_pair, write_config  # noqa: E402
 def services(tmp_path_factory):
     pair = save_tiny_pair(tmp_path_factory.mktemp("models"), max_pos=512, noise=0.01)  # a close draft: aheads hit
     config = write_config(tmp_path_factory.mktemp("cfg") / "serve.yaml", pair, draft={"max_sessions": 4})
-    draft, target = launch_service("draft", config), launch_service("target", config)
-    try:
-        wait_ready(draft), wait_ready(target)
-        yield draft.address, target.address
-    finally:
-        codes = [stop_service(s) for s in (draft, target)]
-    assert codes == [0, 0]
-    for service in (draft, target):
-        assert "Traceback" not in service.stderr, service.stderr[-4000:]
+    with draft_and_target(config) as addresses:
+        yield addresses
 
 
 def _over_grpc(draft_address, target_address, prompt, n, pipeline, speculate=True):

@@ -51,6 +51,17 @@ def _pair(sampling=GREEDY):
     return model, runtimes
 
 
+def _assert_follows(ahead, plain, next_tree, spec, model):
+    """After an outcome: the pre-drafting runtime holds the tokens and gives the next tree of the one that
+    committed and proposed in line, and both go on to a KV equal to a fresh prefill's."""
+    assert ahead.sessions["s"].tokens == plain.sessions["s"].tokens
+    assert_same_tree(next_tree, plain.propose("s", spec, 3))
+    for runtime in (ahead, plain):
+        runtime.commit("s", [next_tree.tokens[0], 7], [0])
+        assert_fresh(runtime, model, "s")
+    assert_same_tree(ahead.propose("s", spec, 2), plain.propose("s", spec, 2))
+
+
 @pytest.mark.parametrize("sampling,spec", [(GREEDY, SPEC), (SAMPLED, SAMPLED_SPEC), (SAMPLED, SPEC)])
 @pytest.mark.parametrize("adopt", [0, 1, 2, None])
 def test_adopting_any_candidate_equals_commit_then_propose(sampling, spec, adopt):
@@ -75,12 +86,7 @@ def test_adopting_any_candidate_equals_commit_then_propose(sampling, spec, adopt
     if adopt is None:
         ahead.commit("s", committed, accepted)
         next_tree = ahead.propose("s", spec, 3)
-    assert ahead.sessions["s"].tokens == plain.sessions["s"].tokens
-    assert_same_tree(next_tree, plain.propose("s", spec, 3))
-    for runtime in (ahead, plain):
-        runtime.commit("s", [next_tree.tokens[0], 7], [0])
-        assert_fresh(runtime, model, "s")
-    assert_same_tree(ahead.propose("s", spec, 2), plain.propose("s", spec, 2))
+    _assert_follows(ahead, plain, next_tree, spec, model)
 
 
 def test_candidates_leave_the_first_ones_state_as_propose_ahead_does():
@@ -370,20 +376,13 @@ def test_metrics_count_rounds_by_kind_and_predraft_outcomes():
 
 @pytest.fixture(scope="module")
 def services(tmp_path_factory):
-    from specdec.harness.servers import launch_service, stop_service, wait_ready
+    from specdec.harness.servers import draft_and_target
     from specdec.harness.tiny_pair import save_tiny_pair, write_config
 
     pair = save_tiny_pair(tmp_path_factory.mktemp("models"), max_pos=512, noise=0.05)  # rejections at several depths
     config = write_config(tmp_path_factory.mktemp("cfg") / "serve.yaml", pair, draft={"max_sessions": 4})
-    draft, target = launch_service("draft", config), launch_service("target", config)
-    try:
-        wait_ready(draft), wait_ready(target)
-        yield draft.address, target.address
-    finally:
-        codes = [stop_service(s) for s in (draft, target)]
-    assert codes == [0, 0]
-    for service in (draft, target):
-        assert "Traceback" not in service.stderr, service.stderr[-4000:]
+    with draft_and_target(config) as addresses:
+        yield addresses
 
 
 def _over_grpc(draft_address, target_address, prompt, n, pipeline, candidates=4, speculate=True):
@@ -486,12 +485,7 @@ def test_plain_round_ahead_equals_commit_then_propose(sampling, spec, adopt, aft
         ahead.resolve_ahead("s", True, adopt)
         t, next_tree = out[adopt]
     plain.commit("s", [t], [])
-    assert ahead.sessions["s"].tokens == plain.sessions["s"].tokens
-    assert_same_tree(next_tree, plain.propose("s", spec, 3))
-    for runtime in (ahead, plain):
-        runtime.commit("s", [next_tree.tokens[0], 7], [0])
-        assert_fresh(runtime, model, "s")
-    assert_same_tree(ahead.propose("s", spec, 2), plain.propose("s", spec, 2))
+    _assert_follows(ahead, plain, next_tree, spec, model)
 
 
 def test_same_path_candidates_pick_distinct_tokens_after_a_tree():

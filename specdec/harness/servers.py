@@ -12,6 +12,7 @@ Kinds: "draft", "target", "front". No ready line in time, or an early exit, rais
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -153,3 +154,19 @@ def wait_for_exit(service: Service, timeout_s: float) -> tuple[int | None, float
     except subprocess.TimeoutExpired:
         code = None
     return code, time.monotonic() - started
+
+
+@contextlib.contextmanager
+def draft_and_target(config):
+    """A draft and a target service from ``config`` (a serve.yaml path), started side by side; yields their
+    addresses (draft, target). On exit both are stopped; each must exit 0 with no traceback in its log
+    (AssertionError otherwise). Raises ServiceNotReady as ``wait_ready``."""
+    draft, target = launch_service("draft", config), launch_service("target", config)
+    try:
+        wait_ready(draft), wait_ready(target)
+        yield draft.address, target.address
+    finally:
+        codes = [stop_service(s) for s in (draft, target)]
+    assert codes == [0, 0], codes
+    for service in (draft, target):
+        assert "Traceback" not in service.stderr, service.stderr[-4000:]
