@@ -42,7 +42,7 @@ from specdec.sampling import SamplingParamsError
 from specdec.service_errors import CapacityError
 from specdec.telemetry import setup_tracing, shutdown_tracing, tracer
 from specdec.tree import DraftTree
-from specdec.tree_spec import TreeSpecError
+from specdec.tree_spec import MAX_TREE_NODES, TreeSpecError
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 from specdec.wire import sampling_from_proto, spec_from_proto, tree_to_proto
 
@@ -343,7 +343,9 @@ def _kv_budget(runtime: DraftRuntime, config: DraftServerConfig) -> int:
 
 
 def _token_ids(values, field: str) -> tuple[int, ...]:
-    """Token ids (>= 0), or ValueError naming ``field``[i]."""
+    """Token ids (>= 0; at most MAX_TREE_NODES: a verified node's children), or ValueError naming ``field``."""
+    if len(values) > MAX_TREE_NODES:
+        raise ValueError(f"{field}: {len(values)} token ids, at most {MAX_TREE_NODES}")
     for i, token in enumerate(values):
         if token < 0:
             raise ValueError(f"{field}[{i}] = {token}: token ids are >= 0")

@@ -719,3 +719,16 @@ def test_seeded_sampled_plain_round_aheads_equal_in_line():
     assert any(draft.checked)  # adopted trees of plain rounds, checked against the shadow
     plain_adopted = [i for i, r in enumerate(rounds[:-1]) if not r.proposed and r.ahead in ("hit", "predraft")]
     assert plain_adopted and all(rounds[i + 1].kind != "in_line" for i in plain_adopted)
+
+
+def test_ahead_exclude_lists_are_bounded_and_checked():
+    """An ahead's excluded token ids are checked before they cost anything: negative ids and lists longer
+    than a verified tree could hold are refused naming the field."""
+    from draft_service.server import _token_ids
+    from specdec.tree_spec import MAX_TREE_NODES
+
+    assert _token_ids([3, 0, 7], "ahead.exclude") == (3, 0, 7)
+    with pytest.raises(ValueError, match=r"ahead\.exclude\[1\] = -2"):
+        _token_ids([3, -2], "ahead.exclude")
+    with pytest.raises(ValueError, match=rf"ahead\.alternatives\[0\]\.exclude: {MAX_TREE_NODES + 1} token ids"):
+        _token_ids([1] * (MAX_TREE_NODES + 1), "ahead.alternatives[0].exclude")
