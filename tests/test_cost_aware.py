@@ -509,15 +509,17 @@ def test_probes_thin_out_where_not_even_an_always_right_draft_could_pay():
     2 / (496 + V(16)) = 1 / 633 tokens per ms against 1 / V(8) = 1 / 547); the probe interval (16 x
     load rounds) is then four times longer. At load 4 an always-right chain pays (2 / (248 + V(8)) =
     1 / 398 against 1 / V(4) = 1 / 453), and alone it does too: the usual interval. On the draft's
-    own device the load does not price the draft's steps this way: the usual interval."""
+    own device the load does not price the draft's steps this way: the usual interval. Under load on
+    shared compute a request whose draft has not prefilled never probes (its prefill would take the
+    batch's compute); alone, or on the draft's own device, it does."""
     cost = CostModel({1: 376.0, 4: 453.0, 8: 547.0, 16: 770.0, 32: 1160.0}, {1: 62.0, 2: 73.0, 4: 81.0, 8: 120.0},
                      alpha=0.0)
 
-    def probes_after(load: float, rounds_without: int, shared_compute: bool = True) -> tuple:
+    def probes_after(load: float, rounds_without: int, shared_compute: bool = True, warm: bool = True) -> tuple:
         shared = SharedState(cost=cost, shared_compute=shared_compute)
         shared.observe_load(load)
         control = CostAwareControl(CHAIN4, shared, ngram_tokens=0, probe_every=16)
-        control.state.rounds = 3  # past the first (plain) round
+        control.state.rounds, control.state.draft_warm = 3, warm  # past the first (plain) round
         control.state.estimates.depths = DepthEstimates(value=[0.02], rows=[1.0])  # a draft that has been wrong: g = 0 planned
         shared.rounds_without_draft = rounds_without
         drafts = control.speculate(0.0, 100, 8)
@@ -529,6 +531,10 @@ def test_probes_thin_out_where_not_even_an_always_right_draft_could_pay():
     assert probes_after(4.0, 16 * 4) == (True, True, 0, True)
     assert probes_after(1.0, 16) == (True, True, 0, True)
     assert probes_after(8.0, 16, shared_compute=False)[:3] == (True, True, 0)
+    assert probes_after(4.0, 16 * 4, warm=False) == (False, False, 16 * 4, True)  # cold draft under load: no probe
+    assert probes_after(8.0, 4 * 16 * 8, warm=False)[:3] == (False, False, 4 * 16 * 8)
+    assert probes_after(1.0, 16, warm=False) == (True, True, 0, True)  # alone: it probes and opens its draft
+    assert probes_after(8.0, 16, shared_compute=False, warm=False)[:3] == (True, True, 0)
 
 
 def test_a_deferred_draft_opens_at_the_first_drafted_round_and_the_output_is_exact():

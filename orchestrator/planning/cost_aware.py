@@ -303,11 +303,15 @@ class CostAwareControl(Control):
 
     def _probe_due(self, cost: CostModel | LoadedCost, heads: list[int], max_steps: int) -> bool:
         """Whether a probe is due: ``SharedState.probe_interval``, times UNPAYING_PROBE_FACTOR under load on shared
-        compute where not even an always-right draft could pay (``could_pay``): there it only re-times the draft."""
+        compute where not even an always-right draft could pay (``could_pay``): there it only re-times the draft.
+        Under load on shared compute only a request whose draft has prefilled probes: a cold draft's prefill would
+        take the batch's compute for a one-step tree."""
         interval, waited = self.shared.probe_interval(self.probe_every), self.shared.rounds_without_draft
         if waited < interval:
             return False
         loaded = self.shared.shared_compute and self.shared.load >= LOADED
+        if loaded and not self.state.draft_warm:
+            return False
         return not loaded or waited >= interval * UNPAYING_PROBE_FACTOR or could_pay(cost, heads, max_steps)
 
     def defer_draft_open(self, others: int = 0) -> bool:
