@@ -81,6 +81,16 @@ def test_continuation_stops_where_an_uninterrupted_request_stops():
         assert out.stats.stop_reason == "stop_string", j
 
 
+def test_continuation_owes_what_is_left_of_min_tokens():
+    request = GenerationRequest([1, 2], max_new_tokens=10, min_tokens=6, stop_token_ids=(9,))
+    owed = []
+    for streamed in ([3, 4, 5, 6], [3, 4, 5, 6, 7, 8, 10, 11]):
+        progress = Resumption(request, timeout_s=None, max_failovers=1)
+        progress.record(streamed, None)
+        owed.append((progress.next_part().min_tokens, progress.next_part().stop_token_ids))
+    assert owed == [(2, (9,)), (0, (9,))]
+
+
 # ------------------------------------------------------------------------------------------------
 # RayBackend with scripted actors
 # ------------------------------------------------------------------------------------------------

@@ -38,6 +38,8 @@ def front(**limits) -> FrontConfig:
     ({"max_new_tokens": -1}, "max_new_tokens: must be >= 0"),
     ({"stop": ("x",) * 17}, "stop: at most 16 stop strings"),
     ({"stop": ("",)}, "stop: an empty stop string"),
+    ({"min_tokens": -1}, "min_tokens: must be >= 0"),
+    ({"stop_token_ids": (1,) * 65}, "stop_token_ids: at most 64 ids"),
 ])
 def test_check_call_names_the_field_over_each_bound(fields, needle):
     call = GenerateCall(**({"request_id": "ok-1", "prompt_ids": (1, 2)} | fields))
@@ -47,8 +49,8 @@ def test_check_call_names_the_field_over_each_bound(fields, needle):
 
 
 def test_check_call_accepts_what_is_inside_every_bound():
-    check_call(GenerateCall(request_id="a" * 128, prompt="é" * 500, max_new_tokens=8192, stop=("s" * 256,) * 16),
-               front(max_prompt_bytes=1000))
+    check_call(GenerateCall(request_id="a" * 128, prompt="é" * 500, max_new_tokens=8192, stop=("s" * 256,) * 16,
+                            min_tokens=8192, stop_token_ids=(1,) * 64), front(max_prompt_bytes=1000))
     check_call(GenerateCall(request_id="tenant:job-1.2@x+y=z_", prompt_ids=(1,) * 8192), front())
 
 

@@ -137,6 +137,23 @@ def test_no_spec_and_sampling_requests(stack, target_model):
     assert other != first
 
 
+def test_min_tokens_stop_token_ids_and_special_tokens_over_grpc(stack):
+    """vLLM's options in GenerateRequest: min_tokens runs past an EOS (as ignore_eos when it is max_new_tokens), a
+    stop token ends generation (kept; stop_reason stop_token), skip_special_tokens false keeps EOS in the text."""
+    front = stack[3]
+    ids = next(ids for seed in range(100) if 2 <= len(generate(front.address, prompt_ids=(ids := prompt_ids(seed, 6)),
+                                                               max_new_tokens=8, no_spec=True)[0]) < 8)
+    tokens, text, stats, _ = generate(front.address, prompt_ids=ids, max_new_tokens=8, ignore_eos=True)
+    assert generate(front.address, prompt_ids=ids, max_new_tokens=8, min_tokens=8)[:2] == (tokens, text)
+    assert 0 in tokens and "<eos>" not in text
+    assert "<eos>" in generate(front.address, prompt_ids=ids, max_new_tokens=8, ignore_eos=True,
+                               skip_special_tokens=False)[1]
+    k = max(i for i, t in enumerate(tokens) if tokens.index(t) == i)  # the last first occurrence
+    cut, _, stats, _ = generate(front.address, prompt_ids=ids, max_new_tokens=8, ignore_eos=True,
+                                stop_token_ids=[tokens[k]])
+    assert cut == tokens[:k + 1] and stats.stop_reason == "stop_token"
+
+
 def test_front_reports_each_service_links_round_trip(stack):
     """FinalStats carries the front's measured round trip to the draft and to the target: above 0 and below the
     request's wall time."""
@@ -202,6 +219,8 @@ BAD_REQUESTS = [
     (dict(prompt_ids=[1] * 1100), "prompt"),  # over the 1024-token context
     (dict(prompt_ids=[1, 2], max_new_tokens=-1), "max_new_tokens"),
     (dict(prompt_ids=[1, 2], stop=[""]), "stop"),
+    (dict(prompt_ids=[1, 2], max_new_tokens=4, min_tokens=5), "min_tokens"),
+    (dict(prompt_ids=[1, 2], stop_token_ids=[100000]), "stop_token_ids"),
     (dict(prompt_ids=[1, 2], sampling=tree_pb2.SamplingParams(temperature=-1)), "temperature"),
     (dict(prompt_ids=[1, 2], sampling=tree_pb2.SamplingParams(temperature=1, top_p=1.5)), "top_p"),
     (dict(prompt_ids=[1, 2], sampling=tree_pb2.SamplingParams(temperature=1, top_k=-2)), "top_k"),

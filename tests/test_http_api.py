@@ -177,6 +177,17 @@ def test_stop_trim_never_sends_the_stop_string(deltas, stop, sent):
     assert [trim.push(d) for d in deltas[:-1]] + [trim.final(deltas[-1])] == sent
 
 
+def test_stop_trim_include_and_early():
+    """include (vLLM's include_stop_str_in_output) sends the stop string too; one ending in early text (before
+    min_tokens) is no stop."""
+    from orchestrator.serving.http_api import StopTrim
+
+    trim = StopTrim(("stop",), include=True)
+    assert [trim.push("ab sto"), trim.push("p and"), trim.final(" more")] == ["ab ", "stop", ""]
+    trim = StopTrim(("stop",))
+    assert [trim.push("a stop", early=True), trim.push(" b stop c"), trim.final("")] == ["a s", "top b ", ""]
+
+
 def test_unknown_paths_and_internal_errors_use_the_error_object():
     """Starlette's 404 / 405 and an unexpected exception (here from a broken runner) answer in
     OpenAI's error format, not plain text."""
@@ -292,6 +303,10 @@ def test_stop_string_ends_the_text_before_it(client, chat):
     assert content(response, chat) == text == full[: full.find(stop)]
     assert finish == response.choices[0].finish_reason == "stop"
     assert usage.completion_tokens == response.usage.completion_tokens < 40
+    kept = {"include_stop_str_in_output": True}
+    response = call(client, chat, prompt, max_tokens=40, temperature=0, stop=stop, extra_body=kept)
+    text = streamed(client, chat, prompt, max_tokens=40, temperature=0, stop=stop, extra_body=kept)[0]
+    assert content(response, chat) == text == full[: full.find(stop) + len(stop)]
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
@@ -309,6 +324,49 @@ def test_max_tokens_gives_length_and_exactly_that_many_tokens(client, tokenizer,
     assert finish == response.choices[0].finish_reason == "length"
     assert usage.completion_tokens == response.usage.completion_tokens == 13
     assert text == content(response, chat)
+
+
+def greedy_ids(client, prompt: list[int], no_spec: bool, max_tokens: int = 12, **params):
+    """(token ids, text, finish_reason) of a greedy completion; params: top-level (vLLM's) parameters."""
+    body = {**params, "specdec": {"return_token_ids": True, "no_spec": no_spec}}
+    response = client.completions.create(model="target", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                         extra_body=body)
+    choice = response.choices[0]
+    return extra(choice, "token_ids"), choice.text, choice.finish_reason
+
+
+@pytest.fixture(scope="module")
+def eos_prompt(client) -> tuple[list[int], list[int]]:
+    """(prompt ids, greedy tokens) where the greedy continuation ends with EOS as its 3rd to 8th token."""
+    for seed in range(100):
+        tokens, _, finish = greedy_ids(client, prompt_ids(seed, 6), no_spec=True, max_tokens=8)
+        if finish == "stop" and len(tokens) >= 3:
+            return prompt_ids(seed, 6), tokens
+    pytest.fail("no prompt meets EOS within 3 to 8 greedy tokens")
+
+
+def test_vllm_stop_parameters_speculative_equal_no_spec(client, tokenizer, eos_prompt):
+    """ignore_eos, min_tokens, stop_token_ids, skip_special_tokens at the top level (vLLM's): each speculative
+    output equals the no_spec (target-only) one; ignore_eos runs past the EOS to max_tokens, min_tokens cuts that
+    output at its first EOS from the min_tokens-th token on, a stop token ends it (kept, finish "stop")."""
+    prompt, base = eos_prompt
+
+    def run(**params):
+        spec = greedy_ids(client, prompt, no_spec=False, **params)
+        assert spec == greedy_ids(client, prompt, no_spec=True, **params)
+        return spec
+
+    assert run() == (base, tokenizer.decode(base, skip_special_tokens=True), "stop") and base[-1] == EOS
+    tokens, text, finish = full = run(ignore_eos=True)
+    assert len(tokens) == 12 and tokens[:len(base)] == base and finish == "length"
+    assert text == tokenizer.decode(tokens, skip_special_tokens=True)
+    assert run(ignore_eos=True, skip_special_tokens=False)[1] == tokenizer.decode(tokens) != text
+    assert run(min_tokens=12) == full
+    for least in (len(base), len(base) + 1):
+        end = next((i + 1 for i, t in enumerate(tokens) if t == EOS and i + 1 >= least), None)
+        assert run(min_tokens=least)[::2] == (tokens[:end], "length" if end is None else "stop")
+    k = max(i for i, t in enumerate(tokens) if tokens.index(t) == i)  # the last first occurrence
+    assert run(ignore_eos=True, stop_token_ids=[tokens[k]])[::2] == (tokens[:k + 1], "stop")
 
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -334,6 +392,14 @@ BAD_PARAMS = [  # (chat, parameters, the parameter the error must name)
     (True, dict(max_completion_tokens=0), "max_completion_tokens"),
     (True, dict(max_tokens=5, max_completion_tokens=6), "max_completion_tokens"),
     (False, dict(stop=[""]), "stop"),
+    (False, dict(extra_body={"min_tokens": -1}), "min_tokens"),
+    (True, dict(extra_body={"min_tokens": 5}), "min_tokens"),  # over max_tokens (4)
+    (False, dict(extra_body={"stop_token_ids": [300000]}), "stop_token_ids"),  # outside the vocabulary
+    (True, dict(extra_body={"stop_token_ids": [-1]}), "stop_token_ids"),
+    (False, dict(extra_body={"stop_token_ids": list(range(65))}), "stop_token_ids"),
+    (False, dict(extra_body={"ignore_eos": "maybe"}), "ignore_eos"),
+    (True, dict(extra_body={"skip_special_tokens": [1]}), "skip_special_tokens"),
+    (False, dict(extra_body={"include_stop_str_in_output": "x"}), "include_stop_str_in_output"),
     (False, dict(extra_body={"specdec": {"tree": {"gamma": 2, "topKSpec": [[1]], "topHead": [1, 1]}}}), "specdec.tree"),
     (True, dict(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]), "messages[0].role"),
     (False, dict(prompt=list(range(1, 301))), "prompt"),  # over the context limit

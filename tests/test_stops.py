@@ -117,6 +117,27 @@ def test_ignore_eos_runs_past_the_eos_token(j):
     assert honoured.tokens == reference[: j + 1] and honoured.stats.stop_reason == "eos"
 
 
+@pytest.mark.parametrize("spec", [CHAIN4, None], ids=["chain4", "plain"])
+def test_min_tokens_and_stop_token_ids(spec):
+    """vLLM's min_tokens: an EOS before the min_tokens-th token does not stop, one at it does; stop_token_ids: the
+    token stops and is kept, with ignore_eos too. Inside accepted paths (the draft is the target) as in plain
+    decoding, and nothing after the stop is committed or cached."""
+    model = _model()
+    prompt, reference = map(list, _distinct_prompt(model, 10))
+    engine, target = _engine(model, DraftRuntime(model), eos=[reference[2], reference[6]])
+
+    def run(**options):
+        out = engine.generate(GenerationRequest(prompt, max_new_tokens=10, spec=spec, **options))
+        _assert_nothing_after_stop(prompt, out, target)
+        return out.tokens, out.stats.stop_reason
+
+    assert run() == run(min_tokens=3) == (reference[:3], "eos")
+    assert run(min_tokens=4) == (reference[:7], "eos")
+    assert run(min_tokens=4, stop_token_ids=(reference[1], reference[4])) == (reference[:5], "stop_token")
+    assert run(ignore_eos=True, stop_token_ids=(reference[8],)) == (reference[:9], "stop_token")
+    assert run(ignore_eos=True, min_tokens=10, stop_token_ids=(reference[8],)) == (reference[:10], "max_new_tokens")
+
+
 @pytest.mark.parametrize("agree, j", [(0, 0), (0, 3), (2, 2), (2, 5), (1, 3)])
 def test_eos_as_bonus_token(agree, j):
     """The scripted draft agrees for ``agree`` tokens a round; EOS = the bonus token of a round."""

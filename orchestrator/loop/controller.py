@@ -59,6 +59,8 @@ class GenerationRequest:
     spec: TreeSpec | None = None  # None = plain target decoding (no draft)
     sampling: SamplingParams = GREEDY  # temperature 0 = greedy; applied identically by draft and target
     ignore_eos: bool = False  # EOS tokens do not end generation (vLLM's ignore_eos): fixed-length runs
+    min_tokens: int = 0  # no EOS, stop token or stop string ends generation before this many new tokens (vLLM's)
+    stop_token_ids: tuple[int, ...] = ()  # generating one ends generation (kept in the output), even with ignore_eos
     resumed_tokens: int = 0  # trailing prompt_ids an earlier part of this request generated (fail-over): stop strings see them
 
     def __post_init__(self):
@@ -211,7 +213,8 @@ class _Request:
         self.stops = StopChecker(len(request.prompt_ids), request.max_new_tokens, controller.context_limit,
                                  frozenset() if request.ignore_eos else controller.eos_token_ids,
                                  tuple(request.stop_strings), controller.decode,
-                                 streamed=tuple(request.prompt_ids[len(request.prompt_ids) - request.resumed_tokens:]))
+                                 streamed=tuple(request.prompt_ids[len(request.prompt_ids) - request.resumed_tokens:]),
+                                 min_tokens=request.min_tokens, stop_token_ids=frozenset(request.stop_token_ids))
         self.stats = GenerationStats()
         self.started = time.perf_counter()
         self.draft_sid: str | None = None  # open draft session

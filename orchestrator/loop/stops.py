@@ -13,7 +13,9 @@ class StopChecker:
 
     context_limit: max total length, prompt included; decode: ids -> text (for stop strings only); streamed:
     the prompt's tail an earlier part of this request generated (fail-over): stop strings see it, so one spanning
-    the hand-over still stops; it counts toward neither budget.
+    the hand-over still stops; it counts toward neither budget. min_tokens: before this many generated tokens
+    neither EOS, stop_token_ids nor stop strings end generation (vLLM's min_tokens); stop_token_ids: ids that end
+    it (reason "stop_token"), as EOS but kept with ignore_eos (vLLM's).
     """
 
     prompt_len: int
@@ -23,6 +25,8 @@ class StopChecker:
     stop_strings: tuple[str, ...] = ()
     decode: object = None
     streamed: tuple[int, ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
     generated: list[int] = field(default_factory=list)
     reason: str | None = None
     _window: int = 0
@@ -37,9 +41,12 @@ class StopChecker:
         """Record one committed token; True if generation stops after it."""
         assert self.reason is None, "push after stop"
         self.generated.append(token)
-        if token in self.eos_token_ids:
+        stoppable = len(self.generated) >= self.min_tokens
+        if stoppable and token in self.eos_token_ids:
             self.reason = "eos"
-        elif self._hits_stop_string():
+        elif stoppable and token in self.stop_token_ids:
+            self.reason = "stop_token"
+        elif stoppable and self._hits_stop_string():
             self.reason = "stop_string"
         elif len(self.generated) >= self.max_new_tokens:
             self.reason = "max_new_tokens"

@@ -66,6 +66,7 @@ class Resumption:
             sampling = dataclasses.replace(sampling, seed=derive_seed(sampling.seed, f"resume/{n}"))
         return dataclasses.replace(self.request, prompt_ids=[*self.request.prompt_ids, *self.streamed],
                                    max_new_tokens=self.request.max_new_tokens - n, sampling=sampling,
+                                   min_tokens=max(self.request.min_tokens - n, 0),
                                    resumed_tokens=self.request.resumed_tokens + n)
 
     def final(self, stats: GenerationStats | None) -> GenerationStats:

@@ -48,6 +48,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             request_id=msg.request_id or f"gen-{uuid.uuid4().hex[:12]}", prompt=msg.prompt,
             prompt_ids=tuple(msg.prompt_ids), raw=msg.raw, max_new_tokens=msg.max_new_tokens, stop=tuple(msg.stop),
             sampling=sampling_from_proto(msg.sampling), tree=tree, no_spec=msg.no_spec, ignore_eos=msg.ignore_eos,
+            min_tokens=msg.min_tokens, stop_token_ids=tuple(msg.stop_token_ids),
+            skip_special_tokens=not msg.HasField("skip_special_tokens") or msg.skip_special_tokens,
             timeout_s=context.time_remaining(),
             client=self.runner.client_of(metadata.get("authorization", ""), peer_host(context.peer())))
 

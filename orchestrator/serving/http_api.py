@@ -53,8 +53,8 @@ UNSUPPORTED: dict[str, tuple] = {
 }
 
 # our stop reasons (specdec.stats / orchestrator.loop.stops) -> OpenAI's finish_reason
-FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "context_limit": "length",
-                  "aborted": "abort"}
+FINISH_REASONS = {"eos": "stop", "stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length",
+                  "context_limit": "length", "aborted": "abort"}
 
 
 def _is_noop(value, noops: tuple) -> bool:
@@ -104,6 +104,12 @@ class _GenerationParams(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None           # an end-user id (accepted, unused)
+    # vLLM's extra parameters (docs/http-api.md); the bounds that need the request are checked by check_call
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0, lt=INT32)
+    stop_token_ids: list[int] = []
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     specdec: SpecdecOptions = SpecdecOptions()
 
     @model_validator(mode="before")
@@ -242,29 +248,37 @@ def validation_error(exc: RequestValidationError) -> ApiError:
 
 
 class StopTrim:
-    """Text deltas that end before the first stop string (OpenAI's rule; our tokens keep it, HF's).
-    A stop string may span deltas, so the last ``max(len(stop)) - 1`` characters are held back until more text
-    shows they start none, or the request ends; nothing from the first complete stop string on is sent.
+    """Text deltas that end before the first stop string (OpenAI's rule; our tokens keep it, HF's), or just after it
+    with ``include`` (vLLM's include_stop_str_in_output). A stop string may span deltas, so the last
+    ``max(len(stop)) - 1`` characters are held back until more text shows they start none, or the request ends;
+    nothing after the cut is sent. A stop string ending in text pushed ``early`` (before min_tokens) does not count.
     """
 
-    def __init__(self, stop: tuple[str, ...]):
-        self.stop = stop
+    def __init__(self, stop: tuple[str, ...], include: bool = False):
+        self.stop, self.include = stop, include
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.sent = 0
+        self.floor = 0  # no stop string ending at or before this character counts
+        self.cut: int | None = None  # where the text ends, once a stop string is found
 
-    def push(self, delta: str) -> str:
+    def push(self, delta: str, early: bool = False) -> str:
+        end = self._end(delta, early)
+        return self._send(end if self.cut is not None else len(self.text) - self.hold)
+
+    def final(self, delta: str, early: bool = False) -> str:
+        return self._send(self._end(delta, early))
+
+    def _end(self, delta: str, early: bool) -> int:
+        """Add delta; where the text ends: at (or with include after) the first stop string, else its length."""
         self.text += delta
-        return self._send(min(len(self.text) - self.hold, self._first_stop()))
-
-    def final(self, delta: str) -> str:
-        self.text += delta
-        return self._send(self._first_stop())
-
-    def _first_stop(self) -> int:
-        """Where the first stop string starts in the text (its length when there is none)."""
-        return min((i for i in (self.text.find(s, max(0, self.sent - len(s) + 1)) for s in self.stop) if i >= 0),
-                   default=len(self.text))
+        if early:
+            self.floor = len(self.text)
+        if self.cut is None:
+            hits = [(i, i + len(s) * self.include) for s in self.stop
+                    if (i := self.text.find(s, max(0, self.sent - len(s) + 1, self.floor - len(s) + 1))) >= 0]
+            self.cut = min(hits)[1] if hits else None
+        return len(self.text) if self.cut is None else self.cut
 
     def _send(self, end: int) -> str:
         out = self.text[self.sent:max(end, self.sent)]
@@ -284,15 +298,17 @@ class Output:
         self.completion_tokens = 0
         self.token_ids = body.specdec.return_token_ids
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        self.trim = StopTrim(call.stop)
+        self.trim = StopTrim(call.stop, body.include_stop_str_in_output)
+        self.min_tokens = call.min_tokens
 
     def chunks(self, event: StreamEvent) -> list[dict]:
         """One event's chunks: text (if any, or token ids asked for); at the end the finish and usage chunks."""
         self.completion_tokens += len(event.tokens)
+        early = self.completion_tokens < self.min_tokens
         if event.stats is None:
-            text = self.trim.push(event.text_delta)
+            text = self.trim.push(event.text_delta, early)
             return [self._chunk(text, event.tokens)] if text or (self.token_ids and event.tokens) else []
-        text = self.trim.final(event.text_delta)
+        text = self.trim.final(event.text_delta, early)
         self.prompt_tokens = event.prompt_tokens
         final = self._chunk(text, [], FINISH_REASONS.get(event.stats.stop_reason, "stop"))
         final["specdec"] = self._stats(event.stats)
@@ -546,7 +562,9 @@ class HttpApi:
         return GenerateCall(
             request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", raw=True,
             max_new_tokens=body.max_new_tokens(), stop=stop, sampling=sampling, tree=tree,
-            no_spec=body.specdec.no_spec, ignore_eos=body.specdec.ignore_eos, carrier=_trace_carrier(request),
+            no_spec=body.specdec.no_spec, ignore_eos=body.ignore_eos or body.specdec.ignore_eos,
+            min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids),
+            skip_special_tokens=body.skip_special_tokens, carrier=_trace_carrier(request),
             client=self.runner.client_of(request.headers.get("authorization", ""),
                                          request.client.host if request.client else "unknown"))
 

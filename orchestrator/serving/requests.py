@@ -18,6 +18,7 @@ from specdec.tree_spec import TreeSpec
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 MAX_REQUEST_ID_CHARS = 128
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:@+=-]+")  # echoed in every chunk and written to logs: no spaces or controls
 
@@ -30,7 +31,8 @@ class RequestIdInUse(Exception):
 class GenerateCall:
     """One generation request as a client sent it, sampling and tree already validated.
     prompt: text (chat template unless ``raw``), or prompt_ids; max_new_tokens: 0 = the server default; tree:
-    None = front.tree; timeout_s: time left (None = no deadline); carrier: W3C trace context; client: admission key."""
+    None = front.tree; timeout_s: time left (None = no deadline); carrier: W3C trace context; client: admission key;
+    min_tokens, stop_token_ids: as GenerationRequest's; skip_special_tokens: the text leaves special tokens out."""
 
     request_id: str
     prompt: str = ""
@@ -42,6 +44,9 @@ class GenerateCall:
     tree: TreeSpec | None = None
     no_spec: bool = False
     ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    skip_special_tokens: bool = True
     timeout_s: float | None = None
     carrier: dict | None = None
     client: str = "local"
@@ -59,7 +64,8 @@ class StreamEvent:
 
 def check_call(call: GenerateCall, front: FrontConfig) -> None:
     """The checks that cost nothing, made before a call costs anything (tokenizing, a slot): request_id, the
-    prompt's size in bytes and ids, max_new_tokens, stop strings. Raises ValueError naming the field."""
+    prompt's size in bytes and ids, max_new_tokens, stop strings, min_tokens, stop_token_ids. Raises ValueError
+    naming the field."""
     rid = call.request_id
     if len(rid) > MAX_REQUEST_ID_CHARS or not REQUEST_ID.fullmatch(rid):
         raise ValueError(f"request_id: 1 to {MAX_REQUEST_ID_CHARS} characters of A-Z a-z 0-9 . _ : @ + = - "
@@ -78,6 +84,10 @@ def check_call(call: GenerateCall, front: FrontConfig) -> None:
         raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
     if any(not s for s in call.stop):
         raise ValueError("stop: an empty stop string would stop after the first token")
+    if call.min_tokens < 0:
+        raise ValueError(f"min_tokens: must be >= 0, got {call.min_tokens}")
+    if len(call.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(call.stop_token_ids)}")
 
 
 def to_generation(call: GenerateCall, tokenizer, front: FrontConfig, info) -> GenerationRequest:
@@ -95,7 +105,12 @@ def to_generation(call: GenerateCall, tokenizer, front: FrontConfig, info) -> Ge
         if spec.num_nodes > limit:
             raise ValueError(f"tree: {spec.num_nodes} nodes exceed the target's limit of {limit} (target.max_tree_nodes)")
     max_new = max_new_tokens(front, call.max_new_tokens, len(ids))
-    return GenerationRequest(ids, max_new, call.stop, spec, call.sampling, ignore_eos=call.ignore_eos)
+    if call.min_tokens > max_new:
+        raise ValueError(f"min_tokens: {call.min_tokens} exceeds the request's max_new_tokens ({max_new})")
+    if bad := [t for t in call.stop_token_ids if not 0 <= t < info.vocab_size]:
+        raise ValueError(f"stop_token_ids: {bad[0]} outside the vocabulary [0, {info.vocab_size})")
+    return GenerationRequest(ids, max_new, call.stop, spec, call.sampling, ignore_eos=call.ignore_eos,
+                             min_tokens=call.min_tokens, stop_token_ids=call.stop_token_ids)
 
 
 def prompt_tokens(call: GenerateCall, tokenizer, vocab_size: int) -> list[int]:

@@ -25,10 +25,12 @@ from specdec.stats import GenerationStats, RoundRecord
 class TextDeltas:
     """Text deltas of a growing token list, held back while ending in an incomplete UTF-8 sequence (U+FFFD).
     Incremental (as vLLM's detokenizer): each delta decodes only the tokens since the last one plus the ones before
-    them as context, so its cost does not grow with the output. Text already sent is never taken back."""
+    them as context, so its cost does not grow with the output. Text already sent is never taken back.
+    skip_special_tokens: special tokens (EOS, ...) are left out of the text."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
         self.ids: list[int] = []
         self.prefix = 0  # ids[prefix:read]: the context of the next delta, already sent
         self.read = 0
@@ -41,8 +43,8 @@ class TextDeltas:
         return self._delta(final=True)
 
     def _delta(self, final: bool) -> str:
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
-        text = self.tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=self.skip)
+        text = self.tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=self.skip)
         if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
             return ""
         self.prefix, self.read = self.read, len(self.ids)
@@ -91,7 +93,7 @@ class RequestRunner:
         if carrier is None:
             carrier = {}
             propagate.inject(carrier)
-        deltas = TextDeltas(self.tokenizer)
+        deltas = TextDeltas(self.tokenizer, call.skip_special_tokens)
         started = time.perf_counter()
         ticket = self.admission.enter(call.client, request_id)  # raises AdmissionRefused
         self.running[key] = request_id

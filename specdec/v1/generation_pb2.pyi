@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_ids", "raw", "max_new_tokens", "stop", "sampling", "tree", "no_spec", "ignore_eos")
+    __slots__ = ("request_id", "prompt", "prompt_ids", "raw", "max_new_tokens", "stop", "sampling", "tree", "no_spec", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,9 @@ class GenerateRequest(_message.Message):
     TREE_FIELD_NUMBER: _ClassVar[int]
     NO_SPEC_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -29,7 +32,10 @@ class GenerateRequest(_message.Message):
     tree: _tree_pb2.TreeSpec
     no_spec: bool
     ignore_eos: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., raw: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., sampling: _Optional[_Union[_tree_pb2.SamplingParams, _Mapping]] = ..., tree: _Optional[_Union[_tree_pb2.TreeSpec, _Mapping]] = ..., no_spec: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    min_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    skip_special_tokens: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., raw: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., sampling: _Optional[_Union[_tree_pb2.SamplingParams, _Mapping]] = ..., tree: _Optional[_Union[_tree_pb2.TreeSpec, _Mapping]] = ..., no_spec: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text_delta", "stats")
