@@ -2,7 +2,7 @@
 run this one command, so each flag is written once.
 
     specdec draft-server --config deploy/specdec.yaml [--port 0] [--host H] [--target DIR] [--draft DIR]
-                         [--dtype float32] [--device cpu|cuda]
+                         [--dtype float32] [--device cpu|cuda[:N]]
 
 Each flag overrides one field of the YAML config (``specdec.config``); the server is
 ``draft_service.server.run(config_path, overrides)``.
@@ -25,7 +25,7 @@ def draft_server(
     target: Optional[str] = typer.Option(None, help="Target model (its tokenizer and config only); overrides models.target."),
     draft: Optional[str] = typer.Option(None, help="Draft model; overrides models.draft."),
     dtype: Optional[str] = typer.Option(None, help="auto, float32, bfloat16 or float16; overrides models.dtype."),
-    device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N; overrides models.device."),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N; overrides draft.device."),
     tls_cert: Optional[str] = typer.Option(None, help=TLS_CERT_HELP),
     tls_key: Optional[str] = typer.Option(None, help=TLS_KEY_HELP),
     tls_ca: Optional[str] = typer.Option(None, help=TLS_CA_HELP),
@@ -35,7 +35,7 @@ def draft_server(
     from draft_service.server import run  # here: grpc, torch and the models load only when serving
 
     overrides = {"draft.port": port, "draft.host": host, "models.target": target, "models.draft": draft,
-                 "models.dtype": dtype, "models.device": device, **tls_overrides(tls_cert, tls_key, tls_ca),
+                 "models.dtype": dtype, "draft.device": device, **tls_overrides(tls_cert, tls_key, tls_ca),
                  "grpc.health_port": health_port}
     raise typer.Exit(run(str(config) if config else None, overrides))
 

@@ -31,7 +31,7 @@ from specdec.batching import SessionBatcher
 from specdec.config import ConfigError, DraftServerConfig, ServeConfig, load_config
 from specdec.grpc_host import ServiceHost, abort_for, rpc_errors
 from specdec.interfaces import MAX_AHEAD_CANDIDATES, AheadCandidate
-from specdec.kv_budget import kv_bytes_per_token, sized_budget
+from specdec.kv_budget import free_memory_bytes, kv_bytes_per_token, sized_budget
 from specdec.placement import placement, usable_cpus
 from specdec.model_setup import load_draft, target_info
 from specdec.model_worker import ModelWorker
@@ -339,7 +339,7 @@ def _kv_budget(runtime: DraftRuntime, config: DraftServerConfig) -> int:
         return config.max_kv_tokens
     model = runtime.model
     per_token = kv_bytes_per_token(model.config, model.dtype.itemsize)
-    return sized_budget("draft-service", config.kv_memory_fraction, per_token, str(model.device))
+    return sized_budget("draft-service", config.kv_memory_fraction, per_token, free_memory_bytes(str(model.device)))
 
 
 def _token_ids(values, field: str) -> tuple[int, ...]:
@@ -403,7 +403,8 @@ def serve(config: ServeConfig) -> int:
 
 def _load_draft(config: ServeConfig) -> tuple[DraftRuntime, int]:
     """(runtime, context limit) for ``config.models``' draft; raises ModelError naming the field."""
-    loaded = load_draft(config.models, target_info(config.models, label="models.target"), label="models.draft")
+    models = config.models_on(config.draft_device)  # dtype auto: as on the draft's device (the target pod's may differ)
+    loaded = load_draft(models, target_info(models, label="models.target"), label="models.draft")
     return DraftRuntime(loaded.model, vocab_size=loaded.vocab_size), loaded.context_limit
 
 
@@ -412,7 +413,7 @@ def run(config_path: str | None = None, overrides: Mapping[str, object] | None =
     the file's value) and serve; returns the exit code."""
     try:
         config = load_config(config_path, dict(overrides or {}))
-        check_device(config.models.device)
+        check_device(config.draft_device, "draft.device" if config.draft.device else "models.device")
     except (ConfigError, ValueError) as exc:
         return fail(str(exc))
     return serve(config)

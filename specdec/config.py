@@ -33,7 +33,7 @@ class ModelsConfig(_Section):
     draft: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     draft_quant: Literal["auto", "none", "int8"] = "auto"
-    device: str = "cpu"
+    device: str = "cpu"                                   # both models' device where draft.device / target.device are unset
     max_context: int | None = Field(default=None, ge=2)
     threads: int | None = Field(default=None, ge=1)
     # float32 CPU target: greedy argmax via specdec.argmax_head (~+1.2 GB); False = always the full LM head
@@ -70,6 +70,7 @@ class GrpcConfig(_Section):
 class DraftServerConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=50061, ge=0, le=65535)      # 0 = ephemeral
+    device: str | None = None                             # "cpu", "cuda:1", ...; None = models.device
     max_sessions: int = Field(default=256, ge=1)
     session_idle_s: float = Field(default=600.0, gt=0)    # a stream without a message this long is ended (its client died)
     # KV slots over all streams (prompt + committed tokens; RESOURCE_EXHAUSTED past it: the front decodes without the
@@ -87,6 +88,8 @@ class TargetServerConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=50062, ge=0, le=65535)
     tp: int = Field(default=1, ge=1)                      # tensor-parallel ranks
+    # the ranks' devices: a list (one per rank) or the first ("cuda:1": ranks on cuda:1, cuda:2, ...); None = models.device
+    device: str | list[str] | None = None
     # sessions merged into one verify forward (one forward of 16 rows costs less than two of 8)
     max_batch: int = Field(default=16, ge=1)
     batch_wait_ms: float = Field(default=2.0, ge=0)       # how long a verify waits for company
@@ -249,12 +252,58 @@ class FrontConfig(_Section):
             raise ValueError(str(exc)) from exc
 
 
+def rank_devices(device: str | list[str], tp: int, key: str = "target.device") -> list[str]:
+    """The device of each of ``tp`` ranks: a list as given, "cpu" for all, "cuda[:K]" for cuda:K, cuda:K+1, ...
+    Raises ValueError naming ``key`` for a list of another length, a mix of device types, a GPU two ranks
+    share, or tensor parallelism on a device that is neither cpu (gloo) nor cuda (nccl)."""
+    if isinstance(device, list):
+        devices = list(device)
+    elif device == "cuda" or device.startswith("cuda:"):
+        first = device.partition(":")[2] or "0"
+        if not first.isdigit():
+            raise ValueError(f"{key}: {device!r} is not a device (cuda or cuda:N)")
+        devices = [f"cuda:{int(first) + r}" for r in range(tp)]
+    else:
+        devices = [device] * tp
+    if len(devices) != tp:
+        raise ValueError(f"{key}: {len(devices)} devices for target.tp {tp} ranks (one per rank)")
+    kinds = {d.partition(":")[0] for d in devices}
+    if tp > 1 and (len(kinds) > 1 or not kinds <= {"cpu", "cuda"}):
+        raise ValueError(f"{key}: tensor-parallel ranks run all on cpu (gloo) or all on cuda (nccl), got {devices}")
+    if kinds == {"cuda"} and len(set(devices)) < tp:
+        raise ValueError(f"{key}: two ranks share one GPU in {devices} (one rank per GPU)")
+    return devices
+
+
 class ServeConfig(_Section):
     models: ModelsConfig = ModelsConfig()
     grpc: GrpcConfig = GrpcConfig()
     draft: DraftServerConfig = DraftServerConfig()
     target: TargetServerConfig = TargetServerConfig()
     front: FrontConfig = FrontConfig()
+
+    @property
+    def draft_device(self) -> str:
+        """The draft's device: draft.device, else models.device."""
+        return self.draft.device or self.models.device
+
+    @property
+    def target_devices(self) -> list[str]:
+        """The device of each target rank (``rank_devices`` of target.device, else models.device)."""
+        return rank_devices(self.target.device or self.models.device, self.target.tp,
+                            "target.device" if self.target.device else "models.device")
+
+    def models_on(self, device: str) -> ModelsConfig:
+        """``models`` with ``device`` (a service's own device: ``draft_device`` or ``target_devices[0]``)."""
+        return self.models.model_copy(update={"device": device})
+
+    @model_validator(mode="after")
+    def _devices(self):
+        self.target_devices  # raises naming target.device (or models.device)
+        if self.models.draft_quant == "int8" and not self.draft_device.startswith("cpu"):
+            raise ValueError(f"models.draft_quant: int8 runs on a CPU only (fbgemm kernels), the draft is on "
+                             f"{self.draft_device} (use none or auto)")
+        return self
 
     @model_validator(mode="after")
     def _health_port_apart(self):

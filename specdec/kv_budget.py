@@ -6,7 +6,8 @@ Sized once after loading, as vLLM sizes KV blocks from ``gpu_memory_utilization`
 
 KV bytes per token: 2 x layers x KV heads x head dim x element size (Qwen2.5-1.5B float32: 57,344).
 Free memory, CPU: min(MemAvailable, the cgroup's limit left, inactive file cache not counted); CUDA:
-``torch.cuda.mem_get_info`` times the ranks. Unreadable memory: ``FALLBACK_KV_TOKENS``.
+``torch.cuda.mem_get_info`` of the device, read by the process that computes on it (a tensor-parallel rank, never
+its coordinator: ``ranks_free_bytes``). Unreadable memory: ``FALLBACK_KV_TOKENS``.
 """
 
 from __future__ import annotations
@@ -93,13 +94,22 @@ def host_available_bytes() -> int | None:
     return None
 
 
-def free_memory_bytes(device: str, ranks: int = 1) -> int | None:
-    """Memory the KV cache may grow into on ``device`` ("cpu" or "cuda[:N]"), or None if unknown."""
+def free_memory_bytes(device: str) -> int | None:
+    """Memory the KV cache may grow into on ``device`` ("cpu" or "cuda[:N]"), or None if unknown. On CUDA it
+    opens a context on the device: call it only in the process that computes there."""
     if device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(device if ":" in device else "cuda:0"))
-        return free * ranks
+        return torch.cuda.mem_get_info(torch.device(device))[0]
     known = [b for b in (host_available_bytes(), cgroup_free_bytes()) if b is not None]
     return min(known) if known else None
+
+
+def ranks_free_bytes(devices: list[str], free: list[int | None]) -> int | None:
+    """KV memory of tensor-parallel ranks (each holds 1/P of every token) on ``devices``, each rank's ``free``
+    memory measured on its own device: the scarcest device's free bytes x P / the ranks on it (CPU ranks
+    share the host's memory, GPU ranks have one each). None if any is unknown."""
+    if not free or any(f is None for f in free):
+        return None
+    return min(f * len(devices) // devices.count(d) for d, f in zip(devices, free))
 
 
 def resolve_max_kv_tokens(fraction: float, bytes_per_token: int | None, free_bytes: int | None) -> int:
@@ -112,12 +122,10 @@ def resolve_max_kv_tokens(fraction: float, bytes_per_token: int | None, free_byt
     return max(1, int(fraction * free_bytes) // bytes_per_token)
 
 
-def sized_budget(service: str, fraction: float, bytes_per_token: int | None, device: str, ranks: int = 1) -> int:
-    """``max_kv_tokens: auto`` of a service ("target-service", "draft-service"): ``resolve_max_kv_tokens`` of the
-    memory free on ``device`` (times ``ranks``), logged once."""
-    free = free_memory_bytes(device, ranks=ranks) if bytes_per_token else None
+def sized_budget(service: str, fraction: float, bytes_per_token: int | None, free: int | None) -> int:
+    """``max_kv_tokens: auto`` of a service ("target-service", "draft-service"): ``resolve_max_kv_tokens`` of
+    ``free`` bytes (``free_memory_bytes`` / ``ranks_free_bytes``), logged once."""
     budget = resolve_max_kv_tokens(fraction, bytes_per_token, free)
     log.info("%s: max_kv_tokens auto = %d (%.2f of %s free, %s bytes per token)", service, budget, fraction,
              f"{free / 2**30:.1f} GiB" if free is not None else "unknown", bytes_per_token)
     return budget
-

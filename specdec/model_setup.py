@@ -93,10 +93,14 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 
 def resolve_draft_quant(draft_quant: str, device: str) -> str:
-    """``auto``: int8 on a CPU with fbgemm kernels (several times faster, slightly lower agreement), else none."""
+    """``auto``: int8 on a CPU with fbgemm kernels (several times faster, slightly lower agreement), else none.
+    Raises ModelError naming ``draft_quant`` for int8 on another device (the kernels are CPU-only)."""
+    on_cpu = device.startswith("cpu")
+    if draft_quant == "int8" and not on_cpu:
+        raise ModelError(f"draft_quant: int8 runs on a CPU only (fbgemm kernels), the draft is on {device} (use none)")
     if draft_quant != "auto":
         return draft_quant
-    return "int8" if device == "cpu" and "fbgemm" in torch.backends.quantized.supported_engines else "none"
+    return "int8" if on_cpu and "fbgemm" in torch.backends.quantized.supported_engines else "none"
 
 
 def quantize_draft(model):
@@ -152,13 +156,14 @@ def target_info(models: ModelsConfig, label: str = "--target") -> TargetInfo:
 
 def load_draft(models: ModelsConfig, target: LoadedTarget | TargetInfo, label: str = "--draft") -> LoadedDraft:
     """Load the draft (None = the default real draft), check it against ``target``, quantize it per
-    models.draft_quant. Raises ModelError naming ``label`` (or the incompatibility)."""
-    dtype = resolve_dtype(models.dtype, models.device)
+    models.draft_quant, on models.device, in the target's dtype (``auto`` follows the target's device). Raises
+    ModelError naming ``label`` (or the incompatibility, or a CPU-only draft_quant elsewhere)."""
+    quant = resolve_draft_quant(models.draft_quant, models.device)
     model_dir = resolve_model_dir(models.draft, DEFAULT_DRAFT, label)
-    model, tokenizer = load_model(model_dir, dtype, models.device)
+    model, tokenizer = load_model(model_dir, str(target.dtype).removeprefix("torch."), models.device)
     check_supported(model, label)
     check_pair(model, tokenizer, target, target.tokenizer)  # reads target.dtype only
-    if resolve_draft_quant(models.draft_quant, models.device) == "int8":
+    if quant == "int8":
         model = quantize_draft(model)
     else:
         prepack_linears(model)

@@ -5,7 +5,7 @@
 
 Both services report it in Info (``host``, ``device``, ``cpus``); shared compute makes the planning price
 draft steps for the whole batch. Pods on one node differ by host name; a CUDA device is named by its UUID
-(``CUDA_VISIBLE_DEVICES`` renumbers); a tensor-parallel target reports "cuda", separate from any draft.
+(``CUDA_VISIBLE_DEVICES`` renumbers); a tensor-parallel target reports its rank 0's device, named by that rank.
 ``usable_cpus()``: the CPUs the process can keep busy (affinity capped by its cgroup's CPU quota), which sizes
 torch's threads where ``models.threads`` is unset.
 """
@@ -41,7 +41,7 @@ def placement(device: str) -> Placement:
 
 
 def _device_name(device: str) -> str:
-    if not device.startswith("cuda:"):
+    if not device.startswith("cuda:") or not device[5:].isdigit():  # cpu, or already a UUID name
         return device
     try:
         import torch  # here: the orchestrator imports this module without torch

@@ -15,17 +15,28 @@ def configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-def check_device(device: str) -> None:
-    """Raise ValueError naming ``models.device`` for a device torch does not know or this machine
-    lacks (e.g. cuda without a GPU), before any model is loaded."""
+def check_device(device: str, key: str = "models.device") -> None:
+    """Raise ValueError naming ``key`` for a device torch does not know or this machine lacks (e.g. cuda
+    without a GPU, or cuda:3 on two), before any model is loaded. Opens no CUDA context."""
     import torch  # here, not at the top: ``specdec serve``'s launcher and the front use ``fail`` without torch
 
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"models.device: {device!r} is not a torch device ({exc})") from None
+        raise ValueError(f"{key}: {device!r} is not a torch device ({exc})") from None
     if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"models.device: {device!r} but CUDA is not available on this machine")
+        raise ValueError(f"{key}: {device!r} but CUDA is not available on this machine")
+    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"{key}: {device!r} but this machine has {torch.cuda.device_count()} CUDA devices")
+
+
+DEVICE_HELP = ("The target's device: cpu, cuda or cuda:N (with --tp N: ranks on cuda:N, cuda:N+1, ...) or one per "
+               "rank, comma-separated (cuda:0,cuda:2); overrides target.device.")
+
+
+def device_option(value: str | None) -> str | list[str] | None:
+    """A --device flag's value as target.device: "cuda:0,cuda:2" -> a list (one per rank), else as given."""
+    return value.split(",") if value and "," in value else value
 
 
 def fail(message: str) -> int:

@@ -2,7 +2,7 @@
 target_service`` run this one command, so each flag is written once.
 
     specdec target-server --config deploy/specdec.yaml [--port 0] [--host H] [--target DIR] [--dtype float32]
-                          [--device cpu|cuda] [--tp N]
+                          [--device cpu|cuda[:N]|cuda:0,cuda:2] [--tp N]
 
 Each flag overrides one field of the YAML config (``specdec.config``); the server is
 ``target_service.server.run(config_path, overrides)``.
@@ -15,7 +15,9 @@ from typing import Optional
 
 import typer
 
-from specdec.process_entry import CONFIG_HELP, HEALTH_PORT_HELP, TLS_CA_HELP, TLS_CERT_HELP, TLS_KEY_HELP, tls_overrides
+from specdec.process_entry import (
+    CONFIG_HELP, DEVICE_HELP, HEALTH_PORT_HELP, TLS_CA_HELP, TLS_CERT_HELP, TLS_KEY_HELP, device_option, tls_overrides,
+)
 
 
 def target_server(
@@ -24,7 +26,7 @@ def target_server(
     host: Optional[str] = typer.Option(None, help="Listen address; overrides target.host."),
     target: Optional[str] = typer.Option(None, help="Target model; overrides models.target."),
     dtype: Optional[str] = typer.Option(None, help="auto, float32, bfloat16 or float16; overrides models.dtype."),
-    device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (with --tp N, rank r uses cuda:r); overrides models.device."),
+    device: Optional[str] = typer.Option(None, help=DEVICE_HELP),
     tp: Optional[int] = typer.Option(None, help="Tensor-parallel ranks (processes) serving the target, >= 1; overrides target.tp."),
     tls_cert: Optional[str] = typer.Option(None, help=TLS_CERT_HELP),
     tls_key: Optional[str] = typer.Option(None, help=TLS_KEY_HELP),
@@ -36,7 +38,7 @@ def target_server(
     from target_service.server import run  # here: grpc, torch and the model load only when serving
 
     overrides = {"target.port": port, "target.host": host, "models.target": target, "models.dtype": dtype,
-                 "models.device": device, "target.tp": tp, **tls_overrides(tls_cert, tls_key, tls_ca),
+                 "target.device": device_option(device), "target.tp": tp, **tls_overrides(tls_cert, tls_key, tls_ca),
                  "grpc.health_port": health_port}
     raise typer.Exit(run(str(config) if config else None, overrides))
 

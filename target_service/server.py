@@ -48,7 +48,7 @@ from specdec.v1 import target_pb2, target_pb2_grpc
 from specdec.wire import sampling_from_proto, tree_from_proto
 from target_service.batcher import BatchedVerify, VerifyBatcher
 from target_service.commits import DeferredCommits
-from specdec.kv_budget import sized_budget
+from specdec.kv_budget import free_memory_bytes, sized_budget
 from target_service.runtime import TargetRuntime
 from target_service.sessions import SessionExistsError, SessionSlots, TargetSessions
 from target_service.tp import RankFailureError, TensorParallelTarget, build_target
@@ -122,11 +122,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     @staticmethod
     def _kv_budget(runtime, config: TargetServerConfig) -> int:
         """config.max_kv_tokens, or for "auto" the slots that fit config.kv_memory_fraction of the free
-        memory (specdec.kv_budget; a runtime without ``kv_bytes_per_token`` gets the fallback)."""
+        memory (specdec.kv_budget; a runtime without ``kv_bytes_per_token`` gets the fallback). Tensor-parallel
+        ranks measured their own devices (``free_kv_bytes``): this process opens no CUDA context for them."""
         if config.max_kv_tokens != "auto":
             return config.max_kv_tokens
+        free = (runtime.free_kv_bytes if hasattr(runtime, "free_kv_bytes")
+                else free_memory_bytes(getattr(runtime, "device", "cpu")))
         return sized_budget("target-service", config.kv_memory_fraction, getattr(runtime, "kv_bytes_per_token", None),
-                            getattr(runtime, "device", "cpu"), ranks=config.tp)
+                            free)
 
     def close(self) -> None:
         self.worker.close()
@@ -364,7 +367,8 @@ def serve(config: ServeConfig) -> int:
     Tensor-parallel ranks stop after the drain; a SIGTERM during loading exits 0."""
     configure_logging()
     try:
-        check_device(config.models.device)
+        for device in config.target_devices:
+            check_device(device, "target.device" if config.target.device else "models.device")
         check_client_auth(config.grpc, "target service")
     except ValueError as exc:
         return fail(str(exc))
@@ -407,24 +411,25 @@ def _load_target(config: ServeConfig):
     if config.target.tp > 1:
         runtime, info = _start_tensor_parallel(config)
         return runtime, info.context_limit, info.eos_token_ids, info.name
-    loaded = load_target(config.models, label="models.target")
+    loaded = load_target(config.models_on(config.target_devices[0]), label="models.target")
     runtime = TargetRuntime(loaded.model, max_tree_nodes=config.target.max_tree_nodes)
     return runtime, loaded.context_limit, loaded.eos_token_ids, loaded.name
 
 
 def _start_tensor_parallel(config: ServeConfig):
     """(TensorParallelTarget, TargetInfo) for ``config.target.tp`` ranks; raises ModelError naming the
-    field (``target.tp``, ``models.device``, ``models.target``)."""
-    models, tp = config.models, config.target.tp
+    field (``target.tp``, ``target.device``, ``models.target``)."""
+    devices, tp = config.target_devices, config.target.tp
+    models = config.models_on(devices[0])
     info = target_info(models, label="models.target")  # config + tokenizer only: the ranks load the weights
     try:
         runtime = build_target(info.name, tp=tp, dtype=resolve_dtype(models.dtype, models.device),
-                               device=models.device, max_tree_nodes=config.target.max_tree_nodes,
+                               devices=devices, max_tree_nodes=config.target.max_tree_nodes,
                                threads_per_rank=models.threads)
     except Exception as exc:  # noqa: BLE001 - "tp: ..." / "device: ..." (ValueError) or a rank's loading error
         message = str(exc)
         if isinstance(exc, ValueError) and message.startswith(("tp:", "device:")):
-            raise ModelError(("target." if message.startswith("tp:") else "models.") + message) from None
+            raise ModelError(f"target.{message}") from None
         detail = message if isinstance(exc, ValueError) else f"{type(exc).__name__}: {message}"
         raise ModelError(f"models.target: {tp} tensor-parallel ranks could not load {info.name}: {detail}") from None
     log.info("target-service: tensor-parallel ranks started: tp %d, backend %s, pids %s",

@@ -8,9 +8,11 @@ row-parallel, so each rank's KV cache is an ordinary DynamicCache of (1, H / P, 
 tree mask, ``compact_kv`` and ``truncate_kv`` work per shard unchanged. Logits match the unsharded
 model within ~2e-5 (float32).
 
-Processes: the caller spawns P ranks (``spawn``: scripts need an ``if __name__ == "__main__":`` guard;
-``nccl`` with CUDA, else ``gloo``) and sends every call to all of them over one pipe per rank; rank 0's
-answer is the result. Why a coordinator outside the ranks: idle ranks wait on a pipe, not in a
+Processes: the caller spawns P ranks (``spawn``: scripts need an ``if __name__ == "__main__":`` guard),
+rank r on ``devices[r]`` (``tp_backend``: ``nccl`` on CUDA, ``gloo`` on CPU, whatever else the machine has),
+and sends every call to all of them over one pipe per rank; rank 0's answer is the result, its tensors
+moved to the CPU. The coordinator never touches CUDA: each rank measures its own device's free memory
+(``free_kv_bytes``) and names it for the placement (``device``). Why a coordinator outside the ranks: idle ranks wait on a pipe, not in a
 collective (no idle timeouts), and the serving process waits on the rank sentinels too, so a dead rank
 is noticed at once.
 
@@ -50,10 +52,10 @@ from transformers.utils import logging as hf_logging
 
 from specdec.cpu_linear import PackedLinear
 from specdec.models import DTYPES, check_supported
-from specdec.placement import usable_cpus
+from specdec.placement import placement, usable_cpus
 from specdec.sampling import GREEDY, SamplingParams
 from specdec.tree_spec import MAX_TREE_NODES
-from specdec.kv_budget import kv_bytes_per_token
+from specdec.kv_budget import free_memory_bytes, kv_bytes_per_token, ranks_free_bytes
 from target_service.runtime import TargetRuntime
 
 # TargetRuntime methods that never set a pending result or advance a generator: no decision broadcast after them.
@@ -89,6 +91,15 @@ def _rendezvous(timeout_s: float) -> dist.TCPStore:
     return store
 
 
+def tp_backend(devices: list[str]) -> str:
+    """The process group's backend for ranks on ``devices``: nccl on CUDA, else gloo. Raises ValueError naming
+    ``device`` for another device type or a mix (``specdec.config.rank_devices`` refuses both in a config)."""
+    kinds = {d.partition(":")[0] for d in devices}
+    if len(kinds) != 1 or not kinds <= {"cpu", "cuda"}:
+        raise ValueError(f"device: tensor parallelism runs on cpu (gloo) or cuda (nccl) ranks, got {devices}")
+    return "nccl" if kinds == {"cuda"} else "gloo"
+
+
 def check_tp_compatible(config, tp: int) -> None:
     """Raise ValueError naming ``tp`` unless the config has a ``base_model_tp_plan`` and head counts divisible by it."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -114,6 +125,7 @@ class _RankSpec:
     model_dir: str
     world: int
     port: int
+    devices: tuple[str, ...]
     backend: str
     dtype: str
     threads: int
@@ -144,6 +156,8 @@ def _sanitize(value):
     """Exceptions in a result (e.g. ``verify_batch``'s per-item errors) made sendable."""
     if isinstance(value, BaseException):
         return _sendable(value)
+    if isinstance(value, torch.Tensor):
+        return value.cpu()  # the coordinator unpickles it: a CUDA tensor would open a context there
     if isinstance(value, list):
         return [_sanitize(v) for v in value]
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
@@ -169,8 +183,8 @@ def _load_shard(spec: _RankSpec, rank: int):
     if spec.world > 1:
         kwargs["distributed_config"] = DistributedConfig(tp_size=spec.world)
     model = AutoModelForCausalLM.from_pretrained(spec.model_dir, **kwargs)
-    if spec.backend == "nccl" and spec.world == 1:
-        model = model.to(f"cuda:{rank}")
+    if spec.world == 1:
+        model = model.to(spec.devices[rank])
     model = model.eval()
     check_supported(model, "--target")
     packed = prepack_tp_linears(model) if spec.prepack else 0
@@ -180,15 +194,18 @@ def _load_shard(spec: _RankSpec, rank: int):
 def _rank_main(rank: int, spec: _RankSpec, conn) -> None:
     """Entry point of one rank process: init the process group, load the shard, serve calls."""
     torch.set_num_threads(spec.threads)
+    device = torch.device(spec.devices[rank])
     os.environ.update(  # what transformers reads to bind a rank to its accelerator (cuda:LOCAL_RANK)
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(spec.world),
+        RANK=str(rank), LOCAL_RANK=str(rank if device.index is None else device.index), WORLD_SIZE=str(spec.world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec.port),
     )
+    if spec.backend == "gloo":  # transformers shards on the machine's accelerator: CPU ranks see none
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     for bootstrap in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # ranks share a host: loopback unless told
         os.environ.setdefault(bootstrap, "lo")
     try:
         if spec.backend == "nccl":
-            torch.cuda.set_device(rank)
+            torch.cuda.set_device(device)
         timeout = datetime.timedelta(seconds=spec.collective_timeout_s)
         store = dist.TCPStore("127.0.0.1", spec.port, is_master=False, timeout=timeout)  # the coordinator's
         dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.world, timeout=timeout)
@@ -197,7 +214,8 @@ def _rank_main(rank: int, spec: _RankSpec, conn) -> None:
         _send(conn, "err", _sendable(exc), traceback.format_exc())
         return
     _send(conn, "ok", {"vocab_size": runtime.vocab_size, "pid": os.getpid(), "prepacked": packed,
-                       "packed_rows": runtime.packed})
+                       "packed_rows": runtime.packed, "free_bytes": free_memory_bytes(str(device)),
+                       "device": placement(str(device)).device})
     mismatches = 0
     while True:
         try:
@@ -212,7 +230,7 @@ def _rank_main(rank: int, spec: _RankSpec, conn) -> None:
                 value = {"decision_mismatches": mismatches}
             elif name == "_apply":
                 fn, fn_args = args
-                value = fn(runtime, rank, *fn_args)
+                value = _sanitize(fn(runtime, rank, *fn_args))
             else:
                 outcome = _run(runtime, name, args, kwargs)
                 if name not in _NON_DECIDING:
@@ -342,9 +360,10 @@ class TensorParallelTarget:
     model_dir: a transformers model directory; dtype: float32 | bfloat16 | float16; threads_per_rank:
     None = ``specdec.placement.usable_cpus()`` // tp (at least 1); collective_timeout_s: process-group
     timeout; call_timeout_s: the most one call may take (None = no limit; keep it above the longest
-    prefill); prepack: see
-    ``prepack_tp_linears``; backend: None = nccl with CUDA, else gloo. All times in seconds.
-    Raises ValueError (naming ``tp``) for a model that cannot be split so, the rank's loading error,
+    prefill); prepack: see ``prepack_tp_linears``; devices: rank r's device (None = all "cpu"), the backend
+    ``tp_backend(devices)``. All times in seconds. After the start: ``device`` (rank 0's, as
+    ``specdec.placement`` names it), ``free_kv_bytes`` (``specdec.kv_budget.ranks_free_bytes``).
+    Raises ValueError (naming ``tp`` or ``device``) for a model that cannot be split so, the rank's loading error,
     RankFailureError when a rank dies or the start times out. ``close()`` (or ``with``) stops the ranks.
     """
 
@@ -359,12 +378,15 @@ class TensorParallelTarget:
         start_timeout_s: float = 600.0,
         max_tree_nodes: int = MAX_TREE_NODES,
         prepack: bool = False,
-        backend: str | None = None,
+        devices: list[str] | None = None,
     ):
+        devices = list(devices or ["cpu"] * tp)
+        if len(devices) != tp:
+            raise ValueError(f"device: {len(devices)} devices for tp {tp} ranks")
+        self.backend = tp_backend(devices)
         self.config = AutoConfig.from_pretrained(model_dir)
         check_tp_compatible(self.config, tp)
         self.tp = tp
-        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.max_tree_nodes = max_tree_nodes
         self.collective_timeout_s = collective_timeout_s
         self.call_timeout_s = call_timeout_s
@@ -373,8 +395,8 @@ class TensorParallelTarget:
         self._closed = False
         threads = threads_per_rank or max(1, usable_cpus() // tp)
         self._rendezvous = _rendezvous(start_timeout_s)
-        spec = _RankSpec(str(model_dir), tp, self._rendezvous.port, self.backend, dtype, threads, collective_timeout_s,
-                         max_tree_nodes, prepack)
+        spec = _RankSpec(str(model_dir), tp, self._rendezvous.port, tuple(devices), self.backend, dtype, threads,
+                         collective_timeout_s, max_tree_nodes, prepack)
         ctx = mp.get_context("spawn")
         self._conns = []
         self._procs = []
@@ -397,7 +419,8 @@ class TensorParallelTarget:
         self.vocab_size = replies[0][1]["vocab_size"]
         self.pids = [proc.pid for proc in self._procs]
         self.kv_bytes_per_token = kv_bytes_per_token(self.config, DTYPES[dtype].itemsize)  # all ranks together
-        self.device = "cuda" if self.backend == "nccl" else "cpu"
+        self.device = replies[0][1]["device"]
+        self.free_kv_bytes = ranks_free_bytes(devices, [reply[1]["free_bytes"] for reply in replies])
         self.prepacked = [reply[1]["prepacked"] for reply in replies]
         self.packed = all(reply[1]["packed_rows"] for reply in replies)  # verify_batch's layout (TargetRuntime.packed)
 
@@ -566,11 +589,11 @@ class TensorParallelTarget:
         self._rendezvous = None
 
 
-def build_target(model_dir, tp: int, dtype: str = "float32", device: str = "cpu",
+def build_target(model_dir, tp: int, dtype: str = "float32", devices: list[str] | None = None,
                  max_tree_nodes: int = MAX_TREE_NODES, **tp_options) -> TensorParallelTarget:
-    """The target service's TensorParallelTarget (``tp_options``: its keyword arguments). Raises ValueError
-    naming ``tp`` or ``device`` (neither cpu nor cuda), and the rank's loading error."""
-    if device != "cpu" and not device.startswith("cuda"):
-        raise ValueError(f"device: tensor parallelism runs on cpu (gloo) or cuda (nccl), got {device!r}")
-    tp_options.setdefault("prepack", device == "cpu" and dtype == "float32")
-    return TensorParallelTarget(model_dir, tp=tp, dtype=dtype, max_tree_nodes=max_tree_nodes, **tp_options)
+    """The target service's TensorParallelTarget on ``devices`` (one per rank; None = all "cpu"; ``tp_options``:
+    its keyword arguments). Raises ValueError naming ``tp`` or ``device``, and the rank's loading error."""
+    devices = list(devices or ["cpu"] * tp)
+    tp_options.setdefault("prepack", devices[0] == "cpu" and dtype == "float32")
+    return TensorParallelTarget(model_dir, tp=tp, dtype=dtype, max_tree_nodes=max_tree_nodes, devices=devices,
+                                **tp_options)

@@ -431,3 +431,17 @@ def chi2_pvalue(counts: dict, expected_probs: dict, n: int) -> float:
         exp[smallest] += rest_exp
     exp = np.array(exp) * (sum(obs) / sum(exp))  # float round-off of the expected total
     return float(stats.chisquare(obs, exp).pvalue) if len(obs) > 1 else 1.0
+
+
+CUDA_CALLS = ("mem_get_info", "get_device_properties", "set_device", "current_device", "synchronize", "init",
+              "memory_allocated", "empty_cache")
+
+
+def forbid_cuda(monkeypatch) -> None:
+    """Pretend CUDA is there (is_available True, 4 devices) but make every call that would open a context raise."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    for name in CUDA_CALLS:
+        def refuse(*args, _name=name, **kwargs):
+            raise AssertionError(f"torch.cuda.{_name} called in the coordinator")
+        monkeypatch.setattr(torch.cuda, name, refuse)

@@ -109,8 +109,8 @@ SERVERS = {
 SECURITY_FLAGS = {"--health-port": "grpc.health_port", "--tls-cert": "grpc.tls_cert", "--tls-key": "grpc.tls_key",
                   "--tls-ca": "grpc.tls_ca"}
 OVERRIDES = {
-    "draft-server": {"--host": "draft.host", "--device": "models.device", **SECURITY_FLAGS},
-    "target-server": {"--host": "target.host", "--device": "models.device", "--tp": "target.tp", **SECURITY_FLAGS},
+    "draft-server": {"--host": "draft.host", "--device": "draft.device", **SECURITY_FLAGS},
+    "target-server": {"--host": "target.host", "--device": "target.device", "--tp": "target.tp", **SECURITY_FLAGS},
     "front": {"--host": "front.host", "--draft-address": "front.draft_address",
               "--target-address": "front.target_address", "--ray-address": "front.ray_address",
               "--auth-token-file": "front.auth_token_file", **SECURITY_FLAGS},
@@ -525,9 +525,11 @@ def check_gpus(resources: list[dict], config: ServeConfig) -> list[str]:
         gpus = int(limits.get(GPU, 0))
         if GPU in requests and int(requests[GPU]) != gpus:
             problems.append(f"{where}: {GPU} request {requests[GPU]} != limit {gpus}")
-        cuda = launch.flags.get("--device", config.models.device).startswith("cuda")
+        device = launch.flags.get("--device", config.draft_device if launch.subcommand == "draft-server"
+                                  else config.target_devices[0])
+        cuda = device.startswith("cuda")
         if cuda != (gpus > 0):
-            problems.append(f"{where}: --device {launch.flags.get('--device', config.models.device)} with {gpus} {GPU}")
+            problems.append(f"{where}: --device {device} with {gpus} {GPU}")
         if launch.subcommand == "target-server":
             tp = int(launch.flags.get("--tp", config.target.tp))
             if cuda and tp != gpus:

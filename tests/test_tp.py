@@ -50,8 +50,9 @@ from specdec.tree import DraftTree, MalformedTreeError
 from specdec.tree_spec import SEED_SPEC, TreeSpec
 from target_service.runtime import SessionStateError, TargetRuntime
 from target_service.tp import RankFailureError, TensorParallelTarget, check_tp_compatible
+from specdec.kv_budget import free_memory_bytes
 from tests.conftest import (
-    assert_kv_equal, cache_kv, causal_logits, hf_greedy, perturbed_copy, prefill_kv, random_prompt, tiny_model,
+    assert_kv_equal, forbid_cuda, cache_kv, causal_logits, hf_greedy, perturbed_copy, prefill_kv, random_prompt, tiny_model,
 )
 from specdec.harness.tiny_pair import save_tiny_pair, write_config
 
@@ -76,9 +77,21 @@ def model_dir(model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tp_target(model_dir):
-    target = TensorParallelTarget(model_dir, tp=TP, threads_per_rank=1, collective_timeout_s=10, call_timeout_s=60)
+    with pytest.MonkeyPatch.context() as patch:
+        forbid_cuda(patch)  # CUDA "available" but never touched: CPU ranks still take gloo, the coordinator no context
+        target = TensorParallelTarget(model_dir, tp=TP, threads_per_rank=1, collective_timeout_s=10, call_timeout_s=60)
     yield target
     target.close()
+
+
+def test_cpu_ranks_report_their_device_and_memory_and_send_cpu_tensors(tp_target, monkeypatch):
+    assert (tp_target.backend, tp_target.device) == ("gloo", "cpu")
+    assert tp_target.free_kv_bytes == pytest.approx(free_memory_bytes("cpu"), rel=0.2)  # shared host memory, not x2
+    forbid_cuda(monkeypatch)
+    tp_target.start("dev", [1, 2, 3])
+    logits = tp_target.tree_logits("dev", DraftTree((4, 5), (-1, 0)))
+    tp_target.release("dev")
+    assert type(logits) is torch.Tensor and logits.device.type == "cpu" and logits.shape[0] == 3
 
 
 def random_tree(gen: torch.Generator, nodes: int, vocab: int) -> DraftTree:
@@ -541,7 +554,7 @@ def test_tp_service_from_the_cli_serves_and_sigterm_stops_the_ranks(tp_services)
 @pytest.mark.parametrize("entry, flags, field", [
     ("module", ["--tp", "3"], "target.tp"),           # 4 heads, 2 kv heads: not divisible by 3
     ("cli", ["--tp", "3"], "target.tp"),
-    ("draft-module", ["--device", "nosuch"], "models.device"),
+    ("draft-module", ["--device", "nosuch"], "draft.device"),
 ], ids=["module-tp3", "cli-tp3", "draft-device"])
 def test_bad_tp_or_device_flag_exits_2_naming_the_field(service_pair, tmp_path, entry, flags, field):
     config = write_config(tmp_path / "serve.yaml", service_pair)

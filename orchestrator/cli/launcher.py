@@ -94,12 +94,12 @@ def stop_children(children: list[Child], grace_s: float) -> None:
 
 
 def serve(config_path: str | None, target: str | None = None, draft: str | None = None, dtype: str | None = None,
-          tp: int | None = None, no_ray: bool = False, grace_s: float = 10.0, http_port: int | None = None,
+          tp: int | None = None, no_ray: bool = False, device: str | None = None, draft_device: str | None = None, grace_s: float = 10.0, http_port: int | None = None,
           http: bool = False, security_flags: list[str] = (), auth_token_file: str | None = None) -> int:
     """Run the three services until SIGTERM/SIGINT; returns the exit code.
 
     target, draft, dtype, tp, http_port, auth_token_file: flags for the children that take them (None = the
-    config's); security_flags: --tls-* flags for all three.
+    config's); device: the target's --device, draft_device: the draft's; security_flags: --tls-* flags for all three.
     """
     config_args = ["--config", config_path] if config_path else []
     children: list[Child] = []
@@ -109,9 +109,11 @@ def serve(config_path: str | None, target: str | None = None, draft: str | None 
     try:
         # the children run the same typer commands as ``specdec draft-server`` / ``target-server`` / ``front``
         children.append(start_child("draft-service", "draft_service",
-                                    [*config_args, *_flags(target=target, draft=draft, dtype=dtype), *security_flags]))
+                                    [*config_args, *_flags(target=target, draft=draft, dtype=dtype, device=draft_device),
+                                     *security_flags]))
         children.append(start_child("target-service", "target_service",  # the target server takes no --draft
-                                    [*config_args, *_flags(target=target, dtype=dtype, tp=tp), *security_flags]))
+                                    [*config_args, *_flags(target=target, dtype=dtype, tp=tp, device=device),
+                                     *security_flags]))
         draft_addr, target_addr = (wait_ready(child, stop) for child in children)
         front_flags = _flags(target=target, auth_token_file=auth_token_file, draft_address=draft_addr,
                              target_address=target_addr, http_port=http_port)  # the front loads only the tokenizer

@@ -16,7 +16,8 @@ from draft_service.cli import draft_server
 from orchestrator.cli.launcher import serve as launch
 from specdec.config import CONTROLS, ConfigError, DraftWindowConfig, FrontConfig, load_config
 from specdec.process_entry import (
-    AUTH_TOKEN_FILE_HELP, CONFIG_HELP, HEALTH_PORT_HELP, TLS_CA_HELP, TLS_CERT_HELP, TLS_KEY_HELP, tls_flags, tls_overrides,
+    AUTH_TOKEN_FILE_HELP, CONFIG_HELP, DEVICE_HELP, HEALTH_PORT_HELP, TLS_CA_HELP, TLS_CERT_HELP, TLS_KEY_HELP,
+    device_option, tls_flags, tls_overrides,
 )
 from specdec.sampling import SamplingParams, SamplingParamsError
 from specdec.stats import position_rates
@@ -56,6 +57,22 @@ def check_choices(dtype: str, draft_quant: str, control: str = "cost-aware") -> 
         raise UsageError(f"--dtype: expected auto, bfloat16, float32 or float16, got {dtype!r}")
     if draft_quant not in ("auto", "none", "int8"):
         raise UsageError(f"--draft-quant: expected auto, none or int8, got {draft_quant!r}")
+
+
+_DEVICE_HELP = "The target's device: cpu, cuda or cuda:N (and the draft's, unless --draft-device)."
+_DRAFT_DEVICE_HELP = "The draft's device: cpu, cuda or cuda:N (default: --device)."
+
+
+def check_devices(device: str, draft_device: Optional[str]) -> None:
+    """--device / --draft-device of an in-process run: raises UsageError naming the flag (bad name, no such GPU)."""
+    from specdec.process_entry import check_device
+
+    for flag, value in (("--device", device), ("--draft-device", draft_device)):
+        if value is not None:
+            try:
+                check_device(value, flag)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
 
 
 _DRAFT_WINDOW_HELP = ("Tokens a draft session opens with: the first 32 plus the most recent (a long prompt costs the "
@@ -182,6 +199,8 @@ def generate(
     draft: Optional[str] = typer.Option(None, help="Draft model: transformers directory or .gguf file (default: Qwen2.5-Coder-0.5B-Instruct)."),
     dtype: str = typer.Option("auto", help="auto (float32 on CPU, bfloat16 on GPU), bfloat16, float32 (exact greedy equality) or float16."),
     draft_quant: str = typer.Option("auto", help="auto (int8 on CPU), none or int8: a dynamic-int8 draft drafts cheaper; output unchanged."),
+    device: str = typer.Option("cpu", help=_DEVICE_HELP),
+    draft_device: Optional[str] = typer.Option(None, help=_DRAFT_DEVICE_HELP),
     tree: Optional[str] = typer.Option(None, help="TreeSpec as inline JSON or a JSON file (default: top-3 at the root, then a chain of 3)."),
     max_new_tokens: int = typer.Option(128, help="Maximum new tokens."),
     temperature: float = typer.Option(0.0, help="0 = greedy (output equals the target alone); > 0 samples, with exactly the target's distribution."),
@@ -212,14 +231,16 @@ def generate(
             return _generate_remote(server, prompt, prompt_file, tree, max_new_tokens, temperature, top_p, top_k,
                                     seed, stop, no_spec, raw, tls_ca, auth_token_file)
         check_choices(dtype, draft_quant, control)
+        check_devices(device, draft_device)
         check_positive(max_new_tokens=max_new_tokens, threads=threads)
         sampling = sampling_params(temperature, top_p, top_k, seed)
         spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
         window = draft_window_option(draft_window)
         text = read_prompt(prompt, prompt_file)
         set_threads(threads)
-        pipe = build_pipeline(target, draft, dtype, speculate=not no_spec, max_context=max_context, draft_quant=draft_quant,
-                              control=control, pipeline=pipeline, draft_window=window, argmax_screen=argmax_screen)
+        pipe = build_pipeline(target, draft, dtype, device=device, speculate=not no_spec, max_context=max_context,
+                              draft_quant=draft_quant, control=control, pipeline=pipeline, draft_window=window,
+                              argmax_screen=argmax_screen, draft_device=draft_device)
         prompt_ids = encode_prompt(pipe.tokenizer, text, raw)
         request = GenerationRequest(prompt_ids, max_new_tokens, tuple(stop), None if no_spec else spec, sampling)
         deltas = TextDeltas(pipe.tokenizer)  # the committed tokens' text, as the front streams it
@@ -241,6 +262,8 @@ def bench(
     tree: Optional[str] = typer.Option(None, help="TreeSpec (inline JSON or file; default: top-3 at the root, then a chain of 3)."),
     dtype: str = typer.Option("auto", help="Model dtype (auto, bfloat16, float32, float16)."),
     draft_quant: str = typer.Option("auto", help="auto (int8 on CPU), none or int8 draft."),
+    device: str = typer.Option("cpu", help=_DEVICE_HELP),
+    draft_device: Optional[str] = typer.Option(None, help=_DRAFT_DEVICE_HELP),
     out: Path = typer.Option(Path("bench_out"), help="Directory for results.json and results.md."),
     hf_assisted: bool = typer.Option(True, "--hf-assisted/--no-hf-assisted", help="Also run HF assisted generation (the draft as assistant_model)."),
     prompt_lookup: bool = typer.Option(True, "--prompt-lookup/--no-prompt-lookup", help="Also run HF prompt-lookup decoding (prompt_lookup_num_tokens=10, no draft)."),
@@ -263,6 +286,7 @@ def bench(
 
     try:
         check_choices(dtype, draft_quant, control)
+        check_devices(device, draft_device)
         check_positive(per_category=per_category, max_new_tokens=max_new_tokens, threads=threads, repeats=repeats)
         if offset < 0:
             raise UsageError(f"--offset: must be >= 0, got {offset}")
@@ -271,7 +295,7 @@ def bench(
         run_bench(spec, questions, per_category, max_new_tokens, dtype, draft_quant, out, hf_assisted, threads, sampling,
                   control, offset=offset, prompt_lookup=prompt_lookup, target=target, draft=draft,
                   draft_window=draft_window_option(draft_window), categories=tuple(category),
-                  argmax_screen=argmax_screen, repeats=repeats, plain=plain)
+                  argmax_screen=argmax_screen, repeats=repeats, plain=plain, device=device, draft_device=draft_device)
     except ValueError as exc:  # UsageError, TreeSpecError, ModelError, ...: each names its option
         fail(str(exc))
 
@@ -339,6 +363,9 @@ def serve(
     draft: Optional[str] = typer.Option(None, help="Draft model; overrides models.draft."),
     dtype: Optional[str] = typer.Option(None, help="auto, float32, bfloat16 or float16; overrides models.dtype."),
     tp: Optional[int] = typer.Option(None, help="Tensor-parallel ranks of the target; overrides target.tp."),
+    device: Optional[str] = typer.Option(None, help=DEVICE_HELP),
+    draft_device: Optional[str] = typer.Option(None, help="The draft's device: cpu, cuda or cuda:N (default: the first of "
+                                                          "--device when given); overrides draft.device."),
     no_ray: bool = typer.Option(False, "--no-ray", help="The front runs requests in its own process instead of Ray actors."),
     http_port: Optional[int] = typer.Option(None, help=_HTTP_PORT_HELP),
     tls_cert: Optional[str] = typer.Option(None, help=TLS_CERT_HELP),
@@ -354,7 +381,10 @@ def serve(
     refused); the health port is for kubelet probes of TLS pods, one server per pod."""
     try:
         check_positive(tp=tp)
-        cfg = load_config(config, {"target.tp": tp, "front.http_port": http_port, "front.auth_token_file": auth_token_file,
+        target_devices = device_option(device)
+        draft_device = draft_device or (target_devices[0] if isinstance(target_devices, list) else target_devices)
+        cfg = load_config(config, {"target.tp": tp, "target.device": target_devices, "draft.device": draft_device,
+                                   "front.http_port": http_port, "front.auth_token_file": auth_token_file,
                                    **tls_overrides(tls_cert, tls_key, tls_ca)})
         if cfg.grpc.health_port is not None:
             raise UsageError(f"grpc.health_port: {cfg.grpc.health_port} is set, but `specdec serve` runs three servers on "
@@ -362,7 +392,8 @@ def serve(
                              "to each `specdec draft-server` / `target-server` / `front` instead")
     except (UsageError, ConfigError) as exc:
         fail(str(exc))
-    raise typer.Exit(launch(str(config) if config else None, target, draft, dtype, tp=tp, no_ray=no_ray,
+    raise typer.Exit(launch(str(config) if config else None, target, draft, dtype, tp=tp, no_ray=no_ray, device=device,
+                            draft_device=draft_device,
                             grace_s=cfg.grpc.shutdown_grace_s, http_port=http_port,
                             http=cfg.front.http_port is not None, security_flags=tls_flags(tls_cert, tls_key, tls_ca),
                             auth_token_file=auth_token_file or None))
@@ -381,6 +412,8 @@ def eval_(
     tree: Optional[str] = typer.Option(None, help="TreeSpec (inline JSON or file; default: top-3 at the root, then a chain of 3)."),
     dtype: str = typer.Option("auto", help="Model dtype (auto, bfloat16, float32, float16)."),
     draft_quant: str = typer.Option("auto", help="auto (int8 on CPU), none or int8 draft."),
+    device: str = typer.Option("cpu", help=_DEVICE_HELP),
+    draft_device: Optional[str] = typer.Option(None, help=_DRAFT_DEVICE_HELP),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: the CPUs usable by this process)."),
     control: str = typer.Option("cost-aware", help=_CONTROL_HELP),
 ) -> None:
@@ -391,13 +424,15 @@ def eval_(
 
     try:
         check_choices(dtype, draft_quant, control)
+        check_devices(device, draft_device)
         check_positive(per_category=per_category, max_new_tokens=max_new_tokens, threads=threads)
         if service_pid and server is None:
             raise UsageError("--service-pid: only with --server (embedded runs measure this process)")
         spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
         set_threads(threads)
         reports = run_eval(spec, questions, per_category, max_new_tokens, out, target=target, draft=draft, dtype=dtype,
-                           draft_quant=draft_quant, control=control, server=server, service_pids=tuple(service_pid))
+                           draft_quant=draft_quant, control=control, server=server, service_pids=tuple(service_pid),
+                           device=device, draft_device=draft_device)
     except ValueError as exc:  # UsageError, TreeSpecError, ModelError, QuestionsError
         fail(str(exc))
     overall = reports[0]
@@ -436,6 +471,8 @@ def profile_draft(
     draft_quant: str = typer.Option("none", help="Quantization of candidates given without @QUANT: none or int8."),
     tree: Optional[str] = typer.Option(None, help="TreeSpec (inline JSON or file; default: top-3 at the root, then a chain of 3)."),
     dtype: str = typer.Option("auto", help="Model dtype (auto, bfloat16, float32, float16)."),
+    device: str = typer.Option("cpu", help=_DEVICE_HELP),
+    draft_device: Optional[str] = typer.Option(None, help=_DRAFT_DEVICE_HELP),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: the CPUs usable by this process)."),
     control: str = typer.Option("cost-aware", help=_CONTROL_HELP),
 ) -> None:
@@ -448,12 +485,14 @@ def profile_draft(
         check_choices(dtype, draft_quant, control)
         if draft_quant == "auto":
             raise UsageError("--draft-quant: none or int8 (each candidate is profiled as given)")
+        check_devices(device, draft_device)
         check_positive(per_category=per_category, max_new_tokens=max_new_tokens, threads=threads)
         candidates = [parse_candidate(c, draft_quant) for c in candidate]
         spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
         set_threads(threads)
         profiles = run_profile(candidates, out, target=target, questions_path=questions, per_category=per_category,
-                               max_new_tokens=max_new_tokens, dtype=dtype, control=control, spec=spec)
+                               max_new_tokens=max_new_tokens, dtype=dtype, control=control, spec=spec,
+                               device=device, draft_device=draft_device)
     except ValueError as exc:  # UsageError, TreeSpecError, ModelError, QuestionsError
         fail(str(exc))
     for p in profiles:

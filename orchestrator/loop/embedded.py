@@ -41,10 +41,13 @@ def build_pipeline(
     pipeline: bool = False,
     draft_window: DraftWindowConfig | None = FrontConfig().draft_window,
     argmax_screen: bool = True,
+    draft_device: str | None = None,
 ) -> EmbeddedPipeline:
     """Load the pair (defaults: the real Qwen2.5-Coder pair), check it, wire the engine.
 
-    dtype: auto | bfloat16 | float32 | float16; draft_quant: auto | none | int8 (CPU only); control: one of
+    dtype: auto | bfloat16 | float32 | float16 (auto: as on the target's device, for both); device: the target's
+    ("cpu", "cuda:1", ...), draft_device: the draft's (None = device); draft_quant: auto | none | int8 (a CPU draft
+    only); control: one of
     CONTROLS or a control factory (None = fixed TreeSpec); measure_costs: time V(n) and D(p) on these models
     (a few seconds), else prior figures; pipeline: correct in-process, but the calls take turns; draft_window:
     None = all tokens; argmax_screen: greedy rows through the int8-screened argmax head.
@@ -57,8 +60,9 @@ def build_pipeline(
         err = exc.errors()[0]
         raise ModelError(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}") from None
     loaded = load_target(models)
-    return wire_pipeline(loaded, load_draft(models, loaded) if speculate else None, control, measure_costs, pipeline,
-                         draft_window)
+    draft_models = models.model_copy(update={"device": draft_device or device})
+    return wire_pipeline(loaded, load_draft(draft_models, loaded) if speculate else None, control, measure_costs,
+                         pipeline, draft_window)
 
 
 def wire_pipeline(loaded: LoadedTarget, loaded_draft: LoadedDraft | None, control: str | ControlFactory | None = "cost-aware",

@@ -125,7 +125,7 @@ class FirstTokenTimer(BaseStreamer):
 
 def _hf_generate(model, prompt_ids, max_new_tokens, eos_ids, **extra) -> tuple[list[int], dict]:
     """Greedy HF generate (extra: assistant_model / prompt_lookup_num_tokens): tokens, {new_tokens, s, ttft_ms}."""
-    ids = torch.tensor([prompt_ids])  # (1, T)
+    ids = torch.tensor([prompt_ids], device=model.device)  # (1, T)
     timer = FirstTokenTimer()
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                   eos_token_id=sorted(eos_ids), pad_token_id=sorted(eos_ids)[0], streamer=timer, **extra)
@@ -382,15 +382,16 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
               sampling: SamplingParams = GREEDY, control: str = "cost-aware", *, offset: int = 0,
               prompt_lookup: bool = True, target: str | None = None, draft: str | None = None,
               draft_window: DraftWindowConfig | None = FrontConfig().draft_window, categories: Sequence[str] = (),
-              argmax_screen: bool = True, repeats: int = 1, plain: bool = True) -> dict:
+              argmax_screen: bool = True, repeats: int = 1, plain: bool = True, device: str = "cpu",
+              draft_device: str | None = None) -> dict:
     """Run the benchmark and write results.json + results.md under out_dir; returns the summary.
     Parameters mirror ``specdec bench``'s options; ValueError for repeats < 1 before the models load."""
     if repeats < 1:
         raise ValueError(f"--repeats: must be >= 1, got {repeats}")
     questions = load_questions(questions_path, per_category, offset, categories)  # bad files fail before the models load
     set_threads(threads)
-    pipe = build_pipeline(target, draft, dtype=dtype, draft_quant=draft_quant, control=control, draft_window=draft_window,
-                          argmax_screen=argmax_screen)
+    pipe = build_pipeline(target, draft, dtype=dtype, device=device, draft_quant=draft_quant, control=control,
+                          draft_window=draft_window, argmax_screen=argmax_screen, draft_device=draft_device)
     cost_start = pipe.shared.cost.snapshot() if pipe.shared else None  # the start-up measurement's shape
     warm = encode_prompt(pipe.tokenizer, "Say hi.", raw=False)
     run_question(pipe, warm, spec, 8, hf_assisted, sampling, prompt_lookup, plain=plain)  # warm-up, not recorded

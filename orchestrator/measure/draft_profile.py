@@ -20,7 +20,7 @@ from orchestrator.measure.bench import _hf_generate, console, load_questions, me
 from orchestrator.measure.eval_report import EmbeddedRunner, run_questions, summarize_slice
 from specdec.config import FrontConfig, ModelsConfig
 from specdec.cpu_linear import PackedLinear
-from specdec.model_setup import load_draft, load_target, resolve_dtype
+from specdec.model_setup import load_draft, load_target
 from specdec.models import DEFAULT_DRAFT, ModelError, check_pair, load_model, resolve_model_dir
 from specdec.tree_spec import DEFAULT_SPEC
 
@@ -89,7 +89,7 @@ def draft_tokens_per_second(draft_model, prompts: list[list[int]], max_new_token
 def _incompatible(candidate: Candidate, models, loaded_target) -> DraftProfile:
     """The profile of a draft whose tokenizer does not match: its size and the reason only."""
     model, tokenizer = load_model(resolve_model_dir(candidate.path, DEFAULT_DRAFT, "--candidate"),
-                                  resolve_dtype(models.dtype, models.device), models.device)
+                                  str(loaded_target.dtype).removeprefix("torch."), models.device)
     try:
         check_pair(model, tokenizer, loaded_target.model, loaded_target.tokenizer)
         reason = None
@@ -142,11 +142,12 @@ def markdown(profiles: list[DraftProfile], meta: dict) -> str:
 
 def run_profile(candidates: list[Candidate], out_dir: Path, *, target: str | None = None, questions_path: Path | None = None,
                 per_category: int = 1, max_new_tokens: int = 64, dtype: str = "auto", control: str = "cost-aware",
-                spec=None) -> list[DraftProfile]:
-    """Profile every candidate and write profile.{json,md} under out_dir; QuestionsError/ModelError/ValueError."""
+                spec=None, device: str = "cpu", draft_device: str | None = None) -> list[DraftProfile]:
+    """Profile every candidate (the target on ``device``, the drafts on ``draft_device``, None = device) and write
+    profile.{json,md} under out_dir; QuestionsError/ModelError/ValueError."""
     questions = load_questions(questions_path, per_category)
-    base = ModelsConfig(target=target, dtype=dtype)
-    loaded_target = load_target(base)
+    loaded_target = load_target(ModelsConfig(target=target, dtype=dtype, device=device))
+    base = ModelsConfig(target=target, dtype=dtype, device=draft_device or device)
     profiles = []
     for candidate in candidates:
         console.print(f"profile-draft: {candidate.name}", highlight=False, markup=False)

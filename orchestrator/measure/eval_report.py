@@ -328,7 +328,8 @@ def _run_row(run: Run) -> dict:
 def run_eval(spec, questions_path: Path | None, per_category: int, max_new_tokens: int, out_dir: Path, *,
              target: str | None = None, draft: str | None = None, dtype: str = "auto", draft_quant: str = "auto",
              control: str = "cost-aware", server: str | None = None, service_pids: tuple[int, ...] = (),
-             make_runner: Callable | None = None) -> list[SpeculativeReport]:
+             make_runner: Callable | None = None, device: str = "cpu",
+             draft_device: str | None = None) -> list[SpeculativeReport]:
     """Run the evaluation (on ``server``, else on the pair loaded here) and write the report under out_dir;
     returns the reports, overall first. Raises QuestionsError / ModelError / ValueError naming the option."""
     questions = load_questions(questions_path, per_category)  # bad files fail before the models load
@@ -336,7 +337,8 @@ def run_eval(spec, questions_path: Path | None, per_category: int, max_new_token
         runner, context_limit = RemoteRunner(server, spec, max_new_tokens, service_pids=service_pids), None
         draft_model = draft or f"the draft of the front at {server}"
     else:
-        pipe = build_pipeline(target, draft, dtype=dtype, draft_quant=draft_quant, control=control)
+        pipe = build_pipeline(target, draft, dtype=dtype, device=device, draft_quant=draft_quant, control=control,
+                              draft_device=draft_device)
         runner, context_limit = EmbeddedRunner(pipe, spec, max_new_tokens), pipe.engine.context_limit
         draft_model = draft or "qwen2.5-coder-0.5b-instruct (default)"
     runner = make_runner(runner) if make_runner else runner
