@@ -49,11 +49,13 @@ class VerifyResult:
     accepted_nodes: [A] node indices of the accepted path, root side first; tokens: [A + 1], the bonus
     last. Reported by the target service, 0 = not reported (not part of equality): batch_size,
     batch_rows of the forward (batch_size 0 = a replayed result), mergeable (open sessions, at most
-    max_batch), forward_ms.
+    max_batch), forward_ms. logprobs: [A + 1] ``TokenLogprob`` of tokens when the session's sampling asks
+    for them, else empty (not part of equality: batched and solo forwards differ in float32 round-off).
     """
 
     accepted_nodes: tuple[int, ...]
     tokens: tuple[int, ...]
+    logprobs: tuple = field(default=(), compare=False)
     batch_size: int = field(default=1, compare=False)
     batch_rows: int = field(default=0, compare=False)
     mergeable: int = field(default=0, compare=False)

@@ -12,7 +12,7 @@ Each session has its own random generator, so a request's draws never depend on 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -24,7 +24,7 @@ from specdec.forward import (
 )
 from specdec.interfaces import SessionStateError, UnknownSessionError, VerifyResult
 from specdec.kv_cache import append_kv_row, compact_kv, new_cache, stack_kv, truncate_kv
-from specdec.sampling import GREEDY, SamplingParams, processed_probs, session_rng
+from specdec.sampling import GREEDY, SamplingParams, processed_probs, session_rng, token_logprobs
 from specdec.tree_spec import MAX_TREE_NODES
 from specdec.tree import (
     DraftTree,
@@ -185,7 +185,7 @@ class TargetRuntime:
         s = self._session(session_id)
         if s.pending is not None:
             raise SessionStateError(f"session_id: {session_id!r} has an uncommitted verify")
-        rows = self.tree_logits(session_id, tree, argmax=s.sampling.greedy)  # (N + 1, V); greedy: (N + 1,)
+        rows = self.tree_logits(session_id, tree, argmax=_argmax_only(s))  # (N + 1, V); greedy: (N + 1,)
         return self._accept(s, tree, rows)
 
     @staticmethod
@@ -199,6 +199,9 @@ class TargetRuntime:
                 return processed_probs(logits[row], s.sampling)
 
             s.pending = verify_sampled(tree.tokens, tree.parents, row_probs, s.rng, tree.proposals, tree.sources)
+        if s.sampling.logprobs is not None:  # each token's row: R's, then its parent node's
+            rows = [0, *(n + 1 for n in s.pending.accepted_nodes)]
+            s.pending = replace(s.pending, logprobs=token_logprobs(logits[rows], s.pending.tokens, s.sampling.logprobs))
         return s.pending
 
     def commit(self, session_id: str, num_tokens: int) -> None:
@@ -311,7 +314,7 @@ class TargetRuntime:
             [tree_attention_mask(tree.parents, s.cache_len, self.model.dtype) for s, tree in zip(sessions, trees)],
             [1 if isinstance(item[3], PrefillChunk) else None for item in batch],  # a chunk: its last row only
             argmax_head=self.argmax_head,
-            argmax_rows=[s.sampling.greedy and not isinstance(item[3], PrefillChunk)
+            argmax_rows=[_argmax_only(s) and not isinstance(item[3], PrefillChunk)
                          for s, item in zip(sessions, batch)],
         )  # B x (N_b + 1, V); greedy sessions: (N_b + 1,) argmax ids; (1, V) for a chunk
         return logits.__getitem__
@@ -359,6 +362,11 @@ class TargetRuntime:
             raise SessionStateError(f"session_id: {session_id!r} has an uncommitted verify")
         validate_tree(tree.tokens, tree.parents, self.vocab_size, self.max_tree_nodes)
         return s
+
+
+def _argmax_only(s: TargetSession) -> bool:
+    """Greedy without logprobs: the rows' argmax ids suffice (``argmax_head``); else full logit rows."""
+    return s.sampling.greedy and s.sampling.logprobs is None
 
 
 def _root_state(s: TargetSession):

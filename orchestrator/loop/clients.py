@@ -24,7 +24,7 @@ from specdec.sampling import SamplingParams
 from specdec.tree import DraftTree
 from specdec.tree_spec import TreeSpec
 from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from specdec.wire import sampling_to_proto, spec_to_proto, tree_from_proto, tree_to_proto
+from specdec.wire import logprobs_from_proto, sampling_to_proto, spec_to_proto, tree_from_proto, tree_to_proto
 
 request_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("request_deadline", default=None)
 
@@ -125,8 +125,9 @@ class TargetClient:
         span.set_attributes({"target.verify_ms": reply.verify_ms, "target.batch_size": reply.batch_size,
                              "target.batch_rows": reply.batch_rows})
         # batch_size 0: a replayed pending result (no forward ran); the control then learns no cost from it
-        return VerifyResult(tuple(reply.accepted_nodes), tuple(reply.tokens), reply.batch_size, reply.batch_rows,
-                            reply.mergeable_sessions, reply.verify_ms)
+        return VerifyResult(tuple(reply.accepted_nodes), tuple(reply.tokens),
+                            logprobs_from_proto(reply.logprobs, reply.tokens), batch_size=reply.batch_size,
+                            batch_rows=reply.batch_rows, mergeable=reply.mergeable_sessions, forward_ms=reply.verify_ms)
 
     async def commit(self, session_id: str, num_tokens: int) -> None:
         await self.stub.Commit(target_pb2.CommitRequest(session_id=session_id, num_tokens=num_tokens), timeout=time_left())

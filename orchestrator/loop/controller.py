@@ -70,6 +70,7 @@ class GenerationRequest:
 class GenerationResult:
     tokens: list[int]
     stats: GenerationStats = field(default_factory=GenerationStats)
+    logprobs: list = field(default_factory=list)  # one TokenLogprob per token when sampling.logprobs is set
 
 
 class InProcessWorker(WorkerAdapter):
@@ -162,7 +163,7 @@ class RoundController:
         finally:
             self.running -= 1
             await asyncio.shield(run.close())
-        return GenerationResult(list(run.stops.generated), run.stats)
+        return GenerationResult(list(run.stops.generated), run.stats, run.logprobs)
 
 
 @dataclass(frozen=True)
@@ -213,6 +214,7 @@ class _Request:
                                  tuple(request.stop_strings), controller.decode,
                                  streamed=tuple(request.prompt_ids[len(request.prompt_ids) - request.resumed_tokens:]))
         self.stats = GenerationStats()
+        self.logprobs: list = []  # the committed tokens' TokenLogprobs (sampling.logprobs set)
         self.started = time.perf_counter()
         self.draft_sid: str | None = None  # open draft session
         self.draft_opens = 0
@@ -554,7 +556,7 @@ class _Request:
                 result.batch_rows, result.mergeable, result.forward_ms / 1000,
                 reply_s=drafted.ahead_s if drafted.pipelined else None))
         context_nodes = sum(1 for d in shaped.draft_index if d is None)
-        record = RoundRecord(tuple(committed), proposed=tree.size, accepted=len(accepted), depth=shaped.depth,
+        record = RoundRecord(tuple(committed), logprobs=result.logprobs[:len(committed)], proposed=tree.size, accepted=len(accepted), depth=shaped.depth,
                              fallback=drafted.fallback, gamma=self._gamma(), draft_s=drafted.draft_s,
                              verify_s=verify_s, commit_s=commit_s, drafted=drafted.tree.size,
                              context_proposed=context_nodes,
@@ -566,6 +568,7 @@ class _Request:
                              ahead_s=ahead.ahead_s if ahead else None,
                              cost=self.control.cost_snapshot() if self.control is not None else None)
         self.stats.add(record, time.perf_counter() - self.started)
+        self.logprobs += record.logprobs
         if self.stops.reason is not None:
             self.stats.total_s = time.perf_counter() - self.started
             self.stats.new_tokens = len(self.stops.generated)

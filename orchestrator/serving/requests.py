@@ -49,12 +49,14 @@ class GenerateCall:
 
 @dataclass(frozen=True)
 class StreamEvent:
-    """A round's tokens and text delta, or the end (``stats`` set, ``tokens`` empty) with the prompt's length."""
+    """A round's tokens and text delta, or the end (``stats`` set, ``tokens`` empty) with the prompt's length.
+    logprobs: one ``specdec.sampling.TokenLogprob`` per token where the call's sampling asks for them."""
 
     tokens: list[int]
     text_delta: str
     stats: GenerationStats | None = None
     prompt_tokens: int = 0
+    logprobs: tuple = ()
 
 
 def check_call(call: GenerateCall, front: FrontConfig) -> None:

@@ -103,7 +103,7 @@ class RequestRunner:
                 if record is not None:
                     self._observe(request_id, record)
                 if tokens:
-                    yield StreamEvent(tokens, deltas.push(tokens))
+                    yield StreamEvent(tokens, deltas.push(tokens), logprobs=record.logprobs if record else ())
                 if stats is not None:
                     yield StreamEvent([], deltas.final(), self._final_stats(stats, started), len(req.prompt_ids))
         finally:

@@ -32,7 +32,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[_tree_pb2.TokenTree, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted_nodes", "tokens", "verify_ms", "batch_size", "batch_rows", "mergeable_sessions", "service_ms")
+    __slots__ = ("accepted_nodes", "tokens", "verify_ms", "batch_size", "batch_rows", "mergeable_sessions", "service_ms", "logprobs")
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class VerifyResponse(_message.Message):
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     MERGEABLE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     SERVICE_MS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     verify_ms: float
@@ -47,7 +48,8 @@ class VerifyResponse(_message.Message):
     batch_rows: int
     mergeable_sessions: int
     service_ms: float
-    def __init__(self, accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_rows: _Optional[int] = ..., mergeable_sessions: _Optional[int] = ..., service_ms: _Optional[float] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_tree_pb2.TokenLogprobs]
+    def __init__(self, accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_rows: _Optional[int] = ..., mergeable_sessions: _Optional[int] = ..., service_ms: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_tree_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class VerifyBatchRequest(_message.Message):
     __slots__ = ("items",)
