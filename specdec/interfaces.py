@@ -194,7 +194,8 @@ class TargetWorker(Protocol):
 
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None:
         """Prefill ``prompt_ids`` [T], T >= 1, but the last token, the root R (L = T - 1); ``sampling``
-        holds for every verify. Returns None. Raises ValueError for an empty prompt."""
+        holds for every verify. Returns prompt_ids[1:]'s TokenLogprobs with sampling.prompt_logprobs (else () or
+        None). Raises ValueError for an empty prompt."""
         ...
 
     def verify(self, session_id: str, tree: DraftTree) -> VerifyResult:

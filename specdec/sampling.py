@@ -39,7 +39,8 @@ class SamplingParams:
     top_p: nucleus mass in (0, 1] (1 = off); top_k: keep the k most likely tokens (0 = off);
     seed: seeds the request's random draws (None = a fresh random seed per session);
     logprobs: report each generated token's logprob with this many top alternatives (0..MAX_LOGPROBS; None = off),
-    as vLLM's SamplingParams; the target alone reads it (``token_logprobs``).
+    as vLLM's SamplingParams; the target alone reads it (``token_logprobs``); prompt_logprobs: the same for the
+    prompt's tokens but the first, from the target's prefill.
     """
 
     temperature: float = 0.0
@@ -47,6 +48,7 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         for name in ("temperature", "top_p"):
@@ -65,9 +67,10 @@ class SamplingParams:
             raise SamplingParamsError("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             raise SamplingParamsError("seed", f"must be an integer in [0, 2**63), got {self.seed!r}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise SamplingParamsError("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                raise SamplingParamsError(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
 
     @property
     def greedy(self) -> bool:

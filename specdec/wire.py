@@ -72,8 +72,9 @@ def sampling_to_proto(params: SamplingParams) -> tree_pb2.SamplingParams:
     msg = tree_pb2.SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
     if params.seed is not None:
         msg.seed = params.seed
-    if params.logprobs is not None:
-        msg.logprobs = params.logprobs
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(params, name) is not None:
+            setattr(msg, name, getattr(params, name))
     return msg
 
 
@@ -82,6 +83,7 @@ def sampling_from_proto(msg: tree_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(
         temperature=msg.temperature, top_p=msg.top_p if msg.top_p != 0 else 1.0, top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None, logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
 

@@ -221,7 +221,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 self.worker.submit(self.runtime.release, request.session_id)
             raise
         new.set_busy(False)
-        return target_pb2.PrefillResponse(cached_tokens=len(prompt) - 1)
+        scored = () if sampling.prompt_logprobs is None else await self.worker.run(self.runtime.prompt_logprobs, sid)
+        return target_pb2.PrefillResponse(cached_tokens=len(prompt) - 1, prompt_logprobs=logprobs_to_proto(scored))
 
     @_rpc
     async def Verify(self, request, context):

@@ -309,6 +309,30 @@ def test_logprobs_are_the_targets_in_chunks_and_response(client, tokenizer, targ
         assert [t for _, t in got] == [t for _, t in want] and [v for v, _ in got] == pytest.approx([v for v, _ in want], abs=1e-5)
 
 
+def test_echo_returns_the_prompt_and_its_logprobs(client, tokenizer, target_model):
+    """echo + logprobs: the prompt's text and its tokens' logprobs (the first null) before the completion's, equal
+    to a plain target forward; max_tokens 0 only scores the prompt; streamed = response."""
+    prompt = "the quick brown fox"
+    ids = tokenizer(prompt)["input_ids"]
+    ref = torch.log_softmax(causal_logits(target_model, ids), dim=-1)
+    scored = call(client, False, prompt, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
+    assert lp.tokens == [tokenizer.decode([t]) for t in ids] and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and len(lp.token_logprobs) == len(ids)
+    assert lp.token_logprobs[1:] == pytest.approx([ref[i, t].item() for i, t in enumerate(ids[1:])], abs=1e-5)
+    response = call(client, False, prompt, max_tokens=4, echo=True, logprobs=1, temperature=0)
+    *_, chunks = streamed(client, False, prompt, max_tokens=4, echo=True, logprobs=1, temperature=0)
+    assert response.choices[0].text == "".join(c.choices[0].text for c in chunks[:-1])
+    assert response.choices[0].text.startswith(prompt)
+    full = response.choices[0].logprobs
+    assert full.token_logprobs[:len(ids)] == lp.token_logprobs and len(full.tokens) == len(ids) + 4
+    assert sum((c.choices[0].logprobs.tokens for c in chunks[:-1] if c.choices[0].logprobs), []) == full.tokens
+    with pytest.raises(openai.BadRequestError) as info:
+        call(client, False, prompt, max_tokens=0, logprobs=2)
+    assert info.value.param == "max_tokens"
+
+
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
 def test_stop_string_ends_the_text_before_it(client, chat):
     for word in ("hello world", "the quick brown fox", "def add", "jumps over"):

@@ -16,7 +16,7 @@ from specdec.sampling import SamplingParams, SamplingParamsError, TokenLogprob
 from specdec.tree import DraftTree
 from specdec.tree_spec import TreeSpec
 from specdec.wire import logprobs_from_proto, logprobs_to_proto, sampling_from_proto, sampling_to_proto
-from target_service.runtime import TargetRuntime
+from target_service.runtime import PrefillChunk, TargetRuntime
 from tests.conftest import causal_logits, perturbed_copy, random_prompt, tiny_model
 
 K = 4
@@ -80,3 +80,22 @@ def test_logprobs_cross_the_wire_and_bad_values_name_the_field():
         with pytest.raises(SamplingParamsError) as info:
             SamplingParams(logprobs=bad)
         assert info.value.field == "logprobs"
+
+
+def test_prompt_logprobs_equal_a_plain_forward_over_the_prompt(engine):
+    """In one prefill, in chunks (extend, and a chunk riding in a batched verify) and through the engine with no
+    new tokens (scoring only)."""
+    model, eng = engine
+    prompt = random_prompt(9, 10)
+    runtime = TargetRuntime(model)
+    whole = runtime.start("whole", prompt, SamplingParams(prompt_logprobs=3))
+    runtime.start("chunked", prompt[:3], SamplingParams(prompt_logprobs=3))
+    runtime.extend("chunked", prompt[3:6])
+    runtime.start("other", [1, 2], SamplingParams())
+    runtime.verify_batch([("chunked", PrefillChunk(tuple(prompt[6:]))), ("other", DraftTree((4,), (-1,)))])
+    out = eng.generate(GenerationRequest(prompt, 0, spec=SPEC, sampling=SamplingParams(prompt_logprobs=3)))
+    assert out.tokens == [] and out.stats.stop_reason == "max_new_tokens"
+    for scored in (whole, runtime.prompt_logprobs("chunked"), out.prompt_logprobs):
+        assert_target_logprobs(model, prompt[:1], prompt[1:], scored, k=3)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        eng.generate(GenerationRequest(prompt, 0, spec=SPEC))

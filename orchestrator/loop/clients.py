@@ -97,11 +97,13 @@ class TargetClient:
     async def info(self, timeout: float = 10.0) -> target_pb2.InfoResponse:
         return await self.stub.Info(target_pb2.InfoRequest(), timeout=timeout, wait_for_ready=True)
 
-    async def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        """Prefill, its timeout growing with the prompt (``prefill_timeout_s``)."""
-        await self.stub.Prefill(target_pb2.PrefillRequest(
+    async def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> tuple:
+        """Prefill, its timeout growing with the prompt (``prefill_timeout_s``); returns the TokenLogprobs of
+        prompt_ids[1:] with sampling.prompt_logprobs, else ()."""
+        reply = await self.stub.Prefill(target_pb2.PrefillRequest(
             session_id=session_id, prompt_ids=prompt_ids, sampling=sampling_to_proto(sampling)),
             timeout=time_left(prefill_timeout_s(len(prompt_ids))))
+        return logprobs_from_proto(reply.prompt_logprobs, prompt_ids[1:])
 
     async def verify(self, session_id: str, tree: DraftTree) -> VerifyResult:
         msg = tree_to_proto(tree)

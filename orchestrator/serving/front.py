@@ -80,7 +80,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 def response_of(request_id: str, event: StreamEvent) -> generation_pb2.GenerateResponse:
     stats = None if event.stats is None else stats_to_proto(event.stats, event.prompt_tokens)
     return generation_pb2.GenerateResponse(request_id=request_id, token_ids=event.tokens, text_delta=event.text_delta,
-                                           stats=stats, logprobs=logprobs_to_proto(event.logprobs))
+                                           stats=stats, logprobs=logprobs_to_proto(event.logprobs),
+                                           prompt_logprobs=logprobs_to_proto(event.prompt_logprobs))
 
 
 async def serve_front(config: ServeConfig) -> int:

@@ -50,7 +50,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "frequency_penalty": (None, 0, 0.0),
     "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
     "parallel_tool_calls": (None,), "functions": (None, []), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}), "best_of": (None, 1), "suffix": (None, ""),
 }
 
 # our stop reasons (specdec.stats / orchestrator.loop.stops) -> OpenAI's finish_reason
@@ -134,8 +134,12 @@ class CompletionRequest(_GenerationParams):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=5)  # the legacy API's: top alternatives per token
+    echo: bool = False  # the prompt's text (and with logprobs its tokens' logprobs) before the completion's
+    max_tokens: int | None = Field(default=None, ge=0, lt=INT32)  # 0: score the prompt (echo and logprobs)
 
     def top_logprobs_k(self) -> int | None:
+        if self.max_tokens == 0 and not (self.echo and self.logprobs is not None):
+            raise ApiError(400, "max_tokens: 0 only scores the prompt: with echo and logprobs", "max_tokens")
         return self.logprobs
 
 
@@ -304,6 +308,8 @@ class Output:
         self.logprobs = call.sampling.logprobs is not None
         self.tokenizer = tokenizer  # token strings of the logprobs
         self.offset = 0  # completions' logprobs: the text offset of the next token
+        self.echo = getattr(body, "echo", False)  # completions: the prompt's text and logprobs first, once
+        self.echoed: tuple[str, tuple] = ("", ())
         self.id = call.request_id
         self.model = model
         self.created = int(time.time())
@@ -312,17 +318,23 @@ class Output:
         self.token_ids = body.specdec.return_token_ids
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.trim = StopTrim(call.stop)
+        self.prompt, self.prompt_ids = call.prompt, call.prompt_ids
 
     def chunks(self, event: StreamEvent) -> list[dict]:
         """One event's chunks: text (if any, or token ids asked for); at the end the finish and usage chunks."""
         self.completion_tokens += len(event.tokens)
+        head, head_logprobs = "", ()
+        if self.echo:  # the first event
+            self.echo = False
+            head, head_logprobs = self.echoed = (self.tokenizer.decode(self.prompt_ids) if self.prompt_ids
+                                                 else self.prompt, event.prompt_logprobs)
         if event.stats is None:
-            text = self.trim.push(event.text_delta)
+            text = head + self.trim.push(event.text_delta)
             keep = text or ((self.token_ids or self.logprobs) and event.tokens)
-            return [self._chunk(text, event.tokens, logprobs=event.logprobs)] if keep else []
-        text = self.trim.final(event.text_delta)
+            return [self._chunk(text, event.tokens, logprobs=head_logprobs + event.logprobs)] if keep else []
+        text = head + self.trim.final(event.text_delta)
         self.prompt_tokens = event.prompt_tokens
-        final = self._chunk(text, [], FINISH_REASONS.get(event.stats.stop_reason, "stop"))
+        final = self._chunk(text, [], FINISH_REASONS.get(event.stats.stop_reason, "stop"), head_logprobs)
         final["specdec"] = self._stats(event.stats)
         if not self.include_usage:
             return [final]
@@ -340,11 +352,11 @@ class Output:
         for event in events:
             self.chunks(event)
         stats = events[-1].stats
-        text = self.trim.text[:self.trim.sent]
+        text = self.echoed[0] + self.trim.text[:self.trim.sent]
         self.offset = 0
         choice = self._choice(("message", {"role": "assistant", "content": text}), text,
                               [t for e in events for t in e.tokens], FINISH_REASONS.get(stats.stop_reason, "stop"),
-                              [lp for e in events for lp in e.logprobs])
+                              self.echoed[1] + tuple(lp for e in events for lp in e.logprobs))
         return {**self._head(chunk=False), "choices": [choice], "usage": self._usage(), "specdec": self._stats(stats)}
 
     def _head(self, chunk: bool) -> dict:
@@ -379,7 +391,8 @@ class Output:
         offsets = list(itertools.accumulate(map(len, tokens), initial=self.offset))
         self.offset = offsets.pop()
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [_by_text(lp.top, text) for lp in logprobs], "text_offset": offsets}
+                "top_logprobs": [None if lp.logprob is None else _by_text(lp.top, text) for lp in logprobs],
+                "text_offset": offsets}
 
     def _usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -589,14 +602,16 @@ class HttpApi:
         stop = tuple(_unicode(s, "stop") for s in ([body.stop] if isinstance(body.stop, str) else body.stop or []))
         try:
             tree = parse_tree_spec(body.specdec.tree) if body.specdec.tree is not None else None
+            logprobs = body.top_logprobs_k()
             sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-                                      logprobs=body.top_logprobs_k())
+                                      logprobs=logprobs, prompt_logprobs=logprobs if getattr(body, "echo", False) else None)
         except ValueError as exc:  # TreeSpecError, SamplingParamsError
             raise field_error(exc, chat) from None
         return GenerateCall(
             request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", raw=True,
             max_new_tokens=body.max_new_tokens(), stop=stop, sampling=sampling, tree=tree,
             no_spec=body.specdec.no_spec, ignore_eos=body.specdec.ignore_eos, carrier=_trace_carrier(request),
+            score_only=body.max_tokens == 0,
             client=self.runner.client_of(request.headers.get("authorization", ""),
                                          request.client.host if request.client else "unknown"))
 

@@ -18,10 +18,12 @@ class PrefillRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_tree_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("cached_tokens",)
+    __slots__ = ("cached_tokens", "prompt_logprobs")
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     cached_tokens: int
-    def __init__(self, cached_tokens: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_tree_pb2.TokenLogprobs]
+    def __init__(self, cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_tree_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "tree")
