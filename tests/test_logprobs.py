@@ -12,6 +12,8 @@ import torch
 from draft_service.runtime import DraftRuntime
 from orchestrator.loop.controller import GenerationRequest
 from orchestrator.loop.engine import SpeculativeEngine
+from orchestrator.serving.front import response_of
+from orchestrator.serving.requests import StreamEvent
 from specdec.sampling import SamplingParams, SamplingParamsError, TokenLogprob
 from specdec.tree import DraftTree
 from specdec.tree_spec import TreeSpec
@@ -76,10 +78,13 @@ def test_logprobs_cross_the_wire_and_bad_values_name_the_field():
     assert sampling_from_proto(sampling_to_proto(SamplingParams())).logprobs is None
     lps = (TokenLogprob(3, -0.5, ((3, -0.5), (4, -1.25))), TokenLogprob(4, -2.0, ()))
     assert logprobs_from_proto(logprobs_to_proto(lps), [3, 4]) == lps
-    for bad in (21, -1, True):
+    first = TokenLogprob(7, None)  # the prompt's first token: no logprob
+    msg = response_of("r", StreamEvent([3, 4], "ab", logprobs=lps, prompt_logprobs=(first, lps[0])))
+    assert logprobs_from_proto(msg.logprobs, msg.token_ids) == lps and msg.prompt_logprobs[1].logprob == -0.5
+    for field, bad in [(f, b) for f in ("logprobs", "prompt_logprobs") for b in (21, -1, True)]:
         with pytest.raises(SamplingParamsError) as info:
-            SamplingParams(logprobs=bad)
-        assert info.value.field == "logprobs"
+            SamplingParams(**{field: bad})
+        assert info.value.field == field
 
 
 def test_prompt_logprobs_equal_a_plain_forward_over_the_prompt(engine):
