@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -153,7 +154,8 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> tuple
     logp = torch.log_softmax(logits.float(), dim=-1)  # (P, V)
     chosen = logp.gather(1, torch.tensor(list(tokens), device=logp.device)[:, None])[:, 0].tolist()
     values, ids = logp.topk(k, dim=-1)  # (P, k)
-    return tuple(TokenLogprob(t, lp, tuple(zip(i, v))) for t, lp, i, v in zip(tokens, chosen, ids.tolist(), values.tolist()))
+    return tuple(TokenLogprob(t, lp, tuple(zip(i, v)))
+                 for t, lp, i, v in zip(tokens, chosen, ids.tolist(), values.tolist()))
 
 
 def session_rng(params: SamplingParams, stream: str) -> np.random.Generator:

@@ -277,7 +277,8 @@ def test_greedy_stream_and_response_equal_target_only(client, tokenizer, target_
 
 
 @pytest.mark.parametrize("chat,params", [(True, dict(temperature=0, logprobs=True, top_logprobs=3)),
-                                         (False, dict(temperature=0.9, seed=7, logprobs=3))], ids=["chat", "completion"])
+                                         (False, dict(temperature=0.9, seed=7, logprobs=3))],
+                         ids=["chat", "completion"])
 def test_logprobs_are_the_targets_in_chunks_and_response(client, tokenizer, target_model, chat, params):
     """Each generated token's logprob and top 3 (OpenAI's shapes) equal a plain target forward over the output."""
     prompt = [{"role": "user", "content": "def add(a, b):"}] if chat else "the quick brown fox"
@@ -306,7 +307,8 @@ def test_logprobs_are_the_targets_in_chunks_and_response(client, tokenizer, targ
     assert [t for t, _ in chosen] == [tokenizer.decode([t]) for t in tokens]
     for row, token, (_, logprob), got, want in zip(ref, tokens, chosen, top, top3):
         assert logprob == pytest.approx(row[token].item(), abs=1e-5)
-        assert [t for _, t in got] == [t for _, t in want] and [v for v, _ in got] == pytest.approx([v for v, _ in want], abs=1e-5)
+        assert [t for _, t in got] == [t for _, t in want]
+        assert [v for v, _ in got] == pytest.approx([v for v, _ in want], abs=1e-5)
 
 
 def test_echo_returns_the_prompt_and_its_logprobs(client, tokenizer, target_model):
@@ -482,7 +484,8 @@ def test_null_parameters_take_their_defaults(stack):
 
 def test_no_op_values_of_unsupported_parameters_and_unknown_model(client):
     response = client.chat.completions.create(model="target", messages=MESSAGES, max_tokens=3, temperature=0,
-                                              logprobs=False, frequency_penalty=0, presence_penalty=0.0, n=1)
+                                              logprobs=False, top_logprobs=0, frequency_penalty=0, presence_penalty=0.0,
+                                              n=1)
     assert response.usage.completion_tokens >= 1
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="gpt-4o", prompt="hi", max_tokens=3)

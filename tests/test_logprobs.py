@@ -17,7 +17,12 @@ from orchestrator.serving.requests import StreamEvent
 from specdec.sampling import SamplingParams, SamplingParamsError, TokenLogprob
 from specdec.tree import DraftTree
 from specdec.tree_spec import TreeSpec
-from specdec.wire import logprobs_from_proto, logprobs_to_proto, sampling_from_proto, sampling_to_proto
+from specdec.wire import (
+    logprobs_from_proto,
+    logprobs_to_proto,
+    sampling_from_proto,
+    sampling_to_proto,
+)
 from target_service.runtime import PrefillChunk, TargetRuntime
 from tests.conftest import causal_logits, perturbed_copy, random_prompt, tiny_model
 

@@ -571,7 +571,8 @@ class _Request:
                 reply_s=drafted.ahead_s if drafted.pipelined else None))
         context_nodes = sum(1 for d in shaped.draft_index if d is None)
         record = RoundRecord(tuple(committed), logprobs=result.logprobs[:len(committed)],
-                             prompt_logprobs=() if self.stats.rounds else self.prompt_logprobs, proposed=tree.size, accepted=len(accepted), depth=shaped.depth,
+                             prompt_logprobs=() if self.stats.rounds else self.prompt_logprobs, proposed=tree.size,
+                             accepted=len(accepted), depth=shaped.depth,
                              fallback=drafted.fallback, gamma=self._gamma(), draft_s=drafted.draft_s,
                              verify_s=verify_s, commit_s=commit_s, drafted=drafted.tree.size,
                              context_proposed=context_nodes,

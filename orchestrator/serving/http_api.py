@@ -167,7 +167,7 @@ class ChatCompletionRequest(_GenerationParams):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def top_logprobs_k(self) -> int | None:
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:
             raise ApiError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
@@ -603,8 +603,9 @@ class HttpApi:
         try:
             tree = parse_tree_spec(body.specdec.tree) if body.specdec.tree is not None else None
             logprobs = body.top_logprobs_k()
+            prompt_logprobs = logprobs if getattr(body, "echo", False) else None
             sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-                                      logprobs=logprobs, prompt_logprobs=logprobs if getattr(body, "echo", False) else None)
+                                      logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except ValueError as exc:  # TreeSpecError, SamplingParamsError
             raise field_error(exc, chat) from None
         return GenerateCall(
