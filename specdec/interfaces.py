@@ -49,11 +49,13 @@ class VerifyResult:
     accepted_nodes: [A] node indices of the accepted path, root side first; tokens: [A + 1], the bonus
     last. Reported by the target service, 0 = not reported (not part of equality): batch_size,
     batch_rows of the forward (batch_size 0 = a replayed result), mergeable (open sessions, at most
-    max_batch), forward_ms.
+    max_batch), forward_ms. logprobs: [A + 1] ``TokenLogprob`` of tokens when the session's sampling asks
+    for them, else empty (not part of equality: batched and solo forwards differ in float32 round-off).
     """
 
     accepted_nodes: tuple[int, ...]
     tokens: tuple[int, ...]
+    logprobs: tuple = field(default=(), compare=False)
     batch_size: int = field(default=1, compare=False)
     batch_rows: int = field(default=0, compare=False)
     mergeable: int = field(default=0, compare=False)
@@ -192,7 +194,8 @@ class TargetWorker(Protocol):
 
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None:
         """Prefill ``prompt_ids`` [T], T >= 1, but the last token, the root R (L = T - 1); ``sampling``
-        holds for every verify. Returns None. Raises ValueError for an empty prompt."""
+        holds for every verify. Returns prompt_ids[1:]'s TokenLogprobs with sampling.prompt_logprobs (else () or
+        None). Raises ValueError for an empty prompt."""
         ...
 
     def verify(self, session_id: str, tree: DraftTree) -> VerifyResult:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -27,6 +29,7 @@ class SamplingParamsError(ValueError):
 
 
 MIN_TEMPERATURE = 1e-3  # below it logits / temperature overflow float64 for real logit ranges
+MAX_LOGPROBS = 20  # most alternatives per position (OpenAI's top_logprobs bound)
 
 
 @dataclass(frozen=True)
@@ -35,13 +38,18 @@ class SamplingParams:
 
     temperature: 0 = greedy (argmax; top_p and top_k are then irrelevant), > 0 = sample;
     top_p: nucleus mass in (0, 1] (1 = off); top_k: keep the k most likely tokens (0 = off);
-    seed: seeds the request's random draws (None = a fresh random seed per session).
+    seed: seeds the request's random draws (None = a fresh random seed per session);
+    logprobs: report each generated token's logprob with this many top alternatives (0..MAX_LOGPROBS; None = off),
+    as vLLM's SamplingParams; the target alone reads it (``token_logprobs``); prompt_logprobs: the same for the
+    prompt's tokens but the first, from the target's prefill.
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         for name in ("temperature", "top_p"):
@@ -60,6 +68,10 @@ class SamplingParams:
             raise SamplingParamsError("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             raise SamplingParamsError("seed", f"must be an integer in [0, 2**63), got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                raise SamplingParamsError(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
 
     @property
     def greedy(self) -> bool:
@@ -126,6 +138,24 @@ def derive_seed(seed: int, stream: str) -> int:
     """A 63-bit seed for one random stream ("draft", "target") of a request seed (SHA-256)."""
     digest = hashlib.sha256(f"{seed}/{stream}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+class TokenLogprob(NamedTuple):
+    """One position's log-probabilities: ``token``'s, and the ``top`` (id, logprob) pairs, likeliest first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> tuple[TokenLogprob, ...]:
+    """The log-softmax (float32) of raw logits [P, V], before temperature, top-k and top-p (OpenAI's and vLLM's
+    default): row i scores tokens[i] ([P] ids) and lists its k most likely tokens."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # (P, V)
+    chosen = logp.gather(1, torch.tensor(list(tokens), device=logp.device)[:, None])[:, 0].tolist()
+    values, ids = logp.topk(k, dim=-1)  # (P, k)
+    return tuple(TokenLogprob(t, lp, tuple(zip(i, v)))
+                 for t, lp, i, v in zip(tokens, chosen, ids.tolist(), values.tolist()))
 
 
 def session_rng(params: SamplingParams, stream: str) -> np.random.Generator:

@@ -42,6 +42,8 @@ class RoundRecord:
     # this round's ahead: "hit" (first candidate adopted), "predraft" (another), "miss", "failed"; None = none
     ahead: str | None = None
     ahead_s: float | None = None  # wall time of this round's ahead, seconds (beside the verify; None = none or failed)
+    logprobs: tuple = ()  # one specdec.sampling.TokenLogprob per token when the request asks for logprobs
+    prompt_logprobs: tuple = ()  # the request's first round: its prompt tokens' (but the first), when asked for
 
     @property
     def kind(self) -> str:

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingParams, TokenLogprob
 from specdec.stats import GenerationStats
 from specdec.tree import SOURCE_CONTEXT, SOURCE_DRAFT, DraftTree, MalformedTreeError, Proposal, node_depths, validate_tree
 from specdec.tree_spec import MAX_GAMMA, TreeSpec, parse_tree_spec
@@ -72,6 +72,9 @@ def sampling_to_proto(params: SamplingParams) -> tree_pb2.SamplingParams:
     msg = tree_pb2.SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
     if params.seed is not None:
         msg.seed = params.seed
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(params, name) is not None:
+            setattr(msg, name, getattr(params, name))
     return msg
 
 
@@ -79,8 +82,20 @@ def sampling_from_proto(msg: tree_pb2.SamplingParams) -> SamplingParams:
     """Raises SamplingParamsError naming the field. An unset top_p (0) means 1 (off)."""
     return SamplingParams(
         temperature=msg.temperature, top_p=msg.top_p if msg.top_p != 0 else 1.0, top_k=msg.top_k,
-        seed=msg.seed if msg.HasField("seed") else None,
+        seed=msg.seed if msg.HasField("seed") else None, logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
+
+
+def logprobs_to_proto(logprobs) -> list[tree_pb2.TokenLogprobs]:
+    """``TokenLogprob``s as TokenLogprobs messages (the token ids travel beside them)."""
+    return [tree_pb2.TokenLogprobs(logprob=lp.logprob, top_ids=[i for i, _ in lp.top],
+                                   top_logprobs=[v for _, v in lp.top]) for lp in logprobs]
+
+
+def logprobs_from_proto(msgs, tokens) -> tuple[TokenLogprob, ...]:
+    """TokenLogprobs messages of ``tokens`` (one each, or none) as ``TokenLogprob``s."""
+    return tuple(TokenLogprob(t, m.logprob, tuple(zip(m.top_ids, m.top_logprobs))) for t, m in zip(tokens, msgs))
 
 
 def spec_to_proto(spec: TreeSpec) -> tree_pb2.TreeSpec:

@@ -12,7 +12,7 @@ Each session has its own random generator, so a request's draws never depend on 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -24,7 +24,7 @@ from specdec.forward import (
 )
 from specdec.interfaces import SessionStateError, UnknownSessionError, VerifyResult
 from specdec.kv_cache import append_kv_row, compact_kv, new_cache, stack_kv, truncate_kv
-from specdec.sampling import GREEDY, SamplingParams, processed_probs, session_rng
+from specdec.sampling import GREEDY, SamplingParams, processed_probs, session_rng, token_logprobs
 from specdec.tree_spec import MAX_TREE_NODES
 from specdec.tree import (
     DraftTree,
@@ -46,6 +46,7 @@ class TargetSession:
     rng: np.random.Generator | None = None  # sampled requests only
     pending: VerifyResult | None = None
     root_logits: torch.Tensor | None = None  # [V] R's logits while R's KV is cached (from start to the first commit)
+    prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs of prompt tokens 1.. (sampling.prompt_logprobs)
 
 
 @dataclass(frozen=True)
@@ -111,17 +112,25 @@ class TargetRuntime:
         """The model's device, e.g. "cpu" or "cuda:1" (where the KV cache grows)."""
         return str(self.model.device)
 
-    def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams = GREEDY) -> None:
+    def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams = GREEDY) -> tuple:
         """Prefill all prompt tokens but the last, which becomes the root R. prompt_ids: [T], T >= 1;
-        sampling: the request's parameters, used by every verify of the session."""
+        sampling: the request's parameters, used by every verify of the session. Returns the TokenLogprobs of
+        prompt_ids[1:] with sampling.prompt_logprobs (``prompt_logprobs``), else ()."""
         if not prompt_ids:
             raise ValueError("prompt_ids: empty prompt")
         cache = new_cache(self.model.config)
         positions = torch.arange(len(prompt_ids))
-        root_logits = self._forward(cache, prompt_ids, positions, mask=None, logits_rows=1)  # (1, V)
+        rows = None if sampling.prompt_logprobs is not None else 1  # every row's logits for the prompt's logprobs
+        logits = self._forward(cache, prompt_ids, positions, mask=None, logits_rows=rows)  # (1 or T, V)
         rng = None if sampling.greedy else session_rng(sampling, "target")
-        self.sessions[session_id] = TargetSession(cache, len(prompt_ids) - 1, prompt_ids[-1], sampling, rng,
-                                                  root_logits=root_logits[-1])
+        s = self.sessions[session_id] = TargetSession(cache, len(prompt_ids) - 1, prompt_ids[-1], sampling, rng,
+                                                      root_logits=logits[-1])
+        _score_prompt(s, logits[:-1], prompt_ids[1:])
+        return tuple(s.prompt_logprobs)
+
+    def prompt_logprobs(self, session_id: str) -> tuple:
+        """The TokenLogprobs of the session's prompt tokens but the first, so far (start, then its chunks)."""
+        return tuple(self._session(session_id).prompt_logprobs)
 
     def extend(self, session_id: str, prompt_ids: list[int]) -> None:
         """Chunked prefill: feed the next prompt chunk, prompt_ids: [C] ids, C >= 1; afterwards the
@@ -134,7 +143,9 @@ class TargetRuntime:
             raise ValueError("prompt_ids: empty prefill chunk")
         first = s.cache_len + 1  # R's slot is cached: the chunk follows it
         positions = torch.arange(first, first + len(prompt_ids))
-        logits = self._forward(s.cache, list(prompt_ids), positions, mask=None, logits_rows=1)  # (1, V)
+        rows = None if s.sampling.prompt_logprobs is not None else 1
+        logits = self._forward(s.cache, list(prompt_ids), positions, mask=None, logits_rows=rows)  # (1 or C, V)
+        _score_prompt(s, torch.cat([s.root_logits[None], logits[:-1]]), prompt_ids)
         s.cache_len += len(prompt_ids)
         s.root = prompt_ids[-1]
         s.root_logits = logits[-1]
@@ -185,7 +196,7 @@ class TargetRuntime:
         s = self._session(session_id)
         if s.pending is not None:
             raise SessionStateError(f"session_id: {session_id!r} has an uncommitted verify")
-        rows = self.tree_logits(session_id, tree, argmax=s.sampling.greedy)  # (N + 1, V); greedy: (N + 1,)
+        rows = self.tree_logits(session_id, tree, argmax=_argmax_only(s))  # (N + 1, V); greedy: (N + 1,)
         return self._accept(s, tree, rows)
 
     @staticmethod
@@ -199,6 +210,9 @@ class TargetRuntime:
                 return processed_probs(logits[row], s.sampling)
 
             s.pending = verify_sampled(tree.tokens, tree.parents, row_probs, s.rng, tree.proposals, tree.sources)
+        if s.sampling.logprobs is not None:  # each token's row: R's, then its parent node's
+            rows = [0, *(n + 1 for n in s.pending.accepted_nodes)]
+            s.pending = replace(s.pending, logprobs=token_logprobs(logits[rows], s.pending.tokens, s.sampling.logprobs))
         return s.pending
 
     def commit(self, session_id: str, num_tokens: int) -> None:
@@ -291,6 +305,7 @@ class TargetRuntime:
             try:
                 rows = rows_of(b)  # (N_b + 1, V); greedy and packed: (N_b + 1,) argmax ids; packed chunk: (1, V)
                 if isinstance(tree, PrefillChunk):  # R and the chunk stay cached; the chunk's last token is R
+                    _score_prompt(s, rows[:-1], tree.tokens)
                     s.cache_len += tree.size
                     s.root = tree.tokens[-1]
                     s.root_logits = rows[-1].clone()
@@ -309,9 +324,10 @@ class TargetRuntime:
             [[s.root, *tree.tokens] for s, tree in zip(sessions, trees)],
             [tree_position_ids(tree.parents, s.cache_len) for s, tree in zip(sessions, trees)],
             [tree_attention_mask(tree.parents, s.cache_len, self.model.dtype) for s, tree in zip(sessions, trees)],
-            [1 if isinstance(item[3], PrefillChunk) else None for item in batch],  # a chunk: its last row only
+            [1 if isinstance(item[3], PrefillChunk) and s.sampling.prompt_logprobs is None else None
+             for s, item in zip(sessions, batch)],  # a chunk: its last row only (all: for its prompt logprobs)
             argmax_head=self.argmax_head,
-            argmax_rows=[s.sampling.greedy and not isinstance(item[3], PrefillChunk)
+            argmax_rows=[_argmax_only(s) and not isinstance(item[3], PrefillChunk)
                          for s, item in zip(sessions, batch)],
         )  # B x (N_b + 1, V); greedy sessions: (N_b + 1,) argmax ids; (1, V) for a chunk
         return logits.__getitem__
@@ -359,6 +375,17 @@ class TargetRuntime:
             raise SessionStateError(f"session_id: {session_id!r} has an uncommitted verify")
         validate_tree(tree.tokens, tree.parents, self.vocab_size, self.max_tree_nodes)
         return s
+
+
+def _score_prompt(s: TargetSession, logits: torch.Tensor, tokens) -> None:
+    """Append the prompt tokens' TokenLogprobs (logits [C, V], row i the one before tokens[i]) if the session asks."""
+    if s.sampling.prompt_logprobs is not None and len(tokens):
+        s.prompt_logprobs += token_logprobs(logits, tokens, s.sampling.prompt_logprobs)
+
+
+def _argmax_only(s: TargetSession) -> bool:
+    """Greedy without logprobs: the rows' argmax ids suffice (``argmax_head``); else full logit rows."""
+    return s.sampling.greedy and s.sampling.logprobs is None
 
 
 def _root_state(s: TargetSession):

@@ -45,7 +45,7 @@ from specdec.security import check_client_auth
 from specdec.telemetry import setup_tracing, shutdown_tracing, tracer
 from specdec.tree import DraftTree, MalformedTreeError
 from specdec.v1 import target_pb2, target_pb2_grpc
-from specdec.wire import sampling_from_proto, tree_from_proto
+from specdec.wire import logprobs_to_proto, sampling_from_proto, tree_from_proto
 from target_service.batcher import BatchedVerify, VerifyBatcher
 from target_service.commits import DeferredCommits
 from specdec.kv_budget import free_memory_bytes, sized_budget
@@ -84,7 +84,7 @@ def _response(result: VerifyResult, out: BatchedVerify | None = None, mergeable:
     """out: the batched forward that verified it (None: a replayed pending result, no forward ran);
     mergeable: open sessions, at most max_batch (``VerifyResponse.mergeable_sessions``)."""
     response = target_pb2.VerifyResponse(accepted_nodes=list(result.accepted_nodes), tokens=list(result.tokens),
-                                         mergeable_sessions=mergeable)
+                                         mergeable_sessions=mergeable, logprobs=logprobs_to_proto(result.logprobs))
     if out is not None:
         response.verify_ms, response.batch_size, response.batch_rows = out.verify_ms, out.batch_size, out.batch_rows
     return response
@@ -224,7 +224,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 self.worker.submit(self.runtime.release, request.session_id)
             raise
         new.set_busy(False)
-        return target_pb2.PrefillResponse(cached_tokens=len(prompt) - 1)
+        scored = () if sampling.prompt_logprobs is None else await self.worker.run(self.runtime.prompt_logprobs, sid)
+        return target_pb2.PrefillResponse(cached_tokens=len(prompt) - 1, prompt_logprobs=logprobs_to_proto(scored))
 
     @_rpc
     async def Verify(self, request, context):

@@ -59,7 +59,7 @@ from specdec.kv_budget import free_memory_bytes, kv_bytes_per_token, ranks_free_
 from target_service.runtime import TargetRuntime
 
 # TargetRuntime methods that never set a pending result or advance a generator: no decision broadcast after them.
-_NON_DECIDING = frozenset({"start", "extend", "commit", "release", "tree_logits"})
+_NON_DECIDING = frozenset({"start", "extend", "commit", "release", "tree_logits", "prompt_logprobs"})
 
 
 class RankFailureError(RuntimeError):
@@ -426,11 +426,12 @@ class TensorParallelTarget:
 
     # -- the TargetRuntime interface ------------------------------------------------------------
 
-    def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams = GREEDY) -> None:
-        """``TargetRuntime.start`` on every rank; an unseeded sampled request gets one random seed shared by all."""
+    def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams = GREEDY) -> tuple:
+        """``TargetRuntime.start`` on every rank (rank 0's prompt logprobs); an unseeded sampled request gets one
+        random seed shared by all."""
         if not sampling.greedy and sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
-        self._call("start", (session_id, list(prompt_ids), sampling))
+        return self._call("start", (session_id, list(prompt_ids), sampling))
 
     def release(self, session_id: str) -> None:
         """``TargetRuntime.release`` on every rank. After a rank failure it is a no-op (nothing is held)."""

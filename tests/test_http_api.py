@@ -29,7 +29,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec.harness.servers import launch_service, stop_service, wait_address, wait_for_exit, wait_ready
-from tests.conftest import hf_greedy
+from tests.conftest import causal_logits, hf_greedy
 from tests.test_generation_service import assert_draft_session_free, prompt_ids, target_info, wait_sessions
 from specdec.harness.tiny_pair import save_tiny_pair, write_config
 
@@ -287,6 +287,65 @@ def test_greedy_stream_and_response_equal_target_only(client, tokenizer, target_
     assert extra(response, "specdec")["rounds"] >= 1
 
 
+@pytest.mark.parametrize("chat,params", [(True, dict(temperature=0, logprobs=True, top_logprobs=3)),
+                                         (False, dict(temperature=0.9, seed=7, logprobs=3))],
+                         ids=["chat", "completion"])
+def test_logprobs_are_the_targets_in_chunks_and_response(client, tokenizer, target_model, chat, params):
+    """Each generated token's logprob and top 3 (OpenAI's shapes) equal a plain target forward over the output."""
+    prompt = [{"role": "user", "content": "def add(a, b):"}] if chat else "the quick brown fox"
+    ids = chat_ids(tokenizer, prompt) if chat else tokenizer(prompt)["input_ids"]
+    response = call(client, chat, prompt, max_tokens=16, extra_body=TOKEN_IDS, **params)
+    *_, chunks = streamed(client, chat, prompt, max_tokens=16, extra_body=TOKEN_IDS, **params)
+    tokens = extra(response.choices[0], "token_ids")
+    ref = torch.log_softmax(causal_logits(target_model, ids + tokens), dim=-1)[len(ids) - 1:-1]
+    top3 = [[(v, tokenizer.decode([i])) for v, i in zip(*map(torch.Tensor.tolist, row.topk(3)))] for row in ref]
+    lps = [c.choices[0].logprobs for c in chunks[:-1] if c.choices[0].logprobs]
+    if chat:
+        entries = [e for lp in [response.choices[0].logprobs] + lps for e in lp.content]
+        assert entries[:len(tokens)] == entries[len(tokens):]  # streamed = response
+        chosen = [(e.token, e.logprob) for e in entries[:len(tokens)]]
+        top = [[(t.logprob, t.token) for t in e.top_logprobs] for e in entries[:len(tokens)]]
+        assert all(e.bytes == list(e.token.encode()) for e in entries)
+    else:
+        full = response.choices[0].logprobs
+        assert [sum((getattr(lp, k) for lp in lps), []) for k in ("tokens", "token_logprobs")] == [
+            full.tokens, full.token_logprobs]  # streamed = response
+        chosen = list(zip(full.tokens, full.token_logprobs))
+        top = [[(v, t) for t, v in d.items()] for d in full.top_logprobs]
+        top3 = [[(v, t) for i, (v, t) in enumerate(row) if t not in [u for _, u in row[:i]]]
+                for row in top3]  # a dict by text: equal texts keep the likeliest
+        assert full.text_offset == [sum(map(len, full.tokens[:i])) for i in range(len(tokens))]
+    assert [t for t, _ in chosen] == [tokenizer.decode([t]) for t in tokens]
+    for row, token, (_, logprob), got, want in zip(ref, tokens, chosen, top, top3):
+        assert logprob == pytest.approx(row[token].item(), abs=1e-5)
+        assert [t for _, t in got] == [t for _, t in want]
+        assert [v for v, _ in got] == pytest.approx([v for v, _ in want], abs=1e-5)
+
+
+def test_echo_returns_the_prompt_and_its_logprobs(client, tokenizer, target_model):
+    """echo + logprobs: the prompt's text and its tokens' logprobs (the first null) before the completion's, equal
+    to a plain target forward; max_tokens 0 only scores the prompt; streamed = response."""
+    prompt = "the quick brown fox"
+    ids = tokenizer(prompt)["input_ids"]
+    ref = torch.log_softmax(causal_logits(target_model, ids), dim=-1)
+    scored = call(client, False, prompt, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
+    assert lp.tokens == [tokenizer.decode([t]) for t in ids] and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and len(lp.token_logprobs) == len(ids)
+    assert lp.token_logprobs[1:] == pytest.approx([ref[i, t].item() for i, t in enumerate(ids[1:])], abs=1e-5)
+    response = call(client, False, prompt, max_tokens=4, echo=True, logprobs=1, temperature=0)
+    *_, chunks = streamed(client, False, prompt, max_tokens=4, echo=True, logprobs=1, temperature=0)
+    assert response.choices[0].text == "".join(c.choices[0].text for c in chunks[:-1])
+    assert response.choices[0].text.startswith(prompt)
+    full = response.choices[0].logprobs
+    assert full.token_logprobs[:len(ids)] == lp.token_logprobs and len(full.tokens) == len(ids) + 4
+    assert sum((c.choices[0].logprobs.tokens for c in chunks[:-1] if c.choices[0].logprobs), []) == full.tokens
+    with pytest.raises(openai.BadRequestError) as info:
+        call(client, False, prompt, max_tokens=0, logprobs=2)
+    assert info.value.param == "max_tokens"
+
+
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
 def test_stop_string_ends_the_text_before_it(client, chat):
     for word in ("hello world", "the quick brown fox", "def add", "jumps over"):
@@ -371,15 +430,15 @@ def test_vllm_stop_parameters_speculative_equal_no_spec(client, tokenizer, eos_p
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 BAD_PARAMS = [  # (chat, parameters, the parameter the error must name)
-    (True, dict(logprobs=True), "logprobs"),
-    (True, dict(top_logprobs=2), "top_logprobs"),
+    (True, dict(top_logprobs=2), "top_logprobs"),  # without logprobs: true
+    (True, dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (False, dict(logprobs=6), "logprobs"),
     (True, dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
     (True, dict(tool_choice="auto"), "tool_choice"),
     (True, dict(frequency_penalty=0.5), "frequency_penalty"),
     (False, dict(presence_penalty=1.0), "presence_penalty"),
     (True, dict(logit_bias={"5": 10}), "logit_bias"),
     (True, dict(response_format={"type": "json_object"}), "response_format"),
-    (False, dict(logprobs=1), "logprobs"),
     (False, dict(extra_body={"foo": 1}), "foo"),
     (True, dict(extra_body={"specdec": {"colour": "red"}}), "specdec.colour"),
     (True, dict(temperature=-1), "temperature"),
@@ -491,7 +550,8 @@ def test_null_parameters_take_their_defaults(stack):
 
 def test_no_op_values_of_unsupported_parameters_and_unknown_model(client):
     response = client.chat.completions.create(model="target", messages=MESSAGES, max_tokens=3, temperature=0,
-                                              logprobs=False, frequency_penalty=0, presence_penalty=0.0, n=1)
+                                              logprobs=False, top_logprobs=0, frequency_penalty=0, presence_penalty=0.0,
+                                              n=1)
     assert response.usage.completion_tokens >= 1
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="gpt-4o", prompt="hi", max_tokens=3)

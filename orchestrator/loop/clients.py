@@ -24,7 +24,7 @@ from specdec.sampling import SamplingParams
 from specdec.tree import DraftTree
 from specdec.tree_spec import TreeSpec
 from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from specdec.wire import sampling_to_proto, spec_to_proto, tree_from_proto, tree_to_proto
+from specdec.wire import logprobs_from_proto, sampling_to_proto, spec_to_proto, tree_from_proto, tree_to_proto
 
 request_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("request_deadline", default=None)
 
@@ -97,11 +97,13 @@ class TargetClient:
     async def info(self, timeout: float = 10.0) -> target_pb2.InfoResponse:
         return await self.stub.Info(target_pb2.InfoRequest(), timeout=timeout, wait_for_ready=True)
 
-    async def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        """Prefill, its timeout growing with the prompt (``prefill_timeout_s``)."""
-        await self.stub.Prefill(target_pb2.PrefillRequest(
+    async def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> tuple:
+        """Prefill, its timeout growing with the prompt (``prefill_timeout_s``); returns the TokenLogprobs of
+        prompt_ids[1:] with sampling.prompt_logprobs, else ()."""
+        reply = await self.stub.Prefill(target_pb2.PrefillRequest(
             session_id=session_id, prompt_ids=prompt_ids, sampling=sampling_to_proto(sampling)),
             timeout=time_left(prefill_timeout_s(len(prompt_ids))))
+        return logprobs_from_proto(reply.prompt_logprobs, prompt_ids[1:])
 
     async def verify(self, session_id: str, tree: DraftTree) -> VerifyResult:
         msg = tree_to_proto(tree)
@@ -125,8 +127,9 @@ class TargetClient:
         span.set_attributes({"target.verify_ms": reply.verify_ms, "target.batch_size": reply.batch_size,
                              "target.batch_rows": reply.batch_rows})
         # batch_size 0: a replayed pending result (no forward ran); the control then learns no cost from it
-        return VerifyResult(tuple(reply.accepted_nodes), tuple(reply.tokens), reply.batch_size, reply.batch_rows,
-                            reply.mergeable_sessions, reply.verify_ms)
+        return VerifyResult(tuple(reply.accepted_nodes), tuple(reply.tokens),
+                            logprobs_from_proto(reply.logprobs, reply.tokens), batch_size=reply.batch_size,
+                            batch_rows=reply.batch_rows, mergeable=reply.mergeable_sessions, forward_ms=reply.verify_ms)
 
     async def commit(self, session_id: str, num_tokens: int) -> None:
         await self.stub.Commit(target_pb2.CommitRequest(session_id=session_id, num_tokens=num_tokens), timeout=time_left())

@@ -72,6 +72,8 @@ class GenerationRequest:
 class GenerationResult:
     tokens: list[int]
     stats: GenerationStats = field(default_factory=GenerationStats)
+    logprobs: list = field(default_factory=list)  # one TokenLogprob per token when sampling.logprobs is set
+    prompt_logprobs: tuple = ()  # prompt_ids[1:]'s TokenLogprobs when sampling.prompt_logprobs is set
 
 
 class InProcessWorker(WorkerAdapter):
@@ -140,8 +142,8 @@ class RoundController:
             raise ValueError("stop_strings: an empty stop string would stop after the first token")
         if request.stop_strings and self.decode is None:
             raise ValueError("stop_strings: this engine has no decode function (tokenizer) to match text")
-        if request.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: must be >= 1, got {request.max_new_tokens}")
+        if request.max_new_tokens < (0 if request.sampling.prompt_logprobs is not None else 1):
+            raise ValueError(f"max_new_tokens: must be >= 1 (0 only to score the prompt), got {request.max_new_tokens}")
         if not 0 <= request.resumed_tokens < len(request.prompt_ids):
             raise ValueError(f"resumed_tokens: must be in [0, {len(request.prompt_ids)}) (the prompt's length), "
                              f"got {request.resumed_tokens}")
@@ -157,14 +159,16 @@ class RoundController:
         self.running += 1
         try:
             await run.open()
-            while run.stops.reason is None:
+            if not request.max_new_tokens:
+                await run.scored()
+            while run.stops.reason is None and request.max_new_tokens:
                 committed = await run.round()
                 if on_tokens is not None:
                     await _maybe_await(on_tokens(committed))
         finally:
             self.running -= 1
             await asyncio.shield(run.close())
-        return GenerationResult(list(run.stops.generated), run.stats)
+        return GenerationResult(list(run.stops.generated), run.stats, run.logprobs, run.prompt_logprobs)
 
 
 @dataclass(frozen=True)
@@ -216,6 +220,8 @@ class _Request:
                                  streamed=tuple(request.prompt_ids[len(request.prompt_ids) - request.resumed_tokens:]),
                                  min_tokens=request.min_tokens, stop_token_ids=frozenset(request.stop_token_ids))
         self.stats = GenerationStats()
+        self.logprobs: list = []  # the committed tokens' TokenLogprobs (sampling.logprobs set)
+        self.prompt_logprobs: tuple = ()  # the target's prefill's (sampling.prompt_logprobs set)
         self.started = time.perf_counter()
         self.draft_sid: str | None = None  # open draft session
         self.draft_opens = 0
@@ -240,9 +246,19 @@ class _Request:
         self.target_open = True  # before the call: a cancel during Prefill must still release (harmless if unknown)
         starts = [asyncio.ensure_future(self.controller.target.start(self.sid, self.request.prompt_ids, self.request.sampling))]
         others = self.controller.running - 1  # other requests of this controller running now
-        if self.spec is not None and not self.control.defer_draft_open(others):  # deferred: opened by the first drafted round
-            starts.append(asyncio.ensure_future(self._open_draft()))
-        await gather_or_cancel(starts)
+        if self.spec is not None and self.request.max_new_tokens and not self.control.defer_draft_open(others):
+            starts.append(asyncio.ensure_future(self._open_draft()))  # deferred: opened by the first drafted round
+        self.prompt_logprobs = tuple((await gather_or_cancel(starts))[0] or ())
+
+    async def scored(self) -> None:
+        """A request of max_new_tokens 0 (prompt logprobs only) ends: one empty RoundRecord carries them."""
+        self.stats.stop_reason = "max_new_tokens"
+        self.stats.total_s = time.perf_counter() - self.started
+        record = RoundRecord((), 0, 0, 0, None, 0, None, 0.0, 0.0, stop_reason="max_new_tokens",
+                             prompt_logprobs=self.prompt_logprobs)
+        for callback in (self.on_round, self.controller.on_round):
+            if callback is not None:
+                await _maybe_await(callback(record))
 
     async def _open_draft(self) -> bool:
         sid = self.sid if self.draft_opens == 0 else f"{self.sid}#{self.draft_opens}"
@@ -557,7 +573,9 @@ class _Request:
                 result.batch_rows, result.mergeable, result.forward_ms / 1000,
                 reply_s=drafted.ahead_s if drafted.pipelined else None))
         context_nodes = sum(1 for d in shaped.draft_index if d is None)
-        record = RoundRecord(tuple(committed), proposed=tree.size, accepted=len(accepted), depth=shaped.depth,
+        record = RoundRecord(tuple(committed), logprobs=result.logprobs[:len(committed)],
+                             prompt_logprobs=() if self.stats.rounds else self.prompt_logprobs, proposed=tree.size,
+                             accepted=len(accepted), depth=shaped.depth,
                              fallback=drafted.fallback, gamma=self._gamma(), draft_s=drafted.draft_s,
                              verify_s=verify_s, commit_s=commit_s, drafted=drafted.tree.size,
                              context_proposed=context_nodes,
@@ -569,6 +587,7 @@ class _Request:
                              ahead_s=ahead.ahead_s if ahead else None,
                              cost=self.control.cost_snapshot() if self.control is not None else None)
         self.stats.add(record, time.perf_counter() - self.started)
+        self.logprobs += record.logprobs
         if self.stops.reason is not None:
             self.stats.total_s = time.perf_counter() - self.started
             self.stats.new_tokens = len(self.stops.generated)

@@ -61,7 +61,7 @@ class Resumption:
         if not self.streamed:
             return self.request
         n = len(self.streamed)
-        sampling = self.request.sampling
+        sampling = dataclasses.replace(self.request.sampling, prompt_logprobs=None)  # the client has the prompt's
         if sampling.seed is not None:  # a fresh stream: the dead actor's draws cannot be replayed
             sampling = dataclasses.replace(sampling, seed=derive_seed(sampling.seed, f"resume/{n}"))
         return dataclasses.replace(self.request, prompt_ids=[*self.request.prompt_ids, *self.streamed],

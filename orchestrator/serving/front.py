@@ -27,7 +27,7 @@ from specdec.process_entry import configure_logging, fail
 from specdec.security import BearerAuth, load_auth_tokens
 from specdec.telemetry import setup_tracing, shutdown_tracing
 from specdec.v1 import generation_pb2, generation_pb2_grpc
-from specdec.wire import sampling_from_proto, spec_from_proto, stats_to_proto
+from specdec.wire import logprobs_to_proto, sampling_from_proto, spec_from_proto, stats_to_proto
 
 SERVICE_NAME = "specdec.v1.GenerationService"
 
@@ -82,7 +82,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 def response_of(request_id: str, event: StreamEvent) -> generation_pb2.GenerateResponse:
     stats = None if event.stats is None else stats_to_proto(event.stats, event.prompt_tokens)
     return generation_pb2.GenerateResponse(request_id=request_id, token_ids=event.tokens, text_delta=event.text_delta,
-                                           stats=stats)
+                                           stats=stats, logprobs=logprobs_to_proto(event.logprobs),
+                                           prompt_logprobs=logprobs_to_proto(event.prompt_logprobs))
 
 
 async def serve_front(config: ServeConfig) -> int:

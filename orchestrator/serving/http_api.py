@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import socket
@@ -34,7 +35,7 @@ from orchestrator.serving.backends import UpstreamError
 from orchestrator.serving.requests import GenerateCall, RequestIdInUse, StreamEvent
 from orchestrator.serving.runner import RequestRunner
 from specdec.config import FrontConfig, GrpcConfig
-from specdec.sampling import SamplingParams, SamplingParamsError
+from specdec.sampling import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 from specdec.security import token_accepted
 from specdec.tree_spec import TreeSpecError, parse_tree_spec
 from specdec.wire import stats_to_proto
@@ -46,10 +47,10 @@ INT64 = 2**63
 
 # OpenAI parameters this server does not implement, with the values that ask for nothing (accepted).
 UNSUPPORTED: dict[str, tuple] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "frequency_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
     "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
     "parallel_tool_calls": (None,), "functions": (None, []), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}), "best_of": (None, 1), "suffix": (None, ""),
 }
 
 # our stop reasons (specdec.stats / orchestrator.loop.stops) -> OpenAI's finish_reason
@@ -129,11 +130,23 @@ class _GenerationParams(_Strict):
     def max_new_tokens(self) -> int:
         return self.max_tokens or 0  # 0 = front.max_new_tokens
 
+    def top_logprobs_k(self) -> int | None:
+        """Alternatives per generated token's logprobs; None = no logprobs."""
+        return None
+
 
 class CompletionRequest(_GenerationParams):
     """POST /v1/completions: one prompt, text (no chat template) or token ids."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=5)  # the legacy API's: top alternatives per token
+    echo: bool = False  # the prompt's text (and with logprobs its tokens' logprobs) before the completion's
+    max_tokens: int | None = Field(default=None, ge=0, lt=INT32)  # 0: score the prompt (echo and logprobs)
+
+    def top_logprobs_k(self) -> int | None:
+        if self.max_tokens == 0 and not (self.echo and self.logprobs is not None):
+            raise ApiError(400, "max_tokens: 0 only scores the prompt: with echo and logprobs", "max_tokens")
+        return self.logprobs
 
 
 class TextPart(_Strict):
@@ -156,6 +169,13 @@ class ChatCompletionRequest(_GenerationParams):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, lt=INT32)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def top_logprobs_k(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def max_new_tokens(self) -> int:
         if self.max_tokens and self.max_completion_tokens and self.max_tokens != self.max_completion_tokens:
@@ -286,11 +306,24 @@ class StopTrim:
         return out
 
 
+def _by_text(top, decode) -> dict[str, float]:
+    """Completions' top_logprobs: token text -> logprob, likeliest first; tokens of equal text keep the likeliest."""
+    out: dict[str, float] = {}
+    for token, logprob in top:
+        out.setdefault(decode([token]), logprob)
+    return out
+
+
 class Output:
     """OpenAI objects (chunks, responses) of one request; chat: chat.completion, else text_completion."""
 
-    def __init__(self, chat: bool, model: str, body: _GenerationParams, call: GenerateCall):
+    def __init__(self, chat: bool, model: str, body: _GenerationParams, call: GenerateCall, tokenizer=None):
         self.chat = chat
+        self.logprobs = call.sampling.logprobs is not None
+        self.tokenizer = tokenizer  # token strings of the logprobs
+        self.offset = 0  # completions' logprobs: the text offset of the next token
+        self.echo = getattr(body, "echo", False)  # completions: the prompt's text and logprobs first, once
+        self.echoed: tuple[str, tuple] = ("", ())
         self.id = call.request_id
         self.model = model
         self.created = int(time.time())
@@ -300,17 +333,24 @@ class Output:
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.trim = StopTrim(call.stop, body.include_stop_str_in_output)
         self.min_tokens = call.min_tokens
+        self.prompt, self.prompt_ids = call.prompt, call.prompt_ids
 
     def chunks(self, event: StreamEvent) -> list[dict]:
         """One event's chunks: text (if any, or token ids asked for); at the end the finish and usage chunks."""
         self.completion_tokens += len(event.tokens)
         early = self.completion_tokens < self.min_tokens
+        head, head_logprobs = "", ()
+        if self.echo:  # the first event
+            self.echo = False
+            head, head_logprobs = self.echoed = (self.tokenizer.decode(self.prompt_ids) if self.prompt_ids
+                                                 else self.prompt, event.prompt_logprobs)
         if event.stats is None:
-            text = self.trim.push(event.text_delta, early)
-            return [self._chunk(text, event.tokens)] if text or (self.token_ids and event.tokens) else []
-        text = self.trim.final(event.text_delta, early)
+            text = head + self.trim.push(event.text_delta, early)
+            keep = text or ((self.token_ids or self.logprobs) and event.tokens)
+            return [self._chunk(text, event.tokens, logprobs=head_logprobs + event.logprobs)] if keep else []
+        text = head + self.trim.final(event.text_delta, early)
         self.prompt_tokens = event.prompt_tokens
-        final = self._chunk(text, [], FINISH_REASONS.get(event.stats.stop_reason, "stop"))
+        final = self._chunk(text, [], FINISH_REASONS.get(event.stats.stop_reason, "stop"), head_logprobs)
         final["specdec"] = self._stats(event.stats)
         if not self.include_usage:
             return [final]
@@ -328,25 +368,47 @@ class Output:
         for event in events:
             self.chunks(event)
         stats = events[-1].stats
-        text = self.trim.text[:self.trim.sent]
+        text = self.echoed[0] + self.trim.text[:self.trim.sent]
+        self.offset = 0
         choice = self._choice(("message", {"role": "assistant", "content": text}), text,
-                              [t for e in events for t in e.tokens], FINISH_REASONS.get(stats.stop_reason, "stop"))
+                              [t for e in events for t in e.tokens], FINISH_REASONS.get(stats.stop_reason, "stop"),
+                              self.echoed[1] + tuple(lp for e in events for lp in e.logprobs))
         return {**self._head(chunk=False), "choices": [choice], "usage": self._usage(), "specdec": self._stats(stats)}
 
     def _head(self, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def _chunk(self, text: str, tokens: list[int], finish_reason: str | None = None) -> dict:
+    def _chunk(self, text: str, tokens: list[int], finish_reason: str | None = None, logprobs=()) -> dict:
         delta = {"content": text} if text or finish_reason is None else {}
-        chunk = {**self._head(chunk=True), "choices": [self._choice(("delta", delta), text, tokens, finish_reason)]}
-        return chunk | ({"usage": None} if self.include_usage else {})
+        choice = self._choice(("delta", delta), text, tokens, finish_reason, logprobs)
+        return {**self._head(chunk=True), "choices": [choice]} | ({"usage": None} if self.include_usage else {})
 
-    def _choice(self, chat_item: tuple[str, dict], text: str, tokens: list[int], finish_reason: str | None) -> dict:
+    def _choice(self, chat_item: tuple[str, dict], text: str, tokens: list[int], finish_reason: str | None,
+                logprobs=()) -> dict:
         """A choice: ``chat_item`` (its key and value) in a chat, else the text; the token ids when asked for."""
         content = dict([chat_item]) if self.chat else {"text": text}
-        choice = {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, **content, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
         return choice | ({"token_ids": tokens} if self.token_ids else {})
+
+    def _logprobs(self, logprobs) -> dict | None:
+        """OpenAI's logprobs object of these positions' ``TokenLogprob``s (None: not asked for, or no tokens)."""
+        if not (self.logprobs and logprobs):
+            return None
+        text = self.tokenizer.decode
+        if self.chat:
+            def entry(token: int, logprob: float) -> dict:
+                s = text([token])
+                return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+            return {"content": [entry(lp.token, lp.logprob) | {"top_logprobs": [entry(*t) for t in lp.top]}
+                                for lp in logprobs]}
+        tokens = [text([lp.token]) for lp in logprobs]
+        offsets = list(itertools.accumulate(map(len, tokens), initial=self.offset))
+        self.offset = offsets.pop()
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [None if lp.logprob is None else _by_text(lp.top, text) for lp in logprobs],
+                "text_offset": offsets}
 
     def _usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -556,7 +618,10 @@ class HttpApi:
         stop = tuple(_unicode(s, "stop") for s in ([body.stop] if isinstance(body.stop, str) else body.stop or []))
         try:
             tree = parse_tree_spec(body.specdec.tree) if body.specdec.tree is not None else None
-            sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
+            logprobs = body.top_logprobs_k()
+            prompt_logprobs = logprobs if getattr(body, "echo", False) else None
+            sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+                                      logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except ValueError as exc:  # TreeSpecError, SamplingParamsError
             raise field_error(exc, chat) from None
         return GenerateCall(
@@ -565,12 +630,13 @@ class HttpApi:
             no_spec=body.specdec.no_spec, ignore_eos=body.ignore_eos or body.specdec.ignore_eos,
             min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids),
             skip_special_tokens=body.skip_special_tokens, carrier=_trace_carrier(request),
+            score_only=body.max_tokens == 0,
             client=self.runner.client_of(request.headers.get("authorization", ""),
                                          request.client.host if request.client else "unknown"))
 
     async def _respond(self, request: Request, body: _GenerationParams, call: GenerateCall, chat: bool) -> Response:
         """Run the call; the first event is awaited here, so errors before any token get their status."""
-        out = Output(chat, self.model_name, body, call)
+        out = Output(chat, self.model_name, body, call, self.runner.tokenizer)
         run = Run(self.runner.run(call), request, self.active, call.request_id)
         try:
             first = await anext(run)

@@ -32,7 +32,8 @@ class GenerateCall:
     """One generation request as a client sent it, sampling and tree already validated.
     prompt: text (chat template unless ``raw``), or prompt_ids; max_new_tokens: 0 = the server default; tree:
     None = front.tree; timeout_s: time left (None = no deadline); carrier: W3C trace context; client: admission key;
-    min_tokens, stop_token_ids: as GenerationRequest's; skip_special_tokens: the text leaves special tokens out."""
+    min_tokens, stop_token_ids: as GenerationRequest's; skip_special_tokens: the text leaves special tokens out;
+    score_only: no new tokens, the prompt's logprobs only (sampling.prompt_logprobs set)."""
 
     request_id: str
     prompt: str = ""
@@ -50,16 +51,21 @@ class GenerateCall:
     timeout_s: float | None = None
     carrier: dict | None = None
     client: str = "local"
+    score_only: bool = False
 
 
 @dataclass(frozen=True)
 class StreamEvent:
-    """A round's tokens and text delta, or the end (``stats`` set, ``tokens`` empty) with the prompt's length."""
+    """A round's tokens and text delta, or the end (``stats`` set, ``tokens`` empty) with the prompt's length.
+    logprobs: one ``specdec.sampling.TokenLogprob`` per token where the call's sampling asks for them;
+    prompt_logprobs: the first event's, of the prompt's tokens but the first (sampling.prompt_logprobs)."""
 
     tokens: list[int]
     text_delta: str
     stats: GenerationStats | None = None
     prompt_tokens: int = 0
+    logprobs: tuple = ()
+    prompt_logprobs: tuple = ()
 
 
 def check_call(call: GenerateCall, front: FrontConfig) -> None:
@@ -104,7 +110,7 @@ def to_generation(call: GenerateCall, tokenizer, front: FrontConfig, info) -> Ge
         limit = info.max_tree_nodes or spec.num_nodes
         if spec.num_nodes > limit:
             raise ValueError(f"tree: {spec.num_nodes} nodes exceed the target's limit of {limit} (target.max_tree_nodes)")
-    max_new = max_new_tokens(front, call.max_new_tokens, len(ids))
+    max_new = 0 if call.score_only else max_new_tokens(front, call.max_new_tokens, len(ids))
     if call.min_tokens > max_new:
         raise ValueError(f"min_tokens: {call.min_tokens} exceeds the request's max_new_tokens ({max_new})")
     if bad := [t for t in call.stop_token_ids if not 0 <= t < info.vocab_size]:

@@ -19,6 +19,7 @@ from orchestrator.serving.admission import Admission, Ticket, client_key
 from orchestrator.serving.backends import Backend
 from orchestrator.serving.requests import GenerateCall, RequestIdInUse, StreamEvent, check_call, to_generation
 from specdec.config import FrontConfig
+from specdec.sampling import TokenLogprob
 from specdec.stats import GenerationStats, RoundRecord
 
 
@@ -100,12 +101,17 @@ class RequestRunner:
         stream = self._admitted(ticket, req, request_id, timeout_s, arrived, carrier)
         if self.metrics is not None:  # request latency, TTFT, inter-token latency, running / waiting (queued too)
             stream = self.metrics.track_stream(stream)
+        scoring = req.sampling.prompt_logprobs is not None
         try:
             async for tokens, record, stats in stream:
                 if record is not None:
                     self._observe(request_id, record)
-                if tokens:
-                    yield StreamEvent(tokens, deltas.push(tokens))
+                prompt = ()  # the prompt's logprobs (first round), its first token's too: None (OpenAI's echo)
+                if record is not None and scoring:
+                    prompt, scoring = (TokenLogprob(req.prompt_ids[0], None), *record.prompt_logprobs), False
+                if tokens or prompt:
+                    yield StreamEvent(tokens, deltas.push(tokens), logprobs=record.logprobs if record else (),
+                                      prompt_logprobs=prompt)
                 if stats is not None:
                     yield StreamEvent([], deltas.final(), self._final_stats(stats, started), len(req.prompt_ids))
         finally:

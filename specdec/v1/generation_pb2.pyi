@@ -38,16 +38,20 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., raw: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., sampling: _Optional[_Union[_tree_pb2.SamplingParams, _Mapping]] = ..., tree: _Optional[_Union[_tree_pb2.TreeSpec, _Mapping]] = ..., no_spec: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text_delta", "stats")
+    __slots__ = ("request_id", "token_ids", "text_delta", "stats", "logprobs", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text_delta: str
     stats: FinalStats
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., stats: _Optional[_Union[FinalStats, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_tree_pb2.TokenLogprobs]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_tree_pb2.TokenLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., stats: _Optional[_Union[FinalStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_tree_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_tree_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class FinalStats(_message.Message):
     __slots__ = ("new_tokens", "prompt_tokens", "rounds", "acceptance_rate", "mean_accepted_length", "ttft_ms", "total_s", "stop_reason", "fallback_rounds", "final_gamma", "proposed_tokens", "accepted_tokens", "cost_plain_rounds", "drafted_tokens", "context_proposed_tokens", "context_accepted_tokens", "expected_accepted_tokens", "failovers", "pipeline_ahead_hits", "pipeline_ahead_misses", "position_proposed", "position_accepted", "draft_s", "verify_s", "draft_rounds", "draft_link_rtt_ms", "target_link_rtt_ms", "predraft_hits", "pipelined_rounds", "predrafted_rounds", "ahead_hit_rate", "in_line_share", "pipelined_share", "predrafted_share")

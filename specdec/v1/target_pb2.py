@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import tree_pb2 as specdec_dot_v1_dot_tree__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x15specdec/v1/tree.proto\"f\n\x0ePrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\"(\n\x0fPrefillResponse\x12\x15\n\rcached_tokens\x18\x01 \x01(\x05\"H\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12#\n\x04tree\x18\x02 \x01(\x0b\x32\x15.specdec.v1.TokenTree\"\xa3\x01\n\x0eVerifyResponse\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x11\n\tverify_ms\x18\x03 \x01(\x01\x12\x12\n\nbatch_size\x18\x04 \x01(\x05\x12\x12\n\nbatch_rows\x18\x05 \x01(\x05\x12\x1a\n\x12mergeable_sessions\x18\x06 \x01(\x05\x12\x12\n\nservice_ms\x18\x07 \x01(\x01\">\n\x12VerifyBatchRequest\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.specdec.v1.VerifyRequest\"B\n\x13VerifyBatchResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.specdec.v1.VerifyResponse\"7\n\rCommitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\"\'\n\x0e\x43ommitResponse\x12\x15\n\rcached_tokens\x18\x01 \x01(\x05\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"\x96\x02\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rcontext_limit\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x10\n\x08sessions\x18\x05 \x01(\x05\x12\x15\n\rcached_tokens\x18\x06 \x01(\x03\x12\x17\n\x0ftensor_parallel\x18\x07 \x01(\x05\x12\x18\n\x10\x62\x61tched_forwards\x18\x08 \x01(\x03\x12\x16\n\x0emax_tree_nodes\x18\t \x01(\x05\x12\x15\n\rmax_kv_tokens\x18\n \x01(\x03\x12\x0c\n\x04host\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x0c\n\x04\x63pus\x18\r \x03(\x05\x32\xa4\x03\n\rTargetService\x12\x42\n\x07Prefill\x12\x1a.specdec.v1.PrefillRequest\x1a\x1b.specdec.v1.PrefillResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12N\n\x0bVerifyBatch\x12\x1e.specdec.v1.VerifyBatchRequest\x1a\x1f.specdec.v1.VerifyBatchResponse\x12?\n\x06\x43ommit\x12\x19.specdec.v1.CommitRequest\x1a\x1a.specdec.v1.CommitResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12\x39\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x18.specdec.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x15specdec/v1/tree.proto\"f\n\x0ePrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\"\\\n\x0fPrefillResponse\x12\x15\n\rcached_tokens\x18\x01 \x01(\x05\x12\x32\n\x0fprompt_logprobs\x18\x02 \x03(\x0b\x32\x19.specdec.v1.TokenLogprobs\"H\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12#\n\x04tree\x18\x02 \x01(\x0b\x32\x15.specdec.v1.TokenTree\"\xd0\x01\n\x0eVerifyResponse\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x11\n\tverify_ms\x18\x03 \x01(\x01\x12\x12\n\nbatch_size\x18\x04 \x01(\x05\x12\x12\n\nbatch_rows\x18\x05 \x01(\x05\x12\x1a\n\x12mergeable_sessions\x18\x06 \x01(\x05\x12\x12\n\nservice_ms\x18\x07 \x01(\x01\x12+\n\x08logprobs\x18\x08 \x03(\x0b\x32\x19.specdec.v1.TokenLogprobs\">\n\x12VerifyBatchRequest\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.specdec.v1.VerifyRequest\"B\n\x13VerifyBatchResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.specdec.v1.VerifyResponse\"7\n\rCommitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\"\'\n\x0e\x43ommitResponse\x12\x15\n\rcached_tokens\x18\x01 \x01(\x05\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"\x96\x02\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rcontext_limit\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x10\n\x08sessions\x18\x05 \x01(\x05\x12\x15\n\rcached_tokens\x18\x06 \x01(\x03\x12\x17\n\x0ftensor_parallel\x18\x07 \x01(\x05\x12\x18\n\x10\x62\x61tched_forwards\x18\x08 \x01(\x03\x12\x16\n\x0emax_tree_nodes\x18\t \x01(\x05\x12\x15\n\rmax_kv_tokens\x18\n \x01(\x03\x12\x0c\n\x04host\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x0c\n\x04\x63pus\x18\r \x03(\x05\x32\xa4\x03\n\rTargetService\x12\x42\n\x07Prefill\x12\x1a.specdec.v1.PrefillRequest\x1a\x1b.specdec.v1.PrefillResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12N\n\x0bVerifyBatch\x12\x1e.specdec.v1.VerifyBatchRequest\x1a\x1f.specdec.v1.VerifyBatchResponse\x12?\n\x06\x43ommit\x12\x19.specdec.v1.CommitRequest\x1a\x1a.specdec.v1.CommitResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12\x39\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x18.specdec.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,27 +35,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=62
   _globals['_PREFILLREQUEST']._serialized_end=164
   _globals['_PREFILLRESPONSE']._serialized_start=166
-  _globals['_PREFILLRESPONSE']._serialized_end=206
-  _globals['_VERIFYREQUEST']._serialized_start=208
-  _globals['_VERIFYREQUEST']._serialized_end=280
-  _globals['_VERIFYRESPONSE']._serialized_start=283
-  _globals['_VERIFYRESPONSE']._serialized_end=446
-  _globals['_VERIFYBATCHREQUEST']._serialized_start=448
-  _globals['_VERIFYBATCHREQUEST']._serialized_end=510
-  _globals['_VERIFYBATCHRESPONSE']._serialized_start=512
-  _globals['_VERIFYBATCHRESPONSE']._serialized_end=578
-  _globals['_COMMITREQUEST']._serialized_start=580
-  _globals['_COMMITREQUEST']._serialized_end=635
-  _globals['_COMMITRESPONSE']._serialized_start=637
-  _globals['_COMMITRESPONSE']._serialized_end=676
-  _globals['_RELEASEREQUEST']._serialized_start=678
-  _globals['_RELEASEREQUEST']._serialized_end=714
-  _globals['_RELEASERESPONSE']._serialized_start=716
-  _globals['_RELEASERESPONSE']._serialized_end=751
-  _globals['_INFOREQUEST']._serialized_start=753
-  _globals['_INFOREQUEST']._serialized_end=766
-  _globals['_INFORESPONSE']._serialized_start=769
-  _globals['_INFORESPONSE']._serialized_end=1047
-  _globals['_TARGETSERVICE']._serialized_start=1050
-  _globals['_TARGETSERVICE']._serialized_end=1470
+  _globals['_PREFILLRESPONSE']._serialized_end=258
+  _globals['_VERIFYREQUEST']._serialized_start=260
+  _globals['_VERIFYREQUEST']._serialized_end=332
+  _globals['_VERIFYRESPONSE']._serialized_start=335
+  _globals['_VERIFYRESPONSE']._serialized_end=543
+  _globals['_VERIFYBATCHREQUEST']._serialized_start=545
+  _globals['_VERIFYBATCHREQUEST']._serialized_end=607
+  _globals['_VERIFYBATCHRESPONSE']._serialized_start=609
+  _globals['_VERIFYBATCHRESPONSE']._serialized_end=675
+  _globals['_COMMITREQUEST']._serialized_start=677
+  _globals['_COMMITREQUEST']._serialized_end=732
+  _globals['_COMMITRESPONSE']._serialized_start=734
+  _globals['_COMMITRESPONSE']._serialized_end=773
+  _globals['_RELEASEREQUEST']._serialized_start=775
+  _globals['_RELEASEREQUEST']._serialized_end=811
+  _globals['_RELEASERESPONSE']._serialized_start=813
+  _globals['_RELEASERESPONSE']._serialized_end=848
+  _globals['_INFOREQUEST']._serialized_start=850
+  _globals['_INFOREQUEST']._serialized_end=863
+  _globals['_INFORESPONSE']._serialized_start=866
+  _globals['_INFORESPONSE']._serialized_end=1144
+  _globals['_TARGETSERVICE']._serialized_start=1147
+  _globals['_TARGETSERVICE']._serialized_end=1567
 # @@protoc_insertion_point(module_scope)

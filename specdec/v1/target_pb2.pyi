@@ -18,10 +18,12 @@ class PrefillRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_tree_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("cached_tokens",)
+    __slots__ = ("cached_tokens", "prompt_logprobs")
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     cached_tokens: int
-    def __init__(self, cached_tokens: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_tree_pb2.TokenLogprobs]
+    def __init__(self, cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_tree_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "tree")
@@ -32,7 +34,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[_tree_pb2.TokenTree, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted_nodes", "tokens", "verify_ms", "batch_size", "batch_rows", "mergeable_sessions", "service_ms")
+    __slots__ = ("accepted_nodes", "tokens", "verify_ms", "batch_size", "batch_rows", "mergeable_sessions", "service_ms", "logprobs")
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +42,7 @@ class VerifyResponse(_message.Message):
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     MERGEABLE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     SERVICE_MS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     verify_ms: float
@@ -47,7 +50,8 @@ class VerifyResponse(_message.Message):
     batch_rows: int
     mergeable_sessions: int
     service_ms: float
-    def __init__(self, accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_rows: _Optional[int] = ..., mergeable_sessions: _Optional[int] = ..., service_ms: _Optional[float] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_tree_pb2.TokenLogprobs]
+    def __init__(self, accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_rows: _Optional[int] = ..., mergeable_sessions: _Optional[int] = ..., service_ms: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_tree_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class VerifyBatchRequest(_message.Message):
     __slots__ = ("items",)
