@@ -86,6 +86,24 @@ def test_a_greedy_round_syncs_once_per_forward(syncs, pair, direct):
         assert sum(syncs.values()) == 1, syncs
 
 
+def test_a_batched_greedy_round_syncs_once_per_session_and_forward(syncs, pair):
+    target_model, draft_model = pair
+    draft, target = DraftRuntime(draft_model), TargetRuntime(target_model)
+    for sid, seed in (("a", 6), ("b", 7)):
+        draft.start(sid, random_prompt(seed, 8))
+        target.start(sid, random_prompt(seed, 8))
+    for _ in range(2):  # 3 shared draft forwards and 1 packed verify, each read once per session
+        syncs.clear()
+        syncs["on"] = 1
+        trees = draft.propose_batch([("a", SPEC, SPEC.gamma), ("b", SPEC, SPEC.gamma)])
+        results = target.verify_batch(list(zip("ab", trees)))
+        for sid, result in zip("ab", results):
+            target.commit(sid, len(result.tokens))
+            draft.commit(sid, list(result.tokens), list(result.accepted_nodes))
+        syncs["on"] = 0
+        assert sum(syncs.values()) == 2 * (SPEC.gamma + 1), syncs
+
+
 @pytest.mark.parametrize("tree_type", [0, 1])
 def test_a_sampled_round_syncs_once_per_draft_step_and_visited_row(syncs, pair, tree_type):
     target_model, draft_model = pair
