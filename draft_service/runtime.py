@@ -384,18 +384,20 @@ class DraftRuntime(DraftWorker):
         if nodes == [ROOT]:
             pending = s.tokens[s.cached_len :]
             visible = torch.ones(len(pending), start + len(pending), dtype=torch.bool).tril(start)  # (P, C + P)
-            return _StepRows(s, pending, torch.arange(s.cached_len, len(s.tokens)), visible, root=True)
+            return _StepRows(s, pending, torch.arange(s.cached_len, len(s.tokens)), visible, True, len(pending) == 1)
         base = s.cached_len
         depths = node_depths(parents)
         visible = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)  # (P, C + P)
         visible[:, :base] = True
         for row, node in enumerate(nodes):
-            for anc in ancestors(parents, node)[:-1]:
+            above = ancestors(parents, node)[:-1]
+            for anc in above:
                 visible[row, s.slot_of_node[anc]] = True
             visible[row, start + row] = True
             s.slot_of_node[node] = start + row
         positions = torch.tensor([base - 1 + depths[n] for n in nodes])
-        return _StepRows(s, [tokens[n] for n in nodes], positions, visible, root=False)
+        plain = len(nodes) == 1 and len(above) == start - base  # one row whose ancestors are all the tree slots
+        return _StepRows(s, [tokens[n] for n in nodes], positions, visible, False, plain)
 
     def _forward_rows(self, rows: dict[int, _StepRows]) -> dict[int, torch.Tensor]:
         """Log-probs of each session's step rows ([1, V] after R at step 0, [P, V] after that):
@@ -415,7 +417,7 @@ class DraftRuntime(DraftWorker):
             logits = self._forward(r.session.cache, r.ids, r.positions, mask=None, logits_rows=1)
             r.session.cached_len = len(r.session.tokens)
         else:
-            logits = self._forward(r.session.cache, r.ids, r.positions, additive_mask(r.visible, self.model.dtype))
+            logits = self._forward(r.session.cache, r.ids, r.positions, self._mask(r))
         return torch.log_softmax(logits, dim=-1)  # (1 or P, V)
 
     def _forward_together(self, rows: list[_StepRows]) -> list[torch.Tensor]:
@@ -423,7 +425,7 @@ class DraftRuntime(DraftWorker):
         if self.packed:
             logits = model_forward_packed(
                 self.model, [r.session.cache for r in rows], [r.ids for r in rows], [r.positions for r in rows],
-                [additive_mask(r.visible, self.model.dtype) for r in rows],
+                [self._mask(r) for r in rows],
                 [1 if r.root else None for r in rows],  # step 0: only R's row is drafted from
             )
         else:
@@ -434,6 +436,10 @@ class DraftRuntime(DraftWorker):
                 r.session.cached_len = len(r.session.tokens)
             out.append(torch.log_softmax(rows_logits, dim=-1))
         return out
+
+    def _mask(self, r: _StepRows) -> torch.Tensor | None:
+        """The rows' additive mask on the model's device; None for a plain row (no mask: the fastest kernel)."""
+        return None if r.plain else additive_mask(r.visible, self.model.dtype, self.model.device)
 
     def _forward_padded(self, rows: list[_StepRows]) -> list[torch.Tensor]:
         """``_forward_together`` as a padded batch (``padded_batch_inputs``): B logits, [1, V] / [P_b, V]."""
@@ -489,13 +495,15 @@ def check_root_path(parents: Sequence[int], path: Sequence[int], field: str = "p
 class _StepRows:
     """One session's rows of one draft step: P token ids, their positions [P], which of the
     session's C cache slots and P new slots each row sees (visible [P, C + P] bool), and whether
-    this is step 0 (the pending committed tokens; only the last row's log-probs are used)."""
+    this is step 0 (the pending committed tokens; only the last row's log-probs are used); plain: one row
+    that sees every slot (attention needs no mask)."""
 
     session: DraftSession
     ids: list[int]
     positions: torch.Tensor
     visible: torch.Tensor
     root: bool
+    plain: bool
 
 
 def activation_scale_per_call(model) -> bool:

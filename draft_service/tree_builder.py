@@ -77,8 +77,12 @@ def tree_steps(
             if node != ROOT:
                 expanded[node] = True
         frontier = []
+        greedy_picks = _greedy_children(rows, spec.top_k_spec[d][: len(chosen)]) if sampling.greedy else None
         for j, node in enumerate(chosen):
-            ids, values = _pick_children(spec.top_k_spec[d][j], rows[j], sampling.greedy, sampled_children, rng)
+            if greedy_picks is not None:
+                ids, values = greedy_picks[j]
+            else:
+                ids, values = _pick_children(spec.top_k_spec[d][j], rows[j], sampled_children, rng)
             if sampled_children:
                 proposals.append(Proposal(node, rows[j]))
             base = 0.0 if node == ROOT else path_logp[node]
@@ -92,12 +96,18 @@ def tree_steps(
     return DraftTree(tuple(tokens), tuple(parents), tuple(logprobs), tuple(expanded), tuple(proposals))
 
 
-def _pick_children(k: int, row, greedy: bool, sampled: bool, rng) -> tuple[list[int], list[float]]:
-    """Children of one expanded node: (token ids, their draft log-probs), in tree order. row: [V] raw
-    draft log-probs (torch) when greedy, else q (NumPy); at most q's support when sampling."""
-    if greedy:
-        values, ids = row.topk(min(k, row.numel()))
-        return ids.tolist(), values.tolist()
+def _greedy_children(rows: torch.Tensor, ks) -> list[tuple[list[int], list[float]]]:
+    """Greedy children of a step's P expanded nodes: per node j its top ``ks[j]`` (token ids, draft
+    log-probs), best first, from rows [P, V] raw draft log-probs; one top-k and one host copy per step."""
+    values, ids = rows.topk(min(max(ks), rows.shape[-1]), dim=-1)  # (P, K)
+    picked = torch.cat([ids.to(torch.float64), values.to(torch.float64)], dim=-1).tolist()  # ids exact in float64
+    half = ids.shape[-1]
+    return [([int(t) for t in row[:k]], row[half : half + k]) for row, k in zip(picked, ks)]
+
+
+def _pick_children(k: int, row: np.ndarray, sampled: bool, rng) -> tuple[list[int], list[float]]:
+    """Sampled children of one expanded node: (token ids, their draft log-probs), in tree order. row: q [V]
+    (NumPy float64); at most q's support."""
     if sampled:
         ids = sample_without_replacement(row, k, rng)  # draw order
     else:

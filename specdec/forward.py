@@ -285,12 +285,12 @@ PACKED_ATTENTION = "specdec_packed"
 class PackedSegment:
     """One session's rows inside a packed forward: query rows [start, start + rows) of the packed
     sequence, attending to ``cache`` (its L cached slots; the rows' new KV is appended to it) plus
-    its own new rows, through ``mask`` [1, 1, rows, L + rows] additive (0 = visible)."""
+    its own new rows, through ``mask`` [1, 1, rows, L + rows] additive (0 = visible; None: one row seeing all)."""
 
     start: int
     rows: int
     cache: object
-    mask: torch.Tensor
+    mask: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -385,11 +385,11 @@ def model_forward_packed(
     Cross-contamination", §3, with a KV cache behind each block as vLLM's varlen attention).
 
     caches: B dynamic caches (L_b slots, each grows by n_b); input_ids: B lists of n_b >= 1 ids;
-    position_ids: B [n_b] int64; masks: B [1, 1, n_b, L_b + n_b] additive; logits_rows: per session,
-    its last rows kept (None = all). Returns B [k_b, V] float32, or argmax ids [k_b] int64 for sessions
-    with argmax_rows[b] (``ArgmaxHead``). Logits equal the solo forward's up to float32 round-off. Not
-    for dynamic / longrope RoPE. Raises ValueError for mismatched lengths, an empty row, a bad mask
-    shape or a model without packed attention; after a forward error, truncate the caches.
+    position_ids: B [n_b] int64; masks: B [1, 1, n_b, L_b + n_b] additive (None: one row seeing all);
+    logits_rows: per session, its last rows kept (None = all). Returns B [k_b, V] float32, or argmax ids
+    [k_b] int64 for sessions with argmax_rows[b] (``ArgmaxHead``). Logits equal the solo forward's up to
+    float32 round-off. Not for dynamic / longrope RoPE. Raises ValueError for mismatched lengths, an empty
+    row, a bad mask shape or a model without packed attention; after a forward error, truncate the caches.
     """
     if model.config._attn_implementation != PACKED_ATTENTION:
         raise ValueError("model: call use_packed_attention(model) before packed forwards")
@@ -415,10 +415,13 @@ def _pack_segments(model, caches, input_ids, masks, keep) -> tuple[list[PackedSe
     segments, kept, start = [], [], 0
     for b, (cache, ids, mask, k) in enumerate(zip(caches, input_ids, masks, keep)):
         n, cached = len(ids), cache.get_seq_length()
-        if not n or tuple(mask.shape) != (1, 1, n, cached + n):
-            raise ValueError(f"masks[{b}]: shape {tuple(mask.shape)}, expected (1, 1, {n}, {cached + n}) "
-                             f"for {n} >= 1 rows after {cached} cached slots")
-        segments.append(PackedSegment(start, n, cache, mask.to(device=device, dtype=model.dtype)))
+        if mask is None and n == 1:  # one row seeing every slot: no mask
+            segments.append(PackedSegment(start, n, cache, None))
+        elif not n or mask is None or tuple(mask.shape) != (1, 1, n, cached + n):
+            raise ValueError(f"masks[{b}]: shape {None if mask is None else tuple(mask.shape)}, expected "
+                             f"(1, 1, {n}, {cached + n}) for {n} >= 1 rows after {cached} cached slots (None: 1 row)")
+        else:
+            segments.append(PackedSegment(start, n, cache, mask.to(device=device, dtype=model.dtype)))
         kept.append(range(start + n - min(k or n, n), start + n))
         start += n
     return segments, kept

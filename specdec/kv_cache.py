@@ -35,12 +35,13 @@ def compact_kv(cache: DynamicCache, keep_len: int, src_slots: list[int]) -> None
     """Keep slots [0, keep_len), then ``src_slots`` [K] (ascending, >= keep_len) moved after them; drop the
     rest, in place. Raises TypeError for layers that are not plain DynamicLayer."""
     _check_dynamic(cache)
-    k = len(src_slots)
+    k, src = len(src_slots), None
     for layer in cache.layers:
         if not layer.is_initialized:
             continue
         if k:
-            src = torch.tensor(src_slots, dtype=torch.long, device=layer.keys.device)
+            if src is None or src.device != layer.keys.device:  # one index copy per cache, not per layer
+                src = torch.tensor(src_slots, dtype=torch.long, device=layer.keys.device)
             # Gather first (a copy), then write: sources may overlap the destination range.
             layer.keys[:, :, keep_len : keep_len + k] = layer.keys[:, :, src]
             layer.values[:, :, keep_len : keep_len + k] = layer.values[:, :, src]

@@ -101,7 +101,8 @@ def processed_probs(logits, params: SamplingParams) -> np.ndarray:
     """
     assert not params.greedy, "processed_probs: temperature 0 is greedy (argmax), not a distribution"
     if isinstance(logits, torch.Tensor):
-        logits = logits.detach().to("cpu", torch.float64).numpy()
+        # at least float32 across (half float64's bytes); float64 below, an exact widening
+        logits = logits.detach().to("cpu", torch.promote_types(logits.dtype, torch.float32)).numpy()
     scores = np.asarray(logits, dtype=np.float64) / params.temperature  # (..., V)
     vocab = scores.shape[-1]
     if 0 < params.top_k < vocab:

@@ -11,6 +11,7 @@ node positions [8, 8, 9].
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -129,9 +130,10 @@ def children(parents) -> list[list[int]]:
     return out
 
 
-def tree_position_ids(parents, cache_len: int) -> torch.Tensor:
-    """Position ids of [R, nodes]: [N + 1] int64; R at ``cache_len``, a depth-d node at ``cache_len + d``."""
-    return torch.tensor([cache_len] + [cache_len + d for d in node_depths(parents)], dtype=torch.long)
+def tree_position_ids(parents, cache_len: int, device=None) -> torch.Tensor:
+    """Position ids of [R, nodes]: [N + 1] int64 on ``device`` (None = CPU); R at ``cache_len``, a depth-d
+    node at ``cache_len + d``."""
+    return _depths(tuple(parents), torch.device(device or "cpu")) + cache_len
 
 
 def tree_visibility(parents) -> torch.Tensor:
@@ -146,19 +148,36 @@ def tree_visibility(parents) -> torch.Tensor:
     return visible
 
 
-def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Turn a [Q, K] bool visibility matrix into a [1, 1, Q, K] additive mask (0 or dtype min)."""
-    mask = torch.zeros(visible.shape, dtype=dtype)
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """Turn a [Q, K] bool visibility matrix into a [1, 1, Q, K] additive mask (0 or dtype min) on ``device``
+    (None = visible's); only the bool matrix crosses devices."""
+    visible = visible.to(device) if device is not None else visible
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
     mask.masked_fill_(~visible, torch.finfo(dtype).min)
     return mask[None, None]  # (1, 1, Q, K)
 
 
-def tree_attention_mask(parents, cache_len: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def tree_attention_mask(parents, cache_len: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
     """Tree attention mask over [R, nodes] after ``cache_len`` cached tokens: [1, 1, N + 1, cache_len + N + 1]
-    additive; each row sees the prefix, R, its ancestors and itself (SpecInfer, Miao et al. ASPLOS'24, §4)."""
+    additive on ``device`` (None = CPU); each row sees the prefix, R, its ancestors and itself (SpecInfer,
+    Miao et al. ASPLOS'24, §4). Built on the device from a per-shape copy of the tree part (no host copy)."""
     n = len(parents)
-    visible = torch.cat([torch.ones(n + 1, cache_len, dtype=torch.bool), tree_visibility(parents)], dim=1)
-    return additive_mask(visible, dtype)
+    device = torch.device(device or "cpu")
+    mask = torch.zeros(1, 1, n + 1, cache_len + n + 1, dtype=dtype, device=device)
+    mask[0, 0, :, cache_len:] = _tree_mask(tuple(parents), dtype, device)
+    return mask
+
+
+@functools.lru_cache(maxsize=256)
+def _depths(parents: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Depths of [R, nodes] on ``device``: [N + 1] int64, R 0; cached per tree shape, never written."""
+    return torch.tensor([0, *node_depths(parents)], dtype=torch.long, device=device)
+
+
+@functools.lru_cache(maxsize=256)
+def _tree_mask(parents: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``tree_visibility`` as an additive [N + 1, N + 1] mask on ``device``; cached per tree shape, never written."""
+    return additive_mask(tree_visibility(parents), dtype, device)[0, 0]
 
 
 def select_nodes(tree: DraftTree, keep) -> tuple[DraftTree, list[int]]:

@@ -167,8 +167,8 @@ class TargetRuntime:
         if s.root_logits is not None:
             return self._first_tree_logits(s, tree, argmax)
         truncate_kv(s.cache, s.cache_len)  # drop the slots of an earlier verify that failed mid-way
-        positions = tree_position_ids(tree.parents, s.cache_len)  # (N + 1,)
-        mask = tree_attention_mask(tree.parents, s.cache_len, self.model.dtype)  # (1, 1, N+1, L+N+1)
+        positions = tree_position_ids(tree.parents, s.cache_len, self.model.device)  # (N + 1,)
+        mask = self._tree_mask(tree, s.cache_len)  # (1, 1, N+1, L+N+1)
         return self._rows(self._forward(s.cache, [s.root, *tree.tokens], positions, mask,
                                         argmax_head=self.argmax_head if argmax else None), argmax)
 
@@ -180,11 +180,16 @@ class TargetRuntime:
         root = s.root_logits.argmax(dim=-1, keepdim=True) if argmax else s.root_logits[None]  # (1,) or (1, V)
         if not tree.size:
             return root  # no forward
-        positions = tree_position_ids(tree.parents, s.cache_len)[1:]  # (N,)
-        mask = tree_attention_mask(tree.parents, s.cache_len, self.model.dtype)[:, :, 1:]  # (1, 1, N, L+1+N)
+        positions = tree_position_ids(tree.parents, s.cache_len, self.model.device)[1:]  # (N,)
+        mask = tree_attention_mask(tree.parents, s.cache_len, self.model.dtype, self.model.device)[:, :, 1:]
         rows = self._forward(s.cache, list(tree.tokens), positions, mask,
                              argmax_head=self.argmax_head if argmax else None)  # (N, V) or (N,)
         return torch.cat([root, self._rows(rows, argmax)])
+
+    def _tree_mask(self, tree: DraftTree, cache_len: int) -> torch.Tensor | None:
+        """``tree_attention_mask`` of [R, nodes] on the model's device; None for R alone (a plain row sees
+        every slot: no mask, so attention takes its fastest kernel)."""
+        return tree_attention_mask(tree.parents, cache_len, self.model.dtype, self.model.device) if tree.size else None
 
     @staticmethod
     def _rows(rows: torch.Tensor, argmax: bool) -> torch.Tensor:
@@ -322,8 +327,8 @@ class TargetRuntime:
             self.model,
             [s.cache for s in sessions],
             [[s.root, *tree.tokens] for s, tree in zip(sessions, trees)],
-            [tree_position_ids(tree.parents, s.cache_len) for s, tree in zip(sessions, trees)],
-            [tree_attention_mask(tree.parents, s.cache_len, self.model.dtype) for s, tree in zip(sessions, trees)],
+            [tree_position_ids(tree.parents, s.cache_len, self.model.device) for s, tree in zip(sessions, trees)],
+            [self._tree_mask(tree, s.cache_len) for s, tree in zip(sessions, trees)],
             [1 if isinstance(item[3], PrefillChunk) and s.sampling.prompt_logprobs is None else None
              for s, item in zip(sessions, batch)],  # a chunk: its last row only (all: for its prompt logprobs)
             argmax_head=self.argmax_head,
