@@ -53,6 +53,15 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """In-process runs (embedded engine, services) size torch's threads from the CPUs; the next test starts at 1 again,
+    so float32 round-off does not depend on which tests ran before."""
+    yield
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 VOCAB = 64
 _KINDS = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
 _MODEL_CACHE: dict = {}
@@ -153,11 +162,12 @@ def tree_mask(cached: int, parents: list[int]) -> torch.Tensor:
     return additive_mask(visible, torch.float32)
 
 
-def assert_kv_equal(actual, expected, atol: float = 1e-5, rtol: float = 1e-5, what: str = "cache") -> None:
+def assert_kv_equal(actual, expected, atol: float = 3e-5, rtol: float = 1e-5, what: str = "cache") -> None:
     """Compare per-layer KV lists (lengths included).
 
     rtol: the tiny models' KV entries reach ~10 in magnitude, where float32 round-off of a different
-    but equivalent computation is ~1e-5; a wrong slot differs by O(1).
+    but equivalent computation is ~1e-5 (atol: an unmasked decode step against a masked prefill, other
+    kernels, reached 1.2e-5 on an entry near 0); a wrong slot differs by O(1).
     """
     assert len(actual) == len(expected), f"{what}: {len(actual)} layers != {len(expected)}"
     for layer, ((ka, va), (ke, ve)) in enumerate(zip(actual, expected)):

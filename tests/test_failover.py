@@ -365,6 +365,20 @@ def ray_front(tmp_path_factory):
         os.environ.update(environ)
 
 
+async def _actor_ready(actor, timeout_s: float = 120.0) -> None:
+    """Wait for an actor, also one still restarting (Ray answers ActorUnavailableError until it is back)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await actor.ready.remote()
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
 def run_killing(servicer, loop, request: GenerationRequest, request_id: str, kill_after: int | None):
     """Run a request through the front; once ``kill_after`` tokens arrived, kill the actor running it
     (Ray restarts it). Returns (tokens, final stats)."""
@@ -374,7 +388,7 @@ def run_killing(servicer, loop, request: GenerationRequest, request_id: str, kil
         nonlocal kill_after
         # every actor up (one killed by an earlier test may still be restarting): the fail-over has
         # somewhere to go at once
-        await asyncio.gather(*(actor.ready.remote() for actor in servicer.backend.actors))
+        await asyncio.gather(*(_actor_ready(actor) for actor in servicer.backend.actors))
         tokens, stats = [], None
         call = GenerateCall(request_id, prompt_ids=tuple(request.prompt_ids), max_new_tokens=request.max_new_tokens,
                             stop=request.stop_strings, tree=request.spec, ignore_eos=request.ignore_eos)
