@@ -23,9 +23,14 @@ What is checked, and against what:
   folder, every Secret volume mounted, the Ray workers holding the front's TLS files at the same
   paths (their orchestrator actors dial draft and target); with TLS, the probes ask the plaintext
   health port (--health-port = container port "health"), and the front's HTTP API has a probe of
-  its own (GET /health over HTTPS); images are the one the Dockerfile builds; the Dockerfile
-  installs the package whose ``specdec`` subcommands the manifests run, and they take the flags the
-  manifests pass.
+  its own (GET /health over HTTPS); images are the ones the Dockerfile builds (its header's docker
+  build lines: the CPU build, TORCH=cpu by default, for the front and Ray pods, the CUDA build,
+  TORCH=cuXXX, for the pods with GPUs); the Dockerfile installs the package whose ``specdec``
+  subcommands the manifests run, and they take the flags the manifests pass.
+- GPUs: a pod with nvidia.com/gpu selects a GPU class (nodeSelector on GPU_CLASS_LABELS) and
+  tolerates the GPU taint, a pod without does neither; the classes are the values docs/deploy.md
+  tells to set; the GPU containers' args parse with the CLI's own parser and their --device puts one
+  rank on each GPU of the pod.
 - Security review (the same kind of cross-checks, each caught broken by a mutation): Pod Security
   Standards "restricted" on every pod template, Ray's included (non-root, no privilege escalation,
   capabilities dropped, RuntimeDefault seccomp, restricted volume types, no host namespaces, paths
@@ -134,6 +139,11 @@ RAYLET_HEALTH_PATH, RAYLET_AGENT_PORT = "/api/local_raylet_healthz", 52365
 RAY_AUTH_MIN_VERSION = "2.52.0"
 RAY_TOKEN_SECRET, RAY_TOKEN_KEY = "specdec-ray-token", "auth_token"
 GPU = "nvidia.com/gpu"
+# GPU classes (docs/deploy.md#gpus): a GPU pod selects its class with a nodeSelector on one of these node labels
+# (NVIDIA GPU feature discovery's; GKE's) and tolerates the taint GPU node pools commonly carry (GKE's value;
+# other pools any value); a pod without GPUs does neither.
+GPU_CLASS_LABELS = {"nvidia.com/gpu.product", "cloud.google.com/gke-accelerator"}
+GPU_TAINT = {"key": GPU, "value": "present", "effect": "NoSchedule"}
 SHELL_OPERATORS = {";", "&&", "||", "|", "&", "(", ")"}
 
 
@@ -690,13 +700,61 @@ def dockerfile_facts(text: str) -> dict:
     return facts
 
 
+def dockerfile_builds(text: str) -> dict[str, tuple[str, dict[str, str]]]:
+    """The ``docker build`` lines of the Dockerfile's header: {"cpu" | "cuda": (image, build args)}, by the
+    torch wheel index each selects (build arg TORCH: cpu by default, cuXXX for CUDA)."""
+    builds = {}
+    for line in text.splitlines():
+        if match := re.match(r"#\s+docker build ([^#]*)", line):
+            argv = shlex.split(match.group(1))
+            args = dict(argv[i + 1].split("=", 1) for i, word in enumerate(argv) if word == "--build-arg")
+            builds["cuda" if args.get("TORCH", "cpu").startswith("cu") else "cpu"] = (argv[argv.index("-t") + 1], args)
+    return builds
+
+
+def pod_gpus(pod: PodTemplate) -> int:
+    return sum(int(ctr.get("resources", {}).get("limits", {}).get(GPU, 0)) for ctr in pod.containers)
+
+
 def check_images(resources: list[dict], dockerfile_text: str) -> list[str]:
-    """Every container runs the image the Dockerfile builds (title:version of its labels)."""
+    """The Dockerfile builds a CPU image (title:version of its labels) and a CUDA one of the same version; every
+    container runs the CUDA image where its pod has GPUs, the CPU image elsewhere."""
     labels = dockerfile_facts(dockerfile_text)["labels"]
-    image = f"{labels['org.opencontainers.image.title']}:{labels['org.opencontainers.image.version']}"
-    return [f"{pod.origin} container {ctr['name']}: image {ctr.get('image')!r}, the Dockerfile builds {image!r}"
+    version = labels["org.opencontainers.image.version"]
+    builds = {kind: image for kind, (image, _) in dockerfile_builds(dockerfile_text).items()}
+    if builds.get("cpu") != f"{labels['org.opencontainers.image.title']}:{version}" or \
+            not builds.get("cuda", "").endswith(f":{version}"):
+        return [f"the Dockerfile's docker build lines build {builds}: a CPU image "
+                f"{labels['org.opencontainers.image.title']}:{version} and a CUDA one (TORCH=cuXXX) expected"]
+    return [f"{pod.origin} container {ctr['name']}: image {ctr.get('image')!r}, the Dockerfile builds {image!r} for it"
             for pod in pod_templates(resources) for ctr in pod.containers
-            if ctr.get("image", "").rsplit("/", 1)[-1] != image]
+            if ctr.get("image", "").rsplit("/", 1)[-1] != (image := builds["cuda" if pod_gpus(pod) else "cpu"])]
+
+
+def tolerates(toleration: dict, taint: dict) -> bool:
+    """Kubernetes' rule: the key equal (or empty with Exists), the effect equal (or empty), Exists or the value equal."""
+    exists = toleration.get("operator", "Equal") == "Exists"
+    if toleration.get("key", "") not in ("", taint["key"]) or (not toleration.get("key") and not exists):
+        return False
+    return toleration.get("effect", "") in ("", taint["effect"]) and (exists or toleration.get("value", "") == taint["value"])
+
+
+def check_gpu_classes(resources: list[dict]) -> list[str]:
+    """A pod with GPUs selects a GPU class (nodeSelector on a GPU_CLASS_LABELS label) and tolerates the GPU taint;
+    a pod without GPUs (front, Ray) does neither, so it stays off the GPU nodes."""
+    problems = []
+    for pod in pod_templates(resources):
+        gpus = pod_gpus(pod)
+        classes = sorted(set(pod.spec.get("nodeSelector", {})) & GPU_CLASS_LABELS)
+        tolerated = any(tolerates(t, GPU_TAINT) for t in pod.spec.get("tolerations", []))
+        if gpus and not classes:
+            problems.append(f"{pod.origin}: {gpus} {GPU} but no nodeSelector on a GPU class label "
+                            f"({', '.join(sorted(GPU_CLASS_LABELS))})")
+        if gpus and not tolerated:
+            problems.append(f"{pod.origin}: {gpus} {GPU} but no toleration of the GPU taint {GPU_TAINT}")
+        if not gpus and (classes or tolerated):
+            problems.append(f"{pod.origin}: no {GPU} but selects GPU nodes ({classes}) or tolerates their taint")
+    return problems
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1002,7 +1060,7 @@ def all_problems(resources: list[dict], config: ServeConfig, config_text: str) -
     return (check_selectors(resources) + check_servers(resources, config) + check_addresses(resources, config)
             + check_config_mounts(resources, config_text) + check_overrides(resources) + check_gpus(resources, config)
             + check_grace(resources, config) + check_otel(resources) + check_secrets(resources)
-            + check_images(resources, dockerfile) + check_pod_security(resources) + check_writable_paths(resources, dockerfile)
+            + check_images(resources, dockerfile) + check_gpu_classes(resources) + check_pod_security(resources) + check_writable_paths(resources, dockerfile)
             + check_ray_probes(resources) + check_ray_auth(resources) + check_separate_keys(resources)
             + check_network_policies(resources))
 
@@ -1289,6 +1347,28 @@ MUTATIONS = {
     "image the Dockerfile does not build": (
         lambda r: _target(r).update(image="registry.example/specdec:0.0.9"),
         "image 'registry.example/specdec:0.0.9'"),
+    "GPU pod on the CPU image": (
+        lambda r: _draft(r).update(image="specdec:0.1.0"),
+        "image 'specdec:0.1.0', the Dockerfile builds 'specdec-cuda:0.1.0' for it"),
+    "Ray pod on the CUDA image": (
+        lambda r: _head(r).update(image="specdec-cuda:0.1.0"),
+        "image 'specdec-cuda:0.1.0', the Dockerfile builds 'specdec:0.1.0' for it"),
+    "draft without a GPU class": (
+        lambda r: _pod(r, "Deployment", "specdec-draft").pop("nodeSelector"),
+        "Deployment/specdec-draft: 1 nvidia.com/gpu but no nodeSelector on a GPU class label"),
+    "target selecting an unknown label": (
+        lambda r: _pod(r, "StatefulSet", "specdec-target").update(nodeSelector={"gpu": "big"}),
+        "StatefulSet/specdec-target: 2 nvidia.com/gpu but no nodeSelector"),
+    "target not tolerating the GPU taint": (
+        lambda r: _pod(r, "StatefulSet", "specdec-target").update(
+            tolerations=[{"key": GPU, "operator": "Equal", "value": "absent", "effect": "NoSchedule"}]),
+        "StatefulSet/specdec-target: 2 nvidia.com/gpu but no toleration"),
+    "draft tolerating another effect only": (
+        lambda r: _pod(r, "Deployment", "specdec-draft")["tolerations"][0].update(effect="NoExecute"),
+        "Deployment/specdec-draft: 1 nvidia.com/gpu but no toleration"),
+    "Ray worker tolerating GPU nodes": (
+        lambda r: _worker(r).update(tolerations=[{"operator": "Exists"}]),
+        "RayCluster/specdec-front worker orchestrator: no nvidia.com/gpu but selects GPU nodes"),
     "probe on the TLS port": (
         lambda r: _target(r)["readinessProbe"]["grpc"].update(port=50062),
         "readinessProbe port 50062, the health port (--health-port) is 50070"),
@@ -1710,6 +1790,67 @@ def test_dockerfile_builds_what_the_manifests_run(resources, config):
     ray = find(resources, "RayCluster", "specdec-front")
     assert ray["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
     assert "KUBERAY_GEN_RAY_START_CMD" in " ".join(_head(resources)["args"])
+
+
+def test_dockerfile_builds_cpu_by_default_and_cuda_by_build_arg():
+    """The torch wheel index comes from build arg TORCH (cpu by default: the CPU image stays buildable as it
+    was); the header's CUDA build line selects a CUDA index for the draft and target image."""
+    text = (DEPLOY / "Dockerfile").read_text()
+    facts = dockerfile_facts(text)
+    assert facts["args"]["TORCH"] == "cpu"
+    assert facts["args"]["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/${TORCH}"
+    installs = [run for run in facts["runs"] if re.search(r"pip install \"torch[^\"]*\"", run)]
+    assert len(installs) == 1 and '--index-url "${TORCH_INDEX_URL}"' in installs[0], facts["runs"]
+    builds = dockerfile_builds(text)
+    assert re.fullmatch(r"cu1\d\d", builds["cuda"][1]["TORCH"]) and "TORCH" not in builds["cpu"][1], builds
+    # the CPU image is the one the README and docs/deploy.md build too
+    assert f"-t {builds['cpu'][0]} ." in (REPO / "docs" / "deploy.md").read_text()
+    assert f"-t {builds['cuda'][0]} --build-arg TORCH={builds['cuda'][1]['TORCH']} ." in (
+        REPO / "docs" / "deploy.md").read_text()
+
+
+def test_gpu_classes_are_the_documented_ones(resources):
+    """The GPU pods' nodeSelector and tolerations are the values docs/deploy.md#gpus tells to set."""
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    section = docs[docs.index("## GPUs"):]
+    section = section[:section.index("\n## ", 1)]
+    gpu_pods = [pod for pod in pod_templates(resources) if pod_gpus(pod)]
+    assert {pod.origin for pod in gpu_pods} == {"Deployment/specdec-draft", "StatefulSet/specdec-target"}
+    for pod in gpu_pods:
+        for label, value in pod.spec["nodeSelector"].items():
+            assert f"{label}: {value}" in section, (pod.origin, label, value)
+        for toleration in pod.spec["tolerations"]:
+            assert f"key: {toleration['key']}" in section and f"effect: {toleration['effect']}" in section
+    assert check_gpu_classes(resources) == []
+
+
+@pytest.mark.parametrize("subcommand", ["draft-server", "target-server"])
+def test_gpu_pods_device_flags_are_ones_the_cli_accepts(resources, subcommand):
+    """Each GPU container's arguments parse with the CLI's own parser (click refuses an unknown flag or a bad
+    value), and its --device, through the config it overrides, puts one rank on each GPU of the pod: CUDA
+    devices torch parses, distinct, as many as the pod's nvidia.com/gpu limit."""
+    import torch
+    import typer
+
+    from orchestrator.cli.main import app
+    from specdec.process_entry import device_option
+
+    command = typer.main.get_command(app).commands[subcommand]
+    found = 0
+    for _, ctr, launch in launches(resources):
+        if launch.subcommand != subcommand:
+            continue
+        found += 1
+        argv = words([*ctr["command"], *ctr["args"]])
+        params = command.make_context(subcommand, argv[argv.index(subcommand) + 1:]).params
+        if subcommand == "draft-server":
+            devices = [load_config(CONFIG_FILE, {"draft.device": params["device"]}).draft_device]
+        else:
+            devices = load_config(CONFIG_FILE, {"target.device": device_option(params["device"]),
+                                                "target.tp": params["tp"]}).target_devices
+        assert {torch.device(d).type for d in devices} == {"cuda"} and len(set(devices)) == len(devices), devices
+        assert len(devices) == int(ctr["resources"]["limits"][GPU]), (devices, ctr["resources"])
+    assert found == 1
 
 
 def test_dockerignore_keeps_the_sources():
