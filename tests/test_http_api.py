@@ -6,7 +6,9 @@ template. Greedy output over HTTP (chat and completion, streamed and not) must e
 greedy decoding (HF ``generate``) token for token; streamed text must concatenate to the
 non-streamed text; usage must count the streamed tokens; stop strings and max_tokens must give
 their finish reasons; bad parameters must give 400 naming them; a client that disconnects must
-free its sessions on the draft and the target; concurrent streams must each get their solo output.
+free its sessions on the draft and the target; concurrent streams must each get their solo output; aiperf (a
+maintained load tester, in a venv of its own) must get fixed-length streams with ``ignore_eos`` (skipped where it is
+not installed).
 A second front (bearer tokens, a target with a tiny KV budget) checks 401 and 429; the last test
 drains the first front (SIGTERM) and checks 503 while its running stream finishes.
 """
@@ -17,11 +19,15 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import os
 import re
+import shutil
 import signal
+import subprocess
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -591,6 +597,60 @@ def test_ten_concurrent_streams_each_get_their_solo_output(client, target_model,
 
     outputs = asyncio.run(run())
     assert outputs == expected
+
+
+# aiperf (PyPI; a maintained OpenAI load tester): its pins (psutil, rich, pillow, ...) clash with the project's, so it
+# lives in an environment of its own, as checkov does (.ci/run makes it). Its path: $SPECDEC_AIPERF, else `aiperf` on
+# PATH, else /opt/aiperf.
+AIPERF_INSTALL = "python -m venv /opt/aiperf && /opt/aiperf/bin/pip install aiperf==0.13.0"
+
+
+def aiperf_path() -> str | None:
+    venv = Path("/opt/aiperf/bin/aiperf")
+    return os.environ.get("SPECDEC_AIPERF") or shutil.which("aiperf") or (str(venv) if venv.exists() else None)
+
+
+def test_aiperf_fixed_length_streams_with_ignore_eos(client, stack, pair, tmp_path):
+    """aiperf runs 4 streaming chat requests (2 concurrent) with vLLM's top-level ``ignore_eos`` and a fixed output
+    length of 12 over prompts whose greedy continuation meets EOS within 8 tokens: its own output files must show
+    every request completed, without errors, with exactly 12 output tokens (the server's usage), and the text of
+    each equal to a non-streamed target-only request's."""
+    path = aiperf_path()
+    if path is None:
+        pytest.skip(f"aiperf not found ($SPECDEC_AIPERF, `aiperf` on PATH, /opt/aiperf); install: {AIPERF_INSTALL}")
+    words = "the quick brown fox jumps over lazy dog hello world".split()
+    prompts = []
+    for text in (f"{a} {b}" for a in words for b in words):
+        response = client.chat.completions.create(model="target", messages=[{"role": "user", "content": text}],
+                                                  max_tokens=8, temperature=0, extra_body={"specdec": {"no_spec": True}})
+        if response.choices[0].finish_reason == "stop":
+            prompts.append(text)
+        if len(prompts) == 4:
+            break
+    assert len(prompts) == 4, prompts
+    expected = [client.chat.completions.create(model="target", messages=[{"role": "user", "content": text}],
+                                               max_tokens=12, temperature=0, extra_body={
+                                                   "ignore_eos": True, "specdec": {"no_spec": True}}).choices[0]
+                .message.content for text in prompts]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in prompts))
+    out = tmp_path / "aiperf"
+    command = [path, "profile", "--model", "target", "--url", f"http://{stack[3]}", "--endpoint-type", "chat",
+               "--streaming", "--tokenizer", str(pair.target), "--input-file", str(tmp_path / "prompts.jsonl"),
+               "--custom-dataset-type", "single_turn", "--dataset-sampling-strategy", "sequential",
+               "--output-tokens-mean", "12", "--extra-inputs", "ignore_eos:true", "--extra-inputs", "temperature:0",
+               "--use-server-token-count", "--request-count", "4", "--concurrency", "2", "--random-seed", "0",
+               "--artifact-dir", str(out), "--ui", "none", "--no-server-metrics", "--no-gpu-telemetry",
+               "--workers-max", "1", "--record-processors", "1", "--export-outputs-json"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    summary = json.loads((out / "profile_export_aiperf.json").read_text())
+    assert summary["completed_request_count"]["avg"] == 4 and summary["error_summary"] == [], summary["error_summary"]
+    assert summary["osl_mismatch_count"]["avg"] == 0
+    records = [json.loads(line) for line in (out / "profile_export.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and all("error" not in r or r["error"] is None for r in records)
+    assert [r["metrics"]["output_sequence_length"]["value"] for r in records] == [12] * 4
+    outputs = {o["conversation_id"]: o for o in json.loads((out / "outputs.json").read_text())["data"]}
+    assert [outputs[f"session_{i:06d}"]["response_text"] for i in range(4)] == expected
 
 
 @pytest.fixture(scope="module")
