@@ -732,11 +732,12 @@ def check_images(resources: list[dict], dockerfile_text: str) -> list[str]:
 
 
 def tolerates(toleration: dict, taint: dict) -> bool:
-    """Kubernetes' rule: the key equal (or empty with Exists), the effect equal (or empty), Exists or the value equal."""
+    """Kubernetes' rule: the key equal (or empty with Exists), the effect equal (or empty), Exists or an equal value."""
     exists = toleration.get("operator", "Equal") == "Exists"
     if toleration.get("key", "") not in ("", taint["key"]) or (not toleration.get("key") and not exists):
         return False
-    return toleration.get("effect", "") in ("", taint["effect"]) and (exists or toleration.get("value", "") == taint["value"])
+    effect = toleration.get("effect", "") in ("", taint["effect"])
+    return effect and (exists or toleration.get("value", "") == taint["value"])
 
 
 def check_gpu_classes(resources: list[dict]) -> list[str]:
@@ -1060,7 +1061,8 @@ def all_problems(resources: list[dict], config: ServeConfig, config_text: str) -
     return (check_selectors(resources) + check_servers(resources, config) + check_addresses(resources, config)
             + check_config_mounts(resources, config_text) + check_overrides(resources) + check_gpus(resources, config)
             + check_grace(resources, config) + check_otel(resources) + check_secrets(resources)
-            + check_images(resources, dockerfile) + check_gpu_classes(resources) + check_pod_security(resources) + check_writable_paths(resources, dockerfile)
+            + check_images(resources, dockerfile) + check_gpu_classes(resources) + check_pod_security(resources)
+            + check_writable_paths(resources, dockerfile)
             + check_ray_probes(resources) + check_ray_auth(resources) + check_separate_keys(resources)
             + check_network_policies(resources))
 

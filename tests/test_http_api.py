@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -619,19 +620,16 @@ def test_aiperf_fixed_length_streams_with_ignore_eos(client, stack, pair, tmp_pa
     if path is None:
         pytest.skip(f"aiperf not found ($SPECDEC_AIPERF, `aiperf` on PATH, /opt/aiperf); install: {AIPERF_INSTALL}")
     words = "the quick brown fox jumps over lazy dog hello world".split()
-    prompts = []
-    for text in (f"{a} {b}" for a in words for b in words):
-        response = client.chat.completions.create(model="target", messages=[{"role": "user", "content": text}],
-                                                  max_tokens=8, temperature=0, extra_body={"specdec": {"no_spec": True}})
-        if response.choices[0].finish_reason == "stop":
-            prompts.append(text)
-        if len(prompts) == 4:
-            break
+
+    def target_only(text, **params):
+        return client.chat.completions.create(model="target", messages=[{"role": "user", "content": text}],
+                                              temperature=0, extra_body={**params, "specdec": {"no_spec": True}})
+
+    meets_eos = (text for text in (f"{a} {b}" for a in words for b in words)
+                 if target_only(text, max_tokens=8).choices[0].finish_reason == "stop")
+    prompts = list(itertools.islice(meets_eos, 4))
     assert len(prompts) == 4, prompts
-    expected = [client.chat.completions.create(model="target", messages=[{"role": "user", "content": text}],
-                                               max_tokens=12, temperature=0, extra_body={
-                                                   "ignore_eos": True, "specdec": {"no_spec": True}}).choices[0]
-                .message.content for text in prompts]
+    expected = [target_only(text, max_tokens=12, ignore_eos=True).choices[0].message.content for text in prompts]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in prompts))
     out = tmp_path / "aiperf"
     command = [path, "profile", "--model", "target", "--url", f"http://{stack[3]}", "--endpoint-type", "chat",
