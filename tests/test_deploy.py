@@ -1811,6 +1811,18 @@ def test_dockerfile_builds_cpu_by_default_and_cuda_by_build_arg():
         REPO / "docs" / "deploy.md").read_text()
 
 
+@pytest.mark.parametrize("edit,expected", [
+    (lambda t: re.sub(r"(?m)^#.*docker build .*TORCH=cu.*$", "#", t), "a CPU image specdec:0.1.0 and a CUDA one"),
+    (lambda t: t.replace("-t specdec-cuda:0.1.0", "-t specdec-cuda:0.0.9"), "a CPU image specdec:0.1.0 and a CUDA one"),
+    (lambda t: t.replace("--build-arg TORCH=cu128", "--build-arg TORCH=cpu"), "a CPU image specdec:0.1.0 and a CUDA one"),
+])
+def test_image_check_needs_the_cuda_build(resources, edit, expected):
+    """A Dockerfile whose header builds no CUDA image of the package's version fails check_images."""
+    text = edit((DEPLOY / "Dockerfile").read_text())
+    assert text != (DEPLOY / "Dockerfile").read_text()
+    assert any(expected in problem for problem in check_images(resources, text)), check_images(resources, text)
+
+
 def test_gpu_classes_are_the_documented_ones(resources):
     """The GPU pods' nodeSelector and tolerations are the values docs/deploy.md#gpus tells to set."""
     docs = (REPO / "docs" / "deploy.md").read_text()
