@@ -890,21 +890,6 @@ def spawned_services(root: Path):
             stop_service(service)
 
 
-def fuzz_spawned(messages: int, seed: int = 0, stateful: bool = False) -> dict:
-    """Fuzz a spawned tiny deployment; adds each server's exit code and logged tracebacks to the result."""
-    with tempfile.TemporaryDirectory(prefix="fuzz-") as root, spawned_services(Path(root)) as (addresses, services):
-        result = run_fuzz(addresses, messages, seed, stateful=stateful,
-                          alive=lambda: {name: s.returncode is None for name, s in services.items()})
-    exit_codes = {name: s.returncode for name, s in services.items()}
-    tracebacks = {name: s.stderr.count("Traceback") for name, s in services.items()}
-    result.update(exit_codes=exit_codes, tracebacks=tracebacks, deployment="spawned: tiny random-weight models, "
-                  "float32 CPU, draft + target + front (use_ray false) on 127.0.0.1")
-    result["checks"]["no_tracebacks_logged"] = not any(tracebacks.values())
-    result["checks"]["clean_exit"] = all(code == 0 for code in exit_codes.values())
-    result["passed"] = all(result["checks"].values())
-    return result
-
-
 def write_report(result: dict, out_dir) -> tuple[Path, Path]:
     """Write ``fuzz.json`` and ``fuzz.md`` (stateful: ``fuzz_stateful.*``) under ``out_dir``; returns their paths."""
     machine = result.get("machine", {})
@@ -939,7 +924,8 @@ def _address(text: str) -> str:
 
 
 def main(argv=None) -> int:
-    """Command line; exit code 0 when every property held, 1 otherwise."""
+    """Command line; exit code 0 when every property held, 1 otherwise. A spawned tiny deployment's result also
+    holds each server's exit code and logged tracebacks."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=10_000, help="cases to send (default 10000; stateful: sequences)")
     parser.add_argument("--stateful", action="store_true", help="sequences of calls checked against a model")
@@ -955,7 +941,16 @@ def main(argv=None) -> int:
             parser.error("--draft and --target: give both (and --front for the Generate / Abort cases)")
         result = run_fuzz(Addresses(args.draft, args.target, args.front), args.messages, args.seed, stateful=args.stateful)
     else:
-        result = fuzz_spawned(args.messages, args.seed, stateful=args.stateful)
+        with tempfile.TemporaryDirectory(prefix="fuzz-") as root, spawned_services(Path(root)) as (addresses, services):
+            result = run_fuzz(addresses, args.messages, args.seed, stateful=args.stateful,
+                              alive=lambda: {name: s.returncode is None for name, s in services.items()})
+        result.update(exit_codes={name: s.returncode for name, s in services.items()},
+                      tracebacks={name: s.stderr.count("Traceback") for name, s in services.items()},
+                      deployment="spawned: tiny random-weight models, float32 CPU, draft + target + front (use_ray "
+                                 "false) on 127.0.0.1")
+        result["checks"]["no_tracebacks_logged"] = not any(result["tracebacks"].values())
+        result["checks"]["clean_exit"] = all(code == 0 for code in result["exit_codes"].values())
+        result["passed"] = all(result["checks"].values())
     result["machine"] = machine()
     paths = write_report(result, args.out)
     print(f"{result['messages']} {'sequences' if args.stateful else 'messages'}, {result['faults']} faults, "
