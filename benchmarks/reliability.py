@@ -1,17 +1,13 @@
-"""Reliability harness: load, soak and chaos runs against a specdec deployment.
+"""Reliability harness: load, soak, chaos and fuzz runs against a specdec deployment (docs/benchmarks.md).
 
     python benchmarks/reliability.py load  --clients 64 --out bench_out/reliability      # tiny models, own deployment
     python benchmarks/reliability.py soak  --requests 1000 --concurrency 4 --abort-rate 0.2 --deadline-rate 0.2
     python benchmarks/reliability.py chaos --clients 8
-    python benchmarks/reliability.py fuzz  --messages 10000 --out bench_out/reliability  # reliability_fuzz.py
-    python benchmarks/reliability.py fuzz  --stateful --messages 300 --out bench_out/reliability
+    python benchmarks/reliability.py fuzz  --stateful --messages 300 --out bench_out/reliability  # reliability_fuzz.py
     python benchmarks/reliability.py load  --front HOST:PORT [--target HOST:PORT --draft HOST:PORT --http HOST:PORT] \\
         [--tls-ca ca.pem --tls-cert client.pem --tls-key client.key --auth-token-file tokens]   # your deployment
 
-By default each part starts its own deployment on loopback (tiny seeded models; draft, target and a Ray front with
-its HTTP API), with TLS on every port and bearer tokens (``--plaintext``: neither); ``--front`` drives a running one
-(not ``chaos``: it kills processes). Every output is checked against its solo run. Each part writes
-``reliability_<part>.json`` and ``.md`` under ``--out``; docs/benchmarks.md describes what each part checks.
+Writes ``reliability_<part>.json`` and ``.md`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -57,9 +53,6 @@ WORKERS = 2  # the own deployment's orchestrator actors (chaos kills one)
 def log(msg: str) -> None:
     print(f"[reliability {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
-
-# ----------------------------------------------------------------------------------------- requests
-
 @dataclass
 class Plan:
     """One request to send (temperature 0 = greedy); abort: None, "rpc" or "cancel" after ``abort_after_s``."""
@@ -101,14 +94,19 @@ class Outcome:
     failovers: int = 0  # FinalStats: moves to another orchestrator actor after its own died
     via: str = "grpc"
 
-    @classmethod
-    def begin(cls, plan: Plan, t0: float) -> "Outcome":
-        return cls(plan.request_id, plan.greedy, start_s=time.monotonic() - t0, via=plan.via)
-
     def finish(self, t0: float) -> "Outcome":
         self.end_s = time.monotonic() - t0
         self.latency_s = self.end_s - self.start_s
         return self
+
+    def took(self, tokens: list[int], stats: dict, t0: float) -> None:
+        """Add one reply's tokens (the first ones set the TTFT) and the final statistics, once they come."""
+        if tokens and self.ttft_s is None:
+            self.ttft_s = time.monotonic() - t0 - self.start_s
+        self.tokens += tokens
+        if stats:
+            self.stop_reason = stats.get("stop_reason", "")
+            self.fallback_rounds, self.failovers = stats.get("fallback_rounds", 0), stats.get("failovers", 0)
 
 
 def make_plans(rng: random.Random, n: int, args, tag: str) -> list[Plan]:
@@ -156,18 +154,24 @@ class Client:
         await self.channel.close()
 
     async def run(self, plan: Plan, no_spec: bool = False) -> Outcome:
-        """Send ``plan`` (over HTTP if its ``via`` says so); never raises (status goes in the Outcome); HUNG past
-        deadline + ``hang_grace_s``."""
+        """Send ``plan`` (over HTTP if its ``via`` says so; no abort or deadline there); never raises (status goes in
+        the Outcome); HUNG past deadline + ``hang_grace_s``."""
+        out = Outcome(plan.request_id, plan.greedy, start_s=time.monotonic() - self.t0, via=plan.via)
+        limit_s = plan.deadline_s + self.hang_grace_s
         if plan.via == "http":
-            return await self._run_http(plan)
-        sampling = tree_pb2.SamplingParams(temperature=plan.temperature, seed=plan.seed)
-        request = generation_pb2.GenerateRequest(request_id=plan.request_id, prompt_ids=plan.prompt_ids,
-                                                 max_new_tokens=plan.max_new_tokens, sampling=sampling, no_spec=no_spec)
+            read = asyncio.get_running_loop().run_in_executor(self.pool, self._post, plan, out)
+            try:
+                out.status = await asyncio.wait_for(read, limit_s)
+            except asyncio.TimeoutError:
+                out.status = HUNG
+            return out.finish(self.t0)
+        request = generation_pb2.GenerateRequest(
+            request_id=plan.request_id, prompt_ids=plan.prompt_ids, max_new_tokens=plan.max_new_tokens,
+            sampling=tree_pb2.SamplingParams(temperature=plan.temperature, seed=plan.seed), no_spec=no_spec)
         call = self.stub.Generate(request, timeout=plan.deadline_s, metadata=self.metadata)
-        out = Outcome.begin(plan, self.t0)
         stopper = asyncio.ensure_future(self._stop_later(plan, call)) if plan.abort else None
         try:
-            await asyncio.wait_for(self._read(call, out), plan.deadline_s + self.hang_grace_s)
+            await asyncio.wait_for(self._read(call, out), limit_s)
         except asyncio.TimeoutError:
             out.status = HUNG
             call.cancel()
@@ -184,18 +188,13 @@ class Client:
 
     async def _read(self, call, out: Outcome) -> None:
         async for reply in call:
-            if reply.token_ids and out.ttft_s is None:
-                out.ttft_s = time.monotonic() - self.t0 - out.start_s
-            out.tokens += reply.token_ids
-            if reply.HasField("stats"):
-                out.stop_reason = reply.stats.stop_reason
-                out.fallback_rounds, out.failovers = reply.stats.fallback_rounds, reply.stats.failovers
+            stats = {k: getattr(reply.stats, k) for k in ("stop_reason", "fallback_rounds", "failovers")}
+            out.took(list(reply.token_ids), stats if reply.HasField("stats") else None, self.t0)
 
     async def _stop_later(self, plan: Plan, call) -> None:
         await asyncio.sleep(plan.abort_after_s)
         if plan.abort == "cancel":
-            call.cancel()
-            return
+            return call.cancel()
         try:
             await self.stub.Abort(generation_pb2.AbortRequest(request_id=plan.request_id), timeout=10,
                                   metadata=self.metadata)
@@ -209,53 +208,30 @@ class Client:
         for plan in plans:
             if plan.key not in refs:
                 solo = replace(plan, request_id=f"{plan.request_id}-solo", deadline_s=300.0, abort=None, via="grpc")
-                out = await self.run(solo, no_spec=plan.greedy)
-                if out.status != OK:
-                    raise RuntimeError(f"the solo reference run of {plan.request_id} failed: {out.status}")
-                refs[plan.key] = out
+                refs[plan.key] = await self.run(solo, no_spec=plan.greedy)
+                if refs[plan.key].status != OK:
+                    raise RuntimeError(f"the solo reference run of {plan.request_id} failed: {refs[plan.key].status}")
         return refs
 
-    async def _run_http(self, plan: Plan) -> Outcome:
-        """Send ``plan`` over HTTP (no abort, no deadline field: the HTTP API has neither)."""
-        out = Outcome.begin(plan, self.t0)
-        try:
-            read = asyncio.get_running_loop().run_in_executor(self.pool, self._post, plan, time.monotonic())
-            limit_s = plan.deadline_s + self.hang_grace_s
-            out.status, out.tokens, out.ttft_s, stats = await asyncio.wait_for(read, limit_s)
-        except asyncio.TimeoutError:
-            out.status, stats = HUNG, {}
-        out.stop_reason = stats.get("stop_reason", "")
-        out.fallback_rounds, out.failovers = stats.get("fallback_rounds", 0), stats.get("failovers", 0)
-        return out.finish(self.t0)
-
-    def _post(self, plan: Plan, start: float) -> tuple[str, list[int], float | None, dict]:
-        """(status, tokens, TTFT, the final chunk's ``specdec`` statistics) of one streamed request."""
+    def _post(self, plan: Plan, out: Outcome) -> str:
+        """Stream ``plan`` over HTTP into ``out`` (tokens, TTFT, the last ``specdec`` statistics); its status."""
         body = {"prompt": plan.prompt_ids, "max_tokens": plan.max_new_tokens, "temperature": plan.temperature,
                 "stream": True, "specdec": {"return_token_ids": True}, **({} if plan.greedy else {"seed": plan.seed})}
         request = urllib.request.Request(self.url, json.dumps(body).encode(), self.headers)
-        status, tokens, ttft_s, stats = OK, [], None, {}
         try:
             with urllib.request.urlopen(request, timeout=plan.deadline_s + self.hang_grace_s,
                                         context=self.ssl_context) as response:
-                for line in response:
-                    if not line.startswith(b"data: {"):
-                        continue  # blank separators and "data: [DONE]"
-                    chunk = json.loads(line[len(b"data: "):])
+                for chunk in (json.loads(line[6:]) for line in response if line.startswith(b"data: {")):
                     if "error" in chunk:  # an error after the headers: an event of the stream
-                        return f"HTTP_STREAM_{chunk['error'].get('code') or chunk['error'].get('type')}", tokens, ttft_s, stats
-                    new = [t for choice in chunk.get("choices", []) for t in choice.get("token_ids", [])]
-                    if new and ttft_s is None:
-                        ttft_s = time.monotonic() - start
-                    tokens += new
-                    stats = chunk.get("specdec") or stats
+                        return f"HTTP_STREAM_{chunk['error'].get('code') or chunk['error'].get('type')}"
+                    out.took([t for choice in chunk.get("choices", []) for t in choice.get("token_ids", [])],
+                             chunk.get("specdec"), self.t0)
         except urllib.error.HTTPError as exc:
-            status = f"HTTP_{exc.code}"
+            return f"HTTP_{exc.code}"
         except (urllib.error.URLError, OSError) as exc:
-            status = f"HTTP_{type(getattr(exc, 'reason', exc)).__name__}"
-        return status, tokens, ttft_s, stats
+            return f"HTTP_{type(getattr(exc, 'reason', exc)).__name__}"
+        return OK
 
-
-# ----------------------------------------------------------------------------------------- checks
 
 def status_of(out: Outcome) -> str:
     """The outcome's status, "aborted" for one that completed by an Abort."""
@@ -267,23 +243,19 @@ def status_counts(outcomes: list[Outcome]) -> dict[str, int]:
 
 
 def wrong_outputs(plans: list[Plan], outcomes: list[Outcome], refs: dict[tuple, Outcome]) -> list[str]:
-    """Request ids whose output differs from its solo run (greedy: the target alone; sampled: the same seeded
-    request alone) or, cut short, is no prefix of it."""
+    """Request ids whose output differs from its solo run or, cut short, is no prefix of it (HUNG ones skipped)."""
     wrong = []
     for plan, out in zip(plans, outcomes):
-        if out.status == HUNG:
-            continue
         ref = refs[plan.key].tokens
         complete = out.status == OK and out.stop_reason != "aborted"
-        if (complete and out.tokens != ref) or out.tokens != ref[: len(out.tokens)]:
+        if out.status != HUNG and ((complete and out.tokens != ref) or out.tokens != ref[: len(out.tokens)]):
             wrong.append(plan.request_id)
     return wrong
 
 
 def output_figures(plans: list[Plan], outcomes: list[Outcome], refs: dict[tuple, Outcome]) -> dict:
-    """Greedy and sampled mismatches against the solo runs, with each mismatch's route (for a diagnosis). A seeded
-    sampled request that failed over or ran a different number of rounds without the draft than alone (a draft
-    deadline under load) draws differently by design (docs/serving.md): ``sampled_rerouted``, not a mismatch."""
+    """Greedy and sampled mismatches against the solo runs, each with its route; a sampled request that failed over
+    or ran another number of rounds without the draft than alone draws differently by design: ``sampled_rerouted``."""
     wrong = set(wrong_outputs(plans, outcomes, refs))
     detail = [{"id": p.request_id, "greedy": p.greedy, "via": o.via, "status": status_of(o), "tokens": len(o.tokens),
                "fallback_rounds": o.fallback_rounds, "solo_fallback_rounds": refs[p.key].fallback_rounds,
@@ -297,16 +269,11 @@ def output_figures(plans: list[Plan], outcomes: list[Outcome], refs: dict[tuple,
 
 
 def allowed_statuses(plan: Plan, deadline_s: float) -> set[str]:
-    """How ``plan`` may end: complete (OK) always; "aborted" after its Abort RPC, CANCELLED after its own
-    cancel, DEADLINE_EXCEEDED with a deadline shorter than the run's ``deadline_s``."""
-    allowed = {OK}
-    if plan.abort == "rpc":
-        allowed.add("aborted")
-    if plan.abort == "cancel":
-        allowed.add(grpc.StatusCode.CANCELLED.name)
-    if plan.deadline_s < deadline_s:
-        allowed.add(grpc.StatusCode.DEADLINE_EXCEEDED.name)
-    return allowed
+    """OK always; "aborted" after its Abort RPC, CANCELLED after its own cancel, DEADLINE_EXCEEDED with a deadline
+    shorter than the run's ``deadline_s``."""
+    by_abort = {"rpc": "aborted", "cancel": grpc.StatusCode.CANCELLED.name}.get(plan.abort)
+    short = grpc.StatusCode.DEADLINE_EXCEEDED.name if plan.deadline_s < deadline_s else None
+    return {OK} | {status for status in (by_abort, short) if status}
 
 
 def unexpected_statuses(plans: list[Plan], outcomes: list[Outcome], deadline_s: float) -> dict[str, str]:
@@ -316,13 +283,10 @@ def unexpected_statuses(plans: list[Plan], outcomes: list[Outcome], deadline_s: 
 
 def latency_figures(outcomes: list[Outcome]) -> dict:
     done = [o for o in outcomes if o.status == OK]
-    ttfts = [o.ttft_s for o in done if o.ttft_s is not None]
-    return {"latency_p50_s": percentile([o.latency_s for o in done], 50),
-            "latency_p95_s": percentile([o.latency_s for o in done], 95),
+    latencies, ttfts = [o.latency_s for o in done], [o.ttft_s for o in done if o.ttft_s is not None]
+    return {"latency_p50_s": percentile(latencies, 50), "latency_p95_s": percentile(latencies, 95),
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p95_s": percentile(ttfts, 95)}
 
-
-# ----------------------------------------------------------------------------------------- services
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -353,17 +317,17 @@ class Endpoints:
 async def service_counts(endpoints: Endpoints) -> dict:
     """Session and cached-token counts from the services' Info RPCs; a service not given is left out."""
     counts: dict = {}
-    for address, stub_cls, request in ((endpoints.target, target_pb2_grpc.TargetServiceStub, target_pb2.InfoRequest()),
-                                       (endpoints.draft, draft_pb2_grpc.DraftServiceStub, draft_pb2.DraftInfoRequest())):
-        if address is None:
-            continue
-        async with aio_channel(address, endpoints.credentials) as channel:
-            info = await stub_cls(channel).Info(request, timeout=30, wait_for_ready=True)
-        if stub_cls is target_pb2_grpc.TargetServiceStub:
-            counts.update(target_sessions=info.sessions, target_cached_tokens=info.cached_tokens)
-        else:
-            counts.update(draft_streams=info.sessions, draft_runtime_sessions=info.cached_sessions,
-                          draft_cached_tokens=info.cached_tokens)
+    if endpoints.target:
+        async with aio_channel(endpoints.target, endpoints.credentials) as channel:
+            t = await target_pb2_grpc.TargetServiceStub(channel).Info(target_pb2.InfoRequest(), timeout=30,
+                                                                       wait_for_ready=True)
+        counts.update(target_sessions=t.sessions, target_cached_tokens=t.cached_tokens)
+    if endpoints.draft:
+        async with aio_channel(endpoints.draft, endpoints.credentials) as channel:
+            d = await draft_pb2_grpc.DraftServiceStub(channel).Info(draft_pb2.DraftInfoRequest(), timeout=30,
+                                                                     wait_for_ready=True)
+        counts.update(draft_streams=d.sessions, draft_runtime_sessions=d.cached_sessions,
+                      draft_cached_tokens=d.cached_tokens)
     return counts
 
 
@@ -392,14 +356,16 @@ class LocalDeployment:
 
     @classmethod
     def start(cls, workdir: Path, args) -> "LocalDeployment":
+        from specdec.harness.tiny_pair import ModelPair, save_tiny_pair, write_config  # torch: own deployment only
+
         dep = cls(workdir / "serve.yaml", free_port(), free_port())
         if not args.plaintext:
             dep.pki = make_pki(workdir / "pki")
             dep.tokens, dep.token_file = [secrets.token_urlsafe(24) for _ in range(2)], workdir / "tokens.txt"
             dep.token_file.write_text("\n".join(dep.tokens) + "\n")
-        from specdec.harness.tiny_pair import write_config  # torch and transformers: only for an own deployment
-
-        write_config(dep.config_path, tiny_models(workdir, args), **deployment_config(dep, args))
+        models = (ModelPair(Path(args.target_model), Path(args.draft_model)) if args.target_model and args.draft_model
+                  else save_tiny_pair(workdir / "models", max_pos=1024, noise=0.03))
+        write_config(dep.config_path, models, **dep.sections(args))
         try:
             dep.services.update(draft=dep._launch("draft"), target=dep._launch("target"))  # their start-ups overlap
             wait_ready(dep.services["draft"]), wait_ready(dep.services["target"])
@@ -409,6 +375,24 @@ class LocalDeployment:
             dep.stop()
             raise
         return dep
+
+    def sections(self, args) -> dict:
+        """serve.yaml over write_config's (float32, one thread): fixed service ports, the front's HTTP API on an
+        ephemeral port, idle sessions released after ``--idle-s``; TLS and tokens unless ``--plaintext``."""
+        service = {"host": "127.0.0.1", "session_idle_s": args.idle_s}
+        config = {
+            "grpc": {"shutdown_grace_s": 2.0},
+            "draft": {**service, "port": self.draft_port},
+            "target": {**service, "port": self.target_port, "max_batch": 16, "batch_wait_ms": 2.0},
+            "front": {"host": "127.0.0.1", "port": 0, "http_port": 0, "use_ray": True, "workers": WORKERS,
+                      "ray_num_cpus": 2, "max_new_tokens": args.max_new_tokens, "fallback": {"reconnect_s": 0.5},
+                      "draft_address": f"127.0.0.1:{self.draft_port}",
+                      "target_address": f"127.0.0.1:{self.target_port}"},
+        }
+        if self.pki is not None:
+            config["grpc"].update({f"tls_{name}": str(self.pki[name]) for name in ("cert", "key", "ca")})
+            config["front"]["auth_token_file"] = str(self.token_file)
+        return config
 
     @property
     def endpoints(self) -> Endpoints:
@@ -454,37 +438,6 @@ class LocalDeployment:
                 stop_service(self.services[kind], timeout_s=60)
 
 
-def deployment_config(dep: LocalDeployment, args) -> dict:
-    """The own deployment's serve.yaml sections over write_config's (float32, one thread): fixed service ports, the
-    front's HTTP API on an ephemeral port, idle sessions released after ``--idle-s``; TLS and tokens unless
-    ``--plaintext``."""
-    service = {"host": "127.0.0.1", "session_idle_s": args.idle_s}
-    config = {
-        "grpc": {"shutdown_grace_s": 2.0},
-        "draft": {**service, "port": dep.draft_port},
-        "target": {**service, "port": dep.target_port, "max_batch": 16, "batch_wait_ms": 2.0},
-        "front": {"host": "127.0.0.1", "port": 0, "http_port": 0, "use_ray": True, "workers": WORKERS,
-                  "ray_num_cpus": 2, "max_new_tokens": args.max_new_tokens,
-                  "draft_address": f"127.0.0.1:{dep.draft_port}", "target_address": f"127.0.0.1:{dep.target_port}",
-                  "fallback": {"reconnect_s": 0.5}},
-    }
-    if dep.pki is not None:
-        config["grpc"].update(tls_cert=str(dep.pki["cert"]), tls_key=str(dep.pki["key"]), tls_ca=str(dep.pki["ca"]))
-        config["front"]["auth_token_file"] = str(dep.token_file)
-    return config
-
-
-def tiny_models(workdir: Path, args):
-    """The ModelPair: ``--target-model`` / ``--draft-model``, else a tiny seeded pair."""
-    from specdec.harness.tiny_pair import ModelPair, save_tiny_pair
-
-    if args.target_model and args.draft_model:
-        return ModelPair(Path(args.target_model), Path(args.draft_model))
-    return save_tiny_pair(workdir / "models", max_pos=1024, noise=0.03)
-
-
-# ----------------------------------------------------------------------------------------- load and soak
-
 async def run_load(args, endpoints: Endpoints, deployment: LocalDeployment | None) -> dict:
     """``args.clients`` streaming requests at once (a share over HTTP); failures, latency, TTFT, equal outputs."""
     rng = random.Random(args.seed)
@@ -513,8 +466,7 @@ async def run_load(args, endpoints: Endpoints, deployment: LocalDeployment | Non
 
 async def run_soak(args, endpoints: Endpoints, deployment: LocalDeployment | None) -> dict:
     """``args.requests`` requests, ``args.concurrency`` at a time, some aborted or short; statuses, leaks and RSS."""
-    rng = random.Random(args.seed)
-    plans = make_plans(rng, args.requests, args, "soak")
+    plans = make_plans(random.Random(args.seed), args.requests, args, "soak")
     client = Client(endpoints, args.hang_grace_s)
     trace, stop = None, asyncio.Event()
     try:
@@ -535,7 +487,6 @@ async def run_soak(args, endpoints: Endpoints, deployment: LocalDeployment | Non
     return soak_figures(args, plans, outcomes, refs, {"counts_baseline": base, "counts_end": after, "settle_s": settle_s,
                         "reaped_sessions": deployment.reaped_sessions() if deployment else None}, rss)
 
-
 def soak_figures(args, plans: list[Plan], outcomes: list[Outcome], refs: dict, leaks: dict, rss: dict) -> dict:
     """The soak's figures and its verdict: statuses its plans allow, outputs equal to their solo runs, nothing
     left on the services (nor released by the target's reaper), RSS growth within the bound."""
@@ -543,7 +494,10 @@ def soak_figures(args, plans: list[Plan], outcomes: list[Outcome], refs: dict, l
     outputs = output_figures(plans, outcomes, refs)
     before, end = rss["rss_baseline_bytes"], rss["rss_end_bytes"]
     growth = {k: end[k] - before[k] for k in before} if before else None
-    second_half = second_half_growth(rss["rss_samples"], end)
+    samples, second_half = rss["rss_samples"], None  # growth from the run's middle to its end (a leak: half the total)
+    if samples and end is not None:
+        middle = min(samples, key=lambda s: abs(s["t_s"] - samples[-1]["t_s"] / 2))
+        second_half = {k: end[k] - middle[k] for k in end}
     over = None if second_half is None else {k: v for k, v in second_half.items() if v > args.max_rss_growth_mib * 2**20}
     checks = {"statuses_as_planned": not unexpected,
               "outputs_equal_solo": not outputs["greedy_mismatches"] and not outputs["sampled_mismatches"],
@@ -576,14 +530,6 @@ async def rss_trace(deployment: LocalDeployment, client: Client, every_s: float,
     return samples
 
 
-def second_half_growth(samples: list[dict], end: dict | None) -> dict | None:
-    """RSS growth from the run's middle to its end (near 0 once caches warm; about half the total for a leak)."""
-    if not samples or end is None:
-        return None
-    middle = min(samples, key=lambda s: abs(s["t_s"] - samples[-1]["t_s"] / 2))
-    return {k: end[k] - middle[k] for k in end}
-
-
 async def run_closed_loop(client: Client, plans: list[Plan], concurrency: int,
                           done: asyncio.Event | None = None) -> list[Outcome | None]:
     """Send ``plans`` in order, ``concurrency`` at a time, until all are sent or ``done`` is set (None: not sent)."""
@@ -599,8 +545,6 @@ async def run_closed_loop(client: Client, plans: list[Plan], concurrency: int,
     return outcomes
 
 
-# ----------------------------------------------------------------------------------------- chaos
-
 @dataclass
 class Disruption:
     """A window during which a part was down: [start_s, end_s] on the part's clock."""
@@ -614,11 +558,10 @@ class Disruption:
 # The actor is killed last: the target sessions its requests held stay on the (not restarted) target for the leak check.
 CHAOS_KILLS = ("draft", "target", "actor")
 _EQUAL = {"greedy_equal", "sampled_equal"}
-# What a completed or failed request may be, by the disruption it overlapped. "sampled_rerouted": a seeded sampled
-# request that failed over or ran more rounds without the draft than alone; its draws followed other trees (the
-# target's law, other tokens: docs/serving.md "Ray and fail-over").
+# What a request may be by the disruption it overlapped ("sampled_rerouted": chaos_verdict; docs/benchmarks.md).
 CHAOS_ALLOWED = {"none": _EQUAL, "draft": _EQUAL | {"sampled_rerouted"}, "target": _EQUAL | {"UNAVAILABLE"},
                  "actor": _EQUAL | {"sampled_rerouted"}}
+RECONNECT_GRACE_S = 1.5  # the front's channels retry a restarted service within ~1 s (clients.channel_options)
 
 
 async def chaos_script(args, dep: LocalDeployment, clock) -> list[Disruption]:
@@ -634,21 +577,16 @@ async def chaos_script(args, dep: LocalDeployment, clock) -> list[Disruption]:
     return windows
 
 
-RECONNECT_GRACE_S = 1.5  # the front's channels retry a restarted service within ~1 s (clients.channel_options)
-
-
 async def kill_service(args, dep: LocalDeployment, kind: str) -> float:
-    """SIGKILL the draft or target (no drain, no release: a crash), wait ``down_s``, start it again on its port;
-    returns the seconds until it was ready."""
+    """SIGKILL the draft or target (a crash), wait ``down_s``, start it again on its port; seconds until ready."""
     log(f"chaos: SIGKILL the {kind} service")
     dep.services[kind].proc.kill()
     dep.services[kind].proc.wait()
     await asyncio.sleep(args.down_s)
     started = time.monotonic()
     dep.services[kind] = await asyncio.to_thread(lambda: wait_ready(dep._launch(kind)))
-    restart_s = time.monotonic() - started
-    log(f"chaos: {kind} restarted in {restart_s:.1f} s")
-    return restart_s
+    log(f"chaos: {kind} restarted in {time.monotonic() - started:.1f} s")
+    return time.monotonic() - started
 
 
 async def kill_actor(dep: LocalDeployment, timeout_s: float = 120.0) -> float:
@@ -669,17 +607,15 @@ async def kill_actor(dep: LocalDeployment, timeout_s: float = 120.0) -> float:
 
 def overlapped(out: Outcome, windows: list[Disruption]) -> tuple[str, set[str]]:
     """The disruption this request is counted under ("target" first, then "actor", "draft", or "none") and what it
-    may be: allowed by any disruption it overlapped (a request over the draft's and the target's windows, as on a
-    loaded machine, may be rerouted by the first and is counted under the second)."""
+    may be: what any disruption it overlapped allows."""
     hit = {w.kind for w in windows if out.start_s < w.end_s and out.end_s > w.start_s}
     allowed = set().union(*(CHAOS_ALLOWED[k] for k in hit or {"none"}))
     return next((k for k in ("target", "actor", "draft") if k in hit), "none"), allowed
 
 
 def chaos_verdict(out: Outcome, ref: Outcome) -> str:
-    """A status name, or for a completed request how it compares with its solo run ``ref``: greedy_equal /
-    greedy_different, sampled_equal / sampled_different, or sampled_rerouted (different after a fail-over or more
-    rounds without the draft than alone)."""
+    """A status name, or for a completed request how it compares with its solo run ``ref``: greedy_ / sampled_equal,
+    _different, or sampled_rerouted (different after a fail-over or more rounds without the draft than alone)."""
     if out.status != OK:
         return out.status
     kind = "greedy" if out.greedy else "sampled"
@@ -694,10 +630,8 @@ async def run_chaos(args, endpoints: Endpoints, deployment: LocalDeployment | No
     """Closed-loop clients while the draft, the target and an actor are killed; outcomes by window; leaks after."""
     if deployment is None:
         raise SystemExit("chaos: kills processes, so it runs only on its own deployment (drop --front)")
-    rng = random.Random(args.seed)
-    plans = make_plans(rng, 4096, args, "chaos")
-    client = Client(endpoints, args.hang_grace_s)
-    done = asyncio.Event()
+    plans = make_plans(random.Random(args.seed), 4096, args, "chaos")
+    client, done = Client(endpoints, args.hang_grace_s), asyncio.Event()
     try:
         refs = await client.references(plans)
         client.t0 = time.monotonic()
@@ -707,60 +641,42 @@ async def run_chaos(args, endpoints: Endpoints, deployment: LocalDeployment | No
         finally:
             done.set()
             outcomes = [o for o in await loop if o is not None]
-        recovery = await serves_again(client, plans, refs, args.recovery_timeout_s)
+        plan, started, tries = next(p for p in plans if p.greedy), time.monotonic(), 0
+        while True:  # a fresh greedy request until it equals its solo run (or --recovery-timeout-s)
+            tries += 1
+            out = await client.run(Plan(f"recovery-{tries}", plan.prompt_ids, plan.max_new_tokens, deadline_s=60.0))
+            equal = out.status == OK and out.tokens == refs[plan.key].tokens
+            if equal or time.monotonic() - started > args.recovery_timeout_s:
+                break
+            await asyncio.sleep(0.5)
+        recovery = {"serves_again": equal, "tries": tries, "seconds": time.monotonic() - started,
+                    "last_status": out.status}
     finally:
         await client.close()
-    leaks = await leak_check(endpoints, deployment, args.leak_timeout_s)
-    by_plan = {p.request_id: p for p in plans}
-    table: dict[str, Counter] = defaultdict(Counter)
-    not_allowed: dict[str, set] = defaultdict(set)
+    at_once = await service_counts(endpoints)
+    end, waited = await counts_back_to_zero(endpoints, args.leak_timeout_s)
+    leaks = {"at_once": at_once, "end": end, "zero_after_s": None if any(end.values()) else round(waited, 1),
+             "reaped_idle": deployment.reaped_sessions()}  # what the killed left to the target's idle reaper
+    by_plan, table, not_allowed = {p.request_id: p for p in plans}, defaultdict(Counter), defaultdict(set)
     for out in outcomes:
         (window, allowed), verdict = overlapped(out, windows), chaos_verdict(out, refs[by_plan[out.request_id].key])
         table[window][verdict] += 1
         if verdict not in allowed:
             not_allowed[window].add(verdict)
-    return chaos_figures(args, outcomes, windows, {w: dict(row) for w, row in table.items()},
-                         {w: sorted(v) for w, v in not_allowed.items()}, recovery, leaks)
-
-
-async def serves_again(client: Client, plans: list[Plan], refs: dict, timeout_s: float) -> dict:
-    """Retry a fresh greedy request until it equals its solo run (or ``timeout_s``): tries and seconds."""
-    plan = next(p for p in plans if p.greedy)
-    started, tries = time.monotonic(), 0
-    while True:
-        tries += 1
-        out = await client.run(Plan(f"recovery-{tries}", plan.prompt_ids, plan.max_new_tokens, deadline_s=60.0))
-        equal = out.status == OK and out.tokens == refs[plan.key].tokens
-        if equal or time.monotonic() - started > timeout_s:
-            return {"serves_again": equal, "tries": tries, "seconds": time.monotonic() - started, "last_status": out.status}
-        await asyncio.sleep(0.5)
-
-
-async def leak_check(endpoints: Endpoints, deployment: LocalDeployment, timeout_s: float) -> dict:
-    """Sessions and cached KV on the draft and target once the chaos ended: at once, and when back to 0 (or after
-    ``timeout_s``), with the sessions the target's idle reaper released meanwhile (what the killed left)."""
-    at_once = await service_counts(endpoints)
-    end, waited = await counts_back_to_zero(endpoints, timeout_s)
-    return {"at_once": at_once, "end": end, "zero_after_s": None if any(end.values()) else round(waited, 1),
-            "reaped_idle": deployment.reaped_sessions()}
-
-
-def chaos_figures(args, outcomes: list[Outcome], windows: list[Disruption], table: dict, not_allowed: dict,
-                  recovery: dict, leaks: dict) -> dict:
-    ok = not not_allowed and recovery["serves_again"] and not any(leaks["end"].values())
-    count = lambda verdict: sum(row.get(verdict, 0) for row in table.values())  # noqa: E731
+    count = lambda *verdicts: sum(row.get(v, 0) for row in table.values() for v in verdicts)  # noqa: E731
     return {"clients": args.clients, "deadline_s": args.deadline_s, "down_s": args.down_s, "settle_s": args.settle_s,
-            "requests": len(outcomes), "windows": [asdict(w) for w in windows], "outcomes_by_window": table,
-            "allowed_by_window": {w: sorted(v) for w, v in CHAOS_ALLOWED.items()}, "not_allowed": not_allowed,
+            "requests": len(outcomes), "windows": [asdict(w) for w in windows],
+            "outcomes_by_window": {w: dict(row) for w, row in table.items()},
+            "allowed_by_window": {w: sorted(v) for w, v in CHAOS_ALLOWED.items()},
+            "not_allowed": {w: sorted(v) for w, v in not_allowed.items()},
             "hung": sum(o.status == HUNG for o in outcomes),
-            "wrong_outputs": count("greedy_different") + count("sampled_different"),
-            "sampled_checked": count("sampled_equal") + count("sampled_different") + count("sampled_rerouted"),
+            "wrong_outputs": count("greedy_different", "sampled_different"),
+            "sampled_checked": count("sampled_equal", "sampled_different", "sampled_rerouted"),
             "sampled_rerouted": count("sampled_rerouted"),
             "max_latency_s": max((o.latency_s for o in outcomes), default=0.0),
-            "recovery": recovery, "leaks_after": leaks, "ok": ok}
+            "recovery": recovery, "leaks_after": leaks,
+            "ok": not not_allowed and recovery["serves_again"] and not any(end.values())}
 
-
-# ----------------------------------------------------------------------------------------- reports
 
 def markdown(part: str, result: dict) -> str:
     """A table of the part's scalar figures (and, for chaos, outcomes per disruption window)."""
@@ -788,8 +704,6 @@ def markdown(part: str, result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-# ----------------------------------------------------------------------------------------- CLI
-
 # Parts: name -> runner(args, endpoints, deployment or None) -> figures; ``fuzz`` is reliability_fuzz.py.
 PARTS = {"load": run_load, "soak": run_soak, "chaos": run_chaos}
 
@@ -801,7 +715,8 @@ def positive_ints(text: str) -> list[int]:
     return values
 
 
-def common_options(p: argparse.ArgumentParser) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(add_help=False)  # the options every part but fuzz shares
     p.add_argument("--out", type=Path, default=Path("bench_out/reliability"), help="folder for reliability_<part>.json/.md")
     p.add_argument("--front", help="HOST:PORT of a running front (default: start a tiny deployment here)")
     p.add_argument("--target", help="HOST:PORT of its target service (session and KV counts)")
@@ -824,17 +739,14 @@ def common_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, default=2, help="sampled requests take seeds 0..N-1 (a solo run each)")
     p.add_argument("--deadline-s", type=float, default=120.0, help="every request's deadline")
     p.add_argument("--hang-grace-s", type=float, default=10.0, help="a request with no end by deadline + this hung")
-
-
-def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="part", required=True)
     sub.add_parser("fuzz", help="random and mutated messages against every RPC, or --stateful sequences "
                    "(benchmarks/reliability_fuzz.py; `fuzz --help` for its options)", add_help=False)
-    load = sub.add_parser("load", help="concurrent streaming clients")
+    load = sub.add_parser("load", parents=[p], help="concurrent streaming clients")
     load.add_argument("--clients", type=int, default=64)
     load.add_argument("--http-share", type=float, default=0.25, help="share of the clients on the HTTP API (if any)")
-    soak = sub.add_parser("soak", help="requests back to back with aborts and short deadlines")
+    soak = sub.add_parser("soak", parents=[p], help="requests back to back with aborts and short deadlines")
     soak.add_argument("--requests", type=int, default=1000)
     soak.add_argument("--concurrency", type=int, default=4)
     soak.add_argument("--abort-rate", type=float, default=0.2)
@@ -845,27 +757,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     soak.add_argument("--rss-every-s", type=float, default=5.0, help="RSS sampled this often (own deployment)")
     soak.add_argument("--max-rss-growth-mib", type=float, default=32.0,
                       help="fail when a process's RSS grows more than this from the run's middle to its end")
-    chaos = sub.add_parser("chaos", help="kill and restart the draft, the target and an actor under load")
+    chaos = sub.add_parser("chaos", parents=[p], help="kill, restart the draft, the target and an actor under load")
     chaos.add_argument("--clients", type=int, default=8)
     chaos.add_argument("--down-s", type=float, default=1.0, help="a killed service stays down this long")
     chaos.add_argument("--settle-s", type=float, default=3.0, help="load before, between and after the kills")
     chaos.add_argument("--recovery-timeout-s", type=float, default=60.0)
     chaos.add_argument("--leak-timeout-s", type=float, default=75.0,
                        help="sessions and KV must be back to 0 this long after the chaos (the reaper's 1-1.5 x --idle-s)")
-    for p in (load, soak, chaos):
-        common_options(p)
     args = parser.parse_args(argv)
     if args.part == "chaos":
         args.deadline_s = min(args.deadline_s, 30.0)
     return args
-
-
-def endpoints_from(args) -> Endpoints:
-    from orchestrator.cli.remote import client_token  # imports torch (specdec.sampling): only with --front
-
-    credentials, context = tls(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else (None, None)
-    token = client_token(args.auth_token_file)
-    return Endpoints(args.front, args.target, args.draft, credentials, token, args.http, token, context)
 
 
 def main(argv=None) -> int:
@@ -879,7 +781,12 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="reliability-") as workdir:
         try:
             if args.front:
-                endpoints = endpoints_from(args)
+                from orchestrator.cli.remote import client_token  # imports torch (specdec.sampling): only with --front
+
+                credentials, context = tls(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else (None, None)
+                token = client_token(args.auth_token_file)
+                endpoints = Endpoints(args.front, args.target, args.draft, credentials, token, args.http, token,
+                                      context)
             else:
                 log("starting a deployment (draft, target, front) on loopback")
                 deployment = LocalDeployment.start(Path(workdir), args)

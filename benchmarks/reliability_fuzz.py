@@ -1,24 +1,11 @@
-"""Fuzz every RPC of the three services with random and mutated messages, or with stateful sequences of calls.
+"""Fuzz every RPC of the three services with random and mutated messages, or with stateful sequences of calls
+(docs/benchmarks.md; the properties: ``run_fuzz``).
 
     python benchmarks/reliability_fuzz.py --messages 10000 --out DIR          # tiny random models, spawned here
     python benchmarks/reliability_fuzz.py --stateful --messages 300 --out DIR  # 300 sequences
     python benchmarks/reliability_fuzz.py --front H:P --draft H:P --target H:P --messages 2000 --out DIR
 
-Random mode: a message is one call (a unary request, one DraftService.Session stream, or one Generate stream cancelled
-after a few replies): half built field by field from the proto descriptors (``message_strategy``: extreme integers,
-NaN / inf, huge strings and repeats, nested messages), half well-formed with one field broken (bad trees, sampling
-parameters and specs, unknown session ids, calls out of order). Generation is hypothesis with a fixed seed.
-
-Stateful mode (``Stateful``): a case is a sequence of 2-12 calls on a few session and request ids, each answer checked
-against a model of the services (its status and its values); an answer unlike the model's is a violation.
-
-Only the servers' answers count as answers: a call the fuzzer cancelled, a message its own channel refused to send
-("CLIENT: ...") or one drawn too big to send are counted apart (``client_side``); no answer before the fuzzer's
-deadline and a call the transport ended are faults there.
-
-Properties (``run_fuzz``; ``write_report``: fuzz.json + fuzz.md, or fuzz_stateful.*): every server answer is OK or
-one of ALLOWED (anything else is a fault, kept with its input); (stateful) no violation; the servers never exit or log
-a traceback; no session leaks once the fuzzer releases its ids; greedy tokens the same after the run as before.
+Writes fuzz.json and fuzz.md (stateful: fuzz_stateful.*) under ``--out``.
 """
 
 from __future__ import annotations
@@ -81,8 +68,6 @@ class Shape:
     max_tree_nodes: int
 
 
-# ------------------------------------------------------------- random messages from the proto descriptors
-
 def _ints(lo: int, hi: int) -> st.SearchStrategy[int]:
     edges = sorted({v for v in (lo, hi, 0, 1, -1, 2, 255, 256, 300, 4096) if lo <= v <= hi})
     return st.one_of(st.integers(max(lo, -3), min(hi, 40)), st.sampled_from(edges), st.integers(lo, hi))
@@ -138,8 +123,6 @@ def message_strategy(draw, descriptor, depth: int = 0):
             values[fd.name] = draw(_repeated(fd, depth) if fd.is_repeated else _value(fd, depth))
     return message_factory.GetMessageClass(descriptor)(**values)
 
-
-# ------------------------------------------------------------- well-formed messages and their mutations
 
 @st.composite
 def valid_tree(draw, shape: Shape, max_nodes: int = 12) -> tree_pb2.TokenTree:
@@ -272,8 +255,6 @@ def session_id(pool: list[str]) -> st.SearchStrategy[str]:
                      st.sampled_from(["", "never-opened", "x" * 70_000]), st.text(max_size=12))
 
 
-# ------------------------------------------------------------- the cases: one message each, recorded as (rpc, status)
-
 # What ended a call on the client's side, not with the server's status. The server owed an answer to the
 # last two: a fault. (grpc marks its client's own refusals "CLIENT: ..."; a passed deadline of ours is
 # "Deadline Exceeded"; a server's own DEADLINE_EXCEEDED names its deadline.)
@@ -343,13 +324,10 @@ class Record:
 
     def _fault(self, rpc: str, code: str, details: str, request) -> None:
         self.fault_count += 1
+        text = "\n---\n".join(map(str, request)) if isinstance(request, list) else str(request)
         if len(self.faults) < MAX_FAULTS_KEPT:
-            self.faults.append({"rpc": rpc, "code": code, "details": details[:500], "request": _short(request)})
-
-
-def _short(request, limit: int = 800) -> str:
-    text = str(request) if not isinstance(request, list) else "\n---\n".join(map(str, request))
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
+            self.faults.append({"rpc": rpc, "code": code, "details": details[:500],
+                                "request": text if len(text) <= 800 else text[:800] + f"... ({len(text)} chars)"})
 
 
 class Fuzzer:
@@ -488,18 +466,28 @@ class Fuzzer:
         request = data.draw(message_strategy(generation_pb2.GenerateRequest.DESCRIPTOR) if random_message
                             else broken.flatmap(self._generate_request), label="generate request")
         wanted = data.draw(st.integers(1, 3), label="replies before the cancel")
+        self.stream(self.front.Generate(request, timeout=CALL_TIMEOUT_S), request, cancel_after=wanted)
+
+    def stream(self, call, request, first_only: bool = False, cancel_after: int = 0,
+               expect=None) -> tuple[list[int], str, bool]:
+        """Read a Generate stream: its first reply only, or to its end or its ``cancel_after``-th reply (then
+        cancelled: CANCELLED, ours), recorded (``expect``: Record.answer): (tokens, stop_reason, ended)."""
+        tokens, stop, code, details, own_cancel = [], "", OK, "", False
         started = time.perf_counter()
-        call = self.front.Generate(request, timeout=CALL_TIMEOUT_S)
-        code, details, own_cancel = OK, "", False
         try:
-            for read, _ in enumerate(call, 1):
-                if read >= wanted:
+            for read, reply in enumerate(call, 1):
+                tokens += reply.token_ids
+                stop = reply.stats.stop_reason if reply.HasField("stats") else stop
+                if first_only:
+                    return tokens, stop, False
+                if read == cancel_after:
                     call.cancel()
                     code, own_cancel = grpc.StatusCode.CANCELLED, True
                     break
         except grpc.RpcError as exc:
             code, details = exc.code(), exc.details() or ""
-        self.record.answer("Generate", code, details, request, started, own_cancel=own_cancel)
+        self.record.answer("Generate", code, details, request, started, expect, own_cancel)
+        return tokens, stop, True
 
     def _generate_request(self, broken: str | None) -> st.SearchStrategy:
         """A well-formed request (short greedy or sampled, prompt ids or text), field ``broken`` (or none) broken."""
@@ -519,8 +507,6 @@ class Fuzzer:
             st.tuples(st.booleans(), st.booleans()))
 
 
-# ------------------------------------------------------------- stateful mode: sequences of calls checked against a model
-
 GEN_TOKENS = 200  # a Generate the stateful mode aborts (ignore_eos: seconds of decoding, so it runs when aborted)
 KNOWN_CHAIN = 4  # nodes of a tree built from a known greedy continuation (all must be accepted)
 MISPLACED = [None, None, None, "start", "bad_commit"]  # a draft stream's misplaced message, if any
@@ -537,22 +523,9 @@ class Slot:
     pending: tuple | None = None
 
 
-def _root_path(parents, nodes) -> bool:
-    """``nodes`` is a path from a root of the tree down (each node the child of the one before)."""
-    return all(0 <= n < len(parents) and parents[n] == (nodes[i - 1] if i else -1) for i, n in enumerate(nodes))
-
-
-def _agree(a, b) -> bool:
-    """One of the two token sequences is a prefix of the other."""
-    return tuple(a[: len(b)]) == tuple(b[: len(a)])
-
-
 class Stateful:
-    """The stateful mode: sequences of calls on target sessions (open, verify, replay, commit, release, reopen), front
-    request ids (Generate, the id again while it runs, Abort twice, the id reused) and draft streams (start / propose /
-    commit, a misplaced message now and then), every answer checked against this model of the services: its status
-    and its values (cached tokens, released, a root path accepted, a replay equal to its first answer, greedy tokens
-    or draft trees equal to every earlier answer on the same context)."""
+    """The stateful mode (docs/benchmarks.md): sequences of calls, every answer's status and values checked against
+    this model of the services."""
 
     OPS = ("open", "verify", "commit", "release", "verify_batch", "generate_abort", "draft_stream")
 
@@ -583,8 +556,6 @@ class Stateful:
             for slot in slots:
                 self._release_slot(slot)
 
-    # -- calls and checks
-
     @staticmethod
     def _slot(data: st.DataObject, slots: list[Slot], prefer) -> Slot:
         """A slot; 3 times in 4 one that ``prefer`` accepts, if any (so sequences reach deep states)."""
@@ -601,12 +572,11 @@ class Stateful:
         """``tokens`` continue ``context`` greedily: they must agree with what was seen there; keep the longer."""
         seen = self.known.get(context, ())
         self.cross_checked["greedy"] += bool(seen)
-        self._check(_agree(seen, tokens), rpc, f"greedy tokens {list(tokens)} after {len(context)} tokens, "
-                                                f"earlier {list(seen)}", request)
+        agree = tuple(seen[:len(tokens)]) == tuple(tokens[:len(seen)])  # one a prefix of the other
+        self._check(agree, rpc, f"greedy tokens {list(tokens)} after {len(context)} tokens, earlier {list(seen)}",
+                    request)
         if len(tokens) > len(seen):
             self.known[context] = tuple(tokens)
-
-    # -- target sessions
 
     def _open(self, data: st.DataObject, slots: list[Slot]) -> None:
         """Prefill: OK on a closed id (opened, reused after a release), ALREADY_EXISTS on an open one,
@@ -663,8 +633,10 @@ class Stateful:
         if slot.pending is not None:
             self._check(tokens == slot.pending[1], rpc, f"replay answered {list(tokens)}, first {list(slot.pending[1])}", request)
             return
-        path_ok = (_root_path(tree.parents, nodes) and len(tokens) == len(nodes) + 1
-                   and all(tokens[i] == tree.tokens[n] for i, n in enumerate(nodes)))
+        parents = tree.parents  # nodes: a path from a root down, each the child of the one before
+        path_ok = (len(tokens) == len(nodes) + 1 and all(
+            0 <= n < len(parents) and parents[n] == (nodes[i - 1] if i else -1) and tokens[i] == tree.tokens[n]
+            for i, n in enumerate(nodes)))
         self._check(path_ok, rpc, f"accepted {nodes} / tokens {list(tokens)} are no root path of the tree", request)
         self._check(chain is None or len(nodes) == chain, rpc, f"{len(nodes)} of a known greedy chain of {chain} accepted", request)
         self._learn(slot.context, tokens, rpc, request)
@@ -723,8 +695,6 @@ class Stateful:
             self._check(reply.released == slot.open, "Release", f"released {reply.released}, open {slot.open}", request)
         slot.open, slot.pending = False, None
 
-    # -- front request ids
-
     def _generate_abort(self, data: st.DataObject, slots: list[Slot]) -> None:
         """A running Generate: its id again (ALREADY_EXISTS), Abort (the stream ends "aborted" if it answered
         true), Abort again (false), the id reused (OK); greedy tokens as the target's on the same prompt."""
@@ -735,14 +705,15 @@ class Stateful:
         request = generation_pb2.GenerateRequest(request_id=rid, prompt_ids=prompt, max_new_tokens=GEN_TOKENS,
                                                  ignore_eos=True)
         call = self.f.front.Generate(request, timeout=CALL_TIMEOUT_S)
-        tokens, stop, ended = self._stream(call, request, first_only=True)
+        tokens, stop, ended = self.f.stream(call, request, first_only=True, expect={OK})
         if ended:  # refused or failed: recorded (and a violation) already
             return
         again = generation_pb2.GenerateRequest(request_id=rid, prompt_ids=prompt, max_new_tokens=2)
-        self._stream(self.f.front.Generate(again, timeout=CALL_TIMEOUT_S), again, expect={grpc.StatusCode.ALREADY_EXISTS})
+        self.f.stream(self.f.front.Generate(again, timeout=CALL_TIMEOUT_S), again,
+                      expect={grpc.StatusCode.ALREADY_EXISTS})
         abort = generation_pb2.AbortRequest(request_id=rid)
         first = self.f.call("Abort", self.f.front.Abort, abort, {OK})
-        more, stop, _ = self._stream(call, request)
+        more, stop, _ = self.f.stream(call, request, expect={OK})
         tokens += more
         if first is not None:
             done = "aborted" if first.aborted else "max_new_tokens"
@@ -750,26 +721,9 @@ class Stateful:
         second = self.f.call("Abort", self.f.front.Abort, abort, {OK})
         self._check(second is None or not second.aborted, "Abort", "a second Abort of an ended request answered true", abort)
         reuse = generation_pb2.GenerateRequest(request_id=rid, prompt_ids=prompt, max_new_tokens=4, ignore_eos=True)
-        again_tokens, _, _ = self._stream(self.f.front.Generate(reuse, timeout=CALL_TIMEOUT_S), reuse)
+        again_tokens, _, _ = self.f.stream(self.f.front.Generate(reuse, timeout=CALL_TIMEOUT_S), reuse, expect={OK})
         self._learn(tuple(prompt), tokens, "Generate", request)
         self._learn(tuple(prompt), again_tokens, "Generate", reuse)
-
-    def _stream(self, call, request, first_only: bool = False, expect=frozenset({OK})) -> tuple[list[int], str, bool]:
-        """Read a Generate stream: its first reply only, or to its end (recorded): (tokens, stop_reason, ended)."""
-        tokens, stop, code, details = [], "", OK, ""
-        started = time.perf_counter()
-        try:
-            for reply in call:
-                tokens += reply.token_ids
-                stop = reply.stats.stop_reason if reply.HasField("stats") else stop
-                if first_only:
-                    return tokens, stop, False
-        except grpc.RpcError as exc:
-            code, details = exc.code(), exc.details() or ""
-        self.record.answer("Generate", code, details, request, started, expect)
-        return tokens, stop, True
-
-    # -- draft streams
 
     def _draft_stream(self, data: st.DataObject, slots: list[Slot]) -> None:
         """A Session stream: start, 1-3 rounds of propose + commit (a root path of the tree + a bonus), maybe one
@@ -818,8 +772,6 @@ class Stateful:
                     f"tree {tokens} / {parents} after {len(context)} tokens, earlier {list(seen[0])} / {list(seen[1])}", sent)
 
 
-# ------------------------------------------------------------- the run: greedy reference, messages, checks
-
 def greedy_outputs(fuzzer: Fuzzer, session: str = "fz-greedy") -> dict[str, list[int]]:
     """GREEDY_TOKENS tokens of GREEDY_PROMPT: "target": plain decoding steps on the target alone (empty trees,
     temperature 0); "front" (if any): one greedy speculative Generate (ignore_eos)."""
@@ -838,19 +790,6 @@ def greedy_outputs(fuzzer: Fuzzer, session: str = "fz-greedy") -> dict[str, list
     return out
 
 
-def drive(case, examples: int, seed: int) -> None:
-    """Run ``examples`` hypothesis cases of ``case(data)`` (seeded, no database, no shrinking)."""
-
-    @hypothesis_seed(seed)
-    @settings(max_examples=examples, database=None, deadline=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck), print_blob=False)
-    @given(st.data())
-    def one(data):
-        case(data)
-
-    one()
-
-
 def open_sessions(fuzzer: Fuzzer, settle_s: float = 20.0) -> dict[str, int]:
     """Sessions the services still hold, once 0 or after ``settle_s`` (cancelled requests release late)."""
     deadline = time.monotonic() + settle_s
@@ -865,17 +804,26 @@ def open_sessions(fuzzer: Fuzzer, settle_s: float = 20.0) -> dict[str, int]:
 
 
 def run_fuzz(addresses: Addresses, messages: int, seed: int = 0, alive=None, stateful: bool = False) -> dict:
-    """Fuzz a deployment with ``messages`` cases (stateful: sequences); returns the figures and each property's
-    verdict. Raises grpc.RpcError when the deployment does not answer the well-formed calls before the run."""
+    """Fuzz a deployment with ``messages`` hypothesis cases (stateful: sequences; seeded, no database, no shrinking);
+    the figures and each property's verdict. Raises grpc.RpcError when the deployment does not answer the
+    well-formed calls before the run."""
     info = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(addresses.target)).Info(
         target_pb2.InfoRequest(), timeout=CALL_TIMEOUT_S)
     shape = Shape(info.vocab_size, info.context_limit, info.max_tree_nodes or 128)
     fuzzer = Fuzzer(addresses, shape, pool=[f"fz-{seed}-{i}" for i in range(6)])
     machine = Stateful(fuzzer) if stateful else None
+
+    @hypothesis_seed(seed)
+    @settings(max_examples=messages, database=None, deadline=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck), print_blob=False)
+    @given(st.data())
+    def case(data):
+        (machine.sequence if machine else fuzzer.case)(data)
+
     try:
         before = greedy_outputs(fuzzer)
         started = time.perf_counter()
-        drive(machine.sequence if machine else fuzzer.case, messages, seed)
+        case()
         elapsed_s = time.perf_counter() - started
         for sid in fuzzer.opened:  # the fuzzer's own sessions: releasing them is the client's job
             with contextlib.suppress(grpc.RpcError):
@@ -924,8 +872,6 @@ def summarize(record: Record, ran: int, elapsed_s: float, seed: int, held: dict,
     }
 
 
-# ------------------------------------------------------------- spawned tiny deployment, report, command line
-
 @contextlib.contextmanager
 def spawned_services(root: Path):
     """Draft, target and front (no Ray) on tiny models under ``root``; yields (Addresses, {name: Service})."""
@@ -942,21 +888,6 @@ def spawned_services(root: Path):
     finally:
         for service in services.values():
             stop_service(service)
-
-
-def fuzz_spawned(messages: int, seed: int = 0, stateful: bool = False) -> dict:
-    """Fuzz a spawned tiny deployment; adds each server's exit code and logged tracebacks to the result."""
-    with tempfile.TemporaryDirectory(prefix="fuzz-") as root, spawned_services(Path(root)) as (addresses, services):
-        result = run_fuzz(addresses, messages, seed, stateful=stateful,
-                          alive=lambda: {name: s.returncode is None for name, s in services.items()})
-    exit_codes = {name: s.returncode for name, s in services.items()}
-    tracebacks = {name: s.stderr.count("Traceback") for name, s in services.items()}
-    result.update(exit_codes=exit_codes, tracebacks=tracebacks, deployment="spawned: tiny random-weight models, "
-                  "float32 CPU, draft + target + front (use_ray false) on 127.0.0.1")
-    result["checks"]["no_tracebacks_logged"] = not any(tracebacks.values())
-    result["checks"]["clean_exit"] = all(code == 0 for code in exit_codes.values())
-    result["passed"] = all(result["checks"].values())
-    return result
 
 
 def write_report(result: dict, out_dir) -> tuple[Path, Path]:
@@ -993,7 +924,8 @@ def _address(text: str) -> str:
 
 
 def main(argv=None) -> int:
-    """Command line; exit code 0 when every property held, 1 otherwise."""
+    """Command line; exit code 0 when every property held, 1 otherwise. A spawned tiny deployment's result also
+    holds each server's exit code and logged tracebacks."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=10_000, help="cases to send (default 10000; stateful: sequences)")
     parser.add_argument("--stateful", action="store_true", help="sequences of calls checked against a model")
@@ -1009,7 +941,16 @@ def main(argv=None) -> int:
             parser.error("--draft and --target: give both (and --front for the Generate / Abort cases)")
         result = run_fuzz(Addresses(args.draft, args.target, args.front), args.messages, args.seed, stateful=args.stateful)
     else:
-        result = fuzz_spawned(args.messages, args.seed, stateful=args.stateful)
+        with tempfile.TemporaryDirectory(prefix="fuzz-") as root, spawned_services(Path(root)) as (addresses, services):
+            result = run_fuzz(addresses, args.messages, args.seed, stateful=args.stateful,
+                              alive=lambda: {name: s.returncode is None for name, s in services.items()})
+        result.update(exit_codes={name: s.returncode for name, s in services.items()},
+                      tracebacks={name: s.stderr.count("Traceback") for name, s in services.items()},
+                      deployment="spawned: tiny random-weight models, float32 CPU, draft + target + front (use_ray "
+                                 "false) on 127.0.0.1")
+        result["checks"]["no_tracebacks_logged"] = not any(result["tracebacks"].values())
+        result["checks"]["clean_exit"] = all(code == 0 for code in result["exit_codes"].values())
+        result["passed"] = all(result["checks"].values())
     result["machine"] = machine()
     paths = write_report(result, args.out)
     print(f"{result['messages']} {'sequences' if args.stateful else 'messages'}, {result['faults']} faults, "

@@ -66,30 +66,8 @@ def log(msg: str) -> None:
     print(f"[serving {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-# ----------------------------------------------------------------------------------------- prompts
-
-def load_prompts(path: Path | None, tokenizer, max_prompt_tokens: int) -> list[dict]:
-    """Each question's first turn with its chat-template ids, if within max_prompt_tokens (path None: built-in set)."""
-    path = path or BUILTIN_QUESTIONS
-    prompts = [{"question_id": q["question_id"], "category": q["category"],
-                "ids": encode_prompt(tokenizer, q["turns"][0], raw=False)}
-               for q in parse_questions(path.read_text(encoding="utf-8"), str(path))]
-    return [p for p in prompts if len(p["ids"]) <= max_prompt_tokens]
-
-
-def spread(prompts: list[dict], n: int) -> list[dict]:
-    """n prompts round-robin over the categories."""
-    by_cat: dict[str, list] = defaultdict(list)
-    for p in prompts:
-        by_cat[p["category"]].append(p)
-    return [p for turn in itertools.zip_longest(*by_cat.values()) for p in turn if p is not None][:n]
-
-
-# ----------------------------------------------------------------------------------------- traces
-
 class SpanCollector(OtlpReceiver):
-    """OtlpReceiver that keeps trace_report's Span: with start / end times (wall clock, comparable across the
-    processes of this machine) and ``ms``."""
+    """OtlpReceiver keeping trace_report's Span (wall-clock start / end, comparable across this machine's processes)."""
 
     def keep(self, service: str, span) -> Span:
         return Span(span.trace_id.hex(), span.span_id.hex(), span.parent_span_id.hex(), span.name, service,
@@ -103,18 +81,14 @@ def client_id(rid: str) -> str:
 
 
 def request_rounds(spans: list[Span], request_ids: set[str]) -> dict[str, list[Span]]:
-    """Each request's ``round`` spans, matched by request.id (the client's id, ``client_id``) or by their
-    ``generate`` parent."""
+    """Each request's ``round`` spans, by request.id (``client_id``) or by their ``generate`` parent."""
     generate = {s.span_id: client_id(str(s.attributes.get("request.id", ""))) for s in spans if s.name == "generate"}
     out: dict[str, list[Span]] = defaultdict(list)
-    for s in spans:
-        if s.name != "round":
-            continue
+    for s in (s for s in spans if s.name == "round"):
         rid = str(s.attributes.get("request.id", ""))
-        for key in (rid, client_id(rid), generate.get(s.parent_id)):
-            if key in request_ids:
-                out[key].append(s)
-                break
+        key = next((k for k in (rid, client_id(rid), generate.get(s.parent_id)) if k in request_ids), None)
+        if key is not None:
+            out[key].append(s)
     return out
 
 
@@ -193,22 +167,18 @@ def wait_for_rounds(collector: SpanCollector, expected: dict[str, int], timeout_
 
 
 def pipeline_overlap(spans: list[Span], request_ids: set[str]) -> dict:
-    """Draft/verify pipelining from the traces: each round's ``draft.ahead`` span against its ``verify`` span;
-    hidden_share: the hits' share of time inside their verify span."""
+    """Each round's ``draft.ahead`` span against its ``verify`` span; hidden_share: the hits' share inside it."""
     rounds = round_children(spans, request_ids, ("draft", "verify", "draft.ahead"))
-    aheads = 0
-    ahead_ns = hidden_ns = 0
+    aheads = ahead_ns = hidden_ns = adopted_with_draft = 0
     hit_ms, waits, adopted_ms, drafted_ms, drafted_draft = [], [], [], [], []
-    adopted_with_draft = 0
     for r, kids in rounds:
         ahead, verify, draft = kids.get("draft.ahead"), kids.get("verify"), kids.get("draft")
-        if ahead is not None and verify is not None:
-            aheads += 1
-            if r.attributes.get("ahead.outcome") == "hit":
-                hit_ms.append(ahead.ms)
-                ahead_ns += ahead.end_ns - ahead.start_ns
-                hidden_ns += max(0, min(ahead.end_ns, verify.end_ns) - max(ahead.start_ns, verify.start_ns))
-                waits.append(max(0, ahead.end_ns - verify.end_ns) / 1e6)
+        aheads += ahead is not None and verify is not None
+        if ahead is not None and verify is not None and r.attributes.get("ahead.outcome") == "hit":
+            hit_ms.append(ahead.ms)
+            ahead_ns += ahead.end_ns - ahead.start_ns
+            hidden_ns += max(0, min(ahead.end_ns, verify.end_ns) - max(ahead.start_ns, verify.start_ns))
+            waits.append(max(0, ahead.end_ns - verify.end_ns) / 1e6)
         if r.attributes.get("pipelined"):
             adopted_ms.append(r.ms)
             adopted_with_draft += draft is not None
@@ -221,8 +191,6 @@ def pipeline_overlap(spans: list[Span], request_ids: set[str]) -> dict:
             "adopted_round_ms_mean": mean(adopted_ms), "drafted_rounds": len(drafted_ms),
             "drafted_round_ms_mean": mean(drafted_ms), "drafted_draft_ms_mean": mean(drafted_draft)}
 
-
-# ----------------------------------------------------------------------------------------- gRPC client
 
 async def grpc_generate(stub, request_id: str, ids: list[int], max_new: int, no_spec: bool = False,
                         ignore_eos: bool = False, chunks: list | None = None) -> dict:
@@ -299,8 +267,6 @@ def run_level(address: str, prompts: list[list[int]], clients: int, max_new: int
     return {"wall_s": wall, "requests": results}
 
 
-# ----------------------------------------------------------------------------------------- services
-
 @dataclass
 class Services:
     """The server subprocesses of a run (stopped in reverse order of launch)."""
@@ -316,18 +282,9 @@ class Services:
     relays: dict = field(default_factory=dict)  # draft name -> its relay's address (split topology)
     measured_rtt_ms: float | None = None  # through the first relay (SplitTopology.measure_rtt)
 
-    def note_peak(self, service: Service) -> None:
-        """Record the service's peak RSS (its own process) and, for a front, its starting cost model."""
-        with contextlib.suppress(ValueError, OSError):  # already gone, or no /proc here
-            self.peak_rss_mb[service.name] = peak_rss_mb(service.proc.pid)
-        with contextlib.suppress(OSError):
-            costs = front_start_costs(service.stderr) if service.kind == "front" else None
-            if costs is not None:
-                self.start_costs[service.name] = costs
-
     def launch(self, kind: str, name: str, config: dict, **flags) -> Service:
-        """Start a service from ``config`` (written to the workdir); under ``taskset -c`` when ``pin`` names its kind;
-        on a split topology in its kind's namespace, listening on its address."""
+        """Start a service from ``config`` (written to the workdir), under ``taskset -c`` where ``pin`` names its
+        kind; on a split topology in its kind's namespace, on its address."""
         path = self.workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         env = {**self.env, "OTEL_SERVICE_NAME": name}
@@ -344,13 +301,12 @@ class Services:
     def wait(self, service: Service) -> Service:
         """Wait for its ready line (ServiceNotReady if none comes), then note the CPUs it may run on."""
         wait_ready(service, 600.0)
-        if service.name not in self.affinity:
-            self.affinity[service.name] = sorted(os.sched_getaffinity(service.proc.pid))
+        self.affinity.setdefault(service.name, sorted(os.sched_getaffinity(service.proc.pid)))
         return service
 
     def dial(self, service: Service) -> str:
-        """The address others dial ``service`` at: on a split topology a draft's is its relay's (started on first
-        use, its round trip measured then)."""
+        """Where others dial ``service``: on a split topology a draft's relay (started, its round trip measured,
+        on first use)."""
         if self.topology is None or service.kind != "draft":
             return service.address
         if service.name not in self.relays:
@@ -359,12 +315,16 @@ class Services:
         return self.relays[service.name]
 
     def stop(self, *services: Service, timeout_s: float = 30.0) -> None:
-        """Note each one's peak, SIGTERM them all at once, then wait for each (``stop_service``: SIGKILL past
-        timeout_s)."""
+        """Note each one's peak RSS (a front's starting costs too), SIGTERM them all, then ``stop_service`` each."""
         services = tuple(s for s in services if s in self.running)
         for service in services:
             self.running.remove(service)
-            self.note_peak(service)
+            with contextlib.suppress(ValueError, OSError):  # already gone, or no /proc here
+                self.peak_rss_mb[service.name] = peak_rss_mb(service.proc.pid)
+            with contextlib.suppress(OSError):
+                costs = front_start_costs(service.stderr) if service.kind == "front" else None
+                if costs is not None:
+                    self.start_costs[service.name] = costs
             if service.proc.poll() is None:
                 service.proc.send_signal(signal.SIGTERM)
         for service in services:
@@ -389,15 +349,13 @@ def front_start_costs(log_text: str) -> dict | None:
     return None
 
 
-RESERVED_CONFIGS = ("batched", "speculative_pipelined", "target_only")
-
-
 def front_variant(text: str, flag: str = "--front-variant") -> tuple[str, dict]:
     """``NAME=JSON`` -> (NAME, object). Raises argparse.ArgumentTypeError on a bad name or non-object JSON."""
     name, sep, body = text.partition("=")
-    if not sep or not name.isidentifier() or name in RESERVED_CONFIGS:
+    reserved = ("batched", "speculative_pipelined", "target_only")
+    if not sep or not name.isidentifier() or name in reserved:
         raise argparse.ArgumentTypeError(f"{flag}: need NAME=JSON with NAME an identifier other than "
-                                         f"{', '.join(RESERVED_CONFIGS)}, got {text!r}")
+                                         f"{', '.join(reserved)}, got {text!r}")
     try:
         front = json.loads(body)
     except json.JSONDecodeError as exc:
@@ -466,7 +424,8 @@ def service_config(args, threads: int | None = None, target: dict | None = None,
 
 
 def start_target(services: Services, args, name: str, **target) -> Service:
-    """A target service with these ``target`` config keys (not waited for)."""
+    """A target with --max-batch, --batch-wait-ms and these ``target`` config keys (not waited for)."""
+    target = {"max_batch": args.max_batch, "batch_wait_ms": args.batch_wait_ms, **target}
     return services.launch("target", name, service_config(args, args.target_threads, target))
 
 
@@ -476,8 +435,6 @@ def start_front(services: Services, args, name: str, front: dict, draft: Service
     return services.wait(services.launch("front", name, config, draft_address=services.dial(draft),
                                          target_address=target.address))
 
-
-# ----------------------------------------------------------------------------------------- stats
 
 CPU_ROLES = ("target", "draft", "front", "front_ray", "other_fronts", "benchmark", "other")
 
@@ -524,8 +481,6 @@ def ratio(a: float, b: float | None, default: float | None = None) -> float | No
     """a / b; ``default`` when b is 0 or None (no reference to compare with)."""
     return a / b if b else default
 
-
-# ----------------------------------------------------------------------------------------- sections
 
 def measure_level(args, ids: list[list[int]], name: str, level, front: str, no_spec,
                   services: Services) -> tuple[dict, dict]:
@@ -575,15 +530,10 @@ def level_row(name: str, level, no_spec, out: dict, counters: dict, run_order: i
     return row
 
 
-def row_request_rounds(row: dict) -> dict[str, int]:
-    """A concurrency row's request ids -> their rounds (a repeated level reuses its ids)."""
-    return {f"conc-{row['config']}-{row['clients']}-{i}": r["rounds"] for i, r in enumerate(row["per_request"])}
-
-
 def add_traces(rows: list[dict], collector: SpanCollector, round_logs: bool) -> None:
     """Add ``pipeline_trace`` to rows with ahead hits and, with ``round_logs``, round_split/round_log to every row."""
-    for row in rows:
-        expected = row_request_rounds(row)
+    for row in rows:  # a repeated level reuses its request ids
+        expected = {f"conc-{row['config']}-{row['clients']}-{i}": r["rounds"] for i, r in enumerate(row["per_request"])}
         if row["pipeline_ahead_hits"]:
             complete = wait_for_rounds(collector, expected)
             row["pipeline_trace"] = {**pipeline_overlap(collector.spans(), set(expected)), "complete": complete}
@@ -593,19 +543,9 @@ def add_traces(rows: list[dict], collector: SpanCollector, round_logs: bool) -> 
             row["round_log"] = round_log(collector.spans(), set(expected))
 
 
-def add_target_only_ratios(rows: list[dict]) -> None:
-    """Each row's throughput and p95 latency against the target_only row of the same level run."""
-    base = {r["level_run"]: r for r in rows if r["config"] == "target_only"}
-    for r in rows:
-        ref = base.get(r["level_run"]) or {}
-        r["speedup_vs_target_only"] = ratio(r["tokens_per_s"], ref.get("tokens_per_s"))
-        r["latency_p95_vs_target_only"] = ratio(r["latency_p95_s"], ref.get("latency_p95_s"))
-        if r.get("no_spec_latency_p95_s") is not None:
-            r["no_spec_latency_p95_vs_target_only"] = ratio(r["no_spec_latency_p95_s"], ref.get("latency_p95_s"))
-
-
 def section_concurrency(args, prompts, configs: dict, collector: SpanCollector, services: Services) -> dict:
-    """Every level of ``--levels`` per configuration (name -> (front, no_spec)), order rotated per level."""
+    """Every level of ``--levels`` per configuration (name -> (front, no_spec)), order rotated per level; each row
+    against the target_only row of the same level run."""
     ids = [p["ids"] for p in prompts]
     for name, (front, no_spec) in configs.items():  # warm-up
         run_level(front, ids[:1], 1, 4, no_spec is True, f"warm-conc-{name}")
@@ -621,14 +561,17 @@ def section_concurrency(args, prompts, configs: dict, collector: SpanCollector, 
             log(f"concurrency {name} x{level}: {rows[-1]['tokens_per_s']:.2f} tok/s, p50 {rows[-1]['latency_p50_s']:.2f} s, "
                 f"p95 {rows[-1]['latency_p95_s']:.2f} s, merged forwards {counters['merged_verify_forwards']}")
     add_traces(rows, collector, args.round_log)
-    add_target_only_ratios(rows)
-    ref_key = ("target_only", args.levels[0])
-    same = [all(v == out[ref_key] for v in out.values()) for out in outputs.values()]
+    base = {r["level_run"]: r for r in rows if r["config"] == "target_only"}
+    for r in rows:
+        ref = base.get(r["level_run"]) or {}
+        r["speedup_vs_target_only"] = ratio(r["tokens_per_s"], ref.get("tokens_per_s"))
+        r["latency_p95_vs_target_only"] = ratio(r["latency_p95_s"], ref.get("latency_p95_s"))
+        if r.get("no_spec_latency_p95_s") is not None:
+            r["no_spec_latency_p95_vs_target_only"] = ratio(r["no_spec_latency_p95_s"], ref.get("latency_p95_s"))
+    same = [all(v == out[("target_only", args.levels[0])] for v in out.values()) for out in outputs.values()]
     return {"levels": args.levels, "configs": names, "rows": rows, "identical_outputs": all(same),
             "identical_prompts": sum(same), "prompts": len(prompts)}
 
-
-# ----------------------------------------------------------------------------------------- longprompt
 
 def long_prompt_ids(tokenizer, n_tokens: int) -> list[int]:
     """``n_tokens`` prompt ids from the built-in prompts' first turns, repeated and cut (deterministic)."""
@@ -648,12 +591,9 @@ def itl_samples(chunks: list[tuple[float, int]], start_s: float, end_s: float,
     """
     samples, largest = [], 0.0
     for (t0, _), (t1, k) in zip(chunks, chunks[1:]):
-        if t1 <= start_s:
-            continue
-        if t1 > end_s and not close_after_end:
-            break
-        samples += [(t1 - t0) / k] * k
-        largest = max(largest, t1 - t0)
+        if t1 > start_s and (t1 <= end_s or close_after_end):
+            samples += [(t1 - t0) / k] * k
+            largest = max(largest, t1 - t0)
         if t1 > end_s:
             break
     return samples, largest
@@ -702,27 +642,20 @@ async def longprompt_run(address: str, running_ids: list[list[int]], long_ids: l
 
 def longprompt_row(config: str, chunk_tokens: int, busy_tokens: int, run: dict, args) -> dict:
     """One table row: p50 / p95 ITL (ms) of the running requests before vs during the long prefill."""
-    before, during, gap_before, gap_during = [], [], 0.0, 0.0
-    for chunks in run["chunks"]:
-        samples, gap = itl_samples(chunks, run["window_start"], run["sent"])
-        before, gap_before = before + samples, max(gap_before, gap)
-        samples, gap = itl_samples(chunks, run["sent"], run["long_first"], close_after_end=True)
-        during, gap_during = during + samples, max(gap_during, gap)
-
-    def ms(values, q):
-        return percentile(values, q) * 1e3 if values else None
-
     row = {"config": config, "prefill_chunk_tokens": chunk_tokens, "prefill_busy_chunk_tokens": busy_tokens,
            "chunked": min(chunk_tokens, busy_tokens) < args.long_prompt_tokens,
            "long_prompt_tokens": args.long_prompt_tokens, "running": len(run["chunks"]),
            "running_max_new_tokens": args.long_running_tokens, "window_before_s": run["sent"] - run["window_start"],
-           "window_during_s": run["long_first"] - run["sent"],
-           "itl_p50_before_ms": ms(before, 50), "itl_p95_before_ms": ms(before, 95),
-           "itl_p50_during_ms": ms(during, 50), "itl_p95_during_ms": ms(during, 95),
-           "max_gap_before_ms": gap_before * 1e3, "max_gap_during_ms": gap_during * 1e3,
-           "itl_tokens_before": len(before), "itl_tokens_during": len(during),
-           "long_ttft_s": run["long"]["ttft_s"], "long_new_tokens": run["long"]["new_tokens"],
-           "long_wall_s": run["long"]["wall_s"], "running_outlasted": run["outlasted"]}
+           "window_during_s": run["long_first"] - run["sent"]}
+    for when, bounds in (("before", (run["window_start"], run["sent"])), ("during", (run["sent"], run["long_first"]))):
+        each = [itl_samples(chunks, *bounds, close_after_end=when == "during") for chunks in run["chunks"]]
+        samples = [x for s, _ in each for x in s]
+        for q in (50, 95):
+            row[f"itl_p{q}_{when}_ms"] = percentile(samples, q) * 1e3 if samples else None
+        row[f"max_gap_{when}_ms"] = max((gap for _, gap in each), default=0.0) * 1e3
+        row[f"itl_tokens_{when}"] = len(samples)
+    row.update(long_ttft_s=run["long"]["ttft_s"], long_new_tokens=run["long"]["new_tokens"],
+               long_wall_s=run["long"]["wall_s"], running_outlasted=run["outlasted"])
     b, d = row["itl_p95_before_ms"], row["itl_p95_during_ms"]
     row["itl_p95_ratio"] = d / b if b and d is not None else None
     return row
@@ -744,9 +677,8 @@ def section_longprompt(args, services: Services, draft: Service, tokenizer, prom
     long_ids = long_prompt_ids(tokenizer, args.long_prompt_tokens)
     running_ids = [prompts[i % len(prompts)]["ids"] for i in range(args.long_running)]
     chunk_tokens, busy_tokens = prefill_chunk_setting(args)
-    target = services.wait(start_target(services, args, f"bench-target-long-{chunk_tokens}", max_batch=args.max_batch,
-                                        batch_wait_ms=args.batch_wait_ms, prefill_chunk_tokens=chunk_tokens,
-                                        prefill_busy_chunk_tokens=busy_tokens))
+    target = services.wait(start_target(services, args, f"bench-target-long-{chunk_tokens}",
+                                        prefill_chunk_tokens=chunk_tokens, prefill_busy_chunk_tokens=busy_tokens))
     fronts = {key: start_front(services, args, f"bench-front-long-{key}-{chunk_tokens}",
                                {"use_ray": True, "pipeline": key == "pipelined"}, draft, target)
               for key in dict.fromkeys(LONGPROMPT_FRONTS[c] for c in args.longprompt_configs)}
@@ -764,8 +696,6 @@ def section_longprompt(args, services: Services, draft: Service, tokenizer, prom
             "running_max_new_tokens": args.long_running_tokens, "window_s": args.long_window_s,
             "configs": args.longprompt_configs, "prefill_chunk_settings": [[chunk_tokens, busy_tokens]], "rows": rows}
 
-
-# ----------------------------------------------------------------------------------------- markdown
 
 def _or_dash(x, nd=2) -> str:
     """A table cell: '-' for None, floats with nd decimals, anything else as str."""
@@ -829,17 +759,25 @@ LONGPROMPT_COLUMNS = [
     col("ITL p95 during ms", "itl_p95_during_ms", DASH1), col("p95 during / before", "itl_p95_ratio", _times),
     col("max gap during ms", "max_gap_during_ms", DASH1), col("long TTFT s", "long_ttft_s"),
     col("long new tokens", "long_new_tokens"), ("running outlasted", lambda r: f"{r['running_outlasted']}/{r['running']}")]
+
+
 def markdown(result: dict) -> str:
     """serving.md: the run's setting, then each section's tables with what their columns mean."""
     parts = meta_markdown(result["meta"])
     if result.get("concurrency"):
         parts += concurrency_markdown(result["concurrency"], result["meta"])
-    if result.get("longprompt"):
-        parts += longprompt_markdown(result["longprompt"])
+    if lp := result.get("longprompt"):
+        parts += [f"## Long prompt beside running requests: {lp['long_prompt_tokens']}-token prompt, "
+                  f"{lp['running']} running requests\n",
+                  f"The running requests (ignore_eos, up to {lp['running_max_new_tokens']} new tokens) decode for "
+                  f"{lp['window_s']:.1f} s (before), then the long request arrives; during = until its first token. "
+                  "ITL per token: chunk gap / tokens in the chunk (`itl_samples`). busy chunk: the prefill chunk that "
+                  "rides in the running requests' verify forwards.\n", columns_table(LONGPROMPT_COLUMNS, lp["rows"])]
     return "\n".join(parts)
 
 
 def meta_markdown(meta: dict) -> list[str]:
+    """The run's setting: models, threads, machine, memory, starting cost models, pinning and topology."""
     parts = [f"# Serving benchmark ({meta['target_name']} target, {meta['draft_name']} draft)\n",
              f"- dtype: `{meta['dtype']}` (requested `{meta['dtype_arg']}`), draft quantization: `{meta['draft_quant']}` "
              f"(requested `{meta['draft_quant_arg']}`)",
@@ -858,18 +796,22 @@ def meta_markdown(meta: dict) -> list[str]:
                      + "; ".join(start_costs_text(name, costs) for name, costs in meta["front_start_costs"].items()))
     if meta.get("bf16_note"):
         parts.append(f"- {meta['bf16_note']}")
-    return parts + [pinning_line(meta.get("pinning")), topology_line(meta.get("topology")), ""]
-
-
-def topology_line(topology: dict | None) -> str:
+    pinning, topology = meta.get("pinning"), meta.get("topology")
+    if not pinning or not pinning["pinned"]:
+        parts.append("- CPU pinning: none (every process may run on every CPU)")
+    else:
+        parts.append(f"- CPU pinning (`--pin`, taskset -c, 1 torch thread per pinned service): "
+                     f"{', '.join(f'{kind} {core}' for kind, core in pinning['cores'].items())}; observed affinity: "
+                     + "; ".join(f"{name} {cpus}" for name, cpus in pinning["affinity"].items()))
     if not topology or topology["kind"] == "local":
-        return "- topology: local (every service on loopback)"
+        return parts + ["- topology: local (every service on loopback)", ""]
     links = ", ".join(f"{rtt:g} ms (measured {_or_dash(ms, 1)} ms)"
                       for rtt, ms in zip(topology["rtt_ms"], topology["measured_rtt_ms"]))
-    return ("- topology: split (`--topology split`): front, target and draft each in a network namespace of its own, "
-            "each service on its own address; the draft behind a delaying TCP relay, round trips set per table row: "
-            f"{links} (measured: median gRPC health check through the relay), {topology['bandwidth_mbit']:g} Mbit/s "
-            "(tc tbf); target and draft pinned")
+    return parts + [
+        "- topology: split (`--topology split`): front, target and draft each in a network namespace of its own, "
+        "each service on its own address; the draft behind a delaying TCP relay, round trips set per table row: "
+        f"{links} (measured: median gRPC health check through the relay), {topology['bandwidth_mbit']:g} Mbit/s "
+        "(tc tbf); target and draft pinned", ""]
 
 
 def start_costs_text(name: str, costs: dict) -> str:
@@ -880,17 +822,8 @@ def start_costs_text(name: str, costs: dict) -> str:
             f"D({', '.join(map(str, d))}) = {', '.join(f'{ms:.1f}' for ms in d.values())} ms")
 
 
-def pinning_line(pinning: dict | None) -> str:
-    if not pinning or not pinning["pinned"]:
-        return "- CPU pinning: none (every process may run on every CPU)"
-    cores = ", ".join(f"{kind} {core}" for kind, core in pinning["cores"].items())
-    seen = "; ".join(f"{name} {cpus}" for name, cpus in pinning["affinity"].items())
-    return (f"- CPU pinning (`--pin`, taskset -c, 1 torch thread per pinned service): {cores}; "
-            f"observed affinity: {seen}")
-
-
 def concurrency_markdown(c: dict, meta: dict) -> list[str]:
-    """The concurrency table, then mixed traffic, pipelining and CPU by process where they apply."""
+    """The concurrency table, then mixed traffic, pipelining and CPU by process for the rows that have them."""
     parts = [f"## Concurrency: {c['prompts']} requests per level, Ray front\n"]
     for flag, (_, text) in VARIANTS.items():
         for name, front in (meta.get(flag[2:].replace("-", "_") + "s") or {}).items():
@@ -907,49 +840,28 @@ def concurrency_markdown(c: dict, meta: dict) -> list[str]:
     parts += [columns_table(CONCURRENCY_COLUMNS, by_config(c, c["rows"], "clients")),
               "p95 latency vs target only: against target_only in the same level run. ahead hits / misses: draft "
               "rounds started ahead of the verify outcome that were used / discarded.\n"]
-    parts += extra_tables(c)
-    parts.append(f"Outputs identical across configurations and levels: **{c['identical_outputs']}** "
-                 f"({c['identical_prompts']}/{c['prompts']} prompts)\n")
-    return parts
-
-
-def by_config(c: dict, rows: list[dict], key: str) -> list[dict]:
-    return sorted(rows, key=lambda r: (r.get("rtt_ms", 0), c["configs"].index(r["config"]), r[key]))
-
-
-def titled_table(text: str, columns: list[tuple], rows: list[dict]) -> list[str]:
-    """What the table holds and the table, or nothing without rows."""
-    return [text, columns_table(columns, rows)] if rows else []
-
-
-def extra_tables(c: dict) -> list[str]:
-    """Mixed traffic, pipelining from the traces and CPU by process, for the rows that have them."""
     rows = c["rows"]
     mixed = by_config(c, [r for r in rows if "no_spec_latency_p95_s" in r], "level_run")
     traced = [{**r, **r["pipeline_trace"]} for r in by_config(c, [r for r in rows if r.get("pipeline_trace")], "clients")]
     timed = [{**r, **{role: 100 * sec / (r.get("cpu_window_s") or r["wall_s"]) for role, sec in r["cpu_s"].items()}}
              for r in by_config(c, [r for r in rows if r.get("cpu_s")], "level_run")]
-    return (titled_table("Mixed traffic (`--mixed-variant`): latency per kind of request; no_spec p95 vs target only: "
-                         "against target_only's p95 in the same level run.\n", MIXED_COLUMNS, mixed)
-            + titled_table("Pipelining from the traces (rows with ahead hits; see `pipeline_overlap`): hit aheads' ms, "
-                           "the share hidden behind their round's verify and the wait after it; adopted rounds against "
-                           "in-line drafted ones.\n", PIPELINE_COLUMNS, traced)
-            + titled_table("CPU by process over each level (psutil user + system time, % of one CPU): the services, the "
-                           "row's front and its local Ray, the other fronts, this benchmark (clients, OTLP receiver) and "
-                           "the rest. busy: their sum over the CPUs this benchmark may use.\n", CPU_COLUMNS, timed))
+    for text, columns, some in (
+            ("Mixed traffic (`--mixed-variant`): latency per kind of request; no_spec p95 vs target only: against "
+             "target_only's p95 in the same level run.\n", MIXED_COLUMNS, mixed),
+            ("Pipelining from the traces (rows with ahead hits; see `pipeline_overlap`): hit aheads' ms, the share "
+             "hidden behind their round's verify and the wait after it; adopted rounds against in-line drafted ones.\n",
+             PIPELINE_COLUMNS, traced),
+            ("CPU by process over each level (psutil user + system time, % of one CPU): the services, the row's front "
+             "and its local Ray, the other fronts, this benchmark (clients, OTLP receiver) and the rest. busy: their "
+             "sum over the CPUs this benchmark may use.\n", CPU_COLUMNS, timed)):
+        parts += [text, columns_table(columns, some)] if some else []
+    return parts + [f"Outputs identical across configurations and levels: **{c['identical_outputs']}** "
+                    f"({c['identical_prompts']}/{c['prompts']} prompts)\n"]
 
 
-def longprompt_markdown(lp: dict) -> list[str]:
-    return [f"## Long prompt beside running requests: {lp['long_prompt_tokens']}-token prompt, "
-            f"{lp['running']} running requests\n",
-            f"The running requests (ignore_eos, up to {lp['running_max_new_tokens']} new tokens) decode for "
-            f"{lp['window_s']:.1f} s (before), then the long request arrives; during = until its first token. ITL per "
-            "token: chunk gap / tokens in the chunk (`itl_samples`). busy chunk: the prefill chunk that rides in "
-            "the running requests' verify forwards.\n",
-            columns_table(LONGPROMPT_COLUMNS, lp["rows"])]
+def by_config(c: dict, rows: list[dict], key: str) -> list[dict]:
+    return sorted(rows, key=lambda r: (r.get("rtt_ms", 0), c["configs"].index(r["config"]), r[key]))
 
-
-# ----------------------------------------------------------------------------------------- options
 
 def comma_list(choices: tuple[str, ...]):
     """An argparse type: a non-empty comma list of ``choices``."""
@@ -1039,7 +951,7 @@ OPTIONS = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for flag, kind, default, help_ in OPTIONS:
         if default not in (None, False) and "default" not in help_:
@@ -1053,11 +965,6 @@ def build_parser() -> argparse.ArgumentParser:
                            metavar="NAME=JSON", help=help_ + "; repeatable")
         else:
             p.add_argument(flag, type=kind, default=default, help=help_)
-    return p
-
-
-def parse_args(argv=None):
-    p = build_parser()
     args = p.parse_args(argv)
     args.levels = parse_levels(p, args)
     args.concurrency_prompts = args.concurrency_prompts or (args.prompts if args.open_loop else max(args.prompts, *args.levels))
@@ -1108,44 +1015,43 @@ def pin_plan(enabled: bool) -> dict | None:
     return dict(PIN_CORES)
 
 
-# ----------------------------------------------------------------------------------------- main
-
 def level_prompts(args, tokenizer) -> list[dict]:
-    """A level's requests (also the longprompt section's running ones): questions within --max-prompt-tokens."""
-    prompts = load_prompts(args.questions, tokenizer, args.max_prompt_tokens)
-    if not prompts:
+    """--concurrency-prompts questions within --max-prompt-tokens (first turns, chat template), round-robin over
+    the categories: a level's requests (also the longprompt section's running ones)."""
+    path = args.questions or BUILTIN_QUESTIONS
+    by_cat: dict[str, list] = defaultdict(list)
+    for q in parse_questions(path.read_text(encoding="utf-8"), str(path)):
+        ids = encode_prompt(tokenizer, q["turns"][0], raw=False)
+        if len(ids) <= args.max_prompt_tokens:
+            by_cat[q["category"]].append({"question_id": q["question_id"], "category": q["category"], "ids": ids})
+    if not by_cat:
         raise SystemExit(f"no question of {args.questions or 'the built-in prompt set'} fits in "
                          f"--max-prompt-tokens {args.max_prompt_tokens}")
-    log(f"sections {args.sections}; {len(prompts)} questions fit")
-    return spread(prompts, args.concurrency_prompts)
-
-
-def concurrency_configs(args, services: Services, draft: Service, target: Service) -> dict[str, tuple]:
-    """The batched target's Ray fronts, started one at a time; name -> (front, no_spec)."""
-    def front(name: str, config: dict | None = None) -> str:
-        return start_front(services, args, name, {"use_ray": True, **(config or {})}, draft, target).address
-
-    batched = front("bench-front-ray-batched")
-    pipelined = front("bench-front-ray-pipelined", {"pipeline": True}) if args.pipeline else None
-    configs = {"batched": (batched, False)}
-    for flag, name, config in variants(args):
-        configs[name] = (front(f"bench-front-variant-{name}", config), VARIANTS[flag][0])
-    if pipelined is not None:
-        configs["speculative_pipelined"] = (pipelined, False)
-    configs["target_only"] = (batched, True)
-    return configs
+    log(f"sections {args.sections}; {sum(map(len, by_cat.values()))} questions fit")
+    turns = itertools.zip_longest(*by_cat.values())
+    return [p for turn in turns for p in turn if p is not None][:args.concurrency_prompts]
 
 
 def run_sections(args, services: Services, collector: SpanCollector, tokenizer, prompts: list[dict]) -> dict:
-    """Every section asked for, on one draft service; one target service at a time (each section starts its own)."""
+    """Every section asked for, on one draft service; one target service at a time (each section starts its own).
+    The concurrency section's configurations: the batched target's Ray fronts, started one at a time."""
     result: dict = {}
     draft = services.launch("draft", "bench-draft", service_config(args, args.draft_threads))
     if "concurrency" in args.sections:
-        target = start_target(services, args, "bench-target-batched", max_batch=args.max_batch,
-                              batch_wait_ms=args.batch_wait_ms)
+        target = start_target(services, args, "bench-target-batched")
         for service in (draft, target):  # their start-ups overlap
             services.wait(service)
-        configs = concurrency_configs(args, services, draft, target)
+
+        def front(name: str, config: dict | None = None) -> str:
+            return start_front(services, args, name, {"use_ray": True, **(config or {})}, draft, target).address
+
+        configs = {"batched": (front("bench-front-ray-batched"), False)}  # name -> (front, no_spec)
+        pipelined = front("bench-front-ray-pipelined", {"pipeline": True}) if args.pipeline else None
+        for flag, name, config in variants(args):
+            configs[name] = (front(f"bench-front-variant-{name}", config), VARIANTS[flag][0])
+        if pipelined is not None:
+            configs["speculative_pipelined"] = (pipelined, False)
+        configs["target_only"] = (configs["batched"][0], True)
         log(f"concurrency section: levels {args.levels} x {len(prompts)} requests x {len(configs)} configs")
         result["concurrency"] = section_concurrency(args, prompts, configs, collector, services)
     if "longprompt" in args.sections:
@@ -1193,17 +1099,12 @@ def merge_runs(runs: list[tuple]) -> tuple[Services, dict]:
     return merged, result
 
 
-def topology_meta(args, runs: list[tuple]) -> dict:
-    """serving.json's ``topology``: local, or split with each draft link's set and measured round trip."""
-    if args.topology == "local":
-        return {"kind": "local"}
-    return {"kind": "split", "rtt_ms": args.rtt_ms, "bandwidth_mbit": args.bandwidth_mbit,
-            "measured_rtt_ms": [services.measured_rtt_ms for _, services, _ in runs]}
-
-
-def run_meta(args, services: Services, pin: dict | None, wall_s: float) -> dict:
-    """The run's setting, as serving.json's ``meta``."""
+def run_meta(args, runs: list[tuple], services: Services, pin: dict | None, wall_s: float) -> dict:
+    """The run's setting, as serving.json's ``meta`` (topology: local, or split with each draft link's set and
+    measured round trip)."""
     dtype = resolve_dtype(args.dtype, "cpu")
+    split = {"rtt_ms": args.rtt_ms, "bandwidth_mbit": args.bandwidth_mbit,
+             "measured_rtt_ms": [run[1].measured_rtt_ms for run in runs]}
     return {
         "target": str(args.target), "draft": str(args.draft), "target_name": Path(args.target).name,
         "draft_name": Path(args.draft).name, "dtype_arg": args.dtype, "dtype": dtype, "draft_quant_arg": args.draft_quant,
@@ -1220,6 +1121,7 @@ def run_meta(args, services: Services, pin: dict | None, wall_s: float) -> dict:
         "mixed_variants": dict(args.mixed_variant),
         "pinning": {"pinned": pin is not None, "cores": {**pin, "front": "unpinned"} if pin else None,
                     "affinity": services.affinity},
+        "topology": {"kind": args.topology, **(split if args.topology == "split" else {})},
     }
 
 
@@ -1232,12 +1134,8 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     prompts = level_prompts(args, tokenizer)
     runs = [(rtt, *run_on(args, tokenizer, prompts, pin, rtt)) for rtt in (args.rtt_ms or [None])]
-    services, result = runs[0][1], runs[0][2]
-    if args.topology == "split":
-        services, result = merge_runs(runs)
-    meta = run_meta(args, services, pin, time.perf_counter() - started)
-    meta["topology"] = topology_meta(args, runs)
-    result = {"meta": meta, **result}
+    services, result = merge_runs(runs) if args.topology == "split" else runs[0][1:]
+    result = {"meta": run_meta(args, runs, services, pin, time.perf_counter() - started), **result}
     md = markdown(result)
     paths = write_record(args.out, "serving", result, md)
     print(md)
