@@ -6,15 +6,8 @@ Draft cache layout while proposing (example: 7 committed tokens, 5 of them cache
     slots 0..4  committed, cached before this round
     slots 5..6  pending committed tokens (the last is the root R), fed causally at step 0
     slots 7..8  the topHead[1] depth-1 nodes fed at step 1, then step 2's nodes, ...
-R sits at position 6 and a node of depth d at position 6 + d. Commit: docs/design.md "KV rollback".
-
-Pipelining (docs/control.md "Pipelining"; PEARL, Liu et al. 2024): ``propose_ahead`` tentatively
-commits a path plus the draft's argmax guess of the bonus and grows the next tree; ``resolve_ahead``
-adopts that state or rolls back exactly. While an ahead is unresolved, ``propose`` and ``commit``
-raise SessionStateError. Pre-drafting (SSD, "speculative speculative decoding"): ``propose_candidates``
-first grows the trees of the other candidate outcomes, each from the session as it was (its tree slots
-saved and put back, the random state too), then the first as ``propose_ahead``; adopting another one
-rolls back and commits its path and token uncached (the next step feeds them).
+R sits at position 6 and a node of depth d at position 6 + d. Commit: docs/design.md "KV rollback";
+aheads and pre-drafting (PEARL, Liu et al. 2024; SSD): docs/control.md "Pipelining".
 """
 
 from __future__ import annotations
@@ -27,13 +20,9 @@ import numpy as np
 import torch
 
 from draft_service.tree_builder import Step, tree_steps
-from specdec.forward import (
-    DirectDecoder, model_forward, model_forward_batch, model_forward_packed, packed_layout, padded_batch_inputs,
-)
-from specdec.interfaces import MAX_AHEAD_CANDIDATES, AheadCandidate, DraftWorker, SessionStateError, UnknownSessionError
-from specdec.kv_cache import (
-    append_kv_row, cache_length, compact_kv, new_cache, restore_tail_kv, stack_kv, tail_kv, truncate_kv,
-)
+from specdec.forward import ModelRuntime, model_forward_packed
+from specdec.interfaces import MAX_AHEAD_CANDIDATES, AheadCandidate, DraftWorker, SessionStateError
+from specdec.kv_cache import cache_length, compact_kv, new_cache, restore_tail_kv, tail_kv, truncate_kv
 from specdec.sampling import GREEDY, SamplingParams, session_rng
 from specdec.tree import ROOT, DraftTree, additive_mask, ancestors, node_depths
 from specdec.tree_spec import TreeSpec
@@ -77,21 +66,17 @@ class AheadTree(NamedTuple):
     tree: DraftTree
 
 
-class DraftRuntime(DraftWorker):
+class DraftRuntime(ModelRuntime, DraftWorker):
     """Implements DraftWorker (specdec.interfaces) over a transformers causal LM."""
 
     drafts_ahead = True
+    role = "draft"
 
     def __init__(self, model, vocab_size: int | None = None, packed: bool | None = None, direct: bool = True):
-        """vocab_size: ids both models share (None = the draft's own); packed, direct: as in
-        ``TargetRuntime`` (``propose_batch``'s layout; ``DirectDecoder`` for one session's forwards)."""
-        self.model = model
+        """vocab_size: ids both models share (None = the draft's own); packed, direct: as ``ModelRuntime``."""
+        super().__init__(model, packed, direct)
         self.vocab_size = vocab_size
-        self.sessions: dict[str, DraftSession] = {}
-        self.packed = packed_layout(model, packed)
         self.scale_per_call = activation_scale_per_call(model)
-        decoder = DirectDecoder.of(model) if direct else None
-        self._forward = decoder if decoder is not None else (lambda *args, **kw: model_forward(model, *args, **kw))
 
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams = GREEDY) -> None:
         """Open a session; sampling: the request's parameters, used by every propose of the session."""
@@ -119,21 +104,15 @@ class DraftRuntime(DraftWorker):
         s.cached_len += len(pending)
         return s.cached_len < len(s.tokens) - 1
 
-    def release(self, session_id: str) -> None:
-        self.sessions.pop(session_id, None)
-
-    def _session(self, session_id: str) -> DraftSession:
-        try:
-            return self.sessions[session_id]
-        except KeyError:
-            raise UnknownSessionError(f"session_id: unknown draft session {session_id!r}") from None
+    def _propose_one(self, item: tuple):
+        (out,) = self.propose_batch([item])
+        if isinstance(out, Exception):
+            raise out
+        return out
 
     def propose(self, session_id: str, spec: TreeSpec, max_depth: int) -> DraftTree:
         """Grow a tree after the committed tokens; gamma capped at max_depth (>= 1). Raises UnknownSessionError."""
-        (tree,) = self.propose_batch([(session_id, spec, max_depth)])
-        if isinstance(tree, Exception):
-            raise tree
-        return tree
+        return self._propose_one((session_id, spec, max_depth))
 
     def propose_ahead(self, session_id: str, path_nodes: Sequence[int], spec: TreeSpec, max_depth: int) -> AheadTree:
         """Draft round r+1 before round r is verified: tentatively commit ``path_nodes`` [A] (a root path of
@@ -141,10 +120,7 @@ class DraftRuntime(DraftWorker):
         argmax guess of the next token, and grow the next tree after them. Raises UnknownSessionError,
         SessionStateError (an ahead unresolved, or a path without a tree since the last commit), ValueError
         naming ``path_nodes``."""
-        (out,) = self.propose_batch([(session_id, spec, max_depth, tuple(path_nodes))])
-        if isinstance(out, Exception):
-            raise out
-        return out
+        return self._propose_one((session_id, spec, max_depth, tuple(path_nodes)))
 
     def propose_candidates(self, session_id: str, candidates: Sequence[AheadCandidate],
                            spec: TreeSpec) -> list[AheadTree]:
@@ -154,10 +130,7 @@ class DraftRuntime(DraftWorker):
         path pick distinct tokens (each also excludes the earlier ones' picks: the top tokens after a plain
         round, when every path is empty and no tree was proposed since the last commit). Returns [C]
         (token, tree). Raises as ``propose_ahead``, ValueError naming ``path_nodes`` or ``candidates``."""
-        (out,) = self.propose_batch([(session_id, spec, 0, tuple(candidates))])
-        if isinstance(out, Exception):
-            raise out
-        return out
+        return self._propose_one((session_id, spec, 0, tuple(candidates)))
 
     def resolve_ahead(self, session_id: str, adopt: bool, candidate: int = 0) -> None:
         """End the unresolved ahead: adopt = keep candidate ``candidate``'s state (round r needs no
@@ -174,11 +147,8 @@ class DraftRuntime(DraftWorker):
         if adopt and candidate == 0:
             return
         truncate_kv(s.cache, snap.cached_len)
-        del s.tokens[snap.tokens_len :]
-        s.cached_len, s.round_start, s.last_tree = snap.cached_len, snap.round_start, snap.last_tree
+        _roll_back(s, snap)
         s.slot_of_node = {}  # the tree slots are gone: commit keeps no node KV
-        if s.rng is not None:
-            s.rng.bit_generator.state = snap.rng_state
         if adopt:  # candidate c > 0: its path and token committed, its tree the last one (no node fed)
             added, s.last_tree, rng_state = alternatives[candidate - 1]
             s.tokens.extend(added)
@@ -190,25 +160,20 @@ class DraftRuntime(DraftWorker):
         """Back to the snapshot of an alternative's ahead, tree slots included (bitwise)."""
         snap, s.ahead = s.ahead, None
         restore_tail_kv(s.cache, max(snap.cached_len - 1, 0), snap.tail)
-        del s.tokens[snap.tokens_len :]
-        s.cached_len, s.round_start, s.last_tree = snap.cached_len, snap.round_start, snap.last_tree
+        _roll_back(s, snap)
         s.slot_of_node = dict(snap.slot_of_node)
-        if s.rng is not None:
-            s.rng.bit_generator.state = snap.rng_state
 
     def _draft_alternatives(self, session_id: str, spec: TreeSpec, all_candidates) -> list[tuple]:
         """The other candidates' (token, tree, tokens added, rng state after), each grown alone from the
         session as it is, which is restored after each."""
-        candidates = all_candidates[1:]
         out = []
-        for i, cand in enumerate(candidates, 1):
+        for i, cand in enumerate(all_candidates[1:], 1):
             token = self._begin_ahead(session_id, tuple(cand.path_nodes), tuple(cand.exclude), keep_tail=True,
                                       earlier=_same_path(all_candidates[:i], cand))
             s = self.sessions[session_id]
             try:
                 tree = self._grow_alone(session_id, spec, cand.max_depth)
-                added = s.tokens[s.ahead.tokens_len :]
-                rng_state = copy.deepcopy(s.rng.bit_generator.state) if s.rng is not None else None
+                added, rng_state = s.tokens[s.ahead.tokens_len :], _rng_state(s)
             finally:
                 self._restore(s)
             out.append((token, tree, added, rng_state))
@@ -251,9 +216,8 @@ class DraftRuntime(DraftWorker):
                     pass
             if max(s.tokens[s.cached_len :], default=0) >= self.model.config.vocab_size:
                 raise SessionStateError(f"session_id: {session_id!r} holds a token beyond the draft's vocabulary")
-        rng_state = copy.deepcopy(s.rng.bit_generator.state) if s.rng is not None else None
         tail = tail_kv(s.cache, max(s.cached_len - 1, 0)) if keep_tail else None
-        s.ahead = _AheadSnapshot(len(s.tokens), s.cached_len, s.round_start, tree, rng_state,
+        s.ahead = _AheadSnapshot(len(s.tokens), s.cached_len, s.round_start, tree, _rng_state(s),
                                  dict(s.slot_of_node), tail)
         fed = [s.slot_of_node[n] for n in path_nodes if n in s.slot_of_node]  # a prefix of the path
         compact_kv(s.cache, s.cached_len, fed)
@@ -279,13 +243,11 @@ class DraftRuntime(DraftWorker):
         """Grow the trees of several sessions together: one draft forward per tree depth for all of them.
 
         items: B triples (session_id, spec, max_depth), distinct sessions; a fourth entry (path_nodes, or
-        AheadCandidates with their own depths) makes the item an ahead proposal. Returns one entry per item,
-        in order: what ``propose`` (or ``propose_ahead`` / ``propose_candidates``) alone would give, or the
-        exception it would raise. Other candidates' trees grow in forwards of their own. An error of a shared forward
-        is raised (ahead items are rolled back first). Layout packed or padded as ``TargetRuntime``;
-        a session feeding over ``MAX_BATCHED_ROWS`` rows runs alone. A row's log-probs equal its solo
-        forward's up to float32 round-off, except on a dynamically quantized draft (one activation scale
-        per call): there a seeded sampled session runs alone, so its draws never depend on other requests.
+        AheadCandidates) makes the item an ahead. Returns per item what ``propose`` (``propose_ahead`` /
+        ``propose_candidates``) alone would give, or the exception it would raise. An error of a shared forward
+        is raised (ahead items rolled back first). A session feeding over ``MAX_BATCHED_ROWS`` rows runs alone, as
+        does a seeded sampled one on a dynamically quantized draft (one activation scale per call); other rows'
+        log-probs equal their solo forward's up to float32 round-off.
         """
         results: list[DraftTree | Exception | None] = [None] * len(items)
         running: dict[int, tuple[DraftSession, Generator, Step]] = {}
@@ -422,14 +384,13 @@ class DraftRuntime(DraftWorker):
 
     def _forward_together(self, rows: list[_StepRows]) -> list[torch.Tensor]:
         """One forward over B >= 2 sessions' step rows: B log-prob tensors, [1, V] at step 0, [P_b, V] after."""
-        if self.packed:
-            logits = model_forward_packed(
-                self.model, [r.session.cache for r in rows], [r.ids for r in rows], [r.positions for r in rows],
-                [self._mask(r) for r in rows],
-                [1 if r.root else None for r in rows],  # step 0: only R's row is drafted from
-            )
+        caches, ids, positions = [r.session.cache for r in rows], [r.ids for r in rows], [r.positions for r in rows]
+        if self.packed:  # step 0: only R's row is drafted from
+            logits = model_forward_packed(self.model, caches, ids, positions, [self._mask(r) for r in rows],
+                                          [1 if r.root else None for r in rows])
         else:
-            logits = self._forward_padded(rows)
+            logits = self._forward_padded(caches, ids, positions, [r.visible for r in rows])
+            logits = [rows_logits[-1:] if r.root else rows_logits for r, rows_logits in zip(rows, logits)]
         out = []
         for r, rows_logits in zip(rows, logits):
             if r.root:
@@ -441,34 +402,29 @@ class DraftRuntime(DraftWorker):
         """The rows' additive mask on the model's device; None for a plain row (no mask: the fastest kernel)."""
         return None if r.plain else additive_mask(r.visible, self.model.dtype, self.model.device)
 
-    def _forward_padded(self, rows: list[_StepRows]) -> list[torch.Tensor]:
-        """``_forward_together`` as a padded batch (``padded_batch_inputs``): B logits, [1, V] / [P_b, V]."""
-        lengths = [cache_length(r.session.cache) for r in rows]
-        stacked = stack_kv([r.session.cache for r in rows], lengths, self.model.config)  # (B, H, S, D)
-        ids, positions, mask = padded_batch_inputs([r.ids for r in rows], [r.positions for r in rows],
-                                                    [r.visible for r in rows], lengths, self.model.dtype)
-        logits = model_forward_batch(self.model, stacked, ids, positions, mask)  # (B, Q, V)
-        width = max(lengths)
-        out = []
-        for b, r in enumerate(rows):
-            append_kv_row(r.session.cache, stacked, b, width, len(r.ids))
-            p = len(r.ids)
-            out.append(logits[b, p - 1 : p] if r.root else logits[b, :p])
-        del stacked
-        return out
-
     def commit(self, session_id: str, tokens: list[int], accepted_nodes: list[int]) -> None:
         """Append the round's committed tokens; keep the KV of accepted nodes the draft had fed."""
         s = self._session(session_id)
         if s.ahead is not None:
             raise SessionStateError(f"session_id: {session_id!r} has an unresolved ahead proposal (resolve_ahead first)")
-        fed = [s.slot_of_node[n] for n in accepted_nodes if n in s.slot_of_node]
-        # Fed nodes form a prefix of the accepted path (a fed node's parent was fed too).
+        fed = [s.slot_of_node[n] for n in accepted_nodes if n in s.slot_of_node]  # a prefix of the path
         compact_kv(s.cache, s.cached_len, fed)
         s.cached_len += len(fed)
         s.tokens.extend(tokens)
         s.slot_of_node = {}
         s.round_start = None
+
+
+def _rng_state(s: DraftSession) -> dict | None:
+    return copy.deepcopy(s.rng.bit_generator.state) if s.rng is not None else None
+
+
+def _roll_back(s: DraftSession, snap: _AheadSnapshot) -> None:
+    """The session's tokens, counters, last tree and random state as in ``snap`` (the cache is the caller's)."""
+    del s.tokens[snap.tokens_len :]
+    s.cached_len, s.round_start, s.last_tree = snap.cached_len, snap.round_start, snap.last_tree
+    if s.rng is not None:
+        s.rng.bit_generator.state = snap.rng_state
 
 
 def _same_path(earlier: Sequence[AheadCandidate], cand: AheadCandidate) -> tuple[tuple[int, ...], ...]:

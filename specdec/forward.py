@@ -7,6 +7,7 @@ multi-row attention through SDPA's ``enable_gqa`` instead of ``repeat_kv`` copie
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from dataclasses import dataclass
@@ -20,11 +21,13 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specdec.cpu_linear import PackedLinear
+from specdec.interfaces import UnknownSessionError
+from specdec.kv_cache import append_kv_row, stack_kv
 from specdec.tree import additive_mask
 
 
 def _cache_kwarg(model) -> str:
-    # transformers renamed `past_key_values` to `cache` in 5.x; take whichever this version has.
+    """``cache`` (transformers 5.x) or ``past_key_values``, whichever this version's forward takes."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
@@ -471,3 +474,37 @@ def _heads_by_session(model, hidden: torch.Tensor, kept, greedy: list[bool], arg
         for i, rows in zip(other, logits.split([len(kept[i]) for i in other])):
             out[i] = rows
     return out
+
+
+class ModelRuntime:
+    """What the draft and target runtimes share: ``model``, ``sessions`` by id, ``packed`` (``packed_layout``)
+    and ``_forward``, one session's forward (``DirectDecoder`` where ``direct`` and it knows the model)."""
+
+    role = "model"  # in the UnknownSessionError message
+
+    def __init__(self, model, packed: bool | None = None, direct: bool = True):
+        self.model = model
+        self.sessions: dict = {}
+        self.packed = packed_layout(model, packed)
+        decoder = DirectDecoder.of(model) if direct else None
+        self._forward = decoder if decoder is not None else functools.partial(model_forward, model)
+
+    def release(self, session_id: str) -> None:
+        self.sessions.pop(session_id, None)
+
+    def _session(self, session_id: str):
+        try:
+            return self.sessions[session_id]
+        except KeyError:
+            raise UnknownSessionError(f"session_id: unknown {self.role} session {session_id!r}") from None
+
+    def _forward_padded(self, caches: list, ids: list, positions: list, visible: list) -> list[torch.Tensor]:
+        """B sessions' new rows as one padded batch after their stacked caches (``padded_batch_inputs``), each
+        session's new KV then appended to its own cache. Returns B logits [n_b, V] float32."""
+        lengths = [cache.get_seq_length() for cache in caches]
+        stacked = stack_kv(caches, lengths, self.model.config)  # (B, H, S, D)
+        batch = padded_batch_inputs(ids, positions, visible, lengths, self.model.dtype)
+        logits = model_forward_batch(self.model, stacked, *batch)  # (B, Q, V)
+        for b, cache in enumerate(caches):
+            append_kv_row(cache, stacked, b, max(lengths), len(ids[b]))
+        return [logits[b, : len(row)] for b, row in enumerate(ids)]

@@ -1,13 +1,9 @@
 """In-process target worker: one tree-masked forward per verify, KV compaction on commit.
 
-Dims: L cached slots, N tree nodes, V vocabulary.
-
-Cache invariant (docs/design.md "KV rollback"): after every ``commit`` the cache holds KV for all
-committed tokens but the last, the root R. Verify feeds [R, node 0, ..., node N-1] at slots L..L+N;
-commit keeps R and the accepted nodes, compacted to slots L, L+1, ..., and drops the rest.
-``start`` prefills the whole prompt, R included, and keeps R's logits, so the first verify feeds only
-the nodes (TTFT as target-only prefill); until that first commit the cache holds L + 1 slots.
-Each session has its own random generator, so a request's draws never depend on other sessions.
+Dims: L cached slots, N tree nodes, V vocabulary. Verify feeds [R, node 0, ..., node N-1] at slots L..L+N;
+commit keeps R and the accepted nodes, compacted to slots L, L+1, ... (docs/design.md "KV rollback").
+``start`` prefills the whole prompt, R included, and keeps R's logits, so the first verify feeds only the
+nodes; until that first commit the cache holds L + 1 slots. Each session has its own random generator.
 """
 
 from __future__ import annotations
@@ -19,20 +15,13 @@ import numpy as np
 import torch
 
 from specdec.argmax_head import argmax_head_of
-from specdec.forward import (
-    DirectDecoder, model_forward, model_forward_batch, model_forward_packed, packed_layout, padded_batch_inputs,
-)
+from specdec.forward import ModelRuntime, model_forward_packed, padded_batch_inputs
 from specdec.interfaces import SessionStateError, UnknownSessionError, VerifyResult
-from specdec.kv_cache import append_kv_row, compact_kv, new_cache, stack_kv, truncate_kv
+from specdec.kv_cache import compact_kv, new_cache, truncate_kv
 from specdec.sampling import GREEDY, SamplingParams, processed_probs, session_rng, token_logprobs
 from specdec.tree_spec import MAX_TREE_NODES
 from specdec.tree import (
-    DraftTree,
-    MalformedTreeError,
-    tree_attention_mask,
-    tree_position_ids,
-    tree_visibility,
-    validate_tree,
+    DraftTree, MalformedTreeError, tree_attention_mask, tree_position_ids, tree_visibility, validate_tree,
 )
 from target_service.verifier import verify_greedy, verify_sampled
 
@@ -79,26 +68,20 @@ class PrefillChunkFed:
 CHUNK_FED = PrefillChunkFed()
 
 
-class TargetRuntime:
+class TargetRuntime(ModelRuntime):
     """Implements TargetWorker (specdec.interfaces) over a transformers causal LM."""
 
     batch_prefill_chunks = True  # verify_batch takes PrefillChunk items
+    role = "target"
 
     def __init__(self, model, max_tree_nodes: int = MAX_TREE_NODES, packed: bool | None = None, direct: bool = True):
-        """model: a transformers causal LM. packed: ``verify_batch`` layout, True = one packed sequence
-        (``model_forward_packed``), False = padded [B, Q] batch (``model_forward_batch``), None = packed
-        where the model supports it; ValueError for packed=True where it does not
-        (``specdec.forward.packed_layout``). direct: single-session forwards through ``DirectDecoder``
-        where it knows the model (bit-identical, less overhead)."""
-        self.model = model
+        """packed: ``verify_batch`` layout, True = one packed sequence (``model_forward_packed``), False = a
+        padded [B, Q] batch, None = packed where the model supports it (``packed_layout``); direct: see
+        ``ModelRuntime``."""
+        super().__init__(model, packed, direct)
         self.vocab_size = model.config.vocab_size
         self.max_tree_nodes = max_tree_nodes
-        self.sessions: dict[str, TargetSession] = {}
-        self.packed = packed_layout(model, packed)
-        # greedy rows' argmax without the full LM head, where the model has one attached (load_target)
-        self.argmax_head = argmax_head_of(model)
-        decoder = DirectDecoder.of(model) if direct else None
-        self._forward = decoder if decoder is not None else (lambda *args, **kw: model_forward(model, *args, **kw))
+        self.argmax_head = argmax_head_of(model)  # greedy rows' argmax without the full LM head, where attached
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -149,15 +132,6 @@ class TargetRuntime:
         s.cache_len += len(prompt_ids)
         s.root = prompt_ids[-1]
         s.root_logits = logits[-1]
-
-    def release(self, session_id: str) -> None:
-        self.sessions.pop(session_id, None)
-
-    def _session(self, session_id: str) -> TargetSession:
-        try:
-            return self.sessions[session_id]
-        except KeyError:
-            raise UnknownSessionError(f"session_id: unknown target session {session_id!r}") from None
 
     def tree_logits(self, session_id: str, tree: DraftTree, argmax: bool = False) -> torch.Tensor:
         """One forward over [R, nodes]: [N + 1, V] float32 (argmax: ids [N + 1] int64, via
@@ -237,19 +211,12 @@ class TargetRuntime:
         s.root_logits = None
 
     def verify_batch(self, items: Sequence[tuple[str, DraftTree]]) -> list[VerifyResult | Exception]:
-        """Verify the trees of several sessions in one target forward.
+        """Verify the trees of several sessions in one target forward (packed or padded: ``packed``).
 
-        items: B pairs (session_id, DraftTree | PrefillChunk), one per session, any mix of sizes and
-        sampling. Returns one entry per item, in order: what ``verify`` (CHUNK_FED for ``extend``) alone
-        would give, or the exception it would raise, returned in the item's slot: UnknownSessionError,
-        SessionStateError (also for a session repeated in the batch), MalformedTreeError, TypeError, or
-        an acceptance-walk error. An error of the shared forward itself (e.g. out of memory) is raised;
-        no session then holds a pending result. Each row's logits equal its solo forward's up to
-        float32 round-off (<= 1e-5 relative).
-
-        Layout: packed (one sequence of sum (N_b + 1) rows, each session attending to its own cache) or
-        padded ([B, Q] after a stacked cache, see ``batched_tree_inputs``; its KV is held about twice
-        at the peak).
+        items: B pairs (session_id, DraftTree | PrefillChunk), one per session. Returns per item what ``verify``
+        (CHUNK_FED for ``extend``) alone would give, or the exception it would raise (SessionStateError also for
+        a session repeated in the batch, TypeError for a bad item). An error of the shared forward itself is
+        raised, no session then pending. Rows' logits equal their solo forward's up to float32 round-off.
         """
         results: list[VerifyResult | Exception | None] = [None] * len(items)
         batch = self._check_batch(items, results)
@@ -299,7 +266,8 @@ class TargetRuntime:
             if self.packed:
                 rows_of = self._forward_packed(batch, sessions, trees)
             else:
-                rows_of = self._forward_padded(sessions, trees)
+                rows_of = self._forward_padded([s.cache for s in sessions], *batched_tree_rows(
+                    [s.root for s in sessions], trees, [s.cache_len for s in sessions]))
         except BaseException:
             for s in sessions:  # some layers of some caches may hold the new rows already
                 truncate_kv(s.cache, s.cache_len)
@@ -308,7 +276,7 @@ class TargetRuntime:
             raise
         for b, (index, _, s, tree) in enumerate(batch):
             try:
-                rows = rows_of(b)  # (N_b + 1, V); greedy and packed: (N_b + 1,) argmax ids; packed chunk: (1, V)
+                rows = rows_of[b]  # (N_b + 1, V); greedy and packed: (N_b + 1,) argmax ids; packed chunk: (1, V)
                 if isinstance(tree, PrefillChunk):  # R and the chunk stay cached; the chunk's last token is R
                     _score_prompt(s, rows[:-1], tree.tokens)
                     s.cache_len += tree.size
@@ -320,10 +288,9 @@ class TargetRuntime:
             except Exception as error:  # noqa: BLE001 - one item's failure must not affect the others
                 results[index] = error
 
-    def _forward_packed(self, batch, sessions, trees) -> Callable[[int], torch.Tensor]:
-        """``_verify_together``'s forward with packed rows, each session's rows on its own cache;
-        returns item b -> its rows."""
-        logits = model_forward_packed(
+    def _forward_packed(self, batch, sessions, trees) -> list[torch.Tensor]:
+        """``_verify_together``'s forward with packed rows, each session's rows on its own cache: B rows."""
+        return model_forward_packed(
             self.model,
             [s.cache for s in sessions],
             [[s.root, *tree.tokens] for s, tree in zip(sessions, trees)],
@@ -335,21 +302,6 @@ class TargetRuntime:
             argmax_rows=[_argmax_only(s) and not isinstance(item[3], PrefillChunk)
                          for s, item in zip(sessions, batch)],
         )  # B x (N_b + 1, V); greedy sessions: (N_b + 1,) argmax ids; (1, V) for a chunk
-        return logits.__getitem__
-
-    def _forward_padded(self, sessions, trees) -> Callable[[int], torch.Tensor]:
-        """``_verify_together``'s forward as a padded [B, Q] batch after a stacked cache; returns item b ->
-        its rows [N_b + 1, V], first appending them to its own cache."""
-        lengths = [s.cache_len for s in sessions]
-        stacked = stack_kv([s.cache for s in sessions], lengths, self.model.config)  # (B, H, S, D)
-        ids, positions, mask = batched_tree_inputs([s.root for s in sessions], trees, lengths, self.model.dtype)
-        logits = model_forward_batch(self.model, stacked, ids, positions, mask)  # (B, Q, V)
-
-        def rows_of(b: int) -> torch.Tensor:
-            append_kv_row(sessions[b].cache, stacked, b, max(lengths), trees[b].size + 1)
-            return logits[b, : trees[b].size + 1]
-
-        return rows_of
 
     @staticmethod
     def _batch_item(item) -> tuple[str, DraftTree]:
@@ -408,16 +360,18 @@ def _restore_root_state(s: TargetSession, state) -> None:
     s.root_logits = root_logits
 
 
-def batched_tree_inputs(
-    roots: Sequence[int], trees: Sequence[DraftTree], cache_lens: Sequence[int], dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``padded_batch_inputs`` of B sessions' [R_b, nodes...] rows: roots: [B] root tokens R_b; trees: B trees of
-    N_b nodes; cache_lens: [B] cached slots L_b. Real rows see as ``tree_attention_mask``."""
+def batched_tree_rows(roots: Sequence[int], trees: Sequence[DraftTree], cache_lens: Sequence[int]):
+    """B sessions' [R_b, nodes...] rows as (ids, positions [N_b + 1], visible [N_b + 1, L_b + N_b + 1] bool):
+    roots: [B] root tokens R_b; trees: B trees of N_b nodes; cache_lens: [B] cached slots L_b."""
     if not (len(roots) == len(cache_lens) == len(trees)):
         raise ValueError(f"roots / trees / cache_lens: lengths {len(roots)} / {len(trees)} / {len(cache_lens)} differ")
-    return padded_batch_inputs(
-        [[root, *tree.tokens] for root, tree in zip(roots, trees)],
-        [tree_position_ids(tree.parents, length) for tree, length in zip(trees, cache_lens)],
-        [torch.cat([torch.ones(tree.size + 1, length, dtype=torch.bool), tree_visibility(tree.parents)], dim=1)
-         for tree, length in zip(trees, cache_lens)],
-        cache_lens, dtype)
+    return ([[root, *tree.tokens] for root, tree in zip(roots, trees)],
+            [tree_position_ids(tree.parents, length) for tree, length in zip(trees, cache_lens)],
+            [torch.cat([torch.ones(tree.size + 1, length, dtype=torch.bool), tree_visibility(tree.parents)], dim=1)
+             for tree, length in zip(trees, cache_lens)])
+
+
+def batched_tree_inputs(roots: Sequence[int], trees: Sequence[DraftTree], cache_lens: Sequence[int],
+                        dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``padded_batch_inputs`` of ``batched_tree_rows``."""
+    return padded_batch_inputs(*batched_tree_rows(roots, trees, cache_lens), cache_lens, dtype)
