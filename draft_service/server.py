@@ -24,23 +24,20 @@ from dataclasses import dataclass
 from typing import Mapping
 
 import grpc
-import torch
 
 from draft_service.runtime import DraftRuntime, check_root_path
 from specdec.batching import SessionBatcher
-from specdec.config import ConfigError, DraftServerConfig, ServeConfig, load_config
-from specdec.grpc_host import ServiceHost, abort_for, rpc_errors
+from specdec.config import DraftServerConfig, ServeConfig
+from specdec.grpc_host import ServiceHost, abort_for, rpc_errors, run_service, serve_model
 from specdec.interfaces import MAX_AHEAD_CANDIDATES, AheadCandidate
 from specdec.kv_budget import free_memory_bytes, kv_bytes_per_token, sized_budget
-from specdec.placement import placement, usable_cpus
+from specdec.placement import placement
 from specdec.model_setup import load_draft, target_info
 from specdec.model_worker import ModelWorker
-from specdec.models import ModelError
-from specdec.security import check_client_auth
-from specdec.process_entry import check_device, configure_logging, fail
+from specdec.process_entry import check_device, fail
 from specdec.sampling import SamplingParamsError
 from specdec.service_errors import CapacityError
-from specdec.telemetry import setup_tracing, shutdown_tracing, tracer
+from specdec.telemetry import tracer
 from specdec.tree import DraftTree
 from specdec.tree_spec import MAX_TREE_NODES, TreeSpecError
 from specdec.v1 import draft_pb2, draft_pb2_grpc
@@ -357,9 +354,7 @@ def _no_ahead(stream: _Stream, field: str) -> None:
         raise ValueError(f"{field}: an ahead is unresolved on this stream (send resolve first)")
 
 
-# ----------------------------------------------------------------------------------------------
-# Process entry point
-# ----------------------------------------------------------------------------------------------
+# -- process entry point ------------------------------------------------------------------------
 
 async def serve_runtime(config: ServeConfig, runtime, *, context_limit: int, worker: ModelWorker | None = None) -> int:
     """Serve ``runtime`` until SIGTERM/SIGINT, then drain. Returns the bound port. worker: the thread
@@ -376,44 +371,21 @@ async def serve_runtime(config: ServeConfig, runtime, *, context_limit: int, wor
 
 def serve(config: ServeConfig) -> int:
     """Load the draft model of ``config.models`` (checked against the target's tokenizer and config,
-    without the target's weights) and serve it; returns the exit code (0, or 2 with a message on
-    stderr naming the field for a bad model or an unusable address)."""
-    configure_logging()
+    without the target's weights) and serve it; returns the exit code (``serve_model``)."""
     try:
-        check_client_auth(config.grpc, "draft service")
+        check_device(config.draft_device, "draft.device" if config.draft.device else "models.device")
     except ValueError as exc:
         return fail(str(exc))
-    setup_tracing("draft-service")
-    # the model's whole life (threads, load, every forward) on one thread: specdec.model_worker
-    worker = ModelWorker("draft-runtime")
-    try:
-        # unset: the CPUs this process can keep busy (affinity and cgroup quota), not the host's count
-        worker.call(torch.set_num_threads, config.models.threads or usable_cpus())
-        runtime, context_limit = worker.call(_load_draft, config)
-        asyncio.run(serve_runtime(config, runtime, context_limit=context_limit, worker=worker))
-    except ModelError as exc:
-        return fail(str(exc))
-    except OSError as exc:
-        return fail(f"draft.host / draft.port: {exc}")
-    finally:
-        worker.close(wait=False)  # the servicer has closed it after serving; else the process is exiting
-        shutdown_tracing()
-    return 0
+    return serve_model(config, "draft", _load_draft, serve_runtime)
 
 
-def _load_draft(config: ServeConfig) -> tuple[DraftRuntime, int]:
-    """(runtime, context limit) for ``config.models``' draft; raises ModelError naming the field."""
+def _load_draft(config: ServeConfig) -> tuple[DraftRuntime, dict]:
+    """(runtime, {"context_limit"}) for ``config.models``' draft; raises ModelError naming the field."""
     models = config.models_on(config.draft_device)  # dtype auto: as on the draft's device (the target pod's may differ)
     loaded = load_draft(models, target_info(models, label="models.target"), label="models.draft")
-    return DraftRuntime(loaded.model, vocab_size=loaded.vocab_size), loaded.context_limit
+    return DraftRuntime(loaded.model, vocab_size=loaded.vocab_size), {"context_limit": loaded.context_limit}
 
 
 def run(config_path: str | None = None, overrides: Mapping[str, object] | None = None) -> int:
-    """Load the config (YAML, then ``overrides``: dotted fields such as {"draft.port": 0}, None = keep
-    the file's value) and serve; returns the exit code."""
-    try:
-        config = load_config(config_path, dict(overrides or {}))
-        check_device(config.draft_device, "draft.device" if config.draft.device else "models.device")
-    except (ConfigError, ValueError) as exc:
-        return fail(str(exc))
-    return serve(config)
+    """``serve`` the config file with ``overrides`` (dotted fields, e.g. {"draft.port": 0}); the exit code."""
+    return run_service(config_path, overrides, serve)

@@ -22,27 +22,22 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
-import signal
-import sys
 import time
 from typing import Mapping
 
 import grpc
-import torch
 from grpc_health.v1 import health_pb2
 
-from specdec.config import ConfigError, ServeConfig, TargetServerConfig, load_config
-from specdec.grpc_host import ServiceHost, deadline_of, rpc_errors, status_for
+from specdec.config import ServeConfig, TargetServerConfig
+from specdec.grpc_host import ServiceHost, deadline_of, rpc_errors, run_service, serve_model, status_for
 from specdec.interfaces import SessionStateError, UnknownSessionError, VerifyResult
 from specdec.model_setup import load_target, resolve_dtype, target_info
 from specdec.model_worker import ModelWorker
 from specdec.models import ModelError
-from specdec.placement import placement, usable_cpus
-from specdec.process_entry import check_device, configure_logging, fail
+from specdec.placement import placement
+from specdec.process_entry import check_device, fail
 from specdec.sampling import SamplingParamsError
-from specdec.security import check_client_auth
-from specdec.telemetry import setup_tracing, shutdown_tracing, tracer
+from specdec.telemetry import tracer
 from specdec.tree import DraftTree, MalformedTreeError
 from specdec.v1 import target_pb2, target_pb2_grpc
 from specdec.wire import logprobs_to_proto, sampling_from_proto, tree_from_proto
@@ -51,7 +46,7 @@ from target_service.commits import DeferredCommits
 from specdec.kv_budget import free_memory_bytes, sized_budget
 from target_service.runtime import TargetRuntime
 from target_service.sessions import SessionExistsError, SessionSlots, TargetSessions
-from target_service.tp import RankFailureError, TensorParallelTarget, build_target
+from target_service.tp import RankFailureError, build_target
 
 log = logging.getLogger(__name__)
 
@@ -334,9 +329,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         )
 
 
-# ----------------------------------------------------------------------------------------------
-# Process entry point
-# ----------------------------------------------------------------------------------------------
+# -- process entry point ------------------------------------------------------------------------
 
 async def serve_runtime(config: ServeConfig, runtime, *, context_limit: int, eos_token_ids=(), model_name: str = "",
                         worker: ModelWorker | None = None) -> int:
@@ -354,67 +347,27 @@ async def serve_runtime(config: ServeConfig, runtime, *, context_limit: int, eos
         servicer.close()
 
 
-class _Terminated(BaseException):
-    """SIGTERM while the model loads (before the server's own handler is installed)."""
-
-
-def _terminate(signum, frame):
-    raise _Terminated()
-
-
 def serve(config: ServeConfig) -> int:
-    """Load the target model of ``config.models`` and serve it; returns the exit code (0, or 2 with a
-    message on stderr naming the field for a bad model, device, ``target.tp`` or an unusable address).
-    Tensor-parallel ranks stop after the drain; a SIGTERM during loading exits 0."""
-    configure_logging()
+    """Load the target model of ``config.models`` and serve it; returns the exit code (``serve_model``; 2 also
+    for a bad device or ``target.tp``). Tensor-parallel ranks stop after the drain."""
     try:
         for device in config.target_devices:
             check_device(device, "target.device" if config.target.device else "models.device")
-        check_client_auth(config.grpc, "target service")
     except ValueError as exc:
         return fail(str(exc))
-    setup_tracing("target-service")
-    previous = signal.signal(signal.SIGTERM, _terminate)
-    runtime, stopped_loading = None, False
-    # the model's whole life (threads, load, every forward) on one thread: specdec.model_worker
-    worker = ModelWorker("target-runtime")
-    try:
-        # unset: the CPUs this process can keep busy (affinity and cgroup quota), not the host's count
-        worker.call(torch.set_num_threads, config.models.threads or usable_cpus())
-        runtime, context_limit, eos, name = worker.call(_load_target, config)
-        asyncio.run(serve_runtime(config, runtime, context_limit=context_limit, eos_token_ids=eos, model_name=name,
-                                  worker=worker))
-    except ModelError as exc:
-        return fail(str(exc))
-    except OSError as exc:
-        return fail(f"target.host / target.port: {exc}")
-    except _Terminated:
-        log.info("target-service: SIGTERM while loading; stopped")
-        stopped_loading = True
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        worker.close(wait=False)  # the servicer has closed it after serving; else the process is exiting
-        if isinstance(runtime, TensorParallelTarget):
-            runtime.close()  # stop the ranks (after the drain; after a rank failure they are already gone)
-        shutdown_tracing()
-    if stopped_loading and worker.busy():
-        # SIGTERM during the (native) load: end the process here; interpreter shutdown may abort mid-call
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    return 0
+    return serve_model(config, "target", _load_target, serve_runtime)
 
 
 def _load_target(config: ServeConfig):
-    """(runtime, context limit, EOS ids, model name): a TargetRuntime over the loaded model, or with
-    ``target.tp`` > 1 a TensorParallelTarget whose ranks load it. Raises ModelError naming the field."""
+    """(runtime, serve_runtime keywords): a TargetRuntime over the loaded model, or with ``target.tp`` > 1 a
+    TensorParallelTarget whose ranks load it. Raises ModelError naming the field."""
     if config.target.tp > 1:
-        runtime, info = _start_tensor_parallel(config)
-        return runtime, info.context_limit, info.eos_token_ids, info.name
-    loaded = load_target(config.models_on(config.target_devices[0]), label="models.target")
-    runtime = TargetRuntime(loaded.model, max_tree_nodes=config.target.max_tree_nodes)
-    return runtime, loaded.context_limit, loaded.eos_token_ids, loaded.name
+        runtime, loaded = _start_tensor_parallel(config)
+    else:
+        loaded = load_target(config.models_on(config.target_devices[0]), label="models.target")
+        runtime = TargetRuntime(loaded.model, max_tree_nodes=config.target.max_tree_nodes)
+    return runtime, {"context_limit": loaded.context_limit, "eos_token_ids": loaded.eos_token_ids,
+                     "model_name": loaded.name}
 
 
 def _start_tensor_parallel(config: ServeConfig):
@@ -439,10 +392,5 @@ def _start_tensor_parallel(config: ServeConfig):
 
 
 def run(config_path: str | None = None, overrides: Mapping[str, object] | None = None) -> int:
-    """Load the config (YAML, then ``overrides``: dotted fields such as {"target.tp": 2}, None = keep
-    the file's value) and serve; returns the exit code."""
-    try:
-        config = load_config(config_path, dict(overrides or {}))
-    except ConfigError as exc:
-        return fail(str(exc))
-    return serve(config)
+    """``serve`` the config file with ``overrides`` (dotted fields, e.g. {"target.tp": 2}); the exit code."""
+    return run_service(config_path, overrides, serve)
