@@ -30,7 +30,7 @@ from specdec.batching import SessionBatcher
 from specdec.config import DraftServerConfig, ServeConfig
 from specdec.grpc_host import ServiceHost, abort_for, rpc_errors, run_service, serve_model
 from specdec.interfaces import MAX_AHEAD_CANDIDATES, AheadCandidate
-from specdec.kv_budget import free_memory_bytes, kv_bytes_per_token, sized_budget
+from specdec.kv_budget import service_budget
 from specdec.placement import placement
 from specdec.model_setup import load_draft, target_info
 from specdec.model_worker import ModelWorker
@@ -96,7 +96,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.streams: dict[str, _Stream] = {}
         self._keys = itertools.count()
         self._tracer = tracer("draft_service")
-        self.max_kv_tokens = _kv_budget(runtime, config)
+        self.max_kv_tokens = service_budget("draft-service", config, runtime)
 
     def close(self) -> None:
         self.worker.close()
@@ -327,16 +327,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if held + slots > self.max_kv_tokens:
             raise CapacityError(f"draft.max_kv_tokens: {slots} more KV slots would exceed the limit of "
                                 f"{self.max_kv_tokens} ({held} held by {len(self.streams)} sessions)")
-
-
-def _kv_budget(runtime: DraftRuntime, config: DraftServerConfig) -> int:
-    """config.max_kv_tokens, or for "auto" the slots that fit config.kv_memory_fraction of the free memory
-    (specdec.kv_budget)."""
-    if config.max_kv_tokens != "auto":
-        return config.max_kv_tokens
-    model = runtime.model
-    per_token = kv_bytes_per_token(model.config, model.dtype.itemsize)
-    return sized_budget("draft-service", config.kv_memory_fraction, per_token, free_memory_bytes(str(model.device)))
 
 
 def _token_ids(values, field: str) -> tuple[int, ...]:

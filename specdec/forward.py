@@ -22,6 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specdec.cpu_linear import PackedLinear
 from specdec.interfaces import UnknownSessionError
+from specdec.kv_budget import kv_bytes_per_token
 from specdec.kv_cache import append_kv_row, stack_kv
 from specdec.tree import additive_mask
 
@@ -488,6 +489,16 @@ class ModelRuntime:
         self.packed = packed_layout(model, packed)
         decoder = DirectDecoder.of(model) if direct else None
         self._forward = decoder if decoder is not None else functools.partial(model_forward, model)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one cached token holds (``specdec.kv_budget``)."""
+        return kv_bytes_per_token(self.model.config, self.model.dtype.itemsize)
+
+    @property
+    def device(self) -> str:
+        """The model's device, e.g. "cpu" or "cuda:1" (where the KV cache grows)."""
+        return str(self.model.device)
 
     def release(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)

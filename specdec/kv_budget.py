@@ -122,9 +122,15 @@ def resolve_max_kv_tokens(fraction: float, bytes_per_token: int | None, free_byt
     return max(1, int(fraction * free_bytes) // bytes_per_token)
 
 
-def sized_budget(service: str, fraction: float, bytes_per_token: int | None, free: int | None) -> int:
-    """``max_kv_tokens: auto`` of a service ("target-service", "draft-service"): ``resolve_max_kv_tokens`` of
-    ``free`` bytes (``free_memory_bytes`` / ``ranks_free_bytes``), logged once."""
+def service_budget(service: str, config, runtime) -> int:
+    """The KV slots of a service ("target-service", "draft-service"; config: its section): ``max_kv_tokens``, or
+    for "auto" ``resolve_max_kv_tokens`` of the runtime's ``free_kv_bytes`` where its ranks measured them (the
+    coordinator opens no CUDA context), else ``free_memory_bytes`` of its ``device``; logged once."""
+    if config.max_kv_tokens != "auto":
+        return config.max_kv_tokens
+    free = (runtime.free_kv_bytes if hasattr(runtime, "free_kv_bytes")
+            else free_memory_bytes(getattr(runtime, "device", "cpu")))
+    fraction, bytes_per_token = config.kv_memory_fraction, getattr(runtime, "kv_bytes_per_token", None)
     budget = resolve_max_kv_tokens(fraction, bytes_per_token, free)
     log.info("%s: max_kv_tokens auto = %d (%.2f of %s free, %s bytes per token)", service, budget, fraction,
              f"{free / 2**30:.1f} GiB" if free is not None else "unknown", bytes_per_token)

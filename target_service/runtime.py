@@ -83,18 +83,6 @@ class TargetRuntime(ModelRuntime):
         self.max_tree_nodes = max_tree_nodes
         self.argmax_head = argmax_head_of(model)  # greedy rows' argmax without the full LM head, where attached
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V one cached token holds (specdec.kv_budget sizes the slot budget)."""
-        from specdec.kv_budget import kv_bytes_per_token
-
-        return kv_bytes_per_token(self.model.config, self.model.dtype.itemsize)
-
-    @property
-    def device(self) -> str:
-        """The model's device, e.g. "cpu" or "cuda:1" (where the KV cache grows)."""
-        return str(self.model.device)
-
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams = GREEDY) -> tuple:
         """Prefill all prompt tokens but the last, which becomes the root R. prompt_ids: [T], T >= 1;
         sampling: the request's parameters, used by every verify of the session. Returns the TokenLogprobs of

@@ -43,7 +43,7 @@ from specdec.v1 import target_pb2, target_pb2_grpc
 from specdec.wire import logprobs_to_proto, sampling_from_proto, tree_from_proto
 from target_service.batcher import BatchedVerify, VerifyBatcher
 from target_service.commits import DeferredCommits
-from specdec.kv_budget import free_memory_bytes, sized_budget
+from specdec.kv_budget import service_budget
 from target_service.runtime import TargetRuntime
 from target_service.sessions import SessionExistsError, SessionSlots, TargetSessions
 from target_service.tp import RankFailureError, build_target
@@ -100,7 +100,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.eos_token_ids = sorted(eos_token_ids)
         self.model_name = model_name
         self.config = config
-        self.max_kv_tokens = self._kv_budget(runtime, config)
+        self.max_kv_tokens = service_budget("target-service", config, runtime)
         self.sessions = TargetSessions(self.max_kv_tokens, context_limit, config.session_idle_s, config.max_sessions)
         if self.max_kv_tokens < context_limit:
             log.warning("target-service: max_kv_tokens %d < the context limit %d: one long request can be refused "
@@ -113,18 +113,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.placement = placement(getattr(runtime, "device", "cpu"))
         self.failure: RankFailureError | None = None
         self._tracer = tracer("target_service")
-
-    @staticmethod
-    def _kv_budget(runtime, config: TargetServerConfig) -> int:
-        """config.max_kv_tokens, or for "auto" the slots that fit config.kv_memory_fraction of the free
-        memory (specdec.kv_budget; a runtime without ``kv_bytes_per_token`` gets the fallback). Tensor-parallel
-        ranks measured their own devices (``free_kv_bytes``): this process opens no CUDA context for them."""
-        if config.max_kv_tokens != "auto":
-            return config.max_kv_tokens
-        free = (runtime.free_kv_bytes if hasattr(runtime, "free_kv_bytes")
-                else free_memory_bytes(getattr(runtime, "device", "cpu")))
-        return sized_budget("target-service", config.kv_memory_fraction, getattr(runtime, "kv_bytes_per_token", None),
-                            free)
 
     def close(self) -> None:
         self.worker.close()
