@@ -1,20 +1,8 @@
-"""Target service gRPC server (protos/specdec/v1/target.proto): Prefill, Verify, VerifyBatch, Commit,
-Release, Info over a target runtime.
+"""Target service gRPC server (protos/specdec/v1/target.proto; docs/serving.md "The services' calls"): transport
+only; sessions, KV accounting and idempotent Verify are ``target_service.sessions``, merged verifies
+``VerifyBatcher``, tensor parallelism (``target.tp`` > 1) ``TensorParallelTarget``.
 
     specdec target-server --config deploy/specdec.yaml [--port 0] [--tp N] ...   (or python -m target_service)
-
-Prints ``target-service ready on <host>:<port>`` once serving; SIGTERM/SIGINT drain and exit 0.
-With ``target.tp`` N > 1 the model is a ``TensorParallelTarget`` over N rank processes; a
-``RankFailureError`` fails that and every later model call with UNAVAILABLE and turns health
-NOT_SERVING so the pod's probes restart it (Info keeps answering).
-
-Transport only: every message is checked (a bad one is INVALID_ARGUMENT naming the field, the session
-untouched), then run on the runtime's worker thread; concurrent Verify calls merge in ``VerifyBatcher``.
-Sessions, KV accounting and idempotent Verify (a resent tree replays the pending result with
-batch_size 0, verify_ms 0; another tree is FAILED_PRECONDITION) are ``target_service.sessions``. A verify
-whose deadline passes before its forward is not run (DEADLINE_EXCEEDED). VerifyBatch checks every item
-first (errors name ``items[k]``); an item failing in the forward fails the call with its status, the
-others staying pending (resending replays them).
 """
 
 from __future__ import annotations
@@ -51,7 +39,6 @@ from target_service.tp import RankFailureError, build_target
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
-# Checked before specdec.grpc_host's defaults (RankFailureError is a RuntimeError, never INTERNAL).
 _CODES = {SessionStateError: grpc.StatusCode.FAILED_PRECONDITION, RankFailureError: grpc.StatusCode.UNAVAILABLE,
           SessionExistsError: grpc.StatusCode.ALREADY_EXISTS}
 
@@ -62,8 +49,7 @@ def _unavailable(exc: RankFailureError) -> str:
 
 
 def _rpc(handler):
-    """``rpc_errors(_CODES)``, and a RankFailureError first marks the service NOT_SERVING, then ends
-    the call with UNAVAILABLE."""
+    """``rpc_errors(_CODES)``; a RankFailureError first marks the service NOT_SERVING, then ends the call UNAVAILABLE."""
     @functools.wraps(handler)
     async def watched(self, request, context):
         try:
@@ -86,11 +72,9 @@ def _response(result: VerifyResult, out: BatchedVerify | None = None, mergeable:
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    """gRPC TargetService over a target runtime (``TargetRuntime`` or one with its methods, e.g. tensor
-    parallel), called only from this servicer's worker thread. config: the ``target`` section;
-    model_name, context_limit, eos_token_ids: reported by Info; health: set NOT_SERVING at the first
-    RankFailureError (``failure`` then holds it). Create inside the running event loop; ``close()`` at the end.
-    """
+    """gRPC TargetService over a target runtime (``TargetRuntime`` or ``TensorParallelTarget``), on the servicer's
+    worker thread only. health: set NOT_SERVING at the first RankFailureError (then in ``failure``). Create inside
+    the running event loop; ``close()`` at the end."""
 
     def __init__(self, runtime, *, context_limit: int, eos_token_ids=(), model_name: str = "",
                  config: TargetServerConfig = TargetServerConfig(), health=None, worker: ModelWorker | None = None):
@@ -135,8 +119,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             for service in ("", SERVICE_NAME):
                 await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    # -- checks -----------------------------------------------------------------------------------
-
     def _check_prompt(self, prompt_ids) -> None:
         if not prompt_ids:
             raise ValueError("prompt_ids: empty prompt (need >= 1 token)")
@@ -160,12 +142,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         key = tree_msg.SerializeToString(deterministic=True)
         return await self.sessions.claim_verify(session_id, tree, key, field, deadline)
 
-    # -- RPCs -------------------------------------------------------------------------------------
-
     def _chunk_tokens(self, session_id: str, prompt_tokens: int) -> int:
-        """The next prefill chunk's size: prefill_busy_chunk_tokens (riding in the other sessions' verify
-        forwards, docs/serving.md "Limits") while others decode and the prompt exceeds one chunk, on a
-        runtime that packs rows; else prefill_chunk_tokens (a forward of its own)."""
+        """The next prefill chunk's size: prefill_busy_chunk_tokens (riding in others' verify forwards, docs/serving.md
+        "Limits") while others decode a packing runtime and the prompt exceeds one chunk, else prefill_chunk_tokens."""
         busy = self.config.prefill_busy_chunk_tokens
         rides = getattr(self.runtime, "batch_prefill_chunks", False) and getattr(self.runtime, "packed", False)
         long = prompt_tokens > self.config.prefill_chunk_tokens
@@ -199,9 +178,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 else:
                     await self.worker.run(self.runtime.extend, sid, prompt[at : at + size])
                 at += size
-        except BaseException:
-            # runtime.start may still finish after a cancel: release after it (jobs run in order), unless a
-            # Release came meanwhile (the id may already belong to a reopened session).
+        except BaseException:  # release after runtime.start (jobs run in order), unless a Release came meanwhile
             if self.sessions.sessions.get(request.session_id) is new:
                 self.sessions.discard(request.session_id, new)
                 self.worker.submit(self.runtime.release, request.session_id)
@@ -227,7 +204,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             span.set_attribute("specdec.tree_nodes", tree.size)
             started = time.perf_counter()
             out: BatchedVerify = await self.batcher.verify(request.session_id, tree, deadline)
-            # compute vs queueing (trace-report): the batched forward's time, the rest waited for company or the worker
             span.set_attribute("specdec.batch_size", out.batch_size)
             span.set_attribute("specdec.verify_ms", out.verify_ms)
             span.set_attribute("specdec.queue_ms", max(0.0, (time.perf_counter() - started) * 1000 - out.verify_ms))
@@ -283,11 +259,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     @_rpc
     async def Commit(self, request, context):
         deadline_of(context)
-        if self.failure is not None:  # the ranks are gone: a model call, UNAVAILABLE as every other
+        if self.failure is not None:  # the ranks are gone: UNAVAILABLE as every model call
             raise self.failure
         s = self.sessions.begin_commit(request.session_id)
-        try:
-            # checked here as TargetRuntime.commit does; the rollback runs later (target_service.commits)
+        try:  # checked here as TargetRuntime.commit does; the rollback runs later (target_service.commits)
             if s.pending is None:
                 raise SessionStateError(f"session_id: {request.session_id!r} has no verify to commit")
             if not 1 <= request.num_tokens <= len(s.pending.tokens):
@@ -359,8 +334,7 @@ def _load_target(config: ServeConfig):
 
 
 def _start_tensor_parallel(config: ServeConfig):
-    """(TensorParallelTarget, TargetInfo) for ``config.target.tp`` ranks; raises ModelError naming the
-    field (``target.tp``, ``target.device``, ``models.target``)."""
+    """(TensorParallelTarget, TargetInfo) for ``config.target.tp`` ranks; raises ModelError naming the field."""
     devices, tp = config.target_devices, config.target.tp
     models = config.models_on(devices[0])
     info = target_info(models, label="models.target")  # config + tokenizer only: the ranks load the weights
