@@ -33,9 +33,8 @@ MAX_AHEAD_CANDIDATES = 4  # candidate next trees one ahead may draft (front.ahea
 
 class AheadCandidate(NamedTuple):
     """One outcome of the round being verified that an ahead drafts the next tree for (docs/control.md
-    "Pipelining"): ``path_nodes`` [A] (a root path of the last proposed tree, root side first; empty = the
-    root rejected) accepted, then the draft's argmax token after them that is not in ``exclude`` (the
-    verified tree's children there: the target took none of them), then a tree of at most ``max_depth`` >= 1."""
+    "Pipelining"): ``path_nodes`` [A] (a root path of the last tree; empty = the root rejected) accepted, then
+    the draft's argmax token not in ``exclude``, then a tree of at most ``max_depth`` >= 1."""
 
     path_nodes: tuple[int, ...]
     max_depth: int
@@ -74,8 +73,7 @@ class DraftWorker:
 
     @property
     def link_rtt_s(self) -> float | None:
-        """The measured round trip of this worker's link, seconds (wall time of a call minus the service's own
-        time); None in-process or before the first call."""
+        """The link's measured round trip, s (a call's wall time minus the service's); None in-process or unknown."""
         return None
 
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> int | None:
@@ -122,14 +120,21 @@ class DraftWorker:
         raise NotImplementedError(f"{type(self).__name__} does not draft ahead")
 
     def last_batch_size(self, session_id: str) -> int | None:
-        """Sessions whose tree steps shared the draft forwards of this session's last proposal
-        (a draft service's reply says; None = not reported)."""
+        """Sessions that shared the draft forwards of this session's last proposal (None = not reported)."""
         return None
 
     def last_forward_ms(self, session_id: str) -> float | None:
-        """ms of the draft call that grew this session's last tree, without queue or transport
-        (a draft service's reply says; None = not reported)."""
+        """ms of the draft call that grew this session's last tree, without queue or transport (None = not reported)."""
         return None
+
+
+def _through_call(name: str):
+    """A ``WorkerAdapter`` method that runs the worker's method ``name`` through ``call``."""
+    def method(self, *args, **kwargs):
+        return self.call(name, getattr(self.worker, name), *args, **kwargs)
+
+    method.__name__ = name
+    return method
 
 
 class WorkerAdapter(DraftWorker):
@@ -148,29 +153,10 @@ class WorkerAdapter(DraftWorker):
         """The worker's ``method`` (its ``name``) called with the arguments."""
         raise NotImplementedError
 
-    def start(self, *args, **kwargs):
-        return self.call("start", self.worker.start, *args, **kwargs)
-
-    def propose(self, *args, **kwargs):
-        return self.call("propose", self.worker.propose, *args, **kwargs)
-
-    def verify(self, *args, **kwargs):
-        return self.call("verify", self.worker.verify, *args, **kwargs)
-
-    def commit(self, *args, **kwargs):
-        return self.call("commit", self.worker.commit, *args, **kwargs)
-
-    def release(self, *args, **kwargs):
-        return self.call("release", self.worker.release, *args, **kwargs)
-
-    def propose_ahead(self, *args, **kwargs):
-        return self.call("propose_ahead", self.worker.propose_ahead, *args, **kwargs)
-
-    def propose_candidates(self, *args, **kwargs):
-        return self.call("propose_candidates", self.worker.propose_candidates, *args, **kwargs)
-
-    def resolve_ahead(self, *args, **kwargs):
-        return self.call("resolve_ahead", self.worker.resolve_ahead, *args, **kwargs)
+    start, propose, verify = _through_call("start"), _through_call("propose"), _through_call("verify")
+    commit, release = _through_call("commit"), _through_call("release")
+    propose_ahead, propose_candidates = _through_call("propose_ahead"), _through_call("propose_candidates")
+    resolve_ahead = _through_call("resolve_ahead")
 
     def last_batch_size(self, session_id: str) -> int | None:
         return self.worker.last_batch_size(session_id)
@@ -186,11 +172,7 @@ class TargetWorker(Protocol):
     Dims: T prompt tokens, N tree nodes, A accepted nodes, L cached slots.
     """
 
-    @property
-    def link_rtt_s(self) -> float | None:
-        """The measured round trip of this worker's link, seconds (wall time of a call minus the service's own
-        time); None in-process or before the first call."""
-        return None
+    link_rtt_s = DraftWorker.link_rtt_s
 
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None:
         """Prefill ``prompt_ids`` [T], T >= 1, but the last token, the root R (L = T - 1); ``sampling``
