@@ -84,10 +84,9 @@ class DraftRuntime(ModelRuntime, DraftWorker):
         self.sessions[session_id] = DraftSession(list(prompt_ids), new_cache(self.model.config), sampling=sampling, rng=rng)
 
     def prefill(self, session_id: str, max_tokens: int | None = None) -> bool:
-        """Feed at most ``max_tokens`` (None = all) of the committed tokens but the last into the cache;
-        returns True when tokens are left. The first ``propose`` feeds the rest in calls of the same size,
-        so the calls (and a quantized draft's activation scales) never depend on how far this got. A
-        failing forward leaves the cache at ``cached_len`` and raises."""
+        """Feed at most ``max_tokens`` (None = all) of the committed tokens but the last into the cache; True when
+        tokens are left. The first ``propose`` feeds the rest in calls of the same size (so a quantized draft's
+        activation scales never depend on how far this got). A failing forward leaves the cache as it was."""
         s = self.sessions.get(session_id)
         if s is None:  # released before its queued prefill ran
             return False
@@ -104,6 +103,12 @@ class DraftRuntime(ModelRuntime, DraftWorker):
         s.cached_len += len(pending)
         return s.cached_len < len(s.tokens) - 1
 
+    def _finish_prefill(self, session_id: str, s: DraftSession) -> None:
+        """A started chunked prefill ends in its own chunks (``prefill``), before the first tree."""
+        if s.prefill_chunk is not None and s.last_tree is None:
+            while self.prefill(session_id, s.prefill_chunk):
+                pass
+
     def _propose_one(self, item: tuple):
         (out,) = self.propose_batch([item])
         if isinstance(out, Exception):
@@ -115,28 +120,20 @@ class DraftRuntime(ModelRuntime, DraftWorker):
         return self._propose_one((session_id, spec, max_depth))
 
     def propose_ahead(self, session_id: str, path_nodes: Sequence[int], spec: TreeSpec, max_depth: int) -> AheadTree:
-        """Draft round r+1 before round r is verified: tentatively commit ``path_nodes`` [A] (a root path of
-        the last tree, root side first; A = 0: none, no tree needed, as for a plain round) plus the draft's
-        argmax guess of the next token, and grow the next tree after them. Raises UnknownSessionError,
-        SessionStateError (an ahead unresolved, or a path without a tree since the last commit), ValueError
-        naming ``path_nodes``."""
+        """As ``DraftWorker.propose_ahead``. Raises UnknownSessionError, SessionStateError (an ahead unresolved, or
+        a path without a tree since the last commit), ValueError naming ``path_nodes``."""
         return self._propose_one((session_id, spec, max_depth, tuple(path_nodes)))
 
     def propose_candidates(self, session_id: str, candidates: Sequence[AheadCandidate],
                            spec: TreeSpec) -> list[AheadTree]:
-        """Pre-drafting: ``propose_ahead`` for candidates[0] and the next tree of each other candidate
-        outcome (``AheadCandidate``; empty path = the root rejected), every tree grown from the session as it
-        is now (a seeded session draws what an in-line propose after that outcome would). Candidates with one
-        path pick distinct tokens (each also excludes the earlier ones' picks: the top tokens after a plain
-        round, when every path is empty and no tree was proposed since the last commit). Returns [C]
-        (token, tree). Raises as ``propose_ahead``, ValueError naming ``path_nodes`` or ``candidates``."""
+        """As ``DraftWorker.propose_candidates``, every tree grown from the session as it is now (a seeded session
+        draws what an in-line propose after that outcome would). Raises as ``propose_ahead``, ValueError naming
+        ``candidates``."""
         return self._propose_one((session_id, spec, 0, tuple(candidates)))
 
     def resolve_ahead(self, session_id: str, adopt: bool, candidate: int = 0) -> None:
-        """End the unresolved ahead: adopt = keep candidate ``candidate``'s state (round r needs no
-        ``commit``); else roll back exactly to the state before ``propose_ahead``. Adopting candidate c > 0
-        rolls back, then commits its path and token uncached with its tree as the last one. Raises
-        UnknownSessionError, SessionStateError, ValueError naming ``candidate``."""
+        """As ``DraftWorker.resolve_ahead``; adopting candidate c > 0 rolls back, then commits its path and token
+        uncached with its tree as the last one. Raises UnknownSessionError, SessionStateError, ValueError."""
         s = self._session(session_id)
         snap, alternatives = s.ahead, s.alternatives
         if snap is None:
@@ -196,12 +193,10 @@ class DraftRuntime(ModelRuntime, DraftWorker):
 
     def _begin_ahead(self, session_id: str, path_nodes: tuple[int, ...], exclude: tuple[int, ...] = (),
                      keep_tail: bool = False, earlier: tuple[tuple[int, ...], ...] = ()) -> int:
-        """Snapshot, commit ``path_nodes`` tentatively, feed what is pending, append and return the guess
-        (the argmax not in ``exclude`` nor picked by the ``earlier`` same-path candidates, whose excludes
-        these are, in request order). Example: committed [a b R], path n0 (fed) -> n2 (leaf): the cache
-        keeps a b R n0, n2 is fed now, tokens become [a b R n0 n2 g] with g pending. An empty path needs no
-        proposed tree (a plain round's ahead: the draft's likeliest next tokens). keep_tail: the snapshot
-        keeps R's and the tree's KV (another candidate follows)."""
+        """Snapshot, commit ``path_nodes`` tentatively, feed what is pending, append and return the guess (the
+        argmax not in ``exclude`` nor picked by the ``earlier`` same-path candidates, whose excludes these are).
+        Example: committed [a b R], path n0 (fed) -> n2 (leaf): the cache keeps a b R n0, n2 is fed now, tokens
+        become [a b R n0 n2 g] with g pending. keep_tail: the snapshot keeps R's and the tree's KV."""
         s = self._session(session_id)
         if s.ahead is not None:
             raise SessionStateError(f"ahead: session {session_id!r} already has an unresolved ahead proposal")
@@ -211,9 +206,7 @@ class DraftRuntime(ModelRuntime, DraftWorker):
                 raise SessionStateError(f"path_nodes: session {session_id!r} has no proposed tree since its last commit")
             check_root_path(tree.parents, path_nodes)
         elif s.round_start is None:
-            if s.prefill_chunk is not None and s.last_tree is None:
-                while self.prefill(session_id, s.prefill_chunk):  # a started prefill ends in its own chunks
-                    pass
+            self._finish_prefill(session_id, s)
             if max(s.tokens[s.cached_len :], default=0) >= self.model.config.vocab_size:
                 raise SessionStateError(f"session_id: {session_id!r} holds a token beyond the draft's vocabulary")
         tail = tail_kv(s.cache, max(s.cached_len - 1, 0)) if keep_tail else None
@@ -289,8 +282,8 @@ class DraftRuntime(ModelRuntime, DraftWorker):
 
     def _begin_candidates(self, session_id: str, spec: TreeSpec, max_depth: int, entry: Sequence,
                           others: dict, index: int) -> tuple[int, int]:
-        """An ahead item's start: a path (``propose_ahead``) or AheadCandidates, whose others are grown first
-        (into ``others[index]``). Returns (the first's max depth, its guess)."""
+        """An ahead item's start: a path or AheadCandidates, whose others are grown first (into ``others[index]``).
+        Returns (the first's max depth, its guess)."""
         if not (entry and isinstance(entry[0], AheadCandidate)):
             return max_depth, self._begin_ahead(session_id, tuple(entry))
         if len(entry) > MAX_AHEAD_CANDIDATES:
@@ -303,8 +296,8 @@ class DraftRuntime(ModelRuntime, DraftWorker):
         return first.max_depth, guess
 
     def _run_steps(self, running: dict, results: list) -> None:
-        """Drive the running sessions' ``tree_steps`` in lockstep, one (shared) forward per step, until
-        each has its tree (or its error) in ``results``; an error of a shared forward is raised."""
+        """Drive the sessions' ``tree_steps`` in lockstep, one (shared) forward per step, until each has its tree
+        (or error) in ``results``; an error of a shared forward is raised."""
         while running:
             rows = {index: self._step_rows(s, *step) for index, (s, _, step) in running.items()}
             logprobs = self._forward_rows(rows)
@@ -320,8 +313,8 @@ class DraftRuntime(ModelRuntime, DraftWorker):
                     del running[index]
 
     def _begin_round(self, session_id: str, ahead: bool = False) -> DraftSession | None:
-        """The session, its cache back at the round's start; None when the committed tokens hold an id
-        beyond the draft's vocabulary (no tree from here on: plain decoding). ahead: for ``propose_ahead``."""
+        """The session, its cache back at the round's start; None when the committed tokens hold an id beyond the
+        draft's vocabulary (plain decoding from here on)."""
         s = self._session(session_id)
         if s.ahead is not None and not ahead:
             raise SessionStateError(f"session_id: {session_id!r} has an unresolved ahead proposal (resolve_ahead first)")
@@ -329,9 +322,8 @@ class DraftRuntime(ModelRuntime, DraftWorker):
             s.cached_len = s.round_start
             truncate_kv(s.cache, s.cached_len)
             s.round_start = None
-        if s.prefill_chunk is not None and s.last_tree is None and not ahead:
-            while self.prefill(session_id, s.prefill_chunk):  # a started prefill ends in its own chunks (``prefill``)
-                pass
+        if not ahead:
+            self._finish_prefill(session_id, s)
         s.round_start = s.cached_len
         s.slot_of_node = {}
         if max(s.tokens[s.cached_len :]) >= self.model.config.vocab_size:
@@ -339,9 +331,8 @@ class DraftRuntime(ModelRuntime, DraftWorker):
         return s
 
     def _step_rows(self, s: DraftSession, nodes: list[int], tokens: list[int], parents: list[int]) -> _StepRows:
-        """One session's rows of a draft step. Step 0 (nodes = [ROOT]): the committed tokens not
-        yet cached, R last, causal; step d >= 1: the P chosen depth-d nodes, each seeing the
-        committed slots, its ancestors' slots and itself (the draft tree mask)."""
+        """One session's rows of a draft step. Step 0 (nodes = [ROOT]): the committed tokens not yet cached, R last,
+        causal; step d >= 1: the P depth-d nodes, each seeing the committed slots, its ancestors and itself."""
         start = cache_length(s.cache)  # C: committed slots, then the tree slots of earlier steps
         if nodes == [ROOT]:
             pending = s.tokens[s.cached_len :]
@@ -362,8 +353,7 @@ class DraftRuntime(ModelRuntime, DraftWorker):
         return _StepRows(s, [tokens[n] for n in nodes], positions, visible, False, plain)
 
     def _forward_rows(self, rows: dict[int, _StepRows]) -> dict[int, torch.Tensor]:
-        """Log-probs of each session's step rows ([1, V] after R at step 0, [P, V] after that):
-        sessions batched together where there are two or more (``propose_batch``)."""
+        """Log-probs of each session's step rows ([1, V] at step 0, [P, V] after), batched where two or more can."""
         together = [i for i, r in rows.items()
                     if len(r.ids) <= MAX_BATCHED_ROWS and not (self.scale_per_call and r.session.sampling.seeded)]
         alone = [i for i in rows if i not in together or len(together) < 2]
@@ -428,14 +418,12 @@ def _roll_back(s: DraftSession, snap: _AheadSnapshot) -> None:
 
 
 def _same_path(earlier: Sequence[AheadCandidate], cand: AheadCandidate) -> tuple[tuple[int, ...], ...]:
-    """The excludes of the ``earlier`` candidates (request order) with ``cand``'s path: their picks are ``cand``'s
-    exclusions too, so candidates with one path pick distinct tokens (its logits row's top tokens, in order)."""
+    """The excludes of the ``earlier`` candidates with ``cand``'s path (their picks are ``cand``'s exclusions too)."""
     return tuple(tuple(c.exclude) for c in earlier if tuple(c.path_nodes) == tuple(cand.path_nodes))
 
 
 def check_root_path(parents: Sequence[int], path: Sequence[int], field: str = "path_nodes") -> None:
-    """Raises ValueError naming ``field`` unless ``path`` is a non-empty root path (root side first) of the
-    last proposed tree, given its ``parents``."""
+    """Raises ValueError naming ``field`` unless ``path`` is a non-empty root path of the tree of ``parents``."""
     if not path:
         raise ValueError(f"{field}: empty (an ahead needs >= 1 node of the last tree)")
     parent = ROOT
@@ -449,10 +437,8 @@ def check_root_path(parents: Sequence[int], path: Sequence[int], field: str = "p
 
 @dataclass
 class _StepRows:
-    """One session's rows of one draft step: P token ids, their positions [P], which of the
-    session's C cache slots and P new slots each row sees (visible [P, C + P] bool), and whether
-    this is step 0 (the pending committed tokens; only the last row's log-probs are used); plain: one row
-    that sees every slot (attention needs no mask)."""
+    """One session's rows of one draft step: P ids, positions [P], visible [P, C + P] bool (C cached slots);
+    root: step 0 (only the last row's log-probs are used); plain: one row that sees every slot (no mask)."""
 
     session: DraftSession
     ids: list[int]
@@ -463,8 +449,7 @@ class _StepRows:
 
 
 def activation_scale_per_call(model) -> bool:
-    """Whether the model holds dynamically quantized linears, whose int8 activation scale spans all the
-    rows of one call (a row's output then depends on its batch)."""
+    """Whether the model holds dynamically quantized linears (one int8 activation scale over a call's rows)."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
     return any(isinstance(m, DynamicLinear) for m in model.modules())

@@ -40,21 +40,20 @@ class TargetSession:
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    """The next prompt chunk of a session, fed as a chain [R, tokens...] in a ``verify_batch`` forward;
-    afterwards the session is as after ``extend``. tokens: [C] ids, C >= 1; still_open: checked right
-    before the forward, False = the session is gone (maybe reopened under the same id): the chunk is
-    refused with UnknownSessionError."""
+    """The next prompt chunk of a session, fed as a chain [R, tokens...] in a ``verify_batch`` forward, as
+    ``extend`` would. tokens: [C] ids, C >= 1; still_open: checked before the forward, False = the session is
+    gone (maybe reopened under the same id): UnknownSessionError."""
 
     tokens: tuple[int, ...]
     still_open: Callable[[], bool] | None = field(default=None, compare=False)
 
     @property
     def size(self) -> int:
-        """Rows past R (a tree's node count): the forward holds size + 1 rows for it."""
+        """Rows past R (as a tree's node count)."""
         return len(self.tokens)
 
     def as_tree(self) -> DraftTree:
-        """The chunk as a chain tree under R (node i's parent is node i - 1): its rows and mask."""
+        """The chunk as a chain tree under R (node i's parent is node i - 1)."""
         return DraftTree(self.tokens, tuple(range(-1, len(self.tokens) - 1)))
 
 
@@ -84,9 +83,7 @@ class TargetRuntime(ModelRuntime):
         self.argmax_head = argmax_head_of(model)  # greedy rows' argmax without the full LM head, where attached
 
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams = GREEDY) -> tuple:
-        """Prefill all prompt tokens but the last, which becomes the root R. prompt_ids: [T], T >= 1;
-        sampling: the request's parameters, used by every verify of the session. Returns the TokenLogprobs of
-        prompt_ids[1:] with sampling.prompt_logprobs (``prompt_logprobs``), else ()."""
+        """As ``TargetWorker.start`` (R's KV cached too, with its logits); () without sampling.prompt_logprobs."""
         if not prompt_ids:
             raise ValueError("prompt_ids: empty prompt")
         cache = new_cache(self.model.config)
@@ -104,8 +101,7 @@ class TargetRuntime(ModelRuntime):
         return tuple(self._session(session_id).prompt_logprobs)
 
     def extend(self, session_id: str, prompt_ids: list[int]) -> None:
-        """Chunked prefill: feed the next prompt chunk, prompt_ids: [C] ids, C >= 1; afterwards the
-        session is as if ``start`` had been given the whole prompt so far.
+        """Chunked prefill: feed the next prompt chunk [C], C >= 1, as if ``start`` had had the whole prompt so far.
         Raises ValueError for an empty chunk, SessionStateError once the session has verified."""
         s = self._session(session_id)
         if s.root_logits is None or s.pending is not None:
@@ -135,9 +131,8 @@ class TargetRuntime(ModelRuntime):
                                         argmax_head=self.argmax_head if argmax else None), argmax)
 
     def _first_tree_logits(self, s: TargetSession, tree: DraftTree, argmax: bool = False) -> torch.Tensor:
-        """The first verify after ``start``: R's KV and logits are cached; feed the nodes alone.
-        A 7-token prompt gives L = 6, R at slot 6; nodes of depths [1, 1, 2] go to slots 7..9 at
-        positions [7, 7, 8]. Returns as ``tree_logits``, row 0 = R's logits."""
+        """The first verify after ``start``: R's KV and logits are cached, the nodes fed alone (7-token prompt: L = 6,
+        R at slot 6; depths [1, 1, 2] go to slots 7..9 at positions [7, 7, 8]). Returns as ``tree_logits``."""
         truncate_kv(s.cache, s.cache_len + 1)  # keep R; drop the slots of an earlier verify that failed mid-way
         root = s.root_logits.argmax(dim=-1, keepdim=True) if argmax else s.root_logits[None]  # (1,) or (1, V)
         if not tree.size:
@@ -149,8 +144,7 @@ class TargetRuntime(ModelRuntime):
         return torch.cat([root, self._rows(rows, argmax)])
 
     def _tree_mask(self, tree: DraftTree, cache_len: int) -> torch.Tensor | None:
-        """``tree_attention_mask`` of [R, nodes] on the model's device; None for R alone (a plain row sees
-        every slot: no mask, so attention takes its fastest kernel)."""
+        """``tree_attention_mask`` of [R, nodes] on the model's device; None for R alone (no mask: the fastest kernel)."""
         return tree_attention_mask(tree.parents, cache_len, self.model.dtype, self.model.device) if tree.size else None
 
     @staticmethod
@@ -223,8 +217,7 @@ class TargetRuntime(ModelRuntime):
         return results  # type: ignore[return-value]
 
     def _check_batch(self, items, results: list) -> list[tuple[int, str, TargetSession, DraftTree]]:
-        """The verifiable items as (item index, session id, session, tree); each refused item's
-        error goes to its slot of ``results``."""
+        """The verifiable items as (item index, session id, session, tree); refused items' errors go to ``results``."""
         first_at: dict = {}
         batch: list[tuple[int, str, TargetSession, DraftTree]] = []
         for index, item in enumerate(items):
@@ -323,7 +316,7 @@ class TargetRuntime(ModelRuntime):
 
 
 def _score_prompt(s: TargetSession, logits: torch.Tensor, tokens) -> None:
-    """Append the prompt tokens' TokenLogprobs (logits [C, V], row i the one before tokens[i]) if the session asks."""
+    """Append the prompt tokens' TokenLogprobs (logits [C, V], row i before tokens[i]) if the session asks."""
     if s.sampling.prompt_logprobs is not None and len(tokens):
         s.prompt_logprobs += token_logprobs(logits, tokens, s.sampling.prompt_logprobs)
 
