@@ -1,9 +1,8 @@
 """Grow a token tree from a TreeSpec, one batched draft forward per depth (docs/design.md "TreeSpec").
 
-Tree shapes after Sequoia/SpecInfer-style static trees (Miao et al. ASPLOS'24 §3; Chen et al. 2024).
-Children: greedy, the draft's top-k by log-prob; sampled, from q = ``processed_probs`` of the draft's
-log-probs (as the target processes p): treeType 0 its top-k, treeType 1 k draws without replacement,
-recording q in ``DraftTree.proposals`` for the verifier.
+Static trees as Sequoia / SpecInfer (Miao et al. ASPLOS'24 §3; Chen et al. 2024). Children: greedy, the draft's
+top-k; sampled, from q = ``processed_probs`` of the draft's log-probs: treeType 0 its top-k, treeType 1 k draws
+without replacement, recording q in ``DraftTree.proposals`` for the verifier.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""The gRPC host shared by the draft and target servers and the front (grpc.aio), and the mapping
-of exceptions to status codes.
-
-``ServiceHost``: message size limits, health and reflection, a draining gate (after SIGTERM new calls
-get UNAVAILABLE, in-flight ones ``shutdown_grace_s``), an optional plaintext health port.
-``status_for`` maps exceptions to status codes (table: docs/serving.md "Errors").
+"""The gRPC host shared by the services (grpc.aio), the draft and target process entry, and the mapping of
+exceptions to status codes (docs/serving.md "Errors").
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """The narrow worker interface shared by embedded (in-process) and distributed (gRPC) modes.
 
-A round: ``draft.propose`` -> ``target.verify`` -> the orchestrator's stop checks ->
-``target.commit`` and ``draft.commit``. ``release`` frees a session's KV. ``start`` opens a session
-with the request's SamplingParams, which hold for all its rounds (both workers must apply them
-identically: ``specdec.sampling``).
-
-Cache invariant (both sides, after every commit): the cache holds KV for a prefix of the committed
-tokens; the target's holds exactly all committed tokens but the last one (the root R of the next
-tree, whose KV the next verify computes).
+A round: ``draft.propose`` -> ``target.verify`` -> the stop checks -> ``target.commit`` and ``draft.commit``.
+Cache invariant after every commit: docs/design.md "KV rollback".
 """
 
 from __future__ import annotations

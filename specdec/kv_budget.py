@@ -1,13 +1,9 @@
-"""How many KV slots a service may hand out: ``target.max_kv_tokens`` / ``draft.max_kv_tokens: auto`` sized from memory.
+"""How many KV slots a service may hand out: ``max_kv_tokens: auto`` sized from memory once after loading, as vLLM
+sizes KV blocks from ``gpu_memory_utilization``: floor(kv_memory_fraction * free memory / KV bytes per token).
 
-Sized once after loading, as vLLM sizes KV blocks from ``gpu_memory_utilization``:
-
-    max_kv_tokens = floor(kv_memory_fraction * free memory / KV bytes per token)
-
-KV bytes per token: 2 x layers x KV heads x head dim x element size (Qwen2.5-1.5B float32: 57,344).
 Free memory, CPU: min(MemAvailable, the cgroup's limit left, inactive file cache not counted); CUDA:
-``torch.cuda.mem_get_info`` of the device, read by the process that computes on it (a tensor-parallel rank, never
-its coordinator: ``ranks_free_bytes``). Unreadable memory: ``FALLBACK_KV_TOKENS``.
+``torch.cuda.mem_get_info``, read by the process that computes there (a tensor-parallel rank, never its
+coordinator). Unreadable: ``FALLBACK_KV_TOKENS``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""KV cache rollback and compaction on a transformers ``DynamicCache`` (both services use it).
+"""KV cache rollback and compaction on a transformers ``DynamicCache`` (docs/design.md "KV rollback").
 
-Dims: B batch (1 per session), H kv heads, S cached slots, D head dim; each layer holds
-keys/values of shape (B, H, S, D).
-
-Worked example: 7 cached prefix slots, then R at slot 7 and tree nodes 0..11 at slots 8..19.
-Accepting nodes [0, 6] keeps slots 0..7, moves slot 8 -> 8 and slot 14 -> 9, crops to 10.
+Dims: B batch (1 per session), H kv heads, S cached slots, D head dim; each layer holds (B, H, S, D).
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""``ModelWorker``: model compute off the event loop, on one dedicated thread per runtime.
-
-Health checks and other calls keep answering during a forward, and the runtime is never entered
-twice (calls run one at a time, in submission order). Plain asyncio, no gRPC.
-
-Why the load runs there too (``call``): every thread starting an OpenMP region keeps its own team, and
-with two teams libgomp stops spinning between regions, so every forward slows down.
+"""``ModelWorker``: model compute off the event loop, on one dedicated thread per runtime (the load too: one
+OpenMP team per process, docs/design.md "Speed paths"). Calls run one at a time, in submission order.
 """
 
 from __future__ import annotations

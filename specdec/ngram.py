@@ -1,15 +1,9 @@
 """Free draft branches from the context: n-gram (prompt lookup) continuations.
 
-Dims: T context tokens (prompt + generated so far), K continuation tokens.
-
-Prompt lookup decoding (Saxena 2023, "Prompt Lookup Decoding"; REST, He et al. NAACL'24) proposes at zero
-model cost what followed the most recent earlier occurrence of the context's last n tokens; merged into
-the draft's tree as extra branches as SpecInfer merges speculators (Miao et al. ASPLOS'24 §3).
-
-Worked example: context [5, 7, 9, 2, 5, 7], max_ngram 3, max_tokens 3. The last 3 tokens
-[2, 5, 7] occur nowhere earlier; the last 2, [5, 7], occur at index 0, followed by [9, 2, 5, 7]:
-the continuation is [9, 2, 5], with match length 2 (index 0 has no token before it to compare
-with the 2 that precedes the context's final [5, 7]).
+Prompt lookup decoding (Saxena 2023; REST, He et al. NAACL'24) proposes what followed the most recent earlier
+occurrence of the context's last n tokens, merged into the draft's tree as SpecInfer merges speculators
+(Miao et al. ASPLOS'24 §3). Example: context [5, 7, 9, 2, 5, 7], max_ngram 3, max_tokens 3: [2, 5, 7] occurs
+nowhere earlier, [5, 7] at index 0 -> continuation [9, 2, 5], match length 2.
 """
 
 from __future__ import annotations

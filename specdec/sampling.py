@@ -1,10 +1,6 @@
-"""Sampling parameters and the sampling maths the draft and the target apply identically.
-
-Dims: V vocabulary, S support of a sparse distribution, K siblings.
-
-The draft's q and the target's p must both come from ``processed_probs`` with the same SamplingParams,
-or verification is no longer lossless. Rejection sampling: Leviathan et al. 2023, Algorithm 1; Chen et
-al. 2023 (docs/design.md "Verification"). Float64 NumPy on the CPU, on the few rows a round needs.
+"""Sampling parameters and the sampling maths the draft and the target apply identically (q and p both from
+``processed_probs`` with the same SamplingParams, or verification is not lossless; docs/design.md
+"Verification"). Float64 NumPy on the CPU, on the few rows a round needs. Dims: V vocabulary, S support, K siblings.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Statistics of a generation request: one ``RoundRecord`` per round, summed in ``GenerationStats``.
-
-GenerationStats is the in-process side of ``specdec.v1.FinalStats``; both are plain dataclasses so they
-cross the Ray actor boundary as they are. Terms: docs/usage.md "What the statistics mean".
+"""Statistics of a generation request: one ``RoundRecord`` per round, summed in ``GenerationStats`` (the
+in-process side of ``specdec.v1.FinalStats``; terms: docs/usage.md "What the statistics mean").
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""OpenTelemetry set-up: one tracer provider per process, gRPC instrumentation, exporter from OTEL_*.
-
-Variables and span names: docs/observability.md "Traces". ``OTEL_TRACES_EXPORTER`` defaults to ``otlp``
-when an OTLP endpoint variable is set, else ``none``.
+"""OpenTelemetry set-up: one tracer provider per process, gRPC instrumentation, exporter from OTEL_*
+(docs/observability.md "Traces"; ``OTEL_TRACES_EXPORTER`` defaults to ``otlp`` with an OTLP endpoint set).
 """
 
 from __future__ import annotations

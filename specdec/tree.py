@@ -1,12 +1,7 @@
-"""The token tree: one flat representation and the pure functions derived from it.
+"""The token tree: one flat representation and the pure functions derived from it (docs/design.md "Token tree").
 
-Dims: N tree nodes, L tokens already in a KV cache, V vocabulary.
-
-Representation (docs/design.md "Token tree"): ``parents[i] < i``, ``-1`` for a child of the root R,
-which is implicit: forwards over a tree put R in row 0 and node i in row i + 1.
-
-Worked example (positions): L = 7 cached tokens, node depths [1, 1, 2] give R position 7 and
-node positions [8, 8, 9].
+Dims: N tree nodes, L cached tokens, V vocabulary. ``parents[i] < i``, ``-1`` for a child of the implicit root R;
+forwards put R in row 0 and node i in row i + 1. Positions: L = 7, depths [1, 1, 2] -> R 7, nodes [8, 8, 9].
 """
 
 from __future__ import annotations

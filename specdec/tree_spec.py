@@ -1,8 +1,7 @@
-"""TreeSpec: the shape of the speculated token tree (DESIGN.md "TreeSpec").
+"""TreeSpec: the shape of the speculated token tree (fields: docs/design.md "TreeSpec").
 
 ``{"gamma": 3, "topKSpec": [[6], [2, 2], [1, 1]], "topHead": [1, 2, 2], "treeType": 0, "gammaThreshold": 0}``
-
-The example has 6 + 4 + 2 = 12 nodes (fields: docs/design.md "TreeSpec").
+has 6 + 4 + 2 = 12 nodes.
 """
 
 from __future__ import annotations

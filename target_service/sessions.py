@@ -1,19 +1,15 @@
-"""The target server's session bookkeeping: KV accounting, the idempotent-verify state machine and
-the idle reaper. Plain asyncio, no gRPC and no model: tests drive it directly.
+"""The target server's session bookkeeping: KV accounting, the idempotent-verify state machine and the idle
+reaper (plain asyncio, no gRPC, no model).
 
-KV accounting (``max_kv_tokens``, CapacityError past it): committed slots L, plus N + 1 tree slots from
-a verify's start to its commit, plus the rejected rows (``stale``) until the next verify's forward rolls
-them back (``target_service.commits``). Example: Prefill of 10 tokens holds 9; a 4-node verify holds 14;
-Commit(num_tokens=3) makes L = 12 and still holds 14; the next verify counts 2 as freed.
-
-Verify states of one session (``SessionSlots``):
+KV held: committed slots L, plus N + 1 tree slots from a verify's start to its commit, plus the rejected rows
+(``stale``) until the next verify's forward rolls them back. Example: Prefill of 10 tokens holds 9; a 4-node
+verify holds 14; Commit(num_tokens=3) makes L = 12 and still holds 14; the next verify counts 2 as freed.
 
     idle --begin_verify--> busy (tree slots held) --verified(result)--> pending --commit--> idle
                                                    --verified(error / unrun)--> idle (tree slots freed)
 
-Verify is idempotent until commit: the tree already pending (same serialized key) is replayed, the
-same tree still in flight is waited for (``claim_verify``), another tree is a SessionStateError.
-The reaper releases sessions untouched for ``idle_s`` (e.g. their Ray actor was killed).
+Until commit the pending tree (same serialized key) is replayed, the same tree in flight waited for, another
+tree refused (SessionStateError).
 """
 
 from __future__ import annotations

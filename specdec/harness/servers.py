@@ -1,13 +1,8 @@
 """The project's own servers as subprocesses (on loopback ports unless given a host), for tests and benchmarks.
 
-    target = start_service("target", "serve.yaml")           # python -m target_service --config serve.yaml --port 0
-    channel = grpc.aio.insecure_channel(target.address)     # e.g. "127.0.0.1:43817"
-    stop_service(target)                                     # SIGTERM, wait; returns the exit code
-
     draft, target = launch_service("draft", config), launch_service("target", config)
-    wait_ready(draft), wait_ready(target)                      # start-ups overlap
-
-Kinds: "draft", "target", "front". No ready line in time, or an early exit, raises ServiceNotReady.
+    wait_ready(draft), wait_ready(target)                      # start-ups overlap; ServiceNotReady if not
+    stop_service(target)                                       # SIGTERM, wait; returns the exit code
 """
 
 from __future__ import annotations

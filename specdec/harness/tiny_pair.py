@@ -2,9 +2,6 @@
 
     pair = save_tiny_pair(tmp_path)                        # target + draft dirs (seeded, tokenizer included)
     config = write_config(tmp_path / "serve.yaml", pair, target={"max_batch": 4})
-    target = start_service("target", config)                # specdec.harness.servers
-
-In-memory tiny models (no files) are in conftest.py.
 """
 
 from __future__ import annotations
