@@ -234,14 +234,12 @@ class DraftRuntime(ModelRuntime, DraftWorker):
 
     def propose_batch(self, items: Sequence[tuple]) -> list[DraftTree | AheadTree | Exception]:
         """Grow the trees of several sessions together: one draft forward per tree depth for all of them.
-
         items: B triples (session_id, spec, max_depth), distinct sessions; a fourth entry (path_nodes, or
         AheadCandidates) makes the item an ahead. Returns per item what ``propose`` (``propose_ahead`` /
         ``propose_candidates``) alone would give, or the exception it would raise. An error of a shared forward
         is raised (ahead items rolled back first). A session feeding over ``MAX_BATCHED_ROWS`` rows runs alone, as
         does a seeded sampled one on a dynamically quantized draft (one activation scale per call); other rows'
-        log-probs equal their solo forward's up to float32 round-off.
-        """
+        log-probs equal their solo forward's up to float32 round-off."""
         results: list[DraftTree | Exception | None] = [None] * len(items)
         running: dict[int, tuple[DraftSession, Generator, Step]] = {}
         seen: dict[str, int] = {}

@@ -25,14 +25,8 @@ ExpandFn = Callable[[list[int], list[int], list[int]], torch.Tensor]
 Step = tuple[list[int], list[int], list[int]]
 
 
-def build_tree(
-    spec: TreeSpec,
-    expand: ExpandFn,
-    max_depth: int | None = None,
-    vocab_size: int | None = None,
-    sampling: SamplingParams = GREEDY,
-    rng: np.random.Generator | None = None,
-) -> DraftTree:
+def build_tree(spec: TreeSpec, expand: ExpandFn, max_depth: int | None = None, vocab_size: int | None = None,
+               sampling: SamplingParams = GREEDY, rng: np.random.Generator | None = None) -> DraftTree:
     """Build a token tree of ``spec``'s shape. max_depth caps gamma; vocab_size: children below it;
     rng: needed for sampled children. Returns a DraftTree, nodes breadth-first, siblings in draw order."""
     steps = tree_steps(spec, max_depth, vocab_size, sampling, rng)
@@ -44,13 +38,9 @@ def build_tree(
         return done.value
 
 
-def tree_steps(
-    spec: TreeSpec,
-    max_depth: int | None = None,
-    vocab_size: int | None = None,
-    sampling: SamplingParams = GREEDY,
-    rng: np.random.Generator | None = None,
-) -> Generator[Step, torch.Tensor, DraftTree]:
+def tree_steps(spec: TreeSpec, max_depth: int | None = None, vocab_size: int | None = None,
+               sampling: SamplingParams = GREEDY,
+               rng: np.random.Generator | None = None) -> Generator[Step, torch.Tensor, DraftTree]:
     """``build_tree`` as a generator, so several trees' steps can share one forward: yields each step's
     ExpandFn arguments, takes back its [P, V] log-probs (``send``), returns the DraftTree."""
     sampled_children = spec.tree_type == 1 and not sampling.greedy

@@ -174,9 +174,8 @@ def argmax_head_of(model) -> ArgmaxHead | None:
 
 @torch.inference_mode()
 def attach_argmax_head(model) -> bool:
-    """Give a float32 CPU causal LM an ArgmaxHead of its LM head; returns whether it got one (only where
-    the logits are the bias-free head over ``get_decoder()``'s output, checked bit for bit). Call
-    before ``prepack_linears``."""
+    """Give a float32 CPU causal LM an ArgmaxHead of its LM head; returns whether it got one (only where the logits are
+    the bias-free head over ``get_decoder()``'s output, checked bit for bit). Call before ``prepack_linears``."""
     head_module = model.get_output_embeddings()
     if (type(head_module) is not torch.nn.Linear or head_module.bias is not None
             or head_module.weight.dtype != torch.float32 or head_module.weight.device.type != "cpu"):

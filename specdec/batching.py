@@ -40,13 +40,10 @@ class BatchItem:
 
 
 class SessionBatcher:
-    """Merges concurrent calls of distinct sessions into ``batch_call`` calls (module docstring).
-
-    worker: the runtime's ModelWorker; batch_call: None = ``solo_call`` per item; on_done(session_id,
-    outcome): called once for every queued item, even when its caller has gone (None = dropped unrun);
-    what: the calls' name in logs. Subclasses shape answers with ``answer(outcome, company, ms)``.
-    Raises ValueError for max_batch < 1, wait_ms < 0 or gather outside [0, 1].
-    """
+    """Merges concurrent calls of distinct sessions into ``batch_call`` calls (module docstring). worker: the runtime's
+    ModelWorker; batch_call: None = ``solo_call`` per item; on_done(session_id, outcome): called once for every queued
+    item, even when its caller has gone (None = dropped unrun); what: the calls' name in logs. Subclasses shape answers
+    with ``answer(outcome, company, ms)``. Raises ValueError for max_batch < 1, wait_ms < 0 or gather outside [0, 1]."""
 
     def __init__(self, worker: ModelWorker, batch_call: BatchCall | None, solo_call: SoloCall, max_batch: int = 8,
                  wait_ms: float = 2.0, on_done: Callable[[str, Any], None] | None = None, what: str = "call",

@@ -62,9 +62,7 @@ def _libc():
 
 def drop_checkpoint_pages(tensors: Iterable[torch.Tensor], ranges=None) -> int:
     """Release the resident pages of ``tensors`` that lie in a mapped checkpoint; returns bytes advised.
-
-    The tensors stay valid (their pages are re-read from the file if used again).
-    """
+    The tensors stay valid (their pages are re-read from the file if used again)."""
     ranges = checkpoint_ranges() if ranges is None else ranges
     if not ranges:
         return 0
@@ -81,8 +79,7 @@ def own_weights(model: torch.nn.Module) -> int:
     """Copy every CPU parameter and buffer of ``model`` that still views a mapped checkpoint into
     process memory, then drop the resident pages of the mappings it viewed; returns the bytes copied.
 
-    Tied parameters (one Parameter object in several modules) are copied once and stay tied.
-    """
+    Tied parameters (one Parameter object in several modules) are copied once and stay tied."""
     ranges = checkpoint_ranges()
     if not ranges:
         return 0

@@ -1,7 +1,6 @@
-"""Service configuration: one YAML file for ``specdec serve`` and the Kubernetes ConfigMap; every key, its default
-and meaning: docs/serving.md "Config reference". Errors raise ConfigError naming the field, e.g.
-``target.port: Input should be less than or equal to 65535``.
-"""
+"""Service configuration: one YAML file for ``specdec serve`` and the Kubernetes ConfigMap; every key, its default and
+meaning: docs/serving.md "Config reference". Errors raise ConfigError naming the field, e.g. ``target.port: Input should
+be less than or equal to 65535``."""
 
 from __future__ import annotations
 
@@ -326,9 +325,7 @@ def _error_text(err: dict) -> str:
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> ServeConfig:
     """Read a YAML config (None = defaults) and apply dotted overrides, e.g. {"target.port": 0}.
-
-    Raises ConfigError naming the field (or the file, when it is unreadable or not YAML).
-    """
+    Raises ConfigError naming the field (or the file, when it is unreadable or not YAML)."""
     data: dict = {}
     if path is not None:
         try:

@@ -1,6 +1,5 @@
-"""Fast float32 linear layers on the CPU for the few-row matmuls of speculative decoding: oneDNN with weights
-pre-packed once, as torch inductor does for frozen CPU linears (docs/design.md "Speed paths").
-"""
+"""Fast float32 linear layers on the CPU for the few-row matmuls of speculative decoding: oneDNN with weights pre-packed
+once, as torch inductor does for frozen CPU linears (docs/design.md "Speed paths")."""
 
 from __future__ import annotations
 

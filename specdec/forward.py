@@ -34,22 +34,13 @@ def _cache_kwarg(model) -> str:
 
 
 @torch.inference_mode()
-def model_forward(
-    model,
-    cache,
-    input_ids: list[int],
-    position_ids: torch.Tensor,
-    mask: torch.Tensor | None,
-    logits_rows: int | None = None,
-    argmax_head=None,
-) -> torch.Tensor:
+def model_forward(model, cache, input_ids: list[int], position_ids: torch.Tensor, mask: torch.Tensor | None,
+                  logits_rows: int | None = None, argmax_head=None) -> torch.Tensor:
     """Run ``model`` on Q new tokens after the cached ones; the cache grows by Q slots.
-
     input_ids: Q token ids; position_ids: [Q] int64; mask: [1, 1, Q, S + Q] additive in the model's
     dtype, or None for causal; logits_rows: keep only the last that many rows (None = all). Returns
     [logits_rows or Q, V] float32; with ``argmax_head`` (and at most its ``max_rows`` kept rows) the
-    argmax ids [logits_rows or Q] int64 instead, without running the model's own head.
-    """
+    argmax ids [logits_rows or Q] int64 instead, without running the model's own head."""
     ids = torch.tensor([input_ids], dtype=torch.long, device=model.device)  # (1, Q)
     kwargs = _forward_kwargs(model, cache, position_ids[None], mask, logits_rows or 0)  # positions (1, Q)
     if argmax_head is not None and min(logits_rows or len(input_ids), len(input_ids)) <= argmax_head.max_rows:
@@ -109,8 +100,7 @@ class DirectDecoder:
     """A causal LM's one-session forward over the model's own modules and functions, layer by layer,
     skipping the model forward's per-call plumbing (decorators, mask building, output records); logits
     and KV are bit for bit the model forward's. Build with ``DirectDecoder.of(model)`` (None for models
-    outside ``DIRECT_MODEL_TYPES`` with full attention).
-    """
+    outside ``DIRECT_MODEL_TYPES`` with full attention)."""
 
     def __init__(self, model):
         decoder = model.get_decoder()
@@ -220,18 +210,11 @@ def _decoder_hidden(model, ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def model_forward_batch(
-    model,
-    cache,
-    input_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    mask: torch.Tensor,
-) -> torch.Tensor:
+def model_forward_batch(model, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                        mask: torch.Tensor) -> torch.Tensor:
     """Run ``model`` on B padded rows of Q new tokens each after a batched cache (S slots per row).
-
     input_ids, position_ids: [B, Q] int64; mask: [B, 1, Q, S + Q] additive, every row seeing at least
-    one slot. Returns [B, Q, V] float32, padded rows included; the cache grows by Q slots per row.
-    """
+    one slot. Returns [B, Q, V] float32, padded rows included; the cache grows by Q slots per row."""
     if input_ids.dim() != 2 or position_ids.shape != input_ids.shape:
         raise ValueError(
             f"input_ids {tuple(input_ids.shape)} / position_ids {tuple(position_ids.shape)}: need [B, Q] both"
@@ -246,13 +229,11 @@ def model_forward_batch(
 def padded_batch_inputs(ids: Sequence[Sequence[int]], positions: Sequence[torch.Tensor],
                         visible: Sequence[torch.Tensor], cache_lens: Sequence[int], dtype: torch.dtype = torch.float32):
     """Inputs of ``model_forward_batch`` over B sessions' new rows after a right-padded stacked cache.
-
     ids: B lists of n_b token ids; positions: B (n_b,) position ids; visible: B (n_b, C_b + n_b) bool, which of
     the session's C_b cached slots and n_b new rows each row sees; cache_lens: [B] C_b. With S = max C_b and
     Q = max n_b, row b holds its n_b rows then padding, its keys cache slots 0..S-1 then the Q new slots.
     Returns (input_ids [B, Q] int64, position_ids [B, Q] int64, mask [B, 1, Q, S + Q] additive in ``dtype``):
-    pad rows see only their own slot (so none is fully masked) and no real row sees a pad.
-    """
+    pad rows see only their own slot (so none is fully masked) and no real row sees a pad."""
     width = max(cache_lens, default=0)
     q = max((len(row) for row in ids), default=1)
     input_ids = torch.zeros(len(ids), q, dtype=torch.long)
@@ -306,10 +287,9 @@ class PackedRows:
 
 
 def _sdpa_attention(module, query, key, value, attention_mask, native_gqa: bool = False, **kwargs):
-    """transformers' ``sdpa_attention_forward``, but with SDPA's own grouped-query attention (Ainslie et
-    al. 2023, "GQA", §2.2) for several masked CPU query rows where transformers copies heads
-    (``repeat_kv``). query: [B, H, Q, D], key / value: [B, H_kv, S, D], mask: [B, 1, Q, S] or None.
-    Returns ([B, Q, H, D], None)."""
+    """transformers' ``sdpa_attention_forward``, but with SDPA's own grouped-query attention (Ainslie et al. 2023,
+    "GQA", §2.2) for several masked CPU query rows where transformers copies heads (``repeat_kv``). query: [B, H, Q, D],
+    key / value: [B, H_kv, S, D], mask: [B, 1, Q, S] or None. Returns ([B, Q, H, D], None)."""
     if (not native_gqa or attention_mask is None or query.shape[2] == 1 or query.device.type != "cpu"
             or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
             or getattr(module, "num_key_value_groups", 1) == 1):
@@ -374,16 +354,10 @@ def packed_layout(model, packed: bool | None) -> bool:
 
 
 @torch.inference_mode()
-def model_forward_packed(
-    model,
-    caches: Sequence,
-    input_ids: Sequence[Sequence[int]],
-    position_ids: Sequence[torch.Tensor],
-    masks: Sequence[torch.Tensor],
-    logits_rows: Sequence[int | None] | None = None,
-    argmax_head=None,
-    argmax_rows: Sequence[bool] | None = None,
-) -> list[torch.Tensor]:
+def model_forward_packed(model, caches: Sequence, input_ids: Sequence[Sequence[int]],
+                         position_ids: Sequence[torch.Tensor], masks: Sequence[torch.Tensor],
+                         logits_rows: Sequence[int | None] | None = None, argmax_head=None,
+                         argmax_rows: Sequence[bool] | None = None) -> list[torch.Tensor]:
     """Run ``model`` once on the new rows of B sessions packed into one sequence, T = sum n_b rows, each
     session attending to its own cache (Krell et al. 2021, "Efficient Sequence Packing without
     Cross-contamination", §3, with a KV cache behind each block as vLLM's varlen attention).
@@ -393,8 +367,7 @@ def model_forward_packed(
     logits_rows: per session, its last rows kept (None = all). Returns B [k_b, V] float32, or argmax ids
     [k_b] int64 for sessions with argmax_rows[b] (``ArgmaxHead``). Logits equal the solo forward's up to
     float32 round-off. Not for dynamic / longrope RoPE. Raises ValueError for mismatched lengths, an empty
-    row, a bad mask shape or a model without packed attention; after a forward error, truncate the caches.
-    """
+    row, a bad mask shape or a model without packed attention; after a forward error, truncate the caches."""
     if model.config._attn_implementation != PACKED_ATTENTION:
         raise ValueError("model: call use_packed_attention(model) before packed forwards")
     keep = list(logits_rows) if logits_rows is not None else [None] * len(input_ids)

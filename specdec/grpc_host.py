@@ -1,6 +1,5 @@
-"""The gRPC host shared by the services (grpc.aio), the draft and target process entry, and the mapping of
-exceptions to status codes (docs/serving.md "Errors").
-"""
+"""The gRPC host shared by the services (grpc.aio), the draft and target process entry, and the mapping of exceptions to
+status codes (docs/serving.md "Errors")."""
 
 from __future__ import annotations
 
@@ -130,8 +129,7 @@ class ServiceHost:
 
     name: in the ready line ``<name> ready on <host>:<port>``; config: the grpc section; client_auth:
     mutual TLS with tls_ca; interceptors: after the draining gate. ``health_server`` (with
-    ``config.health_port``) prints ``health ready on <host>:<port>`` and stops after the main server.
-    """
+    ``config.health_port``) prints ``health ready on <host>:<port>`` and stops after the main server."""
 
     def __init__(self, name: str, config: GrpcConfig, client_auth: bool = False, interceptors: Sequence = ()):
         self.name = name

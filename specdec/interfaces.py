@@ -37,14 +37,11 @@ class AheadCandidate(NamedTuple):
 
 @dataclass(frozen=True)
 class VerifyResult:
-    """Outcome of verifying one tree.
-
-    accepted_nodes: [A] node indices of the accepted path, root side first; tokens: [A + 1], the bonus
-    last. Reported by the target service, 0 = not reported (not part of equality): batch_size,
-    batch_rows of the forward (batch_size 0 = a replayed result), mergeable (open sessions, at most
-    max_batch), forward_ms. logprobs: [A + 1] ``TokenLogprob`` of tokens when the session's sampling asks
-    for them, else empty (not part of equality: batched and solo forwards differ in float32 round-off).
-    """
+    """Outcome of verifying one tree. accepted_nodes: [A] node indices of the accepted path, root side first; tokens: [A
+    + 1], the bonus last. Reported by the target service, 0 = not reported (not part of equality): batch_size,
+    batch_rows of the forward (batch_size 0 = a replayed result), mergeable (open sessions, at most max_batch),
+    forward_ms. logprobs: [A + 1] ``TokenLogprob`` of tokens when the session's sampling asks for them, else empty (not
+    part of equality: batched and solo forwards differ in float32 round-off)."""
 
     accepted_nodes: tuple[int, ...]
     tokens: tuple[int, ...]
@@ -59,8 +56,7 @@ class DraftWorker:
     """The draft side of a round, with its optional parts declared (defaults) so the round loop never
     probes. Over gRPC every failure raises ``DraftUnavailableError`` and the request goes on without it.
 
-    Dims: T prompt tokens, N tree nodes, K tokens committed in a round, A accepted nodes.
-    """
+    Dims: T prompt tokens, N tree nodes, K tokens committed in a round, A accepted nodes."""
 
     in_process = False  # True: its calls take turns with the event loop, nothing runs beside them
     drafts_ahead = False  # True: propose_ahead / resolve_ahead work (pipelining, ``RoundController(pipeline=True)``)
@@ -100,11 +96,10 @@ class DraftWorker:
 
     def propose_candidates(self, session_id: str, candidates: list[AheadCandidate],
                            spec: TreeSpec) -> list[tuple[int, DraftTree]]:
-        """Pre-drafting (where ``drafts_ahead``): the next tree for each candidate outcome [C], C >= 1,
-        candidates[0] the best path fully accepted (after a plain round all paths are empty: the draft's
-        likeliest next tokens; a candidate excludes the earlier same-path ones' tokens). Returns (token,
-        tree) per candidate, in order, or only the first where the worker drafts one (this default:
-        ``propose_ahead``, ``exclude`` ignored)."""
+        """Pre-drafting (where ``drafts_ahead``): the next tree for each candidate outcome [C], C >= 1, candidates[0]
+        the best path fully accepted (after a plain round all paths are empty: the draft's likeliest next tokens; a
+        candidate excludes the earlier same-path ones' tokens). Returns (token, tree) per candidate, in order, or only
+        the first where the worker drafts one (this default: ``propose_ahead``, ``exclude`` ignored)."""
         first = candidates[0]
         return [tuple(self.propose_ahead(session_id, list(first.path_nodes), spec, first.max_depth))]
 
@@ -163,8 +158,7 @@ class TargetWorker(Protocol):
     """The target side of a round (over gRPC errors arrive as ``grpc.aio.AioRpcError``). A runtime may
     also offer ``verify_batch(items)``, which the target server's batcher uses.
 
-    Dims: T prompt tokens, N tree nodes, A accepted nodes, L cached slots.
-    """
+    Dims: T prompt tokens, N tree nodes, A accepted nodes, L cached slots."""
 
     link_rtt_s = DraftWorker.link_rtt_s
 
@@ -175,9 +169,8 @@ class TargetWorker(Protocol):
         ...
 
     def verify(self, session_id: str, tree: DraftTree) -> VerifyResult:
-        """Verify a tree of N >= 0 nodes in one forward over [R, nodes] (cache + N + 1 until ``commit``);
-        the result is pending until commit. Raises UnknownSessionError, SessionStateError or
-        MalformedTreeError."""
+        """Verify a tree of N >= 0 nodes in one forward over [R, nodes] (cache + N + 1 until ``commit``); the result is
+        pending until commit. Raises UnknownSessionError, SessionStateError or MalformedTreeError."""
         ...
 
     def commit(self, session_id: str, num_tokens: int) -> None:

@@ -21,8 +21,7 @@ def match_continuation(context: Sequence[int], max_tokens: int, max_ngram: int =
     context: [T] token ids; max_tokens: K. n goes from max_ngram down to min_ngram, the first n with a
     match wins, its most recent occurrence is used. Returns ([K'] ids, L), K' <= K, L the match length
     (n <= L <= max(max_ngram, max_match)), which predicts acceptance far better than n; ([], 0) when
-    nothing matches. Raises ValueError for min_ngram < 1 or max_ngram < min_ngram.
-    """
+    nothing matches. Raises ValueError for min_ngram < 1 or max_ngram < min_ngram."""
     if min_ngram < 1 or max_ngram < min_ngram:
         raise ValueError(f"min_ngram/max_ngram: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
     ids = np.asarray(context, dtype=np.int64)  # (T,)

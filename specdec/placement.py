@@ -1,7 +1,6 @@
-"""Where a service's model computes (``placement``: host, device, CPUs; reported in Info), so the
-orchestrator can tell whether draft and target share it (``shares_compute``). A CUDA device is named by its UUID
-(``CUDA_VISIBLE_DEVICES`` renumbers). ``usable_cpus()`` sizes torch's threads where ``models.threads`` is unset.
-"""
+"""Where a service's model computes (``placement``: host, device, CPUs; reported in Info), so the orchestrator can tell
+whether draft and target share it (``shares_compute``). A CUDA device is named by its UUID (``CUDA_VISIBLE_DEVICES``
+renumbers). ``usable_cpus()`` sizes torch's threads where ``models.threads`` is unset."""
 
 from __future__ import annotations
 

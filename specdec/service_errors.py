@@ -1,6 +1,5 @@
-"""Errors the draft and target services raise while serving a call, free of gRPC
-(``specdec.grpc_host.status_for`` maps each to its status code).
-"""
+"""Errors the draft and target services raise while serving a call, free of gRPC (``specdec.grpc_host.status_for`` maps
+each to its status code)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """OpenTelemetry set-up: one tracer provider per process, gRPC instrumentation, exporter from OTEL_*
-(docs/observability.md "Traces"; ``OTEL_TRACES_EXPORTER`` defaults to ``otlp`` with an OTLP endpoint set).
-"""
+(docs/observability.md "Traces"; ``OTEL_TRACES_EXPORTER`` defaults to ``otlp`` with an OTLP endpoint set)."""
 
 from __future__ import annotations
 
@@ -89,11 +88,9 @@ def _env_exporter() -> SpanExporter | None:
 def setup_tracing(service_name: str, exporter: SpanExporter | None = None, simple: bool = False,
                   export_delay_ms: int | None = None) -> TracerProvider | None:
     """Install this process's tracer provider (once) and instrument gRPC (client and server, aio).
-
     exporter: overrides the OTEL_* choice; simple: export each span at once (blocking: avoid with OTLP on
     an event loop); export_delay_ms: the batch processor's delay (None = the SDK's). Returns the
-    provider, or None when disabled. Raises ValueError for an unknown OTEL_TRACES_EXPORTER.
-    """
+    provider, or None when disabled. Raises ValueError for an unknown OTEL_TRACES_EXPORTER."""
     global _configured, _instrumented
     if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
         return None

@@ -74,9 +74,8 @@ class TargetRuntime(ModelRuntime):
     role = "target"
 
     def __init__(self, model, max_tree_nodes: int = MAX_TREE_NODES, packed: bool | None = None, direct: bool = True):
-        """packed: ``verify_batch`` layout, True = one packed sequence (``model_forward_packed``), False = a
-        padded [B, Q] batch, None = packed where the model supports it (``packed_layout``); direct: see
-        ``ModelRuntime``."""
+        """packed: ``verify_batch`` layout, True = one packed sequence (``model_forward_packed``), False = a padded [B,
+        Q] batch, None = packed where the model supports it (``packed_layout``); direct: see ``ModelRuntime``."""
         super().__init__(model, packed, direct)
         self.vocab_size = model.config.vocab_size
         self.max_tree_nodes = max_tree_nodes
@@ -144,7 +143,7 @@ class TargetRuntime(ModelRuntime):
         return torch.cat([root, self._rows(rows, argmax)])
 
     def _tree_mask(self, tree: DraftTree, cache_len: int) -> torch.Tensor | None:
-        """``tree_attention_mask`` of [R, nodes] on the model's device; None for R alone (no mask: the fastest kernel)."""
+        """``tree_attention_mask`` of [R, nodes] on the model's device; None for R alone (no mask: fastest kernel)."""
         return tree_attention_mask(tree.parents, cache_len, self.model.dtype, self.model.device) if tree.size else None
 
     @staticmethod
@@ -194,12 +193,10 @@ class TargetRuntime(ModelRuntime):
 
     def verify_batch(self, items: Sequence[tuple[str, DraftTree]]) -> list[VerifyResult | Exception]:
         """Verify the trees of several sessions in one target forward (packed or padded: ``packed``).
-
         items: B pairs (session_id, DraftTree | PrefillChunk), one per session. Returns per item what ``verify``
         (CHUNK_FED for ``extend``) alone would give, or the exception it would raise (SessionStateError also for
         a session repeated in the batch, TypeError for a bad item). An error of the shared forward itself is
-        raised, no session then pending. Rows' logits equal their solo forward's up to float32 round-off.
-        """
+        raised, no session then pending. Rows' logits equal their solo forward's up to float32 round-off."""
         results: list[VerifyResult | Exception | None] = [None] * len(items)
         batch = self._check_batch(items, results)
         if len(batch) == 1:

@@ -49,7 +49,7 @@ def _unavailable(exc: RankFailureError) -> str:
 
 
 def _rpc(handler):
-    """``rpc_errors(_CODES)``; a RankFailureError first marks the service NOT_SERVING, then ends the call UNAVAILABLE."""
+    """``rpc_errors(_CODES)``; a RankFailureError first marks the service NOT_SERVING, then ends the call."""
     @functools.wraps(handler)
     async def watched(self, request, context):
         try:

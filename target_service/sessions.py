@@ -143,10 +143,9 @@ class TargetSessions:
     # -- verify -----------------------------------------------------------------------------------
 
     def begin_verify(self, session_id: str, tree: DraftTree, key: bytes, field: str = "") -> DraftTree | None:
-        """Check one verify of ``tree`` (serialized as ``key``) and reserve its N + 1 tree slots; returns
-        the tree to run, or None = replay the pending result. Raises UnknownSessionError,
-        SessionStateError, SameTreeInFlight, ValueError (context limit) or CapacityError, each message
-        starting with ``field`` (e.g. ``items[2].``)."""
+        """Check one verify of ``tree`` (serialized as ``key``) and reserve its N + 1 tree slots; returns the tree to
+        run, or None = replay the pending result. Raises UnknownSessionError, SessionStateError, SameTreeInFlight,
+        ValueError (context limit) or CapacityError, each message starting with ``field`` (e.g. ``items[2].``)."""
         s = self.get(session_id)
         if s.pending is not None:
             if key == s.tree_key:
@@ -167,9 +166,8 @@ class TargetSessions:
 
     async def claim_verify(self, session_id: str, tree: DraftTree, key: bytes, field: str = "",
                            deadline: float | None = None) -> tuple[SessionSlots, DraftTree | None]:
-        """``begin_verify``, first waiting (until ``deadline``, time.monotonic()) for a verify of the
-        same tree in flight; (session, None) = replay ``session.pending``. Raises as begin_verify, or
-        DeadlineExpiredError."""
+        """``begin_verify``, first waiting (until ``deadline``, time.monotonic()) for a verify of the same tree in
+        flight; (session, None) = replay ``session.pending``. Raises as begin_verify, or DeadlineExpiredError."""
         while True:
             try:
                 run = self.begin_verify(session_id, tree, key, field)

@@ -63,7 +63,8 @@ class RemoteRankError(RuntimeError):
 
 
 def _rendezvous(timeout_s: float) -> dist.TCPStore:
-    """The coordinator's TCPStore on a loopback socket it binds itself (no port picked and freed); ranks dial ``.port``."""
+    """The coordinator's TCPStore on a loopback socket it binds itself (no port picked, then freed).
+    The ranks dial ``.port``."""
     sock = socket.create_server(("127.0.0.1", 0), backlog=64)
     try:
         store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
@@ -319,12 +320,10 @@ def _packed_forward(module, weight_local: torch.Tensor, style: str | None):
 
 class TensorParallelTarget:
     """A TargetRuntime over ``tp`` rank processes; every public TargetRuntime method is mirrored, one call at a time.
-
     dtype: float32 | bfloat16 | float16; threads_per_rank: None = usable_cpus() // tp; call_timeout_s: the most
     one call may take (None = no limit); devices: rank r's device (None = all "cpu"); times in seconds. After the
     start: ``device`` (rank 0's), ``free_kv_bytes``. Raises ValueError naming ``tp`` or ``device``, the rank's
-    loading error, RankFailureError when a rank dies or the start times out. ``close()`` (or ``with``) stops them.
-    """
+    loading error, RankFailureError when a rank dies or the start times out. ``close()`` (or ``with``) stops them."""
 
     def __init__(self, model_dir, tp: int = 2, dtype: str = "float32", threads_per_rank: int | None = None,
                  collective_timeout_s: float = 30.0, call_timeout_s: float | None = 600.0,

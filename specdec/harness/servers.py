@@ -65,9 +65,8 @@ def server_command(kind: str, config_path, **flags) -> list[str]:
 
 
 def launch_service(kind: str, config_path, env: dict | None = None, prefix: list[str] = (), **flags) -> Service:
-    """Start a server subprocess without waiting (call ``wait_ready``), so several start-ups overlap. ``prefix``:
-    argv put before the command, one that execs it (e.g. ``ip netns exec NS taskset -c 0``: the pid stays the
-    server's)."""
+    """Start a server subprocess without waiting (call ``wait_ready``), so several start-ups overlap. ``prefix``: argv
+    put before the command, one that execs it (e.g. ``ip netns exec NS taskset -c 0``: the pid stays the server's)."""
     return launch_command(kind, [*prefix, *server_command(kind, config_path, **flags)], env)
 
 
