@@ -17,7 +17,7 @@ import torch
 from specdec.argmax_head import argmax_head_of
 from specdec.forward import ModelRuntime, model_forward_packed, padded_batch_inputs
 from specdec.interfaces import SessionStateError, UnknownSessionError, VerifyResult
-from specdec.kv_cache import compact_kv, new_cache, truncate_kv
+from specdec.kv_cache import compact_kv, new_cache, restore_tail_kv, tail_kv, truncate_kv
 from specdec.sampling import GREEDY, SamplingParams, processed_probs, session_rng, token_logprobs
 from specdec.tree_spec import MAX_TREE_NODES
 from specdec.tree import (
@@ -236,7 +236,10 @@ class TargetRuntime(ModelRuntime):
         sessions = [s for _, _, s, _ in batch]
         trees = [tree.as_tree() if isinstance(tree, PrefillChunk) else tree for _, _, _, tree in batch]
         prefilling = [s for s, (_, _, _, tree) in zip(sessions, batch) if isinstance(tree, PrefillChunk)]
-        saved = [_root_state(s) for s in prefilling]
+        saved = []
+        for s in prefilling:  # R's slot and logits, put back if the shared forward fails (extend needs them)
+            truncate_kv(s.cache, s.cache_len + 1)
+            saved.append((s.root_logits, tail_kv(s.cache, s.cache_len)))
         for s in sessions:
             truncate_kv(s.cache, s.cache_len)  # drop the slots of an earlier verify that failed mid-way
             s.root_logits = None  # a first verify: R's KV (from start) is dropped and R fed again, as in every row
@@ -249,8 +252,9 @@ class TargetRuntime(ModelRuntime):
         except BaseException:
             for s in sessions:  # some layers of some caches may hold the new rows already
                 truncate_kv(s.cache, s.cache_len)
-            for s, state in zip(prefilling, saved):  # still mid-prefill: R's slot and logits back, as extend needs
-                _restore_root_state(s, state)
+            for s, (root_logits, tail) in zip(prefilling, saved):
+                restore_tail_kv(s.cache, s.cache_len, tail)
+                s.root_logits = root_logits
             raise
         for b, (index, _, s, tree) in enumerate(batch):
             try:
@@ -321,21 +325,6 @@ def _score_prompt(s: TargetSession, logits: torch.Tensor, tokens) -> None:
 def _argmax_only(s: TargetSession) -> bool:
     """Greedy without logprobs: the rows' argmax ids suffice (``argmax_head``); else full logit rows."""
     return s.sampling.greedy and s.sampling.logprobs is None
-
-
-def _root_state(s: TargetSession):
-    """R's cached KV slot (slot L, one per layer) and logits of a session in its prefill."""
-    slot = slice(s.cache_len, s.cache_len + 1)
-    return s.root_logits, [(layer.keys[:, :, slot].clone(), layer.values[:, :, slot].clone()) for layer in s.cache.layers]
-
-
-def _restore_root_state(s: TargetSession, state) -> None:
-    """Undo the first-verify truncation of a prefilling session after a failed shared forward."""
-    root_logits, slots = state
-    truncate_kv(s.cache, s.cache_len)
-    for layer, (keys, values) in zip(s.cache.layers, slots):
-        layer.update(keys, values)
-    s.root_logits = root_logits
 
 
 def batched_tree_rows(roots: Sequence[int], trees: Sequence[DraftTree], cache_lens: Sequence[int]):
