@@ -173,18 +173,14 @@ class ServiceHost:
             print(f"health ready on {host}:{health_bound}", flush=True)
         return bound
 
-    def request_stop(self) -> None:
-        """Begin the graceful shutdown (what SIGTERM/SIGINT do)."""
-        self._stop.set()
-
     def stop_on_signals(self) -> None:
-        """SIGTERM/SIGINT begin the graceful shutdown (``request_stop``)."""
+        """SIGTERM/SIGINT begin the graceful shutdown."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_stop)
+            loop.add_signal_handler(sig, self._stop.set)
 
     async def wait_for_stop(self) -> None:
-        """Return once SIGTERM/SIGINT (or ``request_stop``) asked for the shutdown."""
+        """Return once SIGTERM/SIGINT asked for the shutdown."""
         await self._stop.wait()
 
     async def serve(self, host: str, port: int, service_names: Sequence[str]) -> int:

@@ -117,9 +117,7 @@ def setup_tracing(service_name: str, exporter: SpanExporter | None = None, simpl
 def _processor(exporter: SpanExporter, simple: bool, export_delay_ms: int | None):
     if simple:
         return SimpleSpanProcessor(exporter)
-    if export_delay_ms is None:
-        return BatchSpanProcessor(exporter)
-    return BatchSpanProcessor(exporter, schedule_delay_millis=export_delay_ms)
+    return BatchSpanProcessor(exporter, **({} if export_delay_ms is None else {"schedule_delay_millis": export_delay_ms}))
 
 
 class CancelThrough(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.StreamUnaryClientInterceptor):
