@@ -278,14 +278,6 @@ class PackedSegment:
     mask: torch.Tensor | None
 
 
-@dataclass(frozen=True)
-class PackedRows:
-    """The attention plan of a packed forward (a keyword argument of the model call, which
-    transformers hands down to every attention call; the model's own causal mask is ignored)."""
-
-    segments: tuple[PackedSegment, ...]
-
-
 def _sdpa_attention(module, query, key, value, attention_mask, native_gqa: bool = False, **kwargs):
     """transformers' ``sdpa_attention_forward``, but with SDPA's own grouped-query attention (Ainslie et al. 2023,
     "GQA", §2.2) for several masked CPU query rows where transformers copies heads (``repeat_kv``). query: [B, H, Q, D],
@@ -302,13 +294,15 @@ def _sdpa_attention(module, query, key, value, attention_mask, native_gqa: bool 
     return out.transpose(1, 2).contiguous(), None
 
 
-def _packed_attention(module, query, key, value, attention_mask, packed_rows: PackedRows | None = None, **kwargs):
-    """``_sdpa_attention``, or segment by segment against each segment's own cache given a PackedRows plan.
+def _packed_attention(module, query, key, value, attention_mask, packed_rows: tuple[PackedSegment, ...] | None = None,
+                      **kwargs):
+    """``_sdpa_attention``, or segment by segment against each segment's own cache given ``packed_rows``, the plan
+    of a packed forward (a keyword of the model call, handed down to every attention call; the causal mask unread).
     query: [1, H, T, D], key / value: [1, H_kv, T, D]. Returns ([1, T, H, D], None)."""
     if packed_rows is None:
         return _sdpa_attention(module, query, key, value, attention_mask, **kwargs)
     out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # (1, T, H, D)
-    for seg in packed_rows.segments:
+    for seg in packed_rows:
         rows = slice(seg.start, seg.start + seg.rows)
         keys, values = seg.cache.update(key[:, :, rows], value[:, :, rows], module.layer_idx)  # (1, H_kv, L + n, D)
         out[:, rows], _ = _sdpa_attention(module, query[:, :, rows], keys, values, seg.mask, **kwargs)
@@ -405,7 +399,7 @@ def _pack_segments(model, caches, input_ids, masks, keep) -> tuple[list[PackedSe
 
 
 def _packed_kwargs(model, input_ids, position_ids, segments, kept) -> dict:
-    """The model call's keyword arguments for a packed forward: positions (1, T), the PackedRows plan,
+    """The model call's keyword arguments for a packed forward: positions (1, T), the segments,
     the kept rows (K,) as ``logits_to_keep``, and no cache (each segment writes its own)."""
     device = model.device
     positions = torch.cat([p.to(torch.long) for p in position_ids]).to(device)[None]  # (1, T)
@@ -416,7 +410,7 @@ def _packed_kwargs(model, input_ids, position_ids, segments, kept) -> dict:
         # any 4-D mask makes transformers skip building its own (the packed attention does not read it)
         "attention_mask": torch.zeros(1, 1, 1, 1, dtype=model.dtype, device=device),
         "use_cache": False,
-        "packed_rows": PackedRows(tuple(segments)),
+        "packed_rows": tuple(segments),
         "logits_to_keep": rows,
         **_gqa_kwargs(model),
     }

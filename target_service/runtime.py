@@ -102,9 +102,7 @@ class TargetRuntime(ModelRuntime):
     def extend(self, session_id: str, prompt_ids: list[int]) -> None:
         """Chunked prefill: feed the next prompt chunk [C], C >= 1, as if ``start`` had had the whole prompt so far.
         Raises ValueError for an empty chunk, SessionStateError once the session has verified."""
-        s = self._session(session_id)
-        if s.root_logits is None or s.pending is not None:
-            raise SessionStateError(f"session_id: {session_id!r} is past its prefill (it has verified)")
+        s = self._prefilling(session_id)
         if not prompt_ids:
             raise ValueError("prompt_ids: empty prefill chunk")
         first = s.cache_len + 1  # R's slot is cached: the chunk follows it
@@ -298,10 +296,8 @@ class TargetRuntime(ModelRuntime):
 
     def _verifiable(self, session_id: str, tree: DraftTree | PrefillChunk) -> TargetSession:
         """The session, after the checks ``verify`` (``extend`` for a chunk) makes before its forward."""
-        s = self._session(session_id)
         if isinstance(tree, PrefillChunk):
-            if s.root_logits is None or s.pending is not None:
-                raise SessionStateError(f"session_id: {session_id!r} is past its prefill (it has verified)")
+            s = self._prefilling(session_id)
             if tree.still_open is not None and not tree.still_open():
                 raise UnknownSessionError(f"session_id: {session_id!r} was released during its prefill")
             if not tree.tokens:
@@ -310,9 +306,17 @@ class TargetRuntime(ModelRuntime):
                 if not 0 <= token < self.vocab_size:
                     raise MalformedTreeError(f"prefill chunk token {i} = {token}: outside the vocabulary [0, {self.vocab_size})")
             return s
+        s = self._session(session_id)
         if s.pending is not None:
             raise SessionStateError(f"session_id: {session_id!r} has an uncommitted verify")
         validate_tree(tree.tokens, tree.parents, self.vocab_size, self.max_tree_nodes)
+        return s
+
+    def _prefilling(self, session_id: str) -> TargetSession:
+        """The session, or SessionStateError once it has verified (past its prefill)."""
+        s = self._session(session_id)
+        if s.root_logits is None or s.pending is not None:
+            raise SessionStateError(f"session_id: {session_id!r} is past its prefill (it has verified)")
         return s
 
 
