@@ -107,8 +107,6 @@ class TargetSessions:
         except KeyError:
             raise UnknownSessionError(f"session_id: unknown target session {session_id!r}") from None
 
-    # -- prefill, commit, release -----------------------------------------------------------------
-
     def open(self, session_id: str, prompt_len: int) -> SessionSlots:
         """A new session of prompt_len - 1 slots, busy until its prefill ran. Raises SessionExistsError, CapacityError."""
         if session_id in self.sessions:
@@ -139,8 +137,6 @@ class TargetSessions:
         if s is not None:
             s.idle.set()
         return s
-
-    # -- verify -----------------------------------------------------------------------------------
 
     def begin_verify(self, session_id: str, tree: DraftTree, key: bytes, field: str = "") -> DraftTree | None:
         """Check one verify of ``tree`` (serialized as ``key``) and reserve its N + 1 tree slots; returns the tree to
@@ -201,8 +197,6 @@ class TargetSessions:
             s.pending = outcome
         else:
             s.drop_tree()
-
-    # -- idle reaper ------------------------------------------------------------------------------
 
     def reap(self, now: float | None = None) -> list[str]:
         """Forget the sessions not busy and untouched for over ``idle_s`` (at ``now``, time.monotonic());
