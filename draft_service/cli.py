@@ -1,12 +1,5 @@
-"""The draft service's command line (typer): ``specdec draft-server`` and ``python -m draft_service``
-run this one command, so each flag is written once.
-
-    specdec draft-server --config deploy/specdec.yaml [--port 0] [--host H] [--target DIR] [--draft DIR]
-                         [--dtype float32] [--device cpu|cuda[:N]]
-
-Each flag overrides one field of the YAML config (``specdec.config``); the server is
-``draft_service.server.run(config_path, overrides)``.
-"""
+"""The draft service's command line (typer), shared by ``specdec draft-server`` and ``python -m draft_service``;
+each flag overrides one config field, then ``draft_service.server.run(config_path, overrides)``."""
 
 from __future__ import annotations
 

@@ -6,15 +6,8 @@ Draft cache layout while proposing (example: 7 committed tokens, 5 of them cache
     slots 0..4  committed, cached before this round
     slots 5..6  pending committed tokens (the last is the root R), fed causally at step 0
     slots 7..8  the topHead[1] depth-1 nodes fed at step 1, then step 2's nodes, ...
-R sits at position 6 and a node of depth d at position 6 + d. Commit: docs/design.md "KV rollback".
-
-Pipelining (docs/control.md "Pipelining"; PEARL, Liu et al. 2024): ``propose_ahead`` tentatively
-commits a path plus the draft's argmax guess of the bonus and grows the next tree; ``resolve_ahead``
-adopts that state or rolls back exactly. While an ahead is unresolved, ``propose`` and ``commit``
-raise SessionStateError. Pre-drafting (SSD, "speculative speculative decoding"): ``propose_candidates``
-first grows the trees of the other candidate outcomes, each from the session as it was (its tree slots
-saved and put back, the random state too), then the first as ``propose_ahead``; adopting another one
-rolls back and commits its path and token uncached (the next step feeds them).
+R sits at position 6 and a node of depth d at position 6 + d. Commit: docs/design.md "KV rollback";
+aheads and pre-drafting (PEARL, Liu et al. 2024; SSD): docs/control.md "Pipelining".
 """
 
 from __future__ import annotations
@@ -27,13 +20,9 @@ import numpy as np
 import torch
 
 from draft_service.tree_builder import Step, tree_steps
-from specdec.forward import (
-    DirectDecoder, model_forward, model_forward_batch, model_forward_packed, packed_layout, padded_batch_inputs,
-)
-from specdec.interfaces import MAX_AHEAD_CANDIDATES, AheadCandidate, DraftWorker, SessionStateError, UnknownSessionError
-from specdec.kv_cache import (
-    append_kv_row, cache_length, compact_kv, new_cache, restore_tail_kv, stack_kv, tail_kv, truncate_kv,
-)
+from specdec.forward import ModelRuntime, model_forward_packed
+from specdec.interfaces import MAX_AHEAD_CANDIDATES, AheadCandidate, DraftWorker, SessionStateError
+from specdec.kv_cache import cache_length, compact_kv, new_cache, restore_tail_kv, tail_kv, truncate_kv
 from specdec.sampling import GREEDY, SamplingParams, session_rng
 from specdec.tree import ROOT, DraftTree, additive_mask, ancestors, node_depths
 from specdec.tree_spec import TreeSpec
@@ -77,21 +66,17 @@ class AheadTree(NamedTuple):
     tree: DraftTree
 
 
-class DraftRuntime(DraftWorker):
+class DraftRuntime(ModelRuntime, DraftWorker):
     """Implements DraftWorker (specdec.interfaces) over a transformers causal LM."""
 
     drafts_ahead = True
+    role = "draft"
 
     def __init__(self, model, vocab_size: int | None = None, packed: bool | None = None, direct: bool = True):
-        """vocab_size: ids both models share (None = the draft's own); packed, direct: as in
-        ``TargetRuntime`` (``propose_batch``'s layout; ``DirectDecoder`` for one session's forwards)."""
-        self.model = model
+        """vocab_size: ids both models share (None = the draft's own); packed, direct: as ``ModelRuntime``."""
+        super().__init__(model, packed, direct)
         self.vocab_size = vocab_size
-        self.sessions: dict[str, DraftSession] = {}
-        self.packed = packed_layout(model, packed)
         self.scale_per_call = activation_scale_per_call(model)
-        decoder = DirectDecoder.of(model) if direct else None
-        self._forward = decoder if decoder is not None else (lambda *args, **kw: model_forward(model, *args, **kw))
 
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams = GREEDY) -> None:
         """Open a session; sampling: the request's parameters, used by every propose of the session."""
@@ -99,10 +84,9 @@ class DraftRuntime(DraftWorker):
         self.sessions[session_id] = DraftSession(list(prompt_ids), new_cache(self.model.config), sampling=sampling, rng=rng)
 
     def prefill(self, session_id: str, max_tokens: int | None = None) -> bool:
-        """Feed at most ``max_tokens`` (None = all) of the committed tokens but the last into the cache;
-        returns True when tokens are left. The first ``propose`` feeds the rest in calls of the same size,
-        so the calls (and a quantized draft's activation scales) never depend on how far this got. A
-        failing forward leaves the cache at ``cached_len`` and raises."""
+        """Feed at most ``max_tokens`` (None = all) of the committed tokens but the last into the cache; True when
+        tokens are left. The first ``propose`` feeds the rest in calls of the same size (so a quantized draft's
+        activation scales never depend on how far this got). A failing forward leaves the cache as it was."""
         s = self.sessions.get(session_id)
         if s is None:  # released before its queued prefill ran
             return False
@@ -119,51 +103,37 @@ class DraftRuntime(DraftWorker):
         s.cached_len += len(pending)
         return s.cached_len < len(s.tokens) - 1
 
-    def release(self, session_id: str) -> None:
-        self.sessions.pop(session_id, None)
+    def _finish_prefill(self, session_id: str, s: DraftSession) -> None:
+        """A started chunked prefill ends in its own chunks (``prefill``), before the first tree."""
+        if s.prefill_chunk is not None and s.last_tree is None:
+            while self.prefill(session_id, s.prefill_chunk):
+                pass
 
-    def _session(self, session_id: str) -> DraftSession:
-        try:
-            return self.sessions[session_id]
-        except KeyError:
-            raise UnknownSessionError(f"session_id: unknown draft session {session_id!r}") from None
+    def _propose_one(self, item: tuple):
+        (out,) = self.propose_batch([item])
+        if isinstance(out, Exception):
+            raise out
+        return out
 
     def propose(self, session_id: str, spec: TreeSpec, max_depth: int) -> DraftTree:
         """Grow a tree after the committed tokens; gamma capped at max_depth (>= 1). Raises UnknownSessionError."""
-        (tree,) = self.propose_batch([(session_id, spec, max_depth)])
-        if isinstance(tree, Exception):
-            raise tree
-        return tree
+        return self._propose_one((session_id, spec, max_depth))
 
     def propose_ahead(self, session_id: str, path_nodes: Sequence[int], spec: TreeSpec, max_depth: int) -> AheadTree:
-        """Draft round r+1 before round r is verified: tentatively commit ``path_nodes`` [A] (a root path of
-        the last tree, root side first; A = 0: none, no tree needed, as for a plain round) plus the draft's
-        argmax guess of the next token, and grow the next tree after them. Raises UnknownSessionError,
-        SessionStateError (an ahead unresolved, or a path without a tree since the last commit), ValueError
-        naming ``path_nodes``."""
-        (out,) = self.propose_batch([(session_id, spec, max_depth, tuple(path_nodes))])
-        if isinstance(out, Exception):
-            raise out
-        return out
+        """As ``DraftWorker.propose_ahead``. Raises UnknownSessionError, SessionStateError (an ahead unresolved, or
+        a path without a tree since the last commit), ValueError naming ``path_nodes``."""
+        return self._propose_one((session_id, spec, max_depth, tuple(path_nodes)))
 
     def propose_candidates(self, session_id: str, candidates: Sequence[AheadCandidate],
                            spec: TreeSpec) -> list[AheadTree]:
-        """Pre-drafting: ``propose_ahead`` for candidates[0] and the next tree of each other candidate
-        outcome (``AheadCandidate``; empty path = the root rejected), every tree grown from the session as it
-        is now (a seeded session draws what an in-line propose after that outcome would). Candidates with one
-        path pick distinct tokens (each also excludes the earlier ones' picks: the top tokens after a plain
-        round, when every path is empty and no tree was proposed since the last commit). Returns [C]
-        (token, tree). Raises as ``propose_ahead``, ValueError naming ``path_nodes`` or ``candidates``."""
-        (out,) = self.propose_batch([(session_id, spec, 0, tuple(candidates))])
-        if isinstance(out, Exception):
-            raise out
-        return out
+        """As ``DraftWorker.propose_candidates``, every tree grown from the session as it is now (a seeded session
+        draws what an in-line propose after that outcome would). Raises as ``propose_ahead``, ValueError naming
+        ``candidates``."""
+        return self._propose_one((session_id, spec, 0, tuple(candidates)))
 
     def resolve_ahead(self, session_id: str, adopt: bool, candidate: int = 0) -> None:
-        """End the unresolved ahead: adopt = keep candidate ``candidate``'s state (round r needs no
-        ``commit``); else roll back exactly to the state before ``propose_ahead``. Adopting candidate c > 0
-        rolls back, then commits its path and token uncached with its tree as the last one. Raises
-        UnknownSessionError, SessionStateError, ValueError naming ``candidate``."""
+        """As ``DraftWorker.resolve_ahead``; adopting candidate c > 0 rolls back, then commits its path and token
+        uncached with its tree as the last one. Raises UnknownSessionError, SessionStateError, ValueError."""
         s = self._session(session_id)
         snap, alternatives = s.ahead, s.alternatives
         if snap is None:
@@ -174,11 +144,8 @@ class DraftRuntime(DraftWorker):
         if adopt and candidate == 0:
             return
         truncate_kv(s.cache, snap.cached_len)
-        del s.tokens[snap.tokens_len :]
-        s.cached_len, s.round_start, s.last_tree = snap.cached_len, snap.round_start, snap.last_tree
+        _roll_back(s, snap)
         s.slot_of_node = {}  # the tree slots are gone: commit keeps no node KV
-        if s.rng is not None:
-            s.rng.bit_generator.state = snap.rng_state
         if adopt:  # candidate c > 0: its path and token committed, its tree the last one (no node fed)
             added, s.last_tree, rng_state = alternatives[candidate - 1]
             s.tokens.extend(added)
@@ -190,25 +157,20 @@ class DraftRuntime(DraftWorker):
         """Back to the snapshot of an alternative's ahead, tree slots included (bitwise)."""
         snap, s.ahead = s.ahead, None
         restore_tail_kv(s.cache, max(snap.cached_len - 1, 0), snap.tail)
-        del s.tokens[snap.tokens_len :]
-        s.cached_len, s.round_start, s.last_tree = snap.cached_len, snap.round_start, snap.last_tree
+        _roll_back(s, snap)
         s.slot_of_node = dict(snap.slot_of_node)
-        if s.rng is not None:
-            s.rng.bit_generator.state = snap.rng_state
 
     def _draft_alternatives(self, session_id: str, spec: TreeSpec, all_candidates) -> list[tuple]:
         """The other candidates' (token, tree, tokens added, rng state after), each grown alone from the
         session as it is, which is restored after each."""
-        candidates = all_candidates[1:]
         out = []
-        for i, cand in enumerate(candidates, 1):
+        for i, cand in enumerate(all_candidates[1:], 1):
             token = self._begin_ahead(session_id, tuple(cand.path_nodes), tuple(cand.exclude), keep_tail=True,
                                       earlier=_same_path(all_candidates[:i], cand))
             s = self.sessions[session_id]
             try:
                 tree = self._grow_alone(session_id, spec, cand.max_depth)
-                added = s.tokens[s.ahead.tokens_len :]
-                rng_state = copy.deepcopy(s.rng.bit_generator.state) if s.rng is not None else None
+                added, rng_state = s.tokens[s.ahead.tokens_len :], _rng_state(s)
             finally:
                 self._restore(s)
             out.append((token, tree, added, rng_state))
@@ -231,12 +193,10 @@ class DraftRuntime(DraftWorker):
 
     def _begin_ahead(self, session_id: str, path_nodes: tuple[int, ...], exclude: tuple[int, ...] = (),
                      keep_tail: bool = False, earlier: tuple[tuple[int, ...], ...] = ()) -> int:
-        """Snapshot, commit ``path_nodes`` tentatively, feed what is pending, append and return the guess
-        (the argmax not in ``exclude`` nor picked by the ``earlier`` same-path candidates, whose excludes
-        these are, in request order). Example: committed [a b R], path n0 (fed) -> n2 (leaf): the cache
-        keeps a b R n0, n2 is fed now, tokens become [a b R n0 n2 g] with g pending. An empty path needs no
-        proposed tree (a plain round's ahead: the draft's likeliest next tokens). keep_tail: the snapshot
-        keeps R's and the tree's KV (another candidate follows)."""
+        """Snapshot, commit ``path_nodes`` tentatively, feed what is pending, append and return the guess (the
+        argmax not in ``exclude`` nor picked by the ``earlier`` same-path candidates, whose excludes these are).
+        Example: committed [a b R], path n0 (fed) -> n2 (leaf): the cache keeps a b R n0, n2 is fed now, tokens
+        become [a b R n0 n2 g] with g pending. keep_tail: the snapshot keeps R's and the tree's KV."""
         s = self._session(session_id)
         if s.ahead is not None:
             raise SessionStateError(f"ahead: session {session_id!r} already has an unresolved ahead proposal")
@@ -246,14 +206,11 @@ class DraftRuntime(DraftWorker):
                 raise SessionStateError(f"path_nodes: session {session_id!r} has no proposed tree since its last commit")
             check_root_path(tree.parents, path_nodes)
         elif s.round_start is None:
-            if s.prefill_chunk is not None and s.last_tree is None:
-                while self.prefill(session_id, s.prefill_chunk):  # a started prefill ends in its own chunks
-                    pass
+            self._finish_prefill(session_id, s)
             if max(s.tokens[s.cached_len :], default=0) >= self.model.config.vocab_size:
                 raise SessionStateError(f"session_id: {session_id!r} holds a token beyond the draft's vocabulary")
-        rng_state = copy.deepcopy(s.rng.bit_generator.state) if s.rng is not None else None
         tail = tail_kv(s.cache, max(s.cached_len - 1, 0)) if keep_tail else None
-        s.ahead = _AheadSnapshot(len(s.tokens), s.cached_len, s.round_start, tree, rng_state,
+        s.ahead = _AheadSnapshot(len(s.tokens), s.cached_len, s.round_start, tree, _rng_state(s),
                                  dict(s.slot_of_node), tail)
         fed = [s.slot_of_node[n] for n in path_nodes if n in s.slot_of_node]  # a prefix of the path
         compact_kv(s.cache, s.cached_len, fed)
@@ -277,16 +234,12 @@ class DraftRuntime(DraftWorker):
 
     def propose_batch(self, items: Sequence[tuple]) -> list[DraftTree | AheadTree | Exception]:
         """Grow the trees of several sessions together: one draft forward per tree depth for all of them.
-
         items: B triples (session_id, spec, max_depth), distinct sessions; a fourth entry (path_nodes, or
-        AheadCandidates with their own depths) makes the item an ahead proposal. Returns one entry per item,
-        in order: what ``propose`` (or ``propose_ahead`` / ``propose_candidates``) alone would give, or the
-        exception it would raise. Other candidates' trees grow in forwards of their own. An error of a shared forward
-        is raised (ahead items are rolled back first). Layout packed or padded as ``TargetRuntime``;
-        a session feeding over ``MAX_BATCHED_ROWS`` rows runs alone. A row's log-probs equal its solo
-        forward's up to float32 round-off, except on a dynamically quantized draft (one activation scale
-        per call): there a seeded sampled session runs alone, so its draws never depend on other requests.
-        """
+        AheadCandidates) makes the item an ahead. Returns per item what ``propose`` (``propose_ahead`` /
+        ``propose_candidates``) alone would give, or the exception it would raise. An error of a shared forward
+        is raised (ahead items rolled back first). A session feeding over ``MAX_BATCHED_ROWS`` rows runs alone, as
+        does a seeded sampled one on a dynamically quantized draft (one activation scale per call); other rows'
+        log-probs equal their solo forward's up to float32 round-off."""
         results: list[DraftTree | Exception | None] = [None] * len(items)
         running: dict[int, tuple[DraftSession, Generator, Step]] = {}
         seen: dict[str, int] = {}
@@ -327,8 +280,8 @@ class DraftRuntime(DraftWorker):
 
     def _begin_candidates(self, session_id: str, spec: TreeSpec, max_depth: int, entry: Sequence,
                           others: dict, index: int) -> tuple[int, int]:
-        """An ahead item's start: a path (``propose_ahead``) or AheadCandidates, whose others are grown first
-        (into ``others[index]``). Returns (the first's max depth, its guess)."""
+        """An ahead item's start: a path or AheadCandidates, whose others are grown first (into ``others[index]``).
+        Returns (the first's max depth, its guess)."""
         if not (entry and isinstance(entry[0], AheadCandidate)):
             return max_depth, self._begin_ahead(session_id, tuple(entry))
         if len(entry) > MAX_AHEAD_CANDIDATES:
@@ -341,8 +294,8 @@ class DraftRuntime(DraftWorker):
         return first.max_depth, guess
 
     def _run_steps(self, running: dict, results: list) -> None:
-        """Drive the running sessions' ``tree_steps`` in lockstep, one (shared) forward per step, until
-        each has its tree (or its error) in ``results``; an error of a shared forward is raised."""
+        """Drive the sessions' ``tree_steps`` in lockstep, one (shared) forward per step, until each has its tree
+        (or error) in ``results``; an error of a shared forward is raised."""
         while running:
             rows = {index: self._step_rows(s, *step) for index, (s, _, step) in running.items()}
             logprobs = self._forward_rows(rows)
@@ -358,8 +311,8 @@ class DraftRuntime(DraftWorker):
                     del running[index]
 
     def _begin_round(self, session_id: str, ahead: bool = False) -> DraftSession | None:
-        """The session, its cache back at the round's start; None when the committed tokens hold an id
-        beyond the draft's vocabulary (no tree from here on: plain decoding). ahead: for ``propose_ahead``."""
+        """The session, its cache back at the round's start; None when the committed tokens hold an id beyond the
+        draft's vocabulary (plain decoding from here on)."""
         s = self._session(session_id)
         if s.ahead is not None and not ahead:
             raise SessionStateError(f"session_id: {session_id!r} has an unresolved ahead proposal (resolve_ahead first)")
@@ -367,9 +320,8 @@ class DraftRuntime(DraftWorker):
             s.cached_len = s.round_start
             truncate_kv(s.cache, s.cached_len)
             s.round_start = None
-        if s.prefill_chunk is not None and s.last_tree is None and not ahead:
-            while self.prefill(session_id, s.prefill_chunk):  # a started prefill ends in its own chunks (``prefill``)
-                pass
+        if not ahead:
+            self._finish_prefill(session_id, s)
         s.round_start = s.cached_len
         s.slot_of_node = {}
         if max(s.tokens[s.cached_len :]) >= self.model.config.vocab_size:
@@ -377,9 +329,8 @@ class DraftRuntime(DraftWorker):
         return s
 
     def _step_rows(self, s: DraftSession, nodes: list[int], tokens: list[int], parents: list[int]) -> _StepRows:
-        """One session's rows of a draft step. Step 0 (nodes = [ROOT]): the committed tokens not
-        yet cached, R last, causal; step d >= 1: the P chosen depth-d nodes, each seeing the
-        committed slots, its ancestors' slots and itself (the draft tree mask)."""
+        """One session's rows of a draft step. Step 0 (nodes = [ROOT]): the committed tokens not yet cached, R last,
+        causal; step d >= 1: the P depth-d nodes, each seeing the committed slots, its ancestors and itself."""
         start = cache_length(s.cache)  # C: committed slots, then the tree slots of earlier steps
         if nodes == [ROOT]:
             pending = s.tokens[s.cached_len :]
@@ -400,8 +351,7 @@ class DraftRuntime(DraftWorker):
         return _StepRows(s, [tokens[n] for n in nodes], positions, visible, False, plain)
 
     def _forward_rows(self, rows: dict[int, _StepRows]) -> dict[int, torch.Tensor]:
-        """Log-probs of each session's step rows ([1, V] after R at step 0, [P, V] after that):
-        sessions batched together where there are two or more (``propose_batch``)."""
+        """Log-probs of each session's step rows ([1, V] at step 0, [P, V] after), batched where two or more can."""
         together = [i for i, r in rows.items()
                     if len(r.ids) <= MAX_BATCHED_ROWS and not (self.scale_per_call and r.session.sampling.seeded)]
         alone = [i for i in rows if i not in together or len(together) < 2]
@@ -422,14 +372,13 @@ class DraftRuntime(DraftWorker):
 
     def _forward_together(self, rows: list[_StepRows]) -> list[torch.Tensor]:
         """One forward over B >= 2 sessions' step rows: B log-prob tensors, [1, V] at step 0, [P_b, V] after."""
-        if self.packed:
-            logits = model_forward_packed(
-                self.model, [r.session.cache for r in rows], [r.ids for r in rows], [r.positions for r in rows],
-                [self._mask(r) for r in rows],
-                [1 if r.root else None for r in rows],  # step 0: only R's row is drafted from
-            )
+        caches, ids, positions = [r.session.cache for r in rows], [r.ids for r in rows], [r.positions for r in rows]
+        if self.packed:  # step 0: only R's row is drafted from
+            logits = model_forward_packed(self.model, caches, ids, positions, [self._mask(r) for r in rows],
+                                          [1 if r.root else None for r in rows])
         else:
-            logits = self._forward_padded(rows)
+            logits = self._forward_padded(caches, ids, positions, [r.visible for r in rows])
+            logits = [rows_logits[-1:] if r.root else rows_logits for r, rows_logits in zip(rows, logits)]
         out = []
         for r, rows_logits in zip(rows, logits):
             if r.root:
@@ -441,29 +390,12 @@ class DraftRuntime(DraftWorker):
         """The rows' additive mask on the model's device; None for a plain row (no mask: the fastest kernel)."""
         return None if r.plain else additive_mask(r.visible, self.model.dtype, self.model.device)
 
-    def _forward_padded(self, rows: list[_StepRows]) -> list[torch.Tensor]:
-        """``_forward_together`` as a padded batch (``padded_batch_inputs``): B logits, [1, V] / [P_b, V]."""
-        lengths = [cache_length(r.session.cache) for r in rows]
-        stacked = stack_kv([r.session.cache for r in rows], lengths, self.model.config)  # (B, H, S, D)
-        ids, positions, mask = padded_batch_inputs([r.ids for r in rows], [r.positions for r in rows],
-                                                    [r.visible for r in rows], lengths, self.model.dtype)
-        logits = model_forward_batch(self.model, stacked, ids, positions, mask)  # (B, Q, V)
-        width = max(lengths)
-        out = []
-        for b, r in enumerate(rows):
-            append_kv_row(r.session.cache, stacked, b, width, len(r.ids))
-            p = len(r.ids)
-            out.append(logits[b, p - 1 : p] if r.root else logits[b, :p])
-        del stacked
-        return out
-
     def commit(self, session_id: str, tokens: list[int], accepted_nodes: list[int]) -> None:
         """Append the round's committed tokens; keep the KV of accepted nodes the draft had fed."""
         s = self._session(session_id)
         if s.ahead is not None:
             raise SessionStateError(f"session_id: {session_id!r} has an unresolved ahead proposal (resolve_ahead first)")
-        fed = [s.slot_of_node[n] for n in accepted_nodes if n in s.slot_of_node]
-        # Fed nodes form a prefix of the accepted path (a fed node's parent was fed too).
+        fed = [s.slot_of_node[n] for n in accepted_nodes if n in s.slot_of_node]  # a prefix of the path
         compact_kv(s.cache, s.cached_len, fed)
         s.cached_len += len(fed)
         s.tokens.extend(tokens)
@@ -471,15 +403,25 @@ class DraftRuntime(DraftWorker):
         s.round_start = None
 
 
+def _rng_state(s: DraftSession) -> dict | None:
+    return copy.deepcopy(s.rng.bit_generator.state) if s.rng is not None else None
+
+
+def _roll_back(s: DraftSession, snap: _AheadSnapshot) -> None:
+    """The session's tokens, counters, last tree and random state as in ``snap`` (the cache is the caller's)."""
+    del s.tokens[snap.tokens_len :]
+    s.cached_len, s.round_start, s.last_tree = snap.cached_len, snap.round_start, snap.last_tree
+    if s.rng is not None:
+        s.rng.bit_generator.state = snap.rng_state
+
+
 def _same_path(earlier: Sequence[AheadCandidate], cand: AheadCandidate) -> tuple[tuple[int, ...], ...]:
-    """The excludes of the ``earlier`` candidates (request order) with ``cand``'s path: their picks are ``cand``'s
-    exclusions too, so candidates with one path pick distinct tokens (its logits row's top tokens, in order)."""
+    """The excludes of the ``earlier`` candidates with ``cand``'s path (their picks are ``cand``'s exclusions too)."""
     return tuple(tuple(c.exclude) for c in earlier if tuple(c.path_nodes) == tuple(cand.path_nodes))
 
 
 def check_root_path(parents: Sequence[int], path: Sequence[int], field: str = "path_nodes") -> None:
-    """Raises ValueError naming ``field`` unless ``path`` is a non-empty root path (root side first) of the
-    last proposed tree, given its ``parents``."""
+    """Raises ValueError naming ``field`` unless ``path`` is a non-empty root path of the tree of ``parents``."""
     if not path:
         raise ValueError(f"{field}: empty (an ahead needs >= 1 node of the last tree)")
     parent = ROOT
@@ -493,10 +435,8 @@ def check_root_path(parents: Sequence[int], path: Sequence[int], field: str = "p
 
 @dataclass
 class _StepRows:
-    """One session's rows of one draft step: P token ids, their positions [P], which of the
-    session's C cache slots and P new slots each row sees (visible [P, C + P] bool), and whether
-    this is step 0 (the pending committed tokens; only the last row's log-probs are used); plain: one row
-    that sees every slot (attention needs no mask)."""
+    """One session's rows of one draft step: P ids, positions [P], visible [P, C + P] bool (C cached slots);
+    root: step 0 (only the last row's log-probs are used); plain: one row that sees every slot (no mask)."""
 
     session: DraftSession
     ids: list[int]
@@ -507,8 +447,7 @@ class _StepRows:
 
 
 def activation_scale_per_call(model) -> bool:
-    """Whether the model holds dynamically quantized linears, whose int8 activation scale spans all the
-    rows of one call (a row's output then depends on its batch)."""
+    """Whether the model holds dynamically quantized linears (one int8 activation scale over a call's rows)."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
     return any(isinstance(m, DynamicLinear) for m in model.modules())

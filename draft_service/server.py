@@ -1,17 +1,7 @@
-"""Draft service gRPC server (protos/specdec/v1/draft.proto): one bidirectional Session stream per request.
+"""Draft service gRPC server (protos/specdec/v1/draft.proto): one bidirectional Session stream per request
+(the protocol: docs/serving.md "The services' calls"); concurrent proposes merge in ``propose_batch``.
 
     specdec draft-server --config deploy/specdec.yaml [--port 0] [--draft DIR] ...   (or python -m draft_service)
-
-Prints ``draft-service ready on <host>:<port>`` once serving; SIGTERM/SIGINT drain and exit 0.
-
-A stream: ``start`` first (answered by DraftStarted), then ``propose`` (answered by a DraftTreeReply, in
-order) and ``commit`` (not answered); before a commit, an ``ahead`` (answered with the guess and any
-pre-drafted alternatives' trees; paths only after a propose, empty ones also after a commit: a plain round's)
-and its ``resolve`` (not answered; adopt: the round needs no commit). Out-of-order messages are
-INVALID_ARGUMENT naming the field; ``draft.max_sessions`` open streams RESOURCE_EXHAUSTED; the context
-limit reached FAILED_PRECONDITION; a draining server ends waiting streams with UNAVAILABLE. Any end of
-the stream releases the session's KV. Each stream gets its own runtime session (a server-side key), so
-streams reusing a session_id never share a cache. Concurrent proposes merge in ``propose_batch``.
 """
 
 from __future__ import annotations
@@ -24,23 +14,20 @@ from dataclasses import dataclass
 from typing import Mapping
 
 import grpc
-import torch
 
 from draft_service.runtime import DraftRuntime, check_root_path
 from specdec.batching import SessionBatcher
-from specdec.config import ConfigError, DraftServerConfig, ServeConfig, load_config
-from specdec.grpc_host import ServiceHost, abort_for, rpc_errors
+from specdec.config import DraftServerConfig, ServeConfig
+from specdec.grpc_host import ServiceHost, abort_for, rpc_errors, run_service, serve_model
 from specdec.interfaces import MAX_AHEAD_CANDIDATES, AheadCandidate
-from specdec.kv_budget import free_memory_bytes, kv_bytes_per_token, sized_budget
-from specdec.placement import placement, usable_cpus
+from specdec.kv_budget import service_budget
+from specdec.placement import placement
 from specdec.model_setup import load_draft, target_info
 from specdec.model_worker import ModelWorker
-from specdec.models import ModelError
-from specdec.security import check_client_auth
-from specdec.process_entry import check_device, configure_logging, fail
+from specdec.process_entry import check_device, fail
 from specdec.sampling import SamplingParamsError
 from specdec.service_errors import CapacityError
-from specdec.telemetry import setup_tracing, shutdown_tracing, tracer
+from specdec.telemetry import tracer
 from specdec.tree import DraftTree
 from specdec.tree_spec import MAX_TREE_NODES, TreeSpecError
 from specdec.v1 import draft_pb2, draft_pb2_grpc
@@ -60,8 +47,6 @@ _CODES = {SessionLimitError: grpc.StatusCode.FAILED_PRECONDITION}
 
 @dataclass
 class _Stream:
-    """One open Session stream: its runtime key and what the server checks commits against."""
-
     key: str  # runtime session id
     session_id: str  # the caller's id (logs, traces)
     tokens: int  # committed tokens (prompt + generated)
@@ -71,17 +56,15 @@ class _Stream:
 
 
 class _ProposeBatcher(SessionBatcher):
-    """Concurrent streams' proposes, merged into ``runtime.propose_batch`` calls; each caller gets
-    (its tree, the sessions that shared the call, the call's ms)."""
+    """Merged proposes; each caller gets (its tree, the sessions that shared the call, the call's ms)."""
 
     def answer(self, tree, ran, call_ms):
         return tree, len(ran), call_ms
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    """gRPC DraftService over a ``DraftRuntime``, called only from this servicer's worker thread.
-    context_limit: the draft's max positions; config: the ``draft`` section; draining: set at shutdown.
-    Create inside the running event loop; ``close()`` at the end."""
+    """gRPC DraftService over a ``DraftRuntime`` (on the servicer's worker thread only). context_limit: the
+    draft's max positions; draining: set at shutdown. Create inside the running event loop; ``close()`` at the end."""
 
     def __init__(self, runtime: DraftRuntime, *, context_limit: int, config: DraftServerConfig = DraftServerConfig(),
                  draining: asyncio.Event | None = None, worker: ModelWorker | None = None):
@@ -91,7 +74,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.draining = draining or asyncio.Event()
         self.worker = worker or ModelWorker("draft-runtime")
         self.placement = placement(str(runtime.model.device))
-        # concurrent streams' proposes share draft forwards (runtime.propose_batch: one per tree depth)
         batch_call = lambda pairs: runtime.propose_batch([(key, *args) for key, args in pairs])  # noqa: E731
         self.batcher = _ProposeBatcher(self.worker, batch_call, self._propose_solo,
                                        config.max_batch, config.batch_wait_ms, what="propose",
@@ -99,7 +81,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.streams: dict[str, _Stream] = {}
         self._keys = itertools.count()
         self._tracer = tracer("draft_service")
-        self.max_kv_tokens = _kv_budget(runtime, config)
+        self.max_kv_tokens = service_budget("draft-service", config, runtime)
 
     def close(self) -> None:
         self.worker.close()
@@ -112,8 +94,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return self.runtime.propose(key, *args)
 
     async def Session(self, request_iterator, context):
-        """The stream's replies, in order (an async generator: the OpenTelemetry server interceptor
-        iterates streaming handlers)."""
+        """The stream's replies, in order (an async generator, as the OpenTelemetry interceptor needs)."""
         stream = None
         try:
             first = await self._next(context)
@@ -149,8 +130,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     @rpc_errors()
     async def Info(self, request, context) -> draft_pb2.DraftInfoResponse:
-        """Open streams, runtime sessions and their cached positions (read behind the queued jobs, so all 0
-        once every stream has ended: leak checks), the context limit, the merged propose calls so far."""
+        """Streams, runtime sessions and cached positions (read behind the queued jobs: leak checks), limits."""
         held = await self.worker.run(lambda: list(self.runtime.sessions.values()))
         return draft_pb2.DraftInfoResponse(sessions=len(self.streams), cached_sessions=len(held),
                                            context_limit=self.context_limit,
@@ -160,8 +140,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                            batched_forwards=self.batcher.batched_forwards)
 
     async def _next(self, context):
-        """The next request, or None at the end of the stream; aborts UNAVAILABLE when draining and
-        DEADLINE_EXCEEDED after ``draft.session_idle_s`` without a message (its client died: the session is released)."""
+        """The next request, or None at the end of the stream; aborts UNAVAILABLE when draining, DEADLINE_EXCEEDED
+        after ``draft.session_idle_s`` without a message."""
         read = asyncio.ensure_future(context.read())
         drain = asyncio.ensure_future(self.draining.wait())
         try:
@@ -181,12 +161,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     async def _start(self, start) -> tuple[_Stream, draft_pb2.DraftStarted]:
         if not start.session_id:
             raise ValueError("start.session_id: empty")
-        prompt = list(start.prompt_ids)
+        prompt = list(_token_ids(start.prompt_ids, "start.prompt_ids", limit=None))
         if not prompt:
             raise ValueError("start.prompt_ids: empty prompt (need >= 1 token)")
-        for i, token in enumerate(prompt):
-            if token < 0:
-                raise ValueError(f"start.prompt_ids[{i}] = {token}: token ids are >= 0")
         if len(prompt) >= self.context_limit:
             raise ValueError(f"start.prompt_ids: {len(prompt)} tokens leave no room under the draft's context limit "
                              f"of {self.context_limit} tokens")
@@ -201,8 +178,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.streams[stream.key] = stream
         try:
             await self.worker.run(self.runtime.start, stream.key, prompt, sampling)
-        except BaseException:
-            # The worker thread may still finish runtime.start after a cancel: release after it (jobs run in order).
+        except BaseException:  # runtime.start may still finish after a cancel: release after it (jobs run in order)
             self.streams.pop(stream.key, None)
             self.worker.submit(self.runtime.release, stream.key)
             raise
@@ -211,15 +187,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return stream, draft_pb2.DraftStarted(cached_tokens=cached, context_limit=self.context_limit)
 
     def _prefill_chunk(self, key: str) -> None:
-        """One chunk of a session's prefill (on the worker thread); queues the next one behind the jobs
-        submitted meanwhile, so a long prompt does not hold up other sessions' proposes."""
+        """One chunk of a session's prefill (worker thread); the next one queues behind the jobs submitted meanwhile."""
         if self.runtime.prefill(key, self.config.prefill_chunk_tokens):
             self.worker.submit(self._prefill_chunk, key)
 
     def _tree_request(self, field: str, request, tokens: int) -> tuple:
-        """The TreeSpec and depth cap of a propose or ahead after ``tokens`` committed tokens (a depth-d
-        node sits at tokens - 1 + d < context_limit). Raises TreeSpecError / ValueError naming
-        ``field``.spec / ``field``.max_depth, SessionLimitError when no position is left."""
+        """The TreeSpec and depth cap after ``tokens`` committed tokens (a depth-d node sits at tokens - 1 + d <
+        context_limit). Raises TreeSpecError / ValueError naming ``field``, SessionLimitError when no room is left."""
         try:
             spec = spec_from_proto(request.spec)
         except TreeSpecError as exc:
@@ -234,8 +208,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def _grow(self, stream: _Stream, request,
                     job: tuple) -> tuple[list[tuple[int, DraftTree]], draft_pb2.DraftTreeReply]:
-        """A propose (job: spec, depth) or an ahead (job: spec, depth, candidates) through the batcher, traced:
-        ([(token, tree)] per candidate, token 0 for a propose; the reply)."""
+        """A propose (job: spec, depth) or an ahead (+ candidates) through the batcher, traced: ([(token, tree)]
+        per candidate, token 0 for a propose; the reply)."""
         ahead = len(job) == 3
         with self._tracer.start_as_current_span("draft.propose_ahead" if ahead else "draft.propose") as span:
             span.set_attribute("specdec.session_id", stream.session_id)
@@ -257,8 +231,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return reply
 
     async def _ahead(self, stream: _Stream, request) -> draft_pb2.DraftTreeReply:
-        """An AheadRequest: checked here (path against the last tree, room under the context limit),
-        grown through the same batcher as proposes."""
+        """An AheadRequest, checked (path against the last tree, room), grown through the proposes' batcher."""
         if stream.ahead is not None:
             raise ValueError("ahead: an earlier ahead is unresolved (send resolve first)")
         path = list(request.path_nodes)
@@ -275,8 +248,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return reply
 
     def _alternatives(self, parents: tuple[int, ...], tokens: int, request) -> list[AheadCandidate]:
-        """The ahead's other candidates, checked (paths against the last tree's ``parents``, depths, token ids)
-        after ``tokens`` committed tokens; each has at least 1 position of room under the context limit."""
+        """The ahead's other candidates, checked against the last tree's ``parents``; each gets >= 1 position."""
         if len(request.alternatives) >= MAX_AHEAD_CANDIDATES:
             raise ValueError(f"ahead.alternatives: {len(request.alternatives)} given, "
                              f"at most {MAX_AHEAD_CANDIDATES - 1}")
@@ -306,12 +278,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def _commit(self, stream: _Stream, request) -> None:
         _no_ahead(stream, "commit")
-        tokens, accepted = list(request.tokens), list(request.accepted_nodes)
+        tokens, accepted = list(_token_ids(request.tokens, "commit.tokens", limit=None)), list(request.accepted_nodes)
         if not tokens:
             raise ValueError("commit.tokens: empty (a round commits >= 1 token)")
-        for i, token in enumerate(tokens):
-            if token < 0:
-                raise ValueError(f"commit.tokens[{i}] = {token}: token ids are >= 0")
         if len(accepted) > len(tokens):
             raise ValueError(f"commit.accepted_nodes: {len(accepted)} nodes for {len(tokens)} tokens")
         size = stream.tree_size or 0
@@ -325,27 +294,17 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def _reserve(self, slots: int) -> None:
         """Raise CapacityError naming draft.max_kv_tokens when ``slots`` more tokens would not fit beside every
-        stream's prompt and committed tokens (the front then decodes that request without the draft)."""
+        stream's tokens."""
         held = sum(s.tokens for s in self.streams.values())
         if held + slots > self.max_kv_tokens:
             raise CapacityError(f"draft.max_kv_tokens: {slots} more KV slots would exceed the limit of "
                                 f"{self.max_kv_tokens} ({held} held by {len(self.streams)} sessions)")
 
 
-def _kv_budget(runtime: DraftRuntime, config: DraftServerConfig) -> int:
-    """config.max_kv_tokens, or for "auto" the slots that fit config.kv_memory_fraction of the free memory
-    (specdec.kv_budget)."""
-    if config.max_kv_tokens != "auto":
-        return config.max_kv_tokens
-    model = runtime.model
-    per_token = kv_bytes_per_token(model.config, model.dtype.itemsize)
-    return sized_budget("draft-service", config.kv_memory_fraction, per_token, free_memory_bytes(str(model.device)))
-
-
-def _token_ids(values, field: str) -> tuple[int, ...]:
-    """Token ids (>= 0; at most MAX_TREE_NODES: a verified node's children), or ValueError naming ``field``."""
-    if len(values) > MAX_TREE_NODES:
-        raise ValueError(f"{field}: {len(values)} token ids, at most {MAX_TREE_NODES}")
+def _token_ids(values, field: str, limit: int | None = MAX_TREE_NODES) -> tuple[int, ...]:
+    """Token ids (>= 0; at most ``limit``: for excludes, a verified node's children), or ValueError naming ``field``."""
+    if limit is not None and len(values) > limit:
+        raise ValueError(f"{field}: {len(values)} token ids, at most {limit}")
     for i, token in enumerate(values):
         if token < 0:
             raise ValueError(f"{field}[{i}] = {token}: token ids are >= 0")
@@ -357,9 +316,7 @@ def _no_ahead(stream: _Stream, field: str) -> None:
         raise ValueError(f"{field}: an ahead is unresolved on this stream (send resolve first)")
 
 
-# ----------------------------------------------------------------------------------------------
-# Process entry point
-# ----------------------------------------------------------------------------------------------
+# -- process entry point ------------------------------------------------------------------------
 
 async def serve_runtime(config: ServeConfig, runtime, *, context_limit: int, worker: ModelWorker | None = None) -> int:
     """Serve ``runtime`` until SIGTERM/SIGINT, then drain. Returns the bound port. worker: the thread
@@ -376,44 +333,21 @@ async def serve_runtime(config: ServeConfig, runtime, *, context_limit: int, wor
 
 def serve(config: ServeConfig) -> int:
     """Load the draft model of ``config.models`` (checked against the target's tokenizer and config,
-    without the target's weights) and serve it; returns the exit code (0, or 2 with a message on
-    stderr naming the field for a bad model or an unusable address)."""
-    configure_logging()
+    without the target's weights) and serve it; returns the exit code (``serve_model``)."""
     try:
-        check_client_auth(config.grpc, "draft service")
+        check_device(config.draft_device, "draft.device" if config.draft.device else "models.device")
     except ValueError as exc:
         return fail(str(exc))
-    setup_tracing("draft-service")
-    # the model's whole life (threads, load, every forward) on one thread: specdec.model_worker
-    worker = ModelWorker("draft-runtime")
-    try:
-        # unset: the CPUs this process can keep busy (affinity and cgroup quota), not the host's count
-        worker.call(torch.set_num_threads, config.models.threads or usable_cpus())
-        runtime, context_limit = worker.call(_load_draft, config)
-        asyncio.run(serve_runtime(config, runtime, context_limit=context_limit, worker=worker))
-    except ModelError as exc:
-        return fail(str(exc))
-    except OSError as exc:
-        return fail(f"draft.host / draft.port: {exc}")
-    finally:
-        worker.close(wait=False)  # the servicer has closed it after serving; else the process is exiting
-        shutdown_tracing()
-    return 0
+    return serve_model(config, "draft", _load_draft, serve_runtime)
 
 
-def _load_draft(config: ServeConfig) -> tuple[DraftRuntime, int]:
-    """(runtime, context limit) for ``config.models``' draft; raises ModelError naming the field."""
+def _load_draft(config: ServeConfig) -> tuple[DraftRuntime, dict]:
+    """(runtime, {"context_limit"}) for ``config.models``' draft; raises ModelError naming the field."""
     models = config.models_on(config.draft_device)  # dtype auto: as on the draft's device (the target pod's may differ)
     loaded = load_draft(models, target_info(models, label="models.target"), label="models.draft")
-    return DraftRuntime(loaded.model, vocab_size=loaded.vocab_size), loaded.context_limit
+    return DraftRuntime(loaded.model, vocab_size=loaded.vocab_size), {"context_limit": loaded.context_limit}
 
 
 def run(config_path: str | None = None, overrides: Mapping[str, object] | None = None) -> int:
-    """Load the config (YAML, then ``overrides``: dotted fields such as {"draft.port": 0}, None = keep
-    the file's value) and serve; returns the exit code."""
-    try:
-        config = load_config(config_path, dict(overrides or {}))
-        check_device(config.draft_device, "draft.device" if config.draft.device else "models.device")
-    except (ConfigError, ValueError) as exc:
-        return fail(str(exc))
-    return serve(config)
+    """``serve`` the config file with ``overrides`` (dotted fields, e.g. {"draft.port": 0}); the exit code."""
+    return run_service(config_path, overrides, serve)

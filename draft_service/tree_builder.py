@@ -1,9 +1,8 @@
 """Grow a token tree from a TreeSpec, one batched draft forward per depth (docs/design.md "TreeSpec").
 
-Tree shapes after Sequoia/SpecInfer-style static trees (Miao et al. ASPLOS'24 §3; Chen et al. 2024).
-Children: greedy, the draft's top-k by log-prob; sampled, from q = ``processed_probs`` of the draft's
-log-probs (as the target processes p): treeType 0 its top-k, treeType 1 k draws without replacement,
-recording q in ``DraftTree.proposals`` for the verifier.
+Static trees as Sequoia / SpecInfer (Miao et al. ASPLOS'24 §3; Chen et al. 2024). Children: greedy, the draft's
+top-k; sampled, from q = ``processed_probs`` of the draft's log-probs: treeType 0 its top-k, treeType 1 k draws
+without replacement, recording q in ``DraftTree.proposals`` for the verifier.
 """
 
 from __future__ import annotations
@@ -26,14 +25,8 @@ ExpandFn = Callable[[list[int], list[int], list[int]], torch.Tensor]
 Step = tuple[list[int], list[int], list[int]]
 
 
-def build_tree(
-    spec: TreeSpec,
-    expand: ExpandFn,
-    max_depth: int | None = None,
-    vocab_size: int | None = None,
-    sampling: SamplingParams = GREEDY,
-    rng: np.random.Generator | None = None,
-) -> DraftTree:
+def build_tree(spec: TreeSpec, expand: ExpandFn, max_depth: int | None = None, vocab_size: int | None = None,
+               sampling: SamplingParams = GREEDY, rng: np.random.Generator | None = None) -> DraftTree:
     """Build a token tree of ``spec``'s shape. max_depth caps gamma; vocab_size: children below it;
     rng: needed for sampled children. Returns a DraftTree, nodes breadth-first, siblings in draw order."""
     steps = tree_steps(spec, max_depth, vocab_size, sampling, rng)
@@ -45,13 +38,9 @@ def build_tree(
         return done.value
 
 
-def tree_steps(
-    spec: TreeSpec,
-    max_depth: int | None = None,
-    vocab_size: int | None = None,
-    sampling: SamplingParams = GREEDY,
-    rng: np.random.Generator | None = None,
-) -> Generator[Step, torch.Tensor, DraftTree]:
+def tree_steps(spec: TreeSpec, max_depth: int | None = None, vocab_size: int | None = None,
+               sampling: SamplingParams = GREEDY,
+               rng: np.random.Generator | None = None) -> Generator[Step, torch.Tensor, DraftTree]:
     """``build_tree`` as a generator, so several trees' steps can share one forward: yields each step's
     ExpandFn arguments, takes back its [P, V] log-probs (``send``), returns the DraftTree."""
     sampled_children = spec.tree_type == 1 and not sampling.greedy

@@ -1,23 +1,9 @@
 """Exact greedy argmax of the LM head from an int8 screen plus a float32 re-check of the survivors.
 
-Why: greedy verification needs only each row's argmax, and on a float32 CPU target the LM head is a
-large share of every forward. ``ArgmaxHead`` reads an int8 copy (fbgemm) to get approximate logits A with
-a rigorous per-token error bound B, keeps the tokens with A + B >= max(A - B) (a handful per row) and
-recomputes those from the float32 weights in float64: the float32 argmax except at near-ties within
-float32 GEMM rounding (~1e-6 relative).
-
-The bound, per row x [H] and token i (W_i the float32 weight row, Q_i its int8 row, s_i its
-per-channel scale, E_i = W_i - s_i Q_i, all exact):
-    x is split into two 7-bit levels, x = sx k + sd k2 + r (k, k2 integers in [-63, 63],
-    sx = max|x| / 63, sd = max|x - sx k| / 63, r the exact remainder);
-    A_i = sx (k . s_i Q_i) + sd (k2 . s_i Q_i), both products from one int8 GEMM over 2M rows;
-    |x . W_i - A_i| <= ||x|| ||E_i|| + ||r|| ||s_i Q_i|| (Cauchy-Schwarz)
-    plus c ||x|| ||W_i|| + 1e-3 for float32 rounding of A and of the reference float32 GEMM
-    (a float32 dot product of H terms errs by at most ~H * 2^-24 of ||x|| ||W_i||: c =
-    max(1e-4, 1.1 (H + 8) 2^-24), ``rounding_slack``; 1e-4 for the default target's H = 1536).
-The second level keeps the bound small (with one level the screen keeps ~40000 tokens a row).
-Two extra input columns (-64, 63) against zero weights pin fbgemm's dynamic qparams to scale 1, zero
-point 64, so the int8 GEMM sees k and k2 exactly; ``build`` checks this and returns None where it fails.
+Greedy verification needs only each row's argmax, and on a float32 CPU target the LM head is a large share of
+every forward. ``ArgmaxHead`` gets approximate logits A from an int8 copy with a rigorous per-token error bound
+B (derivation: docs/design.md "The argmax screen's bound"), keeps the tokens with A + B >= max(A - B) and
+recomputes those in float64: the float32 argmax except at near-ties within float32 GEMM rounding.
 
 Screen-then-verify top-logit search as in quantized maximum inner product search (Guo et al. 2020,
 "Accelerating Large-Scale Inference with Anisotropic Vector Quantization", §3); rounding bound from
@@ -188,9 +174,8 @@ def argmax_head_of(model) -> ArgmaxHead | None:
 
 @torch.inference_mode()
 def attach_argmax_head(model) -> bool:
-    """Give a float32 CPU causal LM an ArgmaxHead of its LM head; returns whether it got one (only where
-    the logits are the bias-free head over ``get_decoder()``'s output, checked bit for bit). Call
-    before ``prepack_linears``."""
+    """Give a float32 CPU causal LM an ArgmaxHead of its LM head; returns whether it got one (only where the logits are
+    the bias-free head over ``get_decoder()``'s output, checked bit for bit). Call before ``prepack_linears``."""
     head_module = model.get_output_embeddings()
     if (type(head_module) is not torch.nn.Linear or head_module.bias is not None
             or head_module.weight.dtype != torch.float32 or head_module.weight.device.type != "cpu"):

@@ -1,15 +1,10 @@
-"""Merging concurrent per-session calls into one runtime call (DESIGN.md "Batching").
+"""Merging concurrent per-session calls into one runtime call (docs/serving.md "Limits", verify batching).
 
-A call waits up to ``wait_ms`` for company; the first ``max_batch`` waiting items with distinct
-sessions then go to the runtime as one batch call on the model worker thread. Example with wait_ms = 2:
-sessions a, b, c call at t = 0.0, 0.5 and 1.2 ms -> one batch call with a, b and c at t = 2.0 ms.
-
-Gathering (``gather`` > 0): before a call, wait at most ``gather`` x the mean call time for sessions
-predicted back (a moving average of each session's gap after its answer). Why: without it, requests
-whose items come back a few ms apart split into groups that alternate between forwards and never merge.
-
-Items past their deadline (time.monotonic()) or abandoned by their caller are left out unrun. When the
-batch call fails, each item is retried alone.
+A call waits up to ``wait_ms`` for company; the first ``max_batch`` waiting items with distinct sessions then
+go to the runtime as one batch call on the model worker thread. With ``gather`` > 0 a call first waits at most
+``gather`` x the mean call time for sessions predicted back (each session's moving-average gap after its
+answer), so requests a few ms apart do not split into alternating groups. Items past their deadline
+(time.monotonic()) or abandoned are left out unrun; when the batch call fails, each item is retried alone.
 """
 
 from __future__ import annotations
@@ -45,13 +40,10 @@ class BatchItem:
 
 
 class SessionBatcher:
-    """Merges concurrent calls of distinct sessions into ``batch_call`` calls (module docstring).
-
-    worker: the runtime's ModelWorker; batch_call: None = ``solo_call`` per item; on_done(session_id,
-    outcome): called once for every queued item, even when its caller has gone (None = dropped unrun);
-    what: the calls' name in logs. Subclasses shape answers with ``answer(outcome, company, ms)``.
-    Raises ValueError for max_batch < 1, wait_ms < 0 or gather outside [0, 1].
-    """
+    """Merges concurrent calls of distinct sessions into ``batch_call`` calls (module docstring). worker: the runtime's
+    ModelWorker; batch_call: None = ``solo_call`` per item; on_done(session_id, outcome): called once for every queued
+    item, even when its caller has gone (None = dropped unrun); what: the calls' name in logs. Subclasses shape answers
+    with ``answer(outcome, company, ms)``. Raises ValueError for max_batch < 1, wait_ms < 0 or gather outside [0, 1]."""
 
     def __init__(self, worker: ModelWorker, batch_call: BatchCall | None, solo_call: SoloCall, max_batch: int = 8,
                  wait_ms: float = 2.0, on_done: Callable[[str, Any], None] | None = None, what: str = "call",

@@ -1,17 +1,10 @@
 """Keep a loaded model's resident memory to its weights: no second copy in mapped checkpoint pages.
 
-transformers memory-maps ``*.safetensors`` files and leaves CPU parameters as views of the map.
-Every page a load reads (the embedding rows used, each linear weight read once to pre-pack or
-quantize it) then stays resident in the process, counted in its RSS and its container's memory,
-for as long as one tensor still views the file, e.g. the embedding that is never replaced: for a
-pre-packed float32 target, close to a second copy of its weights.
-
-    drop_checkpoint_pages([linear.weight])   # after packing it: its pages leave this process
-    own_weights(model)                       # after pre-packing / quantizing: nothing views the file
-
-Dropping is ``madvise(MADV_DONTNEED)`` on the checkpoint's private file mapping only: a page only read
-is re-read from the file, but one written in place would revert, so only pages of tensors being
-discarded or already copied out are dropped. A no-op off Linux and for tensor-parallel shards.
+transformers memory-maps ``*.safetensors`` and leaves CPU parameters as views of the map, so every page a load
+reads stays resident while one tensor still views the file (for a pre-packed float32 target, close to a second
+copy of its weights). Dropping is ``madvise(MADV_DONTNEED)`` on the private file mapping, only for pages of
+tensors discarded or already copied out (a page written in place would revert). No-op off Linux and for
+tensor-parallel shards.
 """
 
 from __future__ import annotations
@@ -69,9 +62,7 @@ def _libc():
 
 def drop_checkpoint_pages(tensors: Iterable[torch.Tensor], ranges=None) -> int:
     """Release the resident pages of ``tensors`` that lie in a mapped checkpoint; returns bytes advised.
-
-    The tensors stay valid (their pages are re-read from the file if used again).
-    """
+    The tensors stay valid (their pages are re-read from the file if used again)."""
     ranges = checkpoint_ranges() if ranges is None else ranges
     if not ranges:
         return 0
@@ -88,8 +79,7 @@ def own_weights(model: torch.nn.Module) -> int:
     """Copy every CPU parameter and buffer of ``model`` that still views a mapped checkpoint into
     process memory, then drop the resident pages of the mappings it viewed; returns the bytes copied.
 
-    Tied parameters (one Parameter object in several modules) are copied once and stay tied.
-    """
+    Tied parameters (one Parameter object in several modules) are copied once and stay tied."""
     ranges = checkpoint_ranges()
     if not ranges:
         return 0

@@ -1,11 +1,6 @@
-"""Service configuration: one YAML file drives ``specdec serve`` locally and the Kubernetes ConfigMap.
-
-    specdec serve --config deploy/specdec.yaml
-
-Every field has a default, so an empty file (or none) is a valid config; flags override fields.
-Errors (unknown keys, bad values, a malformed tree) raise ConfigError naming the field, e.g.
-``target.port: Input should be less than or equal to 65535``.
-"""
+"""Service configuration: one YAML file for ``specdec serve`` and the Kubernetes ConfigMap; every key, its default and
+meaning: docs/serving.md "Config reference". Errors raise ConfigError naming the field, e.g. ``target.port: Input should
+be less than or equal to 65535``."""
 
 from __future__ import annotations
 
@@ -36,24 +31,17 @@ class ModelsConfig(_Section):
     device: str = "cpu"                                   # both models' device where draft.device / target.device are unset
     max_context: int | None = Field(default=None, ge=2)
     threads: int | None = Field(default=None, ge=1)
-    # float32 CPU target: greedy argmax via specdec.argmax_head (~+1.2 GB); False = always the full LM head
     argmax_screen: bool = True
 
 
 class GrpcConfig(_Section):
     max_message_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
     shutdown_grace_s: float = Field(default=10.0, ge=0)   # SIGTERM: finish in-flight calls this long
-    # HTTP/2 keepalive: a channel pings an idle connection this often (a server every 2x), and a peer that misses
-    # its ack for a third of it is gone: a partition ends its calls and streams (their sessions released)
     keepalive_s: float = Field(default=30.0, ge=0.5)
-    # PEM files (specdec.security). cert + key: every port serves TLS; + ca: mutual TLS between the services
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
-    # the draft and target require their clients' certificates (mutual TLS against tls_ca) when they serve TLS;
-    # false lets any TLS client in (a warning names the risk)
     tls_client_auth: bool = True
-    # plaintext port with only grpc.health.v1.Health, for kubelet probes under TLS; per server, so ``serve`` refuses it
     health_port: int | None = Field(default=None, ge=0, le=65535)
 
     @model_validator(mode="after")
@@ -73,14 +61,11 @@ class DraftServerConfig(_Section):
     device: str | None = None                             # "cpu", "cuda:1", ...; None = models.device
     max_sessions: int = Field(default=256, ge=1)
     session_idle_s: float = Field(default=600.0, gt=0)    # a stream without a message this long is ended (its client died)
-    # KV slots over all streams (prompt + committed tokens; RESOURCE_EXHAUSTED past it: the front decodes without the
-    # draft); "auto": kv_memory_fraction of the memory free after loading (specdec.kv_budget)
     max_kv_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
     kv_memory_fraction: float = Field(default=0.2, gt=0, le=1)
     prefill_chunk_tokens: int = Field(default=256, ge=1)  # prompt tokens per prefill job: others' proposes get in between
     max_batch: int = Field(default=8, ge=1)               # sessions whose tree steps share one draft forward
     batch_wait_ms: float = Field(default=1.0, ge=0)       # how long a propose waits for company
-    # wait for sessions expected back (specdec.batching), share of the mean propose time; 0 = only batch_wait_ms
     batch_gather: float = Field(default=0.25, ge=0, le=1)
 
 
@@ -88,20 +73,14 @@ class TargetServerConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=50062, ge=0, le=65535)
     tp: int = Field(default=1, ge=1)                      # tensor-parallel ranks
-    # the ranks' devices: a list (one per rank) or the first ("cuda:1": ranks on cuda:1, cuda:2, ...); None = models.device
     device: str | list[str] | None = None
-    # sessions merged into one verify forward (one forward of 16 rows costs less than two of 8)
     max_batch: int = Field(default=16, ge=1)
     batch_wait_ms: float = Field(default=2.0, ge=0)       # how long a verify waits for company
-    # wait for sessions expected back (specdec.batching), share of the mean verify time; 0 = only batch_wait_ms
     batch_gather: float = Field(default=0.25, ge=0, le=1)
-    # KV slots over all sessions (RESOURCE_EXHAUSTED past it); "auto": specdec.kv_budget
     max_kv_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
     kv_memory_fraction: float = Field(default=0.7, gt=0, le=1)
     max_tree_nodes: int = Field(default=512, ge=1)
     prefill_chunk_tokens: int = Field(default=256, ge=1)  # prompt tokens per prefill forward: an abort or others' verifies get in between
-    # while others decode, a long prompt rides in their verify forwards this many tokens at a time (null = off);
-    # 16 keeps their forwards within ~2x on a 2-core CPU (raise it where rows are cheap, e.g. on a GPU)
     prefill_busy_chunk_tokens: int | None = Field(default=16, ge=1)
     session_idle_s: float = Field(default=600.0, gt=0)    # a session untouched this long is released (its client died)
     max_sessions: int = Field(default=512, ge=1)          # open sessions (each holds a logits row even with no KV)
@@ -124,14 +103,8 @@ class CostAwareConfig(_Section):
     max_ngram: int = Field(default=3, ge=1, le=8)         # longest suffix matched in the context
     probe_every: int = Field(default=16, ge=1)            # rounds without the draft before one draft step is tried
     first_round_plain: bool = True                        # the first round never drafts (TTFT = target-only TTFT)
-    # draft and target share hardware (a draft step priced for the whole batch); "auto" = from the Info placements
     shared_compute: Literal["auto"] | bool = "auto"
-    # D learnt from a draft service's "reply" wall time (queueing included: a drafted round's cost too) or
-    # its reported "forward" time; not used for an in-process draft or a separate draft device under load
     draft_cost_from: Literal["forward", "reply"] = "reply"
-    # the cost model's starting V(n) (ms by verify rows) and D(p) (ms per draft step by parents), both or
-    # neither, 2+ points each, piecewise linear; None: measured at connect (``measure_at_start``), else
-    # the 2-core CPU prior (docs/control.md "The cost model")
     measure_at_start: bool = True
     verify_ms: dict[Annotated[int, Field(ge=1)], Annotated[float, Field(gt=0, allow_inf_nan=False)]] | None = Field(
         default=None, min_length=2)
@@ -147,15 +120,12 @@ class CostAwareConfig(_Section):
 
 
 class DraftWindowConfig(_Section):
-    """The context a draft session opens with: the first ``sink_tokens`` and the most recent committed
-    tokens, ``max_tokens`` in all, re-opened with everything after ``full_after_tokens`` generated
-    (docs/control.md "Draft context window"; StreamingLLM, Xiao et al. 2024, §3; MagicDec, Chen et al.
-    2024, §4). None = every token from the start / the window to the end."""
+    """The context a draft session opens with: the first ``sink_tokens`` and the most recent tokens, ``max_tokens``
+    in all (docs/control.md "Draft context window"; StreamingLLM, Xiao et al. 2024, §3; MagicDec, Chen et al. 2024)."""
 
     max_tokens: int | None = Field(default=256, ge=2)
     sink_tokens: int = Field(default=32, ge=0)
     full_after_tokens: int | None = Field(default=64, ge=1)
-    # also where the draft has its own hardware (its prefill is off the critical path there)
     on_separate_hardware: bool = False
 
     @model_validator(mode="after")
@@ -183,8 +153,7 @@ class MonitorConfig(_Section):
 
 
 class ClientLimitsConfig(_Section):
-    """Admission limits of the front (orchestrator.serving.admission), per client and overall. A client is its
-    bearer token when ``front.auth_token_file`` is set, else its address (the peer's host)."""
+    """Admission limits of the front (orchestrator.serving.admission), per client and overall."""
 
     max_running: int = Field(default=256, ge=1)            # requests holding a running slot (prefill or decoding)
     max_waiting: int = Field(default=1024, ge=0)           # requests queued (FIFO) for a slot; 0 = refuse when full
@@ -194,7 +163,6 @@ class ClientLimitsConfig(_Section):
     max_new_tokens: int = Field(default=8192, ge=1)       # an explicit max_new_tokens above it is refused, not clamped
     max_prompt_bytes: int = Field(default=1 << 20, ge=1)   # a text prompt's UTF-8 bytes, checked before tokenizing
     max_body_bytes: int = Field(default=4 << 20, ge=1024)  # an HTTP body (Content-Length or read): over it, 413 unread
-    # a request's server-side deadline (a client's own shorter deadline wins); None = only the client's
     request_timeout_s: float | None = Field(default=600.0, gt=0)
 
 
@@ -209,7 +177,6 @@ class FrontConfig(_Section):
     tree: TreeSpec = DEFAULT_SPEC
     speculate: bool = True
     pipeline: Literal["auto"] | bool = False              # draft round r+1 while round r verifies; auto: the control
-    # decides per round (docs/control.md "Pipelining")
     ahead_candidates: int = Field(default=2, ge=1, le=4)  # next trees per ahead (pre-drafting; 1 = path + guess only)
     draft_window: DraftWindowConfig = DraftWindowConfig()  # the context a draft session opens with (sinks + recent tokens)
     cost_aware: CostAwareConfig = CostAwareConfig()
@@ -220,11 +187,8 @@ class FrontConfig(_Section):
     ray_num_cpus: int | None = Field(default=None, ge=1)
     workers: int = Field(default=1, ge=1)                 # orchestrator actors
     metrics_port: int | None = Field(default=None, ge=0, le=65535)   # Prometheus /metrics (None = off)
-    # OpenAI-compatible HTTP API (orchestrator.serving.http_api) on front.host: /v1/completions,
-    # /v1/chat/completions, /v1/models, /health, /metrics. None = off (the gRPC API only); 0 = ephemeral.
     http_port: int | None = Field(default=None, ge=0, le=65535)
     auth_token_file: str | None = None                    # GenerationService and HTTP /v1/*: bearer tokens, one a line (None = no auth)
-    # the metrics port and HTTP /metrics need a bearer token of auth_token_file too (Prometheus: authorization.credentials_file)
     metrics_auth: bool = False
     served_model_name: str | None = None                  # HTTP "model" id (None = the tokenizer directory's name)
     limits: ClientLimitsConfig = ClientLimitsConfig()     # concurrent / queued requests and KV per request (RESOURCE_EXHAUSTED past them)
@@ -317,8 +281,7 @@ class ServeConfig(_Section):
         return self
 
 
-# Keys that were removed or renamed: dotted path -> what to do instead. A config that still sets one
-# fails naming it with this text rather than pydantic's generic "extra inputs" message.
+# Removed or renamed keys: dotted path -> what to do instead (the error names it).
 _LOW_ACCEPTANCE_GONE = ("the low-acceptance fallback was removed (docs/heuristics.md): the cost-aware control "
                         "drops the draft where it does not pay and probes every front.cost_aware.probe_every rounds")
 _LOCKSTEP = "lock-step rounds were removed: they did not pay (docs/heuristics.md, row 4)"
@@ -362,9 +325,7 @@ def _error_text(err: dict) -> str:
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> ServeConfig:
     """Read a YAML config (None = defaults) and apply dotted overrides, e.g. {"target.port": 0}.
-
-    Raises ConfigError naming the field (or the file, when it is unreadable or not YAML).
-    """
+    Raises ConfigError naming the field (or the file, when it is unreadable or not YAML)."""
     data: dict = {}
     if path is not None:
         try:

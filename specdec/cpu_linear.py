@@ -1,8 +1,5 @@
-"""Fast float32 linear layers on the CPU for the few-row matmuls of speculative decoding.
-
-Why: on AVX2-only CPUs MKL sgemm costs several times more for a 13-row tree than for 1 row; oneDNN with
-weights pre-packed once (as torch inductor does for frozen CPU linears) grows far less with the rows.
-"""
+"""Fast float32 linear layers on the CPU for the few-row matmuls of speculative decoding: oneDNN with weights pre-packed
+once, as torch inductor does for frozen CPU linears (docs/design.md "Speed paths")."""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ multi-row attention through SDPA's ``enable_gqa`` instead of ``repeat_kv`` copie
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from dataclasses import dataclass
@@ -20,32 +21,26 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specdec.cpu_linear import PackedLinear
+from specdec.interfaces import UnknownSessionError
+from specdec.kv_budget import kv_bytes_per_token
+from specdec.kv_cache import append_kv_row, stack_kv
 from specdec.tree import additive_mask
 
 
 def _cache_kwarg(model) -> str:
-    # transformers renamed `past_key_values` to `cache` in 5.x; take whichever this version has.
+    """``cache`` (transformers 5.x) or ``past_key_values``, whichever this version's forward takes."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
 @torch.inference_mode()
-def model_forward(
-    model,
-    cache,
-    input_ids: list[int],
-    position_ids: torch.Tensor,
-    mask: torch.Tensor | None,
-    logits_rows: int | None = None,
-    argmax_head=None,
-) -> torch.Tensor:
+def model_forward(model, cache, input_ids: list[int], position_ids: torch.Tensor, mask: torch.Tensor | None,
+                  logits_rows: int | None = None, argmax_head=None) -> torch.Tensor:
     """Run ``model`` on Q new tokens after the cached ones; the cache grows by Q slots.
-
     input_ids: Q token ids; position_ids: [Q] int64; mask: [1, 1, Q, S + Q] additive in the model's
     dtype, or None for causal; logits_rows: keep only the last that many rows (None = all). Returns
     [logits_rows or Q, V] float32; with ``argmax_head`` (and at most its ``max_rows`` kept rows) the
-    argmax ids [logits_rows or Q] int64 instead, without running the model's own head.
-    """
+    argmax ids [logits_rows or Q] int64 instead, without running the model's own head."""
     ids = torch.tensor([input_ids], dtype=torch.long, device=model.device)  # (1, Q)
     kwargs = _forward_kwargs(model, cache, position_ids[None], mask, logits_rows or 0)  # positions (1, Q)
     if argmax_head is not None and min(logits_rows or len(input_ids), len(input_ids)) <= argmax_head.max_rows:
@@ -105,8 +100,7 @@ class DirectDecoder:
     """A causal LM's one-session forward over the model's own modules and functions, layer by layer,
     skipping the model forward's per-call plumbing (decorators, mask building, output records); logits
     and KV are bit for bit the model forward's. Build with ``DirectDecoder.of(model)`` (None for models
-    outside ``DIRECT_MODEL_TYPES`` with full attention).
-    """
+    outside ``DIRECT_MODEL_TYPES`` with full attention)."""
 
     def __init__(self, model):
         decoder = model.get_decoder()
@@ -216,18 +210,11 @@ def _decoder_hidden(model, ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def model_forward_batch(
-    model,
-    cache,
-    input_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    mask: torch.Tensor,
-) -> torch.Tensor:
+def model_forward_batch(model, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                        mask: torch.Tensor) -> torch.Tensor:
     """Run ``model`` on B padded rows of Q new tokens each after a batched cache (S slots per row).
-
     input_ids, position_ids: [B, Q] int64; mask: [B, 1, Q, S + Q] additive, every row seeing at least
-    one slot. Returns [B, Q, V] float32, padded rows included; the cache grows by Q slots per row.
-    """
+    one slot. Returns [B, Q, V] float32, padded rows included; the cache grows by Q slots per row."""
     if input_ids.dim() != 2 or position_ids.shape != input_ids.shape:
         raise ValueError(
             f"input_ids {tuple(input_ids.shape)} / position_ids {tuple(position_ids.shape)}: need [B, Q] both"
@@ -242,13 +229,11 @@ def model_forward_batch(
 def padded_batch_inputs(ids: Sequence[Sequence[int]], positions: Sequence[torch.Tensor],
                         visible: Sequence[torch.Tensor], cache_lens: Sequence[int], dtype: torch.dtype = torch.float32):
     """Inputs of ``model_forward_batch`` over B sessions' new rows after a right-padded stacked cache.
-
     ids: B lists of n_b token ids; positions: B (n_b,) position ids; visible: B (n_b, C_b + n_b) bool, which of
     the session's C_b cached slots and n_b new rows each row sees; cache_lens: [B] C_b. With S = max C_b and
     Q = max n_b, row b holds its n_b rows then padding, its keys cache slots 0..S-1 then the Q new slots.
     Returns (input_ids [B, Q] int64, position_ids [B, Q] int64, mask [B, 1, Q, S + Q] additive in ``dtype``):
-    pad rows see only their own slot (so none is fully masked) and no real row sees a pad.
-    """
+    pad rows see only their own slot (so none is fully masked) and no real row sees a pad."""
     width = max(cache_lens, default=0)
     q = max((len(row) for row in ids), default=1)
     input_ids = torch.zeros(len(ids), q, dtype=torch.long)
@@ -293,19 +278,10 @@ class PackedSegment:
     mask: torch.Tensor | None
 
 
-@dataclass(frozen=True)
-class PackedRows:
-    """The attention plan of a packed forward (a keyword argument of the model call, which
-    transformers hands down to every attention call; the model's own causal mask is ignored)."""
-
-    segments: tuple[PackedSegment, ...]
-
-
 def _sdpa_attention(module, query, key, value, attention_mask, native_gqa: bool = False, **kwargs):
-    """transformers' ``sdpa_attention_forward``, but with SDPA's own grouped-query attention (Ainslie et
-    al. 2023, "GQA", §2.2) for several masked CPU query rows where transformers copies heads
-    (``repeat_kv``). query: [B, H, Q, D], key / value: [B, H_kv, S, D], mask: [B, 1, Q, S] or None.
-    Returns ([B, Q, H, D], None)."""
+    """transformers' ``sdpa_attention_forward``, but with SDPA's own grouped-query attention (Ainslie et al. 2023,
+    "GQA", §2.2) for several masked CPU query rows where transformers copies heads (``repeat_kv``). query: [B, H, Q, D],
+    key / value: [B, H_kv, S, D], mask: [B, 1, Q, S] or None. Returns ([B, Q, H, D], None)."""
     if (not native_gqa or attention_mask is None or query.shape[2] == 1 or query.device.type != "cpu"
             or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
             or getattr(module, "num_key_value_groups", 1) == 1):
@@ -318,13 +294,15 @@ def _sdpa_attention(module, query, key, value, attention_mask, native_gqa: bool 
     return out.transpose(1, 2).contiguous(), None
 
 
-def _packed_attention(module, query, key, value, attention_mask, packed_rows: PackedRows | None = None, **kwargs):
-    """``_sdpa_attention``, or segment by segment against each segment's own cache given a PackedRows plan.
+def _packed_attention(module, query, key, value, attention_mask, packed_rows: tuple[PackedSegment, ...] | None = None,
+                      **kwargs):
+    """``_sdpa_attention``, or segment by segment against each segment's own cache given ``packed_rows``, the plan
+    of a packed forward (a keyword of the model call, handed down to every attention call; the causal mask unread).
     query: [1, H, T, D], key / value: [1, H_kv, T, D]. Returns ([1, T, H, D], None)."""
     if packed_rows is None:
         return _sdpa_attention(module, query, key, value, attention_mask, **kwargs)
     out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # (1, T, H, D)
-    for seg in packed_rows.segments:
+    for seg in packed_rows:
         rows = slice(seg.start, seg.start + seg.rows)
         keys, values = seg.cache.update(key[:, :, rows], value[:, :, rows], module.layer_idx)  # (1, H_kv, L + n, D)
         out[:, rows], _ = _sdpa_attention(module, query[:, :, rows], keys, values, seg.mask, **kwargs)
@@ -370,16 +348,10 @@ def packed_layout(model, packed: bool | None) -> bool:
 
 
 @torch.inference_mode()
-def model_forward_packed(
-    model,
-    caches: Sequence,
-    input_ids: Sequence[Sequence[int]],
-    position_ids: Sequence[torch.Tensor],
-    masks: Sequence[torch.Tensor],
-    logits_rows: Sequence[int | None] | None = None,
-    argmax_head=None,
-    argmax_rows: Sequence[bool] | None = None,
-) -> list[torch.Tensor]:
+def model_forward_packed(model, caches: Sequence, input_ids: Sequence[Sequence[int]],
+                         position_ids: Sequence[torch.Tensor], masks: Sequence[torch.Tensor],
+                         logits_rows: Sequence[int | None] | None = None, argmax_head=None,
+                         argmax_rows: Sequence[bool] | None = None) -> list[torch.Tensor]:
     """Run ``model`` once on the new rows of B sessions packed into one sequence, T = sum n_b rows, each
     session attending to its own cache (Krell et al. 2021, "Efficient Sequence Packing without
     Cross-contamination", §3, with a KV cache behind each block as vLLM's varlen attention).
@@ -389,8 +361,7 @@ def model_forward_packed(
     logits_rows: per session, its last rows kept (None = all). Returns B [k_b, V] float32, or argmax ids
     [k_b] int64 for sessions with argmax_rows[b] (``ArgmaxHead``). Logits equal the solo forward's up to
     float32 round-off. Not for dynamic / longrope RoPE. Raises ValueError for mismatched lengths, an empty
-    row, a bad mask shape or a model without packed attention; after a forward error, truncate the caches.
-    """
+    row, a bad mask shape or a model without packed attention; after a forward error, truncate the caches."""
     if model.config._attn_implementation != PACKED_ATTENTION:
         raise ValueError("model: call use_packed_attention(model) before packed forwards")
     keep = list(logits_rows) if logits_rows is not None else [None] * len(input_ids)
@@ -428,7 +399,7 @@ def _pack_segments(model, caches, input_ids, masks, keep) -> tuple[list[PackedSe
 
 
 def _packed_kwargs(model, input_ids, position_ids, segments, kept) -> dict:
-    """The model call's keyword arguments for a packed forward: positions (1, T), the PackedRows plan,
+    """The model call's keyword arguments for a packed forward: positions (1, T), the segments,
     the kept rows (K,) as ``logits_to_keep``, and no cache (each segment writes its own)."""
     device = model.device
     positions = torch.cat([p.to(torch.long) for p in position_ids]).to(device)[None]  # (1, T)
@@ -439,7 +410,7 @@ def _packed_kwargs(model, input_ids, position_ids, segments, kept) -> dict:
         # any 4-D mask makes transformers skip building its own (the packed attention does not read it)
         "attention_mask": torch.zeros(1, 1, 1, 1, dtype=model.dtype, device=device),
         "use_cache": False,
-        "packed_rows": PackedRows(tuple(segments)),
+        "packed_rows": tuple(segments),
         "logits_to_keep": rows,
         **_gqa_kwargs(model),
     }
@@ -471,3 +442,47 @@ def _heads_by_session(model, hidden: torch.Tensor, kept, greedy: list[bool], arg
         for i, rows in zip(other, logits.split([len(kept[i]) for i in other])):
             out[i] = rows
     return out
+
+
+class ModelRuntime:
+    """What the draft and target runtimes share: ``model``, ``sessions`` by id, ``packed`` (``packed_layout``)
+    and ``_forward``, one session's forward (``DirectDecoder`` where ``direct`` and it knows the model)."""
+
+    role = "model"  # in the UnknownSessionError message
+
+    def __init__(self, model, packed: bool | None = None, direct: bool = True):
+        self.model = model
+        self.sessions: dict = {}
+        self.packed = packed_layout(model, packed)
+        decoder = DirectDecoder.of(model) if direct else None
+        self._forward = decoder if decoder is not None else functools.partial(model_forward, model)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one cached token holds (``specdec.kv_budget``)."""
+        return kv_bytes_per_token(self.model.config, self.model.dtype.itemsize)
+
+    @property
+    def device(self) -> str:
+        """The model's device, e.g. "cpu" or "cuda:1" (where the KV cache grows)."""
+        return str(self.model.device)
+
+    def release(self, session_id: str) -> None:
+        self.sessions.pop(session_id, None)
+
+    def _session(self, session_id: str):
+        try:
+            return self.sessions[session_id]
+        except KeyError:
+            raise UnknownSessionError(f"session_id: unknown {self.role} session {session_id!r}") from None
+
+    def _forward_padded(self, caches: list, ids: list, positions: list, visible: list) -> list[torch.Tensor]:
+        """B sessions' new rows as one padded batch after their stacked caches (``padded_batch_inputs``), each
+        session's new KV then appended to its own cache. Returns B logits [n_b, V] float32."""
+        lengths = [cache.get_seq_length() for cache in caches]
+        stacked = stack_kv(caches, lengths, self.model.config)  # (B, H, S, D)
+        batch = padded_batch_inputs(ids, positions, visible, lengths, self.model.dtype)
+        logits = model_forward_batch(self.model, stacked, *batch)  # (B, Q, V)
+        for b, cache in enumerate(caches):
+            append_kv_row(cache, stacked, b, max(lengths), len(ids[b]))
+        return [logits[b, : len(row)] for b, row in enumerate(ids)]

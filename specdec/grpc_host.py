@@ -1,28 +1,33 @@
-"""The gRPC host shared by the draft and target servers and the front (grpc.aio), and the mapping
-of exceptions to status codes.
-
-``ServiceHost``: message size limits, health and reflection, a draining gate (after SIGTERM new calls
-get UNAVAILABLE, in-flight ones ``shutdown_grace_s``), an optional plaintext health port.
-``status_for`` maps exceptions to status codes (table: docs/serving.md "Errors").
-"""
+"""The gRPC host shared by the services (grpc.aio), the draft and target process entry, and the mapping of exceptions to
+status codes (docs/serving.md "Errors")."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import logging
+import os
 import signal
+import sys
 import time
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specdec.config import GrpcConfig
+from specdec.config import ConfigError, GrpcConfig, ServeConfig, load_config
 from specdec.interfaces import UnknownSessionError
+from specdec.model_worker import ModelWorker
+from specdec.models import ModelError
+from specdec.placement import usable_cpus
+from specdec.process_entry import configure_logging, fail
 from specdec.sampling import SamplingParamsError
-from specdec.security import keepalive_options, refusing_handler, server_credentials, warn_plaintext
+from specdec.security import (
+    check_client_auth, keepalive_options, refusing_handler, server_credentials, warn_plaintext,
+)
+from specdec.telemetry import setup_tracing, shutdown_tracing
 from specdec.service_errors import CapacityError, DeadlineExpiredError, ShuttingDownError
 from specdec.tree import MalformedTreeError
 from specdec.tree_spec import TreeSpecError
@@ -124,8 +129,7 @@ class ServiceHost:
 
     name: in the ready line ``<name> ready on <host>:<port>``; config: the grpc section; client_auth:
     mutual TLS with tls_ca; interceptors: after the draining gate. ``health_server`` (with
-    ``config.health_port``) prints ``health ready on <host>:<port>`` and stops after the main server.
-    """
+    ``config.health_port``) prints ``health ready on <host>:<port>`` and stops after the main server."""
 
     def __init__(self, name: str, config: GrpcConfig, client_auth: bool = False, interceptors: Sequence = ()):
         self.name = name
@@ -169,18 +173,14 @@ class ServiceHost:
             print(f"health ready on {host}:{health_bound}", flush=True)
         return bound
 
-    def request_stop(self) -> None:
-        """Begin the graceful shutdown (what SIGTERM/SIGINT do)."""
-        self._stop.set()
-
     def stop_on_signals(self) -> None:
-        """SIGTERM/SIGINT begin the graceful shutdown (``request_stop``)."""
+        """SIGTERM/SIGINT begin the graceful shutdown."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_stop)
+            loop.add_signal_handler(sig, self._stop.set)
 
     async def wait_for_stop(self) -> None:
-        """Return once SIGTERM/SIGINT (or ``request_stop``) asked for the shutdown."""
+        """Return once SIGTERM/SIGINT asked for the shutdown."""
         await self._stop.wait()
 
     async def serve(self, host: str, port: int, service_names: Sequence[str]) -> int:
@@ -214,3 +214,64 @@ def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.Serve
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     return bound
+
+
+class _Terminated(BaseException):
+    """SIGTERM while the model loads (before the server's own handler is installed)."""
+
+
+def _terminate(signum, frame):
+    raise _Terminated()
+
+
+def serve_model(config: ServeConfig, role: str, load: Callable, serve_runtime: Callable) -> int:
+    """A draft or target service process (``role``: "draft" | "target"): the model's whole life (threads,
+    ``load(config)`` -> (runtime, serve_runtime keywords), every forward) on one ModelWorker thread, then
+    ``serve_runtime(config, runtime, worker=..., **keywords)`` until drained; a runtime with ``close`` is
+    closed after. Returns the exit code: 0 (also for a SIGTERM while loading), or 2 with a message on stderr
+    naming the field (a bad model, an unusable ``<role>.host`` / ``<role>.port``, TLS without a client CA)."""
+    configure_logging()
+    try:
+        check_client_auth(config.grpc, f"{role} service")
+    except ValueError as exc:
+        return fail(str(exc))
+    setup_tracing(f"{role}-service")
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    runtime, stopped_loading = None, False
+    worker = ModelWorker(f"{role}-runtime")
+    try:
+        # unset: the CPUs this process can keep busy (affinity and cgroup quota), not the host's count
+        worker.call(torch.set_num_threads, config.models.threads or usable_cpus())
+        runtime, keywords = worker.call(load, config)
+        asyncio.run(serve_runtime(config, runtime, worker=worker, **keywords))
+    except ModelError as exc:
+        return fail(str(exc))
+    except OSError as exc:
+        return fail(f"{role}.host / {role}.port: {exc}")
+    except _Terminated:
+        log.info("%s-service: SIGTERM while loading; stopped", role)
+        stopped_loading = True
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        worker.close(wait=False)  # the servicer has closed it after serving; else the process is exiting
+        if hasattr(runtime, "close"):
+            runtime.close()  # tensor-parallel ranks stop after the drain (after a rank failure they are gone)
+        shutdown_tracing()
+    if stopped_loading and worker.busy():
+        # SIGTERM during the (native) load: end the process here; interpreter shutdown may abort mid-call
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return 0
+
+
+def run_service(config_path: str | None, overrides: Mapping[str, object] | None,
+                serve: Callable[[ServeConfig], int]) -> int:
+    """Load the config (YAML, then ``overrides``: dotted fields such as {"target.tp": 2}, None = keep the
+    file's value) and ``serve`` it; returns the exit code (2 with a message for a bad config)."""
+    try:
+        config = load_config(config_path, dict(overrides or {}))
+    except ConfigError as exc:
+        return fail(str(exc))
+    return serve(config)

@@ -1,13 +1,7 @@
 """The narrow worker interface shared by embedded (in-process) and distributed (gRPC) modes.
 
-A round: ``draft.propose`` -> ``target.verify`` -> the orchestrator's stop checks ->
-``target.commit`` and ``draft.commit``. ``release`` frees a session's KV. ``start`` opens a session
-with the request's SamplingParams, which hold for all its rounds (both workers must apply them
-identically: ``specdec.sampling``).
-
-Cache invariant (both sides, after every commit): the cache holds KV for a prefix of the committed
-tokens; the target's holds exactly all committed tokens but the last one (the root R of the next
-tree, whose KV the next verify computes).
+A round: ``draft.propose`` -> ``target.verify`` -> the stop checks -> ``target.commit`` and ``draft.commit``.
+Cache invariant after every commit: docs/design.md "KV rollback".
 """
 
 from __future__ import annotations
@@ -33,9 +27,8 @@ MAX_AHEAD_CANDIDATES = 4  # candidate next trees one ahead may draft (front.ahea
 
 class AheadCandidate(NamedTuple):
     """One outcome of the round being verified that an ahead drafts the next tree for (docs/control.md
-    "Pipelining"): ``path_nodes`` [A] (a root path of the last proposed tree, root side first; empty = the
-    root rejected) accepted, then the draft's argmax token after them that is not in ``exclude`` (the
-    verified tree's children there: the target took none of them), then a tree of at most ``max_depth`` >= 1."""
+    "Pipelining"): ``path_nodes`` [A] (a root path of the last tree; empty = the root rejected) accepted, then
+    the draft's argmax token not in ``exclude``, then a tree of at most ``max_depth`` >= 1."""
 
     path_nodes: tuple[int, ...]
     max_depth: int
@@ -44,14 +37,11 @@ class AheadCandidate(NamedTuple):
 
 @dataclass(frozen=True)
 class VerifyResult:
-    """Outcome of verifying one tree.
-
-    accepted_nodes: [A] node indices of the accepted path, root side first; tokens: [A + 1], the bonus
-    last. Reported by the target service, 0 = not reported (not part of equality): batch_size,
-    batch_rows of the forward (batch_size 0 = a replayed result), mergeable (open sessions, at most
-    max_batch), forward_ms. logprobs: [A + 1] ``TokenLogprob`` of tokens when the session's sampling asks
-    for them, else empty (not part of equality: batched and solo forwards differ in float32 round-off).
-    """
+    """Outcome of verifying one tree. accepted_nodes: [A] node indices of the accepted path, root side first; tokens: [A
+    + 1], the bonus last. Reported by the target service, 0 = not reported (not part of equality): batch_size,
+    batch_rows of the forward (batch_size 0 = a replayed result), mergeable (open sessions, at most max_batch),
+    forward_ms. logprobs: [A + 1] ``TokenLogprob`` of tokens when the session's sampling asks for them, else empty (not
+    part of equality: batched and solo forwards differ in float32 round-off)."""
 
     accepted_nodes: tuple[int, ...]
     tokens: tuple[int, ...]
@@ -66,16 +56,14 @@ class DraftWorker:
     """The draft side of a round, with its optional parts declared (defaults) so the round loop never
     probes. Over gRPC every failure raises ``DraftUnavailableError`` and the request goes on without it.
 
-    Dims: T prompt tokens, N tree nodes, K tokens committed in a round, A accepted nodes.
-    """
+    Dims: T prompt tokens, N tree nodes, K tokens committed in a round, A accepted nodes."""
 
     in_process = False  # True: its calls take turns with the event loop, nothing runs beside them
     drafts_ahead = False  # True: propose_ahead / resolve_ahead work (pipelining, ``RoundController(pipeline=True)``)
 
     @property
     def link_rtt_s(self) -> float | None:
-        """The measured round trip of this worker's link, seconds (wall time of a call minus the service's own
-        time); None in-process or before the first call."""
+        """The link's measured round trip, s (a call's wall time minus the service's); None in-process or unknown."""
         return None
 
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> int | None:
@@ -108,11 +96,10 @@ class DraftWorker:
 
     def propose_candidates(self, session_id: str, candidates: list[AheadCandidate],
                            spec: TreeSpec) -> list[tuple[int, DraftTree]]:
-        """Pre-drafting (where ``drafts_ahead``): the next tree for each candidate outcome [C], C >= 1,
-        candidates[0] the best path fully accepted (after a plain round all paths are empty: the draft's
-        likeliest next tokens; a candidate excludes the earlier same-path ones' tokens). Returns (token,
-        tree) per candidate, in order, or only the first where the worker drafts one (this default:
-        ``propose_ahead``, ``exclude`` ignored)."""
+        """Pre-drafting (where ``drafts_ahead``): the next tree for each candidate outcome [C], C >= 1, candidates[0]
+        the best path fully accepted (after a plain round all paths are empty: the draft's likeliest next tokens; a
+        candidate excludes the earlier same-path ones' tokens). Returns (token, tree) per candidate, in order, or only
+        the first where the worker drafts one (this default: ``propose_ahead``, ``exclude`` ignored)."""
         first = candidates[0]
         return [tuple(self.propose_ahead(session_id, list(first.path_nodes), spec, first.max_depth))]
 
@@ -122,14 +109,21 @@ class DraftWorker:
         raise NotImplementedError(f"{type(self).__name__} does not draft ahead")
 
     def last_batch_size(self, session_id: str) -> int | None:
-        """Sessions whose tree steps shared the draft forwards of this session's last proposal
-        (a draft service's reply says; None = not reported)."""
+        """Sessions that shared the draft forwards of this session's last proposal (None = not reported)."""
         return None
 
     def last_forward_ms(self, session_id: str) -> float | None:
-        """ms of the draft call that grew this session's last tree, without queue or transport
-        (a draft service's reply says; None = not reported)."""
+        """ms of the draft call that grew this session's last tree, without queue or transport (None = not reported)."""
         return None
+
+
+def _through_call(name: str):
+    """A ``WorkerAdapter`` method that runs the worker's method ``name`` through ``call``."""
+    def method(self, *args, **kwargs):
+        return self.call(name, getattr(self.worker, name), *args, **kwargs)
+
+    method.__name__ = name
+    return method
 
 
 class WorkerAdapter(DraftWorker):
@@ -148,29 +142,10 @@ class WorkerAdapter(DraftWorker):
         """The worker's ``method`` (its ``name``) called with the arguments."""
         raise NotImplementedError
 
-    def start(self, *args, **kwargs):
-        return self.call("start", self.worker.start, *args, **kwargs)
-
-    def propose(self, *args, **kwargs):
-        return self.call("propose", self.worker.propose, *args, **kwargs)
-
-    def verify(self, *args, **kwargs):
-        return self.call("verify", self.worker.verify, *args, **kwargs)
-
-    def commit(self, *args, **kwargs):
-        return self.call("commit", self.worker.commit, *args, **kwargs)
-
-    def release(self, *args, **kwargs):
-        return self.call("release", self.worker.release, *args, **kwargs)
-
-    def propose_ahead(self, *args, **kwargs):
-        return self.call("propose_ahead", self.worker.propose_ahead, *args, **kwargs)
-
-    def propose_candidates(self, *args, **kwargs):
-        return self.call("propose_candidates", self.worker.propose_candidates, *args, **kwargs)
-
-    def resolve_ahead(self, *args, **kwargs):
-        return self.call("resolve_ahead", self.worker.resolve_ahead, *args, **kwargs)
+    start, propose, verify = _through_call("start"), _through_call("propose"), _through_call("verify")
+    commit, release = _through_call("commit"), _through_call("release")
+    propose_ahead, propose_candidates = _through_call("propose_ahead"), _through_call("propose_candidates")
+    resolve_ahead = _through_call("resolve_ahead")
 
     def last_batch_size(self, session_id: str) -> int | None:
         return self.worker.last_batch_size(session_id)
@@ -183,14 +158,9 @@ class TargetWorker(Protocol):
     """The target side of a round (over gRPC errors arrive as ``grpc.aio.AioRpcError``). A runtime may
     also offer ``verify_batch(items)``, which the target server's batcher uses.
 
-    Dims: T prompt tokens, N tree nodes, A accepted nodes, L cached slots.
-    """
+    Dims: T prompt tokens, N tree nodes, A accepted nodes, L cached slots."""
 
-    @property
-    def link_rtt_s(self) -> float | None:
-        """The measured round trip of this worker's link, seconds (wall time of a call minus the service's own
-        time); None in-process or before the first call."""
-        return None
+    link_rtt_s = DraftWorker.link_rtt_s
 
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> None:
         """Prefill ``prompt_ids`` [T], T >= 1, but the last token, the root R (L = T - 1); ``sampling``
@@ -199,9 +169,8 @@ class TargetWorker(Protocol):
         ...
 
     def verify(self, session_id: str, tree: DraftTree) -> VerifyResult:
-        """Verify a tree of N >= 0 nodes in one forward over [R, nodes] (cache + N + 1 until ``commit``);
-        the result is pending until commit. Raises UnknownSessionError, SessionStateError or
-        MalformedTreeError."""
+        """Verify a tree of N >= 0 nodes in one forward over [R, nodes] (cache + N + 1 until ``commit``); the result is
+        pending until commit. Raises UnknownSessionError, SessionStateError or MalformedTreeError."""
         ...
 
     def commit(self, session_id: str, num_tokens: int) -> None:

@@ -1,13 +1,9 @@
-"""How many KV slots a service may hand out: ``target.max_kv_tokens`` / ``draft.max_kv_tokens: auto`` sized from memory.
+"""How many KV slots a service may hand out: ``max_kv_tokens: auto`` sized from memory once after loading, as vLLM
+sizes KV blocks from ``gpu_memory_utilization``: floor(kv_memory_fraction * free memory / KV bytes per token).
 
-Sized once after loading, as vLLM sizes KV blocks from ``gpu_memory_utilization``:
-
-    max_kv_tokens = floor(kv_memory_fraction * free memory / KV bytes per token)
-
-KV bytes per token: 2 x layers x KV heads x head dim x element size (Qwen2.5-1.5B float32: 57,344).
 Free memory, CPU: min(MemAvailable, the cgroup's limit left, inactive file cache not counted); CUDA:
-``torch.cuda.mem_get_info`` of the device, read by the process that computes on it (a tensor-parallel rank, never
-its coordinator: ``ranks_free_bytes``). Unreadable memory: ``FALLBACK_KV_TOKENS``.
+``torch.cuda.mem_get_info``, read by the process that computes there (a tensor-parallel rank, never its
+coordinator). Unreadable: ``FALLBACK_KV_TOKENS``.
 """
 
 from __future__ import annotations
@@ -122,9 +118,15 @@ def resolve_max_kv_tokens(fraction: float, bytes_per_token: int | None, free_byt
     return max(1, int(fraction * free_bytes) // bytes_per_token)
 
 
-def sized_budget(service: str, fraction: float, bytes_per_token: int | None, free: int | None) -> int:
-    """``max_kv_tokens: auto`` of a service ("target-service", "draft-service"): ``resolve_max_kv_tokens`` of
-    ``free`` bytes (``free_memory_bytes`` / ``ranks_free_bytes``), logged once."""
+def service_budget(service: str, config, runtime) -> int:
+    """The KV slots of a service ("target-service", "draft-service"; config: its section): ``max_kv_tokens``, or
+    for "auto" ``resolve_max_kv_tokens`` of the runtime's ``free_kv_bytes`` where its ranks measured them (the
+    coordinator opens no CUDA context), else ``free_memory_bytes`` of its ``device``; logged once."""
+    if config.max_kv_tokens != "auto":
+        return config.max_kv_tokens
+    free = (runtime.free_kv_bytes if hasattr(runtime, "free_kv_bytes")
+            else free_memory_bytes(getattr(runtime, "device", "cpu")))
+    fraction, bytes_per_token = config.kv_memory_fraction, getattr(runtime, "kv_bytes_per_token", None)
     budget = resolve_max_kv_tokens(fraction, bytes_per_token, free)
     log.info("%s: max_kv_tokens auto = %d (%.2f of %s free, %s bytes per token)", service, budget, fraction,
              f"{free / 2**30:.1f} GiB" if free is not None else "unknown", bytes_per_token)

@@ -1,10 +1,6 @@
-"""KV cache rollback and compaction on a transformers ``DynamicCache`` (both services use it).
+"""KV cache rollback and compaction on a transformers ``DynamicCache`` (docs/design.md "KV rollback").
 
-Dims: B batch (1 per session), H kv heads, S cached slots, D head dim; each layer holds
-keys/values of shape (B, H, S, D).
-
-Worked example: 7 cached prefix slots, then R at slot 7 and tree nodes 0..11 at slots 8..19.
-Accepting nodes [0, 6] keeps slots 0..7, moves slot 8 -> 8 and slot 14 -> 9, crops to 10.
+Dims: B batch (1 per session), H kv heads, S cached slots, D head dim; each layer holds (B, H, S, D).
 """
 
 from __future__ import annotations
@@ -57,12 +53,10 @@ def truncate_kv(cache: DynamicCache, length: int) -> None:
 @torch.inference_mode()
 def stack_kv(caches: list[DynamicCache], lengths: list[int], config) -> DynamicCache:
     """Stack the first ``lengths[b]`` slots of B single-row caches into one B-row cache.
-
     caches: B caches, (1, H, >= lengths[b], D) per layer; lengths: [B]. Returns a new DynamicCache of
     (B, H, S, D) layers, S = max(lengths), right-padded with zeros (a mask must hide the padding); a copy,
     so the batch's KV is held twice while it lives. Raises TypeError for layers that are not plain
-    DynamicLayer, ValueError when a cache holds fewer slots than asked.
-    """
+    DynamicLayer, ValueError when a cache holds fewer slots than asked."""
     if len(caches) != len(lengths):
         raise ValueError(f"lengths: {len(lengths)} entries for {len(caches)} caches")
     for cache, length in zip(caches, lengths):
@@ -91,10 +85,8 @@ def stack_kv(caches: list[DynamicCache], lengths: list[int], config) -> DynamicC
 @torch.inference_mode()
 def append_kv_row(cache: DynamicCache, stacked: DynamicCache, row: int, start: int, count: int) -> None:
     """Append slots [start, start + count) of row ``row`` of a B-row ``stacked`` cache to ``cache``.
-
     cache: (1, H, S, D) per layer, grows to S + count slots; stacked: (B, H, >= start + count, D) per
-    layer. Raises TypeError for non-DynamicLayer layers.
-    """
+    layer. Raises TypeError for non-DynamicLayer layers."""
     _check_dynamic(cache)
     for layer, src in zip(cache.layers, stacked.layers):
         keys = src.keys[row : row + 1, :, start : start + count]  # (1, H, count, D)

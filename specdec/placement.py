@@ -1,14 +1,6 @@
-"""Where a service's model computes, so the orchestrator can tell whether draft and target share it.
-
-    p = placement("cpu")                 # this process: host name, device, CPUs it may run on
-    shares_compute(draft_p, target_p)    # True: same host and device (CPU: overlapping CPU sets)
-
-Both services report it in Info (``host``, ``device``, ``cpus``); shared compute makes the planning price
-draft steps for the whole batch. Pods on one node differ by host name; a CUDA device is named by its UUID
-(``CUDA_VISIBLE_DEVICES`` renumbers); a tensor-parallel target reports its rank 0's device, named by that rank.
-``usable_cpus()``: the CPUs the process can keep busy (affinity capped by its cgroup's CPU quota), which sizes
-torch's threads where ``models.threads`` is unset.
-"""
+"""Where a service's model computes (``placement``: host, device, CPUs; reported in Info), so the orchestrator can tell
+whether draft and target share it (``shares_compute``). A CUDA device is named by its UUID (``CUDA_VISIBLE_DEVICES``
+renumbers). ``usable_cpus()`` sizes torch's threads where ``models.threads`` is unset."""
 
 from __future__ import annotations
 

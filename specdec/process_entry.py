@@ -1,6 +1,5 @@
-"""Process entry helpers shared by the three servers (draft, target, front): logging, the device
-check before any model loads, and the one-line error exit.
-"""
+"""Process entry helpers shared by the three servers (draft, target, front): logging, the device check before any model
+loads, and the one-line error exit."""
 
 from __future__ import annotations
 

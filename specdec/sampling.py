@@ -1,11 +1,6 @@
-"""Sampling parameters and the sampling maths the draft and the target apply identically.
-
-Dims: V vocabulary, S support of a sparse distribution, K siblings.
-
-The draft's q and the target's p must both come from ``processed_probs`` with the same SamplingParams,
-or verification is no longer lossless. Rejection sampling: Leviathan et al. 2023, Algorithm 1; Chen et
-al. 2023 (docs/design.md "Verification"). Float64 NumPy on the CPU, on the few rows a round needs.
-"""
+"""Sampling parameters and the sampling maths the draft and the target apply identically (q and p both from
+``processed_probs`` with the same SamplingParams, or verification is not lossless; docs/design.md "Verification").
+Float64 NumPy on the CPU, on the few rows a round needs. Dims: V vocabulary, S support, K siblings."""
 
 from __future__ import annotations
 
@@ -34,15 +29,11 @@ MAX_LOGPROBS = 20  # most alternatives per position (OpenAI's top_logprobs bound
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling parameters.
-
-    temperature: 0 = greedy (argmax; top_p and top_k are then irrelevant), > 0 = sample;
-    top_p: nucleus mass in (0, 1] (1 = off); top_k: keep the k most likely tokens (0 = off);
-    seed: seeds the request's random draws (None = a fresh random seed per session);
-    logprobs: report each generated token's logprob with this many top alternatives (0..MAX_LOGPROBS; None = off),
-    as vLLM's SamplingParams; the target alone reads it (``token_logprobs``); prompt_logprobs: the same for the
-    prompt's tokens but the first, from the target's prefill.
-    """
+    """Per-request sampling parameters. temperature: 0 = greedy (argmax; top_p and top_k are then irrelevant), > 0 =
+    sample; top_p: nucleus mass in (0, 1] (1 = off); top_k: keep the k most likely tokens (0 = off); seed: seeds the
+    request's random draws (None = a fresh random seed per session); logprobs: report each generated token's logprob
+    with this many top alternatives (0..MAX_LOGPROBS; None = off), as vLLM's SamplingParams; the target alone reads it
+    (``token_logprobs``); prompt_logprobs: the same for the prompt's tokens but the first, from the target's prefill."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -97,8 +88,7 @@ GREEDY = SamplingParams()
 def processed_probs(logits, params: SamplingParams) -> np.ndarray:
     """Sampling distribution after temperature, top-k and top-p, in that order (transformers' warpers'
     rules, in float64). logits: [..., V] tensor or array (log-probs work too). Returns [..., V] float64
-    NumPy summing to 1. Not for greedy params.
-    """
+    NumPy summing to 1. Not for greedy params."""
     assert not params.greedy, "processed_probs: temperature 0 is greedy (argmax), not a distribution"
     if isinstance(logits, torch.Tensor):
         # at least float32 across (half float64's bytes); float64 below, an exact widening

@@ -1,9 +1,5 @@
-"""Transport security and authentication for the three services: grpcio's own TLS credentials and
-a bearer-token interceptor. No crypto of our own.
-
-Settings and behaviour: docs/deploy.md "TLS and bearer tokens". Tokens are compared in constant time
-(``hmac.compare_digest``) and never logged.
-"""
+"""Transport security and authentication: grpcio's own TLS credentials and a bearer-token interceptor (docs/deploy.md
+"TLS and bearer tokens"). Tokens are compared in constant time and never logged."""
 
 from __future__ import annotations
 

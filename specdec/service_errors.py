@@ -1,9 +1,5 @@
-"""Errors the draft and target services raise while serving a call, free of gRPC.
-
-``specdec.grpc_host.status_for`` maps each to its status code (with ``UnknownSessionError`` of
-``specdec.interfaces`` and the bad-input errors); the model worker and the session bookkeeping raise
-them without knowing about the transport.
-"""
+"""Errors the draft and target services raise while serving a call, free of gRPC (``specdec.grpc_host.status_for`` maps
+each to its status code)."""
 
 from __future__ import annotations
 

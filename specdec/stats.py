@@ -1,8 +1,5 @@
-"""Statistics of a generation request: one ``RoundRecord`` per round, summed in ``GenerationStats``.
-
-GenerationStats is the in-process side of ``specdec.v1.FinalStats``; both are plain dataclasses so they
-cross the Ray actor boundary as they are. Terms: docs/usage.md "What the statistics mean".
-"""
+"""Statistics of a generation request: one ``RoundRecord`` per round, summed in ``GenerationStats`` (the in-process side
+of ``specdec.v1.FinalStats``; terms: docs/usage.md "What the statistics mean")."""
 
 from __future__ import annotations
 
@@ -36,11 +33,9 @@ class RoundRecord:
     expected_accepted: float = 0.0  # draft tokens the control expected to be accepted (its decision), tokens
     cost: dict | None = None  # the cost model it decided with (CostModel.snapshot: ms by rows / parents), if any
     stop_reason: str | None = None  # set on the round that ended the request (its stats follow)
-    pipelined: bool = False  # the tree came from an adopted ahead's first candidate (drafted during the previous
-    # verify; draft_s 0)
+    pipelined: bool = False  # the tree came from an adopted ahead's first candidate (draft_s 0)
     predrafted: bool = False  # the tree came from another candidate of an adopted ahead (pre-drafting; draft_s 0)
-    # this round's ahead: "hit" (first candidate adopted), "predraft" (another), "miss", "failed"; None = none
-    ahead: str | None = None
+    ahead: str | None = None  # this round's ahead: "hit" (first candidate), "predraft", "miss", "failed"; None
     ahead_s: float | None = None  # wall time of this round's ahead, seconds (beside the verify; None = none or failed)
     logprobs: tuple = ()  # one specdec.sampling.TokenLogprob per token when the request asks for logprobs
     prompt_logprobs: tuple = ()  # the request's first round: its prompt tokens' (but the first), when asked for
@@ -59,9 +54,7 @@ class GenerationStats:
     rounds: int = 0
     proposed_tokens: int = 0  # draft tree nodes sent to the target
     accepted_tokens: int = 0  # draft tokens committed (bonus tokens excluded)
-    fallback_rounds: int = 0  # rounds without the draft because it failed, was full
-    # or was being opened (draft_opening: a draft service prefilling beside the round), or pre-drafted the next
-    # tree beside the round (predraft: a slow draft link)
+    fallback_rounds: int = 0  # rounds without the draft: failed, full, opening, or pre-drafting beside the round
     cost_plain_rounds: int = 0  # rounds the cost-aware control ran without the draft (reason "cost")
     final_gamma: int = 0  # speculation depth after the last round (0 = never speculated)
     drafted_tokens: int = 0  # nodes the draft proposed, before shaping
@@ -70,9 +63,7 @@ class GenerationStats:
     expected_accepted_tokens: float = 0.0  # the control's expectation of accepted_tokens
     ttft_ms: float = 0.0
     total_s: float = 0.0
-    # after the first token (the first round is inside ttft_ms): later rounds' draft and verify wall time,
-    # seconds, and the later rounds that asked the draft
-    draft_s: float = 0.0
+    draft_s: float = 0.0  # after the first round (inside ttft_ms): draft and verify wall time, rounds that drafted
     verify_s: float = 0.0
     draft_rounds: int = 0
     stop_reason: str | None = None
@@ -82,12 +73,10 @@ class GenerationStats:
     predraft_hits: int = 0  # pre-drafting: aheads whose other candidate (an early rejection) was adopted
     pipelined_rounds: int = 0  # rounds whose tree came from an ahead's first candidate
     predrafted_rounds: int = 0  # rounds whose tree came from another candidate
-    # per position (vLLM's per-position acceptance; orchestrator.loop.metrics specdec_position_*): index d - 1
-    # counts the rounds whose verified tree reached depth d / whose committed draft path reached depth d
+    # vLLM's per-position acceptance: [d - 1] counts rounds whose verified tree / committed path reached depth d
     position_proposed: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
-    # the service links' measured round trips when the request ended (DraftWorker / TargetWorker.link_rtt_s), ms;
-    # None: in-process, no draft, or not measured yet
+    # the links' measured round trips at the end (``link_rtt_s``), ms; None: in-process, no draft, not measured
     draft_link_rtt_ms: float | None = None
     target_link_rtt_ms: float | None = None
 

@@ -1,8 +1,5 @@
-"""OpenTelemetry set-up: one tracer provider per process, gRPC instrumentation, exporter from OTEL_*.
-
-Variables and span names: docs/observability.md "Traces". ``OTEL_TRACES_EXPORTER`` defaults to ``otlp``
-when an OTLP endpoint variable is set, else ``none``.
-"""
+"""OpenTelemetry set-up: one tracer provider per process, gRPC instrumentation, exporter from OTEL_*
+(docs/observability.md "Traces"; ``OTEL_TRACES_EXPORTER`` defaults to ``otlp`` with an OTLP endpoint set)."""
 
 from __future__ import annotations
 
@@ -91,11 +88,9 @@ def _env_exporter() -> SpanExporter | None:
 def setup_tracing(service_name: str, exporter: SpanExporter | None = None, simple: bool = False,
                   export_delay_ms: int | None = None) -> TracerProvider | None:
     """Install this process's tracer provider (once) and instrument gRPC (client and server, aio).
-
     exporter: overrides the OTEL_* choice; simple: export each span at once (blocking: avoid with OTLP on
     an event loop); export_delay_ms: the batch processor's delay (None = the SDK's). Returns the
-    provider, or None when disabled. Raises ValueError for an unknown OTEL_TRACES_EXPORTER.
-    """
+    provider, or None when disabled. Raises ValueError for an unknown OTEL_TRACES_EXPORTER."""
     global _configured, _instrumented
     if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
         return None
@@ -122,9 +117,7 @@ def setup_tracing(service_name: str, exporter: SpanExporter | None = None, simpl
 def _processor(exporter: SpanExporter, simple: bool, export_delay_ms: int | None):
     if simple:
         return SimpleSpanProcessor(exporter)
-    if export_delay_ms is None:
-        return BatchSpanProcessor(exporter)
-    return BatchSpanProcessor(exporter, schedule_delay_millis=export_delay_ms)
+    return BatchSpanProcessor(exporter, **({} if export_delay_ms is None else {"schedule_delay_millis": export_delay_ms}))
 
 
 class CancelThrough(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.StreamUnaryClientInterceptor):

@@ -1,12 +1,7 @@
-"""The token tree: one flat representation and the pure functions derived from it.
+"""The token tree: one flat representation and the pure functions derived from it (docs/design.md "Token tree").
 
-Dims: N tree nodes, L tokens already in a KV cache, V vocabulary.
-
-Representation (docs/design.md "Token tree"): ``parents[i] < i``, ``-1`` for a child of the root R,
-which is implicit: forwards over a tree put R in row 0 and node i in row i + 1.
-
-Worked example (positions): L = 7 cached tokens, node depths [1, 1, 2] give R position 7 and
-node positions [8, 8, 9].
+Dims: N tree nodes, L cached tokens, V vocabulary. ``parents[i] < i``, ``-1`` for a child of the implicit root R;
+forwards put R in row 0 and node i in row i + 1. Positions: L = 7, depths [1, 1, 2] -> R 7, nodes [8, 8, 9].
 """
 
 from __future__ import annotations
@@ -54,10 +49,8 @@ class Proposal:
 @dataclass(frozen=True)
 class DraftTree:
     """A speculated token tree, the hand-off from draft to target (fields: docs/design.md "Token tree").
-
     tokens, parents, draft_logprobs, expanded: [N]; proposals: treeType 1 only, one per expanded node;
-    sources: [N] SOURCE_DRAFT / SOURCE_CONTEXT, or () = all draft. Siblings are in draw order.
-    """
+    sources: [N] SOURCE_DRAFT / SOURCE_CONTEXT, or () = all draft. Siblings are in draw order."""
 
     tokens: tuple[int, ...]
     parents: tuple[int, ...]
@@ -183,8 +176,7 @@ def _tree_mask(parents: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 def select_nodes(tree: DraftTree, keep) -> tuple[DraftTree, list[int]]:
     """The sub-tree of the ancestor-closed ``keep``: (tree', old), node j of tree' = node old[j]. The caller
     must keep a draw-order prefix of drawn siblings. Raises MalformedTreeError for an orphan.
-    Example: parents [-1, -1, 0, 1], keep {0, 2} -> parents [-1, 0], old [0, 2].
-    """
+    Example: parents [-1, -1, 0, 1], keep {0, 2} -> parents [-1, 0], old [0, 2]."""
     old = sorted(set(keep))
     new_of = {o: j for j, o in enumerate(old)}
     parents = []
@@ -205,8 +197,7 @@ def merge_chain(tree: DraftTree, parent: int, chain, source: int = SOURCE_CONTEX
     """Hang a chain of tokens below ``parent`` (-1 = root), sharing existing nodes with the same tokens and
     appending the rest (of ``source``) after all existing nodes, whose indices stay. Returns (tree', path),
     path[k] the node holding chain[k]. Example: parents [-1, 0] tokens [7, 8], chain [7, 9] under the
-    root -> parents [-1, 0, 0], path [0, 2].
-    """
+    root -> parents [-1, 0, 0], path [0, 2]."""
     tokens, parents = list(tree.tokens), list(tree.parents)
     n = len(tokens)
     sources = list(tree.sources) if tree.sources else [SOURCE_DRAFT] * n

@@ -1,8 +1,7 @@
-"""TreeSpec: the shape of the speculated token tree (DESIGN.md "TreeSpec").
+"""TreeSpec: the shape of the speculated token tree (fields: docs/design.md "TreeSpec").
 
 ``{"gamma": 3, "topKSpec": [[6], [2, 2], [1, 1]], "topHead": [1, 2, 2], "treeType": 0, "gammaThreshold": 0}``
-
-The example has 6 + 4 + 2 = 12 nodes (fields: docs/design.md "TreeSpec").
+has 6 + 4 + 2 = 12 nodes.
 """
 
 from __future__ import annotations
@@ -82,8 +81,7 @@ def spec_at_depth(spec: TreeSpec, gamma: int, max_nodes: int = MAX_TREE_NODES) -
     """The tree shape for speculation depth gamma: the first gamma rows, or rows past the spec repeating
     its last row (always valid: that row creates sum(k_j) >= topHead[-1] nodes to expand).
     Raises TreeSpecError naming ``gamma`` when gamma < 1, gamma > MAX_GAMMA or the tree would exceed
-    max_nodes (``max_depth_for`` gives the deepest allowed gamma).
-    """
+    max_nodes (``max_depth_for`` gives the deepest allowed gamma)."""
     if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
         raise TreeSpecError(f"gamma: must be an integer >= 1, got {gamma!r}")
     if gamma == spec.gamma and spec.num_nodes <= max_nodes:

@@ -1,8 +1,5 @@
-"""``python -m target_service [--config FILE] [flags]``: the same command as ``specdec target-server``.
-
-The guard matters: tensor-parallel ranks are spawned processes, which import this module again
-(as ``__mp_main__``) and must not serve.
-"""
+"""``python -m target_service [--config FILE] [flags]`` (``specdec target-server``). The guard matters: spawned
+tensor-parallel ranks import this module again (as ``__mp_main__``) and must not serve."""
 
 import typer
 

@@ -1,12 +1,5 @@
-"""The target service's command line (typer): ``specdec target-server`` and ``python -m
-target_service`` run this one command, so each flag is written once.
-
-    specdec target-server --config deploy/specdec.yaml [--port 0] [--host H] [--target DIR] [--dtype float32]
-                          [--device cpu|cuda[:N]|cuda:0,cuda:2] [--tp N]
-
-Each flag overrides one field of the YAML config (``specdec.config``); the server is
-``target_service.server.run(config_path, overrides)``.
-"""
+"""The target service's command line (typer), shared by ``specdec target-server`` and ``python -m target_service``;
+each flag overrides one config field, then ``target_service.server.run(config_path, overrides)``."""
 
 from __future__ import annotations
 

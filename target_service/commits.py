@@ -1,9 +1,8 @@
-"""Commits that do not wait for the model worker (docs/design.md "KV rollback").
+"""Commits that do not wait behind other sessions' forwards (docs/design.md "KV rollback").
 
-Why: run as a worker job, a quick rollback would wait behind another session's whole verify forward.
-``DeferredCommits.defer`` records a checked commit and the session's next call on the worker thread
-(verify, verify_batch, commit) applies it first; release or a new start drop it. Each session's
-operations keep their order, so every forward sees the same KV as with the commit run at once.
+``DeferredCommits.defer`` records a checked commit and the session's next call on the worker thread applies it
+first; release or a new start drop it. Each session's operations keep their order, so every forward sees the
+same KV as with the commit run at once.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """In-process target worker: one tree-masked forward per verify, KV compaction on commit.
 
-Dims: L cached slots, N tree nodes, V vocabulary.
-
-Cache invariant (docs/design.md "KV rollback"): after every ``commit`` the cache holds KV for all
-committed tokens but the last, the root R. Verify feeds [R, node 0, ..., node N-1] at slots L..L+N;
-commit keeps R and the accepted nodes, compacted to slots L, L+1, ..., and drops the rest.
-``start`` prefills the whole prompt, R included, and keeps R's logits, so the first verify feeds only
-the nodes (TTFT as target-only prefill); until that first commit the cache holds L + 1 slots.
-Each session has its own random generator, so a request's draws never depend on other sessions.
+Dims: L cached slots, N tree nodes, V vocabulary. Verify feeds [R, node 0, ..., node N-1] at slots L..L+N;
+commit keeps R and the accepted nodes, compacted to slots L, L+1, ... (docs/design.md "KV rollback").
+``start`` prefills the whole prompt, R included, and keeps R's logits, so the first verify feeds only the
+nodes; until that first commit the cache holds L + 1 slots. Each session has its own random generator.
 """
 
 from __future__ import annotations
@@ -19,20 +15,13 @@ import numpy as np
 import torch
 
 from specdec.argmax_head import argmax_head_of
-from specdec.forward import (
-    DirectDecoder, model_forward, model_forward_batch, model_forward_packed, packed_layout, padded_batch_inputs,
-)
+from specdec.forward import ModelRuntime, model_forward_packed, padded_batch_inputs
 from specdec.interfaces import SessionStateError, UnknownSessionError, VerifyResult
-from specdec.kv_cache import append_kv_row, compact_kv, new_cache, stack_kv, truncate_kv
+from specdec.kv_cache import compact_kv, new_cache, restore_tail_kv, tail_kv, truncate_kv
 from specdec.sampling import GREEDY, SamplingParams, processed_probs, session_rng, token_logprobs
 from specdec.tree_spec import MAX_TREE_NODES
 from specdec.tree import (
-    DraftTree,
-    MalformedTreeError,
-    tree_attention_mask,
-    tree_position_ids,
-    tree_visibility,
-    validate_tree,
+    DraftTree, MalformedTreeError, tree_attention_mask, tree_position_ids, tree_visibility, validate_tree,
 )
 from target_service.verifier import verify_greedy, verify_sampled
 
@@ -51,21 +40,20 @@ class TargetSession:
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    """The next prompt chunk of a session, fed as a chain [R, tokens...] in a ``verify_batch`` forward;
-    afterwards the session is as after ``extend``. tokens: [C] ids, C >= 1; still_open: checked right
-    before the forward, False = the session is gone (maybe reopened under the same id): the chunk is
-    refused with UnknownSessionError."""
+    """The next prompt chunk of a session, fed as a chain [R, tokens...] in a ``verify_batch`` forward, as
+    ``extend`` would. tokens: [C] ids, C >= 1; still_open: checked before the forward, False = the session is
+    gone (maybe reopened under the same id): UnknownSessionError."""
 
     tokens: tuple[int, ...]
     still_open: Callable[[], bool] | None = field(default=None, compare=False)
 
     @property
     def size(self) -> int:
-        """Rows past R (a tree's node count): the forward holds size + 1 rows for it."""
+        """Rows past R (as a tree's node count)."""
         return len(self.tokens)
 
     def as_tree(self) -> DraftTree:
-        """The chunk as a chain tree under R (node i's parent is node i - 1): its rows and mask."""
+        """The chunk as a chain tree under R (node i's parent is node i - 1)."""
         return DraftTree(self.tokens, tuple(range(-1, len(self.tokens) - 1)))
 
 
@@ -79,43 +67,22 @@ class PrefillChunkFed:
 CHUNK_FED = PrefillChunkFed()
 
 
-class TargetRuntime:
+class TargetRuntime(ModelRuntime):
     """Implements TargetWorker (specdec.interfaces) over a transformers causal LM."""
 
     batch_prefill_chunks = True  # verify_batch takes PrefillChunk items
+    role = "target"
 
     def __init__(self, model, max_tree_nodes: int = MAX_TREE_NODES, packed: bool | None = None, direct: bool = True):
-        """model: a transformers causal LM. packed: ``verify_batch`` layout, True = one packed sequence
-        (``model_forward_packed``), False = padded [B, Q] batch (``model_forward_batch``), None = packed
-        where the model supports it; ValueError for packed=True where it does not
-        (``specdec.forward.packed_layout``). direct: single-session forwards through ``DirectDecoder``
-        where it knows the model (bit-identical, less overhead)."""
-        self.model = model
+        """packed: ``verify_batch`` layout, True = one packed sequence (``model_forward_packed``), False = a padded [B,
+        Q] batch, None = packed where the model supports it (``packed_layout``); direct: see ``ModelRuntime``."""
+        super().__init__(model, packed, direct)
         self.vocab_size = model.config.vocab_size
         self.max_tree_nodes = max_tree_nodes
-        self.sessions: dict[str, TargetSession] = {}
-        self.packed = packed_layout(model, packed)
-        # greedy rows' argmax without the full LM head, where the model has one attached (load_target)
-        self.argmax_head = argmax_head_of(model)
-        decoder = DirectDecoder.of(model) if direct else None
-        self._forward = decoder if decoder is not None else (lambda *args, **kw: model_forward(model, *args, **kw))
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V one cached token holds (specdec.kv_budget sizes the slot budget)."""
-        from specdec.kv_budget import kv_bytes_per_token
-
-        return kv_bytes_per_token(self.model.config, self.model.dtype.itemsize)
-
-    @property
-    def device(self) -> str:
-        """The model's device, e.g. "cpu" or "cuda:1" (where the KV cache grows)."""
-        return str(self.model.device)
+        self.argmax_head = argmax_head_of(model)  # greedy rows' argmax without the full LM head, where attached
 
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams = GREEDY) -> tuple:
-        """Prefill all prompt tokens but the last, which becomes the root R. prompt_ids: [T], T >= 1;
-        sampling: the request's parameters, used by every verify of the session. Returns the TokenLogprobs of
-        prompt_ids[1:] with sampling.prompt_logprobs (``prompt_logprobs``), else ()."""
+        """As ``TargetWorker.start`` (R's KV cached too, with its logits); () without sampling.prompt_logprobs."""
         if not prompt_ids:
             raise ValueError("prompt_ids: empty prompt")
         cache = new_cache(self.model.config)
@@ -133,12 +100,9 @@ class TargetRuntime:
         return tuple(self._session(session_id).prompt_logprobs)
 
     def extend(self, session_id: str, prompt_ids: list[int]) -> None:
-        """Chunked prefill: feed the next prompt chunk, prompt_ids: [C] ids, C >= 1; afterwards the
-        session is as if ``start`` had been given the whole prompt so far.
+        """Chunked prefill: feed the next prompt chunk [C], C >= 1, as if ``start`` had had the whole prompt so far.
         Raises ValueError for an empty chunk, SessionStateError once the session has verified."""
-        s = self._session(session_id)
-        if s.root_logits is None or s.pending is not None:
-            raise SessionStateError(f"session_id: {session_id!r} is past its prefill (it has verified)")
+        s = self._prefilling(session_id)
         if not prompt_ids:
             raise ValueError("prompt_ids: empty prefill chunk")
         first = s.cache_len + 1  # R's slot is cached: the chunk follows it
@@ -149,15 +113,6 @@ class TargetRuntime:
         s.cache_len += len(prompt_ids)
         s.root = prompt_ids[-1]
         s.root_logits = logits[-1]
-
-    def release(self, session_id: str) -> None:
-        self.sessions.pop(session_id, None)
-
-    def _session(self, session_id: str) -> TargetSession:
-        try:
-            return self.sessions[session_id]
-        except KeyError:
-            raise UnknownSessionError(f"session_id: unknown target session {session_id!r}") from None
 
     def tree_logits(self, session_id: str, tree: DraftTree, argmax: bool = False) -> torch.Tensor:
         """One forward over [R, nodes]: [N + 1, V] float32 (argmax: ids [N + 1] int64, via
@@ -173,9 +128,8 @@ class TargetRuntime:
                                         argmax_head=self.argmax_head if argmax else None), argmax)
 
     def _first_tree_logits(self, s: TargetSession, tree: DraftTree, argmax: bool = False) -> torch.Tensor:
-        """The first verify after ``start``: R's KV and logits are cached; feed the nodes alone.
-        A 7-token prompt gives L = 6, R at slot 6; nodes of depths [1, 1, 2] go to slots 7..9 at
-        positions [7, 7, 8]. Returns as ``tree_logits``, row 0 = R's logits."""
+        """The first verify after ``start``: R's KV and logits are cached, the nodes fed alone (7-token prompt: L = 6,
+        R at slot 6; depths [1, 1, 2] go to slots 7..9 at positions [7, 7, 8]). Returns as ``tree_logits``."""
         truncate_kv(s.cache, s.cache_len + 1)  # keep R; drop the slots of an earlier verify that failed mid-way
         root = s.root_logits.argmax(dim=-1, keepdim=True) if argmax else s.root_logits[None]  # (1,) or (1, V)
         if not tree.size:
@@ -187,8 +141,7 @@ class TargetRuntime:
         return torch.cat([root, self._rows(rows, argmax)])
 
     def _tree_mask(self, tree: DraftTree, cache_len: int) -> torch.Tensor | None:
-        """``tree_attention_mask`` of [R, nodes] on the model's device; None for R alone (a plain row sees
-        every slot: no mask, so attention takes its fastest kernel)."""
+        """``tree_attention_mask`` of [R, nodes] on the model's device; None for R alone (no mask: fastest kernel)."""
         return tree_attention_mask(tree.parents, cache_len, self.model.dtype, self.model.device) if tree.size else None
 
     @staticmethod
@@ -237,20 +190,11 @@ class TargetRuntime:
         s.root_logits = None
 
     def verify_batch(self, items: Sequence[tuple[str, DraftTree]]) -> list[VerifyResult | Exception]:
-        """Verify the trees of several sessions in one target forward.
-
-        items: B pairs (session_id, DraftTree | PrefillChunk), one per session, any mix of sizes and
-        sampling. Returns one entry per item, in order: what ``verify`` (CHUNK_FED for ``extend``) alone
-        would give, or the exception it would raise, returned in the item's slot: UnknownSessionError,
-        SessionStateError (also for a session repeated in the batch), MalformedTreeError, TypeError, or
-        an acceptance-walk error. An error of the shared forward itself (e.g. out of memory) is raised;
-        no session then holds a pending result. Each row's logits equal its solo forward's up to
-        float32 round-off (<= 1e-5 relative).
-
-        Layout: packed (one sequence of sum (N_b + 1) rows, each session attending to its own cache) or
-        padded ([B, Q] after a stacked cache, see ``batched_tree_inputs``; its KV is held about twice
-        at the peak).
-        """
+        """Verify the trees of several sessions in one target forward (packed or padded: ``packed``).
+        items: B pairs (session_id, DraftTree | PrefillChunk), one per session. Returns per item what ``verify``
+        (CHUNK_FED for ``extend``) alone would give, or the exception it would raise (SessionStateError also for
+        a session repeated in the batch, TypeError for a bad item). An error of the shared forward itself is
+        raised, no session then pending. Rows' logits equal their solo forward's up to float32 round-off."""
         results: list[VerifyResult | Exception | None] = [None] * len(items)
         batch = self._check_batch(items, results)
         if len(batch) == 1:
@@ -268,8 +212,7 @@ class TargetRuntime:
         return results  # type: ignore[return-value]
 
     def _check_batch(self, items, results: list) -> list[tuple[int, str, TargetSession, DraftTree]]:
-        """The verifiable items as (item index, session id, session, tree); each refused item's
-        error goes to its slot of ``results``."""
+        """The verifiable items as (item index, session id, session, tree); refused items' errors go to ``results``."""
         first_at: dict = {}
         batch: list[tuple[int, str, TargetSession, DraftTree]] = []
         for index, item in enumerate(items):
@@ -291,7 +234,10 @@ class TargetRuntime:
         sessions = [s for _, _, s, _ in batch]
         trees = [tree.as_tree() if isinstance(tree, PrefillChunk) else tree for _, _, _, tree in batch]
         prefilling = [s for s, (_, _, _, tree) in zip(sessions, batch) if isinstance(tree, PrefillChunk)]
-        saved = [_root_state(s) for s in prefilling]
+        saved = []
+        for s in prefilling:  # R's slot and logits, put back if the shared forward fails (extend needs them)
+            truncate_kv(s.cache, s.cache_len + 1)
+            saved.append((s.root_logits, tail_kv(s.cache, s.cache_len)))
         for s in sessions:
             truncate_kv(s.cache, s.cache_len)  # drop the slots of an earlier verify that failed mid-way
             s.root_logits = None  # a first verify: R's KV (from start) is dropped and R fed again, as in every row
@@ -299,16 +245,18 @@ class TargetRuntime:
             if self.packed:
                 rows_of = self._forward_packed(batch, sessions, trees)
             else:
-                rows_of = self._forward_padded(sessions, trees)
+                rows_of = self._forward_padded([s.cache for s in sessions], *batched_tree_rows(
+                    [s.root for s in sessions], trees, [s.cache_len for s in sessions]))
         except BaseException:
             for s in sessions:  # some layers of some caches may hold the new rows already
                 truncate_kv(s.cache, s.cache_len)
-            for s, state in zip(prefilling, saved):  # still mid-prefill: R's slot and logits back, as extend needs
-                _restore_root_state(s, state)
+            for s, (root_logits, tail) in zip(prefilling, saved):
+                restore_tail_kv(s.cache, s.cache_len, tail)
+                s.root_logits = root_logits
             raise
         for b, (index, _, s, tree) in enumerate(batch):
             try:
-                rows = rows_of(b)  # (N_b + 1, V); greedy and packed: (N_b + 1,) argmax ids; packed chunk: (1, V)
+                rows = rows_of[b]  # (N_b + 1, V); greedy and packed: (N_b + 1,) argmax ids; packed chunk: (1, V)
                 if isinstance(tree, PrefillChunk):  # R and the chunk stay cached; the chunk's last token is R
                     _score_prompt(s, rows[:-1], tree.tokens)
                     s.cache_len += tree.size
@@ -320,10 +268,9 @@ class TargetRuntime:
             except Exception as error:  # noqa: BLE001 - one item's failure must not affect the others
                 results[index] = error
 
-    def _forward_packed(self, batch, sessions, trees) -> Callable[[int], torch.Tensor]:
-        """``_verify_together``'s forward with packed rows, each session's rows on its own cache;
-        returns item b -> its rows."""
-        logits = model_forward_packed(
+    def _forward_packed(self, batch, sessions, trees) -> list[torch.Tensor]:
+        """``_verify_together``'s forward with packed rows, each session's rows on its own cache: B rows."""
+        return model_forward_packed(
             self.model,
             [s.cache for s in sessions],
             [[s.root, *tree.tokens] for s, tree in zip(sessions, trees)],
@@ -335,21 +282,6 @@ class TargetRuntime:
             argmax_rows=[_argmax_only(s) and not isinstance(item[3], PrefillChunk)
                          for s, item in zip(sessions, batch)],
         )  # B x (N_b + 1, V); greedy sessions: (N_b + 1,) argmax ids; (1, V) for a chunk
-        return logits.__getitem__
-
-    def _forward_padded(self, sessions, trees) -> Callable[[int], torch.Tensor]:
-        """``_verify_together``'s forward as a padded [B, Q] batch after a stacked cache; returns item b ->
-        its rows [N_b + 1, V], first appending them to its own cache."""
-        lengths = [s.cache_len for s in sessions]
-        stacked = stack_kv([s.cache for s in sessions], lengths, self.model.config)  # (B, H, S, D)
-        ids, positions, mask = batched_tree_inputs([s.root for s in sessions], trees, lengths, self.model.dtype)
-        logits = model_forward_batch(self.model, stacked, ids, positions, mask)  # (B, Q, V)
-
-        def rows_of(b: int) -> torch.Tensor:
-            append_kv_row(sessions[b].cache, stacked, b, max(lengths), trees[b].size + 1)
-            return logits[b, : trees[b].size + 1]
-
-        return rows_of
 
     @staticmethod
     def _batch_item(item) -> tuple[str, DraftTree]:
@@ -364,10 +296,8 @@ class TargetRuntime:
 
     def _verifiable(self, session_id: str, tree: DraftTree | PrefillChunk) -> TargetSession:
         """The session, after the checks ``verify`` (``extend`` for a chunk) makes before its forward."""
-        s = self._session(session_id)
         if isinstance(tree, PrefillChunk):
-            if s.root_logits is None or s.pending is not None:
-                raise SessionStateError(f"session_id: {session_id!r} is past its prefill (it has verified)")
+            s = self._prefilling(session_id)
             if tree.still_open is not None and not tree.still_open():
                 raise UnknownSessionError(f"session_id: {session_id!r} was released during its prefill")
             if not tree.tokens:
@@ -376,14 +306,22 @@ class TargetRuntime:
                 if not 0 <= token < self.vocab_size:
                     raise MalformedTreeError(f"prefill chunk token {i} = {token}: outside the vocabulary [0, {self.vocab_size})")
             return s
+        s = self._session(session_id)
         if s.pending is not None:
             raise SessionStateError(f"session_id: {session_id!r} has an uncommitted verify")
         validate_tree(tree.tokens, tree.parents, self.vocab_size, self.max_tree_nodes)
         return s
 
+    def _prefilling(self, session_id: str) -> TargetSession:
+        """The session, or SessionStateError once it has verified (past its prefill)."""
+        s = self._session(session_id)
+        if s.root_logits is None or s.pending is not None:
+            raise SessionStateError(f"session_id: {session_id!r} is past its prefill (it has verified)")
+        return s
+
 
 def _score_prompt(s: TargetSession, logits: torch.Tensor, tokens) -> None:
-    """Append the prompt tokens' TokenLogprobs (logits [C, V], row i the one before tokens[i]) if the session asks."""
+    """Append the prompt tokens' TokenLogprobs (logits [C, V], row i before tokens[i]) if the session asks."""
     if s.sampling.prompt_logprobs is not None and len(tokens):
         s.prompt_logprobs += token_logprobs(logits, tokens, s.sampling.prompt_logprobs)
 
@@ -393,31 +331,18 @@ def _argmax_only(s: TargetSession) -> bool:
     return s.sampling.greedy and s.sampling.logprobs is None
 
 
-def _root_state(s: TargetSession):
-    """R's cached KV slot (slot L, one per layer) and logits of a session in its prefill."""
-    slot = slice(s.cache_len, s.cache_len + 1)
-    return s.root_logits, [(layer.keys[:, :, slot].clone(), layer.values[:, :, slot].clone()) for layer in s.cache.layers]
-
-
-def _restore_root_state(s: TargetSession, state) -> None:
-    """Undo the first-verify truncation of a prefilling session after a failed shared forward."""
-    root_logits, slots = state
-    truncate_kv(s.cache, s.cache_len)
-    for layer, (keys, values) in zip(s.cache.layers, slots):
-        layer.update(keys, values)
-    s.root_logits = root_logits
-
-
-def batched_tree_inputs(
-    roots: Sequence[int], trees: Sequence[DraftTree], cache_lens: Sequence[int], dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``padded_batch_inputs`` of B sessions' [R_b, nodes...] rows: roots: [B] root tokens R_b; trees: B trees of
-    N_b nodes; cache_lens: [B] cached slots L_b. Real rows see as ``tree_attention_mask``."""
+def batched_tree_rows(roots: Sequence[int], trees: Sequence[DraftTree], cache_lens: Sequence[int]):
+    """B sessions' [R_b, nodes...] rows as (ids, positions [N_b + 1], visible [N_b + 1, L_b + N_b + 1] bool):
+    roots: [B] root tokens R_b; trees: B trees of N_b nodes; cache_lens: [B] cached slots L_b."""
     if not (len(roots) == len(cache_lens) == len(trees)):
         raise ValueError(f"roots / trees / cache_lens: lengths {len(roots)} / {len(trees)} / {len(cache_lens)} differ")
-    return padded_batch_inputs(
-        [[root, *tree.tokens] for root, tree in zip(roots, trees)],
-        [tree_position_ids(tree.parents, length) for tree, length in zip(trees, cache_lens)],
-        [torch.cat([torch.ones(tree.size + 1, length, dtype=torch.bool), tree_visibility(tree.parents)], dim=1)
-         for tree, length in zip(trees, cache_lens)],
-        cache_lens, dtype)
+    return ([[root, *tree.tokens] for root, tree in zip(roots, trees)],
+            [tree_position_ids(tree.parents, length) for tree, length in zip(trees, cache_lens)],
+            [torch.cat([torch.ones(tree.size + 1, length, dtype=torch.bool), tree_visibility(tree.parents)], dim=1)
+             for tree, length in zip(trees, cache_lens)])
+
+
+def batched_tree_inputs(roots: Sequence[int], trees: Sequence[DraftTree], cache_lens: Sequence[int],
+                        dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``padded_batch_inputs`` of ``batched_tree_rows``."""
+    return padded_batch_inputs(*batched_tree_rows(roots, trees, cache_lens), cache_lens, dtype)

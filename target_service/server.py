@@ -1,20 +1,8 @@
-"""Target service gRPC server (protos/specdec/v1/target.proto): Prefill, Verify, VerifyBatch, Commit,
-Release, Info over a target runtime.
+"""Target service gRPC server (protos/specdec/v1/target.proto; docs/serving.md "The services' calls"): transport
+only; sessions, KV accounting and idempotent Verify are ``target_service.sessions``, merged verifies
+``VerifyBatcher``, tensor parallelism (``target.tp`` > 1) ``TensorParallelTarget``.
 
     specdec target-server --config deploy/specdec.yaml [--port 0] [--tp N] ...   (or python -m target_service)
-
-Prints ``target-service ready on <host>:<port>`` once serving; SIGTERM/SIGINT drain and exit 0.
-With ``target.tp`` N > 1 the model is a ``TensorParallelTarget`` over N rank processes; a
-``RankFailureError`` fails that and every later model call with UNAVAILABLE and turns health
-NOT_SERVING so the pod's probes restart it (Info keeps answering).
-
-Transport only: every message is checked (a bad one is INVALID_ARGUMENT naming the field, the session
-untouched), then run on the runtime's worker thread; concurrent Verify calls merge in ``VerifyBatcher``.
-Sessions, KV accounting and idempotent Verify (a resent tree replays the pending result with
-batch_size 0, verify_ms 0; another tree is FAILED_PRECONDITION) are ``target_service.sessions``. A verify
-whose deadline passes before its forward is not run (DEADLINE_EXCEEDED). VerifyBatch checks every item
-first (errors name ``items[k]``); an item failing in the forward fails the call with its status, the
-others staying pending (resending replays them).
 """
 
 from __future__ import annotations
@@ -22,41 +10,35 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
-import signal
-import sys
 import time
 from typing import Mapping
 
 import grpc
-import torch
 from grpc_health.v1 import health_pb2
 
-from specdec.config import ConfigError, ServeConfig, TargetServerConfig, load_config
-from specdec.grpc_host import ServiceHost, deadline_of, rpc_errors, status_for
+from specdec.config import ServeConfig, TargetServerConfig
+from specdec.grpc_host import ServiceHost, deadline_of, rpc_errors, run_service, serve_model, status_for
 from specdec.interfaces import SessionStateError, UnknownSessionError, VerifyResult
 from specdec.model_setup import load_target, resolve_dtype, target_info
 from specdec.model_worker import ModelWorker
 from specdec.models import ModelError
-from specdec.placement import placement, usable_cpus
-from specdec.process_entry import check_device, configure_logging, fail
+from specdec.placement import placement
+from specdec.process_entry import check_device, fail
 from specdec.sampling import SamplingParamsError
-from specdec.security import check_client_auth
-from specdec.telemetry import setup_tracing, shutdown_tracing, tracer
+from specdec.telemetry import tracer
 from specdec.tree import DraftTree, MalformedTreeError
 from specdec.v1 import target_pb2, target_pb2_grpc
 from specdec.wire import logprobs_to_proto, sampling_from_proto, tree_from_proto
 from target_service.batcher import BatchedVerify, VerifyBatcher
 from target_service.commits import DeferredCommits
-from specdec.kv_budget import free_memory_bytes, sized_budget
+from specdec.kv_budget import service_budget
 from target_service.runtime import TargetRuntime
 from target_service.sessions import SessionExistsError, SessionSlots, TargetSessions
-from target_service.tp import RankFailureError, TensorParallelTarget, build_target
+from target_service.tp import RankFailureError, build_target
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
-# Checked before specdec.grpc_host's defaults (RankFailureError is a RuntimeError, never INTERNAL).
 _CODES = {SessionStateError: grpc.StatusCode.FAILED_PRECONDITION, RankFailureError: grpc.StatusCode.UNAVAILABLE,
           SessionExistsError: grpc.StatusCode.ALREADY_EXISTS}
 
@@ -67,8 +49,7 @@ def _unavailable(exc: RankFailureError) -> str:
 
 
 def _rpc(handler):
-    """``rpc_errors(_CODES)``, and a RankFailureError first marks the service NOT_SERVING, then ends
-    the call with UNAVAILABLE."""
+    """``rpc_errors(_CODES)``; a RankFailureError first marks the service NOT_SERVING, then ends the call."""
     @functools.wraps(handler)
     async def watched(self, request, context):
         try:
@@ -91,11 +72,9 @@ def _response(result: VerifyResult, out: BatchedVerify | None = None, mergeable:
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    """gRPC TargetService over a target runtime (``TargetRuntime`` or one with its methods, e.g. tensor
-    parallel), called only from this servicer's worker thread. config: the ``target`` section;
-    model_name, context_limit, eos_token_ids: reported by Info; health: set NOT_SERVING at the first
-    RankFailureError (``failure`` then holds it). Create inside the running event loop; ``close()`` at the end.
-    """
+    """gRPC TargetService over a target runtime (``TargetRuntime`` or ``TensorParallelTarget``), on the servicer's
+    worker thread only. health: set NOT_SERVING at the first RankFailureError (then in ``failure``). Create inside
+    the running event loop; ``close()`` at the end."""
 
     def __init__(self, runtime, *, context_limit: int, eos_token_ids=(), model_name: str = "",
                  config: TargetServerConfig = TargetServerConfig(), health=None, worker: ModelWorker | None = None):
@@ -105,7 +84,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.eos_token_ids = sorted(eos_token_ids)
         self.model_name = model_name
         self.config = config
-        self.max_kv_tokens = self._kv_budget(runtime, config)
+        self.max_kv_tokens = service_budget("target-service", config, runtime)
         self.sessions = TargetSessions(self.max_kv_tokens, context_limit, config.session_idle_s, config.max_sessions)
         if self.max_kv_tokens < context_limit:
             log.warning("target-service: max_kv_tokens %d < the context limit %d: one long request can be refused "
@@ -118,18 +97,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.placement = placement(getattr(runtime, "device", "cpu"))
         self.failure: RankFailureError | None = None
         self._tracer = tracer("target_service")
-
-    @staticmethod
-    def _kv_budget(runtime, config: TargetServerConfig) -> int:
-        """config.max_kv_tokens, or for "auto" the slots that fit config.kv_memory_fraction of the free
-        memory (specdec.kv_budget; a runtime without ``kv_bytes_per_token`` gets the fallback). Tensor-parallel
-        ranks measured their own devices (``free_kv_bytes``): this process opens no CUDA context for them."""
-        if config.max_kv_tokens != "auto":
-            return config.max_kv_tokens
-        free = (runtime.free_kv_bytes if hasattr(runtime, "free_kv_bytes")
-                else free_memory_bytes(getattr(runtime, "device", "cpu")))
-        return sized_budget("target-service", config.kv_memory_fraction, getattr(runtime, "kv_bytes_per_token", None),
-                            free)
 
     def close(self) -> None:
         self.worker.close()
@@ -151,8 +118,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if self.health is not None:
             for service in ("", SERVICE_NAME):
                 await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-
-    # -- checks -----------------------------------------------------------------------------------
 
     def _check_prompt(self, prompt_ids) -> None:
         if not prompt_ids:
@@ -177,12 +142,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         key = tree_msg.SerializeToString(deterministic=True)
         return await self.sessions.claim_verify(session_id, tree, key, field, deadline)
 
-    # -- RPCs -------------------------------------------------------------------------------------
-
     def _chunk_tokens(self, session_id: str, prompt_tokens: int) -> int:
-        """The next prefill chunk's size: prefill_busy_chunk_tokens (riding in the other sessions' verify
-        forwards, docs/serving.md "Limits") while others decode and the prompt exceeds one chunk, on a
-        runtime that packs rows; else prefill_chunk_tokens (a forward of its own)."""
+        """The next prefill chunk's size: prefill_busy_chunk_tokens (riding in others' verify forwards, docs/serving.md
+        "Limits") while others decode a packing runtime and the prompt exceeds one chunk, else prefill_chunk_tokens."""
         busy = self.config.prefill_busy_chunk_tokens
         rides = getattr(self.runtime, "batch_prefill_chunks", False) and getattr(self.runtime, "packed", False)
         long = prompt_tokens > self.config.prefill_chunk_tokens
@@ -216,9 +178,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 else:
                     await self.worker.run(self.runtime.extend, sid, prompt[at : at + size])
                 at += size
-        except BaseException:
-            # runtime.start may still finish after a cancel: release after it (jobs run in order), unless a
-            # Release came meanwhile (the id may already belong to a reopened session).
+        except BaseException:  # release after runtime.start (jobs run in order), unless a Release came meanwhile
             if self.sessions.sessions.get(request.session_id) is new:
                 self.sessions.discard(request.session_id, new)
                 self.worker.submit(self.runtime.release, request.session_id)
@@ -244,7 +204,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             span.set_attribute("specdec.tree_nodes", tree.size)
             started = time.perf_counter()
             out: BatchedVerify = await self.batcher.verify(request.session_id, tree, deadline)
-            # compute vs queueing (trace-report): the batched forward's time, the rest waited for company or the worker
             span.set_attribute("specdec.batch_size", out.batch_size)
             span.set_attribute("specdec.verify_ms", out.verify_ms)
             span.set_attribute("specdec.queue_ms", max(0.0, (time.perf_counter() - started) * 1000 - out.verify_ms))
@@ -300,11 +259,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     @_rpc
     async def Commit(self, request, context):
         deadline_of(context)
-        if self.failure is not None:  # the ranks are gone: a model call, UNAVAILABLE as every other
+        if self.failure is not None:  # the ranks are gone: UNAVAILABLE as every model call
             raise self.failure
         s = self.sessions.begin_commit(request.session_id)
-        try:
-            # checked here as TargetRuntime.commit does; the rollback runs later (target_service.commits)
+        try:  # checked here as TargetRuntime.commit does; the rollback runs later (target_service.commits)
             if s.pending is None:
                 raise SessionStateError(f"session_id: {request.session_id!r} has no verify to commit")
             if not 1 <= request.num_tokens <= len(s.pending.tokens):
@@ -334,9 +292,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         )
 
 
-# ----------------------------------------------------------------------------------------------
-# Process entry point
-# ----------------------------------------------------------------------------------------------
+# -- process entry point ------------------------------------------------------------------------
 
 async def serve_runtime(config: ServeConfig, runtime, *, context_limit: int, eos_token_ids=(), model_name: str = "",
                         worker: ModelWorker | None = None) -> int:
@@ -354,72 +310,31 @@ async def serve_runtime(config: ServeConfig, runtime, *, context_limit: int, eos
         servicer.close()
 
 
-class _Terminated(BaseException):
-    """SIGTERM while the model loads (before the server's own handler is installed)."""
-
-
-def _terminate(signum, frame):
-    raise _Terminated()
-
-
 def serve(config: ServeConfig) -> int:
-    """Load the target model of ``config.models`` and serve it; returns the exit code (0, or 2 with a
-    message on stderr naming the field for a bad model, device, ``target.tp`` or an unusable address).
-    Tensor-parallel ranks stop after the drain; a SIGTERM during loading exits 0."""
-    configure_logging()
+    """Load the target model of ``config.models`` and serve it; returns the exit code (``serve_model``; 2 also
+    for a bad device or ``target.tp``). Tensor-parallel ranks stop after the drain."""
     try:
         for device in config.target_devices:
             check_device(device, "target.device" if config.target.device else "models.device")
-        check_client_auth(config.grpc, "target service")
     except ValueError as exc:
         return fail(str(exc))
-    setup_tracing("target-service")
-    previous = signal.signal(signal.SIGTERM, _terminate)
-    runtime, stopped_loading = None, False
-    # the model's whole life (threads, load, every forward) on one thread: specdec.model_worker
-    worker = ModelWorker("target-runtime")
-    try:
-        # unset: the CPUs this process can keep busy (affinity and cgroup quota), not the host's count
-        worker.call(torch.set_num_threads, config.models.threads or usable_cpus())
-        runtime, context_limit, eos, name = worker.call(_load_target, config)
-        asyncio.run(serve_runtime(config, runtime, context_limit=context_limit, eos_token_ids=eos, model_name=name,
-                                  worker=worker))
-    except ModelError as exc:
-        return fail(str(exc))
-    except OSError as exc:
-        return fail(f"target.host / target.port: {exc}")
-    except _Terminated:
-        log.info("target-service: SIGTERM while loading; stopped")
-        stopped_loading = True
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        worker.close(wait=False)  # the servicer has closed it after serving; else the process is exiting
-        if isinstance(runtime, TensorParallelTarget):
-            runtime.close()  # stop the ranks (after the drain; after a rank failure they are already gone)
-        shutdown_tracing()
-    if stopped_loading and worker.busy():
-        # SIGTERM during the (native) load: end the process here; interpreter shutdown may abort mid-call
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    return 0
+    return serve_model(config, "target", _load_target, serve_runtime)
 
 
 def _load_target(config: ServeConfig):
-    """(runtime, context limit, EOS ids, model name): a TargetRuntime over the loaded model, or with
-    ``target.tp`` > 1 a TensorParallelTarget whose ranks load it. Raises ModelError naming the field."""
+    """(runtime, serve_runtime keywords): a TargetRuntime over the loaded model, or with ``target.tp`` > 1 a
+    TensorParallelTarget whose ranks load it. Raises ModelError naming the field."""
     if config.target.tp > 1:
-        runtime, info = _start_tensor_parallel(config)
-        return runtime, info.context_limit, info.eos_token_ids, info.name
-    loaded = load_target(config.models_on(config.target_devices[0]), label="models.target")
-    runtime = TargetRuntime(loaded.model, max_tree_nodes=config.target.max_tree_nodes)
-    return runtime, loaded.context_limit, loaded.eos_token_ids, loaded.name
+        runtime, loaded = _start_tensor_parallel(config)
+    else:
+        loaded = load_target(config.models_on(config.target_devices[0]), label="models.target")
+        runtime = TargetRuntime(loaded.model, max_tree_nodes=config.target.max_tree_nodes)
+    return runtime, {"context_limit": loaded.context_limit, "eos_token_ids": loaded.eos_token_ids,
+                     "model_name": loaded.name}
 
 
 def _start_tensor_parallel(config: ServeConfig):
-    """(TensorParallelTarget, TargetInfo) for ``config.target.tp`` ranks; raises ModelError naming the
-    field (``target.tp``, ``target.device``, ``models.target``)."""
+    """(TensorParallelTarget, TargetInfo) for ``config.target.tp`` ranks; raises ModelError naming the field."""
     devices, tp = config.target_devices, config.target.tp
     models = config.models_on(devices[0])
     info = target_info(models, label="models.target")  # config + tokenizer only: the ranks load the weights
@@ -439,10 +354,5 @@ def _start_tensor_parallel(config: ServeConfig):
 
 
 def run(config_path: str | None = None, overrides: Mapping[str, object] | None = None) -> int:
-    """Load the config (YAML, then ``overrides``: dotted fields such as {"target.tp": 2}, None = keep
-    the file's value) and serve; returns the exit code."""
-    try:
-        config = load_config(config_path, dict(overrides or {}))
-    except ConfigError as exc:
-        return fail(str(exc))
-    return serve(config)
+    """``serve`` the config file with ``overrides`` (dotted fields, e.g. {"target.tp": 2}); the exit code."""
+    return run_service(config_path, overrides, serve)

@@ -1,19 +1,15 @@
-"""The target server's session bookkeeping: KV accounting, the idempotent-verify state machine and
-the idle reaper. Plain asyncio, no gRPC and no model: tests drive it directly.
+"""The target server's session bookkeeping: KV accounting, the idempotent-verify state machine and the idle
+reaper (plain asyncio, no gRPC, no model).
 
-KV accounting (``max_kv_tokens``, CapacityError past it): committed slots L, plus N + 1 tree slots from
-a verify's start to its commit, plus the rejected rows (``stale``) until the next verify's forward rolls
-them back (``target_service.commits``). Example: Prefill of 10 tokens holds 9; a 4-node verify holds 14;
-Commit(num_tokens=3) makes L = 12 and still holds 14; the next verify counts 2 as freed.
-
-Verify states of one session (``SessionSlots``):
+KV held: committed slots L, plus N + 1 tree slots from a verify's start to its commit, plus the rejected rows
+(``stale``) until the next verify's forward rolls them back. Example: Prefill of 10 tokens holds 9; a 4-node
+verify holds 14; Commit(num_tokens=3) makes L = 12 and still holds 14; the next verify counts 2 as freed.
 
     idle --begin_verify--> busy (tree slots held) --verified(result)--> pending --commit--> idle
                                                    --verified(error / unrun)--> idle (tree slots freed)
 
-Verify is idempotent until commit: the tree already pending (same serialized key) is replayed, the
-same tree still in flight is waited for (``claim_verify``), another tree is a SessionStateError.
-The reaper releases sessions untouched for ``idle_s`` (e.g. their Ray actor was killed).
+Until commit the pending tree (same serialized key) is replayed, the same tree in flight waited for, another
+tree refused (SessionStateError).
 """
 
 from __future__ import annotations
@@ -111,8 +107,6 @@ class TargetSessions:
         except KeyError:
             raise UnknownSessionError(f"session_id: unknown target session {session_id!r}") from None
 
-    # -- prefill, commit, release -----------------------------------------------------------------
-
     def open(self, session_id: str, prompt_len: int) -> SessionSlots:
         """A new session of prompt_len - 1 slots, busy until its prefill ran. Raises SessionExistsError, CapacityError."""
         if session_id in self.sessions:
@@ -144,13 +138,10 @@ class TargetSessions:
             s.idle.set()
         return s
 
-    # -- verify -----------------------------------------------------------------------------------
-
     def begin_verify(self, session_id: str, tree: DraftTree, key: bytes, field: str = "") -> DraftTree | None:
-        """Check one verify of ``tree`` (serialized as ``key``) and reserve its N + 1 tree slots; returns
-        the tree to run, or None = replay the pending result. Raises UnknownSessionError,
-        SessionStateError, SameTreeInFlight, ValueError (context limit) or CapacityError, each message
-        starting with ``field`` (e.g. ``items[2].``)."""
+        """Check one verify of ``tree`` (serialized as ``key``) and reserve its N + 1 tree slots; returns the tree to
+        run, or None = replay the pending result. Raises UnknownSessionError, SessionStateError, SameTreeInFlight,
+        ValueError (context limit) or CapacityError, each message starting with ``field`` (e.g. ``items[2].``)."""
         s = self.get(session_id)
         if s.pending is not None:
             if key == s.tree_key:
@@ -171,9 +162,8 @@ class TargetSessions:
 
     async def claim_verify(self, session_id: str, tree: DraftTree, key: bytes, field: str = "",
                            deadline: float | None = None) -> tuple[SessionSlots, DraftTree | None]:
-        """``begin_verify``, first waiting (until ``deadline``, time.monotonic()) for a verify of the
-        same tree in flight; (session, None) = replay ``session.pending``. Raises as begin_verify, or
-        DeadlineExpiredError."""
+        """``begin_verify``, first waiting (until ``deadline``, time.monotonic()) for a verify of the same tree in
+        flight; (session, None) = replay ``session.pending``. Raises as begin_verify, or DeadlineExpiredError."""
         while True:
             try:
                 run = self.begin_verify(session_id, tree, key, field)
@@ -207,8 +197,6 @@ class TargetSessions:
             s.pending = outcome
         else:
             s.drop_tree()
-
-    # -- idle reaper ------------------------------------------------------------------------------
 
     def reap(self, now: float | None = None) -> list[str]:
         """Forget the sessions not busy and untouched for over ``idle_s`` (at ``now``, time.monotonic());

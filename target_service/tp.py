@@ -1,29 +1,14 @@
-"""Tensor-parallel target: N rank processes, each running a TargetRuntime over its shard of the model.
+"""Tensor-parallel target: P rank processes, each running a TargetRuntime over its shard of the model
+(docs/serving.md "Tensor parallelism").
 
-Dims: N tree nodes, V vocabulary, H kv heads of the whole model, D head dim, P tensor-parallel ranks.
-
-Sharding: transformers' own tensor-parallel plan (``DistributedConfig(tp_size=P)``); for Qwen2 and
-Llama the Megatron-LM layout (Shoeybi et al. 2019, §3): q/k/v/gate/up column-parallel, o/down
-row-parallel, so each rank's KV cache is an ordinary DynamicCache of (1, H / P, S, D) per layer and the
-tree mask, ``compact_kv`` and ``truncate_kv`` work per shard unchanged. Logits match the unsharded
-model within ~2e-5 (float32).
-
-Processes: the caller spawns P ranks (``spawn``: scripts need an ``if __name__ == "__main__":`` guard),
-rank r on ``devices[r]`` (``tp_backend``: ``nccl`` on CUDA, ``gloo`` on CPU, whatever else the machine has),
-and sends every call to all of them over one pipe per rank; rank 0's answer is the result, its tensors
-moved to the CPU. The coordinator never touches CUDA: each rank measures its own device's free memory
-(``free_kv_bytes``) and names it for the placement (``device``). Why a coordinator outside the ranks: idle ranks wait on a pipe, not in a
-collective (no idle timeouts), and the serving process waits on the rank sentinels too, so a dead rank
-is noticed at once.
-
-Decisions: after every call that may decide (all but ``_NON_DECIDING``), rank 0 broadcasts each
-session's pending VerifyResult and generator state and the other ranks adopt them, so all commit the
-same tokens; disagreements are counted (``stats()['decision_mismatches']``).
-
-Failures: a rank exiting, a collective error or timeout, diverging answers, or a call over
-``call_timeout_s`` kill all ranks and raise RankFailureError, then and on every later call. Errors
-every rank raises alike (UnknownSessionError, SessionStateError, MalformedTreeError, ValueError) are
-re-raised as such. Every public TargetRuntime method is mirrored (``__getattr__``), one call at a time.
+Sharding: transformers' own plan (``DistributedConfig(tp_size=P)``); for Qwen2 and Llama the Megatron-LM
+layout (Shoeybi et al. 2019, §3), so each rank's cache is an ordinary DynamicCache of (1, H_kv / P, S, D)
+per layer and ``compact_kv`` / ``truncate_kv`` work per shard. Logits match the unsharded model within ~2e-5
+(float32). Ranks are spawned (scripts need an ``if __name__ == "__main__":`` guard) and wait on a pipe, not in
+a collective; after every deciding call rank 0's pending results and generator states are broadcast
+(mismatches counted: ``stats()``). A rank exiting, a collective error or timeout, diverging answers, or a call
+over ``call_timeout_s`` kill all ranks and raise RankFailureError, then and on every later call; errors every
+rank raises alike are re-raised as such.
 """
 
 from __future__ import annotations
@@ -78,8 +63,8 @@ class RemoteRankError(RuntimeError):
 
 
 def _rendezvous(timeout_s: float) -> dist.TCPStore:
-    """The ranks' rendezvous store, held by the coordinator: a TCPStore on a loopback socket it binds itself (no
-    port picked and freed for another process to take, nothing on other interfaces). ``.port``: the ranks dial it."""
+    """The coordinator's TCPStore on a loopback socket it binds itself (no port picked, then freed).
+    The ranks dial ``.port``."""
     sock = socket.create_server(("127.0.0.1", 0), backlog=64)
     try:
         store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
@@ -92,8 +77,7 @@ def _rendezvous(timeout_s: float) -> dist.TCPStore:
 
 
 def tp_backend(devices: list[str]) -> str:
-    """The process group's backend for ranks on ``devices``: nccl on CUDA, else gloo. Raises ValueError naming
-    ``device`` for another device type or a mix (``specdec.config.rank_devices`` refuses both in a config)."""
+    """nccl for CUDA ranks, gloo for CPU ones; ValueError naming ``device`` for another type or a mix."""
     kinds = {d.partition(":")[0] for d in devices}
     if len(kinds) != 1 or not kinds <= {"cpu", "cuda"}:
         raise ValueError(f"device: tensor parallelism runs on cpu (gloo) or cuda (nccl) ranks, got {devices}")
@@ -111,14 +95,10 @@ def check_tp_compatible(config, tp: int) -> None:
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if heads % tp or kv_heads % tp:
-        raise ValueError(
-            f"tp: {tp} ranks do not divide num_attention_heads {heads} and num_key_value_heads {kv_heads}"
-        )
+        raise ValueError(f"tp: {tp} ranks do not divide num_attention_heads {heads} and num_key_value_heads {kv_heads}")
 
 
-# ----------------------------------------------------------------------------------------------
-# Rank side
-# ----------------------------------------------------------------------------------------------
+# -- rank side ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class _RankSpec:
@@ -178,14 +158,11 @@ def _is_comm_error(exc: BaseException) -> bool:
 def _load_shard(spec: _RankSpec, rank: int):
     """Load this rank's shard in a TargetRuntime; returns (runtime, number of linears pre-packed)."""
     hf_logging.disable_progress_bar()
-
     kwargs = {"dtype": DTYPES[spec.dtype]}
     if spec.world > 1:
         kwargs["distributed_config"] = DistributedConfig(tp_size=spec.world)
     model = AutoModelForCausalLM.from_pretrained(spec.model_dir, **kwargs)
-    if spec.world == 1:
-        model = model.to(spec.devices[rank])
-    model = model.eval()
+    model = (model.to(spec.devices[rank]) if spec.world == 1 else model).eval()
     check_supported(model, "--target")
     packed = prepack_tp_linears(model) if spec.prepack else 0
     return TargetRuntime(model, max_tree_nodes=spec.max_tree_nodes), packed
@@ -261,13 +238,8 @@ def _run(runtime: TargetRuntime, name: str, args, kwargs):
 
 def _mirror_decisions(runtime: TargetRuntime, rank: int) -> int:
     """Collective: every rank adopts rank 0's pending results and generator states; returns how many differed."""
-    state = None
-    if rank == 0:
-        state = {
-            sid: (s.pending, None if s.rng is None else s.rng.bit_generator.state)
-            for sid, s in runtime.sessions.items()
-        }
-    box = [state]
+    box = [{sid: (s.pending, None if s.rng is None else s.rng.bit_generator.state)
+            for sid, s in runtime.sessions.items()} if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     if rank == 0:
         return 0
@@ -286,10 +258,7 @@ def _mirror_decisions(runtime: TargetRuntime, rank: int) -> int:
 
 def prepack_tp_linears(model) -> int:
     """Run the sharded float32 CPU linears of a transformers-TP model with oneDNN pre-packed local weights
-    (``specdec.cpu_linear.PackedLinear``), keeping transformers' maths per ``model.tp_plan`` style
-    (``colwise``, ``rowwise`` + all-reduce, ``colwise_gather_output``); frees untied original shards.
-    Returns the number of linears changed; 0 without oneDNN or float32 CPU weights.
-    """
+    (``PackedLinear``) per ``model.tp_plan`` style; frees untied original shards. Returns the number changed."""
     if not torch.backends.mkldnn.is_available():
         return 0
     plan = dict(getattr(model, "tp_plan", None) or {})
@@ -308,17 +277,14 @@ def prepack_tp_linears(model) -> int:
         if forward is None:
             continue
         module.forward = forward
-        if owners.get(weight_local.untyped_storage().data_ptr()) == 1:
-            # The packed copy replaces the weight: free the shard (not a tied one, e.g. a tied lm_head,
-            # whose storage the embedding still uses). The module keeps in/out_features for its repr.
+        if owners.get(weight_local.untyped_storage().data_ptr()) == 1:  # not tied (e.g. to the embedding)
             module.weight = nn.Parameter(weight_local.new_empty(0), requires_grad=False)
         changed += 1
     return changed
 
 
 def _packed_forward(module, weight_local: torch.Tensor, style: str | None):
-    """The forward of one sharded linear with its local weight pre-packed, by TP style (see
-    ``prepack_tp_linears``); None for a style or shard layout it does not handle."""
+    """One sharded linear's forward over its pre-packed local weight, by TP style; None for one it does not handle."""
     bias = module.bias
     bias_local = None if bias is None else (bias.to_local() if isinstance(bias, DTensor) else bias).detach().clone()
     group = module.weight.device_mesh.get_group()
@@ -350,36 +316,19 @@ def _packed_forward(module, weight_local: torch.Tensor, style: str | None):
     return None
 
 
-# ----------------------------------------------------------------------------------------------
-# Coordinator side (the target service's process)
-# ----------------------------------------------------------------------------------------------
+# -- coordinator side (the target service's process) --------------------------------------------
 
 class TensorParallelTarget:
-    """A TargetRuntime over ``tp`` rank processes (TargetWorker protocol of specdec.interfaces).
+    """A TargetRuntime over ``tp`` rank processes; every public TargetRuntime method is mirrored, one call at a time.
+    dtype: float32 | bfloat16 | float16; threads_per_rank: None = usable_cpus() // tp; call_timeout_s: the most
+    one call may take (None = no limit); devices: rank r's device (None = all "cpu"); times in seconds. After the
+    start: ``device`` (rank 0's), ``free_kv_bytes``. Raises ValueError naming ``tp`` or ``device``, the rank's
+    loading error, RankFailureError when a rank dies or the start times out. ``close()`` (or ``with``) stops them."""
 
-    model_dir: a transformers model directory; dtype: float32 | bfloat16 | float16; threads_per_rank:
-    None = ``specdec.placement.usable_cpus()`` // tp (at least 1); collective_timeout_s: process-group
-    timeout; call_timeout_s: the most one call may take (None = no limit; keep it above the longest
-    prefill); prepack: see ``prepack_tp_linears``; devices: rank r's device (None = all "cpu"), the backend
-    ``tp_backend(devices)``. All times in seconds. After the start: ``device`` (rank 0's, as
-    ``specdec.placement`` names it), ``free_kv_bytes`` (``specdec.kv_budget.ranks_free_bytes``).
-    Raises ValueError (naming ``tp`` or ``device``) for a model that cannot be split so, the rank's loading error,
-    RankFailureError when a rank dies or the start times out. ``close()`` (or ``with``) stops the ranks.
-    """
-
-    def __init__(
-        self,
-        model_dir,
-        tp: int = 2,
-        dtype: str = "float32",
-        threads_per_rank: int | None = None,
-        collective_timeout_s: float = 30.0,
-        call_timeout_s: float | None = 600.0,
-        start_timeout_s: float = 600.0,
-        max_tree_nodes: int = MAX_TREE_NODES,
-        prepack: bool = False,
-        devices: list[str] | None = None,
-    ):
+    def __init__(self, model_dir, tp: int = 2, dtype: str = "float32", threads_per_rank: int | None = None,
+                 collective_timeout_s: float = 30.0, call_timeout_s: float | None = 600.0,
+                 start_timeout_s: float = 600.0, max_tree_nodes: int = MAX_TREE_NODES, prepack: bool = False,
+                 devices: list[str] | None = None):
         devices = list(devices or ["cpu"] * tp)
         if len(devices) != tp:
             raise ValueError(f"device: {len(devices)} devices for tp {tp} ranks")
@@ -398,8 +347,7 @@ class TensorParallelTarget:
         spec = _RankSpec(str(model_dir), tp, self._rendezvous.port, tuple(devices), self.backend, dtype, threads,
                          collective_timeout_s, max_tree_nodes, prepack)
         ctx = mp.get_context("spawn")
-        self._conns = []
-        self._procs = []
+        self._conns, self._procs = [], []
         for rank in range(tp):
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=_rank_main, args=(rank, spec, child_end), name=f"specdec-tp-rank{rank}", daemon=True)
@@ -423,8 +371,6 @@ class TensorParallelTarget:
         self.free_kv_bytes = ranks_free_bytes(devices, [reply[1]["free_bytes"] for reply in replies])
         self.prepacked = [reply[1]["prepacked"] for reply in replies]
         self.packed = all(reply[1]["packed_rows"] for reply in replies)  # verify_batch's layout (TargetRuntime.packed)
-
-    # -- the TargetRuntime interface ------------------------------------------------------------
 
     def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams = GREEDY) -> tuple:
         """``TargetRuntime.start`` on every rank (rank 0's prompt logprobs); an unseeded sampled request gets one
@@ -452,8 +398,6 @@ class TensorParallelTarget:
         mirrored.__doc__ = getattr(TargetRuntime, name).__doc__
         return mirrored
 
-    # -- inspection ----------------------------------------------------------------------------
-
     def on_ranks(self, fn, *args) -> list:
         """Run module-level ``fn(runtime, rank, *args)`` on every rank (not a collective); values in rank order."""
         return self._call("_apply", (fn, args), gather=True)
@@ -466,8 +410,6 @@ class TensorParallelTarget:
     @property
     def failed(self) -> bool:
         return self._failure is not None
-
-    # -- lifecycle -----------------------------------------------------------------------------
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the ranks (a clean shutdown, then kill what is left after ``timeout_s``). Idempotent."""
@@ -498,8 +440,6 @@ class TensorParallelTarget:
                 self._kill()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
-
-    # -- plumbing ------------------------------------------------------------------------------
 
     def _call(self, name: str, args: tuple = (), kwargs: dict | None = None, gather: bool = False):
         """Send one call to every rank; rank 0's value (or every rank's, ``gather``), or raise."""

@@ -37,18 +37,11 @@ def verify_greedy(tokens, parents, argmax: list[int]) -> VerifyResult:
         node = nxt
 
 
-def verify_sampled(
-    tokens,
-    parents,
-    target_probs: Callable[[int], np.ndarray],
-    rng: np.random.Generator,
-    proposals: tuple[Proposal, ...] = (),
-    sources: tuple[int, ...] = (),
-) -> VerifyResult:
-    """Lossless sampled tree verification. tokens, parents: [N]; target_probs(r): [V] float64 after row r,
-    processed as the draft processed q (``processed_probs``), asked only for visited rows; rng: the
-    session's generator; proposals: recorded q per expanded node (treeType 1); sources: [N]
-    SOURCE_DRAFT / SOURCE_CONTEXT (() = all draft)."""
+def verify_sampled(tokens, parents, target_probs: Callable[[int], np.ndarray], rng: np.random.Generator,
+                   proposals: tuple[Proposal, ...] = (), sources: tuple[int, ...] = ()) -> VerifyResult:
+    """Lossless sampled tree verification. tokens, parents: [N]; target_probs(r): [V] float64 after row r, processed as
+    the draft processed q (``processed_probs``), asked only for visited rows; rng: the session's generator; proposals:
+    recorded q per expanded node (treeType 1); sources: [N] SOURCE_DRAFT / SOURCE_CONTEXT (() = all draft)."""
     kids = children(parents)
     q_of = {proposal.parent: proposal for proposal in proposals}
     node, path = ROOT, []

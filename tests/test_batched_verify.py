@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import specdec.forward as forward_module
 import target_service.runtime as runtime_module
 from draft_service.runtime import DraftRuntime
 from specdec.interfaces import UnknownSessionError
@@ -49,12 +50,17 @@ class ForwardSpy:
     def __init__(self, monkeypatch):
         self.solo: list[torch.Tensor] = []  # [Q, V] per solo forward
         self.batched: list = []  # per batched forward: [B, Q, V] (padded) or B x [N_b + 1, V] (packed)
-        solo_fn, batch_fn = runtime_module.model_forward, runtime_module.model_forward_batch
+        solo_fn, batch_fn = forward_module.model_forward, forward_module.model_forward_batch
         packed_fn = runtime_module.model_forward_packed
 
+        self.model = None  # set: only this model's solo forwards are kept (not a draft's)
+
         def solo(fn, *args, **kwargs):
-            self.solo.append(fn(*args, **kwargs))
-            return self.solo[-1]
+            out = fn(*args, **kwargs)
+            model = args[0].model if fn is decoder_call else args[0]
+            if self.model is None or model is self.model:
+                self.solo.append(out)
+            return out
 
         def batched(*args, **kwargs):
             self.batched.append(batch_fn(*args, **kwargs))
@@ -64,14 +70,14 @@ class ForwardSpy:
             self.batched.append(packed_fn(*args, **kwargs))
             return self.batched[-1]
 
-        class SpiedDecoder(runtime_module.DirectDecoder):  # a runtime's solo forwards where it goes direct
+        class SpiedDecoder(forward_module.DirectDecoder):  # a runtime's solo forwards where it goes direct
             def __call__(decoder, *args, **kwargs):
                 return solo(decoder_call, decoder, *args, **kwargs)
 
-        decoder_call = runtime_module.DirectDecoder.__call__
-        monkeypatch.setattr(runtime_module, "model_forward", lambda *args, **kwargs: solo(solo_fn, *args, **kwargs))
-        monkeypatch.setattr(runtime_module, "DirectDecoder", SpiedDecoder)
-        monkeypatch.setattr(runtime_module, "model_forward_batch", batched)
+        decoder_call = forward_module.DirectDecoder.__call__
+        monkeypatch.setattr(forward_module, "model_forward", lambda *args, **kwargs: solo(solo_fn, *args, **kwargs))
+        monkeypatch.setattr(forward_module, "DirectDecoder", SpiedDecoder)
+        monkeypatch.setattr(forward_module, "model_forward_batch", batched)
         monkeypatch.setattr(runtime_module, "model_forward_packed", packed)
 
     def reset(self):
@@ -300,7 +306,7 @@ def _requests(kind):
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_batched_rounds_generate_target_greedy_tokens(kind, spy):
     model, requests = _requests(kind)
-    target = TargetRuntime(model)
+    target, spy.model = TargetRuntime(model), model
     for r in requests:
         target.start(r.sid, r.prompt)
         if r.draft is not None:

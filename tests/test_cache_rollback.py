@@ -265,8 +265,7 @@ def test_draft_commit_keeps_fed_prefix_of_accepted_path():
 
 
 def test_release_and_unknown_sessions():
-    from draft_service.runtime import UnknownSessionError as DraftUnknown
-    from target_service.runtime import UnknownSessionError as TargetUnknown
+    from specdec.interfaces import UnknownSessionError as DraftUnknown, UnknownSessionError as TargetUnknown
     from specdec.tree import DraftTree
 
     model = MODELS["qwen2"]()

@@ -15,13 +15,12 @@ from typer.testing import CliRunner
 
 from orchestrator.cli import main as cli
 from specdec.config import ConfigError, ModelsConfig, TargetServerConfig, load_config, rank_devices
-from specdec.kv_budget import ranks_free_bytes
+from specdec.kv_budget import ranks_free_bytes, service_budget
 from specdec.model_setup import load_draft, resolve_draft_quant
 from specdec.models import ModelError
 from specdec.placement import placement
 from specdec.process_entry import check_device
 from target_service import tp
-from target_service.server import TargetServicer
 from tests.conftest import forbid_cuda
 
 
@@ -129,7 +128,7 @@ def test_the_coordinator_path_calls_no_cuda(monkeypatch):
     """KV budget from the ranks' own measurement, placement by rank 0's name, rank 0's tensors sent as CPU ones."""
     forbid_cuda(monkeypatch)
     coordinator = SimpleNamespace(free_kv_bytes=10 * 1000, kv_bytes_per_token=1000, device="cuda:GPU-0a1b")
-    assert TargetServicer._kv_budget(coordinator, TargetServerConfig(tp=2, kv_memory_fraction=0.5)) == 5
+    assert service_budget("target-service", TargetServerConfig(tp=2, kv_memory_fraction=0.5), coordinator) == 5
     assert placement(coordinator.device).device == "cuda:GPU-0a1b"
 
     class Moved(torch.Tensor):  # stands for a CUDA tensor: .cpu() is what the coordinator must receive

@@ -98,8 +98,10 @@ def test_batched_proposals_equal_each_sessions_solo_trees_and_cache(monkeypatch,
     batched.prefill("s2")  # cached lengths differ at the first step too
     solo.prefill("s2")
     shared_rows = []  # (layout, sessions B, rows per session) of every shared forward
-    real, real_packed = module.model_forward_batch, module.model_forward_packed
-    monkeypatch.setattr(module, "model_forward_batch", lambda model_, cache, ids, *rest: shared_rows.append(
+    import specdec.forward as forward_module
+
+    real, real_packed = forward_module.model_forward_batch, module.model_forward_packed
+    monkeypatch.setattr(forward_module, "model_forward_batch", lambda model_, cache, ids, *rest: shared_rows.append(
         ("padded", ids.shape[0], [ids.shape[1]] * ids.shape[0])) or real(model_, cache, ids, *rest))
     monkeypatch.setattr(module, "model_forward_packed", lambda model_, caches, ids, *rest: shared_rows.append(
         ("packed", len(ids), list(map(len, ids)))) or real_packed(model_, caches, ids, *rest))

@@ -118,7 +118,7 @@ def test_an_auto_servicer_refuses_past_its_computed_budget_and_reports_it(monkey
     per_token = runtime.kv_bytes_per_token
     assert per_token == kv_bytes_per_token(runtime.model.config, 4) > 0
     # 10 slots' worth of free memory at fraction 0.5 -> a budget of 5 slots
-    monkeypatch.setattr("target_service.server.free_memory_bytes", lambda device: 10 * per_token)
+    monkeypatch.setattr("specdec.kv_budget.free_memory_bytes", lambda device: 10 * per_token)
 
     async def main():
         host = ServiceHost("test-target", GrpcConfig(shutdown_grace_s=1.0))

@@ -2,10 +2,7 @@
 
     with OtlpReceiver() as otlp:
         env = otlp.env()              # OTEL_* variables that point a process at this receiver
-        ...
         spans = otlp.spans()          # [ReceivedSpan(service.name, span name, trace id hex, ...)]
-
-A subclass that wants more of each span (its duration, say) overrides ``keep``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """The project's own servers as subprocesses (on loopback ports unless given a host), for tests and benchmarks.
 
-    target = start_service("target", "serve.yaml")           # python -m target_service --config serve.yaml --port 0
-    channel = grpc.aio.insecure_channel(target.address)     # e.g. "127.0.0.1:43817"
-    stop_service(target)                                     # SIGTERM, wait; returns the exit code
-
     draft, target = launch_service("draft", config), launch_service("target", config)
-    wait_ready(draft), wait_ready(target)                      # start-ups overlap
-
-Kinds: "draft", "target", "front". No ready line in time, or an early exit, raises ServiceNotReady.
+    wait_ready(draft), wait_ready(target)                      # start-ups overlap; ServiceNotReady if not
+    stop_service(target)                                       # SIGTERM, wait; returns the exit code
 """
 
 from __future__ import annotations
@@ -70,9 +65,8 @@ def server_command(kind: str, config_path, **flags) -> list[str]:
 
 
 def launch_service(kind: str, config_path, env: dict | None = None, prefix: list[str] = (), **flags) -> Service:
-    """Start a server subprocess without waiting (call ``wait_ready``), so several start-ups overlap. ``prefix``:
-    argv put before the command, one that execs it (e.g. ``ip netns exec NS taskset -c 0``: the pid stays the
-    server's)."""
+    """Start a server subprocess without waiting (call ``wait_ready``), so several start-ups overlap. ``prefix``: argv
+    put before the command, one that execs it (e.g. ``ip netns exec NS taskset -c 0``: the pid stays the server's)."""
     return launch_command(kind, [*prefix, *server_command(kind, config_path, **flags)], env)
 
 

@@ -2,9 +2,6 @@
 
     pair = save_tiny_pair(tmp_path)                        # target + draft dirs (seeded, tokenizer included)
     config = write_config(tmp_path / "serve.yaml", pair, target={"max_batch": 4})
-    target = start_service("target", config)                # specdec.harness.servers
-
-In-memory tiny models (no files) are in conftest.py.
 """
 
 from __future__ import annotations
@@ -19,12 +16,9 @@ CORPUS = ["the quick brown fox jumps over the lazy dog", "def add(a, b):\n    re
 
 
 def save_tiny(path, seed: int, corpus=CORPUS, max_pos: int = 64, noise_of: int | None = None, noise: float = 0.0):
-    """Save a tiny random Qwen2 model with a small byte-level BPE tokenizer trained on ``corpus``.
-
-    The weights come from ``seed``; with ``noise_of`` set they are instead those of seed ``noise_of``
-    plus N(0, noise^2) drawn from ``seed`` (a draft close to that target: partial acceptance).
-    Returns ``path``.
-    """
+    """Save a tiny random Qwen2 model with a small byte-level BPE tokenizer trained on ``corpus``. The weights come from
+    ``seed``; with ``noise_of`` set they are instead those of seed ``noise_of`` plus N(0, noise^2) drawn from ``seed``
+    (a draft close to that target: partial acceptance). Returns ``path``."""
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -60,9 +54,8 @@ def save_tiny_pair(root, max_pos: int = 256, noise: float = 0.03) -> ModelPair:
 
 
 def write_config(path, pair: ModelPair | None = None, **sections) -> Path:
-    """Write a service config YAML for tests: float32, no draft quantization, one torch thread,
-    ephemeral ports; ``sections`` (e.g. target={"max_kv_tokens": 64}, grpc={...}) are merged in.
-    Returns ``path``."""
+    """Write a service config YAML for tests: float32, no draft quantization, one torch thread, ephemeral ports;
+    ``sections`` (e.g. target={"max_kv_tokens": 64}, grpc={...}) are merged in. Returns ``path``."""
     data: dict = {
         "models": {"dtype": "float32", "draft_quant": "none", "threads": 1},
         "grpc": {"shutdown_grace_s": 5.0},

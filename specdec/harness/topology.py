@@ -1,5 +1,4 @@
-"""An emulated split deployment on one Linux machine (root, iproute2): the front, the target and the draft each in
-a network namespace of its own, the draft on the far side of a link with a chosen round trip and bandwidth.
+"""An emulated split deployment on one Linux machine (root, iproute2; docs/benchmarks.md "The split topology").
 
     with SplitTopology(rtt_ms=100, bandwidth_mbit=100, pin={"target": "0", "draft": "1"}) as topo:
         draft = launch_service("draft", cfg, prefix=topo.prefix("draft"), env=topo.env("draft"),
@@ -7,14 +6,8 @@ a network namespace of its own, the draft on the far side of a link with a chose
         relay = topo.relay(wait_ready(draft).address)        # "10.58.S+2.1:PORT": the front dials the draft here
         topo.measure_rtt(relay)                               # ms, median gRPC health check through the relay
 
-Links (S = 4 * slot): root 10.58.S.1 <-> front 10.58.S.2 (the clients' side; the front binds .2), front
-10.58.S+1.1 <-> target 10.58.S+1.2 (no shaping), front 10.58.S+2.1 <-> draft 10.58.S+2.2 (``tc`` tbf on both
-ends). The front namespace forwards between the root and the target (so the root reaches the target and the
-target's OTLP exports reach the root); the draft namespace has no route beyond its link, so only the relay, which
-runs in the front namespace on 10.58.S+2.1, reaches it. This kernel has no netem: the delay is the relay's (threads;
-each direction holds its bytes for rtt/2, in order, the two directions independent; connection set-up is not delayed).
-Namespaces, links, relays and any process left in the namespaces go on ``close`` (the ``with`` exit, atexit,
-SIGTERM; not SIGKILL: ``ip netns del sdN-...`` then). Errors: ValueError on a round trip or bandwidth <= 0,
+Links (S = 4 * slot): root 10.58.S.1 <-> front 10.58.S.2, front 10.58.S+1.1 <-> target 10.58.S+1.2, front
+10.58.S+2.1 <-> draft 10.58.S+2.2 (``tc`` tbf on both ends). Errors: ValueError on a round trip or bandwidth <= 0,
 RuntimeError naming a failed ``ip``/``tc`` command, ServiceNotReady from a relay that does not start.
 """
 
