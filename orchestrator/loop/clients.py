@@ -30,8 +30,6 @@ request_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
 
 DEFAULT_CALL_TIMEOUT_S = 120.0
 VERIFY_RETRIES = 2  # Verify calls retried on UNAVAILABLE
-
-
 PREFILL_S_PER_TOKEN = 0.1  # the Prefill call's timeout over DEFAULT_CALL_TIMEOUT_S, per prompt token
 
 
@@ -178,20 +176,14 @@ class DraftClient(DraftWorker):
         except Exception as exc:  # noqa: BLE001 - a stream that already ended (UsageError, InvalidStateError, ...)
             raise self._fail(session_id, f"draft stream closed: {type(exc).__name__}: {exc}") from exc
         if response is grpc.aio.EOF:
-            self._drop(session_id)
-            code = await call.code()
-            raise DraftUnavailableError(f"draft stream ended ({code.name}: {await call.details()})")
+            raise self._fail(session_id, f"draft stream ended ({(await call.code()).name}: {await call.details()})")
         return response
 
-    def _drop(self, session_id: str) -> None:
-        """Forget a broken stream and cancel it (the draft frees the session's KV when it ends)."""
+    def _fail(self, session_id: str, message: str) -> DraftUnavailableError:
+        """Forget a broken stream and cancel it (the draft frees the session's KV when it ends); the error to raise."""
         call = self.streams.pop(session_id, None)
         if call is not None:
             call.cancel()
-
-    def _fail(self, session_id: str, message: str) -> DraftUnavailableError:
-        """``_drop`` the session's stream; the error to raise."""
-        self._drop(session_id)
         return DraftUnavailableError(message)
 
     async def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> int | None:
@@ -244,21 +236,7 @@ class DraftClient(DraftWorker):
     async def propose_ahead(self, session_id: str, path_nodes: list[int], spec: TreeSpec,
                             max_depth: int) -> tuple[int, DraftTree]:
         """The next round's tree drafted ahead (DraftRuntime.propose_ahead): returns (guess token, tree)."""
-        self.rounds[session_id] = self.rounds.get(session_id, 0) + 1
-        request = draft_pb2.AheadRequest(path_nodes=path_nodes, spec=spec_to_proto(spec), max_depth=max_depth,
-                                         round=self.rounds[session_id])
-        sent = time.perf_counter()
-        reply = await self._ahead_reply(session_id, request)
-        tree = self._tree(session_id, reply, time.perf_counter() - sent)
-        if not 0 <= reply.guess_token < self.vocab_size:
-            raise self._fail(session_id, f"draft sent guess_token {reply.guess_token} outside the vocabulary")
-        return reply.guess_token, tree
-
-    async def _ahead_reply(self, session_id: str, request: draft_pb2.AheadRequest) -> draft_pb2.DraftTreeReply:
-        response = await self._exchange(session_id, draft_pb2.DraftRequest(ahead=request), reply=True)
-        if not response.HasField("tree") or not response.tree.ahead or response.tree.round != self.rounds[session_id]:
-            raise self._fail(session_id, "draft service answered an ahead out of order")
-        return response.tree
+        return (await self.propose_candidates(session_id, [AheadCandidate(tuple(path_nodes), max_depth)], spec))[0]
 
     async def propose_candidates(self, session_id: str, candidates: list[AheadCandidate],
                                  spec: TreeSpec) -> list[tuple[int, DraftTree]]:
@@ -271,8 +249,11 @@ class DraftClient(DraftWorker):
                                          max_depth=first.max_depth, round=self.rounds[session_id],
                                          alternatives=others, exclude=first.exclude)
         sent = time.perf_counter()
-        reply = await self._ahead_reply(session_id, request)
+        response = await self._exchange(session_id, draft_pb2.DraftRequest(ahead=request), reply=True)
         wall_s = time.perf_counter() - sent
+        if not response.HasField("tree") or not response.tree.ahead or response.tree.round != self.rounds[session_id]:
+            raise self._fail(session_id, "draft service answered an ahead out of order")
+        reply = response.tree
         if len(reply.alternatives) != len(others):
             raise self._fail(session_id, f"draft answered {len(reply.alternatives)} alternatives for {len(others)}")
         out = []

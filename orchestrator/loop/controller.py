@@ -1,18 +1,13 @@
-"""Round control of one request (docs/design.md), asynchronous, for every mode.
-
-A round: the draft grows a token tree, the target verifies it in one forward (accepted path + bonus), the
-tokens pass the stop checks one at a time, and both workers commit exactly those (KV rollback of the rest).
-Control, fallback, draft window and pipelining (PEARL, Liu et al. 2024): docs/control.md. Traces: one ``round``
-span per round with ``draft``, ``verify`` and ``commit`` children. The draft's context limit counts in the
-draft's positions; the controller adds the tokens the window left out.
-
-Workers are awaitables with the DraftWorker / TargetWorker methods (specdec.interfaces): gRPC clients or
-in-process runtimes wrapped by ``sync_worker``. Many requests run concurrently on one event loop.
+"""Round control of one request (docs/design.md), asynchronous, for every mode: the draft grows a tree, the
+target verifies it, the tokens pass the stop checks, both workers commit exactly those. Control, fallback, draft
+window and pipelining (PEARL, Liu et al. 2024): docs/control.md. Workers: awaitable DraftWorker / TargetWorker
+(specdec.interfaces), gRPC clients or in-process runtimes wrapped by ``sync_worker``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import itertools
 import logging
@@ -88,7 +83,7 @@ class InProcessWorker(WorkerAdapter):
         return out
 
 
-sync_worker = InProcessWorker  # an in-process worker (sync methods) as an awaitable one
+sync_worker = InProcessWorker
 
 
 async def _maybe_await(value):
@@ -100,12 +95,10 @@ async def _maybe_await(value):
 class RoundController:
     """Runs requests round by round over an (async) draft and target worker.
 
-    eos_token_ids: ids that end generation; context_limit: max tokens (prompt + generated); decode: ids -> text,
-    for stop strings; control_factory: TreeSpec -> Control (default FixedControl); draft_deadline_s: a slower
-    draft reply is a draft failure; draft_context_limit: the draft's max positions (None = unlimited); on_round:
-    each RoundRecord; pipeline: draft round r+1 while round r verifies (True, False, or "auto": the control
-    decides per round); ahead_candidates: candidate next trees per ahead (pre-drafting; 1 = pipelining's
-    one); draft_window: None = every token.
+    context_limit: max tokens (prompt + generated); decode: ids -> text, for stop strings; control_factory:
+    TreeSpec -> Control (default FixedControl); draft_deadline_s: a slower draft reply is a draft failure;
+    draft_context_limit: the draft's max positions (None = unlimited); pipeline: True, False or "auto" (the
+    control decides per round); ahead_candidates: candidate next trees per ahead; draft_window: None = every token.
     """
 
     def __init__(self, target, draft, eos_token_ids, context_limit: int, decode=None,
@@ -254,8 +247,10 @@ class _Request:
         """A request of max_new_tokens 0 (prompt logprobs only) ends: one empty RoundRecord carries them."""
         self.stats.stop_reason = "max_new_tokens"
         self.stats.total_s = time.perf_counter() - self.started
-        record = RoundRecord((), 0, 0, 0, None, 0, None, 0.0, 0.0, stop_reason="max_new_tokens",
-                             prompt_logprobs=self.prompt_logprobs)
+        await self._report(RoundRecord((), 0, 0, 0, None, 0, None, 0.0, 0.0, stop_reason="max_new_tokens",
+                                       prompt_logprobs=self.prompt_logprobs))
+
+    async def _report(self, record: RoundRecord) -> None:
         for callback in (self.on_round, self.controller.on_round):
             if callback is not None:
                 await _maybe_await(callback(record))
@@ -293,10 +288,8 @@ class _Request:
         return True
 
     async def _release_quietly(self, sid: str) -> None:
-        try:
+        with contextlib.suppress(Exception):  # the draft is already gone; its stream end frees the KV
             await asyncio.wait_for(self.controller.draft.release(sid), 1.0)
-        except Exception:  # noqa: BLE001 - the draft is already gone; its stream end frees the KV
-            pass
 
     async def _draft_call(self, awaitable, extra_s: float = 0.0):
         """A draft call under the deadline (+ ``extra_s`` s); past it, DraftUnavailableError."""
@@ -342,8 +335,7 @@ class _Request:
         await self._record(drafted, shaped, result, committed, accepted, (t2 - t1, t3 - t2, t3 - t0), outcome)
         return committed
 
-    def _gamma(self) -> int:
-        """The request's speculation depth, tree levels (0 without a control policy)."""
+    def _gamma(self) -> int:  # the request's speculation depth, tree levels (0 without a control policy)
         return self.control.gamma if self.control is not None else 0
 
     async def _draft(self, max_depth: int) -> _Drafted:
@@ -429,12 +421,8 @@ class _Request:
 
     def _stop_checks(self, tokens) -> list[int]:
         """Phase 3: the verified tokens up to and including the first that stops the request."""
-        committed: list[int] = []
-        for token in tokens:
-            committed.append(token)
-            if self.stops.push(token):
-                break
-        return committed
+        stop = next((i for i, token in enumerate(tokens) if self.stops.push(token)), len(tokens) - 1)
+        return list(tokens[:stop + 1])
 
     async def _commit(self, committed: list[int], accepted: list[int],
                       ahead: "asyncio.Future | None" = None) -> _AheadOutcome | None:
@@ -592,9 +580,7 @@ class _Request:
             self.stats.total_s = time.perf_counter() - self.started
             self.stats.new_tokens = len(self.stops.generated)
             self.stats.stop_reason = self.stops.reason
-        for callback in (self.on_round, self.controller.on_round):
-            if callback is not None:
-                await _maybe_await(callback(record))
+        await self._report(record)
 
     async def close(self) -> None:
         """Release both sessions (KV freed); errors here are logged, never raised."""

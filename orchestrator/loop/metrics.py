@@ -12,7 +12,6 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from functools import partial
 from typing import AsyncGenerator, AsyncIterator, Sequence
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -46,6 +45,55 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
+# (attribute, kind, name, help, (label, values created up front; () = created on first use) or None, extra)
+METRICS = (
+    ("rounds", Counter, "rounds", "Rounds run, by mode (speculative or plain target step)", ("mode", ROUND_MODES), {}),
+    ("proposed_tokens", Counter, "proposed_tokens", "Draft tokens (tree nodes) sent to the target", None, {}),
+    ("accepted_tokens", Counter, "accepted_tokens", "Draft tokens accepted by the target (bonus excluded)", None, {}),
+    ("committed_tokens", Counter, "committed_tokens", "Tokens committed (bonus included)", None, {}),
+    ("fallback_rounds", Counter, "fallback_rounds", "Plain rounds without the draft, by reason",
+     ("reason", FALLBACK_REASONS), {}),
+    ("acceptance_alerts", Counter, "acceptance_alerts", "Low-acceptance alerts raised, by scope",
+     ("scope", ALERT_SCOPES), {}),
+    ("acceptance_rate", Gauge, "acceptance_rate", "Global windowed acceptance rate (accepted / proposed draft tokens)",
+     None, {}),
+    ("gamma", Histogram, "gamma", "Speculation depth gamma of each speculative round", None,
+     {"buckets": GAMMA_BUCKETS}),
+    ("round_phase_seconds", Histogram, "round_phase_seconds", "Wall time of one round phase, seconds",
+     ("phase", PHASES), {"buckets": PHASE_BUCKETS}),
+    ("cost_verify_ms", Gauge, "cost_verify_ms", "Cost model: predicted target verify latency for a tree of rows - 1 "
+     "nodes, ms (cost-aware control)", ("rows", ()), {}),
+    ("cost_draft_step_ms", Gauge, "cost_draft_step_ms", "Cost model: predicted draft step latency for parents "
+     "expanded nodes, ms", ("parents", ()), {}),
+    ("context_tokens", Counter, "context_tokens", "Context (n-gram) tree nodes, by outcome", ("outcome", ()), {}),
+    ("expected_accepted_tokens", Counter, "expected_accepted_tokens", "Draft tokens the cost-aware control expected "
+     "to be accepted (compare with accepted_tokens)", None, {}),
+    ("position_proposed", Counter, "position_proposed_tokens", "Rounds whose verified tree reached this depth "
+     "(position)", ("position", ()), {}),
+    ("position_accepted", Counter, "position_accepted_tokens", "Rounds whose accepted path reached this depth "
+     "(position)", ("position", ()), {}),
+    ("request_latency", Histogram, "request_latency_seconds", "Request time from arrival to the end of its stream, "
+     "seconds", None, {"buckets": REQUEST_LATENCY_BUCKETS}),
+    ("ttft", Histogram, "time_to_first_token_seconds", "Request time from arrival to its first token, seconds", None,
+     {"buckets": TTFT_BUCKETS}),
+    ("inter_token_latency", Histogram, "inter_token_latency_seconds", "Gap between streamed rounds divided by the "
+     "tokens of the later one, observed once per token, seconds", None, {"buckets": ITL_BUCKETS}),
+    ("failovers", Counter, "failovers", "Requests moved to another orchestrator actor after theirs failed (Ray front, "
+     "orchestrator.serving.failover), one per move", None, {}),
+    ("requests_running", Gauge, "requests_running", "Requests streaming tokens (first token sent)", None, {}),
+    ("requests_waiting", Gauge, "requests_waiting", "Requests received without a first token yet (queued or in "
+     "prefill)", None, {}),
+    ("link_rtt", Gauge, "link_rtt_seconds", "Measured round trip of a service link (draft, target): the median of "
+     "recent calls' wall time at the front minus the service's own time, as of the last request to end, seconds "
+     "(0: not measured yet)", ("link", LINKS), {}),
+    ("pipeline_ahead", Counter, "pipeline_ahead", "Pipelining: trees drafted ahead during a verify, by outcome (hit = "
+     "first candidate adopted, predraft = another candidate adopted, miss = discarded, failed)",
+     ("outcome", AHEAD_OUTCOMES), {}),
+    ("round_kinds", Counter, "round_kind", "Rounds by where their tree came from (in_line = drafted in the round or "
+     "none, pipelined / predrafted = an ahead's first / another candidate)", ("kind", ROUND_KINDS), {}),
+)
+
+
 class SpecMetrics:
     """The orchestrator's metrics, registered on ``registry`` (default: a fresh CollectorRegistry).
 
@@ -55,60 +103,11 @@ class SpecMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None, namespace: str = "specdec"):
         self.registry = registry if registry is not None else CollectorRegistry()
-        counter, gauge, histogram = (partial(kind, namespace=namespace, registry=self.registry)
-                                     for kind in (Counter, Gauge, Histogram))
-        self.rounds = counter("rounds", "Rounds run, by mode (speculative or plain target step)", ["mode"])
-        self.proposed_tokens = counter("proposed_tokens", "Draft tokens (tree nodes) sent to the target")
-        self.accepted_tokens = counter("accepted_tokens", "Draft tokens accepted by the target (bonus excluded)")
-        self.committed_tokens = counter("committed_tokens", "Tokens committed (bonus included)")
-        self.fallback_rounds = counter("fallback_rounds", "Plain rounds without the draft, by reason", ["reason"])
-        self.acceptance_alerts = counter("acceptance_alerts", "Low-acceptance alerts raised, by scope", ["scope"])
-        self.acceptance_rate = gauge("acceptance_rate",
-                                     "Global windowed acceptance rate (accepted / proposed draft tokens)")
-        self.gamma = histogram("gamma", "Speculation depth gamma of each speculative round", buckets=GAMMA_BUCKETS)
-        self.round_phase_seconds = histogram("round_phase_seconds", "Wall time of one round phase, seconds",
-                                             ["phase"], buckets=PHASE_BUCKETS)
-        self.cost_verify_ms = gauge("cost_verify_ms", "Cost model: predicted target verify latency for a tree "
-                                    "of rows - 1 nodes, ms (cost-aware control)", ["rows"])
-        self.cost_draft_step_ms = gauge("cost_draft_step_ms", "Cost model: predicted draft step latency for "
-                                        "parents expanded nodes, ms", ["parents"])
-        self.context_tokens = counter("context_tokens", "Context (n-gram) tree nodes, by outcome", ["outcome"])
-        self.expected_accepted_tokens = counter("expected_accepted_tokens", "Draft tokens the cost-aware control "
-                                                "expected to be accepted (compare with accepted_tokens)")
-        self.position_proposed = counter("position_proposed_tokens", "Rounds whose verified tree reached "
-                                         "this depth (position)", ["position"])
-        self.position_accepted = counter("position_accepted_tokens", "Rounds whose accepted path reached "
-                                         "this depth (position)", ["position"])
-        self.request_latency = histogram("request_latency_seconds", "Request time from arrival to the end of its "
-                                         "stream, seconds", buckets=REQUEST_LATENCY_BUCKETS)
-        self.ttft = histogram("time_to_first_token_seconds", "Request time from arrival to its first token, seconds",
-                              buckets=TTFT_BUCKETS)
-        self.inter_token_latency = histogram("inter_token_latency_seconds", "Gap between streamed rounds divided by "
-                                             "the tokens of the later one, observed once per token, seconds",
-                                             buckets=ITL_BUCKETS)
-        self.failovers = counter("failovers", "Requests moved to another orchestrator actor after theirs failed "
-                                 "(Ray front, orchestrator.serving.failover), one per move")
-        self.requests_running = gauge("requests_running", "Requests streaming tokens (first token sent)")
-        self.requests_waiting = gauge("requests_waiting", "Requests received without a first token yet "
-                                      "(queued or in prefill)")
-        self.link_rtt = gauge("link_rtt_seconds", "Measured round trip of a service link (draft, target): the median "
-                              "of recent calls' wall time at the front minus the service's own time, as of the last "
-                              "request to end, seconds (0: not measured yet)", ["link"])
-        self.pipeline_ahead = counter("pipeline_ahead", "Pipelining: trees drafted ahead during a verify, by "
-                                      "outcome (hit = first candidate adopted, predraft = another candidate "
-                                      "adopted, miss = discarded, failed)", ["outcome"])
-        self.round_kinds = counter("round_kind", "Rounds by where their tree came from (in_line = drafted in the "
-                                   "round or none, pipelined / predrafted = an ahead's first / another candidate)",
-                                   ["kind"])
-        self._create_series()
-
-    def _create_series(self) -> None:
-        """Every labelled series, so each reads 0 before its first event."""
-        for metric, values in ((self.pipeline_ahead, AHEAD_OUTCOMES), (self.round_kinds, ROUND_KINDS),
-                               (self.rounds, ROUND_MODES),
-                               (self.fallback_rounds, FALLBACK_REASONS), (self.acceptance_alerts, ALERT_SCOPES),
-                               (self.round_phase_seconds, PHASES), (self.link_rtt, LINKS)):
-            for value in values:
+        for attr, kind, name, help_text, labels, extra in METRICS:
+            label_names = [labels[0]] if labels else []
+            metric = kind(name, help_text, label_names, namespace=namespace, registry=self.registry, **extra)
+            setattr(self, attr, metric)
+            for value in labels[1] if labels else ():  # every labelled series reads 0 before its first event
                 metric.labels(value)
 
     def record_round(self, proposed: int, accepted: int, committed: int, gamma: int | None = None) -> None:

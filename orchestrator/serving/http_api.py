@@ -59,11 +59,8 @@ FINISH_REASONS = {"eos": "stop", "stop_token": "stop", "stop_string": "stop", "m
 
 
 def _is_noop(value, noops: tuple) -> bool:
-    """value is one of noops, type included (False is not 0 here)."""
-    return any(value is n or (type(value) is type(n) and value == n) for n in noops)
+    return any(value is n or (type(value) is type(n) and value == n) for n in noops)  # False is not 0 here
 
-
-# --------------------------------------------------------------------------- request models
 
 
 class _Strict(BaseModel):
@@ -88,7 +85,7 @@ class SpecdecOptions(_Strict):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False       # one more chunk, with empty choices and the usage, before [DONE]
+    include_usage: bool = False  # one more chunk, with empty choices and the usage, before [DONE]
 
 
 class _GenerationParams(_Strict):
@@ -130,8 +127,7 @@ class _GenerationParams(_Strict):
     def max_new_tokens(self) -> int:
         return self.max_tokens or 0  # 0 = front.max_new_tokens
 
-    def top_logprobs_k(self) -> int | None:
-        """Alternatives per generated token's logprobs; None = no logprobs."""
+    def top_logprobs_k(self) -> int | None:  # alternatives per generated token's logprobs; None = no logprobs
         return None
 
 
@@ -183,8 +179,6 @@ class ChatCompletionRequest(_GenerationParams):
                                 f"{self.max_tokens} (give one)", "max_completion_tokens")
         return self.max_completion_tokens or self.max_tokens or 0
 
-
-# --------------------------------------------------------------------------- errors
 
 
 class ApiError(Exception):
@@ -263,8 +257,6 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         messages.append(f"{param}: {what}" if param else what)
     return ApiError(400, "; ".join(messages), first)
 
-
-# --------------------------------------------------------------------------- one request's output
 
 
 class StopTrim:
@@ -423,8 +415,6 @@ def sse(data: dict) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-# --------------------------------------------------------------------------- running a request
-
 
 class Run:
     """One request's StreamEvents from a task of its own, cancelled (KV freed) on disconnect or ``close``.
@@ -484,19 +474,16 @@ def _trace_carrier(request: Request) -> dict:
     return {k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k))}
 
 
-# --------------------------------------------------------------------------- the app
-
 
 async def _error_response(_request: Request, exc: Exception) -> JSONResponse:
     """An error outside a request's run in OpenAI's error format: ours, a body that fails validation, Starlette's
     own (404 unknown path, 405 wrong method) or any other (500; uvicorn logs the traceback)."""
-    if isinstance(exc, ApiError):
-        return exc.response()
-    if isinstance(exc, RequestValidationError):
-        return validation_error(exc).response()
     if isinstance(exc, StarletteHTTPException):
         return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), exc.status_code, exc.headers)
-    return ApiError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
+    if isinstance(exc, RequestValidationError):
+        return validation_error(exc).response()
+    return (exc if isinstance(exc, ApiError) else ApiError(500, f"internal error: {type(exc).__name__}",
+                                                           type="server_error")).response()
 
 
 class Gate:
@@ -689,8 +676,6 @@ class HttpApi:
     async def metrics(self) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
-
-# --------------------------------------------------------------------------- the server
 
 
 class _LoopServer(uvicorn.Server):
