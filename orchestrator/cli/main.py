@@ -51,28 +51,33 @@ def check_control(control: str) -> None:
         raise UsageError(f"--control: expected {', '.join(CONTROLS)}, got {control!r}")
 
 
-def check_choices(dtype: str, draft_quant: str, control: str = "cost-aware") -> None:
+def check_run(dtype: str, draft_quant: str, control: str, device: str, draft_device: Optional[str],
+              **positive) -> None:
+    """The model flags of an in-process run (--device / --draft-device: bad name, no such GPU) and the options
+    that must be >= 1; raises UsageError naming the first bad one."""
+    from specdec.process_entry import check_device
+
     check_control(control)
     if dtype not in ("auto", "bfloat16", "float32", "float16"):
         raise UsageError(f"--dtype: expected auto, bfloat16, float32 or float16, got {dtype!r}")
     if draft_quant not in ("auto", "none", "int8"):
         raise UsageError(f"--draft-quant: expected auto, none or int8, got {draft_quant!r}")
-
-
-_DEVICE_HELP = "The target's device: cpu, cuda or cuda:N (and the draft's, unless --draft-device)."
-_DRAFT_DEVICE_HELP = "The draft's device: cpu, cuda or cuda:N (default: --device)."
-
-
-def check_devices(device: str, draft_device: Optional[str]) -> None:
-    """--device / --draft-device of an in-process run: raises UsageError naming the flag (bad name, no such GPU)."""
-    from specdec.process_entry import check_device
-
     for flag, value in (("--device", device), ("--draft-device", draft_device)):
         if value is not None:
             try:
                 check_device(value, flag)
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
+    check_positive(**positive)
+
+
+def tree_option(tree: Optional[str], default=DEFAULT_SPEC):
+    """``--tree``: inline JSON or a JSON file; TreeSpecError names the field."""
+    return parse_tree_spec(tree) if tree is not None else default
+
+
+_DEVICE_HELP = "The target's device: cpu, cuda or cuda:N (and the draft's, unless --draft-device)."
+_DRAFT_DEVICE_HELP = "The draft's device: cpu, cuda or cuda:N (default: --device)."
 
 
 _DRAFT_WINDOW_HELP = ("Tokens a draft session opens with: the first 32 plus the most recent (a long prompt costs the "
@@ -230,11 +235,9 @@ def generate(
             check_remote_options(draft_window, argmax_screen, pipeline, control, max_context)
             return _generate_remote(server, prompt, prompt_file, tree, max_new_tokens, temperature, top_p, top_k,
                                     seed, stop, no_spec, raw, tls_ca, auth_token_file)
-        check_choices(dtype, draft_quant, control)
-        check_devices(device, draft_device)
-        check_positive(max_new_tokens=max_new_tokens, threads=threads)
+        check_run(dtype, draft_quant, control, device, draft_device, max_new_tokens=max_new_tokens, threads=threads)
         sampling = sampling_params(temperature, top_p, top_k, seed)
-        spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
+        spec = tree_option(tree)
         window = draft_window_option(draft_window)
         text = read_prompt(prompt, prompt_file)
         set_threads(threads)
@@ -285,14 +288,12 @@ def bench(
     from orchestrator.measure.bench import run_bench
 
     try:
-        check_choices(dtype, draft_quant, control)
-        check_devices(device, draft_device)
-        check_positive(per_category=per_category, max_new_tokens=max_new_tokens, threads=threads, repeats=repeats)
+        check_run(dtype, draft_quant, control, device, draft_device, per_category=per_category,
+                  max_new_tokens=max_new_tokens, threads=threads, repeats=repeats)
         if offset < 0:
             raise UsageError(f"--offset: must be >= 0, got {offset}")
         sampling = sampling_params(temperature, top_p, top_k, seed)
-        spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
-        run_bench(spec, questions, per_category, max_new_tokens, dtype, draft_quant, out, hf_assisted, threads, sampling,
+        run_bench(tree_option(tree), questions, per_category, max_new_tokens, dtype, draft_quant, out, hf_assisted, threads, sampling,
                   control, offset=offset, prompt_lookup=prompt_lookup, target=target, draft=draft,
                   draft_window=draft_window_option(draft_window), categories=tuple(category),
                   argmax_screen=argmax_screen, repeats=repeats, plain=plain, device=device, draft_device=draft_device)
@@ -311,7 +312,7 @@ def _generate_remote(server, prompt, prompt_file, tree, max_new_tokens, temperat
 
     check_positive(max_new_tokens=max_new_tokens)  # a ValueError naming its option: generate's to report
     sampling = sampling_params(temperature, top_p, top_k, seed)
-    spec = parse_tree_spec(tree) if tree is not None else None
+    spec = tree_option(tree, None)
     text = read_prompt(prompt, prompt_file)
     try:
         stats = generate_remote(server, text, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec,
@@ -423,12 +424,11 @@ def eval_(
     from orchestrator.measure.eval_report import run_eval
 
     try:
-        check_choices(dtype, draft_quant, control)
-        check_devices(device, draft_device)
-        check_positive(per_category=per_category, max_new_tokens=max_new_tokens, threads=threads)
+        check_run(dtype, draft_quant, control, device, draft_device, per_category=per_category,
+                  max_new_tokens=max_new_tokens, threads=threads)
         if service_pid and server is None:
             raise UsageError("--service-pid: only with --server (embedded runs measure this process)")
-        spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
+        spec = tree_option(tree)
         set_threads(threads)
         reports = run_eval(spec, questions, per_category, max_new_tokens, out, target=target, draft=draft, dtype=dtype,
                            draft_quant=draft_quant, control=control, server=server, service_pids=tuple(service_pid),
@@ -482,13 +482,12 @@ def profile_draft(
     from orchestrator.loop.embedded import set_threads
 
     try:
-        check_choices(dtype, draft_quant, control)
         if draft_quant == "auto":
             raise UsageError("--draft-quant: none or int8 (each candidate is profiled as given)")
-        check_devices(device, draft_device)
-        check_positive(per_category=per_category, max_new_tokens=max_new_tokens, threads=threads)
+        check_run(dtype, draft_quant, control, device, draft_device, per_category=per_category,
+                  max_new_tokens=max_new_tokens, threads=threads)
         candidates = [parse_candidate(c, draft_quant) for c in candidate]
-        spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
+        spec = tree_option(tree)
         set_threads(threads)
         profiles = run_profile(candidates, out, target=target, questions_path=questions, per_category=per_category,
                                max_new_tokens=max_new_tokens, dtype=dtype, control=control, spec=spec,

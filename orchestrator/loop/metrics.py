@@ -217,9 +217,6 @@ def start_metrics_server(port: int, metrics: SpecMetrics, addr: str = "127.0.0.1
     return server, thread
 
 
-# --------------------------------------------------------------------------- acceptance monitor
-
-
 @dataclass
 class _Track:
     """The last ``window`` rounds of (proposed, accepted) draft tokens of one scope (a request, or global), with

@@ -230,9 +230,6 @@ class Orchestrator:
         return True
 
 
-# --------------------------------------------------------------------------- wiring from the config
-
-
 def tokenizer_dir(front: FrontConfig, models: ModelsConfig) -> str:
     """Where the front's tokenizer comes from: front.tokenizer, else models.target, else the default target."""
     return front.tokenizer or str(resolve_model_dir(models.target, DEFAULT_TARGET, "models.target"))

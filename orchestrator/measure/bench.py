@@ -45,8 +45,6 @@ class QuestionsError(ValueError):
     """Unreadable or malformed question file, or a bad selection; the message names the option."""
 
 
-# ----------------------------------------------------------------------------------------- questions
-
 def parse_questions(text: str, source: str) -> list[dict]:
     """Questions of a JSONL text (one object per non-blank line: question_id, category, turns)."""
     out = []
@@ -104,8 +102,6 @@ def load_questions(path: Path | None, per_category: int, offset: int = 0, catego
         questions = [q for q in questions if q["category"] in categories]
     return select_questions(questions, per_category, offset)
 
-
-# ----------------------------------------------------------------------------------------- one question
 
 class FirstTokenTimer(BaseStreamer):
     """A transformers streamer that records when generate() emits its first new tokens (after the prompt's put())."""
@@ -231,8 +227,6 @@ def run_question(pipe, prompt_ids, spec, max_new_tokens, hf_assisted: bool = Tru
     return row
 
 
-# ----------------------------------------------------------------------------------------- aggregation
-
 def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else 0.0
 
@@ -354,8 +348,6 @@ def markdown_table(summary: dict[str, dict], temperature: float | None = None) -
     extra = [t for t in (position_table(summary), phase_table(summary)) if t]
     return speedup_table(summary, temperature) + "\n" + latency_table(summary) + "".join("\n" + t for t in extra)
 
-
-# ----------------------------------------------------------------------------------------- run
 
 def run_questions(pipe, questions: list[dict], spec, max_new_tokens: int, sampling: SamplingParams,
                   **options) -> tuple[list[dict], list]:

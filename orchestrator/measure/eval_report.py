@@ -35,8 +35,6 @@ DIMENSIONS = ("category", "promptLength", "outputLength", "language")
 COMPARED_OUTPUTS = "greedy token ids, speculative vs target-only, per question"
 
 
-# ----------------------------------------------------------------------------------------- the report
-
 class SpeculativeReport(BaseModel):
     """One slice's figures (camelCase JSON; the first nine fields are design note 004's SpeculativeReport).
     Units: ms, tokens/s, MB (10**6 bytes); ratios are speculative / target-only."""
@@ -72,8 +70,6 @@ class SpeculativeReport(BaseModel):
     def to_json(self) -> dict:
         return self.model_dump(by_alias=True)
 
-
-# ----------------------------------------------------------------------------------------- one run
 
 @dataclass(frozen=True)
 class Run:
@@ -137,8 +133,6 @@ def detect_language(text: str) -> str:
     return py3langid.classify(text)[0]
 
 
-# ----------------------------------------------------------------------------------------- memory
-
 def peak_rss_mb(pid: int | None = None) -> float:
     """Peak RSS of a process (None = this one), MB (10**6 bytes); ValueError (naming the pid) if unreadable."""
     target = os.getpid() if pid is None else pid
@@ -160,8 +154,6 @@ def peak_gpu_memory_mb() -> float | None:
 
     return torch.cuda.max_memory_allocated() / 1e6 if torch.cuda.is_available() else None
 
-
-# ----------------------------------------------------------------------------------------- runners
 
 class EmbeddedRunner:
     """Both runs on the in-process engine of an EmbeddedPipeline (orchestrator.loop.embedded)."""
@@ -227,8 +219,6 @@ class RemoteRunner:
     def peak_memory_mb(self) -> dict[str, float]:
         return {f"service (pid {pid})": peak_rss_mb(pid) for pid in self.service_pids}
 
-
-# ----------------------------------------------------------------------------------------- running
 
 def run_questions(runner: Runner, questions: list[dict], context_limit: int | None = None,
                   max_new_tokens: int = 0) -> tuple[list[QuestionRun], list]:

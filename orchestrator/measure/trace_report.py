@@ -52,8 +52,6 @@ class RoundPhases:
     tree_nodes: int = 0
 
 
-# ----------------------------------------------------------------------------------------- reading
-
 def _value(any_value: dict):
     """The Python value of an OTLP JSON AnyValue (int64 arrives as a string)."""
     for key, value in any_value.items():
@@ -100,8 +98,6 @@ def read_spans(paths: list[Path]) -> list[Span]:
         raise TraceFileError(f"SPANS_FILE: no spans in {', '.join(map(str, paths))}")
     return spans
 
-
-# ----------------------------------------------------------------------------------------- phases
 
 def _descendant(span: Span, children: dict[str, list[Span]], name: str) -> Span | None:
     """The first span called ``name`` under ``span`` (depth first), crossing process boundaries."""
@@ -184,8 +180,6 @@ def build_report(spans: list[Span]) -> dict:
                      for rid, rs in by_request.items()],
     }
 
-
-# ----------------------------------------------------------------------------------------- writing
 
 def markdown(report: dict) -> str:
     """trace_report.md: the overall phase table, then one row per request."""

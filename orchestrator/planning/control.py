@@ -18,8 +18,6 @@ from specdec.stats import COST_REASON
 from specdec.tree import DraftTree
 from specdec.tree_spec import TreeSpec
 
-# --------------------------------------------------------------------------- fallback reasons
-
 # Why a round runs without the draft (a plain target step). The values are the label values of
 # specdec_fallback_rounds_total{reason} and the ``fallback.reason`` attribute of round spans.
 DRAFT_UNAVAILABLE = "draft_unavailable"  # the draft failed, is unreachable or slower than its deadline
@@ -30,9 +28,6 @@ PREDRAFT = "predraft"  # a slow draft link: plain, the next tree pre-drafted bes
 FALLBACK_REASONS = (DRAFT_UNAVAILABLE, DRAFT_CONTEXT_LIMIT, COST, DRAFT_OPENING, PREDRAFT)
 
 EMPTY_TREE = DraftTree((), ())  # a round without the draft verifies this: one plain target step
-
-
-# --------------------------------------------------------------------------- the controller's interface
 
 
 @dataclass(frozen=True)
@@ -137,9 +132,6 @@ class Control:
 ControlFactory = Callable[[TreeSpec], Control]
 
 
-# --------------------------------------------------------------------------- fallback
-
-
 def check_counts(proposed: int, accepted: int) -> None:
     """Raises ValueError unless 0 <= accepted <= proposed (draft tokens of one round)."""
     if proposed < 0 or accepted < 0 or accepted > proposed:
@@ -187,9 +179,6 @@ class FallbackPolicy:
     def draft_failed(self, now: float) -> None:
         """Mark the draft unavailable (unreachable, error or too slow) until now + reconnect_s."""
         self._unavailable_until = now + self.config.reconnect_s
-
-
-# --------------------------------------------------------------------------- the fixed tree
 
 
 class FixedControl(Control):

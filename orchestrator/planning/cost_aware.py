@@ -246,8 +246,6 @@ class CostAwareControl(Control):
         so its trees must not depend on timings: the TreeSpec every round, verified as drafted."""
         self.timing_free = sampling.seeded
 
-    # ----------------------------------------------------------------- before drafting
-
     def round_context(self, context: Sequence[int]) -> None:
         """This round's committed tokens [T], so the plan values this round's own context branch."""
         self.state.context = context
@@ -338,8 +336,6 @@ class CostAwareControl(Control):
     def spec(self, base: TreeSpec | None = None) -> TreeSpec:
         """The tree shape planned by the last ``speculate`` (the request's spec before any plan)."""
         return self.state.planned_spec or self.base
-
-    # ----------------------------------------------------------------- after drafting
 
     def shape(self, tree: DraftTree, context: list[int], max_depth: int, sunk_ms: float) -> ShapedTree:
         """Drafted nodes that pay plus the context branch (``shape_tree``), priced as this round was planned."""
@@ -451,8 +447,6 @@ class CostAwareControl(Control):
         """CostModel.snapshot plus the shared load, draft queue and verify merge shares, after ``observe``."""
         return {**self.shared.cost.snapshot(), "load": round(self.shared.load, 2),
                 "draft_queue": round(self.shared.draft_queue, 3), "verify_merge": round(self.shared.verify_merge, 3)}
-
-    # ----------------------------------------------------------------- the rest of the interface
 
     def prefill_beside(self) -> None:
         """This round runs plain beside the draft's prefill: ``observe`` teaches no cost from its slowed forward."""

@@ -62,7 +62,6 @@ def _is_noop(value, noops: tuple) -> bool:
     return any(value is n or (type(value) is type(n) and value == n) for n in noops)  # False is not 0 here
 
 
-
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -180,7 +179,6 @@ class ChatCompletionRequest(_GenerationParams):
         return self.max_completion_tokens or self.max_tokens or 0
 
 
-
 class ApiError(Exception):
     """An HTTP error in OpenAI's error object format."""
 
@@ -256,7 +254,6 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         first = first or param
         messages.append(f"{param}: {what}" if param else what)
     return ApiError(400, "; ".join(messages), first)
-
 
 
 class StopTrim:
@@ -415,7 +412,6 @@ def sse(data: dict) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-
 class Run:
     """One request's StreamEvents from a task of its own, cancelled (KV freed) on disconnect or ``close``.
     Iterate it once."""
@@ -472,7 +468,6 @@ async def _disconnect(request: Request) -> None:
 def _trace_carrier(request: Request) -> dict:
     """The caller's W3C trace context (traceparent / tracestate headers), for the request's spans."""
     return {k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k))}
-
 
 
 async def _error_response(_request: Request, exc: Exception) -> JSONResponse:
@@ -675,7 +670,6 @@ class HttpApi:
 
     async def metrics(self) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
-
 
 
 class _LoopServer(uvicorn.Server):
