@@ -1,10 +1,8 @@
 """gRPC clients of the draft and target services, with the worker methods the round loop awaits.
 
-``DraftClient``: one bidirectional Session stream per request; any draft failure raises ``DraftUnavailableError``
-(the round runs plain). ``TargetClient``: unary calls; errors propagate as ``grpc.aio.AioRpcError``.
-``request_deadline`` (absolute ``time.monotonic()`` s, set by the front) bounds every downstream call's timeout.
-Each client measures its link's round trip (``LinkRtt``, ``link_rtt_s``) from the calls whose reply says how long
-the service took: the target's Verify (``service_ms``), the draft's trees (``draft_ms``).
+``DraftClient``: one bidirectional Session stream per request; any draft failure raises ``DraftUnavailableError``.
+``TargetClient``: unary calls; errors propagate as ``grpc.aio.AioRpcError``. ``request_deadline`` (absolute
+``time.monotonic()`` s) bounds every downstream call. Each measures its link's round trip (``LinkRtt``).
 """
 
 from __future__ import annotations
@@ -56,8 +54,7 @@ class DeadlineExceeded(grpc.aio.AioRpcError):
 
 
 def channel_options(max_message_bytes: int, max_reconnect_backoff_ms: int = 1000) -> list[tuple[str, int]]:
-    """Message size limits and a short reconnect backoff (gRPC's grows to 120 s), so a restarted service is
-    used again within about a second."""
+    """Message size limits and a short reconnect backoff (gRPC's grows to 120 s)."""
     return [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
             ("grpc.max_reconnect_backoff_ms", max_reconnect_backoff_ms)]
@@ -65,19 +62,16 @@ def channel_options(max_message_bytes: int, max_reconnect_backoff_ms: int = 1000
 
 class LinkRtt:
     """A service link's round trip, seconds: the median of the last ``window`` samples, each a call's wall time at
-    the front minus the time the service reports it spent (queue and compute), at least 0. The median ignores the
-    odd call held up by the front's own event loop or, on the draft's stream, by a commit handled ahead of it."""
+    the front minus the time the service reports it spent (queue and compute), at least 0."""
 
     def __init__(self, window: int = 16):
         self.samples: deque[float] = deque(maxlen=window)
 
     def add(self, wall_s: float, service_s: float) -> None:
-        """One call: its wall time and the service's own time, seconds."""
         self.samples.append(max(wall_s - service_s, 0.0))
 
     @property
-    def value(self) -> float | None:
-        """The round trip now, seconds; None before the first sample."""
+    def value(self) -> float | None:  # None before the first sample
         return statistics.median(self.samples) if self.samples else None
 
 
@@ -114,9 +108,7 @@ class TargetClient:
                 reply = await self.stub.Verify(request, timeout=time_left())
                 wall_s = time.perf_counter() - sent
                 break
-            except grpc.aio.AioRpcError as exc:
-                # A lost reply or a dropped connection: Verify is idempotent until Commit (the target
-                # returns the pending result of the same tree), so one more try is safe.
+            except grpc.aio.AioRpcError as exc:  # Verify is idempotent until Commit: one more try is safe
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == VERIFY_RETRIES:
                     raise
                 await asyncio.sleep(0.2 * (attempt + 1))
@@ -137,10 +129,8 @@ class TargetClient:
 
 
 class DraftClient(DraftWorker):
-    """DraftWorker over gRPC: one bidirectional Session stream per session id.
-
-    vocab_size: ids the target accepts (trees are checked on receipt). All failures raise DraftUnavailableError.
-    """
+    """DraftWorker over gRPC: one bidirectional Session stream per session id. vocab_size: ids the target accepts
+    (trees are checked on receipt). All failures raise DraftUnavailableError."""
 
     drafts_ahead = True
 
@@ -158,8 +148,7 @@ class DraftClient(DraftWorker):
     def link_rtt_s(self) -> float | None:
         return self.rtt.value
 
-    async def info(self, timeout: float = 5.0) -> draft_pb2.DraftInfoResponse:
-        """The draft service's Info (grpc errors raised as they are: the caller decides)."""
+    async def info(self, timeout: float = 5.0) -> draft_pb2.DraftInfoResponse:  # grpc errors raised as they are
         return await self.stub.Info(draft_pb2.DraftInfoRequest(), timeout=timeout)
 
     async def _exchange(self, session_id: str, request: draft_pb2.DraftRequest, reply: bool):
@@ -219,8 +208,8 @@ class DraftClient(DraftWorker):
 
     def _tree(self, session_id: str, reply: draft_pb2.DraftTreeReply, wall_s: float | None = None,
               tree=None) -> DraftTree:
-        """The reply's tree (or ``tree``, one of its alternatives), checked like any untrusted message (a malformed
-        one is a draft failure); wall_s: the call's wall time (a link round trip sample with the reply's draft_ms)."""
+        """The reply's tree (or ``tree``, one of its alternatives), checked (a malformed one is a draft failure);
+        wall_s: the call's wall time (a link round trip sample)."""
         if wall_s is not None and reply.draft_ms > 0:
             self.rtt.add(wall_s, reply.draft_ms / 1000)
         trace.get_current_span().set_attributes({"tree.bytes": reply.tree.ByteSize(), "draft.draft_ms": reply.draft_ms,

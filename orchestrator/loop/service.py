@@ -1,7 +1,5 @@
-"""The orchestrator proper: requests over the draft and target services, one asyncio task each.
-
-A plain class, run in-process (``front.use_ray: false``) or inside Ray actors; ``build_orchestrator`` wires it
-from the config, so the front and the actors build it the same way.
+"""The orchestrator proper: requests over the draft and target services, one asyncio task each, in-process
+(``front.use_ray: false``) or inside Ray actors, both wired by ``build_orchestrator``.
 """
 
 from __future__ import annotations
@@ -44,16 +42,13 @@ class Chunk:
 
 
 class Orchestrator:
-    """Runs generation requests over a draft service and a target service.
-
-    decode: ids -> text (None = stop strings refused); control_factory: (TreeSpec, max_nodes) -> Control
-    (None = fixed TreeSpec); on_round: per-round record callback.
-    """
+    """Runs generation requests over a draft service and a target service. decode: ids -> text (None = stop
+    strings refused); control_factory: (TreeSpec, max_nodes) -> Control (None = fixed TreeSpec); may_measure: False
+    = never time the services at connect (a Ray actor given its probe's figures)."""
 
     def __init__(self, front, grpc_cfg, decode=None, control_factory=None, on_round=None,
                  may_measure: bool = True):
         self.front = front
-        # False: never time the services at connect (a Ray actor given its probe's figures)
         self.may_measure = may_measure
         self.grpc_cfg = grpc_cfg
         self.decode = decode
@@ -93,8 +88,7 @@ class Orchestrator:
         )
 
     async def _measure_costs(self, target: TargetClient, draft: DraftClient) -> None:
-        """Measure V(n) and D(p) through the services where the cost model would start from priors and
-        ``measure_at_start`` is on; a failed measurement leaves the priors, with a warning."""
+        """Measure V(n) and D(p) through the services instead of priors (``measure_at_start``); failed: priors."""
         state = self.shared
         if state.cost.source != "prior" or not (self.may_measure and self.front.cost_aware.measure_at_start):
             return
@@ -113,8 +107,7 @@ class Orchestrator:
                  figures["verify_ms"], figures["draft_step_ms"])
 
     async def _shared_compute(self, draft: DraftClient) -> bool:
-        """Whether the draft computes on the target's hardware ("auto": from the two Info placements; an
-        unreachable draft counts as separate)."""
+        """Whether the draft computes on the target's hardware ("auto": from the two Info placements)."""
         setting = self.front.cost_aware.shared_compute
         if setting != "auto":
             return bool(setting)
@@ -138,11 +131,9 @@ class Orchestrator:
 
     async def stream(self, request: GenerationRequest, request_id: str, timeout_s: float | None = None,
                      carrier: dict | None = None) -> AsyncIterator[Chunk]:
-        """Run one request; yields a Chunk per round, then a final Chunk with stats.
-
-        timeout_s: the client's time left; carrier: W3C trace context. Raises ValueError (naming the field) and
-        the target's grpc errors. Closing early cancels the request and frees its KV; ``abort``: stop reason "aborted".
-        """
+        """Run one request; yields a Chunk per round, then a final Chunk with stats. timeout_s: the client's time left;
+        carrier: W3C trace context. Raises ValueError (naming the field) and the target's grpc errors. Closing early
+        cancels the request and frees its KV; ``abort``: stop reason "aborted"."""
         if request_id in self.tasks:
             raise ValueError(f"request_id: {request_id!r} is already running")
         self.controller.check(request)
@@ -221,6 +212,9 @@ class Orchestrator:
             span.set_attributes({"new_tokens": stats.new_tokens, "acceptance_rate": stats.acceptance_rate})
             return result
 
+    def cost_snapshot(self) -> dict | None:  # the cost-aware control's CostModel.snapshot (None: another control)
+        return None if self.shared is None else self.shared.cost.snapshot()
+
     async def abort(self, request_id: str) -> bool:
         """Cancel a running request (its KV is freed on both services). False if unknown."""
         task = self.tasks.get(request_id)
@@ -241,8 +235,8 @@ def load_tokenizer(path: str):
 
 @dataclass(frozen=True)
 class StartCosts:
-    """A Ray front's measured costs for its actors: verify ms by rows, draft step ms by parents (None: not
-    measured). An actor given StartCosts never measures itself (together they would disturb each other)."""
+    """A Ray front's measured costs for its actors (verify ms by rows, draft step ms by parents; None: not measured);
+    an actor given StartCosts never measures itself."""
 
     verify_ms: dict[int, float] | None = None
     draft_step_ms: dict[int, float] | None = None
@@ -250,15 +244,12 @@ class StartCosts:
     @classmethod
     def of(cls, cost: CostModel) -> "StartCosts":
         """A probe's cost model as its actors' start: its points where it measured, else none."""
-        if cost.source != "measured":
-            return cls()
-        return cls(dict(cost.verify.points), dict(cost.draft_step.points))
+        return cls(dict(cost.verify.points), dict(cost.draft_step.points)) if cost.source == "measured" else cls()
 
 
 def control_factory(front: FrontConfig, start: StartCosts | None = None):
     """(TreeSpec, max_nodes) -> Control: CostAwareControl when enabled (one SharedState, its costs from ``start``,
-    else ``cost_aware.verify_ms``, else priors), else FixedControl (the request's tree: max_nodes unused);
-    max_nodes: the target's tree limit."""
+    else ``cost_aware.verify_ms``, else priors), else FixedControl."""
     if front.cost_aware.enabled:
         aware = front.cost_aware
         shared = SharedState()

@@ -1,8 +1,6 @@
-"""OpenAI-compatible HTTP API of the front: FastAPI on uvicorn, in the front's own event loop.
-
-A request's JSON becomes a ``GenerateCall``, its ``StreamEvent``s OpenAI's objects; endpoints, parameters and
-statuses: docs/http-api.md. A stream's headers go out with its first tokens, so an error before them gets its
-status, a later one an ``{"error": ...}`` event.
+"""OpenAI-compatible HTTP API of the front (FastAPI on uvicorn, in the front's event loop): a request's JSON becomes
+a ``GenerateCall``, its ``StreamEvent``s OpenAI's objects (docs/http-api.md). A stream's headers go out with its
+first tokens, so an error before them gets its status, a later one an ``{"error": ...}`` event.
 """
 
 from __future__ import annotations
@@ -74,9 +72,7 @@ class _Strict(BaseModel):
         return data
 
 
-class SpecdecOptions(_Strict):
-    """The ``specdec`` extension field of a request."""
-
+class SpecdecOptions(_Strict):  # the ``specdec`` extension field of a request
     tree: dict | None = None          # TreeSpec JSON (DESIGN.md "TreeSpec"); None = the server's
     no_spec: bool = False             # plain target decoding
     ignore_eos: bool = False          # EOS does not end generation (vLLM's ignore_eos): fixed-length runs
@@ -87,9 +83,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False  # one more chunk, with empty choices and the usage, before [DONE]
 
 
-class _GenerationParams(_Strict):
-    """The parameters completions and chat completions share."""
-
+class _GenerationParams(_Strict):  # the parameters completions and chat completions share
     model: str | None = None          # None = the served model
     max_tokens: int | None = Field(default=None, ge=1, lt=INT32)
     temperature: float = 1.0          # OpenAI's default; 0 = greedy
@@ -130,9 +124,7 @@ class _GenerationParams(_Strict):
         return None
 
 
-class CompletionRequest(_GenerationParams):
-    """POST /v1/completions: one prompt, text (no chat template) or token ids."""
-
+class CompletionRequest(_GenerationParams):  # POST /v1/completions: one prompt, text (no chat template) or ids
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=5)  # the legacy API's: top alternatives per token
     echo: bool = False  # the prompt's text (and with logprobs its tokens' logprobs) before the completion's
@@ -159,9 +151,7 @@ class ChatMessage(_Strict):
         return {"role": self.role, "content": text} | ({"name": self.name} if self.name is not None else {})
 
 
-class ChatCompletionRequest(_GenerationParams):
-    """POST /v1/chat/completions: a conversation through the target's chat template."""
-
+class ChatCompletionRequest(_GenerationParams):  # POST /v1/chat/completions, through the target's chat template
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, lt=INT32)
     logprobs: bool = False
@@ -179,9 +169,7 @@ class ChatCompletionRequest(_GenerationParams):
         return self.max_completion_tokens or self.max_tokens or 0
 
 
-class ApiError(Exception):
-    """An HTTP error in OpenAI's error object format."""
-
+class ApiError(Exception):  # an HTTP error in OpenAI's error object format
     def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
                  code: str | None = None):
         super().__init__(message)
@@ -345,8 +333,7 @@ class Output:
             return [final]
         return [final, {**self._head(chunk=True), "choices": [], "usage": self._usage()}]
 
-    def first_chunk(self) -> dict | None:
-        """Chat streams open with the assistant's role."""
+    def first_chunk(self) -> dict | None:  # chat streams open with the assistant's role
         if not self.chat:
             return None
         return {**self._head(chunk=True), "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -465,11 +452,6 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-def _trace_carrier(request: Request) -> dict:
-    """The caller's W3C trace context (traceparent / tracestate headers), for the request's spans."""
-    return {k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k))}
-
-
 async def _error_response(_request: Request, exc: Exception) -> JSONResponse:
     """An error outside a request's run in OpenAI's error format: ours, a body that fails validation, Starlette's
     own (404 unknown path, 405 wrong method) or any other (500; uvicorn logs the traceback)."""
@@ -484,8 +466,7 @@ async def _error_response(_request: Request, exc: Exception) -> JSONResponse:
 class Gate:
     """ASGI middleware that checks a request before any of its body is read: a ``/v1/`` request (and with
     metrics_auth ``/metrics``) without an accepted bearer token gets 401 (auth_tokens empty = no auth), a body over
-    ``max_body_bytes`` (its
-    Content-Length, or counted as it arrives) 413. The app then gets the body whole, already read."""
+    ``max_body_bytes`` (its Content-Length, or counted as it arrives) 413. The app then gets the body whole."""
 
     def __init__(self, app, auth_tokens: tuple[bytes, ...], max_body_bytes: int, metrics_auth: bool = False):
         self.app, self.auth_tokens, self.max_body_bytes = app, auth_tokens, max_body_bytes
@@ -518,14 +499,10 @@ class Gate:
                 await too_large.response()(scope, receive, send)
                 return
             more = message.get("more_body", False)
-        replayed = False
+        body = iter([{"type": "http.request", "body": b"".join(parts), "more_body": False}])
 
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()  # after the body: the disconnect, which Run watches for
-            replayed = True
-            return {"type": "http.request", "body": b"".join(parts), "more_body": False}
+        async def replay():  # the body, then what follows it (the disconnect, which Run watches for)
+            return next(body, None) or await receive()
 
         await self.app(scope, replay, send)
 
@@ -558,8 +535,7 @@ class HttpApi:
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         return app
 
-    async def _admit(self) -> None:
-        """503 while draining (the token was checked by the Gate)."""
+    async def _admit(self) -> None:  # 503 while draining (the token was checked by the Gate)
         if self.draining.is_set():
             raise ApiError(503, "the server is shutting down", type="server_error", code="draining")
 
@@ -611,7 +587,8 @@ class HttpApi:
             max_new_tokens=body.max_new_tokens(), stop=stop, sampling=sampling, tree=tree,
             no_spec=body.specdec.no_spec, ignore_eos=body.ignore_eos or body.specdec.ignore_eos,
             min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids),
-            skip_special_tokens=body.skip_special_tokens, carrier=_trace_carrier(request),
+            skip_special_tokens=body.skip_special_tokens,
+            carrier={k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k))},  # W3C context
             score_only=body.max_tokens == 0,
             client=self.runner.client_of(request.headers.get("authorization", ""),
                                          request.client.host if request.client else "unknown"))
@@ -672,9 +649,7 @@ class HttpApi:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-class _LoopServer(uvicorn.Server):
-    """uvicorn in the front's event loop, capturing no signals (the front's SIGTERM handling drains it)."""
-
+class _LoopServer(uvicorn.Server):  # capturing no signals: the front's SIGTERM handling drains it
     @contextlib.contextmanager
     def capture_signals(self):
         yield
