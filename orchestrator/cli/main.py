@@ -1,5 +1,5 @@
-"""``specdec`` command line (typer + rich). User mistakes end with a one-line message and exit 2.
-Commands import what they run (torch, transformers, ray) inside their bodies, so --help starts fast."""
+"""``specdec`` command line (typer + rich); user mistakes end with a one-line message and exit 2. Commands import
+what they run inside their bodies, so --help starts fast."""
 
 from __future__ import annotations
 
@@ -125,13 +125,6 @@ def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
     return text
 
 
-def _positions_line(proposed, accepted, shown: int = 8) -> str:
-    """'1: 0.82 (55), 2: ...': acceptance per tree position (rounds reaching it), the first ``shown`` positions."""
-    cells = [f"{d + 1}: {rate:.2f} ({p})" for d, (p, rate) in enumerate(zip(proposed[:shown], position_rates(proposed, accepted)))]
-    more = len(proposed) - shown
-    return ", ".join(cells) + (f", ... ({more} deeper)" if more > 0 else "")
-
-
 def stats_table(stats, speculate: bool, sampling: SamplingParams = SamplingParams(), cost: dict | None = None) -> Table:
     """The end-of-run table; cost: the cost model's snapshot (CostModel.snapshot) when cost-aware."""
     table = Table(title="speculation stats" if speculate else "target-only stats", show_header=False)
@@ -142,8 +135,11 @@ def stats_table(stats, speculate: bool, sampling: SamplingParams = SamplingParam
             ("mean accepted length", f"{stats.mean_accepted_length:.2f} tokens/round"),
         ]
         proposed = list(getattr(stats, "position_proposed", ()))  # GenerationStats or FinalStats
-        if proposed:
-            rows.append(("acceptance by position", _positions_line(proposed, list(stats.position_accepted))))
+        if proposed:  # '1: 0.82 (55), 2: ...': rate (rounds reaching it) of the first 8 positions
+            rates = position_rates(proposed, list(stats.position_accepted))
+            more = f", ... ({len(proposed) - 8} deeper)" if len(proposed) > 8 else ""
+            rows.append(("acceptance by position", ", ".join(
+                f"{d + 1}: {rate:.2f} ({p})" for d, (p, rate) in enumerate(zip(proposed[:8], rates))) + more))
     if speculate and (stats.pipeline_ahead_hits or stats.predraft_hits or stats.pipeline_ahead_misses):
         rows.append(("pipelining", f"{stats.pipeline_ahead_hits} ahead trees adopted, "
                                    f"{stats.predraft_hits} pre-drafted ones, {stats.pipeline_ahead_misses} discarded"))
@@ -293,8 +289,8 @@ def bench(
         if offset < 0:
             raise UsageError(f"--offset: must be >= 0, got {offset}")
         sampling = sampling_params(temperature, top_p, top_k, seed)
-        run_bench(tree_option(tree), questions, per_category, max_new_tokens, dtype, draft_quant, out, hf_assisted, threads, sampling,
-                  control, offset=offset, prompt_lookup=prompt_lookup, target=target, draft=draft,
+        run_bench(tree_option(tree), questions, per_category, max_new_tokens, dtype, draft_quant, out, hf_assisted,
+                  threads, sampling, control, offset=offset, prompt_lookup=prompt_lookup, target=target, draft=draft,
                   draft_window=draft_window_option(draft_window), categories=tuple(category),
                   argmax_screen=argmax_screen, repeats=repeats, plain=plain, device=device, draft_device=draft_device)
     except ValueError as exc:  # UsageError, TreeSpecError, ModelError, ...: each names its option
@@ -307,7 +303,6 @@ app.command("target-server")(target_server)  # the same command as ``python -m t
 
 def _generate_remote(server, prompt, prompt_file, tree, max_new_tokens, temperature, top_p, top_k, seed, stop, no_spec, raw,
                      tls_ca=None, auth_token_file=None):
-    """generate --server: the request runs on a generation front; text streams as it arrives."""
     from orchestrator.cli.remote import RemoteError, client_token, generate_remote
 
     check_positive(max_new_tokens=max_new_tokens)  # a ValueError naming its option: generate's to report
@@ -376,10 +371,8 @@ def serve(
 ) -> None:
     """Start the draft service, the target service and the generation front on this machine.
 
-    Prints one line per service (name and host:port) once it is ready, and ``http ready on
-    HOST:PORT`` when the front serves HTTP too; SIGTERM or Ctrl-C stops all three. No --health-port:
-    the three servers share this host, so they cannot share one (a grpc.health_port in the config is
-    refused); the health port is for kubelet probes of TLS pods, one server per pod."""
+    Prints one line per service (name and host:port) once it is ready, and ``http ready on HOST:PORT`` when the
+    front serves HTTP too; SIGTERM or Ctrl-C stops all three. No --health-port (one server per pod)."""
     try:
         check_positive(tp=tp)
         target_devices = device_option(device)

@@ -140,32 +140,20 @@ class Orchestrator:
         queue: asyncio.Queue = asyncio.Queue()
         partial = GenerationStats()  # what the rounds streamed so far reported (for an aborted request)
         started = time.perf_counter()
-
         task = asyncio.create_task(self._run(request, request_id, timeout_s, carrier, self._round_sink(request_id, queue)))
+        task.add_done_callback(lambda _: queue.put_nowait(None))  # the end, after every round it queued
         self.tasks[request_id] = task
-        getter = None
         try:
-            while True:
-                getter = asyncio.ensure_future(queue.get())
-                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                ended = not getter.done()  # the task ended first: the rounds it queued, then the end
-                if ended:
-                    getter.cancel()
-                for record in [queue.get_nowait() for _ in range(queue.qsize())] if ended else [getter.result()]:
-                    partial.add(record, time.perf_counter() - started)
-                    yield Chunk(list(record.tokens), round=record)
-                if not ended:
-                    continue
-                if task.cancelled():
-                    partial.stop_reason = "aborted"
-                    partial.total_s = time.perf_counter() - started
-                    yield Chunk([], self._with_links(partial))
-                else:
-                    yield Chunk([], self._with_links(task.result().stats))
-                return
+            while (record := await queue.get()) is not None:
+                partial.add(record, time.perf_counter() - started)
+                yield Chunk(list(record.tokens), round=record)
+            if task.cancelled():
+                partial.stop_reason = "aborted"
+                partial.total_s = time.perf_counter() - started
+                yield Chunk([], self._with_links(partial))
+            else:
+                yield Chunk([], self._with_links(task.result().stats))
         finally:
-            if getter is not None and not getter.done():
-                getter.cancel()
             if not task.done():
                 await self._stop(request_id, task)
             self.tasks.pop(request_id, None)

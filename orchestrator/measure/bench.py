@@ -1,6 +1,5 @@
-"""``specdec bench``: target-only vs tree speculative (ours) vs HF assisted vs HF prompt-lookup decoding,
-side by side in one process on the same models; writes ``results.json`` and ``results.md``.
-The method (question sets, Latin-square order, figures) is in docs/benchmarks.md.
+"""``specdec bench``: target-only vs tree speculative (ours) vs HF assisted vs HF prompt-lookup decoding, side by
+side in one process; writes ``results.json`` and ``results.md``. The method: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -103,9 +102,7 @@ def load_questions(path: Path | None, per_category: int, offset: int = 0, catego
     return select_questions(questions, per_category, offset)
 
 
-class FirstTokenTimer(BaseStreamer):
-    """A transformers streamer that records when generate() emits its first new tokens (after the prompt's put())."""
-
+class FirstTokenTimer(BaseStreamer):  # when generate() emits its first new tokens (after the prompt's put())
     def __init__(self):
         self.puts = 0
         self.first_token_at: float | None = None
@@ -143,12 +140,6 @@ def _spec_row(stats: GenerationStats) -> dict:
             "draft_s": round(stats.draft_s, 6), "verify_s": round(stats.verify_s, 6), "draft_rounds": stats.draft_rounds}
 
 
-def position_sums(runs: list[dict]) -> tuple[list[int], list[int]]:
-    """Element-wise sums of the runs' position_proposed and position_accepted."""
-    return tuple([sum(column) for column in zip_longest(*(r.get(key, []) for r in runs), fillvalue=0)]
-                 for key in ("position_proposed", "position_accepted"))
-
-
 def greedy_methods(hf_assisted: bool = True, prompt_lookup: bool = True, plain: bool = False) -> list[str]:
     """The greedy methods to run, in base order (plain, our engine without a draft, only when asked)."""
     skip = {"hf_assisted": not hf_assisted, "prompt_lookup": not prompt_lookup, "plain": not plain}
@@ -157,9 +148,8 @@ def greedy_methods(hf_assisted: bool = True, prompt_lookup: bool = True, plain: 
 
 def method_order(methods: Sequence[str], k: int) -> list[str]:
     """Order k (any integer) of a balanced Latin square over ``methods`` (Williams 1949, Australian J. Sci.
-    Res. 2(3)): over a cycle (n orders, 2n for odd n) each method runs in every place and after every other
-    equally often. Order 0 is m[0], m[1], m[n-1], m[2], m[n-2], ...; order k adds k (mod n) to each index;
-    for odd n, orders n .. 2n-1 are orders 0 .. n-1 reversed."""
+    Res. 2(3)): order 0 is m[0], m[1], m[n-1], m[2], m[n-2], ...; order k adds k (mod n) to each index; for odd
+    n, orders n .. 2n-1 are orders 0 .. n-1 reversed."""
     n = len(methods)
     if n == 0:
         return []
@@ -255,8 +245,7 @@ def summarize(rows: list[dict]) -> dict:
     if "plain" in rows[0]:
         out["speculative_over_plain"] = _ratio(out["speculative_tokens_per_s"], out["plain_tokens_per_s"])
     spec = [r["speculative"] for r in rows]
-    out["mean_accepted_length"] = _ratio(sum(s["new_tokens"] for s in spec), sum(s["rounds"] for s in spec))
-    out["acceptance_rate"] = _ratio(sum(s["accepted"] for s in spec), sum(s["proposed"] for s in spec))
+    out["mean_accepted_length"], out["acceptance_rate"] = _acceptance(spec)
     out["efficiency"] = _ratio(out["speculative_speedup"], out["mean_accepted_length"])
     if all("draft_rounds" in s for s in spec):  # rows written before the phases were recorded have none
         total = sum(s["s"] for s in spec)
@@ -266,15 +255,21 @@ def summarize(rows: list[dict]) -> dict:
         out["speculative_draft_rounds"] = sum(s["draft_rounds"] for s in spec)
         out["speculative_draft_ms_per_draft_round"] = _ratio(1000 * sum(s["draft_s"] for s in spec),
                                                              out["speculative_draft_rounds"])
-    proposed, accepted = position_sums(spec)
+    proposed, accepted = ([sum(column) for column in zip_longest(*(r.get(key, []) for r in spec), fillvalue=0)]
+                          for key in ("position_proposed", "position_accepted"))
     out["position_proposed"] = proposed
     out["acceptance_by_position"] = position_rates(proposed, accepted)
     if "sampled" in rows[0]:
         sampled = [r["sampled"] for r in rows]
         out["sampled_tokens_per_s"] = method_figures(sampled)["tokens_per_s"]
-        out["sampled_mean_accepted_length"] = _ratio(sum(s["new_tokens"] for s in sampled), sum(s["rounds"] for s in sampled))
-        out["sampled_acceptance_rate"] = _ratio(sum(s["accepted"] for s in sampled), sum(s["proposed"] for s in sampled))
+        out["sampled_mean_accepted_length"], out["sampled_acceptance_rate"] = _acceptance(sampled)
     return out
+
+
+def _acceptance(runs: list[dict]) -> tuple[float, float]:
+    """(mean accepted length: tokens per round, acceptance rate: accepted / proposed draft tokens) of the runs."""
+    return (_ratio(sum(s["new_tokens"] for s in runs), sum(s["rounds"] for s in runs)),
+            _ratio(sum(s["accepted"] for s in runs), sum(s["proposed"] for s in runs)))
 
 
 def speedup_table(summary: dict[str, dict], temperature: float | None = None) -> str:
@@ -376,8 +371,8 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
               draft_window: DraftWindowConfig | None = FrontConfig().draft_window, categories: Sequence[str] = (),
               argmax_screen: bool = True, repeats: int = 1, plain: bool = True, device: str = "cpu",
               draft_device: str | None = None) -> dict:
-    """Run the benchmark and write results.json + results.md under out_dir; returns the summary.
-    Parameters mirror ``specdec bench``'s options; ValueError for repeats < 1 before the models load."""
+    """Run the benchmark (parameters: ``specdec bench``'s options) and write results.json + results.md under out_dir;
+    returns the summary. ValueError for repeats < 1 before the models load."""
     if repeats < 1:
         raise ValueError(f"--repeats: must be >= 1, got {repeats}")
     questions = load_questions(questions_path, per_category, offset, categories)  # bad files fail before the models load

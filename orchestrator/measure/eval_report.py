@@ -1,8 +1,6 @@
-"""``specdec eval``: the SpeculativeReport of design note 004 (../shared/seeds), overall and per slice.
-
-Every question runs greedy twice, target-only and speculative, order alternating, embedded or on a front
-(``--server``); the runs are sliced by category, prompt length, output length and language, because
-averages hide the failing cases. Slices and method: docs/observability.md.
+"""``specdec eval``: the SpeculativeReport of design note 004 (../shared/seeds), overall and per slice (category,
+prompt length, output length, language): every question greedy, target-only and speculative, order alternating,
+embedded or on a front (``--server``). Method: docs/observability.md.
 """
 
 from __future__ import annotations
@@ -73,7 +71,7 @@ class SpeculativeReport(BaseModel):
 
 @dataclass(frozen=True)
 class Run:
-    """One greedy generation: tokens, timing, and per round (tree depth, accepted) or None from a remote front."""
+    """One greedy generation; rounds: (tree depth, accepted) per round, None from a remote front."""
 
     tokens: list[int]
     ttft_ms: float
@@ -87,15 +85,12 @@ class Run:
     def round_count(self) -> int:
         return self.rounds_count if self.rounds_count is not None else len(self.rounds or [])
 
-    def figures(self) -> dict:
-        """The row bench.method_figures aggregates."""
+    def figures(self) -> dict:  # the row bench.method_figures aggregates
         return {"new_tokens": len(self.tokens), "s": self.total_s, "ttft_ms": self.ttft_ms}
 
 
 @dataclass(frozen=True)
-class QuestionRun:
-    """Both runs of one question and its slice keys."""
-
+class QuestionRun:  # both runs of one question and its slice keys
     question_id: object
     category: str
     language: str
@@ -110,9 +105,7 @@ class QuestionRun:
                 "outputLength": length_bucket(len(self.target.tokens), OUTPUT_BUCKETS)}[dimension]
 
 
-class Runner(Protocol):
-    """Runs one prompt greedily; ``speculate`` False = the target alone."""
-
+class Runner(Protocol):  # runs one prompt greedily; ``speculate`` False = the target alone
     def prompt_tokens(self, prompt: str) -> int: ...
 
     def run(self, prompt: str, speculate: bool) -> Run: ...
@@ -124,13 +117,6 @@ def length_bucket(n: int, edges: tuple[int, int]) -> str:
     """'<lo', 'lo-hi' or '>hi' for n tokens (lo <= n <= hi is the middle bucket)."""
     lo, hi = edges
     return f"<{lo}" if n < lo else f">{hi}" if n > hi else f"{lo}-{hi}"
-
-
-def detect_language(text: str) -> str:
-    """ISO 639 code of ``text`` (py3langid; e.g. 'en', 'zh')."""
-    import py3langid
-
-    return py3langid.classify(text)[0]
 
 
 def peak_rss_mb(pid: int | None = None) -> float:
@@ -155,9 +141,7 @@ def peak_gpu_memory_mb() -> float | None:
     return torch.cuda.max_memory_allocated() / 1e6 if torch.cuda.is_available() else None
 
 
-class EmbeddedRunner:
-    """Both runs on the in-process engine of an EmbeddedPipeline (orchestrator.loop.embedded)."""
-
+class EmbeddedRunner:  # both runs on the in-process engine of an EmbeddedPipeline
     def __init__(self, pipe, spec, max_new_tokens: int):
         self.pipe, self.spec, self.max_new_tokens = pipe, spec, max_new_tokens
 
@@ -223,6 +207,8 @@ class RemoteRunner:
 def run_questions(runner: Runner, questions: list[dict], context_limit: int | None = None,
                   max_new_tokens: int = 0) -> tuple[list[QuestionRun], list]:
     """Both runs of every question (order alternating); returns the runs and the ids skipped as too long."""
+    import py3langid  # the language slice: ISO 639 codes ('en', 'zh')
+
     runner.run("Say hi.", speculate=True)  # warm-up, not recorded
     out, skipped = [], []
     for i, q in enumerate(questions):
@@ -234,8 +220,8 @@ def run_questions(runner: Runner, questions: list[dict], context_limit: int | No
         first = runner.run(prompt, speculate=not first_target)
         second = runner.run(prompt, speculate=first_target)
         target, speculative = (first, second) if first_target else (second, first)
-        out.append(QuestionRun(q["question_id"], q["category"], detect_language(prompt), runner.prompt_tokens(prompt),
-                               target, speculative, runner.peak_memory_mb()))
+        out.append(QuestionRun(q["question_id"], q["category"], py3langid.classify(prompt)[0],
+                               runner.prompt_tokens(prompt), target, speculative, runner.peak_memory_mb()))
         console.print(f"eval {i + 1}/{len(questions)}: {q['category']} #{q['question_id']}", highlight=False, markup=False)
     return out, skipped
 

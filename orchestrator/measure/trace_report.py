@@ -1,8 +1,5 @@
-"""``specdec trace-report``: where a speculation round's time goes, from OpenTelemetry spans.
-
-Input: OTLP JSON lines (the Collector's file exporter, or ``OTEL_TRACES_EXPORTER=otlp_json_file``). Each
-``round`` span is split into sequential phases (ms) that add up to the round; docs/observability.md defines
-them. Writes ``trace_report.json``, ``trace_report.md`` and ``trace_report.png``.
+"""``specdec trace-report``: each ``round`` span of OTLP JSON lines split into sequential phases (ms) that add up to
+the round (docs/observability.md); writes ``trace_report.json``, ``trace_report.md`` and ``trace_report.png``.
 """
 
 from __future__ import annotations
@@ -52,16 +49,12 @@ class RoundPhases:
     tree_nodes: int = 0
 
 
+_CASTS = {"intValue": int, "doubleValue": float, "stringValue": str, "boolValue": bool}  # int64 arrives as a string
+
+
 def _value(any_value: dict):
-    """The Python value of an OTLP JSON AnyValue (int64 arrives as a string)."""
-    for key, value in any_value.items():
-        if key == "intValue":
-            return int(value)
-        if key == "doubleValue":
-            return float(value)
-        if key in ("stringValue", "boolValue"):
-            return value
-    return None
+    """The Python value of an OTLP JSON AnyValue (None: another kind)."""
+    return next((_CASTS[key](value) for key, value in any_value.items() if key in _CASTS), None)
 
 
 def _attributes(items: list) -> dict:

@@ -127,10 +127,6 @@ class RayBackend(Backend):
         healthy = [i for i in self.inflight if i not in self.failed] or list(self.inflight)
         return min(healthy, key=self.inflight.get)
 
-    def _mark_failed(self, index: int) -> None:  # skipped by _pick until it answers ``ready`` again
-        if index not in self.failed:
-            self.failed[index] = asyncio.ensure_future(self._until_ready(index))
-
     async def _until_ready(self, index: int) -> None:
         try:
             while True:
@@ -164,7 +160,8 @@ class RayBackend(Backend):
                                 return
                     return
                 except ray.exceptions.RayActorError as exc:  # ActorUnavailableError included
-                    self._mark_failed(index)
+                    if index not in self.failed:  # skipped by _pick until it answers ``ready`` again
+                        self.failed[index] = asyncio.ensure_future(self._until_ready(index))
                     if progress.ended:  # died after the last round, before its stats: nothing to continue
                         log.warning("request %s: orchestrator actor %d died after the request's last round (%s)",
                                     request_id, index, type(exc).__name__)

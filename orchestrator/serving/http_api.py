@@ -608,9 +608,7 @@ class HttpApi:
             return StreamingResponse(self._sse(out, first, run), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            events = [first]
-            async for event in run:
-                events.append(event)
+            events = [first, *[event async for event in run]]
         except Exception as exc:  # noqa: BLE001 - mapped to its status
             raise run_error(exc, chat) from None
         finally:
@@ -674,21 +672,18 @@ class HttpServer:
         self.sock.close()
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A socket listening on host:port (0 = ephemeral); OSError naming front.http_port when it cannot bind."""
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-        return socket.create_server((host, port), family=family)
-    except OSError as exc:
-        raise OSError(f"front.http_port: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-
-
 async def start_http(front: FrontConfig, grpc_cfg: GrpcConfig, runner: RequestRunner, tok_dir: str, registry,
                      draining: asyncio.Event) -> HttpServer:
-    """Serve the HTTP API on front.host:http_port (HTTPS with grpc.tls_cert); prints ``http ready on HOST:PORT``."""
+    """Serve the HTTP API on front.host:http_port (HTTPS with grpc.tls_cert); prints ``http ready on HOST:PORT``.
+    Raises OSError naming front.http_port when it cannot bind."""
     api = HttpApi(runner, front.served_model_name or Path(tok_dir).name, registry, draining,
                   front.limits.max_body_bytes, front.metrics_auth)
-    sock = listen(front.host, front.http_port)
+    host, port = front.host, front.http_port
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        sock = socket.create_server((host, port), family=family)
+    except OSError as exc:
+        raise OSError(f"front.http_port: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     server = _LoopServer(uvicorn.Config(api.app, log_config=None, access_log=False, lifespan="off",
                                         timeout_graceful_shutdown=max(grpc_cfg.shutdown_grace_s, 0.1),
                                         ssl_certfile=grpc_cfg.tls_cert, ssl_keyfile=grpc_cfg.tls_key))
