@@ -15,10 +15,8 @@ from rich.table import Table
 from draft_service.cli import draft_server
 from orchestrator.cli.launcher import serve as launch
 from specdec.config import CONTROLS, ConfigError, DraftWindowConfig, FrontConfig, load_config
-from specdec.process_entry import (
-    AUTH_TOKEN_FILE_HELP, CONFIG_HELP, DEVICE_HELP, HEALTH_PORT_HELP, TLS_CA_HELP, TLS_CERT_HELP, TLS_KEY_HELP,
-    device_option, tls_flags, tls_overrides,
-)
+from specdec.process_entry import (AUTH_TOKEN_FILE_HELP, CONFIG_HELP, DEVICE_HELP, HEALTH_PORT_HELP, TLS_CA_HELP,
+                                   TLS_CERT_HELP, TLS_KEY_HELP, device_option, tls_flags, tls_overrides)
 from specdec.sampling import SamplingParams, SamplingParamsError
 from specdec.stats import position_rates
 from specdec.tree_spec import DEFAULT_SPEC, parse_tree_spec
@@ -130,10 +128,9 @@ def stats_table(stats, speculate: bool, sampling: SamplingParams = SamplingParam
     table = Table(title="speculation stats" if speculate else "target-only stats", show_header=False)
     rows = [("sampling", sampling.describe()), ("new tokens", f"{stats.new_tokens}"), ("rounds", f"{stats.rounds}")]
     if speculate:
-        rows += [
-            ("acceptance rate", f"{stats.acceptance_rate:.3f}  ({stats.accepted_tokens}/{stats.proposed_tokens} draft tokens)"),
-            ("mean accepted length", f"{stats.mean_accepted_length:.2f} tokens/round"),
-        ]
+        rows += [("acceptance rate", f"{stats.acceptance_rate:.3f}  ({stats.accepted_tokens}/{stats.proposed_tokens} "
+                                     "draft tokens)"),
+                 ("mean accepted length", f"{stats.mean_accepted_length:.2f} tokens/round")]
         proposed = list(getattr(stats, "position_proposed", ()))  # GenerationStats or FinalStats
         if proposed:  # '1: 0.82 (55), 2: ...': rate (rounds reaching it) of the first 8 positions
             rates = position_rates(proposed, list(stats.position_accepted))
@@ -144,13 +141,13 @@ def stats_table(stats, speculate: bool, sampling: SamplingParams = SamplingParam
         rows.append(("pipelining", f"{stats.pipeline_ahead_hits} ahead trees adopted, "
                                    f"{stats.predraft_hits} pre-drafted ones, {stats.pipeline_ahead_misses} discarded"))
     if speculate and cost is not None:
-        rows += [
-            ("tree decisions", f"{stats.drafted_tokens} drafted nodes, {stats.proposed_tokens} verified, "
-                               f"{stats.cost_plain_rounds} rounds without the draft (did not pay)"),
-            ("context branches", f"{stats.context_accepted_tokens}/{stats.context_proposed_tokens} n-gram tokens accepted"),
-            ("expected vs accepted", f"{stats.expected_accepted_tokens:.1f} expected, {stats.accepted_tokens} accepted"),
-            ("cost model", _cost_line(cost)),
-        ]
+        rows += [("tree decisions", f"{stats.drafted_tokens} drafted nodes, {stats.proposed_tokens} verified, "
+                                    f"{stats.cost_plain_rounds} rounds without the draft (did not pay)"),
+                 ("context branches", f"{stats.context_accepted_tokens}/{stats.context_proposed_tokens} n-gram "
+                                      "tokens accepted"),
+                 ("expected vs accepted", f"{stats.expected_accepted_tokens:.1f} expected, "
+                                          f"{stats.accepted_tokens} accepted"),
+                 ("cost model", _cost_line(cost))]
     if speculate and stats.total_s > 0 and stats.verify_s > 0:  # 0: one round, or a front without the fields
         phases = [("first token", stats.ttft_ms / 1000), ("draft", stats.draft_s), ("verify", stats.verify_s)]
         rows.append(("time by phase", ", ".join(f"{name} {s:.2f} s ({s / stats.total_s:.0%})" for name, s in phases)

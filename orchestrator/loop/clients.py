@@ -1,5 +1,4 @@
 """gRPC clients of the draft and target services, with the worker methods the round loop awaits.
-
 ``DraftClient``: one bidirectional Session stream per request; any draft failure raises ``DraftUnavailableError``.
 ``TargetClient``: unary calls; errors propagate as ``grpc.aio.AioRpcError``. ``request_deadline`` (absolute
 ``time.monotonic()`` s) bounds every downstream call. Each measures its link's round trip (``LinkRtt``).
@@ -28,12 +27,7 @@ request_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
 
 DEFAULT_CALL_TIMEOUT_S = 120.0
 VERIFY_RETRIES = 2  # Verify calls retried on UNAVAILABLE
-PREFILL_S_PER_TOKEN = 0.1  # the Prefill call's timeout over DEFAULT_CALL_TIMEOUT_S, per prompt token
-
-
-def prefill_timeout_s(prompt_tokens: int) -> float:
-    """A Prefill call's timeout, s: DEFAULT_CALL_TIMEOUT_S + 0.1 s per prompt token (chunked beside decoding)."""
-    return DEFAULT_CALL_TIMEOUT_S + PREFILL_S_PER_TOKEN * prompt_tokens
+PREFILL_S_PER_TOKEN = 0.1  # the Prefill call's timeout over DEFAULT_CALL_TIMEOUT_S, per prompt token (chunked)
 
 
 def time_left(default: float | None = DEFAULT_CALL_TIMEOUT_S) -> float | None:
@@ -90,11 +84,11 @@ class TargetClient:
         return await self.stub.Info(target_pb2.InfoRequest(), timeout=timeout, wait_for_ready=True)
 
     async def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> tuple:
-        """Prefill, its timeout growing with the prompt (``prefill_timeout_s``); returns the TokenLogprobs of
-        prompt_ids[1:] with sampling.prompt_logprobs, else ()."""
+        """Prefill, its timeout growing with the prompt; returns the TokenLogprobs of prompt_ids[1:] with
+        sampling.prompt_logprobs, else ()."""
+        timeout = time_left(DEFAULT_CALL_TIMEOUT_S + PREFILL_S_PER_TOKEN * len(prompt_ids))
         reply = await self.stub.Prefill(target_pb2.PrefillRequest(
-            session_id=session_id, prompt_ids=prompt_ids, sampling=sampling_to_proto(sampling)),
-            timeout=time_left(prefill_timeout_s(len(prompt_ids))))
+            session_id=session_id, prompt_ids=prompt_ids, sampling=sampling_to_proto(sampling)), timeout=timeout)
         return logprobs_from_proto(reply.prompt_logprobs, prompt_ids[1:])
 
     async def verify(self, session_id: str, tree: DraftTree) -> VerifyResult:

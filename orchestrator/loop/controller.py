@@ -18,9 +18,8 @@ from typing import Awaitable, Callable
 
 from opentelemetry import trace
 
-from orchestrator.planning.control import (
-    DRAFT_OPENING, DRAFT_UNAVAILABLE, EMPTY_TREE, PREDRAFT, ControlFactory, FixedControl, RoundObservation,
-)
+from orchestrator.planning.control import (DRAFT_OPENING, DRAFT_UNAVAILABLE, EMPTY_TREE, PREDRAFT, ControlFactory,
+                                           FixedControl, RoundObservation)
 from orchestrator.planning.shaping import ShapedTree
 from orchestrator.loop.stops import StopChecker
 from specdec.config import DraftWindowConfig
@@ -353,9 +352,8 @@ class _Request:  # one request in flight: sessions, stop checker, control policy
         if self.stats.rounds and self._predraft_plain(max_depth):  # the first round keeps its own
             return _Drafted(fallback=PREDRAFT)
         tree = await self._propose(max_depth)
-        return _Drafted(tree, depth=max(node_depths(tree.parents), default=0),
-                        fallback=DRAFT_UNAVAILABLE if self.draft_sid is None else None,
-                        draft_s=time.perf_counter() - t0)
+        return _Drafted(tree, depth=max(node_depths(tree.parents), default=0), draft_s=time.perf_counter() - t0,
+                        fallback=DRAFT_UNAVAILABLE if self.draft_sid is None else None)
 
     def _widen_due(self, committed_len: int, max_depth: int) -> bool:  # the window gives way to the whole context
         return bool(self.draft_skipped) and self._full_context_due(committed_len + max_depth)
@@ -543,16 +541,14 @@ class _Request:  # one request in flight: sessions, stop checker, control policy
         context_nodes = sum(1 for d in shaped.draft_index if d is None)
         record = RoundRecord(tuple(committed), logprobs=result.logprobs[:len(committed)],
                              prompt_logprobs=() if self.stats.rounds else self.prompt_logprobs, proposed=tree.size,
-                             accepted=len(accepted), depth=shaped.depth,
-                             fallback=drafted.fallback, gamma=self._gamma(), draft_s=drafted.draft_s,
-                             verify_s=verify_s, commit_s=commit_s, drafted=drafted.tree.size,
-                             context_proposed=context_nodes,
+                             accepted=len(accepted), depth=shaped.depth, fallback=drafted.fallback,
+                             gamma=self._gamma(), draft_s=drafted.draft_s, verify_s=verify_s, commit_s=commit_s,
+                             drafted=drafted.tree.size, context_proposed=context_nodes,
                              context_accepted=sum(1 for n in accepted if shaped.draft_index[n] is None),
                              expected_accepted=shaped.expected_accepted, stop_reason=self.stops.reason,
                              pipelined=drafted.pipelined and not drafted.candidate,
                              predrafted=drafted.pipelined and drafted.candidate > 0,
-                             ahead=ahead.kind if ahead else None,
-                             ahead_s=ahead.ahead_s if ahead else None,
+                             ahead=ahead.kind if ahead else None, ahead_s=ahead.ahead_s if ahead else None,
                              cost=self.control.cost_snapshot() if self.control is not None else None)
         self.stats.add(record, time.perf_counter() - self.started)
         self.logprobs += record.logprobs
@@ -635,9 +631,8 @@ def _round_attributes(span, drafted: _Drafted, shaped: ShapedTree, gamma: int, r
                       ahead: _AheadOutcome | None = None) -> None:
     """The round span's attributes: the control's decision and what happened."""
     attributes = {"pipelined": drafted.pipelined and not drafted.candidate,
-                  "predrafted": drafted.pipelined and drafted.candidate > 0,
-                  "gamma": gamma, "tree.nodes": shaped.tree.size,
-                  "tree.depth": shaped.depth, "tree.drafted": drafted.tree.size,
+                  "predrafted": drafted.pipelined and drafted.candidate > 0, "gamma": gamma,
+                  "tree.nodes": shaped.tree.size, "tree.depth": shaped.depth, "tree.drafted": drafted.tree.size,
                   "tree.context_nodes": sum(1 for d in shaped.draft_index if d is None),
                   "expected_accepted": float(shaped.expected_accepted),
                   "accepted_length": len(result.accepted_nodes), "committed": len(committed)}

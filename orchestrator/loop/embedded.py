@@ -28,21 +28,11 @@ class EmbeddedPipeline:
     shared: SharedState | None = None  # cost model and calibrations of the cost-aware control
 
 
-def build_pipeline(
-    target: str | None = None,
-    draft: str | None = None,
-    dtype: str = "auto",
-    device: str = "cpu",
-    speculate: bool = True,
-    max_context: int | None = None,
-    draft_quant: str = "auto",
-    control: str | ControlFactory | None = "cost-aware",
-    measure_costs: bool = True,
-    pipeline: bool = False,
-    draft_window: DraftWindowConfig | None = FrontConfig().draft_window,
-    argmax_screen: bool = True,
-    draft_device: str | None = None,
-) -> EmbeddedPipeline:
+def build_pipeline(target: str | None = None, draft: str | None = None, dtype: str = "auto", device: str = "cpu",
+                   speculate: bool = True, max_context: int | None = None, draft_quant: str = "auto",
+                   control: str | ControlFactory | None = "cost-aware", measure_costs: bool = True,
+                   pipeline: bool = False, draft_window: DraftWindowConfig | None = FrontConfig().draft_window,
+                   argmax_screen: bool = True, draft_device: str | None = None) -> EmbeddedPipeline:
     """Load the pair (defaults: the real Qwen2.5-Coder pair), check it, wire the engine. dtype, devices, draft_quant,
     argmax_screen: as ``specdec generate``'s flags (draft_device None = device); control: one of CONTROLS or a
     factory (None = fixed TreeSpec); measure_costs: time V(n) and D(p) on these models, else prior figures;
@@ -71,12 +61,10 @@ def wire_pipeline(loaded: LoadedTarget, loaded_draft: LoadedDraft | None, contro
     tokenizer = loaded.tokenizer
     target_runtime = TargetRuntime(loaded.model)
     factory, shared = make_control(control, target_runtime, draft_runtime, measure_costs)
-    engine = SpeculativeEngine(
-        target_runtime, draft_runtime, loaded.eos_token_ids, loaded.context_limit,
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False), control_factory=factory,
-        draft_context_limit=draft_limit, pipeline=pipeline, draft_window=draft_window,
-        ahead_candidates=FrontConfig().ahead_candidates,
-    )
+    engine = SpeculativeEngine(target_runtime, draft_runtime, loaded.eos_token_ids, loaded.context_limit,
+                               decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+                               control_factory=factory, draft_context_limit=draft_limit, pipeline=pipeline,
+                               draft_window=draft_window, ahead_candidates=FrontConfig().ahead_candidates)
     return EmbeddedPipeline(engine, tokenizer, loaded.model, draft_model, shared)
 
 

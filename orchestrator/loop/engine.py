@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Callable, Sequence
 
-from orchestrator.loop.controller import (
-    GenerationRequest, GenerationResult, RoundController, gather_or_cancel, sync_worker,
-)
+from orchestrator.loop.controller import (GenerationRequest, GenerationResult, RoundController, gather_or_cancel,
+                                          sync_worker)
 from specdec.config import DraftWindowConfig
 from specdec.interfaces import DraftWorker, TargetWorker
 
@@ -21,11 +20,10 @@ class SpeculativeEngine:
                  ahead_candidates: int = 1):
         self.target = target
         self.draft = draft
-        self.controller = RoundController(
-            sync_worker(target), sync_worker(draft) if draft is not None else None, eos_token_ids, context_limit,
-            decode, control_factory=control_factory, draft_context_limit=draft_context_limit, pipeline=pipeline,
-            draft_window=draft_window, ahead_candidates=ahead_candidates,
-        )
+        self.controller = RoundController(sync_worker(target), sync_worker(draft) if draft is not None else None,
+                                          eos_token_ids, context_limit, decode, control_factory=control_factory,
+                                          draft_context_limit=draft_context_limit, pipeline=pipeline,
+                                          draft_window=draft_window, ahead_candidates=ahead_candidates)
 
     @property
     def eos_token_ids(self):

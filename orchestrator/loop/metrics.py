@@ -284,11 +284,9 @@ class AcceptanceMonitor:
                 track.alerting = True
                 track.alerts += 1
                 proposed, accepted = track.sums()
-                log.warning(
-                    "acceptance alert (%s): acceptance rate %.3f (%d/%d draft tokens over the last %d rounds) "
-                    "below %.3f for %d consecutive windows of %d rounds",
-                    who, rate, accepted, proposed, self.config.window,
-                    self.config.alert_threshold, track.low_windows, self.config.window)
+                log.warning("acceptance alert (%s): acceptance rate %.3f (%d/%d draft tokens over the last %d rounds) "
+                            "below %.3f for %d consecutive windows of %d rounds", who, rate, accepted, proposed,
+                            self.config.window, self.config.alert_threshold, track.low_windows, self.config.window)
                 if self.metrics is not None:
                     self.metrics.acceptance_alerts.labels(scope=scope).inc()
         else:

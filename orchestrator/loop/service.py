@@ -46,8 +46,7 @@ class Orchestrator:
     strings refused); control_factory: (TreeSpec, max_nodes) -> Control (None = fixed TreeSpec); may_measure: False
     = never time the services at connect (a Ray actor given its probe's figures)."""
 
-    def __init__(self, front, grpc_cfg, decode=None, control_factory=None, on_round=None,
-                 may_measure: bool = True):
+    def __init__(self, front, grpc_cfg, decode=None, control_factory=None, on_round=None, may_measure: bool = True):
         self.front = front
         self.may_measure = may_measure
         self.grpc_cfg = grpc_cfg
@@ -80,12 +79,11 @@ class Orchestrator:
             await self._measure_costs(target, draft)
         window = self.front.draft_window if self.front.draft_window.applies(shared) else None
         self.links = (draft, target)
-        self.controller = RoundController(
-            target, draft, list(self.info.eos_token_ids), self.info.context_limit, self.decode,
-            control_factory=factory, draft_deadline_s=self.front.fallback.draft_deadline_ms / 1000,
-            on_round=self.on_round, pipeline=self.front.pipeline, draft_window=window,
-            ahead_candidates=self.front.ahead_candidates,
-        )
+        self.controller = RoundController(target, draft, list(self.info.eos_token_ids), self.info.context_limit,
+                                          self.decode, control_factory=factory, on_round=self.on_round,
+                                          draft_deadline_s=self.front.fallback.draft_deadline_ms / 1000,
+                                          pipeline=self.front.pipeline, draft_window=window,
+                                          ahead_candidates=self.front.ahead_candidates)
 
     async def _measure_costs(self, target: TargetClient, draft: DraftClient) -> None:
         """Measure V(n) and D(p) through the services instead of priors (``measure_at_start``); failed: priors."""

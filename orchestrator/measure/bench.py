@@ -223,12 +223,10 @@ def _ratio(a: float, b: float) -> float:
 
 def method_figures(runs: list[dict]) -> dict:
     """One method's tokens/s (end to end, decode only) as ratios of sums, TTFT as the mean over questions."""
-    return {
-        "tokens_per_s": _ratio(sum(r["new_tokens"] for r in runs), sum(r["s"] for r in runs)),
-        "decode_tokens_per_s": _ratio(sum(max(0, r["new_tokens"] - 1) for r in runs),
-                                      sum(r["s"] - r["ttft_ms"] / 1000 for r in runs)),
-        "ttft_ms": sum(r["ttft_ms"] for r in runs) / len(runs),
-    }
+    return {"tokens_per_s": _ratio(sum(r["new_tokens"] for r in runs), sum(r["s"] for r in runs)),
+            "decode_tokens_per_s": _ratio(sum(max(0, r["new_tokens"] - 1) for r in runs),
+                                          sum(r["s"] - r["ttft_ms"] / 1000 for r in runs)),
+            "ttft_ms": sum(r["ttft_ms"] for r in runs) / len(runs)}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -320,8 +318,7 @@ def position_table(summary: dict[str, dict]) -> str:
     rows = []
     for cat, s in summary.items():
         proposed, rates = s.get("position_proposed", []), s.get("acceptance_by_position", [])
-        rows.append([cat] + [f"{rates[d]:.2f} ({proposed[d]})" if d < len(proposed) else "-"
-                             for d in range(depth)])
+        rows.append([cat] + [f"{rates[d]:.2f} ({proposed[d]})" if d < len(proposed) else "-" for d in range(depth)])
     return md_table(["acceptance at position"] + [str(d + 1) for d in range(depth)], rows)
 
 

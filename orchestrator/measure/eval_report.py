@@ -248,7 +248,7 @@ def summarize_slice(runs: list[QuestionRun], dimension: str, value: str, task_se
     for r in runs:
         for name, mb in r.peak_memory_mb.items():
             by_process[name] = max(by_process.get(name, 0.0), mb)
-    return SpeculativeReport(
+    return SpeculativeReport(  # ratios: speculative / target-only
         task_set=task_set, draft_model=draft_model,
         speculation_length=(float(np.mean(depths)) if depths else 0.0) if seen else None,
         acceptance_rate=_ratio(sum(s.accepted for s in spec), sum(s.proposed for s in spec)),
@@ -262,8 +262,7 @@ def summarize_slice(runs: list[QuestionRun], dimension: str, value: str, task_se
         first_token_ratio=_ratio(fs["ttft_ms"], ft["ttft_ms"]), p95_latency_ratio=_ratio(p95, p95_target),
         mean_accepted_length=_ratio(sum(len(s.tokens) for s in spec), sum(s.round_count for s in spec)),
         acceptance_per_depth=acceptance_per_depth(spec), peak_memory_by_process_mb=by_process,
-        peak_gpu_memory_mb=peak_gpu_memory_mb(),
-    )
+        peak_gpu_memory_mb=peak_gpu_memory_mb())
 
 
 def build_reports(runs: list[QuestionRun], task_set: str, draft_model: str) -> list[SpeculativeReport]:

@@ -165,13 +165,11 @@ def build_report(spans: list[Span]) -> dict:
     if not by_request:
         raise TraceFileError("SPANS_FILE: no orchestrator 'round' spans (was the front traced?)")
     every = [r for rs in by_request.values() for r in rs]
-    return {
-        "phases": list(PHASES), "requests_count": len(by_request), "rounds_count": len(every),
-        "overall": phase_stats(every),
-        "requests": [{"request_id": rid, "rounds_count": len(rs), "phases": phase_stats(rs),
-                      "critical_path": critical_path(rs), "rounds": [asdict(r) for r in rs]}
-                     for rid, rs in by_request.items()],
-    }
+    return {"phases": list(PHASES), "requests_count": len(by_request), "rounds_count": len(every),
+            "overall": phase_stats(every),
+            "requests": [{"request_id": rid, "rounds_count": len(rs), "phases": phase_stats(rs),
+                          "critical_path": critical_path(rs), "rounds": [asdict(r) for r in rs]}
+                         for rid, rs in by_request.items()]}
 
 
 def markdown(report: dict) -> str:
@@ -192,8 +190,7 @@ def markdown(report: dict) -> str:
         md_table(["phase", "mean ms", "p50 ms", "p95 ms", "share"], phase_rows),
         "## Per request (critical path: its rounds, one after another)\n",
         md_table(["request", "rounds", "critical path ms", "dominant phase", "longest round (ms)"], request_rows),
-        "![phases](trace_report.png)\n",
-    ])
+        "![phases](trace_report.png)\n"])
 
 
 def figure(report: dict, path: Path) -> None:

@@ -44,13 +44,9 @@ class RoundObservation:
 
 
 class Control:
-    """Every hook the round controller calls on one request's control; optional ones default to no-ops.
-
-    Order within a round: ``round_context``, ``speculate``; if yes ``spec``; ``shape``; ``record`` after a
-    verified non-empty drafted tree; ``observe`` after every round. ``draft_failed`` on any failed draft call
-    (``draft_timed_out`` first on a deadline); ``set_draft_context_limit`` and ``draft_opened`` when a draft
-    session opens. Draft failures and the draft's context limit go to ``fallback``, a FallbackPolicy.
-    """
+    """Every hook the round controller calls on one request's control; optional ones default to no-ops. Order in a
+    round: ``round_context``, ``speculate``; if yes ``spec``; ``shape``; ``record`` after a verified drafted tree;
+    ``observe`` after every round. Draft failures and the draft's context limit go to ``fallback``."""
 
     gamma: int  # speculation depth of the next tree, tree levels
     reason: str | None  # why the last ``speculate`` said no (one of FALLBACK_REASONS), None when it said yes

@@ -9,9 +9,8 @@ from typing import Sequence
 
 from orchestrator.planning.cost_model import CostModel, LoadedCost, predraft_pays, predraft_plain_pays
 from orchestrator.planning.control import COST, Control, FallbackPolicy, RoundObservation
-from orchestrator.planning.shaping import (
-    AcceptanceCalibration, ContextCalibration, Lookup, ShapedTree, context_path, observe_verified, shape_tree,
-)
+from orchestrator.planning.shaping import (AcceptanceCalibration, ContextCalibration, Lookup, ShapedTree,
+                                           context_path, observe_verified, shape_tree)
 from specdec.config import CostAwareConfig, FallbackConfig
 from specdec.sampling import SamplingParams
 from specdec.tree import DraftTree, ancestors, node_depths
@@ -56,16 +55,14 @@ class SharedState:
             self.verify_merge += alpha * (share - self.verify_merge)
 
     def observe_load(self, batch_size: int, alpha: float = 0.3) -> None:
-        """One round's load (sessions per forward): a rise at once, a fall as a moving average; under 1.1
-        ``verify_merge`` resets to 1."""
+        """One round's load (sessions per forward): a rise at once, a fall as a moving average."""
         load = max(batch_size, 1)
         self.load = float(load) if load > self.load else self.load + alpha * (load - self.load)
         if self.load < 1.1:
             self.verify_merge = 1.0
 
     def probe_interval(self, probe_every: int) -> float:
-        """Rounds without a draft step (all requests) before a probe: ``probe_every``, times the load on shared
-        compute."""
+        """Rounds without a draft step before a probe: ``probe_every``, times the load on shared compute."""
         return probe_every * (self.load if self.shared_compute else 1.0)
 
     def defer_draft(self) -> bool:  # a new request's draft prefill waits for its first drafted round
@@ -157,12 +154,10 @@ def plan_depth(est: DepthEstimates, cost: CostModel | LoadedCost, heads: list[in
                context_value: float = 0.0, context_rows: float = 0.0,
                context_path: Sequence[float] | None = None) -> tuple[int, float]:
     """The number of draft steps g in [0, max_steps] with the best predicted rate (tokens per ms), and that rate.
-
     heads: [max_steps] parents expanded by each step; context_*: expected value and rows of the context branch.
     Rate(g) = (1 + context_value + sum value(d), d <= g) / (sum D(heads[d]) + V(1 + context_rows + sum rows(d)) +
     overhead). context_path: [m] this round's own branch, replacing context_value / rows; the draft's value at
-    depth d <= m then counts value(d) * (1 - context_path[d-1]).
-    """
+    depth d <= m then counts value(d) * (1 - context_path[d-1])."""
     if context_path is not None:
         context_value, context_rows = sum(context_path), len(context_path)
     path = list(context_path or ())

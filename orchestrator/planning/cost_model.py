@@ -1,7 +1,5 @@
-"""Measured costs of this deployment: target verify latency V(n) and draft step latency D(p), ms.
-
-n = rows of one verify forward (tree nodes + 1); p = parents expanded by one draft step. Curves, scale,
-measurement and a worked example: docs/control.md "The cost model".
+"""Measured costs of this deployment: target verify latency V(n) and draft step latency D(p), ms; n = rows of one
+verify forward (tree nodes + 1), p = parents expanded by one draft step (docs/control.md "The cost model").
 """
 
 from __future__ import annotations

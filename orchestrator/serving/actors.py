@@ -74,8 +74,8 @@ def _log_ray_auth() -> None:
 
 
 class RayBackend(Backend):
-    """Requests run in ``front.workers`` OrchestratorActors, least-loaded first, failing over when one dies.
-    Starts a local Ray (``front.ray_address`` unset) or attaches to a cluster."""
+    """Requests run in ``front.workers`` OrchestratorActors, least-loaded first, failing over when one dies, on a
+    local Ray (``front.ray_address`` unset) or a cluster."""
 
     def __init__(self, front: FrontConfig, grpc_cfg: GrpcConfig, tok_dir: str | None):
         self.front, self.grpc_cfg, self.tok_dir = front, grpc_cfg, tok_dir
@@ -121,8 +121,7 @@ class RayBackend(Backend):
         time_left_s; an abort ends the wait), then take the least-loaded of all."""
         wait_s = self.RECOVERY_WAIT_S if time_left_s is None else min(self.RECOVERY_WAIT_S, time_left_s)
         until = time.monotonic() + wait_s
-        while (len(self.failed) == len(self.actors) and time.monotonic() < until
-               and request_id not in self.aborted):
+        while len(self.failed) == len(self.actors) and time.monotonic() < until and request_id not in self.aborted:
             await asyncio.sleep(0.05)
         healthy = [i for i in self.inflight if i not in self.failed] or list(self.inflight)
         return min(healthy, key=self.inflight.get)

@@ -44,8 +44,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             sampling=sampling_from_proto(msg.sampling), tree=tree, no_spec=msg.no_spec, ignore_eos=msg.ignore_eos,
             min_tokens=msg.min_tokens, stop_token_ids=tuple(msg.stop_token_ids),
             skip_special_tokens=not msg.HasField("skip_special_tokens") or msg.skip_special_tokens,
-            timeout_s=context.time_remaining(),
-            client=self.client(context))
+            timeout_s=context.time_remaining(), client=self.client(context))
 
     def client(self, context) -> str:  # the caller's admission key
         metadata = dict(context.invocation_metadata() or ())

@@ -45,11 +45,10 @@ INT64 = 2**63
 
 # OpenAI parameters this server does not implement, with the values that ask for nothing (accepted).
 UNSUPPORTED: dict[str, tuple] = {
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,), "functions": (None, []), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}), "best_of": (None, 1), "suffix": (None, ""),
-}
+    "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+    "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,), "functions": (None, []),
+    "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "best_of": (None, 1),
+    "suffix": (None, "")}
 
 # our stop reasons (specdec.stats / orchestrator.loop.stops) -> OpenAI's finish_reason
 FINISH_REASONS = {"eos": "stop", "stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length",
@@ -189,8 +188,7 @@ class ClientGone(Exception):
 
 UPSTREAM_STATUS = {  # a downstream gRPC status -> (HTTP status, OpenAI error type)
     "INVALID_ARGUMENT": (400, "invalid_request_error"), "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
-    "UNAVAILABLE": (503, "server_error"), "DEADLINE_EXCEEDED": (504, "server_error"),
-}
+    "UNAVAILABLE": (503, "server_error"), "DEADLINE_EXCEEDED": (504, "server_error")}
 
 
 def field_error(exc: Exception, chat: bool) -> ApiError:
@@ -245,11 +243,9 @@ def validation_error(exc: RequestValidationError) -> ApiError:
 
 
 class StopTrim:
-    """Text deltas that end before the first stop string (OpenAI's rule; our tokens keep it, HF's), or just after it
-    with ``include`` (vLLM's include_stop_str_in_output). A stop string may span deltas, so the last
-    ``max(len(stop)) - 1`` characters are held back until more text shows they start none, or the request ends;
-    nothing after the cut is sent. A stop string ending in text pushed ``early`` (before min_tokens) does not count.
-    """
+    """Text deltas that end before the first stop string (OpenAI's rule), or just after it with ``include`` (vLLM's
+    include_stop_str_in_output); the last ``max(len(stop)) - 1`` characters are held back until more text shows they
+    start none. A stop string ending in text pushed ``early`` (before min_tokens) does not count."""
 
     def __init__(self, stop: tuple[str, ...], include: bool = False):
         self.stop, self.include = stop, include
@@ -400,8 +396,7 @@ def sse(data: dict) -> str:
 
 
 class Run:
-    """One request's StreamEvents from a task of its own, cancelled (KV freed) on disconnect or ``close``.
-    Iterate it once."""
+    """One request's StreamEvents from a task of its own, cancelled (KV freed) on disconnect or ``close``."""
 
     def __init__(self, events, request: Request, active: set[str], request_id: str):
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -453,8 +448,7 @@ async def _disconnect(request: Request) -> None:
 
 
 async def _error_response(_request: Request, exc: Exception) -> JSONResponse:
-    """An error outside a request's run in OpenAI's error format: ours, a body that fails validation, Starlette's
-    own (404 unknown path, 405 wrong method) or any other (500; uvicorn logs the traceback)."""
+    """An error outside a request's run in OpenAI's error format (Starlette's 404 / 405, validation, 500)."""
     if isinstance(exc, StarletteHTTPException):
         return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), exc.status_code, exc.headers)
     if isinstance(exc, RequestValidationError):
@@ -508,9 +502,8 @@ class Gate:
 
 
 class HttpApi:
-    """The FastAPI app over a RequestRunner, behind a ``Gate`` that accepts the runner's bearer tokens (none = no
-    auth). model_name: the ``model`` id; registry: what /metrics serves; draining: set at shutdown (new requests get
-    503); max_body_bytes: the largest request body read."""
+    """The FastAPI app over a RequestRunner, behind a ``Gate`` (the runner's bearer tokens). model_name: the
+    ``model`` id; registry: what /metrics serves; draining: set at shutdown (new requests get 503)."""
 
     def __init__(self, runner: RequestRunner, model_name: str, registry, draining: asyncio.Event,
                  max_body_bytes: int = 4 << 20, metrics_auth: bool = False):
@@ -568,8 +561,7 @@ class HttpApi:
         return await self._respond(request, body, dataclasses.replace(call, prompt_ids=tuple(ids)), chat=True)
 
     def _call(self, body: _GenerationParams, request: Request, chat: bool) -> GenerateCall:
-        """The GenerateCall of a request's parameters but its prompt; ApiError 404 for another model, 400 naming a
-        bad parameter."""
+        """The GenerateCall of a request's parameters but its prompt; ApiError 404 (model) or 400 naming the field."""
         if body.model is not None and body.model != self.model_name:
             raise ApiError(404, f"model: {body.model!r} is not served here (GET /v1/models lists {self.model_name!r})",
                            "model", code="model_not_found")
