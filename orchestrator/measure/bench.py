@@ -167,14 +167,11 @@ def method_order(methods: Sequence[str], k: int) -> list[str]:
 
 def run_method(pipe, method: str, prompt_ids, spec, max_new_tokens) -> tuple[list[int], dict]:
     """One greedy pass of one method: its tokens and its row (new_tokens, s, ttft_ms, ...)."""
-    if method == "speculative":
-        result = pipe.engine.generate(GenerationRequest(prompt_ids, max_new_tokens, spec=spec))
-        return result.tokens, _spec_row(result.stats)
-    if method == "plain":
-        result = pipe.engine.generate(GenerationRequest(prompt_ids, max_new_tokens, spec=None))
-        return result.tokens, {"new_tokens": result.stats.new_tokens, "s": result.stats.total_s,
-                               "ttft_ms": result.stats.ttft_ms, "rounds": result.stats.rounds,
-                               "drafted": result.stats.drafted_tokens}
+    if method in ("speculative", "plain"):  # our engine, with or without the draft
+        plain = method == "plain"
+        result = pipe.engine.generate(GenerationRequest(prompt_ids, max_new_tokens, spec=None if plain else spec))
+        row = _spec_row(result.stats)
+        return result.tokens, {k: row[k] for k in ("new_tokens", "s", "ttft_ms", "rounds", "drafted")} if plain else row
     extra = {"hf_assisted": {"assistant_model": pipe.draft_model},
              "prompt_lookup": {"prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS}}.get(method, {})
     return _hf_generate(pipe.target_model, prompt_ids, max_new_tokens, pipe.engine.eos_token_ids, **extra)
