@@ -1,6 +1,7 @@
 """Cost-aware token trees: each round's tree maximizes expected committed tokens (1 + the sum of its nodes' values,
-each the chance of lying on the accepted path) per predicted round ms (docs/control.md). Sources: EAGLE-2 (Li et al. 2024, §4: dynamic trees ranked by draft confidence), Sequoia (Chen et al. 2024, §3:
-hardware-aware tree size), SpecDec++ (Huang et al. 2024) and DISCO (Mamou et al. 2024) on when to stop drafting.
+each the chance of lying on the accepted path) per predicted round ms (docs/control.md). Sources: EAGLE-2 (Li et
+al. 2024, §4: dynamic trees ranked by draft confidence), Sequoia (Chen et al. 2024, §3: hardware-aware tree size),
+SpecDec++ (Huang et al. 2024) and DISCO (Mamou et al. 2024) on when to stop drafting.
 """
 
 from __future__ import annotations
