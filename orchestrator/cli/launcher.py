@@ -1,8 +1,5 @@
-"""``specdec serve``: draft service, target service and generation front on one machine.
-
-Starts the three servers as child processes with one config file and prints each ready line. A child that
-fails to start makes serve exit 2 with its last error lines; one that dies later is reported and the others
-keep serving. SIGTERM/SIGINT stop the front first, then the draft and target.
+"""``specdec serve``: draft service, target service and generation front as child processes on one machine. A child
+that fails to start makes serve exit 2 with its last error lines; one that dies later is reported.
 """
 
 from __future__ import annotations
@@ -53,8 +50,7 @@ def start_child(name: str, module: str, args: list[str]) -> Child:
 
 
 def wait_ready(child: Child, stop: threading.Event, ready_lines: int = 1) -> str:
-    """Print the child's ``ready_lines`` ready lines and return the first's ``host:port``.
-    Raises LaunchError (also when ``stop`` is set meanwhile, or after READY_TIMEOUT_S)."""
+    """Print the child's ``ready_lines`` ready lines and return the first's ``host:port``; LaunchError."""
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_pump, args=(child, lines), daemon=True).start()
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -96,11 +92,8 @@ def stop_children(children: list[Child], grace_s: float) -> None:
 def serve(config_path: str | None, target: str | None = None, draft: str | None = None, dtype: str | None = None,
           tp: int | None = None, no_ray: bool = False, device: str | None = None, draft_device: str | None = None, grace_s: float = 10.0, http_port: int | None = None,
           http: bool = False, security_flags: list[str] = (), auth_token_file: str | None = None) -> int:
-    """Run the three services until SIGTERM/SIGINT; returns the exit code.
-
-    target, draft, dtype, tp, http_port, auth_token_file: flags for the children that take them (None = the
-    config's); device: the target's --device, draft_device: the draft's; security_flags: --tls-* flags for all three.
-    """
+    """Run the three services until SIGTERM/SIGINT (the front stops first); returns the exit code. The arguments:
+    flags for the children that take them (None = the config's); security_flags: --tls-* flags for all three."""
     config_args = ["--config", config_path] if config_path else []
     children: list[Child] = []
     stop = threading.Event()

@@ -1,5 +1,5 @@
-"""``specdec`` command line (typer + rich). User mistakes end with a one-line message and exit 2.
-Commands import what they run (torch, transformers, ray) inside their bodies, so --help starts fast."""
+"""``specdec`` command line (typer + rich); user mistakes end with a one-line message and exit 2. Commands import
+what they run inside their bodies, so --help starts fast."""
 
 from __future__ import annotations
 
@@ -15,10 +15,8 @@ from rich.table import Table
 from draft_service.cli import draft_server
 from orchestrator.cli.launcher import serve as launch
 from specdec.config import CONTROLS, ConfigError, DraftWindowConfig, FrontConfig, load_config
-from specdec.process_entry import (
-    AUTH_TOKEN_FILE_HELP, CONFIG_HELP, DEVICE_HELP, HEALTH_PORT_HELP, TLS_CA_HELP, TLS_CERT_HELP, TLS_KEY_HELP,
-    device_option, tls_flags, tls_overrides,
-)
+from specdec.process_entry import (AUTH_TOKEN_FILE_HELP, CONFIG_HELP, DEVICE_HELP, HEALTH_PORT_HELP, TLS_CA_HELP,
+                                   TLS_CERT_HELP, TLS_KEY_HELP, device_option, tls_flags, tls_overrides)
 from specdec.sampling import SamplingParams, SamplingParamsError
 from specdec.stats import position_rates
 from specdec.tree_spec import DEFAULT_SPEC, parse_tree_spec
@@ -51,28 +49,33 @@ def check_control(control: str) -> None:
         raise UsageError(f"--control: expected {', '.join(CONTROLS)}, got {control!r}")
 
 
-def check_choices(dtype: str, draft_quant: str, control: str = "cost-aware") -> None:
+def check_run(dtype: str, draft_quant: str, control: str, device: str, draft_device: Optional[str],
+              **positive) -> None:
+    """The model flags of an in-process run (--device / --draft-device: bad name, no such GPU) and the options
+    that must be >= 1; raises UsageError naming the first bad one."""
+    from specdec.process_entry import check_device
+
     check_control(control)
     if dtype not in ("auto", "bfloat16", "float32", "float16"):
         raise UsageError(f"--dtype: expected auto, bfloat16, float32 or float16, got {dtype!r}")
     if draft_quant not in ("auto", "none", "int8"):
         raise UsageError(f"--draft-quant: expected auto, none or int8, got {draft_quant!r}")
-
-
-_DEVICE_HELP = "The target's device: cpu, cuda or cuda:N (and the draft's, unless --draft-device)."
-_DRAFT_DEVICE_HELP = "The draft's device: cpu, cuda or cuda:N (default: --device)."
-
-
-def check_devices(device: str, draft_device: Optional[str]) -> None:
-    """--device / --draft-device of an in-process run: raises UsageError naming the flag (bad name, no such GPU)."""
-    from specdec.process_entry import check_device
-
     for flag, value in (("--device", device), ("--draft-device", draft_device)):
         if value is not None:
             try:
                 check_device(value, flag)
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
+    check_positive(**positive)
+
+
+def tree_option(tree: Optional[str], default=DEFAULT_SPEC):
+    """``--tree``: inline JSON or a JSON file; TreeSpecError names the field."""
+    return parse_tree_spec(tree) if tree is not None else default
+
+
+_DEVICE_HELP = "The target's device: cpu, cuda or cuda:N (and the draft's, unless --draft-device)."
+_DRAFT_DEVICE_HELP = "The draft's device: cpu, cuda or cuda:N (default: --device)."
 
 
 _DRAFT_WINDOW_HELP = ("Tokens a draft session opens with: the first 32 plus the most recent (a long prompt costs the "
@@ -120,36 +123,31 @@ def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
     return text
 
 
-def _positions_line(proposed, accepted, shown: int = 8) -> str:
-    """'1: 0.82 (55), 2: ...': acceptance per tree position (rounds reaching it), the first ``shown`` positions."""
-    cells = [f"{d + 1}: {rate:.2f} ({p})" for d, (p, rate) in enumerate(zip(proposed[:shown], position_rates(proposed, accepted)))]
-    more = len(proposed) - shown
-    return ", ".join(cells) + (f", ... ({more} deeper)" if more > 0 else "")
-
-
 def stats_table(stats, speculate: bool, sampling: SamplingParams = SamplingParams(), cost: dict | None = None) -> Table:
     """The end-of-run table; cost: the cost model's snapshot (CostModel.snapshot) when cost-aware."""
     table = Table(title="speculation stats" if speculate else "target-only stats", show_header=False)
     rows = [("sampling", sampling.describe()), ("new tokens", f"{stats.new_tokens}"), ("rounds", f"{stats.rounds}")]
     if speculate:
-        rows += [
-            ("acceptance rate", f"{stats.acceptance_rate:.3f}  ({stats.accepted_tokens}/{stats.proposed_tokens} draft tokens)"),
-            ("mean accepted length", f"{stats.mean_accepted_length:.2f} tokens/round"),
-        ]
+        rows += [("acceptance rate", f"{stats.acceptance_rate:.3f}  ({stats.accepted_tokens}/{stats.proposed_tokens} "
+                                     "draft tokens)"),
+                 ("mean accepted length", f"{stats.mean_accepted_length:.2f} tokens/round")]
         proposed = list(getattr(stats, "position_proposed", ()))  # GenerationStats or FinalStats
-        if proposed:
-            rows.append(("acceptance by position", _positions_line(proposed, list(stats.position_accepted))))
+        if proposed:  # '1: 0.82 (55), 2: ...': rate (rounds reaching it) of the first 8 positions
+            rates = position_rates(proposed, list(stats.position_accepted))
+            more = f", ... ({len(proposed) - 8} deeper)" if len(proposed) > 8 else ""
+            rows.append(("acceptance by position", ", ".join(
+                f"{d + 1}: {rate:.2f} ({p})" for d, (p, rate) in enumerate(zip(proposed[:8], rates))) + more))
     if speculate and (stats.pipeline_ahead_hits or stats.predraft_hits or stats.pipeline_ahead_misses):
         rows.append(("pipelining", f"{stats.pipeline_ahead_hits} ahead trees adopted, "
                                    f"{stats.predraft_hits} pre-drafted ones, {stats.pipeline_ahead_misses} discarded"))
     if speculate and cost is not None:
-        rows += [
-            ("tree decisions", f"{stats.drafted_tokens} drafted nodes, {stats.proposed_tokens} verified, "
-                               f"{stats.cost_plain_rounds} rounds without the draft (did not pay)"),
-            ("context branches", f"{stats.context_accepted_tokens}/{stats.context_proposed_tokens} n-gram tokens accepted"),
-            ("expected vs accepted", f"{stats.expected_accepted_tokens:.1f} expected, {stats.accepted_tokens} accepted"),
-            ("cost model", _cost_line(cost)),
-        ]
+        rows += [("tree decisions", f"{stats.drafted_tokens} drafted nodes, {stats.proposed_tokens} verified, "
+                                    f"{stats.cost_plain_rounds} rounds without the draft (did not pay)"),
+                 ("context branches", f"{stats.context_accepted_tokens}/{stats.context_proposed_tokens} n-gram "
+                                      "tokens accepted"),
+                 ("expected vs accepted", f"{stats.expected_accepted_tokens:.1f} expected, "
+                                          f"{stats.accepted_tokens} accepted"),
+                 ("cost model", _cost_line(cost))]
     if speculate and stats.total_s > 0 and stats.verify_s > 0:  # 0: one round, or a front without the fields
         phases = [("first token", stats.ttft_ms / 1000), ("draft", stats.draft_s), ("verify", stats.verify_s)]
         rows.append(("time by phase", ", ".join(f"{name} {s:.2f} s ({s / stats.total_s:.0%})" for name, s in phases)
@@ -230,11 +228,9 @@ def generate(
             check_remote_options(draft_window, argmax_screen, pipeline, control, max_context)
             return _generate_remote(server, prompt, prompt_file, tree, max_new_tokens, temperature, top_p, top_k,
                                     seed, stop, no_spec, raw, tls_ca, auth_token_file)
-        check_choices(dtype, draft_quant, control)
-        check_devices(device, draft_device)
-        check_positive(max_new_tokens=max_new_tokens, threads=threads)
+        check_run(dtype, draft_quant, control, device, draft_device, max_new_tokens=max_new_tokens, threads=threads)
         sampling = sampling_params(temperature, top_p, top_k, seed)
-        spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
+        spec = tree_option(tree)
         window = draft_window_option(draft_window)
         text = read_prompt(prompt, prompt_file)
         set_threads(threads)
@@ -285,15 +281,13 @@ def bench(
     from orchestrator.measure.bench import run_bench
 
     try:
-        check_choices(dtype, draft_quant, control)
-        check_devices(device, draft_device)
-        check_positive(per_category=per_category, max_new_tokens=max_new_tokens, threads=threads, repeats=repeats)
+        check_run(dtype, draft_quant, control, device, draft_device, per_category=per_category,
+                  max_new_tokens=max_new_tokens, threads=threads, repeats=repeats)
         if offset < 0:
             raise UsageError(f"--offset: must be >= 0, got {offset}")
         sampling = sampling_params(temperature, top_p, top_k, seed)
-        spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
-        run_bench(spec, questions, per_category, max_new_tokens, dtype, draft_quant, out, hf_assisted, threads, sampling,
-                  control, offset=offset, prompt_lookup=prompt_lookup, target=target, draft=draft,
+        run_bench(tree_option(tree), questions, per_category, max_new_tokens, dtype, draft_quant, out, hf_assisted,
+                  threads, sampling, control, offset=offset, prompt_lookup=prompt_lookup, target=target, draft=draft,
                   draft_window=draft_window_option(draft_window), categories=tuple(category),
                   argmax_screen=argmax_screen, repeats=repeats, plain=plain, device=device, draft_device=draft_device)
     except ValueError as exc:  # UsageError, TreeSpecError, ModelError, ...: each names its option
@@ -306,12 +300,11 @@ app.command("target-server")(target_server)  # the same command as ``python -m t
 
 def _generate_remote(server, prompt, prompt_file, tree, max_new_tokens, temperature, top_p, top_k, seed, stop, no_spec, raw,
                      tls_ca=None, auth_token_file=None):
-    """generate --server: the request runs on a generation front; text streams as it arrives."""
     from orchestrator.cli.remote import RemoteError, client_token, generate_remote
 
     check_positive(max_new_tokens=max_new_tokens)  # a ValueError naming its option: generate's to report
     sampling = sampling_params(temperature, top_p, top_k, seed)
-    spec = parse_tree_spec(tree) if tree is not None else None
+    spec = tree_option(tree, None)
     text = read_prompt(prompt, prompt_file)
     try:
         stats = generate_remote(server, text, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec,
@@ -375,10 +368,8 @@ def serve(
 ) -> None:
     """Start the draft service, the target service and the generation front on this machine.
 
-    Prints one line per service (name and host:port) once it is ready, and ``http ready on
-    HOST:PORT`` when the front serves HTTP too; SIGTERM or Ctrl-C stops all three. No --health-port:
-    the three servers share this host, so they cannot share one (a grpc.health_port in the config is
-    refused); the health port is for kubelet probes of TLS pods, one server per pod."""
+    Prints one line per service (name and host:port) once it is ready, and ``http ready on HOST:PORT`` when the
+    front serves HTTP too; SIGTERM or Ctrl-C stops all three. No --health-port (one server per pod)."""
     try:
         check_positive(tp=tp)
         target_devices = device_option(device)
@@ -423,12 +414,11 @@ def eval_(
     from orchestrator.measure.eval_report import run_eval
 
     try:
-        check_choices(dtype, draft_quant, control)
-        check_devices(device, draft_device)
-        check_positive(per_category=per_category, max_new_tokens=max_new_tokens, threads=threads)
+        check_run(dtype, draft_quant, control, device, draft_device, per_category=per_category,
+                  max_new_tokens=max_new_tokens, threads=threads)
         if service_pid and server is None:
             raise UsageError("--service-pid: only with --server (embedded runs measure this process)")
-        spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
+        spec = tree_option(tree)
         set_threads(threads)
         reports = run_eval(spec, questions, per_category, max_new_tokens, out, target=target, draft=draft, dtype=dtype,
                            draft_quant=draft_quant, control=control, server=server, service_pids=tuple(service_pid),
@@ -482,13 +472,12 @@ def profile_draft(
     from orchestrator.loop.embedded import set_threads
 
     try:
-        check_choices(dtype, draft_quant, control)
         if draft_quant == "auto":
             raise UsageError("--draft-quant: none or int8 (each candidate is profiled as given)")
-        check_devices(device, draft_device)
-        check_positive(per_category=per_category, max_new_tokens=max_new_tokens, threads=threads)
+        check_run(dtype, draft_quant, control, device, draft_device, per_category=per_category,
+                  max_new_tokens=max_new_tokens, threads=threads)
         candidates = [parse_candidate(c, draft_quant) for c in candidate]
-        spec = parse_tree_spec(tree) if tree is not None else DEFAULT_SPEC
+        spec = tree_option(tree)
         set_threads(threads)
         profiles = run_profile(candidates, out, target=target, questions_path=questions, per_category=per_category,
                                max_new_tokens=max_new_tokens, dtype=dtype, control=control, spec=spec,

@@ -1,7 +1,4 @@
-"""``specdec generate --server ADDR``: a client of the generation front (specdec.v1.GenerationService).
-
-gRPC errors become RemoteError with the status code name and the server's message.
-"""
+"""``specdec generate --server ADDR``: a client of the generation front (specdec.v1.GenerationService)."""
 
 from __future__ import annotations
 
@@ -29,11 +26,8 @@ class RemoteError(RuntimeError):
 def generate_remote(address: str, prompt: str, *, max_new_tokens: int, sampling: SamplingParams,
                     spec: TreeSpec | None, no_spec: bool, raw: bool, stop: tuple[str, ...] = (),
                     tls_ca: str | None = None, token: str | None = None) -> SimpleNamespace:
-    """Run one request on the front at ``address``; writes text deltas to stdout.
-
-    spec None = the server's tree; tls_ca None = plaintext; token: bearer token. Returns the FinalStats
-    fields (and ``tokens``) as a namespace. Raises RemoteError.
-    """
+    """Run one request on the front at ``address``, text deltas to stdout; spec None = the server's tree; tls_ca None
+    = plaintext. Returns the FinalStats fields (and ``tokens``) as a namespace. Raises RemoteError."""
     request = generation_pb2.GenerateRequest(prompt=prompt, raw=raw, max_new_tokens=max_new_tokens, stop=list(stop),
                                              sampling=sampling_to_proto(sampling), no_spec=no_spec,
                                              tree=spec_to_proto(spec) if spec is not None else None)

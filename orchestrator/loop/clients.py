@@ -1,10 +1,7 @@
 """gRPC clients of the draft and target services, with the worker methods the round loop awaits.
-
-``DraftClient``: one bidirectional Session stream per request; any draft failure raises ``DraftUnavailableError``
-(the round runs plain). ``TargetClient``: unary calls; errors propagate as ``grpc.aio.AioRpcError``.
-``request_deadline`` (absolute ``time.monotonic()`` s, set by the front) bounds every downstream call's timeout.
-Each client measures its link's round trip (``LinkRtt``, ``link_rtt_s``) from the calls whose reply says how long
-the service took: the target's Verify (``service_ms``), the draft's trees (``draft_ms``).
+``DraftClient``: one bidirectional Session stream per request; any draft failure raises ``DraftUnavailableError``.
+``TargetClient``: unary calls; errors propagate as ``grpc.aio.AioRpcError``. ``request_deadline`` (absolute
+``time.monotonic()`` s) bounds every downstream call. Each measures its link's round trip (``LinkRtt``).
 """
 
 from __future__ import annotations
@@ -30,14 +27,7 @@ request_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
 
 DEFAULT_CALL_TIMEOUT_S = 120.0
 VERIFY_RETRIES = 2  # Verify calls retried on UNAVAILABLE
-
-
-PREFILL_S_PER_TOKEN = 0.1  # the Prefill call's timeout over DEFAULT_CALL_TIMEOUT_S, per prompt token
-
-
-def prefill_timeout_s(prompt_tokens: int) -> float:
-    """A Prefill call's timeout, s: DEFAULT_CALL_TIMEOUT_S + 0.1 s per prompt token (chunked beside decoding)."""
-    return DEFAULT_CALL_TIMEOUT_S + PREFILL_S_PER_TOKEN * prompt_tokens
+PREFILL_S_PER_TOKEN = 0.1  # the Prefill call's timeout over DEFAULT_CALL_TIMEOUT_S, per prompt token (chunked)
 
 
 def time_left(default: float | None = DEFAULT_CALL_TIMEOUT_S) -> float | None:
@@ -58,8 +48,7 @@ class DeadlineExceeded(grpc.aio.AioRpcError):
 
 
 def channel_options(max_message_bytes: int, max_reconnect_backoff_ms: int = 1000) -> list[tuple[str, int]]:
-    """Message size limits and a short reconnect backoff (gRPC's grows to 120 s), so a restarted service is
-    used again within about a second."""
+    """Message size limits and a short reconnect backoff (gRPC's grows to 120 s)."""
     return [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
             ("grpc.max_reconnect_backoff_ms", max_reconnect_backoff_ms)]
@@ -67,19 +56,16 @@ def channel_options(max_message_bytes: int, max_reconnect_backoff_ms: int = 1000
 
 class LinkRtt:
     """A service link's round trip, seconds: the median of the last ``window`` samples, each a call's wall time at
-    the front minus the time the service reports it spent (queue and compute), at least 0. The median ignores the
-    odd call held up by the front's own event loop or, on the draft's stream, by a commit handled ahead of it."""
+    the front minus the time the service reports it spent (queue and compute), at least 0."""
 
     def __init__(self, window: int = 16):
         self.samples: deque[float] = deque(maxlen=window)
 
     def add(self, wall_s: float, service_s: float) -> None:
-        """One call: its wall time and the service's own time, seconds."""
         self.samples.append(max(wall_s - service_s, 0.0))
 
     @property
-    def value(self) -> float | None:
-        """The round trip now, seconds; None before the first sample."""
+    def value(self) -> float | None:  # None before the first sample
         return statistics.median(self.samples) if self.samples else None
 
 
@@ -98,11 +84,11 @@ class TargetClient:
         return await self.stub.Info(target_pb2.InfoRequest(), timeout=timeout, wait_for_ready=True)
 
     async def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> tuple:
-        """Prefill, its timeout growing with the prompt (``prefill_timeout_s``); returns the TokenLogprobs of
-        prompt_ids[1:] with sampling.prompt_logprobs, else ()."""
+        """Prefill, its timeout growing with the prompt; returns the TokenLogprobs of prompt_ids[1:] with
+        sampling.prompt_logprobs, else ()."""
+        timeout = time_left(DEFAULT_CALL_TIMEOUT_S + PREFILL_S_PER_TOKEN * len(prompt_ids))
         reply = await self.stub.Prefill(target_pb2.PrefillRequest(
-            session_id=session_id, prompt_ids=prompt_ids, sampling=sampling_to_proto(sampling)),
-            timeout=time_left(prefill_timeout_s(len(prompt_ids))))
+            session_id=session_id, prompt_ids=prompt_ids, sampling=sampling_to_proto(sampling)), timeout=timeout)
         return logprobs_from_proto(reply.prompt_logprobs, prompt_ids[1:])
 
     async def verify(self, session_id: str, tree: DraftTree) -> VerifyResult:
@@ -116,9 +102,7 @@ class TargetClient:
                 reply = await self.stub.Verify(request, timeout=time_left())
                 wall_s = time.perf_counter() - sent
                 break
-            except grpc.aio.AioRpcError as exc:
-                # A lost reply or a dropped connection: Verify is idempotent until Commit (the target
-                # returns the pending result of the same tree), so one more try is safe.
+            except grpc.aio.AioRpcError as exc:  # Verify is idempotent until Commit: one more try is safe
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == VERIFY_RETRIES:
                     raise
                 await asyncio.sleep(0.2 * (attempt + 1))
@@ -139,10 +123,8 @@ class TargetClient:
 
 
 class DraftClient(DraftWorker):
-    """DraftWorker over gRPC: one bidirectional Session stream per session id.
-
-    vocab_size: ids the target accepts (trees are checked on receipt). All failures raise DraftUnavailableError.
-    """
+    """DraftWorker over gRPC: one bidirectional Session stream per session id. vocab_size: ids the target accepts
+    (trees are checked on receipt). All failures raise DraftUnavailableError."""
 
     drafts_ahead = True
 
@@ -160,8 +142,7 @@ class DraftClient(DraftWorker):
     def link_rtt_s(self) -> float | None:
         return self.rtt.value
 
-    async def info(self, timeout: float = 5.0) -> draft_pb2.DraftInfoResponse:
-        """The draft service's Info (grpc errors raised as they are: the caller decides)."""
+    async def info(self, timeout: float = 5.0) -> draft_pb2.DraftInfoResponse:  # grpc errors raised as they are
         return await self.stub.Info(draft_pb2.DraftInfoRequest(), timeout=timeout)
 
     async def _exchange(self, session_id: str, request: draft_pb2.DraftRequest, reply: bool):
@@ -178,20 +159,14 @@ class DraftClient(DraftWorker):
         except Exception as exc:  # noqa: BLE001 - a stream that already ended (UsageError, InvalidStateError, ...)
             raise self._fail(session_id, f"draft stream closed: {type(exc).__name__}: {exc}") from exc
         if response is grpc.aio.EOF:
-            self._drop(session_id)
-            code = await call.code()
-            raise DraftUnavailableError(f"draft stream ended ({code.name}: {await call.details()})")
+            raise self._fail(session_id, f"draft stream ended ({(await call.code()).name}: {await call.details()})")
         return response
 
-    def _drop(self, session_id: str) -> None:
-        """Forget a broken stream and cancel it (the draft frees the session's KV when it ends)."""
+    def _fail(self, session_id: str, message: str) -> DraftUnavailableError:
+        """Forget a broken stream and cancel it (the draft frees the session's KV when it ends); the error to raise."""
         call = self.streams.pop(session_id, None)
         if call is not None:
             call.cancel()
-
-    def _fail(self, session_id: str, message: str) -> DraftUnavailableError:
-        """``_drop`` the session's stream; the error to raise."""
-        self._drop(session_id)
         return DraftUnavailableError(message)
 
     async def start(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams) -> int | None:
@@ -227,8 +202,8 @@ class DraftClient(DraftWorker):
 
     def _tree(self, session_id: str, reply: draft_pb2.DraftTreeReply, wall_s: float | None = None,
               tree=None) -> DraftTree:
-        """The reply's tree (or ``tree``, one of its alternatives), checked like any untrusted message (a malformed
-        one is a draft failure); wall_s: the call's wall time (a link round trip sample with the reply's draft_ms)."""
+        """The reply's tree (or ``tree``, one of its alternatives), checked (a malformed one is a draft failure);
+        wall_s: the call's wall time (a link round trip sample)."""
         if wall_s is not None and reply.draft_ms > 0:
             self.rtt.add(wall_s, reply.draft_ms / 1000)
         trace.get_current_span().set_attributes({"tree.bytes": reply.tree.ByteSize(), "draft.draft_ms": reply.draft_ms,
@@ -244,21 +219,7 @@ class DraftClient(DraftWorker):
     async def propose_ahead(self, session_id: str, path_nodes: list[int], spec: TreeSpec,
                             max_depth: int) -> tuple[int, DraftTree]:
         """The next round's tree drafted ahead (DraftRuntime.propose_ahead): returns (guess token, tree)."""
-        self.rounds[session_id] = self.rounds.get(session_id, 0) + 1
-        request = draft_pb2.AheadRequest(path_nodes=path_nodes, spec=spec_to_proto(spec), max_depth=max_depth,
-                                         round=self.rounds[session_id])
-        sent = time.perf_counter()
-        reply = await self._ahead_reply(session_id, request)
-        tree = self._tree(session_id, reply, time.perf_counter() - sent)
-        if not 0 <= reply.guess_token < self.vocab_size:
-            raise self._fail(session_id, f"draft sent guess_token {reply.guess_token} outside the vocabulary")
-        return reply.guess_token, tree
-
-    async def _ahead_reply(self, session_id: str, request: draft_pb2.AheadRequest) -> draft_pb2.DraftTreeReply:
-        response = await self._exchange(session_id, draft_pb2.DraftRequest(ahead=request), reply=True)
-        if not response.HasField("tree") or not response.tree.ahead or response.tree.round != self.rounds[session_id]:
-            raise self._fail(session_id, "draft service answered an ahead out of order")
-        return response.tree
+        return (await self.propose_candidates(session_id, [AheadCandidate(tuple(path_nodes), max_depth)], spec))[0]
 
     async def propose_candidates(self, session_id: str, candidates: list[AheadCandidate],
                                  spec: TreeSpec) -> list[tuple[int, DraftTree]]:
@@ -271,8 +232,11 @@ class DraftClient(DraftWorker):
                                          max_depth=first.max_depth, round=self.rounds[session_id],
                                          alternatives=others, exclude=first.exclude)
         sent = time.perf_counter()
-        reply = await self._ahead_reply(session_id, request)
+        response = await self._exchange(session_id, draft_pb2.DraftRequest(ahead=request), reply=True)
         wall_s = time.perf_counter() - sent
+        if not response.HasField("tree") or not response.tree.ahead or response.tree.round != self.rounds[session_id]:
+            raise self._fail(session_id, "draft service answered an ahead out of order")
+        reply = response.tree
         if len(reply.alternatives) != len(others):
             raise self._fail(session_id, f"draft answered {len(reply.alternatives)} alternatives for {len(others)}")
         out = []

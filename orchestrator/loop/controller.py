@@ -1,18 +1,13 @@
-"""Round control of one request (docs/design.md), asynchronous, for every mode.
-
-A round: the draft grows a token tree, the target verifies it in one forward (accepted path + bonus), the
-tokens pass the stop checks one at a time, and both workers commit exactly those (KV rollback of the rest).
-Control, fallback, draft window and pipelining (PEARL, Liu et al. 2024): docs/control.md. Traces: one ``round``
-span per round with ``draft``, ``verify`` and ``commit`` children. The draft's context limit counts in the
-draft's positions; the controller adds the tokens the window left out.
-
-Workers are awaitables with the DraftWorker / TargetWorker methods (specdec.interfaces): gRPC clients or
-in-process runtimes wrapped by ``sync_worker``. Many requests run concurrently on one event loop.
+"""Round control of one request (docs/design.md), asynchronous, for every mode: the draft grows a tree, the
+target verifies it, the tokens pass the stop checks, both workers commit exactly those. Control, fallback, draft
+window and pipelining (PEARL, Liu et al. 2024): docs/control.md. Workers: awaitable DraftWorker / TargetWorker
+(specdec.interfaces), gRPC clients or in-process runtimes wrapped by ``sync_worker``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import itertools
 import logging
@@ -23,9 +18,8 @@ from typing import Awaitable, Callable
 
 from opentelemetry import trace
 
-from orchestrator.planning.control import (
-    DRAFT_OPENING, DRAFT_UNAVAILABLE, EMPTY_TREE, PREDRAFT, ControlFactory, FixedControl, RoundObservation,
-)
+from orchestrator.planning.control import (DRAFT_OPENING, DRAFT_UNAVAILABLE, EMPTY_TREE, PREDRAFT, ControlFactory,
+                                           FixedControl, RoundObservation)
 from orchestrator.planning.shaping import ShapedTree
 from orchestrator.loop.stops import StopChecker
 from specdec.config import DraftWindowConfig
@@ -88,7 +82,7 @@ class InProcessWorker(WorkerAdapter):
         return out
 
 
-sync_worker = InProcessWorker  # an in-process worker (sync methods) as an awaitable one
+sync_worker = InProcessWorker
 
 
 async def _maybe_await(value):
@@ -100,12 +94,10 @@ async def _maybe_await(value):
 class RoundController:
     """Runs requests round by round over an (async) draft and target worker.
 
-    eos_token_ids: ids that end generation; context_limit: max tokens (prompt + generated); decode: ids -> text,
-    for stop strings; control_factory: TreeSpec -> Control (default FixedControl); draft_deadline_s: a slower
-    draft reply is a draft failure; draft_context_limit: the draft's max positions (None = unlimited); on_round:
-    each RoundRecord; pipeline: draft round r+1 while round r verifies (True, False, or "auto": the control
-    decides per round); ahead_candidates: candidate next trees per ahead (pre-drafting; 1 = pipelining's
-    one); draft_window: None = every token.
+    context_limit: max tokens (prompt + generated); decode: ids -> text, for stop strings; control_factory:
+    TreeSpec -> Control (default FixedControl); draft_deadline_s: a slower draft reply is a draft failure;
+    draft_context_limit: the draft's max positions (None = unlimited); pipeline: True, False or "auto" (the
+    control decides per round); ahead_candidates: candidate next trees per ahead; draft_window: None = every token.
     """
 
     def __init__(self, target, draft, eos_token_ids, context_limit: int, decode=None,
@@ -172,9 +164,7 @@ class RoundController:
 
 
 @dataclass(frozen=True)
-class _Drafted:
-    """What the draft phase of a round produced."""
-
+class _Drafted:  # what the draft phase of a round produced
     tree: DraftTree = EMPTY_TREE  # the tree to verify (empty = a plain target step)
     depth: int = 0  # tree levels of ``tree``
     fallback: str | None = None  # why the round runs without the draft (orchestrator.planning.control reasons)
@@ -185,9 +175,7 @@ class _Drafted:
 
 
 @dataclass(frozen=True)
-class _Ahead:
-    """An ahead proposal: the next round's tree for each candidate outcome of this round."""
-
+class _Ahead:  # an ahead proposal: the next round's tree for each candidate outcome of this round
     candidates: tuple[tuple[tuple[int, ...], DraftTree], ...]  # (the tokens it commits: path + final token, tree)
     draft_s: float  # wall time of the ahead, seconds
 
@@ -202,9 +190,7 @@ class _AheadOutcome:
     wait_s: float  # time the round waited for it after the verify returned, seconds
 
 
-class _Request:
-    """One request in flight: sessions, stop checker, control policy, statistics."""
-
+class _Request:  # one request in flight: sessions, stop checker, control policy, statistics
     def __init__(self, controller: RoundController, request: GenerationRequest, sid: str, on_round=None):
         self.controller = controller
         self.on_round = on_round
@@ -254,8 +240,10 @@ class _Request:
         """A request of max_new_tokens 0 (prompt logprobs only) ends: one empty RoundRecord carries them."""
         self.stats.stop_reason = "max_new_tokens"
         self.stats.total_s = time.perf_counter() - self.started
-        record = RoundRecord((), 0, 0, 0, None, 0, None, 0.0, 0.0, stop_reason="max_new_tokens",
-                             prompt_logprobs=self.prompt_logprobs)
+        await self._report(RoundRecord((), 0, 0, 0, None, 0, None, 0.0, 0.0, stop_reason="max_new_tokens",
+                                       prompt_logprobs=self.prompt_logprobs))
+
+    async def _report(self, record: RoundRecord) -> None:
         for callback in (self.on_round, self.controller.on_round):
             if callback is not None:
                 await _maybe_await(callback(record))
@@ -274,9 +262,7 @@ class _Request:
         self.draft_skipped = len(tokens) - len(context)
         self.draft_fresh = len(context)  # tokens its first propose may still be prefilling (a longer deadline)
         sampling = self.request.sampling
-        if self.draft_opens > 1 and sampling.seed is not None:
-            # a re-opened session must not replay the draws of the stream it had: given the rounds
-            # already committed, replayed draws would not follow q (a fresh stream of the same seed)
+        if self.draft_opens > 1 and sampling.seed is not None:  # a re-opened session must not replay its draws
             sampling = replace(sampling, seed=derive_seed(sampling.seed, f"draft-reopen/{self.draft_opens - 1}"))
         try:
             limit = await self._draft_call(self.controller.draft.start(sid, context, sampling))
@@ -293,10 +279,8 @@ class _Request:
         return True
 
     async def _release_quietly(self, sid: str) -> None:
-        try:
+        with contextlib.suppress(Exception):  # the draft is already gone; its stream end frees the KV
             await asyncio.wait_for(self.controller.draft.release(sid), 1.0)
-        except Exception:  # noqa: BLE001 - the draft is already gone; its stream end frees the KV
-            pass
 
     async def _draft_call(self, awaitable, extra_s: float = 0.0):
         """A draft call under the deadline (+ ``extra_s`` s); past it, DraftUnavailableError."""
@@ -316,8 +300,8 @@ class _Request:
         await self._release_quietly(sid)
 
     async def round(self) -> list[int]:
-        """One round: draft, shape, verify, stop checks, commit, record (the phases of gpt-fast's
-        ``speculative_decode``, one method each); returns the tokens it committed."""
+        """One round: draft, shape, verify, stop checks, commit, record (gpt-fast's ``speculative_decode`` phases);
+        returns the tokens it committed."""
         max_depth = self.stops.budget() - 1  # the accepted path plus the bonus must fit the budget
         t0 = time.perf_counter()
         with _tracer.start_as_current_span("round", attributes={"request.id": self.sid, "round": self.stats.rounds}) as span:
@@ -335,19 +319,20 @@ class _Request:
                 accepted = list(result.accepted_nodes[: len(committed)])  # node indices of the committed draft tokens
                 outcome = await self._commit(committed, _draft_nodes(shaped, accepted), ahead)
             except BaseException:
-                await _cancel(ahead)  # a failed round (target error, cancel) leaves no ahead running
+                if ahead is not None:  # a failed round (target error, cancel) leaves no ahead running
+                    ahead.cancel()
+                    await asyncio.gather(ahead, return_exceptions=True)
                 raise
             t3 = time.perf_counter()
             _round_attributes(span, drafted, shaped, self._gamma(), result, committed, outcome)
         await self._record(drafted, shaped, result, committed, accepted, (t2 - t1, t3 - t2, t3 - t0), outcome)
         return committed
 
-    def _gamma(self) -> int:
-        """The request's speculation depth, tree levels (0 without a control policy)."""
+    def _gamma(self) -> int:  # the request's speculation depth, tree levels (0 without a control policy)
         return self.control.gamma if self.control is not None else 0
 
     async def _draft(self, max_depth: int) -> _Drafted:
-        """Phase 1: speculate or not (the control decides); a tree of at most max_depth levels, or none."""
+        """Speculate or not (the control decides); a tree of at most max_depth levels, or none."""
         if self.control is None or max_depth < 1:
             return _Drafted()
         t0 = time.perf_counter()
@@ -357,12 +342,9 @@ class _Request:
             return _Drafted(fallback=self.control.reason)
         if self.draft_sid is not None and self._widen_due(committed_len, max_depth):
             await self._widen_draft()
-        if self.draft_sid is None:
-            # deferred at open, or a retry after a failure; on failure the round runs plain
+        if self.draft_sid is None:  # deferred at open, or a retry after a failure
             beside = self.draft_beside and not self.request.sampling.seeded
-            if await self._open_draft() and beside:
-                # this round runs plain beside the draft's prefill rather than wait for it (under load,
-                # prefills opened together would hold each first proposal past its deadline)
+            if await self._open_draft() and beside:  # this round runs plain beside the draft's prefill
                 self.control.prefill_beside()
                 return _Drafted(fallback=DRAFT_OPENING, draft_s=time.perf_counter() - t0)
         if self.draft_sid is None:
@@ -370,12 +352,10 @@ class _Request:
         if self.stats.rounds and self._predraft_plain(max_depth):  # the first round keeps its own
             return _Drafted(fallback=PREDRAFT)
         tree = await self._propose(max_depth)
-        return _Drafted(tree, depth=max(node_depths(tree.parents), default=0),
-                        fallback=DRAFT_UNAVAILABLE if self.draft_sid is None else None,
-                        draft_s=time.perf_counter() - t0)
+        return _Drafted(tree, depth=max(node_depths(tree.parents), default=0), draft_s=time.perf_counter() - t0,
+                        fallback=DRAFT_UNAVAILABLE if self.draft_sid is None else None)
 
-    def _widen_due(self, committed_len: int, max_depth: int) -> bool:
-        """Whether the windowed draft session should give way to a whole-context one (budget included)."""
+    def _widen_due(self, committed_len: int, max_depth: int) -> bool:  # the window gives way to the whole context
         return bool(self.draft_skipped) and self._full_context_due(committed_len + max_depth)
 
     def _full_context_due(self, positions: int) -> bool:
@@ -417,29 +397,22 @@ class _Request:
         return tree
 
     def _timed_out(self, exc: BaseException) -> None:
-        """Tell the control when a proposal failed by its deadline, a lower bound on the draft's reply time (the
-        base deadline: a fresh session's extra was for its prefill)."""
+        """Tell the control when a proposal failed by its (base) deadline, a lower bound on the draft's reply time."""
         if isinstance(exc.__cause__, asyncio.TimeoutError):
             self.control.draft_timed_out(self.controller.draft_deadline_s)
 
-    async def _verify(self, tree: DraftTree):
-        """Phase 2: the target verifies the tree in one forward (an empty tree = one plain step)."""
+    async def _verify(self, tree: DraftTree):  # one target forward (an empty tree = one plain step)
         with _tracer.start_as_current_span("verify", attributes={"tree.nodes": tree.size}):
             return await self.controller.target.verify(self.sid, tree)
 
-    def _stop_checks(self, tokens) -> list[int]:
-        """Phase 3: the verified tokens up to and including the first that stops the request."""
-        committed: list[int] = []
-        for token in tokens:
-            committed.append(token)
-            if self.stops.push(token):
-                break
-        return committed
+    def _stop_checks(self, tokens) -> list[int]:  # the verified tokens up to and including the first that stops
+        stop = next((i for i, token in enumerate(tokens) if self.stops.push(token)), len(tokens) - 1)
+        return list(tokens[:stop + 1])
 
     async def _commit(self, committed: list[int], accepted: list[int],
                       ahead: "asyncio.Future | None" = None) -> _AheadOutcome | None:
-        """Phase 4: both workers keep exactly the committed tokens; accepted: their draft node indices; ahead:
-        the round's ahead task, adopted here (no draft commit then) or discarded first."""
+        """Both workers keep exactly the committed tokens; accepted: their draft node indices; ahead: the round's
+        ahead task, adopted here (no draft commit then) or discarded first."""
         with _tracer.start_as_current_span("commit", attributes={"tokens": len(committed)}):
             await self.controller.target.commit(self.sid, len(committed))
             outcome = await self._resolve_ahead(ahead, committed) if ahead is not None else None
@@ -452,26 +425,22 @@ class _Request:
                     await self._drop_draft(exc)
         return outcome
 
-    def _pipelining(self) -> bool:
-        """Pipelining is on for this round: ``pipeline`` true, or "auto" and the control pre-drafts."""
+    def _pipelining(self) -> bool:  # ``pipeline`` true, or "auto" and the control pre-drafts
         if not self.pipeline or self.draft_sid is None:
             return False
         return self.pipeline is True or (self.draft_beside and self.control.predraft(
             self.controller.draft.link_rtt_s, self.controller.ahead_candidates))
 
-    def _plain_ahead_room(self, max_depth: int) -> bool:
-        """After one plain token the next tree has a level of budget and room in the draft's context."""
+    def _plain_ahead_room(self, max_depth: int) -> bool:  # after one plain token: budget and draft context left
         return max_depth >= 2 and not (self.draft_limit and len(self.committed_tokens) + 1 >= self.draft_limit)
 
-    def _predraft_plain(self, max_depth: int) -> bool:
-        """Run this round plain and pre-draft the next tree beside it (a draft service behind a slow link)."""
+    def _predraft_plain(self, max_depth: int) -> bool:  # run this round plain, pre-drafting the next tree beside it
         return (self.draft_beside and self._plain_ahead_room(max_depth) and self._pipelining()
                 and self.control.predraft_plain(self.controller.draft.link_rtt_s, self.controller.ahead_candidates))
 
     def _start_ahead(self, drafted: _Drafted, shaped: ShapedTree, max_depth: int) -> "asyncio.Future | None":
-        """Pipelining: a task drafting round r+1 for this round's likely outcomes (``_candidates``; a plain
-        step's: the draft's likeliest next tokens, empty paths); None when there is no kept draft path, depth
-        budget or room in the draft's context, or "auto" drafts in line."""
+        """Pipelining: a task drafting round r+1 for this round's likely outcomes (``_candidates``; a plain step's:
+        the draft's likeliest next tokens); None without a kept draft path, depth budget or draft context."""
         if not self._pipelining():
             return None
         count = self.controller.ahead_candidates
@@ -493,8 +462,7 @@ class _Request:
 
     async def _ahead(self, candidates: list[AheadCandidate], paths: list[tuple[int, ...]],
                      spec: TreeSpec) -> _Ahead | Exception:
-        """The ahead proposal (its own ``draft.ahead`` span); paths: each candidate's path tokens. Any failure
-        is returned, not raised."""
+        """The ahead proposal (a ``draft.ahead`` span); paths: each candidate's path tokens. Failures are returned."""
         t0 = time.perf_counter()
         first, draft = candidates[0], self.controller.draft
         with _tracer.start_as_current_span("draft.ahead", attributes={
@@ -547,8 +515,7 @@ class _Request:
                                 pipelined=True, ahead_s=ahead.draft_s, candidate=hit)
         return _AheadOutcome("predraft" if hit else "hit", ahead.draft_s, wait_s)
 
-    def _shape(self, drafted: _Drafted, max_depth: int) -> ShapedTree:
-        """Phase 2: the tree to verify, as the control shapes it."""
+    def _shape(self, drafted: _Drafted, max_depth: int) -> ShapedTree:  # the tree to verify, as the control shapes it
         if self.control is None or max_depth < 1 or drafted.fallback == PREDRAFT:  # plain: its ahead needs one token
             return ShapedTree.of(drafted.tree)
         sunk_ms = (drafted.draft_s or 0.0) * 1000
@@ -557,9 +524,8 @@ class _Request:
     async def _record(self, drafted: _Drafted, shaped: ShapedTree, result: VerifyResult, committed: list[int],
                       accepted: list[int], timing: tuple[float, float, float],
                       ahead: _AheadOutcome | None = None) -> None:
-        """Phase 6: the control learns the outcome, the statistics count the round, the callbacks get its
-        RoundRecord. timing: (verify, commit, round) wall times, seconds. A tree from an ahead teaches no draft cost
-        (it was off the critical path); the wait for this round's ahead is not overhead."""
+        """The control learns the outcome, the statistics count the round, the callbacks get its RoundRecord.
+        timing: (verify, commit, round) wall times, seconds."""
         tree = shaped.tree
         accepted_path = result.accepted_nodes
         verify_s, commit_s, round_s = timing
@@ -575,16 +541,14 @@ class _Request:
         context_nodes = sum(1 for d in shaped.draft_index if d is None)
         record = RoundRecord(tuple(committed), logprobs=result.logprobs[:len(committed)],
                              prompt_logprobs=() if self.stats.rounds else self.prompt_logprobs, proposed=tree.size,
-                             accepted=len(accepted), depth=shaped.depth,
-                             fallback=drafted.fallback, gamma=self._gamma(), draft_s=drafted.draft_s,
-                             verify_s=verify_s, commit_s=commit_s, drafted=drafted.tree.size,
-                             context_proposed=context_nodes,
+                             accepted=len(accepted), depth=shaped.depth, fallback=drafted.fallback,
+                             gamma=self._gamma(), draft_s=drafted.draft_s, verify_s=verify_s, commit_s=commit_s,
+                             drafted=drafted.tree.size, context_proposed=context_nodes,
                              context_accepted=sum(1 for n in accepted if shaped.draft_index[n] is None),
                              expected_accepted=shaped.expected_accepted, stop_reason=self.stops.reason,
                              pipelined=drafted.pipelined and not drafted.candidate,
                              predrafted=drafted.pipelined and drafted.candidate > 0,
-                             ahead=ahead.kind if ahead else None,
-                             ahead_s=ahead.ahead_s if ahead else None,
+                             ahead=ahead.kind if ahead else None, ahead_s=ahead.ahead_s if ahead else None,
                              cost=self.control.cost_snapshot() if self.control is not None else None)
         self.stats.add(record, time.perf_counter() - self.started)
         self.logprobs += record.logprobs
@@ -592,9 +556,7 @@ class _Request:
             self.stats.total_s = time.perf_counter() - self.started
             self.stats.new_tokens = len(self.stops.generated)
             self.stats.stop_reason = self.stops.reason
-        for callback in (self.on_round, self.controller.on_round):
-            if callback is not None:
-                await _maybe_await(callback(record))
+        await self._report(record)
 
     async def close(self) -> None:
         """Release both sessions (KV freed); errors here are logged, never raised."""
@@ -614,8 +576,7 @@ class _Request:
 
 
 async def gather_or_cancel(tasks: list[asyncio.Future]) -> list:
-    """``asyncio.gather`` of the tasks; when one fails (or this is cancelled), the others are cancelled and
-    awaited before the error propagates."""
+    """``asyncio.gather`` of the tasks; when one fails (or this is cancelled), the others are cancelled first."""
     try:
         return await asyncio.gather(*tasks)
     except BaseException:
@@ -625,15 +586,9 @@ async def gather_or_cancel(tasks: list[asyncio.Future]) -> list:
         raise
 
 
-async def _cancel(task: "asyncio.Future | None") -> None:
-    if task is not None:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-
-
 def _best_path(tree: DraftTree, shaped: ShapedTree) -> list[int]:
-    """The most likely root path among the kept draft nodes (draft numbering), best log-prob child first on ties.
-    Example: kept children of the root 0 (-0.1), 1 (-2.3); of 0: 3 (-0.7) -> [0, 3]."""
+    """The most likely root path among the kept draft nodes (draft numbering): the best log-prob child at each level
+    (the first of equals)."""
     kept = {d for d in shaped.draft_index if d is not None}
     logprobs = tree.draft_logprobs or (0.0,) * tree.size
     path, node = [], ROOT
@@ -641,17 +596,15 @@ def _best_path(tree: DraftTree, shaped: ShapedTree) -> list[int]:
         kids = [i for i in sorted(kept) if tree.parents[i] == node]
         if not kids:
             return path
-        node = max(kids, key=lambda i: logprobs[i])  # max() keeps the first of equals
+        node = max(kids, key=lambda i: logprobs[i])
         path.append(node)
 
 
 def _candidates(tree: DraftTree, shaped: ShapedTree, path: list[int], max_depth: int,
                 count: int) -> list[AheadCandidate]:
-    """The outcomes an ahead drafts for (docs/control.md "Pipelining"; SSD): first ``path`` all accepted, then
-    up to count - 1 early rejections, likeliest first by the draft's chances (q = exp(log-prob)): the path
-    kept up to depth d, its node there rejected, with chance q_1 ... q_d (1 - q_{d+1}); the final token is
-    the draft's argmax that is none of the verified children there. Example: path q (0.9, 0.6), count 2:
-    rejected at depth 2 (0.36) before at the root (0.1) -> [[n0 n1], [n0]]."""
+    """The outcomes an ahead drafts for (docs/control.md "Pipelining"; SSD): ``path`` all accepted, then up to
+    count - 1 early rejections, likeliest first (q = exp(log-prob)): the path kept up to depth d, its node there
+    rejected, chance q_1 ... q_d (1 - q_{d+1}); the final token: the draft's argmax that no verified child there is."""
     logprobs = tree.draft_logprobs or (0.0,) * tree.size
     chances, reach = [], 1.0
     for d, node in enumerate(path):
@@ -663,30 +616,23 @@ def _candidates(tree: DraftTree, shaped: ShapedTree, path: list[int], max_depth:
             for d in [len(path), *(d for _, d in kept)]]
 
 
-def _children_tokens(shaped: ShapedTree, node: int) -> tuple[int, ...]:
-    """Tokens of the verified tree's children of draft node ``node`` (ROOT: of the root)."""
+def _children_tokens(shaped: ShapedTree, node: int) -> tuple[int, ...]:  # of draft node ``node``'s verified children
     at = ROOT if node == ROOT else shaped.draft_index.index(node)
     return tuple(sorted({t for t, p in zip(shaped.tree.tokens, shaped.tree.parents) if p == at}))
 
 
 def _draft_nodes(shaped: ShapedTree, accepted: list[int]) -> list[int]:
     """The accepted nodes as the draft numbered them, up to the first context node."""
-    out = []
-    for node in accepted:
-        index = shaped.draft_index[node]
-        if index is None:
-            break
-        out.append(index)
-    return out
+    indices = [shaped.draft_index[node] for node in accepted]
+    return indices[:indices.index(None)] if None in indices else indices
 
 
 def _round_attributes(span, drafted: _Drafted, shaped: ShapedTree, gamma: int, result, committed,
                       ahead: _AheadOutcome | None = None) -> None:
-    """The round span's attributes: the control's decision and what happened (pipelining included)."""
+    """The round span's attributes: the control's decision and what happened."""
     attributes = {"pipelined": drafted.pipelined and not drafted.candidate,
-                  "predrafted": drafted.pipelined and drafted.candidate > 0,
-                  "gamma": gamma, "tree.nodes": shaped.tree.size,
-                  "tree.depth": shaped.depth, "tree.drafted": drafted.tree.size,
+                  "predrafted": drafted.pipelined and drafted.candidate > 0, "gamma": gamma,
+                  "tree.nodes": shaped.tree.size, "tree.depth": shaped.depth, "tree.drafted": drafted.tree.size,
                   "tree.context_nodes": sum(1 for d in shaped.draft_index if d is None),
                   "expected_accepted": float(shaped.expected_accepted),
                   "accepted_length": len(result.accepted_nodes), "committed": len(committed)}

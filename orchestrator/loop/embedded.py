@@ -28,31 +28,15 @@ class EmbeddedPipeline:
     shared: SharedState | None = None  # cost model and calibrations of the cost-aware control
 
 
-def build_pipeline(
-    target: str | None = None,
-    draft: str | None = None,
-    dtype: str = "auto",
-    device: str = "cpu",
-    speculate: bool = True,
-    max_context: int | None = None,
-    draft_quant: str = "auto",
-    control: str | ControlFactory | None = "cost-aware",
-    measure_costs: bool = True,
-    pipeline: bool = False,
-    draft_window: DraftWindowConfig | None = FrontConfig().draft_window,
-    argmax_screen: bool = True,
-    draft_device: str | None = None,
-) -> EmbeddedPipeline:
-    """Load the pair (defaults: the real Qwen2.5-Coder pair), check it, wire the engine.
-
-    dtype: auto | bfloat16 | float32 | float16 (auto: as on the target's device, for both); device: the target's
-    ("cpu", "cuda:1", ...), draft_device: the draft's (None = device); draft_quant: auto | none | int8 (a CPU draft
-    only); control: one of
-    CONTROLS or a control factory (None = fixed TreeSpec); measure_costs: time V(n) and D(p) on these models
-    (a few seconds), else prior figures; pipeline: correct in-process, but the calls take turns; draft_window:
-    None = all tokens; argmax_screen: greedy rows through the int8-screened argmax head.
-    Raises ModelError for unknown paths, bad values or an incompatible pair.
-    """
+def build_pipeline(target: str | None = None, draft: str | None = None, dtype: str = "auto", device: str = "cpu",
+                   speculate: bool = True, max_context: int | None = None, draft_quant: str = "auto",
+                   control: str | ControlFactory | None = "cost-aware", measure_costs: bool = True,
+                   pipeline: bool = False, draft_window: DraftWindowConfig | None = FrontConfig().draft_window,
+                   argmax_screen: bool = True, draft_device: str | None = None) -> EmbeddedPipeline:
+    """Load the pair (defaults: the real Qwen2.5-Coder pair), check it, wire the engine. dtype, devices, draft_quant,
+    argmax_screen: as ``specdec generate``'s flags (draft_device None = device); control: one of CONTROLS or a
+    factory (None = fixed TreeSpec); measure_costs: time V(n) and D(p) on these models, else prior figures;
+    draft_window: None = all tokens. Raises ModelError for unknown paths, bad values or an incompatible pair."""
     try:
         models = ModelsConfig(target=target, draft=draft, dtype=dtype, device=device, max_context=max_context,
                               draft_quant=draft_quant, argmax_screen=argmax_screen)
@@ -77,21 +61,17 @@ def wire_pipeline(loaded: LoadedTarget, loaded_draft: LoadedDraft | None, contro
     tokenizer = loaded.tokenizer
     target_runtime = TargetRuntime(loaded.model)
     factory, shared = make_control(control, target_runtime, draft_runtime, measure_costs)
-    engine = SpeculativeEngine(
-        target_runtime, draft_runtime, loaded.eos_token_ids, loaded.context_limit,
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False), control_factory=factory,
-        draft_context_limit=draft_limit, pipeline=pipeline, draft_window=draft_window,
-        ahead_candidates=FrontConfig().ahead_candidates,
-    )
+    engine = SpeculativeEngine(target_runtime, draft_runtime, loaded.eos_token_ids, loaded.context_limit,
+                               decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+                               control_factory=factory, draft_context_limit=draft_limit, pipeline=pipeline,
+                               draft_window=draft_window, ahead_candidates=FrontConfig().ahead_candidates)
     return EmbeddedPipeline(engine, tokenizer, loaded.model, draft_model, shared)
 
 
 def make_control(control: str | ControlFactory | None, target, draft, measure_costs: bool = True,
                  front: FrontConfig = FrontConfig()) -> tuple[ControlFactory | None, SharedState | None]:
-    """(factory, SharedState) for a mode of CONTROLS with the service defaults: ``cost-aware`` (costs measured on
-    the workers unless measure_costs is False), ``fixed`` (FixedControl with ``front.fallback``). A factory or
-    None is returned as it is. Raises ModelError for an unknown mode.
-    """
+    """(factory, SharedState) for a mode of CONTROLS with the service defaults (``cost-aware``: costs measured on
+    the workers unless measure_costs is False); a factory or None as it is. Raises ModelError for an unknown mode."""
     if control is None or callable(control):
         return control, None
     if control == "fixed":

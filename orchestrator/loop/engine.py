@@ -1,25 +1,18 @@
-"""Synchronous entry to the round loop for embedded mode and tests.
-
-``SpeculativeEngine`` runs the RoundController over in-process workers, each call driving an event loop.
-"""
+"""Synchronous entry to the round loop for embedded mode and tests: each call drives an event loop."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Callable, Sequence
 
-from orchestrator.loop.controller import (
-    GenerationRequest, GenerationResult, RoundController, gather_or_cancel, sync_worker,
-)
+from orchestrator.loop.controller import (GenerationRequest, GenerationResult, RoundController, gather_or_cancel,
+                                          sync_worker)
 from specdec.config import DraftWindowConfig
 from specdec.interfaces import DraftWorker, TargetWorker
 
 
 class SpeculativeEngine:
-    """Runs requests round by round over a draft worker and a target worker (in-process, sync).
-
-    Arguments as RoundController's (in-process, pipelining's two calls take turns, no overlap).
-    """
+    """RoundController over in-process (sync) workers; arguments as RoundController's."""
 
     def __init__(self, target: TargetWorker, draft: DraftWorker | None, eos_token_ids, context_limit: int,
                  decode=None, control_factory=None, draft_context_limit: int | None = None,
@@ -27,11 +20,10 @@ class SpeculativeEngine:
                  ahead_candidates: int = 1):
         self.target = target
         self.draft = draft
-        self.controller = RoundController(
-            sync_worker(target), sync_worker(draft) if draft is not None else None, eos_token_ids, context_limit,
-            decode, control_factory=control_factory, draft_context_limit=draft_context_limit, pipeline=pipeline,
-            draft_window=draft_window, ahead_candidates=ahead_candidates,
-        )
+        self.controller = RoundController(sync_worker(target), sync_worker(draft) if draft is not None else None,
+                                          eos_token_ids, context_limit, decode, control_factory=control_factory,
+                                          draft_context_limit=draft_context_limit, pipeline=pipeline,
+                                          draft_window=draft_window, ahead_candidates=ahead_candidates)
 
     @property
     def eos_token_ids(self):
@@ -48,9 +40,8 @@ class SpeculativeEngine:
 
     def generate_batch(self, requests: Sequence[GenerationRequest],
                        on_tokens: Sequence[Callable[[list[int]], None] | None] | None = None) -> list[GenerationResult]:
-        """Run requests side by side, one round of each in turn; each gives its solo run's tokens (own sessions and
-        random streams). on_tokens: one per request. Raises ValueError before anything runs if any is invalid.
-        """
+        """Run requests side by side, one round of each in turn, each with its solo run's tokens. on_tokens: one per
+        request. Raises ValueError before anything runs if any is invalid."""
         for request in requests:
             self.controller.check(request)
         callbacks = list(on_tokens) if on_tokens is not None else [None] * len(requests)

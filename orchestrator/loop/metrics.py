@@ -1,7 +1,5 @@
-"""Prometheus metrics of the orchestrator's rounds (``SpecMetrics``) and the acceptance monitor (``AcceptanceMonitor``).
-
-One ``SpecMetrics`` per ``CollectorRegistry`` (a fresh one by default: tests, engines side by side). Series, labels
-and units: docs/observability.md.
+"""Prometheus metrics of the orchestrator's rounds (``SpecMetrics``) and the acceptance monitor (``AcceptanceMonitor``);
+series, labels and units: docs/observability.md.
 """
 
 from __future__ import annotations
@@ -12,7 +10,6 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from functools import partial
 from typing import AsyncGenerator, AsyncIterator, Sequence
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -46,69 +43,66 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
-class SpecMetrics:
-    """The orchestrator's metrics, registered on ``registry`` (default: a fresh CollectorRegistry).
+# attribute, kind, name, help, (label, values created up front; () = on first use) or None, histogram buckets
+METRICS = (
+    ("rounds", Counter, "rounds", "Rounds run, by mode (speculative or plain target step)", ("mode", ROUND_MODES)),
+    ("proposed_tokens", Counter, "proposed_tokens", "Draft tokens (tree nodes) sent to the target", None),
+    ("accepted_tokens", Counter, "accepted_tokens", "Draft tokens accepted by the target (bonus excluded)", None),
+    ("committed_tokens", Counter, "committed_tokens", "Tokens committed (bonus included)", None),
+    ("fallback_rounds", Counter, "fallback_rounds", "Plain rounds without the draft, by reason",
+     ("reason", FALLBACK_REASONS)),
+    ("acceptance_alerts", Counter, "acceptance_alerts", "Low-acceptance alerts raised, by scope",
+     ("scope", ALERT_SCOPES)),
+    ("acceptance_rate", Gauge, "acceptance_rate", "Global windowed acceptance rate (accepted / proposed draft tokens)",
+     None),
+    ("gamma", Histogram, "gamma", "Speculation depth gamma of each speculative round", None, GAMMA_BUCKETS),
+    ("round_phase_seconds", Histogram, "round_phase_seconds", "Wall time of one round phase, seconds",
+     ("phase", PHASES), PHASE_BUCKETS),
+    ("cost_verify_ms", Gauge, "cost_verify_ms", "Cost model: predicted target verify latency for a tree of rows - 1 "
+     "nodes, ms (cost-aware control)", ("rows", ())),
+    ("cost_draft_step_ms", Gauge, "cost_draft_step_ms", "Cost model: predicted draft step latency for parents "
+     "expanded nodes, ms", ("parents", ())),
+    ("context_tokens", Counter, "context_tokens", "Context (n-gram) tree nodes, by outcome", ("outcome", ())),
+    ("expected_accepted_tokens", Counter, "expected_accepted_tokens", "Draft tokens the cost-aware control expected "
+     "to be accepted (compare with accepted_tokens)", None),
+    ("position_proposed", Counter, "position_proposed_tokens", "Rounds whose verified tree reached this depth "
+     "(position)", ("position", ())),
+    ("position_accepted", Counter, "position_accepted_tokens", "Rounds whose accepted path reached this depth "
+     "(position)", ("position", ())),
+    ("request_latency", Histogram, "request_latency_seconds", "Request time from arrival to the end of its stream, "
+     "seconds", None, REQUEST_LATENCY_BUCKETS),
+    ("ttft", Histogram, "time_to_first_token_seconds", "Request time from arrival to its first token, seconds", None,
+     TTFT_BUCKETS),
+    ("inter_token_latency", Histogram, "inter_token_latency_seconds", "Gap between streamed rounds divided by the "
+     "tokens of the later one, observed once per token, seconds", None, ITL_BUCKETS),
+    ("failovers", Counter, "failovers", "Requests moved to another orchestrator actor after theirs failed (Ray front, "
+     "orchestrator.serving.failover), one per move", None),
+    ("requests_running", Gauge, "requests_running", "Requests streaming tokens (first token sent)", None),
+    ("requests_waiting", Gauge, "requests_waiting", "Requests received without a first token yet (queued or in "
+     "prefill)", None),
+    ("link_rtt", Gauge, "link_rtt_seconds", "Measured round trip of a service link (draft, target): the median of "
+     "recent calls' wall time at the front minus the service's own time, as of the last request to end, seconds "
+     "(0: not measured yet)", ("link", LINKS)),
+    ("pipeline_ahead", Counter, "pipeline_ahead", "Pipelining: trees drafted ahead during a verify, by outcome (hit = "
+     "first candidate adopted, predraft = another candidate adopted, miss = discarded, failed)",
+     ("outcome", AHEAD_OUTCOMES)),
+    ("round_kinds", Counter, "round_kind", "Rounds by where their tree came from (in_line = drafted in the round or "
+     "none, pipelined / predrafted = an ahead's first / another candidate)", ("kind", ROUND_KINDS)),
+)
 
-    namespace prefixes every name. Raises ValueError when the registry already holds these names.
-    Every labelled series exists up front, reading 0 before its first event.
-    """
+
+class SpecMetrics:
+    """The orchestrator's metrics (METRICS) on ``registry`` (default: a fresh one), names prefixed by namespace.
+    Raises ValueError when the registry already holds these names."""
 
     def __init__(self, registry: CollectorRegistry | None = None, namespace: str = "specdec"):
         self.registry = registry if registry is not None else CollectorRegistry()
-        counter, gauge, histogram = (partial(kind, namespace=namespace, registry=self.registry)
-                                     for kind in (Counter, Gauge, Histogram))
-        self.rounds = counter("rounds", "Rounds run, by mode (speculative or plain target step)", ["mode"])
-        self.proposed_tokens = counter("proposed_tokens", "Draft tokens (tree nodes) sent to the target")
-        self.accepted_tokens = counter("accepted_tokens", "Draft tokens accepted by the target (bonus excluded)")
-        self.committed_tokens = counter("committed_tokens", "Tokens committed (bonus included)")
-        self.fallback_rounds = counter("fallback_rounds", "Plain rounds without the draft, by reason", ["reason"])
-        self.acceptance_alerts = counter("acceptance_alerts", "Low-acceptance alerts raised, by scope", ["scope"])
-        self.acceptance_rate = gauge("acceptance_rate",
-                                     "Global windowed acceptance rate (accepted / proposed draft tokens)")
-        self.gamma = histogram("gamma", "Speculation depth gamma of each speculative round", buckets=GAMMA_BUCKETS)
-        self.round_phase_seconds = histogram("round_phase_seconds", "Wall time of one round phase, seconds",
-                                             ["phase"], buckets=PHASE_BUCKETS)
-        self.cost_verify_ms = gauge("cost_verify_ms", "Cost model: predicted target verify latency for a tree "
-                                    "of rows - 1 nodes, ms (cost-aware control)", ["rows"])
-        self.cost_draft_step_ms = gauge("cost_draft_step_ms", "Cost model: predicted draft step latency for "
-                                        "parents expanded nodes, ms", ["parents"])
-        self.context_tokens = counter("context_tokens", "Context (n-gram) tree nodes, by outcome", ["outcome"])
-        self.expected_accepted_tokens = counter("expected_accepted_tokens", "Draft tokens the cost-aware control "
-                                                "expected to be accepted (compare with accepted_tokens)")
-        self.position_proposed = counter("position_proposed_tokens", "Rounds whose verified tree reached "
-                                         "this depth (position)", ["position"])
-        self.position_accepted = counter("position_accepted_tokens", "Rounds whose accepted path reached "
-                                         "this depth (position)", ["position"])
-        self.request_latency = histogram("request_latency_seconds", "Request time from arrival to the end of its "
-                                         "stream, seconds", buckets=REQUEST_LATENCY_BUCKETS)
-        self.ttft = histogram("time_to_first_token_seconds", "Request time from arrival to its first token, seconds",
-                              buckets=TTFT_BUCKETS)
-        self.inter_token_latency = histogram("inter_token_latency_seconds", "Gap between streamed rounds divided by "
-                                             "the tokens of the later one, observed once per token, seconds",
-                                             buckets=ITL_BUCKETS)
-        self.failovers = counter("failovers", "Requests moved to another orchestrator actor after theirs failed "
-                                 "(Ray front, orchestrator.serving.failover), one per move")
-        self.requests_running = gauge("requests_running", "Requests streaming tokens (first token sent)")
-        self.requests_waiting = gauge("requests_waiting", "Requests received without a first token yet "
-                                      "(queued or in prefill)")
-        self.link_rtt = gauge("link_rtt_seconds", "Measured round trip of a service link (draft, target): the median "
-                              "of recent calls' wall time at the front minus the service's own time, as of the last "
-                              "request to end, seconds (0: not measured yet)", ["link"])
-        self.pipeline_ahead = counter("pipeline_ahead", "Pipelining: trees drafted ahead during a verify, by "
-                                      "outcome (hit = first candidate adopted, predraft = another candidate "
-                                      "adopted, miss = discarded, failed)", ["outcome"])
-        self.round_kinds = counter("round_kind", "Rounds by where their tree came from (in_line = drafted in the "
-                                   "round or none, pipelined / predrafted = an ahead's first / another candidate)",
-                                   ["kind"])
-        self._create_series()
-
-    def _create_series(self) -> None:
-        """Every labelled series, so each reads 0 before its first event."""
-        for metric, values in ((self.pipeline_ahead, AHEAD_OUTCOMES), (self.round_kinds, ROUND_KINDS),
-                               (self.rounds, ROUND_MODES),
-                               (self.fallback_rounds, FALLBACK_REASONS), (self.acceptance_alerts, ALERT_SCOPES),
-                               (self.round_phase_seconds, PHASES), (self.link_rtt, LINKS)):
-            for value in values:
+        for attr, kind, name, help_text, labels, *buckets in METRICS:
+            label_names = [labels[0]] if labels else []
+            extra = {"buckets": buckets[0]} if buckets else {}
+            metric = kind(name, help_text, label_names, namespace=namespace, registry=self.registry, **extra)
+            setattr(self, attr, metric)
+            for value in labels[1] if labels else ():  # every labelled series reads 0 before its first event
                 metric.labels(value)
 
     def record_round(self, proposed: int, accepted: int, committed: int, gamma: int | None = None) -> None:
@@ -143,11 +137,9 @@ class SpecMetrics:
 
     def observe_costs(self, cost: dict | None) -> None:
         """Set the cost-model gauges from a ``CostModel.snapshot`` (None: no cost-aware control)."""
-        if cost is None:
-            return
-        for rows, ms in cost.get("verify_ms", {}).items():
+        for rows, ms in (cost or {}).get("verify_ms", {}).items():
             self.cost_verify_ms.labels(rows=str(rows)).set(ms)
-        for parents, ms in cost.get("draft_step_ms", {}).items():
+        for parents, ms in (cost or {}).get("draft_step_ms", {}).items():
             self.cost_draft_step_ms.labels(parents=str(parents)).set(ms)
 
     def observe_links(self, draft_ms: float | None, target_ms: float | None) -> None:
@@ -163,10 +155,8 @@ class SpecMetrics:
         self.round_phase_seconds.labels(phase=phase).observe(seconds)
 
     async def track_stream(self, stream: AsyncGenerator, clock=time.perf_counter) -> AsyncIterator:
-        """Pass a request's stream of (tokens, record, stats) through, feeding the request series: waiting from
-        this call, TTFT at the first tokens, n inter-token latencies of gap / n s per later chunk of n, the
-        request latency at the end (any way). clock: seconds.
-        """
+        """Pass a request's stream of (tokens, record, stats) through, feeding waiting / running, TTFT, n inter-token
+        latencies of gap / n s per later chunk of n and the request latency (any end). clock: seconds."""
         started = last = clock()
         first = False
         self.requests_waiting.inc()
@@ -196,11 +186,8 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 def start_metrics_server(port: int, metrics: SpecMetrics, addr: str = "127.0.0.1", tokens: Sequence[bytes] = ()):
-    """Serve ``metrics``' registry at http://addr:port/metrics (prometheus_client's WSGI app in a daemon thread).
-
-    tokens: accepted bearer tokens (empty = no auth; else 401 without one). Port 0 picks a free one
-    (``server.server_port``). Returns (server, thread). Raises OSError when the port is taken.
-    """
+    """Serve ``metrics``' registry at http://addr:port/metrics in a daemon thread; returns (server, thread). tokens:
+    accepted bearer tokens (empty = no auth). Port 0 picks a free one. Raises OSError when the port is taken."""
     app = prometheus_client.make_wsgi_app(metrics.registry)
 
     def guarded(environ, start_response):
@@ -218,13 +205,9 @@ def start_metrics_server(port: int, metrics: SpecMetrics, addr: str = "127.0.0.1
     return server, thread
 
 
-# --------------------------------------------------------------------------- acceptance monitor
-
-
 @dataclass
 class _Track:
-    """The last ``window`` rounds of (proposed, accepted) draft tokens of one scope (a request, or global), with
-    its alert state."""
+    """The last ``window`` rounds of (proposed, accepted) draft tokens of one scope, with its alert state."""
 
     window: deque[tuple[int, int]]
     rounds: int = 0            # rounds recorded (proposed > 0)
@@ -232,25 +215,18 @@ class _Track:
     alerting: bool = False
     alerts: int = 0
 
-    def sums(self) -> tuple[int, int]:
-        """(proposed, accepted) draft tokens over the window."""
+    def sums(self) -> tuple[int, int]:  # (proposed, accepted) draft tokens over the window
         return sum(p for p, _ in self.window), sum(a for _, a in self.window)
 
     @property
-    def rate(self) -> float | None:
-        """accepted / proposed over the window, None while it holds no proposed token."""
+    def rate(self) -> float | None:  # None while the window holds no proposed token
         proposed, accepted = self.sums()
         return accepted / proposed if proposed else None
 
 
 class AcceptanceMonitor:
-    """Windowed acceptance rate (accepted / proposed draft tokens) per request and globally, with alerts.
-
-    Each scope (a request, or global) keeps its last ``window`` rounds; each full, non-overlapping window below
-    ``alert_threshold`` extends a run of low windows. At ``alert_windows`` one alert (WARNING log,
-    acceptance_alerts{scope}), none again until a window at or above the threshold clears it. Plain rounds are
-    not recorded. Thread-safe. This project's rule (docs/observability.md); no paper prescribes it.
-    """
+    """Windowed acceptance rate (accepted / proposed draft tokens) per request and globally, with alerts after
+    ``alert_windows`` full windows below ``alert_threshold`` (docs/observability.md). Thread-safe."""
 
     def __init__(self, config: MonitorConfig = MonitorConfig(), metrics: SpecMetrics | None = None):
         self.config = config
@@ -273,23 +249,19 @@ class AcceptanceMonitor:
             if self.metrics is not None:
                 self.metrics.acceptance_rate.set(self._global.rate)
 
-    def rate(self, request_id: str | None = None) -> float | None:
-        """Sliding-window acceptance rate of a request (None = global); None before any round."""
+    def rate(self, request_id: str | None = None) -> float | None:  # request_id None: global; None before any round
         track = self._track(request_id)
         return track.rate if track else None
 
-    def alerting(self, request_id: str | None = None) -> bool:
-        """Whether the scope's low-acceptance alert is raised and not yet cleared."""
+    def alerting(self, request_id: str | None = None) -> bool:  # the scope's alert is raised and not yet cleared
         track = self._track(request_id)
         return bool(track and track.alerting)
 
-    def alerts(self, request_id: str | None = None) -> int:
-        """Alerts raised so far by a request (None = global)."""
+    def alerts(self, request_id: str | None = None) -> int:  # alerts raised so far
         track = self._track(request_id)
         return track.alerts if track else 0
 
-    def release(self, request_id: str) -> None:
-        """Forget a finished request (its window and alert state); unknown ids are ignored."""
+    def release(self, request_id: str) -> None:  # forget a finished request; unknown ids are ignored
         with self._lock:
             self._requests.pop(request_id, None)
 
@@ -312,11 +284,9 @@ class AcceptanceMonitor:
                 track.alerting = True
                 track.alerts += 1
                 proposed, accepted = track.sums()
-                log.warning(
-                    "acceptance alert (%s): acceptance rate %.3f (%d/%d draft tokens over the last %d rounds) "
-                    "below %.3f for %d consecutive windows of %d rounds",
-                    who, rate, accepted, proposed, self.config.window,
-                    self.config.alert_threshold, track.low_windows, self.config.window)
+                log.warning("acceptance alert (%s): acceptance rate %.3f (%d/%d draft tokens over the last %d rounds) "
+                            "below %.3f for %d consecutive windows of %d rounds", who, rate, accepted, proposed,
+                            self.config.window, self.config.alert_threshold, track.low_windows, self.config.window)
                 if self.metrics is not None:
                     self.metrics.acceptance_alerts.labels(scope=scope).inc()
         else:

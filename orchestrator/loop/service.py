@@ -1,7 +1,5 @@
-"""The orchestrator proper: requests over the draft and target services, one asyncio task each.
-
-A plain class, run in-process (``front.use_ray: false``) or inside Ray actors; ``build_orchestrator`` wires it
-from the config, so the front and the actors build it the same way.
+"""The orchestrator proper: requests over the draft and target services, one asyncio task each, in-process
+(``front.use_ray: false``) or inside Ray actors, both wired by ``build_orchestrator``.
 """
 
 from __future__ import annotations
@@ -44,16 +42,12 @@ class Chunk:
 
 
 class Orchestrator:
-    """Runs generation requests over a draft service and a target service.
+    """Runs generation requests over a draft service and a target service. decode: ids -> text (None = stop
+    strings refused); control_factory: (TreeSpec, max_nodes) -> Control (None = fixed TreeSpec); may_measure: False
+    = never time the services at connect (a Ray actor given its probe's figures)."""
 
-    decode: ids -> text (None = stop strings refused); control_factory: (TreeSpec, max_nodes) -> Control
-    (None = fixed TreeSpec); on_round: per-round record callback.
-    """
-
-    def __init__(self, front, grpc_cfg, decode=None, control_factory=None, on_round=None,
-                 may_measure: bool = True):
+    def __init__(self, front, grpc_cfg, decode=None, control_factory=None, on_round=None, may_measure: bool = True):
         self.front = front
-        # False: never time the services at connect (a Ray actor given its probe's figures)
         self.may_measure = may_measure
         self.grpc_cfg = grpc_cfg
         self.decode = decode
@@ -85,16 +79,14 @@ class Orchestrator:
             await self._measure_costs(target, draft)
         window = self.front.draft_window if self.front.draft_window.applies(shared) else None
         self.links = (draft, target)
-        self.controller = RoundController(
-            target, draft, list(self.info.eos_token_ids), self.info.context_limit, self.decode,
-            control_factory=factory, draft_deadline_s=self.front.fallback.draft_deadline_ms / 1000,
-            on_round=self.on_round, pipeline=self.front.pipeline, draft_window=window,
-            ahead_candidates=self.front.ahead_candidates,
-        )
+        self.controller = RoundController(target, draft, list(self.info.eos_token_ids), self.info.context_limit,
+                                          self.decode, control_factory=factory, on_round=self.on_round,
+                                          draft_deadline_s=self.front.fallback.draft_deadline_ms / 1000,
+                                          pipeline=self.front.pipeline, draft_window=window,
+                                          ahead_candidates=self.front.ahead_candidates)
 
     async def _measure_costs(self, target: TargetClient, draft: DraftClient) -> None:
-        """Measure V(n) and D(p) through the services where the cost model would start from priors and
-        ``measure_at_start`` is on; a failed measurement leaves the priors, with a warning."""
+        """Measure V(n) and D(p) through the services instead of priors (``measure_at_start``); failed: priors."""
         state = self.shared
         if state.cost.source != "prior" or not (self.may_measure and self.front.cost_aware.measure_at_start):
             return
@@ -113,8 +105,7 @@ class Orchestrator:
                  figures["verify_ms"], figures["draft_step_ms"])
 
     async def _shared_compute(self, draft: DraftClient) -> bool:
-        """Whether the draft computes on the target's hardware ("auto": from the two Info placements; an
-        unreachable draft counts as separate)."""
+        """Whether the draft computes on the target's hardware ("auto": from the two Info placements)."""
         setting = self.front.cost_aware.shared_compute
         if setting != "auto":
             return bool(setting)
@@ -138,43 +129,29 @@ class Orchestrator:
 
     async def stream(self, request: GenerationRequest, request_id: str, timeout_s: float | None = None,
                      carrier: dict | None = None) -> AsyncIterator[Chunk]:
-        """Run one request; yields a Chunk per round, then a final Chunk with stats.
-
-        timeout_s: the client's time left; carrier: W3C trace context. Raises ValueError (naming the field) and
-        the target's grpc errors. Closing early cancels the request and frees its KV; ``abort``: stop reason "aborted".
-        """
+        """Run one request; yields a Chunk per round, then a final Chunk with stats. timeout_s: the client's time left;
+        carrier: W3C trace context. Raises ValueError (naming the field) and the target's grpc errors. Closing early
+        cancels the request and frees its KV; ``abort``: stop reason "aborted"."""
         if request_id in self.tasks:
             raise ValueError(f"request_id: {request_id!r} is already running")
         self.controller.check(request)
         queue: asyncio.Queue = asyncio.Queue()
         partial = GenerationStats()  # what the rounds streamed so far reported (for an aborted request)
         started = time.perf_counter()
-
         task = asyncio.create_task(self._run(request, request_id, timeout_s, carrier, self._round_sink(request_id, queue)))
+        task.add_done_callback(lambda _: queue.put_nowait(None))  # the end, after every round it queued
         self.tasks[request_id] = task
-        getter = None
         try:
-            while True:
-                getter = asyncio.ensure_future(queue.get())
-                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                ended = not getter.done()  # the task ended first: the rounds it queued, then the end
-                if ended:
-                    getter.cancel()
-                for record in [queue.get_nowait() for _ in range(queue.qsize())] if ended else [getter.result()]:
-                    partial.add(record, time.perf_counter() - started)
-                    yield Chunk(list(record.tokens), round=record)
-                if not ended:
-                    continue
-                if task.cancelled():
-                    partial.stop_reason = "aborted"
-                    partial.total_s = time.perf_counter() - started
-                    yield Chunk([], self._with_links(partial))
-                else:
-                    yield Chunk([], self._with_links(task.result().stats))
-                return
+            while (record := await queue.get()) is not None:
+                partial.add(record, time.perf_counter() - started)
+                yield Chunk(list(record.tokens), round=record)
+            if task.cancelled():
+                partial.stop_reason = "aborted"
+                partial.total_s = time.perf_counter() - started
+                yield Chunk([], self._with_links(partial))
+            else:
+                yield Chunk([], self._with_links(task.result().stats))
         finally:
-            if getter is not None and not getter.done():
-                getter.cancel()
             if not task.done():
                 await self._stop(request_id, task)
             self.tasks.pop(request_id, None)
@@ -221,6 +198,9 @@ class Orchestrator:
             span.set_attributes({"new_tokens": stats.new_tokens, "acceptance_rate": stats.acceptance_rate})
             return result
 
+    def cost_snapshot(self) -> dict | None:  # the cost-aware control's CostModel.snapshot (None: another control)
+        return None if self.shared is None else self.shared.cost.snapshot()
+
     async def abort(self, request_id: str) -> bool:
         """Cancel a running request (its KV is freed on both services). False if unknown."""
         task = self.tasks.get(request_id)
@@ -228,9 +208,6 @@ class Orchestrator:
             return False
         await self._stop(request_id, task)
         return True
-
-
-# --------------------------------------------------------------------------- wiring from the config
 
 
 def tokenizer_dir(front: FrontConfig, models: ModelsConfig) -> str:
@@ -244,8 +221,8 @@ def load_tokenizer(path: str):
 
 @dataclass(frozen=True)
 class StartCosts:
-    """A Ray front's measured costs for its actors: verify ms by rows, draft step ms by parents (None: not
-    measured). An actor given StartCosts never measures itself (together they would disturb each other)."""
+    """A Ray front's measured costs for its actors (verify ms by rows, draft step ms by parents; None: not measured);
+    an actor given StartCosts never measures itself."""
 
     verify_ms: dict[int, float] | None = None
     draft_step_ms: dict[int, float] | None = None
@@ -253,15 +230,12 @@ class StartCosts:
     @classmethod
     def of(cls, cost: CostModel) -> "StartCosts":
         """A probe's cost model as its actors' start: its points where it measured, else none."""
-        if cost.source != "measured":
-            return cls()
-        return cls(dict(cost.verify.points), dict(cost.draft_step.points))
+        return cls(dict(cost.verify.points), dict(cost.draft_step.points)) if cost.source == "measured" else cls()
 
 
 def control_factory(front: FrontConfig, start: StartCosts | None = None):
     """(TreeSpec, max_nodes) -> Control: CostAwareControl when enabled (one SharedState, its costs from ``start``,
-    else ``cost_aware.verify_ms``, else priors), else FixedControl (the request's tree: max_nodes unused);
-    max_nodes: the target's tree limit."""
+    else ``cost_aware.verify_ms``, else priors), else FixedControl."""
     if front.cost_aware.enabled:
         aware = front.cost_aware
         shared = SharedState()

@@ -9,14 +9,10 @@ from dataclasses import dataclass, field
 
 @dataclass
 class StopChecker:
-    """Feed generated tokens with ``push``; it says when to stop and why (``reason``).
-
-    context_limit: max total length, prompt included; decode: ids -> text (for stop strings only); streamed:
-    the prompt's tail an earlier part of this request generated (fail-over): stop strings see it, so one spanning
-    the hand-over still stops; it counts toward neither budget. min_tokens: before this many generated tokens
-    neither EOS, stop_token_ids nor stop strings end generation (vLLM's min_tokens); stop_token_ids: ids that end
-    it (reason "stop_token"), as EOS but kept with ignore_eos (vLLM's).
-    """
+    """Feed generated tokens with ``push``; it says when to stop and why (``reason``). context_limit: max total
+    length, prompt included; decode: ids -> text (for stop strings only); streamed: the prompt's tail an earlier
+    part of this request generated (fail-over), seen by stop strings, counted in neither budget; min_tokens and
+    stop_token_ids (reason "stop_token", even with ignore_eos): vLLM's."""
 
     prompt_len: int
     max_new_tokens: int
@@ -32,9 +28,8 @@ class StopChecker:
     _window: int = 0
 
     def __post_init__(self):
-        # a stop string of L characters spans at most 4L UTF-8 bytes, so at most 4L tokens (each >= 1 byte), plus
-        # a few whose partial characters decode as U+FFFD at the window's start: the cost per token is bounded
-        # by the longest stop string, not the output's length
+        # a stop string of L characters spans at most 4L UTF-8 bytes, so at most 4L tokens, plus a few whose
+        # partial characters decode as U+FFFD at the window's start
         self._window = 4 * max((len(s) for s in self.stop_strings), default=0) + 8
 
     def push(self, token: int) -> bool:
@@ -60,9 +55,8 @@ class StopChecker:
         # the last tokens (the streamed tail too) with and without the new one, decoded from the same token on
         tail = [*self.streamed[-self._window:], *self.generated][-self._window - 1:]
         before, text = self.decode(tail[:-1]), self.decode(tail)
-        # Only a match that ends inside the changed part is new (it may span tokens). The changed
-        # part starts where old and new text first differ: a multi-byte character split across
-        # tokens decodes as U+FFFD first and changes in place once complete.
+        # only a match ending inside the changed part is new; it starts where old and new text first differ (a
+        # multi-byte character split across tokens decodes as U+FFFD first and changes in place once complete)
         same = next((i for i, (a, b) in enumerate(zip(before, text)) if a != b), min(len(before), len(text)))
         return any(text.find(s, max(0, same - len(s) + 1)) >= 0 for s in self.stop_strings)
 

@@ -1,6 +1,5 @@
-"""``specdec bench``: target-only vs tree speculative (ours) vs HF assisted vs HF prompt-lookup decoding,
-side by side in one process on the same models; writes ``results.json`` and ``results.md``.
-The method (question sets, Latin-square order, figures) is in docs/benchmarks.md.
+"""``specdec bench``: target-only vs tree speculative (ours) vs HF assisted vs HF prompt-lookup decoding, side by
+side in one process; writes ``results.json`` and ``results.md``. The method: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -44,8 +43,6 @@ LABELS = {"target_only": "target", "plain": "plain (ours)", "speculative": "spec
 class QuestionsError(ValueError):
     """Unreadable or malformed question file, or a bad selection; the message names the option."""
 
-
-# ----------------------------------------------------------------------------------------- questions
 
 def parse_questions(text: str, source: str) -> list[dict]:
     """Questions of a JSONL text (one object per non-blank line: question_id, category, turns)."""
@@ -105,11 +102,7 @@ def load_questions(path: Path | None, per_category: int, offset: int = 0, catego
     return select_questions(questions, per_category, offset)
 
 
-# ----------------------------------------------------------------------------------------- one question
-
-class FirstTokenTimer(BaseStreamer):
-    """A transformers streamer that records when generate() emits its first new tokens (after the prompt's put())."""
-
+class FirstTokenTimer(BaseStreamer):  # when generate() emits its first new tokens (after the prompt's put())
     def __init__(self):
         self.puts = 0
         self.first_token_at: float | None = None
@@ -147,12 +140,6 @@ def _spec_row(stats: GenerationStats) -> dict:
             "draft_s": round(stats.draft_s, 6), "verify_s": round(stats.verify_s, 6), "draft_rounds": stats.draft_rounds}
 
 
-def position_sums(runs: list[dict]) -> tuple[list[int], list[int]]:
-    """Element-wise sums of the runs' position_proposed and position_accepted."""
-    return tuple([sum(column) for column in zip_longest(*(r.get(key, []) for r in runs), fillvalue=0)]
-                 for key in ("position_proposed", "position_accepted"))
-
-
 def greedy_methods(hf_assisted: bool = True, prompt_lookup: bool = True, plain: bool = False) -> list[str]:
     """The greedy methods to run, in base order (plain, our engine without a draft, only when asked)."""
     skip = {"hf_assisted": not hf_assisted, "prompt_lookup": not prompt_lookup, "plain": not plain}
@@ -161,9 +148,8 @@ def greedy_methods(hf_assisted: bool = True, prompt_lookup: bool = True, plain: 
 
 def method_order(methods: Sequence[str], k: int) -> list[str]:
     """Order k (any integer) of a balanced Latin square over ``methods`` (Williams 1949, Australian J. Sci.
-    Res. 2(3)): over a cycle (n orders, 2n for odd n) each method runs in every place and after every other
-    equally often. Order 0 is m[0], m[1], m[n-1], m[2], m[n-2], ...; order k adds k (mod n) to each index;
-    for odd n, orders n .. 2n-1 are orders 0 .. n-1 reversed."""
+    Res. 2(3)): order 0 is m[0], m[1], m[n-1], m[2], m[n-2], ...; order k adds k (mod n) to each index; for odd
+    n, orders n .. 2n-1 are orders 0 .. n-1 reversed."""
     n = len(methods)
     if n == 0:
         return []
@@ -181,14 +167,11 @@ def method_order(methods: Sequence[str], k: int) -> list[str]:
 
 def run_method(pipe, method: str, prompt_ids, spec, max_new_tokens) -> tuple[list[int], dict]:
     """One greedy pass of one method: its tokens and its row (new_tokens, s, ttft_ms, ...)."""
-    if method == "speculative":
-        result = pipe.engine.generate(GenerationRequest(prompt_ids, max_new_tokens, spec=spec))
-        return result.tokens, _spec_row(result.stats)
-    if method == "plain":
-        result = pipe.engine.generate(GenerationRequest(prompt_ids, max_new_tokens, spec=None))
-        return result.tokens, {"new_tokens": result.stats.new_tokens, "s": result.stats.total_s,
-                               "ttft_ms": result.stats.ttft_ms, "rounds": result.stats.rounds,
-                               "drafted": result.stats.drafted_tokens}
+    if method in ("speculative", "plain"):  # our engine, with or without the draft
+        plain = method == "plain"
+        result = pipe.engine.generate(GenerationRequest(prompt_ids, max_new_tokens, spec=None if plain else spec))
+        row = _spec_row(result.stats)
+        return result.tokens, {k: row[k] for k in ("new_tokens", "s", "ttft_ms", "rounds", "drafted")} if plain else row
     extra = {"hf_assisted": {"assistant_model": pipe.draft_model},
              "prompt_lookup": {"prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS}}.get(method, {})
     return _hf_generate(pipe.target_model, prompt_ids, max_new_tokens, pipe.engine.eos_token_ids, **extra)
@@ -231,20 +214,16 @@ def run_question(pipe, prompt_ids, spec, max_new_tokens, hf_assisted: bool = Tru
     return row
 
 
-# ----------------------------------------------------------------------------------------- aggregation
-
 def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else 0.0
 
 
 def method_figures(runs: list[dict]) -> dict:
     """One method's tokens/s (end to end, decode only) as ratios of sums, TTFT as the mean over questions."""
-    return {
-        "tokens_per_s": _ratio(sum(r["new_tokens"] for r in runs), sum(r["s"] for r in runs)),
-        "decode_tokens_per_s": _ratio(sum(max(0, r["new_tokens"] - 1) for r in runs),
-                                      sum(r["s"] - r["ttft_ms"] / 1000 for r in runs)),
-        "ttft_ms": sum(r["ttft_ms"] for r in runs) / len(runs),
-    }
+    return {"tokens_per_s": _ratio(sum(r["new_tokens"] for r in runs), sum(r["s"] for r in runs)),
+            "decode_tokens_per_s": _ratio(sum(max(0, r["new_tokens"] - 1) for r in runs),
+                                          sum(r["s"] - r["ttft_ms"] / 1000 for r in runs)),
+            "ttft_ms": sum(r["ttft_ms"] for r in runs) / len(runs)}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -261,8 +240,7 @@ def summarize(rows: list[dict]) -> dict:
     if "plain" in rows[0]:
         out["speculative_over_plain"] = _ratio(out["speculative_tokens_per_s"], out["plain_tokens_per_s"])
     spec = [r["speculative"] for r in rows]
-    out["mean_accepted_length"] = _ratio(sum(s["new_tokens"] for s in spec), sum(s["rounds"] for s in spec))
-    out["acceptance_rate"] = _ratio(sum(s["accepted"] for s in spec), sum(s["proposed"] for s in spec))
+    out["mean_accepted_length"], out["acceptance_rate"] = _acceptance(spec)
     out["efficiency"] = _ratio(out["speculative_speedup"], out["mean_accepted_length"])
     if all("draft_rounds" in s for s in spec):  # rows written before the phases were recorded have none
         total = sum(s["s"] for s in spec)
@@ -272,15 +250,21 @@ def summarize(rows: list[dict]) -> dict:
         out["speculative_draft_rounds"] = sum(s["draft_rounds"] for s in spec)
         out["speculative_draft_ms_per_draft_round"] = _ratio(1000 * sum(s["draft_s"] for s in spec),
                                                              out["speculative_draft_rounds"])
-    proposed, accepted = position_sums(spec)
+    proposed, accepted = ([sum(column) for column in zip_longest(*(r.get(key, []) for r in spec), fillvalue=0)]
+                          for key in ("position_proposed", "position_accepted"))
     out["position_proposed"] = proposed
     out["acceptance_by_position"] = position_rates(proposed, accepted)
     if "sampled" in rows[0]:
         sampled = [r["sampled"] for r in rows]
         out["sampled_tokens_per_s"] = method_figures(sampled)["tokens_per_s"]
-        out["sampled_mean_accepted_length"] = _ratio(sum(s["new_tokens"] for s in sampled), sum(s["rounds"] for s in sampled))
-        out["sampled_acceptance_rate"] = _ratio(sum(s["accepted"] for s in sampled), sum(s["proposed"] for s in sampled))
+        out["sampled_mean_accepted_length"], out["sampled_acceptance_rate"] = _acceptance(sampled)
     return out
+
+
+def _acceptance(runs: list[dict]) -> tuple[float, float]:
+    """(mean accepted length: tokens per round, acceptance rate: accepted / proposed draft tokens) of the runs."""
+    return (_ratio(sum(s["new_tokens"] for s in runs), sum(s["rounds"] for s in runs)),
+            _ratio(sum(s["accepted"] for s in runs), sum(s["proposed"] for s in runs)))
 
 
 def speedup_table(summary: dict[str, dict], temperature: float | None = None) -> str:
@@ -331,8 +315,7 @@ def position_table(summary: dict[str, dict]) -> str:
     rows = []
     for cat, s in summary.items():
         proposed, rates = s.get("position_proposed", []), s.get("acceptance_by_position", [])
-        rows.append([cat] + [f"{rates[d]:.2f} ({proposed[d]})" if d < len(proposed) else "-"
-                             for d in range(depth)])
+        rows.append([cat] + [f"{rates[d]:.2f} ({proposed[d]})" if d < len(proposed) else "-" for d in range(depth)])
     return md_table(["acceptance at position"] + [str(d + 1) for d in range(depth)], rows)
 
 
@@ -354,8 +337,6 @@ def markdown_table(summary: dict[str, dict], temperature: float | None = None) -
     extra = [t for t in (position_table(summary), phase_table(summary)) if t]
     return speedup_table(summary, temperature) + "\n" + latency_table(summary) + "".join("\n" + t for t in extra)
 
-
-# ----------------------------------------------------------------------------------------- run
 
 def run_questions(pipe, questions: list[dict], spec, max_new_tokens: int, sampling: SamplingParams,
                   **options) -> tuple[list[dict], list]:
@@ -384,8 +365,8 @@ def run_bench(spec: TreeSpec, questions_path: Path | None, per_category: int, ma
               draft_window: DraftWindowConfig | None = FrontConfig().draft_window, categories: Sequence[str] = (),
               argmax_screen: bool = True, repeats: int = 1, plain: bool = True, device: str = "cpu",
               draft_device: str | None = None) -> dict:
-    """Run the benchmark and write results.json + results.md under out_dir; returns the summary.
-    Parameters mirror ``specdec bench``'s options; ValueError for repeats < 1 before the models load."""
+    """Run the benchmark (parameters: ``specdec bench``'s options) and write results.json + results.md under out_dir;
+    returns the summary. ValueError for repeats < 1 before the models load."""
     if repeats < 1:
         raise ValueError(f"--repeats: must be >= 1, got {repeats}")
     questions = load_questions(questions_path, per_category, offset, categories)  # bad files fail before the models load

@@ -1,7 +1,5 @@
-"""``specdec profile-draft``: the DraftProfile (design note 004) of each candidate draft against one target.
-
-A candidate is ``PATH[@QUANT]``; acceptance and speedup use ``specdec eval``'s runner and aggregation.
-The target is loaded once for all candidates. Writes ``profile.json`` and ``profile.md`` (docs/usage.md).
+"""``specdec profile-draft``: the DraftProfile (design note 004) of each candidate draft (``PATH[@QUANT]``) against
+one target loaded once, with ``specdec eval``'s runner; writes ``profile.json`` and ``profile.md`` (docs/usage.md).
 """
 
 from __future__ import annotations
@@ -79,13 +77,6 @@ def count_parameters(model) -> int:
     return n
 
 
-def draft_tokens_per_second(draft_model, prompts: list[list[int]], max_new_tokens: int, eos_ids) -> float:
-    """Decode-only tokens/s of the draft alone (greedy HF generate) over the prompts."""
-    _hf_generate(draft_model, prompts[0], 4, eos_ids)  # warm-up
-    rows = [_hf_generate(draft_model, ids, max_new_tokens, eos_ids)[1] for ids in prompts]
-    return method_figures(rows)["decode_tokens_per_s"]
-
-
 def _incompatible(candidate: Candidate, models, loaded_target) -> DraftProfile:
     """The profile of a draft whose tokenizer does not match: its size and the reason only."""
     model, tokenizer = load_model(resolve_model_dir(candidate.path, DEFAULT_DRAFT, "--candidate"),
@@ -111,7 +102,10 @@ def profile_candidate(candidate: Candidate, base_models, loaded_target, question
         return _incompatible(candidate, models, loaded_target)
     pipe = wire_pipeline(loaded_target, loaded_draft, control)
     prompts = [encode_prompt(pipe.tokenizer, q["turns"][0], raw=False) for q in questions]
-    tokens_per_s = draft_tokens_per_second(loaded_draft.model, prompts, max_new_tokens, loaded_target.eos_token_ids)
+    eos_ids = loaded_target.eos_token_ids  # the draft alone, decode only (greedy HF generate), after a warm-up
+    _hf_generate(loaded_draft.model, prompts[0], 4, eos_ids)
+    rows = [_hf_generate(loaded_draft.model, ids, max_new_tokens, eos_ids)[1] for ids in prompts]
+    tokens_per_s = method_figures(rows)["decode_tokens_per_s"]
     runs, _ = run_questions(EmbeddedRunner(pipe, spec, max_new_tokens), questions, pipe.engine.context_limit,
                             max_new_tokens)
     if not runs:

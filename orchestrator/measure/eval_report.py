@@ -1,8 +1,6 @@
-"""``specdec eval``: the SpeculativeReport of design note 004 (../shared/seeds), overall and per slice.
-
-Every question runs greedy twice, target-only and speculative, order alternating, embedded or on a front
-(``--server``); the runs are sliced by category, prompt length, output length and language, because
-averages hide the failing cases. Slices and method: docs/observability.md.
+"""``specdec eval``: the SpeculativeReport of design note 004 (../shared/seeds), overall and per slice (category,
+prompt length, output length, language): every question greedy, target-only and speculative, order alternating,
+embedded or on a front (``--server``). Method: docs/observability.md.
 """
 
 from __future__ import annotations
@@ -34,8 +32,6 @@ OUTPUT_BUCKETS = (32, 128)  # target-only new tokens: <32, 32-128, >128
 DIMENSIONS = ("category", "promptLength", "outputLength", "language")
 COMPARED_OUTPUTS = "greedy token ids, speculative vs target-only, per question"
 
-
-# ----------------------------------------------------------------------------------------- the report
 
 class SpeculativeReport(BaseModel):
     """One slice's figures (camelCase JSON; the first nine fields are design note 004's SpeculativeReport).
@@ -73,11 +69,9 @@ class SpeculativeReport(BaseModel):
         return self.model_dump(by_alias=True)
 
 
-# ----------------------------------------------------------------------------------------- one run
-
 @dataclass(frozen=True)
 class Run:
-    """One greedy generation: tokens, timing, and per round (tree depth, accepted) or None from a remote front."""
+    """One greedy generation; rounds: (tree depth, accepted) per round, None from a remote front."""
 
     tokens: list[int]
     ttft_ms: float
@@ -91,15 +85,12 @@ class Run:
     def round_count(self) -> int:
         return self.rounds_count if self.rounds_count is not None else len(self.rounds or [])
 
-    def figures(self) -> dict:
-        """The row bench.method_figures aggregates."""
+    def figures(self) -> dict:  # the row bench.method_figures aggregates
         return {"new_tokens": len(self.tokens), "s": self.total_s, "ttft_ms": self.ttft_ms}
 
 
 @dataclass(frozen=True)
-class QuestionRun:
-    """Both runs of one question and its slice keys."""
-
+class QuestionRun:  # both runs of one question and its slice keys
     question_id: object
     category: str
     language: str
@@ -114,9 +105,7 @@ class QuestionRun:
                 "outputLength": length_bucket(len(self.target.tokens), OUTPUT_BUCKETS)}[dimension]
 
 
-class Runner(Protocol):
-    """Runs one prompt greedily; ``speculate`` False = the target alone."""
-
+class Runner(Protocol):  # runs one prompt greedily; ``speculate`` False = the target alone
     def prompt_tokens(self, prompt: str) -> int: ...
 
     def run(self, prompt: str, speculate: bool) -> Run: ...
@@ -129,15 +118,6 @@ def length_bucket(n: int, edges: tuple[int, int]) -> str:
     lo, hi = edges
     return f"<{lo}" if n < lo else f">{hi}" if n > hi else f"{lo}-{hi}"
 
-
-def detect_language(text: str) -> str:
-    """ISO 639 code of ``text`` (py3langid; e.g. 'en', 'zh')."""
-    import py3langid
-
-    return py3langid.classify(text)[0]
-
-
-# ----------------------------------------------------------------------------------------- memory
 
 def peak_rss_mb(pid: int | None = None) -> float:
     """Peak RSS of a process (None = this one), MB (10**6 bytes); ValueError (naming the pid) if unreadable."""
@@ -161,11 +141,7 @@ def peak_gpu_memory_mb() -> float | None:
     return torch.cuda.max_memory_allocated() / 1e6 if torch.cuda.is_available() else None
 
 
-# ----------------------------------------------------------------------------------------- runners
-
-class EmbeddedRunner:
-    """Both runs on the in-process engine of an EmbeddedPipeline (orchestrator.loop.embedded)."""
-
+class EmbeddedRunner:  # both runs on the in-process engine of an EmbeddedPipeline
     def __init__(self, pipe, spec, max_new_tokens: int):
         self.pipe, self.spec, self.max_new_tokens = pipe, spec, max_new_tokens
 
@@ -228,11 +204,11 @@ class RemoteRunner:
         return {f"service (pid {pid})": peak_rss_mb(pid) for pid in self.service_pids}
 
 
-# ----------------------------------------------------------------------------------------- running
-
 def run_questions(runner: Runner, questions: list[dict], context_limit: int | None = None,
                   max_new_tokens: int = 0) -> tuple[list[QuestionRun], list]:
     """Both runs of every question (order alternating); returns the runs and the ids skipped as too long."""
+    import py3langid  # the language slice: ISO 639 codes ('en', 'zh')
+
     runner.run("Say hi.", speculate=True)  # warm-up, not recorded
     out, skipped = [], []
     for i, q in enumerate(questions):
@@ -244,8 +220,8 @@ def run_questions(runner: Runner, questions: list[dict], context_limit: int | No
         first = runner.run(prompt, speculate=not first_target)
         second = runner.run(prompt, speculate=first_target)
         target, speculative = (first, second) if first_target else (second, first)
-        out.append(QuestionRun(q["question_id"], q["category"], detect_language(prompt), runner.prompt_tokens(prompt),
-                               target, speculative, runner.peak_memory_mb()))
+        out.append(QuestionRun(q["question_id"], q["category"], py3langid.classify(prompt)[0],
+                               runner.prompt_tokens(prompt), target, speculative, runner.peak_memory_mb()))
         console.print(f"eval {i + 1}/{len(questions)}: {q['category']} #{q['question_id']}", highlight=False, markup=False)
     return out, skipped
 
@@ -272,7 +248,7 @@ def summarize_slice(runs: list[QuestionRun], dimension: str, value: str, task_se
     for r in runs:
         for name, mb in r.peak_memory_mb.items():
             by_process[name] = max(by_process.get(name, 0.0), mb)
-    return SpeculativeReport(
+    return SpeculativeReport(  # ratios: speculative / target-only
         task_set=task_set, draft_model=draft_model,
         speculation_length=(float(np.mean(depths)) if depths else 0.0) if seen else None,
         acceptance_rate=_ratio(sum(s.accepted for s in spec), sum(s.proposed for s in spec)),
@@ -286,8 +262,7 @@ def summarize_slice(runs: list[QuestionRun], dimension: str, value: str, task_se
         first_token_ratio=_ratio(fs["ttft_ms"], ft["ttft_ms"]), p95_latency_ratio=_ratio(p95, p95_target),
         mean_accepted_length=_ratio(sum(len(s.tokens) for s in spec), sum(s.round_count for s in spec)),
         acceptance_per_depth=acceptance_per_depth(spec), peak_memory_by_process_mb=by_process,
-        peak_gpu_memory_mb=peak_gpu_memory_mb(),
-    )
+        peak_gpu_memory_mb=peak_gpu_memory_mb())
 
 
 def build_reports(runs: list[QuestionRun], task_set: str, draft_model: str) -> list[SpeculativeReport]:

@@ -1,8 +1,5 @@
-"""``specdec trace-report``: where a speculation round's time goes, from OpenTelemetry spans.
-
-Input: OTLP JSON lines (the Collector's file exporter, or ``OTEL_TRACES_EXPORTER=otlp_json_file``). Each
-``round`` span is split into sequential phases (ms) that add up to the round; docs/observability.md defines
-them. Writes ``trace_report.json``, ``trace_report.md`` and ``trace_report.png``.
+"""``specdec trace-report``: each ``round`` span of OTLP JSON lines split into sequential phases (ms) that add up to
+the round (docs/observability.md); writes ``trace_report.json``, ``trace_report.md`` and ``trace_report.png``.
 """
 
 from __future__ import annotations
@@ -52,18 +49,12 @@ class RoundPhases:
     tree_nodes: int = 0
 
 
-# ----------------------------------------------------------------------------------------- reading
+_CASTS = {"intValue": int, "doubleValue": float, "stringValue": str, "boolValue": bool}  # int64 arrives as a string
+
 
 def _value(any_value: dict):
-    """The Python value of an OTLP JSON AnyValue (int64 arrives as a string)."""
-    for key, value in any_value.items():
-        if key == "intValue":
-            return int(value)
-        if key == "doubleValue":
-            return float(value)
-        if key in ("stringValue", "boolValue"):
-            return value
-    return None
+    """The Python value of an OTLP JSON AnyValue (None: another kind)."""
+    return next((_CASTS[key](value) for key, value in any_value.items() if key in _CASTS), None)
 
 
 def _attributes(items: list) -> dict:
@@ -100,8 +91,6 @@ def read_spans(paths: list[Path]) -> list[Span]:
         raise TraceFileError(f"SPANS_FILE: no spans in {', '.join(map(str, paths))}")
     return spans
 
-
-# ----------------------------------------------------------------------------------------- phases
 
 def _descendant(span: Span, children: dict[str, list[Span]], name: str) -> Span | None:
     """The first span called ``name`` under ``span`` (depth first), crossing process boundaries."""
@@ -176,16 +165,12 @@ def build_report(spans: list[Span]) -> dict:
     if not by_request:
         raise TraceFileError("SPANS_FILE: no orchestrator 'round' spans (was the front traced?)")
     every = [r for rs in by_request.values() for r in rs]
-    return {
-        "phases": list(PHASES), "requests_count": len(by_request), "rounds_count": len(every),
-        "overall": phase_stats(every),
-        "requests": [{"request_id": rid, "rounds_count": len(rs), "phases": phase_stats(rs),
-                      "critical_path": critical_path(rs), "rounds": [asdict(r) for r in rs]}
-                     for rid, rs in by_request.items()],
-    }
+    return {"phases": list(PHASES), "requests_count": len(by_request), "rounds_count": len(every),
+            "overall": phase_stats(every),
+            "requests": [{"request_id": rid, "rounds_count": len(rs), "phases": phase_stats(rs),
+                          "critical_path": critical_path(rs), "rounds": [asdict(r) for r in rs]}
+                         for rid, rs in by_request.items()]}
 
-
-# ----------------------------------------------------------------------------------------- writing
 
 def markdown(report: dict) -> str:
     """trace_report.md: the overall phase table, then one row per request."""
@@ -205,8 +190,7 @@ def markdown(report: dict) -> str:
         md_table(["phase", "mean ms", "p50 ms", "p95 ms", "share"], phase_rows),
         "## Per request (critical path: its rounds, one after another)\n",
         md_table(["request", "rounds", "critical path ms", "dominant phase", "longest round (ms)"], request_rows),
-        "![phases](trace_report.png)\n",
-    ])
+        "![phases](trace_report.png)\n"])
 
 
 def figure(report: dict, path: Path) -> None:

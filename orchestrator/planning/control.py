@@ -1,9 +1,6 @@
-"""Per-request control of the round loop (docs/control.md): plain classes, no Ray, no gRPC.
-
-``FixedControl`` (the request's TreeSpec every round, behind ``FallbackPolicy``); the default,
-``CostAwareControl``, is in orchestrator.planning.cost_aware.
-Terms: acceptance rate = accepted / proposed draft tokens (tree nodes); accepted length = accepted draft
-tokens on the path (bonus excluded). Times are seconds from a monotonic clock (``time.monotonic``).
+"""Per-request control of the round loop (docs/control.md): the ``Control`` hooks, ``FallbackPolicy`` and
+``FixedControl``; the default, ``CostAwareControl``, is in orchestrator.planning.cost_aware. Times: seconds of
+``time.monotonic``.
 """
 
 from __future__ import annotations
@@ -18,10 +15,7 @@ from specdec.stats import COST_REASON
 from specdec.tree import DraftTree
 from specdec.tree_spec import TreeSpec
 
-# --------------------------------------------------------------------------- fallback reasons
-
-# Why a round runs without the draft (a plain target step). The values are the label values of
-# specdec_fallback_rounds_total{reason} and the ``fallback.reason`` attribute of round spans.
+# Why a round runs without the draft (specdec_fallback_rounds_total{reason}, the round span's fallback.reason)
 DRAFT_UNAVAILABLE = "draft_unavailable"  # the draft failed, is unreachable or slower than its deadline
 DRAFT_CONTEXT_LIMIT = "draft_context_limit"  # the draft's context cannot hold the next tree
 COST = COST_REASON  # "cost": the cost model says no draft step pays this round (CostAwareControl)
@@ -30,9 +24,6 @@ PREDRAFT = "predraft"  # a slow draft link: plain, the next tree pre-drafted bes
 FALLBACK_REASONS = (DRAFT_UNAVAILABLE, DRAFT_CONTEXT_LIMIT, COST, DRAFT_OPENING, PREDRAFT)
 
 EMPTY_TREE = DraftTree((), ())  # a round without the draft verifies this: one plain target step
-
-
-# --------------------------------------------------------------------------- the controller's interface
 
 
 @dataclass(frozen=True)
@@ -53,16 +44,13 @@ class RoundObservation:
 
 
 class Control:
-    """Every hook the round controller calls on one request's control; optional ones default to no-ops.
-
-    Order within a round: ``round_context``, ``speculate``; if yes ``spec``; ``shape``; ``record`` after a
-    verified non-empty drafted tree; ``observe`` after every round. ``draft_failed`` on any failed draft call
-    (``draft_timed_out`` first on a deadline); ``set_draft_context_limit`` and ``draft_opened`` when a draft
-    session opens.
-    """
+    """Every hook the round controller calls on one request's control; optional ones default to no-ops. Order in a
+    round: ``round_context``, ``speculate``; if yes ``spec``; ``shape``; ``record`` after a verified drafted tree;
+    ``observe`` after every round. Draft failures and the draft's context limit go to ``fallback``."""
 
     gamma: int  # speculation depth of the next tree, tree levels
     reason: str | None  # why the last ``speculate`` said no (one of FALLBACK_REASONS), None when it said yes
+    fallback: FallbackPolicy
 
     def spec(self, base: TreeSpec) -> TreeSpec:
         """The tree shape of this round, from the request's TreeSpec."""
@@ -73,8 +61,8 @@ class Control:
         raise NotImplementedError
 
     def draft_failed(self, now: float) -> None:
-        """A draft call failed at ``now`` (seconds)."""
-        raise NotImplementedError
+        """A draft call failed at ``now``: no speculation for reconnect_s seconds."""
+        self.fallback.draft_failed(now)
 
     def record(self, depth: int, proposed: int, accepted: int) -> None:
         """After a speculative round: tree levels reached, draft tokens proposed and accepted (bonus excluded).
@@ -83,6 +71,7 @@ class Control:
 
     def set_draft_context_limit(self, limit: int | None) -> None:
         """The draft's max positions, tokens (None = unlimited)."""
+        self.fallback.set_draft_context_limit(limit)
 
     def shape(self, tree: DraftTree, context: list[int], max_depth: int, sunk_ms: float) -> ShapedTree:
         """The tree to verify this round from the drafted one (possibly empty); by default as it is.
@@ -122,22 +111,16 @@ class Control:
         return None
 
     def predraft(self, link_rtt_s: float | None, candidates: int) -> bool:
-        """``front.pipeline: auto``, a draft service beside the front: True = draft the next round's
-        ``candidates`` trees during this verify (pre-drafted), False = in line. link_rtt_s: the draft link's
-        measured round trip (None = not yet). Without a cost model: in line."""
+        """``front.pipeline: auto``: True = draft the next round's ``candidates`` trees during this verify, False =
+        in line. link_rtt_s: the draft link's measured round trip (None = not yet)."""
         return False
 
     def predraft_plain(self, link_rtt_s: float | None, candidates: int) -> bool:
-        """Pipelining on, a draft service beside the front, after ``speculate`` said draft: True = run this
-        round plain and pre-draft the next tree beside it (its ``candidates`` likeliest next tokens) rather
-        than pay the link's round trip in line. Without a cost model: in line."""
+        """After ``speculate`` said draft: True = run this round plain and pre-draft the next tree beside it."""
         return False
 
 
 ControlFactory = Callable[[TreeSpec], Control]
-
-
-# --------------------------------------------------------------------------- fallback
 
 
 def check_counts(proposed: int, accepted: int) -> None:
@@ -147,15 +130,9 @@ def check_counts(proposed: int, accepted: int) -> None:
 
 
 class FallbackPolicy:
-    """Whether one request speculates this round or runs a plain target step (docs/control.md, Fallback).
-
-    ``speculate`` once per round, ``draft_failed`` when a draft call fails (the round loop turns a reply past
-    the draft deadline into one). Speculation is off, first match is ``reason``:
-    1. ``"draft_context_limit"``: committed_len + depth > draft_context_limit, while it holds;
-    2. ``"draft_unavailable"``: for reconnect_s s after ``draft_failed``.
-    Acceptance does not turn speculation off here: the cost-aware control decides that from its costs.
-    Plain rounds are counted from the RoundRecords (SpecMetrics.observe_round). now: seconds, monotonic clock.
-    """
+    """Whether one request speculates this round or runs a plain target step (docs/control.md, Fallback); off,
+    first match is ``reason``: ``"draft_context_limit"`` (committed_len + depth > draft_context_limit), then
+    ``"draft_unavailable"`` (for reconnect_s s after ``draft_failed``)."""
 
     def __init__(self, config: FallbackConfig = FallbackConfig()):
         self.config = config
@@ -189,13 +166,8 @@ class FallbackPolicy:
         self._unavailable_until = now + self.config.reconnect_s
 
 
-# --------------------------------------------------------------------------- the fixed tree
-
-
 class FixedControl(Control):
-    """The request's TreeSpec every round, behind ``FallbackPolicy``: a round is plain while the draft is
-    unavailable (a failed draft is re-opened after reconnect_s) or while the tree would overrun the draft's
-    context. The round loop's default control, and ``--control fixed`` / ``front.cost_aware.enabled: false``."""
+    """The request's TreeSpec every round, behind ``FallbackPolicy`` (``--control fixed``)."""
 
     def __init__(self, spec: TreeSpec, fallback: FallbackConfig = FallbackConfig()):
         self.gamma = spec.gamma
@@ -206,14 +178,6 @@ class FixedControl(Control):
         return base
 
     def speculate(self, now: float, committed_len: int, depth: int) -> bool:
-        """FallbackPolicy.speculate for the tree's min(gamma, depth) levels."""
         go = self.fallback.speculate(now, committed_len, min(self.gamma, depth))
         self.reason = self.fallback.reason
         return go
-
-    def draft_failed(self, now: float) -> None:
-        """FallbackPolicy.draft_failed: no speculation for reconnect_s seconds."""
-        self.fallback.draft_failed(now)
-
-    def set_draft_context_limit(self, limit: int | None) -> None:
-        self.fallback.set_draft_context_limit(limit)

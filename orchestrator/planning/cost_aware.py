@@ -1,8 +1,5 @@
-"""The default per-request control: cost-aware tree shaping (``orchestrator.planning.shaping``) each round.
-
-Rules (first round plain, probes): docs/control.md "How a round's tree is shaped". Draft failures and the context
-limit follow ``FallbackPolicy``'s rules.
-"""
+"""The default per-request control: cost-aware tree shaping (``orchestrator.planning.shaping``) each round; rules:
+docs/control.md "How a round's tree is shaped"; draft failures and the context limit: ``FallbackPolicy``."""
 
 from __future__ import annotations
 
@@ -12,9 +9,8 @@ from typing import Sequence
 
 from orchestrator.planning.cost_model import CostModel, LoadedCost, predraft_pays, predraft_plain_pays
 from orchestrator.planning.control import COST, Control, FallbackPolicy, RoundObservation
-from orchestrator.planning.shaping import (
-    AcceptanceCalibration, ContextCalibration, Lookup, ShapedTree, context_path, observe_verified, shape_tree,
-)
+from orchestrator.planning.shaping import (AcceptanceCalibration, ContextCalibration, Lookup, ShapedTree,
+                                           context_path, observe_verified, shape_tree)
 from specdec.config import CostAwareConfig, FallbackConfig
 from specdec.sampling import SamplingParams
 from specdec.tree import DraftTree, ancestors, node_depths
@@ -26,8 +22,7 @@ UNPAYING_PROBE_FACTOR = 4  # probes come this much less often where no acceptanc
 
 @dataclass
 class SharedState:
-    """What the requests of one front (or one embedded engine) learn together: the cost model, the
-    load and merge shares, and the front-wide estimates that seed each request's own."""
+    """What the requests of one front (or one embedded engine) learn together."""
 
     cost: CostModel = field(default_factory=CostModel)
     estimates: Estimates = field(default_factory=lambda: Estimates())  # every request's verified rounds
@@ -39,8 +34,7 @@ class SharedState:
     draft_cost_from_forward: bool = False  # D from the draft call's own time (CostAwareConfig.draft_cost_from)
 
     def queue_learns(self) -> bool:
-        """Whether a draft reply's wall time teaches ``draft_queue`` rather than D (own device, load >= 1.5):
-        time beyond D is queueing, which learnt as D would outlast the load."""
+        """Whether a draft reply's time beyond D teaches ``draft_queue`` rather than D (own device, under load)."""
         return not self.shared_compute and self.load >= LOADED
 
     def observe_draft_queue(self, observed_ms: float, steps_ms: float, lower_bound: bool = False,
@@ -55,28 +49,23 @@ class SharedState:
         self.draft_queue += alpha * (share - self.draft_queue)
 
     def observe_verify_merge(self, batch_size: int, alpha: float = 0.3) -> None:
-        """One drafted round's verify forward under load held ``batch_size`` sessions: folded into ``verify_merge``.
-        Callers skip probes (alone by design) and a session's first drafted round (it waited for the prefill)."""
+        """One drafted round's verify forward under load held ``batch_size`` sessions: folded into ``verify_merge``."""
         if self.load >= LOADED:
             share = min(max((batch_size - 1) / (self.load - 1.0), 0.0), 1.0)  # of the other requests, in [0, 1]
             self.verify_merge += alpha * (share - self.verify_merge)
 
     def observe_load(self, batch_size: int, alpha: float = 0.3) -> None:
-        """One round's load (sessions per forward, or open at the target when more): a rise at once, so speculation
-        backs off before it costs the batch; a fall as a moving average. Under 1.1, ``verify_merge`` resets to 1."""
+        """One round's load (sessions per forward): a rise at once, a fall as a moving average."""
         load = max(batch_size, 1)
         self.load = float(load) if load > self.load else self.load + alpha * (load - self.load)
         if self.load < 1.1:
             self.verify_merge = 1.0
 
     def probe_interval(self, probe_every: int) -> float:
-        """Rounds without a draft step (all requests) before a probe: ``probe_every``, times the load on shared
-        compute (a probe takes every request's compute there)."""
+        """Rounds without a draft step before a probe: ``probe_every``, times the load on shared compute."""
         return probe_every * (self.load if self.shared_compute else 1.0)
 
-    def defer_draft(self) -> bool:
-        """Whether a new request defers its draft prefill to its first drafted round: on shared compute, where it
-        would delay the first token. A seeded sampled request waits for that prefill (trees free of timings)."""
+    def defer_draft(self) -> bool:  # a new request's draft prefill waits for its first drafted round
         return self.shared_compute
 
     def planning_cost(self) -> CostModel | LoadedCost:
@@ -89,11 +78,8 @@ class SharedState:
 
 @dataclass
 class DepthEstimates:
-    """Per-depth expectations of one request (or of a front), exponential moving averages over drafted rounds.
-
-    value[d-1]: expected sum of kept node values at depth d; rows[d-1]: expected kept nodes at
-    depth d. Depths not seen yet extrapolate geometrically (ratio of the last two, in [0.3, 0.9]).
-    """
+    """Per-depth expectations (moving averages over drafted rounds): value[d-1], the expected sum of kept node
+    values at depth d; rows[d-1], the expected kept nodes. Unseen depths extrapolate geometrically."""
 
     value: list[float] = field(default_factory=lambda: [0.6])
     rows: list[float] = field(default_factory=lambda: [1.0])
@@ -167,14 +153,11 @@ class RequestState:
 def plan_depth(est: DepthEstimates, cost: CostModel | LoadedCost, heads: list[int], max_steps: int,
                context_value: float = 0.0, context_rows: float = 0.0,
                context_path: Sequence[float] | None = None) -> tuple[int, float]:
-    """The number of draft steps g in [0, max_steps] with the best predicted rate, and that rate.
-
-    heads: [max_steps] parents expanded by each step (topHead); context_*: expected value and rows of the
-    free context branch. Rate(g) = (1 + context_value + sum value(d), d <= g) / (sum D(heads[d]) +
-    V(1 + context_rows + sum rows(d)) + overhead), tokens per ms (drafted verifies: ``drafted_verify``).
-    context_path: [m] this round's own branch (``shaping.context_path``); replaces context_value / rows, and the
-    draft's value at depth d <= m counts only where the branch fails: value(d) * (1 - context_path[d-1]).
-    """
+    """The number of draft steps g in [0, max_steps] with the best predicted rate (tokens per ms), and that rate.
+    heads: [max_steps] parents expanded by each step; context_*: expected value and rows of the context branch.
+    Rate(g) = (1 + context_value + sum value(d), d <= g) / (sum D(heads[d]) + V(1 + context_rows + sum rows(d)) +
+    overhead). context_path: [m] this round's own branch, replacing context_value / rows; the draft's value at
+    depth d <= m then counts value(d) * (1 - context_path[d-1])."""
     if context_path is not None:
         context_value, context_rows = sum(context_path), len(context_path)
     path = list(context_path or ())
@@ -203,13 +186,9 @@ def could_pay(cost: CostModel | LoadedCost, heads: list[int], max_steps: int) ->
 
 def stop_threshold(cost: CostModel | LoadedCost, rate: float, heads: int, width: int, decay: float, raw_per_value: float,
                    lookahead: int = 3) -> float:
-    """The draft's gammaThreshold for this round: deepening stops when the best path probability
-    falls below the value one more step must bring to pay for itself.
-
-    One more step costs D(heads) plus ``width`` verify rows (ms) and brings value(best) * (decay + ... +
-    decay^lookahead) tokens (a one-step rule stops confident chains too early); threshold = cost * rate / gain,
-    times ``raw_per_value`` for the draft's raw path probability, clamped to [0, 0.95]. rate: tokens per ms.
-    """
+    """The draft's gammaThreshold: one more step costs D(heads) plus ``width`` verify rows (ms) and brings
+    value * (decay + ... + decay^lookahead) tokens; threshold = cost * rate (tokens per ms) / gain * raw_per_value,
+    clamped to [0, 0.95]."""
     step_ms = cost.draft_step_ms(heads) + width * max(cost.drafted_verify(2) - cost.drafted_verify(1), 0.0)
     decay = min(max(decay, 1e-3), 0.99)
     gain = sum(decay ** k for k in range(1, lookahead + 1))
@@ -218,11 +197,8 @@ def stop_threshold(cost: CostModel | LoadedCost, rate: float, heads: int, width:
 
 
 class CostAwareControl(Control):
-    """Cost-aware control of one request (module docstring).
-
-    spec: the request's TreeSpec, an upper bound on widths; shared: the front-wide SharedState; fallback: the
-    draft deadline and reconnect delay; ngram_tokens: 0 = no context branch; lookup: replaces the n-gram lookup.
-    """
+    """Cost-aware control of one request. spec: the request's TreeSpec, an upper bound on widths; shared: the
+    front-wide SharedState; ngram_tokens: 0 = no context branch; lookup: replaces the n-gram lookup."""
 
     def __init__(self, spec: TreeSpec, shared: SharedState | None = None, fallback: FallbackConfig = FallbackConfig(),
                  max_gamma: int = 10, ngram_tokens: int = 8, max_ngram: int = 3, probe_every: int = 16,
@@ -242,18 +218,13 @@ class CostAwareControl(Control):
         self.reason: str | None = None
 
     def bind_request(self, sampling: SamplingParams) -> None:
-        """A seeded sampled request must give the same tokens every run and its draws follow the tree's shape,
-        so its trees must not depend on timings: the TreeSpec every round, verified as drafted."""
+        """A seeded sampled request's trees must not depend on timings: the TreeSpec every round, as drafted."""
         self.timing_free = sampling.seeded
 
-    # ----------------------------------------------------------------- before drafting
-
-    def round_context(self, context: Sequence[int]) -> None:
-        """This round's committed tokens [T], so the plan values this round's own context branch."""
+    def round_context(self, context: Sequence[int]) -> None:  # this round's committed tokens [T]
         self.state.context = context
 
-    def _first_round(self) -> bool:
-        """The TTFT rule holds this round: the first token comes from the target's prefill alone."""
+    def _first_round(self) -> bool:  # the first token comes from the target's prefill alone
         return self.first_round_plain and self.state.rounds == 0
 
     def speculate(self, now: float, committed_len: int, depth: int) -> bool:
@@ -280,9 +251,7 @@ class CostAwareControl(Control):
             self.shared.rounds_without_draft = 0
             st.probing = True
         self.gamma, self.reason = g, (None if g else COST)
-        if g:
-            # g decides whether to draft; the depth is the draft's own early stop, so depths the
-            # estimates undervalue are still reached when the draft is sure, and keep being learnt
+        if g:  # g decides whether to draft; the depth is the draft's own early stop
             width = sum(self.base.top_k_spec[-1])
             threshold = stop_threshold(cost, rate, heads[max_steps - 1], width,
                                        st.estimates.depths.ratio(), st.raw_per_value)
@@ -292,8 +261,7 @@ class CostAwareControl(Control):
 
     def _plan(self, context: Sequence[int] | None, cost: CostModel | LoadedCost, heads: list[int], max_steps: int,
               depth: int) -> tuple[int, float]:
-        """(draft steps g, predicted rate) of this round: the request's own ``plan_depth``,
-        valuing this round's context branch."""
+        """(draft steps g, predicted rate) of this round, valuing its context branch."""
         st = self.state
         path = None
         if context is not None and not self._first_round():
@@ -302,10 +270,8 @@ class CostAwareControl(Control):
         return plan_depth(st.estimates.depths, cost, heads, max_steps, st.context_value, st.context_rows, path)
 
     def _probe_due(self, cost: CostModel | LoadedCost, heads: list[int], max_steps: int) -> bool:
-        """Whether a probe is due: ``SharedState.probe_interval``, times UNPAYING_PROBE_FACTOR under load on shared
-        compute where not even an always-right draft could pay (``could_pay``): there it only re-times the draft.
-        Under load on shared compute only a request whose draft has prefilled probes: a cold draft's prefill would
-        take the batch's compute for a one-step tree."""
+        """Whether a probe is due: ``SharedState.probe_interval``; under load on shared compute only with a warm
+        draft, and UNPAYING_PROBE_FACTOR times later where not even an always-right draft could pay."""
         interval, waited = self.shared.probe_interval(self.probe_every), self.shared.rounds_without_draft
         if waited < interval:
             return False
@@ -316,8 +282,7 @@ class CostAwareControl(Control):
 
     def defer_draft_open(self, others: int = 0) -> bool:
         """Whether to open the draft at the first drafted round instead of the request's start: ``defer_draft``,
-        or on the draft's own device under load (others: requests in flight) when a new plan would not draft
-        (opening it would add one more prefill to the draft's queue)."""
+        or under load (others: requests in flight) when a new plan would not draft."""
         if self.shared.defer_draft() and (self.first_round_plain or others >= 1 or self.shared.load >= LOADED):
             return True  # first_round_plain off: a lone request may draft round 1, its draft opened at the start
         if self.timing_free or self.shared.load < LOADED or others == 0:  # alone now: a past burst's load is stale
@@ -335,11 +300,8 @@ class CostAwareControl(Control):
         except ValueError:
             return 1
 
-    def spec(self, base: TreeSpec | None = None) -> TreeSpec:
-        """The tree shape planned by the last ``speculate`` (the request's spec before any plan)."""
+    def spec(self, base: TreeSpec | None = None) -> TreeSpec:  # the last plan's shape (before any: the request's)
         return self.state.planned_spec or self.base
-
-    # ----------------------------------------------------------------- after drafting
 
     def shape(self, tree: DraftTree, context: list[int], max_depth: int, sunk_ms: float) -> ShapedTree:
         """Drafted nodes that pay plus the context branch (``shape_tree``), priced as this round was planned."""
@@ -374,8 +336,7 @@ class CostAwareControl(Control):
         st.draft_call_s = None
 
     def _learn_drafted(self, obs: RoundObservation) -> list[int]:
-        """Per-depth values and the raw/value ratio; returns parents per step where the draft time was a step's
-        cost (not a session's first tree, which also prefilled), else []."""
+        """Per-depth values and the raw/value ratio; returns parents per step where the draft time was steps' only."""
         st, shaped = self.state, obs.shaped
         self.shared.rounds_without_draft = 0
         depths = node_depths(shaped.tree.parents)
@@ -396,12 +357,7 @@ class CostAwareControl(Control):
 
     def _learn_costs(self, obs: RoundObservation, no_forward: bool, drafted_warm: bool, parents_per_step: list[int],
                      beside_prefill: bool) -> None:
-        """The shared load, merge and queue shares and cost model from the round's timings.
-
-        The load is the larger of ``batch_size`` and ``mergeable``: drifted rounds share few forwards, yet each
-        row still takes the batch's time. V learns from ``forward_s`` where reported (``verify_s`` also holds
-        transport and queueing, which do not grow with rows). A tree drafted ahead teaches D nothing, but its
-        ``reply_s`` shows the draft's queue. A forward beside a draft prefill teaches no cost."""
+        """The shared load, merge and queue shares and cost model from the round's timings (docs/control.md)."""
         shared = self.shared
         if no_forward:  # the open sessions are known even when no forward ran (the first round)
             if obs.mergeable:
@@ -415,7 +371,6 @@ class CostAwareControl(Control):
         if parents_per_step and reply and shared.queue_learns():
             shared.observe_draft_queue(reply * 1000, shared.cost.draft_ms(parents_per_step))
             parents_per_step = []  # the reply's time beyond D was the queue's, not D's
-        # by default D from the reply's wall time: its transport and queueing are a drafted round's cost too
         call_s = self.state.draft_call_s if shared.draft_cost_from_forward else None
         if not beside_prefill:  # a forward slowed by a draft prefill beside it is not V's
             shared.cost.observe_round(rows, obs.forward_s or obs.verify_s, parents_per_step, call_s or obs.draft_s,
@@ -434,16 +389,13 @@ class CostAwareControl(Control):
             self.state.raw_per_value += 0.2 * (min(raw / value, 5.0) - self.state.raw_per_value)
 
     def predraft(self, link_rtt_s: float | None, candidates: int) -> bool:
-        """Pre-draft or draft in line (``predraft_pays``), D priced for the planned tree at the current load."""
         return predraft_pays(link_rtt_s, self._planned_draft_ms(), self.shared.shared_compute, candidates)
 
     def predraft_plain(self, link_rtt_s: float | None, candidates: int) -> bool:
-        """Plain + pre-draft instead of an in-line draft (``predraft_plain_pays``); never for a seeded request
-        (its rounds must not depend on timings)."""
+        """``predraft_plain_pays``; never for a seeded request."""
         return not self.timing_free and predraft_plain_pays(link_rtt_s, self._planned_draft_ms())
 
     def _planned_draft_ms(self) -> float:
-        """D of the planned tree at the current load, ms."""
         spec = self.spec()
         return self.shared.planning_cost().draft_ms(spec.top_head[: max(spec.gamma, 1)])
 
@@ -452,31 +404,20 @@ class CostAwareControl(Control):
         return {**self.shared.cost.snapshot(), "load": round(self.shared.load, 2),
                 "draft_queue": round(self.shared.draft_queue, 3), "verify_merge": round(self.shared.verify_merge, 3)}
 
-    # ----------------------------------------------------------------- the rest of the interface
-
-    def prefill_beside(self) -> None:
-        """This round runs plain beside the draft's prefill: ``observe`` teaches no cost from its slowed forward."""
+    def prefill_beside(self) -> None:  # this round runs beside the draft's prefill: no cost is learnt from it
         self.state.beside_prefill = True
 
-    def draft_opened(self) -> None:
-        """A draft session (re-)opened: its first drafted round's time also holds the prefill, not a step's cost."""
+    def draft_opened(self) -> None:  # its first drafted round's time also holds the prefill
         self.state.draft_warm = False
 
-    def draft_failed(self, now: float) -> None:
-        self.fallback.draft_failed(now)
-
-    def draft_merged(self, batch_size: int) -> None:
-        """An in-line proposal's forwards held ``batch_size`` sessions: this round's draft time is D(batch_size p)
-        per step."""
+    def draft_merged(self, batch_size: int) -> None:  # the proposal's forwards held batch_size sessions
         self.state.draft_batch = max(int(batch_size), 1)
 
-    def draft_forward(self, call_s: float) -> None:
-        """The draft call took ``call_s`` s (0 = not reported); teaches D with ``draft_cost_from: forward``."""
+    def draft_forward(self, call_s: float) -> None:  # the draft call's own s (0 = not reported)
         self.state.draft_call_s = call_s if call_s > 0 else None
 
     def draft_timed_out(self, waited_s: float) -> None:
-        """No reply within ``waited_s`` s: a lower bound that raises the queue share (own device, under load) or D,
-        so the plan drafts less before more deadlines trip (each drops the session, and a re-open prefills)."""
+        """No reply within ``waited_s`` s: a lower bound that raises the queue share (own device, under load) or D."""
         planned = self.state.planned_spec
         if self.timing_free or not self.gamma or planned is None or not waited_s:
             return
@@ -490,9 +431,6 @@ class CostAwareControl(Control):
         per_request = self.shared.load if self.shared.shared_compute and self.shared.load >= LOADED else 1.0
         self.shared.cost.observe_draft_timeout(heads, waited_s / per_request)
 
-    def set_draft_context_limit(self, limit: int | None) -> None:
-        self.fallback.set_draft_context_limit(limit)
-
 
 def _parents_per_step(tree: DraftTree, depths: list[int]) -> list[int]:
     """Parents the draft expanded at each step: 1 (the root) then the expanded nodes per depth."""
@@ -503,8 +441,7 @@ def _parents_per_step(tree: DraftTree, depths: list[int]) -> list[int]:
 
 
 class CostAwareFactory:
-    """(TreeSpec, max_nodes) -> CostAwareControl sharing ``shared`` (``shared.shared_compute`` is set by the
-    Orchestrator from ``front.cost_aware.shared_compute``)."""
+    """(TreeSpec, max_nodes) -> CostAwareControl sharing ``shared``."""
 
     def __init__(self, config: CostAwareConfig, fallback: FallbackConfig, shared: SharedState):
         self.config, self.fallback, self.shared = config, fallback, shared

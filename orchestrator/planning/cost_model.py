@@ -1,13 +1,5 @@
-"""Measured costs of this deployment: target verify latency V(n) and draft step latency D(p).
-
-Units: ms. n = rows of one verify forward (tree nodes + 1); p = parents expanded by one draft step.
-Curves, scale and measurement: docs/control.md "The cost model". A point above its right neighbour is lowered
-to it: noise only slows a forward, so of two sizes out of order the smaller one's figure was inflated. The first
-observation sets the scale, as prior figures (the default pair on a CPU) may come from another machine.
-
-Worked example: points {1: 285, 8: 449} give V(4) = 285 + (449 - 285) * 3/7 = 355.3 ms; an
-observed V(4) of 426.3 ms (ratio 1.2) with alpha 0.5 moves the scale from 1 to 1.1, so V(4) is
-then 390.8 ms and V(1) 313.5 ms.
+"""Measured costs of this deployment: target verify latency V(n) and draft step latency D(p), ms; n = rows of one
+verify forward (tree nodes + 1), p = parents expanded by one draft step (docs/control.md "The cost model").
 """
 
 from __future__ import annotations
@@ -37,12 +29,9 @@ MERGED_RETRIES = 3  # a start-up call that a service merged with other sessions'
 
 @dataclass
 class LatencyCurve:
-    """A latency curve ms(x) = scale * base(x) through measured points (module docstring).
-
-    points: {x: ms}, x >= 1 integers (at least one; ValueError otherwise); alpha: weight of one observation;
-    measured: the points are this deployment's, so the first observation sets the scale only when over 4x off.
-    Thread-safe (the front's requests share one curve).
-    """
+    """A latency curve ms(x) = scale * base(x) through measured points, never decreasing (a point above its
+    right neighbour is lowered to it). points: {x: ms}, x >= 1 (at least one; ValueError otherwise); alpha: weight
+    of one observation; measured: the first observation sets the scale only when over 4x off. Thread-safe."""
 
     points: dict[int, float]
     alpha: float = 0.2
@@ -56,7 +45,7 @@ class LatencyCurve:
             raise ValueError("points: a latency curve needs at least one measured point")
         if any(x < 1 or ms <= 0 for x, ms in self.points.items()):
             raise ValueError(f"points: need x >= 1 and ms > 0, got {self.points}")
-        xs = sorted(self.points, reverse=True)  # suffix minimum (module docstring)
+        xs = sorted(self.points, reverse=True)  # suffix minimum
         self.points = dict(sorted(zip(map(int, xs), itertools.accumulate((float(self.points[x]) for x in xs), min))))
 
     def base(self, x: float) -> float:
@@ -74,12 +63,10 @@ class LatencyCurve:
             return self.scale * self.base(x)
 
     def observe(self, x: float, ms: float) -> None:
-        """Move the scale towards one observed latency ``ms`` at ``x`` (module docstring)."""
         self.observe_sum([x], ms)
 
     def observe_sum(self, xs: Iterable[float], ms: float, may_set: bool = True) -> None:
-        """One observation of ``ms`` for forwards of sizes xs. may_set False: always the clamped moving average
-        (a bound, not a measurement: a deadline that tripped once must not set the scale)."""
+        """One observation of ``ms`` for forwards of sizes xs. may_set False (a bound): the clamped average only."""
         xs = [x for x in xs if x >= 1]
         if ms <= 0 or not xs:
             return
@@ -101,10 +88,8 @@ class LatencyCurve:
 
 
 class CostModel:
-    """V(n) and D(p) of this deployment (module docstring), shared by the requests of one front.
-
-    verify_ms: {rows: ms}; draft_step_ms: {parents: ms}; round_overhead_ms: the rest of a round, learnt.
-    """
+    """V(n) and D(p), shared by the requests of one front. verify_ms: {rows: ms}; draft_step_ms: {parents: ms};
+    round_overhead_ms: the rest of a round, learnt; source: "prior", "measured" or "configured"."""
 
     def __init__(self, verify_ms: dict[int, float] | None = None, draft_step_ms: dict[int, float] | None = None,
                  alpha: float = 0.2, source: str = "prior"):
@@ -113,12 +98,10 @@ class CostModel:
         self.draft_step = LatencyCurve(dict(draft_step_ms or PRIOR_DRAFT_STEP_MS), alpha,
                                        measured=measured and bool(draft_step_ms))
         self.round_overhead_ms = 0.0
-        # "prior" | "measured" | "configured" (CostAwareConfig's figures; this deployment's, as measured)
         self.source = source
 
     def draft_step_ms(self, parents: int) -> float:
-        """D(parents). Before any draft observation it follows the verify curve's scale: prior figures hold
-        the two models' cost ratio, and a machine 10x faster for the target is about as fast for the draft."""
+        """D(parents); before any draft observation at the verify curve's scale (priors hold the cost ratio)."""
         if self.draft_step.observations == 0 and not self.draft_step.measured:
             return self.verify.scale * self.draft_step.base(parents)
         return self.draft_step(parents)
@@ -127,8 +110,7 @@ class CostModel:
         """Predicted ms of a draft proposal that expands these parents per step (one entry per step)."""
         return sum(self.draft_step_ms(p) for p in parents_per_step)
 
-    def drafted_verify(self, rows: float) -> float:
-        """V(rows) of a drafted round: alone, the same as a plain round's (``LoadedCost`` differs)."""
+    def drafted_verify(self, rows: float) -> float:  # alone, the same as a plain round's (LoadedCost differs)
         return self.verify(rows)
 
     def round_ms(self, rows: int, parents_per_step: Iterable[int] = ()) -> float:
@@ -144,8 +126,7 @@ class CostModel:
         self.round_overhead_ms += 0.2 * (overhead_s * 1000 - self.round_overhead_ms)
 
     def observe_draft_timeout(self, parents_per_step: list[int], waited_s: float) -> None:
-        """No reply within ``waited_s`` s (the deadline): a lower bound folded into D through the clamped
-        average only; otherwise proposals that all time out would teach D nothing and keep being planned."""
+        """No reply within ``waited_s`` s (the deadline): a lower bound folded into D through the clamped average."""
         if parents_per_step and waited_s * 1000 > self.draft_ms(parents_per_step):  # a bound already met says nothing
             self._observe_draft(parents_per_step, waited_s * 1000, may_set=False)  # moves D by at most 1 + alpha
 
@@ -163,32 +144,23 @@ class CostModel:
 
 
 def predraft_pays(link_rtt_s: float | None, draft_ms: float, shared_compute: bool, candidates: int = 1) -> bool:
-    """``front.pipeline: auto`` (docs/control.md "Pipelining"): pre-draft the next round during the verify, or
-    draft it in line. On its own compute the draft's ahead work costs the target nothing: pre-draft. On shared
-    compute the ``candidates`` trees (candidates * D, ``draft_ms`` each, in ms) slow the verify they run
-    beside, while a hit saves the link's round trip and D: pre-draft once the round trip (s) is at least
-    candidates * D. Example: D 40 ms, 2 candidates, shared: a 100 ms link pre-drafts, a 1 ms link does not."""
+    """``front.pipeline: auto`` (docs/control.md "Pipelining"): pre-draft the next round during the verify (True)
+    or draft it in line: always on the draft's own compute, on shared compute once the round trip (s) is at least
+    candidates * D (``draft_ms``, ms). Example: D 40 ms, 2 candidates, shared: a 100 ms link pre-drafts."""
     if not shared_compute:
         return True
     return link_rtt_s is not None and link_rtt_s * 1000 >= candidates * draft_ms
 
 
 def predraft_plain_pays(link_rtt_s: float | None, draft_ms: float) -> bool:
-    """Pipelining on, the round's tree not drafted ahead (docs/control.md "Pipelining"): run the round plain and
-    pre-draft the next tree beside it, or draft in line. In line puts the round trip and D (``draft_ms``, ms) before
-    the verify; plain + pre-draft puts neither there and the plain step still commits a token, so it is chosen
-    once the link is at least half of that in-line wait: round trip (s) >= D. Example: D 40 ms: a 300 ms link
-    runs plain + pre-draft, a 1 ms link drafts in line (unknown link: in line)."""
+    """Run a round whose tree was not drafted ahead plain and pre-draft the next tree beside it (True), or draft in
+    line (docs/control.md "Plain + pre-draft"): once the round trip (s) >= D (``draft_ms``, ms); unknown: in line."""
     return link_rtt_s is not None and link_rtt_s * 1000 >= draft_ms
 
 
 class LoadedCost:
-    """The cost model as each of ``load`` requests whose rounds share one verify forward sees it.
-
-    SmartSpec goodput (Liu et al. 2024, §4): B merged requests of r rows each take D + V(B r) + overhead for B
-    times one request's tokens, so ``verify(rows)`` is V(load * rows). load: sessions per verify forward (>= 1).
-    Draft pricing (shared compute, queue) and the merges: docs/control.md "Under load".
-    """
+    """The cost model as each of ``load`` requests (>= 1) whose rounds share one verify forward sees it: SmartSpec
+    goodput (Liu et al. 2024, §4), ``verify(rows)`` = V(load * rows). The rest: docs/control.md "Under load"."""
 
     def __init__(self, cost: CostModel, load: float, shared_compute: bool = False, draft_queue: float = 0.0,
                  verify_merge: float = 1.0):
@@ -232,12 +204,9 @@ class LoadedCost:
 
 def measure_curve(run: Callable[[int], float | None], xs: Iterable[int], repeats: int = 3,
                   clock: Callable[[], float] = time.perf_counter) -> dict[int, float]:
-    """Time ``run(x)`` for each x; the median of ``repeats`` runs (ms) per x after one warm-up run of each.
-
-    run: one forward of size x, returning None (timed by ``clock``, s) or the forward's own seconds. The sizes
-    take turns, so a short disturbance costs each size at most one run, which the median drops; size after size
-    it could flatten the curve, and rows would look free for as long as the front runs (only the scale learns).
-    """
+    """Time ``run(x)`` for each x; the median of ``repeats`` runs (ms) per x after one warm-up run of each. run:
+    one forward of size x, returning None (timed by ``clock``, s) or its own seconds. The sizes take turns, so a
+    short disturbance costs each size at most one run."""
     xs = list(xs)
     for x in xs:  # warm-up: first calls pay allocation and kernel selection
         run(x)
@@ -258,15 +227,11 @@ def measure_worker_costs(target, draft, vocab_size: int, context_tokens: int = 1
                          rows: Iterable[int] = (1, 4, 8, 16, 32), parents: Iterable[int] = (1, 2, 4, 8),
                          clock: Callable[[], float] = time.perf_counter, context_limit: int | None = None,
                          max_rows: int | None = None) -> CostModel:
-    """A CostModel measured on workers with blocking calls (the draft may be None).
-
-    V(n): verifies of chains of n - 1 nodes after ``context_tokens`` cached tokens, by the forward's own time
-    where reported. D(p): a 1 + DRAFT_STEPS-step proposal (later steps expanding p parents) minus a one-step
-    one, / DRAFT_STEPS. A call merged with other sessions' work is rerun up to MERGED_RETRIES times, then
-    MeasurementDisturbed. Sessions ``__cost_model__<random>`` are released even on errors, which propagate.
-    ``context_limit`` (target's max positions) shrinks the context (ValueError under 8 tokens); sizes over
-    ``max_rows`` are left out (their V extrapolates). clock: seconds.
-    """
+    """A CostModel measured on workers with blocking calls (the draft may be None). V(n): verifies of chains of
+    n - 1 nodes after ``context_tokens`` cached tokens; D(p): a 1 + DRAFT_STEPS-step proposal (later steps
+    expanding p parents) minus a one-step one, / DRAFT_STEPS. A merged call is rerun up to MERGED_RETRIES times,
+    then MeasurementDisturbed. ``context_limit`` shrinks the context (ValueError under 8 tokens); rows over
+    ``max_rows`` are left out. Sessions are released even on errors, which propagate."""
     rows = [n for n in rows if max_rows is None or n <= max_rows] or [1]
     if context_limit:
         context_tokens = min(context_tokens, context_limit - 4 * (MERGED_RETRIES + 1) * len(rows) - max(rows))
@@ -351,16 +316,14 @@ def _session(worker, sid: str, ids: list[int], sampling):
 
 async def measure_service_costs(target, draft, vocab_size: int, call_timeout_s: float = 60.0,
                                 total_timeout_s: float = 120.0, **kwargs) -> CostModel:
-    """``measure_worker_costs`` through awaitable workers (the gRPC clients), on a thread whose calls wait on
-    this event loop. Each call may take ``call_timeout_s`` s, none past ``total_timeout_s`` from the start
-    (TimeoutError; releases still get ``call_timeout_s``). Cancelled, the thread stops at its next call.
-    kwargs: ``measure_worker_costs``'s. Errors of the calls propagate."""
+    """``measure_worker_costs`` (kwargs) through awaitable workers, on a thread whose calls wait on this event
+    loop: each call within ``call_timeout_s`` s, none past ``total_timeout_s`` (TimeoutError; releases still get
+    ``call_timeout_s``). Cancelled, the thread stops at its next call."""
     loop = asyncio.get_running_loop()
     stop = threading.Event()
     deadline = time.monotonic() + total_timeout_s
 
     def call(name: str, method, *args):
-        """``method(*args)`` (the worker's ``name``) on the event loop, waited for on the measurement's thread."""
         release = name == "release"  # a release still goes out: the session must not stay open
         if not release:
             if stop.is_set():

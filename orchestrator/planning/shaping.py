@@ -1,10 +1,7 @@
-"""Cost-aware token trees: each round's tree maximizes expected committed tokens per millisecond.
-
-A node's *value* is its estimated chance of lying on the accepted path; a round's expected tokens are 1 (the
-bonus) + the sum of its values (linearity of expectation); its *rate* is expected tokens / predicted round ms.
-The three decisions (depth, selection, free context branches): docs/control.md "How a round's tree is shaped".
-Sources: EAGLE-2 (Li et al. 2024, §4: dynamic trees ranked by draft confidence), Sequoia (Chen et al. 2024, §3:
-hardware-aware tree size), SpecDec++ (Huang et al. 2024) and DISCO (Mamou et al. 2024) on when to stop drafting.
+"""Cost-aware token trees: each round's tree maximizes expected committed tokens (1 + the sum of its nodes' values,
+each the chance of lying on the accepted path) per predicted round ms (docs/control.md). Sources: EAGLE-2 (Li et
+al. 2024, §4: dynamic trees ranked by draft confidence), Sequoia (Chen et al. 2024, §3: hardware-aware tree size),
+SpecDec++ (Huang et al. 2024) and DISCO (Mamou et al. 2024) on when to stop drafting.
 """
 
 from __future__ import annotations
@@ -51,11 +48,8 @@ class _Calibration:
 
 
 class AcceptanceCalibration(_Calibration):
-    """a(q): P(a draft child is accepted | its parent is), binned by the child's draft probability q.
-
-    Counts over nodes whose parent was accepted (an unbiased sample). ``prior``: another AcceptanceCalibration;
-    without one a(q) starts at 0.8 q, worth 2.
-    """
+    """a(q): P(a draft child is accepted | its parent is), binned by the child's draft probability q; without a
+    ``prior`` (another AcceptanceCalibration) a(q) starts at 0.8 q, worth 2."""
 
     def a_bin(self, b: int) -> float:
         if self.prior is not None:
@@ -84,12 +78,9 @@ class ContextCalibration(_Calibration):
 
 @dataclass(frozen=True)
 class ShapedTree:
-    """The tree a round verifies, with what the shaping decided.
-
-    draft_index: [N] index in the draft's own tree (None for context nodes); values: [N] acceptance chances;
-    context: {node: (n, k)} calibration keys of the context branch's nodes, shared draft nodes included;
-    drafted: nodes the draft proposed; expected_accepted: sum of values (tokens, bonus excluded).
-    """
+    """The tree a round verifies: draft_index: [N] index in the draft's own tree (None for context nodes); values:
+    [N] acceptance chances; context: {node: (n, k)} calibration keys of the context branch's nodes (shared draft
+    nodes too); drafted: nodes the draft proposed; expected_accepted: sum of values (tokens, bonus excluded)."""
 
     tree: DraftTree
     draft_index: tuple[int | None, ...]
@@ -166,11 +157,8 @@ Lookup = Callable[[Sequence[int], int], tuple[list[int], int]]  # (context, max 
 def shape_tree(tree: DraftTree, context: Sequence[int], calib: AcceptanceCalibration, ctx_calib: ContextCalibration,
                cost: CostModel, sunk_ms: float, ngram_tokens: int = 8, max_ngram: int = 3,
                max_depth: int | None = None, lookup: Lookup | None = None) -> ShapedTree:
-    """Merge the context's n-gram continuation into the drafted tree, then keep the nodes that pay.
-
-    tree: the draft's tree (may be empty); context: [T] committed tokens; max_depth: deepest node allowed;
-    lookup: replaces ``ngram_continuation``.
-    """
+    """Merge the context's n-gram continuation into the drafted tree (may be empty), then keep the nodes that pay.
+    context: [T] committed tokens; max_depth: deepest node allowed; lookup: replaces ``ngram_continuation``."""
     values = node_values(tree, calib)
     drafted = tree.size
     ctx_keys: dict[int, tuple[int, int]] = {}

@@ -1,7 +1,5 @@
-"""The front on Ray: orchestrator actors, each an async actor running many requests concurrently.
-
-Each round's tokens stream back as they land (``num_returns="streaming"``); cancelling the stream or ``abort``
-cancels the request's task in the actor, freeing its KV. The actor is only the process boundary.
+"""The front on Ray: async orchestrator actors, each running many requests; each round's tokens stream back as they
+land (``num_returns="streaming"``); cancelling the stream or ``abort`` cancels the request's task, freeing its KV.
 """
 
 from __future__ import annotations
@@ -35,11 +33,8 @@ def actor_env() -> dict[str, str]:
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
 class OrchestratorActor:
-    """Hosts an orchestrator.loop.service.Orchestrator (gRPC clients + round controller)."""
-
     def __init__(self, front_json: str, grpc_json: str, tokenizer_dir: str | None, start: StartCosts | None):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        # batched, exported every 200 ms: a blocking export per span on this loop would hold up every request's rounds
         setup_tracing("specdec-orchestrator",  # OTEL_BSP_SCHEDULE_DELAY, when set, wins
                       export_delay_ms=None if "OTEL_BSP_SCHEDULE_DELAY" in os.environ else ACTOR_EXPORT_DELAY_MS)
         front, grpc_cfg = FrontConfig.model_validate_json(front_json), GrpcConfig.model_validate_json(grpc_json)
@@ -61,15 +56,11 @@ class OrchestratorActor:
         return await self.orchestrator.abort(request_id)
 
     async def cost(self) -> dict | None:
-        """The cost-aware control's ``CostModel.snapshot`` now, None without that control."""
-        shared = self.orchestrator.shared  # None: not the cost-aware control, which has no cost model
-        return None if shared is None else shared.cost.snapshot()
+        return self.orchestrator.cost_snapshot()
 
 
 def _log_ray_auth() -> None:
-    """Say whether the Ray cluster authenticates its callers (``RAY_AUTH_MODE=token``; Ray >= 2.59 turns it on for
-    a local head unless the environment says otherwise): without it, anyone who reaches its ports can run code
-    beside the front's token file and keys."""
+    """Say whether the Ray cluster authenticates its callers (``RAY_AUTH_MODE=token``)."""
     try:
         from ray._private.authentication.authentication_utils import is_token_auth_enabled
         enabled = is_token_auth_enabled()
@@ -83,8 +74,8 @@ def _log_ray_auth() -> None:
 
 
 class RayBackend(Backend):
-    """Requests run in ``front.workers`` OrchestratorActors, least-loaded first, failing over when one dies.
-    Starts a local Ray (``front.ray_address`` unset) or attaches to a cluster."""
+    """Requests run in ``front.workers`` OrchestratorActors, least-loaded first, failing over when one dies, on a
+    local Ray (``front.ray_address`` unset) or a cluster."""
 
     def __init__(self, front: FrontConfig, grpc_cfg: GrpcConfig, tok_dir: str | None):
         self.front, self.grpc_cfg, self.tok_dir = front, grpc_cfg, tok_dir
@@ -119,8 +110,7 @@ class RayBackend(Backend):
         self.inflight = {i: 0 for i in range(len(self.actors))}
         await asyncio.gather(*[actor.ready.remote() for actor in self.actors])
 
-    def cost(self) -> dict | None:
-        """The cost model the actors started from (each then learns its own), None without the cost-aware control."""
+    def cost(self) -> dict | None:  # the cost model the actors started from (each then learns its own)
         return self.start_cost
 
     PROBE_INTERVAL_S = 0.5  # a failed actor is asked for ``ready`` this often until it answers (Ray restarts it)
@@ -131,19 +121,12 @@ class RayBackend(Backend):
         time_left_s; an abort ends the wait), then take the least-loaded of all."""
         wait_s = self.RECOVERY_WAIT_S if time_left_s is None else min(self.RECOVERY_WAIT_S, time_left_s)
         until = time.monotonic() + wait_s
-        while (len(self.failed) == len(self.actors) and time.monotonic() < until
-               and request_id not in self.aborted):
+        while len(self.failed) == len(self.actors) and time.monotonic() < until and request_id not in self.aborted:
             await asyncio.sleep(0.05)
         healthy = [i for i in self.inflight if i not in self.failed] or list(self.inflight)
         return min(healthy, key=self.inflight.get)
 
-    def _mark_failed(self, index: int) -> None:
-        """Skip actor ``index`` (``_pick``) until it answers ``ready`` again."""
-        if index not in self.failed:
-            self.failed[index] = asyncio.ensure_future(self._until_ready(index))
-
     async def _until_ready(self, index: int) -> None:
-        """Ask a failed actor for ``ready`` until it answers, then count it healthy again."""
         try:
             while True:
                 try:
@@ -176,7 +159,8 @@ class RayBackend(Backend):
                                 return
                     return
                 except ray.exceptions.RayActorError as exc:  # ActorUnavailableError included
-                    self._mark_failed(index)
+                    if index not in self.failed:  # skipped by _pick until it answers ``ready`` again
+                        self.failed[index] = asyncio.ensure_future(self._until_ready(index))
                     if progress.ended:  # died after the last round, before its stats: nothing to continue
                         log.warning("request %s: orchestrator actor %d died after the request's last round (%s)",
                                     request_id, index, type(exc).__name__)

@@ -1,9 +1,6 @@
-"""Admission control of the front: running and queued requests per client and overall (``front.limits``).
-
-Limits, queue and client keys: docs/serving.md "Client limits". A slot is held until the stream ends, whichever
-way; a freed slot goes to the first waiter that may run (one held back only by its own client's cap does not
-hold up the others). Everything runs on the front's event loop: no locks. Use: ``ticket = enter(client, id)``,
-``if await ticket.granted:`` generate (False: aborted while waiting), ``leave(ticket)`` on every exit path.
+"""Admission control of the front (``front.limits``; docs/serving.md "Client limits"), on the front's event loop.
+Use: ``ticket = enter(client, id)``, ``if await ticket.granted:`` generate (False: aborted while waiting),
+``leave(ticket)`` on every exit path.
 """
 
 from __future__ import annotations
@@ -38,22 +35,20 @@ class Ticket:
 
 
 class Admission:
-    """Running slots and the FIFO queue of one front, under ``limits`` (see the module docstring)."""
+    """Running slots and the FIFO queue of one front, under ``limits``; per-client caps by default half the slots
+    and half the queue (rounded up)."""
 
     def __init__(self, limits: ClientLimitsConfig):
         self.limits = limits
-        # per-client caps, by default half the slots and half the queue (rounded up): one client can neither take
-        # every slot nor fill the queue for the others
-        self.running_cap = _or_half(limits.max_running_per_client, limits.max_running)
-        self.waiting_cap = _or_half(limits.max_waiting_per_client, limits.max_waiting)
+        self.running_cap, self.waiting_cap = (cap if cap is not None else (total + 1) // 2 for cap, total in (
+            (limits.max_running_per_client, limits.max_running), (limits.max_waiting_per_client, limits.max_waiting)))
         self.queue: deque[Ticket] = deque()
         self.running = 0                            # requests holding a running slot
         self.running_of: Counter[str] = Counter()   # client -> requests holding a slot
         self.waiting_of: Counter[str] = Counter()   # client -> requests in the queue
 
     @property
-    def waiting(self) -> int:
-        """Requests in the queue."""
+    def waiting(self) -> int:  # requests in the queue
         return len(self.queue)
 
     def enter(self, client: str, request_id: str) -> Ticket:
@@ -125,8 +120,7 @@ class Admission:
         ticket.state = LEFT
 
     def _promote(self) -> None:
-        """Free slots to the waiters that may run (cancelled ones skipped): each to the first waiter of the client
-        with the fewest running requests, so a client with many queued requests cannot hold the others back."""
+        """Free slots to the waiters that may run: each to the first waiter of the client with the fewest running."""
         while self.running < self.limits.max_running:
             ready = [t for t in self.queue if not t.granted.done() and self._may_run(t.client)]
             if not ready:
@@ -142,13 +136,8 @@ class Admission:
             del counts[client]  # no entry per client ever seen
 
 
-def _or_half(cap: int | None, total: int) -> int:
-    return cap if cap is not None else (total + 1) // 2
-
-
 def peer_host(peer: str) -> str:
-    """The host of a gRPC ``context.peer()`` ("ipv4:10.0.0.7:51234" -> "10.0.0.7", "ipv6:[::1]:5" -> "::1");
-    any other form (unix sockets) is returned whole."""
+    """The host of a gRPC ``context.peer()`` ("ipv4:10.0.0.7:51234" -> "10.0.0.7"); other forms returned whole."""
     kind, _, address = peer.partition(":")
     if kind in ("ipv4", "ipv6") and ":" in address:
         return address.rsplit(":", 1)[0].strip("[]")

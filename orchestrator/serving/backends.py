@@ -62,8 +62,7 @@ class LocalBackend(Backend):
         return self.orchestrator.info
 
     def cost(self) -> dict | None:
-        shared = self.orchestrator.shared  # None: not the cost-aware control, which has no cost model
-        return None if shared is None else shared.cost.snapshot()
+        return self.orchestrator.cost_snapshot()
 
     async def stream(self, request: GenerationRequest, request_id: str, timeout_s, carrier):
         try:

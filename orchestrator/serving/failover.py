@@ -1,10 +1,6 @@
-"""Fail-over of a request whose orchestrator actor died: what the front streamed, and how it goes on.
-
-Behaviour (one unbroken stream, greedy output unchanged, a fresh derived seed for sampling): docs/serving.md
-"Ray and fail-over". The continuation's ``resumed_tokens`` lets its stop checker see the streamed tokens.
-
-Worked example: prompt [5, 6, 7], max_new_tokens 10, 4 tokens [1, 2, 3, 4] streamed when the actor
-died: the continuation is prompt [5, 6, 7, 1, 2, 3, 4] with resumed_tokens 4 and max_new_tokens 6.
+"""Fail-over of a request whose orchestrator actor died (docs/serving.md "Ray and fail-over"). Example: prompt
+[5, 6, 7], max_new_tokens 10, [1, 2, 3, 4] streamed: the continuation is prompt [5, 6, 7, 1, 2, 3, 4] with
+resumed_tokens 4 (its stop checker sees them) and max_new_tokens 6.
 """
 
 from __future__ import annotations
@@ -30,16 +26,14 @@ class Resumption:
         self.stop_reason: str | None = None  # set by the round that ended the request
         self.failovers = 0
 
-    def record(self, tokens: list[int], record: RoundRecord | None) -> None:
-        """Note one chunk streamed to the client (tokens: the round's committed ids)."""
+    def record(self, tokens: list[int], record: RoundRecord | None) -> None:  # one chunk streamed to the client
         self.streamed.extend(tokens)
         if record is not None:
             self.seen.add(record, time.monotonic() - self.started)
             self.stop_reason = record.stop_reason
 
     @property
-    def ended(self) -> bool:
-        """True once a streamed round ended the request (only its stats were still to come)."""
+    def ended(self) -> bool:  # a streamed round ended the request (only its stats were still to come)
         return self.stop_reason is not None
 
     def fail_over(self) -> bool:
@@ -49,11 +43,8 @@ class Resumption:
         self.failovers += 1
         return True
 
-    def time_left_s(self) -> float | None:
-        """Seconds left of the request's deadline (<= 0: past it; None: no deadline)."""
-        if self.timeout_s is None:
-            return None
-        return self.timeout_s - (time.monotonic() - self.started)
+    def time_left_s(self) -> float | None:  # <= 0: past the deadline; None: no deadline
+        return None if self.timeout_s is None else self.timeout_s - (time.monotonic() - self.started)
 
     def next_part(self) -> GenerationRequest:
         """The request for the next actor: the original while nothing was streamed, else its continuation. Only

@@ -1,10 +1,5 @@
-"""The public generation front: ``specdec.v1.GenerationService`` over the orchestrator.
-
-``Generate`` streams each round's tokens with their text delta, then the final statistics; ``Abort`` (or a client
-gone) cancels a request, freeing its KV. Status codes: docs/serving.md. With ``front.http_port`` the same
-RequestRunner also serves the OpenAI-compatible HTTP API.
-
-    specdec front --config deploy/specdec.yaml [--http-port 8000]
+"""The public generation front: ``specdec.v1.GenerationService`` over the orchestrator (status codes:
+docs/serving.md); with ``front.http_port`` the same RequestRunner also serves the OpenAI-compatible HTTP API.
 """
 
 from __future__ import annotations
@@ -43,15 +38,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         tree = None
         if msg.HasField("tree") and not msg.no_spec and self.runner.front.speculate:
             tree = spec_from_proto(msg.tree)
-        metadata = dict(context.invocation_metadata() or ())
         return GenerateCall(
             request_id=msg.request_id or f"gen-{uuid.uuid4().hex[:12]}", prompt=msg.prompt,
             prompt_ids=tuple(msg.prompt_ids), raw=msg.raw, max_new_tokens=msg.max_new_tokens, stop=tuple(msg.stop),
             sampling=sampling_from_proto(msg.sampling), tree=tree, no_spec=msg.no_spec, ignore_eos=msg.ignore_eos,
             min_tokens=msg.min_tokens, stop_token_ids=tuple(msg.stop_token_ids),
             skip_special_tokens=not msg.HasField("skip_special_tokens") or msg.skip_special_tokens,
-            timeout_s=context.time_remaining(),
-            client=self.runner.client_of(metadata.get("authorization", ""), peer_host(context.peer())))
+            timeout_s=context.time_remaining(), client=self.client(context))
+
+    def client(self, context) -> str:  # the caller's admission key
+        metadata = dict(context.invocation_metadata() or ())
+        return self.runner.client_of(metadata.get("authorization", ""), peer_host(context.peer()))
 
     async def Generate(self, request, context):
         try:
@@ -74,9 +71,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Abort(self, request, context):
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: required")
-        metadata = dict(context.invocation_metadata() or ())
-        client = self.runner.client_of(metadata.get("authorization", ""), peer_host(context.peer()))
-        return generation_pb2.AbortResponse(aborted=await self.runner.abort(client, request.request_id))
+        return generation_pb2.AbortResponse(aborted=await self.runner.abort(self.client(context), request.request_id))
 
 
 def response_of(request_id: str, event: StreamEvent) -> generation_pb2.GenerateResponse:
@@ -87,8 +82,7 @@ def response_of(request_id: str, event: StreamEvent) -> generation_pb2.GenerateR
 
 
 async def serve_front(config: ServeConfig) -> int:
-    """Run the front (gRPC, and HTTP with front.http_port) until SIGTERM/SIGINT; both drain together. Returns
-    the bound gRPC port."""
+    """Run the front (gRPC, and HTTP with front.http_port) until SIGTERM/SIGINT; returns the bound gRPC port."""
     setup_tracing("specdec-front")
     front = config.front
     tok_dir = tokenizer_dir(front, config.models)
@@ -128,8 +122,8 @@ async def serve_front(config: ServeConfig) -> int:
 
 
 def run(config_path: str | None = None, overrides: dict | None = None) -> int:
-    """Load the config (YAML, then dotted ``overrides`` such as {"front.port": 0}; None = keep the file's value)
-    and serve the front (``specdec front``); returns the exit code."""
+    """``specdec front``: load the config (YAML, then dotted ``overrides``; None = the file's) and serve; returns the
+    exit code."""
     try:
         config = load_config(config_path, dict(overrides or {}))
         tokenizer_dir(config.front, config.models)  # fails early (exit 2) for an unknown model directory

@@ -1,8 +1,6 @@
-"""OpenAI-compatible HTTP API of the front: FastAPI on uvicorn, in the front's own event loop.
-
-A request's JSON becomes a ``GenerateCall``, its ``StreamEvent``s OpenAI's objects; endpoints, parameters and
-statuses: docs/http-api.md. A stream's headers go out with its first tokens, so an error before them gets its
-status, a later one an ``{"error": ...}`` event.
+"""OpenAI-compatible HTTP API of the front (FastAPI on uvicorn, in the front's event loop): a request's JSON becomes
+a ``GenerateCall``, its ``StreamEvent``s OpenAI's objects (docs/http-api.md). A stream's headers go out with its
+first tokens, so an error before them gets its status, a later one an ``{"error": ...}`` event.
 """
 
 from __future__ import annotations
@@ -47,11 +45,10 @@ INT64 = 2**63
 
 # OpenAI parameters this server does not implement, with the values that ask for nothing (accepted).
 UNSUPPORTED: dict[str, tuple] = {
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,), "functions": (None, []), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}), "best_of": (None, 1), "suffix": (None, ""),
-}
+    "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+    "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,), "functions": (None, []),
+    "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "best_of": (None, 1),
+    "suffix": (None, "")}
 
 # our stop reasons (specdec.stats / orchestrator.loop.stops) -> OpenAI's finish_reason
 FINISH_REASONS = {"eos": "stop", "stop_token": "stop", "stop_string": "stop", "max_new_tokens": "length",
@@ -59,11 +56,7 @@ FINISH_REASONS = {"eos": "stop", "stop_token": "stop", "stop_string": "stop", "m
 
 
 def _is_noop(value, noops: tuple) -> bool:
-    """value is one of noops, type included (False is not 0 here)."""
-    return any(value is n or (type(value) is type(n) and value == n) for n in noops)
-
-
-# --------------------------------------------------------------------------- request models
+    return any(value is n or (type(value) is type(n) and value == n) for n in noops)  # False is not 0 here
 
 
 class _Strict(BaseModel):
@@ -78,9 +71,7 @@ class _Strict(BaseModel):
         return data
 
 
-class SpecdecOptions(_Strict):
-    """The ``specdec`` extension field of a request."""
-
+class SpecdecOptions(_Strict):  # the ``specdec`` extension field of a request
     tree: dict | None = None          # TreeSpec JSON (DESIGN.md "TreeSpec"); None = the server's
     no_spec: bool = False             # plain target decoding
     ignore_eos: bool = False          # EOS does not end generation (vLLM's ignore_eos): fixed-length runs
@@ -88,12 +79,10 @@ class SpecdecOptions(_Strict):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False       # one more chunk, with empty choices and the usage, before [DONE]
+    include_usage: bool = False  # one more chunk, with empty choices and the usage, before [DONE]
 
 
-class _GenerationParams(_Strict):
-    """The parameters completions and chat completions share."""
-
+class _GenerationParams(_Strict):  # the parameters completions and chat completions share
     model: str | None = None          # None = the served model
     max_tokens: int | None = Field(default=None, ge=1, lt=INT32)
     temperature: float = 1.0          # OpenAI's default; 0 = greedy
@@ -130,14 +119,11 @@ class _GenerationParams(_Strict):
     def max_new_tokens(self) -> int:
         return self.max_tokens or 0  # 0 = front.max_new_tokens
 
-    def top_logprobs_k(self) -> int | None:
-        """Alternatives per generated token's logprobs; None = no logprobs."""
+    def top_logprobs_k(self) -> int | None:  # alternatives per generated token's logprobs; None = no logprobs
         return None
 
 
-class CompletionRequest(_GenerationParams):
-    """POST /v1/completions: one prompt, text (no chat template) or token ids."""
-
+class CompletionRequest(_GenerationParams):  # POST /v1/completions: one prompt, text (no chat template) or ids
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=5)  # the legacy API's: top alternatives per token
     echo: bool = False  # the prompt's text (and with logprobs its tokens' logprobs) before the completion's
@@ -164,9 +150,7 @@ class ChatMessage(_Strict):
         return {"role": self.role, "content": text} | ({"name": self.name} if self.name is not None else {})
 
 
-class ChatCompletionRequest(_GenerationParams):
-    """POST /v1/chat/completions: a conversation through the target's chat template."""
-
+class ChatCompletionRequest(_GenerationParams):  # POST /v1/chat/completions, through the target's chat template
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, lt=INT32)
     logprobs: bool = False
@@ -184,12 +168,7 @@ class ChatCompletionRequest(_GenerationParams):
         return self.max_completion_tokens or self.max_tokens or 0
 
 
-# --------------------------------------------------------------------------- errors
-
-
-class ApiError(Exception):
-    """An HTTP error in OpenAI's error object format."""
-
+class ApiError(Exception):  # an HTTP error in OpenAI's error object format
     def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
                  code: str | None = None):
         super().__init__(message)
@@ -209,8 +188,7 @@ class ClientGone(Exception):
 
 UPSTREAM_STATUS = {  # a downstream gRPC status -> (HTTP status, OpenAI error type)
     "INVALID_ARGUMENT": (400, "invalid_request_error"), "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
-    "UNAVAILABLE": (503, "server_error"), "DEADLINE_EXCEEDED": (504, "server_error"),
-}
+    "UNAVAILABLE": (503, "server_error"), "DEADLINE_EXCEEDED": (504, "server_error")}
 
 
 def field_error(exc: Exception, chat: bool) -> ApiError:
@@ -264,15 +242,10 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     return ApiError(400, "; ".join(messages), first)
 
 
-# --------------------------------------------------------------------------- one request's output
-
-
 class StopTrim:
-    """Text deltas that end before the first stop string (OpenAI's rule; our tokens keep it, HF's), or just after it
-    with ``include`` (vLLM's include_stop_str_in_output). A stop string may span deltas, so the last
-    ``max(len(stop)) - 1`` characters are held back until more text shows they start none, or the request ends;
-    nothing after the cut is sent. A stop string ending in text pushed ``early`` (before min_tokens) does not count.
-    """
+    """Text deltas that end before the first stop string (OpenAI's rule), or just after it with ``include`` (vLLM's
+    include_stop_str_in_output); the last ``max(len(stop)) - 1`` characters are held back until more text shows they
+    start none. A stop string ending in text pushed ``early`` (before min_tokens) does not count."""
 
     def __init__(self, stop: tuple[str, ...], include: bool = False):
         self.stop, self.include = stop, include
@@ -356,8 +329,7 @@ class Output:
             return [final]
         return [final, {**self._head(chunk=True), "choices": [], "usage": self._usage()}]
 
-    def first_chunk(self) -> dict | None:
-        """Chat streams open with the assistant's role."""
+    def first_chunk(self) -> dict | None:  # chat streams open with the assistant's role
         if not self.chat:
             return None
         return {**self._head(chunk=True), "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -423,12 +395,8 @@ def sse(data: dict) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-# --------------------------------------------------------------------------- running a request
-
-
 class Run:
-    """One request's StreamEvents from a task of its own, cancelled (KV freed) on disconnect or ``close``.
-    Iterate it once."""
+    """One request's StreamEvents from a task of its own, cancelled (KV freed) on disconnect or ``close``."""
 
     def __init__(self, events, request: Request, active: set[str], request_id: str):
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -479,31 +447,20 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-def _trace_carrier(request: Request) -> dict:
-    """The caller's W3C trace context (traceparent / tracestate headers), for the request's spans."""
-    return {k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k))}
-
-
-# --------------------------------------------------------------------------- the app
-
-
 async def _error_response(_request: Request, exc: Exception) -> JSONResponse:
-    """An error outside a request's run in OpenAI's error format: ours, a body that fails validation, Starlette's
-    own (404 unknown path, 405 wrong method) or any other (500; uvicorn logs the traceback)."""
-    if isinstance(exc, ApiError):
-        return exc.response()
-    if isinstance(exc, RequestValidationError):
-        return validation_error(exc).response()
+    """An error outside a request's run in OpenAI's error format (Starlette's 404 / 405, validation, 500)."""
     if isinstance(exc, StarletteHTTPException):
         return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), exc.status_code, exc.headers)
-    return ApiError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
+    if isinstance(exc, RequestValidationError):
+        return validation_error(exc).response()
+    return (exc if isinstance(exc, ApiError) else ApiError(500, f"internal error: {type(exc).__name__}",
+                                                           type="server_error")).response()
 
 
 class Gate:
     """ASGI middleware that checks a request before any of its body is read: a ``/v1/`` request (and with
     metrics_auth ``/metrics``) without an accepted bearer token gets 401 (auth_tokens empty = no auth), a body over
-    ``max_body_bytes`` (its
-    Content-Length, or counted as it arrives) 413. The app then gets the body whole, already read."""
+    ``max_body_bytes`` (its Content-Length, or counted as it arrives) 413. The app then gets the body whole."""
 
     def __init__(self, app, auth_tokens: tuple[bytes, ...], max_body_bytes: int, metrics_auth: bool = False):
         self.app, self.auth_tokens, self.max_body_bytes = app, auth_tokens, max_body_bytes
@@ -536,22 +493,17 @@ class Gate:
                 await too_large.response()(scope, receive, send)
                 return
             more = message.get("more_body", False)
-        replayed = False
+        body = iter([{"type": "http.request", "body": b"".join(parts), "more_body": False}])
 
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()  # after the body: the disconnect, which Run watches for
-            replayed = True
-            return {"type": "http.request", "body": b"".join(parts), "more_body": False}
+        async def replay():  # the body, then what follows it (the disconnect, which Run watches for)
+            return next(body, None) or await receive()
 
         await self.app(scope, replay, send)
 
 
 class HttpApi:
-    """The FastAPI app over a RequestRunner, behind a ``Gate`` that accepts the runner's bearer tokens (none = no
-    auth). model_name: the ``model`` id; registry: what /metrics serves; draining: set at shutdown (new requests get
-    503); max_body_bytes: the largest request body read."""
+    """The FastAPI app over a RequestRunner, behind a ``Gate`` (the runner's bearer tokens). model_name: the
+    ``model`` id; registry: what /metrics serves; draining: set at shutdown (new requests get 503)."""
 
     def __init__(self, runner: RequestRunner, model_name: str, registry, draining: asyncio.Event,
                  max_body_bytes: int = 4 << 20, metrics_auth: bool = False):
@@ -576,8 +528,7 @@ class HttpApi:
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         return app
 
-    async def _admit(self) -> None:
-        """503 while draining (the token was checked by the Gate)."""
+    async def _admit(self) -> None:  # 503 while draining (the token was checked by the Gate)
         if self.draining.is_set():
             raise ApiError(503, "the server is shutting down", type="server_error", code="draining")
 
@@ -610,8 +561,7 @@ class HttpApi:
         return await self._respond(request, body, dataclasses.replace(call, prompt_ids=tuple(ids)), chat=True)
 
     def _call(self, body: _GenerationParams, request: Request, chat: bool) -> GenerateCall:
-        """The GenerateCall of a request's parameters but its prompt; ApiError 404 for another model, 400 naming a
-        bad parameter."""
+        """The GenerateCall of a request's parameters but its prompt; ApiError 404 (model) or 400 naming the field."""
         if body.model is not None and body.model != self.model_name:
             raise ApiError(404, f"model: {body.model!r} is not served here (GET /v1/models lists {self.model_name!r})",
                            "model", code="model_not_found")
@@ -629,7 +579,8 @@ class HttpApi:
             max_new_tokens=body.max_new_tokens(), stop=stop, sampling=sampling, tree=tree,
             no_spec=body.specdec.no_spec, ignore_eos=body.ignore_eos or body.specdec.ignore_eos,
             min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids),
-            skip_special_tokens=body.skip_special_tokens, carrier=_trace_carrier(request),
+            skip_special_tokens=body.skip_special_tokens,
+            carrier={k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k))},  # W3C context
             score_only=body.max_tokens == 0,
             client=self.runner.client_of(request.headers.get("authorization", ""),
                                          request.client.host if request.client else "unknown"))
@@ -649,9 +600,7 @@ class HttpApi:
             return StreamingResponse(self._sse(out, first, run), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            events = [first]
-            async for event in run:
-                events.append(event)
+            events = [first, *[event async for event in run]]
         except Exception as exc:  # noqa: BLE001 - mapped to its status
             raise run_error(exc, chat) from None
         finally:
@@ -690,12 +639,7 @@ class HttpApi:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-# --------------------------------------------------------------------------- the server
-
-
-class _LoopServer(uvicorn.Server):
-    """uvicorn in the front's event loop, capturing no signals (the front's SIGTERM handling drains it)."""
-
+class _LoopServer(uvicorn.Server):  # capturing no signals: the front's SIGTERM handling drains it
     @contextlib.contextmanager
     def capture_signals(self):
         yield
@@ -720,21 +664,18 @@ class HttpServer:
         self.sock.close()
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A socket listening on host:port (0 = ephemeral); OSError naming front.http_port when it cannot bind."""
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-        return socket.create_server((host, port), family=family)
-    except OSError as exc:
-        raise OSError(f"front.http_port: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-
-
 async def start_http(front: FrontConfig, grpc_cfg: GrpcConfig, runner: RequestRunner, tok_dir: str, registry,
                      draining: asyncio.Event) -> HttpServer:
-    """Serve the HTTP API on front.host:http_port (HTTPS with grpc.tls_cert); prints ``http ready on HOST:PORT``."""
+    """Serve the HTTP API on front.host:http_port (HTTPS with grpc.tls_cert); prints ``http ready on HOST:PORT``.
+    Raises OSError naming front.http_port when it cannot bind."""
     api = HttpApi(runner, front.served_model_name or Path(tok_dir).name, registry, draining,
                   front.limits.max_body_bytes, front.metrics_auth)
-    sock = listen(front.host, front.http_port)
+    host, port = front.host, front.http_port
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        sock = socket.create_server((host, port), family=family)
+    except OSError as exc:
+        raise OSError(f"front.http_port: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     server = _LoopServer(uvicorn.Config(api.app, log_config=None, access_log=False, lifespan="off",
                                         timeout_graceful_shutdown=max(grpc_cfg.shutdown_grace_s, 0.1),
                                         ssl_certfile=grpc_cfg.tls_cert, ssl_keyfile=grpc_cfg.tls_key))

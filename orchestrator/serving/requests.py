@@ -1,7 +1,5 @@
-"""The front's requests, transport-neutral: what both APIs parse into, and what comes back.
-
-Nothing else of the front sees protobuf or JSON. ``to_generation``'s errors are ValueErrors starting with the
-field (``prompt: ...``): gRPC INVALID_ARGUMENT, HTTP 400 naming its parameter.
+"""The front's requests, transport-neutral: what both APIs parse into, and what comes back. Errors are ValueErrors
+starting with the field (``prompt: ...``): gRPC INVALID_ARGUMENT, HTTP 400 naming its parameter.
 """
 
 from __future__ import annotations
@@ -29,11 +27,10 @@ class RequestIdInUse(Exception):
 
 @dataclass(frozen=True)
 class GenerateCall:
-    """One generation request as a client sent it, sampling and tree already validated.
-    prompt: text (chat template unless ``raw``), or prompt_ids; max_new_tokens: 0 = the server default; tree:
-    None = front.tree; timeout_s: time left (None = no deadline); carrier: W3C trace context; client: admission key;
-    min_tokens, stop_token_ids: as GenerationRequest's; skip_special_tokens: the text leaves special tokens out;
-    score_only: no new tokens, the prompt's logprobs only (sampling.prompt_logprobs set)."""
+    """One generation request as a client sent it, sampling and tree already validated. prompt: text (chat template
+    unless ``raw``), or prompt_ids; max_new_tokens: 0 = the server default; tree: None = front.tree; timeout_s: time
+    left (None = no deadline); carrier: W3C trace context; client: admission key; score_only: the prompt's logprobs
+    only."""
 
     request_id: str
     prompt: str = ""
@@ -56,9 +53,8 @@ class GenerateCall:
 
 @dataclass(frozen=True)
 class StreamEvent:
-    """A round's tokens and text delta, or the end (``stats`` set, ``tokens`` empty) with the prompt's length.
-    logprobs: one ``specdec.sampling.TokenLogprob`` per token where the call's sampling asks for them;
-    prompt_logprobs: the first event's, of the prompt's tokens but the first (sampling.prompt_logprobs)."""
+    """A round's tokens and text delta, or the end (``stats`` set, ``tokens`` empty) with the prompt's length;
+    logprobs: a TokenLogprob per token (where asked for); prompt_logprobs: the first event's."""
 
     tokens: list[int]
     text_delta: str
@@ -69,9 +65,7 @@ class StreamEvent:
 
 
 def check_call(call: GenerateCall, front: FrontConfig) -> None:
-    """The checks that cost nothing, made before a call costs anything (tokenizing, a slot): request_id, the
-    prompt's size in bytes and ids, max_new_tokens, stop strings, min_tokens, stop_token_ids. Raises ValueError
-    naming the field."""
+    """The checks that cost nothing, made before tokenizing or a slot; raises ValueError naming the field."""
     rid = call.request_id
     if len(rid) > MAX_REQUEST_ID_CHARS or not REQUEST_ID.fullmatch(rid):
         raise ValueError(f"request_id: 1 to {MAX_REQUEST_ID_CHARS} characters of A-Z a-z 0-9 . _ : @ + = - "
@@ -97,9 +91,8 @@ def check_call(call: GenerateCall, front: FrontConfig) -> None:
 
 
 def to_generation(call: GenerateCall, tokenizer, front: FrontConfig, info) -> GenerationRequest:
-    """The round loop's request of a call that passed ``check_call`` (the runner checks it before anything costs);
-    info: the target's Info. Raises ValueError naming the field. Tokenizes (seconds for megabytes): async callers
-    run it in a thread."""
+    """The round loop's request of a call that passed ``check_call``; info: the target's Info. Raises ValueError
+    naming the field. Tokenizes (seconds for megabytes): async callers run it in a thread."""
     ids = prompt_tokens(call, tokenizer, info.vocab_size)
     limit = min(front.max_prompt_tokens, info.context_limit - 1)
     if len(ids) > limit:
@@ -133,9 +126,8 @@ def prompt_tokens(call: GenerateCall, tokenizer, vocab_size: int) -> list[int]:
 
 
 def max_new_tokens(front: FrontConfig, asked: int, prompt_tokens: int) -> int:
-    """max_new_tokens (asked 0 = front.max_new_tokens) under max_kv_tokens_per_request (prompt + max_new_tokens):
-    the default shrinks to fit; an explicit value that does not fit raises ValueError naming max_new_tokens
-    (or the prompt, when it alone fills the cap)."""
+    """max_new_tokens (asked 0 = front.max_new_tokens) under max_kv_tokens_per_request: the default shrinks to fit;
+    an explicit value that does not fit raises ValueError naming max_new_tokens (or the prompt, filling the cap)."""
     max_new = asked or front.max_new_tokens
     cap = front.limits.max_kv_tokens_per_request
     if cap is None or prompt_tokens + max_new <= cap:

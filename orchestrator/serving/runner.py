@@ -1,6 +1,5 @@
 """Every front request's one path (gRPC and HTTP): validate a GenerateCall, admit it, stream it from the backend
-as StreamEvents, feed each round to the metrics and the acceptance monitor.
-"""
+as StreamEvents, feed each round to the metrics and the acceptance monitor."""
 
 from __future__ import annotations
 
@@ -25,9 +24,7 @@ from specdec.stats import GenerationStats, RoundRecord
 
 class TextDeltas:
     """Text deltas of a growing token list, held back while ending in an incomplete UTF-8 sequence (U+FFFD).
-    Incremental (as vLLM's detokenizer): each delta decodes only the tokens since the last one plus the ones before
-    them as context, so its cost does not grow with the output. Text already sent is never taken back.
-    skip_special_tokens: special tokens (EOS, ...) are left out of the text."""
+    Incremental (as vLLM's detokenizer): each decodes the new tokens with the previous delta's as context."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
@@ -64,13 +61,11 @@ class RequestRunner:
         self.monitor = monitor
         self.auth_tokens = tuple(t.encode() for t in auth_tokens)
         self.admission = Admission(front.limits)
-        # (client, request_id) -> the id the backend knows it by, for every stream open (waiting or running):
-        # ids are scoped per client, so one client can neither take, probe nor abort another's request
+        # (client, request_id) -> the backend's id, for every open stream: ids are scoped per client
         self.running: dict[tuple[str, str], str] = {}
         self._ids = (f"{uuid.uuid4().hex[:8]}{n:x}" for n in itertools.count())
 
-    def client_of(self, authorization: str, host: str) -> str:
-        """The caller's admission key (``client_key``); authorization: the header's value ("" when absent)."""
+    def client_of(self, authorization: str, host: str) -> str:  # authorization: the header's value ("" = absent)
         return client_key(self.auth_tokens, authorization, host)
 
     async def run(self, call: GenerateCall) -> AsyncIterator[StreamEvent]:
@@ -125,8 +120,7 @@ class RequestRunner:
 
     async def _admitted(self, ticket: Ticket, req: GenerationRequest, request_id: str, timeout_s: float | None,
                         arrived: float, carrier: dict):
-        """The backend's stream once the request holds a slot (aborted while waiting: one "aborted" chunk).
-        timeout_s: time left at ``arrived`` (monotonic seconds)."""
+        """The backend's stream once the request holds a slot (aborted while waiting: one "aborted" chunk)."""
         if not await ticket.granted:
             yield [], None, GenerationStats(stop_reason="aborted")
             return
@@ -137,8 +131,7 @@ class RequestRunner:
                 yield chunk
 
     def _final_stats(self, stats: GenerationStats, started: float) -> GenerationStats:
-        """The request's statistics (fail-overs and link round trips into the metrics); total_s from ``started``
-        if unset."""
+        """The request's statistics, its fail-overs and link round trips into the metrics; total_s set if unset."""
         if self.metrics is not None:
             self.metrics.failovers.inc(stats.failovers)
             self.metrics.observe_links(stats.draft_link_rtt_ms, stats.target_link_rtt_ms)
@@ -156,8 +149,7 @@ class RequestRunner:
             self.monitor.record(request_id, record.proposed, record.accepted)
 
     async def abort(self, client: str, request_id: str) -> bool:
-        """End ``client``'s request by id, waiting or running; whether it had one with this id (another client's
-        request of the same id is neither touched nor revealed)."""
+        """End ``client``'s request by id, waiting or running; whether it had one (others' are not touched)."""
         internal = self.running.get((client, request_id))
         if internal is None:
             return False
