@@ -24,7 +24,9 @@ def pair(tmp_path_factory):
 
 
 def run_cli(*args, stdin: str | None = None):
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", "generate", *args], input=stdin,
+    """``specdec generate *args`` in a process of its own, on one torch thread (tiny models; beside a second
+    pytest-xdist worker two threads would only contend)."""
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", "generate", *args, "--threads", "1"], input=stdin,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -65,7 +67,8 @@ def test_generate_pipeline_flag_keeps_the_output(pair):
 
 def test_prompt_from_stdin_and_file(pair, tmp_path):
     target, draft = pair
-    base = ["--target", str(target), "--draft", str(draft), "--dtype", "float32", "--raw", "--max-new-tokens", "5"]
+    base = ["--target", str(target), "--draft", str(draft), "--dtype", "float32", "--raw", "--max-new-tokens", "5",
+            "--threads", "1"]
     (tmp_path / "p.txt").write_text("the quick brown fox")
     from_arg = run_cli("the quick brown fox", *base)
     from_stdin = in_process("-", *base, stdin="the quick brown fox")
