@@ -1,7 +1,7 @@
 """CLI end to end on tiny saved models: generation output and bad input (clear message, exit 2, no traceback).
 
 Generation runs ``python -m orchestrator.cli`` in a process of its own; bad input runs the same typer app in this
-process (``in_process``: each interpreter start costs seconds of imports), where an unexpected exception shows as
+process (``cli_in_process``: each interpreter start costs seconds of imports), where an unexpected exception shows as
 exit 1 with the exception kept.
 """
 
@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import traceback
-from types import SimpleNamespace
 
 import pytest
 
 from specdec.harness.tiny_pair import save_tiny
+from tests.conftest import cli_in_process as in_process
 
 
 @pytest.fixture(scope="module")
@@ -28,19 +27,6 @@ def run_cli(*args, stdin: str | None = None):
     pytest-xdist worker two threads would only contend)."""
     return subprocess.run([sys.executable, "-m", "orchestrator.cli", "generate", *args, "--threads", "1"], input=stdin,
                           capture_output=True, text=True, timeout=300)
-
-
-def in_process(*args, stdin: str | None = None, command: str = "generate") -> SimpleNamespace:
-    """``specdec <command> *args`` through the CLI's typer app in this process: (returncode, stdout, stderr)."""
-    from typer.testing import CliRunner
-
-    from orchestrator.cli.main import app
-
-    result = CliRunner().invoke(app, [command, *args], input=stdin)
-    stderr = result.stderr
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        stderr += "".join(traceback.format_exception(result.exception))
-    return SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=stderr)
 
 
 def test_generate_greedy_equals_target_only(pair):
