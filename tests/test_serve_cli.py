@@ -75,7 +75,8 @@ def test_generate_over_the_front_equals_target_only(served):
 
 def test_bad_input_to_the_front_exits_2_naming_the_field(served):
     _, ready, _, _ = served
-    bad_tree = cli_in_process("--server", ready["generation-front"], "--tree", '{"gamma": 2, "topKSpec": [[1]], "topHead": [1, 1]}', "hi")
+    bad_tree = cli_in_process("--server", ready["generation-front"], "--tree",
+                              '{"gamma": 2, "topKSpec": [[1]], "topHead": [1, 1]}', "hi")
     assert bad_tree.returncode == 2 and "topKSpec" in bad_tree.stderr and "Traceback" not in bad_tree.stderr
     bad_temp = cli_in_process("--server", ready["generation-front"], "--temperature", "-1", "hi")
     assert bad_temp.returncode == 2 and "temperature" in bad_temp.stderr
