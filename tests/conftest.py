@@ -11,7 +11,9 @@ import asyncio
 import copy
 import os
 import string
+import traceback
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -455,3 +457,17 @@ def forbid_cuda(monkeypatch) -> None:
         def refuse(*args, _name=name, **kwargs):
             raise AssertionError(f"torch.cuda.{_name} called in the coordinator")
         monkeypatch.setattr(torch.cuda, name, refuse)
+
+
+def cli_in_process(*args, stdin: str | None = None, command: str = "generate") -> SimpleNamespace:
+    """``specdec <command> *args`` through the CLI's typer app in this process (no interpreter start: seconds of
+    imports each): (returncode, stdout, stderr); an unexpected exception is exit 1 with its traceback in stderr."""
+    from typer.testing import CliRunner
+
+    from orchestrator.cli.main import app
+
+    result = CliRunner().invoke(app, [command, *args], input=stdin)
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(result.exception))
+    return SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=stderr)

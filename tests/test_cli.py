@@ -1,4 +1,9 @@
-"""CLI end to end on tiny saved models: generation output and bad input (clear message, exit 2, no traceback)."""
+"""CLI end to end on tiny saved models: generation output and bad input (clear message, exit 2, no traceback).
+
+Generation runs ``python -m orchestrator.cli`` in a process of its own; bad input runs the same typer app in this
+process (``cli_in_process``: each interpreter start costs seconds of imports), where an unexpected exception shows as
+exit 1 with the exception kept.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import sys
 import pytest
 
 from specdec.harness.tiny_pair import save_tiny
+from tests.conftest import cli_in_process as in_process
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +23,9 @@ def pair(tmp_path_factory):
 
 
 def run_cli(*args, stdin: str | None = None):
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", "generate", *args], input=stdin,
+    """``specdec generate *args`` in a process of its own, on one torch thread (tiny models; beside a second
+    pytest-xdist worker two threads would only contend)."""
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", "generate", *args, "--threads", "1"], input=stdin,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -45,12 +53,13 @@ def test_generate_pipeline_flag_keeps_the_output(pair):
 
 def test_prompt_from_stdin_and_file(pair, tmp_path):
     target, draft = pair
-    base = ["--target", str(target), "--draft", str(draft), "--dtype", "float32", "--raw", "--max-new-tokens", "5"]
+    base = ["--target", str(target), "--draft", str(draft), "--dtype", "float32", "--raw", "--max-new-tokens", "5",
+            "--threads", "1"]
     (tmp_path / "p.txt").write_text("the quick brown fox")
     from_arg = run_cli("the quick brown fox", *base)
-    from_stdin = run_cli("-", *base, stdin="the quick brown fox")
-    from_file = run_cli("--prompt-file", str(tmp_path / "p.txt"), *base)
-    assert from_arg.returncode == from_stdin.returncode == from_file.returncode == 0
+    from_stdin = in_process("-", *base, stdin="the quick brown fox")
+    from_file = in_process("--prompt-file", str(tmp_path / "p.txt"), *base)
+    assert from_arg.returncode == from_stdin.returncode == from_file.returncode == 0, (from_stdin, from_file)
     assert from_arg.stdout == from_stdin.stdout == from_file.stdout
 
 
@@ -63,14 +72,14 @@ def _assert_clean_failure(proc, *needles):
 
 def test_unknown_model_path(pair, tmp_path):
     target, _ = pair
-    proc = run_cli("hello", "--target", str(target), "--draft", str(tmp_path / "nope"), "--dtype", "float32")
+    proc = in_process("hello", "--target", str(target), "--draft", str(tmp_path / "nope"), "--dtype", "float32")
     _assert_clean_failure(proc, "--draft", "no model at")
 
 
 def test_incompatible_tokenizers(pair, tmp_path):
     target, _ = pair
     other = save_tiny(tmp_path / "other", 2, corpus=["completely different text for another vocabulary"])
-    proc = run_cli("hello", "--target", str(target), "--draft", str(other), "--dtype", "float32")
+    proc = in_process("hello", "--target", str(target), "--draft", str(other), "--dtype", "float32")
     _assert_clean_failure(proc, "incompatible tokenizers")
 
 
@@ -82,31 +91,29 @@ def test_incompatible_tokenizers(pair, tmp_path):
 ])
 def test_invalid_tree_spec(pair, spec, field):
     target, draft = pair
-    proc = run_cli("hello", "--target", str(target), "--draft", str(draft), "--tree", spec)
+    proc = in_process("hello", "--target", str(target), "--draft", str(draft), "--tree", spec)
     _assert_clean_failure(proc, field)
 
 
 def test_empty_prompt(pair):
     target, draft = pair
-    proc = run_cli("   ", "--target", str(target), "--draft", str(draft), "--dtype", "float32")
+    proc = in_process("   ", "--target", str(target), "--draft", str(draft), "--dtype", "float32")
     _assert_clean_failure(proc, "empty prompt")
 
 
 def test_prompt_over_context_limit(pair):
     target, draft = pair
     long_prompt = "zq " * 80  # > 64 tokens (max_position_embeddings)
-    proc = run_cli(long_prompt, "--target", str(target), "--draft", str(draft), "--dtype", "float32", "--raw")
+    proc = in_process(long_prompt, "--target", str(target), "--draft", str(draft), "--dtype", "float32", "--raw")
     _assert_clean_failure(proc, "context limit")
 
 
 def test_bad_dtype_and_max_new_tokens(pair):
     target, draft = pair
-    _assert_clean_failure(run_cli("hello", "--target", str(target), "--threads", "-1"), "--threads")
-    bench = subprocess.run([sys.executable, "-m", "orchestrator.cli", "bench", "--per-category", "0"],
-                           capture_output=True, text=True, timeout=120)
-    _assert_clean_failure(bench, "--per-category")
-    _assert_clean_failure(run_cli("hello", "--target", str(target), "--dtype", "int3"), "--dtype")
-    _assert_clean_failure(run_cli("hello", "--target", str(target), "--max-new-tokens", "0"), "--max-new-tokens")
+    _assert_clean_failure(in_process("hello", "--target", str(target), "--threads", "-1"), "--threads")
+    _assert_clean_failure(in_process("--per-category", "0", command="bench"), "--per-category")
+    _assert_clean_failure(in_process("hello", "--target", str(target), "--dtype", "int3"), "--dtype")
+    _assert_clean_failure(in_process("hello", "--target", str(target), "--max-new-tokens", "0"), "--max-new-tokens")
 
 
 def test_sampled_generation_is_reproducible_with_a_seed(pair):
@@ -123,13 +130,11 @@ def test_sampled_generation_is_reproducible_with_a_seed(pair):
 @pytest.mark.parametrize("option, value", [("--temperature", "-0.5"), ("--top-p", "0"), ("--top-k", "-1")])
 def test_bad_sampling_values(pair, option, value):
     target, _ = pair
-    _assert_clean_failure(run_cli("hello", "--target", str(target), option, value), option)
+    _assert_clean_failure(in_process("hello", "--target", str(target), option, value), option)
 
 
 def test_bench_bad_sampling_value():
-    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "bench", "--top-p", "1.5"],
-                          capture_output=True, text=True, timeout=300)
-    _assert_clean_failure(proc, "--top-p", "(0, 1]")
+    _assert_clean_failure(in_process("--top-p", "1.5", command="bench"), "--top-p", "(0, 1]")
 
 
 def test_sampling_option_names_in_messages():

@@ -72,30 +72,31 @@ class Config:
     draft: str  # close | far | swap (the target with its two most likely tokens swapped)
     params: SamplingParams
     context: bool = False  # merge context (n-gram) branches into every tree (TableRounds.with_context)
+    seed: int = 0  # of the draft's and the verifier's random streams
 
 
+# Every (treeType, draft) pair meets several temperatures and both truncations; T0.7 runs in the swap and context
+# configurations. Each configuration keeps its own seed (plain T0.7 tree0-far / tree1-close and T1.0 tree1-far, which
+# repeated covered paths, were cut on 2026-12-08: seeds 2, 3 and 5).
 CONFIGS = {
-    "T0.3-tree0-close": Config(0, "close", SamplingParams(temperature=0.3)),
-    "T0.3-tree1-far": Config(1, "far", SamplingParams(temperature=0.3)),
-    "T0.7-tree0-far": Config(0, "far", SamplingParams(temperature=0.7)),
-    "T0.7-tree1-close": Config(1, "close", SamplingParams(temperature=0.7)),
-    "T1.0-tree0-close": Config(0, "close", SamplingParams(temperature=1.0)),
-    "T1.0-tree1-far": Config(1, "far", SamplingParams(temperature=1.0)),
-    "T1.5-tree0-far": Config(0, "far", SamplingParams(temperature=1.5)),
-    "T1.5-tree1-close": Config(1, "close", SamplingParams(temperature=1.5)),
-    "top_p0.9-tree0-far": Config(0, "far", SamplingParams(temperature=1.0, top_p=0.9)),
-    "top_p0.9-tree1-close": Config(1, "close", SamplingParams(temperature=1.0, top_p=0.9)),
-    "top_k5-tree0-close": Config(0, "close", SamplingParams(temperature=1.0, top_k=5)),
-    "top_k5-tree1-far": Config(1, "far", SamplingParams(temperature=1.0, top_k=5)),
+    "T0.3-tree0-close": Config(0, "close", SamplingParams(temperature=0.3), seed=0),
+    "T0.3-tree1-far": Config(1, "far", SamplingParams(temperature=0.3), seed=1),
+    "T1.0-tree0-close": Config(0, "close", SamplingParams(temperature=1.0), seed=4),
+    "T1.5-tree0-far": Config(0, "far", SamplingParams(temperature=1.5), seed=6),
+    "T1.5-tree1-close": Config(1, "close", SamplingParams(temperature=1.5), seed=7),
+    "top_p0.9-tree0-far": Config(0, "far", SamplingParams(temperature=1.0, top_p=0.9), seed=8),
+    "top_p0.9-tree1-close": Config(1, "close", SamplingParams(temperature=1.0, top_p=0.9), seed=9),
+    "top_k5-tree0-close": Config(0, "close", SamplingParams(temperature=1.0, top_k=5), seed=10),
+    "top_k5-tree1-far": Config(1, "far", SamplingParams(temperature=1.0, top_k=5), seed=11),
     # The draft ranks the target's favourite second: the target's choice is a non-first sibling
     # (70% of accepted nodes with treeType 0, 27% with treeType 1; checked > 20%).
-    "nonfirst-tree0-swap": Config(0, "swap", SamplingParams(temperature=0.7)),
-    "nonfirst-tree1-swap": Config(1, "swap", SamplingParams(temperature=0.7)),
+    "nonfirst-tree0-swap": Config(0, "swap", SamplingParams(temperature=0.7), seed=12),
+    "nonfirst-tree1-swap": Config(1, "swap", SamplingParams(temperature=0.7), seed=13),
     # Context branches (not drawn from q) beside the draft's children, at the root and below a
     # drawn node; some share a token with a drawn sibling, some do not.
-    "context-T0.7-tree0-far": Config(0, "far", SamplingParams(temperature=0.7), context=True),
-    "context-T0.7-tree1-close": Config(1, "close", SamplingParams(temperature=0.7), context=True),
-    "context-T1.0-tree1-far": Config(1, "far", SamplingParams(temperature=1.0, top_k=5), context=True),
+    "context-T0.7-tree0-far": Config(0, "far", SamplingParams(temperature=0.7), context=True, seed=14),
+    "context-T0.7-tree1-close": Config(1, "close", SamplingParams(temperature=0.7), context=True, seed=15),
+    "context-T1.0-tree1-far": Config(1, "far", SamplingParams(temperature=1.0, top_k=5), context=True, seed=16),
 }
 
 CONTEXTS = [c for n in range(N + 1) for c in itertools.product(range(V), repeat=n)]  # generated tokens
@@ -112,13 +113,15 @@ def next_token_logits(model) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def draft_logprobs(kind: str, target_logits: torch.Tensor) -> torch.Tensor:
+def draft_logprobs(kind: str, target_logits: torch.Tensor) -> np.ndarray:
+    """[C, V] float64 NumPy (the builder's processing takes arrays as tensors, without a conversion per step)."""
     if kind == "swap":
         logprobs = torch.log_softmax(target_logits, -1).clone()  # (C, V)
         top2 = logprobs.topk(2, dim=-1).indices  # (C, 2)
         logprobs.scatter_(1, top2, logprobs.gather(1, top2.flip(-1)))
-        return logprobs
-    return torch.log_softmax(next_token_logits(draft_model(kind)), -1)
+    else:
+        logprobs = torch.log_softmax(next_token_logits(draft_model(kind)), -1)
+    return logprobs.double().numpy()
 
 
 def exact_law(target_probs: np.ndarray) -> dict:
@@ -129,14 +132,14 @@ def exact_law(target_probs: np.ndarray) -> dict:
 class TableRounds:
     """Speculative rounds on looked-up model outputs, through the production builder and verifier."""
 
-    def __init__(self, config: Config, draft_rows: torch.Tensor, target_probs: np.ndarray, seed: int):
+    def __init__(self, config: Config, draft_rows: np.ndarray, target_probs: np.ndarray, seed: int):
         self.spec = TreeSpec(**TREE, treeType=config.tree_type)
         self.params = config.params
         self.draft_rows = draft_rows  # (C, V) draft log-probs
         self.target_probs = target_probs  # (C, V) processed target probs
         self.draft_rng = np.random.default_rng([seed, 0])
         self.target_rng = np.random.default_rng([seed, 1])
-        self.stacked: dict[tuple, torch.Tensor] = {}
+        self.stacked: dict[tuple, np.ndarray] = {}
         self.trees: dict[tuple, DraftTree] = {}
         self.accepted = Counter()  # accepted nodes by sibling rank (0 = first child of its parent)
         self.context = config.context
@@ -208,7 +211,7 @@ def sample_counts(name: str, samples: int = SAMPLES) -> tuple[dict, dict, dict]:
     target_logits = next_token_logits(target_model())
     target_probs = processed_probs(target_logits, config.params)  # (C, V)
     rounds = TableRounds(config, draft_logprobs(config.draft, target_logits), target_probs,
-                         seed=list(CONFIGS).index(name))
+                         seed=config.seed)
     start = time.perf_counter()
     counts = Counter(rounds.continuation() for _ in range(samples))
     return dict(counts), exact_law(target_probs), {"accepted_by_rank": dict(rounds.accepted),

@@ -1,8 +1,8 @@
 """``specdec serve`` starts three services and prints one ready line each (and the front's
 ``http ready on`` line with ``--http-port``); ``specdec generate --server`` is a client of the front
 whose greedy output equals in-process target-only decoding, and so is a plain HTTP POST to its
-OpenAI-compatible API; bad input and an unreachable server end with a message and exit 2; SIGTERM
-stops everything."""
+OpenAI-compatible API; bad input and an unreachable server end with a message and exit 2 (the CLI's typer app in
+this process, ``cli_in_process``); SIGTERM stops everything."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from specdec.harness.tiny_pair import save_tiny_pair, write_config
+from tests.conftest import cli_in_process
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
 READY = re.compile(r"^(\S+) ready on (\S+:\d+)$")
@@ -61,7 +62,7 @@ def test_generate_over_the_front_equals_target_only(served):
     pair, ready, _, _ = served
     remote = cli("generate", "--server", ready["generation-front"], "--raw", "--max-new-tokens", "16", "the quick brown fox")
     local = cli("generate", "--target", str(pair.target), "--dtype", "float32", "--raw", "--no-spec",
-                "--max-new-tokens", "16", "the quick brown fox")
+                "--max-new-tokens", "16", "--threads", "1", "the quick brown fox")
     assert remote.returncode == 0, remote.stderr
     assert local.returncode == 0, local.stderr
     assert remote.stdout == local.stdout and remote.stdout.strip()
@@ -74,14 +75,15 @@ def test_generate_over_the_front_equals_target_only(served):
 
 def test_bad_input_to_the_front_exits_2_naming_the_field(served):
     _, ready, _, _ = served
-    bad_tree = cli("generate", "--server", ready["generation-front"], "--tree", '{"gamma": 2, "topKSpec": [[1]], "topHead": [1, 1]}', "hi")
+    bad_tree = cli_in_process("--server", ready["generation-front"], "--tree",
+                              '{"gamma": 2, "topKSpec": [[1]], "topHead": [1, 1]}', "hi")
     assert bad_tree.returncode == 2 and "topKSpec" in bad_tree.stderr and "Traceback" not in bad_tree.stderr
-    bad_temp = cli("generate", "--server", ready["generation-front"], "--temperature", "-1", "hi")
+    bad_temp = cli_in_process("--server", ready["generation-front"], "--temperature", "-1", "hi")
     assert bad_temp.returncode == 2 and "temperature" in bad_temp.stderr
 
 
 def test_unreachable_server_exits_2():
-    result = cli("generate", "--server", "127.0.0.1:9", "hi", timeout=60)
+    result = cli_in_process("--server", "127.0.0.1:9", "hi")
     assert result.returncode == 2 and "UNAVAILABLE" in result.stderr and "Traceback" not in result.stderr
 
 
@@ -93,7 +95,7 @@ def test_unreachable_server_exits_2():
                                           (["--max-context", "64"], "--max-context: an in-process option")])
 def test_in_process_flags_with_server_exit_2(flag, needle):
     # refused before any connection (nothing listens on port 9: a connection attempt would fail with UNAVAILABLE)
-    result = cli("generate", "--server", "127.0.0.1:9", *flag, "hi", timeout=60)
+    result = cli_in_process("--server", "127.0.0.1:9", *flag, "hi")
     assert result.returncode == 2 and needle in result.stderr and "UNAVAILABLE" not in result.stderr, result.stderr
 
 
