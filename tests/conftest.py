@@ -29,10 +29,10 @@ from specdec.tree_spec import TreeSpec
 
 torch.set_num_threads(1)  # tiny models: threads only add overhead on a 2-core machine
 
-# pytest-xdist, opt-in (`-n 2 --dist loadgroup`, tests/README.md). Each worker keeps its Ray clusters apart: ray.init()
-# without an address attaches to the last cluster recorded under RAY_TMPDIR, so a worker's fronts must not find
-# the other's. Kept short: Ray's socket paths must fit 107 bytes. A GCS starting beside the other worker's load may
-# take longer than Ray's 30 s.
+# pytest-xdist (`-n 2 --dist loadgroup` in pyproject.toml, tests/README.md). Each worker keeps its Ray clusters
+# apart: ray.init() without an address attaches to the last cluster recorded under RAY_TMPDIR, so a worker's fronts
+# must not find the other's. Kept short: Ray's socket paths must fit 107 bytes. A GCS starting beside the other
+# worker's load may take longer than Ray's 30 s.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["RAY_TMPDIR"] = f"{os.environ.get('RAY_TMPDIR', '/tmp')}/ray-{os.environ['PYTEST_XDIST_WORKER']}"
     os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
