@@ -134,3 +134,31 @@ def test_draft_failure_falls_back_and_reconnects(target_model):
     # the re-opened draft session started from every token committed so far (prompt + generated)
     assert len(draft.starts) == 2 and draft.starts[1] > len(prompt)
     assert result.stats.fallback_rounds >= 1
+
+
+def test_a_control_with_only_the_required_hooks_runs_a_draft_session(target_model):
+    """docs/design.md "A control": spec, speculate and draft_failed are required, every other hook a no-op by
+    default; such a control (no FallbackPolicy of its own) runs a request whose draft reports a context limit."""
+    from orchestrator.planning.control import Control
+
+    class Minimal(Control):
+        def __init__(self, spec):
+            self.gamma, self.reason, self.failures = spec.gamma, None, []
+
+        def spec(self, base):
+            return base
+
+        def speculate(self, now, committed_len, depth):
+            return True
+
+        def draft_failed(self, now):
+            self.failures.append(now)
+
+    prompt = random_prompt(3, 8)
+    made = []
+    ctl = RoundController(sync_worker(TargetRuntime(target_model)), sync_worker(DraftRuntime(perturbed_copy(
+        target_model, 1, 0.02))), [], 10_000, control_factory=lambda s: made.append(Minimal(s)) or made[-1],
+        draft_context_limit=64)
+    result = asyncio.run(ctl.generate(GenerationRequest(prompt, 12, spec=TreeSpec.chain(2))))
+    assert result.tokens == hf_greedy(target_model, prompt, 12)
+    assert result.stats.proposed_tokens > 0 and made[0].failures == []

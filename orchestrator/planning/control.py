@@ -46,11 +46,11 @@ class RoundObservation:
 class Control:
     """Every hook the round controller calls on one request's control; optional ones default to no-ops. Order in a
     round: ``round_context``, ``speculate``; if yes ``spec``; ``shape``; ``record`` after a verified drafted tree;
-    ``observe`` after every round. Draft failures and the draft's context limit go to ``fallback``."""
+    ``observe`` after every round. Draft failures and the draft's context limit go to ``fallback`` where set."""
 
     gamma: int  # speculation depth of the next tree, tree levels
     reason: str | None  # why the last ``speculate`` said no (one of FALLBACK_REASONS), None when it said yes
-    fallback: FallbackPolicy
+    fallback: FallbackPolicy | None = None
 
     def spec(self, base: TreeSpec) -> TreeSpec:
         """The tree shape of this round, from the request's TreeSpec."""
@@ -61,7 +61,9 @@ class Control:
         raise NotImplementedError
 
     def draft_failed(self, now: float) -> None:
-        """A draft call failed at ``now``: no speculation for reconnect_s seconds."""
+        """A draft call failed at ``now`` (required without ``fallback``: no speculation for its reconnect_s)."""
+        if self.fallback is None:
+            raise NotImplementedError
         self.fallback.draft_failed(now)
 
     def record(self, depth: int, proposed: int, accepted: int) -> None:
@@ -70,8 +72,9 @@ class Control:
         check_counts(proposed, accepted)
 
     def set_draft_context_limit(self, limit: int | None) -> None:
-        """The draft's max positions, tokens (None = unlimited)."""
-        self.fallback.set_draft_context_limit(limit)
+        """The draft's max positions, tokens (None = unlimited); kept by ``fallback`` where set."""
+        if self.fallback is not None:
+            self.fallback.set_draft_context_limit(limit)
 
     def shape(self, tree: DraftTree, context: list[int], max_depth: int, sunk_ms: float) -> ShapedTree:
         """The tree to verify this round from the drafted one (possibly empty); by default as it is.
