@@ -27,6 +27,7 @@ from orchestrator.loop.controller import GenerationRequest  # noqa: E402
 from orchestrator.loop.engine import SpeculativeEngine  # noqa: E402
 from orchestrator.planning.cost_model import CostModel, measure_worker_costs  # noqa: E402
 from specdec.harness.report import machine, md_table, write_record  # noqa: E402
+from specdec.process_entry import check_device  # noqa: E402
 from specdec.tree_spec import SEED_SPEC, TreeSpec  # noqa: E402
 from target_service.runtime import TargetRuntime  # noqa: E402
 
@@ -132,8 +133,10 @@ def projection(cost: CostModel, acceptance: list[float]) -> list[dict]:
     return rows
 
 
-def run(device: str, tiny: bool, acceptance_path: Path = DEFAULT_ACCEPTANCE) -> dict:
-    """Every check and figure as one JSON-ready dict (``main`` writes it); passed: every equality verdict true."""
+def run(device: str, tiny: bool, acceptance_path: Path = DEFAULT_ACCEPTANCE,
+        acceptance: list[float] | None = None) -> dict:
+    """Every check and figure as one JSON-ready dict (``main`` writes it); passed: every equality verdict true.
+    acceptance: the per-depth acceptance already read from acceptance_path (None: read it here)."""
     gen = torch.Generator().manual_seed(0)
     shape, n_new = (TINY, 16) if tiny else (SMALL, 32)
     prompts = [torch.randint(0, shape["vocab_size"], (int(t),), generator=gen).tolist()
@@ -146,7 +149,7 @@ def run(device: str, tiny: bool, acceptance_path: Path = DEFAULT_ACCEPTANCE) -> 
     bf16 = agreement(*(copy.deepcopy(m).to(torch.bfloat16) for m in (target, draft)), prompts, n_new, SEED_SPEC)
     contexts = (64, 256) if tiny else (512, 4096)
     cost_models = costs(*((shape, shape) if tiny else (QWEN_7B, QWEN_05B)), device, contexts)
-    acceptance = acceptance_per_depth(acceptance_path)
+    acceptance = acceptance if acceptance is not None else acceptance_per_depth(acceptance_path)
     return {
         "machine": {**machine(), "device": device, "torch": torch.__version__,
                     "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None},
@@ -196,12 +199,19 @@ def main(argv=None) -> int:
     parser.add_argument("--acceptance", type=Path, default=DEFAULT_ACCEPTANCE, help="a `specdec bench` results.json or "
                         "{\"acceptance_by_position\": [...]} (default: the in-repo real-pair bench record)")
     args = parser.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: CUDA is not available on this machine")
+    try:  # both before any model is built: a typo must not cost the checks' minutes
+        check_device(args.device, "--device")
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        acceptance = acceptance_per_depth(args.acceptance)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        parser.error(f"--acceptance {args.acceptance}: not a bench results.json or {{\"acceptance_by_position\": "
+                     f"[...]}} ({exc!r})")
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 exactness: no TF32 matmuls
     if args.tiny:
         torch.set_num_threads(1)  # tiny models: more threads only add overhead
-    result = run(args.device, args.tiny, args.acceptance)
+    result = run(args.device, args.tiny, args.acceptance, acceptance)
     text = markdown(result)
     write_record(args.out, "device_check", result, text)
     print(text)

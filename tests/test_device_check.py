@@ -8,6 +8,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from orchestrator.planning.cost_model import CostModel
@@ -63,3 +64,16 @@ def test_projection_formula():
     rows = dc.projection(cost, [1.0, 0.5])
     assert [(r["tokens_per_round"], r["round_ms"], r["speedup"]) for r in rows] == [(2.0, 20.0, 1.0),
                                                                                  (2.5, 30.0, 0.833)]
+
+
+def test_bad_flags_exit_2_naming_the_flag_before_any_model(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(dc, "run", lambda *a, **k: pytest.fail("ran the checks despite a bad flag"))
+    (tmp_path / "bad.json").write_text('{"summary": {}}')
+    cases = [(["--device", "tpu"], "--device: 'tpu'"),
+             (["--device", "cpu", "--acceptance", str(tmp_path / "missing.json")], "--acceptance"),
+             (["--device", "cpu", "--acceptance", str(tmp_path / "bad.json")], "--acceptance")]
+    for argv, named in cases:
+        with pytest.raises(SystemExit) as exit_:
+            dc.main([*argv, "--out", str(tmp_path)])
+        assert exit_.value.code == 2
+        assert named in capsys.readouterr().err
